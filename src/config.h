@@ -1,0 +1,87 @@
+/* config: YAML (libyaml) -> a typed, validated Config. Every key has a type, a
+ * default, a valid range and a line of documentation in one table (config.c);
+ * the parser, --set overrides, the resolved-config writer and docs/config.md
+ * are all driven by that table. Never does I/O other than reading the config. */
+#ifndef KILN_CONFIG_H
+#define KILN_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#define CFG_STR 512
+
+typedef struct Config {
+    /* run */
+    char run_name[CFG_STR];
+    char run_dir[CFG_STR]; /* default: runs/<run.name> */
+    uint64_t seed;
+    int threads; /* run.threads: CPU threads, 0 = all cores */
+
+    char device[16]; /* auto | cpu | cuda */
+
+    /* model */
+    char arch[16]; /* gpt2 */
+    int n_layer, n_head, n_embd, seq_len, vocab_size;
+    int padded_vocab; /* derived: vocab_size rounded up to a multiple of 64 */
+
+    /* data */
+    char train_glob[CFG_STR];
+    char val_glob[CFG_STR];
+    char tokenizer[16];            /* byte | gpt2 */
+    char tokenizer_file[CFG_STR];  /* gpt2: tiktoken-format rank file */
+
+    /* batch */
+    int micro_batch;
+    int64_t total_tokens; /* tokens per optimizer step, all ranks */
+    int grad_accum;       /* derived: total_tokens / (micro_batch * seq_len) */
+
+    /* train */
+    int steps;
+    int eval_every, eval_batches;
+    int sample_every, sample_tokens, sample_top_k;
+    float sample_temperature;
+
+    /* optim */
+    char optim_name[16]; /* adamw */
+    float lr, beta1, beta2, eps, weight_decay, grad_clip;
+    int decay_embeddings; /* bool */
+
+    /* schedule */
+    char sched_kind[16]; /* cosine | linear | constant | wsd */
+    int warmup_steps;
+    float min_lr_ratio;
+    float decay_ratio; /* wsd: fraction of steps spent in the final decay */
+
+    /* parallel (single rank for now; the keys are reserved and validated) */
+    int dp; /* 0 = auto */
+    int zero, tp, pp, cp, ep;
+
+    /* precision */
+    char compute[8]; /* bf16 | fp32 (the CPU backend always computes in fp32) */
+    char master[8];  /* fp32 */
+
+    /* metrics */
+    int log_every;
+
+    /* init */
+    char init_from[CFG_STR]; /* llm.c GPT-2 checkpoint to start from, "" = random */
+
+    uint64_t hash; /* FNV-1a of the resolved YAML text */
+} Config;
+
+/* Fill every key with its default. */
+void cfg_defaults(Config *c);
+
+/* Load `path` (NULL: defaults only) then apply `nsets` overrides of the form
+ * "key.path=value" (value read as YAML), validate ranges and derive the rest.
+ * Every error exits 2 with the file, line, key, what was expected and, for an
+ * unknown key, the closest known key. */
+void cfg_load(Config *c, const char *path, const char *const *sets, int nsets);
+
+/* Write the fully resolved config (every key, defaults filled) as YAML. */
+void cfg_write_yaml(const Config *c, FILE *f);
+
+/* Write the markdown reference of every key (docs/config.md is this output). */
+void cfg_write_doc(FILE *f);
+
+#endif

@@ -1,0 +1,146 @@
+/* model: GPT-2 as a parameter table plus a forward/backward graph of backend ops.
+ * Owns the parameter, gradient and activation arenas (one allocation each);
+ * tensors are views into them. Knows no file formats but llm.c's checkpoint,
+ * no optimizer and no data loader.
+ *
+ * Parameter table, in listing order (the order of docs, fixtures and
+ * checkpoints; C = n_embd, Vp = padded vocab, T = seq_len):
+ *   wte (Vp,C)  wpe (T,C)
+ *   per layer i: h.i.ln_1.weight (C)  h.i.ln_1.bias (C)
+ *                h.i.attn.c_attn.weight (3C,C)  h.i.attn.c_attn.bias (3C)
+ *                h.i.attn.c_proj.weight (C,C)   h.i.attn.c_proj.bias (C)
+ *                h.i.ln_2.weight (C)  h.i.ln_2.bias (C)
+ *                h.i.mlp.c_fc.weight (4C,C)     h.i.mlp.c_fc.bias (4C)
+ *                h.i.mlp.c_proj.weight (C,4C)   h.i.mlp.c_proj.bias (C)
+ *   ln_f.weight (C)  ln_f.bias (C)
+ * The output head is tied to wte. In memory the arena holds the weight-decayed
+ * tensors first, then the rest, so the optimizer updates two contiguous ranges. */
+#ifndef KILN_MODEL_H
+#define KILN_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+
+typedef struct ModelShape {
+    int n_layer, n_head, n_embd, seq_len, vocab_size, padded_vocab;
+} ModelShape;
+
+typedef struct ParamInfo {
+    char name[48];
+    int ndim;
+    int shape[2];
+    size_t numel;
+    size_t offset; /* elements from the start of the parameter arena */
+    int decay;     /* 1 if weight decay applies */
+} ParamInfo;
+
+/* Per-layer views into the parameter (or gradient) arena. */
+typedef struct LayerParams {
+    float *ln1w, *ln1b;   /* (C) */
+    float *qkvw, *qkvb;   /* (3C,C) (3C) */
+    float *attprojw, *attprojb; /* (C,C) (C) */
+    float *ln2w, *ln2b;   /* (C) */
+    float *fcw, *fcb;     /* (4C,C) (4C) */
+    float *fcprojw, *fcprojb; /* (C,4C) (C) */
+} LayerParams;
+
+typedef struct ParamViews {
+    float *wte, *wpe; /* (Vp,C) (T,C) */
+    LayerParams *layer; /* [n_layer] */
+    float *lnfw, *lnfb; /* (C) */
+} ParamViews;
+
+/* Per-layer activations saved for the backward pass (B,T as allocated). */
+typedef struct LayerActs {
+    float *ln1;             /* (N,C) */
+    float *ln1_mean, *ln1_rstd; /* (N) */
+    float *qkv;             /* (N,3C) */
+    float *atty;            /* (N,C) */
+    float *att_lse;         /* (B,NH,T) */
+    float *res2;            /* (N,C) residual after attention */
+    float *ln2;             /* (N,C) */
+    float *ln2_mean, *ln2_rstd; /* (N) */
+    float *fch;             /* (N,4C) */
+    float *fch_gelu;        /* (N,4C) */
+    float *res3;            /* (N,C) residual after the MLP = next layer's input */
+} LayerActs;
+
+typedef struct Model {
+    ModelShape shape;
+    const Backend *be;
+
+    int num_tensors;
+    ParamInfo *params; /* [num_tensors], listing order */
+    size_t num_params;
+    size_t num_decay;  /* arena elements [0, num_decay) are decayed */
+
+    float *param_mem; /* device (num_params) */
+    float *grad_mem;  /* device (num_params) */
+    ParamViews p, g;
+
+    /* Activations, planned for micro-batch B x T (model_plan_activations). */
+    int B, T;
+    float *act_mem;
+    size_t act_floats;
+    float *encoded;   /* (N,C) */
+    LayerActs *acts;  /* [n_layer] */
+    float *lnf;       /* (N,C) */
+    float *lnf_mean, *lnf_rstd; /* (N) */
+    float *logits;    /* (N,Vp); dlogits in place after a training forward */
+    float *losses;    /* (N) device */
+    float *scratch;   /* backward: dresidual (N,C), dbuf (N,4C), dqkv (N,3C) */
+    int32_t *tokens_dev, *targets_dev; /* (N) */
+    float *losses_host; /* (N) */
+    int have_targets;   /* last forward had targets (backward allowed) */
+} Model;
+
+/* Derive padded_vocab (multiple of 64) and check divisibility; exits 2 naming the key. */
+void model_shape_resolve(ModelShape *s);
+
+/* Build the parameter table and allocate the parameter and gradient arenas. */
+void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings);
+void model_free(Model *m);
+
+/* GPT-2 initialisation: N(0, 0.02) weights and embeddings, residual
+ * projections (attn.c_proj, mlp.c_proj weights) scaled by 1/sqrt(2*n_layer),
+ * zero biases, unit LayerNorm gains, zero padded rows of wte. Deterministic
+ * from `seed`, independent of the backend and thread count. */
+void model_init_weights(Model *m, uint64_t seed);
+
+/* Plan and allocate activations for micro-batches up to B x T (T <= seq_len). */
+void model_plan_activations(Model *m, int B, int T);
+
+/* Forward. tokens, targets: host (B,T). With targets, returns the mean loss
+ * and fills losses_host; else returns 0 and leaves logits intact. With
+ * dloss != 0 the logits buffer is turned into dlogits for model_backward
+ * (dloss = 1 / (B*T*grad_accum) for a mean over the optimizer step). */
+float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T,
+                    float dloss);
+
+/* Backward of the last forward (which must have had targets and dloss != 0).
+ * accumulate = 0 on the first micro-batch of a step (gradients overwritten). */
+void model_backward(Model *m, int accumulate);
+
+/* Host copy of logits row (b, t) after a forward without targets: Vp floats. */
+void model_logits_row(const Model *m, int b, int t, float *out);
+
+/* Counts. */
+size_t model_num_params(const Model *m);
+size_t model_num_nonembedding_params(const Model *m);
+/* Training FLOPs per token: 6 x (non-embedding params + head C*V) plus the
+ * attention term 6 * n_layer * T * C (causal: half of 12 L T C). */
+double model_flops_per_token(const ModelShape *s, int T);
+/* Bytes of the activation arena for micro-batch B x T. */
+size_t model_activation_bytes(const ModelShape *s, int B, int T);
+
+/* Find a tensor by name; NULL if absent. */
+const ParamInfo *model_find_param(const Model *m, const char *name);
+
+/* Load an llm.c GPT-2 checkpoint (magic 20240326, version 3 = fp32) into the
+ * parameters. Shape disagreements with the model exit 2 naming the file and
+ * the differing field. */
+void model_load_llmc(Model *m, const char *path);
+
+#endif

@@ -1,0 +1,65 @@
+/* util: errors with exit codes, checked allocation and I/O, the deterministic RNG,
+ * hashing, timing. Everything else in kiln builds on this; it knows no model,
+ * config or backend. */
+#ifndef KILN_UTIL_H
+#define KILN_UTIL_H
+
+#include <stdint.h>
+#include <stddef.h>
+#include <stdio.h>
+
+/* Exit codes of record (DESIGN.md "Errors and exit codes"). */
+enum {
+    KILN_EXIT_OK = 0,
+    KILN_EXIT_RUNTIME = 1, /* NaN storm, I/O error, collective timeout */
+    KILN_EXIT_USAGE = 2,   /* bad usage or input: config, data, checkpoint */
+    KILN_EXIT_RESUME = 75  /* stopped on a signal after saving: resume me */
+};
+
+/* Print "kiln: error: <message>" on stderr and exit with `code`. */
+void kiln_fail(int code, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
+/* Print "kiln: warning: <message>" on stderr. */
+void kiln_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Print "kiln: hint: <message>" on stderr (what the user should do next). */
+void kiln_hint(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* Checked allocation: failure is a runtime error naming the call site. */
+#define xmalloc(n) kiln_xmalloc((n), __FILE__, __LINE__)
+#define xcalloc(n, s) kiln_xcalloc((n), (s), __FILE__, __LINE__)
+#define xrealloc(p, n) kiln_xrealloc((p), (n), __FILE__, __LINE__)
+void *kiln_xmalloc(size_t n, const char *file, int line);
+void *kiln_xcalloc(size_t n, size_t s, const char *file, int line);
+void *kiln_xrealloc(void *p, size_t n, const char *file, int line);
+char *xstrdup(const char *s);
+
+/* Copy src into dst of size n, always NUL-terminated; returns 0, or -1 if truncated. */
+int kiln_strlcpy(char *dst, const char *src, size_t n);
+
+/* Read a whole file; NULL on failure (errno set). *len receives the size. */
+char *kiln_read_file(const char *path, size_t *len);
+/* Write a whole file through path.tmp + fsync + rename; 0 on success, -1 on failure. */
+int kiln_write_file_atomic(const char *path, const void *data, size_t len);
+/* mkdir -p; 0 on success. */
+int kiln_mkdirs(const char *path);
+
+/* Deterministic random numbers: a counter-free xoshiro256** seeded by splitmix64.
+ * Every random decision in kiln (init, sample order, sampling) draws from one of
+ * these, so a run is reproducible from its seed. */
+typedef struct {
+    uint64_t s[4];
+} Rng;
+void rng_seed(Rng *r, uint64_t seed);
+uint64_t rng_u64(Rng *r);
+float rng_uniform(Rng *r);          /* [0, 1) with 24 bits */
+double rng_uniform_double(Rng *r);  /* [0, 1) with 53 bits */
+float rng_normal(Rng *r);           /* N(0, 1), Box-Muller in double */
+uint64_t rng_below(Rng *r, uint64_t n); /* uniform in [0, n), unbiased */
+
+/* FNV-1a 64-bit, for config hashes and cheap fingerprints. */
+uint64_t kiln_fnv1a(const void *data, size_t len, uint64_t h);
+#define KILN_FNV_INIT 0xcbf29ce484222325ULL
+
+/* Monotonic seconds. */
+double kiln_now(void);
+
+#endif
