@@ -1,0 +1,735 @@
+/* config: owns the key table (name, type, default, range, doc) and everything
+ * generated from it: YAML parsing, --set overrides, the resolved YAML and the
+ * markdown reference. Never reads anything but the config, never accepts a
+ * value the table does not allow, never exits with anything but code 2. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* open_memstream */
+#endif
+#include "config.h"
+#include "util.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <yaml.h>
+
+typedef enum { CT_INT, CT_INT64, CT_U64, CT_FLOAT, CT_BOOL, CT_STR, CT_ENUM, CT_PAIR } CfgType;
+
+enum {
+    CF_HI_OPEN = 1, /* range is [lo, hi) rather than [lo, hi] */
+    CF_AUTO = 2     /* int key that also accepts `auto`, meaning 0 */
+};
+
+typedef struct {
+    const char *key;     /* dotted path: "optim.lr"; no dot = top-level scalar */
+    CfgType type;
+    size_t off, size;    /* offsetof / sizeof the field in Config */
+    size_t off2;         /* CT_PAIR: the second float */
+    const char *def;     /* default, as YAML text (parsed like user input) */
+    double lo, hi;       /* range; hi = INFINITY: bounded only by the type */
+    int flags;
+    const char *choices; /* CT_ENUM: "a|b|c" */
+    const char *doc;     /* one line of markdown, no '|' */
+} CfgKey;
+
+#define FLD(f) offsetof(Config, f), sizeof(((Config *)0)->f)
+#define KINT(k, f, d, lo, hi, doc) {k, CT_INT, FLD(f), 0, d, lo, hi, 0, NULL, doc}
+#define KINTA(k, f, d, lo, hi, doc) {k, CT_INT, FLD(f), 0, d, lo, hi, CF_AUTO, NULL, doc}
+#define KI64(k, f, d, lo, hi, doc) {k, CT_INT64, FLD(f), 0, d, lo, hi, 0, NULL, doc}
+#define KU64(k, f, d, doc) {k, CT_U64, FLD(f), 0, d, 0, INFINITY, 0, NULL, doc}
+#define KFLT(k, f, d, lo, hi, doc) {k, CT_FLOAT, FLD(f), 0, d, lo, hi, 0, NULL, doc}
+#define KBOOL(k, f, d, doc) {k, CT_BOOL, FLD(f), 0, d, 0, 0, 0, NULL, doc}
+#define KSTR(k, f, d, doc) {k, CT_STR, FLD(f), 0, d, 0, 0, 0, NULL, doc}
+#define KENUM(k, f, d, ch, doc) {k, CT_ENUM, FLD(f), 0, d, 0, 0, 0, ch, doc}
+#define KPAIR(k, f1, f2, d, lo, hi, fl, doc) \
+    {k, CT_PAIR, FLD(f1), offsetof(Config, f2), d, lo, hi, fl, NULL, doc}
+#define INF INFINITY
+#define TWO62 4611686018427387904.0
+
+/* The one table. Order here is the order of the resolved YAML and the docs. */
+static const CfgKey cfg_keys[] = {
+    KSTR("run.name", run_name, "\"tiny\"", "name of the run; the run directory defaults to `runs/<run.name>`"),
+    KSTR("run.dir", run_dir, "\"\"", "run directory; `\"\"` means `runs/<run.name>`"),
+    KU64("run.seed", seed, "1337", "seed of every random decision (init, data order, sampling)"),
+    KINT("run.threads", threads, "0", 0, 1024, "CPU threads; 0 = all cores"),
+    KENUM("device", device, "auto", "auto|cpu|cuda", "backend; `auto` picks `cuda` when a GPU is present, else `cpu`"),
+    KENUM("model.arch", arch, "gpt2", "gpt2", "architecture"),
+    KINT("model.n_layer", n_layer, "4", 1, 1024, "transformer blocks"),
+    KINT("model.n_head", n_head, "4", 1, 1024, "attention heads; must divide `model.n_embd`"),
+    KINT("model.n_embd", n_embd, "128", 8, 65536, "embedding width"),
+    KINT("model.seq_len", seq_len, "256", 2, 1048576, "tokens per sequence (context length)"),
+    KINT("model.vocab_size", vocab_size, "256", 2, INT_MAX, "vocabulary size; padded to a multiple of 64 internally"),
+    KSTR("data.train", train_glob, "\"data/austen/train_*.bin\"", "glob of the training token shards"),
+    KSTR("data.val", val_glob, "\"data/austen/val_*.bin\"", "glob of the validation shards; `\"\"` = no validation"),
+    KENUM("data.tokenizer", tokenizer, "byte", "byte|gpt2", "tokenizer used to decode samples"),
+    KSTR("data.tokenizer_file", tokenizer_file, "\"\"", "tiktoken-format rank file; required when `data.tokenizer` is `gpt2`"),
+    KINT("batch.micro_batch", micro_batch, "8", 1, 65536, "sequences per forward/backward pass"),
+    KI64("batch.total_tokens", total_tokens, "16384", 1, TWO62,
+         "tokens per optimizer step, all ranks; a multiple of `micro_batch*seq_len`"),
+    KINT("train.steps", steps, "2000", 1, INT_MAX, "optimizer steps"),
+    KINT("train.eval_every", eval_every, "100", 0, INF, "steps between validation passes; 0 = off"),
+    KINT("train.eval_batches", eval_batches, "20", 1, INF, "micro-batches per validation pass"),
+    KINT("train.sample_every", sample_every, "500", 0, INF, "steps between text samples; 0 = off"),
+    KINT("train.sample_tokens", sample_tokens, "200", 1, 1e6, "tokens per sample"),
+    KFLT("train.sample_temperature", sample_temperature, "1.0", 0, 100, "sampling temperature; 0 = greedy"),
+    KINT("train.sample_top_k", sample_top_k, "0", 0, INF, "sample from the k most likely tokens; 0 = all"),
+    KENUM("optim.name", optim_name, "adamw", "adamw", "optimizer"),
+    KFLT("optim.lr", lr, "6.0e-4", 0, 10, "peak learning rate"),
+    KPAIR("optim.betas", beta1, beta2, "[0.9, 0.95]", 0, 1, CF_HI_OPEN, "AdamW `[beta1, beta2]`"),
+    KFLT("optim.eps", eps, "1.0e-8", 0, 1, "AdamW epsilon"),
+    KFLT("optim.weight_decay", weight_decay, "0.1", 0, 10, "decoupled weight decay of the matrices"),
+    KFLT("optim.grad_clip", grad_clip, "1.0", 0, 1e9, "clip the global gradient norm to this; 0 = off"),
+    KBOOL("optim.decay_embeddings", decay_embeddings, "true", "apply weight decay to the embedding tables too"),
+    KENUM("schedule.kind", sched_kind, "cosine", "cosine|linear|constant|wsd", "learning-rate shape after warmup"),
+    KINT("schedule.warmup_steps", warmup_steps, "100", 0, INF, "steps of linear warmup from 0"),
+    KFLT("schedule.min_lr_ratio", min_lr_ratio, "0.1", 0, 1, "final learning rate as a fraction of `optim.lr`"),
+    KFLT("schedule.decay_ratio", decay_ratio, "0.2", 0, 1, "`wsd`: fraction of the steps spent in the final decay"),
+    KINTA("parallel.dp", dp, "auto", 0, INF, "data-parallel ranks; `auto` (or 0) = all ranks (this build: at most 1)"),
+    KINT("parallel.zero", zero, "0", 0, 3, "ZeRO stage: 1 shards optimizer state, 2 + gradients, 3 + parameters (this build: 0)"),
+    KINT("parallel.tp", tp, "1", 1, INF, "tensor-parallel ranks (this build: 1)"),
+    KINT("parallel.pp", pp, "1", 1, INF, "pipeline stages (this build: 1)"),
+    KINT("parallel.cp", cp, "1", 1, INF, "context-parallel ranks (this build: 1)"),
+    KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (this build: 1)"),
+    KENUM("precision.compute", compute, "bf16", "bf16|fp32", "compute dtype on GPU; the CPU backend computes in fp32"),
+    KENUM("precision.master", master, "fp32", "fp32", "dtype of master weights and optimizer state"),
+    KINT("metrics.log_every", log_every, "1", 1, INF, "steps between metric lines"),
+    KSTR("init.from", init_from, "\"\"", "llm.c GPT-2 checkpoint to start from; `\"\"` = random init"),
+};
+#define NKEYS ((int)(sizeof(cfg_keys) / sizeof(cfg_keys[0])))
+
+/* Values computed from keys: shown as comments in the YAML and listed in the docs. */
+typedef struct {
+    const char *key, *doc;
+    size_t off;
+} CfgDerived;
+static const CfgDerived cfg_derived[] = {
+    {"model.padded_vocab", "`vocab_size` rounded up to a multiple of 64", offsetof(Config, padded_vocab)},
+    {"batch.grad_accum", "`total_tokens / (micro_batch*seq_len)`", offsetof(Config, grad_accum)},
+};
+#define NDERIVED ((int)(sizeof(cfg_derived) / sizeof(cfg_derived[0])))
+
+/* One load in progress: where each key got its value, for errors that involve
+ * two keys after parsing ("model.n_embd" vs "model.n_head"). */
+typedef struct {
+    const char *file;
+    char where[NKEYS][CFG_STR + 32];
+} CfgLoad;
+
+/* ---------- table helpers ---------- */
+
+static int cfg_find(const char *path) {
+    for (int i = 0; i < NKEYS; i++)
+        if (strcmp(cfg_keys[i].key, path) == 0) return i;
+    return -1;
+}
+
+/* A section is any proper prefix of a key path ending at a dot. */
+static int cfg_is_section(const char *path) {
+    size_t n = strlen(path);
+    for (int i = 0; i < NKEYS; i++)
+        if (strncmp(cfg_keys[i].key, path, n) == 0 && cfg_keys[i].key[n] == '.') return 1;
+    return 0;
+}
+
+/* Index of the first key inside section `path` (which must be a section). */
+static int cfg_first_in(const char *path) {
+    size_t n = strlen(path);
+    int i = 0;
+    while (strncmp(cfg_keys[i].key, path, n) || cfg_keys[i].key[n] != '.') i++;
+    return i;
+}
+
+static const char *cfg_last(const char *path) {
+    const char *d = strrchr(path, '.');
+    return d ? d + 1 : path;
+}
+
+/* Section of a key: "optim" for "optim.lr", the key itself for a top-level scalar. */
+static size_t cfg_section_len(const char *key) {
+    const char *d = strrchr(key, '.');
+    return d ? (size_t)(d - key) : strlen(key);
+}
+
+static double cfg_int_hi(const CfgKey *k) {
+    double tmax = k->type == CT_INT ? (double)INT_MAX : (double)INT64_MAX;
+    return isinf(k->hi) || k->hi > tmax ? tmax : k->hi;
+}
+
+/* "[1, 1024]", "[0, 1)", ">= 0" (docs) or "[0, 2147483647]" (errors: say the real limit). */
+static void cfg_range_text(const CfgKey *k, int for_doc, char *buf, size_t cap) {
+    buf[0] = 0;
+    if (k->type == CT_INT || k->type == CT_INT64) {
+        if (for_doc && isinf(k->hi)) snprintf(buf, cap, ">= %lld", (long long)k->lo);
+        else snprintf(buf, cap, "[%lld, %lld]", (long long)k->lo, (long long)cfg_int_hi(k));
+    } else if (k->type == CT_FLOAT || k->type == CT_PAIR) {
+        if (isinf(k->hi)) snprintf(buf, cap, ">= %g", k->lo);
+        else snprintf(buf, cap, "[%g, %g%c", k->lo, k->hi, (k->flags & CF_HI_OPEN) ? ')' : ']');
+    } else if (k->type == CT_ENUM) {
+        size_t n = 0;
+        for (const char *c = k->choices; *c && n + 8 < cap; c++) {
+            if (*c == '|') { n += (size_t)snprintf(buf + n, cap - n, ", "); continue; }
+            buf[n++] = *c;
+            buf[n] = 0;
+        }
+    }
+}
+
+/* What a key expects, in words, for "expected X, got Y". */
+static void cfg_expect_text(const CfgKey *k, char *buf, size_t cap) {
+    char r[256];
+    cfg_range_text(k, 0, r, sizeof r);
+    switch (k->type) {
+    case CT_INT:
+    case CT_INT64:
+        snprintf(buf, cap, "an integer in %s%s", r, (k->flags & CF_AUTO) ? " or auto" : "");
+        break;
+    case CT_U64: snprintf(buf, cap, "an integer in [0, %llu]", (unsigned long long)UINT64_MAX); break;
+    case CT_FLOAT: snprintf(buf, cap, "a number in %s", r); break;
+    case CT_BOOL: snprintf(buf, cap, "a bool (true/false/yes/no)"); break;
+    case CT_STR: snprintf(buf, cap, "a string (write \"\" for an empty one)"); break;
+    case CT_ENUM: snprintf(buf, cap, "one of %s", r); break;
+    case CT_PAIR: snprintf(buf, cap, "a list of 2 numbers, each in %s", r); break;
+    }
+}
+
+/* ---------- did you mean ---------- */
+
+/* Optimal-string-alignment distance: Levenshtein plus adjacent transpositions,
+ * so "modle" is one edit from "model". Inputs are key names (short). */
+static int cfg_edit_distance(const char *a, const char *b) {
+    int n = (int)strlen(a), m = (int)strlen(b);
+    if (n > 63 || m > 63) return 99;
+    int d[64][64];
+    for (int i = 0; i <= n; i++) d[i][0] = i;
+    for (int j = 0; j <= m; j++) d[0][j] = j;
+    for (int i = 1; i <= n; i++)
+        for (int j = 1; j <= m; j++) {
+            int cost = a[i - 1] != b[j - 1], v = d[i - 1][j - 1] + cost;
+            if (d[i - 1][j] + 1 < v) v = d[i - 1][j] + 1;
+            if (d[i][j - 1] + 1 < v) v = d[i][j - 1] + 1;
+            if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] && d[i - 2][j - 2] + 1 < v)
+                v = d[i - 2][j - 2] + 1;
+            d[i][j] = v;
+        }
+    return d[n][m];
+}
+
+/* Closest known key or section to `path`, comparing full paths and last
+ * components (so "model.lr" finds "optim.lr"); NULL when nothing is close. */
+static const char *cfg_suggest(const char *path, char *buf, size_t cap) {
+    int best = 99, best_full = 99;
+    buf[0] = 0;
+    for (int i = 0; i < NKEYS; i++) {
+        const char *key = cfg_keys[i].key;
+        /* candidates: the key itself and each section above it */
+        for (size_t n = strlen(key);; n = cfg_section_len(key)) {
+            char cand[128];
+            snprintf(cand, sizeof cand, "%.*s", (int)n, key);
+            int full = cfg_edit_distance(path, cand);
+            int last = cfg_edit_distance(cfg_last(path), cfg_last(cand));
+            int d = full < last ? full : last;
+            if (d < best || (d == best && full < best_full)) {
+                best = d, best_full = full;
+                kiln_strlcpy(buf, cand, cap);
+            }
+            if (n == cfg_section_len(key)) break;
+        }
+    }
+    int len = (int)strlen(cfg_last(path)), limit = 1 + len / 4;
+    if (limit > 3) limit = 3;
+    return best <= limit && strcmp(buf, path) != 0 ? buf : NULL;
+}
+
+static void cfg_fail_unknown(const char *where, const char *path) {
+    char s[128];
+    if (cfg_suggest(path, s, sizeof s))
+        kiln_fail(KILN_EXIT_USAGE, "%s: unknown key '%s'; did you mean '%s'?", where, path, s);
+    kiln_fail(KILN_EXIT_USAGE, "%s: unknown key '%s' (docs/config.md lists every key)", where, path);
+}
+
+/* ---------- reading values ---------- */
+
+static int cfg_is_null(const yaml_node_t *n) {
+    if (n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE) return 0;
+    const char *v = (const char *)n->data.scalar.value;
+    return !*v || !strcmp(v, "~") || !strcmp(v, "null") || !strcmp(v, "Null") || !strcmp(v, "NULL");
+}
+
+/* The "got ..." half of a message. */
+static void cfg_got_text(const yaml_node_t *n, char *buf, size_t cap) {
+    if (!n || cfg_is_null(n)) snprintf(buf, cap, "an empty value");
+    else if (n->type == YAML_SEQUENCE_NODE)
+        snprintf(buf, cap, "a list of %d", (int)(n->data.sequence.items.top - n->data.sequence.items.start));
+    else if (n->type == YAML_MAPPING_NODE) snprintf(buf, cap, "a mapping");
+    else snprintf(buf, cap, "'%.80s%s'", (const char *)n->data.scalar.value, n->data.scalar.length > 80 ? "..." : "");
+}
+
+static void cfg_fail_expect(const char *where, const char *key, const CfgKey *k, const yaml_node_t *n) {
+    char e[512], g[128];
+    cfg_expect_text(k, e, sizeof e);
+    cfg_got_text(n, g, sizeof g);
+    kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': expected %s, got %s", where, key, e, g);
+}
+
+/* Plain (unquoted) scalar text, or NULL: a quoted "1e-3" is a string, never a number. */
+static const char *cfg_plain(const yaml_node_t *n) {
+    if (!n || n->type != YAML_SCALAR_NODE || n->data.scalar.style != YAML_PLAIN_SCALAR_STYLE || cfg_is_null(n))
+        return NULL;
+    return (const char *)n->data.scalar.value;
+}
+
+static int cfg_parse_float(const CfgKey *k, const yaml_node_t *n, float *out) {
+    const char *s = cfg_plain(n);
+    char *end;
+    if (!s) return -1;
+    errno = 0;
+    double d = strtod(s, &end);
+    if (end == s || *end || isnan(d)) return -1;
+    float v = (float)d; /* range applies to the value actually stored */
+    if (!(v >= k->lo) || v > k->hi || ((k->flags & CF_HI_OPEN) && v >= k->hi)) return -1;
+    *out = v;
+    return 0;
+}
+
+static int cfg_parse_int(const CfgKey *k, const yaml_node_t *n, long long *out) {
+    const char *s = cfg_plain(n);
+    char *end;
+    if ((k->flags & CF_AUTO) && n && n->type == YAML_SCALAR_NODE && !strcmp((const char *)n->data.scalar.value, "auto")) {
+        *out = 0;
+        return 0;
+    }
+    if (!s) return -1;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end || errno == ERANGE) return -1;
+    if (v < (long long)k->lo || v > (long long)cfg_int_hi(k)) return -1;
+    *out = v;
+    return 0;
+}
+
+static int cfg_parse_u64(const yaml_node_t *n, uint64_t *out) {
+    const char *s = cfg_plain(n);
+    char *end;
+    if (!s || *s == '-') return -1;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (end == s || *end || errno == ERANGE) return -1;
+    *out = v;
+    return 0;
+}
+
+static int cfg_parse_bool(const yaml_node_t *n, int *out) {
+    const char *s = cfg_plain(n);
+    if (!s) return -1;
+    if (!strcasecmp(s, "true") || !strcasecmp(s, "yes")) *out = 1;
+    else if (!strcasecmp(s, "false") || !strcasecmp(s, "no")) *out = 0;
+    else return -1;
+    return 0;
+}
+
+static int cfg_enum_ok(const CfgKey *k, const char *s) {
+    size_t n = strlen(s);
+    for (const char *c = k->choices; c; c = strchr(c, '|') ? strchr(c, '|') + 1 : NULL)
+        if (!strncmp(c, s, n) && (c[n] == '|' || c[n] == 0)) return 1;
+    return 0;
+}
+
+/* Strings and enums: any scalar except an empty plain one; must fit the field. */
+static void cfg_set_string(const CfgKey *k, const char *where, const yaml_node_t *n, char *dst) {
+    if (!n || n->type != YAML_SCALAR_NODE || cfg_is_null(n)) cfg_fail_expect(where, k->key, k, n);
+    const char *s = (const char *)n->data.scalar.value;
+    if (strlen(s) != n->data.scalar.length)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': expected a string without NUL bytes", where, k->key);
+    if (k->type == CT_ENUM && !cfg_enum_ok(k, s)) cfg_fail_expect(where, k->key, k, n);
+    if (strlen(s) >= k->size)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': expected at most %zu bytes, got %zu", where, k->key,
+                  k->size - 1, strlen(s));
+    memset(dst, 0, k->size); /* whole field, so equal configs compare equal byte for byte */
+    memcpy(dst, s, strlen(s));
+}
+
+/* `file` (NULL for --set and defaults) lets an item error point at the item's own line. */
+static void cfg_set_pair(const CfgKey *k, const char *file, const char *where, yaml_document_t *doc,
+                         const yaml_node_t *n, char *base) {
+    if (!n || n->type != YAML_SEQUENCE_NODE || n->data.sequence.items.top - n->data.sequence.items.start != 2)
+        cfg_fail_expect(where, k->key, k, n);
+    for (int i = 0; i < 2; i++) {
+        yaml_node_t *item = yaml_document_get_node(doc, n->data.sequence.items.start[i]);
+        float v;
+        if (cfg_parse_float(k, item, &v)) {
+            CfgKey one = *k;
+            char name[128];
+            one.type = CT_FLOAT;
+            char at[CFG_STR + 32];
+            snprintf(name, sizeof name, "%s[%d]", k->key, i);
+            if (file) snprintf(at, sizeof at, "%s:%zu", file, item->start_mark.line + 1);
+            cfg_fail_expect(file ? at : where, name, &one, item);
+        }
+        memcpy(base + (i ? k->off2 : k->off), &v, sizeof v);
+    }
+}
+
+/* Store node `n` into key `k` of `c`, or exit 2 saying what was expected. */
+static void cfg_apply(Config *c, const CfgKey *k, const char *file, const char *where, yaml_document_t *doc,
+                      const yaml_node_t *n) {
+    char *base = (char *)c, *dst = base + k->off;
+    long long i64;
+    int ok = 1;
+    switch (k->type) {
+    case CT_INT:
+        if ((ok = !cfg_parse_int(k, n, &i64))) *(int *)dst = (int)i64;
+        break;
+    case CT_INT64:
+        if ((ok = !cfg_parse_int(k, n, &i64))) *(int64_t *)dst = i64;
+        break;
+    case CT_U64: ok = !cfg_parse_u64(n, (uint64_t *)dst); break;
+    case CT_FLOAT: ok = !cfg_parse_float(k, n, (float *)dst); break;
+    case CT_BOOL: ok = !cfg_parse_bool(n, (int *)dst); break;
+    case CT_STR:
+    case CT_ENUM: cfg_set_string(k, where, n, dst); break;
+    case CT_PAIR: cfg_set_pair(k, file, where, doc, n, base); break;
+    }
+    if (!ok) cfg_fail_expect(where, k->key, k, n);
+}
+
+/* ---------- YAML documents ---------- */
+
+/* Parse `text` into `doc`. On a syntax error exits 2 with libyaml's problem and
+ * the line; `where` is the file name (lines are appended) or "--set ...". */
+static void cfg_parse_text(const char *text, size_t len, const char *where, int add_line, yaml_document_t *doc) {
+    yaml_parser_t p;
+    if (!yaml_parser_initialize(&p)) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot initialize libyaml", where);
+    yaml_parser_set_input_string(&p, (const unsigned char *)text, len);
+    if (!yaml_parser_load(&p, doc)) {
+        char loc[CFG_STR + 32];
+        if (add_line) snprintf(loc, sizeof loc, "%s:%zu", where, p.problem_mark.line + 1);
+        else snprintf(loc, sizeof loc, "%s", where);
+        if (p.context) /* libyaml's "while parsing X" points at where X began: say that line too */
+            kiln_fail(KILN_EXIT_USAGE, "%s: invalid YAML: %s (%s started on line %zu)", loc,
+                      p.problem ? p.problem : "parse error", p.context, p.context_mark.line + 1);
+        kiln_fail(KILN_EXIT_USAGE, "%s: invalid YAML: %s", loc, p.problem ? p.problem : "parse error");
+    }
+    /* a second document ("---") would be silently ignored: refuse it */
+    yaml_document_t extra;
+    if (!yaml_parser_load(&p, &extra))
+        kiln_fail(KILN_EXIT_USAGE, "%s:%zu: invalid YAML: %s", where, p.problem_mark.line + 1,
+                  p.problem ? p.problem : "parse error");
+    yaml_node_t *r = yaml_document_get_root_node(&extra);
+    if (r)
+        kiln_fail(KILN_EXIT_USAGE, "%s:%zu: expected one YAML document, found another", where,
+                  r->start_mark.line + 1);
+    yaml_document_delete(&extra);
+    yaml_parser_delete(&p);
+}
+
+static void cfg_where(CfgLoad *L, const yaml_node_t *n, char *buf, size_t cap) {
+    snprintf(buf, cap, "%s:%zu", L->file, n->start_mark.line + 1);
+}
+
+/* Walk a mapping whose keys extend `prefix` ("" at the top), applying leaves and
+ * descending into sections; every unknown, duplicate or misshapen key exits 2. */
+static void cfg_walk(Config *c, CfgLoad *L, yaml_document_t *doc, yaml_node_t *map, const char *prefix) {
+    char where[CFG_STR + 32];
+    for (yaml_node_pair_t *p = map->data.mapping.pairs.start; p < map->data.mapping.pairs.top; p++) {
+        yaml_node_t *kn = yaml_document_get_node(doc, p->key), *vn = yaml_document_get_node(doc, p->value);
+        cfg_where(L, kn, where, sizeof where);
+        if (kn->type != YAML_SCALAR_NODE)
+            kiln_fail(KILN_EXIT_USAGE, "%s: expected a key name in %s, got a %s", where, *prefix ? prefix : "the top level",
+                      kn->type == YAML_MAPPING_NODE ? "mapping" : "list");
+        const char *name = (const char *)kn->data.scalar.value;
+        char path[256];
+        snprintf(path, sizeof path, "%s%s%s", prefix, *prefix ? "." : "", name);
+        for (yaml_node_pair_t *q = map->data.mapping.pairs.start; q < p; q++) {
+            yaml_node_t *qn = yaml_document_get_node(doc, q->key);
+            if (qn->type == YAML_SCALAR_NODE && !strcmp((const char *)qn->data.scalar.value, name))
+                kiln_fail(KILN_EXIT_USAGE, "%s: duplicate key '%s' (first set on line %zu)", where, path,
+                          qn->start_mark.line + 1);
+        }
+        int i = cfg_find(path);
+        if (i >= 0) {
+            cfg_where(L, vn, where, sizeof where);
+            cfg_apply(c, &cfg_keys[i], L->file, where, doc, vn);
+            kiln_strlcpy(L->where[i], where, sizeof L->where[i]);
+        } else if (cfg_is_section(path)) {
+            if (vn->type == YAML_MAPPING_NODE) cfg_walk(c, L, doc, vn, path);
+            else if (!cfg_is_null(vn)) { /* an empty section (all keys commented out) is fine */
+                char g[128];
+                cfg_got_text(vn, g, sizeof g);
+                cfg_where(L, vn, where, sizeof where);
+                kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': expected a mapping of %s keys, got %s", where, path, path, g);
+            }
+        } else {
+            cfg_fail_unknown(where, path);
+        }
+    }
+}
+
+static void cfg_load_file(Config *c, CfgLoad *L, const char *path) {
+    size_t len;
+    char *text = kiln_read_file(path, &len);
+    if (!text) {
+        int e = errno;
+        kiln_hint("pass a YAML config, e.g. ./train configs/tiny.yaml (docs/config.md lists every key)");
+        kiln_fail(KILN_EXIT_USAGE, "%s: cannot read config: %s", path, strerror(e));
+    }
+    yaml_document_t doc;
+    cfg_parse_text(text, len, path, 1, &doc);
+    yaml_node_t *root = yaml_document_get_root_node(&doc);
+    if (root && !cfg_is_null(root)) {
+        if (root->type != YAML_MAPPING_NODE) {
+            char g[128];
+            cfg_got_text(root, g, sizeof g);
+            kiln_fail(KILN_EXIT_USAGE, "%s:%zu: expected a mapping of sections at the top level (run:, model:, ...), got %s",
+                      path, root->start_mark.line + 1, g);
+        }
+        cfg_walk(c, L, &doc, root, "");
+    }
+    yaml_document_delete(&doc);
+    free(text);
+}
+
+/* One "key.path=value" override; the value is YAML, so lists and quoting work. */
+static void cfg_apply_set(Config *c, CfgLoad *L, const char *set) {
+    const char *eq = strchr(set, '=');
+    if (!eq) kiln_fail(KILN_EXIT_USAGE, "--set: '%s' has no '=': write --set key.path=value", set);
+    char path[256];
+    snprintf(path, sizeof path, "%.*s", (int)(eq - set), set);
+    int i = cfg_find(path);
+    if (i < 0 && cfg_is_section(path))
+        kiln_fail(KILN_EXIT_USAGE, "--set: '%s' is a section; set one key at a time, e.g. --set %s.%s=...", path,
+                  path, cfg_last(cfg_keys[cfg_first_in(path)].key));
+    if (i < 0) cfg_fail_unknown("--set", path);
+    yaml_document_t doc;
+    cfg_parse_text(eq + 1, strlen(eq + 1), "--set", 0, &doc);
+    cfg_apply(c, &cfg_keys[i], NULL, "--set", &doc, yaml_document_get_root_node(&doc));
+    yaml_document_delete(&doc);
+    kiln_strlcpy(L->where[i], "--set", sizeof L->where[i]);
+}
+
+/* ---------- after parsing: cross-key checks and derived values ---------- */
+
+/* Location for an error about key `a` (or, if `a` kept its default, key `b`). */
+static const char *cfg_where_of(CfgLoad *L, const char *a, const char *b) {
+    int i = cfg_find(a), j = b ? cfg_find(b) : -1;
+    if (strcmp(L->where[i], "default") || j < 0) return L->where[i];
+    return L->where[j];
+}
+
+static void cfg_check_parallel(const Config *c, CfgLoad *L) {
+    static const struct { const char *key; size_t off; int lo, hi; } limits[] = {
+        {"parallel.dp", offsetof(Config, dp), 0, 1},  {"parallel.zero", offsetof(Config, zero), 0, 0},
+        {"parallel.tp", offsetof(Config, tp), 1, 1},  {"parallel.pp", offsetof(Config, pp), 1, 1},
+        {"parallel.cp", offsetof(Config, cp), 1, 1},  {"parallel.ep", offsetof(Config, ep), 1, 1},
+    };
+    for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++) {
+        int v = *(const int *)((const char *)c + limits[i].off);
+        if (v < limits[i].lo || v > limits[i].hi) {
+            const char *only = limits[i].hi == 0 ? "0" : limits[i].lo == 0 ? "auto, 0 or 1" : "1";
+            kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': only %s is supported in this build, got %d",
+                      cfg_where_of(L, limits[i].key, NULL), limits[i].key, only, v);
+        }
+    }
+}
+
+static void cfg_check_batch(Config *c, CfgLoad *L) {
+    int64_t per = (int64_t)c->micro_batch * c->seq_len;
+    if (c->total_tokens % per)
+        kiln_fail(KILN_EXIT_USAGE,
+                  "%s: key 'batch.total_tokens': must be a multiple of micro_batch*seq_len = %lld "
+                  "(batch.micro_batch %d x model.seq_len %d), got %lld; nearest: %lld",
+                  cfg_where_of(L, "batch.total_tokens", "batch.micro_batch"), (long long)per, c->micro_batch,
+                  c->seq_len, (long long)c->total_tokens,
+                  (long long)(c->total_tokens < per ? per : c->total_tokens / per * per));
+    if (c->total_tokens / per > INT_MAX)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'batch.total_tokens': %lld steps of gradient accumulation is too many",
+                  cfg_where_of(L, "batch.total_tokens", NULL), (long long)(c->total_tokens / per));
+    c->grad_accum = (int)(c->total_tokens / per);
+}
+
+static void cfg_finish(Config *c, CfgLoad *L) {
+    if (c->n_embd % c->n_head)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'model.n_embd': %d must be divisible by model.n_head = %d",
+                  cfg_where_of(L, "model.n_embd", "model.n_head"), c->n_embd, c->n_head);
+    int64_t padded = ((int64_t)c->vocab_size + 63) / 64 * 64;
+    if (padded > INT_MAX)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'model.vocab_size': %d padded to a multiple of 64 overflows 32 bits",
+                  cfg_where_of(L, "model.vocab_size", NULL), c->vocab_size);
+    c->padded_vocab = (int)padded;
+    if (!strcmp(c->tokenizer, "gpt2") && !c->tokenizer_file[0])
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'data.tokenizer_file': expected a rank file path when data.tokenizer is gpt2, got \"\"",
+                  cfg_where_of(L, "data.tokenizer_file", "data.tokenizer"));
+    cfg_check_batch(c, L);
+    cfg_check_parallel(c, L);
+    if (!c->run_dir[0]) {
+        char dir[CFG_STR + 8];
+        snprintf(dir, sizeof dir, "runs/%s", c->run_name);
+        if (strlen(dir) >= sizeof c->run_dir)
+            kiln_fail(KILN_EXIT_USAGE, "%s: key 'run.name': too long to make runs/<run.name> (at most %zu bytes)",
+                      cfg_where_of(L, "run.name", NULL), sizeof c->run_dir - 6);
+        memset(c->run_dir, 0, sizeof c->run_dir);
+        memcpy(c->run_dir, dir, strlen(dir));
+    }
+    char *text = NULL;
+    size_t len = 0;
+    FILE *m = open_memstream(&text, &len);
+    if (!m) kiln_fail(KILN_EXIT_RUNTIME, "open_memstream: %s", strerror(errno));
+    cfg_write_yaml(c, m);
+    fclose(m);
+    c->hash = kiln_fnv1a(text, len, KILN_FNV_INIT);
+    free(text);
+}
+
+/* ---------- public ---------- */
+
+void cfg_defaults(Config *c) {
+    /* whole struct zeroed once, so two equal configs are equal byte for byte */
+    memset(c, 0, sizeof *c);
+    for (int i = 0; i < NKEYS; i++) {
+        yaml_document_t doc;
+        cfg_parse_text(cfg_keys[i].def, strlen(cfg_keys[i].def), "default", 0, &doc);
+        cfg_apply(c, &cfg_keys[i], NULL, "default", &doc, yaml_document_get_root_node(&doc));
+        yaml_document_delete(&doc);
+    }
+    c->padded_vocab = (c->vocab_size + 63) / 64 * 64;
+    c->grad_accum = (int)(c->total_tokens / ((int64_t)c->micro_batch * c->seq_len));
+}
+
+void cfg_load(Config *c, const char *path, const char *const *sets, int nsets) {
+    CfgLoad *L = xcalloc(1, sizeof *L);
+    L->file = path;
+    for (int i = 0; i < NKEYS; i++) kiln_strlcpy(L->where[i], "default", sizeof L->where[i]);
+    cfg_defaults(c);
+    if (path) cfg_load_file(c, L, path);
+    for (int i = 0; i < nsets; i++) cfg_apply_set(c, L, sets[i]);
+    cfg_finish(c, L);
+    free(L);
+}
+
+/* ---------- writing ---------- */
+
+/* Shortest decimal that reads back (through strtod, as the parser does) as the same float. */
+static void cfg_fmt_float(float v, char *buf, size_t cap) {
+    for (int p = 1; p <= 9; p++) {
+        snprintf(buf, cap, "%.*g", p, (double)v);
+        if ((float)strtod(buf, NULL) == v) return;
+    }
+}
+
+/* YAML double-quoted string: the escapes libyaml reads back exactly. */
+static void cfg_write_quoted(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
+        else if (ch == '\n') fputs("\\n", f);
+        else if (ch == '\t') fputs("\\t", f);
+        else if (ch < 0x20 || ch == 0x7f) fprintf(f, "\\x%02x", ch);
+        else fputc(ch, f);
+    }
+    fputc('"', f);
+}
+
+static void cfg_write_value(FILE *f, const CfgKey *k, const Config *c) {
+    const char *p = (const char *)c + k->off;
+    char a[32], b[32];
+    switch (k->type) {
+    case CT_INT:
+        if ((k->flags & CF_AUTO) && *(const int *)p == 0) fputs("auto", f);
+        else fprintf(f, "%d", *(const int *)p);
+        break;
+    case CT_INT64: fprintf(f, "%lld", (long long)*(const int64_t *)p); break;
+    case CT_U64: fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)p); break;
+    case CT_FLOAT: cfg_fmt_float(*(const float *)p, a, sizeof a), fputs(a, f); break;
+    case CT_BOOL: fputs(*(const int *)p ? "true" : "false", f); break;
+    case CT_STR: cfg_write_quoted(f, p); break;
+    case CT_ENUM: fputs(p, f); break; /* choices are plain identifiers */
+    case CT_PAIR:
+        cfg_fmt_float(*(const float *)p, a, sizeof a);
+        cfg_fmt_float(*(const float *)((const char *)c + k->off2), b, sizeof b);
+        fprintf(f, "[%s, %s]", a, b);
+        break;
+    }
+}
+
+static void cfg_write_derived(FILE *f, const Config *c, const char *section, size_t slen) {
+    for (int d = 0; d < NDERIVED; d++)
+        if (cfg_section_len(cfg_derived[d].key) == slen && !strncmp(cfg_derived[d].key, section, slen))
+            fprintf(f, "  # %s: %d (derived)\n", cfg_last(cfg_derived[d].key),
+                    *(const int *)((const char *)c + cfg_derived[d].off));
+}
+
+void cfg_write_yaml(const Config *c, FILE *f) {
+    fputs("# kiln resolved config: every key, defaults filled in; derived values are comments\n", f);
+    for (int i = 0; i < NKEYS; i++) {
+        const char *key = cfg_keys[i].key;
+        size_t slen = cfg_section_len(key);
+        int top = key[slen] == 0, first = i == 0 || cfg_section_len(cfg_keys[i - 1].key) != slen ||
+                                              strncmp(cfg_keys[i - 1].key, key, slen);
+        if (top) fprintf(f, "%s: ", key);
+        else {
+            if (first) fprintf(f, "%.*s:\n", (int)slen, key);
+            fprintf(f, "  %s: ", cfg_last(key));
+        }
+        cfg_write_value(f, &cfg_keys[i], c);
+        fputc('\n', f);
+        int last = i + 1 == NKEYS || cfg_section_len(cfg_keys[i + 1].key) != slen ||
+                   strncmp(cfg_keys[i + 1].key, key, slen);
+        if (!top && last) cfg_write_derived(f, c, key, slen);
+    }
+}
+
+static const char *cfg_type_name(const CfgKey *k) {
+    static const char *names[] = {"int", "int64", "uint64", "float", "bool", "string", "enum", "float pair"};
+    return (k->flags & CF_AUTO) ? "int or `auto`" : names[k->type];
+}
+
+static void cfg_doc_row(FILE *f, const CfgKey *k) {
+    char r[256] = "";
+    if (k->type == CT_ENUM) { /* `a`, `b`, `c` */
+        size_t n = 0;
+        for (const char *ch = k->choices; *ch && n + 8 < sizeof r; ch++) {
+            if (ch == k->choices || ch[-1] == '|') r[n++] = '`';
+            if (*ch == '|') { n += (size_t)snprintf(r + n, sizeof r - n, "`, "); continue; }
+            r[n++] = *ch;
+            if (!ch[1]) r[n++] = '`';
+            r[n] = 0;
+        }
+    } else if (k->type == CT_U64) {
+        snprintf(r, sizeof r, "any");
+    } else {
+        cfg_range_text(k, 1, r, sizeof r);
+        if (k->type == CT_PAIR) memmove(r + 5, r, strlen(r) + 1), memcpy(r, "each ", 5);
+    }
+    fprintf(f, "| `%s` | %s | `%s` | %s | %s |\n", k->key, cfg_type_name(k), k->def, r, k->doc);
+}
+
+void cfg_write_doc(FILE *f) {
+    fputs("# Config reference\n\n"
+          "<!-- Generated from the key table in src/config.c by cfg_write_doc(); do not edit by hand.\n"
+          "     Regenerate with: ./train config-doc > docs/config.md -->\n\n"
+          "`./train CONFIG.yaml` reads a YAML file of the sections below. Every key is optional\n"
+          "and falls back to its default; an unknown key, a wrong type or a value out of range\n"
+          "stops the run with exit code 2, naming the file, line and key.\n\n"
+          "Any key can be overridden on the command line with `--set key.path=value`, repeated as\n"
+          "needed; the value is read as YAML, e.g. `--set optim.lr=3e-4`, `--set device=cpu`,\n"
+          "`--set optim.betas=[0.9,0.999]`. The resolved config, every default filled in, is saved\n"
+          "as `config.yaml` in the run directory, and its FNV-1a hash identifies the run.\n\n"
+          "Bools are `true`/`false`/`yes`/`no`. A quoted value is a string, so `lr: \"1e-3\"` is an\n"
+          "error. Intervals and limits set to 0 are off.\n",
+          f);
+    for (int i = 0; i < NKEYS; i++) {
+        const char *key = cfg_keys[i].key;
+        size_t slen = cfg_section_len(key);
+        if (i == 0 || cfg_section_len(cfg_keys[i - 1].key) != slen || strncmp(cfg_keys[i - 1].key, key, slen))
+            fprintf(f, "\n## %.*s\n\n| key | type | default | range / choices | meaning |\n"
+                       "| --- | --- | --- | --- | --- |\n", (int)slen, key);
+        cfg_doc_row(f, &cfg_keys[i]);
+    }
+    fputs("\n## derived\n\nComputed after loading, written as comments in the resolved `config.yaml`.\n\n"
+          "| value | meaning |\n| --- | --- |\n", f);
+    for (int d = 0; d < NDERIVED; d++) fprintf(f, "| `%s` | %s |\n", cfg_derived[d].key, cfg_derived[d].doc);
+}
