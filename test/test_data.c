@@ -1,0 +1,392 @@
+/* test_data: token shards written by data_write_shard and read back by data_open
+ * (uint16, uint32, zstd), batch contents, seeded order, rank slicing, resume
+ * position, epoch wrap, and every bad-shard error (exit 2, file and offset named,
+ * checked in a forked child). Writes only under $KILN_TEST_TMP. */
+#include "data.h"
+#include "test.h"
+#include "util.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zstd.h>
+
+static char tmpdir[1024];
+
+static const char *tpath(const char *name) {
+    static char buf[8][1200];
+    static int k = 0;
+    k = (k + 1) % 8;
+    snprintf(buf[k], sizeof buf[k], "%s/%s", tmpdir, name);
+    return buf[k];
+}
+
+/* A shard whose token at position i is base + i: every sample shows where it came from. */
+static void write_ramp(const char *name, uint32_t base, size_t n, int zstd) {
+    uint32_t *t = xmalloc(n * sizeof(uint32_t));
+    for (size_t i = 0; i < n; i++) t[i] = base + (uint32_t)i;
+    data_write_shard(tpath(name), t, n, zstd);
+    free(t);
+}
+
+static void write_raw(const char *name, const void *data, size_t len) {
+    FILE *f = fopen(tpath(name), "wb");
+    if (!f || fwrite(data, 1, len, f) != len || fclose(f) != 0) {
+        fprintf(stderr, "test_data: cannot write %s\n", tpath(name));
+        exit(1);
+    }
+}
+
+static unsigned char *read_raw(const char *name, size_t *len) {
+    unsigned char *b = (unsigned char *)kiln_read_file(tpath(name), len);
+    if (!b) {
+        fprintf(stderr, "test_data: cannot read %s\n", tpath(name));
+        exit(1);
+    }
+    return b;
+}
+
+/* Run data_open(pattern...) + one batch in a child; expect exit 2 and every
+ * needle in its stderr. */
+static void expect_fail(const char *name, const char *pattern, int T, int vocab,
+                        const char *needle1, const char *needle2) {
+    int fd[2];
+    if (pipe(fd) != 0) exit(1);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(fd[0]);
+        dup2(fd[1], 2);
+        DataLoader *dl = data_open(pattern, "data.train", 2, T, vocab, 1, 1, 0, 1);
+        int32_t in[2 * 64], tg[2 * 64];
+        data_next_batch(dl, in, tg);
+        _exit(0);
+    }
+    close(fd[1]);
+    char msg[4096];
+    size_t n = 0;
+    ssize_t r;
+    while (n < sizeof msg - 1 && (r = read(fd[0], msg + n, sizeof msg - 1 - n)) > 0) n += (size_t)r;
+    msg[n] = '\0';
+    close(fd[0]);
+    int st;
+    waitpid(pid, &st, 0);
+    int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    int ok = code == 2 && strstr(msg, needle1) && (!needle2 || strstr(msg, needle2)) &&
+             strstr(msg, "kiln: error: ");
+    char *nl = strchr(msg, '\n');
+    if (nl && !ok) *nl = '\0';
+    test_report(ok, name, "exit %d, stderr '%s' (want '%s'%s%s)", code, msg, needle1,
+                needle2 ? " and " : "", needle2 ? needle2 : "");
+}
+
+/* Shard A: 1000 tokens 0..999 (62 samples at T=16); shard B: 500 tokens
+ * 1000..1499 (31 samples). Token value = position in the concatenation. */
+enum { T = 16, NA = 1000, NB = 500, NSAMP = (NA - 1) / T + (NB - 1) / T };
+
+static int sample_start(int32_t first_token) { return first_token; }
+
+static void test_basic(void) {
+    write_ramp("a_000000.bin", 0, NA, 0);
+    write_ramp("a_000001.bin", NA, NB, 0);
+    size_t len;
+    unsigned char *raw = read_raw("a_000000.bin", &len);
+    int32_t h[3];
+    memcpy(h, raw, sizeof h);
+    test_report(h[0] == DATA_MAGIC && h[1] == 1 && h[2] == NA && len == 1024 + 2 * NA,
+                "data_write_v1_header", "magic %d version %d count %d len %zu", h[0], h[1], h[2], len);
+    free(raw);
+
+    DataLoader *dl = data_open(tpath("a_*.bin"), "data.train", 4, T, 2048, 0, 1, 0, 1);
+    test_report(data_num_shards(dl) == 2 && data_num_tokens(dl) == NA + NB &&
+                    data_num_samples(dl) == NSAMP,
+                "data_open_counts", "shards %d tokens %llu samples %llu", data_num_shards(dl),
+                (unsigned long long)data_num_tokens(dl), (unsigned long long)data_num_samples(dl));
+    int32_t in[4 * T], tg[4 * T];
+    data_next_batch(dl, in, tg);
+    int ok = 1;
+    for (int b = 0; b < 4; b++)
+        for (int t = 0; t < T; t++) ok &= in[b * T + t] == b * T + t && tg[b * T + t] == b * T + t + 1;
+    test_report(ok, "data_batch_sequential_shifted", "inputs/targets are not tokens [bT, bT+T] +0/+1");
+
+    /* Sequential order runs through shard A's 62 samples, then B's, then wraps. */
+    int32_t firsts[200];
+    DataLoader *d1 = data_open(tpath("a_*.bin"), "data.train", 1, T, 2048, 0, 1, 0, 1);
+    for (int i = 0; i < NSAMP + 2; i++) {
+        int32_t i1[T], t1[T];
+        data_next_batch(d1, i1, t1);
+        firsts[i] = i1[0];
+    }
+    ok = firsts[61] == 61 * T && firsts[62] == NA && firsts[NSAMP - 1] == NA + 30 * T &&
+         firsts[NSAMP] == 0 && firsts[NSAMP + 1] == T;
+    DataPos p = data_get_pos(d1);
+    test_report(ok && p.epoch == 1 && p.index == 2, "data_sequential_shards_and_wrap",
+                "firsts[61]=%d [62]=%d [92]=%d [93]=%d pos {%llu,%llu}", firsts[61], firsts[62],
+                firsts[NSAMP - 1], firsts[NSAMP], (unsigned long long)p.epoch,
+                (unsigned long long)p.index);
+    data_close(d1);
+    data_close(dl);
+}
+
+/* Every epoch of a shuffled loader visits each sample exactly once. */
+static int epoch_is_permutation(DataLoader *dl, int32_t *order) {
+    char seen[NA + NB] = {0};
+    for (int i = 0; i < NSAMP; i++) {
+        int32_t in[T], tg[T];
+        data_next_batch(dl, in, tg);
+        int s = sample_start(in[0]);
+        if (s < 0 || s >= NA + NB || seen[s]) return 0;
+        /* Samples start at multiples of T inside their own shard. */
+        if (s < NA ? s % T != 0 : (s - NA) % T != 0) return 0;
+        seen[s] = 1;
+        if (order) order[i] = s;
+        for (int t = 0; t < T; t++)
+            if (in[t] != s + t || tg[t] != s + t + 1) return 0;
+    }
+    return 1;
+}
+
+static void test_shuffle(void) {
+    int32_t e0[NSAMP], e1[NSAMP], f0[NSAMP], g0[NSAMP];
+    DataLoader *a = data_open(tpath("a_*.bin"), "data.train", 1, T, 2048, 1, 7, 0, 1);
+    int ok = epoch_is_permutation(a, e0) && epoch_is_permutation(a, e1);
+    DataPos p = data_get_pos(a);
+    test_report(ok && p.epoch == 2 && p.index == 0, "data_shuffle_epochs_are_permutations",
+                "ok %d pos {%llu,%llu}", ok, (unsigned long long)p.epoch, (unsigned long long)p.index);
+    test_report(memcmp(e0, e1, sizeof e0) != 0, "data_shuffle_epochs_differ",
+                "epoch 0 and 1 have the same order");
+    DataLoader *b = data_open(tpath("a_*.bin"), "data.train", 1, T, 2048, 1, 7, 0, 1);
+    epoch_is_permutation(b, f0);
+    test_report(memcmp(e0, f0, sizeof e0) == 0, "data_shuffle_same_seed_same_order",
+                "two loaders with seed 7 disagree");
+    DataLoader *c = data_open(tpath("a_*.bin"), "data.train", 1, T, 2048, 1, 8, 0, 1);
+    epoch_is_permutation(c, g0);
+    test_report(memcmp(e0, g0, sizeof e0) != 0, "data_shuffle_other_seed_other_order",
+                "seeds 7 and 8 give the same order");
+    data_close(a);
+    data_close(b);
+    data_close(c);
+}
+
+/* Two ranks with B each interleave to the one-rank batch of 2B, across an epoch
+ * boundary (NSAMP = 93 is not a multiple of 2B = 10). */
+static void test_ranks(void) {
+    enum { B = 5, STEPS = 40 };
+    DataLoader *one = data_open(tpath("a_*.bin"), "data.train", 2 * B, T, 2048, 1, 3, 0, 1);
+    DataLoader *r0 = data_open(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 3, 0, 2);
+    DataLoader *r1 = data_open(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 3, 1, 2);
+    int ok = 1;
+    for (int s = 0; s < STEPS && ok; s++) {
+        int32_t bi[2 * B * T], bt[2 * B * T], i0[B * T], t0[B * T], i1[B * T], t1[B * T];
+        data_next_batch(one, bi, bt);
+        data_next_batch(r0, i0, t0);
+        data_next_batch(r1, i1, t1);
+        for (int b = 0; b < B; b++) {
+            ok &= memcmp(i0 + b * T, bi + (2 * b) * T, T * sizeof(int32_t)) == 0;
+            ok &= memcmp(i1 + b * T, bi + (2 * b + 1) * T, T * sizeof(int32_t)) == 0;
+            ok &= memcmp(t1 + b * T, bt + (2 * b + 1) * T, T * sizeof(int32_t)) == 0;
+        }
+    }
+    DataPos p1 = data_get_pos(one), p0 = data_get_pos(r0);
+    test_report(ok && p1.epoch == p0.epoch && p1.index == p0.index && p1.epoch > 0,
+                "data_rank_slices_interleave", "2 ranks x B=%d differ from 1 rank x B=%d", B, 2 * B);
+    data_close(one);
+    data_close(r0);
+    data_close(r1);
+}
+
+/* Save the position after k batches; a fresh loader set there continues exactly. */
+static void test_resume(void) {
+    enum { B = 4, K = 30, M = 20 };
+    DataLoader *a = data_open(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 11, 0, 1);
+    int32_t in[B * T], tg[B * T];
+    for (int i = 0; i < K; i++) data_next_batch(a, in, tg);
+    DataPos p = data_get_pos(a);
+    DataLoader *b = data_open(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 11, 0, 1);
+    data_set_pos(b, p);
+    int ok = p.epoch == 1; /* K*B = 120 > 93 samples: the resume point is in epoch 1 */
+    for (int i = 0; i < M && ok; i++) {
+        int32_t i2[B * T], t2[B * T];
+        data_next_batch(a, in, tg);
+        data_next_batch(b, i2, t2);
+        ok = memcmp(in, i2, sizeof in) == 0 && memcmp(tg, t2, sizeof tg) == 0;
+    }
+    test_report(ok, "data_pos_resume_exact", "pos {%llu,%llu}", (unsigned long long)p.epoch,
+                (unsigned long long)p.index);
+    data_set_pos(b, (DataPos){0, 0});
+    DataLoader *c = data_open(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 11, 0, 1);
+    data_next_batch(b, in, tg);
+    int32_t i3[B * T], t3[B * T];
+    data_next_batch(c, i3, t3);
+    test_report(memcmp(in, i3, sizeof in) == 0, "data_pos_reset", "pos {0,0} is not the start");
+    data_close(a);
+    data_close(b);
+    data_close(c);
+}
+
+static void test_v2_and_zstd(void) {
+    /* Ids past 65535 force version 2 (uint32). */
+    write_ramp("w_000000.bin", 70000, 300, 0);
+    size_t len;
+    unsigned char *raw = read_raw("w_000000.bin", &len);
+    int32_t h[3];
+    memcpy(h, raw, sizeof h);
+    free(raw);
+    test_report(h[1] == 2 && len == 1024 + 4 * 300, "data_write_v2_header", "version %d len %zu",
+                h[1], len);
+    DataLoader *dl = data_open(tpath("w_*.bin"), "data.train", 2, T, 100000, 0, 1, 0, 1);
+    int32_t in[2 * T], tg[2 * T];
+    data_next_batch(dl, in, tg);
+    test_report(in[0] == 70000 && tg[T - 1] == 70000 + T && in[T] == 70000 + T,
+                "data_read_v2_tokens", "got %d %d %d", in[0], tg[T - 1], in[T]);
+    data_close(dl);
+
+    /* zstd: same batches as the uncompressed shard, and really compressed. */
+    write_ramp("z_000000.bin.zst", 0, NA, 3);
+    raw = read_raw("z_000000.bin.zst", &len);
+    int magic_ok = len >= 4 && raw[0] == 0x28 && raw[1] == 0xb5 && raw[2] == 0x2f && raw[3] == 0xfd;
+    free(raw);
+    test_report(magic_ok && len < 1024 + 2 * NA, "data_write_zstd", "len %zu, zstd magic %d", len,
+                magic_ok);
+    DataLoader *z = data_open(tpath("z_*.bin.zst"), "data.train", 3, T, 2048, 1, 5, 0, 1);
+    DataLoader *u = data_open(tpath("a_000000.bin"), "data.train", 3, T, 2048, 1, 5, 0, 1);
+    int ok = data_num_tokens(z) == NA;
+    for (int i = 0; i < 30 && ok; i++) {
+        int32_t zi[3 * T], zt[3 * T], ui[3 * T], ut[3 * T];
+        data_next_batch(z, zi, zt);
+        data_next_batch(u, ui, ut);
+        ok = memcmp(zi, ui, sizeof zi) == 0 && memcmp(zt, ut, sizeof zt) == 0;
+    }
+    test_report(ok, "data_read_zstd_matches_plain", "zstd shard batches differ from the .bin ones");
+    data_close(z);
+    data_close(u);
+
+    /* Frames without a content size (as the zstd CLI writes from a pipe), and a file
+     * of two frames, also read: the loader uses the streaming API. */
+    raw = read_raw("a_000000.bin", &len);
+    ZSTD_CCtx *cc = ZSTD_createCCtx();
+    ZSTD_CCtx_setParameter(cc, ZSTD_c_contentSizeFlag, 0);
+    size_t cap = 2 * ZSTD_compressBound(len);
+    unsigned char *zz = xmalloc(cap);
+    size_t half = len / 2;
+    size_t n1 = ZSTD_compress2(cc, zz, cap, raw, half);
+    size_t n2 = ZSTD_isError(n1) ? n1 : ZSTD_compress2(cc, zz + n1, cap - n1, raw + half, len - half);
+    ZSTD_freeCCtx(cc);
+    ok = !ZSTD_isError(n1) && !ZSTD_isError(n2) &&
+         ZSTD_getFrameContentSize(zz, n1) == ZSTD_CONTENTSIZE_UNKNOWN;
+    if (ok) {
+        write_raw("two_000000.bin.zst", zz, n1 + n2);
+        DataLoader *t2 = data_open(tpath("two_*.bin.zst"), "data.train", 3, T, 2048, 1, 5, 0, 1);
+        u = data_open(tpath("a_000000.bin"), "data.train", 3, T, 2048, 1, 5, 0, 1);
+        for (int i = 0; i < 30 && ok; i++) {
+            int32_t zi[3 * T], zt[3 * T], ui[3 * T], ut[3 * T];
+            data_next_batch(t2, zi, zt);
+            data_next_batch(u, ui, ut);
+            ok = memcmp(zi, ui, sizeof zi) == 0 && memcmp(zt, ut, sizeof zt) == 0;
+        }
+        data_close(t2);
+        data_close(u);
+    }
+    test_report(ok, "data_read_zstd_two_frames_unknown_size", "streamed frames read differently");
+    free(zz);
+    free(raw);
+}
+
+static void test_errors(void) {
+    char needle[1200];
+    expect_fail("data_error_no_match", tpath("nothing_*.bin"), T, 2048, "data.train",
+                "nothing_*.bin");
+
+    int32_t hdr[256] = {0};
+    uint16_t body[100] = {0};
+    unsigned char file[1024 + sizeof body];
+    hdr[0] = 12345;
+    hdr[1] = 1;
+    hdr[2] = 100;
+    memcpy(file, hdr, 1024);
+    memcpy(file + 1024, body, sizeof body);
+    write_raw("magic_000000.bin", file, sizeof file);
+    snprintf(needle, sizeof needle, "%s: bad magic 12345", tpath("magic_000000.bin"));
+    expect_fail("data_error_bad_magic", tpath("magic_*.bin"), T, 2048, needle, NULL);
+
+    hdr[0] = DATA_MAGIC;
+    hdr[1] = 3;
+    memcpy(file, hdr, 1024);
+    write_raw("version_000000.bin", file, sizeof file);
+    snprintf(needle, sizeof needle, "%s: unsupported shard version 3", tpath("version_000000.bin"));
+    expect_fail("data_error_bad_version", tpath("version_*.bin"), T, 2048, needle, NULL);
+
+    hdr[1] = 1;
+    hdr[2] = 150; /* the file holds 100 */
+    memcpy(file, hdr, 1024);
+    write_raw("trunc_000000.bin", file, sizeof file);
+    snprintf(needle, sizeof needle, "%s: truncated: header says 150 tokens, file holds 100",
+             tpath("trunc_000000.bin"));
+    expect_fail("data_error_truncated", tpath("trunc_*.bin"), T, 2048, needle, NULL);
+
+    write_raw("short_000000.bin", file, 100);
+    expect_fail("data_error_short_header", tpath("short_*.bin"), T, 2048, tpath("short_000000.bin"),
+                "too short");
+
+    /* Token 300 at offset 77 with a 256-token vocabulary. */
+    uint32_t toks[200];
+    for (int i = 0; i < 200; i++) toks[i] = (uint32_t)i % 256;
+    toks[77] = 300;
+    data_write_shard(tpath("vocab_000000.bin"), toks, 200, 0);
+    snprintf(needle, sizeof needle, "%s: token 300 at offset 77 is >= vocab_size 256",
+             tpath("vocab_000000.bin"));
+    expect_fail("data_error_token_out_of_vocab", tpath("vocab_*.bin"), T, 256, needle, NULL);
+    /* The same check inside a compressed shard. */
+    data_write_shard(tpath("vocabz_000000.bin.zst"), toks, 200, 1);
+    snprintf(needle, sizeof needle, "%s: token 300 at offset 77", tpath("vocabz_000000.bin.zst"));
+    expect_fail("data_error_token_out_of_vocab_zstd", tpath("vocabz_*.bin.zst"), T, 256, needle, NULL);
+
+    data_write_shard(tpath("small_000000.bin"), toks, T, 0); /* T tokens: one short of a sample */
+    expect_fail("data_error_shard_too_small", tpath("small_*.bin"), T, 2048,
+                tpath("small_000000.bin"), "too few for one sample");
+
+    /* Corrupt zstd: flip bytes inside the compressed payload. */
+    uint32_t *ramp = xmalloc(5000 * sizeof(uint32_t));
+    for (int i = 0; i < 5000; i++) ramp[i] = (uint32_t)(i * 7919) % 2048;
+    data_write_shard(tpath("badz_000000.bin.zst"), ramp, 5000, 3);
+    size_t len;
+    unsigned char *z = read_raw("badz_000000.bin.zst", &len);
+    for (size_t i = len / 3; i < len / 3 + 16 && i < len; i++) z[i] ^= 0x5a;
+    write_raw("badz_000000.bin.zst", z, len);
+    snprintf(needle, sizeof needle, "%s: ", tpath("badz_000000.bin.zst"));
+    expect_fail("data_error_corrupt_zstd", tpath("badz_*.bin.zst"), T, 2048, needle, "zstd");
+    /* Cut-short zstd. */
+    data_write_shard(tpath("cutz_000000.bin.zst"), ramp, 5000, 3);
+    free(z);
+    z = read_raw("cutz_000000.bin.zst", &len);
+    write_raw("cutz_000000.bin.zst", z, len / 2);
+    snprintf(needle, sizeof needle, "%s: truncated zstd", tpath("cutz_000000.bin.zst"));
+    expect_fail("data_error_truncated_zstd", tpath("cutz_*.bin.zst"), T, 2048, needle, NULL);
+    write_raw("emptyz_000000.bin.zst", z, 0);
+    expect_fail("data_error_empty_zstd", tpath("emptyz_*.bin.zst"), T, 2048,
+                tpath("emptyz_000000.bin.zst"), "zstd");
+    free(z);
+    free(ramp);
+}
+
+int main(void) {
+    const char *base = getenv("KILN_TEST_TMP");
+    char made[] = "/tmp/kiln-test-data.XXXXXX";
+    if (!base) {
+        base = mkdtemp(made);
+        if (!base) return 1;
+    }
+    snprintf(tmpdir, sizeof tmpdir, "%s/test_data", base);
+    if (kiln_mkdirs(tmpdir) != 0) {
+        fprintf(stderr, "test_data: cannot create %s\n", tmpdir);
+        return 1;
+    }
+    test_basic();
+    test_shuffle();
+    test_ranks();
+    test_resume();
+    test_v2_and_zstd();
+    test_errors();
+    return 0;
+}
