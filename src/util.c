@@ -1,6 +1,8 @@
 /* util: errors, checked allocation and file I/O, RNG, hashing, time.
  * Must never know about models, configs or backends. */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include "util.h"
 
 #include <errno.h>
