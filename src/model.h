@@ -81,7 +81,8 @@ typedef struct Model {
     ParamViews p, g;
 
     /* Activations, planned for micro-batch B x T (model_plan_activations). */
-    int B, T;
+    int B, T;           /* planned capacity */
+    int live_B, live_T; /* shape of the last forward */
     float *act_mem;
     size_t act_floats;
     float *encoded;   /* (N,C) */
@@ -90,7 +91,7 @@ typedef struct Model {
     float *lnf_mean, *lnf_rstd; /* (N) */
     float *logits;    /* (N,Vp); dlogits in place after a training forward */
     float *losses;    /* (N) device */
-    float *scratch;   /* backward: dresidual (N,C), dbuf (N,4C), dqkv (N,3C) */
+    float *scratch;   /* forward: projection outputs; backward: gradient buffers */
     int32_t *tokens_dev, *targets_dev; /* (N) */
     float *losses_host; /* (N) */
     int have_targets;   /* last forward had targets (backward allowed) */

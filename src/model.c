@@ -1,0 +1,429 @@
+/* model: GPT-2's parameter table, initialisation, activation plan, and the
+ * forward/backward graph expressed as backend ops. Must never do arithmetic on
+ * tensors itself (that is the backend's) nor know the optimizer or data. */
+#include "model.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+
+void model_shape_resolve(ModelShape *s) {
+    if (s->n_layer < 1 || s->n_head < 1 || s->n_embd < 1 || s->seq_len < 1 || s->vocab_size < 2)
+        kiln_fail(KILN_EXIT_USAGE, "model: sizes must be positive (n_layer=%d n_head=%d n_embd=%d seq_len=%d vocab_size=%d)",
+                  s->n_layer, s->n_head, s->n_embd, s->seq_len, s->vocab_size);
+    if (s->n_embd % s->n_head != 0)
+        kiln_fail(KILN_EXIT_USAGE, "key 'model.n_embd': %d is not divisible by model.n_head = %d", s->n_embd,
+                  s->n_head);
+    /* Padding the vocabulary to a multiple of 64 keeps the head's matrix
+     * products on aligned, vector-friendly sizes (GPT-2: 50257 -> 50304). */
+    s->padded_vocab = (s->vocab_size + 63) / 64 * 64;
+}
+
+/* One row of the parameter table, before placement in the arena. */
+static void add_param(Model *m, int *count, const char *name, int d0, int d1, int decay) {
+    ParamInfo *p = &m->params[(*count)++];
+    snprintf(p->name, sizeof p->name, "%s", name);
+    p->ndim = d1 > 0 ? 2 : 1;
+    p->shape[0] = d0;
+    p->shape[1] = d1 > 0 ? d1 : 0;
+    p->numel = (size_t)d0 * (size_t)(d1 > 0 ? d1 : 1);
+    p->decay = decay;
+}
+
+static float *view(float *base, const Model *m, int idx) { return base + m->params[idx].offset; }
+
+/* Point the per-layer views of `v` into arena `base`, by table index. */
+static void bind_views(const Model *m, float *base, ParamViews *v) {
+    int i = 0;
+    v->wte = view(base, m, i++);
+    v->wpe = view(base, m, i++);
+    for (int l = 0; l < m->shape.n_layer; l++) {
+        LayerParams *lp = &v->layer[l];
+        lp->ln1w = view(base, m, i++);
+        lp->ln1b = view(base, m, i++);
+        lp->qkvw = view(base, m, i++);
+        lp->qkvb = view(base, m, i++);
+        lp->attprojw = view(base, m, i++);
+        lp->attprojb = view(base, m, i++);
+        lp->ln2w = view(base, m, i++);
+        lp->ln2b = view(base, m, i++);
+        lp->fcw = view(base, m, i++);
+        lp->fcb = view(base, m, i++);
+        lp->fcprojw = view(base, m, i++);
+        lp->fcprojb = view(base, m, i++);
+    }
+    v->lnfw = view(base, m, i++);
+    v->lnfb = view(base, m, i++);
+}
+
+void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings) {
+    memset(m, 0, sizeof *m);
+    m->shape = *s;
+    m->be = be;
+    int L = s->n_layer, C = s->n_embd;
+    m->num_tensors = 2 + 12 * L + 2;
+    m->params = xcalloc((size_t)m->num_tensors, sizeof(ParamInfo));
+    int n = 0;
+    char name[48];
+    add_param(m, &n, "wte", s->padded_vocab, C, decay_embeddings);
+    add_param(m, &n, "wpe", s->seq_len, C, decay_embeddings);
+    for (int l = 0; l < L; l++) {
+#define P(suffix, d0, d1, decay)                                   \
+    snprintf(name, sizeof name, "h.%d." suffix, l);                \
+    add_param(m, &n, name, d0, d1, decay)
+        P("ln_1.weight", C, 0, 0);
+        P("ln_1.bias", C, 0, 0);
+        P("attn.c_attn.weight", 3 * C, C, 1);
+        P("attn.c_attn.bias", 3 * C, 0, 0);
+        P("attn.c_proj.weight", C, C, 1);
+        P("attn.c_proj.bias", C, 0, 0);
+        P("ln_2.weight", C, 0, 0);
+        P("ln_2.bias", C, 0, 0);
+        P("mlp.c_fc.weight", 4 * C, C, 1);
+        P("mlp.c_fc.bias", 4 * C, 0, 0);
+        P("mlp.c_proj.weight", C, 4 * C, 1);
+        P("mlp.c_proj.bias", C, 0, 0);
+#undef P
+    }
+    add_param(m, &n, "ln_f.weight", C, 0, 0);
+    add_param(m, &n, "ln_f.bias", C, 0, 0);
+
+    /* Arena placement: decayed tensors first, in listing order, then the rest,
+     * so AdamW runs as two contiguous updates. Offsets are multiples of 16
+     * floats (64 bytes) so every tensor starts cache-line aligned. */
+    size_t off = 0;
+    for (int pass = 1; pass >= 0; pass--) {
+        for (int i = 0; i < n; i++) {
+            if (m->params[i].decay != pass) continue;
+            m->params[i].offset = off;
+            off += (m->params[i].numel + 15) / 16 * 16;
+        }
+        if (pass == 1) m->num_decay = off;
+    }
+    m->num_params = off;
+    m->param_mem = be->alloc(off * sizeof(float));
+    m->grad_mem = be->alloc(off * sizeof(float));
+    m->p.layer = xcalloc((size_t)L, sizeof(LayerParams));
+    m->g.layer = xcalloc((size_t)L, sizeof(LayerParams));
+    bind_views(m, m->param_mem, &m->p);
+    bind_views(m, m->grad_mem, &m->g);
+}
+
+void model_free(Model *m) {
+    if (m->be) {
+        m->be->free(m->param_mem);
+        m->be->free(m->grad_mem);
+        if (m->act_mem) m->be->free(m->act_mem);
+        if (m->tokens_dev) m->be->free(m->tokens_dev);
+        if (m->targets_dev) m->be->free(m->targets_dev);
+    }
+    free(m->params);
+    free(m->p.layer);
+    free(m->g.layer);
+    free(m->acts);
+    free(m->losses_host);
+    memset(m, 0, sizeof *m);
+}
+
+static int ends_with(const char *s, const char *suffix) {
+    size_t a = strlen(s), b = strlen(suffix);
+    return a >= b && strcmp(s + a - b, suffix) == 0;
+}
+
+void model_init_weights(Model *m, uint64_t seed) {
+    /* Drawn on the host in listing order from one stream, so the initial
+     * weights depend only on the seed and the shape. */
+    float *host = xcalloc(m->num_params, sizeof(float));
+    Rng rng;
+    rng_seed(&rng, seed);
+    float resid_scale = 1.0f / sqrtf(2.0f * (float)m->shape.n_layer);
+    for (int i = 0; i < m->num_tensors; i++) {
+        const ParamInfo *p = &m->params[i];
+        float *w = host + p->offset;
+        if (ends_with(p->name, "ln_1.weight") || ends_with(p->name, "ln_2.weight") ||
+            ends_with(p->name, "ln_f.weight")) {
+            for (size_t j = 0; j < p->numel; j++) w[j] = 1.0f;
+        } else if (p->ndim == 2) {
+            float std = 0.02f;
+            if (ends_with(p->name, "c_proj.weight")) std *= resid_scale;
+            size_t rows = (size_t)p->shape[0];
+            /* The padded rows of wte stay zero: no token maps to them. */
+            if (strcmp(p->name, "wte") == 0) rows = (size_t)m->shape.vocab_size;
+            for (size_t j = 0; j < rows * (size_t)p->shape[1]; j++) w[j] = std * rng_normal(&rng);
+        }
+        /* biases stay zero */
+    }
+    m->be->to_device(m->param_mem, host, m->num_params * sizeof(float));
+    free(host);
+}
+
+/* Activation plan: the floats each buffer needs, in one arena. Also used by
+ * --dry-run through model_activation_bytes, so the two can never disagree. */
+static size_t plan_floats(const ModelShape *s, int B, int T, Model *m) {
+    size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head;
+    size_t off = 0;
+    /* Without a model, only count: views are written into a throwaway. */
+    Model sink;
+    LayerActs sink_layer;
+    int assign = m != NULL;
+    if (!m) {
+        memset(&sink, 0, sizeof sink);
+        m = &sink;
+    }
+#define TAKE(ptr, count)                                  \
+    do {                                                  \
+        if (assign) (ptr) = m->act_mem + off;             \
+        off += ((size_t)(count) + 15) / 16 * 16;          \
+    } while (0)
+    TAKE(m->encoded, N * C);
+    for (int l = 0; l < s->n_layer; l++) {
+        LayerActs *a = assign ? &m->acts[l] : &sink_layer;
+        TAKE(a->ln1, N * C);
+        TAKE(a->ln1_mean, N);
+        TAKE(a->ln1_rstd, N);
+        TAKE(a->qkv, N * 3 * C);
+        TAKE(a->atty, N * C);
+        TAKE(a->att_lse, N * NH);
+        TAKE(a->res2, N * C);
+        TAKE(a->ln2, N * C);
+        TAKE(a->ln2_mean, N);
+        TAKE(a->ln2_rstd, N);
+        TAKE(a->fch, N * 4 * C);
+        TAKE(a->fch_gelu, N * 4 * C);
+        TAKE(a->res3, N * C);
+    }
+    TAKE(m->lnf, N * C);
+    TAKE(m->lnf_mean, N);
+    TAKE(m->lnf_rstd, N);
+    TAKE(m->logits, N * (size_t)s->padded_vocab);
+    TAKE(m->losses, N);
+    /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf and
+     * dbuf2 (N,4C) each, dqkv (N,3C), dln (N,C) */
+    TAKE(m->scratch, N * C + 2 * N * 4 * C + N * 3 * C + N * C);
+#undef TAKE
+    return off;
+}
+
+size_t model_activation_bytes(const ModelShape *s, int B, int T) {
+    return plan_floats(s, B, T, NULL) * sizeof(float);
+}
+
+void model_plan_activations(Model *m, int B, int T) {
+    if (T > m->shape.seq_len)
+        kiln_fail(KILN_EXIT_USAGE, "micro-batch length %d exceeds model.seq_len = %d", T, m->shape.seq_len);
+    if (m->act_mem) {
+        m->be->free(m->act_mem);
+        m->be->free(m->tokens_dev);
+        m->be->free(m->targets_dev);
+        free(m->acts);
+        free(m->losses_host);
+    }
+    m->B = B;
+    m->T = T;
+    m->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
+    m->act_floats = plan_floats(&m->shape, B, T, NULL);
+    m->act_mem = m->be->alloc(m->act_floats * sizeof(float));
+    plan_floats(&m->shape, B, T, m);
+    m->tokens_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
+    m->targets_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
+    m->losses_host = xcalloc((size_t)B * T, sizeof(float));
+}
+
+float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T, float dloss) {
+    const Backend *be = m->be;
+    const ModelShape *s = &m->shape;
+    if (B > m->B || T > m->T || B * T > m->B * m->T)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_forward: batch %dx%d exceeds the planned %dx%d", B, T, m->B, m->T);
+    int N = B * T, C = s->n_embd, NH = s->n_head, L = s->n_layer;
+    be->to_device(m->tokens_dev, tokens, (size_t)N * sizeof(int32_t));
+
+    be->embed_forward(m->encoded, m->tokens_dev, m->p.wte, m->p.wpe, B, T, C);
+    const float *x = m->encoded; /* (N,C) residual stream entering layer l */
+    for (int l = 0; l < L; l++) {
+        const LayerParams *w = &m->p.layer[l];
+        LayerActs *a = &m->acts[l];
+        /* The projections' outputs live in scratch only until the residual
+         * add consumes them; the backward pass never needs them. */
+        float *proj = m->scratch;
+        be->layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, w->ln1w, w->ln1b, N, C);
+        be->matmul_forward(a->qkv, a->ln1, w->qkvw, w->qkvb, N, C, 3 * C);
+        be->attention_forward(a->atty, a->att_lse, a->qkv, B, T, C, NH);
+        be->matmul_forward(proj, a->atty, w->attprojw, w->attprojb, N, C, C);
+        be->add(a->res2, x, proj, (size_t)N * C);
+        be->layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, w->ln2w, w->ln2b, N, C);
+        be->matmul_forward(a->fch, a->ln2, w->fcw, w->fcb, N, C, 4 * C);
+        be->gelu_forward(a->fch_gelu, a->fch, (size_t)N * 4 * C);
+        be->matmul_forward(proj, a->fch_gelu, w->fcprojw, w->fcprojb, N, 4 * C, C);
+        be->add(a->res3, a->res2, proj, (size_t)N * C);
+        x = a->res3;
+    }
+    be->layernorm_forward(m->lnf, m->lnf_mean, m->lnf_rstd, x, m->p.lnfw, m->p.lnfb, N, C);
+    /* tied head: logits (N,Vp) = lnf @ wte^T */
+    be->matmul_forward(m->logits, m->lnf, m->p.wte, NULL, N, C, s->padded_vocab);
+
+    m->live_B = B;
+    m->live_T = T;
+    m->have_targets = 0;
+    if (!targets) return 0.0f;
+    be->to_device(m->targets_dev, targets, (size_t)N * sizeof(int32_t));
+    be->crossentropy_forward(m->logits, m->losses, m->targets_dev, N, s->vocab_size, s->padded_vocab, dloss);
+    be->to_host(m->losses_host, m->losses, (size_t)N * sizeof(float));
+    double sum = 0.0;
+    for (int i = 0; i < N; i++) sum += m->losses_host[i];
+    m->have_targets = dloss != 0.0f;
+    return (float)(sum / N);
+}
+
+void model_backward(Model *m, int accumulate) {
+    const Backend *be = m->be;
+    const ModelShape *s = &m->shape;
+    if (!m->have_targets)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_backward: the last forward had no targets or dloss = 0");
+    int B = m->live_B, T = m->live_T, N = B * T;
+    int C = s->n_embd, NH = s->n_head, L = s->n_layer;
+    size_t NC = (size_t)N * C;
+    float *dresidual = m->scratch;          /* (N,C) gradient of the residual stream */
+    float *dbuf = dresidual + NC;           /* (N,4C) */
+    float *dbuf2 = dbuf + 4 * NC;           /* (N,4C) */
+    float *dqkv = dbuf2 + 4 * NC;           /* (N,3C) */
+    float *dln = dqkv + 3 * NC;             /* (N,C) gradient of a norm's output */
+    const float *x_last = L > 0 ? m->acts[L - 1].res3 : m->encoded;
+
+    /* head: logits now hold dlogits (N,Vp) */
+    be->matmul_backward(dln, m->g.wte, NULL, m->logits, m->lnf, m->p.wte, N, C, s->padded_vocab, accumulate);
+    be->zero(dresidual, NC * sizeof(float));
+    be->layernorm_backward(dresidual, m->g.lnfw, m->g.lnfb, dln, x_last, m->p.lnfw, m->lnf_mean, m->lnf_rstd,
+                           N, C, accumulate);
+    for (int l = L - 1; l >= 0; l--) {
+        const LayerParams *w = &m->p.layer[l];
+        const LayerParams *gw = &m->g.layer[l];
+        const LayerActs *a = &m->acts[l];
+        const float *x_in = l > 0 ? m->acts[l - 1].res3 : m->encoded;
+        /* MLP: res3 = res2 + c_proj(gelu(c_fc(ln2(res2)))) */
+        be->matmul_backward(dbuf, gw->fcprojw, gw->fcprojb, dresidual, a->fch_gelu, w->fcprojw, N, 4 * C, C,
+                            accumulate);
+        be->gelu_backward(dbuf2, a->fch, dbuf, (size_t)N * 4 * C);
+        be->matmul_backward(dln, gw->fcw, gw->fcb, dbuf2, a->ln2, w->fcw, N, C, 4 * C, accumulate);
+        be->layernorm_backward(dresidual, gw->ln2w, gw->ln2b, dln, a->res2, w->ln2w, a->ln2_mean, a->ln2_rstd, N,
+                               C, accumulate);
+        /* attention: res2 = x_in + c_proj(attn(c_attn(ln1(x_in)))) */
+        be->matmul_backward(dbuf, gw->attprojw, gw->attprojb, dresidual, a->atty, w->attprojw, N, C, C,
+                            accumulate);
+        be->attention_backward(dqkv, dbuf, a->qkv, a->atty, a->att_lse, B, T, C, NH);
+        be->matmul_backward(dln, gw->qkvw, gw->qkvb, dqkv, a->ln1, w->qkvw, N, C, 3 * C, accumulate);
+        be->layernorm_backward(dresidual, gw->ln1w, gw->ln1b, dln, x_in, w->ln1w, a->ln1_mean, a->ln1_rstd, N, C,
+                               accumulate);
+    }
+    be->embed_backward(m->g.wte, m->g.wpe, dresidual, m->tokens_dev, B, T, C, accumulate);
+    m->have_targets = 0;
+}
+
+void model_logits_row(const Model *m, int b, int t, float *out) {
+    size_t row = (size_t)b * m->live_T + (size_t)t;
+    m->be->to_host(out, m->logits + row * m->shape.padded_vocab, (size_t)m->shape.padded_vocab * sizeof(float));
+}
+
+size_t model_num_params(const Model *m) {
+    size_t n = 0;
+    for (int i = 0; i < m->num_tensors; i++) n += m->params[i].numel;
+    return n;
+}
+
+size_t model_num_nonembedding_params(const Model *m) {
+    size_t n = model_num_params(m);
+    return n - m->params[0].numel - m->params[1].numel;
+}
+
+double model_flops_per_token(const ModelShape *s, int T) {
+    double L = s->n_layer, C = s->n_embd, V = s->vocab_size;
+    /* per layer: qkv 3C^2 + proj C^2 + fc 4C^2 + fcproj 4C^2 weights */
+    double matmul_params = L * 12.0 * C * C + C * V;
+    /* Each weight costs 2 FLOPs forward and 4 backward per token. Attention
+     * scores and the weighted sum cost 2*2*T*C per token and layer forward,
+     * twice that backward: 12*L*T*C, halved because the mask is causal. */
+    return 6.0 * matmul_params + 6.0 * L * T * C;
+}
+
+const ParamInfo *model_find_param(const Model *m, const char *name) {
+    for (int i = 0; i < m->num_tensors; i++)
+        if (strcmp(m->params[i].name, name) == 0) return &m->params[i];
+    return NULL;
+}
+
+/* llm.c's GPT-2 checkpoint: 256 int32 header, then each parameter kind
+ * stacked over layers, in llm.c's order. */
+void model_load_llmc(Model *m, const char *path) {
+    const ModelShape *s = &m->shape;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        kiln_hint("init.from names an llm.c GPT-2 checkpoint such as gpt2_124M.bin");
+        kiln_fail(KILN_EXIT_USAGE, "%s: cannot open llm.c checkpoint (key 'init.from')", path);
+    }
+    int32_t h[256];
+    if (fread(h, sizeof(int32_t), 256, f) != 256) {
+        fclose(f);
+        kiln_fail(KILN_EXIT_USAGE, "%s: truncated llm.c checkpoint header", path);
+    }
+    if (h[0] != 20240326) {
+        fclose(f);
+        kiln_fail(KILN_EXIT_USAGE, "%s: bad magic %d (an llm.c GPT-2 checkpoint has 20240326)", path, h[0]);
+    }
+    if (h[1] != 3) {
+        fclose(f);
+        kiln_fail(KILN_EXIT_USAGE, "%s: llm.c checkpoint version %d; only version 3 (fp32) is supported", path, h[1]);
+    }
+    int maxT = h[2], V = h[3], L = h[4], NH = h[5], C = h[6], Vp = h[7];
+    const char *bad = NULL;
+    int have = 0, want = 0;
+    if (L != s->n_layer) bad = "model.n_layer", have = L, want = s->n_layer;
+    else if (NH != s->n_head) bad = "model.n_head", have = NH, want = s->n_head;
+    else if (C != s->n_embd) bad = "model.n_embd", have = C, want = s->n_embd;
+    else if (V != s->vocab_size) bad = "model.vocab_size", have = V, want = s->vocab_size;
+    else if (maxT < s->seq_len) bad = "model.seq_len", have = maxT, want = s->seq_len;
+    else if (Vp < V || Vp > 1 << 30 || maxT > 1 << 24) bad = "padded_vocab", have = Vp, want = s->padded_vocab;
+    if (bad) {
+        fclose(f);
+        kiln_fail(KILN_EXIT_USAGE, "%s: llm.c checkpoint has %s = %d but the config says %d", path, bad, have, want);
+    }
+    size_t Cz = (size_t)C, Lz = (size_t)L;
+    /* llm.c order: wte, wpe, ln1w, ln1b, qkvw, qkvb, attprojw, attprojb, ln2w,
+     * ln2b, fcw, fcb, fcprojw, fcprojb, lnfw, lnfb. */
+    size_t per_layer_sizes[12] = {Cz, Cz, 3 * Cz * Cz, 3 * Cz, Cz * Cz, Cz, Cz, Cz, 4 * Cz * Cz, 4 * Cz, 4 * Cz * Cz, Cz};
+    size_t total = (size_t)Vp * Cz + (size_t)maxT * Cz + 2 * Cz;
+    for (int k = 0; k < 12; k++) total += Lz * per_layer_sizes[k];
+    fseek(f, 0, SEEK_END);
+    long fsize = ftell(f);
+    if (fsize < 0 || (size_t)fsize != 1024 + total * sizeof(float)) {
+        fclose(f);
+        kiln_fail(KILN_EXIT_USAGE, "%s: file holds %ld bytes but its header implies %zu (truncated or not fp32)", path,
+                  fsize, 1024 + total * sizeof(float));
+    }
+    fseek(f, 1024, SEEK_SET);
+    float *src = xmalloc(total * sizeof(float));
+    if (fread(src, sizeof(float), total, f) != total) {
+        fclose(f);
+        free(src);
+        kiln_fail(KILN_EXIT_USAGE, "%s: read error", path);
+    }
+    fclose(f);
+    float *host = xcalloc(m->num_params, sizeof(float));
+    const float *p = src;
+    memcpy(host + m->params[0].offset, p, (size_t)V * Cz * sizeof(float)); /* padded rows stay zero */
+    p += (size_t)Vp * Cz;
+    memcpy(host + m->params[1].offset, p, (size_t)s->seq_len * Cz * sizeof(float));
+    p += (size_t)maxT * Cz;
+    for (int k = 0; k < 12; k++) {
+        for (int l = 0; l < L; l++) {
+            const ParamInfo *info = &m->params[2 + 12 * l + k];
+            memcpy(host + info->offset, p, per_layer_sizes[k] * sizeof(float));
+            p += per_layer_sizes[k];
+        }
+    }
+    memcpy(host + m->params[2 + 12 * L].offset, p, Cz * sizeof(float));
+    memcpy(host + m->params[3 + 12 * L].offset, p + Cz, Cz * sizeof(float));
+    m->be->to_device(m->param_mem, host, m->num_params * sizeof(float));
+    free(host);
+    free(src);
+}

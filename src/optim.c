@@ -1,0 +1,86 @@
+/* optim: schedules, clipping, AdamW. The update arithmetic is the backend's
+ * (adamw_update, sumsq); this file decides what to call with which numbers. */
+#include "optim.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "util.h"
+
+int optim_sched_kind(const char *name) {
+    if (strcmp(name, "constant") == 0) return SCHED_CONSTANT;
+    if (strcmp(name, "linear") == 0) return SCHED_LINEAR;
+    if (strcmp(name, "cosine") == 0) return SCHED_COSINE;
+    if (strcmp(name, "wsd") == 0) return SCHED_WSD;
+    return -1;
+}
+
+float optim_lr(const Schedule *s, int step) {
+    double lr = s->lr, floor = s->lr * (double)s->min_lr_ratio;
+    if (step < s->warmup_steps) return (float)(lr * (step + 1) / s->warmup_steps);
+    if (s->kind == SCHED_CONSTANT) return (float)lr;
+    int start = s->warmup_steps;
+    if (s->kind == SCHED_WSD) {
+        /* stable at the peak, then a linear decay over the last decay_ratio of
+         * all steps (never into the warmup) */
+        int decay_steps = (int)lround((double)s->decay_ratio * s->steps);
+        int decay_start = s->steps - decay_steps;
+        if (decay_start < s->warmup_steps) decay_start = s->warmup_steps;
+        if (step < decay_start) return (float)lr;
+        start = decay_start;
+    }
+    /* progress runs 0 -> 1 from the first post-warmup step to the last step,
+     * so the final step trains at exactly the floor */
+    int span = s->steps - 1 - start;
+    double p = span > 0 ? (double)(step - start) / span : 1.0;
+    if (p > 1.0) p = 1.0;
+    if (p < 0.0) p = 0.0;
+    double frac = s->kind == SCHED_COSINE ? 0.5 * (1.0 + cos(M_PI * p)) : 1.0 - p;
+    return (float)(floor + (lr - floor) * frac);
+}
+
+void optim_init(AdamW *o, const Backend *be, size_t n, size_t n_decay, float beta1, float beta2, float eps,
+                float weight_decay, float grad_clip) {
+    memset(o, 0, sizeof *o);
+    o->be = be;
+    o->n = n;
+    o->n_decay = n_decay;
+    o->beta1 = beta1;
+    o->beta2 = beta2;
+    o->eps = eps;
+    o->weight_decay = weight_decay;
+    o->grad_clip = grad_clip;
+    o->m = be->alloc(n * sizeof(float));
+    o->v = be->alloc(n * sizeof(float));
+}
+
+void optim_free(AdamW *o) {
+    if (o->be) {
+        o->be->free(o->m);
+        o->be->free(o->v);
+    }
+    memset(o, 0, sizeof *o);
+}
+
+OptimStepInfo optim_step(AdamW *o, float *params, const float *grads, float lr) {
+    OptimStepInfo info = {0};
+    info.grad_norm = sqrt(o->be->sumsq(grads, o->n));
+    info.grad_scale = 1.0f;
+    if (!isfinite(info.grad_norm)) {
+        info.nonfinite = 1;
+        return info;
+    }
+    /* clip_grad_norm_'s rule (+1e-6 guards a zero norm), applied inside the
+     * update so the gradients are read once */
+    if (o->grad_clip > 0.0f) {
+        double coef = o->grad_clip / (info.grad_norm + 1e-6);
+        if (coef < 1.0) info.grad_scale = (float)coef;
+    }
+    o->t++;
+    const Backend *be = o->be;
+    be->adamw_update(params, grads, o->m, o->v, o->n_decay, lr, o->beta1, o->beta2, o->eps, o->weight_decay,
+                     info.grad_scale, o->t);
+    be->adamw_update(params + o->n_decay, grads + o->n_decay, o->m + o->n_decay, o->v + o->n_decay,
+                     o->n - o->n_decay, lr, o->beta1, o->beta2, o->eps, 0.0f, info.grad_scale, o->t);
+    return info;
+}

@@ -1,0 +1,51 @@
+/* optim: learning-rate schedules, global-norm clipping and AdamW over the
+ * model's parameter arena. Owns the optimizer state arenas (m, v). Never reads
+ * data or knows the model's architecture: it sees flat arenas and the split
+ * point between decayed and undecayed parameters. */
+#ifndef KILN_OPTIM_H
+#define KILN_OPTIM_H
+
+#include <stddef.h>
+
+#include "backend.h"
+
+typedef enum { SCHED_CONSTANT, SCHED_LINEAR, SCHED_COSINE, SCHED_WSD } SchedKind;
+
+typedef struct Schedule {
+    SchedKind kind;
+    float lr;           /* peak */
+    int warmup_steps;   /* linear warmup from lr/warmup to lr */
+    int steps;          /* total optimizer steps */
+    float min_lr_ratio; /* floor = lr * min_lr_ratio */
+    float decay_ratio;  /* wsd: fraction of steps in the final linear decay */
+} Schedule;
+
+/* "cosine" | "linear" | "constant" | "wsd" -> kind; -1 if unknown. */
+int optim_sched_kind(const char *name);
+/* Learning rate for optimizer step `step` (0-based). */
+float optim_lr(const Schedule *s, int step);
+
+typedef struct AdamW {
+    const Backend *be;
+    float *m, *v;      /* device (n): first and second moments */
+    size_t n;          /* parameters */
+    size_t n_decay;    /* [0, n_decay) get weight decay */
+    float beta1, beta2, eps, weight_decay, grad_clip;
+    int t;             /* optimizer steps taken */
+} AdamW;
+
+typedef struct OptimStepInfo {
+    double grad_norm;  /* global L2 norm before clipping */
+    float grad_scale;  /* factor applied by clipping (1 = none) */
+    int nonfinite;     /* gradient had NaN/Inf: no update was made */
+} OptimStepInfo;
+
+void optim_init(AdamW *o, const Backend *be, size_t n, size_t n_decay, float beta1, float beta2, float eps,
+                float weight_decay, float grad_clip);
+void optim_free(AdamW *o);
+
+/* One step: norm of grads, clip, update params in place with `lr`. A
+ * non-finite gradient norm leaves params and state untouched. */
+OptimStepInfo optim_step(AdamW *o, float *params, const float *grads, float lr);
+
+#endif
