@@ -10,7 +10,7 @@ CFLAGS  += -std=c11 $(OPT) $(ARCH) -fopenmp -Wall -Wextra -Wno-unused-parameter 
 LDLIBS  += -lyaml -lzstd -lm -lpthread
 VERSION := 0.1.0
 COMMIT  := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)$(shell git diff --quiet HEAD 2>/dev/null || echo -dirty)
-CFLAGS  += -DKILN_VERSION='"$(VERSION)"' -DKILN_COMMIT='"$(COMMIT)"'
+CFLAGS  += -DKILN_VERSION='"$(VERSION)"'
 
 # OpenBLAS, the OpenMP build, so BLAS threads and kiln's threads share one pool
 # instead of fighting over the cores.
@@ -27,7 +27,7 @@ OBJ  := $(SRC:%.c=$(BUILD)/%.o)
 TEST_SRC := $(wildcard test/test_*.c)
 TEST_BIN := $(TEST_SRC:test/%.c=$(BUILD)/test/%)
 
-.PHONY: all deps run test bench cuda-check clean found
+.PHONY: all deps run test bench clean found FORCE
 all: found train
 
 found:
@@ -38,6 +38,16 @@ found:
 
 train: $(OBJ) $(BUILD)/main.o
 	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
+
+# The commit is baked into main.o only; the stamp changes only when the commit
+# does, so a commit rebuilds one file and nothing else.
+$(BUILD)/commit.stamp: FORCE
+	@mkdir -p $(BUILD)
+	@echo '$(COMMIT)' | cmp -s - $@ || echo '$(COMMIT)' > $@
+$(BUILD)/main.o: main.c $(BUILD)/commit.stamp
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DKILN_COMMIT='"$(COMMIT)"' -c -o $@ $<
+FORCE:
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)

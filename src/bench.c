@@ -1,0 +1,121 @@
+/* bench: `./train bench CONFIG` — the throughput of whole optimizer steps next
+ * to the backend's own matrix-product rate at the model's shapes, measured in
+ * the same process so the ratio survives a noisy, shared machine. Random
+ * tokens: no data files needed. Never asserts anything about speed. */
+#include "bench.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "model.h"
+#include "optim.h"
+#include "util.h"
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof(double), cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* FLOP/s of the backend's matmul forward + backward over every product of one
+ * micro-batch (per layer: qkv, attention proj, fc, fc proj; plus the head),
+ * each timed `reps` times; total FLOPs over total median times. */
+static double matmul_rate(const Backend *be, const ModelShape *s, int N, int reps) {
+    int C = s->n_embd;
+    int shapes[5][2] = {{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}, {C, s->padded_vocab}};
+    int count[5] = {s->n_layer, s->n_layer, s->n_layer, s->n_layer, 1};
+    size_t max_in = (size_t)N * 4 * C, max_out = (size_t)N * (s->padded_vocab > 4 * C ? s->padded_vocab : 4 * C);
+    size_t max_w = (size_t)C * (s->padded_vocab > 4 * C ? s->padded_vocab : 4 * C);
+    float *inp = be->alloc(max_in * sizeof(float)), *dinp = be->alloc(max_in * sizeof(float));
+    float *out = be->alloc(max_out * sizeof(float));
+    float *w = be->alloc(max_w * sizeof(float)), *dw = be->alloc(max_w * sizeof(float));
+    /* non-zero operands: some BLAS paths shortcut on zeros */
+    float *host = xmalloc(max_out * sizeof(float));
+    Rng rng;
+    rng_seed(&rng, 7);
+    for (size_t i = 0; i < max_out; i++) host[i] = rng_uniform(&rng) - 0.5f;
+    be->to_device(inp, host, max_in * sizeof(float));
+    be->to_device(w, host, max_w * sizeof(float));
+    be->to_device(out, host, max_out * sizeof(float));
+    double flops = 0.0, seconds = 0.0;
+    double *times = xmalloc((size_t)reps * sizeof(double));
+    for (int k = 0; k < 5; k++) {
+        int IC = shapes[k][0], OC = shapes[k][1];
+        /* no bias: the rate is that of the products alone, the honest ceiling */
+        be->matmul_forward(out, inp, w, NULL, N, IC, OC); /* warm-up */
+        for (int r = 0; r < reps; r++) {
+            be->sync();
+            double t0 = kiln_now();
+            be->matmul_forward(out, inp, w, NULL, N, IC, OC);
+            be->matmul_backward(dinp, dw, NULL, out, inp, w, N, IC, OC, 1);
+            be->sync();
+            times[r] = kiln_now() - t0;
+        }
+        seconds += count[k] * median(times, reps);
+        flops += count[k] * 6.0 * N * IC * OC;
+    }
+    free(times);
+    free(host);
+    be->free(inp), be->free(dinp), be->free(out), be->free(w), be->free(dw);
+    return flops / seconds;
+}
+
+int bench_run(const Config *c, int steps) {
+    ModelShape s = {c->n_layer, c->n_head, c->n_embd, c->seq_len, c->vocab_size, 0};
+    model_shape_resolve(&s);
+    const Backend *be = backend_get(c->device);
+    if (!be) kiln_fail(KILN_EXIT_USAGE, "key 'device': '%s' is not available in this build", c->device);
+    const char *desc = be->init(c->threads);
+    int B = c->micro_batch, T = c->seq_len, N = B * T;
+
+    Model m;
+    model_init(&m, be, &s, c->decay_embeddings);
+    model_init_weights(&m, c->seed);
+    model_plan_activations(&m, B, T);
+    AdamW opt;
+    optim_init(&opt, be, m.num_params, m.num_decay, c->beta1, c->beta2, c->eps, c->weight_decay, c->grad_clip);
+
+    int32_t *inp = xmalloc((size_t)N * sizeof(int32_t)), *tgt = xmalloc((size_t)N * sizeof(int32_t));
+    Rng rng;
+    rng_seed(&rng, c->seed);
+    double *times = xmalloc((size_t)(steps + 1) * sizeof(double));
+    float dloss = 1.0f / (float)((size_t)N * c->grad_accum);
+    float loss = 0.0f;
+    /* step 0 is a warm-up (page faults, BLAS buffers) and is not counted */
+    for (int step = 0; step <= steps; step++) {
+        be->sync();
+        double t0 = kiln_now();
+        for (int micro = 0; micro < c->grad_accum; micro++) {
+            for (int i = 0; i < N; i++) {
+                inp[i] = (int32_t)rng_below(&rng, (uint64_t)s.vocab_size);
+                tgt[i] = (int32_t)rng_below(&rng, (uint64_t)s.vocab_size);
+            }
+            loss = model_forward(&m, inp, tgt, B, T, dloss);
+            model_backward(&m, micro > 0);
+        }
+        optim_step(&opt, m.param_mem, m.grad_mem, c->lr);
+        be->sync();
+        times[step] = kiln_now() - t0;
+    }
+    double step_s = median(times + 1, steps);
+    double tokens = (double)c->total_tokens;
+    double fpt = model_flops_per_token(&s, T);
+    double step_gflops = fpt * tokens / step_s / 1e9;
+    double mm_gflops = matmul_rate(be, &s, N, 5) / 1e9;
+    printf("bench %s: %s | %d layers, %d wide, B=%d T=%d, %d micro-batch(es)/step, loss %.3f\n", c->run_name, desc,
+           s.n_layer, s.n_embd, B, T, c->grad_accum, loss);
+    printf("bench: step %.3f s (median of %d) | matmul %.1f GFLOP/s at the model's shapes\n", step_s, steps,
+           mm_gflops);
+    printf("bench: tok_per_s=%.1f step_gflops=%.1f sgemm_gflops=%.1f ratio=%.3f\n", tokens / step_s, step_gflops,
+           mm_gflops, step_gflops / mm_gflops);
+    free(inp), free(tgt), free(times);
+    optim_free(&opt);
+    model_free(&m);
+    return KILN_EXIT_OK;
+}

@@ -1,0 +1,289 @@
+/* train: one run from a resolved Config — backend, model, data, optimizer, the
+ * step loop, evaluation, sampling and the run directory's files. Host logic
+ * only: every tensor operation goes through the backend table. */
+#include "train.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "data.h"
+#include "model.h"
+#include "optim.h"
+#include "tokenizer.h"
+#include "util.h"
+
+static void shape_from_config(const Config *c, ModelShape *s) {
+    s->n_layer = c->n_layer;
+    s->n_head = c->n_head;
+    s->n_embd = c->n_embd;
+    s->seq_len = c->seq_len;
+    s->vocab_size = c->vocab_size;
+    model_shape_resolve(s);
+}
+
+static void print_bytes(const char *what, double bytes) {
+    const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int u = 0;
+    while (bytes >= 1024.0 && u < 4) bytes /= 1024.0, u++;
+    printf("  %-22s %9.2f %s\n", what, bytes, unit[u]);
+}
+
+/* --dry-run: the plan, without data or training. */
+static void print_plan(const Config *c, const ModelShape *s) {
+    /* Counting needs the table, not the memory: a model on the CPU backend
+     * with real arenas would allocate gigabytes for large shapes, so count
+     * from the shape directly. */
+    size_t C = (size_t)s->n_embd, L = (size_t)s->n_layer;
+    size_t params = (size_t)s->padded_vocab * C + (size_t)s->seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
+    size_t nonemb = params - (size_t)s->padded_vocab * C - (size_t)s->seq_len * C;
+    double fpt = model_flops_per_token(s, s->seq_len);
+    int64_t tokens_per_step = c->total_tokens;
+    printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d)\n", c->run_name, c->arch,
+           s->n_layer, s->n_head, s->n_embd, s->seq_len, s->vocab_size, s->padded_vocab);
+    printf("  parameters             %zu (%.2fM; %.2fM without embeddings)\n", params, params / 1e6, nonemb / 1e6);
+    printf("  FLOPs per token        %.4g (training: forward + backward)\n", fpt);
+    print_bytes("parameters", (double)params * 4);
+    print_bytes("gradients", (double)params * 4);
+    print_bytes("optimizer state", (double)params * 8);
+    print_bytes("activations", (double)model_activation_bytes(s, c->micro_batch, s->seq_len));
+    printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps)\n",
+           (long long)tokens_per_step, c->micro_batch, c->seq_len, c->grad_accum);
+    printf("  micro-batches per step %d\n", c->grad_accum);
+    printf("  steps                  %d\n", c->steps);
+    printf("  tokens in total        %lld (%.3g)\n", (long long)tokens_per_step * c->steps,
+           (double)tokens_per_step * c->steps);
+    printf("  FLOPs in total         %.4g\n", fpt * (double)tokens_per_step * c->steps);
+}
+
+/* Mean loss over `batches` validation batches, always from the start of the
+ * validation order so every evaluation sees the same tokens. */
+static float evaluate(Model *m, DataLoader *val, int batches, int B, int T, int32_t *inp, int32_t *tgt) {
+    DataPos start = {0, 0};
+    data_set_pos(val, start);
+    double sum = 0.0;
+    for (int i = 0; i < batches; i++) {
+        data_next_batch(val, inp, tgt);
+        sum += model_forward(m, inp, tgt, B, T, 0.0f);
+    }
+    return (float)(sum / batches);
+}
+
+/* Draw the next token from logits[0..V) with temperature and top-k. */
+static int sample_token(const float *logits, int V, float temperature, int top_k, Rng *rng, float *probs) {
+    if (temperature <= 0.0f) {
+        int best = 0;
+        for (int i = 1; i < V; i++)
+            if (logits[i] > logits[best]) best = i;
+        return best;
+    }
+    float cutoff = -INFINITY;
+    if (top_k > 0 && top_k < V) {
+        /* the k-th largest logit, by partial selection on a copy */
+        memcpy(probs, logits, (size_t)V * sizeof(float));
+        for (int i = 0; i < top_k; i++) {
+            int best = i;
+            for (int j = i + 1; j < V; j++)
+                if (probs[j] > probs[best]) best = j;
+            float t = probs[i];
+            probs[i] = probs[best];
+            probs[best] = t;
+        }
+        cutoff = probs[top_k - 1];
+    }
+    float maxv = -INFINITY;
+    for (int i = 0; i < V; i++)
+        if (logits[i] > maxv) maxv = logits[i];
+    double sum = 0.0;
+    for (int i = 0; i < V; i++) {
+        probs[i] = logits[i] >= cutoff ? (float)exp((logits[i] - maxv) / temperature) : 0.0f;
+        sum += probs[i];
+    }
+    double u = rng_uniform_double(rng) * sum, acc = 0.0;
+    for (int i = 0; i < V; i++) {
+        acc += probs[i];
+        if (u < acc && probs[i] > 0.0f) return i;
+    }
+    for (int i = V - 1; i >= 0; i--)
+        if (probs[i] > 0.0f) return i;
+    return 0;
+}
+
+/* Generate c->sample_tokens tokens after a start token and print them. The
+ * model recomputes the whole window each token (no KV cache): sampling is
+ * occasional and small next to training. */
+static void generate(Model *m, const Config *c, const Tokenizer *tok, uint64_t seed, int32_t *ctx, FILE *out) {
+    const ModelShape *s = &m->shape;
+    int V = s->vocab_size, Tmax = m->T;
+    float *logits = xmalloc((size_t)s->padded_vocab * sizeof(float));
+    float *probs = xmalloc((size_t)s->padded_vocab * sizeof(float));
+    Rng rng;
+    rng_seed(&rng, seed);
+    int eot = tok_eot(tok);
+    int start = eot >= 0 ? eot : '\n';
+    int n = 0;
+    ctx[n++] = start;
+    char buf[256];
+    for (int i = 0; i < c->sample_tokens; i++) {
+        /* keep the last Tmax tokens as the window */
+        int off = n > Tmax ? n - Tmax : 0;
+        int len = n - off;
+        model_forward(m, ctx + off, NULL, 1, len, 0.0f);
+        model_logits_row(m, 0, len - 1, logits);
+        int next = sample_token(logits, V, c->sample_temperature, c->sample_top_k, &rng, probs);
+        if (next == eot) break;
+        if (n == 2 * Tmax) { /* slide the buffer instead of growing it */
+            memmove(ctx, ctx + Tmax, (size_t)Tmax * sizeof(int32_t));
+            n = Tmax;
+        }
+        ctx[n++] = next;
+        size_t k = tok_decode(tok, (uint32_t)next, buf, sizeof buf);
+        fwrite(buf, 1, k, out);
+    }
+    fputc('\n', out);
+    fflush(out);
+    free(logits);
+    free(probs);
+}
+
+static FILE *open_in_run_dir(const Config *c, const char *name, const char *mode) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", c->run_dir, name);
+    FILE *f = fopen(path, mode);
+    if (!f) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot open for writing", path);
+    return f;
+}
+
+static void write_resolved_config(const Config *c) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/config.yaml", c->run_dir);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *mem = open_memstream(&text, &len);
+    if (!mem) kiln_fail(KILN_EXIT_RUNTIME, "open_memstream failed");
+    cfg_write_yaml(c, mem);
+    fclose(mem);
+    if (kiln_write_file_atomic(path, text, len) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write", path);
+    free(text);
+}
+
+int train_run(const Config *c, int dry_run) {
+    ModelShape shape;
+    shape_from_config(c, &shape);
+    if (dry_run) {
+        print_plan(c, &shape);
+        return KILN_EXIT_OK;
+    }
+
+    const Backend *be = backend_get(c->device);
+    if (!be)
+        kiln_fail(KILN_EXIT_USAGE, "key 'device': '%s' is not available in this build (./train --version lists the backends)",
+                  c->device);
+    const char *desc = be->init(c->threads);
+
+    Tokenizer *tok = tok_open(c->tokenizer, c->tokenizer_file);
+    if (tok_vocab_size(tok) > c->vocab_size)
+        kiln_fail(KILN_EXIT_USAGE, "key 'model.vocab_size': %d is smaller than the %s tokenizer's %d ids", c->vocab_size,
+                  c->tokenizer, tok_vocab_size(tok));
+
+    if (kiln_mkdirs(c->run_dir) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot create the run directory", c->run_dir);
+    write_resolved_config(c);
+
+    int B = c->micro_batch, T = c->seq_len;
+    DataLoader *train = data_open(c->train_glob, "data.train", B, T, c->vocab_size, 1, c->seed, 0, 1);
+    DataLoader *val = c->val_glob[0] ? data_open(c->val_glob, "data.val", B, T, c->vocab_size, 0, c->seed, 0, 1) : NULL;
+
+    Model model;
+    model_init(&model, be, &shape, c->decay_embeddings);
+    if (c->init_from[0]) model_load_llmc(&model, c->init_from);
+    else model_init_weights(&model, c->seed);
+    model_plan_activations(&model, B, T);
+
+    AdamW opt;
+    optim_init(&opt, be, model.num_params, model.num_decay, c->beta1, c->beta2, c->eps, c->weight_decay, c->grad_clip);
+    Schedule sched = {(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps, c->min_lr_ratio,
+                      c->decay_ratio};
+
+    double fpt = model_flops_per_token(&shape, T);
+    printf("kiln %s | %s\n", KILN_VERSION, desc);
+    printf("run %s -> %s\n", c->run_name, c->run_dir);
+    printf("model gpt2: %zu parameters (%.2fM), %.3g FLOPs/token\n", model_num_params(&model),
+           model_num_params(&model) / 1e6, fpt);
+    printf("data: %llu train tokens in %d shard(s)", (unsigned long long)data_num_tokens(train), data_num_shards(train));
+    if (val) printf(", %llu val tokens", (unsigned long long)data_num_tokens(val));
+    printf("\nbatch: %d x %d tokens x %d accumulation = %lld tokens/step, %d steps\n", B, T, c->grad_accum,
+           (long long)c->total_tokens, c->steps);
+    fflush(stdout);
+
+    FILE *metrics = open_in_run_dir(c, "metrics.jsonl", "w");
+    size_t N = (size_t)B * T;
+    int32_t *inp = xmalloc(N * sizeof(int32_t));
+    int32_t *tgt = xmalloc(N * sizeof(int32_t));
+    int32_t *ctx = xmalloc((size_t)2 * T * sizeof(int32_t) + 8);
+    float dloss = 1.0f / (float)(N * (size_t)c->grad_accum);
+    double t_start = kiln_now();
+    float val_loss = NAN, last_loss = NAN;
+
+    for (int step = 0; step < c->steps; step++) {
+        double t0 = kiln_now();
+        float lr = optim_lr(&sched, step);
+        double loss_sum = 0.0;
+        for (int micro = 0; micro < c->grad_accum; micro++) {
+            data_next_batch(train, inp, tgt);
+            loss_sum += model_forward(&model, inp, tgt, B, T, dloss);
+            model_backward(&model, micro > 0);
+        }
+        float loss = (float)(loss_sum / c->grad_accum);
+        OptimStepInfo info = optim_step(&opt, model.param_mem, model.grad_mem, lr);
+        if (!isfinite(loss) || info.nonfinite)
+            kiln_fail(KILN_EXIT_RUNTIME, "step %d: non-finite %s (loss %g, gradient norm %g); parameters were not updated",
+                      step + 1, isfinite(loss) ? "gradient" : "loss", loss, info.grad_norm);
+        be->sync();
+        double dt = kiln_now() - t0;
+        double tok_s = (double)c->total_tokens / dt;
+        last_loss = loss;
+        int last = step == c->steps - 1;
+        int evaluated = 0;
+        if (val && ((c->eval_every > 0 && (step + 1) % c->eval_every == 0) || last)) {
+            val_loss = evaluate(&model, val, c->eval_batches, B, T, inp, tgt);
+            evaluated = 1;
+        }
+        if ((step + 1) % c->log_every == 0 || last || evaluated) {
+            printf("step %*d/%d | loss %.4f | lr %.3e | norm %.3f | %.0f tok/s | %.1f GFLOP/s | %.0f ms",
+                   (int)snprintf(NULL, 0, "%d", c->steps), step + 1, c->steps, loss, lr, info.grad_norm, tok_s,
+                   fpt * tok_s / 1e9, dt * 1e3);
+            if (evaluated) printf(" | val %.4f", val_loss);
+            printf("\n");
+            fflush(stdout);
+        }
+        fprintf(metrics,
+                "{\"step\":%d,\"tokens\":%lld,\"loss\":%.6g,\"lr\":%.6g,\"grad_norm\":%.6g,\"grad_scale\":%.6g,"
+                "\"tok_per_s\":%.6g,\"step_time_s\":%.6g,\"elapsed_s\":%.6g",
+                step + 1, (long long)c->total_tokens * (step + 1), loss, lr, info.grad_norm, info.grad_scale, tok_s,
+                dt, kiln_now() - t_start);
+        if (evaluated) fprintf(metrics, ",\"val_loss\":%.6g", val_loss);
+        fprintf(metrics, "}\n");
+        fflush(metrics);
+        if (c->sample_every > 0 && ((step + 1) % c->sample_every == 0 || last)) {
+            printf("--- sample at step %d ---\n", step + 1);
+            generate(&model, c, tok, c->seed ^ (0x9e3779b97f4a7c15ULL * (uint64_t)(step + 1)), ctx, stdout);
+            printf("---\n");
+        }
+    }
+    fclose(metrics);
+    printf("done: %d steps in %.1f s | final loss %.4f", c->steps, kiln_now() - t_start, last_loss);
+    if (val) printf(" | val loss %.4f", val_loss);
+    printf("\nrun directory: %s\n", c->run_dir);
+
+    free(inp);
+    free(tgt);
+    free(ctx);
+    optim_free(&opt);
+    model_free(&model);
+    data_close(train);
+    if (val) data_close(val);
+    tok_free(tok);
+    if (be->shutdown) be->shutdown();
+    return KILN_EXIT_OK;
+}
