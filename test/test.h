@@ -4,8 +4,11 @@
 #ifndef KILN_TEST_H
 #define KILN_TEST_H
 
-#include <stdio.h>
 #include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 static int test_failures = 0;
 
@@ -22,6 +25,35 @@ static void test_report(int ok, const char *name, const char *fmt, ...) {
         printf("\n");
     }
     fflush(stdout);
+}
+
+/* Run fn(arg) in a child process (for code that exits on bad input), its
+ * stderr captured into err (NUL-terminated). Returns the child's exit status,
+ * or 128 + signal if it was killed. */
+static int test_run_child(void (*fn)(void *), void *arg, char *err, size_t cap) {
+    int fd[2];
+    if (pipe(fd) != 0) {
+        perror("pipe");
+        exit(1);
+    }
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(fd[0]);
+        dup2(fd[1], 2);
+        fn(arg);
+        _exit(0);
+    }
+    close(fd[1]);
+    size_t n = 0;
+    ssize_t r;
+    while (n + 1 < cap && (r = read(fd[0], err + n, cap - 1 - n)) > 0) n += (size_t)r;
+    err[n] = '\0';
+    close(fd[0]);
+    int st;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
 #endif

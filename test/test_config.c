@@ -35,28 +35,22 @@ static const char *write_yaml(const char *name, const char *text) {
     return p;
 }
 
+typedef struct LoadArgs {
+    const char *path;
+    const char *const *sets;
+    int nsets;
+} LoadArgs;
+
+static void load_in_child(void *arg) {
+    const LoadArgs *a = arg;
+    Config c;
+    cfg_load(&c, a->path, a->sets, a->nsets);
+}
+
 /* Run cfg_load in a child (it exits on error); return its exit status and its stderr. */
 static int load_child(const char *path, const char *const *sets, int nsets, char *err, size_t cap) {
-    int fd[2];
-    if (pipe(fd)) { perror("pipe"); exit(1); }
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        close(fd[0]);
-        dup2(fd[1], 2);
-        Config c;
-        cfg_load(&c, path, sets, nsets);
-        _exit(0);
-    }
-    close(fd[1]);
-    size_t n = 0;
-    ssize_t r;
-    while (n + 1 < cap && (r = read(fd[0], err + n, cap - 1 - n)) > 0) n += (size_t)r;
-    err[n] = 0;
-    close(fd[0]);
-    int st;
-    waitpid(pid, &st, 0);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    LoadArgs a = {path, sets, nsets};
+    return test_run_child(load_in_child, &a, err, cap);
 }
 
 /* Expect loading to exit 2 with every NULL-terminated substring in its stderr. */
@@ -297,7 +291,7 @@ static void test_doc(void) {
     size_t want_len, have_len = 0;
     char *want = doc_text(&want_len), *have = kiln_read_file("docs/config.md", &have_len);
     test_report(have && have_len == want_len && !memcmp(have, want, want_len), "config_doc_current",
-                "docs/config.md differs from cfg_write_doc(); regenerate: build/test/test_config --write-doc");
+                "docs/config.md differs from cfg_write_doc(); regenerate: ./train config-doc > docs/config.md");
     test_report(strstr(want, "`optim.lr`") && strstr(want, "`--set") && strstr(want, "| key | type | default"),
                 "config_doc_content", "doc lacks keys, --set or table header");
     free(want);

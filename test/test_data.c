@@ -47,32 +47,25 @@ static unsigned char *read_raw(const char *name, size_t *len) {
     return b;
 }
 
+typedef struct OpenArgs {
+    const char *pattern;
+    int T, vocab;
+} OpenArgs;
+
+static void open_in_child(void *arg) {
+    const OpenArgs *a = arg;
+    DataLoader *dl = data_open(a->pattern, "data.train", 2, a->T, a->vocab, 1, 1, 0, 1);
+    int32_t in[2 * 64], tg[2 * 64];
+    data_next_batch(dl, in, tg);
+}
+
 /* Run data_open(pattern...) + one batch in a child; expect exit 2 and every
  * needle in its stderr. */
 static void expect_fail(const char *name, const char *pattern, int T, int vocab,
                         const char *needle1, const char *needle2) {
-    int fd[2];
-    if (pipe(fd) != 0) exit(1);
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        close(fd[0]);
-        dup2(fd[1], 2);
-        DataLoader *dl = data_open(pattern, "data.train", 2, T, vocab, 1, 1, 0, 1);
-        int32_t in[2 * 64], tg[2 * 64];
-        data_next_batch(dl, in, tg);
-        _exit(0);
-    }
-    close(fd[1]);
     char msg[4096];
-    size_t n = 0;
-    ssize_t r;
-    while (n < sizeof msg - 1 && (r = read(fd[0], msg + n, sizeof msg - 1 - n)) > 0) n += (size_t)r;
-    msg[n] = '\0';
-    close(fd[0]);
-    int st;
-    waitpid(pid, &st, 0);
-    int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    OpenArgs args = {pattern, T, vocab};
+    int code = test_run_child(open_in_child, &args, msg, sizeof msg);
     int ok = code == 2 && strstr(msg, needle1) && (!needle2 || strstr(msg, needle2)) &&
              strstr(msg, "kiln: error: ");
     char *nl = strchr(msg, '\n');

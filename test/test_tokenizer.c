@@ -153,28 +153,12 @@ static void test_gpt2(void) {
     tok_free(t);
 }
 
+static void open_vocab_in_child(void *file) { tok_open("gpt2", file); }
+
 /* tok_open("gpt2", file) in a child: expect exit 2 and `needle` in its stderr. */
 static void expect_vocab_fail(const char *name, const char *file, const char *needle) {
-    int fd[2];
-    if (pipe(fd) != 0) exit(1);
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        close(fd[0]);
-        dup2(fd[1], 2);
-        tok_open("gpt2", file);
-        _exit(0);
-    }
-    close(fd[1]);
     char msg[2048];
-    size_t n = 0;
-    ssize_t r;
-    while (n < sizeof msg - 1 && (r = read(fd[0], msg + n, sizeof msg - 1 - n)) > 0) n += (size_t)r;
-    msg[n] = '\0';
-    close(fd[0]);
-    int st;
-    waitpid(pid, &st, 0);
-    int code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    int code = test_run_child(open_vocab_in_child, (void *)file, msg, sizeof msg);
     char *nl = strchr(msg, '\n');
     if (nl) *nl = '\0';
     test_report(code == 2 && strstr(msg, needle), name, "exit %d, stderr '%s' (want '%s')", code,
