@@ -1,0 +1,1097 @@
+/* comm: rank discovery and collectives with deadlines (see comm.h). Host
+ * buffers go through MPI's non-blocking collectives polled against a deadline;
+ * device buffers through NCCL (the KILN_NCCL section at the end). Must never
+ * block without a deadline, and never know the model. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "comm.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "util.h"
+
+#ifdef KILN_MPI
+#include <mpi.h>
+_Static_assert(sizeof(MPI_Comm) <= sizeof(uint64_t), "MPI_Comm must fit CommGroup.mpi");
+_Static_assert(sizeof(MPI_Request) <= sizeof(uint64_t), "MPI_Request must fit CommRequest.mpi");
+#endif
+
+/* What each rank tells the others at start: enough to name a dead peer. */
+typedef struct PeerInfo {
+    char host[64];
+    int32_t pid;
+    int32_t local_rank;
+} PeerInfo;
+
+static struct {
+    int initialised;
+    CommInfo info;
+    CommGroup world;
+    PeerInfo *peers; /* [world] */
+    const char *rank_var, *size_var; /* the variables the rank came from */
+    /* The watch: a second communicator on which a rank that timed out asks
+     * the others where they are, and on which every rank waiting in a
+     * collective answers (see watch_serve). */
+    int watch_on;
+    uint64_t watch;             /* MPI_Comm */
+    const char *cur_op;         /* the collective this rank waits in, or NULL */
+    const CommGroup *cur_group;
+    uint64_t cur_seq;
+    struct WatchMsg *answers;   /* [world]: one answer buffer per asker */
+    uint64_t *answer_req;       /* [world]: MPI_Request of each answer */
+} C;
+
+/* A rank's answer to "where are you?". */
+typedef struct WatchMsg {
+    int32_t rank;
+    int32_t waiting;            /* 1 if inside a collective's wait */
+    uint64_t seq;
+    char op[24];
+    char group[COMM_GROUP_NAME];
+} WatchMsg;
+enum { WATCH_ASK = 7301, WATCH_ANSWER = 7302 };
+
+/* ---------------------------------------------------------------- env */
+
+/* Read a non-negative integer variable; -1 if unset; exits 2 if malformed. */
+static int env_int(const char *name) {
+    const char *s = getenv(name);
+    if (!s || !*s) return -1;
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *end || v < 0 || v > INT_MAX)
+        kiln_fail(KILN_EXIT_USAGE, "environment variable %s='%s': expected a non-negative integer", name, s);
+    return (int)v;
+}
+
+static const char *source_name(CommSource s) {
+    switch (s) {
+    case COMM_SOURCE_SLURM: return "Slurm";
+    case COMM_SOURCE_OPENMPI: return "Open MPI";
+    case COMM_SOURCE_ENV: return "RANK/WORLD_SIZE";
+    default: return "no launcher";
+    }
+}
+
+/* Open MPI's variables win over Slurm's when both are set: mpirun inside an
+ * allocation starts the ranks itself, and its children inherit the batch
+ * shell's SLURM_PROCID=0. Slurm counts only inside an srun step, which sets
+ * SLURM_STEP_NUM_TASKS: the batch shell also has SLURM_PROCID=0 and
+ * SLURM_NTASKS=<allocation> (measured, Slurm 22.05), and ./train started there
+ * without srun is one rank, not rank 0 of a job that never started. */
+static void discover(CommInfo *in) {
+    in->rank = 0;
+    in->world = 1;
+    in->local_rank = 0;
+    in->source = COMM_SOURCE_SINGLE;
+    C.rank_var = C.size_var = "";
+    int r, w;
+    if ((w = env_int("OMPI_COMM_WORLD_SIZE")) >= 0 && (r = env_int("OMPI_COMM_WORLD_RANK")) >= 0) {
+        in->source = COMM_SOURCE_OPENMPI;
+        C.rank_var = "OMPI_COMM_WORLD_RANK", C.size_var = "OMPI_COMM_WORLD_SIZE";
+        in->local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK");
+    } else if ((r = env_int("SLURM_PROCID")) >= 0 && (w = env_int("SLURM_STEP_NUM_TASKS")) >= 0) {
+        in->source = COMM_SOURCE_SLURM;
+        C.rank_var = "SLURM_PROCID", C.size_var = "SLURM_STEP_NUM_TASKS";
+        in->local_rank = env_int("SLURM_LOCALID");
+    } else if ((w = env_int("WORLD_SIZE")) >= 0 && (r = env_int("RANK")) >= 0) {
+        in->source = COMM_SOURCE_ENV;
+        C.rank_var = "RANK", C.size_var = "WORLD_SIZE";
+        in->local_rank = env_int("LOCAL_RANK");
+    } else {
+        return;
+    }
+    if (w < 1 || r >= w)
+        kiln_fail(KILN_EXIT_USAGE, "environment: %s=%d is not a rank of %s=%d", C.rank_var, r, C.size_var, w);
+    in->rank = r;
+    in->world = w;
+    if (in->local_rank < 0) in->local_rank = 0;
+}
+
+/* ---------------------------------------------------------------- MPI plumbing */
+
+#ifdef KILN_MPI
+static MPI_Comm mcomm(const CommGroup *g) {
+    MPI_Comm c;
+    memcpy(&c, &g->mpi, sizeof c);
+    return c;
+}
+static void set_mcomm(CommGroup *g, MPI_Comm c) {
+    g->mpi = 0;
+    memcpy(&g->mpi, &c, sizeof c);
+}
+static MPI_Request *mreq(CommRequest *r) { return (MPI_Request *)(void *)&r->mpi; }
+
+/* Every MPI call goes through this: errors return (MPI_ERRORS_RETURN) and
+ * end the run with the call, the group and MPI's own words. */
+#define MPI_CHECK(g, call)                                                                                          \
+    do {                                                                                                            \
+        int mpi_rc_ = (call);                                                                                       \
+        if (mpi_rc_ != MPI_SUCCESS) mpi_fail(__FILE__, __LINE__, #call, (g), mpi_rc_);                              \
+    } while (0)
+
+static void mpi_fail(const char *file, int line, const char *call, const CommGroup *g, int rc) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) snprintf(msg, sizeof msg, "MPI error %d", rc);
+    kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s:%d: %s on group '%s' failed: %s", C.info.rank, file, line, call,
+              g ? g->name : "world", msg);
+}
+#endif
+
+static int group_uses_mpi(const CommGroup *g) { return g->size > 1; }
+
+/* ---------------------------------------------------------------- dead peers and deadlines */
+
+int comm_dead_peers(const CommGroup *g, int *out, int max) {
+    int n = 0;
+    if (!C.peers) return 0;
+    for (int i = 0; i < g->size && n < max; i++) {
+        int w = g->members[i];
+        if (w == C.info.rank) continue;
+        const PeerInfo *p = &C.peers[w];
+        if (strcmp(p->host, C.info.host) != 0 || p->pid <= 0) continue;
+        if (kill(p->pid, 0) != 0 && errno == ESRCH) out[n++] = w;
+    }
+    return n;
+}
+
+#ifdef KILN_MPI
+static MPI_Comm watch_comm(void) {
+    MPI_Comm c;
+    memcpy(&c, &C.watch, sizeof c);
+    return c;
+}
+
+/* Answer every pending "where are you?" with this rank's current wait.
+ * Called from every wait loop, so a rank blocked in a collective answers
+ * within a millisecond; a rank stuck outside comm (or dead) never does. */
+static void watch_serve(void) {
+    if (!C.watch_on) return;
+    MPI_Comm w = watch_comm();
+    for (;;) {
+        int flag = 0;
+        MPI_Status st;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, WATCH_ASK, w, &flag, &st) != MPI_SUCCESS || !flag) return;
+        int32_t who;
+        if (MPI_Recv(&who, 1, MPI_INT32_T, st.MPI_SOURCE, WATCH_ASK, w, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
+        int src = st.MPI_SOURCE;
+        MPI_Request *r = (MPI_Request *)(void *)&C.answer_req[src];
+        if (*r != MPI_REQUEST_NULL) {
+            int done = 0;
+            MPI_Test(r, &done, MPI_STATUS_IGNORE);
+            if (!done) continue; /* still sending the previous answer to this asker */
+        }
+        WatchMsg *m = &C.answers[src];
+        memset(m, 0, sizeof *m);
+        m->rank = C.info.rank;
+        m->waiting = C.cur_op != NULL;
+        m->seq = C.cur_seq;
+        if (C.cur_op) kiln_strlcpy(m->op, C.cur_op, sizeof m->op);
+        if (C.cur_group) kiln_strlcpy(m->group, C.cur_group->name, sizeof m->group);
+        MPI_Isend(m, (int)sizeof *m, MPI_BYTE, src, WATCH_ANSWER, w, r);
+    }
+}
+
+/* Ask every other member of g where it is; collect answers for up to `grace`
+ * seconds. ans[i] (group rank i) gets the answer; got[i] = 1 if one came. */
+static void watch_ask(const CommGroup *g, WatchMsg *ans, int *got, double grace) {
+    MPI_Comm w = watch_comm();
+    int32_t me = C.info.rank;
+    int pending = 0;
+    for (int i = 0; i < g->size; i++) {
+        got[i] = 0;
+        if (i == g->rank) continue;
+        MPI_Request r;
+        /* never waited on: a dead peer must not hold us; eager sends of 4 bytes complete locally */
+        if (MPI_Isend(&me, 1, MPI_INT32_T, g->members[i], WATCH_ASK, w, &r) == MPI_SUCCESS) MPI_Request_free(&r);
+        pending++;
+    }
+    double t0 = kiln_now();
+    while (pending > 0 && kiln_now() - t0 < grace) {
+        watch_serve();
+        int flag = 0;
+        MPI_Status st;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, WATCH_ANSWER, w, &flag, &st) == MPI_SUCCESS && flag) {
+            WatchMsg m;
+            if (MPI_Recv(&m, (int)sizeof m, MPI_BYTE, st.MPI_SOURCE, WATCH_ANSWER, w, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+                continue;
+            for (int i = 0; i < g->size; i++)
+                if (g->members[i] == st.MPI_SOURCE && !got[i]) {
+                    got[i] = 1;
+                    ans[i] = m;
+                    pending--;
+                }
+        } else {
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+#endif
+
+/* A wait ran past its deadline: one line naming the group, the collective,
+ * the peers that are waiting in it too, and the ones that never came (dead:
+ * the pid is gone; alive but silent: stuck outside comm; on another host: no
+ * answer); then exit 1. _exit, not exit: MPI's exit handlers may wait on the
+ * very peer that died. */
+__attribute__((unused)) static void comm_timeout(const CommGroup *g, const char *op, uint64_t seq, double waited) {
+    char line[2048];
+    int cap = (int)sizeof line - 160;
+    int k = snprintf(line, sizeof line, "rank %d: %s #%llu on group '%s' (%d ranks) did not complete within %.0f s",
+                     C.info.rank, op, (unsigned long long)seq, g->name, g->size, waited);
+    int *got = xcalloc((size_t)g->size, sizeof(int));
+    WatchMsg *ans = xcalloc((size_t)g->size, sizeof(WatchMsg));
+#ifdef KILN_MPI
+    if (C.watch_on) {
+        C.cur_op = op; /* answer the others while asking */
+        watch_ask(g, ans, got, 2.0);
+    }
+#endif
+    int dead[64];
+    int nd = comm_dead_peers(g, dead, 64);
+    /* a peer that answered was alive and waiting; it may have timed out and
+     * exited since, which is not the failure to report */
+    for (int j = 0; j < nd; j++)
+        for (int i = 0; i < g->size; i++)
+            if (got[i] && g->members[i] == dead[j]) dead[j--] = dead[--nd], i = g->size;
+    const char *sep = ": ";
+    for (int i = 0; i < nd && k < cap; i++) {
+        k += snprintf(line + k, sizeof line - k, "%srank %d (pid %d on %s) is dead", sep, dead[i],
+                      (int)C.peers[dead[i]].pid, C.peers[dead[i]].host);
+        sep = "; ";
+    }
+    for (int i = 0; i < g->size && k < cap; i++) {
+        int w = g->members[i], is_dead = 0;
+        if (i == g->rank) continue;
+        for (int j = 0; j < nd; j++) is_dead |= dead[j] == w;
+        if (is_dead) continue;
+        if (!C.watch_on) continue;
+        if (got[i] && ans[i].waiting && strcmp(ans[i].op, op) == 0 && strcmp(ans[i].group, g->name) == 0 &&
+            ans[i].seq == seq)
+            continue; /* waiting in this very collective: not the culprit; listed below */
+        if (got[i] && ans[i].waiting)
+            k += snprintf(line + k, sizeof line - k, "%srank %d waits in %s #%llu on group '%s' instead", sep, w,
+                          ans[i].op, (unsigned long long)ans[i].seq, ans[i].group);
+        else if (got[i])
+            k += snprintf(line + k, sizeof line - k, "%srank %d answered but is not in a collective", sep, w);
+        else if (C.peers && strcmp(C.peers[w].host, C.info.host) == 0)
+            k += snprintf(line + k, sizeof line - k,
+                          "%srank %d (pid %d on %s) is alive but never arrived (stuck in compute or I/O?)", sep, w,
+                          (int)C.peers[w].pid, C.peers[w].host);
+        else
+            k += snprintf(line + k, sizeof line - k, "%srank %d (on %s) never arrived and does not answer", sep, w,
+                          C.peers ? C.peers[w].host : "?");
+        sep = "; ";
+    }
+    int same = 0;
+    for (int i = 0; i < g->size; i++)
+        if (got[i] && ans[i].waiting && strcmp(ans[i].op, op) == 0 && ans[i].seq == seq &&
+            strcmp(ans[i].group, g->name) == 0)
+            same++;
+    if (same && k < cap) k += snprintf(line + k, sizeof line - k, "%s%d other rank(s) wait in it too", sep, same);
+    else if (!C.watch_on && nd == 0 && k < cap)
+        k += snprintf(line + k, sizeof line - k, ": which peer is missing is unknown in this launch");
+    fflush(stdout);
+    fprintf(stderr, "kiln: error: %s\n", line);
+    fprintf(stderr, "kiln: hint: parallel.timeout_s sets the deadline; each rank's last step is in RUN_DIR/heartbeat/, "
+                    "and docs/parallel.md lists what to check\n");
+    fflush(stderr);
+    _exit(KILN_EXIT_RUNTIME);
+}
+
+/* Poll a request until done or the deadline, answering the watch meanwhile.
+ * Yield first (latency), then sleep briefly so that oversubscribed ranks
+ * leave the cores to the ones working. */
+#ifdef KILN_MPI
+static void wait_mpi(CommGroup *g, MPI_Request *req, const char *op, uint64_t seq, double t0) {
+    double deadline = t0 + C.info.timeout_s;
+    int done = 0;
+    C.cur_op = op;
+    C.cur_group = g;
+    C.cur_seq = seq;
+    for (long spins = 0;; spins++) {
+        MPI_CHECK(g, MPI_Test(req, &done, MPI_STATUS_IGNORE));
+        if (done) break;
+        if ((spins & 63) == 0) watch_serve();
+        double now = kiln_now();
+        if (now > deadline) comm_timeout(g, op, seq, now - t0);
+        if (spins < 2000) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 200000}; /* 0.2 ms: small next to a step, large next to a syscall */
+            nanosleep(&ts, NULL);
+        }
+    }
+    C.cur_op = NULL;
+}
+
+/* MPI counts are int. Reductions need a predefined type, so they go in
+ * chunks; everything else uses a contiguous type when a count is too big. */
+#define COMM_CHUNK (1u << 30)
+
+static MPI_Datatype big_type(MPI_Datatype base, size_t n, int *count, const CommGroup *g) {
+    if (n <= INT_MAX) {
+        *count = (int)n;
+        return base;
+    }
+    size_t unit = 1;
+    while (unit < (1u << 20) && n % (unit * 2) == 0) unit *= 2;
+    if (n / unit > INT_MAX)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: a transfer of %zu elements on group '%s' is too large for MPI counts "
+                                     "(use a shard size that is a multiple of 1024)", C.info.rank, n, g->name);
+    MPI_Datatype t;
+    MPI_CHECK(g, MPI_Type_contiguous((int)unit, base, &t));
+    MPI_CHECK(g, MPI_Type_commit(&t));
+    *count = (int)(n / unit);
+    return t;
+}
+static void big_type_free(MPI_Datatype t, MPI_Datatype base, const CommGroup *g) {
+    if (t != base) MPI_CHECK(g, MPI_Type_free(&t));
+}
+#endif
+
+static void need_mpi(const CommGroup *g, const char *op) {
+#ifdef KILN_MPI
+    if (C.info.mpi) return;
+#endif
+    kiln_fail(KILN_EXIT_USAGE,
+              "rank %d: %s on group '%s' (%d ranks) needs MPI, but %s", C.info.rank, op, g->name, g->size,
+#ifdef KILN_MPI
+              "this launch has none (RANK/WORLD_SIZE start no MPI runtime): launch with mpirun or srun --mpi=pmix"
+#else
+              "this build has none: install libopenmpi-dev (make deps) and rebuild"
+#endif
+    );
+}
+
+/* ---------------------------------------------------------------- init */
+
+void comm_set_timeout(double timeout_s) {
+    if (timeout_s > 0) C.info.timeout_s = timeout_s;
+}
+
+static void world_group_single(void) {
+    CommGroup *g = &C.world;
+    memset(g, 0, sizeof *g);
+    kiln_strlcpy(g->name, "world", sizeof g->name);
+    g->rank = 0;
+    g->size = 1;
+    g->members = xmalloc(sizeof(int));
+    g->members[0] = 0;
+}
+
+void comm_init(double timeout_s) {
+    if (C.initialised) return;
+    memset(&C.info, 0, sizeof C.info);
+    C.info.timeout_s = timeout_s > 0 ? timeout_s : 300.0;
+    const char *t = getenv("KILN_COMM_TIMEOUT_S");
+    if (t && *t) {
+        char *end;
+        double v = strtod(t, &end);
+        if (*end || !(v > 0))
+            kiln_fail(KILN_EXIT_USAGE, "environment variable KILN_COMM_TIMEOUT_S='%s': expected seconds > 0", t);
+        C.info.timeout_s = v;
+    }
+    if (gethostname(C.info.host, sizeof C.info.host) != 0) kiln_strlcpy(C.info.host, "unknown", sizeof C.info.host);
+    C.info.host[sizeof C.info.host - 1] = '\0';
+    discover(&C.info);
+    C.info.local_world = 1;
+    C.info.nodes = 1;
+    C.initialised = 1;
+
+    if (C.info.world == 1) {
+        world_group_single();
+        return;
+    }
+#ifndef KILN_MPI
+    kiln_fail(KILN_EXIT_USAGE,
+              "launched as rank %d of %d (%s=%d, %s=%d) but this build has no MPI: install libopenmpi-dev (make deps) "
+              "and rebuild, or run one rank", C.info.rank, C.info.world, C.rank_var, C.info.rank, C.size_var,
+              C.info.world);
+#else
+    if (C.info.source == COMM_SOURCE_ENV) {
+        /* torchrun-style: no MPI runtime behind us (MPI_Init would make a
+         * singleton). Host collectives are unavailable; NCCL bootstraps by file. */
+        CommGroup *g = &C.world;
+        memset(g, 0, sizeof *g);
+        kiln_strlcpy(g->name, "world", sizeof g->name);
+        g->rank = C.info.rank;
+        g->size = C.info.world;
+        g->members = xmalloc((size_t)g->size * sizeof(int));
+        for (int i = 0; i < g->size; i++) g->members[i] = i;
+        return;
+    }
+    int provided = 0;
+    if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: MPI_Init_thread failed", C.info.rank);
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    int mr = -1, mw = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &mr);
+    MPI_Comm_size(MPI_COMM_WORLD, &mw);
+    if (mr != C.info.rank || mw != C.info.world)
+        kiln_fail(KILN_EXIT_USAGE,
+                  "rank mismatch: the environment says rank %d of %d (%s, %s) but MPI says rank %d of %d; "
+                  "start every rank with one launcher (srun --mpi=pmix or mpirun)", C.info.rank, C.info.world,
+                  C.rank_var, C.size_var, mr, mw);
+    if (provided < MPI_THREAD_FUNNELED)
+        kiln_warn("MPI provides thread level %d, below MPI_THREAD_FUNNELED", provided);
+    C.info.mpi = 1;
+    CommGroup *g = &C.world;
+    memset(g, 0, sizeof *g);
+    kiln_strlcpy(g->name, "world", sizeof g->name);
+    MPI_Comm dup;
+    MPI_CHECK(g, MPI_Comm_dup(MPI_COMM_WORLD, &dup));
+    MPI_CHECK(g, MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN));
+    set_mcomm(g, dup);
+    g->rank = mr;
+    g->size = mw;
+    g->members = xmalloc((size_t)mw * sizeof(int));
+    for (int i = 0; i < mw; i++) g->members[i] = i;
+
+    /* Who runs where, so that a timeout can name a dead peer and local_world
+     * is counted rather than trusted. */
+    C.peers = xcalloc((size_t)mw, sizeof(PeerInfo));
+    PeerInfo me;
+    memset(&me, 0, sizeof me);
+    kiln_strlcpy(me.host, C.info.host, sizeof me.host);
+    me.pid = (int32_t)getpid();
+    me.local_rank = C.info.local_rank;
+    comm_all_gather_bytes(g, &me, C.peers, sizeof me);
+    MPI_Comm wc;
+    MPI_CHECK(g, MPI_Comm_dup(MPI_COMM_WORLD, &wc));
+    MPI_CHECK(g, MPI_Comm_set_errhandler(wc, MPI_ERRORS_RETURN));
+    memcpy(&C.watch, &wc, sizeof wc);
+    C.answers = xcalloc((size_t)mw, sizeof(WatchMsg));
+    C.answer_req = xcalloc((size_t)mw, sizeof(uint64_t));
+    for (int i = 0; i < mw; i++) {
+        MPI_Request nul = MPI_REQUEST_NULL;
+        memcpy(&C.answer_req[i], &nul, sizeof nul);
+    }
+    C.watch_on = 1;
+    C.info.local_world = 0;
+    C.info.nodes = 0;
+    for (int i = 0; i < mw; i++) {
+        if (strcmp(C.peers[i].host, C.info.host) == 0) C.info.local_world++;
+        int first = 1;
+        for (int j = 0; j < i; j++)
+            if (strcmp(C.peers[j].host, C.peers[i].host) == 0) first = 0;
+        C.info.nodes += first;
+    }
+#endif
+}
+
+void comm_finalize(void) {
+    if (!C.initialised) return;
+#ifdef KILN_MPI
+    if (C.info.mpi) {
+        /* Outstanding watch answers must finish before the communicator goes. */
+        comm_barrier(&C.world);
+        watch_serve();
+        C.watch_on = 0;
+        for (int i = 0; i < C.info.world; i++) {
+            MPI_Request *r = (MPI_Request *)(void *)&C.answer_req[i];
+            if (*r != MPI_REQUEST_NULL) MPI_Cancel(r), MPI_Request_free(r);
+        }
+        MPI_Comm c = mcomm(&C.world);
+        MPI_Comm_free(&c);
+        c = watch_comm();
+        MPI_Comm_free(&c);
+        MPI_Finalize();
+    }
+#endif
+    free(C.world.members);
+    free(C.peers);
+    free(C.answers);
+    free(C.answer_req);
+    memset(&C, 0, sizeof C);
+}
+
+const CommInfo *comm_info(void) {
+    if (!C.initialised) comm_init(0);
+    return &C.info;
+}
+
+CommGroup *comm_world(void) {
+    if (!C.initialised) comm_init(0);
+    return &C.world;
+}
+
+void comm_describe(char *buf, size_t n) {
+    const CommInfo *in = comm_info();
+    if (in->source == COMM_SOURCE_SINGLE) {
+        snprintf(buf, n, "rank 0/1 (host %s, no launcher)", in->host);
+        return;
+    }
+    snprintf(buf, n, "rank %d/%d (local %d/%d, %d node%s, host %s, from %s %s, %s, timeout %.0f s)", in->rank,
+             in->world, in->local_rank, in->local_world, in->nodes, in->nodes == 1 ? "" : "s", in->host,
+             source_name(in->source), C.rank_var, in->mpi ? "MPI" : "no MPI", in->timeout_s);
+}
+
+/* ---------------------------------------------------------------- groups */
+
+void comm_split(CommGroup *parent, int color, int key, const char *name, CommGroup *out) {
+    memset(out, 0, sizeof *out);
+    kiln_strlcpy(out->name, name, sizeof out->name);
+    if (parent->size == 1) {
+        out->rank = 0;
+        out->size = 1;
+        out->members = xmalloc(sizeof(int));
+        out->members[0] = parent->members[0];
+        return;
+    }
+    need_mpi(parent, "comm_split");
+#ifdef KILN_MPI
+    MPI_Comm c;
+    MPI_CHECK(parent, MPI_Comm_split(mcomm(parent), color, key, &c));
+    MPI_CHECK(parent, MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN));
+    set_mcomm(out, c);
+    MPI_CHECK(out, MPI_Comm_rank(c, &out->rank));
+    MPI_CHECK(out, MPI_Comm_size(c, &out->size));
+    out->members = xmalloc((size_t)out->size * sizeof(int));
+    int me = C.info.rank;
+    if (out->size == 1) out->members[0] = me;
+    else comm_all_gather_bytes(out, &me, out->members, sizeof(int));
+#endif
+}
+
+void comm_group_free(CommGroup *g) {
+#ifdef KILN_MPI
+    if (g->mpi && g != &C.world && C.info.mpi) {
+        MPI_Comm c = mcomm(g);
+        MPI_Comm_free(&c);
+    }
+#endif
+    if (g != &C.world) {
+        free(g->members);
+        memset(g, 0, sizeof *g);
+    }
+}
+
+/* ---------------------------------------------------------------- collectives */
+
+void comm_all_reduce_sum(CommGroup *g, float *buf, size_t n) {
+    g->seq++;
+    if (!group_uses_mpi(g) || n == 0) return;
+    need_mpi(g, "all_reduce");
+#ifdef KILN_MPI
+    for (size_t off = 0; off < n; off += COMM_CHUNK) {
+        int cnt = (int)(n - off < COMM_CHUNK ? n - off : COMM_CHUNK);
+        MPI_Request r;
+        double t0 = kiln_now();
+        MPI_CHECK(g, MPI_Iallreduce(MPI_IN_PLACE, buf + off, cnt, MPI_FLOAT, MPI_SUM, mcomm(g), &r));
+        wait_mpi(g, &r, "all_reduce", g->seq, t0);
+    }
+#endif
+}
+
+void comm_all_reduce_mean(CommGroup *g, float *buf, size_t n) {
+    comm_all_reduce_sum(g, buf, n);
+    if (g->size > 1) {
+        float s = 1.0f / (float)g->size;
+        for (size_t i = 0; i < n; i++) buf[i] *= s;
+    }
+}
+
+#ifdef KILN_MPI
+static void all_reduce_f64(CommGroup *g, double *buf, size_t n, MPI_Op op, const char *name) {
+    for (size_t off = 0; off < n; off += COMM_CHUNK) {
+        int cnt = (int)(n - off < COMM_CHUNK ? n - off : COMM_CHUNK);
+        MPI_Request r;
+        double t0 = kiln_now();
+        MPI_CHECK(g, MPI_Iallreduce(MPI_IN_PLACE, buf + off, cnt, MPI_DOUBLE, op, mcomm(g), &r));
+        wait_mpi(g, &r, name, g->seq, t0);
+    }
+}
+#endif
+
+void comm_all_reduce_sum_f64(CommGroup *g, double *buf, size_t n) {
+    g->seq++;
+    if (!group_uses_mpi(g) || n == 0) return;
+    need_mpi(g, "all_reduce");
+#ifdef KILN_MPI
+    all_reduce_f64(g, buf, n, MPI_SUM, "all_reduce");
+#endif
+}
+
+void comm_all_reduce_max_f64(CommGroup *g, double *buf, size_t n) {
+    g->seq++;
+    if (!group_uses_mpi(g) || n == 0) return;
+    need_mpi(g, "all_reduce_max");
+#ifdef KILN_MPI
+    all_reduce_f64(g, buf, n, MPI_MAX, "all_reduce_max");
+#endif
+}
+
+void comm_reduce_scatter(CommGroup *g, const float *send, float *recv, size_t block) {
+    CommRequest r;
+    comm_ireduce_scatter(g, send, recv, block, &r);
+    comm_wait(&r);
+}
+
+void comm_all_gather(CommGroup *g, const float *send, float *recv, size_t block) {
+    g->seq++;
+    if (!group_uses_mpi(g)) {
+        if (send != recv && block) memmove(recv, send, block * sizeof(float));
+        return;
+    }
+    need_mpi(g, "all_gather");
+#ifdef KILN_MPI
+    int cnt;
+    MPI_Datatype t = big_type(MPI_FLOAT, block, &cnt, g);
+    const void *sb = send == recv + (size_t)g->rank * block ? MPI_IN_PLACE : send;
+    MPI_Request r;
+    double t0 = kiln_now();
+    MPI_CHECK(g, MPI_Iallgather(sb, cnt, t, recv, cnt, t, mcomm(g), &r));
+    wait_mpi(g, &r, "all_gather", g->seq, t0);
+    big_type_free(t, MPI_FLOAT, g);
+#endif
+}
+
+void comm_all_gather_bytes(CommGroup *g, const void *send, void *recv, size_t block) {
+    g->seq++;
+    if (!group_uses_mpi(g)) {
+        if (send != recv && block) memmove(recv, send, block);
+        return;
+    }
+    need_mpi(g, "all_gather");
+#ifdef KILN_MPI
+    int cnt;
+    MPI_Datatype t = big_type(MPI_BYTE, block, &cnt, g);
+    const void *sb = (const char *)send == (char *)recv + (size_t)g->rank * block ? MPI_IN_PLACE : send;
+    MPI_Request r;
+    double t0 = kiln_now();
+    MPI_CHECK(g, MPI_Iallgather(sb, cnt, t, recv, cnt, t, mcomm(g), &r));
+    wait_mpi(g, &r, "all_gather", g->seq, t0);
+    big_type_free(t, MPI_BYTE, g);
+#endif
+}
+
+static void broadcast_typed(CommGroup *g, void *buf, size_t n, int root, int bytes) {
+    g->seq++;
+    if (root < 0 || root >= g->size)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: broadcast on group '%s': root %d is not a rank of %d", C.info.rank,
+                  g->name, root, g->size);
+    if (!group_uses_mpi(g) || n == 0) return;
+    need_mpi(g, "broadcast");
+#ifdef KILN_MPI
+    MPI_Datatype base = bytes ? MPI_BYTE : MPI_FLOAT;
+    int cnt;
+    MPI_Datatype t = big_type(base, n, &cnt, g);
+    MPI_Request r;
+    double t0 = kiln_now();
+    MPI_CHECK(g, MPI_Ibcast(buf, cnt, t, root, mcomm(g), &r));
+    wait_mpi(g, &r, "broadcast", g->seq, t0);
+    big_type_free(t, base, g);
+#endif
+}
+
+void comm_broadcast(CommGroup *g, float *buf, size_t n, int root) { broadcast_typed(g, buf, n, root, 0); }
+void comm_broadcast_bytes(CommGroup *g, void *buf, size_t n, int root) { broadcast_typed(g, buf, n, root, 1); }
+
+static void check_peer(const CommGroup *g, int peer, const char *op) {
+    if (peer < 0 || peer >= g->size || peer == g->rank)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s': peer %d is not another rank of %d", C.info.rank, op,
+                  g->name, peer, g->size);
+}
+
+void comm_send(CommGroup *g, const float *buf, size_t n, int peer, int tag) {
+    g->seq++;
+    check_peer(g, peer, "send");
+    need_mpi(g, "send");
+#ifdef KILN_MPI
+    int cnt;
+    MPI_Datatype t = big_type(MPI_FLOAT, n, &cnt, g);
+    MPI_Request r;
+    double t0 = kiln_now();
+    MPI_CHECK(g, MPI_Isend(buf, cnt, t, peer, tag, mcomm(g), &r));
+    wait_mpi(g, &r, "send", g->seq, t0);
+    big_type_free(t, MPI_FLOAT, g);
+#endif
+}
+
+void comm_recv(CommGroup *g, float *buf, size_t n, int peer, int tag) {
+    g->seq++;
+    check_peer(g, peer, "recv");
+    need_mpi(g, "recv");
+#ifdef KILN_MPI
+    int cnt;
+    MPI_Datatype t = big_type(MPI_FLOAT, n, &cnt, g);
+    MPI_Request r;
+    double t0 = kiln_now();
+    MPI_CHECK(g, MPI_Irecv(buf, cnt, t, peer, tag, mcomm(g), &r));
+    wait_mpi(g, &r, "recv", g->seq, t0);
+    big_type_free(t, MPI_FLOAT, g);
+#endif
+}
+
+void comm_all_to_all(CommGroup *g, const float *send, float *recv, size_t block) {
+    g->seq++;
+    if (!group_uses_mpi(g)) {
+        if (send != recv && block) memmove(recv, send, block * sizeof(float));
+        return;
+    }
+    need_mpi(g, "all_to_all");
+#ifdef KILN_MPI
+    int cnt;
+    MPI_Datatype t = big_type(MPI_FLOAT, block, &cnt, g);
+    MPI_Request r;
+    double t0 = kiln_now();
+    MPI_CHECK(g, MPI_Ialltoall(send, cnt, t, recv, cnt, t, mcomm(g), &r));
+    wait_mpi(g, &r, "all_to_all", g->seq, t0);
+    big_type_free(t, MPI_FLOAT, g);
+#endif
+}
+
+void comm_barrier(CommGroup *g) {
+    g->seq++;
+    if (!group_uses_mpi(g)) return;
+    need_mpi(g, "barrier");
+#ifdef KILN_MPI
+    MPI_Request r;
+    double t0 = kiln_now();
+    MPI_CHECK(g, MPI_Ibarrier(mcomm(g), &r));
+    wait_mpi(g, &r, "barrier", g->seq, t0);
+#endif
+}
+
+/* ---------------------------------------------------------------- non-blocking */
+
+static void req_start(CommRequest *req, CommGroup *g, const char *op) {
+    memset(req, 0, sizeof *req);
+    req->g = g;
+    req->op = op;
+    req->seq = ++g->seq;
+    req->t_start = kiln_now();
+}
+
+static void check_int_count(const CommGroup *g, size_t n, const char *op) {
+    if (n > INT_MAX)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: non-blocking %s of %zu elements on group '%s': split it into buckets "
+                                     "of at most %d", C.info.rank, op, n, g->name, INT_MAX);
+}
+
+void comm_iall_reduce_sum(CommGroup *g, float *buf, size_t n, CommRequest *req) {
+    req_start(req, g, "all_reduce");
+    if (!group_uses_mpi(g) || n == 0) return;
+    need_mpi(g, "all_reduce");
+    check_int_count(g, n, "all_reduce");
+#ifdef KILN_MPI
+    MPI_CHECK(g, MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, mcomm(g), mreq(req)));
+    req->active = 1;
+#endif
+}
+
+void comm_ireduce_scatter(CommGroup *g, const float *send, float *recv, size_t block, CommRequest *req) {
+    req_start(req, g, "reduce_scatter");
+    if (!group_uses_mpi(g)) {
+        if (send != recv && block) memmove(recv, send, block * sizeof(float));
+        return;
+    }
+    need_mpi(g, "reduce_scatter");
+    check_int_count(g, block, "reduce_scatter");
+#ifdef KILN_MPI
+    MPI_CHECK(g, MPI_Ireduce_scatter_block(send, recv, (int)block, MPI_FLOAT, MPI_SUM, mcomm(g), mreq(req)));
+    req->active = 1;
+#endif
+}
+
+void comm_iall_gather(CommGroup *g, const float *send, float *recv, size_t block, CommRequest *req) {
+    req_start(req, g, "all_gather");
+    if (!group_uses_mpi(g)) {
+        if (send != recv && block) memmove(recv, send, block * sizeof(float));
+        return;
+    }
+    need_mpi(g, "all_gather");
+    check_int_count(g, block, "all_gather");
+#ifdef KILN_MPI
+    const void *sb = send == recv + (size_t)g->rank * block ? MPI_IN_PLACE : send;
+    MPI_CHECK(g, MPI_Iallgather(sb, (int)block, MPI_FLOAT, recv, (int)block, MPI_FLOAT, mcomm(g), mreq(req)));
+    req->active = 1;
+#endif
+}
+
+int comm_test(CommRequest *req) {
+    if (!req->active) return 1;
+#ifdef KILN_MPI
+    int done = 0;
+    MPI_CHECK(req->g, MPI_Test(mreq(req), &done, MPI_STATUS_IGNORE));
+    if (done) req->active = 0;
+    else if (kiln_now() - req->t_start > C.info.timeout_s)
+        comm_timeout(req->g, req->op, req->seq, kiln_now() - req->t_start);
+    return done;
+#else
+    return 1;
+#endif
+}
+
+void comm_wait(CommRequest *req) {
+    if (!req->active) return;
+#ifdef KILN_MPI
+    wait_mpi(req->g, mreq(req), req->op, req->seq, req->t_start);
+    req->active = 0;
+#endif
+}
+
+/* ---------------------------------------------------------------- consistency */
+
+typedef struct BuildId {
+    uint64_t config_hash;
+    char commit[56];
+} BuildId;
+
+void comm_check_consistent(uint64_t config_hash, const char *commit) {
+    CommGroup *g = comm_world();
+    if (g->size == 1) return;
+    if (!C.info.mpi) return; /* torchrun-style launch: no host collectives to compare with */
+    BuildId me;
+    memset(&me, 0, sizeof me);
+    me.config_hash = config_hash;
+    kiln_strlcpy(me.commit, commit ? commit : "", sizeof me.commit);
+    BuildId *all = xmalloc((size_t)g->size * sizeof(BuildId));
+    comm_all_gather_bytes(g, &me, all, sizeof me);
+    int bad_cfg = 0, bad_build = 0;
+    for (int i = 1; i < g->size; i++) {
+        bad_cfg += all[i].config_hash != all[0].config_hash;
+        bad_build += strcmp(all[i].commit, all[0].commit) != 0;
+    }
+    if (bad_cfg || bad_build) {
+        if (g->rank == 0) {
+            char line[2048];
+            int k = 0;
+            for (int i = 1; i < g->size && k < (int)sizeof line - 200; i++) {
+                if (all[i].config_hash != all[0].config_hash)
+                    k += snprintf(line + k, sizeof line - k, "%srank %d has config hash %016llx", k ? "; " : "", i,
+                                  (unsigned long long)all[i].config_hash);
+                if (strcmp(all[i].commit, all[0].commit) != 0)
+                    k += snprintf(line + k, sizeof line - k, "%srank %d runs build %s", k ? "; " : "", i,
+                                  all[i].commit);
+            }
+            fflush(stdout);
+            fprintf(stderr, "kiln: error: ranks disagree with rank 0 (config hash %016llx, build %s): %s\n",
+                    (unsigned long long)all[0].config_hash, all[0].commit, line);
+            fprintf(stderr, "kiln: hint: every rank must run the same ./train with the same config and --set "
+                            "overrides\n");
+            fflush(stderr);
+        }
+        /* Let rank 0 print before anyone exits: a launcher kills the rest of
+         * the job at the first non-zero exit. */
+        comm_barrier(g);
+        free(all);
+        fflush(stdout);
+        _exit(KILN_EXIT_USAGE);
+    }
+    free(all);
+}
+
+/* ---------------------------------------------------------------- NCCL */
+
+#ifdef KILN_NCCL
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <sys/stat.h>
+
+#define NCCL_CHECK(g, call)                                                                                         \
+    do {                                                                                                            \
+        ncclResult_t nccl_rc_ = (call);                                                                             \
+        if (nccl_rc_ != ncclSuccess && nccl_rc_ != ncclInProgress)                                                  \
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s:%d: %s on group '%s' failed: %s", C.info.rank, __FILE__,      \
+                      __LINE__, #call, (g)->name, ncclGetErrorString(nccl_rc_));                                    \
+    } while (0)
+
+static ncclComm_t ncomm(const CommGroup *g) { return (ncclComm_t)g->nccl; }
+
+/* The job's name for the id file: a rerun of the same job must not read the
+ * id of a previous attempt, so the restart count is part of it. */
+static void nccl_id_path(const CommGroup *g, const char *run_dir, char *out, size_t n) {
+    const char *job = getenv("SLURM_JOB_ID");
+    const char *restart = getenv("SLURM_RESTART_COUNT");
+    if (!job) job = getenv("TORCHELASTIC_RUN_ID");
+    if (!restart) restart = getenv("TORCHELASTIC_RESTART_COUNT");
+    if (!job) job = getenv("MASTER_PORT");
+    snprintf(out, n, "%s/nccl_id.%s.%s.%s.%d", run_dir, job ? job : "local", restart ? restart : "0", g->name,
+             g->members[0]);
+}
+
+static void nccl_id_by_file(CommGroup *g, const char *run_dir, ncclUniqueId *id) {
+    char path[1024];
+    nccl_id_path(g, run_dir, path, sizeof path);
+    if (g->rank == 0) {
+        if (kiln_write_file_atomic(path, id, sizeof *id) != 0)
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s: cannot write the NCCL id", C.info.rank, path);
+        return;
+    }
+    double t0 = kiln_now();
+    for (;;) {
+        size_t len = 0;
+        char *buf = kiln_read_file(path, &len);
+        if (buf && len == sizeof *id) {
+            memcpy(id, buf, sizeof *id);
+            free(buf);
+            return;
+        }
+        free(buf);
+        if (kiln_now() - t0 > C.info.timeout_s)
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: group '%s': rank %d (world) did not write %s within %.0f s",
+                      C.info.rank, g->name, g->members[0], path, C.info.timeout_s);
+        struct timespec ts = {0, 50 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* Wait for a non-blocking NCCL call (config.blocking = 0) to leave
+ * ncclInProgress, within the deadline. */
+static void nccl_settle(CommGroup *g, const char *what) {
+    double t0 = kiln_now();
+    ncclResult_t st = ncclInProgress;
+    while (st == ncclInProgress) {
+        NCCL_CHECK(g, ncclCommGetAsyncError(ncomm(g), &st));
+        if (st != ncclInProgress && st != ncclSuccess)
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: NCCL %s on group '%s': %s", C.info.rank, what, g->name,
+                      ncclGetErrorString(st));
+        if (kiln_now() - t0 > C.info.timeout_s) {
+            ncclCommAbort(ncomm(g));
+            comm_timeout(g, what, g->seq, kiln_now() - t0);
+        }
+        if (st == ncclInProgress) sched_yield();
+    }
+}
+
+void comm_nccl_init(CommGroup *g, const char *run_dir) {
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (g->rank == 0) NCCL_CHECK(g, ncclGetUniqueId(&id));
+    if (g->size > 1) {
+        if (C.info.mpi) comm_broadcast_bytes(g, &id, sizeof id, 0);
+        else nccl_id_by_file(g, run_dir, &id);
+    }
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0; /* so that init, too, is bounded by the deadline */
+    ncclComm_t c = NULL;
+    NCCL_CHECK(g, ncclCommInitRankConfig(&c, g->size, id, g->rank, &cfg));
+    g->nccl = c;
+    nccl_settle(g, "nccl_init");
+    if (g->rank == 0 && g->size > 1 && !C.info.mpi) {
+        /* every rank has joined: the id file has done its work */
+        char path[1024];
+        nccl_id_path(g, run_dir, path, sizeof path);
+        unlink(path);
+    }
+}
+
+void comm_nccl_free(CommGroup *g) {
+    if (!g->nccl) return;
+    ncclCommFinalize(ncomm(g));
+    nccl_settle(g, "nccl_finalize");
+    ncclCommDestroy(ncomm(g));
+    g->nccl = NULL;
+}
+
+static void need_nccl(const CommGroup *g, const char *op) {
+    if (!g->nccl)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s' before comm_nccl_init", C.info.rank, op, g->name);
+}
+
+void comm_nccl_all_reduce(CommGroup *g, void *buf, size_t n, int dtype, int avg, void *stream) {
+    need_nccl(g, "nccl all_reduce");
+    g->seq++;
+    NCCL_CHECK(g, ncclAllReduce(buf, buf, n, (ncclDataType_t)dtype, avg ? ncclAvg : ncclSum, ncomm(g),
+                                (cudaStream_t)stream));
+    nccl_settle(g, "nccl all_reduce");
+}
+
+void comm_nccl_reduce_scatter(CommGroup *g, const void *send, void *recv, size_t block, int dtype, int avg,
+                              void *stream) {
+    need_nccl(g, "nccl reduce_scatter");
+    g->seq++;
+    NCCL_CHECK(g, ncclReduceScatter(send, recv, block, (ncclDataType_t)dtype, avg ? ncclAvg : ncclSum, ncomm(g),
+                                    (cudaStream_t)stream));
+    nccl_settle(g, "nccl reduce_scatter");
+}
+
+void comm_nccl_all_gather(CommGroup *g, const void *send, void *recv, size_t block, int dtype, void *stream) {
+    need_nccl(g, "nccl all_gather");
+    g->seq++;
+    NCCL_CHECK(g, ncclAllGather(send, recv, block, (ncclDataType_t)dtype, ncomm(g), (cudaStream_t)stream));
+    nccl_settle(g, "nccl all_gather");
+}
+
+void comm_nccl_broadcast(CommGroup *g, void *buf, size_t n, int dtype, int root, void *stream) {
+    need_nccl(g, "nccl broadcast");
+    g->seq++;
+    NCCL_CHECK(g, ncclBroadcast(buf, buf, n, (ncclDataType_t)dtype, root, ncomm(g), (cudaStream_t)stream));
+    nccl_settle(g, "nccl broadcast");
+}
+
+void comm_nccl_send(CommGroup *g, const void *buf, size_t n, int dtype, int peer, void *stream) {
+    need_nccl(g, "nccl send");
+    g->seq++;
+    NCCL_CHECK(g, ncclSend(buf, n, (ncclDataType_t)dtype, peer, ncomm(g), (cudaStream_t)stream));
+    nccl_settle(g, "nccl send");
+}
+
+void comm_nccl_recv(CommGroup *g, void *buf, size_t n, int dtype, int peer, void *stream) {
+    need_nccl(g, "nccl recv");
+    g->seq++;
+    NCCL_CHECK(g, ncclRecv(buf, n, (ncclDataType_t)dtype, peer, ncomm(g), (cudaStream_t)stream));
+    nccl_settle(g, "nccl recv");
+}
+
+static size_t nccl_type_size(int dtype) {
+    switch ((ncclDataType_t)dtype) {
+    case ncclInt8: case ncclUint8: return 1;
+    case ncclFloat16: case ncclBfloat16: return 2;
+    case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
+    default: return 8;
+    }
+}
+
+/* NCCL has no all-to-all: a group of sends and receives is the documented way. */
+void comm_nccl_all_to_all(CommGroup *g, const void *send, void *recv, size_t block, int dtype, void *stream) {
+    need_nccl(g, "nccl all_to_all");
+    g->seq++;
+    size_t bytes = block * nccl_type_size(dtype);
+    NCCL_CHECK(g, ncclGroupStart());
+    for (int p = 0; p < g->size; p++) {
+        NCCL_CHECK(g, ncclSend((const char *)send + p * bytes, block, (ncclDataType_t)dtype, p, ncomm(g),
+                               (cudaStream_t)stream));
+        NCCL_CHECK(g, ncclRecv((char *)recv + p * bytes, block, (ncclDataType_t)dtype, p, ncomm(g),
+                               (cudaStream_t)stream));
+    }
+    NCCL_CHECK(g, ncclGroupEnd());
+    nccl_settle(g, "nccl all_to_all");
+}
+
+/* A stream's work, bounded: a peer that died mid-collective leaves the stream
+ * spinning forever, so poll it and abort the communicator at the deadline. */
+void comm_nccl_wait(CommGroup *g, void *stream, const char *what) {
+    double t0 = kiln_now();
+    for (;;) {
+        cudaError_t e = cudaStreamQuery((cudaStream_t)stream);
+        if (e == cudaSuccess) return;
+        if (e != cudaErrorNotReady)
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s': CUDA error %s", C.info.rank, what, g->name,
+                      cudaGetErrorString(e));
+        ncclResult_t st = ncclSuccess;
+        if (g->nccl) NCCL_CHECK(g, ncclCommGetAsyncError(ncomm(g), &st));
+        if (st != ncclSuccess && st != ncclInProgress)
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s': NCCL %s", C.info.rank, what, g->name,
+                      ncclGetErrorString(st));
+        if (kiln_now() - t0 > C.info.timeout_s) {
+            if (g->nccl) ncclCommAbort(ncomm(g));
+            comm_timeout(g, what, g->seq, kiln_now() - t0);
+        }
+        sched_yield();
+    }
+}
+#endif

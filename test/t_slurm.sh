@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Integration with a real Slurm: test/slurm/up.sh starts slurmctld and two
+# slurmd "nodes" on this machine; jobs go through sbatch --wait and srun
+# --mpi=pmix exactly as on a cluster. Checks: test_comm as 2 ranks on one
+# node and 4 ranks on two nodes (every collective), ./train-style direct
+# start in the batch shell is one rank (not rank 0 of the allocation), and a
+# rank killed under srun ends the step promptly. The cluster is always torn
+# down (trap). One line per check; about 15 s.
+set -u
+cd "$(dirname "$0")/.."
+T=${KILN_TEST_TMP:-$(mktemp -d)}/t_slurm
+rm -rf "$T" && mkdir -p "$T"
+ok() { echo "ok $1"; }
+fail() { echo "FAIL $1: $2"; }
+skip() { echo "skip $1: $2"; }
+BIN=build/test/test_comm
+for c in slurmctld slurmd sbatch srun munged; do
+    command -v $c >/dev/null 2>&1 || { skip slurm "$c not found (make deps installs slurmctld slurmd slurm-client munge)"; exit 0; }
+done
+if [ ! -x "$BIN" ] || ! ldd "$BIN" | grep -q libmpi; then skip slurm "$BIN is not an MPI build"; exit 0; fi
+[ "$(id -u)" = 0 ] || { skip slurm "needs root to run the daemons"; exit 0; }
+
+export KILN_SLURM_DIR="$T/cluster"
+trap 'bash test/slurm/down.sh "$KILN_SLURM_DIR" >/dev/null 2>&1' EXIT
+t0=$(date +%s.%N)
+if ! bash test/slurm/up.sh 2 >"$T/up.out" 2>"$T/up.err"; then
+    fail slurm_up "$(tail -c 400 "$T/up.err")"; exit 0
+fi
+echo "slurm up: $(echo "$(date +%s.%N) - $t0" | bc) s" >&2
+source "$KILN_SLURM_DIR/env"
+ok slurm_up
+
+# count_ok FILE: the ok lines rank 0 printed; any FAIL line is returned as text
+check_job() { # name rc outfile minimum-ok
+    local name=$1 rc=$2 out=$3 min=$4 n
+    n=$(grep -c '^ok ' "$out" 2>/dev/null)
+    if [ "$rc" -eq 0 ] && [ "$n" -ge "$min" ] && ! grep -q '^FAIL' "$out"; then ok "$name"
+    else fail "$name" "exit $rc, $n ok lines: $(grep -m3 '^FAIL' "$out") $(tail -c 300 "$out")"; fi
+}
+
+# One node, 2 tasks. First ./train-style: the binary started in the batch
+# shell sees SLURM_PROCID=0 and SLURM_NTASKS=2 but must be one rank.
+cat >"$T/one.sbatch" <<JOB
+#!/bin/bash
+#SBATCH --nodes=1 --ntasks=2 --time=2
+$BIN > $T/direct.out 2>&1 || echo "direct run exited \$?" >> $T/direct.out
+srun --mpi=pmix -n 2 $BIN
+JOB
+t0=$(date +%s.%N)
+sbatch --wait --chdir="$PWD" -o "$T/one.out" -e "$T/one.err" "$T/one.sbatch" >/dev/null 2>"$T/sbatch1.err"
+rc=$?
+echo "sbatch 1 node x 2: $(echo "$(date +%s.%N) - $t0" | bc) s" >&2
+check_job slurm_srun_1node_2ranks $rc "$T/one.out" 23
+if grep -q '^ok comm_describe' "$T/direct.out" && ! grep -q 'exited' "$T/direct.out"; then ok slurm_batch_shell_is_one_rank
+else fail slurm_batch_shell_is_one_rank "$(head -c 300 "$T/direct.out")"; fi
+
+# Two nodes, 2 tasks each: 4 ranks, dp 2 x tp 2 in the mesh check.
+cat >"$T/two.sbatch" <<JOB
+#!/bin/bash
+#SBATCH --nodes=2 --ntasks-per-node=2 --time=2
+srun --mpi=pmix $BIN
+JOB
+t0=$(date +%s.%N)
+sbatch --wait --chdir="$PWD" -o "$T/two.out" -e "$T/two.err" "$T/two.sbatch" >/dev/null 2>"$T/sbatch2.err"
+rc=$?
+echo "sbatch 2 nodes x 2: $(echo "$(date +%s.%N) - $t0" | bc) s" >&2
+check_job slurm_srun_2nodes_4ranks $rc "$T/two.out" 23
+if grep -q 'rank 0/4 (local 0/2, 2 nodes' "$T/two.err"; then ok slurm_rank_discovery_2nodes
+else fail slurm_rank_discovery_2nodes "$(head -c 300 "$T/two.err")"; fi
+
+# A rank killed under srun: Slurm's pmix plugin cancels the step (~2 s here)
+# and srun names the task; the deadline (3 s) is the backstop.
+t0=$(date +%s.%N)
+KILN_COMM_TIMEOUT_S=3 KILN_TEST_KILL_RANK=1 timeout 60 srun --mpi=pmix -N 2 -n 4 $BIN >"$T/kill.out" 2>"$T/kill.err"
+rc=$?
+dt=$(echo "$(date +%s.%N) - $t0" | bc)
+echo "srun killed rank: $dt s (exit $rc)" >&2
+if [ $rc -ne 0 ] && [ "$(echo "$dt < 13" | bc)" = 1 ] && grep -qE 'task 1: Killed|rank 1 .*dead' "$T/kill.err"; then
+    ok slurm_killed_rank_ends_step
+else fail slurm_killed_rank_ends_step "exit $rc after $dt s: $(head -c 400 "$T/kill.err")"; fi
