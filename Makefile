@@ -19,13 +19,83 @@ BLAS_INC := /usr/include/x86_64-linux-gnu/openblas-openmp
 CFLAGS  += -I$(BLAS_INC)
 LDLIBS  += -L$(BLAS_DIR) -Wl,-rpath,$(BLAS_DIR) -lopenblas
 
-DEB_PKGS := libyaml-dev libzstd-dev libopenblas-openmp-dev zstd python3-numpy
+COMMA := ,
+# STATIC=1 (see the CUDA block) is for machines without Open MPI either.
+ifeq ($(STATIC),1)
+KILN_NO_MPI := 1
+endif
+
+# MPI (Open MPI) carries multi-rank runs on host buffers; the flags come from
+# mpicc itself. Without mpicc (or with KILN_NO_MPI=1) the build is single-rank:
+# comm.c keeps its API and a multi-rank launch exits 2 saying so.
+MPICC := $(if $(filter 1,$(KILN_NO_MPI)),,$(shell command -v mpicc 2>/dev/null))
+ifneq ($(MPICC),)
+CFLAGS  += -DKILN_MPI $(shell $(MPICC) --showme:compile 2>/dev/null)
+LDLIBS  += $(shell $(MPICC) --showme:link 2>/dev/null)
+endif
+
+DEB_PKGS := libyaml-dev libzstd-dev libopenblas-openmp-dev zstd python3-numpy \
+            openmpi-bin libopenmpi-dev libpmix-dev slurmctld slurmd slurm-client munge chromium
 BUILD := build
 
 SRC  := $(wildcard src/*.c src/cpu/*.c)
 OBJ  := $(SRC:%.c=$(BUILD)/%.o)
 TEST_SRC := $(wildcard test/test_*.c)
 TEST_BIN := $(TEST_SRC:test/%.c=$(BUILD)/test/%)
+
+# ---- CUDA backend (cuda/*.cu) --------------------------------- begin CUDA block
+# Built whenever nvcc is found; CUDA=0 leaves it out, CUDA=1 insists. The CUDA
+# runtime is linked statically (it loads the driver only when the CUDA backend
+# is first used, so the binary starts and runs the CPU backend on a machine
+# without a GPU driver); cuBLASLt is a shared library found through the rpath
+# below or LD_LIBRARY_PATH. CUDA_ARCH picks the GPUs: A100 (sm_80) and H100/
+# H200 (sm_90, plus its PTX for later GPUs); CUDA_ARCH="-arch=sm_90" builds
+# one, in half the time.
+NVCC      ?= nvcc
+NVCC_PATH := $(shell command -v $(NVCC) 2>/dev/null)
+CUDA      ?= $(if $(NVCC_PATH),1,0)
+CUDA_HOME ?= $(if $(NVCC_PATH),$(abspath $(dir $(NVCC_PATH))..),/usr/local/cuda)
+CUDA_ARCH ?= -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=[sm_90,compute_90]
+NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Isrc -Xcompiler -Wall,-Wextra,-Wno-unused-parameter -MMD -MP
+CUDA_SRC  := $(wildcard cuda/*.cu)
+CUDA_OBJ  := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
+ifeq ($(CUDA),1)
+OBJ     += $(CUDA_OBJ)
+CFLAGS  += -DKILN_CUDA
+LDLIBS  += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcudart_static -lstdc++ -lrt -ldl -lpthread
+endif
+$(BUILD)/cuda/%.o: cuda/%.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
+# backend.o and main.o differ with and without CUDA: rebuild them when that changes.
+$(BUILD)/cuda.stamp: FORCE
+	@mkdir -p $(BUILD)
+	@echo 'cuda=$(CUDA)' | cmp -s - $@ || echo 'cuda=$(CUDA)' > $@
+$(BUILD)/src/backend.o: $(BUILD)/cuda.stamp
+
+# STATIC=1: libyaml, zstd and OpenBLAS from their static archives, for a
+# machine that lacks the Debian packages (the GPU machines: see
+# scripts/cuda_check.sh), for a portable x86-64-v3 rather than this CPU. ldd
+# then shows glibc, libgomp, libstdc++/libgcc and cuBLASLt only. MPI is left
+# out (KILN_NO_MPI, set above).
+ifeq ($(STATIC),1)
+ARCH    := -march=x86-64-v3 # AVX2 + FMA: any server CPU of the last decade, not just this one
+LIBDIR  := /usr/lib/x86_64-linux-gnu
+LDLIBS  := $(filter-out -lyaml -lzstd -lopenblas -Wl$(COMMA)-rpath$(COMMA)$(BLAS_DIR),$(LDLIBS))
+LDLIBS  += $(LIBDIR)/libyaml.a $(LIBDIR)/libzstd.a $(BLAS_DIR)/libopenblas.a \
+           -Wl,-Bstatic -lgfortran -lquadmath -Wl,-Bdynamic -lm
+endif
+
+# Every object differs with and without STATIC (ARCH): rebuild all on a switch.
+$(BUILD)/static.stamp: FORCE
+	@mkdir -p $(BUILD)
+	@echo 'static=$(STATIC)' | cmp -s - $@ || echo 'static=$(STATIC)' > $@
+$(OBJ) $(BUILD)/main.o: $(BUILD)/static.stamp
+
+.PHONY: cuda-check
+cuda-check:
+	@bash scripts/cuda_check.sh
+# ------------------------------------------------------------------ end CUDA block
 
 .PHONY: all deps run test bench clean found FORCE
 all: found train
@@ -34,7 +104,8 @@ found:
 	@if [ -f $(BLAS_INC)/cblas.h ]; then echo "✓ OpenBLAS (OpenMP) $(BLAS_DIR)"; else echo "✗ OpenBLAS (OpenMP) not found: make deps"; fi
 	@if [ -f /usr/include/yaml.h ]; then echo "✓ libyaml"; else echo "✗ libyaml not found: make deps"; fi
 	@if [ -f /usr/include/zstd.h ]; then echo "✓ zstd"; else echo "✗ zstd not found: make deps"; fi
-	@if command -v nvcc >/dev/null 2>&1; then echo "✓ nvcc $$(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p') (CUDA backend: not in this build yet)"; else echo "✗ nvcc not found: CPU backend only"; fi
+	@if [ -n "$(MPICC)" ]; then echo "✓ MPI $$($(MPICC) --showme:version 2>/dev/null | sed -n 's/.*Open MPI/Open MPI/p')"; else echo "✗ MPI not found: single-rank build (make deps)"; fi
+	@if [ -n "$(NVCC_PATH)" ]; then echo "✓ nvcc $$($(NVCC) --version | sed -n 's/.*release \([0-9.]*\).*/\1/p') $(CUDA_HOME) (CUDA backend: $(if $(filter 1,$(CUDA)),built$(COMMA) $(CUDA_ARCH),left out: CUDA=0))"; else echo "✗ nvcc not found: CPU backend only"; fi
 
 train: $(OBJ) $(BUILD)/main.o
 	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
@@ -48,6 +119,11 @@ $(BUILD)/main.o: main.c $(BUILD)/commit.stamp
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -DKILN_COMMIT='"$(COMMIT)"' -c -o $@ $<
 FORCE:
+# comm.o differs with and without MPI: rebuild it when that changes.
+$(BUILD)/mpi.stamp: FORCE
+	@mkdir -p $(BUILD)
+	@echo 'mpi=$(MPICC)' | cmp -s - $@ || echo 'mpi=$(MPICC)' > $@
+$(BUILD)/src/comm.o: $(BUILD)/mpi.stamp
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)

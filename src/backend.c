@@ -9,6 +9,8 @@
 extern const Backend backend_cuda;
 /* Nonzero when a usable GPU is present; lets "auto" fall back to the CPU. */
 extern int backend_cuda_available(void);
+/* The CUDA runtime and cuBLASLt versions the backend was compiled against. */
+extern const char *backend_cuda_build_info(void);
 #endif
 
 const Backend *backend_get(const char *name) {
@@ -28,4 +30,29 @@ const Backend *backend_get(const char *name) {
         return &backend_cpu;
     }
     return NULL;
+}
+
+const char *backend_list(void) {
+#ifdef KILN_CUDA
+    return "cpu, cuda";
+#else
+    return "cpu";
+#endif
+}
+
+const char *backend_build_info(void) {
+#ifdef KILN_CUDA
+    return backend_cuda_build_info();
+#else
+    return "";
+#endif
+}
+
+int backend_available(const char *name) {
+    const Backend *be = backend_get(name);
+    if (!be) return 0;
+#ifdef KILN_CUDA
+    if (be == &backend_cuda) return backend_cuda_available();
+#endif
+    return 1;
 }

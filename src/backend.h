@@ -91,6 +91,14 @@ typedef struct Backend {
 
     /* Sum of squares in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);
+
+    /* Optional hooks; NULL where a backend has no such notion (the CPU).
+     * set_precision: precision.compute, called once after init: "fp32" (strict
+     * fp32 products) or "bf16" (matrix products on bf16 tensor cores from the
+     * fp32 data, fp32 accumulation). Storage stays fp32 either way.
+     * memory_peak: the most device memory in use since init, in bytes. */
+    void (*set_precision)(const char *compute);
+    size_t (*memory_peak)(void);
 } Backend;
 
 /* The CPU backend (always present). */
@@ -98,5 +106,14 @@ extern const Backend backend_cpu;
 
 /* Look up a backend by name ("cpu", "cuda", "auto"); NULL if not compiled in. */
 const Backend *backend_get(const char *name);
+
+/* The backends this build holds, e.g. "cpu, cuda" (for --version). */
+const char *backend_list(void);
+/* One line per compiled-in accelerator backend naming the library versions
+ * it was built against; "" when there is none. Needs no GPU or driver. */
+const char *backend_build_info(void);
+/* Nonzero if the named backend is compiled in and can run here (a GPU and a
+ * driver for "cuda"). */
+int backend_available(const char *name);
 
 #endif

@@ -72,6 +72,7 @@ int bench_run(const Config *c, int steps) {
     const Backend *be = backend_get(c->device);
     if (!be) kiln_fail(KILN_EXIT_USAGE, "key 'device': '%s' is not available in this build", c->device);
     const char *desc = be->init(c->threads);
+    if (be->set_precision) be->set_precision(c->compute); /* precision.compute: GPU products */
     int B = c->micro_batch, T = c->seq_len, N = B * T;
 
     Model m;
@@ -119,6 +120,7 @@ int bench_run(const Config *c, int steps) {
            mm_gflops);
     printf("bench: tok_per_s=%.1f step_gflops=%.1f sgemm_gflops=%.1f ratio=%.3f\n", tokens / step_s, step_gflops,
            mm_gflops, step_gflops / mm_gflops);
+    if (be->memory_peak) printf("bench: peak_mem_gib=%.2f\n", be->memory_peak() / 1073741824.0);
     free(inp), free(tgt), free(times);
     optim_free(&opt);
     model_free(&m);

@@ -1,0 +1,303 @@
+/* attention: causal multi-head attention as flash-attention kernels in fp32
+ * CUDA C. The forward streams K/V tiles through shared memory with an online
+ * softmax and saves the log-sum-exp; the backward recomputes probabilities
+ * from it, so no (T,T) matrix ever exists. The backward is two kernels — dQ
+ * over query rows, then dK/dV over key rows — instead of FlashAttention-2's
+ * atomics on dQ: every sum then runs in a fixed order and the result is the
+ * same bits run to run (test_ops checks "deterministic"). Tensor cores are not
+ * used yet (see the README section "Training on a GPU").
+ *
+ * Threads: a group of TPK adjacent threads owns one row (a query, or a key in
+ * the dK/dV kernel); thread `sub` of a group holds head dims sub, sub+TPK,
+ * sub+2 TPK, ... (interleaved, so a warp's reads of one shared row hit
+ * distinct banks) — ATT_D = 16 dims each, and TPK is 2, 4 or 8, so head sizes
+ * up to 128 (GPT-2: 64, TPK 4). Dot products are per-thread partial sums
+ * combined by a butterfly within the group (a group never spans two warps).
+ * Key and query loops are not unrolled: unrolling 32 keys x 16 dims made the
+ * kernels spill and took minutes to compile. */
+#include "common.cuh"
+
+#define ATT_D 16   /* head dims per thread */
+#define ATT_BR 64  /* query rows per block (forward, dQ) */
+#define ATT_BC 32  /* keys per shared tile (forward, dQ) */
+#define ATT_BK 64  /* key rows per block (dK/dV) */
+#define ATT_BQ 32  /* query rows per shared tile (dK/dV) */
+
+template <int TPK>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = TPK / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Rows [r0, r0 + rows) of one head's q, k or v (or of dout: ld = C) into a
+ * shared (rows, hs) tile; rows past T read as zero. */
+__device__ __forceinline__ void att_load_tile(float *dst, const float *src, size_t ld, int r0,
+                                              int rows, int T, int hs) {
+    for (int e = threadIdx.x; e < rows * hs; e += blockDim.x) {
+        int r = e / hs, d = e % hs;
+        dst[e] = r0 + r < T ? src[(size_t)(r0 + r) * ld + d] : 0.0f;
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Forward. Block: ATT_BR query rows of one (b, h); grid (B*NH, ceil(T/ATT_BR)). */
+template <int TPK>
+__global__ void __launch_bounds__(ATT_BR *TPK)
+    att_forward_kernel(float *out, float *lse, const float *qkv, int T, int C, int NH, float scale) {
+    extern __shared__ float smem[];
+    int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    float *Ks = smem, *Vs = smem + ATT_BC * hs; /* (ATT_BC, hs) each */
+    float *Ss = Vs + ATT_BC * hs;                /* (ATT_BR, ATT_BC + 1) scores */
+    int r0 = blockIdx.y * ATT_BR, lr = threadIdx.x / TPK, row = r0 + lr, sub = threadIdx.x % TPK;
+    float *S = Ss + lr * (ATT_BC + 1);
+    size_t ld = 3 * (size_t)C;
+    const float *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
+    float q[ATT_D], o[ATT_D];
+#pragma unroll
+    for (int i = 0; i < ATT_D; i++) {
+        int d = i * TPK + sub;
+        q[i] = row < T && d < hs ? Q[(size_t)row * ld + d] : 0.0f;
+        o[i] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    int kend = min(T, r0 + ATT_BR); /* the block's rows see keys [0, kend) */
+    for (int k0 = 0; k0 < kend; k0 += ATT_BC) {
+        __syncthreads();
+        att_load_tile(Ks, K, ld, k0, ATT_BC, T, hs);
+        att_load_tile(Vs, V, ld, k0, ATT_BC, T, hs);
+        __syncthreads();
+        float mt = -INFINITY;
+#pragma unroll 1
+        for (int j = 0; j < ATT_BC; j++) {
+            float part = 0.0f;
+#pragma unroll
+            for (int i = 0; i < ATT_D; i++) {
+                int d = i * TPK + sub;
+                if (d < hs) part += q[i] * Ks[j * hs + d];
+            }
+            float dot = group_sum<TPK>(part);
+            /* causal mask: key k0 + j is visible to rows >= it. A masked key
+             * adds exactly nothing below (exp(-inf) = 0), so changing a future
+             * k or v leaves an output's bits unchanged. */
+            float sj = k0 + j <= row ? dot * scale : -INFINITY;
+            if (sub == 0) S[j] = sj;
+            mt = fmaxf(mt, sj);
+        }
+        __syncwarp(); /* the group's scores, written by its sub 0, are visible */
+        /* Key 0 is visible to every row, so m is finite after the first tile
+         * and m_new is never -inf: no exp(-inf - -inf). */
+        float m_new = fmaxf(m, mt), alpha = expf(m - m_new);
+        l *= alpha;
+#pragma unroll
+        for (int i = 0; i < ATT_D; i++) o[i] *= alpha;
+#pragma unroll 1
+        for (int j = 0; j < ATT_BC; j++) {
+            float p = expf(S[j] - m_new);
+            l += p;
+#pragma unroll
+            for (int i = 0; i < ATT_D; i++) {
+                int d = i * TPK + sub;
+                if (d < hs) o[i] += p * Vs[j * hs + d];
+            }
+        }
+        m = m_new;
+    }
+    if (row < T) {
+        float inv = 1.0f / l;
+        float *O = out + ((size_t)b * T + row) * C + h * hs;
+#pragma unroll
+        for (int i = 0; i < ATT_D; i++) {
+            int d = i * TPK + sub;
+            if (d < hs) O[d] = o[i] * inv;
+        }
+        if (sub == 0) lse[(size_t)bh * T + row] = m + logf(l);
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Backward, part 1: dQ, and D = rowsum(dO * O) for part 2. Block: ATT_BR query
+ * rows of one (b, h). ds = p (dp - D) / sqrt(hs) with p = exp(s - lse). */
+template <int TPK>
+__global__ void __launch_bounds__(ATT_BR *TPK)
+    att_backward_dq_kernel(float *dqkv, float *Dbuf, const float *dout, const float *qkv,
+                           const float *out, const float *lse, int T, int C, int NH, float scale) {
+    extern __shared__ float smem[];
+    int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    float *Ks = smem, *Vs = smem + ATT_BC * hs;
+    int r0 = blockIdx.y * ATT_BR, row = r0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
+    size_t ld = 3 * (size_t)C;
+    const float *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
+    const float *dO = dout + (size_t)b * T * C + h * hs, *O = out + (size_t)b * T * C + h * hs;
+    float q[ATT_D], dor[ATT_D], dq[ATT_D];
+    float part = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ATT_D; i++) {
+        int d = i * TPK + sub;
+        int ok = row < T && d < hs;
+        q[i] = ok ? Q[(size_t)row * ld + d] : 0.0f;
+        dor[i] = ok ? dO[(size_t)row * C + d] : 0.0f;
+        part += ok ? dor[i] * O[(size_t)row * C + d] : 0.0f;
+        dq[i] = 0.0f;
+    }
+    float Dt = group_sum<TPK>(part);
+    float lt = row < T ? lse[(size_t)bh * T + row] : 0.0f;
+    if (row < T && sub == 0) Dbuf[(size_t)bh * T + row] = Dt;
+    int kend = min(T, r0 + ATT_BR);
+    for (int k0 = 0; k0 < kend; k0 += ATT_BC) {
+        __syncthreads();
+        att_load_tile(Ks, K, ld, k0, ATT_BC, T, hs);
+        att_load_tile(Vs, V, ld, k0, ATT_BC, T, hs);
+        __syncthreads();
+#pragma unroll 1
+        for (int j = 0; j < ATT_BC; j++) {
+            float ps = 0.0f, pp = 0.0f;
+#pragma unroll
+            for (int i = 0; i < ATT_D; i++) {
+                int d = i * TPK + sub;
+                if (d < hs) {
+                    ps += q[i] * Ks[j * hs + d];
+                    pp += dor[i] * Vs[j * hs + d];
+                }
+            }
+            float s = group_sum<TPK>(ps), dp = group_sum<TPK>(pp);
+            if (k0 + j <= row) {
+                float p = expf(s * scale - lt);
+                float ds = p * (dp - Dt) * scale;
+#pragma unroll
+                for (int i = 0; i < ATT_D; i++) {
+                    int d = i * TPK + sub;
+                    if (d < hs) dq[i] += ds * Ks[j * hs + d];
+                }
+            }
+        }
+    }
+    if (row < T) {
+        float *dQ = dqkv + ((size_t)b * T + row) * ld + h * hs;
+#pragma unroll
+        for (int i = 0; i < ATT_D; i++) {
+            int d = i * TPK + sub;
+            if (d < hs) dQ[d] = dq[i];
+        }
+    }
+}
+
+/* Backward, part 2: dK and dV. Block: ATT_BK key rows of one (b, h), each
+ * summing over the queries that see it (rows >= the key) in row order. */
+template <int TPK>
+__global__ void __launch_bounds__(ATT_BK *TPK)
+    att_backward_dkv_kernel(float *dqkv, const float *Dbuf, const float *dout, const float *qkv,
+                            const float *lse, int T, int C, int NH, float scale) {
+    extern __shared__ float smem[];
+    int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    float *Qs = smem, *dOs = smem + ATT_BQ * hs; /* (ATT_BQ, hs) each */
+    float *Ls = dOs + ATT_BQ * hs, *Ds = Ls + ATT_BQ; /* (ATT_BQ) each */
+    int k0 = blockIdx.y * ATT_BK, key = k0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
+    size_t ld = 3 * (size_t)C;
+    const float *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
+    const float *dO = dout + (size_t)b * T * C + h * hs;
+    const float *L = lse + (size_t)bh * T, *D = Dbuf + (size_t)bh * T;
+    float k[ATT_D], v[ATT_D], dk[ATT_D], dv[ATT_D];
+#pragma unroll
+    for (int i = 0; i < ATT_D; i++) {
+        int d = i * TPK + sub;
+        int ok = key < T && d < hs;
+        k[i] = ok ? K[(size_t)key * ld + d] : 0.0f;
+        v[i] = ok ? V[(size_t)key * ld + d] : 0.0f;
+        dk[i] = dv[i] = 0.0f;
+    }
+    for (int i0 = k0; i0 < T; i0 += ATT_BQ) { /* queries before k0 see none of these keys */
+        __syncthreads();
+        att_load_tile(Qs, Q, ld, i0, ATT_BQ, T, hs);
+        att_load_tile(dOs, dO, C, i0, ATT_BQ, T, hs);
+        for (int r = threadIdx.x; r < ATT_BQ; r += blockDim.x) {
+            Ls[r] = i0 + r < T ? L[i0 + r] : 0.0f;
+            Ds[r] = i0 + r < T ? D[i0 + r] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 1
+        for (int r = 0; r < ATT_BQ; r++) {
+            float ps = 0.0f, pp = 0.0f;
+#pragma unroll
+            for (int i = 0; i < ATT_D; i++) {
+                int d = i * TPK + sub;
+                if (d < hs) {
+                    ps += k[i] * Qs[r * hs + d];
+                    pp += v[i] * dOs[r * hs + d];
+                }
+            }
+            float s = group_sum<TPK>(ps), dp = group_sum<TPK>(pp);
+            int qi = i0 + r;
+            if (qi < T && qi >= key) {
+                float p = expf(s * scale - Ls[r]);
+                float ds = p * (dp - Ds[r]) * scale;
+#pragma unroll
+                for (int i = 0; i < ATT_D; i++) {
+                    int d = i * TPK + sub;
+                    if (d < hs) {
+                        dv[i] += p * dOs[r * hs + d];
+                        dk[i] += ds * Qs[r * hs + d];
+                    }
+                }
+            }
+        }
+    }
+    if (key < T) {
+        float *dK = dqkv + ((size_t)b * T + key) * ld + C + h * hs, *dV = dK + C;
+#pragma unroll
+        for (int i = 0; i < ATT_D; i++) {
+            int d = i * TPK + sub;
+            if (d < hs) {
+                dK[d] = dk[i];
+                dV[d] = dv[i];
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Dispatch on the head size. */
+
+static int att_tpk(int C, int NH) {
+    int hs = C / NH;
+    for (int tpk = 2; tpk <= 8; tpk *= 2)
+        if (hs <= ATT_D * tpk) return tpk;
+    kiln_fail(KILN_EXIT_USAGE, "cuda attention: head size %d (n_embd / n_head) is over the supported %d", hs,
+              8 * ATT_D);
+}
+
+void cuda_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C, int NH) {
+    int hs = C / NH, tpk = att_tpk(C, NH);
+    float scale = 1.0f / sqrtf((float)hs);
+    dim3 grid(B * NH, (T + ATT_BR - 1) / ATT_BR);
+    /* K, V tiles and the scores: <= 40 KiB at hs 128, under the 48 KiB default */
+    size_t sh = ((size_t)2 * ATT_BC * hs + ATT_BR * (ATT_BC + 1)) * sizeof(float);
+    switch (tpk) {
+    case 2: att_forward_kernel<2><<<grid, ATT_BR * 2, sh>>>(out, lse, qkv, T, C, NH, scale); break;
+    case 4: att_forward_kernel<4><<<grid, ATT_BR * 4, sh>>>(out, lse, qkv, T, C, NH, scale); break;
+    default: att_forward_kernel<8><<<grid, ATT_BR * 8, sh>>>(out, lse, qkv, T, C, NH, scale); break;
+    }
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+                             const float *lse, int B, int T, int C, int NH) {
+    int hs = C / NH, tpk = att_tpk(C, NH);
+    float scale = 1.0f / sqrtf((float)hs);
+    float *Dbuf = (float *)cuda_scratch(SCRATCH_ATTENTION, (size_t)B * NH * T * sizeof(float));
+    dim3 gq(B * NH, (T + ATT_BR - 1) / ATT_BR), gk(B * NH, (T + ATT_BK - 1) / ATT_BK);
+    size_t shq = (size_t)2 * ATT_BC * hs * sizeof(float);
+    size_t shk = ((size_t)2 * ATT_BQ * hs + 2 * ATT_BQ) * sizeof(float);
+    /* dQ first: it also writes D, which the dK/dV kernel reads (same stream). */
+#define ATT_BACKWARD(TPK)                                                                                \
+    att_backward_dq_kernel<TPK><<<gq, ATT_BR * TPK, shq>>>(dqkv, Dbuf, dout, qkv, out, lse, T, C, NH, scale); \
+    CUDA_CHECK_LAUNCH();                                                                                  \
+    att_backward_dkv_kernel<TPK><<<gk, ATT_BK * TPK, shk>>>(dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale)
+    switch (tpk) {
+    case 2: ATT_BACKWARD(2); break;
+    case 4: ATT_BACKWARD(4); break;
+    default: ATT_BACKWARD(8); break;
+    }
+#undef ATT_BACKWARD
+    CUDA_CHECK_LAUNCH();
+}

@@ -1,0 +1,202 @@
+/* backend_cuda: the CUDA backend's start-up, memory and the Backend table; the
+ * ops live in embed_norm.cu, matmul.cu, attention.cu and pointwise.cu. Storage
+ * is fp32 (the interface is float*); matrix products compute in fp32 or on
+ * bf16 tensor cores per precision.compute. Nothing here runs before the host
+ * calls a function: the CUDA runtime is linked statically and loads the driver
+ * lazily, so a binary with this backend starts, and runs the CPU backend, on a
+ * machine with no GPU driver at all. All work goes to the legacy default
+ * stream, in order; to_host and sumsq therefore see every earlier op. */
+#include <cublasLt.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common.cuh"
+
+static char cuda_desc[512];
+static char cuda_device_part[384];
+static int cuda_started;
+static size_t cuda_peak_used; /* bytes in use on the device, highest seen */
+
+/* ---------------------------------------------------------------------------
+ * Availability and build information (no driver needed for either) */
+
+extern "C" int backend_cuda_available(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        int n = 0;
+        cudaError_t err = cudaGetDeviceCount(&n);
+        if (err != cudaSuccess) {
+            (void)cudaGetLastError(); /* clear the sticky "no driver" error */
+            n = 0;
+        }
+        cached = n > 0;
+    }
+    return cached;
+}
+
+/* What this build was compiled against, for ./train --version. */
+extern "C" const char *backend_cuda_build_info(void) {
+    static char info[160];
+    if (!info[0])
+        snprintf(info, sizeof info, "cuda: built against CUDA runtime %d.%d, cuBLASLt %d.%d.%d", CUDART_VERSION / 1000,
+                 CUDART_VERSION % 1000 / 10, CUBLAS_VER_MAJOR, CUBLAS_VER_MINOR, CUBLAS_VER_PATCH);
+    return info;
+}
+
+/* ---------------------------------------------------------------------------
+ * Memory */
+
+static void cuda_note_usage(void) {
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && total_b - free_b > cuda_peak_used)
+        cuda_peak_used = total_b - free_b;
+}
+
+static void *cuda_alloc_bytes(size_t bytes) {
+    void *p = NULL;
+    if (bytes == 0) bytes = 256;
+    cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        size_t free_b = 0, total_b = 0;
+        cudaMemGetInfo(&free_b, &total_b);
+        kiln_hint("a smaller batch.micro_batch (more accumulation steps) needs less memory");
+        kiln_fail(KILN_EXIT_RUNTIME, "cuda backend: cannot allocate %.3f GiB (%.3f GiB free of %.3f): %s",
+                  bytes / 1073741824.0, free_b / 1073741824.0, total_b / 1073741824.0, cudaGetErrorString(err));
+    }
+    CUDA_CHECK(cudaMemset(p, 0, bytes));
+    cuda_note_usage();
+    return p;
+}
+
+static void *cuda_alloc(size_t bytes) { return cuda_alloc_bytes(bytes); }
+static void cuda_free(void *p) {
+    if (p) CUDA_CHECK(cudaFree(p));
+}
+static void cuda_to_device(void *dst, const void *src, size_t bytes) {
+    if (bytes) CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+static void cuda_to_host(void *dst, const void *src, size_t bytes) {
+    if (bytes) CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+static void cuda_copy(void *dst, const void *src, size_t bytes) {
+    if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
+}
+static void cuda_zero(void *dst, size_t bytes) {
+    if (bytes) CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, 0));
+}
+static void cuda_sync(void) { CUDA_CHECK(cudaDeviceSynchronize()); }
+
+static void *scratch_ptr[SCRATCH_COUNT];
+static size_t scratch_size[SCRATCH_COUNT];
+
+void *cuda_scratch(int slot, size_t bytes) {
+    if (bytes > scratch_size[slot]) {
+        /* cudaFree waits for the kernels that may still read the old buffer. */
+        if (scratch_ptr[slot]) CUDA_CHECK(cudaFree(scratch_ptr[slot]));
+        scratch_ptr[slot] = cuda_alloc_bytes(bytes);
+        scratch_size[slot] = bytes;
+    }
+    return scratch_ptr[slot];
+}
+
+void cuda_scratch_free_all(void) {
+    for (int i = 0; i < SCRATCH_COUNT; i++) {
+        if (scratch_ptr[i]) cudaFree(scratch_ptr[i]);
+        scratch_ptr[i] = NULL;
+        scratch_size[i] = 0;
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Start-up */
+
+static void cuda_update_desc(void) {
+    snprintf(cuda_desc, sizeof cuda_desc, "%s, matmul compute %s", cuda_device_part,
+             cuda_matmul_get_compute() ? "bf16 (tensor cores, fp32 accumulate)" : "fp32");
+}
+
+static const char *cuda_init(int threads) {
+    (void)threads;
+    if (cuda_started) return cuda_desc;
+    int n = 0;
+    cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess || n == 0) {
+        (void)cudaGetLastError();
+        kiln_hint("device: cpu runs on the CPU backend; device: auto picks the GPU only when one is present");
+        kiln_fail(KILN_EXIT_USAGE, "cuda backend: no usable GPU (%s)",
+                  err != cudaSuccess ? cudaGetErrorString(err) : "no CUDA devices");
+    }
+    CUDA_CHECK(cudaSetDevice(0));
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    int rt = 0, drv = 0;
+    CUDA_CHECK(cudaRuntimeGetVersion(&rt));
+    CUDA_CHECK(cudaDriverGetVersion(&drv));
+    cuda_matmul_init();
+    cuda_note_usage();
+    size_t lt = cublasLtGetVersion();
+    snprintf(cuda_device_part, sizeof cuda_device_part,
+             "cuda: %s (sm_%d%d, %d SMs, %.1f GiB), runtime %d.%d, driver %d.%d, cuBLASLt %zu.%zu.%zu",
+             prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0,
+             rt / 1000, rt % 1000 / 10, drv / 1000, drv % 1000 / 10, lt / 10000, lt / 100 % 100, lt % 100);
+    cuda_update_desc();
+    cuda_started = 1;
+    return cuda_desc;
+}
+
+static void cuda_shutdown(void) {
+    if (!cuda_started) return;
+    cudaDeviceSynchronize();
+    cuda_scratch_free_all();
+    cuda_embed_free_host();
+    cuda_matmul_shutdown();
+    cuda_matmul_set_compute(0); /* the next init starts from strict fp32 again */
+    cuda_started = 0;
+}
+
+/* precision.compute: "fp32" strict, "bf16" tensor cores on bf16-rounded
+ * inputs with fp32 accumulation. Storage stays fp32 either way. */
+static void cuda_set_precision(const char *compute) {
+    if (strcmp(compute, "bf16") == 0) cuda_matmul_set_compute(1);
+    else if (strcmp(compute, "fp32") == 0) cuda_matmul_set_compute(0);
+    else kiln_fail(KILN_EXIT_USAGE, "key 'precision.compute': '%s' is not one of bf16|fp32", compute);
+    cuda_update_desc();
+}
+
+static size_t cuda_memory_peak(void) {
+    cuda_note_usage();
+    return cuda_peak_used;
+}
+
+/* Designated initializers in declaration order (C++20; nvcc and g++ accept
+ * them in C++17 mode): a field added to backend.h without a CUDA entry stays
+ * NULL and the op test names it, rather than shifting every pointer. */
+extern "C" const Backend backend_cuda = {
+    .name = "cuda",
+    .init = cuda_init,
+    .shutdown = cuda_shutdown,
+    .alloc = cuda_alloc,
+    .free = cuda_free,
+    .to_device = cuda_to_device,
+    .to_host = cuda_to_host,
+    .copy = cuda_copy,
+    .zero = cuda_zero,
+    .sync = cuda_sync,
+    .embed_forward = cuda_embed_forward,
+    .embed_backward = cuda_embed_backward,
+    .layernorm_forward = cuda_layernorm_forward,
+    .layernorm_backward = cuda_layernorm_backward,
+    .matmul_forward = cuda_matmul_forward,
+    .matmul_backward = cuda_matmul_backward,
+    .attention_forward = cuda_attention_forward,
+    .attention_backward = cuda_attention_backward,
+    .gelu_forward = cuda_gelu_forward,
+    .gelu_backward = cuda_gelu_backward,
+    .add = cuda_add,
+    .crossentropy_forward = cuda_crossentropy_forward,
+    .adamw_update = cuda_adamw_update,
+    .sumsq = cuda_sumsq,
+    .set_precision = cuda_set_precision,
+    .memory_peak = cuda_memory_peak,
+};

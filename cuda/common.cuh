@@ -1,0 +1,123 @@
+/* common.cuh: what every file of the CUDA backend shares — the checked-call
+ * macro family, launch helpers, block reductions, the grow-only scratch, and
+ * the declarations of the op entry points each .cu file defines. Never
+ * included by host C code: the backend meets the host only in backend.h. */
+#ifndef KILN_CUDA_COMMON_CUH
+#define KILN_CUDA_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+#include "backend.h"
+#include "util.h"
+}
+
+/* Every CUDA runtime call goes through CUDA_CHECK; every kernel launch is
+ * followed by CUDA_CHECK_LAUNCH(), which reads cudaGetLastError so a bad
+ * launch configuration is reported at its own line, not at the next sync.
+ * Failures are runtime errors (exit 1) naming the call, file and line. */
+#define CUDA_CHECK(call)                                                                      \
+    do {                                                                                      \
+        cudaError_t kiln_err_ = (call);                                                       \
+        if (kiln_err_ != cudaSuccess)                                                         \
+            kiln_fail(KILN_EXIT_RUNTIME, "cuda: %s:%d: %s failed: %s", __FILE__, __LINE__,    \
+                      #call, cudaGetErrorString(kiln_err_));                                  \
+    } while (0)
+#define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())
+
+/* Device-side launch configuration. */
+#define CUDA_WARP 32
+static inline unsigned cuda_blocks(size_t n, unsigned threads) {
+    size_t b = (n + threads - 1) / threads;
+    return (unsigned)(b > 0x7fffffffu ? 0x7fffffffu : (b ? b : 1));
+}
+
+/* Warp sums with a fixed butterfly: the same order every run. */
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ double warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* Block-wide sum or max (blockDim.x a multiple of 32, <= 1024); every thread
+ * gets the result. `shared` holds 32 floats. Fixed order: deterministic. */
+__device__ __forceinline__ float block_sum(float v, float *shared) {
+    int lane = threadIdx.x % 32, wid = threadIdx.x / 32, nw = blockDim.x / 32;
+    v = warp_sum(v);
+    __syncthreads(); /* shared may still be read by a previous call */
+    if (lane == 0) shared[wid] = v;
+    __syncthreads();
+    v = lane < nw ? shared[lane] : 0.0f;
+    return warp_sum(v);
+}
+__device__ __forceinline__ float block_max(float v, float *shared) {
+    int lane = threadIdx.x % 32, wid = threadIdx.x / 32, nw = blockDim.x / 32;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) shared[wid] = v;
+    __syncthreads();
+    v = lane < nw ? shared[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+/* Grow-only device scratch, one slot per user, kept for the whole run so the
+ * step loop never allocates after its first call (freed by shutdown). Ops run
+ * on one stream in order, so a slot is never used by two kernels at once. */
+enum {
+    SCRATCH_COLSUM,    /* column-sum partials (layernorm dw/db, matmul dbias) */
+    SCRATCH_EMBED,     /* token buckets for the dwte scatter */
+    SCRATCH_ATTENTION, /* D = rowsum(dO * O) of the attention backward */
+    SCRATCH_SUMSQ,     /* sumsq partials */
+    SCRATCH_COUNT
+};
+void *cuda_scratch(int slot, size_t bytes);
+void cuda_scratch_free_all(void);
+
+/* Op entry points, one family per file (the Backend table is in backend_cuda.cu). */
+/* embed_norm.cu */
+void cuda_embed_forward(float *out, const int32_t *tokens, const float *wte, const float *wpe, int B,
+                        int T, int C);
+void cuda_embed_backward(float *dwte, float *dwpe, const float *dout, const int32_t *tokens, int B,
+                         int T, int C, int accumulate);
+void cuda_embed_free_host(void);
+void cuda_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,
+                            const float *b, int N, int C);
+void cuda_layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                             const float *w, const float *mean, const float *rstd, int N, int C,
+                             int accumulate);
+/* dbias(OC) (+)= column sums of dout(N,OC), deterministic. */
+void cuda_colsum(float *dbias, const float *dout, int N, int OC, int accumulate);
+/* matmul.cu */
+void cuda_matmul_init(void);
+void cuda_matmul_shutdown(void);
+void cuda_matmul_set_compute(int bf16);
+int cuda_matmul_get_compute(void);
+void cuda_matmul_forward(float *out, const float *inp, const float *w, const float *bias, int N,
+                         int C, int OC);
+void cuda_matmul_backward(float *dinp, float *dw, float *dbias, const float *dout, const float *inp,
+                          const float *w, int N, int C, int OC, int accumulate);
+/* attention.cu */
+void cuda_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C, int NH);
+void cuda_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+                             const float *lse, int B, int T, int C, int NH);
+/* pointwise.cu */
+void cuda_gelu_forward(float *out, const float *inp, size_t n);
+void cuda_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n);
+void cuda_add(float *out, const float *a, const float *b, size_t n);
+void cuda_crossentropy_forward(float *logits, float *losses, const int32_t *targets, int N, int V,
+                               int Vp, float dloss);
+void cuda_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr,
+                       float beta1, float beta2, float eps, float weight_decay, float grad_scale,
+                       int t);
+double cuda_sumsq(const float *x, size_t n);
+
+#endif

@@ -1,0 +1,269 @@
+/* embed_norm: embeddings, LayerNorm and the deterministic column sums that
+ * parameter gradients (dw, db, dbias) are made of. Mirrors src/cpu/backend_cpu.c
+ * op for op; no float atomics anywhere, so every result is the same bits run
+ * to run. Never allocates except through the grow-only scratch. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.cuh"
+
+/* ---------------------------------------------------------------------------
+ * Embedding */
+
+__global__ void embed_forward_kernel(float *out, const int32_t *tokens, const float *wte,
+                                     const float *wpe, int N, int T, int C) {
+    /* out (N,C), tokens (N), wte (Vp,C), wpe (T,C) */
+    size_t total = (size_t)N * C;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
+         e += (size_t)gridDim.x * blockDim.x) {
+        size_t i = e / C, c = e % C;
+        out[e] = wte[(size_t)tokens[i] * C + c] + wpe[(i % T) * C + c];
+    }
+}
+
+void cuda_embed_forward(float *out, const int32_t *tokens, const float *wte, const float *wpe, int B,
+                        int T, int C) {
+    size_t n = (size_t)B * T * C;
+    unsigned blocks = cuda_blocks(n, 256);
+    if (blocks > 65536) blocks = 65536;
+    embed_forward_kernel<<<blocks, 256>>>(out, tokens, wte, wpe, B * T, T, C);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* dwte without float atomics: positions are bucketed by token on the host
+ * (llm.c's approach; N int32 down and up, a few tens of microseconds, at the
+ * end of the backward pass where the host waits anyway), then block (r, y)
+ * sums run r — every position of one token, in position order — over 128
+ * channels, starting from what dwte holds. That is the CPU backend's order of
+ * additions exactly, so dwte is the same bits on both backends given the same
+ * dout. Layout of `plan`: run_tok[R], run_start[R + 1], pos[N]. */
+__global__ void embed_dwte_kernel(float *dwte, const float *dout, const int32_t *plan, int R, int C) {
+    int r = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const int32_t *run_start = plan + R, *pos = plan + 2 * R + 1;
+    float *dst = dwte + (size_t)plan[r] * C + c;
+    float acc = *dst;
+    for (int k = run_start[r]; k < run_start[r + 1]; k++) acc += dout[(size_t)pos[k] * C + c];
+    *dst = acc;
+}
+
+/* Host side of the bucketing, grow-only buffers kept for the run. */
+static int32_t *embed_host_tok, *embed_host_plan, *embed_host_count;
+static size_t embed_host_n, embed_host_vocab;
+
+static void *embed_grow(void *p, size_t bytes) {
+    void *q = realloc(p, bytes);
+    if (!q) kiln_fail(KILN_EXIT_RUNTIME, "cuda backend: out of host memory (%zu bytes)", bytes);
+    return q;
+}
+
+void cuda_embed_free_host(void) {
+    free(embed_host_tok), free(embed_host_plan), free(embed_host_count);
+    embed_host_tok = embed_host_plan = embed_host_count = NULL;
+    embed_host_n = embed_host_vocab = 0;
+}
+
+/* Counting sort of positions by token (stable); returns the number of runs. */
+static int embed_plan(const int32_t *tok, int N) {
+    int32_t vmax = 0;
+    for (int i = 0; i < N; i++) {
+        if (tok[i] < 0) kiln_fail(KILN_EXIT_RUNTIME, "cuda embed_backward: negative token %d at %d", tok[i], i);
+        vmax = tok[i] > vmax ? tok[i] : vmax;
+    }
+    size_t vocab = (size_t)vmax + 1;
+    if (vocab > embed_host_vocab) {
+        embed_host_count = (int32_t *)embed_grow(embed_host_count, (vocab + 1) * sizeof(int32_t));
+        embed_host_vocab = vocab;
+    }
+    int32_t *count = embed_host_count;
+    memset(count, 0, (vocab + 1) * sizeof(int32_t));
+    for (int i = 0; i < N; i++) count[tok[i] + 1]++;
+    int R = 0;
+    for (size_t v = 0; v < vocab; v++) R += count[v + 1] > 0;
+    int32_t *run_tok = embed_host_plan, *run_start = run_tok + R, *pos = run_start + R + 1;
+    int r = 0;
+    for (size_t v = 0; v < vocab; v++) { /* count[v] becomes the start of v's bucket */
+        if (count[v + 1] > 0) {
+            run_tok[r] = (int32_t)v;
+            run_start[r] = count[v];
+            r++;
+        }
+        count[v + 1] += count[v];
+    }
+    run_start[R] = N;
+    for (int i = 0; i < N; i++) pos[count[tok[i]]++] = i; /* in position order: stable */
+    return R;
+}
+
+__global__ void embed_dwpe_kernel(float *dwpe, const float *dout, int B, int T, int C,
+                                  int accumulate) {
+    /* dwpe (T,C), dout (B*T,C); b summed in order from 0, as the CPU does */
+    size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (e >= (size_t)T * C) return;
+    float acc = accumulate ? dwpe[e] : 0.0f;
+    for (int b = 0; b < B; b++) acc += dout[(size_t)b * T * C + e];
+    dwpe[e] = acc;
+}
+
+void cuda_embed_backward(float *dwte, float *dwpe, const float *dout, const int32_t *tokens, int B,
+                         int T, int C, int accumulate) {
+    int N = B * T;
+    if ((size_t)N > embed_host_n) {
+        embed_host_tok = (int32_t *)embed_grow(embed_host_tok, (size_t)N * sizeof(int32_t));
+        embed_host_plan = (int32_t *)embed_grow(embed_host_plan, (size_t)(3 * N + 1) * sizeof(int32_t));
+        embed_host_n = (size_t)N;
+    }
+    CUDA_CHECK(cudaMemcpy(embed_host_tok, tokens, (size_t)N * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    int R = embed_plan(embed_host_tok, N);
+    size_t plan_bytes = (size_t)(2 * R + 1 + N) * sizeof(int32_t);
+    int32_t *plan = (int32_t *)cuda_scratch(SCRATCH_EMBED, (size_t)(3 * N + 1) * sizeof(int32_t));
+    CUDA_CHECK(cudaMemcpy(plan, embed_host_plan, plan_bytes, cudaMemcpyHostToDevice));
+    dim3 grid(R, (C + 127) / 128);
+    embed_dwte_kernel<<<grid, 128>>>(dwte, dout, plan, R, C);
+    CUDA_CHECK_LAUNCH();
+    embed_dwpe_kernel<<<cuda_blocks((size_t)T * C, 256), 256>>>(dwpe, dout, B, T, C, accumulate);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* ---------------------------------------------------------------------------
+ * LayerNorm (eps 1e-5, biased variance), one warp per row */
+
+__global__ void layernorm_forward_kernel(float *out, float *mean, float *rstd, const float *inp,
+                                         const float *w, const float *b, int N, int C) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const float *x = inp + (size_t)row * C;
+    float s = 0.0f;
+    for (int c = lane; c < C; c += 32) s += x[c];
+    float m = warp_sum(s) / C;
+    /* Two passes, as the CPU backend: no cancellation for a large mean. */
+    float v = 0.0f;
+    for (int c = lane; c < C; c += 32) {
+        float d = x[c] - m;
+        v += d * d;
+    }
+    float r = 1.0f / sqrtf(warp_sum(v) / C + 1e-5f);
+    float *o = out + (size_t)row * C;
+    for (int c = lane; c < C; c += 32) o[c] = (x[c] - m) * r * w[c] + b[c];
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = r;
+    }
+}
+
+void cuda_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,
+                            const float *b, int N, int C) {
+    layernorm_forward_kernel<<<cuda_blocks(N, 8), 256>>>(out, mean, rstd, inp, w, b, N, C);
+    CUDA_CHECK_LAUNCH();
+}
+
+__global__ void layernorm_dinp_kernel(float *dinp, const float *dout, const float *inp,
+                                      const float *w, const float *mean, const float *rstd, int N,
+                                      int C) {
+    /* dinp (N,C) +=, one warp per row */
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const float *x = inp + (size_t)row * C, *d = dout + (size_t)row * C;
+    float m = mean[row], r = rstd[row];
+    float sd = 0.0f, sdn = 0.0f; /* mean(dnorm), mean(dnorm * norm) */
+    for (int c = lane; c < C; c += 32) {
+        float dn = d[c] * w[c];
+        sd += dn;
+        sdn += dn * (x[c] - m) * r;
+    }
+    sd = warp_sum(sd) / C;
+    sdn = warp_sum(sdn) / C;
+    float *di = dinp + (size_t)row * C;
+    for (int c = lane; c < C; c += 32) {
+        float n = (x[c] - m) * r;
+        di[c] += (d[c] * w[c] - sd - n * sdn) * r;
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Deterministic column sums. Rows are cut into a number of chunks that
+ * depends only on N; block (x, chunk) sums 32 columns of its chunk with 8 row
+ * lanes, combines the lanes in lane order and writes one partial per column;
+ * a second kernel adds the partials in chunk order. With `inp` the summand of
+ * the first output is dout * (inp - mean) * rstd (LayerNorm's dw) and the
+ * second output gets plain dout (db); without, only the plain sum (dbias). */
+
+#define COLSUM_ROWS 8
+
+static int colsum_chunks(int N) {
+    int chunks = (N + 63) / 64; /* >= 64 rows per chunk ... */
+    return chunks < 256 ? chunks : 256; /* ... and at most 256 partials */
+}
+
+__global__ void colsum_partial_kernel(float *part_a, float *part_b, const float *dout,
+                                      const float *inp, const float *mean, const float *rstd,
+                                      int N, int C, int rows_per_chunk) {
+    __shared__ float sa[COLSUM_ROWS][32], sb[COLSUM_ROWS][32];
+    int tx = threadIdx.x, ty = threadIdx.y;
+    int c = blockIdx.x * 32 + tx, chunk = blockIdx.y;
+    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float a = 0.0f, b = 0.0f;
+    if (c < C) {
+        for (int r = r0 + ty; r < r1; r += COLSUM_ROWS) {
+            float d = dout[(size_t)r * C + c];
+            if (inp) {
+                a += d * (inp[(size_t)r * C + c] - mean[r]) * rstd[r];
+                b += d;
+            } else {
+                a += d;
+            }
+        }
+    }
+    sa[ty][tx] = a;
+    sb[ty][tx] = b;
+    __syncthreads();
+    if (ty == 0 && c < C) {
+        for (int k = 1; k < COLSUM_ROWS; k++) {
+            a += sa[k][tx];
+            b += sb[k][tx];
+        }
+        part_a[(size_t)chunk * C + c] = a;
+        if (inp) part_b[(size_t)chunk * C + c] = b;
+    }
+}
+
+__global__ void colsum_finish_kernel(float *out_a, float *out_b, const float *part_a,
+                                     const float *part_b, int chunks, int C, int accumulate) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float a = accumulate ? out_a[c] : 0.0f;
+    for (int k = 0; k < chunks; k++) a += part_a[(size_t)k * C + c];
+    out_a[c] = a;
+    if (out_b) {
+        float b = accumulate ? out_b[c] : 0.0f;
+        for (int k = 0; k < chunks; k++) b += part_b[(size_t)k * C + c];
+        out_b[c] = b;
+    }
+}
+
+static void colsum_run(float *out_a, float *out_b, const float *dout, const float *inp,
+                       const float *mean, const float *rstd, int N, int C, int accumulate) {
+    int chunks = colsum_chunks(N);
+    int rows_per_chunk = (N + chunks - 1) / chunks;
+    float *part = (float *)cuda_scratch(SCRATCH_COLSUM, (size_t)2 * chunks * C * sizeof(float));
+    float *part_a = part, *part_b = part + (size_t)chunks * C;
+    dim3 grid((C + 31) / 32, chunks), block(32, COLSUM_ROWS);
+    colsum_partial_kernel<<<grid, block>>>(part_a, part_b, dout, inp, mean, rstd, N, C,
+                                           rows_per_chunk);
+    CUDA_CHECK_LAUNCH();
+    colsum_finish_kernel<<<cuda_blocks(C, 256), 256>>>(out_a, out_b, part_a, inp ? part_b : NULL,
+                                                       chunks, C, accumulate);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_colsum(float *dbias, const float *dout, int N, int OC, int accumulate) {
+    colsum_run(dbias, NULL, dout, NULL, NULL, NULL, N, OC, accumulate);
+}
+
+void cuda_layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,
+                             const float *w, const float *mean, const float *rstd, int N, int C,
+                             int accumulate) {
+    layernorm_dinp_kernel<<<cuda_blocks(N, 8), 256>>>(dinp, dout, inp, w, mean, rstd, N, C);
+    CUDA_CHECK_LAUNCH();
+    colsum_run(dw, db, dout, inp, mean, rstd, N, C, accumulate);
+}

@@ -1,0 +1,166 @@
+/* pointwise: GeLU, add, fused softmax + cross-entropy, AdamW and the sum of
+ * squares. Each mirrors the CPU backend's formula in the same order; AdamW is
+ * written with explicitly rounded intrinsics (no FMA contraction) so its
+ * update is the CPU's bit for bit. Reductions run in a fixed tree: the same
+ * bits every run. */
+#include "common.cuh"
+
+#define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
+
+static unsigned grid_for(size_t n, unsigned threads) {
+    unsigned b = cuda_blocks(n, threads);
+    return b > 65536 ? 65536 : b; /* grid-stride loops cover the rest */
+}
+#define GRID_STRIDE(i, n)                                                                     \
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n);                   \
+         i += (size_t)gridDim.x * blockDim.x)
+
+__global__ void gelu_forward_kernel(float *out, const float *inp, size_t n) {
+    GRID_STRIDE(i, n) {
+        float x = inp[i];
+        float u = GELU_SCALE * (x + 0.044715f * x * x * x);
+        out[i] = 0.5f * x * (1.0f + tanhf(u));
+    }
+}
+
+__global__ void gelu_backward_kernel(float *dinp, const float *inp, const float *dout, size_t n) {
+    GRID_STRIDE(i, n) {
+        float x = inp[i];
+        float u = GELU_SCALE * (x + 0.044715f * x * x * x);
+        float th = tanhf(u);
+        float sech2 = 1.0f - th * th;
+        float du = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+        dinp[i] = dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * du);
+    }
+}
+
+__global__ void add_kernel(float *out, const float *a, const float *b, size_t n) {
+    GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+}
+
+void cuda_gelu_forward(float *out, const float *inp, size_t n) {
+    if (!n) return;
+    gelu_forward_kernel<<<grid_for(n, 256), 256>>>(out, inp, n);
+    CUDA_CHECK_LAUNCH();
+}
+void cuda_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n) {
+    if (!n) return;
+    gelu_backward_kernel<<<grid_for(n, 256), 256>>>(dinp, inp, dout, n);
+    CUDA_CHECK_LAUNCH();
+}
+void cuda_add(float *out, const float *a, const float *b, size_t n) {
+    if (!n) return;
+    add_kernel<<<grid_for(n, 256), 256>>>(out, a, b, n);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* ---------------------------------------------------------------------------
+ * Softmax + cross-entropy, one block per row: max, sum of exp, loss, and (if
+ * dloss != 0) dlogits = (softmax - onehot) * dloss in place, zero padding.
+ * fmaxf skips NaN as the CPU's compare does; a NaN logit still reaches the
+ * loss through the sum. */
+#define CE_THREADS 512
+
+__global__ void crossentropy_kernel(float *logits, float *losses, const int32_t *targets, int V,
+                                    int Vp, float dloss) {
+    __shared__ float red[32];
+    float *x = logits + (size_t)blockIdx.x * Vp;
+    int tg = targets[blockIdx.x];
+    float xt = x[tg]; /* read before any thread writes the row */
+    float mx = -INFINITY;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, x[j]);
+    mx = block_max(mx, red);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(x[j] - mx);
+    s = block_sum(s, red); /* its barriers also order every read of xt before the writes */
+    if (threadIdx.x == 0) losses[blockIdx.x] = mx + logf(s) - xt;
+    if (dloss != 0.0f) {
+        float k = dloss / s;
+        for (int j = threadIdx.x; j < V; j += blockDim.x) {
+            float g = expf(x[j] - mx) * k;
+            x[j] = j == tg ? g - dloss : g;
+        }
+        for (int j = V + threadIdx.x; j < Vp; j += blockDim.x) x[j] = 0.0f;
+    }
+}
+
+void cuda_crossentropy_forward(float *logits, float *losses, const int32_t *targets, int N, int V,
+                               int Vp, float dloss) {
+    if (N <= 0) return;
+    crossentropy_kernel<<<N, CE_THREADS>>>(logits, losses, targets, V, Vp, dloss);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* ---------------------------------------------------------------------------
+ * AdamW, the CPU backend's expression with each operation rounded on its own. */
+
+__global__ void adamw_kernel(float *params, const float *grads, float *m, float *v, size_t n,
+                             float lr, float beta1, float beta2, float eps, float wd,
+                             float grad_scale, float bc1, float bc2) {
+    const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
+    GRID_STRIDE(i, n) {
+        float g = __fmul_rn(grads[i], grad_scale);
+        float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(b1c, g));
+        float vi = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(b2c, g), g));
+        m[i] = mi;
+        v[i] = vi;
+        float mhat = __fdiv_rn(mi, bc1), vhat = __fdiv_rn(vi, bc2);
+        float p = params[i];
+        float upd = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps)), __fmul_rn(wd, p));
+        params[i] = __fsub_rn(p, __fmul_rn(lr, upd));
+    }
+}
+
+void cuda_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr,
+                       float beta1, float beta2, float eps, float weight_decay, float grad_scale,
+                       int t) {
+    if (!n) return;
+    /* Bias corrections once, in double, for step t (1-based), as the CPU does. */
+    float bc1 = (float)(1.0 - pow((double)beta1, t));
+    float bc2 = (float)(1.0 - pow((double)beta2, t));
+    adamw_kernel<<<grid_for(n, 256), 256>>>(params, grads, m, v, n, lr, beta1, beta2, eps,
+                                             weight_decay, grad_scale, bc1, bc2);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* ---------------------------------------------------------------------------
+ * Sum of squares in double: SUMSQ_BLOCKS fixed contiguous ranges (independent
+ * of the device), each reduced by a fixed tree, then the partials in order. */
+#define SUMSQ_BLOCKS 512
+#define SUMSQ_THREADS 256
+
+__device__ __forceinline__ double block_sum_d(double v, double *shared) {
+    int lane = threadIdx.x % 32, wid = threadIdx.x / 32, nw = blockDim.x / 32;
+    v = warp_sum_d(v);
+    if (lane == 0) shared[wid] = v;
+    __syncthreads();
+    v = lane < nw ? shared[lane] : 0.0;
+    return warp_sum_d(v);
+}
+
+__global__ void sumsq_partial_kernel(double *part, const float *x, size_t n) {
+    __shared__ double red[32];
+    size_t q = n / SUMSQ_BLOCKS, r = n % SUMSQ_BLOCKS, k = blockIdx.x;
+    size_t i0 = q * k + (k < r ? k : r), i1 = i0 + q + (k < r ? 1 : 0);
+    double s = 0.0;
+    for (size_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) s += (double)x[i] * x[i];
+    s = block_sum_d(s, red);
+    if (threadIdx.x == 0) part[k] = s;
+}
+
+__global__ void sumsq_final_kernel(double *result, const double *part) {
+    __shared__ double red[32];
+    double s = block_sum_d(part[threadIdx.x], red); /* blockDim.x == SUMSQ_BLOCKS */
+    if (threadIdx.x == 0) *result = s;
+}
+
+double cuda_sumsq(const float *x, size_t n) {
+    double *part = (double *)cuda_scratch(SCRATCH_SUMSQ, (SUMSQ_BLOCKS + 1) * sizeof(double));
+    sumsq_partial_kernel<<<SUMSQ_BLOCKS, SUMSQ_THREADS>>>(part, x, n);
+    CUDA_CHECK_LAUNCH();
+    sumsq_final_kernel<<<1, SUMSQ_BLOCKS>>>(part + SUMSQ_BLOCKS, part);
+    CUDA_CHECK_LAUNCH();
+    double s = 0.0;
+    CUDA_CHECK(cudaMemcpy(&s, part + SUMSQ_BLOCKS, sizeof s, cudaMemcpyDeviceToHost));
+    return s;
+}

@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# cuda_check: everything a short GPU window should establish, as one prepared
+# command (`make cuda-check`): the GPU and its libraries, every op of the CUDA
+# backend against double references and against the CPU backend, a 50-step
+# tiny run on both backends with the loss curves compared, and GPT-2 124M and
+# 1.5B benchmark steps (tokens/s, MFU, peak memory). Full log and a summary go
+# to $OUT (or a fresh /tmp folder); the summary table is printed last. Aims at
+# well under 8 minutes on one H100/H200.
+#
+# The binaries are normally built on the build machine with
+#     make -j2 STATIC=1 train build/test/test_ops build/test/test_backend_cross
+# and carried over with the tree (the GPU machine lacks libyaml, zstd, OpenBLAS
+# and MPI); if ./train is missing or cannot start, the script tries that build
+# here. Exit: 0 all checks passed, 1 a check failed, 2 no GPU or no binary.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-$(mktemp -d /tmp/kiln-cuda-check.XXXXXX)}
+mkdir -p "$OUT"
+LOG=$OUT/cuda_check.log
+SUM=$OUT/summary.txt
+: > "$SUM"
+exec > >(tee -a "$LOG") 2>&1
+T0=$(date +%s)
+BUDGET_S=${CUDA_CHECK_BUDGET_S:-420} # later sections are skipped past this
+failed=0
+
+# Tolerances, written down once (see also test/test_ops.c, test_backend_cross.c):
+# tiny run, relative loss difference to the CPU backend at every one of 50 steps:
+#   fp32 1e-3: both sides fp32, different summation orders; differences start
+#     near 1e-6 and grow through training's chaos, staying ~1e-4 over 50 steps
+#     on a model this small. A wrong op shows up at step 1 as > 1e-2.
+#   bf16 1e-2 (1%): matrix products from bf16-rounded inputs (2^-9 relative each).
+TOL_TINY_FP32=1e-3
+TOL_TINY_BF16=1e-2
+
+row() { printf '%-28s %-6s %s\n' "$1" "$2" "$3" | tee -a "$SUM" >/dev/null; }
+elapsed() { echo $(( $(date +%s) - T0 )); }
+over_budget() { [ "$(elapsed)" -ge "$BUDGET_S" ]; }
+section() { echo; echo "=== $* ($(elapsed) s) ==="; }
+
+# --- 1. The GPU ------------------------------------------------------------
+section "GPU"
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv; then
+    echo "cuda_check: no NVIDIA GPU here (nvidia-smi is missing or failed); run it on a machine with one"
+    row gpu FAIL "no GPU (nvidia-smi missing or failed)"
+    cat "$SUM"
+    exit 2
+fi
+row gpu ok "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+
+# --- 2. Libraries: cuBLAS(Lt), cuDNN, NCCL from the toolkit or pip --------
+section "libraries"
+find /usr/local/cuda/lib64/ -maxdepth 1 \( -name '*cudnn*' -o -name '*nccl*' -o -name '*cublas*' \) 2>/dev/null | grep . ||
+    echo "(none under /usr/local/cuda/lib64)"
+PIP_NV=$(python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))" 2>/dev/null || true)
+echo "pip nvidia packages under: ${PIP_NV:-none}"
+extra=""
+if [ -n "$PIP_NV" ]; then
+    for lib in 'libcublasLt.so.*' 'libcudnn.so.9*' 'libnccl.so.2*'; do
+        f=$(find "$PIP_NV/nvidia" -name "$lib" 2>/dev/null | head -1)
+        [ -n "$f" ] && echo "found $f" && extra="$extra:$(dirname "$f")"
+    done
+fi
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${extra}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+
+# --- 3. The binaries -------------------------------------------------------
+section "binaries"
+usable() { [ -x ./train ] && ./train --version 2>/dev/null | grep -q 'backends: .*cuda' &&
+           [ -x build/test/test_ops ] && [ -x build/test/test_backend_cross ]; }
+if ! usable; then
+    echo "no usable carried binary: building here (make STATIC=1)"
+    if command -v nvcc >/dev/null 2>&1; then
+        make -j"$(nproc)" STATIC=1 CUDA=1 train build/test/test_ops build/test/test_backend_cross 2>&1 | tail -n 20
+    fi
+fi
+if ! usable; then
+    echo "cuda_check: no ./train with the CUDA backend could be run or built here"
+    [ -x ./train ] && ldd ./train | grep 'not found'
+    row binary FAIL "no runnable ./train with cuda (build with make STATIC=1 and carry it)"
+    cat "$SUM"
+    exit 2
+fi
+./train --version
+ldd ./train | grep -E 'not found|cublas|cudart|gomp|stdc' || true
+row binary ok "$(./train --version | sed -n 's/^cuda: //p')"
+
+# --- 4. Ops ----------------------------------------------------------------
+count() { grep -c "^$1 " "$2" || true; }
+section "ops: test_ops cuda (double references, small shapes)"
+timeout 120 build/test/test_ops cuda > "$OUT/test_ops.txt" 2>&1; rc=$?
+cat "$OUT/test_ops.txt"
+nok=$(count ok "$OUT/test_ops.txt"); nfail=$(count FAIL "$OUT/test_ops.txt")
+if [ $rc -eq 0 ] && [ "$nfail" -eq 0 ] && [ "$nok" -gt 0 ]; then row test_ops ok "$nok checks"
+else row test_ops FAIL "$nok ok, $nfail failed, exit $rc"; failed=1; fi
+
+section "ops: test_backend_cross cuda (vs the CPU backend, GPT-2 shapes)"
+timeout 150 build/test/test_backend_cross cuda > "$OUT/test_cross.txt" 2>&1; rc=$?
+cat "$OUT/test_cross.txt"
+nok=$(count ok "$OUT/test_cross.txt"); nfail=$(count FAIL "$OUT/test_cross.txt")
+if [ $rc -eq 0 ] && [ "$nfail" -eq 0 ] && [ "$nok" -gt 0 ]; then row test_backend_cross ok "$nok checks"
+else row test_backend_cross FAIL "$nok ok, $nfail failed, exit $rc"; failed=1; fi
+
+# --- 5. Tiny run on both backends --------------------------------------------
+section "tiny: 50 steps, cpu vs cuda"
+if [ ! -f data/austen/train_000000.bin ]; then
+    ./train prepare --tokenizer byte --out data/austen --val-fraction 0.05 --shard-tokens 2000000 data/austen.txt >/dev/null
+fi
+tiny() { # NAME DEVICE COMPUTE
+    timeout 150 ./train configs/tiny.yaml --set device="$2" --set precision.compute="$3" \
+        --set train.steps=50 --set train.sample_every=0 --set train.eval_every=0 \
+        --set metrics.log_every=10 --set run.dir="$OUT/tiny_$1" > "$OUT/tiny_$1.txt" 2>&1
+    local rc=$?
+    tail -n 4 "$OUT/tiny_$1.txt"
+    return $rc
+}
+compare() { # NAME TOL: every step's loss against the CPU run
+    python3 - "$OUT/tiny_cpu/metrics.jsonl" "$OUT/tiny_$1/metrics.jsonl" "$2" <<'EOF'
+import json, sys
+def losses(p):
+    return [json.loads(l)["loss"] for l in open(p) if '"loss"' in l]
+a, b, tol = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
+n = min(len(a), len(b))
+if n < 50:
+    print(f"only {n} steps to compare"); sys.exit(1)
+worst = max(range(n), key=lambda i: abs(a[i] - b[i]) / abs(a[i]))
+rel = abs(a[worst] - b[worst]) / abs(a[worst])
+print(f"max rel diff {rel:.2e} at step {worst + 1} (cpu {a[worst]:.5f}, gpu {b[worst]:.5f}); "
+      f"final cpu {a[n-1]:.4f} gpu {b[n-1]:.4f}")
+sys.exit(0 if rel <= tol else 1)
+EOF
+}
+if tiny cpu cpu fp32; then
+    row tiny_cpu ok "$(grep -o 'final loss [0-9.]*' "$OUT/tiny_cpu.txt")"
+    for pair in "cuda_fp32 fp32 $TOL_TINY_FP32" "cuda_bf16 bf16 $TOL_TINY_BF16"; do
+        set -- $pair
+        if over_budget; then row "tiny_$1" skip "over the time budget"; continue; fi
+        if ! tiny "$1" cuda "$2"; then row "tiny_$1" FAIL "run failed: $(tail -n 1 "$OUT/tiny_$1.txt")"; failed=1; continue; fi
+        msg=$(compare "$1" "$3"); rc=$?
+        echo "$1: $msg"
+        if [ $rc -eq 0 ]; then row "tiny_$1" ok "$msg (tol $3)"; else row "tiny_$1" FAIL "$msg (tol $3)"; failed=1; fi
+    done
+else
+    row tiny_cpu FAIL "cpu run failed: $(tail -n 1 "$OUT/tiny_cpu.txt")"; failed=1
+fi
+
+# --- 6. Benchmarks -----------------------------------------------------------
+# Random tokens, no data. MFU against the H100/H200 dense bf16 datasheet peak
+# (989 TFLOP/s); measured bf16 GEMM there is ~770-800 TFLOP/s.
+PEAK_GFLOPS=989000
+bench() { # NAME STEPS SETS...
+    local name=$1 steps=$2; shift 2
+    if over_budget; then row "bench_$name" skip "over the time budget"; return; fi
+    section "bench $name"
+    local sets=()
+    for s in "$@"; do sets+=(--set "$s"); done
+    timeout 200 ./train bench configs/bench-cpu.yaml --steps "$steps" --set device=cuda "${sets[@]}" \
+        > "$OUT/bench_$name.txt" 2>&1
+    local rc=$?
+    cat "$OUT/bench_$name.txt"
+    local line; line=$(grep '^bench: tok_per_s=' "$OUT/bench_$name.txt")
+    if [ $rc -ne 0 ] || [ -z "$line" ]; then
+        row "bench_$name" FAIL "exit $rc: $(tail -n 1 "$OUT/bench_$name.txt")"; failed=1; return
+    fi
+    local tok gf mem
+    tok=$(echo "$line" | sed -n 's/.*tok_per_s=\([0-9.]*\).*/\1/p')
+    gf=$(echo "$line" | sed -n 's/.*step_gflops=\([0-9.]*\).*/\1/p')
+    mem=$(sed -n 's/^bench: peak_mem_gib=//p' "$OUT/bench_$name.txt")
+    row "bench_$name" ok "$(awk -v t="$tok" -v g="$gf" -v p="$PEAK_GFLOPS" -v m="$mem" \
+        'BEGIN { printf "%.0f tok/s, %.1f TFLOP/s, MFU %.1f%%, peak mem %s GiB", t, g / 1e3, 100 * g / p, m }')"
+}
+GPT2_124M="model.n_layer=12 model.n_head=12 model.n_embd=768 model.seq_len=1024"
+GPT2_1558M="model.n_layer=48 model.n_head=25 model.n_embd=1600 model.seq_len=1024"
+# shellcheck disable=SC2086
+bench 124m_bf16 10 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=bf16
+# shellcheck disable=SC2086
+bench 124m_fp32 5 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=fp32
+# fp32 storage: 1.5B needs ~25 GB of parameters, gradients and AdamW state
+# plus ~45 GB of activations at micro-batch 8.
+# shellcheck disable=SC2086
+bench 1558m_bf16 5 $GPT2_1558M batch.micro_batch=8 batch.total_tokens=8192 precision.compute=bf16
+
+# --- Summary -------------------------------------------------------------------
+echo
+echo "=== summary ($(elapsed) s; log $LOG) ==="
+row total "$([ $failed -eq 0 ] && echo ok || echo FAIL)" "$(elapsed) s, $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+cat "$SUM"
+exit $failed
