@@ -1,0 +1,108 @@
+/* metrics: what a run tells the people watching it. Owns the progress line (a
+ * live bar on a terminal), RUN_DIR/metrics.jsonl, TensorBoard event files, the
+ * per-rank log, warnings, the heartbeat file and the watchdog thread. Reads
+ * numbers the step loop hands it; never touches the model, data or backend.
+ *
+ * Schema of every file written here: docs/metrics.md. */
+#ifndef KILN_METRICS_H
+#define KILN_METRICS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "config.h"
+
+/* What a rank is doing, for the heartbeat and the watchdog. */
+typedef enum {
+    PHASE_INIT,
+    PHASE_DATA,
+    PHASE_FORWARD,
+    PHASE_BACKWARD,
+    PHASE_SYNC,
+    PHASE_OPTIMIZER,
+    PHASE_EVAL,
+    PHASE_SAMPLE,
+    PHASE_CHECKPOINT,
+    PHASE_DONE,
+    PHASE_COUNT
+} MetricsPhase;
+
+const char *metrics_phase_name(MetricsPhase p);
+
+/* One optimizer step as the loop saw it. */
+typedef struct MetricsStep {
+    int step;            /* 1-based, steps completed */
+    int64_t tokens;      /* tokens seen so far, all ranks */
+    float loss;          /* mean training loss of the step */
+    float val_loss;      /* NAN when not evaluated at this step */
+    float lr;
+    double grad_norm;    /* before clipping */
+    float grad_scale;    /* clipping factor (1 = none) */
+    double step_time_s;  /* forward + backward + optimizer, excluding eval and samples */
+    int skipped;         /* 1: non-finite loss or gradient, no update made */
+    uint64_t param_hash; /* test hook only (0 = absent): FNV-1a of the parameters */
+} MetricsStep;
+
+typedef struct Metrics Metrics;
+
+/* Open the run's metric files under c->run_dir for `rank` (of `world`).
+ * flops_per_token: training FLOPs per token (model_flops_per_token);
+ * peak_flops: one device's peak FLOP/s (0 = MFU not reported); peak_source
+ * says where it came from ("measured sgemm", "table: H100 SXM bf16", "config").
+ * start_step > 0 (resume): metrics.jsonl keeps its lines up to that step and
+ * is appended to. Starts the watchdog when monitor.stall_timeout_s > 0. */
+Metrics *metrics_open(const Config *c, int rank, int world, double flops_per_token, double peak_flops,
+                      const char *peak_source, int start_step);
+/* Final line, flush, stop the watchdog, heartbeat phase "done". */
+void metrics_close(Metrics *m);
+
+/* Record one step: metrics.jsonl, TensorBoard, the progress line or bar (rank
+ * 0; a full line every log_every steps, at evaluations and at the end),
+ * warnings (loss spike, non-finite gradient norm, slow step), the heartbeat. */
+void metrics_step(Metrics *m, const MetricsStep *s);
+
+/* The rank enters `phase` of step `step` (1-based: the step being computed).
+ * Cheap: an atomic store and, at most about once a second within a step, a
+ * heartbeat rewrite. Progress for the watchdog is any phase change. */
+void metrics_phase(Metrics *m, MetricsPhase phase, int step);
+
+/* A line for stdout (rank 0) and the rank's log, clearing the live bar first. */
+void metrics_print(Metrics *m, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* "warning: step N: ..." on stderr and in the rank's log. */
+void metrics_warn(Metrics *m, int step, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* "kiln: error: ..." on stderr and in the rank's log, then exit with `code`. */
+void metrics_fail(Metrics *m, int code, const char *fmt, ...) __attribute__((noreturn, format(printf, 3, 4)));
+/* Clear the live bar before something else writes to stdout (samples). */
+void metrics_bar_clear(Metrics *m);
+
+/* Steps skipped so far for non-finite values (train.on_nonfinite: skip). */
+int metrics_skipped(const Metrics *m);
+
+/* ---- peak FLOP/s ---- */
+
+/* Peak dense FLOP/s of a GPU named in `device_desc` (substring match on names
+ * like "H100", "A100") for compute dtype "bf16" or "fp32"; 0 if not in the
+ * table. *name receives the table row's name. */
+double metrics_peak_lookup(const char *device_desc, const char *dtype, const char **name);
+/* Measured fp32 matrix-product rate of the backend in FLOP/s, within about
+ * `budget_s` seconds, at a GPT-2-small-sized product. */
+struct Backend;
+double metrics_measure_matmul(const struct Backend *be, double budget_s);
+
+/* ---- pieces exposed for tests and for report/status ---- */
+
+/* CRC32C (Castagnoli) and TensorFlow's masked form used by TFRecord. */
+uint32_t metrics_crc32c(const void *data, size_t n);
+uint32_t metrics_crc32c_masked(const void *data, size_t n);
+/* Encode one Event with scalar values into buf (returns bytes; cap >= 64 +
+ * sum of tag lengths + 16 per value). file_version != NULL: the first event. */
+size_t metrics_tb_encode(uint8_t *buf, size_t cap, double wall_time, int64_t step, const char *file_version,
+                         int n, const char *const *tags, const float *values);
+/* Frame a record: uint64 length, masked CRC of the length, data, masked CRC of data. */
+void metrics_tb_write_record(FILE *f, const uint8_t *data, size_t n);
+
+/* Peak resident set size of this process, MiB. */
+double metrics_peak_rss_mib(void);
+
+#endif

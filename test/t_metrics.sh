@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# End-to-end checks of what a run reports about itself: metrics.jsonl parsed
+# line by line, the TensorBoard event file read back by TensorBoard's own
+# reader (installed with pip if missing; skipped if that is impossible), the
+# per-rank log, the heartbeat, the live bar on a terminal, train.on_nonfinite
+# (skip leaves the parameters unchanged, stop exits 1), the watchdog catching a
+# simulated stall, and ./train status. Prints one line per check.
+set -u
+cd "$(dirname "$0")/.."
+T=${KILN_TEST_TMP:-$(mktemp -d)}/t_metrics
+rm -rf "$T" && mkdir -p "$T"
+ok() { echo "ok $1"; }
+fail() { echo "FAIL $1: $2"; }
+skip() { echo "skip $1: $2"; }
+
+head -c 60000 data/austen.txt > "$T/corpus.txt"
+./train prepare --tokenizer byte --out "$T/data" --val-fraction 0.1 "$T/corpus.txt" >/dev/null 2>"$T/err.txt" \
+    || fail metrics_prepare "$(cat "$T/err.txt")"
+# A fixed peak keeps the start-up measurement out of most runs (one run below measures).
+cat > "$T/small.yaml" <<EOF
+run: {name: small, dir: "$T/run", seed: 7, threads: 1}
+model: {n_layer: 2, n_head: 2, n_embd: 32, seq_len: 32, vocab_size: 256}
+data: {train: "$T/data/train_*.bin", val: "$T/data/val_*.bin"}
+batch: {micro_batch: 4, total_tokens: 256}
+train: {steps: 12, eval_every: 6, eval_batches: 2, sample_every: 0}
+schedule: {warmup_steps: 2}
+metrics: {log_every: 4, peak_gflops: 50}
+EOF
+
+./train "$T/small.yaml" >"$T/out.txt" 2>"$T/err.txt"
+rc=$?
+[ $rc -eq 0 ] || fail metrics_run "exit $rc: $(tail -n 3 "$T/err.txt")"
+
+# metrics.jsonl: every line a JSON object with the documented fields
+if python3 - "$T/run/metrics.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+assert len(rows) == 12, len(rows)
+need = ["step", "tokens", "loss", "lr", "grad_norm", "tok_per_s", "mfu", "step_time_s", "elapsed_s",
+        "eta_s", "time", "peak_rss_mib", "nonfinite_skipped"]
+for i, r in enumerate(rows):
+    for k in need: assert k in r, (k, r)
+    assert r["step"] == i + 1 and r["tokens"] == 256 * (i + 1), r
+    assert ("val_loss" in r) == (r["step"] in (6, 12)), r
+    assert r["nonfinite_skipped"] == 0 and 0 < r["mfu"] < 1 and r["peak_rss_mib"] > 1, r
+EOF
+then ok metrics_jsonl_parsed; else fail metrics_jsonl_parsed "$(head -c 300 "$T/run/metrics.jsonl")"; fi
+
+# progress lines: every log_every steps and at evaluations, same lines in the rank log
+if [ "$(grep -c '^step' "$T/out.txt")" -eq 4 ] && grep -qE '^step  6/12 .*MFU.*ETA.*val [0-9.]+' "$T/out.txt" \
+    && grep -q 'MFU against 0.05 TFLOP/s peak per device (metrics.peak_gflops)' "$T/out.txt"; then
+    ok metrics_progress_lines
+else fail metrics_progress_lines "$(cat "$T/out.txt")"; fi
+if diff <(grep '^step' "$T/out.txt") <(grep '^step' "$T/run/log/rank0.txt") >/dev/null; then ok metrics_rank_log
+else fail metrics_rank_log "log/rank0.txt differs from stdout"; fi
+
+# heartbeat: complete JSON, last step, phase done
+if python3 - "$T/run/heartbeat/rank0.json" <<'EOF'
+import json, os, sys
+h = json.load(open(sys.argv[1]))
+assert h["rank"] == 0 and h["step"] == 12 and h["phase"] == "done" and h["pid"] > 0 and h["host"], h
+assert not [f for f in os.listdir(os.path.dirname(sys.argv[1])) if f.endswith(".tmp")]
+EOF
+then ok metrics_heartbeat; else fail metrics_heartbeat "$(cat "$T/run/heartbeat/rank0.json")"; fi
+
+# TensorBoard's own reader on the event file
+if ! python3 -c 'import tensorboard' 2>/dev/null; then
+    timeout 300 python3 -m pip install -q tensorboard >/dev/null 2>&1
+fi
+if python3 -c 'import tensorboard' 2>/dev/null; then
+    if python3 - "$T/run" >"$T/tb.txt" 2>&1 <<'EOF'
+import glob, json, sys, struct
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+d = sys.argv[1]
+files = glob.glob(d + "/events.out.tfevents.*")
+assert len(files) == 1, files
+ea = EventAccumulator(files[0]); ea.Reload()
+rows = [json.loads(l) for l in open(d + "/metrics.jsonl")]
+f32 = lambda x: struct.unpack("f", struct.pack("f", x))[0]
+pairs = {"train/loss": "loss", "val/loss": "val_loss", "train/lr": "lr", "train/grad_norm": "grad_norm",
+         "perf/tok_per_s": "tok_per_s", "perf/mfu": "mfu", "perf/step_time_s": "step_time_s"}
+tags = ea.Tags()["scalars"]
+for tag, key in pairs.items():
+    assert tag in tags, (tag, tags)
+    want = {r["step"]: r[key] for r in rows if key in r}
+    got = {e.step: e.value for e in ea.Scalars(tag)}
+    assert sorted(got) == sorted(want), (tag, sorted(got), sorted(want))
+    for s in want:  # jsonl holds 6 significant digits, the event a float32
+        assert abs(got[s] - f32(want[s])) <= 1e-5 * abs(want[s]) + 1e-12, (tag, s, got[s], want[s])
+print("tags", len(tags))
+EOF
+    then ok metrics_tensorboard_reader; else fail metrics_tensorboard_reader "$(tail -n 5 "$T/tb.txt")"; fi
+else skip metrics_tensorboard_reader "python package tensorboard not installed and pip could not install it"; fi
+
+# the live bar on a terminal (util-linux `script` gives the run a pty)
+if command -v script >/dev/null 2>&1; then
+    script -qec "./train '$T/small.yaml' --set run.dir='$T/tty' --set metrics.log_every=100" "$T/tty.txt" >/dev/null 2>&1
+    if grep -q $'\r\033\[K\[#' "$T/tty.txt" && grep -q 'step 12/12 | loss' "$T/tty.txt"; then
+        ok metrics_tty_progress_bar
+    else fail metrics_tty_progress_bar "$(head -c 400 "$T/tty.txt" | cat -v)"; fi
+else skip metrics_tty_progress_bar "no script(1)"; fi
+
+# the measured peak: no metrics.peak_gflops, so the CPU's matmul rate is measured
+./train "$T/small.yaml" --set metrics.peak_gflops=0 --set run.dir="$T/meas" --set train.steps=2 >"$T/out.txt" 2>&1
+if grep -qE 'MFU against [0-9.e+-]+ TFLOP/s peak per device \(fp32 matmul rate measured at start-up\)' "$T/out.txt"; then
+    ok metrics_peak_measured
+else fail metrics_peak_measured "$(head -n 3 "$T/out.txt")"; fi
+
+# train.on_nonfinite: skip -- step 5's gradient is poisoned (test hook); the
+# parameters after step 5 equal those after step 4, and step 6 updates again
+KILN_TEST_INJECT_NAN_STEP=5 ./train "$T/small.yaml" --set run.dir="$T/skip" --set train.on_nonfinite=skip \
+    >"$T/out.txt" 2>"$T/err.txt"
+rc=$?
+if [ $rc -eq 0 ] && grep -q 'warning: step 5: non-finite gradient norm' "$T/err.txt" && python3 - "$T/skip/metrics.jsonl" <<'EOF'
+import json, sys
+r = {x["step"]: x for x in map(json.loads, open(sys.argv[1]))}
+assert len(r) == 12
+assert r[5].get("skipped") is True and r[5]["grad_norm"] is None and r[5]["nonfinite_skipped"] == 1, r[5]
+assert r[5]["param_hash"] == r[4]["param_hash"] != r[6]["param_hash"], (r[4], r[5], r[6])
+assert r[4]["param_hash"] != r[3]["param_hash"] and r[12]["nonfinite_skipped"] == 1
+assert all(not r[s].get("skipped") for s in r if s != 5)
+EOF
+then ok metrics_nonfinite_skip_leaves_params; else fail metrics_nonfinite_skip_leaves_params "exit $rc: $(tail -n 2 "$T/err.txt")"; fi
+if grep -q 'skipped' "$T/skip/log/rank0.txt" && grep -q '1 step(s) skipped' "$T/out.txt"; then ok metrics_nonfinite_skip_reported
+else fail metrics_nonfinite_skip_reported "$(tail -n 3 "$T/out.txt")"; fi
+
+# train.on_nonfinite: stop (the default) -- exit 1 with one clear line, also in the log
+KILN_TEST_INJECT_NAN_STEP=5 ./train "$T/small.yaml" --set run.dir="$T/stop" >"$T/out.txt" 2>"$T/err.txt"
+rc=$?
+if [ $rc -eq 1 ] && grep -q 'kiln: error: step 5: non-finite gradient.*train.on_nonfinite: stop' "$T/err.txt" \
+    && grep -q 'error: step 5: non-finite' "$T/stop/log/rank0.txt" && [ "$(wc -l < "$T/stop/metrics.jsonl")" -eq 5 ]; then
+    ok metrics_nonfinite_stop_exits_1
+else fail metrics_nonfinite_stop_exits_1 "exit $rc: $(tail -n 2 "$T/err.txt")"; fi
+
+# the watchdog: a hang in step 4's forward phase (test hook) with a 2 s timeout
+# is caught within the timeout plus a few seconds, exit 1, phases in the log
+start=$(date +%s.%N)
+KILN_TEST_STALL_AT_STEP=4 timeout 60 ./train "$T/small.yaml" --set run.dir="$T/stall" \
+    --set monitor.stall_timeout_s=2 >"$T/out.txt" 2>"$T/err.txt"
+rc=$?
+took=$(python3 -c "import time; print(round(time.time() - $start, 1))")
+# 2 s timeout + polling (at most 0.2 s here) + start-up; 8 s leaves room for a loaded machine
+if [ $rc -eq 1 ] && python3 -c "import sys; sys.exit(0 if $took < 8 else 1)" \
+    && grep -q "watchdog: rank 0 made no progress for 2\.[0-9] s.*phase 'forward' of step 4" "$T/err.txt" \
+    && grep -q 'forward .*<- stuck here' "$T/err.txt" && grep -q 'backward' "$T/stall/log/rank0.txt" \
+    && grep -q '"stalled":true' "$T/stall/heartbeat/rank0.json"; then
+    ok metrics_watchdog_catches_stall
+else fail metrics_watchdog_catches_stall "exit $rc after ${took}s: $(head -c 400 "$T/err.txt")"; fi
+
+# ./train status: last step, loss, checkpoints (complete ones only), stale ranks
+rm -rf "$T/run/checkpoints"  # made-up checkpoints, whatever checkpoint.every wrote
+mkdir -p "$T/run/checkpoints/step_00000006" "$T/run/checkpoints/step_00000012.tmp"
+echo step_00000006 > "$T/run/checkpoints/latest"
+./train status "$T/run" >"$T/st.txt" 2>&1
+rc=$?
+if [ $rc -eq 0 ] && grep -qE 'last step +12 of 12 \(100.0%\)' "$T/st.txt" && grep -qE 'loss +[0-9.]+ \| val [0-9.]+ at step 12' "$T/st.txt" \
+    && grep -q 'tokens/s' "$T/st.txt" && grep -q 'ETA done' "$T/st.txt" \
+    && grep -qE 'checkpoints +step_00000006 \| latest: step_00000006$' "$T/st.txt" && grep -q 'stale ranks  none' "$T/st.txt"; then
+    ok status_finished_run
+else fail status_finished_run "exit $rc: $(cat "$T/st.txt")"; fi
+sleep 1.2
+./train status "$T/stall" --stale-after 1 >"$T/st.txt" 2>&1
+if grep -qE 'last step +3 of 12' "$T/st.txt" && grep -q 'stale ranks  0' "$T/st.txt" && grep -q 'watchdog fired' "$T/st.txt"; then
+    ok status_stale_rank
+else fail status_stale_rank "$(cat "$T/st.txt")"; fi
+./train status "$T/nothing" >"$T/st.txt" 2>&1
+rc=$?
+if [ $rc -eq 2 ] && grep -q 'nothing: not a run directory' "$T/st.txt"; then ok status_bad_dir
+else fail status_bad_dir "exit $rc: $(cat "$T/st.txt")"; fi
