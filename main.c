@@ -7,9 +7,12 @@
 #include <yaml.h>
 #include <zstd.h>
 
+#include "backend.h"
 #include "bench.h"
+#include "ckpt.h"
 #include "config.h"
 #include "prepare.h"
+#include "report.h"
 #include "train.h"
 #include "util.h"
 
@@ -17,11 +20,19 @@ static const char *usage =
     "kiln: pre-train transformer language models\n"
     "\n"
     "usage:\n"
-    "  ./train CONFIG.yaml [--set key.path=value]... [--dry-run]\n"
+    "  ./train CONFIG.yaml [--set key.path=value]... [--dry-run] [--resume auto|DIR [--force]]\n"
     "  ./train prepare --tokenizer byte|gpt2 [--vocab FILE] --out DIR [options] FILE...\n"
     "  ./train bench CONFIG.yaml [--steps N] [--set ...]\n"
     "                              time whole training steps on random tokens next to\n"
     "                              the backend's matmul rate at the model's shapes\n"
+    "  ./train status RUN_DIR [--stale-after S]\n"
+    "                              where a run stands: last step, loss, tokens/s, ETA,\n"
+    "                              checkpoints, stale ranks\n"
+    "  ./train report RUN_DIR [RUN_DIR...] [-o FILE]\n"
+    "                              one self-contained HTML page of charts (loss, lr, grad\n"
+    "                              norm, tokens/s, MFU), runs overlaid; default RUN_DIR/report.html\n"
+    "  ./train ckpt-info CKPT_DIR  print a checkpoint's manifest, verify every checksum,\n"
+    "                              and print a checksum of the parameters and of all state\n"
     "  ./train config-doc          print the reference of every config key (docs/config.md)\n"
     "  ./train --version           version, commit, backends and libraries\n"
     "  ./train --help              this text\n"
@@ -30,6 +41,11 @@ static const char *usage =
     "  --set key.path=value   override one config key; the value is read as YAML\n"
     "                         (e.g. --set optim.lr=3e-4 --set optim.betas=[0.9,0.999]);\n"
     "                         repeatable\n"
+    "  --resume auto|DIR      continue from the newest valid checkpoint under the run's\n"
+    "                         checkpoints/ (skipping corrupt ones; fresh start if none), or\n"
+    "                         from checkpoint directory DIR (any problem exits 2)\n"
+    "  --force                with --resume: accept config changes that are refused by\n"
+    "                         default but well defined (data.train, batch.total_tokens)\n"
     "  --dry-run              print parameters, FLOPs per token, memory per buffer group,\n"
     "                         tokens per step and in total, then exit without training\n"
     "\n"
@@ -38,7 +54,8 @@ static const char *usage =
 
 static void print_version(void) {
     printf("kiln %s (commit %s)\n", KILN_VERSION, KILN_COMMIT);
-    printf("backends: cpu\n");
+    printf("backends: %s\n", backend_list());
+    if (backend_build_info()[0]) printf("%s\n", backend_build_info());
     printf("libraries: OpenBLAS %s | libyaml %s | zstd %s\n", openblas_get_config(), yaml_get_version_string(),
            ZSTD_versionString());
 }
@@ -58,6 +75,9 @@ int main(int argc, char **argv) {
         return KILN_EXIT_OK;
     }
     if (strcmp(cmd, "prepare") == 0) return prepare_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "ckpt-info") == 0) return ckpt_info_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "status") == 0) return report_status_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "report") == 0) return report_html_main(argc - 1, argv + 1);
     if (strcmp(cmd, "config-doc") == 0) {
         cfg_write_doc(stdout);
         return KILN_EXIT_OK;
@@ -66,7 +86,8 @@ int main(int argc, char **argv) {
     int bench = strcmp(cmd, "bench") == 0, bench_steps = 5;
     const char *config_path = NULL;
     const char **sets = xcalloc((size_t)argc, sizeof(char *));
-    int nsets = 0, dry_run = 0;
+    int nsets = 0, dry_run = 0, force = 0;
+    const char *resume = NULL;
     for (int i = 1 + bench; i < argc; i++) {
         const char *a = argv[i];
         if (bench && strcmp(a, "--steps") == 0 && i + 1 < argc) {
@@ -81,6 +102,13 @@ int main(int argc, char **argv) {
             sets[nsets++] = a + 6;
         } else if (strcmp(a, "--dry-run") == 0) {
             dry_run = 1;
+        } else if (!bench && strcmp(a, "--resume") == 0) {
+            if (i + 1 >= argc) kiln_fail(KILN_EXIT_USAGE, "--resume needs `auto` or a checkpoint directory");
+            resume = argv[++i];
+        } else if (!bench && strncmp(a, "--resume=", 9) == 0) {
+            resume = a + 9;
+        } else if (!bench && strcmp(a, "--force") == 0) {
+            force = 1;
         } else if (a[0] == '-') {
             kiln_hint("./train --help lists the flags");
             kiln_fail(KILN_EXIT_USAGE, "unknown flag '%s'", a);
@@ -95,5 +123,7 @@ int main(int argc, char **argv) {
     cfg_load(&cfg, config_path, sets, nsets);
     free(sets);
     if (bench) return bench_run(&cfg, bench_steps);
-    return train_run(&cfg, dry_run);
+    if (force && !resume) kiln_fail(KILN_EXIT_USAGE, "--force only applies with --resume");
+    TrainOptions topt = {dry_run, resume, force, KILN_COMMIT};
+    return train_run_with(&cfg, &topt);
 }

@@ -40,6 +40,7 @@ typedef struct Config {
     int eval_every, eval_batches;
     int sample_every, sample_tokens, sample_top_k;
     float sample_temperature;
+    char on_nonfinite[8]; /* skip | stop: what a non-finite loss or gradient does */
 
     /* optim */
     char optim_name[16]; /* adamw */
@@ -60,8 +61,22 @@ typedef struct Config {
     char compute[8]; /* bf16 | fp32 (the CPU backend always computes in fp32) */
     char master[8];  /* fp32 */
 
+    /* checkpoint */
+    int ckpt_every, ckpt_keep_last, ckpt_keep_every; /* 0 = off / keep all / none */
+    int ckpt_async, ckpt_final;                      /* bools */
+    int ckpt_compress;                               /* zstd level, 0 = off */
+    float ckpt_before_limit;                         /* seconds before the Slurm end time; 0 = off */
+    char ckpt_dir[CFG_STR];                          /* "" = <run.dir>/checkpoints */
+
     /* metrics */
     int log_every;
+    int tensorboard;   /* bool: events.out.tfevents.* in the run directory */
+    float peak_gflops; /* peak FLOP/s of one device for MFU, in GFLOP/s; 0 = table or measured */
+
+    /* monitor */
+    int heartbeat;        /* bool: heartbeat/rank*.json every step */
+    float stall_timeout_s; /* watchdog: exit 1 after this long without progress; 0 = off */
+    float spike_factor;   /* warn when loss > spike_factor x its running mean; 0 = off */
 
     /* init */
     char init_from[CFG_STR]; /* llm.c GPT-2 checkpoint to start from, "" = random */

@@ -9,8 +9,10 @@
 
 #include "backend.h"
 #include "data.h"
+#include "metrics.h"
 #include "model.h"
 #include "optim.h"
+#include "state.h"
 #include "tokenizer.h"
 #include "util.h"
 
@@ -147,14 +149,6 @@ static void generate(Model *m, const Config *c, const Tokenizer *tok, uint64_t s
     free(probs);
 }
 
-static FILE *open_in_run_dir(const Config *c, const char *name, const char *mode) {
-    char path[1024];
-    snprintf(path, sizeof path, "%s/%s", c->run_dir, name);
-    FILE *f = fopen(path, mode);
-    if (!f) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot open for writing", path);
-    return f;
-}
-
 static void write_resolved_config(const Config *c) {
     char path[1024];
     snprintf(path, sizeof path, "%s/config.yaml", c->run_dir);
@@ -169,6 +163,13 @@ static void write_resolved_config(const Config *c) {
 }
 
 int train_run(const Config *c, int dry_run) {
+    TrainOptions o = {0};
+    o.dry_run = dry_run;
+    return train_run_with(c, &o);
+}
+
+int train_run_with(const Config *c, const TrainOptions *topt) {
+    int dry_run = topt->dry_run;
     ModelShape shape;
     shape_from_config(c, &shape);
     if (dry_run) {
@@ -181,6 +182,7 @@ int train_run(const Config *c, int dry_run) {
         kiln_fail(KILN_EXIT_USAGE, "key 'device': '%s' is not available in this build (./train --version lists the backends)",
                   c->device);
     const char *desc = be->init(c->threads);
+    if (be->set_precision) be->set_precision(c->compute); /* precision.compute: GPU products */
 
     Tokenizer *tok = tok_open(c->tokenizer, c->tokenizer_file);
     if (tok_vocab_size(tok) > c->vocab_size)
@@ -196,7 +198,9 @@ int train_run(const Config *c, int dry_run) {
 
     Model model;
     model_init(&model, be, &shape, c->decay_embeddings);
-    if (c->init_from[0]) model_load_llmc(&model, c->init_from);
+    if (c->init_from[0]) {
+        if (!state_init_from(&model, c->init_from)) model_load_llmc(&model, c->init_from);
+    }
     else model_init_weights(&model, c->seed);
     model_plan_activations(&model, B, T);
 
@@ -206,17 +210,42 @@ int train_run(const Config *c, int dry_run) {
                       c->decay_ratio};
 
     double fpt = model_flops_per_token(&shape, T);
-    printf("kiln %s | %s\n", KILN_VERSION, desc);
-    printf("run %s -> %s\n", c->run_name, c->run_dir);
-    printf("model gpt2: %zu parameters (%.2fM), %.3g FLOPs/token\n", model_num_params(&model),
-           model_num_params(&model) / 1e6, fpt);
-    printf("data: %llu train tokens in %d shard(s)", (unsigned long long)data_num_tokens(train), data_num_shards(train));
-    if (val) printf(", %llu val tokens", (unsigned long long)data_num_tokens(val));
-    printf("\nbatch: %d x %d tokens x %d accumulation = %lld tokens/step, %d steps\n", B, T, c->grad_accum,
-           (long long)c->total_tokens, c->steps);
-    fflush(stdout);
+    /* MFU's denominator: the config's figure, else the GPU's datasheet peak,
+     * else (the CPU) this machine's measured matrix-product rate */
+    double peak = 0.0;
+    char peak_src[160];
+    const char *gpu = NULL;
+    if (c->peak_gflops > 0) {
+        peak = c->peak_gflops * 1e9;
+        snprintf(peak_src, sizeof peak_src, "metrics.peak_gflops");
+    } else if ((peak = metrics_peak_lookup(desc, c->compute, &gpu)) > 0) {
+        snprintf(peak_src, sizeof peak_src, "%s %s dense, datasheet", gpu, c->compute);
+    } else {
+        peak = metrics_measure_matmul(be, 0.3);
+        snprintf(peak_src, sizeof peak_src, "fp32 matmul rate measured at start-up");
+    }
+    /* checkpoints: collect the state table, resume, plan the writer (state.c) */
+    RunState rs;
+    int start_step = state_open(&rs, c, topt->resume, topt->force, topt->commit, &model, &opt, train);
+    Metrics *mx = metrics_open(c, 0, 1, fpt, peak, peak_src, start_step);
+    metrics_print(mx, "kiln %s | %s", KILN_VERSION, desc);
+    metrics_print(mx, "run %s -> %s", c->run_name, c->run_dir);
+    metrics_print(mx, "model gpt2: %zu parameters (%.2fM), %.3g FLOPs/token", model_num_params(&model),
+                  model_num_params(&model) / 1e6, fpt);
+    char vtok[64] = "";
+    if (val) snprintf(vtok, sizeof vtok, ", %llu val tokens", (unsigned long long)data_num_tokens(val));
+    metrics_print(mx, "data: %llu train tokens in %d shard(s)%s", (unsigned long long)data_num_tokens(train),
+                  data_num_shards(train), vtok);
+    metrics_print(mx, "batch: %d x %d tokens x %d accumulation = %lld tokens/step, %d steps", B, T, c->grad_accum,
+                  (long long)c->total_tokens, c->steps);
 
-    FILE *metrics = open_in_run_dir(c, "metrics.jsonl", "w");
+    /* Test hook (docs/metrics.md): poison one gradient at this step, and
+     * fingerprint the parameters after every step so a test can see that a
+     * skipped step left them unchanged. */
+    const char *nan_env = getenv("KILN_TEST_INJECT_NAN_STEP");
+    int inject_nan_step = nan_env ? atoi(nan_env) : 0;
+    float *param_host = inject_nan_step > 0 ? xmalloc(model.num_params * sizeof(float)) : NULL;
+    int skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0;
     size_t N = (size_t)B * T;
     int32_t *inp = xmalloc(N * sizeof(int32_t));
     int32_t *tgt = xmalloc(N * sizeof(int32_t));
@@ -225,56 +254,77 @@ int train_run(const Config *c, int dry_run) {
     double t_start = kiln_now();
     float val_loss = NAN, last_loss = NAN;
 
-    for (int step = 0; step < c->steps; step++) {
+    int stopped = 0, steps_done = start_step;
+    for (int step = start_step; step < c->steps && !stopped; step++) {
         double t0 = kiln_now();
         float lr = optim_lr(&sched, step);
         double loss_sum = 0.0;
         for (int micro = 0; micro < c->grad_accum; micro++) {
+            metrics_phase(mx, PHASE_DATA, step + 1);
             data_next_batch(train, inp, tgt);
+            metrics_phase(mx, PHASE_FORWARD, step + 1);
             loss_sum += model_forward(&model, inp, tgt, B, T, dloss);
+            metrics_phase(mx, PHASE_BACKWARD, step + 1);
             model_backward(&model, micro > 0);
         }
         float loss = (float)(loss_sum / c->grad_accum);
-        OptimStepInfo info = optim_step(&opt, model.param_mem, model.grad_mem, lr);
-        if (!isfinite(loss) || info.nonfinite)
-            kiln_fail(KILN_EXIT_RUNTIME, "step %d: non-finite %s (loss %g, gradient norm %g); parameters were not updated",
-                      step + 1, isfinite(loss) ? "gradient" : "loss", loss, info.grad_norm);
+        if (step + 1 == inject_nan_step) {
+            float poison = NAN;
+            be->to_device(model.grad_mem, &poison, sizeof poison);
+        }
+        metrics_phase(mx, PHASE_OPTIMIZER, step + 1);
+        /* a non-finite loss skips the update even if its gradients look finite */
+        OptimStepInfo info = {sqrt(be->sumsq(model.grad_mem, model.num_params)), 1.0f, 1};
+        if (isfinite(loss)) info = optim_step(&opt, model.param_mem, model.grad_mem, lr);
         be->sync();
+        int bad = !isfinite(loss) || info.nonfinite;
         double dt = kiln_now() - t0;
-        double tok_s = (double)c->total_tokens / dt;
-        last_loss = loss;
+        if (!bad) last_loss = loss;
         int last = step == c->steps - 1;
-        int evaluated = 0;
+        MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
+                          info.grad_scale, dt, bad, 0};
+        if (param_host) {
+            be->to_host(param_host, model.param_mem, model.num_params * sizeof(float));
+            ms.param_hash = kiln_fnv1a(param_host, model.num_params * sizeof(float), KILN_FNV_INIT);
+        }
+        if (bad && !skip_nonfinite) {
+            metrics_step(mx, &ms);
+            metrics_fail(mx, KILN_EXIT_RUNTIME,
+                         "step %d: non-finite %s (loss %g, gradient norm %g); parameters were not updated; "
+                         "stopping (train.on_nonfinite: stop; `skip` would go on)",
+                         step + 1, isfinite(loss) ? "gradient" : "loss", loss, info.grad_norm);
+        }
         if (val && ((c->eval_every > 0 && (step + 1) % c->eval_every == 0) || last)) {
+            metrics_phase(mx, PHASE_EVAL, step + 1);
             val_loss = evaluate(&model, val, c->eval_batches, B, T, inp, tgt);
-            evaluated = 1;
+            ms.val_loss = val_loss;
         }
-        if ((step + 1) % c->log_every == 0 || last || evaluated) {
-            printf("step %*d/%d | loss %.4f | lr %.3e | norm %.3f | %.0f tok/s | %.1f GFLOP/s | %.0f ms",
-                   (int)snprintf(NULL, 0, "%d", c->steps), step + 1, c->steps, loss, lr, info.grad_norm, tok_s,
-                   fpt * tok_s / 1e9, dt * 1e3);
-            if (evaluated) printf(" | val %.4f", val_loss);
-            printf("\n");
-            fflush(stdout);
-        }
-        fprintf(metrics,
-                "{\"step\":%d,\"tokens\":%lld,\"loss\":%.6g,\"lr\":%.6g,\"grad_norm\":%.6g,\"grad_scale\":%.6g,"
-                "\"tok_per_s\":%.6g,\"step_time_s\":%.6g,\"elapsed_s\":%.6g",
-                step + 1, (long long)c->total_tokens * (step + 1), loss, lr, info.grad_norm, info.grad_scale, tok_s,
-                dt, kiln_now() - t_start);
-        if (evaluated) fprintf(metrics, ",\"val_loss\":%.6g", val_loss);
-        fprintf(metrics, "}\n");
-        fflush(metrics);
+        metrics_step(mx, &ms);
         if (c->sample_every > 0 && ((step + 1) % c->sample_every == 0 || last)) {
+            metrics_phase(mx, PHASE_SAMPLE, step + 1);
+            metrics_bar_clear(mx);
             printf("--- sample at step %d ---\n", step + 1);
             generate(&model, c, tok, c->seed ^ (0x9e3779b97f4a7c15ULL * (uint64_t)(step + 1)), ctx, stdout);
             printf("---\n");
         }
+        metrics_phase(mx, PHASE_CHECKPOINT, step + 1);
+        stopped = state_after_step(&rs, step + 1, last);
+        steps_done = step + 1;
     }
-    fclose(metrics);
-    printf("done: %d steps in %.1f s | final loss %.4f", c->steps, kiln_now() - t_start, last_loss);
-    if (val) printf(" | val loss %.4f", val_loss);
-    printf("\nrun directory: %s\n", c->run_dir);
+    int stop_reason = rs.stop_reason;
+    state_close(&rs);
+    if (stopped)
+        metrics_print(mx, "stopped by %s after step %d; checkpoint written: resume with --resume auto (exit 75)",
+                      stop_reason > 0 ? strsignal(stop_reason) : "the Slurm time limit", steps_done);
+    char vdone[64] = "";
+    if (val) snprintf(vdone, sizeof vdone, " | val loss %.4f", val_loss);
+    char sdone[64] = "";
+    if (metrics_skipped(mx)) snprintf(sdone, sizeof sdone, " | %d step(s) skipped", metrics_skipped(mx));
+    metrics_print(mx, "done: %d steps in %.1f s | final loss %.4f%s%s", steps_done, kiln_now() - t_start, last_loss,
+                  vdone, sdone);
+    metrics_print(mx, "run directory: %s", c->run_dir);
+    metrics_close(mx);
+    free(param_host);
 
     free(inp);
     free(tgt);
@@ -285,5 +335,5 @@ int train_run(const Config *c, int dry_run) {
     if (val) data_close(val);
     tok_free(tok);
     if (be->shutdown) be->shutdown();
-    return KILN_EXIT_OK;
+    return stopped ? KILN_EXIT_RESUME : KILN_EXIT_OK;
 }

@@ -12,7 +12,7 @@
 
 static int test_failures = 0;
 
-static void test_report(int ok, const char *name, const char *fmt, ...) {
+__attribute__((unused)) static void test_report(int ok, const char *name, const char *fmt, ...) {
     if (ok) {
         printf("ok %s\n", name);
     } else {
@@ -30,7 +30,7 @@ static void test_report(int ok, const char *name, const char *fmt, ...) {
 /* Run fn(arg) in a child process (for code that exits on bad input), its
  * stderr captured into err (NUL-terminated). Returns the child's exit status,
  * or 128 + signal if it was killed. */
-static int test_run_child(void (*fn)(void *), void *arg, char *err, size_t cap) {
+__attribute__((unused)) static int test_run_child(void (*fn)(void *), void *arg, char *err, size_t cap) {
     int fd[2];
     if (pipe(fd) != 0) {
         perror("pipe");

@@ -1,0 +1,909 @@
+/* ckpt: checkpoint directories. Writes a table of named entries to
+ * root/step_N.tmp/, fsyncs every file and the directory, renames it to
+ * root/step_N/, replaces root/latest atomically, then prunes. Reads them back
+ * piece by piece, verifying a CRC32C per piece. Knows the table and the mesh,
+ * never the model, the optimizer or the backend (copies go through the
+ * entries' own to_host/to_device). */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "ckpt.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <zstd.h>
+#ifdef __SSE4_2__
+#include <nmmintrin.h>
+#endif
+
+#include "util.h"
+
+#define CKPT_CHUNK ((size_t)16 << 20) /* bounce buffer of a synchronous write */
+#define CKPT_MANIFEST "manifest"
+
+/* ---------- CRC32C ---------- */
+
+static uint32_t crc_table[256];
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+static void crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        crc_table[i] = c;
+    }
+}
+
+uint32_t ckpt_crc32c(uint32_t crc, const void *data, size_t n) {
+    const unsigned char *p = data;
+    crc = ~crc;
+#ifdef __SSE4_2__
+    /* the crc32 instruction computes exactly this polynomial, 8 bytes a cycle-ish */
+    uint64_t c = crc;
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = _mm_crc32_u64(c, v);
+        p += 8, n -= 8;
+    }
+    crc = (uint32_t)c;
+    while (n--) crc = _mm_crc32_u8(crc, *p++);
+#else
+    pthread_once(&crc_once, crc_init);
+    while (n--) crc = crc_table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
+#endif
+    (void)crc_once;
+    (void)crc_init;
+    return ~crc;
+}
+
+/* ---------- the table ---------- */
+
+static const char *dtype_names[] = {"f32", "f64", "i64", "u64", "u8"};
+static const size_t dtype_sizes[] = {4, 8, 8, 8, 1};
+
+size_t ckpt_dtype_size(CkptDtype d) { return dtype_sizes[d]; }
+
+static int dtype_parse(const char *s) {
+    for (int i = 0; i < 5; i++)
+        if (!strcmp(s, dtype_names[i])) return i;
+    return -1;
+}
+
+void ckpt_table_init(CkptTable *t) { memset(t, 0, sizeof *t); }
+void ckpt_table_free(CkptTable *t) {
+    free(t->e);
+    memset(t, 0, sizeof *t);
+}
+
+size_t ckpt_entry_bytes(const CkptEntry *e) { return (size_t)(e->hi - e->lo) * dtype_sizes[e->dtype]; }
+
+static CkptEntry *table_push(CkptTable *t, const char *name) {
+    if (strlen(name) >= CKPT_NAME || strpbrk(name, " \t\n=") || !*name)
+        kiln_fail(KILN_EXIT_RUNTIME, "checkpoint entry name '%s' is empty, too long or has a space or '='", name);
+    for (int i = 0; i < t->n; i++)
+        if (!strcmp(t->e[i].name, name)) kiln_fail(KILN_EXIT_RUNTIME, "checkpoint entry '%s' added twice", name);
+    if (t->n == t->cap) {
+        t->cap = t->cap ? 2 * t->cap : 64;
+        t->e = xrealloc(t->e, (size_t)t->cap * sizeof *t->e);
+    }
+    CkptEntry *e = &t->e[t->n++];
+    memset(e, 0, sizeof *e);
+    memcpy(e->name, name, strlen(name) + 1);
+    return e;
+}
+
+CkptEntry *ckpt_add_tensor(CkptTable *t, const char *name, CkptDtype dtype, int ndim, const int64_t *shape,
+                           uint64_t lo, uint64_t hi, void *ptr, CkptCopyFn to_host, CkptCopyFn to_device) {
+    CkptEntry *e = table_push(t, name);
+    e->kind = CKPT_TENSOR;
+    e->dtype = dtype;
+    e->ndim = ndim;
+    uint64_t numel = 1;
+    for (int i = 0; i < ndim; i++) e->shape[i] = shape[i], numel *= (uint64_t)shape[i];
+    if (lo > hi || hi > numel) kiln_fail(KILN_EXIT_RUNTIME, "checkpoint entry '%s': range [%llu, %llu) outside %llu elements",
+                                         name, (unsigned long long)lo, (unsigned long long)hi, (unsigned long long)numel);
+    e->lo = lo, e->hi = hi;
+    e->ptr = ptr;
+    e->to_host = to_host, e->to_device = to_device;
+    return e;
+}
+
+CkptEntry *ckpt_add_blob(CkptTable *t, const char *name, CkptDtype dtype, size_t count, int scalar, void *ptr) {
+    CkptEntry *e = table_push(t, name);
+    e->kind = CKPT_BLOB;
+    e->dtype = dtype;
+    e->ndim = scalar ? 0 : 1;
+    e->shape[0] = scalar ? 1 : (int64_t)count;
+    e->lo = 0, e->hi = scalar ? 1 : count;
+    e->ptr = ptr;
+    return e;
+}
+
+/* ---------- small file-system helpers ---------- */
+
+static int fsync_dir(const char *path) {
+    int fd = open(path, O_RDONLY | O_DIRECTORY);
+    if (fd < 0) return -1;
+    int rc = fsync(fd);
+    close(fd);
+    return rc;
+}
+
+static int rm_one(const char *p, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(p);
+}
+static int rm_rf(const char *path) {
+    struct stat st;
+    if (lstat(path, &st) != 0) return errno == ENOENT ? 0 : -1;
+    return nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* "step_00001000" -> 1000; -1 unless the name is exactly that form. */
+static int64_t parse_step_name(const char *name) {
+    if (strncmp(name, "step_", 5)) return -1;
+    const char *p = name + 5;
+    if (!*p) return -1;
+    int64_t v = 0;
+    for (; *p; p++) {
+        if (*p < '0' || *p > '9' || v > INT64_MAX / 10 - 10) return -1;
+        v = v * 10 + (*p - '0');
+    }
+    return v;
+}
+
+typedef struct {
+    char *path;
+    int64_t step;
+} StepDir;
+static int stepdir_desc(const void *a, const void *b) {
+    int64_t x = ((const StepDir *)a)->step, y = ((const StepDir *)b)->step;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+int ckpt_list(const char *root, char ***paths, int64_t **steps) {
+    *paths = NULL, *steps = NULL;
+    DIR *d = opendir(root);
+    if (!d) return 0;
+    StepDir *v = NULL;
+    int n = 0, cap = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        int64_t s = parse_step_name(de->d_name);
+        if (s < 0) continue;
+        char p[2048];
+        snprintf(p, sizeof p, "%s/%s", root, de->d_name);
+        struct stat st;
+        if (stat(p, &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+        if (n == cap) cap = cap ? 2 * cap : 16, v = xrealloc(v, (size_t)cap * sizeof *v);
+        v[n].path = xstrdup(p);
+        v[n++].step = s;
+    }
+    closedir(d);
+    qsort(v, (size_t)n, sizeof *v, stepdir_desc);
+    *paths = xmalloc((size_t)(n ? n : 1) * sizeof(char *));
+    *steps = xmalloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    for (int i = 0; i < n; i++) (*paths)[i] = v[i].path, (*steps)[i] = v[i].step;
+    free(v);
+    return n;
+}
+
+void ckpt_list_free(char **paths, int64_t *steps, int n) {
+    for (int i = 0; i < n; i++) free(paths[i]);
+    free(paths);
+    free(steps);
+}
+
+/* ---------- writing ---------- */
+
+typedef struct {
+    uint64_t offset, stored; /* where the piece lies in the rank file, bytes there */
+    uint32_t crc;            /* CRC32C of the uncompressed bytes */
+} PieceRec;
+
+struct CkptWriter {
+    CkptTable t;          /* copy of the entries (pointers into live state) */
+    CkptOptions o;
+    unsigned char *stage; /* async: every entry's bytes, back to back */
+    size_t *stage_off;    /* (t.n) */
+    unsigned char *bounce;/* sync: CKPT_CHUNK for device -> host */
+    unsigned char *zbuf;  /* compressed output */
+    size_t zcap;
+    ZSTD_CCtx *zc;
+    PieceRec *rec;        /* (t.n) */
+    CkptMeta meta;
+    char version[64], commit[64];
+    pthread_t thread;
+    int in_flight, status, swept;
+    char err[1536];
+    /* the file being written */
+    int fd;
+    uint64_t pos;
+    const char *fname;
+    uint64_t fault_after; /* KILN_FAULT_ENOSPC_AFTER: fail a write past this many bytes (tests) */
+    uint64_t fault_total;
+};
+
+static void werr(CkptWriter *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void werr(CkptWriter *w, const char *fmt, ...) {
+    if (w->status) return; /* keep the first cause */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w->err, sizeof w->err, fmt, ap);
+    va_end(ap);
+    w->status = -1;
+}
+
+CkptWriter *ckpt_writer_new(const CkptTable *t, const CkptOptions *o) {
+    CkptWriter *w = xcalloc(1, sizeof *w);
+    w->t.n = w->t.cap = t->n;
+    w->t.e = xmalloc((size_t)(t->n ? t->n : 1) * sizeof *t->e);
+    memcpy(w->t.e, t->e, (size_t)t->n * sizeof *t->e);
+    w->o = *o;
+    w->rec = xcalloc((size_t)(t->n ? t->n : 1), sizeof *w->rec);
+    if (o->async) {
+        size_t total = 0;
+        w->stage_off = xmalloc((size_t)(t->n ? t->n : 1) * sizeof(size_t));
+        for (int i = 0; i < t->n; i++) w->stage_off[i] = total, total += ckpt_entry_bytes(&t->e[i]);
+        /* touched now, so the first save does not pay for page faults */
+        w->stage = xmalloc(total ? total : 1);
+        memset(w->stage, 0, total);
+    } else {
+        w->bounce = xmalloc(CKPT_CHUNK);
+    }
+    if (o->compress > 0) {
+        w->zcap = ZSTD_CStreamOutSize() * 8;
+        w->zbuf = xmalloc(w->zcap);
+        w->zc = ZSTD_createCCtx();
+        if (!w->zc) kiln_fail(KILN_EXIT_RUNTIME, "ZSTD_createCCtx failed");
+    }
+    const char *f = getenv("KILN_FAULT_ENOSPC_AFTER");
+    if (f && *f) w->fault_after = strtoull(f, NULL, 10) + 1;
+    w->fd = -1;
+    return w;
+}
+
+const char *ckpt_writer_error(const CkptWriter *w) { return w->err; }
+
+static int w_write(CkptWriter *w, const void *buf, size_t n) {
+    const char *p = buf;
+    while (n > 0) {
+        size_t k = n;
+        if (w->fault_after && w->fault_total + k >= w->fault_after) {
+            errno = ENOSPC;
+            return -1;
+        }
+        ssize_t r = write(w->fd, p, k);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += r, n -= (size_t)r, w->pos += (uint64_t)r, w->fault_total += (uint64_t)r;
+    }
+    return 0;
+}
+
+/* Bytes of entry i, chunk at byte `off` of length `len`, as a host pointer. */
+static const unsigned char *w_source(CkptWriter *w, int i, size_t off, size_t len) {
+    const CkptEntry *e = &w->t.e[i];
+    if (w->stage) return w->stage + w->stage_off[i] + off;
+    if (!e->to_host) return (const unsigned char *)e->ptr + off;
+    e->to_host(w->bounce, (const unsigned char *)e->ptr + off, len);
+    return w->bounce;
+}
+
+static int w_entry(CkptWriter *w, int i) {
+    size_t bytes = ckpt_entry_bytes(&w->t.e[i]), chunk = w->stage ? (bytes ? bytes : 1) : CKPT_CHUNK;
+    PieceRec *r = &w->rec[i];
+    r->offset = w->pos;
+    r->crc = 0;
+    if (w->zc) {
+        ZSTD_CCtx_reset(w->zc, ZSTD_reset_session_only);
+        ZSTD_CCtx_setParameter(w->zc, ZSTD_c_compressionLevel, w->o.compress);
+        ZSTD_CCtx_setPledgedSrcSize(w->zc, bytes);
+    }
+    size_t off = 0;
+    do {
+        size_t len = bytes - off < chunk ? bytes - off : chunk;
+        const unsigned char *src = w_source(w, i, off, len);
+        r->crc = ckpt_crc32c(r->crc, src, len);
+        off += len;
+        if (!w->zc) {
+            if (w_write(w, src, len) != 0) return -1;
+            continue;
+        }
+        ZSTD_inBuffer in = {src, len, 0};
+        ZSTD_EndDirective mode = off == bytes ? ZSTD_e_end : ZSTD_e_continue;
+        for (;;) {
+            ZSTD_outBuffer out = {w->zbuf, w->zcap, 0};
+            size_t left = ZSTD_compressStream2(w->zc, &out, &in, mode);
+            if (ZSTD_isError(left)) {
+                errno = EIO;
+                return -1;
+            }
+            if (w_write(w, w->zbuf, out.pos) != 0) return -1;
+            if (mode == ZSTD_e_end ? left == 0 : in.pos == in.size) break;
+        }
+    } while (off < bytes);
+    r->stored = w->pos - r->offset;
+    return 0;
+}
+
+static void w_manifest(CkptWriter *w, FILE *f, const char *file, uint64_t file_bytes) {
+    const CkptMeta *m = &w->meta;
+    fprintf(f, "kiln-checkpoint %d\n", CKPT_FORMAT_VERSION);
+    fprintf(f, "step %" PRId64 "\n", m->step);
+    fprintf(f, "config_hash %016" PRIx64 "\n", m->config_hash);
+    fprintf(f, "kiln_version %s\n", w->version);
+    fprintf(f, "kiln_commit %s\n", w->commit);
+    fprintf(f, "created_unix %lld\n", (long long)time(NULL));
+    fprintf(f, "mesh world=%d dp=%d tp=%d pp=%d cp=%d ep=%d\n", m->mesh.world, m->mesh.dp, m->mesh.tp, m->mesh.pp,
+            m->mesh.cp, m->mesh.ep);
+    fprintf(f, "file %s rank=%d bytes=%" PRIu64 "\n", file, m->mesh.rank, file_bytes);
+    for (int i = 0; i < w->t.n; i++) {
+        const CkptEntry *e = &w->t.e[i];
+        const PieceRec *r = &w->rec[i];
+        fprintf(f, "entry name=%s kind=%s dtype=%s shape=[", e->name, e->kind == CKPT_TENSOR ? "tensor" : "blob",
+                dtype_names[e->dtype]);
+        for (int d = 0; d < e->ndim; d++) fprintf(f, "%s%" PRId64, d ? "," : "", e->shape[d]);
+        fprintf(f, "] range=%" PRIu64 ":%" PRIu64 " rank=%d file=%s offset=%" PRIu64 " bytes=%zu stored=%" PRIu64
+                   " codec=%s crc32c=%08x\n",
+                e->lo, e->hi, m->mesh.rank, file, r->offset, ckpt_entry_bytes(e), r->stored,
+                w->zc ? "zstd" : "none", r->crc);
+    }
+}
+
+/* Keep the newest keep_last and every milestone; delete the rest. Runs only
+ * after the new checkpoint is complete and `latest` names it. */
+static void w_prune(CkptWriter *w) {
+    if (w->o.keep_last <= 0) return;
+    char **paths;
+    int64_t *steps;
+    int n = ckpt_list(w->o.root, &paths, &steps);
+    for (int i = w->o.keep_last; i < n; i++) {
+        if (w->o.keep_every > 0 && steps[i] % w->o.keep_every == 0) continue;
+        if (steps[i] == w->meta.step) continue;
+        if (rm_rf(paths[i]) != 0) kiln_warn("cannot delete old checkpoint %s: %s", paths[i], strerror(errno));
+    }
+    ckpt_list_free(paths, steps, n);
+}
+
+/* Leftovers of interrupted saves (*.tmp) are never loaded; clear them once. */
+static void w_sweep(CkptWriter *w) {
+    DIR *d = opendir(w->o.root);
+    if (!d) return;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        size_t l = strlen(de->d_name);
+        if (strncmp(de->d_name, "step_", 5) || l < 9 || strcmp(de->d_name + l - 4, ".tmp")) continue;
+        char p[2048];
+        snprintf(p, sizeof p, "%s/%s", w->o.root, de->d_name);
+        rm_rf(p);
+    }
+    closedir(d);
+}
+
+static int w_job(CkptWriter *w) {
+    char name[64], tmp[1200], fin[1200], old[1200], path[1400];
+    snprintf(name, sizeof name, "step_%08" PRId64, w->meta.step);
+    snprintf(tmp, sizeof tmp, "%s/%s.tmp", w->o.root, name);
+    snprintf(fin, sizeof fin, "%s/%s", w->o.root, name);
+    snprintf(old, sizeof old, "%s/%s.old.tmp", w->o.root, name);
+    const char *file = "rank00000.bin";
+    char fbuf[32];
+    snprintf(fbuf, sizeof fbuf, "rank%05d.bin", w->meta.mesh.rank);
+    file = fbuf;
+    w->fd = -1;
+    if (kiln_mkdirs(w->o.root) != 0) {
+        werr(w, "%s: cannot create the checkpoint directory: %s", w->o.root, strerror(errno));
+        return -1;
+    }
+    if (!w->swept) w_sweep(w), w->swept = 1;
+    if (rm_rf(tmp) != 0 || mkdir(tmp, 0755) != 0) {
+        werr(w, "%s: cannot create: %s", tmp, strerror(errno));
+        goto err;
+    }
+    snprintf(path, sizeof path, "%s/%s", tmp, file);
+    w->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    w->pos = 0;
+    if (w->fd < 0) {
+        werr(w, "%s: cannot create: %s", path, strerror(errno));
+        goto err;
+    }
+    for (int i = 0; i < w->t.n; i++)
+        if (w_entry(w, i) != 0) {
+            werr(w, "%s: writing entry '%s': %s", path, w->t.e[i].name, strerror(errno));
+            goto err;
+        }
+    /* fsync before the manifest names the file: a manifest must never
+     * describe bytes that are not on disk */
+    if (fsync(w->fd) != 0 || close(w->fd) != 0) {
+        w->fd = -1;
+        werr(w, "%s: fsync/close: %s", path, strerror(errno));
+        goto err;
+    }
+    w->fd = -1;
+    char *text = NULL;
+    size_t len = 0;
+    FILE *mf = open_memstream(&text, &len);
+    w_manifest(w, mf, file, w->pos);
+    fclose(mf);
+    char endline[64];
+    snprintf(endline, sizeof endline, "end crc32c=%08x\n", ckpt_crc32c(0, text, len));
+    snprintf(path, sizeof path, "%s/%s", tmp, CKPT_MANIFEST);
+    w->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (w->fd < 0) {
+        free(text);
+        werr(w, "%s: cannot create: %s", path, strerror(errno));
+        goto err;
+    }
+    int bad = w_write(w, text, len) != 0 || w_write(w, endline, strlen(endline)) != 0;
+    free(text);
+    if (bad || fsync(w->fd) != 0 || close(w->fd) != 0) {
+        if (!bad) w->fd = -1;
+        werr(w, "%s: %s", path, strerror(errno));
+        goto err;
+    }
+    w->fd = -1;
+    if (fsync_dir(tmp) != 0) {
+        werr(w, "%s: fsync: %s", tmp, strerror(errno));
+        goto err;
+    }
+    /* A checkpoint of this step may exist already (a resumed run passing a
+     * step it saved before): move it aside under a .tmp name, never loaded,
+     * and delete it once the new one is in place. */
+    struct stat st;
+    int replaced = stat(fin, &st) == 0;
+    if (replaced && (rm_rf(old) != 0 || rename(fin, old) != 0)) {
+        werr(w, "%s: cannot move the old checkpoint aside: %s", fin, strerror(errno));
+        goto err;
+    }
+    if (rename(tmp, fin) != 0 || fsync_dir(w->o.root) != 0) {
+        werr(w, "%s: rename into place: %s", fin, strerror(errno));
+        goto err;
+    }
+    if (replaced) rm_rf(old);
+    /* latest: written to latest.tmp, fsynced, renamed, directory fsynced */
+    snprintf(path, sizeof path, "%s/latest", w->o.root);
+    char line[80];
+    snprintf(line, sizeof line, "%s\n", name);
+    if (kiln_write_file_atomic(path, line, strlen(line)) != 0 || fsync_dir(w->o.root) != 0) {
+        werr(w, "%s: %s (the checkpoint %s itself is complete)", path, strerror(errno), fin);
+        return -1;
+    }
+    w_prune(w);
+    return 0;
+err:
+    if (w->fd >= 0) close(w->fd);
+    w->fd = -1;
+    rm_rf(tmp);
+    return -1;
+}
+
+static void *w_thread(void *arg) {
+    CkptWriter *w = arg;
+    w_job(w);
+    return NULL;
+}
+
+int ckpt_wait(CkptWriter *w) {
+    if (w->in_flight) {
+        pthread_join(w->thread, NULL);
+        w->in_flight = 0;
+    }
+    return w->status;
+}
+
+int ckpt_save(CkptWriter *w, const CkptMeta *meta) {
+    if (ckpt_wait(w) != 0) return -1;
+    w->meta = *meta;
+    kiln_strlcpy(w->version, meta->version ? meta->version : "unknown", sizeof w->version);
+    kiln_strlcpy(w->commit, meta->commit ? meta->commit : "unknown", sizeof w->commit);
+    if (!w->o.async) return w_job(w);
+    for (int i = 0; i < w->t.n; i++) {
+        const CkptEntry *e = &w->t.e[i];
+        size_t n = ckpt_entry_bytes(e);
+        if (e->to_host) e->to_host(w->stage + w->stage_off[i], e->ptr, n);
+        else memcpy(w->stage + w->stage_off[i], e->ptr, n);
+    }
+    /* the writer takes no signals: they belong to the step loop's handler */
+    sigset_t all, prev;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &prev);
+    int rc = pthread_create(&w->thread, NULL, w_thread, w);
+    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    if (rc != 0) {
+        werr(w, "cannot start the checkpoint writer thread: %s", strerror(rc));
+        return -1;
+    }
+    w->in_flight = 1;
+    return 0;
+}
+
+void ckpt_writer_free(CkptWriter *w) {
+    if (!w) return;
+    ckpt_wait(w);
+    free(w->t.e);
+    free(w->stage);
+    free(w->stage_off);
+    free(w->bounce);
+    free(w->zbuf);
+    if (w->zc) ZSTD_freeCCtx(w->zc);
+    free(w->rec);
+    free(w);
+}
+
+/* ---------- reading ---------- */
+
+typedef struct {
+    char name[CKPT_NAME];
+    CkptKind kind;
+    int dtype, ndim, rank, zstd;
+    int64_t shape[CKPT_MAX_DIM];
+    uint64_t lo, hi, offset, bytes, stored;
+    char file[64];
+    uint32_t crc;
+} MEntry;
+
+typedef struct {
+    CkptInfo info;
+    MEntry *e;
+    int n;
+    char dir[1200];
+} Manifest;
+
+static int rerr(char *err, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int rerr(char *err, size_t cap, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, cap, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+/* One "key=value" field of an entry line; NULL if absent. */
+static const char *field(const char *line, const char *key, char *buf, size_t cap) {
+    size_t k = strlen(key);
+    for (const char *p = line; (p = strstr(p, key)); p++) {
+        if ((p == line || p[-1] == ' ') && p[k] == '=') {
+            const char *v = p + k + 1;
+            size_t n = strcspn(v, " \n");
+            if (n >= cap) return NULL;
+            memcpy(buf, v, n);
+            buf[n] = 0;
+            return buf;
+        }
+    }
+    return NULL;
+}
+
+static int parse_u64(const char *s, uint64_t *out) {
+    if (!s || !*s) return -1;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (*end || errno || s[0] == '-') return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_entry(const char *line, MEntry *e) {
+    char b[256];
+    memset(e, 0, sizeof *e);
+    if (!field(line, "name", e->name, sizeof e->name)) return -1;
+    if (!field(line, "kind", b, sizeof b)) return -1;
+    if (!strcmp(b, "tensor")) e->kind = CKPT_TENSOR;
+    else if (!strcmp(b, "blob")) e->kind = CKPT_BLOB;
+    else return -1;
+    if (!field(line, "dtype", b, sizeof b) || (e->dtype = dtype_parse(b)) < 0) return -1;
+    if (!field(line, "shape", b, sizeof b) || b[0] != '[') return -1;
+    char *p = b + 1;
+    while (*p && *p != ']') {
+        if (e->ndim == CKPT_MAX_DIM) return -1;
+        char *end;
+        long long v = strtoll(p, &end, 10);
+        if (end == p || v < 0) return -1;
+        e->shape[e->ndim++] = v;
+        p = end;
+        if (*p == ',') p++;
+    }
+    if (*p != ']') return -1;
+    if (!field(line, "range", b, sizeof b)) return -1;
+    char *colon = strchr(b, ':');
+    if (!colon) return -1;
+    *colon = 0;
+    uint64_t rank;
+    if (parse_u64(b, &e->lo) || parse_u64(colon + 1, &e->hi) || e->lo > e->hi) return -1;
+    if (parse_u64(field(line, "rank", b, sizeof b), &rank)) return -1;
+    e->rank = (int)rank;
+    if (!field(line, "file", e->file, sizeof e->file) || strchr(e->file, '/')) return -1;
+    if (parse_u64(field(line, "offset", b, sizeof b), &e->offset)) return -1;
+    if (parse_u64(field(line, "bytes", b, sizeof b), &e->bytes)) return -1;
+    if (parse_u64(field(line, "stored", b, sizeof b), &e->stored)) return -1;
+    if (!field(line, "codec", b, sizeof b)) return -1;
+    if (!strcmp(b, "zstd")) e->zstd = 1;
+    else if (strcmp(b, "none")) return -1;
+    uint64_t crc;
+    if (!field(line, "crc32c", b, sizeof b)) return -1;
+    char *end;
+    crc = strtoull(b, &end, 16);
+    if (*end || strlen(b) != 8) return -1;
+    e->crc = (uint32_t)crc;
+    uint64_t numel = 1;
+    for (int d = 0; d < e->ndim; d++) numel *= (uint64_t)e->shape[d];
+    if (e->hi > numel || e->bytes != (e->hi - e->lo) * dtype_sizes[e->dtype]) return -1;
+    if (!e->zstd && e->stored != e->bytes) return -1;
+    return 0;
+}
+
+static void man_free(Manifest *m) {
+    free(m->e);
+    memset(m, 0, sizeof *m);
+}
+
+static int man_read(const char *dir, Manifest *m, char *err, size_t cap) {
+    memset(m, 0, sizeof *m);
+    kiln_strlcpy(m->dir, dir, sizeof m->dir);
+    char path[1400];
+    snprintf(path, sizeof path, "%s/%s", dir, CKPT_MANIFEST);
+    size_t len;
+    char *text = kiln_read_file(path, &len);
+    if (!text) return rerr(err, cap, "%s: cannot read the manifest: %s", path, strerror(errno));
+    /* the version first, so a newer format is named as such, not as damage */
+    int format = 0;
+    if (sscanf(text, "kiln-checkpoint %d", &format) != 1) {
+        free(text);
+        return rerr(err, cap, "%s:1: not a kiln checkpoint manifest", path);
+    }
+    if (format != CKPT_FORMAT_VERSION) {
+        free(text);
+        return rerr(err, cap, "%s:1: checkpoint format version %d; this kiln reads version %d", path, format,
+                    CKPT_FORMAT_VERSION);
+    }
+    /* the last line is "end crc32c=X" over every byte before it */
+    char *endl = len >= 2 ? memrchr(text, '\n', len - 1) : NULL;
+    size_t body = endl ? (size_t)(endl + 1 - text) : 0;
+    unsigned crc_want;
+    if (len == 0 || text[len - 1] != '\n' || sscanf(text + body, "end crc32c=%8x", &crc_want) != 1) {
+        free(text);
+        return rerr(err, cap, "%s: incomplete manifest (no end line)", path);
+    }
+    if (ckpt_crc32c(0, text, body) != crc_want) {
+        free(text);
+        return rerr(err, cap, "%s: manifest checksum mismatch (the file was changed or damaged)", path);
+    }
+    text[body] = 0;
+    int lineno = 0, cap_e = 0, have_step = 0;
+    char *save = NULL;
+    for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        lineno++;
+        if (lineno == 1) {
+            if (sscanf(line, "kiln-checkpoint %d", &m->info.format) != 1) {
+                free(text);
+                return rerr(err, cap, "%s:1: not a kiln checkpoint manifest", path);
+            }
+            if (m->info.format != CKPT_FORMAT_VERSION) {
+                free(text);
+                return rerr(err, cap, "%s:1: checkpoint format version %d; this kiln reads version %d", path,
+                            m->info.format, CKPT_FORMAT_VERSION);
+            }
+            continue;
+        }
+        if (!strncmp(line, "entry ", 6)) {
+            if (m->n == cap_e) cap_e = cap_e ? 2 * cap_e : 64, m->e = xrealloc(m->e, (size_t)cap_e * sizeof *m->e);
+            if (parse_entry(line + 6, &m->e[m->n]) != 0) {
+                free(text);
+                return rerr(err, cap, "%s:%d: malformed entry line", path, lineno);
+            }
+            m->n++;
+        } else if (sscanf(line, "step %" SCNd64, &m->info.step) == 1) {
+            have_step = 1;
+        } else if (sscanf(line, "config_hash %" SCNx64, &m->info.config_hash) == 1) {
+        } else if (sscanf(line, "kiln_version %63s", m->info.version) == 1) {
+        } else if (sscanf(line, "kiln_commit %63s", m->info.commit) == 1) {
+        } else if (!strncmp(line, "mesh ", 5)) {
+            CkptMesh *g = &m->info.mesh;
+            sscanf(line, "mesh world=%d dp=%d tp=%d pp=%d cp=%d ep=%d", &g->world, &g->dp, &g->tp, &g->pp, &g->cp, &g->ep);
+        } /* other lines (file, created_unix, future keys) are informational */
+    }
+    free(text);
+    if (m->info.format == 0) return rerr(err, cap, "%s: empty manifest", path);
+    if (!have_step) return rerr(err, cap, "%s: manifest has no step line", path);
+    return 0;
+}
+
+/* Read piece e into out (e->bytes), verifying its checksum. */
+static int piece_read(const Manifest *m, const MEntry *e, void *out, char *err, size_t cap) {
+    char path[1400];
+    snprintf(path, sizeof path, "%s/%s", m->dir, e->file);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return rerr(err, cap, "%s: cannot open: %s", path, strerror(errno));
+    unsigned char *buf = e->zstd ? xmalloc(e->stored ? e->stored : 1) : out;
+    uint64_t got = 0;
+    while (got < e->stored) {
+        ssize_t r = pread(fd, buf + got, e->stored - got, (off_t)(e->offset + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += (uint64_t)r;
+    }
+    close(fd);
+    if (got < e->stored) {
+        if (e->zstd) free(buf);
+        return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64 ", file ends at %" PRIu64,
+                    path, e->name, e->offset, e->offset + e->stored, e->offset + got);
+    }
+    if (e->zstd) {
+        size_t n = ZSTD_decompress(out, e->bytes, buf, e->stored);
+        free(buf);
+        if (ZSTD_isError(n) || n != e->bytes)
+            return rerr(err, cap, "%s: entry '%s': corrupt zstd data (%s)", path, e->name,
+                        ZSTD_isError(n) ? ZSTD_getErrorName(n) : "wrong size");
+    }
+    uint32_t crc = ckpt_crc32c(0, out, e->bytes);
+    if (crc != e->crc)
+        return rerr(err, cap, "%s: entry '%s': checksum mismatch (crc32c %08x in the manifest, %08x read)", path,
+                    e->name, e->crc, crc);
+    return 0;
+}
+
+static void shape_text(int ndim, const int64_t *shape, char *buf, size_t cap) {
+    size_t n = (size_t)snprintf(buf, cap, "[");
+    for (int d = 0; d < ndim && n < cap; d++) n += (size_t)snprintf(buf + n, cap - n, "%s%" PRId64, d ? "," : "", shape[d]);
+    if (n < cap) snprintf(buf + n, cap - n, "]");
+}
+
+int ckpt_load(const char *dir, const CkptTable *t, CkptInfo *info, char *err, size_t cap) {
+    Manifest m;
+    if (man_read(dir, &m, err, cap) != 0) return -1;
+    if (info) *info = m.info;
+    int rc = -1;
+    unsigned char *piece = NULL, *host = NULL;
+    size_t piece_cap = 0, host_cap = 0;
+    for (int i = 0; i < t->n; i++) {
+        const CkptEntry *e = &t->e[i];
+        size_t es = dtype_sizes[e->dtype], need = ckpt_entry_bytes(e);
+        /* assemble [lo, hi) on the host from every overlapping saved piece */
+        unsigned char *dst;
+        if (e->to_device) {
+            if (need > host_cap) host_cap = need, host = xrealloc(host, host_cap ? host_cap : 1);
+            dst = host;
+        } else {
+            dst = e->ptr;
+        }
+        uint64_t covered = 0;
+        int found = 0;
+        for (int j = 0; j < m.n; j++) {
+            const MEntry *p = &m.e[j];
+            if (strcmp(p->name, e->name)) continue;
+            found = 1;
+            char a[128], b[128];
+            shape_text(p->ndim, p->shape, a, sizeof a);
+            shape_text(e->ndim, e->shape, b, sizeof b);
+            if (p->dtype != (int)e->dtype || strcmp(a, b)) {
+                rerr(err, cap, "%s: entry '%s' is %s %s in the checkpoint but %s %s in this run", dir, e->name,
+                     dtype_names[p->dtype], a, dtype_names[e->dtype], b);
+                goto out;
+            }
+            /* blobs are per rank: rank r reads its own (today rank 0's) */
+            if (e->kind == CKPT_BLOB && p->rank != 0) continue;
+            uint64_t lo = p->lo > e->lo ? p->lo : e->lo, hi = p->hi < e->hi ? p->hi : e->hi;
+            if (lo >= hi && !(e->lo == e->hi && p->lo == p->hi)) continue;
+            if (p->bytes > piece_cap) piece_cap = p->bytes, piece = xrealloc(piece, piece_cap);
+            if (piece_read(&m, p, piece ? piece : (unsigned char *)"", err, cap) != 0) goto out;
+            if (hi > lo) memcpy(dst + (lo - e->lo) * es, piece + (lo - p->lo) * es, (size_t)(hi - lo) * es);
+            covered += hi > lo ? hi - lo : 0;
+        }
+        if (!found) {
+            rerr(err, cap, "%s: no entry '%s' in the checkpoint", dir, e->name);
+            goto out;
+        }
+        if (covered != e->hi - e->lo) {
+            rerr(err, cap, "%s: entry '%s': the saved pieces cover %" PRIu64 " of the %" PRIu64 " elements needed", dir,
+                 e->name, covered, e->hi - e->lo);
+            goto out;
+        }
+        if (e->to_device) e->to_device(e->ptr, host, need);
+    }
+    rc = 0;
+out:
+    free(piece);
+    free(host);
+    man_free(&m);
+    return rc;
+}
+
+int ckpt_verify(const char *dir, CkptInfo *info, char *err, size_t cap) {
+    Manifest m;
+    if (man_read(dir, &m, err, cap) != 0) return -1;
+    if (info) *info = m.info;
+    int rc = 0;
+    for (int j = 0; j < m.n && rc == 0; j++) {
+        unsigned char *buf = xmalloc(m.e[j].bytes ? m.e[j].bytes : 1);
+        rc = piece_read(&m, &m.e[j], buf, err, cap);
+        free(buf);
+    }
+    man_free(&m);
+    return rc;
+}
+
+void *ckpt_read_blob(const char *dir, const char *name, size_t *len, char *err, size_t cap) {
+    Manifest m;
+    err[0] = 0;
+    if (man_read(dir, &m, err, cap) != 0) return NULL;
+    void *out = NULL;
+    for (int j = 0; j < m.n; j++) {
+        if (strcmp(m.e[j].name, name)) continue;
+        out = xmalloc(m.e[j].bytes + 1);
+        if (piece_read(&m, &m.e[j], out, err, cap) != 0) {
+            free(out);
+            out = NULL;
+        } else {
+            ((char *)out)[m.e[j].bytes] = 0; /* text blobs read as strings */
+            if (len) *len = m.e[j].bytes;
+        }
+        break;
+    }
+    if (!out && !err[0]) rerr(err, cap, "%s: no entry '%s' in the checkpoint", dir, name);
+    man_free(&m);
+    return out;
+}
+
+int ckpt_is_checkpoint(const char *dir) {
+    char path[1400];
+    snprintf(path, sizeof path, "%s/%s", dir, CKPT_MANIFEST);
+    return access(path, F_OK) == 0;
+}
+
+/* ---------- ./train ckpt-info ---------- */
+
+int ckpt_info_main(int argc, char **argv) {
+    if (argc != 2) kiln_fail(KILN_EXIT_USAGE, "usage: ./train ckpt-info CHECKPOINT_DIR");
+    const char *dir = argv[1];
+    char err[2048] = "";
+    Manifest m;
+    if (man_read(dir, &m, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
+    printf("checkpoint %s\n", dir);
+    printf("format %d | step %" PRId64 " | config_hash %016" PRIx64 " | kiln %s (commit %s)\n", m.info.format,
+           m.info.step, m.info.config_hash, m.info.version, m.info.commit);
+    printf("mesh world=%d dp=%d tp=%d pp=%d cp=%d ep=%d\n", m.info.mesh.world, m.info.mesh.dp, m.info.mesh.tp,
+           m.info.mesh.pp, m.info.mesh.cp, m.info.mesh.ep);
+    uint64_t raw = 0, stored = 0;
+    uint32_t state = 0, params = 0;
+    int bad = 0;
+    for (int j = 0; j < m.n; j++) {
+        const MEntry *e = &m.e[j];
+        char s[128];
+        shape_text(e->ndim, e->shape, s, sizeof s);
+        unsigned char *buf = xmalloc(e->bytes ? e->bytes : 1);
+        char perr[1024] = "";
+        int ok = piece_read(&m, e, buf, perr, sizeof perr) == 0;
+        free(buf);
+        printf("  %-6s %-40s %-4s %-14s range %" PRIu64 ":%" PRIu64 " rank %d %10" PRIu64 " B  crc32c %08x %s\n",
+               e->kind == CKPT_TENSOR ? "tensor" : "blob", e->name, dtype_names[e->dtype], s, e->lo, e->hi, e->rank,
+               e->bytes, e->crc, ok ? "ok" : "BAD");
+        if (!ok) fprintf(stderr, "kiln: error: %s\n", perr), bad++;
+        raw += e->bytes, stored += e->stored;
+        if (e->kind == CKPT_TENSOR) {
+            state = ckpt_crc32c(state, &e->crc, 4);
+            if (strncmp(e->name, "optim.", 6)) params = ckpt_crc32c(params, &e->crc, 4);
+        }
+    }
+    printf("entries %d | %" PRIu64 " bytes, %" PRIu64 " stored\n", m.n, raw, stored);
+    printf("params checksum %08x | state checksum %08x\n", params, state);
+    man_free(&m);
+    if (bad) kiln_fail(KILN_EXIT_USAGE, "%s: %d entr%s failed verification", dir, bad, bad == 1 ? "y" : "ies");
+    printf("verified\n");
+    return KILN_EXIT_OK;
+}

@@ -1,0 +1,121 @@
+/* ckpt: checkpoint directories — write, verify, load, reshard. State arrives as
+ * one table of named entries (tensors with logical shape, dtype and this rank's
+ * shard range; small blobs such as RNG state and data position) that train.c
+ * collects from the model, optimizer and loader. ckpt knows that table and the
+ * mesh, never the model or the optimizer. Format: docs/formats.md. */
+#ifndef KILN_CKPT_H
+#define KILN_CKPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define CKPT_FORMAT_VERSION 1
+#define CKPT_MAX_DIM 4
+#define CKPT_NAME 96
+
+typedef enum { CKPT_TENSOR, CKPT_BLOB } CkptKind;
+typedef enum { CKPT_F32, CKPT_F64, CKPT_I64, CKPT_U64, CKPT_U8 } CkptDtype;
+
+/* Copies between the entry's memory and the host (backend to_host/to_device);
+ * NULL = the pointer is host memory. */
+typedef void (*CkptCopyFn)(void *dst, const void *src, size_t bytes);
+
+typedef struct CkptEntry {
+    char name[CKPT_NAME];   /* "wte", "optim.m/wte", "rng.train", ... no spaces */
+    CkptKind kind;
+    CkptDtype dtype;
+    int ndim;                   /* 0 = scalar */
+    int64_t shape[CKPT_MAX_DIM];/* logical (whole, unsharded) shape */
+    uint64_t lo, hi;            /* this rank holds flat elements [lo, hi) of it */
+    void *ptr;                  /* (hi-lo) elements, on the device if to_host is set */
+    CkptCopyFn to_host, to_device;
+} CkptEntry;
+
+typedef struct CkptTable {
+    CkptEntry *e;
+    int n, cap;
+} CkptTable;
+
+/* Mesh the state is laid out over (one rank, one piece per tensor, today). */
+typedef struct CkptMesh {
+    int world, rank, dp, tp, pp, cp, ep;
+} CkptMesh;
+
+/* What a save records besides the table. */
+typedef struct CkptMeta {
+    int64_t step;
+    uint64_t config_hash;
+    const char *version, *commit;
+    CkptMesh mesh;
+} CkptMeta;
+
+typedef struct CkptOptions {
+    char root[1024];  /* the checkpoints directory: root/step_00001000/, root/latest */
+    int keep_last;    /* 0 = keep all */
+    int keep_every;   /* milestones: step % keep_every == 0 never deleted; 0 = none */
+    int async;        /* stage into a host buffer, write from a thread */
+    int compress;     /* zstd level, 0 = none */
+} CkptOptions;
+
+/* ---- the table ---- */
+void ckpt_table_init(CkptTable *t);
+void ckpt_table_free(CkptTable *t);
+/* Add a whole (unsharded) tensor or a slice [lo, hi) of its flat elements. */
+CkptEntry *ckpt_add_tensor(CkptTable *t, const char *name, CkptDtype dtype, int ndim, const int64_t *shape,
+                           uint64_t lo, uint64_t hi, void *ptr, CkptCopyFn to_host, CkptCopyFn to_device);
+/* A host blob of `count` elements (count 0 with ndim 0 = scalar). */
+CkptEntry *ckpt_add_blob(CkptTable *t, const char *name, CkptDtype dtype, size_t count, int scalar, void *ptr);
+size_t ckpt_entry_bytes(const CkptEntry *e);
+size_t ckpt_dtype_size(CkptDtype d);
+
+/* ---- writing ---- */
+typedef struct CkptWriter CkptWriter;
+/* Plan a writer for this table: with o->async, the host staging buffer for
+ * every entry is allocated here, once. Never allocates per save afterwards
+ * except the thread itself. */
+CkptWriter *ckpt_writer_new(const CkptTable *t, const CkptOptions *o);
+/* Save the table's current contents as checkpoint `meta->step`: waits for a
+ * write in flight, then writes (or, async, stages and starts the thread).
+ * Returns 0, or -1 with the reason in ckpt_writer_error() (the previous
+ * checkpoints are untouched and the .tmp directory is removed). */
+int ckpt_save(CkptWriter *w, const CkptMeta *meta);
+/* Wait for the write in flight, if any. 0 or -1 as ckpt_save. */
+int ckpt_wait(CkptWriter *w);
+const char *ckpt_writer_error(const CkptWriter *w);
+/* Wait, then free. */
+void ckpt_writer_free(CkptWriter *w);
+
+/* ---- reading ---- */
+typedef struct CkptInfo {
+    int format;
+    int64_t step;
+    uint64_t config_hash;
+    char version[64], commit[64];
+    CkptMesh mesh;
+} CkptInfo;
+
+/* Load every entry of `t` from checkpoint directory `dir`, assembling each
+ * from whichever pieces of the saved tensor overlap its range, and verifying
+ * the checksum of every piece it reads. Blobs must match in size. Returns 0,
+ * or -1 with one line in err naming the file or entry (the table's memory may
+ * then be partly overwritten). */
+int ckpt_load(const char *dir, const CkptTable *t, CkptInfo *info, char *err, size_t errcap);
+/* Read and verify every piece in the manifest, without a table. */
+int ckpt_verify(const char *dir, CkptInfo *info, char *err, size_t errcap);
+/* A blob by name (malloc'd, verified); NULL with err on failure. */
+void *ckpt_read_blob(const char *dir, const char *name, size_t *len, char *err, size_t errcap);
+/* 1 if dir holds a manifest (looks like a kiln checkpoint). */
+int ckpt_is_checkpoint(const char *dir);
+
+/* Complete checkpoint directories under root (step_N without .tmp), newest
+ * first. Returns the count; *names (malloc'd array of malloc'd full paths). */
+int ckpt_list(const char *root, char ***paths, int64_t **steps);
+void ckpt_list_free(char **paths, int64_t *steps, int n);
+
+/* ./train ckpt-info DIR: the manifest, every entry verified, its checksum. */
+int ckpt_info_main(int argc, char **argv);
+
+/* CRC32C (Castagnoli) of data, continuing from crc (start with 0). */
+uint32_t ckpt_crc32c(uint32_t crc, const void *data, size_t n);
+
+#endif

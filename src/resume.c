@@ -1,0 +1,182 @@
+/* resume: which checkpoint to continue from, and whether this config may
+ * continue it. The policy table below is the one place that says which keys
+ * may change across a resume. */
+#include "resume.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+
+typedef enum {
+    KEY_ALLOW,    /* changes are reported; the continuation is what the new value says */
+    KEY_NOTE,     /* allowed, but the CPU run is then no longer bit-identical to an uninterrupted one */
+    KEY_FORCE,    /* refused unless --force; forcing is well defined (see why) */
+    KEY_NEVER     /* refused: the saved state cannot mean anything under the new value */
+} KeyPolicy;
+
+/* First match wins; a trailing '*' matches any rest. Keys not listed are
+ * KEY_FORCE: a new key is refused until someone decides, never silently taken. */
+static const struct {
+    const char *pat;
+    KeyPolicy p;
+    const char *why;
+} resume_rules[] = {
+    {"model.*", KEY_NEVER, "the parameter shapes and the function they compute"},
+    {"data.tokenizer*", KEY_NEVER, "token ids would mean different text"},
+    {"run.seed", KEY_NEVER, "the data order of the current epoch is drawn from it"},
+    {"optim.name", KEY_NEVER, "the optimizer state belongs to the saved optimizer"},
+    {"data.train", KEY_FORCE, "with --force the loader restarts at the start of the new data's order"},
+    {"batch.total_tokens", KEY_FORCE,
+     "with --force the sample stream continues from the saved position in steps of the new size"},
+    {"batch.micro_batch", KEY_NOTE, "the same samples per step, summed in a different grouping"},
+    {"run.threads", KEY_NOTE, "floating-point sums are split differently"},
+    {"device", KEY_NOTE, "another backend rounds differently"},
+    {"precision.*", KEY_NOTE, "another precision rounds differently"},
+    {"parallel.*", KEY_NOTE, "the state is resharded onto the new mesh"},
+    {"run.name", KEY_ALLOW, NULL},
+    {"run.dir", KEY_ALLOW, NULL},
+    {"data.val", KEY_ALLOW, NULL},
+    {"train.*", KEY_ALLOW, NULL},
+    {"optim.*", KEY_ALLOW, NULL},
+    {"schedule.*", KEY_ALLOW, NULL},
+    {"checkpoint.*", KEY_ALLOW, NULL},
+    {"metrics.*", KEY_ALLOW, NULL},
+    {"monitor.*", KEY_ALLOW, NULL},
+    {"init.from", KEY_ALLOW, "ignored on resume: the checkpoint's weights are loaded"},
+};
+
+static int rule_of(const char *key) {
+    int n = (int)(sizeof resume_rules / sizeof resume_rules[0]);
+    for (int i = 0; i < n; i++) {
+        const char *p = resume_rules[i].pat;
+        size_t l = strlen(p);
+        if (p[l - 1] == '*' ? !strncmp(key, p, l - 1) : !strcmp(key, p)) return i;
+    }
+    return -1;
+}
+
+/* The resolved YAML (cfg_write_yaml) as "section.key" -> value text. */
+typedef struct {
+    char key[128];
+    char *val;
+} KV;
+
+static int parse_resolved(char *text, KV **out) {
+    int n = 0, cap = 0;
+    KV *v = NULL;
+    char section[64] = "";
+    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+        int indent = line[0] == ' ';
+        char *s = line + strspn(line, " ");
+        if (*s == '#' || !*s) continue;
+        char *colon = strstr(s, ":");
+        if (!colon) continue;
+        *colon = 0;
+        char *val = colon[1] == ' ' ? colon + 2 : colon + 1;
+        if (!indent && !*val) { /* "section:" */
+            kiln_strlcpy(section, s, sizeof section);
+            continue;
+        }
+        if (n == cap) cap = cap ? 2 * cap : 64, v = xrealloc(v, (size_t)cap * sizeof *v);
+        if (indent) snprintf(v[n].key, sizeof v[n].key, "%s.%s", section, s);
+        else snprintf(v[n].key, sizeof v[n].key, "%s", s);
+        v[n++].val = val;
+    }
+    *out = v;
+    return n;
+}
+
+static const char *kv_get(KV *v, int n, const char *key) {
+    for (int i = 0; i < n; i++)
+        if (!strcmp(v[i].key, key)) return v[i].val;
+    return NULL;
+}
+
+int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char *new_yaml, int force) {
+    char *a = xstrdup(saved_yaml), *b = xstrdup(new_yaml);
+    KV *va, *vb;
+    int na = parse_resolved(a, &va), nb = parse_resolved(b, &vb), flags = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        /* pass 0: keys of this run (changed or new); pass 1: keys only the checkpoint has */
+        KV *v = pass ? va : vb;
+        int n = pass ? na : nb;
+        for (int i = 0; i < n; i++) {
+            const char *key = v[i].key;
+            const char *old = pass ? v[i].val : kv_get(va, na, key), *now = pass ? kv_get(vb, nb, key) : v[i].val;
+            if (pass && now) continue;
+            if (old && now && !strcmp(old, now)) continue;
+            int r = rule_of(key);
+            KeyPolicy p = r >= 0 ? resume_rules[r].p : KEY_FORCE;
+            const char *why = r >= 0 ? resume_rules[r].why : "no resume rule for this key";
+            char change[1200];
+            snprintf(change, sizeof change, "'%s': %s -> %s", key, old ? old : "(absent)", now ? now : "(absent)");
+            if (p == KEY_NEVER) {
+                kiln_hint("resume with the checkpoint's value, or start a new run (init.from=%s loads its weights only)",
+                          ckpt_dir);
+                kiln_fail(KILN_EXIT_USAGE, "%s: cannot resume with a changed key %s (%s)", ckpt_dir, change, why);
+            }
+            if (p == KEY_FORCE && !force) {
+                kiln_hint("--force accepts this change (%s)", why);
+                kiln_fail(KILN_EXIT_USAGE, "%s: cannot resume with a changed key %s", ckpt_dir, change);
+            }
+            if (p == KEY_FORCE) {
+                kiln_warn("resume: --force: key %s (%s)", change, why);
+                if (!strcmp(key, "data.train")) flags |= RESUME_RESET_DATA;
+            } else if (p == KEY_NOTE) {
+                kiln_warn("resume: key %s changed: allowed, but no longer bit-identical to an uninterrupted run (%s)",
+                          change, why);
+            } else {
+                printf("resume: key %s changed%s%s\n", change, why ? ": " : "", why ? why : "");
+            }
+        }
+    }
+    free(va), free(vb), free(a), free(b);
+    return flags;
+}
+
+/* Check the config of `dir`, then load it. -1 with err if the checkpoint is
+ * unreadable or corrupt; exits 2 if the config may not continue it. */
+static int try_one(const char *dir, const CkptTable *t, const char *new_yaml, int force, CkptInfo *info, int *flags,
+                   char *err, size_t cap) {
+    size_t len;
+    char *saved = ckpt_read_blob(dir, "config.yaml", &len, err, cap);
+    if (!saved) return -1;
+    *flags = resume_check_config(dir, saved, new_yaml, force);
+    free(saved);
+    return ckpt_load(dir, t, info, err, cap);
+}
+
+int resume_load(const char *mode, const char *root, const CkptTable *t, const char *new_yaml, int force,
+                CkptInfo *info, char *path, size_t cap, int *flags) {
+    char err[2048] = "";
+    *flags = 0;
+    if (strcmp(mode, "auto") != 0) {
+        if (!ckpt_is_checkpoint(mode)) {
+            kiln_hint("--resume takes `auto` or a checkpoint directory such as runs/NAME/checkpoints/step_00001000");
+            kiln_fail(KILN_EXIT_USAGE, "--resume %s: not a checkpoint directory (no manifest)", mode);
+        }
+        if (try_one(mode, t, new_yaml, force, info, flags, err, sizeof err) != 0)
+            kiln_fail(KILN_EXIT_USAGE, "--resume %s: %s", mode, err);
+        kiln_strlcpy(path, mode, cap);
+        return 1;
+    }
+    char **paths;
+    int64_t *steps;
+    int n = ckpt_list(root, &paths, &steps), loaded = 0, dirty = 0;
+    for (int i = 0; i < n && !loaded; i++) {
+        err[0] = 0;
+        if (try_one(paths[i], t, new_yaml, force, info, flags, err, sizeof err) == 0) {
+            kiln_strlcpy(path, paths[i], cap);
+            loaded = 1;
+        } else {
+            dirty = 1;
+            kiln_warn("--resume auto: skipping %s: %s", paths[i], err);
+        }
+    }
+    ckpt_list_free(paths, steps, n);
+    if (dirty) *flags |= RESUME_DIRTY;
+    if (!loaded) printf("resume: no complete checkpoint under %s; starting fresh\n", root);
+    return loaded;
+}

@@ -1,0 +1,29 @@
+/* resume: choosing the checkpoint a run continues from (--resume auto|DIR)
+ * and deciding whether the new config may continue it. Loading itself is
+ * ckpt's; what the table holds is train.c's. */
+#ifndef KILN_RESUME_H
+#define KILN_RESUME_H
+
+#include <stddef.h>
+
+#include "ckpt.h"
+
+enum {
+    RESUME_RESET_DATA = 1, /* data.train changed under --force: restart the order */
+    RESUME_DIRTY = 2       /* a corrupt checkpoint was partly loaded before being skipped */
+};
+
+/* Compare the checkpoint's resolved config with this run's, key by key.
+ * Allowed changes are printed; a forbidden one exits 2 naming the key, unless
+ * `force` and the key is one where forcing is well defined (docs: README
+ * "Checkpoints and resuming"). Returns RESUME_* flags. */
+int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char *new_yaml, int force);
+
+/* mode "auto": the newest complete checkpoint under `root` whose checksums
+ * verify, skipping (and naming) corrupt ones; none -> 0 (start fresh).
+ * Otherwise mode is a checkpoint directory; any failure exits 2.
+ * On success fills the table's memory, *info and path, and returns 1. */
+int resume_load(const char *mode, const char *root, const CkptTable *t, const char *new_yaml, int force,
+                CkptInfo *info, char *path, size_t cap, int *flags);
+
+#endif

@@ -1,0 +1,38 @@
+# Shared by test/t_resume.sh, t_ckpt_corrupt.sh, t_ckpt_kill.sh: a tiny corpus,
+# a tiny model (2 layers, 32 wide, context 32: ~10 ms a step on 2 cores), and
+# helpers. Source it after setting T (the test's scratch directory).
+ok() { echo "ok $1"; }
+fail() { echo "FAIL $1: $2"; }
+# expect NAME CODE PATTERN -- CMD...: exit code and a line of output matching PATTERN
+expect() {
+    local name=$1 code=$2 pat=$3; shift 4
+    "$@" >"$T/out.txt" 2>"$T/err.txt"
+    local rc=$?
+    if [ $rc -ne "$code" ]; then fail "$name" "exit $rc, wanted $code; stderr: $(tail -c 300 "$T/err.txt")"; return 1; fi
+    if ! grep -qE -- "$pat" "$T/err.txt" "$T/out.txt"; then fail "$name" "no match for /$pat/ in: $(tail -c 300 "$T/err.txt")"; return 1; fi
+    ok "$name"
+}
+# step, tokens and loss of every metrics.jsonl line (timings differ run to run)
+losses() { grep -o '"step":[0-9]*,"tokens":[0-9]*,"loss":[^,]*' "$1"; }
+# the parameter checksum and whole-state checksum of a checkpoint
+sums() { ./train ckpt-info "$1" 2>/dev/null | grep '^params checksum'; }
+ckpt_setup() {
+    mkdir -p "$T"
+    if [ ! -f "$T/data/train_000000.bin" ]; then
+        head -c 60000 data/austen.txt > "$T/corpus.txt"
+        ./train prepare --tokenizer byte --out "$T/data" --val-fraction 0.1 "$T/corpus.txt" >/dev/null 2>&1
+    fi
+    # metrics.peak_gflops skips the start-up matmul measurement: these runs
+    # restart often. One thread: on a loaded 2-core machine OpenMP barriers
+    # spin against other jobs and a step takes 10x longer.
+    cat > "$T/tiny.yaml" <<YAML
+run: {name: ck, dir: "$T/run", seed: 7, threads: 1}
+model: {n_layer: 2, n_head: 2, n_embd: 32, seq_len: 32, vocab_size: 256}
+data: {train: "$T/data/train_*.bin", val: "$T/data/val_*.bin"}
+batch: {micro_batch: 4, total_tokens: 256}
+train: {steps: 20, eval_every: 10, eval_batches: 2, sample_every: 0}
+schedule: {warmup_steps: 2}
+checkpoint: {every: 5, keep_last: 0}
+metrics: {peak_gflops: 1, tensorboard: false, log_every: 100}
+YAML
+}
