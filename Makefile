@@ -2,6 +2,7 @@
 # `make test` runs the suite, `make bench` measures. `make deps` installs what is
 # missing (Debian packages) and is quiet when everything is present.
 
+.DEFAULT_GOAL := all
 CC      ?= gcc
 ARCH    ?= -march=native
 OPT     ?= -O3
