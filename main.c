@@ -110,8 +110,7 @@ int main(int argc, char **argv) {
         } else if (!bench && strcmp(a, "--force") == 0) {
             force = 1;
         } else if (a[0] == '-') {
-            kiln_hint("./train --help lists the flags");
-            kiln_fail(KILN_EXIT_USAGE, "unknown flag '%s'", a);
+            kiln_fail_hint(KILN_EXIT_USAGE, "./train --help lists the flags", "unknown flag '%s'", a);
         } else if (!config_path) {
             config_path = a;
         } else {

@@ -496,8 +496,8 @@ static void cfg_load_file(Config *c, CfgLoad *L, const char *path) {
     char *text = kiln_read_file(path, &len);
     if (!text) {
         int e = errno;
-        kiln_hint("pass a YAML config, e.g. ./train configs/tiny.yaml (docs/config.md lists every key)");
-        kiln_fail(KILN_EXIT_USAGE, "%s: cannot read config: %s", path, strerror(e));
+        kiln_fail_hint(KILN_EXIT_USAGE, "pass a YAML config, e.g. ./train configs/tiny.yaml (docs/config.md lists every key)",
+                       "%s: cannot read config: %s", path, strerror(e));
     }
     yaml_document_t doc;
     cfg_parse_text(text, len, path, 1, &doc);

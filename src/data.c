@@ -44,19 +44,7 @@ struct DataLoader {
     DataPos pos;            /* next global batch starts at sample pos.index of pos.epoch */
 };
 
-/* Error + hint + exit 2: kiln_fail exits before a hint could follow it. */
-__attribute__((noreturn, format(printf, 2, 3))) static void data_fail(const char *hint,
-                                                                       const char *fmt, ...) {
-    char msg[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    fflush(stdout);
-    fprintf(stderr, "kiln: error: %s\n", msg);
-    if (hint) kiln_hint("%s", hint);
-    exit(KILN_EXIT_USAGE);
-}
+#define data_fail(hint, ...) kiln_fail_hint(KILN_EXIT_USAGE, (hint), __VA_ARGS__)
 
 #define DATA_HINT_PREPARE "make token shards with: ./train prepare --tokenizer byte|gpt2 --out DIR FILE..."
 

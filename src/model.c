@@ -358,8 +358,8 @@ void model_load_llmc(Model *m, const char *path) {
     const ModelShape *s = &m->shape;
     FILE *f = fopen(path, "rb");
     if (!f) {
-        kiln_hint("init.from names an llm.c GPT-2 checkpoint such as gpt2_124M.bin");
-        kiln_fail(KILN_EXIT_USAGE, "%s: cannot open llm.c checkpoint (key 'init.from')", path);
+        kiln_fail_hint(KILN_EXIT_USAGE, "init.from names an llm.c GPT-2 checkpoint such as gpt2_124M.bin",
+                       "%s: cannot open llm.c checkpoint (key 'init.from')", path);
     }
     int32_t h[256];
     if (fread(h, sizeof(int32_t), 256, f) != 256) {

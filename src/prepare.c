@@ -38,17 +38,8 @@ static const char *prepare_usage =
     "Example: ./train prepare --tokenizer byte --out data/austen --val-fraction 0.05 "
     "data/austen.txt\n";
 
-__attribute__((noreturn, format(printf, 1, 2))) static void prepare_fail(const char *fmt, ...) {
-    char msg[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    fflush(stdout);
-    fprintf(stderr, "kiln: error: prepare: %s\n", msg);
-    kiln_hint("./train prepare --help");
-    exit(KILN_EXIT_USAGE);
-}
+#define prepare_fail(fmt, ...) \
+    kiln_fail_hint(KILN_EXIT_USAGE, "./train prepare --help", "prepare: " fmt, ##__VA_ARGS__)
 
 typedef struct PrepareArgs {
     const char *tokenizer, *vocab, *out;

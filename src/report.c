@@ -84,8 +84,8 @@ static void run_load(Run *r, const char *dir) {
     snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
     char *text = kiln_read_file(path, &len);
     if (!text && !r->config) {
-        kiln_hint("a run directory holds config.yaml and metrics.jsonl (run.dir of the config)");
-        kiln_fail(KILN_EXIT_USAGE, "%s: not a run directory (no metrics.jsonl or config.yaml)", dir);
+        kiln_fail_hint(KILN_EXIT_USAGE, "a run directory holds config.yaml and metrics.jsonl (run.dir of the config)",
+                       "%s: not a run directory (no metrics.jsonl or config.yaml)", dir);
     }
     if (!text) return;
     for (char *l = text, *end = text + len; l < end;) {

@@ -113,13 +113,16 @@ int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char
             char change[1200];
             snprintf(change, sizeof change, "'%s': %s -> %s", key, old ? old : "(absent)", now ? now : "(absent)");
             if (p == KEY_NEVER) {
-                kiln_hint("resume with the checkpoint's value, or start a new run (init.from=%s loads its weights only)",
-                          ckpt_dir);
-                kiln_fail(KILN_EXIT_USAGE, "%s: cannot resume with a changed key %s (%s)", ckpt_dir, change, why);
+                char hint[1200];
+                snprintf(hint, sizeof hint,
+                         "resume with the checkpoint's value, or start a new run (init.from=%s loads its weights only)",
+                         ckpt_dir);
+                kiln_fail_hint(KILN_EXIT_USAGE, hint, "%s: cannot resume with a changed key %s (%s)", ckpt_dir, change, why);
             }
             if (p == KEY_FORCE && !force) {
-                kiln_hint("--force accepts this change (%s)", why);
-                kiln_fail(KILN_EXIT_USAGE, "%s: cannot resume with a changed key %s", ckpt_dir, change);
+                char hint[512];
+                snprintf(hint, sizeof hint, "--force accepts this change (%s)", why);
+                kiln_fail_hint(KILN_EXIT_USAGE, hint, "%s: cannot resume with a changed key %s", ckpt_dir, change);
             }
             if (p == KEY_FORCE) {
                 kiln_warn("resume: --force: key %s (%s)", change, why);
@@ -154,8 +157,9 @@ int resume_load(const char *mode, const char *root, const CkptTable *t, const ch
     *flags = 0;
     if (strcmp(mode, "auto") != 0) {
         if (!ckpt_is_checkpoint(mode)) {
-            kiln_hint("--resume takes `auto` or a checkpoint directory such as runs/NAME/checkpoints/step_00001000");
-            kiln_fail(KILN_EXIT_USAGE, "--resume %s: not a checkpoint directory (no manifest)", mode);
+            kiln_fail_hint(KILN_EXIT_USAGE,
+                           "--resume takes `auto` or a checkpoint directory such as runs/NAME/checkpoints/step_00001000",
+                           "--resume %s: not a checkpoint directory (no manifest)", mode);
         }
         if (try_one(mode, t, new_yaml, force, info, flags, err, sizeof err) != 0)
             kiln_fail(KILN_EXIT_USAGE, "--resume %s: %s", mode, err);

@@ -29,19 +29,7 @@ struct Tokenizer {
     int byte_rank[256];  /* id of each single byte */
 };
 
-/* Error + hint + exit 2: kiln_fail exits before a hint could follow it. */
-__attribute__((noreturn, format(printf, 2, 3))) static void tok_fail(const char *hint,
-                                                                      const char *fmt, ...) {
-    char msg[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    fflush(stdout);
-    fprintf(stderr, "kiln: error: %s\n", msg);
-    if (hint) kiln_hint("%s", hint);
-    exit(KILN_EXIT_USAGE);
-}
+#define tok_fail(hint, ...) kiln_fail_hint(KILN_EXIT_USAGE, (hint), __VA_ARGS__)
 
 /* ---- hash table: token bytes -> rank ------------------------------------- */
 

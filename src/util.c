@@ -15,15 +15,26 @@
 #include <time.h>
 #include <unistd.h>
 
-void kiln_fail(int code, const char *fmt, ...) {
-    va_list ap;
+/* The one place errors are printed: the error line, an optional hint, exit. */
+__attribute__((noreturn)) static void vfail(int code, const char *hint, const char *fmt, va_list ap) {
     fflush(stdout);
     fputs("kiln: error: ", stderr);
-    va_start(ap, fmt);
     vfprintf(stderr, fmt, ap);
-    va_end(ap);
     fputc('\n', stderr);
+    if (hint) fprintf(stderr, "kiln: hint: %s\n", hint);
     exit(code);
+}
+
+void kiln_fail(int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vfail(code, NULL, fmt, ap);
+}
+
+void kiln_fail_hint(int code, const char *hint, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vfail(code, hint, fmt, ap);
 }
 
 void kiln_warn(const char *fmt, ...) {

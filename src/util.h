@@ -18,6 +18,8 @@ enum {
 
 /* Print "kiln: error: <message>" on stderr and exit with `code`. */
 void kiln_fail(int code, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
+/* kiln_fail, with a "kiln: hint: <hint>" line after the error (hint may be NULL). */
+void kiln_fail_hint(int code, const char *hint, const char *fmt, ...) __attribute__((noreturn, format(printf, 3, 4)));
 /* Print "kiln: warning: <message>" on stderr. */
 void kiln_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Print "kiln: hint: <message>" on stderr (what the user should do next). */
