@@ -107,6 +107,53 @@ if ./train "$T/small.yaml" --set "init.from=$T/bad/good.bin" --set train.steps=1
     ok train_init_from_llmc
 else fail train_init_from_llmc "$(tail -n 3 "$T/out.txt") $(head -c 200 "$T/llmc/metrics.jsonl" 2>/dev/null)"; fi
 
+# An llm.c checkpoint with distinct random values lands tensor by tensor where
+# llm.c's layout says: train one step at lr 0 (parameters unchanged exactly),
+# then compare kiln's final checkpoint with the llm.c file, value for value.
+# maxT 40 > seq_len 32 also checks that only the first seq_len rows of wpe load.
+python3 - "$T/bad/random.bin" <<'EOF2'
+import random, struct, sys
+L, NH, C, T, V, Vp = 2, 2, 32, 40, 256, 256
+n = Vp*C + T*C + L*(12*C*C + 13*C) + 2*C
+random.seed(5)
+vals = [random.uniform(-1, 1) for _ in range(n)]
+hdr = [0] * 256
+hdr[:8] = [20240326, 3, T, V, L, NH, C, Vp]
+open(sys.argv[1], "wb").write(struct.pack("<256i", *hdr) + struct.pack("<%df" % n, *vals))
+EOF2
+if ./train "$T/small.yaml" --set "init.from=$T/bad/random.bin" --set train.steps=1 --set optim.lr=0 \
+    --set "run.dir=$T/llmc2" --set checkpoint.compress=0 >"$T/out.txt" 2>&1 && python3 - "$T/bad/random.bin" "$T/llmc2" <<'EOF2'
+import glob, struct, sys
+L, C, T, Tk, Vp = 2, 32, 40, 32, 256
+raw = open(sys.argv[1], "rb").read()
+f = list(struct.unpack("<%df" % ((len(raw) - 1024) // 4), raw[1024:]))
+ck = sorted(glob.glob(sys.argv[2] + "/checkpoints/step_*"))[-1]
+data = open(ck + "/rank00000.bin", "rb").read()
+got = {}
+for line in open(ck + "/manifest"):
+    if not line.startswith("entry "): continue
+    kv = dict(x.split("=", 1) for x in line.split()[1:])
+    if kv["kind"] != "tensor" or kv["name"].startswith("optim."): continue
+    off, nb = int(kv["offset"]), int(kv["bytes"])
+    got[kv["name"]] = struct.unpack("<%df" % (nb // 4), data[off:off + nb])
+# llm.c order: wte, wpe, then each kind stacked over layers, then ln_f
+want, p = {}, 0
+def take(k):
+    global p; p += k; return f[p - k:p]
+want["wte"] = take(Vp * C)
+want["wpe"] = take(T * C)[:Tk * C]
+kinds = [("ln_1.weight", C), ("ln_1.bias", C), ("attn.c_attn.weight", 3*C*C), ("attn.c_attn.bias", 3*C),
+         ("attn.c_proj.weight", C*C), ("attn.c_proj.bias", C), ("ln_2.weight", C), ("ln_2.bias", C),
+         ("mlp.c_fc.weight", 4*C*C), ("mlp.c_fc.bias", 4*C), ("mlp.c_proj.weight", 4*C*C), ("mlp.c_proj.bias", C)]
+for name, k in kinds:
+    for l in range(L): want["h.%d.%s" % (l, name)] = take(k)
+want["ln_f.weight"] = take(C); want["ln_f.bias"] = take(C)
+bad = [k for k in want if list(got.get(k, ())) != [struct.unpack("<f", struct.pack("<f", x))[0] for x in want[k]]]
+sys.exit(1 if bad or len(got) != len(want) else 0)
+EOF2
+then ok train_init_from_llmc_layout
+else fail train_init_from_llmc_layout "loaded tensors differ from llm.c's layout: $(tail -n 2 "$T/out.txt")"; fi
+
 # Bit-for-bit reproducibility: same config, seed and threads -> same metrics
 # (timings aside).
 strip() { sed -E 's/,"(tok_per_s|mfu|step_time_s|elapsed_s|eta_s|time|peak_rss_mib)":[^,}]*//g' "$1"; }
