@@ -9,13 +9,9 @@ set -u
 cd "$(dirname "$0")/.."
 T=${KILN_TEST_TMP:-$(mktemp -d)}/t_metrics
 rm -rf "$T" && mkdir -p "$T"
-ok() { echo "ok $1"; }
-fail() { echo "FAIL $1: $2"; }
-skip() { echo "skip $1: $2"; }
+. test/lib.sh
 
-head -c 60000 data/austen.txt > "$T/corpus.txt"
-./train prepare --tokenizer byte --out "$T/data" --val-fraction 0.1 "$T/corpus.txt" >/dev/null 2>"$T/err.txt" \
-    || fail metrics_prepare "$(cat "$T/err.txt")"
+small_corpus "$T/data"
 # A fixed peak keeps the start-up measurement out of most runs (one run below measures).
 cat > "$T/small.yaml" <<EOF
 run: {name: small, dir: "$T/run", seed: 7, threads: 1}

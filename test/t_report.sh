@@ -8,13 +8,9 @@ set -u
 cd "$(dirname "$0")/.."
 T=${KILN_TEST_TMP:-$(mktemp -d)}/t_report
 rm -rf "$T" && mkdir -p "$T"
-ok() { echo "ok $1"; }
-fail() { echo "FAIL $1: $2"; }
-skip() { echo "skip $1: $2"; }
+. test/lib.sh
 
-head -c 60000 data/austen.txt > "$T/corpus.txt"
-./train prepare --tokenizer byte --out "$T/data" --val-fraction 0.1 "$T/corpus.txt" >/dev/null 2>"$T/err.txt" \
-    || fail report_prepare "$(cat "$T/err.txt")"
+small_corpus "$T/data"
 cat > "$T/small.yaml" <<EOF
 run: {name: base, dir: "$T/base", seed: 7, threads: 1}
 model: {n_layer: 2, n_head: 2, n_embd: 32, seq_len: 32, vocab_size: 256}

@@ -8,17 +8,7 @@ cd "$(dirname "$0")/.."
 T=${KILN_TEST_TMP:-$(mktemp -d)}/t_train
 rm -rf "$T" && mkdir -p "$T"
 
-ok() { echo "ok $1"; }
-fail() { echo "FAIL $1: $2"; }
-# expect NAME CODE PATTERN -- CMD...: exit code and a stderr line matching PATTERN
-expect() {
-    local name=$1 code=$2 pat=$3; shift 4
-    "$@" >"$T/out.txt" 2>"$T/err.txt"
-    local rc=$?
-    if [ $rc -ne "$code" ]; then fail "$name" "exit $rc, wanted $code; stderr: $(head -c 300 "$T/err.txt")"; return; fi
-    if ! grep -qE -- "$pat" "$T/err.txt" "$T/out.txt"; then fail "$name" "no match for /$pat/ in: $(head -c 300 "$T/err.txt")"; return; fi
-    ok "$name"
-}
+. test/lib.sh
 
 expect train_help 0 'prepare' -- ./train --help
 expect train_version 0 'commit [0-9a-f]{7}.*' -- ./train --version
@@ -40,9 +30,7 @@ for pair in "flops:FLOPs per token" "gradients:gradients" "optimizer:optimizer s
 done
 
 # A small corpus: 60 KB of the bundled text, byte-level.
-head -c 60000 data/austen.txt > "$T/corpus.txt"
-./train prepare --tokenizer byte --out "$T/data" --val-fraction 0.1 "$T/corpus.txt" >/dev/null 2>"$T/err.txt" \
-    || fail train_prepare_small "$(cat "$T/err.txt")"
+small_corpus "$T/data"
 cat > "$T/small.yaml" <<EOF
 run: {name: small, dir: "$T/run", seed: 7, threads: 2}
 model: {n_layer: 2, n_head: 2, n_embd: 32, seq_len: 32, vocab_size: 256}
@@ -170,7 +158,7 @@ else fail train_resolved_config_written "$(head -c 300 "$T/run/config.yaml")"; f
 
 # It learns: 150 steps bring validation loss well under the unigram entropy
 # of the corpus (the best loss a model that ignores context can reach).
-H=$(python3 - "$T/corpus.txt" <<'EOF'
+H=$(python3 - "$T/data.txt" <<'EOF'
 import collections, math, sys
 b = open(sys.argv[1], "rb").read()
 c = collections.Counter(b); n = len(b)

@@ -1,0 +1,24 @@
+# Shared by the shell tests: result lines, `expect`, and a small prepared
+# corpus. Source it from the repo root after setting T (the test's scratch
+# directory).
+ok() { echo "ok $1"; }
+fail() { echo "FAIL $1: $2"; }
+skip() { echo "skip $1: $2"; }
+# expect NAME CODE PATTERN -- CMD...: exit code and a line of output matching PATTERN
+expect() {
+    local name=$1 code=$2 pat=$3; shift 4
+    "$@" >"$T/out.txt" 2>"$T/err.txt"
+    local rc=$?
+    if [ $rc -ne "$code" ]; then fail "$name" "exit $rc, wanted $code; stderr: $(tail -c 300 "$T/err.txt")"; return 1; fi
+    if ! grep -qE -- "$pat" "$T/err.txt" "$T/out.txt"; then fail "$name" "no match for /$pat/ in: $(tail -c 300 "$T/err.txt")"; return 1; fi
+    ok "$name"
+}
+# small_corpus DIR: the first 60 KB of the bundled text as byte-level shards
+# DIR/train_*.bin and DIR/val_*.bin (10% validation).
+small_corpus() {
+    local dir=$1
+    mkdir -p "$(dirname "$dir")"
+    head -c 60000 data/austen.txt > "$dir.txt"
+    ./train prepare --tokenizer byte --out "$dir" --val-fraction 0.1 "$dir.txt" >/dev/null 2>"$dir.err" \
+        || { fail prepare_small_corpus "$(cat "$dir.err")"; return 1; }
+}
