@@ -33,6 +33,10 @@ static const char *usage =
     "                              norm, tokens/s, MFU), runs overlaid; default RUN_DIR/report.html\n"
     "  ./train ckpt-info CKPT_DIR  print a checkpoint's manifest, verify every checksum,\n"
     "                              and print a checksum of the parameters and of all state\n"
+    "  ./train ckpt-diff A B [--tol X] [--quiet]\n"
+    "                              largest absolute difference of every tensor of two\n"
+    "                              checkpoints, whatever ranks or ZeRO stage wrote them;\n"
+    "                              exit 1 if a parameter differs by more than X\n"
     "  ./train config-doc          print the reference of every config key (docs/config.md)\n"
     "  ./train --version           version, commit, backends and libraries\n"
     "  ./train --help              this text\n"
@@ -48,6 +52,9 @@ static const char *usage =
     "                         default but well defined (data.train, batch.total_tokens)\n"
     "  --dry-run              print parameters, FLOPs per token, memory per buffer group,\n"
     "                         tokens per step and in total, then exit without training\n"
+    "\n"
+    "several ranks (data parallelism, parallel.dp / parallel.zero): scripts/launch.sh NP\n"
+    "CONFIG.yaml [flags], or srun --mpi=pmix / sbatch scripts/train.sbatch (docs/parallel.md)\n"
     "\n"
     "exit codes: 0 done, 1 runtime failure, 2 bad usage or input, 75 stopped on a signal\n"
     "(resume me). See README.md and docs/.\n";
@@ -76,6 +83,7 @@ int main(int argc, char **argv) {
     }
     if (strcmp(cmd, "prepare") == 0) return prepare_main(argc - 1, argv + 1);
     if (strcmp(cmd, "ckpt-info") == 0) return ckpt_info_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "ckpt-diff") == 0) return ckpt_diff_main(argc - 1, argv + 1);
     if (strcmp(cmd, "status") == 0) return report_status_main(argc - 1, argv + 1);
     if (strcmp(cmd, "report") == 0) return report_html_main(argc - 1, argv + 1);
     if (strcmp(cmd, "config-doc") == 0) {

@@ -174,6 +174,7 @@ static size_t cuda_memory_peak(void) {
  * NULL and the op test names it, rather than shifting every pointer. */
 extern "C" const Backend backend_cuda = {
     .name = "cuda",
+    .host_mem = 0,
     .init = cuda_init,
     .shutdown = cuda_shutdown,
     .alloc = cuda_alloc,

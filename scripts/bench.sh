@@ -9,3 +9,24 @@ echo "== GPT-2 124M shape, micro-batch 4, context 256 =="
 ./train bench configs/bench-cpu.yaml --steps "$steps" --set model.seq_len=256 --set batch.total_tokens=1024
 echo "== GPT-2 124M shape, micro-batch 4, context 64 =="
 ./train bench configs/bench-cpu.yaml --steps "$steps"
+# Data parallelism: the same shape on 2 ranks (one thread each) through
+# mpirun, real (byte-level) tokens, plain DP with 25 MB gradient buckets
+# all-reduced during the backward pass. Reported: step time and the fraction
+# of it each rank spends blocked in communication (the part not overlapped).
+if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
+    dir=$(mktemp -d)
+    trap 'rm -rf "$dir"' EXIT
+    head -c 400000 data/austen.txt > "$dir/corpus.txt"
+    ./train prepare --tokenizer byte --out "$dir/data" "$dir/corpus.txt" >/dev/null
+    for zero in 0 2; do
+        echo "== GPT-2 124M shape, 2 ranks x 1 thread, data parallel, ZeRO $zero, global batch 2 x 4 x 64 =="
+        mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 ./train configs/bench-cpu.yaml \
+            --set data.tokenizer=byte --set "data.train=$dir/data/train_*.bin" --set 'data.val=""' \
+            --set run.threads=1 --set batch.total_tokens=512 --set train.steps="$steps" --set train.sample_every=0 \
+            --set train.eval_every=0 --set checkpoint.every=0 --set checkpoint.final=false \
+            --set metrics.peak_gflops=1 --set metrics.log_every=1 --set parallel.zero=$zero \
+            --set run.dir="$dir/run$zero" 2>&1 | grep -E '^step|data parallel' | sed 's/ | MFU[^|]*//'
+    done
+else
+    echo "== data-parallel point skipped: mpirun or an MPI build of ./train not found =="
+fi

@@ -19,6 +19,9 @@
 
 typedef struct Backend {
     const char *name; /* "cpu", "cuda" */
+    /* 1 if device pointers are host memory (the CPU backend): host MPI
+     * collectives can then work on the arenas in place (data parallelism). */
+    int host_mem;
 
     /* Start-up: threads is the CPU thread count (0 = all cores). Returns a
      * one-line description (device, library versions) for logs and --version. */

@@ -14,6 +14,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -341,7 +342,7 @@ static int w_entry(CkptWriter *w, int i) {
     return 0;
 }
 
-static void w_manifest(CkptWriter *w, FILE *f, const char *file, uint64_t file_bytes) {
+static void w_manifest_head(CkptWriter *w, FILE *f) {
     const CkptMeta *m = &w->meta;
     fprintf(f, "kiln-checkpoint %d\n", CKPT_FORMAT_VERSION);
     fprintf(f, "step %" PRId64 "\n", m->step);
@@ -351,6 +352,11 @@ static void w_manifest(CkptWriter *w, FILE *f, const char *file, uint64_t file_b
     fprintf(f, "created_unix %lld\n", (long long)time(NULL));
     fprintf(f, "mesh world=%d dp=%d tp=%d pp=%d cp=%d ep=%d\n", m->mesh.world, m->mesh.dp, m->mesh.tp, m->mesh.pp,
             m->mesh.cp, m->mesh.ep);
+}
+
+/* This rank's file line and one line per piece it wrote. */
+static void w_manifest_entries(CkptWriter *w, FILE *f, const char *file, uint64_t file_bytes) {
+    const CkptMeta *m = &w->meta;
     fprintf(f, "file %s rank=%d bytes=%" PRIu64 "\n", file, m->mesh.rank, file_bytes);
     for (int i = 0; i < w->t.n; i++) {
         const CkptEntry *e = &w->t.e[i];
@@ -395,100 +401,165 @@ static void w_sweep(CkptWriter *w) {
     closedir(d);
 }
 
+/* Write `len` bytes to path (created), fsynced. 0 or -1 with werr. */
+static int w_small_file(CkptWriter *w, const char *path, const char *text, size_t len, const char *endline) {
+    w->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (w->fd < 0) {
+        werr(w, "%s: cannot create: %s", path, strerror(errno));
+        return -1;
+    }
+    int bad = w_write(w, text, len) != 0 || (endline && w_write(w, endline, strlen(endline)) != 0);
+    if (bad || fsync(w->fd) != 0 || close(w->fd) != 0) {
+        if (!bad) w->fd = -1;
+        werr(w, "%s: %s", path, strerror(errno));
+        return -1;
+    }
+    w->fd = -1;
+    return 0;
+}
+
+/* Several ranks: nonzero if any rank failed (every rank must call it the
+ * same number of times). One rank: its own status. */
+static int w_agree(CkptWriter *w, int failed) {
+    if (w->meta.mesh.world <= 1 || !w->o.agree) return failed;
+    return w->o.agree(w->o.agree_ctx, failed);
+}
+
 static int w_job(CkptWriter *w) {
     char name[64], tmp[1200], fin[1200], old[1200], path[1400];
     snprintf(name, sizeof name, "step_%08" PRId64, w->meta.step);
     snprintf(tmp, sizeof tmp, "%s/%s.tmp", w->o.root, name);
     snprintf(fin, sizeof fin, "%s/%s", w->o.root, name);
     snprintf(old, sizeof old, "%s/%s.old.tmp", w->o.root, name);
-    const char *file = "rank00000.bin";
-    char fbuf[32];
-    snprintf(fbuf, sizeof fbuf, "rank%05d.bin", w->meta.mesh.rank);
-    file = fbuf;
+    /* several ranks write one checkpoint only with an agree callback; without
+     * one each writer makes a complete checkpoint of its own pieces (tests) */
+    int rank = w->o.agree ? w->meta.mesh.rank : 0, multi = w->meta.mesh.world > 1 && w->o.agree;
+    char file[32];
+    snprintf(file, sizeof file, "rank%05d.bin", w->meta.mesh.rank);
     w->fd = -1;
-    if (kiln_mkdirs(w->o.root) != 0) {
-        werr(w, "%s: cannot create the checkpoint directory: %s", w->o.root, strerror(errno));
-        return -1;
+    int failed = 0;
+    /* 1. rank 0 makes step_N.tmp/ (sweeping leftovers of interrupted saves) */
+    if (rank == 0) {
+        if (kiln_mkdirs(w->o.root) != 0) {
+            werr(w, "%s: cannot create the checkpoint directory: %s", w->o.root, strerror(errno));
+            failed = 1;
+        } else {
+            if (!w->swept) w_sweep(w), w->swept = 1;
+            if (rm_rf(tmp) != 0 || mkdir(tmp, 0755) != 0) {
+                werr(w, "%s: cannot create: %s", tmp, strerror(errno));
+                failed = 1;
+            }
+        }
     }
-    if (!w->swept) w_sweep(w), w->swept = 1;
-    if (rm_rf(tmp) != 0 || mkdir(tmp, 0755) != 0) {
-        werr(w, "%s: cannot create: %s", tmp, strerror(errno));
+    if (w_agree(w, failed)) {
+        if (!failed) werr(w, "another rank failed to prepare %s", tmp);
         goto err;
     }
+    /* 2. every rank: its data file, fsynced before any manifest names it */
     snprintf(path, sizeof path, "%s/%s", tmp, file);
     w->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     w->pos = 0;
     if (w->fd < 0) {
         werr(w, "%s: cannot create: %s", path, strerror(errno));
-        goto err;
+        failed = 1;
     }
-    for (int i = 0; i < w->t.n; i++)
+    for (int i = 0; i < w->t.n && !failed; i++)
         if (w_entry(w, i) != 0) {
             werr(w, "%s: writing entry '%s': %s", path, w->t.e[i].name, strerror(errno));
-            goto err;
+            failed = 1;
         }
-    /* fsync before the manifest names the file: a manifest must never
-     * describe bytes that are not on disk */
-    if (fsync(w->fd) != 0 || close(w->fd) != 0) {
+    if (!failed) {
+        int rc = fsync(w->fd);
+        if (close(w->fd) != 0) rc = -1;
         w->fd = -1;
-        werr(w, "%s: fsync/close: %s", path, strerror(errno));
-        goto err;
+        if (rc != 0) {
+            werr(w, "%s: fsync/close: %s", path, strerror(errno));
+            failed = 1;
+        }
     }
-    w->fd = -1;
+    uint64_t file_bytes = w->pos;
     char *text = NULL;
     size_t len = 0;
     FILE *mf = open_memstream(&text, &len);
-    w_manifest(w, mf, file, w->pos);
+    if (!multi) w_manifest_head(w, mf);
+    w_manifest_entries(w, mf, file, file_bytes);
     fclose(mf);
-    char endline[64];
-    snprintf(endline, sizeof endline, "end crc32c=%08x\n", ckpt_crc32c(0, text, len));
-    snprintf(path, sizeof path, "%s/%s", tmp, CKPT_MANIFEST);
-    w->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (w->fd < 0) {
+    if (multi && !failed) {
+        /* this rank's part of the manifest, for rank 0 to merge */
+        snprintf(path, sizeof path, "%s/manifest.rank%05d", tmp, rank);
+        if (w_small_file(w, path, text, len, NULL) != 0) failed = 1;
+    }
+    if (w_agree(w, failed)) {
+        if (!failed) werr(w, "another rank failed to write its part of %s", tmp);
         free(text);
-        werr(w, "%s: cannot create: %s", path, strerror(errno));
         goto err;
     }
-    int bad = w_write(w, text, len) != 0 || w_write(w, endline, strlen(endline)) != 0;
+    /* 3. rank 0: the merged manifest, then the rename that completes it */
+    if (rank == 0) {
+        if (multi) {
+            free(text);
+            text = NULL, len = 0;
+            mf = open_memstream(&text, &len);
+            w_manifest_head(w, mf);
+            for (int r = 0; r < w->meta.mesh.world && !failed; r++) {
+                snprintf(path, sizeof path, "%s/manifest.rank%05d", tmp, r);
+                size_t plen;
+                char *part = kiln_read_file(path, &plen);
+                if (!part) {
+                    werr(w, "%s: cannot read: %s", path, strerror(errno));
+                    failed = 1;
+                    break;
+                }
+                fwrite(part, 1, plen, mf);
+                free(part);
+                unlink(path);
+            }
+            fclose(mf);
+        }
+        char endline[64];
+        snprintf(endline, sizeof endline, "end crc32c=%08x\n", ckpt_crc32c(0, text, len));
+        snprintf(path, sizeof path, "%s/%s", tmp, CKPT_MANIFEST);
+        if (!failed && w_small_file(w, path, text, len, endline) != 0) failed = 1;
+        if (!failed && fsync_dir(tmp) != 0) {
+            werr(w, "%s: fsync: %s", tmp, strerror(errno));
+            failed = 1;
+        }
+        /* A checkpoint of this step may exist already (a resumed run passing a
+         * step it saved before): move it aside under a .tmp name, never loaded,
+         * and delete it once the new one is in place. */
+        struct stat st;
+        int replaced = !failed && stat(fin, &st) == 0;
+        if (replaced && (rm_rf(old) != 0 || rename(fin, old) != 0)) {
+            werr(w, "%s: cannot move the old checkpoint aside: %s", fin, strerror(errno));
+            failed = 1;
+        }
+        if (!failed && (rename(tmp, fin) != 0 || fsync_dir(w->o.root) != 0)) {
+            werr(w, "%s: rename into place: %s", fin, strerror(errno));
+            failed = 1;
+        }
+        if (!failed && replaced) rm_rf(old);
+    }
     free(text);
-    if (bad || fsync(w->fd) != 0 || close(w->fd) != 0) {
-        if (!bad) w->fd = -1;
-        werr(w, "%s: %s", path, strerror(errno));
+    if (w_agree(w, failed)) {
+        if (!failed) werr(w, "rank 0 failed to complete %s", fin);
         goto err;
     }
-    w->fd = -1;
-    if (fsync_dir(tmp) != 0) {
-        werr(w, "%s: fsync: %s", tmp, strerror(errno));
-        goto err;
+    if (rank == 0) {
+        /* latest: written to latest.tmp, fsynced, renamed, directory fsynced */
+        snprintf(path, sizeof path, "%s/latest", w->o.root);
+        char line[80];
+        snprintf(line, sizeof line, "%s\n", name);
+        if (kiln_write_file_atomic(path, line, strlen(line)) != 0 || fsync_dir(w->o.root) != 0) {
+            werr(w, "%s: %s (the checkpoint %s itself is complete)", path, strerror(errno), fin);
+            return -1;
+        }
+        w_prune(w);
     }
-    /* A checkpoint of this step may exist already (a resumed run passing a
-     * step it saved before): move it aside under a .tmp name, never loaded,
-     * and delete it once the new one is in place. */
-    struct stat st;
-    int replaced = stat(fin, &st) == 0;
-    if (replaced && (rm_rf(old) != 0 || rename(fin, old) != 0)) {
-        werr(w, "%s: cannot move the old checkpoint aside: %s", fin, strerror(errno));
-        goto err;
-    }
-    if (rename(tmp, fin) != 0 || fsync_dir(w->o.root) != 0) {
-        werr(w, "%s: rename into place: %s", fin, strerror(errno));
-        goto err;
-    }
-    if (replaced) rm_rf(old);
-    /* latest: written to latest.tmp, fsynced, renamed, directory fsynced */
-    snprintf(path, sizeof path, "%s/latest", w->o.root);
-    char line[80];
-    snprintf(line, sizeof line, "%s\n", name);
-    if (kiln_write_file_atomic(path, line, strlen(line)) != 0 || fsync_dir(w->o.root) != 0) {
-        werr(w, "%s: %s (the checkpoint %s itself is complete)", path, strerror(errno), fin);
-        return -1;
-    }
-    w_prune(w);
     return 0;
 err:
     if (w->fd >= 0) close(w->fd);
     w->fd = -1;
-    rm_rf(tmp);
+    if (rank == 0) rm_rf(tmp);
     return -1;
 }
 
@@ -511,7 +582,7 @@ int ckpt_save(CkptWriter *w, const CkptMeta *meta) {
     w->meta = *meta;
     kiln_strlcpy(w->version, meta->version ? meta->version : "unknown", sizeof w->version);
     kiln_strlcpy(w->commit, meta->commit ? meta->commit : "unknown", sizeof w->commit);
-    if (!w->o.async) return w_job(w);
+    if (!w->o.async || (meta->mesh.world > 1 && w->o.agree)) return w_job(w); /* several ranks: collective, main thread */
     for (int i = 0; i < w->t.n; i++) {
         const CkptEntry *e = &w->t.e[i];
         size_t n = ckpt_entry_bytes(e);
@@ -796,8 +867,9 @@ int ckpt_load(const char *dir, const CkptTable *t, CkptInfo *info, char *err, si
                      dtype_names[p->dtype], a, dtype_names[e->dtype], b);
                 goto out;
             }
-            /* blobs are per rank: rank r reads its own (today rank 0's) */
-            if (e->kind == CKPT_BLOB && p->rank != 0) continue;
+            /* a blob is written once (per-rank state has per-rank names): the
+             * first piece of the name is it */
+            if (e->kind == CKPT_BLOB && covered > 0) continue;
             uint64_t lo = p->lo > e->lo ? p->lo : e->lo, hi = p->hi < e->hi ? p->hi : e->hi;
             if (lo >= hi && !(e->lo == e->hi && p->lo == p->hi)) continue;
             if (p->bytes > piece_cap) piece_cap = p->bytes, piece = xrealloc(piece, piece_cap);
@@ -906,4 +978,64 @@ int ckpt_info_main(int argc, char **argv) {
     if (bad) kiln_fail(KILN_EXIT_USAGE, "%s: %d entr%s failed verification", dir, bad, bad == 1 ? "y" : "ies");
     printf("verified\n");
     return KILN_EXIT_OK;
+}
+
+/* ---------- ./train ckpt-diff ---------- */
+
+/* Every f32 tensor of checkpoint A, whole, from A and from B (each assembled
+ * from whatever pieces and ranks wrote it): the largest absolute difference
+ * per tensor, then over the parameters and over the optimizer state. Exit 0
+ * when both load; with --tol X, exit 1 if a parameter differs by more. */
+int ckpt_diff_main(int argc, char **argv) {
+    const char *a = NULL, *b = NULL;
+    double tol = -1;
+    int quiet = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--tol") && i + 1 < argc) tol = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--quiet")) quiet = 1;
+        else if (!a) a = argv[i];
+        else if (!b) b = argv[i];
+        else a = NULL, i = argc;
+    }
+    if (!a || !b) kiln_fail(KILN_EXIT_USAGE, "usage: ./train ckpt-diff CKPT_A CKPT_B [--tol X] [--quiet]");
+    char err[2048] = "";
+    Manifest m;
+    if (man_read(a, &m, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
+    CkptTable ta, tb;
+    ckpt_table_init(&ta);
+    ckpt_table_init(&tb);
+    for (int j = 0; j < m.n; j++) {
+        const MEntry *e = &m.e[j];
+        if (e->kind != CKPT_TENSOR || e->dtype != CKPT_F32) continue;
+        int seen = 0;
+        for (int k = 0; k < ta.n && !seen; k++) seen = !strcmp(ta.e[k].name, e->name);
+        if (seen) continue;
+        uint64_t numel = 1;
+        for (int d = 0; d < e->ndim; d++) numel *= (uint64_t)e->shape[d];
+        ckpt_add_tensor(&ta, e->name, CKPT_F32, e->ndim, e->shape, 0, numel, xcalloc(numel + 1, 4), NULL, NULL);
+        ckpt_add_tensor(&tb, e->name, CKPT_F32, e->ndim, e->shape, 0, numel, xcalloc(numel + 1, 4), NULL, NULL);
+    }
+    man_free(&m);
+    if (ckpt_load(a, &ta, NULL, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
+    if (ckpt_load(b, &tb, NULL, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
+    double pmax = 0, omax = 0;
+    const char *pworst = "-";
+    for (int k = 0; k < ta.n; k++) {
+        const float *x = ta.e[k].ptr, *y = tb.e[k].ptr;
+        double mx = 0;
+        for (uint64_t i = 0; i < ta.e[k].hi; i++) {
+            double dd = fabs((double)x[i] - (double)y[i]);
+            if (!(dd <= mx)) mx = dd; /* NaN wins */
+        }
+        if (!quiet) printf("  %-40s max abs diff %.3g\n", ta.e[k].name, mx);
+        int opt = !strncmp(ta.e[k].name, "optim.", 6);
+        if (opt && !(mx <= omax)) omax = mx;
+        if (!opt && !(mx <= pmax)) pmax = mx, pworst = ta.e[k].name;
+    }
+    printf("params max abs diff %.3g (%s) | optimizer state max abs diff %.3g\n", pmax, pworst, omax);
+    int bad = tol >= 0 && !(pmax <= tol);
+    for (int k = 0; k < ta.n; k++) free(ta.e[k].ptr), free(tb.e[k].ptr);
+    ckpt_table_free(&ta);
+    ckpt_table_free(&tb);
+    return bad ? KILN_EXIT_RUNTIME : KILN_EXIT_OK;
 }

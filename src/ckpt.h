@@ -55,6 +55,14 @@ typedef struct CkptOptions {
     int keep_every;   /* milestones: step % keep_every == 0 never deleted; 0 = none */
     int async;        /* stage into a host buffer, write from a thread */
     int compress;     /* zstd level, 0 = none */
+    /* Several ranks writing one checkpoint (meta->mesh.world > 1; writes are
+     * then synchronous): agree(ctx, failed) is a collective over every rank
+     * that returns nonzero if any rank passed failed != 0. ckpt stays free of
+     * comm; state.c passes an all-reduce. Rank 0 owns the directory: it
+     * creates step_N.tmp/, merges every rank's part of the manifest, renames
+     * and updates `latest`; each rank writes its own rankNNNNN.bin. */
+    int (*agree)(void *ctx, int failed);
+    void *agree_ctx;
 } CkptOptions;
 
 /* ---- the table ---- */
@@ -114,6 +122,9 @@ void ckpt_list_free(char **paths, int64_t *steps, int n);
 
 /* ./train ckpt-info DIR: the manifest, every entry verified, its checksum. */
 int ckpt_info_main(int argc, char **argv);
+/* ./train ckpt-diff A B [--tol X]: largest absolute difference of every f32
+ * tensor, each assembled whole from any layout; exit 1 past --tol. */
+int ckpt_diff_main(int argc, char **argv);
 
 /* CRC32C (Castagnoli) of data, continuing from crc (start with 0). */
 uint32_t ckpt_crc32c(uint32_t crc, const void *data, size_t n);

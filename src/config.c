@@ -90,12 +90,13 @@ static const CfgKey cfg_keys[] = {
     KINT("schedule.warmup_steps", warmup_steps, "100", 0, INF, "steps of linear warmup from 0"),
     KFLT("schedule.min_lr_ratio", min_lr_ratio, "0.1", 0, 1, "final learning rate as a fraction of `optim.lr`"),
     KFLT("schedule.decay_ratio", decay_ratio, "0.2", 0, 1, "`wsd`: fraction of the steps spent in the final decay"),
-    KINTA("parallel.dp", dp, "auto", 0, INF, "data-parallel ranks; `auto` (or 0) = all ranks (this build: at most 1)"),
-    KINT("parallel.zero", zero, "0", 0, 3, "ZeRO stage: 1 shards optimizer state, 2 + gradients, 3 + parameters (this build: 0)"),
+    KINTA("parallel.dp", dp, "auto", 0, INF, "data-parallel ranks; `auto` (or 0) = world size / (tp x pp x cp)"),
+    KINT("parallel.zero", zero, "0", 0, 3, "ZeRO stage over the dp group: 0 replicates everything, 1 shards optimizer state, 2 + gradients, 3 + parameters (this build: up to 2)"),
     KINT("parallel.tp", tp, "1", 1, INF, "tensor-parallel ranks (this build: 1)"),
     KINT("parallel.pp", pp, "1", 1, INF, "pipeline stages (this build: 1)"),
     KINT("parallel.cp", cp, "1", 1, INF, "context-parallel ranks (this build: 1)"),
     KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (this build: 1)"),
+    KFLT("parallel.timeout_s", timeout_s, "300", 0.1, 1e7, "seconds any collective may wait before the run stops naming the missing rank (env KILN_COMM_TIMEOUT_S overrides)"),
     KENUM("precision.compute", compute, "bf16", "bf16|fp32", "compute dtype on GPU; the CPU backend computes in fp32"),
     KENUM("precision.master", master, "fp32", "fp32", "dtype of master weights and optimizer state"),
     KINT("checkpoint.every", ckpt_every, "500", 0, INF, "steps between checkpoints; 0 = off (a final one is still written, see `checkpoint.final`)"),
@@ -131,7 +132,7 @@ typedef struct {
 } CfgDerived;
 static const CfgDerived cfg_derived[] = {
     {"model.padded_vocab", "`vocab_size` rounded up to a multiple of 64", offsetof(Config, padded_vocab)},
-    {"batch.grad_accum", "`total_tokens / (micro_batch*seq_len)`", offsetof(Config, grad_accum)},
+    {"batch.grad_accum", "`total_tokens / (micro_batch*seq_len)`: micro-batches per step over all ranks (each of dp ranks runs grad_accum / dp)", offsetof(Config, grad_accum)},
 };
 #define NDERIVED ((int)(sizeof(cfg_derived) / sizeof(cfg_derived[0])))
 
@@ -544,18 +545,26 @@ static const char *cfg_where_of(CfgLoad *L, const char *a, const char *b) {
 
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {
     static const struct { const char *key; size_t off; int lo, hi; } limits[] = {
-        {"parallel.dp", offsetof(Config, dp), 0, 1},  {"parallel.zero", offsetof(Config, zero), 0, 0},
-        {"parallel.tp", offsetof(Config, tp), 1, 1},  {"parallel.pp", offsetof(Config, pp), 1, 1},
-        {"parallel.cp", offsetof(Config, cp), 1, 1},  {"parallel.ep", offsetof(Config, ep), 1, 1},
+        {"parallel.zero", offsetof(Config, zero), 0, 2}, {"parallel.tp", offsetof(Config, tp), 1, 1},
+        {"parallel.pp", offsetof(Config, pp), 1, 1},     {"parallel.cp", offsetof(Config, cp), 1, 1},
+        {"parallel.ep", offsetof(Config, ep), 1, 1},
     };
     for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++) {
         int v = *(const int *)((const char *)c + limits[i].off);
         if (v < limits[i].lo || v > limits[i].hi) {
-            const char *only = limits[i].hi == 0 ? "0" : limits[i].lo == 0 ? "auto, 0 or 1" : "1";
-            kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': only %s is supported in this build, got %d",
-                      cfg_where_of(L, limits[i].key, NULL), limits[i].key, only, v);
+            const char *only = limits[i].hi == 2 ? "0, 1 or 2" : "1";
+            kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': only %s is supported in this build, got %d (%s is not implemented yet)",
+                      cfg_where_of(L, limits[i].key, NULL), limits[i].key, only, v,
+                      limits[i].hi == 2 ? "ZeRO-3 / FSDP" : "this kind of parallelism");
         }
     }
+    /* the global batch splits evenly over the dp ranks (auto is checked at launch) */
+    if (c->dp > 0 && c->grad_accum % c->dp)
+        kiln_fail(KILN_EXIT_USAGE,
+                  "%s: key 'batch.total_tokens': %lld tokens are %d micro-batches of %d x %d, which do not split "
+                  "evenly over parallel.dp = %d ranks; make total_tokens a multiple of micro_batch*seq_len*dp = %lld",
+                  cfg_where_of(L, "batch.total_tokens", "parallel.dp"), (long long)c->total_tokens, c->grad_accum,
+                  c->micro_batch, c->seq_len, c->dp, (long long)c->micro_batch * c->seq_len * c->dp);
 }
 
 static void cfg_check_batch(Config *c, CfgLoad *L) {

@@ -53,9 +53,10 @@ typedef struct Config {
     float min_lr_ratio;
     float decay_ratio; /* wsd: fraction of steps spent in the final decay */
 
-    /* parallel (single rank for now; the keys are reserved and validated) */
+    /* parallel: dp and ZeRO 0-2 are implemented; tp/pp/cp/ep are reserved (1) */
     int dp; /* 0 = auto */
     int zero, tp, pp, cp, ep;
+    float timeout_s; /* parallel.timeout_s: deadline of every collective */
 
     /* precision */
     char compute[8]; /* bf16 | fp32 (the CPU backend always computes in fp32) */

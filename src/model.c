@@ -103,6 +103,7 @@ void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embe
         if (pass == 1) m->num_decay = off;
     }
     m->num_params = off;
+    m->arena_len = off;
     m->param_mem = be->alloc(off * sizeof(float));
     m->grad_mem = be->alloc(off * sizeof(float));
     m->p.layer = xcalloc((size_t)L, sizeof(LayerParams));
@@ -125,6 +126,19 @@ void model_free(Model *m) {
     free(m->acts);
     free(m->losses_host);
     memset(m, 0, sizeof *m);
+}
+
+void model_pad_arenas(Model *m, size_t n) {
+    if (n <= m->arena_len) return;
+    const Backend *be = m->be;
+    float *p = be->alloc(n * sizeof(float)), *g = be->alloc(n * sizeof(float));
+    be->copy(p, m->param_mem, m->arena_len * sizeof(float));
+    be->copy(g, m->grad_mem, m->arena_len * sizeof(float));
+    be->free(m->param_mem);
+    be->free(m->grad_mem);
+    m->param_mem = p, m->grad_mem = g, m->arena_len = n;
+    bind_views(m, m->param_mem, &m->p);
+    bind_views(m, m->grad_mem, &m->g);
 }
 
 static int ends_with(const char *s, const char *suffix) {
@@ -315,8 +329,10 @@ void model_backward(Model *m, int accumulate) {
         be->matmul_backward(dln, gw->qkvw, gw->qkvb, dqkv, a->ln1, w->qkvw, N, C, 3 * C, accumulate);
         be->layernorm_backward(dresidual, gw->ln1w, gw->ln1b, dln, x_in, w->ln1w, a->ln1_mean, a->ln1_rstd, N, C,
                                accumulate);
+        if (m->hook) m->hook(m->hook_ctx, l);
     }
     be->embed_backward(m->g.wte, m->g.wpe, dresidual, m->tokens_dev, B, T, C, accumulate);
+    if (m->hook) m->hook(m->hook_ctx, -1);
     m->have_targets = 0;
 }
 

@@ -67,6 +67,12 @@ typedef struct LayerActs {
     float *res3;            /* (N,C) residual after the MLP = next layer's input */
 } LayerActs;
 
+/* Called by model_backward once gradients are complete for layer `layer` and
+ * every later one (and ln_f): with layer = n_layer-1 down to 0, then -1 once
+ * the embeddings' are too. Lets the caller start reducing gradients while the
+ * backward pass goes on; model.c itself never communicates. */
+typedef void (*ModelBackwardHook)(void *ctx, int layer);
+
 typedef struct Model {
     ModelShape shape;
     const Backend *be;
@@ -76,8 +82,11 @@ typedef struct Model {
     size_t num_params;
     size_t num_decay;  /* arena elements [0, num_decay) are decayed */
 
-    float *param_mem; /* device (num_params) */
-    float *grad_mem;  /* device (num_params) */
+    float *param_mem; /* device (arena_len >= num_params; zeros past num_params) */
+    float *grad_mem;  /* device (arena_len) */
+    size_t arena_len; /* num_params, or more after model_pad_arenas (ZeRO's equal blocks) */
+    ModelBackwardHook hook; /* NULL: none (see ModelBackwardHook) */
+    void *hook_ctx;
     ParamViews p, g;
 
     /* Activations, planned for micro-batch B x T (model_plan_activations). */
@@ -103,6 +112,9 @@ void model_shape_resolve(ModelShape *s);
 /* Build the parameter table and allocate the parameter and gradient arenas. */
 void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings);
 void model_free(Model *m);
+/* Grow both arenas to n >= num_params floats (zero padding at the end), so a
+ * flat arena splits into equal ZeRO blocks. Keeps the parameter values. */
+void model_pad_arenas(Model *m, size_t n);
 
 /* GPT-2 initialisation: N(0, 0.02) weights and embeddings, residual
  * projections (attn.c_proj, mlp.c_proj weights) scaled by 1/sqrt(2*n_layer),

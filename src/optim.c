@@ -41,7 +41,14 @@ float optim_lr(const Schedule *s, int step) {
 
 void optim_init(AdamW *o, const Backend *be, size_t n, size_t n_decay, float beta1, float beta2, float eps,
                 float weight_decay, float grad_clip) {
+    optim_init_shard(o, be, n, n_decay, 0, n, beta1, beta2, eps, weight_decay, grad_clip);
+}
+
+void optim_init_shard(AdamW *o, const Backend *be, size_t n, size_t n_decay, size_t lo, size_t hi, float beta1,
+                      float beta2, float eps, float weight_decay, float grad_clip) {
     memset(o, 0, sizeof *o);
+    o->lo = lo;
+    o->hi = hi;
     o->be = be;
     o->n = n;
     o->n_decay = n_decay;
@@ -50,8 +57,9 @@ void optim_init(AdamW *o, const Backend *be, size_t n, size_t n_decay, float bet
     o->eps = eps;
     o->weight_decay = weight_decay;
     o->grad_clip = grad_clip;
-    o->m = be->alloc(n * sizeof(float));
-    o->v = be->alloc(n * sizeof(float));
+    /* at least one float: a rank whose shard is empty still has valid pointers */
+    o->m = be->alloc((hi - lo + 1) * sizeof(float));
+    o->v = be->alloc((hi - lo + 1) * sizeof(float));
 }
 
 void optim_free(AdamW *o) {
@@ -63,8 +71,12 @@ void optim_free(AdamW *o) {
 }
 
 OptimStepInfo optim_step(AdamW *o, float *params, const float *grads, float lr) {
+    return optim_step_norm(o, params + o->lo, grads + o->lo, lr, sqrt(o->be->sumsq(grads, o->n)));
+}
+
+OptimStepInfo optim_step_norm(AdamW *o, float *params, const float *grads, float lr, double grad_norm) {
     OptimStepInfo info = {0};
-    info.grad_norm = sqrt(o->be->sumsq(grads, o->n));
+    info.grad_norm = grad_norm;
     info.grad_scale = 1.0f;
     if (!isfinite(info.grad_norm)) {
         info.nonfinite = 1;
@@ -78,9 +90,15 @@ OptimStepInfo optim_step(AdamW *o, float *params, const float *grads, float lr) 
     }
     o->t++;
     const Backend *be = o->be;
-    be->adamw_update(params, grads, o->m, o->v, o->n_decay, lr, o->beta1, o->beta2, o->eps, o->weight_decay,
-                     info.grad_scale, o->t);
-    be->adamw_update(params + o->n_decay, grads + o->n_decay, o->m + o->n_decay, o->v + o->n_decay,
-                     o->n - o->n_decay, lr, o->beta1, o->beta2, o->eps, 0.0f, info.grad_scale, o->t);
+    size_t n = o->hi - o->lo;
+    /* decayed elements of the range: [lo, min(hi, n_decay)) */
+    size_t d = o->n_decay > o->lo ? o->n_decay - o->lo : 0;
+    if (d > n) d = n;
+    if (d > 0)
+        be->adamw_update(params, grads, o->m, o->v, d, lr, o->beta1, o->beta2, o->eps, o->weight_decay,
+                         info.grad_scale, o->t);
+    if (n > d)
+        be->adamw_update(params + d, grads + d, o->m + d, o->v + d, n - d, lr, o->beta1, o->beta2, o->eps, 0.0f,
+                         info.grad_scale, o->t);
     return info;
 }

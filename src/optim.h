@@ -27,9 +27,10 @@ float optim_lr(const Schedule *s, int step);
 
 typedef struct AdamW {
     const Backend *be;
-    float *m, *v;      /* device (n): first and second moments */
-    size_t n;          /* parameters */
+    float *m, *v;      /* device (hi - lo): moments of arena elements [lo, hi) */
+    size_t n;          /* parameters (the whole arena) */
     size_t n_decay;    /* [0, n_decay) get weight decay */
+    size_t lo, hi;     /* the elements this rank updates: [0, n), or its ZeRO shard */
     float beta1, beta2, eps, weight_decay, grad_clip;
     int t;             /* optimizer steps taken */
 } AdamW;
@@ -42,10 +43,18 @@ typedef struct OptimStepInfo {
 
 void optim_init(AdamW *o, const Backend *be, size_t n, size_t n_decay, float beta1, float beta2, float eps,
                 float weight_decay, float grad_clip);
+/* ZeRO-1/2: state and updates for arena elements [lo, hi) only. */
+void optim_init_shard(AdamW *o, const Backend *be, size_t n, size_t n_decay, size_t lo, size_t hi, float beta1,
+                      float beta2, float eps, float weight_decay, float grad_clip);
 void optim_free(AdamW *o);
 
 /* One step: norm of grads, clip, update params in place with `lr`. A
  * non-finite gradient norm leaves params and state untouched. */
 OptimStepInfo optim_step(AdamW *o, float *params, const float *grads, float lr);
+/* The same with the global gradient norm computed by the caller (data
+ * parallelism: from every rank's shard). params and grads point at arena
+ * element o->lo (grads may be a shard buffer); hi - lo elements are updated,
+ * the weight-decay boundary clipped into the range. */
+OptimStepInfo optim_step_norm(AdamW *o, float *params, const float *grads, float lr, double grad_norm);
 
 #endif

@@ -34,6 +34,7 @@ static const struct {
     {"run.threads", KEY_NOTE, "floating-point sums are split differently"},
     {"device", KEY_NOTE, "another backend rounds differently"},
     {"precision.*", KEY_NOTE, "another precision rounds differently"},
+    {"parallel.timeout_s", KEY_ALLOW, NULL},
     {"parallel.*", KEY_NOTE, "the state is resharded onto the new mesh"},
     {"run.name", KEY_ALLOW, NULL},
     {"run.dir", KEY_ALLOW, NULL},
@@ -151,36 +152,47 @@ static int try_one(const char *dir, const CkptTable *t, const char *new_yaml, in
     return ckpt_load(dir, t, info, err, cap);
 }
 
+static int agree(const ResumeSync *sync, int failed) { return sync ? sync->agree(sync->ctx, failed) : failed; }
+
 int resume_load(const char *mode, const char *root, const CkptTable *t, const char *new_yaml, int force,
-                CkptInfo *info, char *path, size_t cap, int *flags) {
+                CkptInfo *info, char *path, size_t cap, int *flags, const ResumeSync *sync) {
     char err[2048] = "";
     *flags = 0;
+    int rank = sync ? sync->rank : 0;
     if (strcmp(mode, "auto") != 0) {
         if (!ckpt_is_checkpoint(mode)) {
-            kiln_fail_hint(KILN_EXIT_USAGE,
-                           "--resume takes `auto` or a checkpoint directory such as runs/NAME/checkpoints/step_00001000",
-                           "--resume %s: not a checkpoint directory (no manifest)", mode);
+            kiln_hint("--resume takes `auto` or a checkpoint directory such as runs/NAME/checkpoints/step_00001000");
+            kiln_fail(KILN_EXIT_USAGE, "--resume %s: not a checkpoint directory (no manifest)", mode);
         }
-        if (try_one(mode, t, new_yaml, force, info, flags, err, sizeof err) != 0)
-            kiln_fail(KILN_EXIT_USAGE, "--resume %s: %s", mode, err);
+        int failed = try_one(mode, t, new_yaml, force, info, flags, err, sizeof err) != 0;
+        if (agree(sync, failed))
+            kiln_fail(KILN_EXIT_USAGE, "--resume %s: %s", mode, failed ? err : "loading failed on another rank");
         kiln_strlcpy(path, mode, cap);
         return 1;
     }
-    char **paths;
-    int64_t *steps;
-    int n = ckpt_list(root, &paths, &steps), loaded = 0, dirty = 0;
-    for (int i = 0; i < n && !loaded; i++) {
+    char **paths = NULL;
+    int64_t *steps = NULL;
+    int n = rank == 0 ? ckpt_list(root, &paths, &steps) : 0, loaded = 0, dirty = 0;
+    /* rank 0 names each candidate in turn ("" = no more), newest first */
+    char cand[1200];
+    for (int i = 0; !loaded; i++) {
+        memset(cand, 0, sizeof cand);
+        if (rank == 0 && i < n) kiln_strlcpy(cand, paths[i], sizeof cand);
+        if (sync) sync->bcast(sync->ctx, cand, sizeof cand);
+        if (!cand[0]) break;
         err[0] = 0;
-        if (try_one(paths[i], t, new_yaml, force, info, flags, err, sizeof err) == 0) {
-            kiln_strlcpy(path, paths[i], cap);
+        int failed = try_one(cand, t, new_yaml, force, info, flags, err, sizeof err) != 0;
+        if (!agree(sync, failed)) {
+            kiln_strlcpy(path, cand, cap);
             loaded = 1;
         } else {
             dirty = 1;
-            kiln_warn("--resume auto: skipping %s: %s", paths[i], err);
+            if (failed) kiln_warn("--resume auto: skipping %s: %s", cand, err);
+            else if (rank == 0) kiln_warn("--resume auto: skipping %s: another rank could not load its part", cand);
         }
     }
-    ckpt_list_free(paths, steps, n);
+    if (rank == 0) ckpt_list_free(paths, steps, n);
     if (dirty) *flags |= RESUME_DIRTY;
-    if (!loaded) printf("resume: no complete checkpoint under %s; starting fresh\n", root);
+    if (!loaded && rank == 0) printf("resume: no complete checkpoint under %s; starting fresh\n", root);
     return loaded;
 }

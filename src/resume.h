@@ -19,11 +19,23 @@ enum {
  * "Checkpoints and resuming"). Returns RESUME_* flags. */
 int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char *new_yaml, int force);
 
+/* Several ranks resuming together (NULL: one rank): agree(ctx, failed) is a
+ * collective returning nonzero if any rank failed; bcast(ctx, buf, n) sends
+ * rank 0's buffer to every rank. Rank 0 picks each candidate checkpoint and
+ * every rank tries to load its part of it; one that fails anywhere is skipped
+ * everywhere, so all ranks resume from the same step. */
+typedef struct ResumeSync {
+    int rank;
+    int (*agree)(void *ctx, int failed);
+    void (*bcast)(void *ctx, void *buf, size_t n);
+    void *ctx;
+} ResumeSync;
+
 /* mode "auto": the newest complete checkpoint under `root` whose checksums
  * verify, skipping (and naming) corrupt ones; none -> 0 (start fresh).
  * Otherwise mode is a checkpoint directory; any failure exits 2.
  * On success fills the table's memory, *info and path, and returns 1. */
 int resume_load(const char *mode, const char *root, const CkptTable *t, const char *new_yaml, int force,
-                CkptInfo *info, char *path, size_t cap, int *flags);
+                CkptInfo *info, char *path, size_t cap, int *flags, const ResumeSync *sync);
 
 #endif

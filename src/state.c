@@ -2,7 +2,14 @@
  * Names in the table: parameters by their model names ("wte", "h.0.ln_1.weight"),
  * AdamW moments as "optim.m/<name>" and "optim.v/<name>", and blobs
  * "optim.step", "train.step", "train.tokens", "train.elapsed_s",
- * "data.train.pos", "rng.train", "config.yaml". docs/formats.md. */
+ * "data.train.pos", "rng.train" (rank 0; rank r > 0: "rng.train/rank<r>"),
+ * "config.yaml". docs/formats.md.
+ *
+ * Several ranks: replicated state (parameters, blobs; optimizer state without
+ * ZeRO) is written by rank 0 only; a ZeRO-sharded optimizer state is written
+ * by every rank for the arena range it owns, cut at tensor boundaries into
+ * per-tensor ranges. On resume every rank asks for the ranges it needs, so the
+ * checkpoint loads on any number of ranks and any ZeRO stage. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -13,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "metrics.h"
 #include "resume.h"
 #include "stop.h"
 
@@ -24,6 +32,23 @@ static void add_params(CkptTable *t, Model *m, float *base, const char *prefix) 
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
         int64_t shape[2] = {p->shape[0], p->shape[1]};
         ckpt_add_tensor(t, name, CKPT_F32, p->ndim, shape, 0, p->numel, base + p->offset, be->to_host,
+                        be->to_device);
+    }
+}
+
+/* The part of every tensor inside arena range [lo, hi), stored at base
+ * (which holds arena elements from lo on): one entry per tensor that
+ * overlaps, with its tensor-local flat range. */
+static void add_range(CkptTable *t, Model *m, float *base, size_t lo, size_t hi, const char *prefix) {
+    const Backend *be = m->be;
+    for (int i = 0; i < m->num_tensors; i++) {
+        const ParamInfo *p = &m->params[i];
+        size_t a = p->offset > lo ? p->offset : lo, b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
+        if (a >= b) continue;
+        char name[CKPT_NAME];
+        snprintf(name, sizeof name, "%s%s", prefix, p->name);
+        int64_t shape[2] = {p->shape[0], p->shape[1]};
+        ckpt_add_tensor(t, name, CKPT_F32, p->ndim, shape, a - p->offset, b - p->offset, base + (a - lo), be->to_host,
                         be->to_device);
     }
 }
@@ -59,36 +84,68 @@ static void state_fresh(RunState *s, int dirty) {
     if (dirty) {
         if (!c->init_from[0]) model_init_weights(s->m, c->seed);
         else if (!state_init_from(s->m, c->init_from)) model_load_llmc(s->m, c->init_from);
-        s->o->be->zero(s->o->m, s->o->n * sizeof(float));
-        s->o->be->zero(s->o->v, s->o->n * sizeof(float));
+        s->o->be->zero(s->o->m, (s->o->hi - s->o->lo) * sizeof(float));
+        s->o->be->zero(s->o->v, (s->o->hi - s->o->lo) * sizeof(float));
         s->o->t = 0;
         DataPos zero = {0, 0};
         data_set_pos(s->train, zero);
     }
     /* nothing draws from this stream yet; it is saved and restored so that
      * stochastic ops (dropout, ...) inherit exact resumption for free */
-    rng_seed(&s->rng, c->seed ^ 0x7261696e2e726e67ULL);
+    rng_seed(&s->rng, c->seed ^ 0x7261696e2e726e67ULL ^ (0x9e3779b97f4a7c15ULL * (uint64_t)s->mesh.rank));
     s->step = s->tokens = s->optim_t = 0;
     s->elapsed_base = 0;
 }
 
-int state_open(RunState *s, const Config *c, const char *resume, int force, const char *commit, Model *m, AdamW *o,
-               DataLoader *train) {
+/* Collectives for ckpt and resume (ctx = the world group). */
+static int state_agree(void *ctx, int failed) {
+    double f = failed ? 1 : 0;
+    comm_all_reduce_max_f64(ctx, &f, 1);
+    return f > 0;
+}
+static void state_bcast(void *ctx, void *buf, size_t n) { comm_broadcast_bytes(ctx, buf, n, 0); }
+
+int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *resume, int force, const char *commit,
+               Model *m, AdamW *o, DataLoader *train) {
     memset(s, 0, sizeof *s);
     s->c = c, s->m = m, s->o = o, s->train = train, s->commit = commit;
+    s->mesh = *mesh;
+    if (s->mesh.world <= 1) s->mesh.g = NULL;
+    int rank = s->mesh.rank, multi = s->mesh.g != NULL;
     s->last_saved = -1;
     s->config_text = resolved_text(c);
+    char rng_name[CKPT_NAME];
+    snprintf(rng_name, sizeof rng_name, rank == 0 ? "rng.train" : "rng.train/rank%d", rank);
+    /* what this rank loads: the whole parameters, its optimizer range, the
+     * run's blobs (rank 0's) and rank 0's RNG (other ranks read theirs below) */
     CkptTable *t = &s->table;
     ckpt_table_init(t);
     add_params(t, m, m->param_mem, "");
-    add_params(t, m, o->m, "optim.m/");
-    add_params(t, m, o->v, "optim.v/");
+    add_range(t, m, o->m, o->lo, o->hi, "optim.m/");
+    add_range(t, m, o->v, o->lo, o->hi, "optim.v/");
     ckpt_add_blob(t, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
     ckpt_add_blob(t, "train.step", CKPT_I64, 1, 1, &s->step);
     ckpt_add_blob(t, "train.tokens", CKPT_I64, 1, 1, &s->tokens);
     ckpt_add_blob(t, "train.elapsed_s", CKPT_F64, 1, 1, &s->elapsed_s);
     ckpt_add_blob(t, "data.train.pos", CKPT_U64, 2, 0, s->data_pos);
-    ckpt_add_blob(t, "rng.train", CKPT_U64, 4, 0, s->rng.s);
+    if (rank == 0) ckpt_add_blob(t, "rng.train", CKPT_U64, 4, 0, s->rng.s);
+    /* what this rank writes */
+    CkptTable *w = &s->save_table;
+    ckpt_table_init(w);
+    if (rank == 0) add_params(w, m, m->param_mem, "");
+    int opt_sharded = o->lo != 0 || o->hi != m->num_params;
+    if (rank == 0 || opt_sharded) {
+        add_range(w, m, o->m, o->lo, o->hi, "optim.m/");
+        add_range(w, m, o->v, o->lo, o->hi, "optim.v/");
+    }
+    if (rank == 0) {
+        ckpt_add_blob(w, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
+        ckpt_add_blob(w, "train.step", CKPT_I64, 1, 1, &s->step);
+        ckpt_add_blob(w, "train.tokens", CKPT_I64, 1, 1, &s->tokens);
+        ckpt_add_blob(w, "train.elapsed_s", CKPT_F64, 1, 1, &s->elapsed_s);
+        ckpt_add_blob(w, "data.train.pos", CKPT_U64, 2, 0, s->data_pos);
+    }
+    ckpt_add_blob(w, rng_name, CKPT_U64, 4, 0, s->rng.s);
 
     CkptOptions *op = &s->opts;
     memset(op, 0, sizeof *op);
@@ -96,11 +153,15 @@ int state_open(RunState *s, const Config *c, const char *resume, int force, cons
     else snprintf(op->root, sizeof op->root, "%s/checkpoints", c->run_dir);
     op->keep_last = c->ckpt_keep_last;
     op->keep_every = c->ckpt_keep_every;
-    op->async = c->ckpt_async;
+    /* several ranks write collectively from the main thread (MPI is
+     * initialised FUNNELED): no writer thread */
+    op->async = c->ckpt_async && !multi;
     op->compress = c->ckpt_compress;
+    op->agree = multi ? state_agree : NULL;
+    op->agree_ctx = s->mesh.g;
 
     state_fresh(s, 0);
-    if (!resume) {
+    if (!resume && rank == 0) {
         char **paths;
         int64_t *steps;
         int n = ckpt_list(op->root, &paths, &steps);
@@ -114,24 +175,40 @@ int state_open(RunState *s, const Config *c, const char *resume, int force, cons
         CkptInfo info;
         char path[1200];
         int flags = 0;
+        ResumeSync sync = {rank, state_agree, state_bcast, s->mesh.g};
         /* the saved config is not part of the loaded table: it is compared, never restored */
-        if (resume_load(resume, op->root, t, s->config_text, force, &info, path, sizeof path, &flags)) {
+        if (resume_load(resume, op->root, t, s->config_text, force, &info, path, sizeof path, &flags,
+                        multi ? &sync : NULL)) {
             o->t = (int)s->optim_t;
             DataPos pos = {s->data_pos[0], s->data_pos[1]};
             if (flags & RESUME_RESET_DATA) pos.epoch = pos.index = 0;
             data_set_pos(train, pos);
             s->elapsed_base = s->elapsed_s;
             s->last_saved = info.step;
+            if (rank > 0) {
+                /* this rank's own stream, if the checkpoint had this rank;
+                 * else (more ranks than saved) the fresh one from the seed */
+                char err[1024];
+                size_t len = 0;
+                void *blob = ckpt_read_blob(path, rng_name, &len, err, sizeof err);
+                if (blob && len == sizeof s->rng.s) memcpy(s->rng.s, blob, len);
+                free(blob);
+            }
             char **paths;
             int64_t *steps;
-            int n = ckpt_list(op->root, &paths, &steps);
+            int n = rank == 0 ? ckpt_list(op->root, &paths, &steps) : 0;
             if (n > 0 && steps[0] > info.step)
                 kiln_warn("%s holds newer checkpoints (up to step %lld) than the one resumed; they are replaced as "
                           "this run passes their steps, and until then --resume auto would pick them",
                           op->root, (long long)steps[0]);
-            ckpt_list_free(paths, steps, n);
-            printf("resumed from %s at step %lld (%lld tokens, %.1f s of training before)\n", path,
-                   (long long)s->step, (long long)s->tokens, s->elapsed_s);
+            if (rank == 0) ckpt_list_free(paths, steps, n);
+            char mesh_note[160] = "";
+            if (info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp))
+                snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (dp %d) to %d (dp %d, ZeRO %d)",
+                         info.mesh.world, info.mesh.dp, s->mesh.world, s->mesh.dp, s->mesh.zero);
+            snprintf(s->resumed_msg, sizeof s->resumed_msg,
+                     "resumed from %s at step %lld (%lld tokens, %.1f s of training before)%s", path,
+                     (long long)s->step, (long long)s->tokens, s->elapsed_s, mesh_note);
             if (s->step != info.step)
                 kiln_fail(KILN_EXIT_USAGE, "%s: manifest says step %lld but train.step holds %lld", path,
                           (long long)info.step, (long long)s->step);
@@ -140,36 +217,45 @@ int state_open(RunState *s, const Config *c, const char *resume, int force, cons
         }
     }
     /* the config blob is written but never loaded into the table */
-    ckpt_add_blob(t, "config.yaml", CKPT_U8, strlen(s->config_text), 0, s->config_text);
-    s->writer = ckpt_writer_new(t, op);
+    if (rank == 0) ckpt_add_blob(w, "config.yaml", CKPT_U8, strlen(s->config_text), 0, s->config_text);
+    s->writer = ckpt_writer_new(w, op);
     s->t_start = kiln_now();
     stop_install();
     stop_deadline_init(c->ckpt_before_limit);
-    if (s->step > c->steps)
+    if (s->step > c->steps && rank == 0)
         kiln_warn("the checkpoint is at step %lld, past train.steps = %d: nothing to train", (long long)s->step, c->steps);
     return (int)s->step;
 }
 
 static void state_save(RunState *s) {
+    if (s->mx) metrics_phase(s->mx, PHASE_CHECKPOINT, (int)s->step);
     s->optim_t = s->o->t;
     DataPos pos = data_get_pos(s->train);
     s->data_pos[0] = pos.epoch, s->data_pos[1] = pos.index;
     s->elapsed_s = s->elapsed_base + (kiln_now() - s->t_start);
-    CkptMeta meta = {s->step, s->c->hash, KILN_VERSION, s->commit, {1, 0, 1, 1, 1, 1, 1}};
+    CkptMeta meta = {s->step, s->c->hash, KILN_VERSION, s->commit,
+                     {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1, 1, 1, 1,
+                      1}};
     double t0 = kiln_now();
     if (ckpt_save(s->writer, &meta) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
                   (long long)s->step, ckpt_writer_error(s->writer));
     s->last_saved = s->step;
-    printf("checkpoint: step %lld %s %s in %.3f s\n", (long long)s->step, s->opts.async ? "staged for" : "written to",
-           s->opts.root, kiln_now() - t0);
-    fflush(stdout);
+    if (s->mx)
+        metrics_print(s->mx, "checkpoint: step %lld %s %s in %.3f s", (long long)s->step,
+                      s->opts.async ? "staged for" : "written to", s->opts.root, kiln_now() - t0);
 }
 
 int state_after_step(RunState *s, int done, int last) {
     s->step = done;
     s->tokens += s->c->total_tokens;
     int sig = stop_signal(), deadline = stop_deadline_reached();
+    if (s->mesh.g) {
+        /* every rank stops at the same step: the first signal or deadline anywhere */
+        double f[2] = {sig, deadline};
+        comm_all_reduce_max_f64(s->mesh.g, f, 2);
+        sig = (int)f[0], deadline = (int)f[1];
+    }
     int every = s->c->ckpt_every > 0 && done % s->c->ckpt_every == 0;
     if (every || (last && s->c->ckpt_final) || sig || deadline) state_save(s);
     if ((sig || deadline) && !last) {
@@ -184,10 +270,11 @@ void state_close(RunState *s) {
     if (ckpt_wait(s->writer) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
                   (long long)s->last_saved, ckpt_writer_error(s->writer));
-    if (s->opts.async && s->last_saved >= 0 && kiln_now() - t0 > 0.01)
-        printf("checkpoint: waited %.2f s for the last write\n", kiln_now() - t0);
+    if (s->opts.async && s->last_saved >= 0 && kiln_now() - t0 > 0.01 && s->mx)
+        metrics_print(s->mx, "checkpoint: waited %.2f s for the last write", kiln_now() - t0);
     ckpt_writer_free(s->writer);
     ckpt_table_free(&s->table);
+    ckpt_table_free(&s->save_table);
     free(s->config_text);
     memset(s, 0, sizeof *s);
 }

@@ -8,11 +8,22 @@
 #include <stdint.h>
 
 #include "ckpt.h"
+#include "comm.h"
 #include "config.h"
 #include "data.h"
 #include "model.h"
 #include "optim.h"
 #include "util.h"
+
+/* Where this rank sits: world rank and size, the dp group, the ZeRO stage;
+ * g = the world group (NULL: one rank). AdamW's [lo, hi) says which optimizer
+ * elements this rank holds. */
+typedef struct StateMesh {
+    int rank, world, dp, zero;
+    CommGroup *g;
+} StateMesh;
+
+struct Metrics;
 
 typedef struct RunState {
     const Config *c;
@@ -20,7 +31,10 @@ typedef struct RunState {
     AdamW *o;
     DataLoader *train;
     const char *commit;
-    CkptTable table;
+    StateMesh mesh;
+    struct Metrics *mx;   /* set by the caller after metrics_open: messages go through it */
+    CkptTable table;      /* what this rank loads on resume */
+    CkptTable save_table; /* what this rank writes (replicated state: rank 0 only) */
     CkptOptions opts;
     CkptWriter *writer;
     char *config_text; /* resolved YAML, saved as the blob "config.yaml" */
@@ -28,7 +42,8 @@ typedef struct RunState {
     int64_t step, tokens, optim_t;
     double elapsed_s;
     uint64_t data_pos[2]; /* epoch, index */
-    Rng rng;              /* "rng.train": the loop's own stream (see state.c) */
+    Rng rng;              /* "rng.train" (rank 0), "rng.train/rankN": the loop's own stream (see state.c) */
+    char resumed_msg[1600]; /* "resumed from ..." for the caller to print, "" if fresh */
     double elapsed_base, t_start; /* seconds before this process; kiln_now() at open */
     int64_t last_saved;   /* step of the newest checkpoint on disk, -1 none */
     int stop_reason;      /* signal number, or -1 for the Slurm deadline */
@@ -37,11 +52,13 @@ typedef struct RunState {
 /* Collect the table, resume per `resume` (NULL = fresh, "auto", or a
  * directory), plan the writer, install the signal handlers. Returns the
  * number of steps already done (0 when fresh). */
-int state_open(RunState *s, const Config *c, const char *resume, int force, const char *commit, Model *m, AdamW *o,
-               DataLoader *train);
+int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *resume, int force, const char *commit,
+               Model *m, AdamW *o, DataLoader *train);
 /* After a step: `done` steps complete, `last` if it was the final one.
  * Saves when due; returns 1 when the run must stop now (signal or deadline;
- * the checkpoint is written), else 0. Exits 1 if a save fails. */
+ * the checkpoint is written), else 0. Exits 1 if a save fails. With several
+ * ranks the stop flags are agreed (any rank's signal stops all at the same
+ * step). A save enters the checkpoint phase of s->mx (only then). */
 int state_after_step(RunState *s, int done, int last);
 /* Wait for a write in flight (exit 1 if it failed), free. */
 void state_close(RunState *s);

@@ -8,7 +8,10 @@
 #include <string.h>
 
 #include "backend.h"
+#include "comm.h"
 #include "data.h"
+#include "ddp.h"
+#include "mesh.h"
 #include "metrics.h"
 #include "model.h"
 #include "optim.h"
@@ -46,13 +49,21 @@ static void print_plan(const Config *c, const ModelShape *s) {
            s->n_layer, s->n_head, s->n_embd, s->seq_len, s->vocab_size, s->padded_vocab);
     printf("  parameters             %zu (%.2fM; %.2fM without embeddings)\n", params, params / 1e6, nonemb / 1e6);
     printf("  FLOPs per token        %.4g (training: forward + backward)\n", fpt);
+    /* per rank: dp auto resolves to the world size at launch; without a
+     * launcher the plan shows one rank unless parallel.dp says how many */
+    int dp = c->dp > 0 ? c->dp : 1;
+    size_t shard = (params + (size_t)dp - 1) / (size_t)dp;
+    printf("  memory per rank        dp %d%s, ZeRO %d\n", dp, c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)",
+           c->zero);
     print_bytes("parameters", (double)params * 4);
-    print_bytes("gradients", (double)params * 4);
-    print_bytes("optimizer state", (double)params * 8);
+    /* the backward pass accumulates into a whole gradient arena on every
+     * rank; ZeRO-2 reduce-scatters it into a 1/dp shard the optimizer reads */
+    print_bytes(c->zero >= 2 ? "gradients (+ 1/dp shard)" : "gradients", (double)params * 4 + (c->zero >= 2 ? shard * 4.0 : 0));
+    print_bytes(c->zero >= 1 ? "optimizer state (1/dp)" : "optimizer state", (double)(c->zero >= 1 ? shard : params) * 8);
     print_bytes("activations", (double)model_activation_bytes(s, c->micro_batch, s->seq_len));
-    printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps)\n",
-           (long long)tokens_per_step, c->micro_batch, c->seq_len, c->grad_accum);
-    printf("  micro-batches per step %d\n", c->grad_accum);
+    printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps x %d ranks)\n",
+           (long long)tokens_per_step, c->micro_batch, c->seq_len, c->grad_accum / dp, dp);
+    printf("  micro-batches per step %d (%d per rank)\n", c->grad_accum, c->grad_accum / dp);
     printf("  steps                  %d\n", c->steps);
     printf("  tokens in total        %lld (%.3g)\n", (long long)tokens_per_step * c->steps,
            (double)tokens_per_step * c->steps);
@@ -61,14 +72,19 @@ static void print_plan(const Config *c, const ModelShape *s) {
 
 /* Mean loss over `batches` validation batches, always from the start of the
  * validation order so every evaluation sees the same tokens. */
-static float evaluate(Model *m, DataLoader *val, int batches, int B, int T, int32_t *inp, int32_t *tgt) {
+static float evaluate(Model *m, DataLoader *val, int batches, int B, int T, int32_t *inp, int32_t *tgt, Ddp *d,
+                      int split) {
     DataPos start = {0, 0};
     data_set_pos(val, start);
     double sum = 0.0;
-    for (int i = 0; i < batches; i++) {
+    /* split: the dp ranks share the batches (the loader slices each global
+     * batch by rank), so together they see the same samples as one rank */
+    int mine = split ? batches / d->dp : batches;
+    for (int i = 0; i < mine; i++) {
         data_next_batch(val, inp, tgt);
         sum += model_forward(m, inp, tgt, B, T, 0.0f);
     }
+    if (split) sum = ddp_sum(d, sum);
     return (float)(sum / batches);
 }
 
@@ -168,6 +184,26 @@ int train_run(const Config *c, int dry_run) {
     return train_run_with(c, &o);
 }
 
+/* Ranks, the mesh, the consistency check. Exits 2 on a layout that does not
+ * fit the world or the batch. */
+static void setup_parallel(const Config *c, const TrainOptions *topt, Mesh *mesh, int *accum) {
+    comm_init(c->timeout_s);
+    const CommInfo *ci = comm_info();
+    comm_check_consistent(c->hash, topt->commit ? topt->commit : "unknown");
+    MeshShape ms = {{c->pp, c->dp, c->cp, c->tp}, c->ep};
+    char err[512];
+    if (mesh_plan(&ms, ci->world, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
+    mesh_init(mesh, &ms);
+    int dp = ms.size[MESH_DP];
+    if (c->grad_accum % dp)
+        kiln_fail(KILN_EXIT_USAGE,
+                  "key 'batch.total_tokens': %lld tokens are %d micro-batches of %d x %d, which do not split evenly "
+                  "over %d data-parallel ranks; make it a multiple of micro_batch*seq_len*dp = %lld",
+                  (long long)c->total_tokens, c->grad_accum, c->micro_batch, c->seq_len, dp,
+                  (long long)c->micro_batch * c->seq_len * dp);
+    *accum = c->grad_accum / dp;
+}
+
 int train_run_with(const Config *c, const TrainOptions *topt) {
     int dry_run = topt->dry_run;
     ModelShape shape;
@@ -176,6 +212,12 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         print_plan(c, &shape);
         return KILN_EXIT_OK;
     }
+
+    Mesh mesh;
+    int accum;
+    setup_parallel(c, topt, &mesh, &accum);
+    CommGroup *dpg = mesh_group(&mesh, MESH_GROUP_DP);
+    int rank = mesh.rank, world = mesh.world, dp = dpg->size, dp_rank = dpg->rank;
 
     const Backend *be = backend_get(c->device);
     if (!be)
@@ -190,11 +232,15 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                   c->tokenizer, tok_vocab_size(tok));
 
     if (kiln_mkdirs(c->run_dir) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot create the run directory", c->run_dir);
-    write_resolved_config(c);
+    if (rank == 0) write_resolved_config(c);
 
     int B = c->micro_batch, T = c->seq_len;
-    DataLoader *train = data_open(c->train_glob, "data.train", B, T, c->vocab_size, 1, c->seed, 0, 1);
-    DataLoader *val = c->val_glob[0] ? data_open(c->val_glob, "data.val", B, T, c->vocab_size, 0, c->seed, 0, 1) : NULL;
+    /* each dp rank takes its slice of every global batch of the one global order */
+    DataLoader *train = data_open(c->train_glob, "data.train", B, T, c->vocab_size, 1, c->seed, dp_rank, dp);
+    int val_split = c->eval_batches % dp == 0;
+    DataLoader *val = c->val_glob[0] ? data_open(c->val_glob, "data.val", B, T, c->vocab_size, 0, c->seed,
+                                                 val_split ? dp_rank : 0, val_split ? dp : 1)
+                                     : NULL;
 
     Model model;
     model_init(&model, be, &shape, c->decay_embeddings);
@@ -203,9 +249,16 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     }
     else model_init_weights(&model, c->seed);
     model_plan_activations(&model, B, T);
+    /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
+     * per-message latency is small, small enough to overlap with backward */
+    Ddp ddp;
+    ddp_init(&ddp, &model, dpg, c->zero, (size_t)25 << 20);
 
     AdamW opt;
-    optim_init(&opt, be, model.num_params, model.num_decay, c->beta1, c->beta2, c->eps, c->weight_decay, c->grad_clip);
+    size_t opt_lo, opt_hi;
+    ddp_optim_range(&ddp, &opt_lo, &opt_hi);
+    optim_init_shard(&opt, be, model.num_params, model.num_decay, opt_lo, opt_hi, c->beta1, c->beta2, c->eps,
+                     c->weight_decay, c->grad_clip);
     Schedule sched = {(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps, c->min_lr_ratio,
                       c->decay_ratio};
 
@@ -226,9 +279,20 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     }
     /* checkpoints: collect the state table, resume, plan the writer (state.c) */
     RunState rs;
-    int start_step = state_open(&rs, c, topt->resume, topt->force, topt->commit, &model, &opt, train);
-    Metrics *mx = metrics_open(c, 0, 1, fpt, peak, peak_src, start_step);
+    StateMesh smesh = {rank, world, dp, c->zero, comm_world()};
+    int start_step = state_open(&rs, c, &smesh, topt->resume, topt->force, topt->commit, &model, &opt, train);
+    Metrics *mx = metrics_open(c, rank, world, fpt, peak, peak_src, start_step);
+    rs.mx = mx;
     metrics_print(mx, "kiln %s | %s", KILN_VERSION, desc);
+    char cdesc[256], mdesc[128];
+    comm_describe(cdesc, sizeof cdesc);
+    mesh_describe(&mesh.shape, mdesc, sizeof mdesc);
+    metrics_print(mx, "%s | mesh %s | ZeRO %d", cdesc, mdesc, c->zero);
+    if (dp > 1)
+        metrics_print(mx, "data parallel: %d ranks, %d gradient bucket(s)%s; optimizer state %zu of %zu elements here",
+                      dp, ddp.nb, ddp.overlap ? " all-reduced during backward" : " reduce-scattered after backward",
+                      opt_hi - opt_lo, model.num_params);
+    if (rs.resumed_msg[0]) metrics_print(mx, "%s", rs.resumed_msg);
     metrics_print(mx, "run %s -> %s", c->run_name, c->run_dir);
     metrics_print(mx, "model gpt2: %zu parameters (%.2fM), %.3g FLOPs/token", model_num_params(&model),
                   model_num_params(&model) / 1e6, fpt);
@@ -236,8 +300,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     if (val) snprintf(vtok, sizeof vtok, ", %llu val tokens", (unsigned long long)data_num_tokens(val));
     metrics_print(mx, "data: %llu train tokens in %d shard(s)%s", (unsigned long long)data_num_tokens(train),
                   data_num_shards(train), vtok);
-    metrics_print(mx, "batch: %d x %d tokens x %d accumulation = %lld tokens/step, %d steps", B, T, c->grad_accum,
-                  (long long)c->total_tokens, c->steps);
+    metrics_print(mx, "batch: %d x %d tokens x %d accumulation x %d rank(s) = %lld tokens/step, %d steps", B, T,
+                  accum, dp, (long long)c->total_tokens, c->steps);
 
     /* Test hook (docs/metrics.md): poison one gradient at this step, and
      * fingerprint the parameters after every step so a test can see that a
@@ -250,7 +314,9 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     int32_t *inp = xmalloc(N * sizeof(int32_t));
     int32_t *tgt = xmalloc(N * sizeof(int32_t));
     int32_t *ctx = xmalloc((size_t)2 * T * sizeof(int32_t) + 8);
-    float dloss = 1.0f / (float)(N * (size_t)c->grad_accum);
+    /* the mean over the global batch: every rank's gradients are summed */
+    float dloss = 1.0f / (float)(N * (size_t)accum * (size_t)dp);
+    double step_time_sum = 0.0, blocked_sum = 0.0;
     double t_start = kiln_now();
     float val_loss = NAN, last_loss = NAN;
 
@@ -259,26 +325,30 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         double t0 = kiln_now();
         float lr = optim_lr(&sched, step);
         double loss_sum = 0.0;
-        for (int micro = 0; micro < c->grad_accum; micro++) {
+        for (int micro = 0; micro < accum; micro++) {
             metrics_phase(mx, PHASE_DATA, step + 1);
             data_next_batch(train, inp, tgt);
             metrics_phase(mx, PHASE_FORWARD, step + 1);
             loss_sum += model_forward(&model, inp, tgt, B, T, dloss);
             metrics_phase(mx, PHASE_BACKWARD, step + 1);
+            if (micro == accum - 1) ddp_arm(&ddp); /* post gradient buckets as layers finish */
             model_backward(&model, micro > 0);
         }
-        float loss = (float)(loss_sum / c->grad_accum);
         if (step + 1 == inject_nan_step) {
             float poison = NAN;
             be->to_device(model.grad_mem, &poison, sizeof poison);
         }
+        metrics_phase(mx, PHASE_SYNC, step + 1);
+        double grad_norm = ddp_reduce_grads(&ddp);
+        float loss = (float)(ddp_sum(&ddp, loss_sum) / (accum * dp));
         metrics_phase(mx, PHASE_OPTIMIZER, step + 1);
         /* a non-finite loss skips the update even if its gradients look finite */
-        OptimStepInfo info = {sqrt(be->sumsq(model.grad_mem, model.num_params)), 1.0f, 1};
-        if (isfinite(loss)) info = optim_step(&opt, model.param_mem, model.grad_mem, lr);
+        OptimStepInfo info = {grad_norm, 1.0f, 1};
+        if (isfinite(loss)) info = ddp_optim_step(&ddp, &opt, lr, grad_norm);
         be->sync();
         int bad = !isfinite(loss) || info.nonfinite;
         double dt = kiln_now() - t0;
+        step_time_sum += dt, blocked_sum += ddp.step_blocked_s;
         if (!bad) last_loss = loss;
         int last = step == c->steps - 1;
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
@@ -296,19 +366,18 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         }
         if (val && ((c->eval_every > 0 && (step + 1) % c->eval_every == 0) || last)) {
             metrics_phase(mx, PHASE_EVAL, step + 1);
-            val_loss = evaluate(&model, val, c->eval_batches, B, T, inp, tgt);
+            val_loss = evaluate(&model, val, c->eval_batches, B, T, inp, tgt, &ddp, val_split);
             ms.val_loss = val_loss;
         }
         metrics_step(mx, &ms);
-        if (c->sample_every > 0 && ((step + 1) % c->sample_every == 0 || last)) {
+        if (rank == 0 && c->sample_every > 0 && ((step + 1) % c->sample_every == 0 || last)) {
             metrics_phase(mx, PHASE_SAMPLE, step + 1);
             metrics_bar_clear(mx);
             printf("--- sample at step %d ---\n", step + 1);
             generate(&model, c, tok, c->seed ^ (0x9e3779b97f4a7c15ULL * (uint64_t)(step + 1)), ctx, stdout);
             printf("---\n");
         }
-        metrics_phase(mx, PHASE_CHECKPOINT, step + 1);
-        stopped = state_after_step(&rs, step + 1, last);
+        stopped = state_after_step(&rs, step + 1, last); /* enters PHASE_CHECKPOINT only when it saves */
         steps_done = step + 1;
     }
     int stop_reason = rs.stop_reason;
@@ -322,6 +391,10 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     if (metrics_skipped(mx)) snprintf(sdone, sizeof sdone, " | %d step(s) skipped", metrics_skipped(mx));
     metrics_print(mx, "done: %d steps in %.1f s | final loss %.4f%s%s", steps_done, kiln_now() - t_start, last_loss,
                   vdone, sdone);
+    if (dp > 1 && step_time_sum > 0)
+        metrics_print(mx, "data parallel: %.1f%% of step time blocked in gradient/parameter communication "
+                          "(not overlapped with compute): %.3f of %.3f s",
+                      100.0 * blocked_sum / step_time_sum, blocked_sum, step_time_sum);
     metrics_print(mx, "run directory: %s", c->run_dir);
     metrics_close(mx);
     free(param_host);
@@ -330,10 +403,13 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     free(tgt);
     free(ctx);
     optim_free(&opt);
+    ddp_free(&ddp);
     model_free(&model);
     data_close(train);
     if (val) data_close(val);
     tok_free(tok);
     if (be->shutdown) be->shutdown();
+    mesh_free(&mesh);
+    comm_finalize();
     return stopped ? KILN_EXIT_RESUME : KILN_EXIT_OK;
 }

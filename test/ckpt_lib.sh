@@ -14,6 +14,22 @@ expect() {
 }
 # step, tokens and loss of every metrics.jsonl line (timings differ run to run)
 losses() { grep -o '"step":[0-9]*,"tokens":[0-9]*,"loss":[^,]*' "$1"; }
+# close_losses A B: the same steps and tokens in two metrics.jsonl files, every
+# loss within relative 1e-5 (several ranks vs one: test/t_dp.sh says why);
+# prints the first difference and fails
+close_losses() {
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+if [x["step"] for x in a] != [x["step"] for x in b] or not a:
+    print("steps differ: %d vs %d lines" % (len(a), len(b))); sys.exit(1)
+for x, y in zip(a, b):
+    if x["tokens"] != y["tokens"] or abs(x["loss"] - y["loss"]) > 1e-5 * abs(x["loss"]):
+        print("step %d: loss %r vs %r, tokens %d vs %d" % (x["step"], x["loss"], y["loss"], x["tokens"], y["tokens"]))
+        sys.exit(1)
+PY
+}
 # the parameter checksum and whole-state checksum of a checkpoint
 sums() { ./train ckpt-info "$1" 2>/dev/null | grep '^params checksum'; }
 ckpt_setup() {

@@ -3,9 +3,12 @@
 # slurmd "nodes" on this machine; jobs go through sbatch --wait and srun
 # --mpi=pmix exactly as on a cluster. Checks: test_comm as 2 ranks on one
 # node and 4 ranks on two nodes (every collective), ./train-style direct
-# start in the batch shell is one rank (not rank 0 of the allocation), and a
-# rank killed under srun ends the step promptly. The cluster is always torn
-# down (trap). One line per check; about 15 s.
+# start in the batch shell is one rank (not rank 0 of the allocation), a
+# rank killed under srun ends the step promptly, and ./train itself through
+# scripts/train.sbatch: 2 tasks on one node and on two nodes (losses = the
+# one-rank run's), then signalled mid-run, requeued (exit 75), resumed and
+# finished. The cluster is always torn down (trap). One line per check; about
+# 40 s.
 set -u
 cd "$(dirname "$0")/.."
 T=${KILN_TEST_TMP:-$(mktemp -d)}/t_slurm
@@ -78,3 +81,52 @@ echo "srun killed rank: $dt s (exit $rc)" >&2
 if [ $rc -ne 0 ] && [ "$(echo "$dt < 13" | bc)" = 1 ] && grep -qE 'task 1: Killed|rank 1 .*dead' "$T/kill.err"; then
     ok slurm_killed_rank_ends_step
 else fail slurm_killed_rank_ends_step "exit $rc after $dt s: $(head -c 400 "$T/kill.err")"; fi
+
+# ./train through scripts/train.sbatch (srun --mpi=pmix, --resume auto): the
+# tiny model on 2 tasks of one node, then 2 nodes x 1 task; the losses must be
+# the one-rank run's within relative 1e-5 (test/t_dp.sh says why). The
+# script's GPU and core requests are overridden on the command line.
+if ! ldd ./train | grep -q libmpi; then skip slurm_train "./train is not an MPI build"; exit 0; fi
+. test/ckpt_lib.sh
+ckpt_setup
+Y=$T/tiny.yaml
+S="--set batch.total_tokens=512 --set checkpoint.async=false"
+./train $Y $S --set run.dir=$T/ref >/dev/null 2>&1
+SB=(sbatch --chdir="$PWD" --cpus-per-task=1 --gpus-per-node=0 --time=5)
+for layout in "1node:--nodes=1 --ntasks-per-node=2" "2nodes:--nodes=2 --ntasks-per-node=1"; do
+    name=${layout%%:*}
+    t0=$(date +%s.%N)
+    "${SB[@]}" --wait ${layout#*:} -o "$T/train_$name.out" scripts/train.sbatch $Y $S --set run.dir=$T/sb_$name \
+        >/dev/null 2>"$T/sbatch_$name.err"
+    rc=$?
+    echo "sbatch train.sbatch $name: $(echo "$(date +%s.%N) - $t0" | bc) s" >&2
+    why=$(close_losses $T/ref/metrics.jsonl $T/sb_$name/metrics.jsonl 2>&1)
+    if [ $rc -eq 0 ] && [ -z "$why" ] && grep -q 'kiln: finished with exit 0' "$T/train_$name.out" \
+        && grep -q 'rank 0/2 .*from Slurm' "$T/train_$name.out"; then ok slurm_train_sbatch_$name
+    else fail slurm_train_sbatch_$name "rc $rc: $why $(tail -c 400 "$T/train_$name.out") $(cat "$T/sbatch_$name.err")"; fi
+done
+
+# Signalled mid-run: scancel --signal=USR1 reaches both tasks, they agree on
+# the step, save and exit 75; the script requeues the job; the rerun resumes
+# from that checkpoint and finishes with the losses of an uninterrupted run on
+# the same 2 ranks, bit for bit.
+t0=$(date +%s.%N)
+L="$S --set train.steps=1500 --set checkpoint.every=0 --set train.eval_every=0 --set schedule.kind=constant"
+timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 ./train $Y $L --set run.dir=$T/sigref >/dev/null 2>&1
+J=$("${SB[@]}" --parsable --nodes=1 --ntasks-per-node=2 -o "$T/sig.out" scripts/train.sbatch $Y $L --set run.dir=$T/sig 2>"$T/sig.err")
+for i in $(seq 300); do [ "$(cat $T/sig/metrics.jsonl 2>/dev/null | wc -l)" -ge 50 ] && break; sleep 0.1; done
+scancel --signal=USR1 "$J"
+state=""
+for i in $(seq 600); do
+    grep -q 'requeueing' "$T/sig.out" 2>/dev/null && scontrol update JobId="$J" StartTime=now >/dev/null 2>&1
+    state=$(scontrol show job "$J" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2)
+    [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
+    sleep 0.2
+done
+echo "sbatch signalled + requeued: $(echo "$(date +%s.%N) - $t0" | bc) s ($state)" >&2
+if [ "$state" = COMPLETED ] && grep -q 'exit 75.*requeueing' "$T/sig.out" && grep -q 'restart 1' "$T/sig.out" \
+    && grep -q 'resumed from .*step_' "$T/sig.out" && grep -q 'done: 1500 steps' "$T/sig.out" \
+    && [ "$(losses $T/sigref/metrics.jsonl)" = "$(losses $T/sig/metrics.jsonl)" ]; then
+    ok slurm_train_signal_requeue_resume
+else fail slurm_train_signal_requeue_resume "state '$state': $(grep -E 'kiln:|resumed|done|error' "$T/sig.out" | head -8)"; fi
+scancel "$J" >/dev/null 2>&1

@@ -565,6 +565,7 @@ static double cpu_sumsq(const float *x, size_t n) {
 
 const Backend backend_cpu = {
     .name = "cpu",
+    .host_mem = 1,
     .init = cpu_init,
     .shutdown = cpu_shutdown,
     .alloc = cpu_alloc,

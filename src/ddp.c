@@ -1,0 +1,180 @@
+/* ddp: gradient synchronisation and the sharded optimizer step over the dp
+ * group. The gradient arena is laid out decayed-first (model.h), so a layer's
+ * gradients are not contiguous; but within each of the two groups the tensors
+ * lie in listing order, and the backward pass completes them from the last
+ * layer to the first. The tensors complete after layer l's backward are
+ * therefore a suffix of each group, and a bucket is two contiguous ranges. */
+#include "ddp.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+
+/* The hook at which a tensor's gradient is complete: its layer; ln_f's is
+ * done before any layer's (hook n_layer-1); wte and wpe only after the
+ * embedding backward (hook -1). */
+static int ready_layer(const ParamInfo *p, int L) {
+    int l;
+    if (sscanf(p->name, "h.%d.", &l) == 1) return l;
+    if (!strncmp(p->name, "ln_f.", 5)) return L - 1;
+    return -1;
+}
+
+static void plan_buckets(Ddp *d, size_t bucket_floats) {
+    Model *m = d->m;
+    int L = m->shape.n_layer;
+    size_t gend[2] = {m->num_decay, m->num_params}, gbeg[2] = {0, m->num_decay};
+    /* start[g][l+1]: lowest offset in group g of a tensor ready at hook >= l;
+     * l runs -1..L, start[g][L+1] = the group's end */
+    size_t *start[2];
+    int ok = 1;
+    for (int g = 0; g < 2; g++) {
+        start[g] = xmalloc((size_t)(L + 2) * sizeof(size_t));
+        for (int l = -1; l <= L; l++) start[g][l + 1] = gend[g];
+        /* the suffix property: in arena order, ready layers never decrease */
+        int last = -2;
+        size_t last_off = 0;
+        for (int pass = 0; pass < m->num_tensors; pass++) {
+            /* tensors of this group by offset (the table is in listing order,
+             * which is arena order within a group) */
+            const ParamInfo *p = &m->params[pass];
+            if ((p->decay ? 0 : 1) != g) continue;
+            int r = ready_layer(p, L);
+            if (p->offset < last_off || r < last) ok = 0;
+            last = r, last_off = p->offset;
+            if (p->offset < start[g][r + 1]) start[g][r + 1] = p->offset;
+        }
+        for (int l = L - 1; l >= -1; l--)
+            if (start[g][l + 2] < start[g][l + 1]) start[g][l + 1] = start[g][l + 2];
+        (void)gbeg;
+    }
+    d->b = xcalloc((size_t)(L + 1), sizeof(DdpBucket));
+    d->nb = 0;
+    if (!ok || d->zero >= 2) {
+        /* one bucket at the end (never expected for GPT-2's table; ZeRO-2
+         * reduce-scatters the whole arena instead) */
+        DdpBucket *b = &d->b[d->nb++];
+        b->layer = -1;
+        for (int g = 0; g < 2; g++) b->off[g] = gbeg[g], b->len[g] = gend[g] - gbeg[g];
+    } else {
+        size_t hi[2] = {gend[0], gend[1]};
+        for (int l = L - 1; l >= -1; l--) {
+            size_t pend = 0;
+            for (int g = 0; g < 2; g++) pend += hi[g] - start[g][l + 1];
+            if (pend == 0 || (pend < bucket_floats && l > -1)) continue;
+            DdpBucket *b = &d->b[d->nb++];
+            b->layer = l;
+            for (int g = 0; g < 2; g++) {
+                b->off[g] = start[g][l + 1];
+                b->len[g] = hi[g] - start[g][l + 1];
+                hi[g] = start[g][l + 1];
+            }
+        }
+    }
+    free(start[0]);
+    free(start[1]);
+    d->req = xcalloc((size_t)(2 * d->nb), sizeof(CommRequest));
+}
+
+void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes) {
+    memset(d, 0, sizeof *d);
+    d->m = m;
+    d->g = g && g->size > 1 ? g : NULL;
+    d->dp = d->g ? g->size : 1;
+    d->rank = d->g ? g->rank : 0;
+    d->zero = zero;
+    if (d->g && !m->be->host_mem)
+        kiln_fail(KILN_EXIT_USAGE,
+                  "parallel.dp = %d: data parallelism on the '%s' backend (device buffers, NCCL) is not wired yet; "
+                  "this build runs it on device: cpu", d->dp, m->be->name);
+    d->shard = mesh_shard_range(m->num_params, d->dp, d->rank, 64);
+    if (zero >= 1) model_pad_arenas(m, d->shard.padded_n);
+    if (zero >= 2) d->grad_shard = m->be->alloc(d->shard.block * sizeof(float));
+    plan_buckets(d, bucket_bytes / sizeof(float));
+    d->overlap = d->g && zero < 2;
+}
+
+void ddp_free(Ddp *d) {
+    if (d->grad_shard) d->m->be->free(d->grad_shard);
+    free(d->b);
+    free(d->req);
+    memset(d, 0, sizeof *d);
+}
+
+void ddp_optim_range(const Ddp *d, size_t *lo, size_t *hi) {
+    if (d->zero >= 1) *lo = d->shard.lo, *hi = d->shard.hi;
+    else *lo = 0, *hi = d->m->num_params;
+}
+
+static void post_bucket(Ddp *d, int i) {
+    DdpBucket *b = &d->b[i];
+    for (int g = 0; g < 2; g++)
+        if (b->len[g]) comm_iall_reduce_sum(d->g, d->m->grad_mem + b->off[g], b->len[g], &d->req[2 * i + g]);
+}
+
+/* Called by model_backward after each layer: post the buckets now complete,
+ * and let MPI progress the ones in flight (it only does inside MPI calls). */
+static void ddp_hook(void *ctx, int layer) {
+    Ddp *d = ctx;
+    while (d->posted < d->nb && d->b[d->posted].layer >= layer) post_bucket(d, d->posted++);
+    for (int i = 0; i < 2 * d->posted; i++)
+        if (d->req[i].active) comm_test(&d->req[i]);
+}
+
+void ddp_arm(Ddp *d) {
+    d->posted = 0;
+    d->step_blocked_s = 0;
+    if (!d->overlap) return;
+    d->m->hook = ddp_hook;
+    d->m->hook_ctx = d;
+}
+
+double ddp_reduce_grads(Ddp *d) {
+    Model *m = d->m;
+    const Backend *be = m->be;
+    m->hook = NULL;
+    m->hook_ctx = NULL;
+    if (!d->g) return sqrt(be->sumsq(m->grad_mem, m->num_params));
+    double t0 = kiln_now();
+    double norm;
+    if (d->zero >= 2) {
+        be->sync();
+        comm_reduce_scatter(d->g, m->grad_mem, d->grad_shard, d->shard.block);
+        /* the global norm from every rank's share of the squares */
+        double sq = be->sumsq(d->grad_shard, d->shard.hi - d->shard.lo);
+        comm_all_reduce_sum_f64(d->g, &sq, 1);
+        norm = sqrt(sq);
+    } else {
+        while (d->posted < d->nb) post_bucket(d, d->posted++); /* hook not armed (never with overlap) */
+        for (int i = 0; i < 2 * d->nb; i++)
+            if (d->req[i].active) comm_wait(&d->req[i]);
+        norm = -1;
+    }
+    double dt = kiln_now() - t0;
+    d->blocked_s += dt, d->step_blocked_s += dt;
+    if (norm < 0) norm = sqrt(be->sumsq(m->grad_mem, m->num_params));
+    return norm;
+}
+
+OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
+    Model *m = d->m;
+    if (d->zero == 0) return optim_step_norm(o, m->param_mem, m->grad_mem, lr, grad_norm);
+    const float *grads = d->zero >= 2 ? d->grad_shard : m->grad_mem + d->shard.lo;
+    OptimStepInfo info = optim_step_norm(o, m->param_mem + d->shard.lo, grads, lr, grad_norm);
+    if (info.nonfinite || !d->g) return info; /* every rank skipped: the norm is global */
+    m->be->sync();
+    double t0 = kiln_now();
+    /* in place: this rank's block is already where the gathered arena wants it */
+    comm_all_gather(d->g, m->param_mem + d->shard.start, m->param_mem, d->shard.block);
+    double dt = kiln_now() - t0;
+    d->blocked_s += dt, d->step_blocked_s += dt;
+    return info;
+}
+
+double ddp_sum(Ddp *d, double x) {
+    if (d->g) comm_all_reduce_sum_f64(d->g, &x, 1);
+    return x;
+}
