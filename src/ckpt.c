@@ -201,6 +201,31 @@ int ckpt_list(const char *root, char ***paths, int64_t **steps) {
     return n;
 }
 
+int ckpt_list_current(const char *root, char ***paths, int64_t **steps) {
+    int n = ckpt_list(root, paths, steps);
+    char path[2048];
+    snprintf(path, sizeof path, "%s/latest", root);
+    char *text = kiln_read_file(path, NULL);
+    if (!text) return n;
+    text[strcspn(text, "\r\n")] = '\0';
+    int64_t last = parse_step_name(text);
+    free(text);
+    if (last < 0) return n;
+    /* Directories above `latest` belong to another timeline (an earlier run
+     * in this directory, or steps past an older checkpoint resumed with
+     * --resume DIR): drop them, keeping the newest-first order of the rest. */
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        if ((*steps)[i] > last) {
+            free((*paths)[i]);
+            continue;
+        }
+        (*paths)[k] = (*paths)[i];
+        (*steps)[k++] = (*steps)[i];
+    }
+    return k;
+}
+
 void ckpt_list_free(char **paths, int64_t *steps, int n) {
     for (int i = 0; i < n; i++) free(paths[i]);
     free(paths);
@@ -372,12 +397,13 @@ static void w_manifest_entries(CkptWriter *w, FILE *f, const char *file, uint64_
 }
 
 /* Keep the newest keep_last and every milestone; delete the rest. Runs only
- * after the new checkpoint is complete and `latest` names it. */
+ * after the new checkpoint is complete and `latest` names it, so only this
+ * timeline's checkpoints (at or below `latest`) count and can be deleted. */
 static void w_prune(CkptWriter *w) {
     if (w->o.keep_last <= 0) return;
     char **paths;
     int64_t *steps;
-    int n = ckpt_list(w->o.root, &paths, &steps);
+    int n = ckpt_list_current(w->o.root, &paths, &steps);
     for (int i = w->o.keep_last; i < n; i++) {
         if (w->o.keep_every > 0 && steps[i] % w->o.keep_every == 0) continue;
         if (steps[i] == w->meta.step) continue;

@@ -118,6 +118,9 @@ int ckpt_is_checkpoint(const char *dir);
 /* Complete checkpoint directories under root (step_N without .tmp), newest
  * first. Returns the count; *names (malloc'd array of malloc'd full paths). */
 int ckpt_list(const char *root, char ***paths, int64_t **steps);
+/* ckpt_list, less the directories above the step `latest` names (another
+ * timeline's); all of them when there is no readable `latest`. */
+int ckpt_list_current(const char *root, char ***paths, int64_t **steps);
 void ckpt_list_free(char **paths, int64_t *steps, int n);
 
 /* ./train ckpt-info DIR: the manifest, every entry verified, its checksum. */

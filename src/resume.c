@@ -172,8 +172,9 @@ int resume_load(const char *mode, const char *root, const CkptTable *t, const ch
     }
     char **paths = NULL;
     int64_t *steps = NULL;
-    int n = rank == 0 ? ckpt_list(root, &paths, &steps) : 0, loaded = 0, dirty = 0;
-    /* rank 0 names each candidate in turn ("" = no more), newest first */
+    int n = rank == 0 ? ckpt_list_current(root, &paths, &steps) : 0, loaded = 0, dirty = 0;
+    /* rank 0 names each candidate in turn ("" = no more), newest first,
+     * starting from the one `latest` names */
     char cand[1200];
     for (int i = 0; !loaded; i++) {
         memset(cand, 0, sizeof cand);

@@ -46,6 +46,17 @@ expect resume_finished_run 0 'resumed from .*step_00000020' -- ./train $Y --set 
 expect resume_dir 0 'resumed from .*step_00000010 at step 10' -- \
     ./train $Y --set schedule.kind=constant --set run.dir=$T/half_sync --resume $T/half_sync/checkpoints/step_00000010
 expect resume_auto_fresh 0 'no complete checkpoint.*starting fresh' -- ./train $Y --set run.dir=$T/fresh --set train.steps=2 --resume auto
+# Another timeline in the same directory: a 20-step run leaves step_15 and
+# step_20; a fresh run with another seed writes 5, 10, 12 (latest = 12). Its
+# pruning must count only its own checkpoints, and --resume auto must continue
+# it from step 12, not load the other run's step_20 (refused: run.seed).
+./train $Y --set run.dir=$T/timeline --set checkpoint.keep_last=2 >/dev/null 2>&1
+./train $Y --set run.dir=$T/timeline --set checkpoint.keep_last=2 --set train.steps=12 --set run.seed=2 >/dev/null 2>&1
+if [ -d $T/timeline/checkpoints/step_00000010 ] && [ -d $T/timeline/checkpoints/step_00000012 ] \
+    && [ ! -d $T/timeline/checkpoints/step_00000005 ]; then ok resume_prune_own_timeline
+else fail resume_prune_own_timeline "left: $(ls $T/timeline/checkpoints | tr '\n' ' ')"; fi
+expect resume_auto_follows_latest 0 'resumed from .*step_00000012' -- \
+    ./train $Y --set run.dir=$T/timeline --set checkpoint.keep_last=2 --set train.steps=12 --set run.seed=2 --resume auto
 expect resume_dir_missing 2 'not a checkpoint directory' -- ./train $Y --resume $T/nowhere
 
 # keep_last 2 with a milestone every 4: after 20 steps saved every 2, the two
