@@ -111,6 +111,10 @@ static unsigned char *data_read_zstd(const char *path, size_t *out_len) {
 static void data_load_shard(DataShard *s) {
     const unsigned char *file;
     size_t len;
+    /* stat before open: opening a FIFO or a device would block or read forever */
+    struct stat pre;
+    if (stat(s->path, &pre) != 0) data_fail(DATA_HINT_PREPARE, "%s: cannot open: %s", s->path, strerror(errno));
+    if (!S_ISREG(pre.st_mode)) data_fail(DATA_HINT_PREPARE, "%s: not a regular file", s->path);
     if (data_ends_with(s->path, ".zst")) {
         s->buf = data_read_zstd(s->path, &len);
         file = s->buf;
@@ -225,15 +229,21 @@ DataLoader *data_open(const char *pattern, const char *what, int B, int T, int v
         s->path = paths[i];
         data_load_shard(s);
         data_check_ids(s, vocab_size, what);
-        if (s->n_tokens < (uint64_t)T + 1)
-            data_fail("use more text per shard or a shorter model.seq_len",
-                      "%s: %llu tokens, too few for one sample of seq_len + 1 = %d tokens", s->path,
+        /* A short shard (the tail of a split, say) holds no sample; it is
+         * skipped, and only a glob with no sample at all is an error. */
+        s->n_samples = s->n_tokens > (uint64_t)T ? (s->n_tokens - 1) / (uint64_t)T : 0;
+        if (s->n_samples == 0)
+            kiln_warn("%s: %llu tokens, too few for one sample of seq_len + 1 = %d tokens: skipped", s->path,
                       (unsigned long long)s->n_tokens, T + 1);
-        s->n_samples = (s->n_tokens - 1) / (uint64_t)T;
         s->first_sample = dl->n_samples;
         dl->n_samples += s->n_samples;
         dl->n_tokens += s->n_tokens;
     }
+    if (dl->n_samples == 0)
+        data_fail("use more text per shard or a shorter model.seq_len",
+                  "%s: no shard matching '%s' holds one sample of seq_len + 1 = %d tokens (%s: %llu tokens, too "
+                  "few for one sample)", what, pattern, T + 1, dl->shards[0].path,
+                  (unsigned long long)dl->shards[0].n_tokens);
     free(paths);
     if (shuffle) {
         if (dl->n_samples > UINT32_MAX)

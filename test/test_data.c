@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zstd.h>
 
@@ -338,6 +339,22 @@ static void test_errors(void) {
     data_write_shard(tpath("small_000000.bin"), toks, T, 0); /* T tokens: one short of a sample */
     expect_fail("data_error_shard_too_small", tpath("small_*.bin"), T, 2048,
                 tpath("small_000000.bin"), "too few for one sample");
+    /* A short shard beside a full one (the tail of a split) is skipped, not fatal. */
+    toks[77] = 77;
+    data_write_shard(tpath("small_000001.bin"), toks, 200, 0);
+    {
+        DataLoader *dl = data_open(tpath("small_*.bin"), "data.train", 2, T, 256, 0, 1, 0, 1);
+        int ok = data_num_samples(dl) == (200 - 1) / T && data_num_shards(dl) == 2;
+        test_report(ok, "data_short_shard_skipped", "%llu samples in %d shards",
+                    (unsigned long long)data_num_samples(dl), data_num_shards(dl));
+        data_close(dl);
+    }
+    /* A FIFO matched by the glob must be refused, not block the run forever. */
+    if (mkfifo(tpath("fifo_000000.bin"), 0644) == 0)
+        expect_fail("data_error_not_regular_file", tpath("fifo_*.bin"), T, 256, tpath("fifo_000000.bin"),
+                    "not a regular file");
+    else
+        printf("skip data_error_not_regular_file: mkfifo failed\n");
 
     /* Corrupt zstd: flip bytes inside the compressed payload. */
     uint32_t *ramp = xmalloc(5000 * sizeof(uint32_t));
