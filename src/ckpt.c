@@ -420,8 +420,16 @@ static void w_sweep(CkptWriter *w) {
     while ((de = readdir(d))) {
         size_t l = strlen(de->d_name);
         if (strncmp(de->d_name, "step_", 5) || l < 9 || strcmp(de->d_name + l - 4, ".tmp")) continue;
-        char p[2048];
+        char p[2048], fin[2048];
         snprintf(p, sizeof p, "%s/%s", w->o.root, de->d_name);
+        /* step_N.old.tmp is a complete checkpoint moved aside for its
+         * replacement; if that never landed (killed between the renames),
+         * it goes back rather than away */
+        struct stat st;
+        if (l > 8 && strcmp(de->d_name + l - 8, ".old.tmp") == 0) {
+            snprintf(fin, sizeof fin, "%s/%.*s", w->o.root, (int)(l - 8), de->d_name);
+            if (stat(fin, &st) != 0 && rename(p, fin) == 0) continue;
+        }
         rm_rf(p);
     }
     closedir(d);
@@ -434,13 +442,16 @@ static int w_small_file(CkptWriter *w, const char *path, const char *text, size_
         werr(w, "%s: cannot create: %s", path, strerror(errno));
         return -1;
     }
-    int bad = w_write(w, text, len) != 0 || (endline && w_write(w, endline, strlen(endline)) != 0);
-    if (bad || fsync(w->fd) != 0 || close(w->fd) != 0) {
-        if (!bad) w->fd = -1;
-        werr(w, "%s: %s", path, strerror(errno));
+    int bad = w_write(w, text, len) != 0 || (endline && w_write(w, endline, strlen(endline)) != 0) ||
+              fsync(w->fd) != 0;
+    int e = errno;
+    /* close in every case: an fsync failure must not leak the descriptor */
+    if (close(w->fd) != 0 && !bad) bad = 1, e = errno;
+    w->fd = -1;
+    if (bad) {
+        werr(w, "%s: %s", path, strerror(e));
         return -1;
     }
-    w->fd = -1;
     return 0;
 }
 
@@ -507,6 +518,10 @@ static int w_job(CkptWriter *w) {
     char *text = NULL;
     size_t len = 0;
     FILE *mf = open_memstream(&text, &len);
+    if (!mf) {
+        werr(w, "%s: out of memory for the manifest", tmp);
+        goto err;
+    }
     if (!multi) w_manifest_head(w, mf);
     w_manifest_entries(w, mf, file, file_bytes);
     fclose(mf);
@@ -526,6 +541,7 @@ static int w_job(CkptWriter *w) {
             free(text);
             text = NULL, len = 0;
             mf = open_memstream(&text, &len);
+            if (!mf) kiln_fail(KILN_EXIT_RUNTIME, "%s: out of memory for the manifest", tmp);
             w_manifest_head(w, mf);
             for (int r = 0; r < w->meta.mesh.world && !failed; r++) {
                 snprintf(path, sizeof path, "%s/manifest.rank%05d", tmp, r);
@@ -562,6 +578,8 @@ static int w_job(CkptWriter *w) {
         if (!failed && (rename(tmp, fin) != 0 || fsync_dir(w->o.root) != 0)) {
             werr(w, "%s: rename into place: %s", fin, strerror(errno));
             failed = 1;
+            /* put the old checkpoint back: earlier checkpoints stay untouched */
+            if (replaced && stat(fin, &st) != 0) rename(old, fin);
         }
         if (!failed && replaced) rm_rf(old);
     }
@@ -750,6 +768,32 @@ static void man_free(Manifest *m) {
     memset(m, 0, sizeof *m);
 }
 
+
+static int mentry_by_name_lo(const void *a, const void *b) {
+    const MEntry *x = *(const MEntry *const *)a, *y = *(const MEntry *const *)b;
+    int c = strcmp(x->name, y->name);
+    if (c) return c;
+    return x->lo < y->lo ? -1 : x->lo > y->lo;
+}
+
+/* Pieces of one tensor must not overlap: the loader counts covered elements,
+ * and two copies of one range would hide a missing one. */
+static int manifest_check_overlap(const Manifest *m, const char *path, char *err, size_t cap) {
+    const MEntry **v = xmalloc((size_t)(m->n ? m->n : 1) * sizeof *v);
+    int k = 0;
+    for (int i = 0; i < m->n; i++)
+        if (m->e[i].kind == CKPT_TENSOR) v[k++] = &m->e[i];
+    qsort(v, (size_t)k, sizeof *v, mentry_by_name_lo);
+    int rc = 0;
+    for (int i = 1; i < k && rc == 0; i++)
+        if (!strcmp(v[i]->name, v[i - 1]->name) && v[i]->lo < v[i - 1]->hi)
+            rc = rerr(err, cap, "%s: pieces of '%s' overlap ([%llu,%llu) and [%llu,%llu))", path, v[i]->name,
+                      (unsigned long long)v[i - 1]->lo, (unsigned long long)v[i - 1]->hi,
+                      (unsigned long long)v[i]->lo, (unsigned long long)v[i]->hi);
+    free(v);
+    return rc;
+}
+
 static int man_read(const char *dir, Manifest *m, char *err, size_t cap) {
     memset(m, 0, sizeof *m);
     kiln_strlcpy(m->dir, dir, sizeof m->dir);
@@ -818,7 +862,7 @@ static int man_read(const char *dir, Manifest *m, char *err, size_t cap) {
     free(text);
     if (m->info.format == 0) return rerr(err, cap, "%s: empty manifest", path);
     if (!have_step) return rerr(err, cap, "%s: manifest has no step line", path);
-    return 0;
+    return manifest_check_overlap(m, path, err, cap);
 }
 
 /* Read piece e into out (e->bytes), verifying its checksum. */

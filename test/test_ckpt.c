@@ -127,6 +127,28 @@ int main(void) {
     test_report(rc != 0 && strstr(err, "rank00001.bin"), "ckpt_missing_piece_named", "rc %d: %s", rc, err);
     ckpt_table_free(&u);
 
+    /* a manifest (with a valid checksum) listing rank 1's half twice: the
+     * doubled piece must not pass for the missing first half */
+    char dup[2048];
+    snprintf(dup, sizeof dup, "%s/dup", root);
+    snprintf(cmd, sizeof cmd,
+             "cp -r '%s' '%s' && grep -v '^end' '%s/manifest' > '%s/m2' && grep '^entry' '%s/manifest' >> '%s/m2'",
+             d1, dup, d1, root, d1, root);
+    run(cmd);
+    snprintf(path, sizeof path, "%s/m2", root);
+    m = kiln_read_file(path, &mlen);
+    snprintf(endl, sizeof endl, "end crc32c=%08x\n", ckpt_crc32c(0, m, mlen));
+    snprintf(path, sizeof path, "%s/manifest", dup);
+    f = fopen(path, "w");
+    fwrite(m, 1, mlen, f), fputs(endl, f), fclose(f);
+    free(m);
+    ckpt_table_init(&u);
+    ckpt_add_tensor(&u, "w", CKPT_F32, 2, shape, 0, 24, w2, NULL, NULL);
+    err[0] = 0;
+    rc = ckpt_load(dup, &u, NULL, err, sizeof err);
+    test_report(rc != 0 && strstr(err, "overlap"), "ckpt_refuses_overlapping_pieces", "rc %d: %s", rc, err);
+    ckpt_table_free(&u);
+
     /* refusals: another shape, an entry the checkpoint lacks */
     ckpt_table_init(&u);
     int64_t other[2] = {4, 6};
