@@ -21,7 +21,8 @@ typedef enum { CT_INT, CT_INT64, CT_U64, CT_FLOAT, CT_BOOL, CT_STR, CT_ENUM, CT_
 
 enum {
     CF_HI_OPEN = 1, /* range is [lo, hi) rather than [lo, hi] */
-    CF_AUTO = 2     /* int key that also accepts `auto`, meaning 0 */
+    CF_AUTO = 2,    /* int key that also accepts `auto`, meaning 0 */
+    CF_LO_OPEN = 4  /* range is (lo, hi] rather than [lo, hi] */
 };
 
 typedef struct {
@@ -42,6 +43,7 @@ typedef struct {
 #define KI64(k, f, d, lo, hi, doc) {k, CT_INT64, FLD(f), 0, d, lo, hi, 0, NULL, doc}
 #define KU64(k, f, d, doc) {k, CT_U64, FLD(f), 0, d, 0, INFINITY, 0, NULL, doc}
 #define KFLT(k, f, d, lo, hi, doc) {k, CT_FLOAT, FLD(f), 0, d, lo, hi, 0, NULL, doc}
+#define KFLTF(k, f, d, lo, hi, fl, doc) {k, CT_FLOAT, FLD(f), 0, d, lo, hi, fl, NULL, doc}
 #define KBOOL(k, f, d, doc) {k, CT_BOOL, FLD(f), 0, d, 0, 0, 0, NULL, doc}
 #define KSTR(k, f, d, doc) {k, CT_STR, FLD(f), 0, d, 0, 0, 0, NULL, doc}
 #define KENUM(k, f, d, ch, doc) {k, CT_ENUM, FLD(f), 0, d, 0, 0, 0, ch, doc}
@@ -82,7 +84,9 @@ static const CfgKey cfg_keys[] = {
     KENUM("optim.name", optim_name, "adamw", "adamw", "optimizer"),
     KFLT("optim.lr", lr, "6.0e-4", 0, 10, "peak learning rate"),
     KPAIR("optim.betas", beta1, beta2, "[0.9, 0.95]", 0, 1, CF_HI_OPEN, "AdamW `[beta1, beta2]`"),
-    KFLT("optim.eps", eps, "1.0e-8", 0, 1, "AdamW epsilon"),
+    /* eps = 0 divides 0 by 0 wherever a gradient is always zero (the padded
+     * rows of wte), and the NaN spreads through the tied head */
+    KFLTF("optim.eps", eps, "1.0e-8", 0, 1, CF_LO_OPEN, "AdamW epsilon"),
     KFLT("optim.weight_decay", weight_decay, "0.1", 0, 10, "decoupled weight decay of the matrices"),
     KFLT("optim.grad_clip", grad_clip, "1.0", 0, 1e9, "clip the global gradient norm to this; 0 = off"),
     KBOOL("optim.decay_embeddings", decay_embeddings, "true", "apply weight decay to the embedding tables too"),
@@ -91,7 +95,7 @@ static const CfgKey cfg_keys[] = {
     KFLT("schedule.min_lr_ratio", min_lr_ratio, "0.1", 0, 1, "final learning rate as a fraction of `optim.lr`"),
     KFLT("schedule.decay_ratio", decay_ratio, "0.2", 0, 1, "`wsd`: fraction of the steps spent in the final decay"),
     KINTA("parallel.dp", dp, "auto", 0, INF, "data-parallel ranks; `auto` (or 0) = world size / (tp x pp x cp)"),
-    KINT("parallel.zero", zero, "0", 0, 3, "ZeRO stage over the dp group: 0 replicates everything, 1 shards optimizer state, 2 + gradients, 3 + parameters (this build: up to 2)"),
+    KINT("parallel.zero", zero, "0", 0, 3, "ZeRO stage over the dp group: 0 replicates everything, 1 shards optimizer state, 2 + gradients, 3 + parameters (FSDP: layers gathered for forward and backward)"),
     KINT("parallel.tp", tp, "1", 1, INF, "tensor-parallel ranks (this build: 1)"),
     KINT("parallel.pp", pp, "1", 1, INF, "pipeline stages (this build: 1)"),
     KINT("parallel.cp", cp, "1", 1, INF, "context-parallel ranks (this build: 1)"),
@@ -190,8 +194,9 @@ static void cfg_range_text(const CfgKey *k, int for_doc, char *buf, size_t cap) 
         if (for_doc && isinf(k->hi)) snprintf(buf, cap, ">= %lld", (long long)k->lo);
         else snprintf(buf, cap, "[%lld, %lld]", (long long)k->lo, (long long)cfg_int_hi(k));
     } else if (k->type == CT_FLOAT || k->type == CT_PAIR) {
-        if (isinf(k->hi)) snprintf(buf, cap, ">= %g", k->lo);
-        else snprintf(buf, cap, "[%g, %g%c", k->lo, k->hi, (k->flags & CF_HI_OPEN) ? ')' : ']');
+        if (isinf(k->hi)) snprintf(buf, cap, "%s %g", (k->flags & CF_LO_OPEN) ? ">" : ">=", k->lo);
+        else snprintf(buf, cap, "%c%g, %g%c", (k->flags & CF_LO_OPEN) ? '(' : '[', k->lo, k->hi,
+                      (k->flags & CF_HI_OPEN) ? ')' : ']');
     } else if (k->type == CT_ENUM) {
         size_t n = 0;
         for (const char *c = k->choices; *c && n + 8 < cap; c++) {
@@ -314,7 +319,8 @@ static int cfg_parse_float(const CfgKey *k, const yaml_node_t *n, float *out) {
     double d = strtod(s, &end);
     if (end == s || *end || isnan(d)) return -1;
     float v = (float)d; /* range applies to the value actually stored */
-    if (!(v >= k->lo) || v > k->hi || ((k->flags & CF_HI_OPEN) && v >= k->hi)) return -1;
+    if (!(v >= k->lo) || v > k->hi || ((k->flags & CF_HI_OPEN) && v >= k->hi) || ((k->flags & CF_LO_OPEN) && v <= k->lo))
+        return -1;
     *out = v;
     return 0;
 }
@@ -545,17 +551,16 @@ static const char *cfg_where_of(CfgLoad *L, const char *a, const char *b) {
 
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {
     static const struct { const char *key; size_t off; int lo, hi; } limits[] = {
-        {"parallel.zero", offsetof(Config, zero), 0, 2}, {"parallel.tp", offsetof(Config, tp), 1, 1},
-        {"parallel.pp", offsetof(Config, pp), 1, 1},     {"parallel.cp", offsetof(Config, cp), 1, 1},
+        {"parallel.tp", offsetof(Config, tp), 1, 1},
+        {"parallel.pp", offsetof(Config, pp), 1, 1},
+        {"parallel.cp", offsetof(Config, cp), 1, 1},
         {"parallel.ep", offsetof(Config, ep), 1, 1},
     };
     for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++) {
         int v = *(const int *)((const char *)c + limits[i].off);
         if (v < limits[i].lo || v > limits[i].hi) {
-            const char *only = limits[i].hi == 2 ? "0, 1 or 2" : "1";
-            kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': only %s is supported in this build, got %d (%s is not implemented yet)",
-                      cfg_where_of(L, limits[i].key, NULL), limits[i].key, only, v,
-                      limits[i].hi == 2 ? "ZeRO-3 / FSDP" : "this kind of parallelism");
+            kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': only 1 is supported in this build, got %d (this kind of "
+                      "parallelism is not implemented yet)", cfg_where_of(L, limits[i].key, NULL), limits[i].key, v);
         }
     }
     /* the global batch splits evenly over the dp ranks (auto is checked at launch) */

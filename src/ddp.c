@@ -3,7 +3,9 @@
  * gradients are not contiguous; but within each of the two groups the tensors
  * lie in listing order, and the backward pass completes them from the last
  * layer to the first. The tensors complete after layer l's backward are
- * therefore a suffix of each group, and a bucket is two contiguous ranges. */
+ * therefore a suffix of each group, and a bucket is two contiguous ranges.
+ * ZeRO-3 lays the arena out by layer instead and shards each layer: see the
+ * ZeRO-3 section below and docs/parallel.md. */
 #include "ddp.h"
 
 #include <math.h>
@@ -79,6 +81,169 @@ static void plan_buckets(Ddp *d, size_t bucket_floats) {
     d->req = xcalloc((size_t)(2 * d->nb), sizeof(CommRequest));
 }
 
+/* ---------------------------------------------------------------- ZeRO-3 */
+
+static void z3_pre_hook(void *ctx, int layer, int backward);
+static void z3_post_hook(void *ctx, int layer);
+
+/* Plan the unit shards and the optimizer's segments; allocate the shard,
+ * gather and gradient buffers (planned once: nothing is allocated per step). */
+static void z3_init(Ddp *d) {
+    Model *m = d->m;
+    const Backend *be = m->be;
+    int L = m->shape.n_layer;
+    model_layout_by_unit(m);
+    d->z3 = 1;
+    d->nu = m->n_units;
+    d->us = xcalloc((size_t)d->nu, sizeof(ShardRange));
+    d->at = xcalloc((size_t)d->nu, sizeof(size_t));
+    d->seg = xcalloc((size_t)m->num_tensors, sizeof(OptimSegment));
+    size_t layer_block = 0;
+    for (int u = 0; u < d->nu; u++) {
+        d->us[u] = mesh_shard_range(m->unit_len[u], d->dp, d->rank, 64);
+        d->at[u] = d->shard_len;
+        d->shard_len += d->us[u].block;
+        if (u < L && d->us[u].block > layer_block) layer_block = d->us[u].block;
+    }
+    /* each tensor's part inside this rank's block of its unit */
+    for (int i = 0; i < m->num_tensors; i++) {
+        const ParamInfo *p = &m->params[i];
+        int u = model_unit_of(m, i);
+        size_t lo = m->unit_off[u] + d->us[u].lo, hi = m->unit_off[u] + d->us[u].hi;
+        size_t a = p->offset > lo ? p->offset : lo, b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
+        if (a >= b) continue;
+        d->seg[d->nseg++] = (OptimSegment){d->at[u] + (a - lo), b - a, p->decay};
+    }
+    d->pshard = be->alloc((d->shard_len + 1) * sizeof(float));
+    d->gshard = be->alloc((d->shard_len + 1) * sizeof(float));
+    for (int s = 0; s < 2; s++) {
+        d->pbuf[s] = be->alloc((layer_block * d->dp + 1) * sizeof(float));
+        d->gbuf[s] = be->alloc((layer_block * d->dp + 1) * sizeof(float));
+        d->rs_tmp[s] = be->alloc((layer_block + 1) * sizeof(float));
+        d->held[s] = d->rlayer[s] = -1;
+    }
+    d->prest = be->alloc(d->us[L].padded_n * sizeof(float));
+    d->grest = be->alloc(d->us[L].padded_n * sizeof(float));
+}
+
+void ddp_shard_params(Ddp *d) {
+    if (!d->z3) return;
+    Model *m = d->m;
+    const Backend *be = m->be;
+    for (int u = 0; u < d->nu; u++)
+        be->copy(d->pshard + d->at[u], m->param_mem + m->unit_off[u] + d->us[u].lo,
+                 (d->us[u].hi - d->us[u].lo) * sizeof(float));
+    be->free(m->param_mem);
+    be->free(m->grad_mem);
+    m->param_mem = m->grad_mem = NULL;
+    int L = m->shape.n_layer;
+    for (int l = 0; l < L; l++) model_bind_unit(m, l, d->pbuf[l % 2], d->gbuf[l % 2]);
+    model_bind_unit(m, L, d->prest, d->grest);
+    m->layer_grads_fresh = 1;
+    m->pre_hook = z3_pre_hook;
+    m->hook = z3_post_hook;
+    m->hook_ctx = d;
+}
+
+static void blocked(Ddp *d, double t0) {
+    double dt = kiln_now() - t0;
+    d->blocked_s += dt, d->step_blocked_s += dt;
+}
+
+/* Post the all-gather of layer l's parameters into its slot (prefetch). */
+static void z3_post_gather(Ddp *d, int l) {
+    int s = l % 2;
+    if (l < 0 || l >= d->m->shape.n_layer || d->held[s] == l) return;
+    if (d->greq[s].active) comm_wait(&d->greq[s]); /* never expected: the slot's last layer is done */
+    comm_iall_gather(d->g, d->pshard + d->at[l], d->pbuf[s], d->us[l].block, &d->greq[s]);
+    d->held[s] = l;
+}
+
+/* Layer l's parameters are in pbuf[l % 2] when this returns. */
+static void z3_need(Ddp *d, int l) {
+    int s = l % 2;
+    z3_post_gather(d, l);
+    if (d->greq[s].active) {
+        double t0 = kiln_now();
+        comm_wait(&d->greq[s]);
+        blocked(d, t0);
+    }
+}
+
+/* Finish the reduce-scatter from gbuf[slot] and add it to the layer's shard. */
+static void z3_finish_rs(Ddp *d, int s) {
+    int l = d->rlayer[s];
+    if (l < 0) return;
+    double t0 = kiln_now();
+    comm_wait(&d->rreq[s]);
+    blocked(d, t0);
+    float *dst = d->gshard + d->at[l];
+    size_t n = d->us[l].block;
+    if (d->first) d->m->be->copy(dst, d->rs_tmp[s], n * sizeof(float));
+    else d->m->be->add(dst, dst, d->rs_tmp[s], n);
+    d->rlayer[s] = -1;
+}
+
+static void z3_pre_hook(void *ctx, int layer, int backward) {
+    Ddp *d = ctx;
+    if (layer < 0) {
+        if (!d->rest_held) {
+            double t0 = kiln_now();
+            int L = d->m->shape.n_layer;
+            comm_all_gather(d->g, d->pshard + d->at[L], d->prest, d->us[L].block);
+            blocked(d, t0);
+            d->rest_held = 1;
+        }
+        z3_post_gather(d, 0);
+        return;
+    }
+    if (backward) z3_finish_rs(d, layer % 2); /* gbuf[slot] is about to be overwritten */
+    z3_need(d, layer);
+    z3_post_gather(d, backward ? layer - 1 : layer + 1);
+}
+
+/* After layer l's backward: reduce-scatter its gradients (every micro-batch:
+ * at most two layers' whole gradients ever exist); after the embeddings' on
+ * the last micro-batch, the accumulated wte/wpe/ln_f gradients. */
+static void z3_post_hook(void *ctx, int layer) {
+    Ddp *d = ctx;
+    Model *m = d->m;
+    if (layer >= 0) {
+        int s = layer % 2;
+        m->be->sync();
+        comm_ireduce_scatter(d->g, d->gbuf[s], d->rs_tmp[s], d->us[layer].block, &d->rreq[s]);
+        d->rlayer[s] = layer;
+        /* MPI progresses only inside MPI calls: the prefetch of layer l-1
+         * and layer l+1's reduce-scatter share the other slot */
+        if (d->greq[1 - s].active) comm_test(&d->greq[1 - s]);
+        if (d->rreq[1 - s].active) comm_test(&d->rreq[1 - s]);
+        return;
+    }
+    double t0 = kiln_now();
+    for (int s = 0; s < 2; s++) z3_finish_rs(d, s);
+    if (d->last) {
+        int L = m->shape.n_layer;
+        m->be->sync();
+        comm_reduce_scatter(d->g, d->grest, d->gshard + d->at[L], d->us[L].block);
+    }
+    blocked(d, t0);
+}
+
+/* The global gradient norm from every rank's shard (padding is zero). */
+static double z3_norm(Ddp *d) {
+    double t0 = kiln_now();
+    double sq = d->m->be->sumsq(d->gshard, d->shard_len);
+    comm_all_reduce_sum_f64(d->g, &sq, 1);
+    blocked(d, t0);
+    return sqrt(sq);
+}
+
+void ddp_micro_begin(Ddp *d, int first, int last) {
+    d->first = first, d->last = last;
+    if (first) d->step_blocked_s = 0;
+    if (!d->z3 && last) ddp_arm(d);
+}
+
 void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes) {
     memset(d, 0, sizeof *d);
     d->m = m;
@@ -90,6 +255,12 @@ void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes) {
         kiln_fail(KILN_EXIT_USAGE,
                   "parallel.dp = %d: data parallelism on the '%s' backend (device buffers, NCCL) is not wired yet; "
                   "this build runs it on device: cpu", d->dp, m->be->name);
+    /* ZeRO-3 on one rank has nothing to shard: it is plain training */
+    if (zero == 3 && !d->g) d->zero = zero = 0;
+    if (zero == 3) {
+        z3_init(d);
+        return;
+    }
     d->shard = mesh_shard_range(m->num_params, d->dp, d->rank, 64);
     if (zero >= 1) model_pad_arenas(m, d->shard.padded_n);
     if (zero >= 2) d->grad_shard = m->be->alloc(d->shard.block * sizeof(float));
@@ -98,14 +269,21 @@ void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes) {
 }
 
 void ddp_free(Ddp *d) {
-    if (d->grad_shard) d->m->be->free(d->grad_shard);
+    const Backend *be = d->m->be;
+    if (d->grad_shard) be->free(d->grad_shard);
+    if (d->z3) {
+        be->free(d->pshard), be->free(d->gshard), be->free(d->prest), be->free(d->grest);
+        for (int s = 0; s < 2; s++) be->free(d->pbuf[s]), be->free(d->gbuf[s]), be->free(d->rs_tmp[s]);
+        free(d->us), free(d->at), free(d->seg);
+    }
     free(d->b);
     free(d->req);
     memset(d, 0, sizeof *d);
 }
 
 void ddp_optim_range(const Ddp *d, size_t *lo, size_t *hi) {
-    if (d->zero >= 1) *lo = d->shard.lo, *hi = d->shard.hi;
+    if (d->z3) *lo = 0, *hi = d->shard_len;
+    else if (d->zero >= 1) *lo = d->shard.lo, *hi = d->shard.hi;
     else *lo = 0, *hi = d->m->num_params;
 }
 
@@ -135,6 +313,7 @@ void ddp_arm(Ddp *d) {
 double ddp_reduce_grads(Ddp *d) {
     Model *m = d->m;
     const Backend *be = m->be;
+    if (d->z3) return z3_norm(d);
     m->hook = NULL;
     m->hook_ctx = NULL;
     if (!d->g) return sqrt(be->sumsq(m->grad_mem, m->num_params));
@@ -161,6 +340,12 @@ double ddp_reduce_grads(Ddp *d) {
 
 OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
     Model *m = d->m;
+    if (d->z3) {
+        OptimStepInfo info = optim_step_segments(o, d->pshard, d->gshard, d->seg, d->nseg, lr, grad_norm);
+        /* the gathered copies are stale now: the next forward gathers again */
+        d->held[0] = d->held[1] = -1, d->rest_held = 0;
+        return info;
+    }
     if (d->zero == 0) return optim_step_norm(o, m->param_mem, m->grad_mem, lr, grad_norm);
     const float *grads = d->zero >= 2 ? d->grad_shard : m->grad_mem + d->shard.lo;
     OptimStepInfo info = optim_step_norm(o, m->param_mem + d->shard.lo, grads, lr, grad_norm);

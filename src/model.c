@@ -32,30 +32,61 @@ static void add_param(Model *m, int *count, const char *name, int d0, int d1, in
     p->decay = decay;
 }
 
-static float *view(float *base, const Model *m, int idx) { return base + m->params[idx].offset; }
+/* The view pointer of table entry `i` in `v`. */
+static float **view_slot(const Model *m, ParamViews *v, int i) {
+    int L = m->shape.n_layer;
+    if (i == 0) return &v->wte;
+    if (i == 1) return &v->wpe;
+    if (i == 2 + 12 * L) return &v->lnfw;
+    if (i == 3 + 12 * L) return &v->lnfb;
+    LayerParams *lp = &v->layer[(i - 2) / 12];
+    float **slots[12] = {&lp->ln1w,     &lp->ln1b, &lp->qkvw, &lp->qkvb, &lp->attprojw, &lp->attprojb,
+                         &lp->ln2w,     &lp->ln2b, &lp->fcw,  &lp->fcb,  &lp->fcprojw,  &lp->fcprojb};
+    return slots[(i - 2) % 12];
+}
 
-/* Point the per-layer views of `v` into arena `base`, by table index. */
+/* Point the views of `v` into arena `base`, by table index. */
 static void bind_views(const Model *m, float *base, ParamViews *v) {
-    int i = 0;
-    v->wte = view(base, m, i++);
-    v->wpe = view(base, m, i++);
-    for (int l = 0; l < m->shape.n_layer; l++) {
-        LayerParams *lp = &v->layer[l];
-        lp->ln1w = view(base, m, i++);
-        lp->ln1b = view(base, m, i++);
-        lp->qkvw = view(base, m, i++);
-        lp->qkvb = view(base, m, i++);
-        lp->attprojw = view(base, m, i++);
-        lp->attprojb = view(base, m, i++);
-        lp->ln2w = view(base, m, i++);
-        lp->ln2b = view(base, m, i++);
-        lp->fcw = view(base, m, i++);
-        lp->fcb = view(base, m, i++);
-        lp->fcprojw = view(base, m, i++);
-        lp->fcprojb = view(base, m, i++);
+    for (int i = 0; i < m->num_tensors; i++) *view_slot(m, v, i) = base + m->params[i].offset;
+}
+
+int model_unit_of(const Model *m, int i) {
+    int L = m->shape.n_layer;
+    return i >= 2 && i < 2 + 12 * L ? (i - 2) / 12 : L;
+}
+
+void model_layout_by_unit(Model *m) {
+    int L = m->shape.n_layer;
+    m->n_units = L + 1;
+    m->unit_off = xcalloc((size_t)m->n_units, sizeof(size_t));
+    m->unit_len = xcalloc((size_t)m->n_units, sizeof(size_t));
+    size_t off = 0;
+    for (int u = 0; u < m->n_units; u++) {
+        m->unit_off[u] = off;
+        for (int i = 0; i < m->num_tensors; i++) {
+            if (model_unit_of(m, i) != u) continue;
+            m->params[i].offset = off;
+            off += (m->params[i].numel + 15) / 16 * 16;
+        }
+        m->unit_len[u] = off - m->unit_off[u];
     }
-    v->lnfw = view(base, m, i++);
-    v->lnfb = view(base, m, i++);
+    m->num_decay = 0;
+    m->num_params = m->arena_len = off;
+    m->be->free(m->param_mem);
+    m->be->free(m->grad_mem);
+    m->param_mem = m->be->alloc(off * sizeof(float));
+    m->grad_mem = m->be->alloc(off * sizeof(float));
+    bind_views(m, m->param_mem, &m->p);
+    bind_views(m, m->grad_mem, &m->g);
+}
+
+void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf) {
+    for (int i = 0; i < m->num_tensors; i++) {
+        if (model_unit_of(m, i) != u) continue;
+        size_t at = m->params[i].offset - m->unit_off[u];
+        *view_slot(m, &m->p, i) = pbuf + at;
+        *view_slot(m, &m->g, i) = gbuf + at;
+    }
 }
 
 void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings) {
@@ -125,6 +156,8 @@ void model_free(Model *m) {
     free(m->g.layer);
     free(m->acts);
     free(m->losses_host);
+    free(m->unit_off);
+    free(m->unit_len);
     memset(m, 0, sizeof *m);
 }
 
@@ -253,9 +286,11 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     int N = B * T, C = s->n_embd, NH = s->n_head, L = s->n_layer;
     be->to_device(m->tokens_dev, tokens, (size_t)N * sizeof(int32_t));
 
+    if (m->pre_hook) m->pre_hook(m->hook_ctx, -1, 0);
     be->embed_forward(m->encoded, m->tokens_dev, m->p.wte, m->p.wpe, B, T, C);
     const float *x = m->encoded; /* (N,C) residual stream entering layer l */
     for (int l = 0; l < L; l++) {
+        if (m->pre_hook) m->pre_hook(m->hook_ctx, l, 0);
         const LayerParams *w = &m->p.layer[l];
         LayerActs *a = &m->acts[l];
         /* The projections' outputs live in scratch only until the residual
@@ -310,25 +345,28 @@ void model_backward(Model *m, int accumulate) {
     be->zero(dresidual, NC * sizeof(float));
     be->layernorm_backward(dresidual, m->g.lnfw, m->g.lnfb, dln, x_last, m->p.lnfw, m->lnf_mean, m->lnf_rstd,
                            N, C, accumulate);
+    /* ZeRO-3: each backward writes fresh layer gradients; the caller adds them up */
+    int acc_layer = accumulate && !m->layer_grads_fresh;
     for (int l = L - 1; l >= 0; l--) {
+        if (m->pre_hook) m->pre_hook(m->hook_ctx, l, 1);
         const LayerParams *w = &m->p.layer[l];
         const LayerParams *gw = &m->g.layer[l];
         const LayerActs *a = &m->acts[l];
         const float *x_in = l > 0 ? m->acts[l - 1].res3 : m->encoded;
         /* MLP: res3 = res2 + c_proj(gelu(c_fc(ln2(res2)))) */
         be->matmul_backward(dbuf, gw->fcprojw, gw->fcprojb, dresidual, a->fch_gelu, w->fcprojw, N, 4 * C, C,
-                            accumulate);
+                            acc_layer);
         be->gelu_backward(dbuf2, a->fch, dbuf, (size_t)N * 4 * C);
-        be->matmul_backward(dln, gw->fcw, gw->fcb, dbuf2, a->ln2, w->fcw, N, C, 4 * C, accumulate);
+        be->matmul_backward(dln, gw->fcw, gw->fcb, dbuf2, a->ln2, w->fcw, N, C, 4 * C, acc_layer);
         be->layernorm_backward(dresidual, gw->ln2w, gw->ln2b, dln, a->res2, w->ln2w, a->ln2_mean, a->ln2_rstd, N,
-                               C, accumulate);
+                               C, acc_layer);
         /* attention: res2 = x_in + c_proj(attn(c_attn(ln1(x_in)))) */
         be->matmul_backward(dbuf, gw->attprojw, gw->attprojb, dresidual, a->atty, w->attprojw, N, C, C,
-                            accumulate);
+                            acc_layer);
         be->attention_backward(dqkv, dbuf, a->qkv, a->atty, a->att_lse, B, T, C, NH);
-        be->matmul_backward(dln, gw->qkvw, gw->qkvb, dqkv, a->ln1, w->qkvw, N, C, 3 * C, accumulate);
+        be->matmul_backward(dln, gw->qkvw, gw->qkvb, dqkv, a->ln1, w->qkvw, N, C, 3 * C, acc_layer);
         be->layernorm_backward(dresidual, gw->ln1w, gw->ln1b, dln, x_in, w->ln1w, a->ln1_mean, a->ln1_rstd, N, C,
-                               accumulate);
+                               acc_layer);
         if (m->hook) m->hook(m->hook_ctx, l);
     }
     be->embed_backward(m->g.wte, m->g.wpe, dresidual, m->tokens_dev, B, T, C, accumulate);

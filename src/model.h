@@ -14,7 +14,8 @@
  *                h.i.mlp.c_proj.weight (C,4C)   h.i.mlp.c_proj.bias (C)
  *   ln_f.weight (C)  ln_f.bias (C)
  * The output head is tied to wte. In memory the arena holds the weight-decayed
- * tensors first, then the rest, so the optimizer updates two contiguous ranges. */
+ * tensors first, then the rest, so the optimizer updates two contiguous ranges
+ * (ZeRO-3 lays it out layer by layer instead: model_layout_by_unit). */
 #ifndef KILN_MODEL_H
 #define KILN_MODEL_H
 
@@ -72,6 +73,11 @@ typedef struct LayerActs {
  * the embeddings' are too. Lets the caller start reducing gradients while the
  * backward pass goes on; model.c itself never communicates. */
 typedef void (*ModelBackwardHook)(void *ctx, int layer);
+/* ZeRO-3: called before layer `layer`'s forward (layer = -1: before the
+ * embeddings, when wte/wpe/ln_f must be present) and before its backward
+ * (backward = 1), so the caller can gather that layer's parameters into the
+ * buffers the views point at. */
+typedef void (*ModelLayerHook)(void *ctx, int layer, int backward);
 
 typedef struct Model {
     ModelShape shape;
@@ -87,7 +93,17 @@ typedef struct Model {
     size_t arena_len; /* num_params, or more after model_pad_arenas (ZeRO's equal blocks) */
     ModelBackwardHook hook; /* NULL: none (see ModelBackwardHook) */
     void *hook_ctx;
+    ModelLayerHook pre_hook; /* NULL: none; shares hook_ctx */
     ParamViews p, g;
+
+    /* ZeRO-3 (model_layout_by_unit): the arena is laid out unit by unit
+     * (unit l < n_layer: layer l's 12 tensors; unit n_layer: wte, wpe, ln_f),
+     * each unit's tensors in listing order, and the views may point into
+     * per-unit buffers (model_bind_unit). n_units = 0: decayed-first layout. */
+    int n_units;
+    size_t *unit_off, *unit_len; /* [n_units] arena range of each unit */
+    int layer_grads_fresh;       /* 1: layer gradients are overwritten by every
+                                    backward (the caller accumulates them) */
 
     /* Activations, planned for micro-batch B x T (model_plan_activations). */
     int B, T;           /* planned capacity */
@@ -115,6 +131,17 @@ void model_free(Model *m);
 /* Grow both arenas to n >= num_params floats (zero padding at the end), so a
  * flat arena splits into equal ZeRO blocks. Keeps the parameter values. */
 void model_pad_arenas(Model *m, size_t n);
+
+/* ZeRO-3: lay both arenas out unit by unit (see Model.n_units) instead of
+ * decayed-first; tensor names and shapes stay, offsets change, values are not
+ * kept (call before initialising or loading weights). num_decay becomes 0:
+ * the optimizer then asks each tensor's ParamInfo.decay. */
+void model_layout_by_unit(Model *m);
+/* Unit of tensor `i` (table index) under model_layout_by_unit. */
+int model_unit_of(const Model *m, int i);
+/* Point unit u's parameter and gradient views at pbuf and gbuf, which hold
+ * the unit's arena range [unit_off[u], unit_off[u] + unit_len[u]). */
+void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf);
 
 /* GPT-2 initialisation: N(0, 0.02) weights and embeddings, residual
  * projections (attn.c_proj, mlp.c_proj weights) scaled by 1/sqrt(2*n_layer),

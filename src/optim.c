@@ -74,7 +74,8 @@ OptimStepInfo optim_step(AdamW *o, float *params, const float *grads, float lr) 
     return optim_step_norm(o, params + o->lo, grads + o->lo, lr, sqrt(o->be->sumsq(grads, o->n)));
 }
 
-OptimStepInfo optim_step_norm(AdamW *o, float *params, const float *grads, float lr, double grad_norm) {
+/* The norm check and clipping factor shared by the step functions. */
+static OptimStepInfo step_begin(AdamW *o, double grad_norm) {
     OptimStepInfo info = {0};
     info.grad_norm = grad_norm;
     info.grad_scale = 1.0f;
@@ -89,6 +90,24 @@ OptimStepInfo optim_step_norm(AdamW *o, float *params, const float *grads, float
         if (coef < 1.0) info.grad_scale = (float)coef;
     }
     o->t++;
+    return info;
+}
+
+OptimStepInfo optim_step_segments(AdamW *o, float *params, const float *grads, const OptimSegment *seg, int nseg,
+                                  float lr, double grad_norm) {
+    OptimStepInfo info = step_begin(o, grad_norm);
+    if (info.nonfinite) return info;
+    for (int i = 0; i < nseg; i++) {
+        size_t k = seg[i].off;
+        o->be->adamw_update(params + k, grads + k, o->m + k, o->v + k, seg[i].n, lr, o->beta1, o->beta2, o->eps,
+                            seg[i].decay ? o->weight_decay : 0.0f, info.grad_scale, o->t);
+    }
+    return info;
+}
+
+OptimStepInfo optim_step_norm(AdamW *o, float *params, const float *grads, float lr, double grad_norm) {
+    OptimStepInfo info = step_begin(o, grad_norm);
+    if (info.nonfinite) return info;
     const Backend *be = o->be;
     size_t n = o->hi - o->lo;
     /* decayed elements of the range: [lo, min(hi, n_decay)) */

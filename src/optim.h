@@ -57,4 +57,15 @@ OptimStepInfo optim_step(AdamW *o, float *params, const float *grads, float lr);
  * the weight-decay boundary clipped into the range. */
 OptimStepInfo optim_step_norm(AdamW *o, float *params, const float *grads, float lr, double grad_norm);
 
+/* ZeRO-3: a run of `n` elements at `off` of the shard buffers (params, grads,
+ * m and v alike), all weight-decayed or all not. */
+typedef struct OptimSegment {
+    size_t off, n;
+    int decay;
+} OptimSegment;
+/* One step over the segments (the optimizer state holds the whole shard:
+ * optim_init_shard(..., 0, shard_len)), with the caller's global norm. */
+OptimStepInfo optim_step_segments(AdamW *o, float *params, const float *grads, const OptimSegment *seg, int nseg,
+                                  float lr, double grad_norm);
+
 #endif

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ddp.h"
 #include "metrics.h"
 #include "resume.h"
 #include "stop.h"
@@ -53,6 +54,13 @@ static void add_range(CkptTable *t, Model *m, float *base, size_t lo, size_t hi,
     }
 }
 
+/* ZeRO-3: this rank's block of every unit, stored back to back at base
+ * (d->at[u]): the parameters (pshard) or an optimizer moment. */
+static void add_unit_blocks(CkptTable *t, Model *m, const Ddp *d, float *base, const char *prefix) {
+    for (int u = 0; u < d->nu; u++)
+        add_range(t, m, base + d->at[u], m->unit_off[u] + d->us[u].lo, m->unit_off[u] + d->us[u].hi, prefix);
+}
+
 static char *resolved_text(const Config *c) {
     char *text = NULL;
     size_t len = 0;
@@ -82,6 +90,9 @@ int state_init_from(Model *m, const char *dir) {
 static void state_fresh(RunState *s, int dirty) {
     const Config *c = s->c;
     if (dirty) {
+        if (s->mesh.z3)
+            kiln_fail(KILN_EXIT_RUNTIME, "a checkpoint failed after part of it was loaded into ZeRO-3 shards; "
+                                         "start fresh or resume another checkpoint (--resume PATH)");
         if (!c->init_from[0]) model_init_weights(s->m, c->seed);
         else if (!state_init_from(s->m, c->init_from)) model_load_llmc(s->m, c->init_from);
         s->o->be->zero(s->o->m, (s->o->hi - s->o->lo) * sizeof(float));
@@ -120,9 +131,16 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
      * run's blobs (rank 0's) and rank 0's RNG (other ranks read theirs below) */
     CkptTable *t = &s->table;
     ckpt_table_init(t);
-    add_params(t, m, m->param_mem, "");
-    add_range(t, m, o->m, o->lo, o->hi, "optim.m/");
-    add_range(t, m, o->v, o->lo, o->hi, "optim.v/");
+    const Ddp *z3 = s->mesh.z3;
+    if (z3) {
+        add_unit_blocks(t, m, z3, z3->pshard, "");
+        add_unit_blocks(t, m, z3, o->m, "optim.m/");
+        add_unit_blocks(t, m, z3, o->v, "optim.v/");
+    } else {
+        add_params(t, m, m->param_mem, "");
+        add_range(t, m, o->m, o->lo, o->hi, "optim.m/");
+        add_range(t, m, o->v, o->lo, o->hi, "optim.v/");
+    }
     ckpt_add_blob(t, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
     ckpt_add_blob(t, "train.step", CKPT_I64, 1, 1, &s->step);
     ckpt_add_blob(t, "train.tokens", CKPT_I64, 1, 1, &s->tokens);
@@ -132,9 +150,14 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     /* what this rank writes */
     CkptTable *w = &s->save_table;
     ckpt_table_init(w);
-    if (rank == 0) add_params(w, m, m->param_mem, "");
     int opt_sharded = o->lo != 0 || o->hi != m->num_params;
-    if (rank == 0 || opt_sharded) {
+    if (z3) {
+        /* every rank writes its blocks of the parameters and moments */
+        add_unit_blocks(w, m, z3, z3->pshard, "");
+        add_unit_blocks(w, m, z3, o->m, "optim.m/");
+        add_unit_blocks(w, m, z3, o->v, "optim.v/");
+    } else if (rank == 0) add_params(w, m, m->param_mem, "");
+    if (!z3 && (rank == 0 || opt_sharded)) {
         add_range(w, m, o->m, o->lo, o->hi, "optim.m/");
         add_range(w, m, o->v, o->lo, o->hi, "optim.v/");
     }
@@ -199,7 +222,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
             int n = rank == 0 ? ckpt_list(op->root, &paths, &steps) : 0;
             if (n > 0 && steps[0] > info.step)
                 kiln_warn("%s holds newer checkpoints (up to step %lld) than the one resumed; they are replaced as "
-                          "this run passes their steps, and until then --resume auto would pick them",
+                          "this run passes their steps (--resume auto and keep_last follow 'latest' and ignore them)",
                           op->root, (long long)steps[0]);
             if (rank == 0) ckpt_list_free(paths, steps, n);
             char mesh_note[160] = "";

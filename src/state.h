@@ -21,6 +21,8 @@
 typedef struct StateMesh {
     int rank, world, dp, zero;
     CommGroup *g;
+    const struct Ddp *z3; /* ZeRO-3: parameters and optimizer state live in its
+                             shard buffers, unit by unit; NULL otherwise */
 } StateMesh;
 
 struct Metrics;

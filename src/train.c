@@ -55,11 +55,28 @@ static void print_plan(const Config *c, const ModelShape *s) {
     size_t shard = (params + (size_t)dp - 1) / (size_t)dp;
     printf("  memory per rank        dp %d%s, ZeRO %d\n", dp, c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)",
            c->zero);
-    print_bytes("parameters", (double)params * 4);
-    /* the backward pass accumulates into a whole gradient arena on every
-     * rank; ZeRO-2 reduce-scatters it into a 1/dp shard the optimizer reads */
-    print_bytes(c->zero >= 2 ? "gradients (+ 1/dp shard)" : "gradients", (double)params * 4 + (c->zero >= 2 ? shard * 4.0 : 0));
-    print_bytes(c->zero >= 1 ? "optimizer state (1/dp)" : "optimizer state", (double)(c->zero >= 1 ? shard : params) * 8);
+    if (c->zero == 3 && dp > 1) {
+        /* ZeRO-3 (ddp.c): a 1/dp shard of everything, plus two layers
+         * gathered (one computing, one prefetched) and wte/wpe/ln_f gathered
+         * for the whole forward and backward; gradients likewise: two layers'
+         * whole gradients and the embeddings', reduce-scattered into the shard */
+        double layer = 12.0 * C * C + 13.0 * C, rest = (double)params - L * layer;
+        print_bytes("parameters (1/dp)", (double)shard * 4);
+        print_bytes("  + gathered", (2 * layer + rest) * 4);
+        print_bytes("gradients (1/dp)", (double)shard * 4);
+        print_bytes("  + unreduced", (2 * layer + rest) * 4);
+        print_bytes("optimizer state (1/dp)", (double)shard * 8);
+        print_bytes("params + grads + optim", ((double)shard * 16 + (2 * layer + rest) * 8));
+    } else {
+        print_bytes("parameters", (double)params * 4);
+        /* the backward pass accumulates into a whole gradient arena on every
+         * rank; ZeRO-2 reduce-scatters it into a 1/dp shard the optimizer reads */
+        double grads = (double)params * 4 + (c->zero >= 2 ? shard * 4.0 : 0);
+        print_bytes(c->zero >= 2 ? "gradients (+ 1/dp shard)" : "gradients", grads);
+        double optb = (double)(c->zero >= 1 ? shard : params) * 8;
+        print_bytes(c->zero >= 1 ? "optimizer state (1/dp)" : "optimizer state", optb);
+        print_bytes("params + grads + optim", (double)params * 4 + grads + optb);
+    }
     print_bytes("activations", (double)model_activation_bytes(s, c->micro_batch, s->seq_len));
     printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps x %d ranks)\n",
            (long long)tokens_per_step, c->micro_batch, c->seq_len, c->grad_accum / dp, dp);
@@ -157,6 +174,7 @@ static void generate(Model *m, const Config *c, const Tokenizer *tok, uint64_t s
         }
         ctx[n++] = next;
         size_t k = tok_decode(tok, (uint32_t)next, buf, sizeof buf);
+        if (k > sizeof buf) k = sizeof buf; /* a longer token was cut to the buffer */
         fwrite(buf, 1, k, out);
     }
     fputc('\n', out);
@@ -244,15 +262,17 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
 
     Model model;
     model_init(&model, be, &shape, c->decay_embeddings);
+    /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
+     * per-message latency is small, small enough to overlap with backward.
+     * Before the weights: ZeRO-3 lays the arena out by layer. */
+    Ddp ddp;
+    ddp_init(&ddp, &model, dpg, c->zero, (size_t)25 << 20);
     if (c->init_from[0]) {
         if (!state_init_from(&model, c->init_from)) model_load_llmc(&model, c->init_from);
     }
     else model_init_weights(&model, c->seed);
+    ddp_shard_params(&ddp); /* ZeRO-3: keep this rank's shard, drop the whole arena */
     model_plan_activations(&model, B, T);
-    /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
-     * per-message latency is small, small enough to overlap with backward */
-    Ddp ddp;
-    ddp_init(&ddp, &model, dpg, c->zero, (size_t)25 << 20);
 
     AdamW opt;
     size_t opt_lo, opt_hi;
@@ -279,7 +299,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     }
     /* checkpoints: collect the state table, resume, plan the writer (state.c) */
     RunState rs;
-    StateMesh smesh = {rank, world, dp, c->zero, comm_world()};
+    StateMesh smesh = {rank, world, dp, c->zero, comm_world(), ddp.z3 ? &ddp : NULL};
     int start_step = state_open(&rs, c, &smesh, topt->resume, topt->force, topt->commit, &model, &opt, train);
     Metrics *mx = metrics_open(c, rank, world, fpt, peak, peak_src, start_step);
     rs.mx = mx;
@@ -288,7 +308,11 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     comm_describe(cdesc, sizeof cdesc);
     mesh_describe(&mesh.shape, mdesc, sizeof mdesc);
     metrics_print(mx, "%s | mesh %s | ZeRO %d", cdesc, mdesc, c->zero);
-    if (dp > 1)
+    if (ddp.z3)
+        metrics_print(mx, "data parallel: %d ranks, ZeRO-3: parameters, gradients and optimizer state sharded by "
+                          "layer (%zu of %zu elements here), layers gathered one ahead, gradients reduce-scattered "
+                          "after each layer's backward", dp, ddp.shard_len, model.num_params);
+    else if (dp > 1)
         metrics_print(mx, "data parallel: %d ranks, %d gradient bucket(s)%s; optimizer state %zu of %zu elements here",
                       dp, ddp.nb, ddp.overlap ? " all-reduced during backward" : " reduce-scattered after backward",
                       opt_hi - opt_lo, model.num_params);
@@ -308,8 +332,10 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
      * skipped step left them unchanged. */
     const char *nan_env = getenv("KILN_TEST_INJECT_NAN_STEP");
     int inject_nan_step = nan_env ? atoi(nan_env) : 0;
-    float *param_host = inject_nan_step > 0 ? xmalloc(model.num_params * sizeof(float)) : NULL;
+    float *param_host = inject_nan_step > 0 ? xmalloc((ddp.z3 ? ddp.shard_len : model.num_params) * sizeof(float)) : NULL;
     int skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0;
+    FILE *devnull = ddp.z3 && rank > 0 ? fopen("/dev/null", "w") : NULL;
+    if (ddp.z3 && rank > 0 && !devnull) kiln_fail(KILN_EXIT_RUNTIME, "/dev/null: cannot open (samples of rank %d)", rank);
     size_t N = (size_t)B * T;
     int32_t *inp = xmalloc(N * sizeof(int32_t));
     int32_t *tgt = xmalloc(N * sizeof(int32_t));
@@ -329,14 +355,15 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
             metrics_phase(mx, PHASE_DATA, step + 1);
             data_next_batch(train, inp, tgt);
             metrics_phase(mx, PHASE_FORWARD, step + 1);
+            /* on the last micro-batch: post gradient buckets as layers finish */
+            ddp_micro_begin(&ddp, micro == 0, micro == accum - 1);
             loss_sum += model_forward(&model, inp, tgt, B, T, dloss);
             metrics_phase(mx, PHASE_BACKWARD, step + 1);
-            if (micro == accum - 1) ddp_arm(&ddp); /* post gradient buckets as layers finish */
             model_backward(&model, micro > 0);
         }
         if (step + 1 == inject_nan_step) {
             float poison = NAN;
-            be->to_device(model.grad_mem, &poison, sizeof poison);
+            be->to_device(ddp.z3 ? ddp.gshard : model.grad_mem, &poison, sizeof poison);
         }
         metrics_phase(mx, PHASE_SYNC, step + 1);
         double grad_norm = ddp_reduce_grads(&ddp);
@@ -354,8 +381,10 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
                           info.grad_scale, dt, bad, 0};
         if (param_host) {
-            be->to_host(param_host, model.param_mem, model.num_params * sizeof(float));
-            ms.param_hash = kiln_fnv1a(param_host, model.num_params * sizeof(float), KILN_FNV_INIT);
+            /* ZeRO-3: this rank's shard (rank 0's is the one logged) */
+            size_t np = ddp.z3 ? ddp.shard_len : model.num_params;
+            be->to_host(param_host, ddp.z3 ? ddp.pshard : model.param_mem, np * sizeof(float));
+            ms.param_hash = kiln_fnv1a(param_host, np * sizeof(float), KILN_FNV_INIT);
         }
         if (bad && !skip_nonfinite) {
             metrics_step(mx, &ms);
@@ -364,18 +393,23 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                          "stopping (train.on_nonfinite: stop; `skip` would go on)",
                          step + 1, isfinite(loss) ? "gradient" : "loss", loss, info.grad_norm);
         }
-        if (val && ((c->eval_every > 0 && (step + 1) % c->eval_every == 0) || last)) {
+        if (val && c->eval_every > 0 && ((step + 1) % c->eval_every == 0 || last)) {
             metrics_phase(mx, PHASE_EVAL, step + 1);
             val_loss = evaluate(&model, val, c->eval_batches, B, T, inp, tgt, &ddp, val_split);
             ms.val_loss = val_loss;
         }
         metrics_step(mx, &ms);
-        if (rank == 0 && c->sample_every > 0 && ((step + 1) % c->sample_every == 0 || last)) {
+        /* ZeRO-3: every rank runs the same generation (each forward gathers
+         * layers collectively); rank 0 prints it */
+        if ((rank == 0 || ddp.z3) && c->sample_every > 0 && ((step + 1) % c->sample_every == 0 || last)) {
             metrics_phase(mx, PHASE_SAMPLE, step + 1);
-            metrics_bar_clear(mx);
-            printf("--- sample at step %d ---\n", step + 1);
-            generate(&model, c, tok, c->seed ^ (0x9e3779b97f4a7c15ULL * (uint64_t)(step + 1)), ctx, stdout);
-            printf("---\n");
+            if (rank == 0) {
+                metrics_bar_clear(mx);
+                printf("--- sample at step %d ---\n", step + 1);
+            }
+            generate(&model, c, tok, c->seed ^ (0x9e3779b97f4a7c15ULL * (uint64_t)(step + 1)), ctx,
+                     rank == 0 ? stdout : devnull);
+            if (rank == 0) printf("---\n");
         }
         stopped = state_after_step(&rs, step + 1, last); /* enters PHASE_CHECKPOINT only when it saves */
         steps_done = step + 1;
@@ -398,6 +432,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     metrics_print(mx, "run directory: %s", c->run_dir);
     metrics_close(mx);
     free(param_host);
+    if (devnull) fclose(devnull);
 
     free(inp);
     free(tgt);

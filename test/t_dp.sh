@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Data parallelism and ZeRO on the CPU backend under real Open MPI: 1 rank vs
-# 2 and 4 ranks on the same global batch (plain DP, ZeRO-1, ZeRO-2); a
+# 2 and 4 ranks on the same global batch (plain DP, ZeRO-1, ZeRO-2, ZeRO-3); a
 # checkpoint resharded across rank counts and ZeRO stages; a rank killed
 # mid-run; a batch that does not split over the ranks. One line per check.
 #
@@ -31,7 +31,7 @@ S="--set batch.total_tokens=512 --set checkpoint.async=false --set checkpoint.ev
 t0=$(now)
 ./train $Y $S --set run.dir=$T/ref >$T/ref.txt 2>&1 || fail dp_reference "$(tail -n 3 $T/ref.txt)"
 REF=$T/ref/checkpoints/step_00000020
-for z in 0 1 2; do
+for z in 0 1 2 3; do
     for np in 2 4; do
         D=$T/z${z}_np$np
         "${MPIRUN[@]}" -np $np ./train $Y $S --set parallel.zero=$z --set run.dir=$D >$D.txt 2>&1
@@ -67,6 +67,36 @@ if [ $rc -eq 0 ] && [ -z "$why" ] && grep -q 'resumed from .*step_00000008 at st
     && ./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rs/checkpoints/step_00000020 --quiet --tol 1e-5 >/dev/null; then
     ok dp_reshard_zero2x2_1_zero1x2
 else fail dp_reshard_zero2x2_1_zero1x2 "rc $rc: $why $(grep -h -E 'resumed|error' $T/rs*.txt | head -4)"; fi
+# The same with ZeRO-3 first: 2 ranks ZeRO-3 (every rank wrote its parameter
+# blocks) -> 1 rank -> 2 ranks ZeRO-1; and into ZeRO-3: 1 rank -> 4 ranks
+# ZeRO-3 -> 2 ranks ZeRO-3 (each rank loads its blocks of every layer).
+"${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=3 --set run.dir=$T/rz --set train.steps=8 >$T/rz1.txt 2>&1
+./train $Y $C --set run.dir=$T/rz --set train.steps=14 --resume auto >$T/rz2.txt 2>&1
+"${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=1 --set run.dir=$T/rz --resume auto >$T/rz3.txt 2>&1
+rc=$?
+why=$(close_losses $T/cref/metrics.jsonl $T/rz/metrics.jsonl 2>&1)
+n=$(./train ckpt-info $T/rz/checkpoints/step_00000008 | grep -c '^ *tensor h\.[0-9]*\.mlp\.c_fc\.weight .* rank 1 ')
+if [ $rc -eq 0 ] && [ -z "$why" ] && [ "$n" -gt 0 ] && grep -q 'resumed from .*step_00000008 at step 8.*resharded from 2' $T/rz2.txt \
+    && grep -q 'resumed from .*step_00000014 at step 14.*resharded from 1' $T/rz3.txt \
+    && ./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rz/checkpoints/step_00000020 --quiet --tol 1e-5 >/dev/null; then
+    ok dp_reshard_zero3x2_1_zero1x2
+else fail dp_reshard_zero3x2_1_zero1x2 "rc $rc, $n parameter pieces from rank 1: $why $(grep -h -E 'resumed|error' $T/rz*.txt | head -4)"; fi
+./train $Y $C --set run.dir=$T/ry --set train.steps=8 >$T/ry1.txt 2>&1
+"${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.zero=3 --set run.dir=$T/ry --set train.steps=14 --resume auto >$T/ry2.txt 2>&1
+"${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=3 --set run.dir=$T/ry --resume auto >$T/ry3.txt 2>&1
+rc=$?
+why=$(close_losses $T/cref/metrics.jsonl $T/ry/metrics.jsonl 2>&1)
+if [ $rc -eq 0 ] && [ -z "$why" ] && grep -q 'resharded from 1' $T/ry2.txt && grep -q 'resharded from 4' $T/ry3.txt \
+    && ./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/ry/checkpoints/step_00000020 --quiet --tol 1e-5 >/dev/null; then
+    ok dp_reshard_1_zero3x4_zero3x2
+else fail dp_reshard_1_zero3x4_zero3x2 "rc $rc: $why $(grep -h -E 'resumed|error' $T/ry*.txt | head -4)"; fi
+# ZeRO-3 sampling: every rank runs the generation (each forward gathers
+# layers collectively), rank 0 prints it; a rank-0-only forward would hang
+"${MPIRUN[@]}" -np 2 ./train $Y $S --set parallel.zero=3 --set train.steps=4 --set train.sample_every=2 \
+    --set train.sample_tokens=16 --set parallel.timeout_s=20 --set run.dir=$T/zs >$T/zs.txt 2>&1
+rc=$?
+[ $rc -eq 0 ] && [ "$(grep -c -- '--- sample at step' $T/zs.txt)" = 2 ] && ok dp_zero3_samples \
+    || fail dp_zero3_samples "rc $rc: $(grep -m2 -E 'error|sample' $T/zs.txt)"
 echo "dp reshard: $(echo "$(now) - $t0" | bc) s" >&2
 
 # A rank killed mid-run. mpirun --enable-recovery leaves the survivor waiting
@@ -100,7 +130,10 @@ echo "dp killed rank: $(echo "$(now) - $t0" | bc) s" >&2
 
 # A global batch that does not split: 2 micro-batches over 4 ranks.
 expect dp_batch_must_split 2 "key 'batch.total_tokens'.*4 data-parallel ranks" -- "${MPIRUN[@]}" -np 4 ./train $Y --set run.dir=$T/bad
-expect dp_zero3_not_yet 2 "ZeRO-3 / FSDP is not implemented yet" -- ./train $Y --set parallel.zero=3
 # --dry-run shows the per-rank memory of the layout
 expect dp_dry_run_per_rank 0 "optimizer state \(1/dp\) +3\.17 MiB" -- ./train $Y --dry-run --set model.n_embd=128 \
     --set model.n_layer=4 --set parallel.dp=2 --set parallel.zero=1 --set batch.total_tokens=512
+# ZeRO-3: half of the 3.17 MiB of parameters, plus what is gathered (two
+# layers and wte/wpe/ln_f)
+expect dp_dry_run_zero3 0 "parameters \(1/dp\) +1\.58 MiB" -- ./train $Y --dry-run --set model.n_embd=128 \
+    --set model.n_layer=4 --set parallel.dp=2 --set parallel.zero=3 --set batch.total_tokens=512

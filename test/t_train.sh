@@ -47,6 +47,7 @@ expect bad_yaml_missing 2 'nonexistent.yaml' -- ./train "$T/nonexistent.yaml"
 printf 'optim:\n  lrr: 0.1\n' > "$T/typo.yaml"
 expect bad_yaml_typo 2 "did you mean 'optim.lr'" -- ./train "$T/typo.yaml"
 expect bad_set_type 2 "optim.lr" -- ./train "$T/small.yaml" --set optim.lr=fast
+expect bad_set_eps_zero 2 "optim.eps.*\\(0, 1\\]" -- ./train "$T/small.yaml" --set optim.eps=0
 expect bad_data_glob 2 "data.train.*nothing_here" -- ./train "$T/small.yaml" --set "data.train=$T/nothing_here_*.bin"
 expect bad_device 2 "device" -- ./train "$T/small.yaml" --set device=cuda
 

@@ -201,8 +201,8 @@ static void test_cross_errors(void) {
                      "only 1 is supported in this build");
     expect_yaml_fail("config_parallel_dp_batch", "parallel:\n  dp: 3\n", "key 'batch.total_tokens'",
                      "parallel.dp = 3", NULL);
-    expect_yaml_fail("config_parallel_zero3", "parallel:\n  zero: 3\n", "key 'parallel.zero'",
-                     "ZeRO-3 / FSDP is not implemented yet", NULL);
+    expect_yaml_fail("config_parallel_zero4", "parallel:\n  zero: 4\n", "key 'parallel.zero'",
+                     "[0, 3]", NULL);
 }
 
 static void test_sets(void) {
