@@ -1,14 +1,11 @@
 #!/usr/bin/env bash
 # make bench: GPT-2 124M shape on the CPU backend at context 64 and 256; each
 # point prints whole-step GFLOP/s next to the sgemm rate measured in the same
-# process. The last line is the context-64 point, the headline.
+# process; a 2-rank data-parallel point comes first (when MPI is built in).
+# The last line is the context-64 point, the headline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${BENCH_STEPS:-5}
-echo "== GPT-2 124M shape, micro-batch 4, context 256 =="
-./train bench configs/bench-cpu.yaml --steps "$steps" --set model.seq_len=256 --set batch.total_tokens=1024
-echo "== GPT-2 124M shape, micro-batch 4, context 64 =="
-./train bench configs/bench-cpu.yaml --steps "$steps"
 # Data parallelism: the same shape on 2 ranks (one thread each) through
 # mpirun, real (byte-level) tokens, plain DP with 25 MB gradient buckets
 # all-reduced during the backward pass. Reported: step time and the fraction
@@ -30,3 +27,7 @@ if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
 else
     echo "== data-parallel point skipped: mpirun or an MPI build of ./train not found =="
 fi
+echo "== GPT-2 124M shape, micro-batch 4, context 256 =="
+./train bench configs/bench-cpu.yaml --steps "$steps" --set model.seq_len=256 --set batch.total_tokens=1024
+echo "== GPT-2 124M shape, micro-batch 4, context 64 =="
+./train bench configs/bench-cpu.yaml --steps "$steps"
