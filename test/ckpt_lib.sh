@@ -1,17 +1,7 @@
 # Shared by test/t_resume.sh, t_ckpt_corrupt.sh, t_ckpt_kill.sh: a tiny corpus,
 # a tiny model (2 layers, 32 wide, context 32: ~10 ms a step on 2 cores), and
 # helpers. Source it after setting T (the test's scratch directory).
-ok() { echo "ok $1"; }
-fail() { echo "FAIL $1: $2"; }
-# expect NAME CODE PATTERN -- CMD...: exit code and a line of output matching PATTERN
-expect() {
-    local name=$1 code=$2 pat=$3; shift 4
-    "$@" >"$T/out.txt" 2>"$T/err.txt"
-    local rc=$?
-    if [ $rc -ne "$code" ]; then fail "$name" "exit $rc, wanted $code; stderr: $(tail -c 300 "$T/err.txt")"; return 1; fi
-    if ! grep -qE -- "$pat" "$T/err.txt" "$T/out.txt"; then fail "$name" "no match for /$pat/ in: $(tail -c 300 "$T/err.txt")"; return 1; fi
-    ok "$name"
-}
+. test/lib.sh
 # step, tokens and loss of every metrics.jsonl line (timings differ run to run)
 losses() { grep -o '"step":[0-9]*,"tokens":[0-9]*,"loss":[^,]*' "$1"; }
 # close_losses A B: the same steps and tokens in two metrics.jsonl files, every
@@ -35,8 +25,7 @@ sums() { ./train ckpt-info "$1" 2>/dev/null | grep '^params checksum'; }
 ckpt_setup() {
     mkdir -p "$T"
     if [ ! -f "$T/data/train_000000.bin" ]; then
-        head -c 60000 data/austen.txt > "$T/corpus.txt"
-        ./train prepare --tokenizer byte --out "$T/data" --val-fraction 0.1 "$T/corpus.txt" >/dev/null 2>&1
+        small_corpus "$T/data"
     fi
     # metrics.peak_gflops skips the start-up matmul measurement: these runs
     # restart often. One thread: on a loaded 2-core machine OpenMP barriers
