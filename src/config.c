@@ -81,6 +81,9 @@ static const CfgKey cfg_keys[] = {
     KINT("train.sample_top_k", sample_top_k, "0", 0, INF, "sample from the k most likely tokens; 0 = all"),
     KENUM("train.on_nonfinite", on_nonfinite, "stop", "skip|stop",
           "a non-finite loss or gradient norm: `skip` the update (parameters unchanged, counted) or `stop` with exit 1"),
+    KINT("train.max_consecutive_skips", max_consecutive_skips, "10", 0, INF,
+         "with `on_nonfinite: skip`, stop (exit 1) after this many skipped steps in a row: a run that "
+         "stays non-finite is diverging, not unlucky; 0 = never stop"),
     KENUM("optim.name", optim_name, "adamw", "adamw", "optimizer"),
     KFLT("optim.lr", lr, "6.0e-4", 0, 10, "peak learning rate"),
     KPAIR("optim.betas", beta1, beta2, "[0.9, 0.95]", 0, 1, CF_HI_OPEN, "AdamW `[beta1, beta2]`"),

@@ -41,6 +41,7 @@ typedef struct Config {
     int sample_every, sample_tokens, sample_top_k;
     float sample_temperature;
     char on_nonfinite[8]; /* skip | stop: what a non-finite loss or gradient does */
+    int max_consecutive_skips; /* skip: stop after this many in a row; 0 = never */
 
     /* optim */
     char optim_name[16]; /* adamw */

@@ -441,8 +441,8 @@ static void *watchdog_main(void *arg) {
 
 /* Resume: keep the lines of metrics.jsonl up to start_step (a run killed
  * after its last checkpoint wrote lines the resumed run will write again) and
- * return the elapsed_s of the last line kept. */
-static double jsonl_truncate(const char *path, int start_step) {
+ * return the elapsed_s and nonfinite_skipped of the last line kept. */
+static double jsonl_truncate(const char *path, int start_step, int *skipped) {
     size_t len = 0;
     char *text = kiln_read_file(path, &len);
     if (!text) return 0.0;
@@ -457,6 +457,8 @@ static double jsonl_truncate(const char *path, int start_step) {
         if (s && s < nl && atoi(s + 7) <= start_step) {
             const char *e = strstr(line, "\"elapsed_s\":");
             if (e && e < nl) elapsed = atof(e + 12);
+            const char *k = strstr(line, "\"nonfinite_skipped\":");
+            if (k && k < nl) *skipped = atoi(k + 20);
             memmove(out, line, (size_t)(nl - line + 1));
             out += nl - line + 1;
         }
@@ -506,7 +508,7 @@ Metrics *metrics_open(const Config *c, int rank, int world, double flops_per_tok
 
     if (rank == 0) {
         snprintf(path, sizeof path, "%s/metrics.jsonl", c->run_dir);
-        if (start_step > 0) m->elapsed_base = jsonl_truncate(path, start_step);
+        if (start_step > 0) m->elapsed_base = jsonl_truncate(path, start_step, &m->skipped);
         m->jsonl = fopen(path, start_step > 0 ? "a" : "w");
         if (!m->jsonl) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot open for writing", path);
         if (c->tensorboard) {

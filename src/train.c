@@ -332,8 +332,9 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
      * skipped step left them unchanged. */
     const char *nan_env = getenv("KILN_TEST_INJECT_NAN_STEP");
     int inject_nan_step = nan_env ? atoi(nan_env) : 0;
+    int inject_nan_after = nan_env && strchr(nan_env, '+') != NULL; /* "N+": every step from N on */
     float *param_host = inject_nan_step > 0 ? xmalloc((ddp.z3 ? ddp.shard_len : model.num_params) * sizeof(float)) : NULL;
-    int skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0;
+    int skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0, skips_in_a_row = 0;
     FILE *devnull = ddp.z3 && rank > 0 ? fopen("/dev/null", "w") : NULL;
     if (ddp.z3 && rank > 0 && !devnull) kiln_fail(KILN_EXIT_RUNTIME, "/dev/null: cannot open (samples of rank %d)", rank);
     size_t N = (size_t)B * T;
@@ -361,7 +362,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
             metrics_phase(mx, PHASE_BACKWARD, step + 1);
             model_backward(&model, micro > 0);
         }
-        if (step + 1 == inject_nan_step) {
+        if (inject_nan_step > 0 && (step + 1 == inject_nan_step || (inject_nan_after && step + 1 > inject_nan_step))) {
             float poison = NAN;
             be->to_device(ddp.z3 ? ddp.gshard : model.grad_mem, &poison, sizeof poison);
         }
@@ -392,6 +393,15 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                          "step %d: non-finite %s (loss %g, gradient norm %g); parameters were not updated; "
                          "stopping (train.on_nonfinite: stop; `skip` would go on)",
                          step + 1, isfinite(loss) ? "gradient" : "loss", loss, info.grad_norm);
+        }
+        skips_in_a_row = bad ? skips_in_a_row + 1 : 0;
+        if (bad && c->max_consecutive_skips > 0 && skips_in_a_row >= c->max_consecutive_skips) {
+            metrics_step(mx, &ms);
+            metrics_fail(mx, KILN_EXIT_RUNTIME,
+                         "step %d: %d steps in a row were non-finite and skipped; the run is diverging: stopping "
+                         "(train.max_consecutive_skips: %d; resume from an earlier checkpoint with a lower "
+                         "optim.lr)",
+                         step + 1, skips_in_a_row, c->max_consecutive_skips);
         }
         if (val && c->eval_every > 0 && ((step + 1) % c->eval_every == 0 || last)) {
             metrics_phase(mx, PHASE_EVAL, step + 1);

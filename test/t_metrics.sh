@@ -120,6 +120,20 @@ then ok metrics_nonfinite_skip_leaves_params; else fail metrics_nonfinite_skip_l
 if grep -q 'skipped' "$T/skip/log/rank0.txt" && grep -q '1 step(s) skipped' "$T/out.txt"; then ok metrics_nonfinite_skip_reported
 else fail metrics_nonfinite_skip_reported "$(tail -n 3 "$T/out.txt")"; fi
 
+# a run that stays non-finite is stopped: NaN from step 3 on, at most 4 skips in a row
+KILN_TEST_INJECT_NAN_STEP=3+ ./train "$T/small.yaml" --set run.dir="$T/skips" --set train.on_nonfinite=skip \
+    --set train.max_consecutive_skips=4 >"$T/out.txt" 2>"$T/err.txt"
+rc=$?
+if [ $rc -eq 1 ] && grep -q 'kiln: error: step 6: 4 steps in a row were non-finite' "$T/err.txt"; then
+    ok metrics_nonfinite_skip_cap_stops
+else fail metrics_nonfinite_skip_cap_stops "exit $rc: $(tail -n 2 "$T/err.txt")"; fi
+# the skip count survives a resume: one skip at step 5, checkpoint at 8, resumed to 12
+KILN_TEST_INJECT_NAN_STEP=5 ./train "$T/small.yaml" --set run.dir="$T/skipres" --set train.on_nonfinite=skip \
+    --set train.steps=8 >/dev/null 2>&1
+./train "$T/small.yaml" --set run.dir="$T/skipres" --set train.on_nonfinite=skip --resume auto >"$T/out.txt" 2>&1
+if grep -q '"step":12,.*"nonfinite_skipped":1' "$T/skipres/metrics.jsonl"; then ok metrics_skip_count_survives_resume
+else fail metrics_skip_count_survives_resume "$(tail -n 1 "$T/skipres/metrics.jsonl")"; fi
+
 # train.on_nonfinite: stop (the default) -- exit 1 with one clear line, also in the log
 KILN_TEST_INJECT_NAN_STEP=5 ./train "$T/small.yaml" --set run.dir="$T/stop" >"$T/out.txt" 2>"$T/err.txt"
 rc=$?
