@@ -11,6 +11,7 @@
 #include "bench.h"
 #include "ckpt.h"
 #include "config.h"
+#include "plan.h"
 #include "prepare.h"
 #include "report.h"
 #include "train.h"
@@ -25,6 +26,10 @@ static const char *usage =
     "  ./train bench CONFIG.yaml [--steps N] [--set ...]\n"
     "                              time whole training steps on random tokens next to\n"
     "                              the backend's matmul rate at the model's shapes\n"
+    "  ./train plan CONFIG.yaml --gpus N [--gpu-mem GB] [--nodes K] [--set ...]\n"
+    "                              check the parallel layout on N GPUs (ranks and batch divide,\n"
+    "                              memory per rank fits) and suggest parallel.zero and\n"
+    "                              batch.micro_batch; exit 2 if it does not fit\n"
     "  ./train status RUN_DIR [--stale-after S]\n"
     "                              where a run stands: last step, loss, tokens/s, ETA,\n"
     "                              checkpoints, stale ranks\n"
@@ -84,6 +89,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "prepare") == 0) return prepare_main(argc - 1, argv + 1);
     if (strcmp(cmd, "ckpt-info") == 0) return ckpt_info_main(argc - 1, argv + 1);
     if (strcmp(cmd, "ckpt-diff") == 0) return ckpt_diff_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "plan") == 0) return plan_main(argc - 1, argv + 1);
     if (strcmp(cmd, "status") == 0) return report_status_main(argc - 1, argv + 1);
     if (strcmp(cmd, "report") == 0) return report_html_main(argc - 1, argv + 1);
     if (strcmp(cmd, "config-doc") == 0) {

@@ -1,0 +1,275 @@
+/* plan: `./train plan` — checks that a parallel layout is valid for N GPUs
+ * (ranks, batch divisibility, memory per rank) and suggests the smallest ZeRO
+ * stage and largest micro-batch that fit. Arithmetic only: it must never
+ * allocate a model, start a backend or talk to other ranks. */
+#include "plan.h"
+
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "mesh.h"
+#include "util.h"
+
+static const char *plan_usage =
+    "usage: ./train plan CONFIG.yaml [--set key.path=value]... --gpus N [--gpu-mem GB] [--nodes K]\n"
+    "\n"
+    "Checks the config's parallel layout on N GPUs (in total, over K nodes) of GB GiB each\n"
+    "(default 80): that the ranks and batch.total_tokens divide, and that one rank's memory\n"
+    "fits; then suggests the smallest parallel.zero and the largest batch.micro_batch that fit.\n"
+    "Memory per rank = parameters + gradients + AdamW state (per ZeRO stage, as --dry-run\n"
+    "counts them) + activations of one micro-batch + 32 MiB cuBLAS workspace, all + 5%.\n"
+    "Storage is fp32 today (both backends), so the numbers are fp32.\n"
+    "\n"
+    "exit: 0 valid and fits; 2 invalid, does not fit, or bad usage (one line says what to change)\n";
+
+size_t plan_num_params(const ModelShape *s) {
+    size_t C = (size_t)s->n_embd, L = (size_t)s->n_layer;
+    return (size_t)s->padded_vocab * C + (size_t)s->seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
+}
+
+PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch) {
+    PlanMemory m = {0};
+    double C = s->n_embd, L = s->n_layer, params = (double)plan_num_params(s);
+    double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
+    if (zero == 3 && dp > 1) {
+        /* ZeRO-3 (ddp.c): a 1/dp shard of everything, plus two layers
+         * gathered (one computing, one prefetched) and wte/wpe/ln_f gathered
+         * for the whole forward and backward; gradients likewise: two layers'
+         * whole gradients and the embeddings', reduce-scattered into the shard */
+        double layer = 12.0 * C * C + 13.0 * C, rest = params - L * layer;
+        m.params = shard * 4;
+        m.params_gathered = (2 * layer + rest) * 4;
+        m.grads = shard * 4;
+        m.grads_unreduced = (2 * layer + rest) * 4;
+        m.optim = shard * 8;
+    } else {
+        /* the backward pass accumulates into a whole gradient arena on every
+         * rank; ZeRO-2 reduce-scatters it into a 1/dp shard the optimizer reads */
+        m.params = params * 4;
+        m.grads = params * 4 + (zero >= 2 ? shard * 4 : 0);
+        m.optim = (zero >= 1 ? shard : params) * 8;
+    }
+    m.state = m.params + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
+    m.activations = (double)model_activation_bytes(s, micro_batch, s->seq_len);
+    double counted = m.state + m.activations + PLAN_WORKSPACE_BYTES;
+    m.overhead = PLAN_WORKSPACE_BYTES + PLAN_MARGIN * counted;
+    m.total = m.state + m.activations + m.overhead;
+    return m;
+}
+
+void plan_print_bytes(const char *what, double bytes) {
+    const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int u = 0;
+    while (bytes >= 1024.0 && u < 4) bytes /= 1024.0, u++;
+    printf("  %-22s %9.2f %s\n", what, bytes, unit[u]);
+}
+
+void plan_print_state(const PlanMemory *m, int dp, int zero) {
+    if (zero == 3 && dp > 1) {
+        plan_print_bytes("parameters (1/dp)", m->params);
+        plan_print_bytes("  + gathered", m->params_gathered);
+        plan_print_bytes("gradients (1/dp)", m->grads);
+        plan_print_bytes("  + unreduced", m->grads_unreduced);
+        plan_print_bytes("optimizer state (1/dp)", m->optim);
+    } else {
+        plan_print_bytes("parameters", m->params);
+        plan_print_bytes(zero >= 2 ? "gradients (+ 1/dp shard)" : "gradients", m->grads);
+        plan_print_bytes(zero >= 1 ? "optimizer state (1/dp)" : "optimizer state", m->optim);
+    }
+    plan_print_bytes("params + grads + optim", m->state);
+}
+
+#define GIB (1024.0 * 1024.0 * 1024.0)
+
+static long plan_parse_count(const char *flag, const char *v) {
+    char *end;
+    errno = 0;
+    long n = strtol(v, &end, 10);
+    if (!*v || *end || errno || n < 1 || n > 1000000)
+        kiln_fail(KILN_EXIT_USAGE, "%s: expected a count in [1, 1000000], got '%s'", flag, v);
+    return n;
+}
+
+/* The value of `--flag V` or `--flag=V` at argv[*i], or NULL if argv[*i] is another flag. */
+static const char *plan_flag_value(const char *flag, int argc, char **argv, int *i) {
+    size_t n = strlen(flag);
+    if (strncmp(argv[*i], flag, n) != 0) return NULL;
+    if (argv[*i][n] == '=') return argv[*i] + n + 1;
+    if (argv[*i][n] != '\0') return NULL;
+    if (*i + 1 >= argc) kiln_fail(KILN_EXIT_USAGE, "%s needs a value (./train plan --help)", flag);
+    return argv[++*i];
+}
+
+/* Divisors of n, largest first; returns how many (at most cap). */
+static int plan_divisors(int64_t n, int *out, int cap) {
+    int k = 0, hi = 0;
+    int small[64], large[64];
+    for (int64_t d = 1; d * d <= n && k < 64 && hi < 64; d++) {
+        if (n % d) continue;
+        small[k++] = (int)d;
+        if (d != n / d && n / d <= INT32_MAX) large[hi++] = (int)(n / d);
+    }
+    int m = 0;
+    for (int j = 0; j < hi && m < cap; j++) m++, out[m - 1] = large[j];
+    for (int j = k - 1; j >= 0 && m < cap; j--) m++, out[m - 1] = small[j];
+    return m;
+}
+
+int plan_main(int argc, char **argv) {
+    const char *config_path = NULL;
+    const char **sets = xcalloc((size_t)argc, sizeof(char *));
+    int nsets = 0, gpus = 0, nodes = 1;
+    double gpu_gib = 80.0;
+    int gpu_mem_given = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            fputs(plan_usage, stdout);
+            free(sets);
+            return KILN_EXIT_OK;
+        } else if ((v = plan_flag_value("--set", argc, argv, &i))) {
+            sets[nsets++] = v;
+        } else if ((v = plan_flag_value("--gpus", argc, argv, &i))) {
+            gpus = (int)plan_parse_count("--gpus", v);
+        } else if ((v = plan_flag_value("--nodes", argc, argv, &i))) {
+            nodes = (int)plan_parse_count("--nodes", v);
+        } else if ((v = plan_flag_value("--gpu-mem", argc, argv, &i))) {
+            char *end;
+            errno = 0;
+            gpu_gib = strtod(v, &end);
+            if (!*v || *end || errno || !(gpu_gib > 0) || gpu_gib > 1e6)
+                kiln_fail(KILN_EXIT_USAGE, "--gpu-mem: expected GiB per GPU, a number in (0, 1e6], got '%s'", v);
+            gpu_mem_given = 1;
+        } else if (a[0] == '-') {
+            kiln_fail_hint(KILN_EXIT_USAGE, "./train plan --help lists the flags", "unknown flag '%s'", a);
+        } else if (!config_path) {
+            config_path = a;
+        } else {
+            kiln_fail(KILN_EXIT_USAGE, "more than one config file given ('%s' and '%s')", config_path, a);
+        }
+    }
+    if (!config_path) kiln_fail(KILN_EXIT_USAGE, "plan: no config file given (./train plan --help)");
+    if (!gpus) kiln_fail(KILN_EXIT_USAGE, "plan: --gpus N is required: how many GPUs in total (./train plan --help)");
+    if (gpus % nodes)
+        kiln_fail(KILN_EXIT_USAGE, "--gpus %d do not split evenly over --nodes %d (give the total, a multiple of the nodes)",
+                  gpus, nodes);
+
+    Config c;
+    cfg_load(&c, config_path, sets, nsets); /* tp/pp/cp/ep != 1 exit 2 here: not implemented */
+    free(sets);
+    ModelShape s = {c.n_layer, c.n_head, c.n_embd, c.seq_len, c.vocab_size, 0};
+    model_shape_resolve(&s);
+    double cap = gpu_gib * GIB;
+
+    /* Validity. dp: the config's, or auto = every GPU; a mismatch is reported
+     * and the rest is planned for dp = gpus. */
+    char problem[768] = "";
+    MeshShape ms = {{c.pp, c.dp, c.cp, c.tp}, c.ep};
+    char err[512];
+    if (mesh_plan(&ms, gpus, err, sizeof err) != 0) {
+        snprintf(problem, sizeof problem, "%s", err);
+        ms.size[MESH_DP] = gpus / (c.pp * c.cp * c.tp);
+    }
+    int dp = ms.size[MESH_DP];
+    int64_t per_sample = (int64_t)c.seq_len * dp; /* tokens of one sample on every rank */
+    int64_t unit = (int64_t)c.micro_batch * per_sample;
+    int64_t rank_samples = c.total_tokens % per_sample ? 0 : c.total_tokens / per_sample;
+    if (!problem[0] && c.total_tokens % unit) {
+        int64_t lo = c.total_tokens / unit * unit;
+        char alt[160] = "";
+        if (rank_samples)
+            snprintf(alt, sizeof alt, ", or batch.micro_batch to a divisor of %lld", (long long)rank_samples);
+        char nearest[96];
+        if (lo) snprintf(nearest, sizeof nearest, "%lld or %lld", (long long)lo, (long long)(lo + unit));
+        else snprintf(nearest, sizeof nearest, "%lld", (long long)unit);
+        snprintf(problem, sizeof problem,
+                 "key 'batch.total_tokens': %lld tokens do not split into micro-batches of %d x %d tokens on %d "
+                 "ranks; set it to a multiple of micro_batch*seq_len*dp = %lld (nearest: %s)%s",
+                 (long long)c.total_tokens, c.micro_batch, c.seq_len, dp, (long long)unit, nearest, alt);
+    }
+
+    PlanMemory m = plan_memory_per_rank(&s, dp, c.zero, c.micro_batch);
+    size_t params = plan_num_params(&s);
+    printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d): %zu parameters "
+           "(%.2fM)\n", c.run_name, c.arch, s.n_layer, s.n_head, s.n_embd, s.seq_len, s.vocab_size, s.padded_vocab,
+           params, params / 1e6);
+    printf("  GPUs                   %d (%d node%s x %d), %.2f GiB each%s\n", gpus, nodes, nodes > 1 ? "s" : "",
+           gpus / nodes, gpu_gib, gpu_mem_given ? "" : " (default; --gpu-mem GB)");
+    printf("  layout                 dp %d x tp %d x pp %d x cp %d (ep %d), ZeRO %d%s\n", dp, c.tp, c.pp, c.cp, c.ep,
+           c.zero, c.dp > 0 ? "" : " (parallel.dp: auto)");
+    printf("                         tp, pp, cp and ep are 1: only data parallelism is implemented in this build\n");
+    if (!problem[0])
+        printf("  batch                  %lld tokens = %d ranks x %d accumulation steps x micro-batch %d x %d tokens\n",
+               (long long)c.total_tokens, dp, c.grad_accum / dp, c.micro_batch, c.seq_len);
+    else
+        printf("  batch                  %lld tokens, micro-batch %d x %d tokens: INVALID (below)\n",
+               (long long)c.total_tokens, c.micro_batch, c.seq_len);
+    printf("  memory per rank        fp32 storage (parameters, gradients, AdamW m and v, activations are fp32 today)\n");
+    plan_print_state(&m, dp, c.zero);
+    plan_print_bytes("activations", m.activations);
+    plan_print_bytes("overhead", m.overhead);
+    printf("                         (32 MiB cuBLAS workspace + 5%% margin for the allocator and the uncounted)\n");
+    plan_print_bytes("total per rank", m.total);
+    plan_print_bytes("GPU memory", cap);
+
+    /* Suggestion: smallest ZeRO stage, then largest micro-batch dividing this
+     * rank's samples per step, that fits. Needs a whole number of samples per
+     * rank; otherwise only total_tokens can change. */
+    int best_zero = -1, best_mb = 0;
+    PlanMemory best = {0}, least = {0};
+    int least_zero = -1;
+    if (rank_samples > 0) {
+        int div[128];
+        int nd = plan_divisors(rank_samples, div, 128);
+        for (int z = 0; z <= 3 && best_zero < 0; z++) {
+            for (int j = 0; j < nd; j++) {
+                PlanMemory t = plan_memory_per_rank(&s, dp, z, div[j]);
+                if (t.total <= cap) {
+                    best_zero = z, best_mb = div[j], best = t;
+                    break;
+                }
+            }
+            PlanMemory t1 = plan_memory_per_rank(&s, dp, z, 1);
+            if (least_zero < 0 || t1.total < least.total) least = t1, least_zero = z;
+        }
+    }
+    char flags[256] = "";
+    if (best_zero >= 0) {
+        int n = 0;
+        if (c.dp > 0 && c.dp != dp) n += snprintf(flags + n, sizeof flags - n, "--set parallel.dp=auto ");
+        snprintf(flags + n, sizeof flags - n, "--set parallel.zero=%d --set batch.micro_batch=%d", best_zero, best_mb);
+        printf("suggest: %s   (%.2f GiB of %.2f GiB per rank; %lld micro-batches per rank per step%s)\n", flags,
+               best.total / GIB, gpu_gib, (long long)(rank_samples / best_mb),
+               best_zero == c.zero && best_mb == c.micro_batch && !(c.dp > 0 && c.dp != dp) ? "; as configured" : "");
+    } else if (rank_samples > 0) {
+        printf("suggest: nothing fits in %.2f GiB: the smallest layout (ZeRO %d, micro-batch 1) needs %.2f GiB per "
+               "rank; use more GPUs (ZeRO-3 divides the state by dp) or GPUs with more memory\n",
+               gpu_gib, least_zero, least.total / GIB);
+    } else {
+        printf("suggest: none until batch.total_tokens is a multiple of seq_len*dp = %lld\n", (long long)per_sample);
+    }
+
+    if (problem[0]) {
+        printf("verdict: invalid layout\n");
+        fflush(stdout);
+        fprintf(stderr, "kiln: error: %s\n", problem);
+        return KILN_EXIT_USAGE;
+    }
+    if (m.total <= cap) {
+        printf("verdict: fits: %.2f GiB of %.2f GiB per rank (%.2f GiB free)\n", m.total / GIB, gpu_gib,
+               (cap - m.total) / GIB);
+        return KILN_EXIT_OK;
+    }
+    if (best_zero >= 0)
+        printf("verdict: does not fit: %.2f GiB per rank, %.2f GiB over the %.2f GiB of a GPU; use %s\n",
+               m.total / GIB, (m.total - cap) / GIB, gpu_gib, flags);
+    else
+        printf("verdict: does not fit: %.2f GiB per rank, %.2f GiB over the %.2f GiB of a GPU; no ZeRO stage or "
+               "micro-batch fits (at least %.2f GiB needed): use more GPUs or GPUs with more memory\n",
+               m.total / GIB, (m.total - cap) / GIB, gpu_gib, rank_samples > 0 ? least.total / GIB : m.total / GIB);
+    return KILN_EXIT_USAGE;
+}

@@ -1,0 +1,53 @@
+/* plan: `./train plan` — does a layout fit N GPUs of G GiB (divisibility of
+ * ranks and batch, memory per rank), and which ZeRO stage and micro-batch to
+ * use. Pure arithmetic from the config and the model shape: allocates no
+ * arenas, starts no backend, talks to no rank. */
+#ifndef KILN_PLAN_H
+#define KILN_PLAN_H
+
+#include <stddef.h>
+
+#include "model.h"
+
+/* Fixed overhead every rank pays on top of the arenas: the cuBLASLt
+ * workspace, then a margin for the allocator and what is not counted. */
+#define PLAN_WORKSPACE_BYTES (32.0 * 1024 * 1024)
+#define PLAN_MARGIN 0.05
+
+/* Memory of one rank, in bytes. Storage is fp32 everywhere today (parameters,
+ * gradients, AdamW m and v, activations), on both backends. */
+typedef struct PlanMemory {
+    double params;          /* whole parameters, or the 1/dp shard (ZeRO-3) */
+    double params_gathered; /* ZeRO-3: two layers + wte/wpe/ln_f gathered; else 0 */
+    double grads;           /* whole gradient arena (+ the 1/dp shard at ZeRO-2), or the shard (ZeRO-3) */
+    double grads_unreduced; /* ZeRO-3: two layers' + the embeddings' whole gradients; else 0 */
+    double optim;           /* AdamW m and v: whole, or 1/dp (ZeRO >= 1) */
+    double state;           /* params + grads + optim (+ gathered, unreduced) */
+    double activations;     /* model_activation_bytes for one micro-batch */
+    double overhead;        /* PLAN_WORKSPACE_BYTES + PLAN_MARGIN of the rest */
+    double total;           /* state + activations + overhead */
+} PlanMemory;
+
+/* Parameters of a GPT-2 shape, counted from the shape (no table, no arena):
+ * wte (Vp,C) + wpe (T,C) + L x (12 C^2 + 13 C) + ln_f 2C. */
+size_t plan_num_params(const ModelShape *s);
+
+/* The per-rank memory of data parallelism over dp ranks at ZeRO stage `zero`
+ * with micro-batches of micro_batch x seq_len tokens: the accounting of
+ * ddp.c's arenas, and the one `--dry-run` prints. */
+PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch);
+
+/* One "  %-22s %9.2f <unit>" line of a byte count (B, KiB, ... TiB). */
+void plan_print_bytes(const char *what, double bytes);
+
+/* Print the state lines ("parameters", "gradients", "optimizer state",
+ * "params + grads + optim", with ZeRO-3's gathered/unreduced lines) in the
+ * `--dry-run` format: "  %-22s %9.2f %s". */
+void plan_print_state(const PlanMemory *m, int dp, int zero);
+
+/* `./train plan CONFIG [--set k=v]... --gpus N [--gpu-mem GB] [--nodes K]`;
+ * argv[0] is "plan". Returns 0 (valid, fits) or 2 (does not; one line says
+ * what to change); bad usage exits 2. */
+int plan_main(int argc, char **argv);
+
+#endif

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# ./train plan: layout validity (ranks, batch divisibility), memory per rank
+# against --gpu-mem, the suggested ZeRO stage and micro-batch, bad usage, and
+# agreement with --dry-run's per-rank state lines. Arithmetic only: < 1 s.
+# Prints one line per check.
+set -u
+cd "$(dirname "$0")/.."
+T=${KILN_TEST_TMP:-$(mktemp -d)}/t_plan
+rm -rf "$T" && mkdir -p "$T"
+
+. test/lib.sh
+
+CFG=configs/gpt2-124m.yaml
+XL="--set model.n_layer=48 --set model.n_head=25 --set model.n_embd=1600"
+
+expect plan_help 0 'usage: ./train plan' -- ./train plan --help
+expect plan_in_train_help 0 './train plan CONFIG' -- ./train --help
+expect plan_missing_gpus 2 'kiln: error: plan: --gpus N is required' -- ./train plan $CFG
+expect plan_bad_gpus 2 "--gpus: expected a count" -- ./train plan $CFG --gpus eight
+expect plan_bad_gpu_mem 2 "--gpu-mem: expected GiB" -- ./train plan $CFG --gpus 8 --gpu-mem -3
+expect plan_nodes_indivisible 2 '--gpus 6 do not split evenly over --nodes 4' -- ./train plan $CFG --gpus 6 --nodes 4
+expect plan_unknown_flag 2 "unknown flag '--bogus'" -- ./train plan $CFG --gpus 8 --bogus
+# tp/pp/cp/ep > 1 are refused by the config itself (not implemented yet)
+expect plan_tp_refused 2 "parallel.tp.*not implemented" -- ./train plan $CFG --gpus 8 --set parallel.tp=2
+
+# GPT-2 124M, llm.c's recipe (524288 tokens, micro-batch 16) on 8 x 80 GiB at
+# ZeRO 0 (the config's): 1.85 GiB of state + 12.79 GiB of activations fits.
+expect plan_124m_fits 0 'verdict: fits' -- ./train plan $CFG --gpus 8 --gpu-mem 80 --nodes 1
+if grep -qE 'layout +dp 8 .*ZeRO 0' "$T/out.txt"; then ok plan_124m_zero0; else fail plan_124m_zero0 "$(grep layout "$T/out.txt")"; fi
+
+# The 1.5B shape (GPT-2 XL: 48 layers, 25 heads, 1600 wide; vocab 50304 padded,
+# context 1024) on 8 x 16 GiB, 524288 tokens, so 64 samples per rank per step.
+# By hand (P parameters, shard = ceil(P/8), all fp32):
+#   P = 50304*1600 + 1024*1600 + 48*(12*1600^2 + 13*1600) + 2*1600 = 1557686400
+#   shard = 194710800; one layer 30740800 params; wte+wpe+ln_f 82128000
+#   activations per token (model.c plan_floats, floats): 48 layers x (16C + 4 +
+#   n_head) = 1230192, + encoded C + ln_f C+2 + logits 50304 + losses 1 +
+#   scratch 13C = 1304499 floats = 5217996 B; per sample (x1024) 5343227904 B
+#   ZeRO 0/1/2 with micro-batch 1: state >= 16P or 8P + 8 shard = 14019177600 B,
+#     + 5343227904 + 32 MiB workspace, x 1.05 = 20.3e9 B > 16 GiB (17.18e9): none
+#   ZeRO 3: state = 16 shard + 8 (2 layers + 82128000) = 4264249600 B
+#     micro-batch 2: (4264249600 + 2*5343227904 + 33554432) x 1.05 = 15733472832 B
+#                    = 14.65 GiB <= 16 GiB: fits
+#     micro-batch 4: + 2*5343227904 more = 26.3e9 B: does not
+#   so: --set parallel.zero=3 --set batch.micro_batch=2, and the config's own
+#   layout (ZeRO 0, micro-batch 16: 108 GiB) does not fit: exit 2.
+expect plan_xl_does_not_fit 2 'verdict: does not fit.*use --set parallel.zero=3 --set batch.micro_batch=2' -- \
+    ./train plan $CFG $XL --gpus 8 --gpu-mem 16
+if grep -qE '^suggest: --set parallel.zero=3 --set batch.micro_batch=2 +\(14.65 GiB' "$T/out.txt"; then ok plan_xl_suggests_zero3_mb2
+else fail plan_xl_suggests_zero3_mb2 "$(grep suggest "$T/out.txt")"; fi
+expect plan_xl_suggestion_fits 0 'verdict: fits: 14.65 GiB' -- \
+    ./train plan $CFG $XL --gpus 8 --gpu-mem 16 --set parallel.zero=3 --set batch.micro_batch=2
+# on one 16 GiB GPU nothing fits: ZeRO does not shard over dp = 1
+expect plan_xl_nothing_fits 2 'suggest: nothing fits in 16.00 GiB.*needs [0-9.]+ GiB' -- \
+    ./train plan $CFG $XL --gpus 1 --gpu-mem 16
+
+# 524288 tokens = 512 samples of 1024 do not split over 6 ranks: exit 2 naming
+# batch.total_tokens and the nearest multiples of 16*1024*6 = 98304.
+expect plan_batch_indivisible 2 "key 'batch.total_tokens'.*nearest: 491520 or 589824" -- ./train plan $CFG --gpus 6
+# an explicit parallel.dp that is not the GPU count
+expect plan_dp_mismatch 2 "parallel.*dp 4 .*8" -- ./train plan $CFG --gpus 8 --set parallel.dp=4
+
+# The state lines (parameters, gradients, optimizer state and their sum, ZeRO-3's
+# gathered/unreduced) and activations are the --dry-run's, to the printed digit.
+mem_lines() { grep -E '^  (parameters|gradients|optimizer state|params \+ grads|  \+ |activations).* (B|KiB|MiB|GiB|TiB)$' "$1"; }
+for z in 0 1 2 3; do
+    ./train $CFG --dry-run --set parallel.dp=8 --set parallel.zero=$z > "$T/dry$z.txt" 2>&1
+    ./train plan $CFG --gpus 8 --set parallel.zero=$z > "$T/plan$z.txt" 2>&1
+    mem_lines "$T/dry$z.txt" > "$T/dry$z.mem"; mem_lines "$T/plan$z.txt" > "$T/plan$z.mem"
+    if [ "$(wc -l < "$T/dry$z.mem")" -ge 5 ] && cmp -s "$T/dry$z.mem" "$T/plan$z.mem"; then ok plan_matches_dry_run_zero$z
+    else fail plan_matches_dry_run_zero$z "$(diff "$T/dry$z.mem" "$T/plan$z.mem" | tr '\n' ' ')"; fi
+done
