@@ -15,6 +15,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "optim.h"
+#include "plan.h"
 #include "state.h"
 #include "tokenizer.h"
 #include "util.h"
@@ -28,21 +29,13 @@ static void shape_from_config(const Config *c, ModelShape *s) {
     model_shape_resolve(s);
 }
 
-static void print_bytes(const char *what, double bytes) {
-    const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    int u = 0;
-    while (bytes >= 1024.0 && u < 4) bytes /= 1024.0, u++;
-    printf("  %-22s %9.2f %s\n", what, bytes, unit[u]);
-}
-
 /* --dry-run: the plan, without data or training. */
 static void print_plan(const Config *c, const ModelShape *s) {
     /* Counting needs the table, not the memory: a model on the CPU backend
      * with real arenas would allocate gigabytes for large shapes, so count
      * from the shape directly. */
-    size_t C = (size_t)s->n_embd, L = (size_t)s->n_layer;
-    size_t params = (size_t)s->padded_vocab * C + (size_t)s->seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
-    size_t nonemb = params - (size_t)s->padded_vocab * C - (size_t)s->seq_len * C;
+    size_t params = plan_num_params(s);
+    size_t nonemb = params - (size_t)s->padded_vocab * s->n_embd - (size_t)s->seq_len * s->n_embd;
     double fpt = model_flops_per_token(s, s->seq_len);
     int64_t tokens_per_step = c->total_tokens;
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d)\n", c->run_name, c->arch,
@@ -52,32 +45,12 @@ static void print_plan(const Config *c, const ModelShape *s) {
     /* per rank: dp auto resolves to the world size at launch; without a
      * launcher the plan shows one rank unless parallel.dp says how many */
     int dp = c->dp > 0 ? c->dp : 1;
-    size_t shard = (params + (size_t)dp - 1) / (size_t)dp;
     printf("  memory per rank        dp %d%s, ZeRO %d\n", dp, c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)",
            c->zero);
-    if (c->zero == 3 && dp > 1) {
-        /* ZeRO-3 (ddp.c): a 1/dp shard of everything, plus two layers
-         * gathered (one computing, one prefetched) and wte/wpe/ln_f gathered
-         * for the whole forward and backward; gradients likewise: two layers'
-         * whole gradients and the embeddings', reduce-scattered into the shard */
-        double layer = 12.0 * C * C + 13.0 * C, rest = (double)params - L * layer;
-        print_bytes("parameters (1/dp)", (double)shard * 4);
-        print_bytes("  + gathered", (2 * layer + rest) * 4);
-        print_bytes("gradients (1/dp)", (double)shard * 4);
-        print_bytes("  + unreduced", (2 * layer + rest) * 4);
-        print_bytes("optimizer state (1/dp)", (double)shard * 8);
-        print_bytes("params + grads + optim", ((double)shard * 16 + (2 * layer + rest) * 8));
-    } else {
-        print_bytes("parameters", (double)params * 4);
-        /* the backward pass accumulates into a whole gradient arena on every
-         * rank; ZeRO-2 reduce-scatters it into a 1/dp shard the optimizer reads */
-        double grads = (double)params * 4 + (c->zero >= 2 ? shard * 4.0 : 0);
-        print_bytes(c->zero >= 2 ? "gradients (+ 1/dp shard)" : "gradients", grads);
-        double optb = (double)(c->zero >= 1 ? shard : params) * 8;
-        print_bytes(c->zero >= 1 ? "optimizer state (1/dp)" : "optimizer state", optb);
-        print_bytes("params + grads + optim", (double)params * 4 + grads + optb);
-    }
-    print_bytes("activations", (double)model_activation_bytes(s, c->micro_batch, s->seq_len));
+    /* the same accounting `./train plan` uses (src/plan.c) */
+    PlanMemory mem = plan_memory_per_rank(s, dp, c->zero, c->micro_batch);
+    plan_print_state(&mem, dp, c->zero);
+    plan_print_bytes("activations", mem.activations);
     printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps x %d ranks)\n",
            (long long)tokens_per_step, c->micro_batch, c->seq_len, c->grad_accum / dp, dp);
     printf("  micro-batches per step %d (%d per rank)\n", c->grad_accum, c->grad_accum / dp);
