@@ -123,7 +123,9 @@ static const CfgKey cfg_keys[] = {
     KFLT("metrics.peak_gflops", peak_gflops, "0", 0, 1e9,
          "peak FLOP/s of one device for MFU, in GFLOP/s; 0 = the GPU table, or the CPU's sgemm rate measured at start-up"),
     KBOOL("monitor.heartbeat", heartbeat, "true", "write `heartbeat/rank<R>.json` (step, phase, time, host, pid) every step"),
-    KFLT("monitor.stall_timeout_s", stall_timeout_s, "0", 0, 1e7,
+    /* on by default: a hung rank should end its job, not burn the allocation;
+     * 30 minutes is far above any single phase of a sane run */
+    KFLT("monitor.stall_timeout_s", stall_timeout_s, "1800", 0, 1e7,
          "watchdog: a rank with no progress for this many seconds logs what each phase was doing and exits 1; 0 = off"),
     KFLT("monitor.spike_factor", spike_factor, "2.0", 0, 1e6,
          "warn when the loss exceeds this multiple of its running mean; 0 = off"),

@@ -246,6 +246,7 @@ struct Metrics {
     int phase_last_step[PHASE_COUNT];
     long phase_count[PHASE_COUNT];
     atomic_int stop;
+    pthread_cond_t wake;  /* signalled by metrics_close to end the watchdog's wait */
     double stall_timeout;
     pthread_t watchdog;
     int watchdog_running;
@@ -426,14 +427,21 @@ static void *watchdog_main(void *arg) {
     double period = m->stall_timeout / 10.0;
     if (period > 1.0) period = 1.0;
     if (period < 0.05) period = 0.05;
+    pthread_mutex_lock(&m->lock);
     while (!atomic_load(&m->stop)) {
-        struct timespec ts = {(time_t)period, (long)((period - (time_t)period) * 1e9)};
-        nanosleep(&ts, NULL);
-        pthread_mutex_lock(&m->lock);
+        /* a timed wait that metrics_close can cut short, so closing a run
+         * never waits out a poll period */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        long ns = ts.tv_nsec + (long)(period * 1e9);
+        ts.tv_sec += ns / 1000000000L;
+        ts.tv_nsec = ns % 1000000000L;
+        pthread_cond_timedwait(&m->wake, &m->lock, &ts);
+        if (atomic_load(&m->stop)) break;
         double now = kiln_now();
         if (m->phase != PHASE_DONE && now - m->phase_since > m->stall_timeout) watchdog_fire(m, now);
-        pthread_mutex_unlock(&m->lock);
     }
+    pthread_mutex_unlock(&m->lock);
     return NULL;
 }
 
@@ -490,6 +498,7 @@ Metrics *metrics_open(const Config *c, int rank, int world, double flops_per_tok
         if (*p == '"' || *p == '\\') *p = '_';
     m->pid = (int)getpid();
     pthread_mutex_init(&m->lock, NULL);
+    pthread_cond_init(&m->wake, NULL);
     m->t_open = kiln_now();
     m->phase_since = m->t_open;
 
@@ -677,9 +686,13 @@ void metrics_close(Metrics *m) {
     if (!m) return;
     metrics_phase(m, PHASE_DONE, m->last_step);
     if (m->watchdog_running) {
+        pthread_mutex_lock(&m->lock);
         atomic_store(&m->stop, 1);
+        pthread_cond_signal(&m->wake);
+        pthread_mutex_unlock(&m->lock);
         pthread_join(m->watchdog, NULL);
     }
+    pthread_cond_destroy(&m->wake);
     metrics_bar_clear(m);
     if (m->jsonl) fclose(m->jsonl);
     if (m->tb) fclose(m->tb);
