@@ -615,17 +615,24 @@ static void cfg_finish(Config *c, CfgLoad *L) {
         memset(c->run_dir, 0, sizeof c->run_dir);
         memcpy(c->run_dir, dir, strlen(dir));
     }
-    char *text = NULL;
-    size_t len = 0;
-    FILE *m = open_memstream(&text, &len);
-    if (!m) kiln_fail(KILN_EXIT_RUNTIME, "open_memstream: %s", strerror(errno));
-    cfg_write_yaml(c, m);
-    fclose(m);
+    size_t len;
+    char *text = cfg_yaml_text(c, &len);
     c->hash = kiln_fnv1a(text, len, KILN_FNV_INIT);
     free(text);
 }
 
 /* ---------- public ---------- */
+
+char *cfg_yaml_text(const Config *c, size_t *len) {
+    char *text = NULL;
+    size_t n = 0;
+    FILE *m = open_memstream(&text, &n);
+    if (!m) kiln_fail(KILN_EXIT_RUNTIME, "open_memstream: %s", strerror(errno));
+    cfg_write_yaml(c, m);
+    fclose(m);
+    if (len) *len = n;
+    return text;
+}
 
 void cfg_defaults(Config *c) {
     /* whole struct zeroed once, so two equal configs are equal byte for byte */

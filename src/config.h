@@ -97,6 +97,9 @@ void cfg_load(Config *c, const char *path, const char *const *sets, int nsets);
 
 /* Write the fully resolved config (every key, defaults filled) as YAML. */
 void cfg_write_yaml(const Config *c, FILE *f);
+/* The same YAML as a malloc'd, NUL-terminated string (*len its length): the
+ * text the hash, the run directory's config.yaml and checkpoints all use. */
+char *cfg_yaml_text(const Config *c, size_t *len);
 
 /* Write the markdown reference of every key (docs/config.md is this output). */
 void cfg_write_doc(FILE *f);

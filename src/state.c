@@ -61,16 +61,6 @@ static void add_unit_blocks(CkptTable *t, Model *m, const Ddp *d, float *base, c
         add_range(t, m, base + d->at[u], m->unit_off[u] + d->us[u].lo, m->unit_off[u] + d->us[u].hi, prefix);
 }
 
-static char *resolved_text(const Config *c) {
-    char *text = NULL;
-    size_t len = 0;
-    FILE *f = open_memstream(&text, &len);
-    if (!f) kiln_fail(KILN_EXIT_RUNTIME, "open_memstream failed");
-    cfg_write_yaml(c, f);
-    fclose(f);
-    return text;
-}
-
 int state_init_from(Model *m, const char *dir) {
     if (!ckpt_is_checkpoint(dir)) return 0;
     CkptTable t;
@@ -124,7 +114,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     if (s->mesh.world <= 1) s->mesh.g = NULL;
     int rank = s->mesh.rank, multi = s->mesh.g != NULL;
     s->last_saved = -1;
-    s->config_text = resolved_text(c);
+    s->config_text = cfg_yaml_text(c, NULL);
     char rng_name[CKPT_NAME];
     snprintf(rng_name, sizeof rng_name, rank == 0 ? "rng.train" : "rng.train/rank%d", rank);
     /* what this rank loads: the whole parameters, its optimizer range, the

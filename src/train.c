@@ -159,12 +159,8 @@ static void generate(Model *m, const Config *c, const Tokenizer *tok, uint64_t s
 static void write_resolved_config(const Config *c) {
     char path[1024];
     snprintf(path, sizeof path, "%s/config.yaml", c->run_dir);
-    char *text = NULL;
-    size_t len = 0;
-    FILE *mem = open_memstream(&text, &len);
-    if (!mem) kiln_fail(KILN_EXIT_RUNTIME, "open_memstream failed");
-    cfg_write_yaml(c, mem);
-    fclose(mem);
+    size_t len;
+    char *text = cfg_yaml_text(c, &len);
     if (kiln_write_file_atomic(path, text, len) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write", path);
     free(text);
 }
