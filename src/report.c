@@ -104,6 +104,41 @@ static void run_load(Run *r, const char *dir) {
     free(text);
 }
 
+/* Runs that share a run.name (a rerun, a sweep without names) would share a
+ * legend label: such runs are labelled "name (dir)", the directory being the
+ * shortest trailing part of the path that tells them apart. */
+static void label_runs(Run *runs, int n) {
+    int *clash = xcalloc((size_t)n, sizeof(int)); /* decided on the names as loaded */
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++) clash[i] |= j != i && strcmp(runs[i].name, runs[j].name) == 0;
+    for (int i = 0; i < n; i++) {
+        if (!clash[i]) continue;
+        /* grow the suffix of the directory path one component at a time */
+        const char *d = runs[i].dir, *suffix = d + strlen(d);
+        while (suffix > d && suffix[-1] == '/') suffix--;
+        size_t end = (size_t)(suffix - d);
+        for (;;) {
+            const char *p = suffix;
+            while (p > d && p[-1] == '/') p--;
+            while (p > d && p[-1] != '/') p--;
+            suffix = p;
+            int unique = 1;
+            for (int j = 0; j < n; j++) {
+                if (j == i) continue;
+                const char *o = runs[j].dir;
+                size_t ol = strlen(o), sl = end - (size_t)(suffix - d);
+                while (ol && o[ol - 1] == '/') ol--;
+                if (ol >= sl && strncmp(o + ol - sl, suffix, sl) == 0 && (ol == sl || o[ol - sl - 1] == '/')) unique = 0;
+            }
+            if (unique || suffix == d) break;
+        }
+        char label[sizeof runs[i].name];
+        snprintf(label, sizeof label, "%s (%.*s)", runs[i].name, (int)(end - (size_t)(suffix - d)), suffix);
+        kiln_strlcpy(runs[i].name, label, sizeof runs[i].name);
+    }
+    free(clash);
+}
+
 static void run_free(Run *r) {
     for (int f = 0; f < NF; f++) free(r->v[f]);
     free(r->config);
@@ -481,6 +516,7 @@ int report_html_main(int argc, char **argv) {
     }
     Run *runs = xcalloc((size_t)nd, sizeof(Run));
     for (int i = 0; i < nd; i++) run_load(&runs[i], dirs[i]);
+    label_runs(runs, nd);
     char def[1200];
     if (!out) {
         snprintf(def, sizeof def, "%s/report.html", dirs[0]);

@@ -36,6 +36,13 @@ else fail report_html_written "exit $rc: $(cat "$T/out.txt")"; fi
 # self-contained: no scripts, no external stylesheets, images or fonts
 if ! grep -qiE '<script|<link|<img|src=|@import|url\(http' "$H"; then ok report_self_contained
 else fail report_self_contained "$(grep -oiE '<script|<link|<img|src=[^ ]*|@import|url\(http' "$H" | head -3)"; fi
+# two runs with one run.name (a rerun elsewhere): the legend tells them apart
+# by the shortest distinct tail of their directories
+mkdir -p "$T/rerun" && cp -r "$T/base" "$T/rerun/base"
+./train report "$T/base" "$T/rerun/base" -o "$T/same.html" >"$T/out.txt" 2>&1
+if grep -q '>base (t_report/base)' "$T/same.html" && grep -q '>base (rerun/base)' "$T/same.html"; then
+    ok report_same_name_labels
+else fail report_same_name_labels "$(grep -o 'class="lg">[^<]*' "$T/same.html" | sort -u | head -4)"; fi
 ./train report "$T/base" >/dev/null 2>&1
 if [ -s "$T/base/report.html" ]; then ok report_default_path; else fail report_default_path "no $T/base/report.html"; fi
 ./train report "$T/nothing" >"$T/out.txt" 2>&1
