@@ -613,6 +613,7 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         json_num(f, "eta_s", eta);
         fprintf(f, ",\"time\":%.3f", wall_now());
         json_num(f, "peak_rss_mib", rss);
+        if (s->device_mib > 0) json_num(f, "peak_device_mib", s->device_mib);
         fprintf(f, ",\"nonfinite_skipped\":%d", m->skipped);
         if (s->skipped) fputs(",\"skipped\":true", f);
         if (s->param_hash) fprintf(f, ",\"param_hash\":\"%016llx\"", (unsigned long long)s->param_hash);
@@ -620,8 +621,8 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         fflush(f);
     }
     if (m->tb) {
-        const char *tags[9];
-        float vals[9];
+        const char *tags[10];
+        float vals[10];
         int n = 0;
 #define TB(t, v) \
     if (isfinite(v)) tags[n] = t, vals[n++] = (float)(v)
@@ -633,6 +634,7 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         if (m->peak > 0) TB("perf/mfu", mfu);
         TB("perf/step_time_s", s->step_time_s);
         TB("perf/peak_rss_mib", rss);
+        if (s->device_mib > 0) TB("perf/peak_device_mib", s->device_mib);
         TB("train/nonfinite_skipped", (double)m->skipped);
 #undef TB
         uint8_t buf[1024];

@@ -42,6 +42,7 @@ typedef struct MetricsStep {
     double step_time_s;  /* forward + backward + optimizer, excluding eval and samples */
     int skipped;         /* 1: non-finite loss or gradient, no update made */
     uint64_t param_hash; /* test hook only (0 = absent): FNV-1a of the parameters */
+    double device_mib;   /* peak device memory since start, MiB (0 = the backend has none: CPU) */
 } MetricsStep;
 
 typedef struct Metrics Metrics;

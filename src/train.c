@@ -349,7 +349,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         if (!bad) last_loss = loss;
         int last = step == c->steps - 1;
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
-                          info.grad_scale, dt, bad, 0};
+                          info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0};
         if (param_host) {
             /* ZeRO-3: this rank's shard (rank 0's is the one logged) */
             size_t np = ddp.z3 ? ddp.shard_len : model.num_params;

@@ -132,10 +132,11 @@ static void test_metrics_object(void) {
     Metrics *m = metrics_open(&c, 0, 1, 1e6, 1e12, "test", 0);
     for (int s = 1; s <= 40; s++) {
         metrics_phase(m, PHASE_FORWARD, s);
-        MetricsStep st = {s, 1000LL * s, 3.0f, s % 20 == 0 ? 2.9f : NAN, 1e-3f, 0.5, 1.0f, 0.01, 0, 0};
+        MetricsStep st = {s, 1000LL * s, 3.0f, s % 20 == 0 ? 2.9f : NAN, 1e-3f, 0.5, 1.0f, 0.01, 0, 0, 0};
         if (s == 25) st.loss = 7.0f;                    /* 2.3x the mean: a spike */
         if (s == 30) st.step_time_s = 0.2;              /* 20x the median and 190 ms over: slow */
         if (s == 35) st.grad_norm = NAN, st.skipped = 1; /* non-finite, skipped */
+        if (s == 40) st.device_mib = 1536.5;            /* a GPU backend's peak memory */
         metrics_step(m, &st);
     }
     char *hb_mid = slurp(dir, "heartbeat/rank0.json");
@@ -154,6 +155,11 @@ static void test_metrics_object(void) {
                     strstr(jsonl, "\"peak_rss_mib\":") && strstr(jsonl, "\"grad_norm\":null") &&
                     strstr(jsonl, "\"nonfinite_skipped\":1,\"skipped\":true"),
                 "metrics_jsonl_fields", "%.300s", jsonl ? jsonl : "(missing)");
+    /* device memory: on the one step that had it (the last line), nowhere else,
+     * as a CPU run never writes the field */
+    const char *dev = jsonl ? strstr(jsonl, "\"peak_device_mib\":1536.5") : NULL;
+    test_report(dev && dev > strrchr(jsonl, '{') && dev == strstr(jsonl, "peak_device_mib") - 1,
+                "metrics_device_memory_field", "%.300s", jsonl ? strrchr(jsonl, '{') : "(missing)");
     /* tok/s = 1000 tokens / 0.01 s = 1e5; MFU = 1e6 FLOPs/token * 1e5 / 1e12 = 0.1 */
     test_report(jsonl && strstr(jsonl, "\"tok_per_s\":100000") && strstr(jsonl, "\"mfu\":0.1,"), "metrics_mfu_formula",
                 "%.200s", jsonl ? jsonl : "");
@@ -174,7 +180,7 @@ static void test_metrics_object(void) {
     saved_out = dup(1);
     sink = fopen("/dev/null", "w");
     dup2(fileno(sink), 1);
-    MetricsStep st = {21, 21000, 3.0f, NAN, 1e-3f, 0.5, 1.0f, 0.01, 0, 0};
+    MetricsStep st = {21, 21000, 3.0f, NAN, 1e-3f, 0.5, 1.0f, 0.01, 0, 0, 0};
     metrics_step(m, &st);
     metrics_close(m);
     fflush(stdout);
