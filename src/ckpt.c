@@ -16,6 +16,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -253,6 +254,9 @@ struct CkptWriter {
     char version[64], commit[64];
     pthread_t thread;
     int in_flight, status, swept;
+    atomic_int thread_done; /* set by the writer thread as it ends */
+    char *mtext;          /* this rank's manifest text, between write and complete */
+    size_t mlen;
     char err[1536];
     /* the file being written */
     int fd;
@@ -462,26 +466,46 @@ static int w_agree(CkptWriter *w, int failed) {
     return w->o.agree(w->o.agree_ctx, failed);
 }
 
-static int w_job(CkptWriter *w) {
-    char name[64], tmp[1200], fin[1200], old[1200], path[1400];
-    snprintf(name, sizeof name, "step_%08" PRId64, w->meta.step);
-    snprintf(tmp, sizeof tmp, "%s/%s.tmp", w->o.root, name);
-    snprintf(fin, sizeof fin, "%s/%s", w->o.root, name);
-    snprintf(old, sizeof old, "%s/%s.old.tmp", w->o.root, name);
-    /* several ranks write one checkpoint only with an agree callback; without
-     * one each writer makes a complete checkpoint of its own pieces (tests) */
-    int rank = w->o.agree ? w->meta.mesh.rank : 0, multi = w->meta.mesh.world > 1 && w->o.agree;
-    char file[32];
-    snprintf(file, sizeof file, "rank%05d.bin", w->meta.mesh.rank);
+/* A save in three phases. With several ranks each phase ends in an
+ * agreement (a collective), so every rank learns of any rank's failure.
+ *   begin:    rank 0 makes step_N.tmp/                        (main thread)
+ *   write:    every rank writes and fsyncs its rankNNNNN.bin and its part
+ *             of the manifest; no communication        (writer thread if async)
+ *   complete: rank 0 merges the manifest, renames step_N.tmp -> step_N,
+ *             then points `latest` at it and prunes            (main thread)
+ * One rank runs all three in the writer thread when async. Several ranks run
+ * `write` in the thread and `complete` on the main thread once every rank's
+ * write is done (ckpt_pending, ckpt_wait): MPI is initialised FUNNELED, so
+ * only the main thread may take part in a collective. */
+static void w_names(const CkptWriter *w, char *name, char *tmp, char *fin, char *old) {
+    snprintf(name, 64, "step_%08" PRId64, w->meta.step);
+    snprintf(tmp, 1200, "%s/%s.tmp", w->o.root, name);
+    snprintf(fin, 1200, "%s/%s", w->o.root, name);
+    snprintf(old, 1200, "%s/%s.old.tmp", w->o.root, name);
+}
+
+/* several ranks write one checkpoint only with an agree callback; without
+ * one each writer makes a complete checkpoint of its own pieces (tests) */
+static int w_rank(const CkptWriter *w) { return w->o.agree ? w->meta.mesh.rank : 0; }
+static int w_multi(const CkptWriter *w) { return w->meta.mesh.world > 1 && w->o.agree; }
+
+static void w_abort(CkptWriter *w, const char *tmp) {
+    if (w->fd >= 0) close(w->fd);
+    w->fd = -1;
+    if (w_rank(w) == 0) rm_rf(tmp);
+}
+
+static int w_begin(CkptWriter *w) {
+    char name[64], tmp[1200], fin[1200], old[1200];
+    w_names(w, name, tmp, fin, old);
     w->fd = -1;
     int failed = 0;
-    /* 1. rank 0 makes step_N.tmp/ (sweeping leftovers of interrupted saves) */
-    if (rank == 0) {
+    if (w_rank(w) == 0) {
         if (kiln_mkdirs(w->o.root) != 0) {
             werr(w, "%s: cannot create the checkpoint directory: %s", w->o.root, strerror(errno));
             failed = 1;
         } else {
-            if (!w->swept) w_sweep(w), w->swept = 1;
+            if (!w->swept) w_sweep(w), w->swept = 1; /* leftovers of interrupted saves */
             if (rm_rf(tmp) != 0 || mkdir(tmp, 0755) != 0) {
                 werr(w, "%s: cannot create: %s", tmp, strerror(errno));
                 failed = 1;
@@ -490,57 +514,72 @@ static int w_job(CkptWriter *w) {
     }
     if (w_agree(w, failed)) {
         if (!failed) werr(w, "another rank failed to prepare %s", tmp);
-        goto err;
+        w_abort(w, tmp);
+        return -1;
     }
-    /* 2. every rank: its data file, fsynced before any manifest names it */
+    return 0;
+}
+
+/* This rank's data file, fsynced before any manifest names it, and its part
+ * of the manifest (the whole manifest text for one rank, in w->mtext). No
+ * collectives: runs in the writer thread. Failure is left in w->status. */
+static void w_write_rank(CkptWriter *w) {
+    char name[64], tmp[1200], fin[1200], old[1200], path[1400], file[32];
+    w_names(w, name, tmp, fin, old);
+    snprintf(file, sizeof file, "rank%05d.bin", w->meta.mesh.rank);
     snprintf(path, sizeof path, "%s/%s", tmp, file);
     w->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     w->pos = 0;
     if (w->fd < 0) {
         werr(w, "%s: cannot create: %s", path, strerror(errno));
-        failed = 1;
+        return;
     }
-    for (int i = 0; i < w->t.n && !failed; i++)
+    for (int i = 0; i < w->t.n; i++)
         if (w_entry(w, i) != 0) {
             werr(w, "%s: writing entry '%s': %s", path, w->t.e[i].name, strerror(errno));
-            failed = 1;
+            return;
         }
-    if (!failed) {
-        int rc = fsync(w->fd);
-        if (close(w->fd) != 0) rc = -1;
-        w->fd = -1;
-        if (rc != 0) {
-            werr(w, "%s: fsync/close: %s", path, strerror(errno));
-            failed = 1;
-        }
+    int rc = fsync(w->fd);
+    if (close(w->fd) != 0) rc = -1;
+    w->fd = -1;
+    if (rc != 0) {
+        werr(w, "%s: fsync/close: %s", path, strerror(errno));
+        return;
     }
-    uint64_t file_bytes = w->pos;
-    char *text = NULL;
-    size_t len = 0;
-    FILE *mf = open_memstream(&text, &len);
+    free(w->mtext);
+    w->mtext = NULL, w->mlen = 0;
+    FILE *mf = open_memstream(&w->mtext, &w->mlen);
     if (!mf) {
         werr(w, "%s: out of memory for the manifest", tmp);
-        goto err;
+        return;
     }
-    if (!multi) w_manifest_head(w, mf);
-    w_manifest_entries(w, mf, file, file_bytes);
+    if (!w_multi(w)) w_manifest_head(w, mf);
+    w_manifest_entries(w, mf, file, w->pos);
     fclose(mf);
-    if (multi && !failed) {
+    if (w_multi(w)) {
         /* this rank's part of the manifest, for rank 0 to merge */
-        snprintf(path, sizeof path, "%s/manifest.rank%05d", tmp, rank);
-        if (w_small_file(w, path, text, len, NULL) != 0) failed = 1;
+        snprintf(path, sizeof path, "%s/manifest.rank%05d", tmp, w_rank(w));
+        w_small_file(w, path, w->mtext, w->mlen, NULL);
     }
+}
+
+static int w_complete(CkptWriter *w) {
+    char name[64], tmp[1200], fin[1200], old[1200], path[1400];
+    w_names(w, name, tmp, fin, old);
+    int failed = w->status != 0;
     if (w_agree(w, failed)) {
         if (!failed) werr(w, "another rank failed to write its part of %s", tmp);
-        free(text);
-        goto err;
+        w_abort(w, tmp);
+        return -1;
     }
-    /* 3. rank 0: the merged manifest, then the rename that completes it */
-    if (rank == 0) {
-        if (multi) {
+    char *text = w->mtext;
+    size_t len = w->mlen;
+    w->mtext = NULL, w->mlen = 0;
+    if (w_rank(w) == 0) {
+        if (w_multi(w)) {
             free(text);
             text = NULL, len = 0;
-            mf = open_memstream(&text, &len);
+            FILE *mf = open_memstream(&text, &len);
             if (!mf) kiln_fail(KILN_EXIT_RUNTIME, "%s: out of memory for the manifest", tmp);
             w_manifest_head(w, mf);
             for (int r = 0; r < w->meta.mesh.world && !failed; r++) {
@@ -586,9 +625,10 @@ static int w_job(CkptWriter *w) {
     free(text);
     if (w_agree(w, failed)) {
         if (!failed) werr(w, "rank 0 failed to complete %s", fin);
-        goto err;
+        w_abort(w, tmp);
+        return -1;
     }
-    if (rank == 0) {
+    if (w_rank(w) == 0) {
         /* latest: written to latest.tmp, fsynced, renamed, directory fsynced */
         snprintf(path, sizeof path, "%s/latest", w->o.root);
         char line[80];
@@ -600,23 +640,32 @@ static int w_job(CkptWriter *w) {
         w_prune(w);
     }
     return 0;
-err:
-    if (w->fd >= 0) close(w->fd);
-    w->fd = -1;
-    if (rank == 0) rm_rf(tmp);
-    return -1;
 }
 
+static int w_job(CkptWriter *w) {
+    if (w_begin(w) != 0) return -1;
+    w_write_rank(w);
+    return w_complete(w);
+}
+
+/* The writer thread: the whole save for one rank; several ranks: the write
+ * only (w_complete follows on the main thread). */
 static void *w_thread(void *arg) {
     CkptWriter *w = arg;
-    w_job(w);
+    if (w_multi(w)) w_write_rank(w);
+    else w_job(w);
+    atomic_store(&w->thread_done, 1);
     return NULL;
 }
+
+int ckpt_pending(const CkptWriter *w) { return w->in_flight && !atomic_load(&((CkptWriter *)w)->thread_done); }
+int ckpt_in_flight(const CkptWriter *w) { return w->in_flight; }
 
 int ckpt_wait(CkptWriter *w) {
     if (w->in_flight) {
         pthread_join(w->thread, NULL);
         w->in_flight = 0;
+        if (w_multi(w)) return w_complete(w); /* collective: every rank waits at the same point */
     }
     return w->status;
 }
@@ -626,7 +675,8 @@ int ckpt_save(CkptWriter *w, const CkptMeta *meta) {
     w->meta = *meta;
     kiln_strlcpy(w->version, meta->version ? meta->version : "unknown", sizeof w->version);
     kiln_strlcpy(w->commit, meta->commit ? meta->commit : "unknown", sizeof w->commit);
-    if (!w->o.async || (meta->mesh.world > 1 && w->o.agree)) return w_job(w); /* several ranks: collective, main thread */
+    if (!w->o.async) return w_job(w);
+    if (w_multi(w) && w_begin(w) != 0) return -1;
     for (int i = 0; i < w->t.n; i++) {
         const CkptEntry *e = &w->t.e[i];
         size_t n = ckpt_entry_bytes(e);
@@ -637,10 +687,13 @@ int ckpt_save(CkptWriter *w, const CkptMeta *meta) {
     sigset_t all, prev;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &prev);
+    atomic_store(&w->thread_done, 0);
     int rc = pthread_create(&w->thread, NULL, w_thread, w);
     pthread_sigmask(SIG_SETMASK, &prev, NULL);
     if (rc != 0) {
         werr(w, "cannot start the checkpoint writer thread: %s", strerror(rc));
+        /* several ranks: the others' threads run; complete() agrees on the failure */
+        if (w_multi(w)) return w_complete(w);
         return -1;
     }
     w->in_flight = 1;
@@ -657,6 +710,7 @@ void ckpt_writer_free(CkptWriter *w) {
     free(w->zbuf);
     if (w->zc) ZSTD_freeCCtx(w->zc);
     free(w->rec);
+    free(w->mtext);
     free(w);
 }
 

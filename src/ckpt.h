@@ -55,12 +55,15 @@ typedef struct CkptOptions {
     int keep_every;   /* milestones: step % keep_every == 0 never deleted; 0 = none */
     int async;        /* stage into a host buffer, write from a thread */
     int compress;     /* zstd level, 0 = none */
-    /* Several ranks writing one checkpoint (meta->mesh.world > 1; writes are
-     * then synchronous): agree(ctx, failed) is a collective over every rank
-     * that returns nonzero if any rank passed failed != 0. ckpt stays free of
-     * comm; state.c passes an all-reduce. Rank 0 owns the directory: it
-     * creates step_N.tmp/, merges every rank's part of the manifest, renames
-     * and updates `latest`; each rank writes its own rankNNNNN.bin. */
+    /* Several ranks writing one checkpoint (meta->mesh.world > 1):
+     * agree(ctx, failed) is a collective over every rank that returns nonzero
+     * if any rank passed failed != 0. ckpt stays free of comm; state.c passes
+     * an all-reduce. Rank 0 owns the directory: it creates step_N.tmp/,
+     * merges every rank's part of the manifest, renames and updates `latest`;
+     * each rank writes its own rankNNNNN.bin. With async, each rank's file is
+     * written by its thread and the merge runs in the first ckpt_wait after
+     * every rank's thread is done (ckpt_pending tells when), on the main
+     * thread: agree is only ever called from the thread that calls ckpt_*. */
     int (*agree)(void *ctx, int failed);
     void *agree_ctx;
 } CkptOptions;
@@ -87,8 +90,14 @@ CkptWriter *ckpt_writer_new(const CkptTable *t, const CkptOptions *o);
  * Returns 0, or -1 with the reason in ckpt_writer_error() (the previous
  * checkpoints are untouched and the .tmp directory is removed). */
 int ckpt_save(CkptWriter *w, const CkptMeta *meta);
-/* Wait for the write in flight, if any. 0 or -1 as ckpt_save. */
+/* Wait for the write in flight, if any. 0 or -1 as ckpt_save. With several
+ * ranks and async it completes the checkpoint (a collective: every rank calls
+ * it at the same point). */
 int ckpt_wait(CkptWriter *w);
+/* 1 while this rank's async write is still running (never blocks). */
+int ckpt_pending(const CkptWriter *w);
+/* 1 from an async save until the ckpt_wait that ends it. */
+int ckpt_in_flight(const CkptWriter *w);
 const char *ckpt_writer_error(const CkptWriter *w);
 /* Wait, then free. */
 void ckpt_writer_free(CkptWriter *w);

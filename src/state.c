@@ -166,9 +166,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     else snprintf(op->root, sizeof op->root, "%s/checkpoints", c->run_dir);
     op->keep_last = c->ckpt_keep_last;
     op->keep_every = c->ckpt_keep_every;
-    /* several ranks write collectively from the main thread (MPI is
-     * initialised FUNNELED): no writer thread */
-    op->async = c->ckpt_async && !multi;
+    op->async = c->ckpt_async;
     op->compress = c->ckpt_compress;
     op->agree = multi ? state_agree : NULL;
     op->agree_ctx = s->mesh.g;
@@ -264,10 +262,16 @@ int state_after_step(RunState *s, int done, int last) {
     s->tokens += s->c->total_tokens;
     int sig = stop_signal(), deadline = stop_deadline_reached();
     if (s->mesh.g) {
-        /* every rank stops at the same step: the first signal or deadline anywhere */
-        double f[2] = {sig, deadline};
-        comm_all_reduce_max_f64(s->mesh.g, f, 2);
+        /* every rank stops at the same step: the first signal or deadline
+         * anywhere; and an async checkpoint is completed (manifest merged,
+         * renamed, `latest`) at the first step after every rank's writer
+         * thread is done, riding on the same all-reduce */
+        double f[3] = {sig, deadline, ckpt_pending(s->writer)};
+        comm_all_reduce_max_f64(s->mesh.g, f, 3);
         sig = (int)f[0], deadline = (int)f[1];
+        if (f[2] == 0 && ckpt_in_flight(s->writer) && ckpt_wait(s->writer) != 0)
+            kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
+                      (long long)s->last_saved, ckpt_writer_error(s->writer));
     }
     int every = s->c->ckpt_every > 0 && done % s->c->ckpt_every == 0;
     if (every || (last && s->c->ckpt_final) || sig || deadline) state_save(s);
