@@ -126,7 +126,8 @@ found:
 	@if [ -f /usr/include/zstd.h ]; then echo "✓ zstd"; else echo "✗ zstd not found: make deps"; fi
 	@if [ -n "$(MPICC)" ]; then echo "✓ MPI $$($(MPICC) --showme:version 2>/dev/null | sed -n 's/.*Open MPI/Open MPI/p')"; else echo "✗ MPI not found: single-rank build (make deps)"; fi
 	@if [ "$(NCCL)" = 1 ]; then echo "✓ NCCL $(NCCL_VER) headers $(NCCL_H) (multi-GPU; libnccl.so.2 is loaded at run time)"; \
-	 elif [ -n "$(NCCL_H)" ]; then echo "✗ NCCL left out (NCCL=0, or no CUDA backend): one GPU per run"; \
+	 elif [ "$(CUDA)" != 1 ]; then echo "✗ NCCL left out: no CUDA backend"; \
+	 elif [ -n "$(NCCL_H)" ]; then echo "✗ NCCL left out (NCCL=0): one GPU per run"; \
 	 else echo "✗ NCCL not found (no nccl.h): one GPU per run"; fi
 	@if [ -n "$(NVCC_PATH)" ]; then echo "✓ nvcc $$($(NVCC) --version | sed -n 's/.*release \([0-9.]*\).*/\1/p') $(CUDA_HOME) (CUDA backend: $(if $(filter 1,$(CUDA)),built$(COMMA) $(CUDA_ARCH),left out: CUDA=0))"; else echo "✗ nvcc not found: CPU backend only"; fi
 

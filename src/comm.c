@@ -1338,9 +1338,16 @@ static int nccl_poll(CommRequest *req) {
     (void)cudaGetLastError(); /* "not ready" may be recorded as the last error: the backend's launch checks read it */
     ncclResult_t st = ncclSuccess;
     NCCL_CHECK(g, N.CommGetAsyncError(ncomm(g), &st));
-    if (st != ncclSuccess && st != ncclInProgress)
-        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: NCCL %s #%llu on group '%s' failed: %s (%s)", C.info.rank, req->op,
-                  (unsigned long long)req->seq, g->name, N.GetErrorString(st), nccl_detail(g));
+    if (st != ncclSuccess && st != ncclInProgress) {
+        /* usually a peer that died mid-operation: name it when we can */
+        char dead[512] = "";
+        int w[16], nd = comm_dead_peers(g, w, 16), k = 0;
+        for (int i = 0; i < nd && k < (int)sizeof dead - 80; i++)
+            k += snprintf(dead + k, sizeof dead - k, "; rank %d (pid %d on %s) is dead", w[i], (int)C.peers[w[i]].pid,
+                          C.peers[w[i]].host);
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: NCCL %s #%llu on group '%s' failed: %s (%s)%s", C.info.rank, req->op,
+                  (unsigned long long)req->seq, g->name, N.GetErrorString(st), nccl_detail(g), dead);
+    }
     double waited = kiln_now() - req->t_start;
     if (waited > C.info.timeout_s) {
         N.CommAbort(ncomm(g)); /* the process ends next: nothing to check */
