@@ -192,7 +192,7 @@ int comm_nccl_available(char *why, size_t n);
 const char *comm_nccl_build_info(void);
 /* Create g's NCCL communicator; collective over g. The caller has selected
  * its device (cudaSetDevice) first. The unique id travels over g's MPI
- * communicator when there is one, else (torchrun-style launch, or one rank)
+ * communicator when there is one, else (torchrun-style launch, no MPI)
  * through the file RUN_DIR/nccl_id.<job>.<restart>.<group>.<first member>
  * (rank 0 writes tmp + rename; the others poll until the deadline). The
  * communicator is non-blocking (config.blocking = 0), so init too is bounded
