@@ -65,14 +65,33 @@ OBJ     += $(CUDA_OBJ)
 CFLAGS  += -DKILN_CUDA
 LDLIBS  += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublasLt -lcudart_static -lstdc++ -lrt -ldl -lpthread
 endif
+# NCCL carries multi-GPU collectives (src/comm.c, docs/parallel.md "NCCL"):
+# comm.c gets -DKILN_NCCL when the CUDA backend is built and nccl.h is found.
+# libnccl.so.2 is not linked: comm.c opens it (dlopen) on the first
+# comm_nccl_init, so ./train still starts and runs (CPU, one GPU) where NCCL is
+# missing. NCCL=0 leaves it out; NCCL=1 insists.
+NCCL_H    := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h /usr/local/include/nccl.h))
+NCCL_INC  := $(patsubst %/,%,$(dir $(NCCL_H)))
+NCCL      ?= $(if $(and $(filter 1,$(CUDA)),$(NCCL_H)),1,0)
+NCCL_VER  := $(if $(NCCL_H),$(shell sed -n 's/^\#define NCCL_\(MAJOR\|MINOR\|PATCH\) *\([0-9]*\).*/\2/p' $(NCCL_H) | paste -sd.))
+ifeq ($(NCCL),1)
+ifeq ($(NCCL_H),)
+$(error NCCL=1 but no nccl.h under $(CUDA_HOME)/include, /usr/include or /usr/local/include)
+endif
+ifneq ($(CUDA),1)
+$(error NCCL=1 needs the CUDA backend (CUDA=1))
+endif
+CFLAGS  += -DKILN_NCCL -I$(CUDA_HOME)/include $(if $(filter-out /usr/include $(CUDA_HOME)/include,$(NCCL_INC)),-I$(NCCL_INC))
+endif
 $(BUILD)/cuda/%.o: cuda/%.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
-# backend.o and main.o differ with and without CUDA: rebuild them when that changes.
+# backend.o and main.o differ with and without CUDA, comm.o with and without
+# NCCL: rebuild them when that changes.
 $(BUILD)/cuda.stamp: FORCE
 	@mkdir -p $(BUILD)
-	@echo 'cuda=$(CUDA)' | cmp -s - $@ || echo 'cuda=$(CUDA)' > $@
-$(BUILD)/src/backend.o: $(BUILD)/cuda.stamp
+	@echo 'cuda=$(CUDA) nccl=$(NCCL)' | cmp -s - $@ || echo 'cuda=$(CUDA) nccl=$(NCCL)' > $@
+$(BUILD)/src/backend.o $(BUILD)/src/comm.o: $(BUILD)/cuda.stamp
 
 # STATIC=1: libyaml, zstd and OpenBLAS from their static archives, for a
 # machine that lacks the Debian packages (the GPU machines: see
@@ -106,6 +125,10 @@ found:
 	@if [ -f /usr/include/yaml.h ]; then echo "✓ libyaml"; else echo "✗ libyaml not found: make deps"; fi
 	@if [ -f /usr/include/zstd.h ]; then echo "✓ zstd"; else echo "✗ zstd not found: make deps"; fi
 	@if [ -n "$(MPICC)" ]; then echo "✓ MPI $$($(MPICC) --showme:version 2>/dev/null | sed -n 's/.*Open MPI/Open MPI/p')"; else echo "✗ MPI not found: single-rank build (make deps)"; fi
+	@if [ "$(NCCL)" = 1 ]; then echo "✓ NCCL $(NCCL_VER) headers $(NCCL_H) (multi-GPU; libnccl.so.2 is loaded at run time)"; \
+	 elif [ "$(CUDA)" != 1 ]; then echo "✗ NCCL left out: no CUDA backend"; \
+	 elif [ -n "$(NCCL_H)" ]; then echo "✗ NCCL left out (NCCL=0): one GPU per run"; \
+	 else echo "✗ NCCL not found (no nccl.h): one GPU per run"; fi
 	@if [ -n "$(NVCC_PATH)" ]; then echo "✓ nvcc $$($(NVCC) --version | sed -n 's/.*release \([0-9.]*\).*/\1/p') $(CUDA_HOME) (CUDA backend: $(if $(filter 1,$(CUDA)),built$(COMMA) $(CUDA_ARCH),left out: CUDA=0))"; else echo "✗ nvcc not found: CPU backend only"; fi
 
 train: $(OBJ) $(BUILD)/main.o

@@ -10,6 +10,7 @@
 #include "backend.h"
 #include "bench.h"
 #include "ckpt.h"
+#include "comm.h"
 #include "config.h"
 #include "plan.h"
 #include "prepare.h"
@@ -68,6 +69,7 @@ static void print_version(void) {
     printf("kiln %s (commit %s)\n", KILN_VERSION, KILN_COMMIT);
     printf("backends: %s\n", backend_list());
     if (backend_build_info()[0]) printf("%s\n", backend_build_info());
+    printf("%s\n", comm_nccl_build_info());
     printf("libraries: OpenBLAS %s | libyaml %s | zstd %s\n", openblas_get_config(), yaml_get_version_string(),
            ZSTD_versionString());
 }

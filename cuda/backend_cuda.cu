@@ -169,6 +169,12 @@ static size_t cuda_memory_peak(void) {
     return cuda_peak_used;
 }
 
+/* Every op goes to the legacy default stream (stream 0 in this backend's
+ * launches and copies). Named as cudaStreamLegacy, not 0: the handle means the
+ * same stream in code built with --default-stream per-thread, and in the CUDA
+ * runtime that NCCL carries. */
+static void *cuda_stream(void) { return (void *)cudaStreamLegacy; }
+
 /* Designated initializers in declaration order (C++20; nvcc and g++ accept
  * them in C++17 mode): a field added to backend.h without a CUDA entry stays
  * NULL and the op test names it, rather than shifting every pointer. */
@@ -200,4 +206,5 @@ extern "C" const Backend backend_cuda = {
     .sumsq = cuda_sumsq,
     .set_precision = cuda_set_precision,
     .memory_peak = cuda_memory_peak,
+    .stream = cuda_stream,
 };

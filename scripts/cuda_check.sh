@@ -3,12 +3,13 @@
 # command (`make cuda-check`): the GPU and its libraries, every op of the CUDA
 # backend against double references and against the CPU backend, a 50-step
 # tiny run on both backends with the loss curves compared, and GPT-2 124M and
-# 1.5B benchmark steps (tokens/s, MFU, peak memory). Full log and a summary go
+# 1.5B benchmark steps (tokens/s, MFU, peak memory), and comm's NCCL device
+# mode on one rank (test_nccl). Full log and a summary go
 # to $OUT (or a fresh /tmp folder); the summary table is printed last. Aims at
 # well under 8 minutes on one H100/H200.
 #
 # The binaries are normally built on the build machine with
-#     make -j2 STATIC=1 train build/test/test_ops build/test/test_backend_cross
+#     make -j2 STATIC=1 train build/test/test_ops build/test/test_backend_cross build/test/test_nccl
 # and carried over with the tree (the GPU machine lacks libyaml, zstd, OpenBLAS
 # and MPI); if ./train is missing or cannot start, the script tries that build
 # here. Exit: 0 all checks passed, 1 a check failed, 2 no GPU or no binary.
@@ -62,17 +63,28 @@ if [ -n "$PIP_NV" ]; then
         [ -n "$f" ] && echo "found $f" && extra="$extra:$(dirname "$f")"
     done
 fi
+# NCCL is opened at run time (dlopen "libnccl.so.2"), so it must be on the
+# loader's path: pip's nvidia-nccl-cu1x puts it in site-packages/nvidia/nccl/lib
+# (any python's), the toolkit in lib or lib64.
+if ! echo "$extra" | grep -q nccl; then
+    for d in "$PIP_NV/nvidia/nccl/lib" /usr/local/lib/python3*/dist-packages/nvidia/nccl/lib \
+             /usr/lib/python3*/site-packages/nvidia/nccl/lib "$HOME"/.local/lib/python3*/site-packages/nvidia/nccl/lib \
+             /usr/local/cuda/lib /usr/local/cuda/lib64; do
+        if [ -e "$d/libnccl.so.2" ]; then echo "found $d/libnccl.so.2"; extra="$extra:$d"; break; fi
+    done
+fi
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${extra}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 
 # --- 3. The binaries -------------------------------------------------------
 section "binaries"
 usable() { [ -x ./train ] && ./train --version 2>/dev/null | grep -q 'backends: .*cuda' &&
-           [ -x build/test/test_ops ] && [ -x build/test/test_backend_cross ]; }
+           [ -x build/test/test_ops ] && [ -x build/test/test_backend_cross ] && [ -x build/test/test_nccl ]; }
 if ! usable; then
     echo "no usable carried binary: building here (make STATIC=1)"
     if command -v nvcc >/dev/null 2>&1; then
-        make -j"$(nproc)" STATIC=1 CUDA=1 train build/test/test_ops build/test/test_backend_cross 2>&1 | tail -n 20
+        make -j"$(nproc)" STATIC=1 CUDA=1 train build/test/test_ops build/test/test_backend_cross build/test/test_nccl \
+            2>&1 | tail -n 20
     fi
 fi
 if ! usable; then
@@ -101,6 +113,16 @@ cat "$OUT/test_cross.txt"
 nok=$(count ok "$OUT/test_cross.txt"); nfail=$(count FAIL "$OUT/test_cross.txt")
 if [ $rc -eq 0 ] && [ "$nfail" -eq 0 ] && [ "$nok" -gt 0 ]; then row test_backend_cross ok "$nok checks"
 else row test_backend_cross FAIL "$nok ok, $nfail failed, exit $rc"; failed=1; fi
+
+section "comm: test_nccl (NCCL device mode, one rank: collectives, stream order, overlap, deadline)"
+timeout 120 build/test/test_nccl > "$OUT/test_nccl.txt" 2>&1; rc=$?
+cat "$OUT/test_nccl.txt"
+nok=$(count ok "$OUT/test_nccl.txt"); nfail=$(count FAIL "$OUT/test_nccl.txt")
+if [ $rc -eq 0 ] && [ "$nfail" -eq 0 ] && [ "$nok" -gt 1 ]; then
+    row test_nccl ok "$nok checks, $(sed -n 's/^nccl: //p' "$OUT/test_nccl.txt" | head -1)"
+else
+    row test_nccl FAIL "$nok ok, $nfail failed, exit $rc: $(grep -m1 -E '^(FAIL|skip)' "$OUT/test_nccl.txt")"; failed=1
+fi
 
 # --- 5. Tiny run on both backends --------------------------------------------
 section "tiny: 50 steps, cpu vs cuda"

@@ -99,9 +99,13 @@ typedef struct Backend {
      * set_precision: precision.compute, called once after init: "fp32" (strict
      * fp32 products) or "bf16" (matrix products on bf16 tensor cores from the
      * fp32 data, fp32 accumulation). Storage stays fp32 either way.
-     * memory_peak: the most device memory in use since init, in bytes. */
+     * memory_peak: the most device memory in use since init, in bytes.
+     * stream: the stream (cudaStream_t) every op of the backend runs on, in
+     * order; comm orders NCCL collectives against it (comm.h,
+     * comm_nccl_device_mode). */
     void (*set_precision)(const char *compute);
     size_t (*memory_peak)(void);
+    void *(*stream)(void);
 } Backend;
 
 /* The CPU backend (always present). */

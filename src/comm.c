@@ -151,6 +151,34 @@ static void mpi_fail(const char *file, int line, const char *call, const CommGro
 
 static int group_uses_mpi(const CommGroup *g) { return g->size > 1; }
 
+/* Device mode (comm_nccl_device_mode; the NCCL section at the end): what a
+ * float collective becomes when g->dev is set. */
+typedef enum {
+    NCCL_OP_SUM,
+    NCCL_OP_AVG,
+    NCCL_OP_REDUCE_SCATTER,
+    NCCL_OP_ALL_GATHER,
+    NCCL_OP_BROADCAST,
+    NCCL_OP_SEND,
+    NCCL_OP_RECV,
+    NCCL_OP_ALL_TO_ALL
+} NcclOp;
+/* n: elements per rank's block where the operation has blocks; peer: the
+ * root of a broadcast or the other side of a send/recv. */
+static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, size_t n, int peer);
+static int nccl_test(CommRequest *req);
+static void nccl_wait(CommRequest *req);
+static void nccl_describe(char *buf, size_t n);
+static void req_start(CommRequest *req, CommGroup *g, const char *op);
+
+/* A blocking collective in device mode: post, then wait. */
+static void dev_run(CommGroup *g, const char *op, NcclOp k, const void *send, void *recv, size_t n, int peer) {
+    CommRequest r;
+    req_start(&r, g, op);
+    nccl_post(&r, k, send, recv, n, peer);
+    if (r.active) nccl_wait(&r);
+}
+
 /* ---------------------------------------------------------------- dead peers and deadlines */
 
 int comm_dead_peers(const CommGroup *g, int *out, int max) {
@@ -493,6 +521,7 @@ void comm_init(double timeout_s) {
 
 void comm_finalize(void) {
     if (!C.initialised) return;
+    comm_nccl_free(&C.world);
 #ifdef KILN_MPI
     if (C.info.mpi) {
         /* Outstanding watch answers must finish before the communicator goes. */
@@ -530,12 +559,16 @@ CommGroup *comm_world(void) {
 void comm_describe(char *buf, size_t n) {
     const CommInfo *in = comm_info();
     if (in->source == COMM_SOURCE_SINGLE) {
-        snprintf(buf, n, "rank 0/1 (host %s, no launcher)", in->host);
+        char nv[48];
+        nccl_describe(nv, sizeof nv);
+        snprintf(buf, n, "rank 0/1 (host %s, no launcher%s)", in->host, nv);
         return;
     }
-    snprintf(buf, n, "rank %d/%d (local %d/%d, %d node%s, host %s, from %s %s, %s, timeout %.0f s)", in->rank,
+    char nv[48];
+    nccl_describe(nv, sizeof nv);
+    snprintf(buf, n, "rank %d/%d (local %d/%d, %d node%s, host %s, from %s %s, %s%s, timeout %.0f s)", in->rank,
              in->world, in->local_rank, in->local_world, in->nodes, in->nodes == 1 ? "" : "s", in->host,
-             source_name(in->source), C.rank_var, in->mpi ? "MPI" : "no MPI", in->timeout_s);
+             source_name(in->source), C.rank_var, in->mpi ? "MPI" : "no MPI", nv, in->timeout_s);
 }
 
 /* ---------------------------------------------------------------- groups */
@@ -566,6 +599,7 @@ void comm_split(CommGroup *parent, int color, int key, const char *name, CommGro
 }
 
 void comm_group_free(CommGroup *g) {
+    if (g != &C.world) comm_nccl_free(g); /* the world's goes in comm_finalize */
 #ifdef KILN_MPI
     if (g->mpi && g != &C.world && C.info.mpi) {
         MPI_Comm c = mcomm(g);
@@ -581,6 +615,10 @@ void comm_group_free(CommGroup *g) {
 /* ---------------------------------------------------------------- collectives */
 
 void comm_all_reduce_sum(CommGroup *g, float *buf, size_t n) {
+    if (g->dev) {
+        dev_run(g, "all_reduce", NCCL_OP_SUM, buf, buf, n, 0);
+        return;
+    }
     g->seq++;
     if (!group_uses_mpi(g) || n == 0) return;
     need_mpi(g, "all_reduce");
@@ -596,6 +634,10 @@ void comm_all_reduce_sum(CommGroup *g, float *buf, size_t n) {
 }
 
 void comm_all_reduce_mean(CommGroup *g, float *buf, size_t n) {
+    if (g->dev) {
+        dev_run(g, "all_reduce", NCCL_OP_AVG, buf, buf, n, 0);
+        return;
+    }
     comm_all_reduce_sum(g, buf, n);
     if (g->size > 1) {
         float s = 1.0f / (float)g->size;
@@ -640,6 +682,10 @@ void comm_reduce_scatter(CommGroup *g, const float *send, float *recv, size_t bl
 }
 
 void comm_all_gather(CommGroup *g, const float *send, float *recv, size_t block) {
+    if (g->dev) {
+        dev_run(g, "all_gather", NCCL_OP_ALL_GATHER, send, recv, block, 0);
+        return;
+    }
     g->seq++;
     if (!group_uses_mpi(g)) {
         if (send != recv && block) memmove(recv, send, block * sizeof(float));
@@ -677,11 +723,15 @@ void comm_all_gather_bytes(CommGroup *g, const void *send, void *recv, size_t bl
 #endif
 }
 
-static void broadcast_typed(CommGroup *g, void *buf, size_t n, int root, int bytes) {
-    g->seq++;
+static void check_root(const CommGroup *g, int root) {
     if (root < 0 || root >= g->size)
         kiln_fail(KILN_EXIT_RUNTIME, "rank %d: broadcast on group '%s': root %d is not a rank of %d", C.info.rank,
                   g->name, root, g->size);
+}
+
+static void broadcast_typed(CommGroup *g, void *buf, size_t n, int root, int bytes) {
+    g->seq++;
+    check_root(g, root);
     if (!group_uses_mpi(g) || n == 0) return;
     need_mpi(g, "broadcast");
 #ifdef KILN_MPI
@@ -696,7 +746,14 @@ static void broadcast_typed(CommGroup *g, void *buf, size_t n, int root, int byt
 #endif
 }
 
-void comm_broadcast(CommGroup *g, float *buf, size_t n, int root) { broadcast_typed(g, buf, n, root, 0); }
+void comm_broadcast(CommGroup *g, float *buf, size_t n, int root) {
+    if (g->dev) {
+        check_root(g, root);
+        dev_run(g, "broadcast", NCCL_OP_BROADCAST, buf, buf, n, root);
+        return;
+    }
+    broadcast_typed(g, buf, n, root, 0);
+}
 void comm_broadcast_bytes(CommGroup *g, void *buf, size_t n, int root) { broadcast_typed(g, buf, n, root, 1); }
 
 static void check_peer(const CommGroup *g, int peer, const char *op) {
@@ -706,6 +763,11 @@ static void check_peer(const CommGroup *g, int peer, const char *op) {
 }
 
 void comm_send(CommGroup *g, const float *buf, size_t n, int peer, int tag) {
+    if (g->dev) { /* NCCL has no tags: messages between two ranks match in order */
+        check_peer(g, peer, "send");
+        dev_run(g, "send", NCCL_OP_SEND, buf, NULL, n, peer);
+        return;
+    }
     g->seq++;
     check_peer(g, peer, "send");
     need_mpi(g, "send");
@@ -721,6 +783,11 @@ void comm_send(CommGroup *g, const float *buf, size_t n, int peer, int tag) {
 }
 
 void comm_recv(CommGroup *g, float *buf, size_t n, int peer, int tag) {
+    if (g->dev) {
+        check_peer(g, peer, "recv");
+        dev_run(g, "recv", NCCL_OP_RECV, NULL, buf, n, peer);
+        return;
+    }
     g->seq++;
     check_peer(g, peer, "recv");
     need_mpi(g, "recv");
@@ -736,6 +803,10 @@ void comm_recv(CommGroup *g, float *buf, size_t n, int peer, int tag) {
 }
 
 void comm_all_to_all(CommGroup *g, const float *send, float *recv, size_t block) {
+    if (g->dev) {
+        dev_run(g, "all_to_all", NCCL_OP_ALL_TO_ALL, send, recv, block, 0);
+        return;
+    }
     g->seq++;
     if (!group_uses_mpi(g)) {
         if (send != recv && block) memmove(recv, send, block * sizeof(float));
@@ -783,6 +854,10 @@ static void check_int_count(const CommGroup *g, size_t n, const char *op) {
 
 void comm_iall_reduce_sum(CommGroup *g, float *buf, size_t n, CommRequest *req) {
     req_start(req, g, "all_reduce");
+    if (g->dev) {
+        nccl_post(req, NCCL_OP_SUM, buf, buf, n, 0);
+        return;
+    }
     if (!group_uses_mpi(g) || n == 0) return;
     need_mpi(g, "all_reduce");
     check_int_count(g, n, "all_reduce");
@@ -794,6 +869,10 @@ void comm_iall_reduce_sum(CommGroup *g, float *buf, size_t n, CommRequest *req) 
 
 void comm_ireduce_scatter(CommGroup *g, const float *send, float *recv, size_t block, CommRequest *req) {
     req_start(req, g, "reduce_scatter");
+    if (g->dev) {
+        nccl_post(req, NCCL_OP_REDUCE_SCATTER, send, recv, block, 0);
+        return;
+    }
     if (!group_uses_mpi(g)) {
         if (send != recv && block) memmove(recv, send, block * sizeof(float));
         return;
@@ -808,6 +887,10 @@ void comm_ireduce_scatter(CommGroup *g, const float *send, float *recv, size_t b
 
 void comm_iall_gather(CommGroup *g, const float *send, float *recv, size_t block, CommRequest *req) {
     req_start(req, g, "all_gather");
+    if (g->dev) {
+        nccl_post(req, NCCL_OP_ALL_GATHER, send, recv, block, 0);
+        return;
+    }
     if (!group_uses_mpi(g)) {
         if (send != recv && block) memmove(recv, send, block * sizeof(float));
         return;
@@ -823,6 +906,7 @@ void comm_iall_gather(CommGroup *g, const float *send, float *recv, size_t block
 
 int comm_test(CommRequest *req) {
     if (!req->active) return 1;
+    if (req->device) return nccl_test(req);
 #ifdef KILN_MPI
     int done = 0;
     MPI_CHECK(req->g, MPI_Test(mreq(req), &done, MPI_STATUS_IGNORE));
@@ -837,6 +921,10 @@ int comm_test(CommRequest *req) {
 
 void comm_wait(CommRequest *req) {
     if (!req->active) return;
+    if (req->device) {
+        nccl_wait(req);
+        return;
+    }
 #ifdef KILN_MPI
     wait_mpi(req->g, mreq(req), req->op, req->seq, req->t_start);
     req->active = 0;
@@ -898,18 +986,152 @@ void comm_check_consistent(uint64_t config_hash, const char *commit) {
 
 #ifdef KILN_NCCL
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <nccl.h>
-#include <sys/stat.h>
 
+/* libnccl.so.2, opened on the first comm_nccl_init and never linked: a binary
+ * with NCCL support must start where NCCL is absent (CPU runs, one GPU). The
+ * pointer types are nccl.h's own, so a changed signature fails to compile
+ * here instead of misbehaving at run time. */
+#define NCCL_FN(name) __typeof__(&nccl##name) name
+static struct {
+    void *lib;
+    int version;     /* ncclGetVersion: 22809 for 2.28.9 */
+    char path[512];  /* the file dlopen found */
+    NCCL_FN(GetVersion);
+    NCCL_FN(GetErrorString);
+    NCCL_FN(GetLastError);
+    NCCL_FN(GetUniqueId);
+    NCCL_FN(CommInitRankConfig);
+    NCCL_FN(CommFinalize);
+    NCCL_FN(CommDestroy);
+    NCCL_FN(CommAbort);
+    NCCL_FN(CommGetAsyncError);
+    NCCL_FN(AllReduce);
+    NCCL_FN(ReduceScatter);
+    NCCL_FN(AllGather);
+    NCCL_FN(Broadcast);
+    NCCL_FN(Send);
+    NCCL_FN(Recv);
+    NCCL_FN(GroupStart);
+    NCCL_FN(GroupEnd);
+} N;
+#undef NCCL_FN
+
+/* The library's name. A test (test/t_nccl.sh) compiles another, missing one
+ * in to see the message; nothing else should change it. */
+#ifndef KILN_NCCL_SONAME
+#define KILN_NCCL_SONAME "libnccl.so.2"
+#endif
+
+/* ncclCommInitRankConfig and ncclCommFinalize (non-blocking communicators,
+ * which let init and every call be bounded by the deadline) appeared in 2.14. */
+#define NCCL_MIN_VERSION 21400
+
+int comm_nccl_available(char *why, size_t n) {
+    if (N.lib) return 1;
+    void *lib = dlopen(KILN_NCCL_SONAME, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        const char *e = dlerror();
+        snprintf(why, n, "cannot load %s (%s): install NCCL (the CUDA toolkit's, or pip nvidia-nccl-cu12/cu13) and "
+                         "set LD_LIBRARY_PATH to the folder that holds %s",
+                 KILN_NCCL_SONAME, e ? e : "not found", KILN_NCCL_SONAME);
+        return 0;
+    }
+    const char *missing = NULL;
+#define NCCL_SYM(name)                                                                                              \
+    if (!missing && !(*(void **)(&N.name) = dlsym(lib, "nccl" #name))) missing = "nccl" #name
+    NCCL_SYM(GetVersion);
+    NCCL_SYM(GetErrorString);
+    NCCL_SYM(GetLastError);
+    NCCL_SYM(GetUniqueId);
+    NCCL_SYM(CommInitRankConfig);
+    NCCL_SYM(CommFinalize);
+    NCCL_SYM(CommDestroy);
+    NCCL_SYM(CommAbort);
+    NCCL_SYM(CommGetAsyncError);
+    NCCL_SYM(AllReduce);
+    NCCL_SYM(ReduceScatter);
+    NCCL_SYM(AllGather);
+    NCCL_SYM(Broadcast);
+    NCCL_SYM(Send);
+    NCCL_SYM(Recv);
+    NCCL_SYM(GroupStart);
+    NCCL_SYM(GroupEnd);
+#undef NCCL_SYM
+    Dl_info di;
+    const char *path = N.GetVersion && dladdr(*(void **)&N.GetVersion, &di) && di.dli_fname ? di.dli_fname
+                                                                                              : KILN_NCCL_SONAME;
+    kiln_strlcpy(N.path, path, sizeof N.path);
+    int v = 0;
+    if (!missing && N.GetVersion(&v) != ncclSuccess) missing = "a working ncclGetVersion";
+    if (missing || v < NCCL_MIN_VERSION) {
+        if (missing) snprintf(why, n, "%s lacks %s: kiln needs NCCL 2.14 or later", N.path, missing);
+        else snprintf(why, n, "%s is NCCL %d.%d.%d: kiln needs 2.14 or later", N.path, v / 10000, v / 100 % 100,
+                      v % 100);
+        dlclose(lib);
+        memset(&N, 0, sizeof N);
+        return 0;
+    }
+    N.version = v;
+    N.lib = lib;
+    return 1;
+}
+
+const char *comm_nccl_build_info(void) {
+    static char info[640];
+    if (N.lib)
+        snprintf(info, sizeof info, "nccl: built in (headers %d.%d.%d); loaded NCCL %d.%d.%d from %s", NCCL_MAJOR,
+                 NCCL_MINOR, NCCL_PATCH, N.version / 10000, N.version / 100 % 100, N.version % 100, N.path);
+    else
+        snprintf(info, sizeof info, "nccl: built in (headers %d.%d.%d), libnccl.so.2 loaded at run time by "
+                                    "multi-GPU runs", NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
+    return info;
+}
+
+/* ", NCCL 2.28.9" for comm_describe once the library is loaded, else "". */
+static void nccl_describe(char *buf, size_t n) {
+    if (N.lib) snprintf(buf, n, ", NCCL %d.%d.%d", N.version / 10000, N.version / 100 % 100, N.version % 100);
+    else if (n) buf[0] = '\0';
+}
+
+static void nccl_load_or_fail(void) {
+    char why[768];
+    if (!comm_nccl_available(why, sizeof why)) kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s", C.info.rank, why);
+    static int said;
+    if (!said && C.info.rank == 0) {
+        /* one line in the start-up output: which NCCL this run really uses */
+        printf("nccl: NCCL %d.%d.%d from %s\n", N.version / 10000, N.version / 100 % 100, N.version % 100, N.path);
+        fflush(stdout);
+    }
+    said = 1;
+}
+
+static ncclComm_t ncomm(const CommGroup *g) { return (ncclComm_t)g->nccl; }
+
+/* NCCL's own last message (which peer, which transport) when it has one. */
+static const char *nccl_detail(const CommGroup *g) {
+    const char *d = g && g->nccl ? N.GetLastError(ncomm(g)) : NULL;
+    return d && *d ? d : "no further detail";
+}
+
+/* ncclInProgress is how a non-blocking communicator says "started": callers
+ * settle it (nccl_settle) before relying on the operation being enqueued. */
 #define NCCL_CHECK(g, call)                                                                                         \
     do {                                                                                                            \
         ncclResult_t nccl_rc_ = (call);                                                                             \
         if (nccl_rc_ != ncclSuccess && nccl_rc_ != ncclInProgress)                                                  \
-            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s:%d: %s on group '%s' failed: %s", C.info.rank, __FILE__,      \
-                      __LINE__, #call, (g)->name, ncclGetErrorString(nccl_rc_));                                    \
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s:%d: %s on group '%s' failed: %s (%s)", C.info.rank, __FILE__, \
+                      __LINE__, #call, (g)->name, N.GetErrorString(nccl_rc_), nccl_detail(g));                     \
     } while (0)
 
-static ncclComm_t ncomm(const CommGroup *g) { return (ncclComm_t)g->nccl; }
+#define CUDA_CHECK_G(g, call)                                                                                       \
+    do {                                                                                                            \
+        cudaError_t cuda_rc_ = (call);                                                                              \
+        if (cuda_rc_ != cudaSuccess)                                                                                \
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s:%d: %s on group '%s' failed: %s", C.info.rank, __FILE__,      \
+                      __LINE__, #call, (g)->name, cudaGetErrorString(cuda_rc_));                                    \
+    } while (0)
 
 /* The job's name for the id file: a rerun of the same job must not read the
  * id of a previous attempt, so the restart count is part of it. */
@@ -949,28 +1171,32 @@ static void nccl_id_by_file(CommGroup *g, const char *run_dir, ncclUniqueId *id)
     }
 }
 
-/* Wait for a non-blocking NCCL call (config.blocking = 0) to leave
- * ncclInProgress, within the deadline. */
+/* Wait for a call on a non-blocking communicator to leave ncclInProgress
+ * (init, finalize, or the enqueueing of an operation), within the deadline. */
 static void nccl_settle(CommGroup *g, const char *what) {
     double t0 = kiln_now();
-    ncclResult_t st = ncclInProgress;
-    while (st == ncclInProgress) {
-        NCCL_CHECK(g, ncclCommGetAsyncError(ncomm(g), &st));
-        if (st != ncclInProgress && st != ncclSuccess)
-            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: NCCL %s on group '%s': %s", C.info.rank, what, g->name,
-                      ncclGetErrorString(st));
+    for (;;) {
+        ncclResult_t st = ncclInProgress;
+        NCCL_CHECK(g, N.CommGetAsyncError(ncomm(g), &st));
+        if (st == ncclSuccess) return;
+        if (st != ncclInProgress)
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: NCCL %s #%llu on group '%s' failed: %s (%s)", C.info.rank, what,
+                      (unsigned long long)g->seq, g->name, N.GetErrorString(st), nccl_detail(g));
         if (kiln_now() - t0 > C.info.timeout_s) {
-            ncclCommAbort(ncomm(g));
+            N.CommAbort(ncomm(g)); /* the process ends next: nothing to check */
+            g->nccl = NULL;
             comm_timeout(g, what, g->seq, kiln_now() - t0);
         }
-        if (st == ncclInProgress) sched_yield();
+        sched_yield();
     }
 }
 
 void comm_nccl_init(CommGroup *g, const char *run_dir) {
+    if (g->nccl) return;
+    nccl_load_or_fail();
     ncclUniqueId id;
     memset(&id, 0, sizeof id);
-    if (g->rank == 0) NCCL_CHECK(g, ncclGetUniqueId(&id));
+    if (g->rank == 0) NCCL_CHECK(g, N.GetUniqueId(&id));
     if (g->size > 1) {
         if (C.info.mpi) comm_broadcast_bytes(g, &id, sizeof id, 0);
         else nccl_id_by_file(g, run_dir, &id);
@@ -978,7 +1204,7 @@ void comm_nccl_init(CommGroup *g, const char *run_dir) {
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
     cfg.blocking = 0; /* so that init, too, is bounded by the deadline */
     ncclComm_t c = NULL;
-    NCCL_CHECK(g, ncclCommInitRankConfig(&c, g->size, id, g->rank, &cfg));
+    NCCL_CHECK(g, N.CommInitRankConfig(&c, g->size, id, g->rank, &cfg));
     g->nccl = c;
     nccl_settle(g, "nccl_init");
     if (g->rank == 0 && g->size > 1 && !C.info.mpi) {
@@ -989,109 +1215,243 @@ void comm_nccl_init(CommGroup *g, const char *run_dir) {
     }
 }
 
-void comm_nccl_free(CommGroup *g) {
-    if (!g->nccl) return;
-    ncclCommFinalize(ncomm(g));
-    nccl_settle(g, "nccl_finalize");
-    ncclCommDestroy(ncomm(g));
-    g->nccl = NULL;
+/* ---- device mode */
+
+/* A group's device-mode state. The comm stream is the group's own and
+ * non-blocking (it must not serialise with the legacy default stream, or
+ * nothing would overlap); NCCL operations on one communicator must run in
+ * issue order anyway, so one stream per group is all the concurrency there is.
+ * Completion events come from a pool that grows when more requests are in
+ * flight than ever before: after the first step it never allocates again. */
+typedef struct NcclDev {
+    cudaStream_t compute; /* the caller's stream: inputs are written and results read there */
+    cudaStream_t stream;  /* this group's comm stream */
+    cudaEvent_t ready;    /* recorded on `compute` at each post; `stream` waits on it */
+    cudaEvent_t *events;  /* [cap] completion events */
+    unsigned char *busy;  /* [cap] 1 while a request holds the event */
+    int cap, next;        /* pool size; where the search for a free event starts */
+} NcclDev;
+
+/* Add events to the pool: 16 at first, then double. */
+static void dev_pool_grow(CommGroup *g) {
+    NcclDev *d = g->dev;
+    int old = d->cap, cap = old ? 2 * old : 16;
+    d->events = xrealloc(d->events, (size_t)cap * sizeof(cudaEvent_t));
+    d->busy = xrealloc(d->busy, (size_t)cap);
+    for (int e = old; e < cap; e++) {
+        /* no timing: cheaper to record, and all we ask is "done yet?" */
+        CUDA_CHECK_G(g, cudaEventCreateWithFlags(&d->events[e], cudaEventDisableTiming));
+        d->busy[e] = 0;
+    }
+    d->cap = cap;
 }
 
-static void need_nccl(const CommGroup *g, const char *op) {
+/* A free completion event (its slot), marked busy. */
+static int dev_event_take(CommGroup *g) {
+    NcclDev *d = g->dev;
+    for (;;) {
+        for (int k = 0; k < d->cap; k++) {
+            int e = (d->next + k) % d->cap;
+            if (!d->busy[e]) {
+                d->busy[e] = 1;
+                d->next = (e + 1) % d->cap;
+                return e;
+            }
+        }
+        dev_pool_grow(g);
+    }
+}
+
+void comm_nccl_device_mode(CommGroup *g, void *compute_stream) {
     if (!g->nccl)
-        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s' before comm_nccl_init", C.info.rank, op, g->name);
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: comm_nccl_device_mode on group '%s' before comm_nccl_init",
+                  C.info.rank, g->name);
+    if (g->dev) return;
+    NcclDev *d = xcalloc(1, sizeof *d);
+    g->dev = d;
+    d->compute = (cudaStream_t)compute_stream;
+    CUDA_CHECK_G(g, cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking));
+    CUDA_CHECK_G(g, cudaEventCreateWithFlags(&d->ready, cudaEventDisableTiming));
+    dev_pool_grow(g); /* now, not at the first collective */
 }
 
-void comm_nccl_all_reduce(CommGroup *g, void *buf, size_t n, int dtype, int avg, void *stream) {
-    need_nccl(g, "nccl all_reduce");
-    g->seq++;
-    NCCL_CHECK(g, ncclAllReduce(buf, buf, n, (ncclDataType_t)dtype, avg ? ncclAvg : ncclSum, ncomm(g),
-                                (cudaStream_t)stream));
-    nccl_settle(g, "nccl all_reduce");
-}
-
-void comm_nccl_reduce_scatter(CommGroup *g, const void *send, void *recv, size_t block, int dtype, int avg,
-                              void *stream) {
-    need_nccl(g, "nccl reduce_scatter");
-    g->seq++;
-    NCCL_CHECK(g, ncclReduceScatter(send, recv, block, (ncclDataType_t)dtype, avg ? ncclAvg : ncclSum, ncomm(g),
-                                    (cudaStream_t)stream));
-    nccl_settle(g, "nccl reduce_scatter");
-}
-
-void comm_nccl_all_gather(CommGroup *g, const void *send, void *recv, size_t block, int dtype, void *stream) {
-    need_nccl(g, "nccl all_gather");
-    g->seq++;
-    NCCL_CHECK(g, ncclAllGather(send, recv, block, (ncclDataType_t)dtype, ncomm(g), (cudaStream_t)stream));
-    nccl_settle(g, "nccl all_gather");
-}
-
-void comm_nccl_broadcast(CommGroup *g, void *buf, size_t n, int dtype, int root, void *stream) {
-    need_nccl(g, "nccl broadcast");
-    g->seq++;
-    NCCL_CHECK(g, ncclBroadcast(buf, buf, n, (ncclDataType_t)dtype, root, ncomm(g), (cudaStream_t)stream));
-    nccl_settle(g, "nccl broadcast");
-}
-
-void comm_nccl_send(CommGroup *g, const void *buf, size_t n, int dtype, int peer, void *stream) {
-    need_nccl(g, "nccl send");
-    g->seq++;
-    NCCL_CHECK(g, ncclSend(buf, n, (ncclDataType_t)dtype, peer, ncomm(g), (cudaStream_t)stream));
-    nccl_settle(g, "nccl send");
-}
-
-void comm_nccl_recv(CommGroup *g, void *buf, size_t n, int dtype, int peer, void *stream) {
-    need_nccl(g, "nccl recv");
-    g->seq++;
-    NCCL_CHECK(g, ncclRecv(buf, n, (ncclDataType_t)dtype, peer, ncomm(g), (cudaStream_t)stream));
-    nccl_settle(g, "nccl recv");
-}
-
-static size_t nccl_type_size(int dtype) {
-    switch ((ncclDataType_t)dtype) {
-    case ncclInt8: case ncclUint8: return 1;
-    case ncclFloat16: case ncclBfloat16: return 2;
-    case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
-    default: return 8;
+/* Enqueue one NCCL operation after everything already on the compute stream,
+ * and give its completion event to req (req_start has filled it). */
+static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, size_t n, int peer) {
+    CommGroup *g = req->g;
+    NcclDev *d = g->dev;
+    if (n == 0) return; /* nothing to move; the sequence number still counts it */
+    ncclComm_t c = ncomm(g);
+    cudaStream_t s = d->stream;
+    CUDA_CHECK_G(g, cudaEventRecord(d->ready, d->compute));
+    CUDA_CHECK_G(g, cudaStreamWaitEvent(s, d->ready, 0));
+    switch (k) {
+    case NCCL_OP_SUM:
+    case NCCL_OP_AVG:
+        NCCL_CHECK(g, N.AllReduce(send, recv, n, ncclFloat32, k == NCCL_OP_AVG ? ncclAvg : ncclSum, c, s));
+        break;
+    case NCCL_OP_REDUCE_SCATTER:
+        NCCL_CHECK(g, N.ReduceScatter(send, recv, n, ncclFloat32, ncclSum, c, s));
+        break;
+    case NCCL_OP_ALL_GATHER:
+        NCCL_CHECK(g, N.AllGather(send, recv, n, ncclFloat32, c, s));
+        break;
+    case NCCL_OP_BROADCAST:
+        NCCL_CHECK(g, N.Broadcast(send, recv, n, ncclFloat32, peer, c, s));
+        break;
+    case NCCL_OP_SEND:
+        NCCL_CHECK(g, N.Send(send, n, ncclFloat32, peer, c, s));
+        break;
+    case NCCL_OP_RECV:
+        NCCL_CHECK(g, N.Recv(recv, n, ncclFloat32, peer, c, s));
+        break;
+    case NCCL_OP_ALL_TO_ALL:
+        /* NCCL before 2.28 has no all-to-all: a group of sends and receives
+         * is the documented way */
+        NCCL_CHECK(g, N.GroupStart());
+        for (int p = 0; p < g->size; p++) {
+            NCCL_CHECK(g, N.Send((const float *)send + (size_t)p * n, n, ncclFloat32, p, c, s));
+            NCCL_CHECK(g, N.Recv((float *)recv + (size_t)p * n, n, ncclFloat32, p, c, s));
+        }
+        NCCL_CHECK(g, N.GroupEnd());
+        break;
     }
+    /* the operation must be on the stream before its completion event is */
+    nccl_settle(g, req->op);
+    req->event = dev_event_take(g);
+    CUDA_CHECK_G(g, cudaEventRecord(d->events[req->event], s));
+    req->device = 1;
+    req->active = 1;
 }
 
-/* NCCL has no all-to-all: a group of sends and receives is the documented way. */
-void comm_nccl_all_to_all(CommGroup *g, const void *send, void *recv, size_t block, int dtype, void *stream) {
-    need_nccl(g, "nccl all_to_all");
-    g->seq++;
-    size_t bytes = block * nccl_type_size(dtype);
-    NCCL_CHECK(g, ncclGroupStart());
-    for (int p = 0; p < g->size; p++) {
-        NCCL_CHECK(g, ncclSend((const char *)send + p * bytes, block, (ncclDataType_t)dtype, p, ncomm(g),
-                               (cudaStream_t)stream));
-        NCCL_CHECK(g, ncclRecv((char *)recv + p * bytes, block, (ncclDataType_t)dtype, p, ncomm(g),
-                               (cudaStream_t)stream));
+/* One look at a device request: 1 when done. A failure NCCL noticed (a peer's
+ * network error) ends the run; so does the deadline, after aborting the
+ * communicator so that its kernels stop spinning. */
+static int nccl_poll(CommRequest *req) {
+    CommGroup *g = req->g;
+    NcclDev *d = g->dev;
+    cudaError_t e = cudaEventQuery(d->events[req->event]);
+    if (e == cudaSuccess) return 1;
+    if (e != cudaErrorNotReady)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: NCCL %s #%llu on group '%s': CUDA error %s", C.info.rank, req->op,
+                  (unsigned long long)req->seq, g->name, cudaGetErrorString(e));
+    (void)cudaGetLastError(); /* "not ready" may be recorded as the last error: the backend's launch checks read it */
+    ncclResult_t st = ncclSuccess;
+    NCCL_CHECK(g, N.CommGetAsyncError(ncomm(g), &st));
+    if (st != ncclSuccess && st != ncclInProgress) {
+        /* usually a peer that died mid-operation: name it when we can */
+        char dead[512] = "";
+        int w[16], nd = comm_dead_peers(g, w, 16), k = 0;
+        for (int i = 0; i < nd && k < (int)sizeof dead - 80; i++)
+            k += snprintf(dead + k, sizeof dead - k, "; rank %d (pid %d on %s) is dead", w[i], (int)C.peers[w[i]].pid,
+                          C.peers[w[i]].host);
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: NCCL %s #%llu on group '%s' failed: %s (%s)%s", C.info.rank, req->op,
+                  (unsigned long long)req->seq, g->name, N.GetErrorString(st), nccl_detail(g), dead);
     }
-    NCCL_CHECK(g, ncclGroupEnd());
-    nccl_settle(g, "nccl all_to_all");
+    double waited = kiln_now() - req->t_start;
+    if (waited > C.info.timeout_s) {
+        N.CommAbort(ncomm(g)); /* the process ends next: nothing to check */
+        g->nccl = NULL;
+        comm_timeout(g, req->op, req->seq, waited);
+    }
+    return 0;
 }
 
-/* A stream's work, bounded: a peer that died mid-collective leaves the stream
- * spinning forever, so poll it and abort the communicator at the deadline. */
-void comm_nccl_wait(CommGroup *g, void *stream, const char *what) {
+/* Done: later work on the compute stream is ordered after the operation, and
+ * the event goes back to the pool (a later record re-arms it; the wait just
+ * enqueued has already captured this completion). */
+static void nccl_finish(CommRequest *req) {
+    NcclDev *d = req->g->dev;
+    CUDA_CHECK_G(req->g, cudaStreamWaitEvent(d->compute, d->events[req->event], 0));
+    d->busy[req->event] = 0;
+    req->active = 0;
+}
+
+static int nccl_test(CommRequest *req) {
+    if (!nccl_poll(req)) return 0;
+    nccl_finish(req);
+    return 1;
+}
+
+/* Like wait_mpi: yield first (latency), then short sleeps; answer the watch
+ * meanwhile, so a peer that timed out learns this rank waits here. */
+static void nccl_wait(CommRequest *req) {
+    C.cur_op = req->op;
+    C.cur_group = req->g;
+    C.cur_seq = req->seq;
+    for (long spins = 0; !nccl_poll(req); spins++) {
+#ifdef KILN_MPI
+        if ((spins & 63) == 0) watch_serve();
+#endif
+        if (spins < 2000) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 200000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    C.cur_op = NULL;
+    nccl_finish(req);
+}
+
+static void dev_free(CommGroup *g) {
+    NcclDev *d = g->dev;
+    if (!d) return;
+    /* bounded: a stream stuck in a collective with a dead peer never drains */
     double t0 = kiln_now();
     for (;;) {
-        cudaError_t e = cudaStreamQuery((cudaStream_t)stream);
-        if (e == cudaSuccess) return;
+        cudaError_t e = cudaStreamQuery(d->stream);
+        if (e == cudaSuccess) break;
         if (e != cudaErrorNotReady)
-            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s': CUDA error %s", C.info.rank, what, g->name,
-                      cudaGetErrorString(e));
-        ncclResult_t st = ncclSuccess;
-        if (g->nccl) NCCL_CHECK(g, ncclCommGetAsyncError(ncomm(g), &st));
-        if (st != ncclSuccess && st != ncclInProgress)
-            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s': NCCL %s", C.info.rank, what, g->name,
-                      ncclGetErrorString(st));
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: draining the NCCL stream of group '%s': CUDA error %s",
+                      C.info.rank, g->name, cudaGetErrorString(e));
+        (void)cudaGetLastError();
         if (kiln_now() - t0 > C.info.timeout_s) {
-            if (g->nccl) ncclCommAbort(ncomm(g));
-            comm_timeout(g, what, g->seq, kiln_now() - t0);
+            N.CommAbort(ncomm(g));
+            g->nccl = NULL;
+            comm_timeout(g, "nccl_free", g->seq, kiln_now() - t0);
         }
         sched_yield();
     }
+    for (int e = 0; e < d->cap; e++) CUDA_CHECK_G(g, cudaEventDestroy(d->events[e]));
+    CUDA_CHECK_G(g, cudaEventDestroy(d->ready));
+    CUDA_CHECK_G(g, cudaStreamDestroy(d->stream));
+    free(d->events);
+    free(d->busy);
+    free(d);
+    g->dev = NULL;
 }
+
+void comm_nccl_free(CommGroup *g) {
+    if (!g->nccl) return;
+    dev_free(g);
+    NCCL_CHECK(g, N.CommFinalize(ncomm(g)));
+    nccl_settle(g, "nccl_finalize");
+    NCCL_CHECK(g, N.CommDestroy(ncomm(g)));
+    g->nccl = NULL;
+}
+
+#else /* no KILN_NCCL: the same API, refusing device buffers */
+
+int comm_nccl_available(char *why, size_t n) {
+    snprintf(why, n, "this build has no NCCL (built without CUDA, or without nccl.h)");
+    return 0;
+}
+const char *comm_nccl_build_info(void) { return "nccl: not built in"; }
+static void nccl_describe(char *buf, size_t n) {
+    if (n) buf[0] = '\0';
+}
+__attribute__((noreturn)) static void no_nccl(const CommGroup *g, const char *what) {
+    kiln_fail(KILN_EXIT_USAGE, "rank %d: %s on group '%s' needs NCCL, but this build has none: rebuild with CUDA=1 "
+                               "where nccl.h is installed (make prints what it found)", C.info.rank, what, g->name);
+}
+void comm_nccl_init(CommGroup *g, const char *run_dir) { no_nccl(g, "comm_nccl_init"); }
+void comm_nccl_device_mode(CommGroup *g, void *compute_stream) { no_nccl(g, "comm_nccl_device_mode"); }
+void comm_nccl_free(CommGroup *g) {}
+/* g->dev is never set in this build: these are never reached. */
+static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, size_t n, int peer) {
+    no_nccl(req->g, req->op);
+}
+static int nccl_test(CommRequest *req) { no_nccl(req->g, req->op); }
+static void nccl_wait(CommRequest *req) { no_nccl(req->g, req->op); }
 #endif

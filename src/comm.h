@@ -33,10 +33,13 @@ typedef struct CommGroup {
     int *members;               /* [size]: world rank of each group rank */
     uint64_t mpi;               /* MPI_Comm, stored opaquely; 0 = none (single rank) */
     void *nccl;                 /* ncclComm_t after comm_nccl_init, else NULL */
+    void *dev;                  /* device mode (comm_nccl_device_mode): comm.c's streams and
+                                   events; NULL = float collectives take host buffers */
     uint64_t seq;               /* collectives issued on this group, for messages */
 } CommGroup;
 
-/* A non-blocking collective in flight (comm_i*); finish it with comm_wait. */
+/* A non-blocking collective in flight (comm_i*); finish it with comm_wait (or
+ * comm_test until it says 1). Plain data: no allocation per request. */
 typedef struct CommRequest {
     uint64_t mpi;      /* MPI_Request, stored opaquely */
     CommGroup *g;
@@ -44,6 +47,8 @@ typedef struct CommRequest {
     uint64_t seq;
     double t_start;    /* when it was posted: the deadline counts from here */
     int active;
+    int device;        /* 1: an NCCL operation in device mode, tracked by an event */
+    int event;         /* device mode: slot of its completion event in the group's pool */
 } CommRequest;
 
 /* Process-wide facts, valid after comm_init. */
@@ -81,8 +86,9 @@ void comm_set_timeout(double timeout_s);
 void comm_split(CommGroup *parent, int color, int key, const char *name, CommGroup *out);
 void comm_group_free(CommGroup *g);
 
-/* Collectives on host float buffers, over one group, each with the deadline.
- * Every member must call the same collectives in the same order with the same
+/* Collectives on host float buffers (device buffers after
+ * comm_nccl_device_mode: see the NCCL section below), over one group, each
+ * with the deadline. Every member must call the same collectives in the same order with the same
  * sizes. In-place where noted. Values reduce in rank order only as far as MPI
  * promises: sums are exact when the values are (tests use integers). */
 void comm_all_reduce_sum(CommGroup *g, float *buf, size_t n);   /* in place */
@@ -108,8 +114,9 @@ void comm_barrier(CommGroup *g);
 
 /* Non-blocking forms, for overlapping gradient sync with the backward pass.
  * MPI progresses them only inside MPI calls: call comm_test on outstanding
- * requests now and then (e.g. after each layer's backward). Buffers must stay
- * untouched until comm_wait returns. n and block are at most INT_MAX. */
+ * requests now and then (e.g. after each layer's backward; harmless and cheap
+ * in device mode, where NCCL progresses on its own). Buffers must stay
+ * untouched until comm_wait returns. On MPI, n and block are at most INT_MAX. */
 void comm_iall_reduce_sum(CommGroup *g, float *buf, size_t n, CommRequest *req);
 void comm_ireduce_scatter(CommGroup *g, const float *send, float *recv, size_t block, CommRequest *req);
 void comm_iall_gather(CommGroup *g, const float *send, float *recv, size_t block, CommRequest *req);
@@ -127,25 +134,77 @@ void comm_check_consistent(uint64_t config_hash, const char *commit);
  * messages; exposed for tests and for the caller's own error paths. */
 int comm_dead_peers(const CommGroup *g, int *out, int max);
 
-#ifdef KILN_NCCL
-/* NCCL on device buffers. The caller has selected its device (cudaSetDevice)
- * first. The unique id travels over the group's MPI communicator when there is
- * one, else through the file RUN_DIR/nccl_id.<job>.<group>.<first member>
- * (rank 0 writes tmp + rename; the others poll until the deadline). Data types
- * are NCCL's (ncclFloat, ncclBfloat16, ...), passed as int; stream is a
- * cudaStream_t. Every call is checked; comm_nccl_wait bounds a stream's
- * completion by the deadline and aborts the communicator on expiry. */
+/* ---- NCCL: device buffers (docs/parallel.md "NCCL")
+ *
+ * Declared in every build so that callers need no #ifdef: a build without
+ * NCCL (no CUDA, or no nccl.h at build time) refuses comm_nccl_init and
+ * comm_nccl_device_mode with exit 2, and comm_nccl_available says why.
+ * ./train does not link NCCL: libnccl.so.2 is opened (dlopen) on the first
+ * comm_nccl_init, so a binary with NCCL support starts and runs where there is
+ * none (CPU runs, one-GPU runs). A missing library ends the run (exit 1) with
+ * one line naming libnccl.so.2 and LD_LIBRARY_PATH.
+ *
+ * How a caller (ddp.c) puts a group's collectives on the GPU:
+ *
+ *     if (be->stream) {                         // a backend with device memory
+ *         comm_nccl_init(g, run_dir);           // collective over g; the device is selected
+ *         comm_nccl_device_mode(g, be->stream());
+ *     }
+ *
+ * From then on comm_all_reduce_sum, comm_all_reduce_mean, comm_reduce_scatter,
+ * comm_all_gather, comm_broadcast, comm_send, comm_recv, comm_all_to_all and
+ * the non-blocking comm_iall_reduce_sum, comm_ireduce_scatter and
+ * comm_iall_gather on g take DEVICE pointers (from be->alloc) and run as NCCL
+ * operations. Everything else stays on MPI and host memory: the double
+ * collectives (comm_all_reduce_sum_f64 / _max_f64), the byte collectives,
+ * comm_barrier and comm_check_consistent. The same group carries both.
+ *
+ * Ordering, so the caller never synchronises by hand: a post records an event
+ * on the compute stream (the backend's) and the group's own comm stream waits
+ * for it, so the collective reads what every earlier op wrote; the NCCL
+ * operation runs on the comm stream, concurrently with later compute; its
+ * completion is an event in the request. comm_test is a cudaEventQuery;
+ * comm_wait polls the event against the deadline and then makes the compute
+ * stream wait for it, so every later op (and every to_host) sees the result.
+ * What the caller must still do: not write a buffer that a posted operation
+ * reads (send), and not touch one it writes (recv), until comm_wait (or
+ * comm_test returning 1) -- the same rule as for MPI; finish every request
+ * it posts (an unfinished one holds its event for good); and not call the
+ * backend's sync (cudaDeviceSynchronize, which also waits for the comm
+ * streams, with no deadline) while requests are in flight. A blocking call is
+ * post + wait: it returns when the result is on the device.
+ *
+ * In place: all-reduce and broadcast always; comm_all_gather when send ==
+ * recv + rank * block; in device mode also comm_reduce_scatter when recv ==
+ * send + rank * block (NCCL's definition). comm_all_reduce_mean uses NCCL's
+ * ncclAvg (it may round differently from the host path's sum * (1/size)).
+ * Counts are size_t (no INT_MAX limit). Errors: every CUDA and NCCL call is
+ * checked (exit 1 naming the call, group and NCCL's words); at the deadline
+ * (comm_info()->timeout_s, counted from the post) the communicator is aborted
+ * and the run ends with the same line as an MPI timeout: group, operation,
+ * sequence number and the peers known dead or absent. */
+
+/* Open libnccl.so.2 if not yet done. 1 if this build has NCCL and the library
+ * loads here; else 0 with the reason in why[n]. Never exits. */
+int comm_nccl_available(char *why, size_t n);
+/* For ./train --version: whether NCCL support is built in and, once loaded,
+ * the library's version and path. */
+const char *comm_nccl_build_info(void);
+/* Create g's NCCL communicator; collective over g. The caller has selected
+ * its device (cudaSetDevice) first. The unique id travels over g's MPI
+ * communicator when there is one, else (torchrun-style launch, no MPI)
+ * through the file RUN_DIR/nccl_id.<job>.<restart>.<group>.<first member>
+ * (rank 0 writes tmp + rename; the others poll until the deadline). The
+ * communicator is non-blocking (config.blocking = 0), so init too is bounded
+ * by the deadline. A one-rank group needs no exchange. */
 void comm_nccl_init(CommGroup *g, const char *run_dir);
+/* Float collectives on g take device pointers from now on (see above).
+ * compute_stream: the cudaStream_t the caller's kernels run on (the
+ * backend's stream hook). Needs comm_nccl_init(g) first; call it once. */
+void comm_nccl_device_mode(CommGroup *g, void *compute_stream);
+/* Wait (bounded) for g's comm stream, free the device-mode streams and
+ * events, finalise and destroy the communicator. No-op without one;
+ * comm_group_free and comm_finalize call it. */
 void comm_nccl_free(CommGroup *g);
-void comm_nccl_all_reduce(CommGroup *g, void *buf, size_t n, int dtype, int avg, void *stream);
-void comm_nccl_reduce_scatter(CommGroup *g, const void *send, void *recv, size_t block, int dtype, int avg,
-                              void *stream);
-void comm_nccl_all_gather(CommGroup *g, const void *send, void *recv, size_t block, int dtype, void *stream);
-void comm_nccl_broadcast(CommGroup *g, void *buf, size_t n, int dtype, int root, void *stream);
-void comm_nccl_send(CommGroup *g, const void *buf, size_t n, int dtype, int peer, void *stream);
-void comm_nccl_recv(CommGroup *g, void *buf, size_t n, int dtype, int peer, void *stream);
-void comm_nccl_all_to_all(CommGroup *g, const void *send, void *recv, size_t block, int dtype, void *stream);
-void comm_nccl_wait(CommGroup *g, void *stream, const char *what);
-#endif
 
 #endif

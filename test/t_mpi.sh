@@ -3,8 +3,9 @@
 # under `mpirun -np 2` and `-np 4` (every collective's values, groups over a
 # mesh), the start-of-run consistency check (exit 2 naming the odd rank), a
 # rank killed mid-run (the job ends within timeout + 10 s naming it), a rank
-# mismatch between the environment and MPI, the single-rank build without MPI,
-# and that the NCCL path compiles where nccl.h exists. One line per check.
+# mismatch between the environment and MPI, and the single-rank build without
+# MPI. (The NCCL path: test/t_nccl.sh and build/test/test_nccl.) One line per
+# check.
 set -u
 cd "$(dirname "$0")/.."
 T=${KILN_TEST_TMP:-$(mktemp -d)}/t_mpi
@@ -114,15 +115,4 @@ else
     fail comm_nompi_builds "$(head -c 400 "$T/nompi.cc")"
 fi
 
-# NCCL: compile only (no GPU here). Needs nccl.h and cuda_runtime.h.
-CUDA_INC=""
-for d in /usr/local/cuda/include /usr/local/include; do [ -f "$d/nccl.h" ] && CUDA_INC="$CUDA_INC -I$d"; done
-if [ -n "$CUDA_INC" ]; then
-    if $CC -std=c11 -D_GNU_SOURCE -DKILN_MPI -DKILN_NCCL $(mpicc --showme:compile) $CUDA_INC -Isrc -Wall -Wextra \
-        -Wno-unused-parameter -Werror -c -o "$T/comm_nccl.o" src/comm.c 2>"$T/nccl.cc"; then
-        ok comm_nccl_compiles
-    else fail comm_nccl_compiles "$(head -c 600 "$T/nccl.cc")"; fi
-else
-    skip comm_nccl_compiles "nccl.h not found"
-fi
 cat "$T/timings" >&2
