@@ -116,6 +116,15 @@ static void cuda_update_desc(void) {
              cuda_matmul_get_compute() ? "bf16 (tensor cores, fp32 accumulate)" : "fp32");
 }
 
+/* Which of the visible GPUs this process uses (select_device, before init):
+ * one process per GPU, so the rank's index among the ranks of its host. */
+static int cuda_local_rank, cuda_local_world = 1;
+
+static void cuda_select_device(int local_rank, int local_world) {
+    cuda_local_rank = local_rank > 0 ? local_rank : 0;
+    cuda_local_world = local_world > 0 ? local_world : 1;
+}
+
 static const char *cuda_init(int threads) {
     (void)threads;
     if (cuda_started) return cuda_desc;
@@ -127,9 +136,24 @@ static const char *cuda_init(int threads) {
         kiln_fail(KILN_EXIT_USAGE, "cuda backend: no usable GPU (%s)",
                   err != cudaSuccess ? cudaGetErrorString(err) : "no CUDA devices");
     }
-    CUDA_CHECK(cudaSetDevice(0));
+    /* One visible GPU (Slurm's --gpus-per-task, or CUDA_VISIBLE_DEVICES set
+     * per rank by the launcher): use it. Several: the one of this local rank;
+     * more ranks on the host than GPUs would put two ranks on one GPU, which
+     * NCCL refuses later with a less clear message. */
+    int dev = 0;
+    if (n > 1) {
+        if (cuda_local_rank >= n) {
+            const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+            kiln_hint("start one rank per GPU (srun --ntasks-per-node=GPUS, mpirun -np GPUS per host)");
+            kiln_fail(KILN_EXIT_USAGE, "cuda backend: local rank %d of %d on this host but only %d GPUs are visible%s%s%s",
+                      cuda_local_rank, cuda_local_world, n, vis ? " (CUDA_VISIBLE_DEVICES=" : "", vis ? vis : "",
+                      vis ? ")" : "");
+        }
+        dev = cuda_local_rank;
+    }
+    CUDA_CHECK(cudaSetDevice(dev));
     cudaDeviceProp prop;
-    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
     int rt = 0, drv = 0;
     CUDA_CHECK(cudaRuntimeGetVersion(&rt));
     CUDA_CHECK(cudaDriverGetVersion(&drv));
@@ -137,8 +161,8 @@ static const char *cuda_init(int threads) {
     cuda_note_usage();
     size_t lt = cublasLtGetVersion();
     snprintf(cuda_device_part, sizeof cuda_device_part,
-             "cuda: %s (sm_%d%d, %d SMs, %.1f GiB), runtime %d.%d, driver %d.%d, cuBLASLt %zu.%zu.%zu",
-             prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0,
+             "cuda: GPU %d of %d: %s (sm_%d%d, %d SMs, %.1f GiB), runtime %d.%d, driver %d.%d, cuBLASLt %zu.%zu.%zu",
+             dev, n, prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0,
              rt / 1000, rt % 1000 / 10, drv / 1000, drv % 1000 / 10, lt / 10000, lt / 100 % 100, lt % 100);
     cuda_update_desc();
     cuda_started = 1;
@@ -207,4 +231,5 @@ extern "C" const Backend backend_cuda = {
     .set_precision = cuda_set_precision,
     .memory_peak = cuda_memory_peak,
     .stream = cuda_stream,
+    .select_device = cuda_select_device,
 };

@@ -106,6 +106,10 @@ typedef struct Backend {
     void (*set_precision)(const char *compute);
     size_t (*memory_peak)(void);
     void *(*stream)(void);
+    /* select_device: before init, the rank's index among the ranks of its
+     * host and their count (one process per device: local rank r uses
+     * device r, or the only visible one). */
+    void (*select_device)(int local_rank, int local_world);
 } Backend;
 
 /* The CPU backend (always present). */

@@ -210,6 +210,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     if (!be)
         kiln_fail(KILN_EXIT_USAGE, "key 'device': '%s' is not available in this build (./train --version lists the backends)",
                   c->device);
+    if (be->select_device) be->select_device(comm_info()->local_rank, comm_info()->local_world);
     const char *desc = be->init(c->threads);
     if (be->set_precision) be->set_precision(c->compute); /* precision.compute: GPU products */
 
