@@ -85,12 +85,10 @@ static void plan_buckets(Ddp *d, size_t bucket_floats) {
 static void unit_pre_hook(void *ctx, int layer, int backward);
 static void unit_post_hook(void *ctx, int layer);
 
-/* Plan the unit shards and the optimizer's segments; allocate the shard and
- * gradient buffers (and ZeRO-3's gather buffers) once: nothing is allocated
- * per step. The gradient views point at the slots from here on. */
+/* Plan the unit shards and the optimizer's segments, and allocate the fp32
+ * parameter shard; the other buffers wait for ddp_shard_params. */
 static void unit_init(Ddp *d) {
     Model *m = d->m;
-    const Backend *be = m->be;
     int L = m->shape.n_layer;
     /* each unit a multiple of dp blocks of 64 floats: a unit's all-gather
      * then lands exactly on its arena range (ZeRO-2 gathers in place) */
@@ -119,20 +117,30 @@ static void unit_init(Ddp *d) {
         if (a >= b) continue;
         d->seg[d->nseg++] = (OptimSegment){d->at[u] + (a - lo), b - a, p->decay};
     }
-    d->pshard = be->alloc((d->shard_len + 1) * sizeof(float));
+    d->pshard = m->be->alloc((d->shard_len + 1) * sizeof(float));
+    d->held[0] = d->held[1] = d->rlayer[0] = d->rlayer[1] = -1;
+    if (d->whole_params) d->preq = xcalloc((size_t)d->nu, sizeof(CommRequest));
+}
+
+/* The gradient shard, slots and targets (and ZeRO-3's gather buffers), once:
+ * nothing is allocated per step. Called after ZeRO-3 freed the whole arena,
+ * so start-up never holds it next to these. The views point at them from
+ * here on. */
+static void unit_alloc(Ddp *d) {
+    Model *m = d->m;
+    const Backend *be = m->be;
+    int L = m->shape.n_layer;
     d->gshard = be->alloc((d->shard_len + 1) * sizeof(float));
     size_t layer_block = d->slot_len / (size_t)d->dp;
     for (int s = 0; s < 2; s++) {
         d->gbuf[s] = be->alloc((d->slot_len + 1) * sizeof(float));
         d->rs_tmp[s] = be->alloc((layer_block + 1) * sizeof(float));
-        d->held[s] = d->rlayer[s] = -1;
         if (!d->whole_params) d->pbuf[s] = be->alloc((d->slot_len + 1) * sizeof(float));
     }
     d->grest = be->alloc(m->unit_len[L] * sizeof(float));
     if (!d->whole_params) d->prest = be->alloc(m->unit_len[L] * sizeof(float));
-    else d->preq = xcalloc((size_t)d->nu, sizeof(CommRequest));
-    for (int l = 0; l < L; l++) model_bind_unit(m, l, NULL, d->gbuf[l % 2]);
-    model_bind_unit(m, L, NULL, d->grest);
+    for (int l = 0; l < L; l++) model_bind_unit(m, l, d->pbuf[l % 2], d->gbuf[l % 2]);
+    model_bind_unit(m, L, d->prest, d->grest);
     m->layer_grads_fresh = 1;
 }
 
@@ -151,10 +159,8 @@ void ddp_shard_params(Ddp *d) {
     if (!d->whole_params) {
         m->be->free(m->param_mem);
         m->param_mem = NULL;
-        int L = m->shape.n_layer;
-        for (int l = 0; l < L; l++) model_bind_unit(m, l, d->pbuf[l % 2], NULL);
-        model_bind_unit(m, L, d->prest, NULL);
     }
+    unit_alloc(d); /* ZeRO-2: pbuf and prest are NULL, the parameter views stay */
     m->pre_hook = unit_pre_hook;
     m->hook = unit_post_hook;
     m->hook_ctx = d;
@@ -338,10 +344,11 @@ void ddp_free(Ddp *d) {
     const Backend *be = d->m->be;
     if (d->units) {
         ddp_params_ready(d); /* no request may outlive its buffers */
-        be->free(d->pshard), be->free(d->gshard), be->free(d->grest);
+        be->free(d->pshard);
+        if (d->gshard) be->free(d->gshard), be->free(d->grest);
         if (d->prest) be->free(d->prest);
         for (int s = 0; s < 2; s++) {
-            be->free(d->gbuf[s]), be->free(d->rs_tmp[s]);
+            if (d->gbuf[s]) be->free(d->gbuf[s]), be->free(d->rs_tmp[s]);
             if (d->pbuf[s]) be->free(d->pbuf[s]);
         }
         free(d->us), free(d->at), free(d->seg), free(d->preq);

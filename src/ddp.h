@@ -98,9 +98,10 @@ void ddp_arm(Ddp *d);
  * need to know where gradients go (overwrite, add, reduce-scatter). */
 void ddp_micro_begin(Ddp *d, int first, int last);
 /* ZeRO-2/3, after the weights are initialised or loaded into the model's
- * whole arena: copy this rank's blocks into the fp32 parameter shard and
- * install the layer hooks; ZeRO-3 then frees the whole arena and points the
- * parameter views at the gather buffers. Nothing for other stages. */
+ * whole arena: copy this rank's blocks into the fp32 parameter shard (ZeRO-3
+ * then frees the whole arena), allocate the gradient shard and slots (and
+ * ZeRO-3's gather buffers), point the views at them and install the layer
+ * hooks. Nothing for other stages. */
 void ddp_shard_params(Ddp *d);
 /* ZeRO-2, after a resume loaded the whole parameters into the model's arena:
  * take this rank's blocks into the fp32 shard again (a local copy). Nothing

@@ -291,7 +291,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                           "state %zu of %zu elements here", dp, ddp.nb, opt_hi - opt_lo, model.num_params);
     if (dp > 1)
         metrics_print(mx, "data parallel: gradient buffers here %zu floats, parameters %zu%s", ddp_grad_floats(&ddp),
-                      model.num_params, ddp.units ? " (the shard, two layer slots, wte/wpe/ln_f's whole gradients)" : "");
+                      model.num_params, ddp.units ? " (1/dp shard, two layer slots and their reduce-scatter targets, "
+                                                   "wte/wpe/ln_f's whole gradients)" : "");
     if (rs.resumed_msg[0]) metrics_print(mx, "%s", rs.resumed_msg);
     metrics_print(mx, "run %s -> %s", c->run_name, c->run_dir);
     metrics_print(mx, "model gpt2: %zu parameters (%.2fM), %.3g FLOPs/token", model_num_params(&model),
