@@ -7,9 +7,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${BENCH_STEPS:-5}
 # Data parallelism: the same shape on 2 ranks (one thread each) through
-# mpirun, real (byte-level) tokens, plain DP with 25 MB gradient buckets
-# all-reduced during the backward pass. Reported: step time and the fraction
-# of it each rank spends blocked in communication (the part not overlapped).
+# mpirun, real (byte-level) tokens: plain DP (25 MB gradient buckets
+# all-reduced during the backward pass) and ZeRO-2 (each layer's gradients
+# reduce-scattered during the backward, parameters all-gathered per layer
+# after the optimizer step and waited for in the next forward). Reported: the
+# fraction of step time each rank spends blocked in communication (the part
+# not overlapped), and the run's wall time (the "done:" line: everything,
+# including what happens between steps).
 if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
     dir=$(mktemp -d)
     trap 'rm -rf "$dir"' EXIT
@@ -22,7 +26,7 @@ if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
             --set run.threads=1 --set batch.total_tokens=512 --set train.steps="$steps" --set train.sample_every=0 \
             --set train.eval_every=0 --set checkpoint.every=0 --set checkpoint.final=false \
             --set metrics.peak_gflops=1 --set metrics.log_every=1 --set parallel.zero=$zero \
-            --set run.dir="$dir/run$zero" 2>&1 | grep -E '^step|data parallel' | sed 's/ | MFU[^|]*//'
+            --set run.dir="$dir/run$zero" 2>&1 | grep -E '^step|^done|data parallel' | sed 's/ | MFU[^|]*//'
     done
 else
     echo "== data-parallel point skipped: mpirun or an MPI build of ./train not found =="

@@ -1,11 +1,11 @@
 /* ddp: gradient synchronisation and the sharded optimizer step over the dp
- * group. The gradient arena is laid out decayed-first (model.h), so a layer's
- * gradients are not contiguous; but within each of the two groups the tensors
- * lie in listing order, and the backward pass completes them from the last
- * layer to the first. The tensors complete after layer l's backward are
- * therefore a suffix of each group, and a bucket is two contiguous ranges.
- * ZeRO-3 lays the arena out by layer instead and shards each layer: see the
- * ZeRO-3 section below and docs/parallel.md. */
+ * group. ZeRO 0-1: the gradient arena is laid out decayed-first (model.h), so
+ * a layer's gradients are not contiguous; but within each of the two groups
+ * the tensors lie in listing order, and the backward pass completes them from
+ * the last layer to the first. The tensors complete after layer l's backward
+ * are therefore a suffix of each group, and a bucket is two contiguous ranges.
+ * ZeRO 2-3 lay the arena out by layer instead and shard each layer: see the
+ * "ZeRO-2 and -3" section below and docs/parallel.md. */
 #include "ddp.h"
 
 #include <math.h>
@@ -55,9 +55,8 @@ static void plan_buckets(Ddp *d, size_t bucket_floats) {
     }
     d->b = xcalloc((size_t)(L + 1), sizeof(DdpBucket));
     d->nb = 0;
-    if (!ok || d->zero >= 2) {
-        /* one bucket at the end (never expected for GPT-2's table; ZeRO-2
-         * reduce-scatters the whole arena instead) */
+    if (!ok) {
+        /* one bucket at the end (never expected for GPT-2's table) */
         DdpBucket *b = &d->b[d->nb++];
         b->layer = -1;
         for (int g = 0; g < 2; g++) b->off[g] = gbeg[g], b->len[g] = gend[g] - gbeg[g];
@@ -81,29 +80,33 @@ static void plan_buckets(Ddp *d, size_t bucket_floats) {
     d->req = xcalloc((size_t)(2 * d->nb), sizeof(CommRequest));
 }
 
-/* ---------------------------------------------------------------- ZeRO-3 */
+/* ------------------------------------------------------- ZeRO-2 and -3 */
 
-static void z3_pre_hook(void *ctx, int layer, int backward);
-static void z3_post_hook(void *ctx, int layer);
+static void unit_pre_hook(void *ctx, int layer, int backward);
+static void unit_post_hook(void *ctx, int layer);
 
-/* Plan the unit shards and the optimizer's segments; allocate the shard,
- * gather and gradient buffers (planned once: nothing is allocated per step). */
-static void z3_init(Ddp *d) {
+/* Plan the unit shards and the optimizer's segments, and allocate the fp32
+ * parameter shard; the other buffers wait for ddp_shard_params. */
+static void unit_init(Ddp *d) {
     Model *m = d->m;
-    const Backend *be = m->be;
     int L = m->shape.n_layer;
-    model_layout_by_unit(m);
-    d->z3 = 1;
+    /* each unit a multiple of dp blocks of 64 floats: a unit's all-gather
+     * then lands exactly on its arena range (ZeRO-2 gathers in place) */
+    model_layout_by_unit(m, (size_t)64 * d->dp);
+    d->units = 1;
+    d->whole_params = d->zero == 2;
     d->nu = m->n_units;
     d->us = xcalloc((size_t)d->nu, sizeof(ShardRange));
     d->at = xcalloc((size_t)d->nu, sizeof(size_t));
     d->seg = xcalloc((size_t)m->num_tensors, sizeof(OptimSegment));
-    size_t layer_block = 0;
     for (int u = 0; u < d->nu; u++) {
         d->us[u] = mesh_shard_range(m->unit_len[u], d->dp, d->rank, 64);
+        if (d->us[u].padded_n != m->unit_len[u])
+            kiln_fail(KILN_EXIT_RUNTIME, "ddp: unit %d of %zu floats does not split into %d blocks", u,
+                      m->unit_len[u], d->dp);
         d->at[u] = d->shard_len;
         d->shard_len += d->us[u].block;
-        if (u < L && d->us[u].block > layer_block) layer_block = d->us[u].block;
+        if (u < L && m->unit_len[u] > d->slot_len) d->slot_len = m->unit_len[u];
     }
     /* each tensor's part inside this rank's block of its unit */
     for (int i = 0; i < m->num_tensors; i++) {
@@ -114,35 +117,57 @@ static void z3_init(Ddp *d) {
         if (a >= b) continue;
         d->seg[d->nseg++] = (OptimSegment){d->at[u] + (a - lo), b - a, p->decay};
     }
-    d->pshard = be->alloc((d->shard_len + 1) * sizeof(float));
-    d->gshard = be->alloc((d->shard_len + 1) * sizeof(float));
-    for (int s = 0; s < 2; s++) {
-        d->pbuf[s] = be->alloc((layer_block * d->dp + 1) * sizeof(float));
-        d->gbuf[s] = be->alloc((layer_block * d->dp + 1) * sizeof(float));
-        d->rs_tmp[s] = be->alloc((layer_block + 1) * sizeof(float));
-        d->held[s] = d->rlayer[s] = -1;
-    }
-    d->prest = be->alloc(d->us[L].padded_n * sizeof(float));
-    d->grest = be->alloc(d->us[L].padded_n * sizeof(float));
+    d->pshard = m->be->alloc((d->shard_len + 1) * sizeof(float));
+    d->held[0] = d->held[1] = d->rlayer[0] = d->rlayer[1] = -1;
+    if (d->whole_params) d->preq = xcalloc((size_t)d->nu, sizeof(CommRequest));
 }
 
-void ddp_shard_params(Ddp *d) {
-    if (!d->z3) return;
+/* The gradient shard, slots and targets (and ZeRO-3's gather buffers), once:
+ * nothing is allocated per step. Called after ZeRO-3 freed the whole arena,
+ * so start-up never holds it next to these. The views point at them from
+ * here on. */
+static void unit_alloc(Ddp *d) {
     Model *m = d->m;
     const Backend *be = m->be;
-    for (int u = 0; u < d->nu; u++)
-        be->copy(d->pshard + d->at[u], m->param_mem + m->unit_off[u] + d->us[u].lo,
-                 (d->us[u].hi - d->us[u].lo) * sizeof(float));
-    be->free(m->param_mem);
-    be->free(m->grad_mem);
-    m->param_mem = m->grad_mem = NULL;
     int L = m->shape.n_layer;
+    d->gshard = be->alloc((d->shard_len + 1) * sizeof(float));
+    size_t layer_block = d->slot_len / (size_t)d->dp;
+    for (int s = 0; s < 2; s++) {
+        d->gbuf[s] = be->alloc((d->slot_len + 1) * sizeof(float));
+        d->rs_tmp[s] = be->alloc((layer_block + 1) * sizeof(float));
+        if (!d->whole_params) d->pbuf[s] = be->alloc((d->slot_len + 1) * sizeof(float));
+    }
+    d->grest = be->alloc(m->unit_len[L] * sizeof(float));
+    if (!d->whole_params) d->prest = be->alloc(m->unit_len[L] * sizeof(float));
     for (int l = 0; l < L; l++) model_bind_unit(m, l, d->pbuf[l % 2], d->gbuf[l % 2]);
     model_bind_unit(m, L, d->prest, d->grest);
     m->layer_grads_fresh = 1;
-    m->pre_hook = z3_pre_hook;
-    m->hook = z3_post_hook;
+}
+
+/* This rank's blocks of the whole arena into the fp32 parameter shard. */
+static void unit_take_blocks(Ddp *d) {
+    Model *m = d->m;
+    for (int u = 0; u < d->nu; u++)
+        m->be->copy(d->pshard + d->at[u], m->param_mem + m->unit_off[u] + d->us[u].lo,
+                    (d->us[u].hi - d->us[u].lo) * sizeof(float));
+}
+
+void ddp_shard_params(Ddp *d) {
+    if (!d->units) return;
+    Model *m = d->m;
+    unit_take_blocks(d);
+    if (!d->whole_params) {
+        m->be->free(m->param_mem);
+        m->param_mem = NULL;
+    }
+    unit_alloc(d); /* ZeRO-2: pbuf and prest are NULL, the parameter views stay */
+    m->pre_hook = unit_pre_hook;
+    m->hook = unit_post_hook;
     m->hook_ctx = d;
+}
+
+void ddp_params_loaded(Ddp *d) {
+    if (d->units && d->whole_params) unit_take_blocks(d);
 }
 
 static void blocked(Ddp *d, double t0) {
@@ -150,7 +175,47 @@ static void blocked(Ddp *d, double t0) {
     d->blocked_s += dt, d->step_blocked_s += dt;
 }
 
-/* Post the all-gather of layer l's parameters into its slot (prefetch). */
+/* ZeRO-2: unit u's refreshed parameters are in the whole arena when this
+ * returns; the refreshes of later units get a turn of MPI's progress (it
+ * only moves inside MPI calls). */
+static void z2_need(Ddp *d, int u) {
+    if (d->preq[u].active) {
+        double t0 = kiln_now();
+        comm_wait(&d->preq[u]);
+        blocked(d, t0);
+    }
+    for (int v = 0; v < d->nu; v++)
+        if (d->preq[v].active) comm_test(&d->preq[v]);
+}
+
+void ddp_params_ready(Ddp *d) {
+    if (!d->units || !d->whole_params) return;
+    double t0 = kiln_now();
+    for (int u = 0; u < d->nu; u++)
+        if (d->preq[u].active) comm_wait(&d->preq[u]);
+    blocked(d, t0);
+}
+
+/* ZeRO-2, after the optimizer step: post every unit's all-gather from the
+ * shard into the whole arena, in the order the next forward needs them
+ * (wte/wpe first, then layer 0 up). Lazy, not eager: a blocking gather here
+ * would sit fully exposed between the optimizer and the next forward (there
+ * is no computation to hide it behind), whereas each unit waited for at its
+ * first use overlaps with the forward of the layers before it, and with
+ * anything else done between steps; only wte/wpe's (needed first) is
+ * exposed. The memory is the same either way: the whole arena is resident.
+ * With NCCL the same posts run on the communication stream. */
+static void z2_post_refresh(Ddp *d) {
+    Model *m = d->m;
+    int L = m->shape.n_layer;
+    m->be->sync(); /* the shard is updated before MPI reads it */
+    for (int k = 0; k <= L; k++) {
+        int u = k == 0 ? L : k - 1;
+        comm_iall_gather(d->g, d->pshard + d->at[u], m->param_mem + m->unit_off[u], d->us[u].block, &d->preq[u]);
+    }
+}
+
+/* ZeRO-3: post the all-gather of layer l's parameters into its slot (prefetch). */
 static void z3_post_gather(Ddp *d, int l) {
     int s = l % 2;
     if (l < 0 || l >= d->m->shape.n_layer || d->held[s] == l) return;
@@ -159,7 +224,7 @@ static void z3_post_gather(Ddp *d, int l) {
     d->held[s] = l;
 }
 
-/* Layer l's parameters are in pbuf[l % 2] when this returns. */
+/* ZeRO-3: layer l's parameters are in pbuf[l % 2] when this returns. */
 static void z3_need(Ddp *d, int l) {
     int s = l % 2;
     z3_post_gather(d, l);
@@ -171,7 +236,7 @@ static void z3_need(Ddp *d, int l) {
 }
 
 /* Finish the reduce-scatter from gbuf[slot] and add it to the layer's shard. */
-static void z3_finish_rs(Ddp *d, int s) {
+static void unit_finish_rs(Ddp *d, int s) {
     int l = d->rlayer[s];
     if (l < 0) return;
     double t0 = kiln_now();
@@ -184,12 +249,16 @@ static void z3_finish_rs(Ddp *d, int s) {
     d->rlayer[s] = -1;
 }
 
-static void z3_pre_hook(void *ctx, int layer, int backward) {
+static void unit_pre_hook(void *ctx, int layer, int backward) {
     Ddp *d = ctx;
+    int L = d->m->shape.n_layer;
     if (layer < 0) {
+        if (d->whole_params) {
+            z2_need(d, L);
+            return;
+        }
         if (!d->rest_held) {
             double t0 = kiln_now();
-            int L = d->m->shape.n_layer;
             comm_all_gather(d->g, d->pshard + d->at[L], d->prest, d->us[L].block);
             blocked(d, t0);
             d->rest_held = 1;
@@ -197,7 +266,11 @@ static void z3_pre_hook(void *ctx, int layer, int backward) {
         z3_post_gather(d, 0);
         return;
     }
-    if (backward) z3_finish_rs(d, layer % 2); /* gbuf[slot] is about to be overwritten */
+    if (backward) unit_finish_rs(d, layer % 2); /* gbuf[slot] is about to be overwritten */
+    if (d->whole_params) {
+        if (!backward) z2_need(d, layer);
+        return;
+    }
     z3_need(d, layer);
     z3_post_gather(d, backward ? layer - 1 : layer + 1);
 }
@@ -205,7 +278,7 @@ static void z3_pre_hook(void *ctx, int layer, int backward) {
 /* After layer l's backward: reduce-scatter its gradients (every micro-batch:
  * at most two layers' whole gradients ever exist); after the embeddings' on
  * the last micro-batch, the accumulated wte/wpe/ln_f gradients. */
-static void z3_post_hook(void *ctx, int layer) {
+static void unit_post_hook(void *ctx, int layer) {
     Ddp *d = ctx;
     Model *m = d->m;
     if (layer >= 0) {
@@ -214,13 +287,13 @@ static void z3_post_hook(void *ctx, int layer) {
         comm_ireduce_scatter(d->g, d->gbuf[s], d->rs_tmp[s], d->us[layer].block, &d->rreq[s]);
         d->rlayer[s] = layer;
         /* MPI progresses only inside MPI calls: the prefetch of layer l-1
-         * and layer l+1's reduce-scatter share the other slot */
+         * (ZeRO-3) and layer l+1's reduce-scatter share the other slot */
         if (d->greq[1 - s].active) comm_test(&d->greq[1 - s]);
         if (d->rreq[1 - s].active) comm_test(&d->rreq[1 - s]);
         return;
     }
     double t0 = kiln_now();
-    for (int s = 0; s < 2; s++) z3_finish_rs(d, s);
+    for (int s = 0; s < 2; s++) unit_finish_rs(d, s);
     if (d->last) {
         int L = m->shape.n_layer;
         m->be->sync();
@@ -230,7 +303,7 @@ static void z3_post_hook(void *ctx, int layer) {
 }
 
 /* The global gradient norm from every rank's shard (padding is zero). */
-static double z3_norm(Ddp *d) {
+static double unit_norm(Ddp *d) {
     double t0 = kiln_now();
     double sq = d->m->be->sumsq(d->gshard, d->shard_len);
     comm_all_reduce_sum_f64(d->g, &sq, 1);
@@ -241,7 +314,7 @@ static double z3_norm(Ddp *d) {
 void ddp_micro_begin(Ddp *d, int first, int last) {
     d->first = first, d->last = last;
     if (first) d->step_blocked_s = 0;
-    if (!d->z3 && last) ddp_arm(d);
+    if (!d->units && last) ddp_arm(d);
 }
 
 void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes) {
@@ -255,26 +328,30 @@ void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes) {
         kiln_fail(KILN_EXIT_USAGE,
                   "parallel.dp = %d: data parallelism on the '%s' backend (device buffers, NCCL) is not wired yet; "
                   "this build runs it on device: cpu", d->dp, m->be->name);
-    /* ZeRO-3 on one rank has nothing to shard: it is plain training */
-    if (zero == 3 && !d->g) d->zero = zero = 0;
-    if (zero == 3) {
-        z3_init(d);
+    /* ZeRO 2 and 3 on one rank have nothing to shard: plain training */
+    if (zero >= 2 && !d->g) d->zero = zero = 0;
+    if (zero >= 2) {
+        unit_init(d);
         return;
     }
     d->shard = mesh_shard_range(m->num_params, d->dp, d->rank, 64);
     if (zero >= 1) model_pad_arenas(m, d->shard.padded_n);
-    if (zero >= 2) d->grad_shard = m->be->alloc(d->shard.block * sizeof(float));
     plan_buckets(d, bucket_bytes / sizeof(float));
-    d->overlap = d->g && zero < 2;
+    d->overlap = d->g != NULL;
 }
 
 void ddp_free(Ddp *d) {
     const Backend *be = d->m->be;
-    if (d->grad_shard) be->free(d->grad_shard);
-    if (d->z3) {
-        be->free(d->pshard), be->free(d->gshard), be->free(d->prest), be->free(d->grest);
-        for (int s = 0; s < 2; s++) be->free(d->pbuf[s]), be->free(d->gbuf[s]), be->free(d->rs_tmp[s]);
-        free(d->us), free(d->at), free(d->seg);
+    if (d->units) {
+        ddp_params_ready(d); /* no request may outlive its buffers */
+        be->free(d->pshard);
+        if (d->gshard) be->free(d->gshard), be->free(d->grest);
+        if (d->prest) be->free(d->prest);
+        for (int s = 0; s < 2; s++) {
+            if (d->gbuf[s]) be->free(d->gbuf[s]), be->free(d->rs_tmp[s]);
+            if (d->pbuf[s]) be->free(d->pbuf[s]);
+        }
+        free(d->us), free(d->at), free(d->seg), free(d->preq);
     }
     free(d->b);
     free(d->req);
@@ -282,9 +359,14 @@ void ddp_free(Ddp *d) {
 }
 
 void ddp_optim_range(const Ddp *d, size_t *lo, size_t *hi) {
-    if (d->z3) *lo = 0, *hi = d->shard_len;
+    if (d->units) *lo = 0, *hi = d->shard_len;
     else if (d->zero >= 1) *lo = d->shard.lo, *hi = d->shard.hi;
     else *lo = 0, *hi = d->m->num_params;
+}
+
+size_t ddp_grad_floats(const Ddp *d) {
+    if (!d->units) return d->m->arena_len;
+    return d->shard_len + 2 * d->slot_len + 2 * (d->slot_len / (size_t)d->dp) + d->m->unit_len[d->nu - 1];
 }
 
 static void post_bucket(Ddp *d, int i) {
@@ -313,49 +395,39 @@ void ddp_arm(Ddp *d) {
 double ddp_reduce_grads(Ddp *d) {
     Model *m = d->m;
     const Backend *be = m->be;
-    if (d->z3) return z3_norm(d);
+    if (d->units) return unit_norm(d);
     m->hook = NULL;
     m->hook_ctx = NULL;
-    if (!d->g) return sqrt(be->sumsq(m->grad_mem, m->num_params));
-    double t0 = kiln_now();
-    double norm;
-    if (d->zero >= 2) {
-        be->sync();
-        comm_reduce_scatter(d->g, m->grad_mem, d->grad_shard, d->shard.block);
-        /* the global norm from every rank's share of the squares */
-        double sq = be->sumsq(d->grad_shard, d->shard.hi - d->shard.lo);
-        comm_all_reduce_sum_f64(d->g, &sq, 1);
-        norm = sqrt(sq);
-    } else {
+    if (d->g) {
+        double t0 = kiln_now();
         while (d->posted < d->nb) post_bucket(d, d->posted++); /* hook not armed (never with overlap) */
         for (int i = 0; i < 2 * d->nb; i++)
             if (d->req[i].active) comm_wait(&d->req[i]);
-        norm = -1;
+        blocked(d, t0);
     }
-    double dt = kiln_now() - t0;
-    d->blocked_s += dt, d->step_blocked_s += dt;
-    if (norm < 0) norm = sqrt(be->sumsq(m->grad_mem, m->num_params));
-    return norm;
+    return sqrt(be->sumsq(m->grad_mem, m->num_params));
 }
 
 OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
     Model *m = d->m;
-    if (d->z3) {
+    if (d->units) {
         OptimStepInfo info = optim_step_segments(o, d->pshard, d->gshard, d->seg, d->nseg, lr, grad_norm);
-        /* the gathered copies are stale now: the next forward gathers again */
-        d->held[0] = d->held[1] = -1, d->rest_held = 0;
+        if (!d->whole_params) {
+            /* the gathered copies are stale now: the next forward gathers again */
+            d->held[0] = d->held[1] = -1, d->rest_held = 0;
+        } else if (!info.nonfinite) {
+            z2_post_refresh(d); /* a skipped step changed nothing: nothing to refresh */
+        }
         return info;
     }
     if (d->zero == 0) return optim_step_norm(o, m->param_mem, m->grad_mem, lr, grad_norm);
-    const float *grads = d->zero >= 2 ? d->grad_shard : m->grad_mem + d->shard.lo;
-    OptimStepInfo info = optim_step_norm(o, m->param_mem + d->shard.lo, grads, lr, grad_norm);
+    OptimStepInfo info = optim_step_norm(o, m->param_mem + d->shard.lo, m->grad_mem + d->shard.lo, lr, grad_norm);
     if (info.nonfinite || !d->g) return info; /* every rank skipped: the norm is global */
     m->be->sync();
     double t0 = kiln_now();
     /* in place: this rank's block is already where the gathered arena wants it */
     comm_all_gather(d->g, m->param_mem + d->shard.start, m->param_mem, d->shard.block);
-    double dt = kiln_now() - t0;
-    d->blocked_s += dt, d->step_blocked_s += dt;
+    blocked(d, t0);
     return info;
 }
 

@@ -1,10 +1,12 @@
 /* ddp: data parallelism over the mesh's dp group — the gradient all-reduce in
- * buckets posted from inside the backward pass (ZeRO 0 and 1), the
- * reduce-scatter of ZeRO-2, the global gradient norm, the optimizer step over
- * this rank's shard and the parameter all-gather; ZeRO-3's per-layer gathers
- * and reduce-scatters from the model's layer hooks. Knows the model's parameter
- * table, the optimizer and comm; never the data, metrics or checkpoints.
- * With one rank every call is a plain local step, bit-identical to before. */
+ * buckets posted from inside the backward pass (ZeRO 0 and 1), the global
+ * gradient norm, the optimizer step over this rank's shard and the parameter
+ * all-gather; and the unit-sharded mode of ZeRO 2 and 3: per-layer
+ * reduce-scatters of gradients from the model's layer hooks, and per-layer
+ * parameter gathers (ZeRO-3) or refreshes after the optimizer step (ZeRO-2).
+ * Knows the model's parameter table, the optimizer and comm; never the data,
+ * metrics or checkpoints. With one rank every call is a plain local step,
+ * bit-identical to before. */
 #ifndef KILN_DDP_H
 #define KILN_DDP_H
 
@@ -27,35 +29,49 @@ typedef struct Ddp {
     Model *m;
     CommGroup *g;        /* the dp group (NULL or size 1: no communication) */
     int dp, rank, zero;
-    ShardRange shard;    /* zero >= 1: this rank's block of the padded arena */
-    float *grad_shard;   /* zero 2: device (block) reduce-scatter target */
+    ShardRange shard;    /* zero 1: this rank's block of the padded arena */
     DdpBucket *b;        /* [nb], in posting order (last layer first) */
     int nb, posted;
     CommRequest *req;    /* [2 * nb] */
     int overlap;         /* 1: buckets are posted from the backward hook */
-    /* ZeRO-3 (z3: zero 3 over more than one rank): parameters, gradients
-     * and optimizer state are sharded unit by unit (model_layout_by_unit:
-     * unit l < L is layer l, unit L is wte, wpe and ln_f). Each unit's arena
-     * range is split with mesh_shard_range; this rank's blocks lie back to
-     * back in the shard buffers, unit u's at at[u]. */
-    int z3;
+    /* Unit-sharded mode (units: ZeRO 2 or 3 over more than one rank). The
+     * arena is laid out by unit (model_layout_by_unit: unit l < L is layer l,
+     * unit L is wte, wpe and ln_f), each unit padded to dp equal blocks, and
+     * this rank's block of every unit lies back to back in the shard buffers,
+     * unit u's at at[u]. Each backward writes a layer's gradients fresh into
+     * one of two slots (layer l in slot l % 2); they are reduce-scattered
+     * right after that layer's backward and added into the gradient shard.
+     * AdamW updates the fp32 parameter shard. Then:
+     *   whole_params = 1 (ZeRO-2): the model's whole parameter arena stays
+     *     resident; after the optimizer step each unit is all-gathered back
+     *     into it (posted at once, waited for at the unit's first use);
+     *   whole_params = 0 (ZeRO-3): only the shard stays; layers are gathered
+     *     one ahead into two slots, wte/wpe/ln_f for a whole step. */
+    int units, whole_params;
     int nu;                   /* units: n_layer + 1 */
     ShardRange *us;           /* [nu] this rank's part of each unit (unit-local offsets) */
     size_t *at;               /* [nu] where unit u's block starts in the shard buffers */
     size_t shard_len;         /* sum of the blocks */
-    float *pshard, *gshard;   /* device (shard_len): parameters; summed gradients */
+    float *pshard, *gshard;   /* device (shard_len): fp32 parameters; summed gradients */
     OptimSegment *seg;        /* [nseg] runs of one tensor inside the shard, for AdamW */
     int nseg;
-    float *pbuf[2], *gbuf[2]; /* device (layer unit padded): gathered parameters and
-                                 this rank's gradients of layers l with l % 2 == slot */
+    size_t slot_len;          /* floats of a layer slot: the largest layer unit */
+    float *gbuf[2];           /* device (slot_len): this rank's gradients of layers l, l % 2 == slot */
     float *rs_tmp[2];         /* device (layer block): reduce-scatter targets */
-    float *prest, *grest;     /* device (unit L padded): wte/wpe/ln_f, held gathered
-                                 for the whole forward and backward */
+    float *grest;             /* device (unit L): wte/wpe/ln_f gradients, accumulated over
+                                 the step's micro-batches, reduce-scattered after the last */
+    CommRequest rreq[2];      /* reduce-scatters from gbuf[slot] in flight */
+    int rlayer[2];            /* layer of rreq[slot] */
+    /* ZeRO-3 only (whole_params = 0) */
+    float *pbuf[2];           /* device (slot_len): gathered parameters of layers l, l % 2 == slot */
+    float *prest;             /* device (unit L): wte/wpe/ln_f, held gathered for the whole
+                                 forward and backward */
     int held[2];              /* layer pbuf[slot] holds (-1 none); valid until the optimizer step */
     int rest_held;
     CommRequest greq[2];      /* gathers into pbuf[slot] in flight */
-    CommRequest rreq[2];      /* reduce-scatters from gbuf[slot] in flight */
-    int rlayer[2];            /* layer of rreq[slot] */
+    /* ZeRO-2 only (whole_params = 1) */
+    CommRequest *preq;        /* [nu] all-gathers of unit u into the whole arena, in flight
+                                 from the optimizer step until the unit's next use */
     int first, last;          /* the micro-batch being computed is the step's first / last */
     /* time this rank spent blocked in communication, and step count, since
      * ddp_init: the part of communication not hidden behind computation */
@@ -63,10 +79,11 @@ typedef struct Ddp {
 } Ddp;
 
 /* Plan buckets of about bucket_bytes (25 MB is PyTorch DDP's default) from
- * the model's parameter table; for zero 3 lay the model's arena out by unit
- * (before weights are initialised or loaded; then ddp_shard_params); for zero 1-2 pad the model's arenas to the
- * shard layout (call before weights are loaded or initialised is not needed:
- * padding keeps values). g may be NULL for one rank. */
+ * the model's parameter table (ZeRO 0-1; for zero 1 the arenas are padded to
+ * the shard layout, keeping values); for zero 2-3 over more than one rank lay
+ * the model's arena out by unit and plan the unit shards (before weights are
+ * initialised or loaded; then ddp_shard_params). g may be NULL for one rank;
+ * ZeRO 2 and 3 on one rank are plain training (zero becomes 0). */
 void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes);
 void ddp_free(Ddp *d);
 /* The shard of the optimizer state this rank owns: [lo, hi) of the arena
@@ -77,21 +94,38 @@ void ddp_optim_range(const Ddp *d, size_t *lo, size_t *hi);
  * that posts each bucket's all-reduce as soon as its layer is done. */
 void ddp_arm(Ddp *d);
 /* Before each micro-batch's forward: first / last of the step. Arms the
- * bucket hook on the last (ddp_arm); ZeRO-3 keeps its hooks installed and
- * needs to know where gradients go (overwrite, add, reduce-scatter). */
+ * bucket hook on the last (ddp_arm); ZeRO-2/3 keep their hooks installed and
+ * need to know where gradients go (overwrite, add, reduce-scatter). */
 void ddp_micro_begin(Ddp *d, int first, int last);
-/* ZeRO-3, after the weights are initialised or loaded into the model's whole
- * arena: keep this rank's blocks, free the whole arenas and point the views
- * at the gather buffers. Nothing for other stages. */
+/* ZeRO-2/3, after the weights are initialised or loaded into the model's
+ * whole arena: copy this rank's blocks into the fp32 parameter shard (ZeRO-3
+ * then frees the whole arena), allocate the gradient shard and slots (and
+ * ZeRO-3's gather buffers), point the views at them and install the layer
+ * hooks. Nothing for other stages. */
 void ddp_shard_params(Ddp *d);
+/* ZeRO-2, after a resume loaded the whole parameters into the model's arena:
+ * take this rank's blocks into the fp32 shard again (a local copy). Nothing
+ * for other stages (ZeRO-3 loads its shard directly). */
+void ddp_params_loaded(Ddp *d);
+/* ZeRO-2: wait for the parameter refreshes still in flight (before a
+ * checkpoint, which may outlast parallel.timeout_s, and at the end). The
+ * model's forward waits for each unit by itself; nothing for other stages. */
+void ddp_params_ready(Ddp *d);
 /* After the last backward: complete the gradient reduction (wait for the
- * buckets, or reduce-scatter for ZeRO-2) and return the global gradient norm
+ * buckets or the last reduce-scatters) and return the global gradient norm
  * (L2, before clipping) of the summed gradients. */
 double ddp_reduce_grads(Ddp *d);
-/* AdamW over this rank's part with the global norm, then (zero >= 1) the
- * all-gather that gives every rank the updated parameters. Same return as
- * optim_step_norm; with a non-finite norm nothing is updated anywhere. */
+/* AdamW over this rank's part with the global norm, then the all-gather that
+ * gives every rank the updated parameters (ZeRO-1: blocking; ZeRO-2: posted
+ * per unit and waited for in the next forward; ZeRO-3: none, the next forward
+ * gathers). Same return as optim_step_norm; with a non-finite norm nothing is
+ * updated anywhere. */
 OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm);
+
+/* Floats of gradient storage this rank holds: the whole arena (ZeRO 0-1), or
+ * the shard + two layer slots + reduce-scatter targets + wte/wpe/ln_f's
+ * buffer (ZeRO 2-3). What the start-up line reports. */
+size_t ddp_grad_floats(const Ddp *d);
 
 /* Sum of x over the dp group (losses for logging), in double. */
 double ddp_sum(Ddp *d, double x);

@@ -55,8 +55,9 @@ int model_unit_of(const Model *m, int i) {
     return i >= 2 && i < 2 + 12 * L ? (i - 2) / 12 : L;
 }
 
-void model_layout_by_unit(Model *m) {
+void model_layout_by_unit(Model *m, size_t unit_align) {
     int L = m->shape.n_layer;
+    if (unit_align < 1) unit_align = 1;
     m->n_units = L + 1;
     m->unit_off = xcalloc((size_t)m->n_units, sizeof(size_t));
     m->unit_len = xcalloc((size_t)m->n_units, sizeof(size_t));
@@ -68,6 +69,7 @@ void model_layout_by_unit(Model *m) {
             m->params[i].offset = off;
             off += (m->params[i].numel + 15) / 16 * 16;
         }
+        off = m->unit_off[u] + (off - m->unit_off[u] + unit_align - 1) / unit_align * unit_align;
         m->unit_len[u] = off - m->unit_off[u];
     }
     m->num_decay = 0;
@@ -75,17 +77,16 @@ void model_layout_by_unit(Model *m) {
     m->be->free(m->param_mem);
     m->be->free(m->grad_mem);
     m->param_mem = m->be->alloc(off * sizeof(float));
-    m->grad_mem = m->be->alloc(off * sizeof(float));
+    m->grad_mem = NULL; /* the caller binds the gradient views (model_bind_unit) */
     bind_views(m, m->param_mem, &m->p);
-    bind_views(m, m->grad_mem, &m->g);
 }
 
 void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf) {
     for (int i = 0; i < m->num_tensors; i++) {
         if (model_unit_of(m, i) != u) continue;
         size_t at = m->params[i].offset - m->unit_off[u];
-        *view_slot(m, &m->p, i) = pbuf + at;
-        *view_slot(m, &m->g, i) = gbuf + at;
+        if (pbuf) *view_slot(m, &m->p, i) = pbuf + at;
+        if (gbuf) *view_slot(m, &m->g, i) = gbuf + at;
     }
 }
 
@@ -345,7 +346,7 @@ void model_backward(Model *m, int accumulate) {
     be->zero(dresidual, NC * sizeof(float));
     be->layernorm_backward(dresidual, m->g.lnfw, m->g.lnfb, dln, x_last, m->p.lnfw, m->lnf_mean, m->lnf_rstd,
                            N, C, accumulate);
-    /* ZeRO-3: each backward writes fresh layer gradients; the caller adds them up */
+    /* ZeRO-2/3: each backward writes fresh layer gradients; the caller adds them up */
     int acc_layer = accumulate && !m->layer_grads_fresh;
     for (int l = L - 1; l >= 0; l--) {
         if (m->pre_hook) m->pre_hook(m->hook_ctx, l, 1);

@@ -15,7 +15,7 @@
  *   ln_f.weight (C)  ln_f.bias (C)
  * The output head is tied to wte. In memory the arena holds the weight-decayed
  * tensors first, then the rest, so the optimizer updates two contiguous ranges
- * (ZeRO-3 lays it out layer by layer instead: model_layout_by_unit). */
+ * (ZeRO-2 and -3 lay it out layer by layer instead: model_layout_by_unit). */
 #ifndef KILN_MODEL_H
 #define KILN_MODEL_H
 
@@ -73,10 +73,10 @@ typedef struct LayerActs {
  * the embeddings' are too. Lets the caller start reducing gradients while the
  * backward pass goes on; model.c itself never communicates. */
 typedef void (*ModelBackwardHook)(void *ctx, int layer);
-/* ZeRO-3: called before layer `layer`'s forward (layer = -1: before the
+/* ZeRO-2/3: called before layer `layer`'s forward (layer = -1: before the
  * embeddings, when wte/wpe/ln_f must be present) and before its backward
  * (backward = 1), so the caller can gather that layer's parameters into the
- * buffers the views point at. */
+ * buffers the views point at (or wait for their refresh). */
 typedef void (*ModelLayerHook)(void *ctx, int layer, int backward);
 
 typedef struct Model {
@@ -89,14 +89,14 @@ typedef struct Model {
     size_t num_decay;  /* arena elements [0, num_decay) are decayed */
 
     float *param_mem; /* device (arena_len >= num_params; zeros past num_params) */
-    float *grad_mem;  /* device (arena_len) */
+    float *grad_mem;  /* device (arena_len); NULL after model_layout_by_unit */
     size_t arena_len; /* num_params, or more after model_pad_arenas (ZeRO's equal blocks) */
     ModelBackwardHook hook; /* NULL: none (see ModelBackwardHook) */
     void *hook_ctx;
     ModelLayerHook pre_hook; /* NULL: none; shares hook_ctx */
     ParamViews p, g;
 
-    /* ZeRO-3 (model_layout_by_unit): the arena is laid out unit by unit
+    /* ZeRO-2/3 (model_layout_by_unit): the arena is laid out unit by unit
      * (unit l < n_layer: layer l's 12 tensors; unit n_layer: wte, wpe, ln_f),
      * each unit's tensors in listing order, and the views may point into
      * per-unit buffers (model_bind_unit). n_units = 0: decayed-first layout. */
@@ -132,15 +132,20 @@ void model_free(Model *m);
  * flat arena splits into equal ZeRO blocks. Keeps the parameter values. */
 void model_pad_arenas(Model *m, size_t n);
 
-/* ZeRO-3: lay both arenas out unit by unit (see Model.n_units) instead of
- * decayed-first; tensor names and shapes stay, offsets change, values are not
- * kept (call before initialising or loading weights). num_decay becomes 0:
- * the optimizer then asks each tensor's ParamInfo.decay. */
-void model_layout_by_unit(Model *m);
+/* ZeRO-2/3: lay the parameter arena out unit by unit (see Model.n_units)
+ * instead of decayed-first, each unit's length rounded up to a multiple of
+ * unit_align floats (ddp: 64 x dp, so a unit splits into dp equal blocks);
+ * tensor names and shapes stay, offsets change, values are not kept (call
+ * before initialising or loading weights). The whole gradient arena is freed
+ * and not replaced: the caller binds every unit's gradient views to its own
+ * buffers (model_bind_unit) before a backward. num_decay becomes 0: the
+ * optimizer then asks each tensor's ParamInfo.decay. */
+void model_layout_by_unit(Model *m, size_t unit_align);
 /* Unit of tensor `i` (table index) under model_layout_by_unit. */
 int model_unit_of(const Model *m, int i);
 /* Point unit u's parameter and gradient views at pbuf and gbuf, which hold
- * the unit's arena range [unit_off[u], unit_off[u] + unit_len[u]). */
+ * the unit's arena range [unit_off[u], unit_off[u] + unit_len[u]); a NULL
+ * buffer leaves those views where they are. */
 void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf);
 
 /* GPT-2 initialisation: N(0, 0.02) weights and embeddings, residual

@@ -43,7 +43,8 @@ typedef struct OptimStepInfo {
 
 void optim_init(AdamW *o, const Backend *be, size_t n, size_t n_decay, float beta1, float beta2, float eps,
                 float weight_decay, float grad_clip);
-/* ZeRO-1/2: state and updates for arena elements [lo, hi) only. */
+/* ZeRO-1: state and updates for arena elements [lo, hi) only (ZeRO-2/3:
+ * [0, shard_len) of the shard buffers, with optim_step_segments). */
 void optim_init_shard(AdamW *o, const Backend *be, size_t n, size_t n_decay, size_t lo, size_t hi, float beta1,
                       float beta2, float eps, float weight_decay, float grad_clip);
 void optim_free(AdamW *o);
@@ -57,7 +58,7 @@ OptimStepInfo optim_step(AdamW *o, float *params, const float *grads, float lr);
  * the weight-decay boundary clipped into the range. */
 OptimStepInfo optim_step_norm(AdamW *o, float *params, const float *grads, float lr, double grad_norm);
 
-/* ZeRO-3: a run of `n` elements at `off` of the shard buffers (params, grads,
+/* ZeRO-2/3: a run of `n` elements at `off` of the shard buffers (params, grads,
  * m and v alike), all weight-decayed or all not. */
 typedef struct OptimSegment {
     size_t off, n;

@@ -35,25 +35,37 @@ PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro
     PlanMemory m = {0};
     double C = s->n_embd, L = s->n_layer, params = (double)plan_num_params(s);
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
-    if (zero == 3 && dp > 1) {
-        /* ZeRO-3 (ddp.c): a 1/dp shard of everything, plus two layers
-         * gathered (one computing, one prefetched) and wte/wpe/ln_f gathered
-         * for the whole forward and backward; gradients likewise: two layers'
-         * whole gradients and the embeddings', reduce-scattered into the shard */
-        double layer = 12.0 * C * C + 13.0 * C, rest = params - L * layer;
-        m.params = shard * 4;
-        m.params_gathered = (2 * layer + rest) * 4;
+    double layer = 12.0 * C * C + 13.0 * C, rest = params - L * layer;
+    if (zero >= 2 && dp > 1) {
+        /* ZeRO 2 and 3 (ddp.c, unit-sharded): a 1/dp shard of the gradients
+         * and the optimizer state; each backward writes a layer's whole
+         * gradients into one of two slots and reduce-scatters them into the
+         * shard, and wte/wpe/ln_f's whole gradients (written at both ends of
+         * the backward: the tied head and the embedding) are reduce-scattered
+         * after the step's last micro-batch; each slot's reduce-scatter lands
+         * in a 1/dp block before it is added to the shard */
         m.grads = shard * 4;
-        m.grads_unreduced = (2 * layer + rest) * 4;
+        m.grads_unreduced = (2 * layer + rest + 2 * layer / dp) * 4;
         m.optim = shard * 8;
+        if (zero == 3) {
+            /* parameters: the shard, plus two layers gathered (one
+             * computing, one prefetched) and wte/wpe/ln_f for the whole pass */
+            m.params = shard * 4;
+            m.params_gathered = (2 * layer + rest) * 4;
+        } else {
+            /* parameters whole and resident, plus the fp32 shard AdamW
+             * updates, all-gathered back into the whole after the step */
+            m.params = params * 4;
+            m.params_shard = shard * 4;
+        }
     } else {
         /* the backward pass accumulates into a whole gradient arena on every
-         * rank; ZeRO-2 reduce-scatters it into a 1/dp shard the optimizer reads */
+         * rank (ZeRO 2 and 3 on one rank are plain training) */
         m.params = params * 4;
-        m.grads = params * 4 + (zero >= 2 ? shard * 4 : 0);
-        m.optim = (zero >= 1 ? shard : params) * 8;
+        m.grads = params * 4;
+        m.optim = (zero == 1 ? shard : params) * 8;
     }
-    m.state = m.params + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
+    m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
     m.activations = (double)model_activation_bytes(s, micro_batch, s->seq_len);
     double counted = m.state + m.activations + PLAN_WORKSPACE_BYTES;
     m.overhead = PLAN_WORKSPACE_BYTES + PLAN_MARGIN * counted;
@@ -69,16 +81,21 @@ void plan_print_bytes(const char *what, double bytes) {
 }
 
 void plan_print_state(const PlanMemory *m, int dp, int zero) {
-    if (zero == 3 && dp > 1) {
-        plan_print_bytes("parameters (1/dp)", m->params);
-        plan_print_bytes("  + gathered", m->params_gathered);
+    if (zero >= 2 && dp > 1) {
+        if (zero == 3) {
+            plan_print_bytes("parameters (1/dp)", m->params);
+            plan_print_bytes("  + gathered", m->params_gathered);
+        } else {
+            plan_print_bytes("parameters", m->params);
+            plan_print_bytes("  + fp32 shard (1/dp)", m->params_shard);
+        }
         plan_print_bytes("gradients (1/dp)", m->grads);
         plan_print_bytes("  + unreduced", m->grads_unreduced);
         plan_print_bytes("optimizer state (1/dp)", m->optim);
     } else {
         plan_print_bytes("parameters", m->params);
-        plan_print_bytes(zero >= 2 ? "gradients (+ 1/dp shard)" : "gradients", m->grads);
-        plan_print_bytes(zero >= 1 ? "optimizer state (1/dp)" : "optimizer state", m->optim);
+        plan_print_bytes("gradients", m->grads);
+        plan_print_bytes(zero == 1 ? "optimizer state (1/dp)" : "optimizer state", m->optim);
     }
     plan_print_bytes("params + grads + optim", m->state);
 }

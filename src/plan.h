@@ -17,12 +17,14 @@
 /* Memory of one rank, in bytes. Storage is fp32 everywhere today (parameters,
  * gradients, AdamW m and v, activations), on both backends. */
 typedef struct PlanMemory {
-    double params;          /* whole parameters, or the 1/dp shard (ZeRO-3) */
+    double params;          /* whole parameters (ZeRO 0-2), or the 1/dp shard (ZeRO-3) */
+    double params_shard;    /* ZeRO-2: the fp32 1/dp shard AdamW updates; else 0 */
     double params_gathered; /* ZeRO-3: two layers + wte/wpe/ln_f gathered; else 0 */
-    double grads;           /* whole gradient arena (+ the 1/dp shard at ZeRO-2), or the shard (ZeRO-3) */
-    double grads_unreduced; /* ZeRO-3: two layers' + the embeddings' whole gradients; else 0 */
+    double grads;           /* whole gradient arena (ZeRO 0-1), or the 1/dp shard (ZeRO 2-3) */
+    double grads_unreduced; /* ZeRO 2-3: two layers' + the embeddings' whole gradients
+                               (+ two 1/dp reduce-scatter targets); else 0 */
     double optim;           /* AdamW m and v: whole, or 1/dp (ZeRO >= 1) */
-    double state;           /* params + grads + optim (+ gathered, unreduced) */
+    double state;           /* params + grads + optim (+ shard, gathered, unreduced) */
     double activations;     /* model_activation_bytes for one micro-batch */
     double overhead;        /* PLAN_WORKSPACE_BYTES + PLAN_MARGIN of the rest */
     double total;           /* state + activations + overhead */
@@ -41,8 +43,8 @@ PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro
 void plan_print_bytes(const char *what, double bytes);
 
 /* Print the state lines ("parameters", "gradients", "optimizer state",
- * "params + grads + optim", with ZeRO-3's gathered/unreduced lines) in the
- * `--dry-run` format: "  %-22s %9.2f %s". */
+ * "params + grads + optim", with ZeRO-2's shard and ZeRO-2/3's gathered and
+ * unreduced lines) in the `--dry-run` format: "  %-22s %9.2f %s". */
 void plan_print_state(const PlanMemory *m, int dp, int zero);
 
 /* `./train plan CONFIG [--set k=v]... --gpus N [--gpu-mem GB] [--nodes K]`;

@@ -95,7 +95,7 @@ static const char *kv_get(KV *v, int n, const char *key) {
     return NULL;
 }
 
-int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char *new_yaml, int force) {
+int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char *new_yaml, int force, int quiet) {
     char *a = xstrdup(saved_yaml), *b = xstrdup(new_yaml);
     KV *va, *vb;
     int na = parse_resolved(a, &va), nb = parse_resolved(b, &vb), flags = 0;
@@ -125,9 +125,10 @@ int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char
                 snprintf(hint, sizeof hint, "--force accepts this change (%s)", why);
                 kiln_fail_hint(KILN_EXIT_USAGE, hint, "%s: cannot resume with a changed key %s", ckpt_dir, change);
             }
+            if (p == KEY_FORCE && !strcmp(key, "data.train")) flags |= RESUME_RESET_DATA;
+            if (quiet) continue;
             if (p == KEY_FORCE) {
                 kiln_warn("resume: --force: key %s (%s)", change, why);
-                if (!strcmp(key, "data.train")) flags |= RESUME_RESET_DATA;
             } else if (p == KEY_NOTE) {
                 kiln_warn("resume: key %s changed: allowed, but no longer bit-identical to an uninterrupted run (%s)",
                           change, why);
@@ -143,11 +144,12 @@ int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char
 /* Check the config of `dir`, then load it. -1 with err if the checkpoint is
  * unreadable or corrupt; exits 2 if the config may not continue it. */
 static int try_one(const char *dir, const CkptTable *t, const char *new_yaml, int force, CkptInfo *info, int *flags,
-                   char *err, size_t cap) {
+                   char *err, size_t cap, int rank) {
     size_t len;
     char *saved = ckpt_read_blob(dir, "config.yaml", &len, err, cap);
     if (!saved) return -1;
-    *flags = resume_check_config(dir, saved, new_yaml, force);
+    /* every rank checks (a refusal must stop every rank); rank 0 reports */
+    *flags = resume_check_config(dir, saved, new_yaml, force, rank != 0);
     free(saved);
     return ckpt_load(dir, t, info, err, cap);
 }
@@ -164,7 +166,7 @@ int resume_load(const char *mode, const char *root, const CkptTable *t, const ch
             kiln_hint("--resume takes `auto` or a checkpoint directory such as runs/NAME/checkpoints/step_00001000");
             kiln_fail(KILN_EXIT_USAGE, "--resume %s: not a checkpoint directory (no manifest)", mode);
         }
-        int failed = try_one(mode, t, new_yaml, force, info, flags, err, sizeof err) != 0;
+        int failed = try_one(mode, t, new_yaml, force, info, flags, err, sizeof err, rank) != 0;
         if (agree(sync, failed))
             kiln_fail(KILN_EXIT_USAGE, "--resume %s: %s", mode, failed ? err : "loading failed on another rank");
         kiln_strlcpy(path, mode, cap);
@@ -182,7 +184,7 @@ int resume_load(const char *mode, const char *root, const CkptTable *t, const ch
         if (sync) sync->bcast(sync->ctx, cand, sizeof cand);
         if (!cand[0]) break;
         err[0] = 0;
-        int failed = try_one(cand, t, new_yaml, force, info, flags, err, sizeof err) != 0;
+        int failed = try_one(cand, t, new_yaml, force, info, flags, err, sizeof err, rank) != 0;
         if (!agree(sync, failed)) {
             kiln_strlcpy(path, cand, cap);
             loaded = 1;

@@ -14,10 +14,11 @@ enum {
 };
 
 /* Compare the checkpoint's resolved config with this run's, key by key.
- * Allowed changes are printed; a forbidden one exits 2 naming the key, unless
- * `force` and the key is one where forcing is well defined (docs: README
+ * Allowed changes are printed (unless `quiet`: ranks other than 0, which see
+ * the same changes); a forbidden one exits 2 naming the key, unless `force`
+ * and the key is one where forcing is well defined (docs: README
  * "Checkpoints and resuming"). Returns RESUME_* flags. */
-int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char *new_yaml, int force);
+int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char *new_yaml, int force, int quiet);
 
 /* Several ranks resuming together (NULL: one rank): agree(ctx, failed) is a
  * collective returning nonzero if any rank failed; bcast(ctx, buf, n) sends

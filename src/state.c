@@ -8,7 +8,8 @@
  * Several ranks: replicated state (parameters, blobs; optimizer state without
  * ZeRO) is written by rank 0 only; a ZeRO-sharded optimizer state is written
  * by every rank for the arena range it owns, cut at tensor boundaries into
- * per-tensor ranges. On resume every rank asks for the ranges it needs, so the
+ * per-tensor ranges (ZeRO-2/3: its block of every unit, for the fp32
+ * parameters too). On resume every rank asks for the ranges it needs, so the
  * checkpoint loads on any number of ranks and any ZeRO stage. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -54,14 +55,14 @@ static void add_range(CkptTable *t, Model *m, float *base, size_t lo, size_t hi,
     }
 }
 
-/* ZeRO-3: this rank's block of every unit, stored back to back at base
+/* ZeRO-2/3: this rank's block of every unit, stored back to back at base
  * (d->at[u]): the parameters (pshard) or an optimizer moment. */
 static void add_unit_blocks(CkptTable *t, Model *m, const Ddp *d, float *base, const char *prefix) {
     for (int u = 0; u < d->nu; u++)
         add_range(t, m, base + d->at[u], m->unit_off[u] + d->us[u].lo, m->unit_off[u] + d->us[u].hi, prefix);
 }
 
-int state_init_from(Model *m, const char *dir) {
+int state_init_from(Model *m, const char *dir, int say) {
     if (!ckpt_is_checkpoint(dir)) return 0;
     CkptTable t;
     ckpt_table_init(&t);
@@ -70,8 +71,9 @@ int state_init_from(Model *m, const char *dir) {
     CkptInfo info;
     if (ckpt_load(dir, &t, &info, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "key 'init.from': %s", err);
     ckpt_table_free(&t);
-    printf("init.from: parameters of %s (step %lld); optimizer, data position and step start fresh\n", dir,
-           (long long)info.step);
+    if (say)
+        printf("init.from: parameters of %s (step %lld); optimizer, data position and step start fresh\n", dir,
+               (long long)info.step);
     return 1;
 }
 
@@ -80,11 +82,13 @@ int state_init_from(Model *m, const char *dir) {
 static void state_fresh(RunState *s, int dirty) {
     const Config *c = s->c;
     if (dirty) {
-        if (s->mesh.z3)
+        Ddp *u = s->mesh.units;
+        if (u && !u->whole_params)
             kiln_fail(KILN_EXIT_RUNTIME, "a checkpoint failed after part of it was loaded into ZeRO-3 shards; "
                                          "start fresh or resume another checkpoint (--resume PATH)");
         if (!c->init_from[0]) model_init_weights(s->m, c->seed);
-        else if (!state_init_from(s->m, c->init_from)) model_load_llmc(s->m, c->init_from);
+        else if (!state_init_from(s->m, c->init_from, s->mesh.rank == 0)) model_load_llmc(s->m, c->init_from);
+        if (u) ddp_params_loaded(u);
         s->o->be->zero(s->o->m, (s->o->hi - s->o->lo) * sizeof(float));
         s->o->be->zero(s->o->v, (s->o->hi - s->o->lo) * sizeof(float));
         s->o->t = 0;
@@ -121,11 +125,14 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
      * run's blobs (rank 0's) and rank 0's RNG (other ranks read theirs below) */
     CkptTable *t = &s->table;
     ckpt_table_init(t);
-    const Ddp *z3 = s->mesh.z3;
-    if (z3) {
-        add_unit_blocks(t, m, z3, z3->pshard, "");
-        add_unit_blocks(t, m, z3, o->m, "optim.m/");
-        add_unit_blocks(t, m, z3, o->v, "optim.v/");
+    const Ddp *us = s->mesh.units;
+    if (us) {
+        /* ZeRO-2 loads the whole parameters (then takes its blocks:
+         * ddp_params_loaded); ZeRO-3 only its blocks */
+        if (us->whole_params) add_params(t, m, m->param_mem, "");
+        else add_unit_blocks(t, m, us, us->pshard, "");
+        add_unit_blocks(t, m, us, o->m, "optim.m/");
+        add_unit_blocks(t, m, us, o->v, "optim.v/");
     } else {
         add_params(t, m, m->param_mem, "");
         add_range(t, m, o->m, o->lo, o->hi, "optim.m/");
@@ -141,13 +148,15 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     CkptTable *w = &s->save_table;
     ckpt_table_init(w);
     int opt_sharded = o->lo != 0 || o->hi != m->num_params;
-    if (z3) {
-        /* every rank writes its blocks of the parameters and moments */
-        add_unit_blocks(w, m, z3, z3->pshard, "");
-        add_unit_blocks(w, m, z3, o->m, "optim.m/");
-        add_unit_blocks(w, m, z3, o->v, "optim.v/");
+    if (us) {
+        /* every rank writes its blocks of the (fp32) parameters and moments:
+         * no rank writes the whole, and the whole arena of ZeRO-2 may be in
+         * the middle of its refresh */
+        add_unit_blocks(w, m, us, us->pshard, "");
+        add_unit_blocks(w, m, us, o->m, "optim.m/");
+        add_unit_blocks(w, m, us, o->v, "optim.v/");
     } else if (rank == 0) add_params(w, m, m->param_mem, "");
-    if (!z3 && (rank == 0 || opt_sharded)) {
+    if (!us && (rank == 0 || opt_sharded)) {
         add_range(w, m, o->m, o->lo, o->hi, "optim.m/");
         add_range(w, m, o->v, o->lo, o->hi, "optim.v/");
     }
@@ -191,6 +200,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         if (resume_load(resume, op->root, t, s->config_text, force, &info, path, sizeof path, &flags,
                         multi ? &sync : NULL)) {
             o->t = (int)s->optim_t;
+            if (s->mesh.units) ddp_params_loaded(s->mesh.units);
             DataPos pos = {s->data_pos[0], s->data_pos[1]};
             if (flags & RESUME_RESET_DATA) pos.epoch = pos.index = 0;
             data_set_pos(train, pos);
@@ -240,6 +250,9 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
 
 static void state_save(RunState *s) {
     if (s->mx) metrics_phase(s->mx, PHASE_CHECKPOINT, (int)s->step);
+    /* ZeRO-2's parameter refreshes are bounded by parallel.timeout_s from when
+     * they were posted: finish them before a save that may take longer */
+    if (s->mesh.units) ddp_params_ready(s->mesh.units);
     s->optim_t = s->o->t;
     DataPos pos = data_get_pos(s->train);
     s->data_pos[0] = pos.epoch, s->data_pos[1] = pos.index;

@@ -21,8 +21,10 @@
 typedef struct StateMesh {
     int rank, world, dp, zero;
     CommGroup *g;
-    const struct Ddp *z3; /* ZeRO-3: parameters and optimizer state live in its
-                             shard buffers, unit by unit; NULL otherwise */
+    struct Ddp *units; /* ZeRO-2/3 over several ranks: the fp32 parameters and the
+                          optimizer state live in its shard buffers, unit by
+                          unit (ZeRO-2 also keeps the whole parameters in the
+                          model's arena); NULL otherwise */
 } StateMesh;
 
 struct Metrics;
@@ -64,8 +66,9 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
 int state_after_step(RunState *s, int done, int last);
 /* Wait for a write in flight (exit 1 if it failed), free. */
 void state_close(RunState *s);
-/* init.from naming a kiln checkpoint directory: load its parameters only.
- * Returns 0 if `dir` is not a kiln checkpoint (the caller tries llm.c). */
-int state_init_from(Model *m, const char *dir);
+/* init.from naming a kiln checkpoint directory: load its parameters only
+ * (and say so when `say`: rank 0). Returns 0 if `dir` is not a kiln
+ * checkpoint (the caller tries llm.c). */
+int state_init_from(Model *m, const char *dir, int say);
 
 #endif

@@ -234,14 +234,14 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     model_init(&model, be, &shape, c->decay_embeddings);
     /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
      * per-message latency is small, small enough to overlap with backward.
-     * Before the weights: ZeRO-3 lays the arena out by layer. */
+     * Before the weights: ZeRO-2/3 lay the arena out by layer. */
     Ddp ddp;
     ddp_init(&ddp, &model, dpg, c->zero, (size_t)25 << 20);
     if (c->init_from[0]) {
-        if (!state_init_from(&model, c->init_from)) model_load_llmc(&model, c->init_from);
+        if (!state_init_from(&model, c->init_from, rank == 0)) model_load_llmc(&model, c->init_from);
     }
     else model_init_weights(&model, c->seed);
-    ddp_shard_params(&ddp); /* ZeRO-3: keep this rank's shard, drop the whole arena */
+    ddp_shard_params(&ddp); /* ZeRO-2/3: take this rank's shard (ZeRO-3: drop the whole arena) */
     model_plan_activations(&model, B, T);
 
     AdamW opt;
@@ -269,7 +269,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     }
     /* checkpoints: collect the state table, resume, plan the writer (state.c) */
     RunState rs;
-    StateMesh smesh = {rank, world, dp, c->zero, comm_world(), ddp.z3 ? &ddp : NULL};
+    StateMesh smesh = {rank, world, dp, c->zero, comm_world(), ddp.units ? &ddp : NULL};
     int start_step = state_open(&rs, c, &smesh, topt->resume, topt->force, topt->commit, &model, &opt, train);
     Metrics *mx = metrics_open(c, rank, world, fpt, peak, peak_src, start_step);
     rs.mx = mx;
@@ -278,14 +278,22 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     comm_describe(cdesc, sizeof cdesc);
     mesh_describe(&mesh.shape, mdesc, sizeof mdesc);
     metrics_print(mx, "%s | mesh %s | ZeRO %d", cdesc, mdesc, c->zero);
-    if (ddp.z3)
+    if (ddp.units && !ddp.whole_params)
         metrics_print(mx, "data parallel: %d ranks, ZeRO-3: parameters, gradients and optimizer state sharded by "
                           "layer (%zu of %zu elements here), layers gathered one ahead, gradients reduce-scattered "
                           "after each layer's backward", dp, ddp.shard_len, model.num_params);
+    else if (ddp.units)
+        metrics_print(mx, "data parallel: %d ranks, ZeRO-2: parameters whole; gradients reduce-scattered layer by "
+                          "layer during the backward into a shard, optimizer state and fp32 parameters sharded "
+                          "(%zu of %zu elements here); parameters all-gathered per layer after the optimizer step, "
+                          "waited for at first use", dp, ddp.shard_len, model.num_params);
     else if (dp > 1)
-        metrics_print(mx, "data parallel: %d ranks, %d gradient bucket(s)%s; optimizer state %zu of %zu elements here",
-                      dp, ddp.nb, ddp.overlap ? " all-reduced during backward" : " reduce-scattered after backward",
-                      opt_hi - opt_lo, model.num_params);
+        metrics_print(mx, "data parallel: %d ranks, %d gradient bucket(s) all-reduced during backward; optimizer "
+                          "state %zu of %zu elements here", dp, ddp.nb, opt_hi - opt_lo, model.num_params);
+    if (dp > 1)
+        metrics_print(mx, "data parallel: gradient buffers here %zu floats, parameters %zu%s", ddp_grad_floats(&ddp),
+                      model.num_params, ddp.units ? " (1/dp shard, two layer slots and their reduce-scatter targets, "
+                                                   "wte/wpe/ln_f's whole gradients)" : "");
     if (rs.resumed_msg[0]) metrics_print(mx, "%s", rs.resumed_msg);
     metrics_print(mx, "run %s -> %s", c->run_name, c->run_dir);
     metrics_print(mx, "model gpt2: %zu parameters (%.2fM), %.3g FLOPs/token", model_num_params(&model),
@@ -303,10 +311,13 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     const char *nan_env = getenv("KILN_TEST_INJECT_NAN_STEP");
     int inject_nan_step = nan_env ? atoi(nan_env) : 0;
     int inject_nan_after = nan_env && strchr(nan_env, '+') != NULL; /* "N+": every step from N on */
-    float *param_host = inject_nan_step > 0 ? xmalloc((ddp.z3 ? ddp.shard_len : model.num_params) * sizeof(float)) : NULL;
+    float *param_host = inject_nan_step > 0 ? xmalloc((ddp.units ? ddp.shard_len : model.num_params) * sizeof(float)) : NULL;
     int skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0, skips_in_a_row = 0;
-    FILE *devnull = ddp.z3 && rank > 0 ? fopen("/dev/null", "w") : NULL;
-    if (ddp.z3 && rank > 0 && !devnull) kiln_fail(KILN_EXIT_RUNTIME, "/dev/null: cannot open (samples of rank %d)", rank);
+    /* ZeRO-3: every rank samples (each forward gathers layers collectively);
+     * ZeRO-2's forward only waits for refreshes every rank has posted */
+    int sample_all = ddp.units && !ddp.whole_params;
+    FILE *devnull = sample_all && rank > 0 ? fopen("/dev/null", "w") : NULL;
+    if (sample_all && rank > 0 && !devnull) kiln_fail(KILN_EXIT_RUNTIME, "/dev/null: cannot open (samples of rank %d)", rank);
     size_t N = (size_t)B * T;
     int32_t *inp = xmalloc(N * sizeof(int32_t));
     int32_t *tgt = xmalloc(N * sizeof(int32_t));
@@ -334,7 +345,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         }
         if (inject_nan_step > 0 && (step + 1 == inject_nan_step || (inject_nan_after && step + 1 > inject_nan_step))) {
             float poison = NAN;
-            be->to_device(ddp.z3 ? ddp.gshard : model.grad_mem, &poison, sizeof poison);
+            /* ZeRO-2/3: the gradient shard (there is no whole arena) */
+            be->to_device(ddp.units ? ddp.gshard : model.grad_mem, &poison, sizeof poison);
         }
         metrics_phase(mx, PHASE_SYNC, step + 1);
         double grad_norm = ddp_reduce_grads(&ddp);
@@ -352,9 +364,10 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
                           info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0};
         if (param_host) {
-            /* ZeRO-3: this rank's shard (rank 0's is the one logged) */
-            size_t np = ddp.z3 ? ddp.shard_len : model.num_params;
-            be->to_host(param_host, ddp.z3 ? ddp.pshard : model.param_mem, np * sizeof(float));
+            /* ZeRO-2/3: this rank's fp32 shard (rank 0's is the one logged;
+             * ZeRO-2's whole arena is still being refreshed) */
+            size_t np = ddp.units ? ddp.shard_len : model.num_params;
+            be->to_host(param_host, ddp.units ? ddp.pshard : model.param_mem, np * sizeof(float));
             ms.param_hash = kiln_fnv1a(param_host, np * sizeof(float), KILN_FNV_INIT);
         }
         if (bad && !skip_nonfinite) {
@@ -379,9 +392,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
             ms.val_loss = val_loss;
         }
         metrics_step(mx, &ms);
-        /* ZeRO-3: every rank runs the same generation (each forward gathers
-         * layers collectively); rank 0 prints it */
-        if ((rank == 0 || ddp.z3) && c->sample_every > 0 && ((step + 1) % c->sample_every == 0 || last)) {
+        /* ZeRO-3: every rank runs the same generation; rank 0 prints it */
+        if ((rank == 0 || sample_all) && c->sample_every > 0 && ((step + 1) % c->sample_every == 0 || last)) {
             metrics_phase(mx, PHASE_SAMPLE, step + 1);
             if (rank == 0) {
                 metrics_bar_clear(mx);

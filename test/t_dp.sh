@@ -97,7 +97,59 @@ else fail dp_reshard_1_zero3x4_zero3x2 "rc $rc: $why $(grep -h -E 'resumed|error
 rc=$?
 [ $rc -eq 0 ] && [ "$(grep -c -- '--- sample at step' $T/zs.txt)" = 2 ] && ok dp_zero3_samples \
     || fail dp_zero3_samples "rc $rc: $(grep -m2 -E 'error|sample' $T/zs.txt)"
+# ZeRO-2 samples on rank 0 alone: its forward only waits for the parameter
+# refreshes every rank posted after the optimizer step (no hang, no deadline)
+"${MPIRUN[@]}" -np 2 ./train $Y $S --set parallel.zero=2 --set train.steps=4 --set train.sample_every=2 \
+    --set train.sample_tokens=16 --set parallel.timeout_s=20 --set run.dir=$T/z2s >$T/z2s.txt 2>&1
+rc=$?
+[ $rc -eq 0 ] && [ "$(grep -c -- '--- sample at step' $T/z2s.txt)" = 2 ] && ok dp_zero2_samples_rank0 \
+    || fail dp_zero2_samples_rank0 "rc $rc: $(grep -m2 -E 'error|sample' $T/z2s.txt)"
+# Across ZeRO-2 and ZeRO-3: 2 ranks ZeRO-2 (every rank wrote its blocks of the
+# parameters, as ZeRO-3 does) -> 4 ranks ZeRO-3 -> 2 ranks ZeRO-2. The config
+# change is reported once (by rank 0), not once per rank.
+"${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=2 --set run.dir=$T/r23 --set train.steps=8 >$T/r23_1.txt 2>&1
+"${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.zero=3 --set run.dir=$T/r23 --set train.steps=14 --resume auto >$T/r23_2.txt 2>&1
+"${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=2 --set run.dir=$T/r23 --resume auto >$T/r23_3.txt 2>&1
+rc=$?
+why=$(close_losses $T/cref/metrics.jsonl $T/r23/metrics.jsonl 2>&1)
+n=$(./train ckpt-info $T/r23/checkpoints/step_00000008 | grep -c '^ *tensor h\.[0-9]*\.mlp\.c_fc\.weight .* rank 1 ')
+if [ $rc -eq 0 ] && [ -z "$why" ] && [ "$n" -gt 0 ] && grep -q 'resumed from .*step_00000008 at step 8.*resharded from 2' $T/r23_2.txt \
+    && grep -q 'resumed from .*step_00000014 at step 14.*resharded from 4' $T/r23_3.txt \
+    && ./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/r23/checkpoints/step_00000020 --quiet --tol 1e-5 >/dev/null; then
+    ok dp_reshard_zero2x2_zero3x4_zero2x2
+else fail dp_reshard_zero2x2_zero3x4_zero2x2 "rc $rc, $n parameter pieces from rank 1: $why $(grep -h -E 'resumed|error' $T/r23*.txt | head -4)"; fi
+# resume notes print once however many ranks resume (rank 0 speaks for all)
+n2=$(grep -c "resume: key 'parallel.zero': 2 -> 3 changed" $T/r23_2.txt)
+n3=$(grep -c "resume: key 'train.steps': 14 -> 20 changed" $T/r23_3.txt)
+[ "$n2" = 1 ] && [ "$n3" = 1 ] && ok dp_resume_notes_once || fail dp_resume_notes_once "printed $n2 and $n3 times"
 echo "dp reshard: $(echo "$(now) - $t0" | bc) s" >&2
+
+# ZeRO-2 reduce-scatters each layer's gradients during the backward into a
+# shard: no rank holds a whole gradient arena. Its gradient buffers (the
+# shard, two layer slots, two reduce-scatter targets, wte/wpe/ln_f's whole
+# gradients) must be fewer floats than the parameters on 12 layers x 2 ranks
+# (~0.8 of them; a whole arena would be >= 1).
+"${MPIRUN[@]}" -np 2 ./train $Y $S --set parallel.zero=2 --set model.n_layer=12 --set train.steps=1 \
+    --set train.eval_every=0 --set run.dir=$T/z2mem >$T/z2mem.txt 2>&1
+rc=$?
+read -r gf np < <(sed -n 's/.*gradient buffers here \([0-9]*\) floats, parameters \([0-9]*\).*/\1 \2/p' $T/z2mem.txt)
+if [ $rc -eq 0 ] && grep -q 'ZeRO-2: parameters whole; gradients reduce-scattered layer by layer during the backward' $T/z2mem.txt \
+    && [ -n "$gf" ] && [ "$gf" -lt "$np" ]; then ok dp_zero2_gradients_sharded
+else fail dp_zero2_gradients_sharded "rc $rc: '$gf' gradient floats for '$np' parameters: $(grep -m2 -E 'data parallel|error' $T/z2mem.txt)"; fi
+# ZeRO-2 on one rank is plain training (it used to step on an empty shard)
+./train $Y $S --set parallel.zero=2 --set run.dir=$T/z2one >/dev/null 2>&1
+[ "$(losses $T/ref/metrics.jsonl)" = "$(losses $T/z2one/metrics.jsonl)" ] && ok dp_zero2_one_rank_is_plain \
+    || fail dp_zero2_one_rank_is_plain "$(losses $T/z2one/metrics.jsonl | tail -n 1) vs $(losses $T/ref/metrics.jsonl | tail -n 1)"
+# A poisoned gradient under ZeRO-2 (the test hook writes into the gradient
+# shard) skips the step on every rank, as on one rank: the same losses
+NAN="--set train.on_nonfinite=skip --set train.steps=8"
+KILN_TEST_INJECT_NAN_STEP=5 ./train $Y $S $NAN --set run.dir=$T/nan1 >/dev/null 2>&1
+KILN_TEST_INJECT_NAN_STEP=5 "${MPIRUN[@]}" -x KILN_TEST_INJECT_NAN_STEP -np 2 ./train $Y $S $NAN --set parallel.zero=2 \
+    --set run.dir=$T/nan2 >$T/nan2.txt 2>&1
+rc=$?
+why=$(close_losses $T/nan1/metrics.jsonl $T/nan2/metrics.jsonl 2>&1)
+if [ $rc -eq 0 ] && [ -z "$why" ] && grep -q '"step":5,.*"skipped":true' $T/nan2/metrics.jsonl; then ok dp_zero2_nonfinite_skip
+else fail dp_zero2_nonfinite_skip "rc $rc: $why $(grep -m2 -E 'error|warning' $T/nan2.txt)"; fi
 
 # A rank killed mid-run. mpirun --enable-recovery leaves the survivor waiting
 # in its collective (as a scheduler that does not kill the step would): kiln's
@@ -133,6 +185,10 @@ expect dp_batch_must_split 2 "key 'batch.total_tokens'.*4 data-parallel ranks" -
 # --dry-run shows the per-rank memory of the layout
 expect dp_dry_run_per_rank 0 "optimizer state \(1/dp\) +3\.17 MiB" -- ./train $Y --dry-run --set model.n_embd=128 \
     --set model.n_layer=4 --set parallel.dp=2 --set parallel.zero=1 --set batch.total_tokens=512
+# ZeRO-2: the whole 3.17 MiB of parameters, but half of the gradients (plus
+# two layers' and wte/wpe/ln_f's, unreduced), not a whole gradient arena
+expect dp_dry_run_zero2 0 "gradients \(1/dp\) +1\.58 MiB" -- ./train $Y --dry-run --set model.n_embd=128 \
+    --set model.n_layer=4 --set parallel.dp=2 --set parallel.zero=2 --set batch.total_tokens=512
 # ZeRO-3: half of the 3.17 MiB of parameters, plus what is gathered (two
 # layers and wte/wpe/ln_f)
 expect dp_dry_run_zero3 0 "parameters \(1/dp\) +1\.58 MiB" -- ./train $Y --dry-run --set model.n_embd=128 \

@@ -36,19 +36,28 @@ if grep -qE 'layout +dp 8 .*ZeRO 0' "$T/out.txt"; then ok plan_124m_zero0; else 
 #   activations per token (model.c plan_floats, floats): 48 layers x (16C + 4 +
 #   n_head) = 1230192, + encoded C + ln_f C+2 + logits 50304 + losses 1 +
 #   scratch 13C = 1304499 floats = 5217996 B; per sample (x1024) 5343227904 B
-#   ZeRO 0/1/2 with micro-batch 1: state >= 16P or 8P + 8 shard = 14019177600 B,
+#   ZeRO 0/1 with micro-batch 1: state >= 16P or 8P + 8 shard = 14019177600 B,
 #     + 5343227904 + 32 MiB workspace, x 1.05 = 20.3e9 B > 16 GiB (17.18e9): none
-#   ZeRO 3: state = 16 shard + 8 (2 layers + 82128000) = 4264249600 B
-#     micro-batch 2: (4264249600 + 2*5343227904 + 33554432) x 1.05 = 15733472832 B
-#                    = 14.65 GiB <= 16 GiB: fits
-#     micro-batch 4: + 2*5343227904 more = 26.3e9 B: does not
-#   so: --set parallel.zero=3 --set batch.micro_batch=2, and the config's own
+#   ZeRO 2 and 3 hold two layers' whole gradients, wte+wpe+ln_f's, and two
+#     1/8-layer reduce-scatter targets: unreduced = 4 (2 x 30740800 + 82128000
+#     + 2 x 3842600) = 605179200 B
+#   ZeRO 2: state = 4P (whole parameters) + 4 shard (fp32 shard) + 4 shard
+#     (gradients) + 8 shard (AdamW) + unreduced = 9951297600 B
+#     micro-batch 1: (9951297600 + 5343227904 + 33554432) x 1.05 = 16094483933 B
+#                    = 14.99 GiB <= 16 GiB: fits
+#     micro-batch 2: + 5343227904 x 1.05 more = 21.7e9 B: does not
+#   ZeRO 3: state = 16 shard + 4 (2 layers + 82128000) gathered + unreduced
+#     = 4294990400 B; micro-batch 2: (4294990400 + 2*5343227904 + 33554432)
+#     x 1.05 = 15765750672 B = 14.68 GiB: fits too, but ZeRO 2 comes first
+#   so: --set parallel.zero=2 --set batch.micro_batch=1, and the config's own
 #   layout (ZeRO 0, micro-batch 16: 108 GiB) does not fit: exit 2.
-expect plan_xl_does_not_fit 2 'verdict: does not fit.*use --set parallel.zero=3 --set batch.micro_batch=2' -- \
+expect plan_xl_does_not_fit 2 'verdict: does not fit.*use --set parallel.zero=2 --set batch.micro_batch=1' -- \
     ./train plan $CFG $XL --gpus 8 --gpu-mem 16
-if grep -qE '^suggest: --set parallel.zero=3 --set batch.micro_batch=2 +\(14.65 GiB' "$T/out.txt"; then ok plan_xl_suggests_zero3_mb2
-else fail plan_xl_suggests_zero3_mb2 "$(grep suggest "$T/out.txt")"; fi
-expect plan_xl_suggestion_fits 0 'verdict: fits: 14.65 GiB' -- \
+if grep -qE '^suggest: --set parallel.zero=2 --set batch.micro_batch=1 +\(14.99 GiB' "$T/out.txt"; then ok plan_xl_suggests_zero2_mb1
+else fail plan_xl_suggests_zero2_mb1 "$(grep suggest "$T/out.txt")"; fi
+expect plan_xl_suggestion_fits 0 'verdict: fits: 14.99 GiB' -- \
+    ./train plan $CFG $XL --gpus 8 --gpu-mem 16 --set parallel.zero=2 --set batch.micro_batch=1
+expect plan_xl_zero3_mb2_fits 0 'verdict: fits: 14.68 GiB' -- \
     ./train plan $CFG $XL --gpus 8 --gpu-mem 16 --set parallel.zero=3 --set batch.micro_batch=2
 # on one 16 GiB GPU nothing fits: ZeRO does not shard over dp = 1
 expect plan_xl_nothing_fits 2 'suggest: nothing fits in 16.00 GiB.*needs [0-9.]+ GiB' -- \
