@@ -15,6 +15,15 @@
 
 #include "util.h"
 
+/* Before a collective reads what the backend wrote. Host memory (MPI): the
+ * backend's queue must have drained. Device memory (NCCL device mode): comm
+ * orders the collective after the compute stream by an event, and a device
+ * synchronisation would also wait, without a deadline, for collectives in
+ * flight (comm.h) -- so nothing. */
+static void host_comm_fence(const Ddp *d) {
+    if (d->m->be->host_mem) d->m->be->sync();
+}
+
 /* The hook at which a tensor's gradient is complete: its layer; ln_f's is
  * done before any layer's (hook n_layer-1); wte and wpe only after the
  * embedding backward (hook -1). */
@@ -208,7 +217,7 @@ void ddp_params_ready(Ddp *d) {
 static void z2_post_refresh(Ddp *d) {
     Model *m = d->m;
     int L = m->shape.n_layer;
-    m->be->sync(); /* the shard is updated before MPI reads it */
+    host_comm_fence(d); /* the shard is updated before MPI reads it */
     for (int k = 0; k <= L; k++) {
         int u = k == 0 ? L : k - 1;
         comm_iall_gather(d->g, d->pshard + d->at[u], m->param_mem + m->unit_off[u], d->us[u].block, &d->preq[u]);
@@ -283,7 +292,7 @@ static void unit_post_hook(void *ctx, int layer) {
     Model *m = d->m;
     if (layer >= 0) {
         int s = layer % 2;
-        m->be->sync();
+        host_comm_fence(d);
         comm_ireduce_scatter(d->g, d->gbuf[s], d->rs_tmp[s], d->us[layer].block, &d->rreq[s]);
         d->rlayer[s] = layer;
         /* MPI progresses only inside MPI calls: the prefetch of layer l-1
@@ -296,7 +305,7 @@ static void unit_post_hook(void *ctx, int layer) {
     for (int s = 0; s < 2; s++) unit_finish_rs(d, s);
     if (d->last) {
         int L = m->shape.n_layer;
-        m->be->sync();
+        host_comm_fence(d);
         comm_reduce_scatter(d->g, d->grest, d->gshard + d->at[L], d->us[L].block);
     }
     blocked(d, t0);
@@ -324,10 +333,10 @@ void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes) {
     d->dp = d->g ? g->size : 1;
     d->rank = d->g ? g->rank : 0;
     d->zero = zero;
-    if (d->g && !m->be->host_mem)
-        kiln_fail(KILN_EXIT_USAGE,
-                  "parallel.dp = %d: data parallelism on the '%s' backend (device buffers, NCCL) is not wired yet; "
-                  "this build runs it on device: cpu", d->dp, m->be->name);
+    if (d->g && !m->be->host_mem && !d->g->dev)
+        kiln_fail(KILN_EXIT_RUNTIME,
+                  "parallel.dp = %d on the '%s' backend: group '%s' must be in NCCL device mode before ddp_init "
+                  "(comm_nccl_device_mode)", d->dp, m->be->name, d->g->name);
     /* ZeRO 2 and 3 on one rank have nothing to shard: plain training */
     if (zero >= 2 && !d->g) d->zero = zero = 0;
     if (zero >= 2) {
@@ -423,7 +432,7 @@ OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
     if (d->zero == 0) return optim_step_norm(o, m->param_mem, m->grad_mem, lr, grad_norm);
     OptimStepInfo info = optim_step_norm(o, m->param_mem + d->shard.lo, m->grad_mem + d->shard.lo, lr, grad_norm);
     if (info.nonfinite || !d->g) return info; /* every rank skipped: the norm is global */
-    m->be->sync();
+    host_comm_fence(d);
     double t0 = kiln_now();
     /* in place: this rank's block is already where the gathered arena wants it */
     comm_all_gather(d->g, m->param_mem + d->shard.start, m->param_mem, d->shard.block);

@@ -236,6 +236,12 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
      * per-message latency is small, small enough to overlap with backward.
      * Before the weights: ZeRO-2/3 lay the arena out by layer. */
     Ddp ddp;
+    if (dp > 1 && be->stream) {
+        /* device memory: the dp group's float collectives run through NCCL on
+         * the backend's stream (comm.h, "NCCL"); doubles and bytes stay on MPI */
+        comm_nccl_init(dpg, c->run_dir);
+        comm_nccl_device_mode(dpg, be->stream());
+    }
     ddp_init(&ddp, &model, dpg, c->zero, (size_t)25 << 20);
     if (c->init_from[0]) {
         if (!state_init_from(&model, c->init_from, rank == 0)) model_load_llmc(&model, c->init_from);
