@@ -14,7 +14,11 @@
  * up to 128 (GPT-2: 64, TPK 4). Dot products are per-thread partial sums
  * combined by a butterfly within the group (a group never spans two warps).
  * Key and query loops are not unrolled: unrolling 32 keys x 16 dims made the
- * kernels spill and took minutes to compile. */
+ * kernels spill and took minutes to compile.
+ *
+ * Dtypes: qkv, out, dout and dqkv are act (template T_: fp32 or bf16, read
+ * into fp32 registers and fp32 shared tiles, stored rounded); lse, D and every
+ * sum are fp32. */
 #include "common.cuh"
 
 #define ATT_D 16   /* head dims per thread */
@@ -32,19 +36,20 @@ __device__ __forceinline__ float group_sum(float v) {
 
 /* Rows [r0, r0 + rows) of one head's q, k or v (or of dout: ld = C) into a
  * shared (rows, hs) tile; rows past T read as zero. */
-__device__ __forceinline__ void att_load_tile(float *dst, const float *src, size_t ld, int r0,
-                                              int rows, int T, int hs) {
+template <typename T_>
+__device__ __forceinline__ void att_load_tile(float *dst, const T_ *src, size_t ld, int r0, int rows, int T,
+                                              int hs) {
     for (int e = threadIdx.x; e < rows * hs; e += blockDim.x) {
         int r = e / hs, d = e % hs;
-        dst[e] = r0 + r < T ? src[(size_t)(r0 + r) * ld + d] : 0.0f;
+        dst[e] = r0 + r < T ? act_f(src[(size_t)(r0 + r) * ld + d]) : 0.0f;
     }
 }
 
 /* ---------------------------------------------------------------------------
  * Forward. Block: ATT_BR query rows of one (b, h); grid (B*NH, ceil(T/ATT_BR)). */
-template <int TPK>
+template <int TPK, typename T_>
 __global__ void __launch_bounds__(ATT_BR *TPK)
-    att_forward_kernel(float *out, float *lse, const float *qkv, int T, int C, int NH, float scale) {
+    att_forward_kernel(T_ *out, float *lse, const T_ *qkv, int T, int C, int NH, float scale) {
     extern __shared__ float smem[];
     int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     float *Ks = smem, *Vs = smem + ATT_BC * hs; /* (ATT_BC, hs) each */
@@ -52,12 +57,12 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
     int r0 = blockIdx.y * ATT_BR, lr = threadIdx.x / TPK, row = r0 + lr, sub = threadIdx.x % TPK;
     float *S = Ss + lr * (ATT_BC + 1);
     size_t ld = 3 * (size_t)C;
-    const float *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
+    const T_ *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
     float q[ATT_D], o[ATT_D];
 #pragma unroll
     for (int i = 0; i < ATT_D; i++) {
         int d = i * TPK + sub;
-        q[i] = row < T && d < hs ? Q[(size_t)row * ld + d] : 0.0f;
+        q[i] = row < T && d < hs ? act_f(Q[(size_t)row * ld + d]) : 0.0f;
         o[i] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
@@ -105,11 +110,11 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
     }
     if (row < T) {
         float inv = 1.0f / l;
-        float *O = out + ((size_t)b * T + row) * C + h * hs;
+        T_ *O = out + ((size_t)b * T + row) * C + h * hs;
 #pragma unroll
         for (int i = 0; i < ATT_D; i++) {
             int d = i * TPK + sub;
-            if (d < hs) O[d] = o[i] * inv;
+            if (d < hs) O[d] = act_from<T_>(o[i] * inv);
         }
         if (sub == 0) lse[(size_t)bh * T + row] = m + logf(l);
     }
@@ -118,26 +123,26 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
 /* ---------------------------------------------------------------------------
  * Backward, part 1: dQ, and D = rowsum(dO * O) for part 2. Block: ATT_BR query
  * rows of one (b, h). ds = p (dp - D) / sqrt(hs) with p = exp(s - lse). */
-template <int TPK>
+template <int TPK, typename T_>
 __global__ void __launch_bounds__(ATT_BR *TPK)
-    att_backward_dq_kernel(float *dqkv, float *Dbuf, const float *dout, const float *qkv,
-                           const float *out, const float *lse, int T, int C, int NH, float scale) {
+    att_backward_dq_kernel(T_ *dqkv, float *Dbuf, const T_ *dout, const T_ *qkv, const T_ *out,
+                           const float *lse, int T, int C, int NH, float scale) {
     extern __shared__ float smem[];
     int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     float *Ks = smem, *Vs = smem + ATT_BC * hs;
     int r0 = blockIdx.y * ATT_BR, row = r0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
     size_t ld = 3 * (size_t)C;
-    const float *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
-    const float *dO = dout + (size_t)b * T * C + h * hs, *O = out + (size_t)b * T * C + h * hs;
+    const T_ *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
+    const T_ *dO = dout + (size_t)b * T * C + h * hs, *O = out + (size_t)b * T * C + h * hs;
     float q[ATT_D], dor[ATT_D], dq[ATT_D];
     float part = 0.0f;
 #pragma unroll
     for (int i = 0; i < ATT_D; i++) {
         int d = i * TPK + sub;
         int ok = row < T && d < hs;
-        q[i] = ok ? Q[(size_t)row * ld + d] : 0.0f;
-        dor[i] = ok ? dO[(size_t)row * C + d] : 0.0f;
-        part += ok ? dor[i] * O[(size_t)row * C + d] : 0.0f;
+        q[i] = ok ? act_f(Q[(size_t)row * ld + d]) : 0.0f;
+        dor[i] = ok ? act_f(dO[(size_t)row * C + d]) : 0.0f;
+        part += ok ? dor[i] * act_f(O[(size_t)row * C + d]) : 0.0f;
         dq[i] = 0.0f;
     }
     float Dt = group_sum<TPK>(part);
@@ -173,37 +178,37 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
         }
     }
     if (row < T) {
-        float *dQ = dqkv + ((size_t)b * T + row) * ld + h * hs;
+        T_ *dQ = dqkv + ((size_t)b * T + row) * ld + h * hs;
 #pragma unroll
         for (int i = 0; i < ATT_D; i++) {
             int d = i * TPK + sub;
-            if (d < hs) dQ[d] = dq[i];
+            if (d < hs) dQ[d] = act_from<T_>(dq[i]);
         }
     }
 }
 
 /* Backward, part 2: dK and dV. Block: ATT_BK key rows of one (b, h), each
  * summing over the queries that see it (rows >= the key) in row order. */
-template <int TPK>
+template <int TPK, typename T_>
 __global__ void __launch_bounds__(ATT_BK *TPK)
-    att_backward_dkv_kernel(float *dqkv, const float *Dbuf, const float *dout, const float *qkv,
-                            const float *lse, int T, int C, int NH, float scale) {
+    att_backward_dkv_kernel(T_ *dqkv, const float *Dbuf, const T_ *dout, const T_ *qkv, const float *lse,
+                            int T, int C, int NH, float scale) {
     extern __shared__ float smem[];
     int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     float *Qs = smem, *dOs = smem + ATT_BQ * hs; /* (ATT_BQ, hs) each */
     float *Ls = dOs + ATT_BQ * hs, *Ds = Ls + ATT_BQ; /* (ATT_BQ) each */
     int k0 = blockIdx.y * ATT_BK, key = k0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
     size_t ld = 3 * (size_t)C;
-    const float *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
-    const float *dO = dout + (size_t)b * T * C + h * hs;
+    const T_ *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
+    const T_ *dO = dout + (size_t)b * T * C + h * hs;
     const float *L = lse + (size_t)bh * T, *D = Dbuf + (size_t)bh * T;
     float k[ATT_D], v[ATT_D], dk[ATT_D], dv[ATT_D];
 #pragma unroll
     for (int i = 0; i < ATT_D; i++) {
         int d = i * TPK + sub;
         int ok = key < T && d < hs;
-        k[i] = ok ? K[(size_t)key * ld + d] : 0.0f;
-        v[i] = ok ? V[(size_t)key * ld + d] : 0.0f;
+        k[i] = ok ? act_f(K[(size_t)key * ld + d]) : 0.0f;
+        v[i] = ok ? act_f(V[(size_t)key * ld + d]) : 0.0f;
         dk[i] = dv[i] = 0.0f;
     }
     for (int i0 = k0; i0 < T; i0 += ATT_BQ) { /* queries before k0 see none of these keys */
@@ -243,13 +248,13 @@ __global__ void __launch_bounds__(ATT_BK *TPK)
         }
     }
     if (key < T) {
-        float *dK = dqkv + ((size_t)b * T + key) * ld + C + h * hs, *dV = dK + C;
+        T_ *dK = dqkv + ((size_t)b * T + key) * ld + C + h * hs, *dV = dK + C;
 #pragma unroll
         for (int i = 0; i < ATT_D; i++) {
             int d = i * TPK + sub;
             if (d < hs) {
-                dK[d] = dk[i];
-                dV[d] = dv[i];
+                dK[d] = act_from<T_>(dk[i]);
+                dV[d] = act_from<T_>(dv[i]);
             }
         }
     }
@@ -266,21 +271,29 @@ static int att_tpk(int C, int NH) {
               8 * ATT_D);
 }
 
-void cuda_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C, int NH) {
+template <typename T_>
+static void att_forward_run(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
     int hs = C / NH, tpk = att_tpk(C, NH);
     float scale = 1.0f / sqrtf((float)hs);
     dim3 grid(B * NH, (T + ATT_BR - 1) / ATT_BR);
     /* K, V tiles and the scores: <= 40 KiB at hs 128, under the 48 KiB default */
     size_t sh = ((size_t)2 * ATT_BC * hs + ATT_BR * (ATT_BC + 1)) * sizeof(float);
+    T_ *o = (T_ *)out;
+    const T_ *x = (const T_ *)qkv;
     switch (tpk) {
-    case 2: att_forward_kernel<2><<<grid, ATT_BR * 2, sh>>>(out, lse, qkv, T, C, NH, scale); break;
-    case 4: att_forward_kernel<4><<<grid, ATT_BR * 4, sh>>>(out, lse, qkv, T, C, NH, scale); break;
-    default: att_forward_kernel<8><<<grid, ATT_BR * 8, sh>>>(out, lse, qkv, T, C, NH, scale); break;
+    case 2: att_forward_kernel<2, T_><<<grid, ATT_BR * 2, sh>>>(o, lse, x, T, C, NH, scale); break;
+    case 4: att_forward_kernel<4, T_><<<grid, ATT_BR * 4, sh>>>(o, lse, x, T, C, NH, scale); break;
+    default: att_forward_kernel<8, T_><<<grid, ATT_BR * 8, sh>>>(o, lse, x, T, C, NH, scale); break;
     }
     CUDA_CHECK_LAUNCH();
 }
 
-void cuda_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
+    ACT_DISPATCH(att_forward_run, out, lse, qkv, B, T, C, NH);
+}
+
+template <typename T_>
+static void att_backward_run(void *dqkv_, const void *dout_, const void *qkv_, const void *out_,
                              const float *lse, int B, int T, int C, int NH) {
     int hs = C / NH, tpk = att_tpk(C, NH);
     float scale = 1.0f / sqrtf((float)hs);
@@ -288,11 +301,14 @@ void cuda_attention_backward(float *dqkv, const float *dout, const float *qkv, c
     dim3 gq(B * NH, (T + ATT_BR - 1) / ATT_BR), gk(B * NH, (T + ATT_BK - 1) / ATT_BK);
     size_t shq = (size_t)2 * ATT_BC * hs * sizeof(float);
     size_t shk = ((size_t)2 * ATT_BQ * hs + 2 * ATT_BQ) * sizeof(float);
+    T_ *dqkv = (T_ *)dqkv_;
+    const T_ *dout = (const T_ *)dout_, *qkv = (const T_ *)qkv_, *out = (const T_ *)out_;
     /* dQ first: it also writes D, which the dK/dV kernel reads (same stream). */
-#define ATT_BACKWARD(TPK)                                                                                \
-    att_backward_dq_kernel<TPK><<<gq, ATT_BR * TPK, shq>>>(dqkv, Dbuf, dout, qkv, out, lse, T, C, NH, scale); \
-    CUDA_CHECK_LAUNCH();                                                                                  \
-    att_backward_dkv_kernel<TPK><<<gk, ATT_BK * TPK, shk>>>(dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale)
+#define ATT_BACKWARD(TPK)                                                                                  \
+    att_backward_dq_kernel<TPK, T_><<<gq, ATT_BR * TPK, shq>>>(dqkv, Dbuf, dout, qkv, out, lse, T, C, NH,   \
+                                                               scale);                                    \
+    CUDA_CHECK_LAUNCH();                                                                                    \
+    att_backward_dkv_kernel<TPK, T_><<<gk, ATT_BK * TPK, shk>>>(dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale)
     switch (tpk) {
     case 2: ATT_BACKWARD(2); break;
     case 4: ATT_BACKWARD(4); break;
@@ -300,4 +316,9 @@ void cuda_attention_backward(float *dqkv, const float *dout, const float *qkv, c
     }
 #undef ATT_BACKWARD
     CUDA_CHECK_LAUNCH();
+}
+
+void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
+                             const float *lse, int B, int T, int C, int NH) {
+    ACT_DISPATCH(att_backward_run, dqkv, dout, qkv, out, lse, B, T, C, NH);
 }

@@ -1,7 +1,10 @@
 /* backend_cuda: the CUDA backend's start-up, memory and the Backend table; the
- * ops live in embed_norm.cu, matmul.cu, attention.cu and pointwise.cu. Storage
- * is fp32 (the interface is float*); matrix products compute in fp32 or on
- * bf16 tensor cores per precision.compute. Nothing here runs before the host
+ * ops live in embed_norm.cu, matmul.cu, attention.cu and pointwise.cu. The
+ * activation dtype (backend.h) is precision.compute: bf16 (activations, their
+ * gradients and the parameters' compute copy stored in bf16, matrix products
+ * on bf16 tensor cores, fp32 math and accumulation) or fp32 (everything fp32,
+ * strict fp32 products). Parameter gradients, master weights and optimizer
+ * state are fp32 either way. Nothing here runs before the host
  * calls a function: the CUDA runtime is linked statically and loads the driver
  * lazily, so a binary with this backend starts, and runs the CPU backend, on a
  * machine with no GPU driver at all. All work goes to the legacy default
@@ -16,6 +19,7 @@ static char cuda_desc[512];
 static char cuda_device_part[384];
 static int cuda_started;
 static size_t cuda_peak_used; /* bytes in use on the device, highest seen */
+int cuda_act_bf16;            /* common.cuh: the activation dtype is bf16 */
 
 /* ---------------------------------------------------------------------------
  * Availability and build information (no driver needed for either) */
@@ -112,8 +116,8 @@ void cuda_scratch_free_all(void) {
  * Start-up */
 
 static void cuda_update_desc(void) {
-    snprintf(cuda_desc, sizeof cuda_desc, "%s, matmul compute %s", cuda_device_part,
-             cuda_matmul_get_compute() ? "bf16 (tensor cores, fp32 accumulate)" : "fp32");
+    snprintf(cuda_desc, sizeof cuda_desc, "%s, %s", cuda_device_part,
+             cuda_act_bf16 ? "bf16 activations (tensor cores, fp32 accumulate)" : "fp32 activations and products");
 }
 
 /* Which of the visible GPUs this process uses (select_device, before init):
@@ -175,18 +179,20 @@ static void cuda_shutdown(void) {
     cuda_scratch_free_all();
     cuda_embed_free_host();
     cuda_matmul_shutdown();
-    cuda_matmul_set_compute(0); /* the next init starts from strict fp32 again */
+    cuda_act_bf16 = 0; /* the next init starts from fp32 again */
     cuda_started = 0;
 }
 
-/* precision.compute: "fp32" strict, "bf16" tensor cores on bf16-rounded
- * inputs with fp32 accumulation. Storage stays fp32 either way. */
+/* precision.compute: "bf16" or "fp32", the activation dtype. Called before
+ * any act buffer exists (backend.h); switching later would reinterpret them. */
 static void cuda_set_precision(const char *compute) {
-    if (strcmp(compute, "bf16") == 0) cuda_matmul_set_compute(1);
-    else if (strcmp(compute, "fp32") == 0) cuda_matmul_set_compute(0);
+    if (strcmp(compute, "bf16") == 0) cuda_act_bf16 = 1;
+    else if (strcmp(compute, "fp32") == 0) cuda_act_bf16 = 0;
     else kiln_fail(KILN_EXIT_USAGE, "key 'precision.compute': '%s' is not one of bf16|fp32", compute);
     cuda_update_desc();
 }
+
+static size_t cuda_act_bytes(void) { return cuda_act_bf16 ? sizeof(bf16) : sizeof(float); }
 
 static size_t cuda_memory_peak(void) {
     cuda_note_usage();
@@ -214,6 +220,8 @@ extern "C" const Backend backend_cuda = {
     .copy = cuda_copy,
     .zero = cuda_zero,
     .sync = cuda_sync,
+    .act_bytes = cuda_act_bytes,
+    .cast_to_act = cuda_cast_to_act,
     .embed_forward = cuda_embed_forward,
     .embed_backward = cuda_embed_backward,
     .layernorm_forward = cuda_layernorm_forward,
@@ -224,6 +232,7 @@ extern "C" const Backend backend_cuda = {
     .attention_backward = cuda_attention_backward,
     .gelu_forward = cuda_gelu_forward,
     .gelu_backward = cuda_gelu_backward,
+    .residual_forward = cuda_residual_forward,
     .add = cuda_add,
     .crossentropy_forward = cuda_crossentropy_forward,
     .adamw_update = cuda_adamw_update,

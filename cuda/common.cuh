@@ -5,6 +5,7 @@
 #ifndef KILN_CUDA_COMMON_CUH
 #define KILN_CUDA_COMMON_CUH
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -26,6 +27,26 @@ extern "C" {
                       #call, cudaGetErrorString(kiln_err_));                                  \
     } while (0)
 #define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())
+
+/* The activation dtype (backend.h): 1 when it is bf16 (precision.compute
+ * bf16), 0 for fp32; set by set_precision before any buffer exists. Kernels
+ * that touch act tensors are templates on their storage type `T` (float or
+ * bf16), instantiated for both; each op's host entry picks one with
+ * ACT_DISPATCH. Loads widen to fp32 (act_f), stores round to nearest even
+ * (act_from<T>); all arithmetic in between is fp32. */
+extern int cuda_act_bf16;
+typedef __nv_bfloat16 bf16;
+__device__ __forceinline__ float act_f(float x) { return x; }
+__device__ __forceinline__ float act_f(bf16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T act_from(float x);
+template <> __device__ __forceinline__ float act_from<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 act_from<bf16>(float x) { return __float2bfloat16_rn(x); }
+/* ACT_DISPATCH(fn, args...): fn<bf16>(args) or fn<float>(args) per the dtype. */
+#define ACT_DISPATCH(fn, ...)                \
+    do {                                     \
+        if (cuda_act_bf16) fn<bf16>(__VA_ARGS__);  \
+        else fn<float>(__VA_ARGS__);         \
+    } while (0)
 
 /* Device-side launch configuration. */
 #define CUDA_WARP 32
@@ -84,36 +105,36 @@ void cuda_scratch_free_all(void);
 
 /* Op entry points, one family per file (the Backend table is in backend_cuda.cu). */
 /* embed_norm.cu */
-void cuda_embed_forward(float *out, const int32_t *tokens, const float *wte, const float *wpe, int B,
+void cuda_embed_forward(void *out, const int32_t *tokens, const void *wte, const void *wpe, int B,
                         int T, int C);
-void cuda_embed_backward(float *dwte, float *dwpe, const float *dout, const int32_t *tokens, int B,
+void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens, int B,
                          int T, int C, int accumulate);
 void cuda_embed_free_host(void);
-void cuda_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,
-                            const float *b, int N, int C);
-void cuda_layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,
-                             const float *w, const float *mean, const float *rstd, int N, int C,
+void cuda_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
+                            const void *b, int N, int C);
+void cuda_layernorm_backward(void *dinp, float *dw, float *db, const void *dout, const void *inp,
+                             const void *w, const float *mean, const float *rstd, int N, int C,
                              int accumulate);
-/* dbias(OC) (+)= column sums of dout(N,OC), deterministic. */
-void cuda_colsum(float *dbias, const float *dout, int N, int OC, int accumulate);
+/* dbias(OC) fp32 (+)= column sums of dout(N,OC) act, deterministic. */
+void cuda_colsum(float *dbias, const void *dout, int N, int OC, int accumulate);
 /* matmul.cu */
 void cuda_matmul_init(void);
 void cuda_matmul_shutdown(void);
-void cuda_matmul_set_compute(int bf16);
-int cuda_matmul_get_compute(void);
-void cuda_matmul_forward(float *out, const float *inp, const float *w, const float *bias, int N,
-                         int C, int OC);
-void cuda_matmul_backward(float *dinp, float *dw, float *dbias, const float *dout, const float *inp,
-                          const float *w, int N, int C, int OC, int accumulate);
+void cuda_matmul_forward(void *out, const void *inp, const void *w, const void *bias, int N, int C,
+                         int OC);
+void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
+                          const void *w, int N, int C, int OC, int accumulate);
 /* attention.cu */
-void cuda_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C, int NH);
-void cuda_attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,
+void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
+void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                              const float *lse, int B, int T, int C, int NH);
 /* pointwise.cu */
-void cuda_gelu_forward(float *out, const float *inp, size_t n);
-void cuda_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n);
+void cuda_cast_to_act(void *dst, const float *src, size_t n);
+void cuda_gelu_forward(void *out, const void *inp, size_t n);
+void cuda_gelu_backward(void *dinp, const void *inp, const void *dout, size_t n);
+void cuda_residual_forward(void *out, const void *a, const void *b, size_t n);
 void cuda_add(float *out, const float *a, const float *b, size_t n);
-void cuda_crossentropy_forward(float *logits, float *losses, const int32_t *targets, int N, int V,
+void cuda_crossentropy_forward(void *logits, float *losses, const int32_t *targets, int N, int V,
                                int Vp, float dloss);
 void cuda_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr,
                        float beta1, float beta2, float eps, float weight_decay, float grad_scale,

@@ -1,7 +1,9 @@
 /* embed_norm: embeddings, LayerNorm and the deterministic column sums that
  * parameter gradients (dw, db, dbias) are made of. Mirrors src/cpu/backend_cpu.c
  * op for op; no float atomics anywhere, so every result is the same bits run
- * to run. Never allocates except through the grow-only scratch. */
+ * to run. Activations in either dtype (templates on T, common.cuh), fp32
+ * statistics and parameter gradients. Never allocates except through the
+ * grow-only scratch. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,24 +12,31 @@
 /* ---------------------------------------------------------------------------
  * Embedding */
 
-__global__ void embed_forward_kernel(float *out, const int32_t *tokens, const float *wte,
-                                     const float *wpe, int N, int T, int C) {
+template <typename T_>
+__global__ void embed_forward_kernel(T_ *out, const int32_t *tokens, const T_ *wte, const T_ *wpe,
+                                     int N, int T, int C) {
     /* out (N,C), tokens (N), wte (Vp,C), wpe (T,C) */
     size_t total = (size_t)N * C;
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
          e += (size_t)gridDim.x * blockDim.x) {
         size_t i = e / C, c = e % C;
-        out[e] = wte[(size_t)tokens[i] * C + c] + wpe[(i % T) * C + c];
+        out[e] = act_from<T_>(act_f(wte[(size_t)tokens[i] * C + c]) + act_f(wpe[(i % T) * C + c]));
     }
 }
 
-void cuda_embed_forward(float *out, const int32_t *tokens, const float *wte, const float *wpe, int B,
-                        int T, int C) {
+template <typename T_>
+static void embed_forward_run(void *out, const int32_t *tokens, const void *wte, const void *wpe, int B,
+                              int T, int C) {
     size_t n = (size_t)B * T * C;
     unsigned blocks = cuda_blocks(n, 256);
     if (blocks > 65536) blocks = 65536;
-    embed_forward_kernel<<<blocks, 256>>>(out, tokens, wte, wpe, B * T, T, C);
+    embed_forward_kernel<T_><<<blocks, 256>>>((T_ *)out, tokens, (const T_ *)wte, (const T_ *)wpe, B * T, T, C);
     CUDA_CHECK_LAUNCH();
+}
+
+void cuda_embed_forward(void *out, const int32_t *tokens, const void *wte, const void *wpe, int B, int T,
+                        int C) {
+    ACT_DISPATCH(embed_forward_run, out, tokens, wte, wpe, B, T, C);
 }
 
 /* dwte without float atomics: positions are bucketed by token on the host
@@ -37,13 +46,14 @@ void cuda_embed_forward(float *out, const int32_t *tokens, const float *wte, con
  * channels, starting from what dwte holds. That is the CPU backend's order of
  * additions exactly, so dwte is the same bits on both backends given the same
  * dout. Layout of `plan`: run_tok[R], run_start[R + 1], pos[N]. */
-__global__ void embed_dwte_kernel(float *dwte, const float *dout, const int32_t *plan, int R, int C) {
+template <typename T_>
+__global__ void embed_dwte_kernel(float *dwte, const T_ *dout, const int32_t *plan, int R, int C) {
     int r = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= C) return;
     const int32_t *run_start = plan + R, *pos = plan + 2 * R + 1;
     float *dst = dwte + (size_t)plan[r] * C + c;
     float acc = *dst;
-    for (int k = run_start[r]; k < run_start[r + 1]; k++) acc += dout[(size_t)pos[k] * C + c];
+    for (int k = run_start[r]; k < run_start[r + 1]; k++) acc += act_f(dout[(size_t)pos[k] * C + c]);
     *dst = acc;
 }
 
@@ -95,17 +105,27 @@ static int embed_plan(const int32_t *tok, int N) {
     return R;
 }
 
-__global__ void embed_dwpe_kernel(float *dwpe, const float *dout, int B, int T, int C,
-                                  int accumulate) {
+template <typename T_>
+__global__ void embed_dwpe_kernel(float *dwpe, const T_ *dout, int B, int T, int C, int accumulate) {
     /* dwpe (T,C), dout (B*T,C); b summed in order from 0, as the CPU does */
     size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (e >= (size_t)T * C) return;
     float acc = accumulate ? dwpe[e] : 0.0f;
-    for (int b = 0; b < B; b++) acc += dout[(size_t)b * T * C + e];
+    for (int b = 0; b < B; b++) acc += act_f(dout[(size_t)b * T * C + e]);
     dwpe[e] = acc;
 }
 
-void cuda_embed_backward(float *dwte, float *dwpe, const float *dout, const int32_t *tokens, int B,
+template <typename T_>
+static void embed_backward_kernels(float *dwte, float *dwpe, const void *dout, const int32_t *plan, int R,
+                                   int B, int T, int C, int accumulate) {
+    dim3 grid(R, (C + 127) / 128);
+    embed_dwte_kernel<T_><<<grid, 128>>>(dwte, (const T_ *)dout, plan, R, C);
+    CUDA_CHECK_LAUNCH();
+    embed_dwpe_kernel<T_><<<cuda_blocks((size_t)T * C, 256), 256>>>(dwpe, (const T_ *)dout, B, T, C, accumulate);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens, int B,
                          int T, int C, int accumulate) {
     int N = B * T;
     if ((size_t)N > embed_host_n) {
@@ -118,65 +138,69 @@ void cuda_embed_backward(float *dwte, float *dwpe, const float *dout, const int3
     size_t plan_bytes = (size_t)(2 * R + 1 + N) * sizeof(int32_t);
     int32_t *plan = (int32_t *)cuda_scratch(SCRATCH_EMBED, (size_t)(3 * N + 1) * sizeof(int32_t));
     CUDA_CHECK(cudaMemcpy(plan, embed_host_plan, plan_bytes, cudaMemcpyHostToDevice));
-    dim3 grid(R, (C + 127) / 128);
-    embed_dwte_kernel<<<grid, 128>>>(dwte, dout, plan, R, C);
-    CUDA_CHECK_LAUNCH();
-    embed_dwpe_kernel<<<cuda_blocks((size_t)T * C, 256), 256>>>(dwpe, dout, B, T, C, accumulate);
-    CUDA_CHECK_LAUNCH();
+    ACT_DISPATCH(embed_backward_kernels, dwte, dwpe, dout, plan, R, B, T, C, accumulate);
 }
 
 /* ---------------------------------------------------------------------------
  * LayerNorm (eps 1e-5, biased variance), one warp per row */
 
-__global__ void layernorm_forward_kernel(float *out, float *mean, float *rstd, const float *inp,
-                                         const float *w, const float *b, int N, int C) {
+template <typename T_>
+__global__ void layernorm_forward_kernel(T_ *out, float *mean, float *rstd, const T_ *inp, const T_ *w,
+                                         const T_ *b, int N, int C) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
-    const float *x = inp + (size_t)row * C;
+    const T_ *x = inp + (size_t)row * C;
     float s = 0.0f;
-    for (int c = lane; c < C; c += 32) s += x[c];
+    for (int c = lane; c < C; c += 32) s += act_f(x[c]);
     float m = warp_sum(s) / C;
     /* Two passes, as the CPU backend: no cancellation for a large mean. */
     float v = 0.0f;
     for (int c = lane; c < C; c += 32) {
-        float d = x[c] - m;
+        float d = act_f(x[c]) - m;
         v += d * d;
     }
     float r = 1.0f / sqrtf(warp_sum(v) / C + 1e-5f);
-    float *o = out + (size_t)row * C;
-    for (int c = lane; c < C; c += 32) o[c] = (x[c] - m) * r * w[c] + b[c];
+    T_ *o = out + (size_t)row * C;
+    for (int c = lane; c < C; c += 32) o[c] = act_from<T_>((act_f(x[c]) - m) * r * act_f(w[c]) + act_f(b[c]));
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
     }
 }
 
-void cuda_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,
-                            const float *b, int N, int C) {
-    layernorm_forward_kernel<<<cuda_blocks(N, 8), 256>>>(out, mean, rstd, inp, w, b, N, C);
+template <typename T_>
+static void layernorm_forward_run(void *out, float *mean, float *rstd, const void *inp, const void *w,
+                                  const void *b, int N, int C) {
+    layernorm_forward_kernel<T_><<<cuda_blocks(N, 8), 256>>>((T_ *)out, mean, rstd, (const T_ *)inp,
+                                                             (const T_ *)w, (const T_ *)b, N, C);
     CUDA_CHECK_LAUNCH();
 }
 
-__global__ void layernorm_dinp_kernel(float *dinp, const float *dout, const float *inp,
-                                      const float *w, const float *mean, const float *rstd, int N,
-                                      int C) {
+void cuda_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
+                            const void *b, int N, int C) {
+    ACT_DISPATCH(layernorm_forward_run, out, mean, rstd, inp, w, b, N, C);
+}
+
+template <typename T_>
+__global__ void layernorm_dinp_kernel(T_ *dinp, const T_ *dout, const T_ *inp, const T_ *w,
+                                      const float *mean, const float *rstd, int N, int C) {
     /* dinp (N,C) +=, one warp per row */
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
-    const float *x = inp + (size_t)row * C, *d = dout + (size_t)row * C;
+    const T_ *x = inp + (size_t)row * C, *d = dout + (size_t)row * C;
     float m = mean[row], r = rstd[row];
     float sd = 0.0f, sdn = 0.0f; /* mean(dnorm), mean(dnorm * norm) */
     for (int c = lane; c < C; c += 32) {
-        float dn = d[c] * w[c];
+        float dn = act_f(d[c]) * act_f(w[c]);
         sd += dn;
-        sdn += dn * (x[c] - m) * r;
+        sdn += dn * (act_f(x[c]) - m) * r;
     }
     sd = warp_sum(sd) / C;
     sdn = warp_sum(sdn) / C;
-    float *di = dinp + (size_t)row * C;
+    T_ *di = dinp + (size_t)row * C;
     for (int c = lane; c < C; c += 32) {
-        float n = (x[c] - m) * r;
-        di[c] += (d[c] * w[c] - sd - n * sdn) * r;
+        float n = (act_f(x[c]) - m) * r;
+        di[c] = act_from<T_>(act_f(di[c]) + (act_f(d[c]) * act_f(w[c]) - sd - n * sdn) * r);
     }
 }
 
@@ -195,9 +219,10 @@ static int colsum_chunks(int N) {
     return chunks < 256 ? chunks : 256; /* ... and at most 256 partials */
 }
 
-__global__ void colsum_partial_kernel(float *part_a, float *part_b, const float *dout,
-                                      const float *inp, const float *mean, const float *rstd,
-                                      int N, int C, int rows_per_chunk) {
+template <typename T_>
+__global__ void colsum_partial_kernel(float *part_a, float *part_b, const T_ *dout, const T_ *inp,
+                                      const float *mean, const float *rstd, int N, int C,
+                                      int rows_per_chunk) {
     __shared__ float sa[COLSUM_ROWS][32], sb[COLSUM_ROWS][32];
     int tx = threadIdx.x, ty = threadIdx.y;
     int c = blockIdx.x * 32 + tx, chunk = blockIdx.y;
@@ -205,9 +230,9 @@ __global__ void colsum_partial_kernel(float *part_a, float *part_b, const float 
     float a = 0.0f, b = 0.0f;
     if (c < C) {
         for (int r = r0 + ty; r < r1; r += COLSUM_ROWS) {
-            float d = dout[(size_t)r * C + c];
+            float d = act_f(dout[(size_t)r * C + c]);
             if (inp) {
-                a += d * (inp[(size_t)r * C + c] - mean[r]) * rstd[r];
+                a += d * (act_f(inp[(size_t)r * C + c]) - mean[r]) * rstd[r];
                 b += d;
             } else {
                 a += d;
@@ -241,29 +266,38 @@ __global__ void colsum_finish_kernel(float *out_a, float *out_b, const float *pa
     }
 }
 
-static void colsum_run(float *out_a, float *out_b, const float *dout, const float *inp,
-                       const float *mean, const float *rstd, int N, int C, int accumulate) {
+template <typename T_>
+static void colsum_run(float *out_a, float *out_b, const void *dout, const void *inp, const float *mean,
+                       const float *rstd, int N, int C, int accumulate) {
     int chunks = colsum_chunks(N);
     int rows_per_chunk = (N + chunks - 1) / chunks;
     float *part = (float *)cuda_scratch(SCRATCH_COLSUM, (size_t)2 * chunks * C * sizeof(float));
     float *part_a = part, *part_b = part + (size_t)chunks * C;
     dim3 grid((C + 31) / 32, chunks), block(32, COLSUM_ROWS);
-    colsum_partial_kernel<<<grid, block>>>(part_a, part_b, dout, inp, mean, rstd, N, C,
-                                           rows_per_chunk);
+    colsum_partial_kernel<T_><<<grid, block>>>(part_a, part_b, (const T_ *)dout, (const T_ *)inp, mean,
+                                               rstd, N, C, rows_per_chunk);
     CUDA_CHECK_LAUNCH();
     colsum_finish_kernel<<<cuda_blocks(C, 256), 256>>>(out_a, out_b, part_a, inp ? part_b : NULL,
                                                        chunks, C, accumulate);
     CUDA_CHECK_LAUNCH();
 }
 
-void cuda_colsum(float *dbias, const float *dout, int N, int OC, int accumulate) {
-    colsum_run(dbias, NULL, dout, NULL, NULL, NULL, N, OC, accumulate);
+void cuda_colsum(float *dbias, const void *dout, int N, int OC, int accumulate) {
+    ACT_DISPATCH(colsum_run, dbias, NULL, dout, NULL, NULL, NULL, N, OC, accumulate);
 }
 
-void cuda_layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,
-                             const float *w, const float *mean, const float *rstd, int N, int C,
-                             int accumulate) {
-    layernorm_dinp_kernel<<<cuda_blocks(N, 8), 256>>>(dinp, dout, inp, w, mean, rstd, N, C);
+template <typename T_>
+static void layernorm_backward_run(void *dinp, float *dw, float *db, const void *dout, const void *inp,
+                                   const void *w, const float *mean, const float *rstd, int N, int C,
+                                   int accumulate) {
+    layernorm_dinp_kernel<T_><<<cuda_blocks(N, 8), 256>>>((T_ *)dinp, (const T_ *)dout, (const T_ *)inp,
+                                                          (const T_ *)w, mean, rstd, N, C);
     CUDA_CHECK_LAUNCH();
-    colsum_run(dw, db, dout, inp, mean, rstd, N, C, accumulate);
+    colsum_run<T_>(dw, db, dout, inp, mean, rstd, N, C, accumulate);
+}
+
+void cuda_layernorm_backward(void *dinp, float *dw, float *db, const void *dout, const void *inp,
+                             const void *w, const float *mean, const float *rstd, int N, int C,
+                             int accumulate) {
+    ACT_DISPATCH(layernorm_backward_run, dinp, dw, db, dout, inp, w, mean, rstd, N, C, accumulate);
 }

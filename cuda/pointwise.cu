@@ -1,5 +1,6 @@
-/* pointwise: GeLU, add, fused softmax + cross-entropy, AdamW and the sum of
- * squares. Each mirrors the CPU backend's formula in the same order; AdamW is
+/* pointwise: GeLU, the adds, the fp32 -> activation-dtype cast, fused
+ * softmax + cross-entropy, AdamW and the sum of squares. Activations in either
+ * dtype (templates on T_), arithmetic in fp32; AdamW and sumsq are fp32 only. Each mirrors the CPU backend's formula in the same order; AdamW is
  * written with explicitly rounded intrinsics (no FMA contraction) so its
  * update is the CPU's bit for bit. Reductions run in a fixed tree: the same
  * bits every run. */
@@ -15,42 +16,72 @@ static unsigned grid_for(size_t n, unsigned threads) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n);                   \
          i += (size_t)gridDim.x * blockDim.x)
 
-__global__ void gelu_forward_kernel(float *out, const float *inp, size_t n) {
+template <typename T_>
+__global__ void gelu_forward_kernel(T_ *out, const T_ *inp, size_t n) {
     GRID_STRIDE(i, n) {
-        float x = inp[i];
+        float x = act_f(inp[i]);
         float u = GELU_SCALE * (x + 0.044715f * x * x * x);
-        out[i] = 0.5f * x * (1.0f + tanhf(u));
+        out[i] = act_from<T_>(0.5f * x * (1.0f + tanhf(u)));
     }
 }
 
-__global__ void gelu_backward_kernel(float *dinp, const float *inp, const float *dout, size_t n) {
+template <typename T_>
+__global__ void gelu_backward_kernel(T_ *dinp, const T_ *inp, const T_ *dout, size_t n) {
     GRID_STRIDE(i, n) {
-        float x = inp[i];
+        float x = act_f(inp[i]);
         float u = GELU_SCALE * (x + 0.044715f * x * x * x);
         float th = tanhf(u);
         float sech2 = 1.0f - th * th;
         float du = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
-        dinp[i] = dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * du);
+        dinp[i] = act_from<T_>(act_f(dout[i]) * (0.5f * (1.0f + th) + 0.5f * x * sech2 * du));
     }
 }
 
-__global__ void add_kernel(float *out, const float *a, const float *b, size_t n) {
-    GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+template <typename T_>
+__global__ void add_kernel(T_ *out, const T_ *a, const T_ *b, size_t n) {
+    GRID_STRIDE(i, n) out[i] = act_from<T_>(act_f(a[i]) + act_f(b[i]));
 }
 
-void cuda_gelu_forward(float *out, const float *inp, size_t n) {
-    if (!n) return;
-    gelu_forward_kernel<<<grid_for(n, 256), 256>>>(out, inp, n);
+/* fp32 -> bf16, round to nearest even (the compute copy of the parameters). */
+__global__ void cast_bf16_kernel(bf16 *dst, const float *src, size_t n) {
+    GRID_STRIDE(i, n) dst[i] = __float2bfloat16_rn(src[i]);
+}
+
+template <typename T_>
+static void gelu_forward_run(void *out, const void *inp, size_t n) {
+    gelu_forward_kernel<T_><<<grid_for(n, 256), 256>>>((T_ *)out, (const T_ *)inp, n);
     CUDA_CHECK_LAUNCH();
 }
-void cuda_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n) {
-    if (!n) return;
-    gelu_backward_kernel<<<grid_for(n, 256), 256>>>(dinp, inp, dout, n);
+template <typename T_>
+static void gelu_backward_run(void *dinp, const void *inp, const void *dout, size_t n) {
+    gelu_backward_kernel<T_><<<grid_for(n, 256), 256>>>((T_ *)dinp, (const T_ *)inp, (const T_ *)dout, n);
     CUDA_CHECK_LAUNCH();
+}
+template <typename T_>
+static void add_run(void *out, const void *a, const void *b, size_t n) {
+    add_kernel<T_><<<grid_for(n, 256), 256>>>((T_ *)out, (const T_ *)a, (const T_ *)b, n);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_gelu_forward(void *out, const void *inp, size_t n) {
+    if (n) ACT_DISPATCH(gelu_forward_run, out, inp, n);
+}
+void cuda_gelu_backward(void *dinp, const void *inp, const void *dout, size_t n) {
+    if (n) ACT_DISPATCH(gelu_backward_run, dinp, inp, dout, n);
+}
+void cuda_residual_forward(void *out, const void *a, const void *b, size_t n) {
+    if (n) ACT_DISPATCH(add_run, out, a, b, n);
 }
 void cuda_add(float *out, const float *a, const float *b, size_t n) {
+    if (n) add_run<float>(out, a, b, n);
+}
+void cuda_cast_to_act(void *dst, const float *src, size_t n) {
     if (!n) return;
-    add_kernel<<<grid_for(n, 256), 256>>>(out, a, b, n);
+    if (!cuda_act_bf16) {
+        CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, 0));
+        return;
+    }
+    cast_bf16_kernel<<<grid_for(n, 256), 256>>>((bf16 *)dst, src, n);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -61,34 +92,40 @@ void cuda_add(float *out, const float *a, const float *b, size_t n) {
  * loss through the sum. */
 #define CE_THREADS 512
 
-__global__ void crossentropy_kernel(float *logits, float *losses, const int32_t *targets, int V,
-                                    int Vp, float dloss) {
+template <typename T_>
+__global__ void crossentropy_kernel(T_ *logits, float *losses, const int32_t *targets, int V, int Vp,
+                                    float dloss) {
     __shared__ float red[32];
-    float *x = logits + (size_t)blockIdx.x * Vp;
+    T_ *x = logits + (size_t)blockIdx.x * Vp;
     int tg = targets[blockIdx.x];
-    float xt = x[tg]; /* read before any thread writes the row */
+    float xt = act_f(x[tg]); /* read before any thread writes the row */
     float mx = -INFINITY;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, x[j]);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, act_f(x[j]));
     mx = block_max(mx, red);
     float s = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(x[j] - mx);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(act_f(x[j]) - mx);
     s = block_sum(s, red); /* its barriers also order every read of xt before the writes */
     if (threadIdx.x == 0) losses[blockIdx.x] = mx + logf(s) - xt;
     if (dloss != 0.0f) {
         float k = dloss / s;
         for (int j = threadIdx.x; j < V; j += blockDim.x) {
-            float g = expf(x[j] - mx) * k;
-            x[j] = j == tg ? g - dloss : g;
+            float g = expf(act_f(x[j]) - mx) * k;
+            x[j] = act_from<T_>(j == tg ? g - dloss : g);
         }
-        for (int j = V + threadIdx.x; j < Vp; j += blockDim.x) x[j] = 0.0f;
+        for (int j = V + threadIdx.x; j < Vp; j += blockDim.x) x[j] = act_from<T_>(0.0f);
     }
 }
 
-void cuda_crossentropy_forward(float *logits, float *losses, const int32_t *targets, int N, int V,
-                               int Vp, float dloss) {
-    if (N <= 0) return;
-    crossentropy_kernel<<<N, CE_THREADS>>>(logits, losses, targets, V, Vp, dloss);
+template <typename T_>
+static void crossentropy_run(void *logits, float *losses, const int32_t *targets, int N, int V, int Vp,
+                             float dloss) {
+    crossentropy_kernel<T_><<<N, CE_THREADS>>>((T_ *)logits, losses, targets, V, Vp, dloss);
     CUDA_CHECK_LAUNCH();
+}
+
+void cuda_crossentropy_forward(void *logits, float *losses, const int32_t *targets, int N, int V,
+                               int Vp, float dloss) {
+    if (N > 0) ACT_DISPATCH(crossentropy_run, logits, losses, targets, N, V, Vp, dloss);
 }
 
 /* ---------------------------------------------------------------------------

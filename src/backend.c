@@ -1,4 +1,5 @@
-/* backend: picks a Backend by name at run time. The only file that knows which
+/* backend: picks a Backend by name at run time, and converts host buffers
+ * between fp32 and the activation dtype. The only file that knows which
  * backends this build holds; a build without nvcc simply has no CUDA entry. */
 #include "backend.h"
 
@@ -55,4 +56,44 @@ int backend_available(const char *name) {
     if (be == &backend_cuda) return backend_cuda_available();
 #endif
     return 1;
+}
+
+/* bf16 is the top half of an fp32. Round to nearest even: add 0x7fff plus
+ * the lowest kept bit, then truncate; a NaN is kept a (quiet) NaN rather
+ * than rounded, which could carry it into Inf. */
+static uint16_t f32_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+void backend_f32_to_act(void *dst, const float *src, size_t n, size_t act_bytes) {
+    if (act_bytes == sizeof(float)) {
+        if (n) memmove(dst, src, n * sizeof(float));
+        return;
+    }
+    uint16_t *d = dst;
+    for (size_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+}
+
+void backend_act_to_f32(float *dst, const void *src, size_t n, size_t act_bytes) {
+    if (act_bytes == sizeof(float)) {
+        if (n) memmove(dst, src, n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = src;
+    for (size_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+}
+
+float backend_act_round(float x, size_t act_bytes) {
+    return act_bytes == sizeof(float) ? x : bf16_to_f32(f32_to_bf16(x));
 }

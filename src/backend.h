@@ -7,6 +7,22 @@
  * Weights of matrix products are (OC, C), as torch.nn.Linear stores them, and
  * out = inp @ w^T + bias.
  *
+ * Dtypes. Every tensor is one of two kinds, stated at each argument:
+ *  - "act": the activation dtype, whose element size act_bytes() gives once
+ *    set_precision has run: 4 (fp32) on the CPU and on CUDA with
+ *    precision.compute fp32, 2 (bf16) on CUDA with bf16. Activations, their
+ *    gradients (dinp, dout, dqkv, dlogits) and the compute copy of the
+ *    parameters that ops read (w, bias, wte, ...) are act; they travel as
+ *    void * so no host code can do float arithmetic on them by mistake.
+ *  - fp32 (float *): statistics (LayerNorm mean/rstd, attention lse, losses),
+ *    parameter gradients (dw, dbias, dwte, ...: accumulated in fp32 whatever
+ *    act is), the fp32 master parameters and optimizer state (adamw_update,
+ *    sumsq, add).
+ * Arithmetic inside an op is fp32 with fp32 accumulation on every backend;
+ * act only changes what is loaded and stored (bf16 stores round to nearest
+ * even). Host code sizes act buffers with act_bytes() and converts with
+ * backend_f32_to_act / backend_act_to_f32 below.
+ *
  * Gradient convention: an op's `accumulate` flag says whether parameter
  * gradients are added to (1) or overwrite (0) what the buffer holds; the first
  * micro-batch of an optimizer step passes 0, so gradients never need zeroing.
@@ -37,68 +53,81 @@ typedef struct Backend {
     void (*zero)(void *dst, size_t bytes);
     void (*sync)(void);
 
-    /* out(N,C) = wte[tokens] + wpe[t] */
-    void (*embed_forward)(float *out, const int32_t *tokens, const float *wte, const float *wpe,
+    /* Element size of the activation dtype (see the top): 4 or 2. Fixed by
+     * set_precision, which must run before any act buffer is allocated. */
+    size_t (*act_bytes)(void);
+    /* dst(n) act = src(n) fp32, rounded to nearest even (a copy when act is
+     * fp32): refreshes the compute copy of the parameters from the master. */
+    void (*cast_to_act)(void *dst, const float *src, size_t n);
+
+    /* out(N,C) act = wte[tokens] + wpe[t]; wte (Vp,C), wpe (T,C) act. */
+    void (*embed_forward)(void *out, const int32_t *tokens, const void *wte, const void *wpe,
                           int B, int T, int C);
-    /* dwte(Vp,C) += scatter of dout by token (always accumulates: the tied head
-     * writes dwte first); dwpe(T,C) per `accumulate`. */
-    void (*embed_backward)(float *dwte, float *dwpe, const float *dout, const int32_t *tokens,
+    /* dwte(Vp,C) fp32 += scatter of dout (N,C) act by token (always
+     * accumulates: the tied head writes dwte first); dwpe(T,C) fp32 per
+     * `accumulate`. */
+    void (*embed_backward)(float *dwte, float *dwpe, const void *dout, const int32_t *tokens,
                            int B, int T, int C, int accumulate);
 
-    /* out(N,C) = (inp - mean) * rstd * w + b; mean, rstd (N) saved for backward. */
-    void (*layernorm_forward)(float *out, float *mean, float *rstd, const float *inp,
-                              const float *w, const float *b, int N, int C);
-    /* dinp(N,C) += ; dw, db (C) per `accumulate`. */
-    void (*layernorm_backward)(float *dinp, float *dw, float *db, const float *dout,
-                               const float *inp, const float *w, const float *mean,
+    /* out(N,C) act = (inp - mean) * rstd * w + b; inp (N,C), w, b (C) act;
+     * mean, rstd (N) fp32 saved for backward. */
+    void (*layernorm_forward)(void *out, float *mean, float *rstd, const void *inp,
+                              const void *w, const void *b, int N, int C);
+    /* dinp(N,C) act +=; dw, db (C) fp32 per `accumulate`; dout, inp (N,C),
+     * w (C) act; mean, rstd (N) fp32. */
+    void (*layernorm_backward)(void *dinp, float *dw, float *db, const void *dout,
+                               const void *inp, const void *w, const float *mean,
                                const float *rstd, int N, int C, int accumulate);
 
-    /* out(N,OC) = inp(N,C) @ w(OC,C)^T + bias(OC); bias may be NULL. */
-    void (*matmul_forward)(float *out, const float *inp, const float *w, const float *bias,
+    /* out(N,OC) act = inp(N,C) @ w(OC,C)^T + bias(OC), all act; bias may be NULL. */
+    void (*matmul_forward)(void *out, const void *inp, const void *w, const void *bias,
                            int N, int C, int OC);
-    /* dinp(N,C) = dout @ w (skipped if NULL); dw(OC,C), dbias(OC) per
-     * `accumulate` (dbias may be NULL). */
-    void (*matmul_backward)(float *dinp, float *dw, float *dbias, const float *dout,
-                            const float *inp, const float *w, int N, int C, int OC,
+    /* dinp(N,C) act = dout @ w (skipped if NULL); dw(OC,C), dbias(OC) fp32 per
+     * `accumulate` (dbias may be NULL); dout (N,OC), inp (N,C), w (OC,C) act. */
+    void (*matmul_backward)(void *dinp, float *dw, float *dbias, const void *dout,
+                            const void *inp, const void *w, int N, int C, int OC,
                             int accumulate);
 
-    /* Causal multi-head attention. qkv(N,3C) holds [q | k | v], head h in
-     * columns h*hs..(h+1)*hs of each; out(N,C); lse(B,NH,T) is the log-sum-exp
-     * of each softmax row (scaled scores), kept for the backward pass so no
-     * (T,T) matrix need be stored. */
-    void (*attention_forward)(float *out, float *lse, const float *qkv, int B, int T, int C,
+    /* Causal multi-head attention. qkv(N,3C) act holds [q | k | v], head h in
+     * columns h*hs..(h+1)*hs of each; out(N,C) act; lse(B,NH,T) fp32 is the
+     * log-sum-exp of each softmax row (scaled scores), kept for the backward
+     * pass so no (T,T) matrix need be stored. */
+    void (*attention_forward)(void *out, float *lse, const void *qkv, int B, int T, int C,
                               int NH);
-    /* dqkv(N,3C) = gradient of the above. */
-    void (*attention_backward)(float *dqkv, const float *dout, const float *qkv, const float *out,
+    /* dqkv(N,3C) act = gradient of the above; dout, out (N,C) act. */
+    void (*attention_backward)(void *dqkv, const void *dout, const void *qkv, const void *out,
                                const float *lse, int B, int T, int C, int NH);
 
-    /* GeLU, tanh approximation (GPT-2). */
-    void (*gelu_forward)(float *out, const float *inp, size_t n);
-    void (*gelu_backward)(float *dinp, const float *inp, const float *dout, size_t n);
+    /* GeLU, tanh approximation (GPT-2); every tensor act (n). */
+    void (*gelu_forward)(void *out, const void *inp, size_t n);
+    void (*gelu_backward)(void *dinp, const void *inp, const void *dout, size_t n);
 
-    /* out = a + b. */
+    /* out = a + b, act (n): the residual stream. */
+    void (*residual_forward)(void *out, const void *a, const void *b, size_t n);
+    /* out = a + b, fp32 (n): gradient shards (ddp.c). */
     void (*add)(float *out, const float *a, const float *b, size_t n);
 
-    /* Softmax + cross-entropy over the first V of Vp columns, fused.
-     * losses(N) = -log softmax(logits)[target]. If dloss != 0, logits(N,Vp) is
-     * overwritten in place by dlogits = (softmax - onehot) * dloss, with zeros
-     * in the padded columns. targets(N) must be in [0, V). */
-    void (*crossentropy_forward)(float *logits, float *losses, const int32_t *targets, int N,
+    /* Softmax + cross-entropy over the first V of Vp columns, fused; math in
+     * fp32. losses(N) fp32 = -log softmax(logits)[target]. If dloss != 0,
+     * logits(N,Vp) act is overwritten in place by dlogits = (softmax - onehot)
+     * * dloss, with zeros in the padded columns. targets(N) must be in [0, V). */
+    void (*crossentropy_forward)(void *logits, float *losses, const int32_t *targets, int N,
                                  int V, int Vp, float dloss);
 
-    /* AdamW on a contiguous range: p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p),
+    /* AdamW on a contiguous range, all fp32: p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p),
      * with g = grad * grad_scale, bias corrections for step t (1-based). */
     void (*adamw_update)(float *params, const float *grads, float *m, float *v, size_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
                          float grad_scale, int t);
 
-    /* Sum of squares in double; NaN or Inf in x makes the result non-finite. */
+    /* Sum of squares of fp32 x, in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);
 
     /* Optional hooks; NULL where a backend has no such notion (the CPU).
-     * set_precision: precision.compute, called once after init: "fp32" (strict
-     * fp32 products) or "bf16" (matrix products on bf16 tensor cores from the
-     * fp32 data, fp32 accumulation). Storage stays fp32 either way.
+     * set_precision: precision.compute, called once after init and before any
+     * allocation: "fp32" (act is fp32, strict fp32 products) or "bf16" (act is
+     * bf16: half the activation memory and bandwidth, matrix products on bf16
+     * tensor cores with fp32 accumulation). Without it act is fp32.
      * memory_peak: the most device memory in use since init, in bytes.
      * stream: the stream (cudaStream_t) every op of the backend runs on, in
      * order; comm orders NCCL collectives against it (comm.h,
@@ -111,6 +140,15 @@ typedef struct Backend {
      * device r, or the only visible one). */
     void (*select_device)(int local_rank, int local_world);
 } Backend;
+
+/* Host-side conversions between fp32 and an activation dtype of act_bytes
+ * (4: a copy; 2: bf16, round to nearest even, NaN stays NaN), for buffers
+ * crossing to or from the host (test inputs, logits rows). f32_to_act may
+ * convert in place (dst == src); act_to_f32 may not. */
+void backend_f32_to_act(void *dst, const float *src, size_t n, size_t act_bytes);
+void backend_act_to_f32(float *dst, const void *src, size_t n, size_t act_bytes);
+/* x rounded to the activation dtype and back (x itself for fp32). */
+float backend_act_round(float x, size_t act_bytes);
 
 /* The CPU backend (always present). */
 extern const Backend backend_cpu;

@@ -32,17 +32,19 @@ static double matmul_rate(const Backend *be, const ModelShape *s, int N, int rep
     int count[5] = {s->n_layer, s->n_layer, s->n_layer, s->n_layer, 1};
     size_t max_in = (size_t)N * 4 * C, max_out = (size_t)N * (s->padded_vocab > 4 * C ? s->padded_vocab : 4 * C);
     size_t max_w = (size_t)C * (s->padded_vocab > 4 * C ? s->padded_vocab : 4 * C);
-    float *inp = be->alloc(max_in * sizeof(float)), *dinp = be->alloc(max_in * sizeof(float));
-    float *out = be->alloc(max_out * sizeof(float));
-    float *w = be->alloc(max_w * sizeof(float)), *dw = be->alloc(max_w * sizeof(float));
+    size_t ab = be->act_bytes(); /* operands in the activation dtype, dw fp32, as in training */
+    void *inp = be->alloc(max_in * ab), *dinp = be->alloc(max_in * ab), *out = be->alloc(max_out * ab);
+    void *w = be->alloc(max_w * ab);
+    float *dw = be->alloc(max_w * sizeof(float));
     /* non-zero operands: some BLAS paths shortcut on zeros */
     float *host = xmalloc(max_out * sizeof(float));
     Rng rng;
     rng_seed(&rng, 7);
     for (size_t i = 0; i < max_out; i++) host[i] = rng_uniform(&rng) - 0.5f;
-    be->to_device(inp, host, max_in * sizeof(float));
-    be->to_device(w, host, max_w * sizeof(float));
-    be->to_device(out, host, max_out * sizeof(float));
+    backend_f32_to_act(host, host, max_out, ab); /* in place */
+    be->to_device(inp, host, max_in * ab);
+    be->to_device(w, host, max_w * ab);
+    be->to_device(out, host, max_out * ab);
     double flops = 0.0, seconds = 0.0;
     double *times = xmalloc((size_t)reps * sizeof(double));
     for (int k = 0; k < 5; k++) {
@@ -105,6 +107,7 @@ int bench_run(const Config *c, int steps) {
             model_backward(&m, micro > 0);
         }
         optim_step(&opt, m.param_mem, m.grad_mem, c->lr);
+        model_params_changed(&m);
         be->sync();
         times[step] = kiln_now() - t0;
     }

@@ -60,7 +60,7 @@ typedef struct Config {
     float timeout_s; /* parallel.timeout_s: deadline of every collective */
 
     /* precision */
-    char compute[8]; /* bf16 | fp32 (the CPU backend always computes in fp32) */
+    char compute[8]; /* bf16 | fp32: the GPU's activation dtype (the CPU backend is always fp32) */
     char master[8];  /* fp32 */
 
     /* checkpoint */

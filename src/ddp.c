@@ -91,7 +91,7 @@ static void plan_buckets(Ddp *d, size_t bucket_floats) {
 
 /* ------------------------------------------------------- ZeRO-2 and -3 */
 
-static void unit_pre_hook(void *ctx, int layer, int backward);
+static int unit_pre_hook(void *ctx, int layer, int backward);
 static void unit_post_hook(void *ctx, int layer);
 
 /* Plan the unit shards and the optimizer's segments, and allocate the fp32
@@ -128,7 +128,10 @@ static void unit_init(Ddp *d) {
     }
     d->pshard = m->be->alloc((d->shard_len + 1) * sizeof(float));
     d->held[0] = d->held[1] = d->rlayer[0] = d->rlayer[1] = -1;
-    if (d->whole_params) d->preq = xcalloc((size_t)d->nu, sizeof(CommRequest));
+    if (d->whole_params) {
+        d->preq = xcalloc((size_t)d->nu, sizeof(CommRequest));
+        d->refreshed = xcalloc((size_t)d->nu, sizeof(int));
+    }
 }
 
 /* The gradient shard, slots and targets (and ZeRO-3's gather buffers), once:
@@ -197,6 +200,13 @@ static void z2_need(Ddp *d, int u) {
         if (d->preq[v].active) comm_test(&d->preq[v]);
 }
 
+/* ZeRO-2: 1 the first time unit u is asked for after its refresh was posted. */
+static int z2_changed(Ddp *d, int u) {
+    int r = d->refreshed[u];
+    d->refreshed[u] = 0;
+    return r;
+}
+
 void ddp_params_ready(Ddp *d) {
     if (!d->units || !d->whole_params) return;
     double t0 = kiln_now();
@@ -221,6 +231,7 @@ static void z2_post_refresh(Ddp *d) {
     for (int k = 0; k <= L; k++) {
         int u = k == 0 ? L : k - 1;
         comm_iall_gather(d->g, d->pshard + d->at[u], m->param_mem + m->unit_off[u], d->us[u].block, &d->preq[u]);
+        d->refreshed[u] = 1;
     }
 }
 
@@ -258,13 +269,16 @@ static void unit_finish_rs(Ddp *d, int s) {
     d->rlayer[s] = -1;
 }
 
-static void unit_pre_hook(void *ctx, int layer, int backward) {
+/* Returns 1 when the unit's parameter values may differ from its last use
+ * (the model then casts its compute copy again): ZeRO-2, the first use after
+ * a refresh was posted; ZeRO-3, always (the slot held another layer). */
+static int unit_pre_hook(void *ctx, int layer, int backward) {
     Ddp *d = ctx;
     int L = d->m->shape.n_layer;
     if (layer < 0) {
         if (d->whole_params) {
             z2_need(d, L);
-            return;
+            return z2_changed(d, L);
         }
         if (!d->rest_held) {
             double t0 = kiln_now();
@@ -273,15 +287,16 @@ static void unit_pre_hook(void *ctx, int layer, int backward) {
             d->rest_held = 1;
         }
         z3_post_gather(d, 0);
-        return;
+        return 1;
     }
     if (backward) unit_finish_rs(d, layer % 2); /* gbuf[slot] is about to be overwritten */
     if (d->whole_params) {
         if (!backward) z2_need(d, layer);
-        return;
+        return z2_changed(d, layer);
     }
     z3_need(d, layer);
     z3_post_gather(d, backward ? layer - 1 : layer + 1);
+    return 1;
 }
 
 /* After layer l's backward: reduce-scatter its gradients (every micro-batch:
@@ -360,7 +375,7 @@ void ddp_free(Ddp *d) {
             if (d->gbuf[s]) be->free(d->gbuf[s]), be->free(d->rs_tmp[s]);
             if (d->pbuf[s]) be->free(d->pbuf[s]);
         }
-        free(d->us), free(d->at), free(d->seg), free(d->preq);
+        free(d->us), free(d->at), free(d->seg), free(d->preq), free(d->refreshed);
     }
     free(d->b);
     free(d->req);

@@ -72,6 +72,8 @@ typedef struct Ddp {
     /* ZeRO-2 only (whole_params = 1) */
     CommRequest *preq;        /* [nu] all-gathers of unit u into the whole arena, in flight
                                  from the optimizer step until the unit's next use */
+    int *refreshed;           /* [nu] ZeRO-2: a refresh was posted since the unit was last used
+                                 (its compute copy must be cast again) */
     int first, last;          /* the micro-batch being computed is the step's first / last */
     /* time this rank spent blocked in communication, and step count, since
      * ddp_init: the part of communication not hidden behind computation */

@@ -187,9 +187,11 @@ double metrics_measure_matmul(const Backend *be, double budget_s) {
     Rng rng;
     rng_seed(&rng, 11);
     for (size_t i = 0; i < ni; i++) host[i] = rng_uniform(&rng) - 0.5f; /* non-zero: no BLAS shortcuts */
-    float *inp = be->alloc(ni * sizeof(float)), *w = be->alloc(nw * sizeof(float)), *out = be->alloc(no * sizeof(float));
-    be->to_device(inp, host, ni * sizeof(float));
-    be->to_device(w, host, nw * sizeof(float));
+    size_t ab = be->act_bytes(); /* the activation dtype, as training's products */
+    backend_f32_to_act(host, host, ni, ab); /* in place */
+    void *inp = be->alloc(ni * ab), *w = be->alloc(nw * ab), *out = be->alloc(no * ab);
+    be->to_device(inp, host, ni * ab);
+    be->to_device(w, host, nw * ab);
     be->matmul_forward(out, inp, w, NULL, N, C, OC); /* warm-up: thread pool, caches */
     be->sync();
     double best = 0.0, start = kiln_now();

@@ -1,6 +1,8 @@
-/* model: GPT-2's parameter table, initialisation, activation plan, and the
- * forward/backward graph expressed as backend ops. Must never do arithmetic on
- * tensors itself (that is the backend's) nor know the optimizer or data. */
+/* model: GPT-2's parameter table, initialisation, the parameters' compute
+ * copy, the activation plan, and the forward/backward graph expressed as
+ * backend ops. Must never do arithmetic on tensors itself (that is the
+ * backend's: even the compute copy is a backend cast) nor know the optimizer
+ * or data. */
 #include "model.h"
 
 #include <math.h>
@@ -45,9 +47,135 @@ static float **view_slot(const Model *m, ParamViews *v, int i) {
     return slots[(i - 2) % 12];
 }
 
+/* The same slot in the compute views. */
+static const void **wview_slot(Model *m, int i) {
+    int L = m->shape.n_layer;
+    WeightViews *v = &m->w;
+    if (i == 0) return &v->wte;
+    if (i == 1) return &v->wpe;
+    if (i == 2 + 12 * L) return &v->lnfw;
+    if (i == 3 + 12 * L) return &v->lnfb;
+    LayerWeights *lw = &v->layer[(i - 2) / 12];
+    const void **slots[12] = {&lw->ln1w, &lw->ln1b, &lw->qkvw, &lw->qkvb, &lw->attprojw, &lw->attprojb,
+                              &lw->ln2w, &lw->ln2b, &lw->fcw,  &lw->fcb,  &lw->fcprojw,  &lw->fcprojb};
+    return slots[(i - 2) % 12];
+}
+
 /* Point the views of `v` into arena `base`, by table index. */
 static void bind_views(const Model *m, float *base, ParamViews *v) {
     for (int i = 0; i < m->num_tensors; i++) *view_slot(m, v, i) = base + m->params[i].offset;
+}
+
+/* ---------------------------------------------------------------------------
+ * The compute copy. act_bytes 4: its views are the fp32 views. act_bytes 2:
+ * each distinct fp32 buffer the views point into (the arena; under ZeRO-3 the
+ * gather buffers) has a compute buffer of the same layout, and a tensor's
+ * compute view sits at the same element offset from its buffer's start. */
+
+/* Compute buffer of unit u (u = n_layer: wte, wpe, ln_f); 0 when the arena
+ * is not laid out by unit. */
+static int unit_buf(const Model *m, int u) { return m->unit_cbuf ? m->unit_cbuf[u] : 0; }
+
+/* Derive every compute view from the fp32 view of the same tensor. */
+static void bind_compute(Model *m) {
+    for (int i = 0; i < m->num_tensors; i++) {
+        float *master = *view_slot(m, &m->p, i);
+        if (m->act_bytes == sizeof(float)) {
+            *wview_slot(m, i) = master;
+            continue;
+        }
+        const ComputeBuf *cb = &m->cbuf[unit_buf(m, model_unit_of(m, i))];
+        *wview_slot(m, i) = (const char *)cb->mem + (size_t)(master - cb->master) * m->act_bytes;
+    }
+}
+
+static void cbuf_free_all(Model *m) {
+    for (int k = 0; k < m->n_cbuf; k++) m->be->free(m->cbuf[k].mem);
+    m->n_cbuf = 0;
+}
+
+/* After the arena moved (init, layout, padding): one compute buffer over the
+ * whole arena, stale. */
+static void compute_reset(Model *m) {
+    cbuf_free_all(m);
+    if (m->act_bytes != sizeof(float)) {
+        int cap = m->n_units + 1;
+        m->cbuf = xrealloc(m->cbuf, (size_t)cap * sizeof(ComputeBuf));
+        m->cbuf[0] = (ComputeBuf){m->param_mem, m->be->alloc(m->arena_len * m->act_bytes), m->arena_len, 1};
+        m->n_cbuf = 1;
+    }
+    if (m->unit_cbuf) memset(m->unit_cbuf, 0, (size_t)m->n_units * sizeof(int));
+    for (int u = 0; m->unit_stale && u < m->n_units; u++) m->unit_stale[u] = 1;
+    bind_compute(m);
+}
+
+/* Unit u was re-bound to pbuf: give it the compute buffer of pbuf (made or
+ * grown here, at setup), and free buffers no unit uses any more. */
+static void compute_bind_unit(Model *m, int u, const float *pbuf) {
+    if (m->act_bytes == sizeof(float)) {
+        bind_compute(m);
+        return;
+    }
+    int k = 0;
+    while (k < m->n_cbuf && m->cbuf[k].master != pbuf) k++;
+    if (k == m->n_cbuf) m->cbuf[m->n_cbuf++] = (ComputeBuf){pbuf, NULL, 0, 1};
+    ComputeBuf *cb = &m->cbuf[k];
+    if (cb->len < m->unit_len[u]) {
+        if (cb->mem) m->be->free(cb->mem);
+        cb->len = m->unit_len[u];
+        cb->mem = m->be->alloc(cb->len * m->act_bytes);
+    }
+    cb->stale = 1;
+    m->unit_cbuf[u] = k;
+    m->unit_stale[u] = 1;
+    for (int j = 0; j < m->n_cbuf;) {
+        int used = 0;
+        for (int v = 0; v < m->n_units; v++) used = used || m->unit_cbuf[v] == j;
+        if (used) {
+            j++;
+            continue;
+        }
+        m->be->free(m->cbuf[j].mem);
+        m->cbuf[j] = m->cbuf[--m->n_cbuf];
+        for (int v = 0; v < m->n_units; v++)
+            if (m->unit_cbuf[v] == m->n_cbuf) m->unit_cbuf[v] = j;
+    }
+    bind_compute(m);
+}
+
+void model_params_changed(Model *m) {
+    for (int k = 0; k < m->n_cbuf; k++) m->cbuf[k].stale = 1;
+    for (int u = 0; m->unit_stale && u < m->n_units; u++) m->unit_stale[u] = 1;
+}
+
+/* Before unit u's ops run: cast its compute copy if the master changed. Laid
+ * out by unit, only the unit's own range (unit_len[u] elements from where its
+ * first tensor's view says the unit starts): ZeRO-2 keeps the whole arena
+ * in one buffer but refreshes it unit by unit as each gather lands. */
+static void compute_refresh(Model *m, int u) {
+    if (m->act_bytes == sizeof(float)) return;
+    ComputeBuf *cb = &m->cbuf[unit_buf(m, u)];
+    if (!m->unit_stale) {
+        if (!cb->stale) return;
+        m->be->cast_to_act(cb->mem, cb->master, cb->len);
+        cb->stale = 0;
+        return;
+    }
+    if (!m->unit_stale[u]) return;
+    int first = 0;
+    while (model_unit_of(m, first) != u) first++;
+    const float *base = *view_slot(m, &m->p, first) - (m->params[first].offset - m->unit_off[u]);
+    m->be->cast_to_act((char *)cb->mem + (size_t)(base - cb->master) * m->act_bytes, base, m->unit_len[u]);
+    m->unit_stale[u] = 0;
+}
+
+/* Before layer `layer`'s forward or backward (-1: the embeddings, wte, wpe
+ * and ln_f): the ZeRO-2/3 hook gathers (or waits for) the layer's
+ * parameters and says whether they changed; then the compute copy. */
+static void use_layer(Model *m, int layer, int backward) {
+    int u = layer < 0 ? m->shape.n_layer : layer;
+    if (m->pre_hook && m->pre_hook(m->hook_ctx, layer, backward) && m->unit_stale) m->unit_stale[u] = 1;
+    compute_refresh(m, u);
 }
 
 int model_unit_of(const Model *m, int i) {
@@ -79,6 +207,9 @@ void model_layout_by_unit(Model *m, size_t unit_align) {
     m->param_mem = m->be->alloc(off * sizeof(float));
     m->grad_mem = NULL; /* the caller binds the gradient views (model_bind_unit) */
     bind_views(m, m->param_mem, &m->p);
+    m->unit_cbuf = xcalloc((size_t)m->n_units, sizeof(int));
+    m->unit_stale = xcalloc((size_t)m->n_units, sizeof(int));
+    compute_reset(m);
 }
 
 void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf) {
@@ -88,12 +219,14 @@ void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf) {
         if (pbuf) *view_slot(m, &m->p, i) = pbuf + at;
         if (gbuf) *view_slot(m, &m->g, i) = gbuf + at;
     }
+    if (pbuf) compute_bind_unit(m, u, pbuf); /* NULL: the parameters stay where they are */
 }
 
 void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings) {
     memset(m, 0, sizeof *m);
     m->shape = *s;
     m->be = be;
+    m->act_bytes = be->act_bytes();
     int L = s->n_layer, C = s->n_embd;
     m->num_tensors = 2 + 12 * L + 2;
     m->params = xcalloc((size_t)m->num_tensors, sizeof(ParamInfo));
@@ -140,8 +273,10 @@ void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embe
     m->grad_mem = be->alloc(off * sizeof(float));
     m->p.layer = xcalloc((size_t)L, sizeof(LayerParams));
     m->g.layer = xcalloc((size_t)L, sizeof(LayerParams));
+    m->w.layer = xcalloc((size_t)L, sizeof(LayerWeights));
     bind_views(m, m->param_mem, &m->p);
     bind_views(m, m->grad_mem, &m->g);
+    compute_reset(m);
 }
 
 void model_free(Model *m) {
@@ -151,10 +286,16 @@ void model_free(Model *m) {
         if (m->act_mem) m->be->free(m->act_mem);
         if (m->tokens_dev) m->be->free(m->tokens_dev);
         if (m->targets_dev) m->be->free(m->targets_dev);
+        cbuf_free_all(m);
     }
     free(m->params);
     free(m->p.layer);
     free(m->g.layer);
+    free(m->w.layer);
+    free(m->cbuf);
+    free(m->unit_cbuf);
+    free(m->unit_stale);
+    free(m->row_host);
     free(m->acts);
     free(m->losses_host);
     free(m->unit_off);
@@ -173,6 +314,7 @@ void model_pad_arenas(Model *m, size_t n) {
     m->param_mem = p, m->grad_mem = g, m->arena_len = n;
     bind_views(m, m->param_mem, &m->p);
     bind_views(m, m->grad_mem, &m->g);
+    compute_reset(m);
 }
 
 static int ends_with(const char *s, const char *suffix) {
@@ -205,12 +347,15 @@ void model_init_weights(Model *m, uint64_t seed) {
     }
     m->be->to_device(m->param_mem, host, m->num_params * sizeof(float));
     free(host);
+    model_params_changed(m);
 }
 
-/* Activation plan: the floats each buffer needs, in one arena. Also used by
+/* Activation plan: the bytes each buffer needs, in one arena; act tensors
+ * of act_bytes each, statistics fp32, every buffer 64-byte aligned (so with
+ * fp32 the layout is the same as when everything was fp32). Also used by
  * --dry-run through model_activation_bytes, so the two can never disagree. */
-static size_t plan_floats(const ModelShape *s, int B, int T, Model *m) {
-    size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head;
+static size_t plan_bytes(const ModelShape *s, int B, int T, size_t ab, Model *m) {
+    size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float);
     size_t off = 0;
     /* Without a model, only count: views are written into a throwaway. */
     Model sink;
@@ -220,42 +365,42 @@ static size_t plan_floats(const ModelShape *s, int B, int T, Model *m) {
         memset(&sink, 0, sizeof sink);
         m = &sink;
     }
-#define TAKE(ptr, count)                                  \
-    do {                                                  \
-        if (assign) (ptr) = m->act_mem + off;             \
-        off += ((size_t)(count) + 15) / 16 * 16;          \
+#define TAKE(ptr, count, esize)                                 \
+    do {                                                        \
+        if (assign) (ptr) = (void *)((char *)m->act_mem + off); \
+        off += ((size_t)(count) * (esize) + 63) / 64 * 64;      \
     } while (0)
-    TAKE(m->encoded, N * C);
+    TAKE(m->encoded, N * C, ab);
     for (int l = 0; l < s->n_layer; l++) {
         LayerActs *a = assign ? &m->acts[l] : &sink_layer;
-        TAKE(a->ln1, N * C);
-        TAKE(a->ln1_mean, N);
-        TAKE(a->ln1_rstd, N);
-        TAKE(a->qkv, N * 3 * C);
-        TAKE(a->atty, N * C);
-        TAKE(a->att_lse, N * NH);
-        TAKE(a->res2, N * C);
-        TAKE(a->ln2, N * C);
-        TAKE(a->ln2_mean, N);
-        TAKE(a->ln2_rstd, N);
-        TAKE(a->fch, N * 4 * C);
-        TAKE(a->fch_gelu, N * 4 * C);
-        TAKE(a->res3, N * C);
+        TAKE(a->ln1, N * C, ab);
+        TAKE(a->ln1_mean, N, F);
+        TAKE(a->ln1_rstd, N, F);
+        TAKE(a->qkv, N * 3 * C, ab);
+        TAKE(a->atty, N * C, ab);
+        TAKE(a->att_lse, N * NH, F);
+        TAKE(a->res2, N * C, ab);
+        TAKE(a->ln2, N * C, ab);
+        TAKE(a->ln2_mean, N, F);
+        TAKE(a->ln2_rstd, N, F);
+        TAKE(a->fch, N * 4 * C, ab);
+        TAKE(a->fch_gelu, N * 4 * C, ab);
+        TAKE(a->res3, N * C, ab);
     }
-    TAKE(m->lnf, N * C);
-    TAKE(m->lnf_mean, N);
-    TAKE(m->lnf_rstd, N);
-    TAKE(m->logits, N * (size_t)s->padded_vocab);
-    TAKE(m->losses, N);
+    TAKE(m->lnf, N * C, ab);
+    TAKE(m->lnf_mean, N, F);
+    TAKE(m->lnf_rstd, N, F);
+    TAKE(m->logits, N * (size_t)s->padded_vocab, ab);
+    TAKE(m->losses, N, F);
     /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf and
-     * dbuf2 (N,4C) each, dqkv (N,3C), dln (N,C) */
-    TAKE(m->scratch, N * C + 2 * N * 4 * C + N * 3 * C + N * C);
+     * dbuf2 (N,4C) each, dqkv (N,3C), dln (N,C); all act */
+    TAKE(m->scratch, N * C + 2 * N * 4 * C + N * 3 * C + N * C, ab);
 #undef TAKE
     return off;
 }
 
-size_t model_activation_bytes(const ModelShape *s, int B, int T) {
-    return plan_floats(s, B, T, NULL) * sizeof(float);
+size_t model_activation_bytes(const ModelShape *s, int B, int T, size_t act_bytes) {
+    return plan_bytes(s, B, T, act_bytes, NULL);
 }
 
 void model_plan_activations(Model *m, int B, int T) {
@@ -267,16 +412,18 @@ void model_plan_activations(Model *m, int B, int T) {
         m->be->free(m->targets_dev);
         free(m->acts);
         free(m->losses_host);
+        free(m->row_host);
     }
     m->B = B;
     m->T = T;
     m->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
-    m->act_floats = plan_floats(&m->shape, B, T, NULL);
-    m->act_mem = m->be->alloc(m->act_floats * sizeof(float));
-    plan_floats(&m->shape, B, T, m);
+    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, NULL);
+    m->act_mem = m->be->alloc(m->act_size);
+    plan_bytes(&m->shape, B, T, m->act_bytes, m);
     m->tokens_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
     m->targets_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
     m->losses_host = xcalloc((size_t)B * T, sizeof(float));
+    m->row_host = xcalloc((size_t)m->shape.padded_vocab, m->act_bytes);
 }
 
 float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T, float dloss) {
@@ -287,31 +434,31 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     int N = B * T, C = s->n_embd, NH = s->n_head, L = s->n_layer;
     be->to_device(m->tokens_dev, tokens, (size_t)N * sizeof(int32_t));
 
-    if (m->pre_hook) m->pre_hook(m->hook_ctx, -1, 0);
-    be->embed_forward(m->encoded, m->tokens_dev, m->p.wte, m->p.wpe, B, T, C);
-    const float *x = m->encoded; /* (N,C) residual stream entering layer l */
+    use_layer(m, -1, 0);
+    be->embed_forward(m->encoded, m->tokens_dev, m->w.wte, m->w.wpe, B, T, C);
+    const void *x = m->encoded; /* (N,C) residual stream entering layer l */
     for (int l = 0; l < L; l++) {
-        if (m->pre_hook) m->pre_hook(m->hook_ctx, l, 0);
-        const LayerParams *w = &m->p.layer[l];
+        use_layer(m, l, 0);
+        const LayerWeights *w = &m->w.layer[l];
         LayerActs *a = &m->acts[l];
         /* The projections' outputs live in scratch only until the residual
          * add consumes them; the backward pass never needs them. */
-        float *proj = m->scratch;
+        void *proj = m->scratch;
         be->layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, w->ln1w, w->ln1b, N, C);
         be->matmul_forward(a->qkv, a->ln1, w->qkvw, w->qkvb, N, C, 3 * C);
         be->attention_forward(a->atty, a->att_lse, a->qkv, B, T, C, NH);
         be->matmul_forward(proj, a->atty, w->attprojw, w->attprojb, N, C, C);
-        be->add(a->res2, x, proj, (size_t)N * C);
+        be->residual_forward(a->res2, x, proj, (size_t)N * C);
         be->layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, w->ln2w, w->ln2b, N, C);
         be->matmul_forward(a->fch, a->ln2, w->fcw, w->fcb, N, C, 4 * C);
         be->gelu_forward(a->fch_gelu, a->fch, (size_t)N * 4 * C);
         be->matmul_forward(proj, a->fch_gelu, w->fcprojw, w->fcprojb, N, 4 * C, C);
-        be->add(a->res3, a->res2, proj, (size_t)N * C);
+        be->residual_forward(a->res3, a->res2, proj, (size_t)N * C);
         x = a->res3;
     }
-    be->layernorm_forward(m->lnf, m->lnf_mean, m->lnf_rstd, x, m->p.lnfw, m->p.lnfb, N, C);
+    be->layernorm_forward(m->lnf, m->lnf_mean, m->lnf_rstd, x, m->w.lnfw, m->w.lnfb, N, C);
     /* tied head: logits (N,Vp) = lnf @ wte^T */
-    be->matmul_forward(m->logits, m->lnf, m->p.wte, NULL, N, C, s->padded_vocab);
+    be->matmul_forward(m->logits, m->lnf, m->w.wte, NULL, N, C, s->padded_vocab);
 
     m->live_B = B;
     m->live_T = T;
@@ -333,27 +480,30 @@ void model_backward(Model *m, int accumulate) {
         kiln_fail(KILN_EXIT_RUNTIME, "model_backward: the last forward had no targets or dloss = 0");
     int B = m->live_B, T = m->live_T, N = B * T;
     int C = s->n_embd, NH = s->n_head, L = s->n_layer;
-    size_t NC = (size_t)N * C;
-    float *dresidual = m->scratch;          /* (N,C) gradient of the residual stream */
-    float *dbuf = dresidual + NC;           /* (N,4C) */
-    float *dbuf2 = dbuf + 4 * NC;           /* (N,4C) */
-    float *dqkv = dbuf2 + 4 * NC;           /* (N,3C) */
-    float *dln = dqkv + 3 * NC;             /* (N,C) gradient of a norm's output */
-    const float *x_last = L > 0 ? m->acts[L - 1].res3 : m->encoded;
+    size_t NC = (size_t)N * C, ab = m->act_bytes;
+    /* gradient buffers in scratch, act dtype */
+    char *dresidual = m->scratch;           /* (N,C) gradient of the residual stream */
+    char *dbuf = dresidual + NC * ab;       /* (N,4C) */
+    char *dbuf2 = dbuf + 4 * NC * ab;       /* (N,4C) */
+    char *dqkv = dbuf2 + 4 * NC * ab;       /* (N,3C) */
+    char *dln = dqkv + 3 * NC * ab;         /* (N,C) gradient of a norm's output */
+    const void *x_last = L > 0 ? m->acts[L - 1].res3 : m->encoded;
 
-    /* head: logits now hold dlogits (N,Vp) */
-    be->matmul_backward(dln, m->g.wte, NULL, m->logits, m->lnf, m->p.wte, N, C, s->padded_vocab, accumulate);
-    be->zero(dresidual, NC * sizeof(float));
-    be->layernorm_backward(dresidual, m->g.lnfw, m->g.lnfb, dln, x_last, m->p.lnfw, m->lnf_mean, m->lnf_rstd,
+    /* head: logits now hold dlogits (N,Vp); wte and ln_f are still gathered
+     * (the hook holds them for the whole step), their compute copy fresh */
+    compute_refresh(m, L);
+    be->matmul_backward(dln, m->g.wte, NULL, m->logits, m->lnf, m->w.wte, N, C, s->padded_vocab, accumulate);
+    be->zero(dresidual, NC * ab);
+    be->layernorm_backward(dresidual, m->g.lnfw, m->g.lnfb, dln, x_last, m->w.lnfw, m->lnf_mean, m->lnf_rstd,
                            N, C, accumulate);
     /* ZeRO-2/3: each backward writes fresh layer gradients; the caller adds them up */
     int acc_layer = accumulate && !m->layer_grads_fresh;
     for (int l = L - 1; l >= 0; l--) {
-        if (m->pre_hook) m->pre_hook(m->hook_ctx, l, 1);
-        const LayerParams *w = &m->p.layer[l];
+        use_layer(m, l, 1);
+        const LayerWeights *w = &m->w.layer[l];
         const LayerParams *gw = &m->g.layer[l];
         const LayerActs *a = &m->acts[l];
-        const float *x_in = l > 0 ? m->acts[l - 1].res3 : m->encoded;
+        const void *x_in = l > 0 ? m->acts[l - 1].res3 : m->encoded;
         /* MLP: res3 = res2 + c_proj(gelu(c_fc(ln2(res2)))) */
         be->matmul_backward(dbuf, gw->fcprojw, gw->fcprojb, dresidual, a->fch_gelu, w->fcprojw, N, 4 * C, C,
                             acc_layer);
@@ -376,8 +526,9 @@ void model_backward(Model *m, int accumulate) {
 }
 
 void model_logits_row(const Model *m, int b, int t, float *out) {
-    size_t row = (size_t)b * m->live_T + (size_t)t;
-    m->be->to_host(out, m->logits + row * m->shape.padded_vocab, (size_t)m->shape.padded_vocab * sizeof(float));
+    size_t row = (size_t)b * m->live_T + (size_t)t, Vp = (size_t)m->shape.padded_vocab;
+    m->be->to_host(m->row_host, (const char *)m->logits + row * Vp * m->act_bytes, Vp * m->act_bytes);
+    backend_act_to_f32(out, m->row_host, Vp, m->act_bytes);
 }
 
 size_t model_num_params(const Model *m) {
@@ -481,4 +632,5 @@ void model_load_llmc(Model *m, const char *path) {
     m->be->to_device(m->param_mem, host, m->num_params * sizeof(float));
     free(host);
     free(src);
+    model_params_changed(m);
 }

@@ -1,7 +1,15 @@
 /* model: GPT-2 as a parameter table plus a forward/backward graph of backend ops.
- * Owns the parameter, gradient and activation arenas (one allocation each);
- * tensors are views into them. Knows no file formats but llm.c's checkpoint,
- * no optimizer and no data loader.
+ * Owns the parameter, gradient and activation arenas (one allocation each)
+ * and the parameters' compute copy; tensors are views into them. Knows no
+ * file formats but llm.c's checkpoint, no optimizer and no data loader.
+ *
+ * Dtypes (backend.h): parameters, their gradients and optimizer state are
+ * fp32 (the master, which checkpoints hold). Ops read the parameters through
+ * a compute copy in the activation dtype, act_bytes = be->act_bytes(): with
+ * 4 (fp32: the CPU, CUDA fp32) it is the master itself, no copy; with 2
+ * (bf16) the model casts the master into it after the values change
+ * (model_params_changed) or its views are re-bound (ZeRO-3), at the first
+ * use. Activations are act; statistics and losses fp32.
  *
  * Parameter table, in listing order (the order of docs, fixtures and
  * checkpoints; C = n_embd, Vp = padded vocab, T = seq_len):
@@ -37,7 +45,7 @@ typedef struct ParamInfo {
     int decay;     /* 1 if weight decay applies */
 } ParamInfo;
 
-/* Per-layer views into the parameter (or gradient) arena. */
+/* Per-layer views into the parameter (or gradient) arena, fp32. */
 typedef struct LayerParams {
     float *ln1w, *ln1b;   /* (C) */
     float *qkvw, *qkvb;   /* (3C,C) (3C) */
@@ -53,19 +61,46 @@ typedef struct ParamViews {
     float *lnfw, *lnfb; /* (C) */
 } ParamViews;
 
-/* Per-layer activations saved for the backward pass (B,T as allocated). */
+/* The same views into the compute copy, act dtype: what the ops read. */
+typedef struct LayerWeights {
+    const void *ln1w, *ln1b;         /* (C) */
+    const void *qkvw, *qkvb;         /* (3C,C) (3C) */
+    const void *attprojw, *attprojb; /* (C,C) (C) */
+    const void *ln2w, *ln2b;         /* (C) */
+    const void *fcw, *fcb;           /* (4C,C) (4C) */
+    const void *fcprojw, *fcprojb;   /* (C,4C) (C) */
+} LayerWeights;
+
+typedef struct WeightViews {
+    const void *wte, *wpe; /* (Vp,C) (T,C) */
+    LayerWeights *layer;   /* [n_layer] */
+    const void *lnfw, *lnfb; /* (C) */
+} WeightViews;
+
+/* One buffer of the compute copy (act_bytes 2 only): the cast of `len`
+ * floats of the fp32 buffer `master` (the arena, or one of ZeRO-3's gather
+ * buffers), same layout. Stale: the master changed since the last cast. */
+typedef struct ComputeBuf {
+    const float *master;
+    void *mem; /* device (len) act */
+    size_t len;
+    int stale;
+} ComputeBuf;
+
+/* Per-layer activations saved for the backward pass (B,T as allocated);
+ * void *: act dtype, float *: fp32. */
 typedef struct LayerActs {
-    float *ln1;             /* (N,C) */
+    void *ln1;                  /* (N,C) */
     float *ln1_mean, *ln1_rstd; /* (N) */
-    float *qkv;             /* (N,3C) */
-    float *atty;            /* (N,C) */
-    float *att_lse;         /* (B,NH,T) */
-    float *res2;            /* (N,C) residual after attention */
-    float *ln2;             /* (N,C) */
+    void *qkv;                  /* (N,3C) */
+    void *atty;                 /* (N,C) */
+    float *att_lse;             /* (B,NH,T) */
+    void *res2;                 /* (N,C) residual after attention */
+    void *ln2;                  /* (N,C) */
     float *ln2_mean, *ln2_rstd; /* (N) */
-    float *fch;             /* (N,4C) */
-    float *fch_gelu;        /* (N,4C) */
-    float *res3;            /* (N,C) residual after the MLP = next layer's input */
+    void *fch;                  /* (N,4C) */
+    void *fch_gelu;             /* (N,4C) */
+    void *res3;                 /* (N,C) residual after the MLP = next layer's input */
 } LayerActs;
 
 /* Called by model_backward once gradients are complete for layer `layer` and
@@ -76,8 +111,10 @@ typedef void (*ModelBackwardHook)(void *ctx, int layer);
 /* ZeRO-2/3: called before layer `layer`'s forward (layer = -1: before the
  * embeddings, when wte/wpe/ln_f must be present) and before its backward
  * (backward = 1), so the caller can gather that layer's parameters into the
- * buffers the views point at (or wait for their refresh). */
-typedef void (*ModelLayerHook)(void *ctx, int layer, int backward);
+ * buffers the views point at (or wait for their refresh). It returns 1 when
+ * the unit's parameter values may have changed since its last use (a gather
+ * landed), and the model then casts its compute copy again before use. */
+typedef int (*ModelLayerHook)(void *ctx, int layer, int backward);
 
 typedef struct Model {
     ModelShape shape;
@@ -94,7 +131,13 @@ typedef struct Model {
     ModelBackwardHook hook; /* NULL: none (see ModelBackwardHook) */
     void *hook_ctx;
     ModelLayerHook pre_hook; /* NULL: none; shares hook_ctx */
-    ParamViews p, g;
+    ParamViews p, g;  /* fp32 master parameters and their gradients */
+    size_t act_bytes; /* be->act_bytes(): 4 fp32, 2 bf16 */
+    WeightViews w;    /* compute copy (act): p itself when act_bytes is 4 */
+    ComputeBuf *cbuf; /* [n_cbuf] act_bytes 2: the compute copy's buffers */
+    int n_cbuf;
+    int *unit_cbuf;   /* [n_units] buffer holding each unit's compute copy */
+    int *unit_stale;  /* [n_units] by-unit layout: the unit's compute copy must be cast again */
 
     /* ZeRO-2/3 (model_layout_by_unit): the arena is laid out unit by unit
      * (unit l < n_layer: layer l's 12 tensors; unit n_layer: wte, wpe, ln_f),
@@ -105,20 +148,22 @@ typedef struct Model {
     int layer_grads_fresh;       /* 1: layer gradients are overwritten by every
                                     backward (the caller accumulates them) */
 
-    /* Activations, planned for micro-batch B x T (model_plan_activations). */
+    /* Activations, planned for micro-batch B x T (model_plan_activations);
+     * void *: act dtype, float *: fp32. */
     int B, T;           /* planned capacity */
     int live_B, live_T; /* shape of the last forward */
-    float *act_mem;
-    size_t act_floats;
-    float *encoded;   /* (N,C) */
+    void *act_mem;
+    size_t act_size;  /* bytes */
+    void *encoded;    /* (N,C) */
     LayerActs *acts;  /* [n_layer] */
-    float *lnf;       /* (N,C) */
+    void *lnf;        /* (N,C) */
     float *lnf_mean, *lnf_rstd; /* (N) */
-    float *logits;    /* (N,Vp); dlogits in place after a training forward */
+    void *logits;     /* (N,Vp); dlogits in place after a training forward */
     float *losses;    /* (N) device */
-    float *scratch;   /* forward: projection outputs; backward: gradient buffers */
+    void *scratch;    /* forward: projection outputs; backward: gradient buffers */
     int32_t *tokens_dev, *targets_dev; /* (N) */
     float *losses_host; /* (N) */
+    void *row_host;     /* (Vp) act: one logits row on its way to the host */
     int have_targets;   /* last forward had targets (backward allowed) */
 } Model;
 
@@ -144,9 +189,14 @@ void model_layout_by_unit(Model *m, size_t unit_align);
 /* Unit of tensor `i` (table index) under model_layout_by_unit. */
 int model_unit_of(const Model *m, int i);
 /* Point unit u's parameter and gradient views at pbuf and gbuf, which hold
- * the unit's arena range [unit_off[u], unit_off[u] + unit_len[u]); a NULL
- * buffer leaves those views where they are. */
+ * buffers the views point at (or wait for their refresh). It returns 1 when
+ * the unit's parameter values may have changed since its last use (a gather
+ * landed), and the model then casts its compute copy again before use. */
 void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf);
+
+/* The fp32 parameters changed (optimizer step, checkpoint load): the compute
+ * copy is cast again before the next use. A flag; nothing runs here. */
+void model_params_changed(Model *m);
 
 /* GPT-2 initialisation: N(0, 0.02) weights and embeddings, residual
  * projections (attn.c_proj, mlp.c_proj weights) scaled by 1/sqrt(2*n_layer),
@@ -168,7 +218,8 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
  * accumulate = 0 on the first micro-batch of a step (gradients overwritten). */
 void model_backward(Model *m, int accumulate);
 
-/* Host copy of logits row (b, t) after a forward without targets: Vp floats. */
+/* Host copy of logits row (b, t) after a forward without targets: Vp floats
+ * (converted from the activation dtype). */
 void model_logits_row(const Model *m, int b, int t, float *out);
 
 /* Counts. */
@@ -177,8 +228,9 @@ size_t model_num_nonembedding_params(const Model *m);
 /* Training FLOPs per token: 6 x (non-embedding params + head C*V) plus the
  * attention term 6 * n_layer * T * C (causal: half of 12 L T C). */
 double model_flops_per_token(const ModelShape *s, int T);
-/* Bytes of the activation arena for micro-batch B x T. */
-size_t model_activation_bytes(const ModelShape *s, int B, int T);
+/* Bytes of the activation arena for micro-batch B x T, activations of
+ * act_bytes each (statistics and losses fp32). */
+size_t model_activation_bytes(const ModelShape *s, int B, int T, size_t act_bytes);
 
 /* Find a tensor by name; NULL if absent. */
 const ParamInfo *model_find_param(const Model *m, const char *name);

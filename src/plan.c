@@ -22,7 +22,8 @@ static const char *plan_usage =
     "fits; then suggests the smallest parallel.zero and the largest batch.micro_batch that fit.\n"
     "Memory per rank = parameters + gradients + AdamW state (per ZeRO stage, as --dry-run\n"
     "counts them) + activations of one micro-batch + 32 MiB cuBLAS workspace, all + 5%.\n"
-    "Storage is fp32 today (both backends), so the numbers are fp32.\n"
+    "Everything is counted in fp32, activations included: an upper bound for precision.compute\n"
+    "bf16 on a GPU, whose bf16 activations take half (plus a bf16 copy of the parameters).\n"
     "\n"
     "exit: 0 valid and fits; 2 invalid, does not fit, or bad usage (one line says what to change)\n";
 
@@ -66,7 +67,8 @@ PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro
         m.optim = (zero == 1 ? shard : params) * 8;
     }
     m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
-    m.activations = (double)model_activation_bytes(s, micro_batch, s->seq_len);
+    /* fp32 activations: the upper bound (bf16 halves them, see plan_usage) */
+    m.activations = (double)model_activation_bytes(s, micro_batch, s->seq_len, sizeof(float));
     double counted = m.state + m.activations + PLAN_WORKSPACE_BYTES;
     m.overhead = PLAN_WORKSPACE_BYTES + PLAN_MARGIN * counted;
     m.total = m.state + m.activations + m.overhead;
@@ -225,7 +227,7 @@ int plan_main(int argc, char **argv) {
     else
         printf("  batch                  %lld tokens, micro-batch %d x %d tokens: INVALID (below)\n",
                (long long)c.total_tokens, c.micro_batch, c.seq_len);
-    printf("  memory per rank        fp32 storage (parameters, gradients, AdamW m and v, activations are fp32 today)\n");
+    printf("  memory per rank        fp32 storage (parameters, gradients, AdamW m and v; activations counted in fp32)\n");
     plan_print_state(&m, dp, c.zero);
     plan_print_bytes("activations", m.activations);
     plan_print_bytes("overhead", m.overhead);

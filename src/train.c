@@ -277,6 +277,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     RunState rs;
     StateMesh smesh = {rank, world, dp, c->zero, comm_world(), ddp.units ? &ddp : NULL};
     int start_step = state_open(&rs, c, &smesh, topt->resume, topt->force, topt->commit, &model, &opt, train);
+    model_params_changed(&model); /* a resume loaded them: the compute copy follows */
     Metrics *mx = metrics_open(c, rank, world, fpt, peak, peak_src, start_step);
     rs.mx = mx;
     metrics_print(mx, "kiln %s | %s", KILN_VERSION, desc);
@@ -361,6 +362,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         /* a non-finite loss skips the update even if its gradients look finite */
         OptimStepInfo info = {grad_norm, 1.0f, 1};
         if (isfinite(loss)) info = ddp_optim_step(&ddp, &opt, lr, grad_norm);
+        model_params_changed(&model); /* the next forward casts the compute copy again */
         be->sync();
         int bad = !isfinite(loss) || info.nonfinite;
         double dt = kiln_now() - t0;

@@ -5,7 +5,10 @@
  *       src/cpu/backend_cpu.c src/backend.c src/util.c \
  *       -L/usr/lib/x86_64-linux-gnu/openblas-openmp \
  *       -Wl,-rpath,/usr/lib/x86_64-linux-gnu/openblas-openmp -lopenblas -lm -o /tmp/bench_ops
- *   /tmp/bench_ops [B T [threads [backend]]] */
+ *   /tmp/bench_ops [B T [threads [backend [precision]]]]
+ * precision (a GPU backend's precision.compute, default bf16) sets the
+ * activation dtype; activations and weights are in it, gradients of
+ * parameters and the optimizer's arrays fp32, as in training. */
 #include "backend.h"
 #include "util.h"
 
@@ -14,15 +17,21 @@
 #include <string.h>
 
 static const Backend *be;
+static size_t ab; /* activation element size */
 
-static float *dev_rand(size_t n, Rng *r, float scale) {
+/* n uniform values in [-scale, scale), on the device as fp32 (es 4) or in the
+ * activation dtype (es = ab). */
+static void *dev_rand_es(size_t n, Rng *r, float scale, size_t es) {
     float *h = xmalloc(n * sizeof(float));
     for (size_t i = 0; i < n; i++) h[i] = scale * (2.0f * rng_uniform(r) - 1.0f);
-    float *d = be->alloc(n * sizeof(float));
-    be->to_device(d, h, n * sizeof(float));
+    backend_f32_to_act(h, h, n, es); /* in place */
+    void *d = be->alloc(n * es);
+    be->to_device(d, h, n * es);
     free(h);
     return d;
 }
+static void *dev_rand(size_t n, Rng *r, float scale) { return dev_rand_es(n, r, scale, ab); }
+static float *dev_rand_f32(size_t n, Rng *r, float scale) { return dev_rand_es(n, r, scale, sizeof(float)); }
 
 /* Best of `reps` timings of one op (after a warm-up call): seconds. */
 #define TIME(var, reps, stmt)                                                                      \
@@ -45,26 +54,33 @@ int main(int argc, char **argv) {
     be = backend_get(argc > 4 ? argv[4] : "cpu");
     if (!be) kiln_fail(KILN_EXIT_USAGE, "backend not in this build");
     printf("%s\n", be->init(threads));
+    if (be->set_precision) be->set_precision(argc > 5 ? argv[5] : "bf16");
+    ab = be->act_bytes();
     const int L = 12, C = 768, NH = 12, V = 50257, Vp = 50304, N = B * T;
     const size_t nparams = 124475904; /* GPT-2 124M with Vp = 50304, wpe of 1024 rows */
     Rng rng;
     rng_seed(&rng, 1);
 
-    float *x = dev_rand((size_t)N * C, &rng, 1), *y = dev_rand((size_t)N * C, &rng, 1);
-    float *x4 = dev_rand((size_t)N * 4 * C, &rng, 1), *y4 = dev_rand((size_t)N * 4 * C, &rng, 1);
-    float *qkv = dev_rand((size_t)N * 3 * C, &rng, 1), *dqkv = dev_rand((size_t)N * 3 * C, &rng, 1);
-    float *w = dev_rand((size_t)4 * C * C, &rng, 0.02f), *dw = dev_rand((size_t)4 * C * C, &rng, 1);
-    float *bias = dev_rand(4 * C, &rng, 1), *dbias = dev_rand(4 * C, &rng, 1);
-    float *wte = dev_rand((size_t)Vp * C, &rng, 0.02f), *dwte = dev_rand((size_t)Vp * C, &rng, 1);
-    float *wpe = dev_rand((size_t)T * C, &rng, 0.02f), *dwpe = dev_rand((size_t)T * C, &rng, 1);
-    float *logits = dev_rand((size_t)N * Vp, &rng, 1), *losses = dev_rand(N, &rng, 1);
-    float *mean = dev_rand(N, &rng, 1), *rstd = dev_rand(N, &rng, 1);
-    float *lse = dev_rand((size_t)B * NH * T, &rng, 1);
-    float *lnw = dev_rand(C, &rng, 1), *lnb = dev_rand(C, &rng, 1);
+    void *x = dev_rand((size_t)N * C, &rng, 1), *y = dev_rand((size_t)N * C, &rng, 1);
+    void *x4 = dev_rand((size_t)N * 4 * C, &rng, 1), *y4 = dev_rand((size_t)N * 4 * C, &rng, 1);
+    void *qkv = dev_rand((size_t)N * 3 * C, &rng, 1), *dqkv = dev_rand((size_t)N * 3 * C, &rng, 1);
+    void *w = dev_rand((size_t)4 * C * C, &rng, 0.02f);
+    float *dw = dev_rand_f32((size_t)4 * C * C, &rng, 1);
+    void *bias = dev_rand(4 * C, &rng, 1);
+    float *dbias = dev_rand_f32(4 * C, &rng, 1);
+    void *wte = dev_rand((size_t)Vp * C, &rng, 0.02f);
+    float *dwte = dev_rand_f32((size_t)Vp * C, &rng, 1);
+    void *wpe = dev_rand((size_t)T * C, &rng, 0.02f);
+    float *dwpe = dev_rand_f32((size_t)T * C, &rng, 1);
+    void *logits = dev_rand((size_t)N * Vp, &rng, 1);
+    float *losses = dev_rand_f32(N, &rng, 1);
+    float *mean = dev_rand_f32(N, &rng, 1), *rstd = dev_rand_f32(N, &rng, 1);
+    float *lse = dev_rand_f32((size_t)B * NH * T, &rng, 1);
+    void *lnw = dev_rand(C, &rng, 1), *lnb = dev_rand(C, &rng, 1);
     int32_t *tok_h = xmalloc(N * sizeof(int32_t)), *tok = be->alloc(N * sizeof(int32_t));
     for (int i = 0; i < N; i++) tok_h[i] = (int32_t)rng_below(&rng, V);
     be->to_device(tok, tok_h, N * sizeof(int32_t));
-    float *P = dev_rand(nparams, &rng, 0.02f), *G = dev_rand(nparams, &rng, 1e-3f);
+    float *P = dev_rand_f32(nparams, &rng, 0.02f), *G = dev_rand_f32(nparams, &rng, 1e-3f);
     float *M = be->alloc(nparams * sizeof(float)), *Vv = be->alloc(nparams * sizeof(float));
 
     /* Warm the logits as a forward would (the CE op overwrites them). */
@@ -75,8 +91,8 @@ int main(int argc, char **argv) {
     int oc[4] = {3 * C, C, 4 * C, C}, ic[4] = {C, C, C, 4 * C};
     const char *mm_name[4] = {"qkv", "attproj", "fc", "fcproj"};
     for (int k = 0; k < 4; k++) {
-        float *in = ic[k] == C ? x : x4, *out = oc[k] == 3 * C ? qkv : oc[k] == C ? y : y4;
-        float *din = ic[k] == C ? y : y4;
+        void *in = ic[k] == C ? x : x4, *out = oc[k] == 3 * C ? qkv : oc[k] == C ? y : y4;
+        void *din = ic[k] == C ? y : y4;
         TIME(t_mm_f[k], reps, be->matmul_forward(out, in, w, bias, N, ic[k], oc[k]));
         TIME(t_mm_b[k], reps, be->matmul_backward(din, dw, dbias, out, in, w, N, ic[k], oc[k], 1));
     }
@@ -91,7 +107,7 @@ int main(int argc, char **argv) {
     TIME(t_att_b, reps, be->attention_backward(dqkv, x, qkv, y, lse, B, T, C, NH));
     TIME(t_gelu_f, reps, be->gelu_forward(y4, x4, (size_t)N * 4 * C));
     TIME(t_gelu_b, reps, be->gelu_backward(y4, x4, y4, (size_t)N * 4 * C));
-    TIME(t_add, reps, be->add(y, x, y, (size_t)N * C));
+    TIME(t_add, reps, be->residual_forward(y, x, y, (size_t)N * C));
     TIME(t_ce0, 3, be->crossentropy_forward(logits, losses, tok, N, V, Vp, 0.0f));
     /* With dloss the logits turn into gradients; re-running on those is the
      * same work, so the timing stands. */

@@ -1,8 +1,12 @@
 /* test_ops: every op of a Backend against a double-precision reference written
  * here: forward values, backward against central finite differences of that
  * reference, and the accumulate / "+=" contracts of backend.h. Takes any
- * Backend (names ops_<backend>_<op>_<check>), so the CUDA backend reuses it. */
+ * Backend (names ops_<backend>_<op>_<check>), so the CUDA backend reuses it;
+ * the bf16 table also runs here on emu_bf16 (the CPU ops behind bf16
+ * storage, test/emu_bf16.h), so its conversions and tolerances are
+ * exercised before a GPU runs them. */
 #include "backend.h"
+#include "emu_bf16.h"
 #include "test.h"
 #include "util.h"
 
@@ -37,16 +41,21 @@
  * TOL_SUMSQ 1e-10: double accumulation of 1e5 exactly representable squares:
  *   error <= n * 2^-53 ~ 1e-11.
  * The CUDA backend runs the table twice: with precision "fp32" under these
- * same tolerances (its kernels are fp32 and cuBLASLt computes strictly in
- * fp32), then the matrix products alone with precision "bf16" under
- * TOL_BF16_SCALE times them (names ops_cuda_bf16_*).
- * TOL_BF16_SCALE 1e3: bf16 keeps 8 significant bits, so each rounded input
- *   is off by up to 2^-9 = 2e-3 relative and a product by ~4e-3; sums of <= 37
- *   such terms with random signs, measured against the row's largest value,
- *   stay near 1e-3 .. 1e-2. 1e3 x TOL_FWD = 1e-2 (forward), 1e3 x TOL_BWD =
- *   0.1 (backward vs finite differences): loose, yet a wrong index or formula
- *   still errs by O(1).
- * Checks marked "exact" stay exact on every backend. */
+ * same tolerances (activations fp32, its kernels fp32 and cuBLASLt strictly
+ * fp32), then with precision "bf16" (activations stored in bf16) every op
+ * that has activation tensors, under TOL_BF16_SCALE times them (names
+ * ops_cuda_bf16_*). Inputs of the activation dtype are rounded to it on the
+ * host first (quant), so the double reference sees what the kernel reads.
+ * TOL_BF16_SCALE 1e3: the math stays fp32, so the error is the rounding of
+ *   each bf16 store, up to 2^-9 = 2e-3 of the value (8 significant bits),
+ *   plus what one rounded intermediate does downstream (attention's backward
+ *   reads the bf16 forward output in D = rowsum(dO * O), then subtracts
+ *   nearly equal terms). 1e3 x TOL_FWD = 1e-2 (forward), 1e3 x TOL_BWD = 0.1
+ *   (backward vs finite differences): loose, yet a wrong index or formula
+ *   still errs by O(1). fp32 tensors (parameter gradients, statistics) only
+ *   carry the bf16 rounding of the activations they are made from.
+ * Checks marked "exact" stay exact on every backend (the add's reference is
+ *   rounded to the activation dtype once, as the op's store is). */
 #define TOL_FWD 1e-5
 #define TOL_BWD 1e-4
 #define TOL_ACC 1e-6
@@ -86,6 +95,31 @@ static float *df(const float *host, size_t n) { return dbuf(host, n * sizeof(flo
 static void down(float *host, const float *dev, size_t n) {
     be->sync();
     be->to_host(host, dev, n * sizeof(float));
+}
+
+/* Tensors of the activation dtype (backend.h: ab bytes each, fp32 or bf16).
+ * Inputs are rounded to it on the host first (quant), so the double
+ * reference sees exactly the values the op reads; da uploads converted, down_a
+ * converts back. With fp32 all three are plain copies. */
+static size_t ab;
+static float *quant(float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = backend_act_round(x[i], ab);
+    return x;
+}
+static void *da(const float *host, size_t n) {
+    void *d = dbuf(NULL, n * ab);
+    if (host && n) {
+        void *h = hbuf(n * ab);
+        backend_f32_to_act(h, host, n, ab);
+        be->to_device(d, h, n * ab);
+    }
+    return d;
+}
+static void down_a(float *host, const void *dev, size_t n) {
+    void *h = hbuf(n * ab);
+    be->sync();
+    be->to_host(h, dev, n * ab);
+    backend_act_to_f32(host, h, n, ab);
 }
 
 static void bufs_free(void) {
@@ -173,6 +207,7 @@ typedef struct OpTest {
     const char *name; /* op name in the check names, e.g. "layernorm_odd" */
     void (*run)(const struct OpTest *t);
     int B, T, C, NH, V, Vp; /* shapes; elementwise ops use n = B*T*C */
+    int fp32_only;          /* 1: no activation tensors (not rerun in bf16) */
 } OpTest;
 
 /* ---- embed --------------------------------------------------------------- */
@@ -200,16 +235,18 @@ static void test_embed(const OpTest *t) {
     int32_t *tok = hbuf(N * sizeof(int32_t));
     for (int i = 0; i < N; i++) tok[i] = (int32_t)rng_below(&rng, (uint64_t)V);
     tok[N - 1] = tok[0]; /* a repeated token: the scatter must add, not store */
-    float *wte = randn((size_t)Vp * C, 1.0f, 0.0f), *wpe = randn((size_t)T * C, 1.0f, 0.0f);
-    float *R = randn((size_t)N * C, 1.0f, 0.0f);
+    float *wte = quant(randn((size_t)Vp * C, 1.0f, 0.0f), (size_t)Vp * C);
+    float *wpe = quant(randn((size_t)T * C, 1.0f, 0.0f), (size_t)T * C);
+    float *R = quant(randn((size_t)N * C, 1.0f, 0.0f), (size_t)N * C);
     EmbedRef e = {B, T, C, tok, to_d(wte, (size_t)Vp * C), to_d(wpe, (size_t)T * C),
                   to_d(R, (size_t)N * C), hd((size_t)N * C)};
 
-    float *d_out = df(NULL, (size_t)N * C), *out = hf((size_t)N * C);
+    void *d_out = da(NULL, (size_t)N * C);
+    float *out = hf((size_t)N * C);
     int32_t *d_tok = dbuf(tok, N * sizeof(int32_t));
-    float *d_wte = df(wte, (size_t)Vp * C), *d_wpe = df(wpe, (size_t)T * C);
+    void *d_wte = da(wte, (size_t)Vp * C), *d_wpe = da(wpe, (size_t)T * C);
     be->embed_forward(d_out, d_tok, d_wte, d_wpe, B, T, C);
-    down(out, d_out, (size_t)N * C);
+    down_a(out, d_out, (size_t)N * C);
     embed_ref(&e);
     check(t->name, "forward", err_rel(out, e.out, (size_t)N * C), TOL_FWD);
 
@@ -219,7 +256,7 @@ static void test_embed(const OpTest *t) {
     float *garbage = randn((size_t)Vp * C, 1.0f, 0.0f); /* dwte always accumulates */
     float *d_dwte = df(garbage, (size_t)Vp * C);
     float *d_dwpe = df(filled((size_t)T * C, NAN), (size_t)T * C); /* accumulate 0 overwrites */
-    float *d_R = df(R, (size_t)N * C);
+    void *d_R = da(R, (size_t)N * C);
     float *dwte1 = hf((size_t)Vp * C), *dwpe1 = hf((size_t)T * C);
     be->embed_backward(d_dwte, d_dwpe, d_R, d_tok, B, T, C, 0);
     down(dwte1, d_dwte, (size_t)Vp * C);
@@ -267,14 +304,14 @@ static void test_layernorm(const OpTest *t) {
     int N = t->B * t->T, C = t->C;
     size_t NC = (size_t)N * C;
     /* Offset 3: a residual stream with a non-zero mean (tests the variance). */
-    float *inp = randn(NC, 1.0f, 3.0f), *w = randn(C, 0.5f, 1.0f), *b = randn(C, 0.5f, 0.0f);
-    float *R = randn(NC, 1.0f, 0.0f);
+    float *inp = quant(randn(NC, 1.0f, 3.0f), NC), *w = quant(randn(C, 0.5f, 1.0f), C);
+    float *b = quant(randn(C, 0.5f, 0.0f), C), *R = quant(randn(NC, 1.0f, 0.0f), NC);
     LnRef l = {N, C, to_d(inp, NC), to_d(w, C), to_d(b, C), to_d(R, NC), hd(NC), hd(N), hd(N)};
-    float *d_inp = df(inp, NC), *d_w = df(w, C), *d_b = df(b, C);
-    float *d_out = df(NULL, NC), *d_mean = df(NULL, N), *d_rstd = df(NULL, N);
+    void *d_inp = da(inp, NC), *d_w = da(w, C), *d_b = da(b, C), *d_out = da(NULL, NC);
+    float *d_mean = df(NULL, N), *d_rstd = df(NULL, N);
     float *out = hf(NC), *mean = hf(N), *rstd = hf(N);
     be->layernorm_forward(d_out, d_mean, d_rstd, d_inp, d_w, d_b, N, C);
-    down(out, d_out, NC);
+    down_a(out, d_out, NC);
     down(mean, d_mean, N);
     down(rstd, d_rstd, N);
     ln_ref(&l);
@@ -285,12 +322,12 @@ static void test_layernorm(const OpTest *t) {
     fd_grad(ln_loss, &l, l.inp, NC, ginp);
     fd_grad(ln_loss, &l, l.w, C, gw);
     fd_grad(ln_loss, &l, l.b, C, gb);
-    float *prior = randn(NC, 1.0f, 0.0f); /* dinp is "+=": the residual gradient */
-    float *d_dinp = df(prior, NC), *d_R = df(R, NC);
+    float *prior = quant(randn(NC, 1.0f, 0.0f), NC); /* dinp is "+=": the residual gradient */
+    void *d_dinp = da(prior, NC), *d_R = da(R, NC);
     float *d_dw = df(filled(C, NAN), C), *d_db = df(filled(C, NAN), C);
     float *dinp1 = hf(NC), *dw1 = hf(C), *db1 = hf(C);
     be->layernorm_backward(d_dinp, d_dw, d_db, d_R, d_inp, d_w, d_mean, d_rstd, N, C, 0);
-    down(dinp1, d_dinp, NC);
+    down_a(dinp1, d_dinp, NC);
     down(dw1, d_dw, C);
     down(db1, d_db, C);
     /* dinp is checked on the gradient part, dinp - prior, since prior is O(1) too. */
@@ -301,7 +338,7 @@ static void test_layernorm(const OpTest *t) {
 
     float *dinp2 = hf(NC), *dw2 = hf(C), *db2 = hf(C);
     be->layernorm_backward(d_dinp, d_dw, d_db, d_R, d_inp, d_w, d_mean, d_rstd, N, C, 1);
-    down(dinp2, d_dinp, NC);
+    down_a(dinp2, d_dinp, NC);
     down(dw2, d_dw, C);
     down(db2, d_db, C);
     for (size_t i = 0; i < NC; i++) g1[i] = dinp2[i] - prior[i];
@@ -331,17 +368,17 @@ static double mm_loss(void *ctx) {
 static void test_matmul(const OpTest *t) {
     int N = t->B * t->T, C = t->C, OC = t->V;
     size_t NC = (size_t)N * C, OCC = (size_t)OC * C, NO = (size_t)N * OC;
-    float *inp = randn(NC, 1.0f, 0.0f), *w = randn(OCC, 1.0f, 0.0f), *bias = randn(OC, 1.0f, 0.0f);
-    float *R = randn(NO, 1.0f, 0.0f);
+    float *inp = quant(randn(NC, 1.0f, 0.0f), NC), *w = quant(randn(OCC, 1.0f, 0.0f), OCC);
+    float *bias = quant(randn(OC, 1.0f, 0.0f), OC), *R = quant(randn(NO, 1.0f, 0.0f), NO);
     MmRef m = {N, C, OC, to_d(inp, NC), to_d(w, OCC), to_d(bias, OC), to_d(R, NO), hd(NO)};
-    float *d_inp = df(inp, NC), *d_w = df(w, OCC), *d_bias = df(bias, OC), *d_out = df(NULL, NO);
+    void *d_inp = da(inp, NC), *d_w = da(w, OCC), *d_bias = da(bias, OC), *d_out = da(NULL, NO);
     float *out = hf(NO);
     be->matmul_forward(d_out, d_inp, d_w, d_bias, N, C, OC);
-    down(out, d_out, NO);
+    down_a(out, d_out, NO);
     mm_ref(&m);
     check(t->name, "forward", err_rel(out, m.out, NO), TOL_FWD);
     be->matmul_forward(d_out, d_inp, d_w, NULL, N, C, OC);
-    down(out, d_out, NO);
+    down_a(out, d_out, NO);
     m.bias = NULL;
     mm_ref(&m);
     check(t->name, "forward_nobias", err_rel(out, m.out, NO), TOL_FWD);
@@ -352,11 +389,11 @@ static void test_matmul(const OpTest *t) {
     fd_grad(mm_loss, &m, m.w, OCC, gw);
     fd_grad(mm_loss, &m, m.bias, OC, gb);
     /* NaN garbage everywhere: dinp is overwritten, and accumulate 0 overwrites. */
-    float *d_dinp = df(filled(NC, NAN), NC), *d_dw = df(filled(OCC, NAN), OCC);
-    float *d_db = df(filled(OC, NAN), OC), *d_R = df(R, NO);
+    void *d_dinp = da(filled(NC, NAN), NC), *d_R = da(R, NO);
+    float *d_dw = df(filled(OCC, NAN), OCC), *d_db = df(filled(OC, NAN), OC);
     float *dinp1 = hf(NC), *dw1 = hf(OCC), *db1 = hf(OC);
     be->matmul_backward(d_dinp, d_dw, d_db, d_R, d_inp, d_w, N, C, OC, 0);
-    down(dinp1, d_dinp, NC);
+    down_a(dinp1, d_dinp, NC);
     down(dw1, d_dw, OCC);
     down(db1, d_db, OC);
     check(t->name, "backward",
@@ -364,7 +401,7 @@ static void test_matmul(const OpTest *t) {
 
     float *dinp2 = hf(NC), *dw2 = hf(OCC), *db2 = hf(OC);
     be->matmul_backward(d_dinp, d_dw, d_db, d_R, d_inp, d_w, N, C, OC, 1);
-    down(dinp2, d_dinp, NC);
+    down_a(dinp2, d_dinp, NC);
     down(dw2, d_dw, OCC);
     down(db2, d_db, OC);
     check(t->name, "accumulate", maxd(err_twice(dw2, dw1, OCC), err_twice(db2, db1, OC)), TOL_ACC);
@@ -416,12 +453,13 @@ static double att_loss(void *ctx) {
 static void test_attention(const OpTest *t) {
     int B = t->B, T = t->T, C = t->C, NH = t->NH, N = B * T;
     size_t N3 = (size_t)N * 3 * C, NC = (size_t)N * C, NL = (size_t)B * NH * T;
-    float *qkv = randn(N3, 1.0f, 0.0f), *R = randn(NC, 1.0f, 0.0f);
+    float *qkv = quant(randn(N3, 1.0f, 0.0f), N3), *R = quant(randn(NC, 1.0f, 0.0f), NC);
     AttRef a = {B, T, C, NH, to_d(qkv, N3), to_d(R, NC), hd(NC), hd(NL)};
-    float *d_qkv = df(qkv, N3), *d_out = df(NULL, NC), *d_lse = df(NULL, NL);
+    void *d_qkv = da(qkv, N3), *d_out = da(NULL, NC);
+    float *d_lse = df(NULL, NL);
     float *out = hf(NC), *lse = hf(NL);
     be->attention_forward(d_out, d_lse, d_qkv, B, T, C, NH);
-    down(out, d_out, NC);
+    down_a(out, d_out, NC);
     down(lse, d_lse, NL);
     att_ref(&a);
     check(t->name, "forward", err_rel(out, a.out, NC), TOL_FWD);
@@ -429,14 +467,15 @@ static void test_attention(const OpTest *t) {
 
     double *g = hd(N3);
     fd_grad(att_loss, &a, a.qkv, N3, g);
-    float *d_dqkv = df(filled(N3, NAN), N3), *d_R = df(R, NC), *dqkv = hf(N3), *dqkv2 = hf(N3);
+    void *d_dqkv = da(filled(N3, NAN), N3), *d_R = da(R, NC);
+    float *dqkv = hf(N3), *dqkv2 = hf(N3);
     be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, B, T, C, NH);
-    down(dqkv, d_dqkv, N3);
+    down_a(dqkv, d_dqkv, N3);
     check(t->name, "backward", err_rel(dqkv, g, N3), TOL_BWD);
 
     /* Same inputs, same bits: no races, no order-dependent sums (exact). */
     be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, B, T, C, NH);
-    down(dqkv2, d_dqkv, N3);
+    down_a(dqkv2, d_dqkv, N3);
     check_exact(t->name, "deterministic", memcmp(dqkv, dqkv2, N3 * sizeof(float)) == 0,
                 "two identical backward calls differ");
 
@@ -444,9 +483,11 @@ static void test_attention(const OpTest *t) {
      * and lse bit-identical (exact). */
     for (int b = 0; b < B; b++)
         for (int c = C; c < 3 * C; c++) qkv[((size_t)b * T + T - 1) * 3 * C + c] += 5.0f;
-    float *d_qkv2 = df(qkv, N3), *out2 = hf(NC), *lse2 = hf(NL);
+    quant(qkv, N3);
+    void *d_qkv2 = da(qkv, N3);
+    float *out2 = hf(NC), *lse2 = hf(NL);
     be->attention_forward(d_out, d_lse, d_qkv2, B, T, C, NH);
-    down(out2, d_out, NC);
+    down_a(out2, d_out, NC);
     down(lse2, d_lse, NL);
     int same = 1, moved = 0;
     for (int b = 0; b < B; b++)
@@ -468,11 +509,12 @@ static void test_attention(const OpTest *t) {
         int c = (int)(i % (3 * (size_t)C));
         if (c < 2 * C) qkv[i] = (c < C ? -10.0f : 10.0f) + 0.5f * rng_normal(&rng);
     }
-    float *d_qkv3 = df(qkv, N3);
+    quant(qkv, N3);
+    void *d_qkv3 = da(qkv, N3);
     a.qkv = to_d(qkv, N3);
     att_ref(&a);
     be->attention_forward(d_out, d_lse, d_qkv3, B, T, C, NH);
-    down(out, d_out, NC);
+    down_a(out, d_out, NC);
     down(lse, d_lse, NL);
     check(t->name, "large_scores", maxd(err_rel(out, a.out, NC), err_rel(lse, a.lse, NL)), TOL_LARGE);
 }
@@ -499,30 +541,41 @@ static void test_gelu(const OpTest *t) {
     float *x = randn(n, 2.0f, 0.0f), *R = randn(n, 1.0f, 0.0f);
     /* Saturated tails and zero, where tanh approximations go wrong. */
     x[0] = 0.0f, x[1] = 10.0f, x[2] = -10.0f, x[3] = 30.0f, x[4] = -30.0f, x[5] = 1e-4f;
+    quant(x, n), quant(R, n);
     GeluRef r = {n, to_d(x, n), to_d(R, n), hd(n)};
     for (size_t i = 0; i < n; i++) r.out[i] = gelu_d(r.x[i]);
-    float *d_x = df(x, n), *d_out = df(NULL, n), *out = hf(n);
+    void *d_x = da(x, n), *d_out = da(NULL, n);
+    float *out = hf(n);
     be->gelu_forward(d_out, d_x, n);
-    down(out, d_out, n);
+    down_a(out, d_out, n);
     check(t->name, "forward", err_rel(out, r.out, n), TOL_FWD);
 
     double *g = hd(n);
     fd_grad(gelu_loss, &r, r.x, n, g);
-    float *d_R = df(R, n), *d_dx = df(filled(n, NAN), n), *dx = hf(n);
+    void *d_R = da(R, n), *d_dx = da(filled(n, NAN), n);
+    float *dx = hf(n);
     be->gelu_backward(d_dx, d_x, d_R, n);
-    down(dx, d_dx, n);
+    down_a(dx, d_dx, n);
     check(t->name, "backward", err_rel(dx, g, n), TOL_BWD);
 }
 
 static void test_add(const OpTest *t) {
     size_t n = (size_t)t->B * t->T * t->C;
-    float *a = randn(n, 1.0f, 0.0f), *b = randn(n, 1.0f, 0.0f), *out = hf(n);
-    float *d_a = df(a, n), *d_b = df(b, n), *d_out = df(NULL, n);
-    be->add(d_out, d_a, d_b, n);
-    down(out, d_out, n);
+    float *a = quant(randn(n, 1.0f, 0.0f), n), *b = quant(randn(n, 1.0f, 0.0f), n), *out = hf(n);
+    /* the residual stream, act: fp32 math, one rounding to act (exact) */
+    void *d_a = da(a, n), *d_b = da(b, n), *d_out = da(NULL, n);
+    be->residual_forward(d_out, d_a, d_b, n);
+    down_a(out, d_out, n);
     int ok = 1;
-    for (size_t i = 0; i < n; i++) ok = ok && out[i] == a[i] + b[i]; /* one rounding: exact */
+    for (size_t i = 0; i < n; i++) ok = ok && out[i] == backend_act_round(a[i] + b[i], ab);
     check_exact(t->name, "forward", ok, "out != a + b");
+    /* fp32 gradient shards (ddp.c): one fp32 rounding (exact) */
+    float *d_fa = df(a, n), *d_fb = df(b, n), *d_fout = df(NULL, n);
+    be->add(d_fout, d_fa, d_fb, n);
+    down(out, d_fout, n);
+    ok = 1;
+    for (size_t i = 0; i < n; i++) ok = ok && out[i] == a[i] + b[i];
+    check_exact(t->name, "fp32", ok, "fp32 out != a + b");
 }
 
 /* ---- crossentropy --------------------------------------------------------- */
@@ -558,17 +611,19 @@ static void test_crossentropy(const OpTest *t) {
     /* Padding holds garbage larger than any logit: it must be ignored. */
     for (int i = 0; i < N; i++)
         for (int j = V; j < Vp; j++) logits[(size_t)i * Vp + j] = 1e4f;
+    quant(logits, NV);
     int32_t *tg = hbuf(N * sizeof(int32_t));
     for (int i = 0; i < N; i++) tg[i] = (int32_t)rng_below(&rng, (uint64_t)V);
     tg[0] = V - 1; /* the last real column, next to the padding */
     const float dloss = 0.37f;
     CeRef c = {N, V, Vp, tg, to_d(logits, NV), hd(N), dloss};
     ce_ref(&c);
-    float *d_logits = df(logits, NV), *d_losses = df(NULL, N), *losses = hf(N), *after = hf(NV);
+    void *d_logits = da(logits, NV);
+    float *d_losses = df(NULL, N), *losses = hf(N), *after = hf(NV);
     int32_t *d_tg = dbuf(tg, N * sizeof(int32_t));
     be->crossentropy_forward(d_logits, d_losses, d_tg, N, V, Vp, 0.0f);
     down(losses, d_losses, N);
-    down(after, d_logits, NV);
+    down_a(after, d_logits, NV);
     check(t->name, "loss", err_rel(losses, c.losses, N), TOL_FWD);
     check_exact(t->name, "dloss0_untouched", memcmp(after, logits, NV * sizeof(float)) == 0,
                 "dloss = 0 modified the logits");
@@ -577,7 +632,7 @@ static void test_crossentropy(const OpTest *t) {
     for (int i = 0; i < N; i++) fd_grad(ce_loss, &c, c.logits + (size_t)i * Vp, V, g + (size_t)i * Vp);
     be->crossentropy_forward(d_logits, d_losses, d_tg, N, V, Vp, dloss);
     down(losses, d_losses, N);
-    down(after, d_logits, NV);
+    down_a(after, d_logits, NV);
     check(t->name, "loss_with_grad", err_rel(losses, c.losses, N), TOL_FWD);
     check(t->name, "dlogits", err_rel(after, g, NV), TOL_BWD);
     int zeros = 1;
@@ -650,44 +705,54 @@ static void test_sumsq(const OpTest *t) {
  * use sizes that are not multiples of the SIMD width or the thread count. */
 
 static const OpTest op_tests[] = {
-    /* name                run             B  T   C  NH   V    Vp */
-    {"embed",            test_embed,       2, 5,  8,  0,  11,   16},
-    {"embed_odd",        test_embed,       3, 7,  5,  0,  13,   13},
-    {"layernorm",        test_layernorm,   2, 5,  8,  0,   0,    0},
-    {"layernorm_odd",    test_layernorm,   1, 7, 37,  0,   0,    0},
-    {"matmul",           test_matmul,      2, 5,  8,  0,  11,    0},
-    {"matmul_odd",       test_matmul,      1, 7, 37,  0,  13,    0},
-    {"attention",        test_attention,   2, 5,  8,  2,   0,    0},
-    {"attention_odd",    test_attention,   2, 7, 15,  3,   0,    0},
+    /* name                run             B  T   C  NH   V    Vp  fp32_only */
+    {"embed",            test_embed,       2, 5,  8,  0,  11,   16, 0},
+    {"embed_odd",        test_embed,       3, 7,  5,  0,  13,   13, 0},
+    {"layernorm",        test_layernorm,   2, 5,  8,  0,   0,    0, 0},
+    {"layernorm_odd",    test_layernorm,   1, 7, 37,  0,   0,    0, 0},
+    {"matmul",           test_matmul,      2, 5,  8,  0,  11,    0, 0},
+    {"matmul_odd",       test_matmul,      1, 7, 37,  0,  13,    0, 0},
+    {"attention",        test_attention,   2, 5,  8,  2,   0,    0, 0},
+    {"attention_odd",    test_attention,   2, 7, 15,  3,   0,    0, 0},
     /* T over the CPU backend's 64-row query blocks: two blocks, the last partial. */
-    {"attention_blocks", test_attention,   1, 70, 6,  2,   0,    0},
-    {"gelu",             test_gelu,        1, 1, 1003, 0,  0,    0},
-    {"add",              test_add,         1, 1, 1003, 0,  0,    0},
-    {"crossentropy",     test_crossentropy, 2, 5, 0,  0,  11,   16},
-    {"crossentropy_odd", test_crossentropy, 1, 3, 0,  0, 997, 1024},
-    {"adamw",            test_adamw,       1, 1, 1037, 0,  0,    0},
-    {"sumsq",            test_sumsq,       1, 1, 100003, 0, 0,   0},
+    {"attention_blocks", test_attention,   1, 70, 6,  2,   0,    0, 0},
+    {"gelu",             test_gelu,        1, 1, 1003, 0,  0,    0, 0},
+    {"add",              test_add,         1, 1, 1003, 0,  0,    0, 0},
+    {"crossentropy",     test_crossentropy, 2, 5, 0,  0,  11,   16, 0},
+    {"crossentropy_odd", test_crossentropy, 1, 3, 0,  0, 997, 1024, 0},
+    {"adamw",            test_adamw,       1, 1, 1037, 0,  0,    0, 1},
+    {"sumsq",            test_sumsq,       1, 1, 100003, 0, 0,   0, 1},
 };
 
-/* Run the table on `be` under `tag`; only the ops whose name starts with
- * `only` when it is not NULL. */
-static void run_table(const char *tag, double scale, const char *only) {
+/* Run the table on `be` under `tag` (with the activation dtype be has now);
+ * with act_only, the ops that have activation tensors. */
+static void run_table(const char *tag, double scale, int act_only) {
     label = tag;
     tol_scale = scale;
+    ab = be->act_bytes();
     rng_seed(&rng, 1234);
     for (size_t i = 0; i < sizeof op_tests / sizeof op_tests[0]; i++) {
-        if (only && strncmp(op_tests[i].name, only, strlen(only)) != 0) continue;
+        if (act_only && op_tests[i].fp32_only) continue;
         op_tests[i].run(&op_tests[i]);
         bufs_free();
     }
 }
 
 int main(int argc, char **argv) {
-    /* Default: every backend this build holds; or the one named on the command line. */
-    const char *names[] = {"cpu", "cuda"};
-    int nb = 2;
+    /* Default: every backend this build holds, then emu_bf16; or the one
+     * named on the command line. */
+    const char *names[] = {"cpu", "cuda", "emu_bf16"};
+    int nb = 3;
     if (argc > 1) names[0] = argv[1], nb = 1;
+    Backend emu = emu_bf16_backend();
     for (int k = 0; k < nb; k++) {
+        if (strcmp(names[k], "emu_bf16") == 0) {
+            be = &emu;
+            be->init(0);
+            run_table(be->name, TOL_BF16_SCALE, 1);
+            be->shutdown();
+            continue;
+        }
         be = backend_get(names[k]);
         char name[64];
         snprintf(name, sizeof name, "ops_%s", names[k]);
@@ -703,13 +768,13 @@ int main(int argc, char **argv) {
         be->init(0);
         if (be->set_precision) {
             be->set_precision("fp32");
-            run_table(be->name, 1.0, NULL);
+            run_table(be->name, 1.0, 0);
             be->set_precision("bf16");
             char tag[32];
             snprintf(tag, sizeof tag, "%s_bf16", be->name);
-            run_table(tag, TOL_BF16_SCALE, "matmul");
+            run_table(tag, TOL_BF16_SCALE, 1);
         } else {
-            run_table(be->name, 1.0, NULL);
+            run_table(be->name, 1.0, 0);
         }
         be->shutdown();
     }

@@ -1,5 +1,6 @@
 /* backend_cpu: the reference backend. fp32 ops in C + OpenMP, every matrix product
- * through OpenBLAS sgemm. Results are bit-reproducible for a fixed thread count:
+ * through OpenBLAS sgemm. The activation dtype is fp32 (act_bytes 4): the
+ * void * of backend.h's act tensors are float * here. Results are bit-reproducible for a fixed thread count:
  * static schedules only, no float atomics, reductions combined in a fixed order.
  * Must never allocate inside an op in steady state, nor know about models. */
 #include "backend.h"
@@ -120,12 +121,22 @@ static void cpu_zero(void *dst, size_t bytes) {
 
 static void cpu_sync(void) {}
 
+/* The activation dtype is fp32: no precision choice, and the compute copy
+ * of the parameters is the master itself (model.c aliases it; a cast is a
+ * copy). */
+static size_t cpu_act_bytes(void) { return sizeof(float); }
+static void cpu_cast_to_act(void *dst, const float *src, size_t n) {
+    cpu_memcpy(dst, src, n * sizeof(float));
+}
+
 /* ---------------------------------------------------------------------------
  * Embedding */
 
-static void cpu_embed_forward(float *out, const int32_t *tokens, const float *wte,
-                              const float *wpe, int B, int T, int C) {
+static void cpu_embed_forward(void *out_, const int32_t *tokens, const void *wte_,
+                              const void *wpe_, int B, int T, int C) {
     /* out (B*T,C), tokens (B*T), wte (Vp,C), wpe (T,C) */
+    float *out = out_;
+    const float *wte = wte_, *wpe = wpe_;
     #pragma omp parallel for schedule(static)
     for (int i = 0; i < B * T; i++) {
         const float *we = wte + (size_t)tokens[i] * C;
@@ -135,9 +146,10 @@ static void cpu_embed_forward(float *out, const int32_t *tokens, const float *wt
     }
 }
 
-static void cpu_embed_backward(float *dwte, float *dwpe, const float *dout,
+static void cpu_embed_backward(float *dwte, float *dwpe, const void *dout_,
                                const int32_t *tokens, int B, int T, int C, int accumulate) {
     /* dwte (Vp,C) +=, dwpe (T,C), dout (B*T,C), tokens (B*T) */
+    const float *dout = dout_;
     /* Threads own channel ranges, so repeated tokens never race and every sum
      * runs in token order: deterministic for any thread count. */
     #pragma omp parallel
@@ -165,9 +177,11 @@ static void cpu_embed_backward(float *dwte, float *dwpe, const float *dout,
 /* ---------------------------------------------------------------------------
  * LayerNorm (eps 1e-5 and biased variance, as torch.nn.LayerNorm) */
 
-static void cpu_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                                  const float *w, const float *b, int N, int C) {
+static void cpu_layernorm_forward(void *out_, float *mean, float *rstd, const void *inp_,
+                                  const void *w_, const void *b_, int N, int C) {
     /* out (N,C), mean (N), rstd (N), inp (N,C), w (C), b (C) */
+    float *out = out_;
+    const float *inp = inp_, *w = w_, *b = b_;
     #pragma omp parallel for schedule(static)
     for (int i = 0; i < N; i++) {
         const float *x = inp + (size_t)i * C;
@@ -191,10 +205,12 @@ static void cpu_layernorm_forward(float *out, float *mean, float *rstd, const fl
     }
 }
 
-static void cpu_layernorm_backward(float *dinp, float *dw, float *db, const float *dout,
-                                   const float *inp, const float *w, const float *mean,
+static void cpu_layernorm_backward(void *dinp_, float *dw, float *db, const void *dout_,
+                                   const void *inp_, const void *w_, const float *mean,
                                    const float *rstd, int N, int C, int accumulate) {
     /* dinp (N,C) +=, dw (C), db (C), dout (N,C), inp (N,C), w (C), mean (N), rstd (N) */
+    float *dinp = dinp_;
+    const float *dout = dout_, *inp = inp_, *w = w_;
     #pragma omp parallel
     {
         /* Rows for dinp ... */
@@ -239,9 +255,11 @@ static void cpu_layernorm_backward(float *dinp, float *dw, float *db, const floa
 /* ---------------------------------------------------------------------------
  * Matrix products (row-major; w is (OC,C) so the forward is inp @ w^T) */
 
-static void cpu_matmul_forward(float *out, const float *inp, const float *w, const float *bias,
+static void cpu_matmul_forward(void *out_, const void *inp_, const void *w_, const void *bias_,
                                int N, int C, int OC) {
     /* out (N,OC), inp (N,C), w (OC,C), bias (OC) or NULL */
+    float *out = out_;
+    const float *inp = inp_, *w = w_, *bias = bias_;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, w, C, 0.0f,
                 out, OC);
     if (bias) {
@@ -253,10 +271,12 @@ static void cpu_matmul_forward(float *out, const float *inp, const float *w, con
     }
 }
 
-static void cpu_matmul_backward(float *dinp, float *dw, float *dbias, const float *dout,
-                                const float *inp, const float *w, int N, int C, int OC,
+static void cpu_matmul_backward(void *dinp_, float *dw, float *dbias, const void *dout_,
+                                const void *inp_, const void *w_, int N, int C, int OC,
                                 int accumulate) {
     /* dinp (N,C) or NULL, dw (OC,C), dbias (OC) or NULL, dout (N,OC), inp (N,C), w (OC,C) */
+    float *dinp = dinp_;
+    const float *dout = dout_, *inp = inp_, *w = w_;
     if (dinp)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, w, C,
                     0.0f, dinp, C);
@@ -310,9 +330,11 @@ static inline float cpu_dot(const float *a, const float *b, int n) {
     return s;
 }
 
-static void cpu_attention_forward(float *out, float *lse, const float *qkv, int B, int T, int C,
+static void cpu_attention_forward(void *out_, float *lse, const void *qkv_, int B, int T, int C,
                                   int NH) {
     /* out (B*T,C), lse (B,NH,T), qkv (B*T,3C) */
+    float *out = out_;
+    const float *qkv = qkv_;
     int hs = C / NH, ld = 3 * C, TB = T < CPU_ATT_BLOCK ? T : CPU_ATT_BLOCK;
     float scale = 1.0f / sqrtf((float)hs);
     float *scratch = cpu_scratch_get((size_t)omp_get_max_threads() * TB * T);
@@ -349,10 +371,12 @@ static void cpu_attention_forward(float *out, float *lse, const float *qkv, int 
         }
 }
 
-static void cpu_attention_backward(float *dqkv, const float *dout, const float *qkv,
-                                   const float *out, const float *lse, int B, int T, int C,
+static void cpu_attention_backward(void *dqkv_, const void *dout_, const void *qkv_,
+                                   const void *out_, const float *lse, int B, int T, int C,
                                    int NH) {
     /* dqkv (B*T,3C) overwritten, dout (B*T,C), qkv (B*T,3C), out (B*T,C), lse (B,NH,T) */
+    float *dqkv = dqkv_;
+    const float *dout = dout_, *qkv = qkv_, *out = out_;
     int hs = C / NH, ld = 3 * C, TB = T < CPU_ATT_BLOCK ? T : CPU_ATT_BLOCK;
     float scale = 1.0f / sqrtf((float)hs);
     float *scratch = cpu_scratch_get((size_t)omp_get_max_threads() * 2 * TB * T);
@@ -408,8 +432,10 @@ static void cpu_attention_backward(float *dqkv, const float *dout, const float *
 /* ---------------------------------------------------------------------------
  * Elementwise */
 
-static void cpu_gelu_forward(float *out, const float *inp, size_t n) {
+static void cpu_gelu_forward(void *out_, const void *inp_, size_t n) {
     /* out (n), inp (n) */
+    float *out = out_;
+    const float *inp = inp_;
     #pragma omp parallel for simd schedule(static)
     for (size_t i = 0; i < n; i++) {
         float x = inp[i];
@@ -418,8 +444,10 @@ static void cpu_gelu_forward(float *out, const float *inp, size_t n) {
     }
 }
 
-static void cpu_gelu_backward(float *dinp, const float *inp, const float *dout, size_t n) {
+static void cpu_gelu_backward(void *dinp_, const void *inp_, const void *dout_, size_t n) {
     /* dinp (n) overwritten, inp (n), dout (n) */
+    float *dinp = dinp_;
+    const float *inp = inp_, *dout = dout_;
     #pragma omp parallel for simd schedule(static)
     for (size_t i = 0; i < n; i++) {
         float x = inp[i];
@@ -437,12 +465,18 @@ static void cpu_add(float *out, const float *a, const float *b, size_t n) {
     for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
 }
 
+/* The residual stream is fp32 here: the same add. */
+static void cpu_residual_forward(void *out, const void *a, const void *b, size_t n) {
+    cpu_add(out, a, b, n);
+}
+
 /* ---------------------------------------------------------------------------
  * Softmax + cross-entropy, fused */
 
-static void cpu_crossentropy_forward(float *logits, float *losses, const int32_t *targets, int N,
+static void cpu_crossentropy_forward(void *logits_, float *losses, const int32_t *targets, int N,
                                      int V, int Vp, float dloss) {
     /* logits (N,Vp) -> dlogits in place if dloss != 0, losses (N), targets (N) */
+    float *logits = logits_;
     #pragma omp parallel for schedule(static)
     for (int i = 0; i < N; i++) {
         float *x = logits + (size_t)i * Vp;
@@ -575,6 +609,8 @@ const Backend backend_cpu = {
     .copy = cpu_memcpy,
     .zero = cpu_zero,
     .sync = cpu_sync,
+    .act_bytes = cpu_act_bytes,
+    .cast_to_act = cpu_cast_to_act,
     .embed_forward = cpu_embed_forward,
     .embed_backward = cpu_embed_backward,
     .layernorm_forward = cpu_layernorm_forward,
@@ -585,6 +621,7 @@ const Backend backend_cpu = {
     .attention_backward = cpu_attention_backward,
     .gelu_forward = cpu_gelu_forward,
     .gelu_backward = cpu_gelu_backward,
+    .residual_forward = cpu_residual_forward,
     .add = cpu_add,
     .crossentropy_forward = cpu_crossentropy_forward,
     .adamw_update = cpu_adamw_update,

@@ -1,0 +1,269 @@
+/* test_model_bf16: the model's bf16 host logic on a machine with no GPU, through
+ * emu_bf16 (the CPU ops behind bf16 activation storage, test/emu_bf16.h): the
+ * compute copy is the master rounded to nearest even and follows every change
+ * (model_params_changed), a training run tracks the fp32 CPU run, and ZeRO-3's
+ * re-binding of parameter views to shared gather buffers casts each layer's
+ * copy again after the pre-layer hook. Also that an fp32 backend keeps no copy
+ * at all (its compute views are the master's). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "emu_bf16.h"
+#include "model.h"
+#include "optim.h"
+#include "test.h"
+#include "util.h"
+
+static Backend emu;
+static const ModelShape shape0 = {4, 2, 32, 16, 64, 0};
+enum { B = 2, T = 16 };
+
+static void batch(int32_t *inp, int32_t *tgt, uint64_t seed) {
+    Rng r;
+    rng_seed(&r, seed);
+    for (int i = 0; i < B * T; i++) inp[i] = (int32_t)rng_below(&r, 64), tgt[i] = (int32_t)rng_below(&r, 64);
+}
+
+static void make(Model *m, const Backend *be) {
+    ModelShape s = shape0;
+    model_shape_resolve(&s);
+    model_init(m, be, &s, 0);
+}
+
+/* Compute buffer k holds exactly the bf16 rounding of its master. */
+static int copy_exact(const Model *m, int k) {
+    const ComputeBuf *cb = &m->cbuf[k];
+    uint16_t *want = xmalloc(cb->len * 2);
+    backend_f32_to_act(want, cb->master, cb->len, 2);
+    int same = memcmp(want, cb->mem, cb->len * 2) == 0;
+    free(want);
+    return same;
+}
+
+/* fp32: no compute buffers, the compute views are the master views. */
+static void test_fp32_alias(void) {
+    Model m;
+    make(&m, &backend_cpu);
+    int alias = m.act_bytes == 4 && m.n_cbuf == 0 && m.w.wte == m.p.wte && m.w.layer[1].fcw == m.p.layer[1].fcw &&
+                m.w.lnfb == m.p.lnfb;
+    test_report(alias, "model_bf16_fp32_aliases_master", "an fp32 backend got a separate compute copy");
+    model_free(&m);
+}
+
+/* The copy is cast at the first use after a change, and only then. */
+static void test_copy_follows(void) {
+    Model m;
+    make(&m, &emu);
+    model_init_weights(&m, 5);
+    model_plan_activations(&m, B, T);
+    int32_t inp[B * T], tgt[B * T];
+    batch(inp, tgt, 1);
+    int ok = m.act_bytes == 2 && m.n_cbuf == 1 && m.cbuf[0].stale;
+    model_forward(&m, inp, tgt, B, T, 0.0f);
+    ok = ok && !m.cbuf[0].stale && copy_exact(&m, 0);
+    test_report(ok, "model_bf16_copy_cast_on_first_use", "the compute copy is not the master rounded to bf16");
+    /* change the master (as an optimizer step would): stale until the next forward */
+    float one = 1.0f;
+    m.be->to_device(m.p.layer[2].fcw + 3, &one, sizeof one);
+    model_params_changed(&m);
+    ok = m.cbuf[0].stale;
+    model_forward(&m, inp, tgt, B, T, 0.0f);
+    uint16_t got;
+    m.be->to_host(&got, (const char *)m.w.layer[2].fcw + 3 * 2, 2);
+    ok = ok && !m.cbuf[0].stale && copy_exact(&m, 0) && got == 0x3f80; /* bf16 1.0 */
+    test_report(ok, "model_bf16_copy_follows_changes", "a changed master did not reach the compute copy");
+    /* logits rows come back as floats with bf16 values */
+    float row[64];
+    model_logits_row(&m, 1, 3, row);
+    ok = 1;
+    for (int j = 0; j < 64; j++) ok = ok && isfinite(row[j]) && row[j] == backend_act_round(row[j], 2);
+    test_report(ok, "model_bf16_logits_row", "a logits row is not bf16 values");
+    size_t want = model_activation_bytes(&m.shape, B, T, 2), fp32 = model_activation_bytes(&m.shape, B, T, 4);
+    test_report(m.act_size == want && want < fp32 * 6 / 10, "model_bf16_activations_halved",
+                "activation arena %zu bytes (fp32 %zu)", m.act_size, fp32);
+    model_free(&m);
+}
+
+/* Losses of `steps` AdamW steps on one batch (overfitting it). */
+static void train(const Backend *be, int steps, float *loss) {
+    Model m;
+    make(&m, be);
+    model_init_weights(&m, 7);
+    model_plan_activations(&m, B, T);
+    AdamW o;
+    optim_init(&o, be, m.num_params, m.num_decay, 0.9f, 0.95f, 1e-8f, 0.0f, 1.0f);
+    int32_t inp[B * T], tgt[B * T];
+    batch(inp, tgt, 2);
+    for (int s = 0; s < steps; s++) {
+        loss[s] = model_forward(&m, inp, tgt, B, T, 1.0f / (B * T));
+        model_backward(&m, 0);
+        optim_step(&o, m.param_mem, m.grad_mem, 3e-3f);
+        model_params_changed(&m);
+    }
+    optim_free(&o);
+    model_free(&m);
+}
+
+/* bf16 storage tracks fp32 within 1% per step (cuda_check's bf16 bar), and
+ * both learn: a compute copy left stale would not. */
+static void test_training_tracks_fp32(void) {
+    enum { S = 12 };
+    float a[S], b[S];
+    train(&backend_cpu, S, a);
+    train(&emu, S, b);
+    double worst = 0;
+    for (int s = 0; s < S; s++) worst = fmax(worst, fabs((double)a[s] - b[s]) / a[s]);
+    int learns = a[S - 1] < 0.8f * a[0] && b[S - 1] < 0.8f * b[0];
+    test_report(worst < 1e-2 && learns, "model_bf16_training_tracks_fp32",
+                "max relative loss difference %.3g (tol 1e-2), loss %g -> %g fp32, %g -> %g bf16", worst, a[0],
+                a[S - 1], b[0], b[S - 1]);
+}
+
+/* ZeRO-3 as ddp.c binds it, on one rank: layers alternate between two gather
+ * buffers, wte/wpe/ln_f sit in a third, and the pre-layer hook "gathers" a
+ * unit by copying it from a saved whole arena. Forward and backward must give
+ * the unbound model's bits: layer l + 2 reuses layer l's compute buffer, so a
+ * copy not cast again after the hook would compute with the wrong layer. */
+typedef struct {
+    Model *m;
+    float *whole, *pbuf[2], *prest;
+} Gather;
+
+static int gather_hook(void *ctx, int layer, int backward) {
+    Gather *g = ctx;
+    Model *m = g->m;
+    int u = layer < 0 ? m->shape.n_layer : layer;
+    float *dst = layer < 0 ? g->prest : g->pbuf[layer % 2];
+    m->be->copy(dst, g->whole + m->unit_off[u], m->unit_len[u] * sizeof(float));
+    return 1; /* the slot's values changed */
+}
+
+/* Laid out by unit, the gradient views bound to one whole buffer (ddp.c
+ * binds them to per-layer slots; a test model keeps every gradient). */
+static float *bind_whole_grads(Model *m) {
+    float *g = xcalloc(m->arena_len, sizeof(float));
+    for (int u = 0; u < m->n_units; u++) model_bind_unit(m, u, NULL, g + m->unit_off[u]);
+    return g;
+}
+
+static void test_zero3_rebinding(void) {
+    Model a, z;
+    make(&a, &emu);
+    make(&z, &emu);
+    model_layout_by_unit(&a, 1);
+    model_layout_by_unit(&z, 1);
+    float *ga = bind_whole_grads(&a);
+    model_init_weights(&a, 9);
+    model_init_weights(&z, 9);
+    model_plan_activations(&a, B, T);
+    model_plan_activations(&z, B, T);
+    int L = z.shape.n_layer;
+    size_t layer_len = 0;
+    for (int u = 0; u < L; u++) layer_len = z.unit_len[u] > layer_len ? z.unit_len[u] : layer_len;
+    Gather g = {&z, xmalloc(z.arena_len * sizeof(float)), {0}, NULL};
+    memcpy(g.whole, z.param_mem, z.arena_len * sizeof(float));
+    float *gbuf[2], *grest = xcalloc(z.unit_len[L], sizeof(float));
+    for (int s = 0; s < 2; s++) {
+        g.pbuf[s] = xcalloc(layer_len, sizeof(float));
+        gbuf[s] = xcalloc(layer_len, sizeof(float));
+    }
+    g.prest = xcalloc(z.unit_len[L], sizeof(float));
+    /* as ddp_shard_params: the whole arena goes, every unit is re-bound */
+    free(z.param_mem);
+    z.param_mem = NULL;
+    for (int l = 0; l < L; l++) model_bind_unit(&z, l, g.pbuf[l % 2], gbuf[l % 2]);
+    model_bind_unit(&z, L, g.prest, grest);
+    z.pre_hook = gather_hook;
+    z.hook_ctx = &g;
+    test_report(z.n_cbuf == 3, "model_bf16_zero3_buffers", "%d compute buffers for 3 gather buffers", z.n_cbuf);
+
+    int32_t inp[B * T], tgt[B * T];
+    batch(inp, tgt, 3);
+    float la = model_forward(&a, inp, tgt, B, T, 1.0f / (B * T));
+    float lz = model_forward(&z, inp, tgt, B, T, 1.0f / (B * T));
+    test_report(la == lz, "model_bf16_zero3_forward", "loss %.9g bound to gather buffers, %.9g whole", lz, la);
+    model_backward(&a, 0);
+    model_backward(&z, 0);
+    /* after the backward gbuf[l % 2] holds layers 1 and 0 (the last two done) */
+    int same = memcmp(grest, ga + a.unit_off[L], a.unit_len[L] * sizeof(float)) == 0;
+    for (int l = 0; l < 2; l++)
+        same = same && memcmp(gbuf[l], ga + a.unit_off[l], a.unit_len[l] * sizeof(float)) == 0;
+    test_report(same, "model_bf16_zero3_backward", "gradients differ from the unbound model's");
+    model_free(&a);
+    model_free(&z);
+    for (int s = 0; s < 2; s++) free(g.pbuf[s]), free(gbuf[s]);
+    free(g.prest), free(grest), free(g.whole), free(ga);
+}
+
+/* ZeRO-2 as ddp.c runs it: the parameters stay in the whole arena (one
+ * compute buffer over it), and after an optimizer step each unit's new
+ * values land (an all-gather) at its first use in the next forward, when
+ * the hook says so. Each unit's compute copy must then be cast again, that
+ * unit's range only: a stale copy, or one cast before its unit landed,
+ * computes with the old weights. */
+typedef struct {
+    Model *m;
+    float *next; /* the values the "all-gathers" bring */
+    int *fresh;  /* [n_units] a refresh is in flight */
+} Refresh;
+
+static int refresh_hook(void *ctx, int layer, int backward) {
+    Refresh *r = ctx;
+    Model *m = r->m;
+    int u = layer < 0 ? m->shape.n_layer : layer;
+    if (backward || !r->fresh[u]) return 0;
+    m->be->copy(m->param_mem + m->unit_off[u], r->next + m->unit_off[u], m->unit_len[u] * sizeof(float));
+    r->fresh[u] = 0;
+    return 1;
+}
+
+static void test_zero2_refresh(void) {
+    Model a, y;
+    make(&a, &emu);
+    make(&y, &emu);
+    model_layout_by_unit(&a, 1);
+    model_layout_by_unit(&y, 1);
+    float *ga = bind_whole_grads(&a), *gy = bind_whole_grads(&y);
+    model_init_weights(&a, 9);
+    model_init_weights(&y, 9);
+    model_plan_activations(&a, B, T);
+    model_plan_activations(&y, B, T);
+    int32_t inp[B * T], tgt[B * T];
+    batch(inp, tgt, 4);
+    float la = model_forward(&a, inp, tgt, B, T, 1.0f / (B * T));
+    float ly = model_forward(&y, inp, tgt, B, T, 1.0f / (B * T));
+    /* "a step": new weights; the reference model takes them directly */
+    for (size_t i = 0; i < a.arena_len; i++) a.param_mem[i] *= 1.0f + 0.05f * (float)((i * 7919) % 13) / 13.0f;
+    model_params_changed(&a);
+    Refresh r = {&y, xmalloc(y.arena_len * sizeof(float)), xcalloc((size_t)y.n_units, sizeof(int))};
+    memcpy(r.next, a.param_mem, a.arena_len * sizeof(float));
+    for (int u = 0; u < y.n_units; u++) r.fresh[u] = 1;
+    y.pre_hook = refresh_hook;
+    y.hook_ctx = &r;
+    float la2 = model_forward(&a, inp, tgt, B, T, 1.0f / (B * T));
+    float ly2 = model_forward(&y, inp, tgt, B, T, 1.0f / (B * T));
+    model_backward(&a, 0);
+    model_backward(&y, 0);
+    int same = memcmp(ga, gy, a.arena_len * sizeof(float)) == 0;
+    test_report(la == ly && la2 == ly2 && la2 != la && y.n_cbuf == 1 && same, "model_bf16_zero2_refresh",
+                "losses %.9g/%.9g before, %.9g/%.9g after the refresh (whole/refreshed), %d compute buffers, "
+                "gradients %s", la, ly, la2, ly2, y.n_cbuf, same ? "equal" : "differ");
+    model_free(&a);
+    model_free(&y);
+    free(ga), free(gy), free(r.next), free(r.fresh);
+}
+
+int main(void) {
+    emu = emu_bf16_backend();
+    emu.init(2);
+    test_fp32_alias();
+    test_copy_follows();
+    test_training_tracks_fp32();
+    test_zero3_rebinding();
+    test_zero2_refresh();
+    emu.shutdown();
+    return 0;
+}
