@@ -77,8 +77,45 @@ static void *cuda_alloc(size_t bytes) { return cuda_alloc_bytes(bytes); }
 static void cuda_free(void *p) {
     if (p) CUDA_CHECK(cudaFree(p));
 }
+/* Small host-to-device copies (each micro-batch's tokens and targets) go
+ * through a pinned staging ring and cudaMemcpyAsync on the stream: a
+ * cudaMemcpy from pageable memory would first wait for every op queued before
+ * it, so the host could not queue the next micro-batch while the GPU works.
+ * The source may be reused on return (it was copied into the ring), as
+ * backend.h promises; a slot is written again only after the event recorded
+ * behind its copy has passed. Large copies (weights at load) stay plain. */
+#define STAGE_SLOTS 8
+#define STAGE_BYTES ((size_t)1 << 20)
+static unsigned char *stage_mem; /* pinned host, STAGE_SLOTS * STAGE_BYTES */
+static cudaEvent_t stage_done[STAGE_SLOTS];
+static int stage_next;
+
+static void stage_init(void) {
+    CUDA_CHECK(cudaMallocHost((void **)&stage_mem, STAGE_SLOTS * STAGE_BYTES));
+    for (int s = 0; s < STAGE_SLOTS; s++) CUDA_CHECK(cudaEventCreateWithFlags(&stage_done[s], cudaEventDisableTiming));
+    stage_next = 0;
+}
+
+static void stage_free(void) {
+    if (!stage_mem) return;
+    for (int s = 0; s < STAGE_SLOTS; s++) CUDA_CHECK(cudaEventDestroy(stage_done[s]));
+    CUDA_CHECK(cudaFreeHost(stage_mem));
+    stage_mem = NULL;
+}
+
 static void cuda_to_device(void *dst, const void *src, size_t bytes) {
-    if (bytes) CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    if (!bytes) return;
+    if (bytes > STAGE_BYTES || !stage_mem) {
+        CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+        return;
+    }
+    int s = stage_next;
+    stage_next = (s + 1) % STAGE_SLOTS;
+    CUDA_CHECK(cudaEventSynchronize(stage_done[s])); /* the slot's last copy has been read */
+    unsigned char *slot = stage_mem + (size_t)s * STAGE_BYTES;
+    memcpy(slot, src, bytes);
+    CUDA_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, cudaStreamLegacy));
+    CUDA_CHECK(cudaEventRecord(stage_done[s], cudaStreamLegacy));
 }
 static void cuda_to_host(void *dst, const void *src, size_t bytes) {
     if (bytes) CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
@@ -89,7 +126,11 @@ static void cuda_copy(void *dst, const void *src, size_t bytes) {
 static void cuda_zero(void *dst, size_t bytes) {
     if (bytes) CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, 0));
 }
-static void cuda_sync(void) { CUDA_CHECK(cudaDeviceSynchronize()); }
+/* Every op of the backend's stream done. Not cudaDeviceSynchronize: that
+ * would also wait, with no deadline, for NCCL work on comm's own streams
+ * (comm.h); what the compute stream took from them (a waited request) is
+ * behind its events already. */
+static void cuda_sync(void) { CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy)); }
 
 static void *scratch_ptr[SCRATCH_COUNT];
 static size_t scratch_size[SCRATCH_COUNT];
@@ -162,6 +203,7 @@ static const char *cuda_init(int threads) {
     CUDA_CHECK(cudaRuntimeGetVersion(&rt));
     CUDA_CHECK(cudaDriverGetVersion(&drv));
     cuda_matmul_init();
+    stage_init();
     cuda_note_usage();
     size_t lt = cublasLtGetVersion();
     snprintf(cuda_device_part, sizeof cuda_device_part,
@@ -176,6 +218,7 @@ static const char *cuda_init(int threads) {
 static void cuda_shutdown(void) {
     if (!cuda_started) return;
     cudaDeviceSynchronize();
+    stage_free();
     cuda_scratch_free_all();
     cuda_embed_free_host();
     cuda_matmul_shutdown();

@@ -48,11 +48,17 @@ K="$S --set train.steps=240 --set checkpoint.keep_last=3"
 fails=0 kills=0
 rm -rf $T/kill
 for i in $(seq 12); do
+    # kill at a random step 10-50 past where this attempt starts (the step
+    # count, not a sleep: a loaded machine makes time a poor guide)
+    have=$(cat $T/kill/metrics.jsonl 2>/dev/null | wc -l)
+    target=$((have + 10 + RANDOM % 40))
     "${MPIRUN[@]}" ./train $Y $K --set run.dir=$T/kill --resume auto >$T/kill$i.txt 2>&1 &
     mp=$!
-    sleep "$((RANDOM % 2)).$((RANDOM % 10))"
-    kill -0 $mp 2>/dev/null && kills=$((kills + 1))
-    pkill -9 -f "run.dir=$T/kill --resume" 2>/dev/null
+    while kill -0 $mp 2>/dev/null && [ "$(cat $T/kill/metrics.jsonl 2>/dev/null | wc -l)" -lt $target ]; do sleep 0.02; done
+    if kill -0 $mp 2>/dev/null; then
+        pkill -9 -f "run.dir=$T/kill --resume" 2>/dev/null
+        kills=$((kills + 1))
+    fi
     wait $mp 2>/dev/null
     grep -q 'kiln: error' $T/kill$i.txt && fails=$((fails + 1))
     [ "$(cat $T/kill/checkpoints/latest 2>/dev/null)" = step_00000240 ] && break
