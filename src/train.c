@@ -211,6 +211,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         kiln_fail(KILN_EXIT_USAGE, "key 'device': '%s' is not available in this build (./train --version lists the backends)",
                   c->device);
     const char *desc = be->init(c->threads);
+    if (be->set_attention) be->set_attention(c->attention); /* precision.attention, chosen by set_precision */
     if (be->set_precision) be->set_precision(c->compute); /* precision.compute: GPU products */
 
     Tokenizer *tok = tok_open(c->tokenizer, c->tokenizer_file);
