@@ -463,8 +463,11 @@ static void att_choose(void) {
                   att_mode == ATT_TENSOR_CORES ? "using them anyway (precision.attention tensor_cores)"
                                                : "using the SIMT kernels (precision.attention tensor_cores "
                                                  "forces the others)");
-    snprintf(att_desc, sizeof att_desc, "attention: %s (%s)",
-             att_tc ? "tensor cores, bf16 WMMA (head sizes 16..128 in steps of 16)" : "SIMT kernels", figures);
+    snprintf(att_desc, sizeof att_desc, "attention: %s; %s)",
+             !att_tc ? "SIMT kernels (tensor cores refused"
+             : att_check_ok ? "tensor cores (bf16 WMMA for head sizes 16..128 in steps of 16, else SIMT"
+                            : "tensor cores (forced by precision.attention",
+             figures);
 }
 
 void cuda_attention_set_mode(const char *mode) {
