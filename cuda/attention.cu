@@ -449,6 +449,12 @@ static void att_choose(void) {
         snprintf(att_desc, sizeof att_desc, "attention: SIMT kernels (precision.attention simt)");
         return;
     }
+    if (!cuda_attention_tc_fits(128, 2)) { /* the self-check's head size 64: its shared memory does not fit */
+        att_tc = 0;
+        snprintf(att_desc, sizeof att_desc, "attention: SIMT kernels (this GPU's shared memory is too small "
+                                            "for the tensor-core kernels)");
+        return;
+    }
     if (!att_checked) {
         att_selfcheck();
         att_checked = 1;

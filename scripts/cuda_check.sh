@@ -138,8 +138,9 @@ section "tiny: 50 steps, cpu vs cuda"
 if [ ! -f data/austen/train_000000.bin ]; then
     ./train prepare --tokenizer byte --out data/austen --val-fraction 0.05 --shard-tokens 2000000 data/austen.txt >/dev/null
 fi
-tiny() { # NAME DEVICE COMPUTE
+tiny() { # NAME DEVICE COMPUTE [ATTENTION]
     timeout 150 ./train configs/tiny.yaml --set device="$2" --set precision.compute="$3" \
+        --set precision.attention="${4:-auto}" \
         --set train.steps=50 --set train.sample_every=0 --set train.eval_every=0 \
         --set metrics.log_every=10 --set run.dir="$OUT/tiny_$1" > "$OUT/tiny_$1.txt" 2>&1
     local rc=$?
@@ -164,10 +165,13 @@ EOF
 }
 if tiny cpu cpu fp32; then
     row tiny_cpu ok "$(grep -o 'final loss [0-9.]*' "$OUT/tiny_cpu.txt")"
-    for pair in "cuda_fp32 fp32 $TOL_TINY_FP32" "cuda_bf16 bf16 $TOL_TINY_BF16"; do
+    # cuda_bf16 runs attention on tensor cores (auto; tiny's head size is 32),
+    # cuda_bf16_simt on the SIMT kernels: if only the first fails, suspect them.
+    for pair in "cuda_fp32 fp32 $TOL_TINY_FP32 auto" "cuda_bf16 bf16 $TOL_TINY_BF16 auto" \
+                "cuda_bf16_simt bf16 $TOL_TINY_BF16 simt"; do
         set -- $pair
         if over_budget; then row "tiny_$1" skip "over the time budget"; continue; fi
-        if ! tiny "$1" cuda "$2"; then row "tiny_$1" FAIL "run failed: $(tail -n 1 "$OUT/tiny_$1.txt")"; failed=1; continue; fi
+        if ! tiny "$1" cuda "$2" "$4"; then row "tiny_$1" FAIL "run failed: $(tail -n 1 "$OUT/tiny_$1.txt")"; failed=1; continue; fi
         msg=$(compare "$1" "$3"); rc=$?
         echo "$1: $msg"
         if [ $rc -eq 0 ]; then row "tiny_$1" ok "$msg (tol $3)"; else row "tiny_$1" FAIL "$msg (tol $3)"; failed=1; fi
