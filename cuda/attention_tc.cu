@@ -40,13 +40,14 @@
  * column multiple of 16, and every region at a multiple of 128 bytes; the
  * padding shifts successive rows by 4 banks). Rows past T load as zero and
  * are never written. Global loads are 16-byte vectors (8 bf16): hs and C are
- * multiples of 16, and the host entry checks the pointers' alignment.
+ * multiples of 16, and attention.cu's dispatch checks qkv's and dout's
+ * alignment (every kiln buffer is 64-byte aligned).
  *
  * Determinism: no atomics; every sum (fragment products, the pair's
  * butterfly, the tile loops) runs in a fixed order, so the same inputs give
  * the same bits. Math is fp32 with fp32 accumulation; only the tensor-core
  * operands are bf16 (the inputs as stored, and P, dS rounded to nearest). */
-#ifndef KILN_WMMA_EMU /* test/wmma_emu runs the kernels below on the CPU, with its own stand-ins */
+#ifndef KILN_WMMA_EMU /* test/attention_tc_emu.cc runs the kernels on the CPU with test/wmma_emu.h's stand-ins */
 #include <mma.h>
 
 #include "common.cuh"
