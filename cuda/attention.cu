@@ -4,8 +4,9 @@
  * from it, so no (T,T) matrix ever exists. The backward is two kernels — dQ
  * over query rows, then dK/dV over key rows — instead of FlashAttention-2's
  * atomics on dQ: every sum then runs in a fixed order and the result is the
- * same bits run to run (test_ops checks "deterministic"). Tensor cores are not
- * used yet (see the README section "Training on a GPU").
+ * same bits run to run (test_ops checks "deterministic"). With bf16
+ * activations the tensor-core kernels of attention_tc.cu take over where they
+ * apply; the end of this file chooses, after comparing the two (self-check).
  *
  * Threads: a group of TPK adjacent threads owns one row (a query, or a key in
  * the dK/dV kernel); thread `sub` of a group holds head dims sub, sub+TPK,
@@ -19,6 +20,12 @@
  * Dtypes: qkv, out, dout and dqkv are act (template T_: fp32 or bf16, read
  * into fp32 registers and fp32 shared tiles, stored rounded); lse, D and every
  * sum are fp32. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "common.cuh"
 
 #define ATT_D 16   /* head dims per thread */
@@ -288,7 +295,7 @@ static void att_forward_run(void *out, float *lse, const void *qkv, int B, int T
     CUDA_CHECK_LAUNCH();
 }
 
-void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
+void cuda_attention_simt_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
     ACT_DISPATCH(att_forward_run, out, lse, qkv, B, T, C, NH);
 }
 
@@ -318,7 +325,194 @@ static void att_backward_run(void *dqkv_, const void *dout_, const void *qkv_, c
     CUDA_CHECK_LAUNCH();
 }
 
-void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
-                             const float *lse, int B, int T, int C, int NH) {
+void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
+                                  const float *lse, int B, int T, int C, int NH) {
     ACT_DISPATCH(att_backward_run, dqkv, dout, qkv, out, lse, B, T, C, NH);
+}
+
+/* ---------------------------------------------------------------------------
+ * Which kernels run: precision.attention (set_attention) and the activation
+ * dtype (set_precision) decide once, at start-up. The tensor-core kernels
+ * read bf16, so fp32 activations always take the SIMT ones. With bf16, `auto`
+ * first runs both on the same random inputs and takes the tensor cores only
+ * if they agree (a kiln bug or a toolchain/driver problem shows up here as a
+ * warning, not as a silently wrong model); `tensor_cores` takes them whatever
+ * the check says (it still runs, and warns); `simt` never launches them.
+ * Per call, a head size or alignment the tensor-core kernels do not handle
+ * falls back to the SIMT kernels (hs a multiple of 16 up to 128, qkv and dout
+ * 16-byte aligned: every kiln buffer is). */
+
+enum { ATT_AUTO, ATT_TENSOR_CORES, ATT_SIMT };
+static const char *const att_mode_names[] = {"auto", "tensor_cores", "simt"};
+static int att_mode = ATT_AUTO;
+static int att_precision_set; /* set_precision has run since init: the choice can be made */
+static int att_tc;            /* 1: the tensor-core kernels are chosen */
+static int att_checked;       /* the self-check has run since init; its figures: */
+static double att_err_out, att_err_lse, att_err_dqkv;
+static int att_check_det, att_check_ok;
+static char att_desc[256] = "attention: SIMT kernels";
+
+/* Self-check tolerance, max |tc - simt| / max |simt| per tensor. Both read
+ * the same bf16 inputs and store bf16 outputs: two roundings of nearby fp32
+ * values can differ by one bf16 ulp, up to 2^-7 = 7.8e-3 of the largest
+ * element; the tensor cores also round P and dS to bf16 (2^-9 each, errors
+ * that average out over a row: ~1e-3 of the max). 2e-2 is 2x that sum; a
+ * wrong index, mask, scale or missed synchronisation errs by 0.1 or more. */
+#define ATT_CHECK_TOL 2e-2
+
+static double att_max_rel(const float *got, const float *ref, size_t n) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)got[i] - ref[i]);
+        if (!(d == d) || isinf(d)) return INFINITY; /* NaN or Inf */
+        num = d > num ? d : num;
+        den = fabs(ref[i]) > den ? fabs(ref[i]) : den;
+    }
+    return num / (den > 0.0 ? den : 1.0);
+}
+
+/* Device tensor to host fp32 (bf16 if act). */
+static float *att_fetch(const void *d, size_t n, int act) {
+    size_t es = act ? sizeof(bf16) : sizeof(float);
+    void *s = xmalloc(n * es);
+    float *h = (float *)xmalloc(n * sizeof(float));
+    CUDA_CHECK(cudaMemcpy(s, d, n * es, cudaMemcpyDeviceToHost));
+    backend_act_to_f32(h, s, n, es);
+    free(s);
+    return h;
+}
+
+/* Both implementations, forward and backward, on random bf16 inputs at a T
+ * that is not a multiple of the 64-row tiles, GPT-2's head size; the
+ * backward of both reads the SIMT forward's out and lse, so each pass is
+ * compared on its own. The tensor-core backward runs twice: same bits. */
+static void att_selfcheck(void) {
+    const int B = 1, NH = 2, T = 200, hs = 64, C = NH * hs;
+    size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    float *h = (float *)xmalloc(n3 * sizeof(float));
+    bf16 *hq = (bf16 *)xmalloc(n3 * sizeof(bf16)), *hd = (bf16 *)xmalloc(nc * sizeof(bf16));
+    Rng rng;
+    rng_seed(&rng, 2718281828u);
+    for (size_t i = 0; i < n3; i++) h[i] = rng_normal(&rng);
+    backend_f32_to_act(hq, h, n3, sizeof(bf16));
+    for (size_t i = 0; i < nc; i++) h[i] = rng_normal(&rng);
+    backend_f32_to_act(hd, h, nc, sizeof(bf16));
+    free(h);
+    void *qkv, *dout, *out_s, *out_t, *dq_s, *dq_t, *dq_t2;
+    float *lse_s, *lse_t;
+    CUDA_CHECK(cudaMalloc(&qkv, n3 * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&dout, nc * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&out_s, nc * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&out_t, nc * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&dq_s, n3 * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&dq_t, n3 * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&dq_t2, n3 * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&lse_s, nl * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&lse_t, nl * sizeof(float)));
+    CUDA_CHECK(cudaMemcpy(qkv, hq, n3 * sizeof(bf16), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dout, hd, nc * sizeof(bf16), cudaMemcpyHostToDevice));
+    free(hq), free(hd);
+
+    cuda_attention_simt_forward(out_s, lse_s, qkv, B, T, C, NH);
+    cuda_attention_tc_forward(out_t, lse_t, qkv, B, T, C, NH);
+    cuda_attention_simt_backward(dq_s, dout, qkv, out_s, lse_s, B, T, C, NH);
+    cuda_attention_tc_backward(dq_t, dout, qkv, out_s, lse_s, B, T, C, NH);
+    cuda_attention_tc_backward(dq_t2, dout, qkv, out_s, lse_s, B, T, C, NH);
+    CUDA_CHECK(cudaDeviceSynchronize());
+
+    float *os = att_fetch(out_s, nc, 1), *ot = att_fetch(out_t, nc, 1);
+    float *ls = att_fetch(lse_s, nl, 0), *lt = att_fetch(lse_t, nl, 0);
+    float *gs = att_fetch(dq_s, n3, 1), *gt = att_fetch(dq_t, n3, 1), *gt2 = att_fetch(dq_t2, n3, 1);
+    att_err_out = att_max_rel(ot, os, nc);
+    att_err_lse = att_max_rel(lt, ls, nl);
+    att_err_dqkv = att_max_rel(gt, gs, n3);
+    att_check_det = memcmp(gt, gt2, n3 * sizeof(float)) == 0;
+    att_check_ok = att_err_out <= ATT_CHECK_TOL && att_err_lse <= ATT_CHECK_TOL && att_err_dqkv <= ATT_CHECK_TOL &&
+                   att_check_det;
+    free(os), free(ot), free(ls), free(lt), free(gs), free(gt), free(gt2);
+    void *dptr[] = {qkv, dout, out_s, out_t, dq_s, dq_t, dq_t2, lse_s, lse_t};
+    for (size_t i = 0; i < sizeof dptr / sizeof dptr[0]; i++) CUDA_CHECK(cudaFree(dptr[i]));
+}
+
+/* The choice, from att_mode and the activation dtype; writes att_desc. */
+static void att_choose(void) {
+    if (!cuda_act_bf16) {
+        if (att_mode == ATT_TENSOR_CORES)
+            kiln_fail(KILN_EXIT_USAGE, "key 'precision.attention': tensor_cores needs precision.compute bf16 "
+                                       "(the tensor-core kernels read bf16 activations)");
+        att_tc = 0;
+        snprintf(att_desc, sizeof att_desc, "attention: SIMT kernels (fp32 activations)");
+        return;
+    }
+    if (att_mode == ATT_SIMT) {
+        att_tc = 0;
+        snprintf(att_desc, sizeof att_desc, "attention: SIMT kernels (precision.attention simt)");
+        return;
+    }
+    if (!cuda_attention_tc_fits(128, 2)) { /* the self-check's head size 64: its shared memory does not fit */
+        att_tc = 0;
+        snprintf(att_desc, sizeof att_desc, "attention: SIMT kernels (this GPU's shared memory is too small "
+                                            "for the tensor-core kernels)");
+        return;
+    }
+    if (!att_checked) {
+        att_selfcheck();
+        att_checked = 1;
+    }
+    char figures[160];
+    snprintf(figures, sizeof figures, "self-check vs SIMT: out %.1e, lse %.1e, dqkv %.1e (tol %.0e), %s",
+             att_err_out, att_err_lse, att_err_dqkv, ATT_CHECK_TOL,
+             att_check_det ? "deterministic" : "NOT deterministic");
+    att_tc = att_mode == ATT_TENSOR_CORES || att_check_ok;
+    if (!att_check_ok)
+        kiln_warn("attention: the tensor-core kernels disagree with the SIMT ones (%s): %s", figures,
+                  att_mode == ATT_TENSOR_CORES ? "using them anyway (precision.attention tensor_cores)"
+                                               : "using the SIMT kernels (precision.attention tensor_cores "
+                                                 "forces the others)");
+    snprintf(att_desc, sizeof att_desc, "attention: %s; %s)",
+             !att_tc ? "SIMT kernels (tensor cores refused"
+             : att_check_ok ? "tensor cores (bf16 WMMA for head sizes 16..128 in steps of 16, else SIMT"
+                            : "tensor cores (forced by precision.attention",
+             figures);
+}
+
+void cuda_attention_set_mode(const char *mode) {
+    int m = -1;
+    for (int i = 0; i < 3; i++)
+        if (strcmp(mode, att_mode_names[i]) == 0) m = i;
+    if (m < 0)
+        kiln_fail(KILN_EXIT_USAGE, "key 'precision.attention': '%s' is not one of auto|tensor_cores|simt", mode);
+    att_mode = m;
+    if (att_precision_set) att_choose();
+}
+
+void cuda_attention_precision_changed(void) {
+    att_precision_set = 1;
+    att_choose();
+}
+
+const char *cuda_attention_describe(void) { return att_desc; }
+
+void cuda_attention_reset(void) {
+    att_mode = ATT_AUTO;
+    att_precision_set = att_tc = att_checked = 0;
+    snprintf(att_desc, sizeof att_desc, "attention: SIMT kernels");
+}
+
+/* 16-byte vector loads of qkv and dout (attention_tc.cu). */
+static int att_aligned(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
+    if (att_tc && att_aligned(qkv) && cuda_attention_tc_fits(C, NH))
+        cuda_attention_tc_forward(out, lse, qkv, B, T, C, NH);
+    else
+        cuda_attention_simt_forward(out, lse, qkv, B, T, C, NH);
+}
+
+void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse, int B,
+                             int T, int C, int NH) {
+    if (att_tc && att_aligned(qkv) && att_aligned(dout) && cuda_attention_tc_fits(C, NH))
+        cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
+    else
+        cuda_attention_simt_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
 }

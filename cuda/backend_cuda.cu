@@ -1,5 +1,5 @@
 /* backend_cuda: the CUDA backend's start-up, memory and the Backend table; the
- * ops live in embed_norm.cu, matmul.cu, attention.cu and pointwise.cu. The
+ * ops live in embed_norm.cu, matmul.cu, attention.cu (+ attention_tc.cu) and pointwise.cu. The
  * activation dtype (backend.h) is precision.compute: bf16 (activations, their
  * gradients and the parameters' compute copy stored in bf16, matrix products
  * on bf16 tensor cores, fp32 math and accumulation) or fp32 (everything fp32,
@@ -15,7 +15,7 @@
 
 #include "common.cuh"
 
-static char cuda_desc[512];
+static char cuda_desc[768];
 static char cuda_device_part[384];
 static int cuda_started;
 static size_t cuda_peak_used; /* bytes in use on the device, highest seen */
@@ -157,8 +157,9 @@ void cuda_scratch_free_all(void) {
  * Start-up */
 
 static void cuda_update_desc(void) {
-    snprintf(cuda_desc, sizeof cuda_desc, "%s, %s", cuda_device_part,
-             cuda_act_bf16 ? "bf16 activations (tensor cores, fp32 accumulate)" : "fp32 activations and products");
+    snprintf(cuda_desc, sizeof cuda_desc, "%s, %s, %s", cuda_device_part,
+             cuda_act_bf16 ? "bf16 activations (tensor cores, fp32 accumulate)" : "fp32 activations and products",
+             cuda_attention_describe());
 }
 
 /* Which of the visible GPUs this process uses (select_device, before init):
@@ -223,6 +224,7 @@ static void cuda_shutdown(void) {
     cuda_embed_free_host();
     cuda_matmul_shutdown();
     cuda_act_bf16 = 0; /* the next init starts from fp32 again */
+    cuda_attention_reset(); /* and from precision.attention auto */
     cuda_started = 0;
 }
 
@@ -232,6 +234,13 @@ static void cuda_set_precision(const char *compute) {
     if (strcmp(compute, "bf16") == 0) cuda_act_bf16 = 1;
     else if (strcmp(compute, "fp32") == 0) cuda_act_bf16 = 0;
     else kiln_fail(KILN_EXIT_USAGE, "key 'precision.compute': '%s' is not one of bf16|fp32", compute);
+    cuda_attention_precision_changed(); /* bf16: tensor-core attention, after its self-check */
+    cuda_update_desc();
+}
+
+/* precision.attention: "auto", "tensor_cores" or "simt" (attention.cu). */
+static void cuda_set_attention(const char *impl) {
+    cuda_attention_set_mode(impl);
     cuda_update_desc();
 }
 
@@ -281,6 +290,7 @@ extern "C" const Backend backend_cuda = {
     .adamw_update = cuda_adamw_update,
     .sumsq = cuda_sumsq,
     .set_precision = cuda_set_precision,
+    .set_attention = cuda_set_attention,
     .memory_peak = cuda_memory_peak,
     .stream = cuda_stream,
     .select_device = cuda_select_device,

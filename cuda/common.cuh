@@ -96,7 +96,7 @@ __device__ __forceinline__ float block_max(float v, float *shared) {
 enum {
     SCRATCH_COLSUM,    /* column-sum partials (layernorm dw/db, matmul dbias) */
     SCRATCH_EMBED,     /* token buckets for the dwte scatter */
-    SCRATCH_ATTENTION, /* D = rowsum(dO * O) of the attention backward */
+    SCRATCH_ATTENTION, /* D = rowsum(dO * O) of the attention backward (either kernel set) */
     SCRATCH_SUMSQ,     /* sumsq partials */
     SCRATCH_COUNT
 };
@@ -124,10 +124,28 @@ void cuda_matmul_forward(void *out, const void *inp, const void *w, const void *
                          int OC);
 void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                           const void *w, int N, int C, int OC, int accumulate);
-/* attention.cu */
+/* attention.cu: the backend's attention ops choose between the SIMT kernels
+ * (any dtype and head size up to 128) and the tensor-core ones of
+ * attention_tc.cu; set_mode is precision.attention (auto | tensor_cores |
+ * simt), precision_changed runs after set_precision (the choice, and the
+ * self-check the first time it is needed), describe is the line for the
+ * backend's description, reset is for shutdown. */
 void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                              const float *lse, int B, int T, int C, int NH);
+void cuda_attention_simt_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
+void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
+                                  const float *lse, int B, int T, int C, int NH);
+void cuda_attention_set_mode(const char *mode);
+void cuda_attention_precision_changed(void);
+const char *cuda_attention_describe(void);
+void cuda_attention_reset(void);
+/* attention_tc.cu: bf16 act only; fits says whether the head size is
+ * supported and its shared memory fits this GPU; qkv and dout 16-byte aligned. */
+int cuda_attention_tc_fits(int C, int NH);
+void cuda_attention_tc_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
+void cuda_attention_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
+                                const float *lse, int B, int T, int C, int NH);
 /* pointwise.cu */
 void cuda_cast_to_act(void *dst, const float *src, size_t n);
 void cuda_gelu_forward(void *out, const void *inp, size_t n);

@@ -2,7 +2,8 @@
 # cuda_check: everything a short GPU window should establish, as one prepared
 # command (`make cuda-check`): the GPU and its libraries, every op of the CUDA
 # backend against double references and against the CPU backend (both with
-# fp32 and with bf16 activations), a 50-step tiny run on the CPU and on CUDA
+# fp32 and with bf16 activations), which attention kernels the bf16 path chose
+# and the throughput of both (SIMT and tensor cores), a 50-step tiny run on the CPU and on CUDA
 # with precision.compute fp32 and bf16, the loss curves compared step by step,
 # GPT-2 124M and 1.5B benchmark steps (tokens/s, MFU, peak memory), and comm's
 # NCCL device mode on one rank (test_nccl). Full log and a summary go
@@ -10,7 +11,7 @@
 # well under 8 minutes on one H100/H200.
 #
 # The binaries are normally built on the build machine with
-#     make -j2 STATIC=1 train build/test/test_ops build/test/test_backend_cross build/test/test_nccl
+#     make -j2 STATIC=1 train build/test/test_ops build/test/test_backend_cross build/test/test_nccl build/test/bench_attention
 # and carried over with the tree (the GPU machine lacks libyaml, zstd, OpenBLAS
 # and MPI); if ./train is missing or cannot start, the script tries that build
 # here. Exit: 0 all checks passed, 1 a check failed, 2 no GPU or no binary.
@@ -87,7 +88,7 @@ if ! usable; then
     echo "no usable carried binary: building here (make STATIC=1)"
     if command -v nvcc >/dev/null 2>&1; then
         make -j"$(nproc)" STATIC=1 CUDA=1 train build/test/test_ops build/test/test_backend_cross build/test/test_nccl \
-            2>&1 | tail -n 20
+            build/test/bench_attention 2>&1 | tail -n 20
     fi
 fi
 if ! usable; then
@@ -129,13 +130,38 @@ else
     row test_nccl FAIL "$nok ok, $nfail failed, exit $rc: $(grep -m1 -E '^(FAIL|skip)' "$OUT/test_nccl.txt")"; failed=1
 fi
 
+# --- 4b. Attention: which kernels bf16 chose, and both kernels' throughput --
+# build/test/bench_attention prints the backend line after set_precision bf16
+# (precision.attention auto: "attention: tensor cores ..." when the start-up
+# self-check against the SIMT kernels passed, with its figures), then forward
+# and backward times of each implementation at B 8 and 16, T 1024, C 768,
+# NH 12. TFLOP/s count the causal half only: forward 2 B NH T^2 hs, backward
+# 2.5x that (test/bench_attention.c).
+section "attention: chosen kernels and throughput (bench_attention)"
+if [ -x build/test/bench_attention ]; then
+    timeout 120 build/test/bench_attention cuda bf16 > "$OUT/bench_attention.txt" 2>&1; rc=$?
+    cat "$OUT/bench_attention.txt"
+    choice=$(sed -n 's/^# .*\(attention: .*\)$/\1/p' "$OUT/bench_attention.txt" | head -n 1)
+    if [ $rc -ne 0 ]; then row attention_choice FAIL "bench_attention exit $rc: $(tail -n 1 "$OUT/bench_attention.txt")"; failed=1
+    elif grep -q 'disagree' "$OUT/bench_attention.txt"; then row attention_choice FAIL "self-check failed: $choice"; failed=1
+    elif [[ $choice == "attention: tensor cores"* ]]; then row attention_choice ok "$choice"
+    else row attention_choice FAIL "auto did not take the tensor cores: ${choice:-no backend line}"; failed=1; fi
+    while read -r line; do
+        v() { echo "$line" | sed -n "s/.* $1=\([^ ]*\).*/\1/p"; }
+        row "attn_$(v impl)_B$(v B)" ok "fwd $(v fwd_ms) ms $(v fwd_tflops) TFLOP/s, bwd $(v bwd_ms) ms $(v bwd_tflops) TFLOP/s, fwd+bwd $(v total_tflops) TFLOP/s"
+    done < <(grep '^bench_attention ' "$OUT/bench_attention.txt")
+else
+    row attention_choice skip "build/test/bench_attention not built (see the build line at the top)"
+fi
+
 # --- 5. Tiny run on both backends --------------------------------------------
 section "tiny: 50 steps, cpu vs cuda"
 if [ ! -f data/austen/train_000000.bin ]; then
     ./train prepare --tokenizer byte --out data/austen --val-fraction 0.05 --shard-tokens 2000000 data/austen.txt >/dev/null
 fi
-tiny() { # NAME DEVICE COMPUTE
+tiny() { # NAME DEVICE COMPUTE [ATTENTION]
     timeout 150 ./train configs/tiny.yaml --set device="$2" --set precision.compute="$3" \
+        --set precision.attention="${4:-auto}" \
         --set train.steps=50 --set train.sample_every=0 --set train.eval_every=0 \
         --set metrics.log_every=10 --set run.dir="$OUT/tiny_$1" > "$OUT/tiny_$1.txt" 2>&1
     local rc=$?
@@ -160,10 +186,13 @@ EOF
 }
 if tiny cpu cpu fp32; then
     row tiny_cpu ok "$(grep -o 'final loss [0-9.]*' "$OUT/tiny_cpu.txt")"
-    for pair in "cuda_fp32 fp32 $TOL_TINY_FP32" "cuda_bf16 bf16 $TOL_TINY_BF16"; do
+    # cuda_bf16 runs attention on tensor cores (auto; tiny's head size is 32),
+    # cuda_bf16_simt on the SIMT kernels: if only the first fails, suspect them.
+    for pair in "cuda_fp32 fp32 $TOL_TINY_FP32 auto" "cuda_bf16 bf16 $TOL_TINY_BF16 auto" \
+                "cuda_bf16_simt bf16 $TOL_TINY_BF16 simt"; do
         set -- $pair
         if over_budget; then row "tiny_$1" skip "over the time budget"; continue; fi
-        if ! tiny "$1" cuda "$2"; then row "tiny_$1" FAIL "run failed: $(tail -n 1 "$OUT/tiny_$1.txt")"; failed=1; continue; fi
+        if ! tiny "$1" cuda "$2" "$4"; then row "tiny_$1" FAIL "run failed: $(tail -n 1 "$OUT/tiny_$1.txt")"; failed=1; continue; fi
         msg=$(compare "$1" "$3"); rc=$?
         echo "$1: $msg"
         if [ $rc -eq 0 ]; then row "tiny_$1" ok "$msg (tol $3)"; else row "tiny_$1" FAIL "$msg (tol $3)"; failed=1; fi

@@ -128,11 +128,18 @@ typedef struct Backend {
      * allocation: "fp32" (act is fp32, strict fp32 products) or "bf16" (act is
      * bf16: half the activation memory and bandwidth, matrix products on bf16
      * tensor cores with fp32 accumulation). Without it act is fp32.
+     * set_attention: precision.attention, which attention kernels run when
+     * act is bf16: "auto" (tensor cores if a start-up self-check against
+     * the SIMT kernels passes; the default), "tensor_cores" (needs bf16) or
+     * "simt". Call it before set_precision, which makes the choice (and may
+     * run the self-check); called later, it switches at once. The choice
+     * appears in the description line init returned.
      * memory_peak: the most device memory in use since init, in bytes.
      * stream: the stream (cudaStream_t) every op of the backend runs on, in
      * order; comm orders NCCL collectives against it (comm.h,
      * comm_nccl_device_mode). */
     void (*set_precision)(const char *compute);
+    void (*set_attention)(const char *impl);
     size_t (*memory_peak)(void);
     void *(*stream)(void);
     /* select_device: before init, the rank's index among the ranks of its

@@ -105,6 +105,8 @@ static const CfgKey cfg_keys[] = {
     KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (this build: 1)"),
     KFLT("parallel.timeout_s", timeout_s, "300", 0.1, 1e7, "seconds any collective may wait before the run stops naming the missing rank (env KILN_COMM_TIMEOUT_S overrides)"),
     KENUM("precision.compute", compute, "bf16", "bf16|fp32", "activation dtype on GPU: `bf16` stores activations, their gradients and the weights' compute copy in bf16 (half the memory; fp32 math and accumulation, matrix products on tensor cores), `fp32` is strict fp32; the CPU backend is always fp32"),
+    KENUM("precision.attention", attention, "auto", "auto|tensor_cores|simt",
+          "attention kernels on GPU with `compute: bf16`: `tensor_cores` (bf16 WMMA, fp32 accumulation), `simt` (fp32 CUDA cores), or `auto` = tensor cores when a start-up self-check against the SIMT kernels passes (the log's backend line says which ran); with `compute: fp32` attention is always `simt` (`tensor_cores` is then an error); the CPU backend ignores the key"),
     KENUM("precision.master", master, "fp32", "fp32", "dtype of master weights, gradients and optimizer state (what checkpoints hold)"),
     KINT("checkpoint.every", ckpt_every, "500", 0, INF, "steps between checkpoints; 0 = off (a final one is still written, see `checkpoint.final`)"),
     KINT("checkpoint.keep_last", ckpt_keep_last, "3", 0, INF,

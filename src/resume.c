@@ -33,6 +33,7 @@ static const struct {
     {"batch.micro_batch", KEY_NOTE, "the same samples per step, summed in a different grouping"},
     {"run.threads", KEY_NOTE, "floating-point sums are split differently"},
     {"device", KEY_NOTE, "another backend rounds differently"},
+    {"precision.attention", KEY_ALLOW, "GPU attention kernels only: the CPU backend ignores it"},
     {"precision.*", KEY_NOTE, "another precision rounds differently"},
     {"parallel.timeout_s", KEY_ALLOW, NULL},
     {"parallel.*", KEY_NOTE, "the state is resharded onto the new mesh"},

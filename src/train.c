@@ -212,6 +212,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                   c->device);
     if (be->select_device) be->select_device(comm_info()->local_rank, comm_info()->local_world);
     const char *desc = be->init(c->threads);
+    if (be->set_attention) be->set_attention(c->attention); /* precision.attention, chosen by set_precision */
     if (be->set_precision) be->set_precision(c->compute); /* precision.compute: GPU products */
 
     Tokenizer *tok = tok_open(c->tokenizer, c->tokenizer_file);

@@ -1,5 +1,6 @@
 /* test_backend_cross: every op of an accelerator backend against the CPU
- * backend at GPT-2 shapes (head sizes 32, 64 and 128, T = 256, C = 768), on
+ * backend at GPT-2 shapes (head sizes 32, 64 and 128, T = 256, C = 768; attention
+ * also at T 200 and 17, on both of its implementations with bf16), on
  * fresh random inputs, for both activation dtypes: precision "fp32" (names
  * cross_cuda_*) and "bf16" (cross_cuda_bf16_*). test_ops checks each op
  * against double references at small shapes; this one reaches the tile, block
@@ -41,6 +42,11 @@
  *   products of two bf16 values are exact in fp32, so only the order of the
  *   fp32 sums differs (~1e-6); 1e-3 also admits tensor cores whose fp32
  *   accumulation aligns addends with fewer guard bits than IEEE.
+ * Attention on tensor cores (bf16 only) meets the same TOL_X_BF16: besides
+ *   the bf16 store it rounds P and dS to bf16 before their products, which
+ *   test/attention_tc_emu.cc measures at < 1e-3 of the max against a double
+ *   reference (out <= 2.4e-3, dqkv <= 3.9e-3 in all, bf16 store included);
+ *   its lse is fp32 from exact bf16 products (~1e-7).
  * "exact": embed_backward's dwte/dwpe (fp32 sums of the same values in the
  *   CPU's order), embed_forward and the residual add against the CPU's fp32
  *   result rounded once to the activation dtype, and AdamW (written without
@@ -137,7 +143,9 @@ static void report_exact(const char *what, int same, const char *why) {
     test_report(same, name, "%s", why);
 }
 
-static void cross_attention(int B, int T, int C, int NH) {
+/* impl: "" for the backend's default kernels, else the name part saying
+ * which precision.attention implementation ran ("simt_", "tc_"). */
+static void cross_attention(int B, int T, int C, int NH, const char *impl) {
     size_t N = (size_t)B * T, n3 = N * 3 * C, nc = N * C, nl = (size_t)B * NH * T;
     float *qkv = rnda(n3, 1.0f), *dout = rnda(nc, 1.0f);
     float *out = xmalloc(nc * 4), *lse = xmalloc(nl * 4), *dqkv = xmalloc(n3 * 4);
@@ -150,11 +158,11 @@ static void cross_attention(int B, int T, int C, int NH) {
     dev->attention_forward(d_out, d_lse, d_qkv, B, T, C, NH);
     dev->attention_backward(d_dqkv, d_dout, d_qkv, d_outq, d_lse_cpu, B, T, C, NH);
     char what[64];
-    snprintf(what, sizeof what, "attention_hs%d_forward", C / NH);
+    snprintf(what, sizeof what, "attention_%shs%d_T%d_forward", impl, C / NH, T);
     report(what, xerr_a(d_out, out, nc), tol_act(TOL_X));
-    snprintf(what, sizeof what, "attention_hs%d_forward_lse", C / NH);
+    snprintf(what, sizeof what, "attention_%shs%d_T%d_forward_lse", impl, C / NH, T);
     report(what, xerr(d_lse, lse, nl), tol_f32(TOL_X));
-    snprintf(what, sizeof what, "attention_hs%d_backward", C / NH);
+    snprintf(what, sizeof what, "attention_%shs%d_T%d_backward", impl, C / NH, T);
     report(what, xerr_a(d_dqkv, dqkv, n3), tol_act(TOL_X_SUM));
     free(qkv), free(dout), free(out), free(outq), free(lse), free(dqkv);
     void *dptr[] = {d_qkv, d_dout, d_outq, d_out, d_dqkv, d_lse, d_lse_cpu};
@@ -286,9 +294,21 @@ static void cross_all(const char *compute) {
     static char tag[32];
     snprintf(tag, sizeof tag, "%s%s", dev->name, ab == 4 || strstr(dev->name, "bf16") ? "" : "_bf16");
     label = tag;
-    cross_attention(2, 256, 768, 24); /* hs 32 */
-    cross_attention(2, 256, 768, 12); /* hs 64: GPT-2 */
-    cross_attention(1, 200, 768, 6);  /* hs 128, T not a multiple of any tile */
+    /* Attention on each implementation the backend offers for this dtype:
+     * with bf16 and a set_attention hook, the SIMT and the tensor-core
+     * kernels (forced, whatever the start-up self-check said), else its
+     * default. The tensor-core ones take hs 32, 64 and 128 here. */
+    int both = ab == 2 && dev->set_attention;
+    for (int pass = 0; pass < (both ? 2 : 1); pass++) {
+        const char *impl = both ? (pass ? "tc_" : "simt_") : "";
+        if (both) dev->set_attention(pass ? "tensor_cores" : "simt");
+        cross_attention(2, 256, 768, 24, impl); /* hs 32 */
+        cross_attention(2, 256, 768, 12, impl); /* hs 64: GPT-2 */
+        cross_attention(2, 200, 768, 12, impl); /* hs 64, T not a multiple of the 64-row tiles */
+        cross_attention(3, 17, 768, 12, impl);  /* hs 64, T under one tile */
+        cross_attention(1, 200, 768, 6, impl);  /* hs 128, T not a multiple of any tile */
+    }
+    if (both) dev->set_attention("auto");
     cross_matmul(512, 768, 2304, "matmul");
     cross_matmul(512, 768, 1000, "matmul_oddoc");
     cross_rest(2, 256, 768, 1000, 1024, ab == 4);

@@ -716,6 +716,9 @@ static const OpTest op_tests[] = {
     {"attention_odd",    test_attention,   2, 7, 15,  3,   0,    0, 0},
     /* T over the CPU backend's 64-row query blocks: two blocks, the last partial. */
     {"attention_blocks", test_attention,   1, 70, 6,  2,   0,    0, 0},
+    /* hs 16, a multiple of 16: on CUDA with bf16 the tensor-core kernels
+     * (precision.attention auto), two 64-row tiles, the last partial. */
+    {"attention_hs16",   test_attention,   1, 70, 16, 1,   0,    0, 0},
     {"gelu",             test_gelu,        1, 1, 1003, 0,  0,    0, 0},
     {"add",              test_add,         1, 1, 1003, 0,  0,    0, 0},
     {"crossentropy",     test_crossentropy, 2, 5, 0,  0,  11,   16, 0},

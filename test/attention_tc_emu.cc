@@ -1,0 +1,176 @@
+/* attention_tc_emu: the tensor-core attention kernels of cuda/attention_tc.cu,
+ * compiled for the CPU against test/wmma_emu.h and run on small shapes
+ * (T not a multiple of the 64-row tiles, T = 1, head sizes 16..128 and both
+ * register-fragment variants), compared with a double-precision attention
+ * forward and backward on the same bf16 inputs. Built and run by
+ * test/t_attention_tc_emu.sh; one "ok"/"FAIL" line per shape. What it cannot
+ * show is the GPU itself: real fragment layouts, races the barriers hide,
+ * speed; scripts/cuda_check.sh covers those.
+ *
+ * Tolerances, max |kernel - reference| / max |reference| per tensor:
+ *  - out, dqkv 1e-2: the kernels store bf16, so one rounding (up to 2^-8 of
+ *    the largest element, 3.9e-3; the line shows what that rounding alone
+ *    gives) plus P and dS rounded to bf16 before their products (measured
+ *    adding < 1e-3). A wrong index, mask or missing barrier gives > 0.1.
+ *  - lse 1e-5: fp32 scores from exact bf16 products and fp32 sums, exp2 and
+ *    log in fp32 (measured ~1e-7). */
+#include "wmma_emu.h"
+#include "../cuda/attention_tc.cu"
+#include <functional>
+#include <random>
+
+thread_local uint3e threadIdx;
+uint3e blockIdx;
+dim3 blockDim, gridDim;
+static pthread_barrier_t bar_block, bar_warp[32];
+static float xch[32][32];
+alignas(128) unsigned char tc_smem_buf[1 << 20];
+static size_t smem_limit;
+static int bad_ptr;
+
+void __syncthreads() { pthread_barrier_wait(&bar_block); }
+void __syncwarp(unsigned) { pthread_barrier_wait(&bar_warp[threadIdx.x / 32]); }
+float __shfl_xor_sync(unsigned, float v, int o) {
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    xch[w][l] = v;
+    __syncwarp();
+    float r = xch[w][l ^ o];
+    __syncwarp();
+    return r;
+}
+namespace nvcuda { namespace wmma {
+void emu_check_ptr(const void *p, unsigned ldm, int es) {
+    const unsigned char *c = (const unsigned char *)p;
+    if (c >= tc_smem_buf && c < tc_smem_buf + sizeof tc_smem_buf) {
+        if ((c - tc_smem_buf) % 32 != 0) bad_ptr = 1;
+        /* the 16 rows must stay inside the requested dynamic smem */
+        if ((size_t)(c - tc_smem_buf) + (15 * (size_t)ldm + 16) * es > smem_limit) bad_ptr = 2;
+    } else bad_ptr = 3;
+    if (ldm % (es == 2 ? 8 : 4) != 0) bad_ptr = 4;
+}
+}}
+
+struct Arg { std::function<void()> *f; unsigned tid; };
+static void *run_thread(void *a) {
+    Arg *x = (Arg *)a;
+    threadIdx.x = x->tid, threadIdx.y = threadIdx.z = 0;
+    (*x->f)();
+    return NULL;
+}
+static void launch(dim3 grid, unsigned threads, size_t smem, std::function<void()> f) {
+    gridDim = grid; blockDim = dim3(threads);
+    smem_limit = smem;
+    if (smem + 4096 > sizeof tc_smem_buf) { printf("FAIL attention_tc_emu: %zu bytes of shared memory\n", smem); exit(1); }
+    pthread_barrier_init(&bar_block, NULL, threads);
+    for (unsigned w = 0; w < threads / 32; w++) pthread_barrier_init(&bar_warp[w], NULL, 32);
+    std::vector<pthread_t> th(threads);
+    std::vector<Arg> args(threads);
+    for (unsigned by = 0; by < grid.y; by++)
+        for (unsigned bx = 0; bx < grid.x; bx++) {
+            blockIdx = uint3e{bx, by, 0};
+            memset(tc_smem_buf, 0xA5, smem + 4096); /* garbage: reads of unwritten smem show; a canary past the end */
+            for (unsigned t = 0; t < threads; t++) { args[t] = Arg{&f, t}; pthread_create(&th[t], NULL, run_thread, &args[t]); }
+            for (unsigned t = 0; t < threads; t++) pthread_join(th[t], NULL);
+            for (size_t i = smem; i < smem + 4096 && i < sizeof tc_smem_buf; i++)
+                if (tc_smem_buf[i] != 0xA5) { printf("FAIL attention_tc_emu: shared memory written past its %zu bytes\n", smem); exit(1); }
+        }
+    pthread_barrier_destroy(&bar_block);
+    for (unsigned w = 0; w < threads / 32; w++) pthread_barrier_destroy(&bar_warp[w]);
+}
+
+static std::mt19937 gen(7); /* fixed inputs: a failure replays */
+static bf16 rb(float s) { std::normal_distribution<float> n(0, s); return __float2bfloat16_rn(n(gen)); }
+static double maxrel(const std::vector<double> &got, const std::vector<double> &ref) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); i++) {
+        double d = fabs(got[i] - ref[i]);
+        if (std::isnan(d)) return INFINITY;
+        num = std::max(num, d); den = std::max(den, fabs(ref[i]));
+    }
+    return num / (den ? den : 1);
+}
+
+static int check(int B, int NH, int T, int hs, float qscale) {
+    int C = NH * hs; size_t N = (size_t)B * T, n3 = N * 3 * C, nc = N * C, nl = (size_t)B * NH * T;
+    std::vector<bf16> qkv(n3), dout(nc), out(nc), dqkv(n3);
+    for (auto &x : qkv) x = rb(qscale);
+    for (auto &x : dout) x = rb(1.0f);
+    for (auto &x : out) x.u = 0x7fc0; /* NaN: rows never written stay NaN */
+    for (auto &x : dqkv) x.u = 0x7fc0;
+    std::vector<float> lse(nl, NAN), Dbuf(nl, NAN);
+    float sl2 = TC_LOG2E / sqrtf((float)hs), scale = 1.0f / sqrtf((float)hs);
+    dim3 grid(B * NH, (T + TC_B - 1) / TC_B);
+    launch(grid, TC_THREADS, tc_smem(hs, 0).total, [&] { tc_forward_kernel(out.data(), lse.data(), qkv.data(), T, C, NH, sl2); });
+    size_t rows = (size_t)B * NH * T;
+    launch(dim3((unsigned)((rows * 32 + 255) / 256)), 256, 0, [&] { tc_backward_d_kernel(Dbuf.data(), dout.data(), out.data(), B, T, C, NH); });
+    size_t sh = tc_smem(hs, 1).total;
+    if (hs <= 64) {
+        launch(grid, TC_THREADS, sh, [&] { tc_backward_dkv_kernel<4>(dqkv.data(), Dbuf.data(), dout.data(), qkv.data(), lse.data(), T, C, NH, scale, sl2); });
+        launch(grid, TC_THREADS, sh, [&] { tc_backward_dq_kernel<4>(dqkv.data(), Dbuf.data(), dout.data(), qkv.data(), lse.data(), T, C, NH, scale, sl2); });
+    } else {
+        launch(grid, TC_THREADS, sh, [&] { tc_backward_dkv_kernel<8>(dqkv.data(), Dbuf.data(), dout.data(), qkv.data(), lse.data(), T, C, NH, scale, sl2); });
+        launch(grid, TC_THREADS, sh, [&] { tc_backward_dq_kernel<8>(dqkv.data(), Dbuf.data(), dout.data(), qkv.data(), lse.data(), T, C, NH, scale, sl2); });
+    }
+    /* double reference on the same bf16 inputs; the backward uses the kernel's own bf16 out in D, as the real backward does */
+    auto X = [&](size_t i) { return (double)__bfloat162float(qkv[i]); };
+    std::vector<double> ro(nc), rl(nl), rg(n3, 0.0), go(nc), gl(nl), gg(n3);
+    double sc = 1.0 / sqrt((double)hs);
+    for (int b = 0; b < B; b++) for (int h = 0; h < NH; h++) {
+        std::vector<double> P((size_t)T * T, 0.0);
+        for (int t = 0; t < T; t++) {
+            double mx = -INFINITY;
+            std::vector<double> s(t + 1);
+            for (int j = 0; j <= t; j++) {
+                double d = 0;
+                for (int c = 0; c < hs; c++) d += X(((size_t)b * T + t) * 3 * C + h * hs + c) * X(((size_t)b * T + j) * 3 * C + C + h * hs + c);
+                s[j] = d * sc; mx = std::max(mx, s[j]);
+            }
+            double sum = 0; for (int j = 0; j <= t; j++) sum += exp(s[j] - mx);
+            rl[((size_t)b * NH + h) * T + t] = mx + log(sum);
+            for (int j = 0; j <= t; j++) P[(size_t)t * T + j] = exp(s[j] - mx) / sum;
+            for (int c = 0; c < hs; c++) {
+                double o = 0; for (int j = 0; j <= t; j++) o += P[(size_t)t * T + j] * X(((size_t)b * T + j) * 3 * C + 2 * C + h * hs + c);
+                ro[((size_t)b * T + t) * C + h * hs + c] = o;
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            size_t ob = ((size_t)b * T + t) * C + h * hs;
+            double D = 0; for (int c = 0; c < hs; c++) D += (double)__bfloat162float(dout[ob + c]) * __bfloat162float(out[ob + c]);
+            for (int j = 0; j <= t; j++) {
+                double dp = 0; for (int c = 0; c < hs; c++) dp += (double)__bfloat162float(dout[ob + c]) * X(((size_t)b * T + j) * 3 * C + 2 * C + h * hs + c);
+                double p = P[(size_t)t * T + j], ds = p * (dp - D) * sc;
+                for (int c = 0; c < hs; c++) {
+                    rg[((size_t)b * T + j) * 3 * C + 2 * C + h * hs + c] += p * __bfloat162float(dout[ob + c]);
+                    rg[((size_t)b * T + t) * 3 * C + h * hs + c] += ds * X(((size_t)b * T + j) * 3 * C + C + h * hs + c);
+                    rg[((size_t)b * T + j) * 3 * C + C + h * hs + c] += ds * X(((size_t)b * T + t) * 3 * C + h * hs + c);
+                }
+            }
+        }
+    }
+    for (size_t i = 0; i < nc; i++) go[i] = __bfloat162float(out[i]);
+    for (size_t i = 0; i < nl; i++) gl[i] = lse[i];
+    for (size_t i = 0; i < n3; i++) gg[i] = __bfloat162float(dqkv[i]);
+    /* what a perfect kernel with bf16 stores would score */
+    std::vector<double> qo(nc), qg(n3);
+    for (size_t i = 0; i < nc; i++) qo[i] = __bfloat162float(__float2bfloat16_rn((float)ro[i]));
+    for (size_t i = 0; i < n3; i++) qg[i] = __bfloat162float(__float2bfloat16_rn((float)rg[i]));
+    double eo = maxrel(go, ro), el = maxrel(gl, rl), eg = maxrel(gg, rg);
+    int ok = eo <= 1e-2 && el <= 1e-5 && eg <= 1e-2 && !bad_ptr;
+    printf("%s attention_tc_emu_B%d_NH%d_T%d_hs%d%s%s out %.2e (bf16 store alone %.2e), lse %.2e, dqkv %.2e (bf16 store "
+           "alone %.2e)%s\n",
+           ok ? "ok" : "FAIL", B, NH, T, hs, qscale > 1 ? "_peaked" : "", ok ? " #" : ":", eo, maxrel(qo, ro), el, eg,
+           maxrel(qg, rg), bad_ptr ? ", bad WMMA pointer or ldm" : "");
+    bad_ptr = 0;
+    return ok;
+}
+
+int main(void) {
+    check(1, 2, 200, 64, 1.0f);  /* the start-up self-check's shape: GPT-2's head size */
+    check(2, 1, 70, 16, 1.0f);   /* two batches; a second, partial tile */
+    check(1, 1, 1, 16, 1.0f);    /* one row */
+    check(1, 3, 130, 48, 1.0f);  /* 3 column blocks in the 4-fragment variant */
+    check(1, 1, 150, 80, 1.0f);  /* 5 column blocks in the 8-fragment variant */
+    check(1, 2, 129, 128, 1.0f); /* the largest head; 1 row in the last tile */
+    check(1, 1, 200, 64, 3.0f);  /* peaked softmax (scores ~ 9x larger) */
+    return 0;
+}

@@ -1,0 +1,92 @@
+/* bench_attention: attention forward + backward throughput of a backend at
+ * GPT-2 124M's attention shape (T 1024, C 768, NH 12: hs 64) for B = 8 and
+ * 16, on each attention implementation the backend offers (CUDA with bf16
+ * activations: precision.attention simt and tensor_cores). Not part of the
+ * suite (not test_*); scripts/cuda_check.sh runs it on a GPU:
+ *   build/test/bench_attention [backend [precision]]     (cuda bf16 by default)
+ * It prints the backend's description line (which kernels `auto` chose, with
+ * the self-check's figures), then one line per implementation and batch.
+ *
+ * FLOPs are counted for the causal half only, 2 per multiply-add: the forward
+ * does Q K^T and P V over the lower triangle, 2 * 2 * B*NH * T^2/2 * hs =
+ * 2 B NH T^2 hs; the backward 2.5x that (five such products: Q K^T again,
+ * dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q), so forward + backward is
+ * 7 B NH T^2 hs. Softmax exponentials and the D = rowsum(dO O) pass are not
+ * counted. Timings: best of REPS after a warm-up call. */
+#include "backend.h"
+#include "util.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define REPS 5
+
+static const Backend *be;
+
+/* n normal values scaled by s, on the device in the activation dtype. */
+static void *dev_randn(size_t n, Rng *r, float s, size_t ab) {
+    float *h = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) h[i] = s * rng_normal(r);
+    backend_f32_to_act(h, h, n, ab); /* in place */
+    void *d = be->alloc(n * ab);
+    be->to_device(d, h, n * ab);
+    free(h);
+    return d;
+}
+
+/* Best of REPS timings of `which` (0 forward, 1 backward), seconds. */
+static double best_time(int which, void *out, float *lse, void *qkv, void *dout, void *dqkv, int B, int T, int C,
+                        int NH) {
+    double best = 1e30;
+    for (int r = 0; r <= REPS; r++) {
+        be->sync();
+        double t0 = kiln_now();
+        if (which == 0) be->attention_forward(out, lse, qkv, B, T, C, NH);
+        else be->attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
+        be->sync();
+        double dt = kiln_now() - t0;
+        if (r > 0 && dt < best) best = dt; /* r = 0: warm-up */
+    }
+    return best;
+}
+
+int main(int argc, char **argv) {
+    const char *name = argc > 1 ? argv[1] : "cuda", *prec = argc > 2 ? argv[2] : "bf16";
+    be = backend_get(name);
+    if (!be || !backend_available(name)) {
+        printf("skip bench_attention: %s\n", be ? "no GPU" : "backend not in this build");
+        return 0;
+    }
+    const char *desc = be->init(0);
+    if (be->set_precision) be->set_precision(prec);
+    printf("# %s\n", desc); /* after set_precision: says which attention `auto` chose */
+    size_t ab = be->act_bytes();
+    const int T = 1024, C = 768, NH = 12, hs = C / NH, Bs[] = {8, 16};
+    const char *impls[] = {"simt", "tensor_cores"};
+    int nimpl = ab == 2 && be->set_attention ? 2 : 1;
+    Rng rng;
+    rng_seed(&rng, 1);
+    for (int bi = 0; bi < 2; bi++) {
+        int B = Bs[bi];
+        size_t N = (size_t)B * T;
+        void *qkv = dev_randn(N * 3 * C, &rng, 1.0f, ab), *dout = dev_randn(N * C, &rng, 1.0f, ab);
+        void *out = be->alloc(N * C * ab), *dqkv = be->alloc(N * 3 * C * ab);
+        float *lse = be->alloc((size_t)B * NH * T * sizeof(float));
+        double fwd_flops = 2.0 * B * NH * (double)T * T * hs, bwd_flops = 2.5 * fwd_flops;
+        for (int k = 0; k < nimpl; k++) {
+            if (nimpl > 1) be->set_attention(impls[k]);
+            double tf = best_time(0, out, lse, qkv, dout, dqkv, B, T, C, NH);
+            double tb = best_time(1, out, lse, qkv, dout, dqkv, B, T, C, NH);
+            printf("bench_attention impl=%s B=%d T=%d C=%d NH=%d fwd_ms=%.3f bwd_ms=%.3f fwd_tflops=%.2f "
+                   "bwd_tflops=%.2f total_tflops=%.2f\n",
+                   nimpl > 1 ? impls[k] : "default", B, T, C, NH, 1e3 * tf, 1e3 * tb, fwd_flops / tf / 1e12,
+                   bwd_flops / tb / 1e12, (fwd_flops + bwd_flops) / (tf + tb) / 1e12);
+            fflush(stdout);
+        }
+        if (nimpl > 1) be->set_attention("auto");
+        be->free(qkv), be->free(dout), be->free(out), be->free(dqkv), be->free(lse);
+    }
+    be->shutdown();
+    return 0;
+}
