@@ -67,6 +67,27 @@ typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> FragB;
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> FragBt; /* B = X^T of row-major X */
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
 
+/* dst (16 x 64, row stride TC_LDS, fp32) at the warp's rows wr..wr+15 = rows
+ * wr..wr+15 of A times the 64 rows of Bm transposed (A, Bm: bf16 tiles with
+ * row stride ldh; nd 16-wide slices of the head dim): S = Q K^T and its kin. */
+__device__ __forceinline__ void tc_warp_abt(float *dst, const bf16 *A, const bf16 *Bm, int ldh, int nd, int wr) {
+    FragC acc[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) wmma::fill_fragment(acc[j], 0.0f);
+    for (int dk = 0; dk < nd; dk++) {
+        FragA a;
+        wmma::load_matrix_sync(a, A + wr * ldh + dk * 16, ldh);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            FragBt bt;
+            wmma::load_matrix_sync(bt, Bm + j * 16 * ldh + dk * 16, ldh);
+            wmma::mma_sync(acc[j], a, bt, acc[j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) wmma::store_matrix_sync(dst + wr * TC_LDS + j * 16, acc[j], TC_LDS, wmma::mem_row_major);
+}
+
 /* Shared-memory plan of each kernel: byte offsets of its regions, each a
  * multiple of 128 bytes. `tile` is one (64, hs + 8) bf16 tile. */
 struct TcSmem {
@@ -151,24 +172,7 @@ __global__ void __launch_bounds__(TC_THREADS)
         tc_load_tile(Ks, ldh, K, ld, k0, T, hs);
         tc_load_tile(Vs, ldh, V, ld, k0, T, hs);
         __syncthreads();
-        { /* S = Q K^T, the warp's 16 rows x 64 keys */
-            FragC acc[4];
-#pragma unroll
-            for (int j = 0; j < 4; j++) wmma::fill_fragment(acc[j], 0.0f);
-            for (int dk = 0; dk < nd; dk++) {
-                FragA a;
-                wmma::load_matrix_sync(a, Qs + wr * ldh + dk * 16, ldh);
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    FragBt kt;
-                    wmma::load_matrix_sync(kt, Ks + j * 16 * ldh + dk * 16, ldh);
-                    wmma::mma_sync(acc[j], a, kt, acc[j]);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                wmma::store_matrix_sync(Ss + wr * TC_LDS + j * 16, acc[j], TC_LDS, wmma::mem_row_major);
-        }
+        tc_warp_abt(Ss, Qs, Ks, ldh, nd, wr); /* S = Q K^T, the warp's 16 rows x 64 keys */
         __syncwarp();
         /* Online softmax of row r over columns half, half + 2, ...: scores in
          * log2 units (sl2 = log2(e) / sqrt(hs)). Key k0 is visible to every
@@ -278,28 +282,9 @@ __global__ void __launch_bounds__(TC_THREADS)
             Dq[i] = i0 + i < T ? Dg[i0 + i] : 0.0f;
         }
         __syncthreads();
-        { /* S^T = K Q^T, then dP^T = V dO^T: the warp's 16 keys x 64 queries */
-            FragC acc[4];
-            for (int pass = 0; pass < 2; pass++) {
-                const bf16 *A = pass ? Vs : Ks, *Bm = pass ? dOs : Qs;
-                float *dst = pass ? dPt : St;
-#pragma unroll
-                for (int j = 0; j < 4; j++) wmma::fill_fragment(acc[j], 0.0f);
-                for (int dk0 = 0; dk0 < nd; dk0++) {
-                    FragA a;
-                    wmma::load_matrix_sync(a, A + wr * ldh + dk0 * 16, ldh);
-#pragma unroll
-                    for (int j = 0; j < 4; j++) {
-                        FragBt bt;
-                        wmma::load_matrix_sync(bt, Bm + j * 16 * ldh + dk0 * 16, ldh);
-                        wmma::mma_sync(acc[j], a, bt, acc[j]);
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                    wmma::store_matrix_sync(dst + wr * TC_LDS + j * 16, acc[j], TC_LDS, wmma::mem_row_major);
-            }
-        }
+        /* S^T = K Q^T, then dP^T = V dO^T: the warp's 16 keys x 64 queries */
+        tc_warp_abt(St, Ks, Qs, ldh, nd, wr);
+        tc_warp_abt(dPt, Vs, dOs, ldh, nd, wr);
         __syncwarp();
         /* P^T and dS^T of key row r, queries half, half + 2, ...: query i0 + j
          * sees the key iff key <= i0 + j < T. */
@@ -386,28 +371,9 @@ __global__ void __launch_bounds__(TC_THREADS)
         tc_load_tile(Ks, ldh, K, ld, k0, T, hs);
         tc_load_tile(Vs, ldh, V, ld, k0, T, hs);
         __syncthreads();
-        { /* S = Q K^T, then dP = dO V^T: the warp's 16 queries x 64 keys */
-            FragC acc[4];
-            for (int pass = 0; pass < 2; pass++) {
-                const bf16 *A = pass ? dOs : Qs, *Bm = pass ? Vs : Ks;
-                float *dst = pass ? dPs : Ss;
-#pragma unroll
-                for (int j = 0; j < 4; j++) wmma::fill_fragment(acc[j], 0.0f);
-                for (int dk0 = 0; dk0 < nd; dk0++) {
-                    FragA a;
-                    wmma::load_matrix_sync(a, A + wr * ldh + dk0 * 16, ldh);
-#pragma unroll
-                    for (int j = 0; j < 4; j++) {
-                        FragBt bt;
-                        wmma::load_matrix_sync(bt, Bm + j * 16 * ldh + dk0 * 16, ldh);
-                        wmma::mma_sync(acc[j], a, bt, acc[j]);
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                    wmma::store_matrix_sync(dst + wr * TC_LDS + j * 16, acc[j], TC_LDS, wmma::mem_row_major);
-            }
-        }
+        /* S = Q K^T, then dP = dO V^T: the warp's 16 queries x 64 keys */
+        tc_warp_abt(Ss, Qs, Ks, ldh, nd, wr);
+        tc_warp_abt(dPs, dOs, Vs, ldh, nd, wr);
         __syncwarp();
         /* dS of query row r, keys half, half + 2, ...: key k0 + j is seen iff
          * k0 + j <= row (row < T; rows past T are never written). */
