@@ -4,8 +4,9 @@
 # backend against double references and against the CPU backend (both with
 # fp32 and with bf16 activations), which attention kernels the bf16 path chose
 # and the throughput of both (SIMT and tensor cores), a 50-step tiny run on the CPU and on CUDA
-# with precision.compute fp32 and bf16, the loss curves compared step by step,
-# GPT-2 124M and 1.5B benchmark steps (tokens/s, MFU, peak memory), and comm's
+# with precision.compute fp32 and bf16, the loss curves compared step by step
+# (and model.recompute=norm_gelu's against none's, bit for bit), GPT-2 124M
+# (also with norm_gelu) and 1.5B benchmark steps (tokens/s, MFU, peak memory), and comm's
 # NCCL device mode on one rank (test_nccl). Full log and a summary go
 # to $OUT (or a fresh /tmp folder); the summary table is printed last. Aims at
 # well under 8 minutes on one H100/H200.
@@ -159,9 +160,9 @@ section "tiny: 50 steps, cpu vs cuda"
 if [ ! -f data/austen/train_000000.bin ]; then
     ./train prepare --tokenizer byte --out data/austen --val-fraction 0.05 --shard-tokens 2000000 data/austen.txt >/dev/null
 fi
-tiny() { # NAME DEVICE COMPUTE [ATTENTION]
+tiny() { # NAME DEVICE COMPUTE [ATTENTION [RECOMPUTE]]
     timeout 150 ./train configs/tiny.yaml --set device="$2" --set precision.compute="$3" \
-        --set precision.attention="${4:-auto}" \
+        --set precision.attention="${4:-auto}" --set model.recompute="${5:-none}" \
         --set train.steps=50 --set train.sample_every=0 --set train.eval_every=0 \
         --set metrics.log_every=10 --set run.dir="$OUT/tiny_$1" > "$OUT/tiny_$1.txt" 2>&1
     local rc=$?
@@ -197,6 +198,16 @@ if tiny cpu cpu fp32; then
         echo "$1: $msg"
         if [ $rc -eq 0 ]; then row "tiny_$1" ok "$msg (tol $3)"; else row "tiny_$1" FAIL "$msg (tol $3)"; failed=1; fi
     done
+    # model.recompute: the backward recomputes LayerNorm and GeLU outputs with
+    # the forward's own kernels on the same inputs, so every loss is the one
+    # without recomputation, bit for bit (the kernels are deterministic)
+    if over_budget; then row tiny_cuda_bf16_norm_gelu skip "over the time budget"
+    elif [ -s "$OUT/tiny_cuda_bf16/metrics.jsonl" ] && tiny cuda_bf16_norm_gelu cuda bf16 auto norm_gelu; then
+        strip() { grep -o '"step":[0-9]*,"tokens":[0-9]*,"loss":[^,]*\|"grad_norm":[^,]*' "$1"; }
+        if [ "$(strip "$OUT/tiny_cuda_bf16/metrics.jsonl")" = "$(strip "$OUT/tiny_cuda_bf16_norm_gelu/metrics.jsonl")" ]; then
+            row tiny_cuda_bf16_norm_gelu ok "losses and gradient norms equal to recompute none's, bit for bit"
+        else row tiny_cuda_bf16_norm_gelu FAIL "losses or gradient norms differ from recompute none's"; failed=1; fi
+    else row tiny_cuda_bf16_norm_gelu FAIL "run failed: $(tail -n 1 "$OUT/tiny_cuda_bf16_norm_gelu.txt")"; failed=1; fi
 else
     row tiny_cpu FAIL "cpu run failed: $(tail -n 1 "$OUT/tiny_cpu.txt")"; failed=1
 fi
@@ -230,6 +241,11 @@ GPT2_124M="model.n_layer=12 model.n_head=12 model.n_embd=768 model.seq_len=1024"
 GPT2_1558M="model.n_layer=48 model.n_head=25 model.n_embd=1600 model.seq_len=1024"
 # shellcheck disable=SC2086
 bench 124m_bf16 10 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=bf16
+# the same with model.recompute=norm_gelu: peak memory down by its 1.57 GiB
+# of bf16 activations (--dry-run), tok/s down by the recomputation's cost
+# shellcheck disable=SC2086
+bench 124m_bf16_norm_gelu 10 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=bf16 \
+    model.recompute=norm_gelu
 # shellcheck disable=SC2086
 bench 124m_fp32 5 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=fp32
 # 1.5B: ~25 GB of fp32 parameters, gradients and AdamW state, 3 GB of bf16

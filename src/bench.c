@@ -81,7 +81,7 @@ int bench_run(const Config *c, int steps) {
     Model m;
     model_init(&m, be, &s, c->decay_embeddings);
     model_init_weights(&m, c->seed);
-    model_plan_activations(&m, B, T);
+    model_plan_activations(&m, B, T, model_recompute_parse(c->recompute));
     AdamW opt;
     optim_init(&opt, be, m.num_params, m.num_decay, c->beta1, c->beta2, c->eps, c->weight_decay, c->grad_clip);
 

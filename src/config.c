@@ -65,6 +65,12 @@ static const CfgKey cfg_keys[] = {
     KINT("model.n_embd", n_embd, "128", 8, 65536, "embedding width"),
     KINT("model.seq_len", seq_len, "256", 2, 1048576, "tokens per sequence (context length)"),
     KINT("model.vocab_size", vocab_size, "256", 2, INT_MAX, "vocabulary size; padded to a multiple of 64 internally"),
+    KENUM("model.recompute", recompute, "none", "none|gelu|norm_gelu",
+          "activation memory for backward time: `gelu` keeps no GeLU output per layer (the backward recomputes "
+          "each from the saved fc output into one shared buffer: L-1 fewer (B,T,4C) tensors, one more GeLU per "
+          "layer), `norm_gelu` also no LayerNorm outputs (recomputed from the saved layer inputs and statistics: "
+          "2L-1 fewer (B,T,C), two more LayerNorms per layer); results are bit-identical to `none`, and "
+          "`--dry-run` prints the activation memory of the mode"),
     KSTR("data.train", train_glob, "\"data/austen/train_*.bin\"", "glob of the training token shards"),
     KSTR("data.val", val_glob, "\"data/austen/val_*.bin\"", "glob of the validation shards; `\"\"` = no validation"),
     KENUM("data.tokenizer", tokenizer, "byte", "byte|gpt2", "tokenizer used to decode samples"),

@@ -23,6 +23,7 @@ typedef struct Config {
     char arch[16]; /* gpt2 */
     int n_layer, n_head, n_embd, seq_len, vocab_size;
     int padded_vocab; /* derived: vocab_size rounded up to a multiple of 64 */
+    char recompute[16]; /* none | gelu | norm_gelu: what the backward recomputes (model.h) */
 
     /* data */
     char train_glob[CFG_STR];

@@ -350,11 +350,25 @@ void model_init_weights(Model *m, uint64_t seed) {
     model_params_changed(m);
 }
 
+static const char *const recompute_names[] = {"none", "gelu", "norm_gelu"};
+
+ModelRecompute model_recompute_parse(const char *name) {
+    for (int r = 0; r < 3; r++)
+        if (strcmp(name, recompute_names[r]) == 0) return (ModelRecompute)r;
+    kiln_fail(KILN_EXIT_USAGE, "key 'model.recompute': expected one of none, gelu, norm_gelu, got '%s'", name);
+}
+
+const char *model_recompute_name(ModelRecompute r) {
+    return r >= MODEL_RECOMPUTE_NONE && r <= MODEL_RECOMPUTE_NORM_GELU ? recompute_names[r] : "?";
+}
+
 /* Activation plan: the bytes each buffer needs, in one arena; act tensors
  * of act_bytes each, statistics fp32, every buffer 64-byte aligned (so with
  * fp32 the layout is the same as when everything was fp32). Also used by
- * --dry-run through model_activation_bytes, so the two can never disagree. */
-static size_t plan_bytes(const ModelShape *s, int B, int T, size_t ab, Model *m) {
+ * --dry-run through model_activation_bytes, so the two can never disagree.
+ * What `r` recomputes gets one buffer that every layer's view points at,
+ * after the layers (so NONE's layout is unchanged). */
+static size_t plan_bytes(const ModelShape *s, int B, int T, size_t ab, ModelRecompute r, Model *m) {
     size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float);
     size_t off = 0;
     /* Without a model, only count: views are written into a throwaway. */
@@ -365,6 +379,7 @@ static size_t plan_bytes(const ModelShape *s, int B, int T, size_t ab, Model *m)
         memset(&sink, 0, sizeof sink);
         m = &sink;
     }
+    int keep_gelu = r < MODEL_RECOMPUTE_GELU, keep_norm = r < MODEL_RECOMPUTE_NORM_GELU;
 #define TAKE(ptr, count, esize)                                 \
     do {                                                        \
         if (assign) (ptr) = (void *)((char *)m->act_mem + off); \
@@ -373,19 +388,26 @@ static size_t plan_bytes(const ModelShape *s, int B, int T, size_t ab, Model *m)
     TAKE(m->encoded, N * C, ab);
     for (int l = 0; l < s->n_layer; l++) {
         LayerActs *a = assign ? &m->acts[l] : &sink_layer;
-        TAKE(a->ln1, N * C, ab);
+        if (keep_norm) TAKE(a->ln1, N * C, ab);
         TAKE(a->ln1_mean, N, F);
         TAKE(a->ln1_rstd, N, F);
         TAKE(a->qkv, N * 3 * C, ab);
         TAKE(a->atty, N * C, ab);
         TAKE(a->att_lse, N * NH, F);
         TAKE(a->res2, N * C, ab);
-        TAKE(a->ln2, N * C, ab);
+        if (keep_norm) TAKE(a->ln2, N * C, ab);
         TAKE(a->ln2_mean, N, F);
         TAKE(a->ln2_rstd, N, F);
         TAKE(a->fch, N * 4 * C, ab);
-        TAKE(a->fch_gelu, N * 4 * C, ab);
+        if (keep_gelu) TAKE(a->fch_gelu, N * 4 * C, ab);
         TAKE(a->res3, N * C, ab);
+    }
+    void *gelu_shared = NULL, *ln_shared = NULL; /* (N,4C) (N,C) act */
+    if (!keep_gelu) TAKE(gelu_shared, N * 4 * C, ab);
+    if (!keep_norm) TAKE(ln_shared, N * C, ab);
+    for (int l = 0; assign && l < s->n_layer; l++) {
+        if (!keep_gelu) m->acts[l].fch_gelu = gelu_shared;
+        if (!keep_norm) m->acts[l].ln1 = m->acts[l].ln2 = ln_shared;
     }
     TAKE(m->lnf, N * C, ab);
     TAKE(m->lnf_mean, N, F);
@@ -399,11 +421,11 @@ static size_t plan_bytes(const ModelShape *s, int B, int T, size_t ab, Model *m)
     return off;
 }
 
-size_t model_activation_bytes(const ModelShape *s, int B, int T, size_t act_bytes) {
-    return plan_bytes(s, B, T, act_bytes, NULL);
+size_t model_activation_bytes(const ModelShape *s, int B, int T, size_t act_bytes, ModelRecompute r) {
+    return plan_bytes(s, B, T, act_bytes, r, NULL);
 }
 
-void model_plan_activations(Model *m, int B, int T) {
+void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     if (T > m->shape.seq_len)
         kiln_fail(KILN_EXIT_USAGE, "micro-batch length %d exceeds model.seq_len = %d", T, m->shape.seq_len);
     if (m->act_mem) {
@@ -416,10 +438,11 @@ void model_plan_activations(Model *m, int B, int T) {
     }
     m->B = B;
     m->T = T;
+    m->recompute = r;
     m->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
-    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, NULL);
+    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, NULL);
     m->act_mem = m->be->alloc(m->act_size);
-    plan_bytes(&m->shape, B, T, m->act_bytes, m);
+    plan_bytes(&m->shape, B, T, m->act_bytes, r, m);
     m->tokens_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
     m->targets_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
     m->losses_host = xcalloc((size_t)B * T, sizeof(float));
@@ -498,16 +521,26 @@ void model_backward(Model *m, int accumulate) {
                            N, C, accumulate);
     /* ZeRO-2/3: each backward writes fresh layer gradients; the caller adds them up */
     int acc_layer = accumulate && !m->layer_grads_fresh;
+    int recompute_gelu = m->recompute >= MODEL_RECOMPUTE_GELU;
+    int recompute_norm = m->recompute >= MODEL_RECOMPUTE_NORM_GELU;
     for (int l = L - 1; l >= 0; l--) {
         use_layer(m, l, 1);
         const LayerWeights *w = &m->w.layer[l];
         const LayerParams *gw = &m->g.layer[l];
         const LayerActs *a = &m->acts[l];
         const void *x_in = l > 0 ? m->acts[l - 1].res3 : m->encoded;
+        /* Recomputation (model.recompute) comes after use_layer: the layer's
+         * parameters are gathered and its compute copy is fresh. The shared
+         * buffers get this layer's values again by the forward's own ops on
+         * its saved inputs; LayerNorm also rewrites its saved mean and rstd,
+         * with the same values. */
         /* MLP: res3 = res2 + c_proj(gelu(c_fc(ln2(res2)))) */
+        if (recompute_gelu) be->gelu_forward(a->fch_gelu, a->fch, (size_t)N * 4 * C);
         be->matmul_backward(dbuf, gw->fcprojw, gw->fcprojb, dresidual, a->fch_gelu, w->fcprojw, N, 4 * C, C,
                             acc_layer);
         be->gelu_backward(dbuf2, a->fch, dbuf, (size_t)N * 4 * C);
+        if (recompute_norm)
+            be->layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, w->ln2w, w->ln2b, N, C);
         be->matmul_backward(dln, gw->fcw, gw->fcb, dbuf2, a->ln2, w->fcw, N, C, 4 * C, acc_layer);
         be->layernorm_backward(dresidual, gw->ln2w, gw->ln2b, dln, a->res2, w->ln2w, a->ln2_mean, a->ln2_rstd, N,
                                C, acc_layer);
@@ -515,6 +548,8 @@ void model_backward(Model *m, int accumulate) {
         be->matmul_backward(dbuf, gw->attprojw, gw->attprojb, dresidual, a->atty, w->attprojw, N, C, C,
                             acc_layer);
         be->attention_backward(dqkv, dbuf, a->qkv, a->atty, a->att_lse, B, T, C, NH);
+        if (recompute_norm)
+            be->layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x_in, w->ln1w, w->ln1b, N, C);
         be->matmul_backward(dln, gw->qkvw, gw->qkvb, dqkv, a->ln1, w->qkvw, N, C, 3 * C, acc_layer);
         be->layernorm_backward(dresidual, gw->ln1w, gw->ln1b, dln, x_in, w->ln1w, a->ln1_mean, a->ln1_rstd, N, C,
                                acc_layer);

@@ -87,8 +87,27 @@ typedef struct ComputeBuf {
     int stale;
 } ComputeBuf;
 
+/* What the backward pass recomputes instead of keeping per layer
+ * (model.recompute). Each mode includes the one before. The recomputation
+ * runs the forward's op on the forward's inputs (saved in the arena), so
+ * values, and every result after them, are bit-identical to NONE; it costs
+ * one more gelu_forward (and two layernorm_forward) per layer and backward. */
+typedef enum {
+    MODEL_RECOMPUTE_NONE,      /* keep ln1, ln2 and the GeLU output of every layer */
+    MODEL_RECOMPUTE_GELU,      /* one (N,4C) GeLU output shared by all layers */
+    MODEL_RECOMPUTE_NORM_GELU  /* + one (N,C) LayerNorm output for ln1 and ln2 of all layers */
+} ModelRecompute;
+
+/* "none", "gelu", "norm_gelu" (the config's values) and back; parse exits 2
+ * naming model.recompute on anything else. */
+ModelRecompute model_recompute_parse(const char *name);
+const char *model_recompute_name(ModelRecompute r);
+
 /* Per-layer activations saved for the backward pass (B,T as allocated);
- * void *: act dtype, float *: fp32. */
+ * void *: act dtype, float *: fp32. Under recomputation, ln1 and ln2 (for
+ * NORM_GELU) and fch_gelu point into one buffer shared by every layer: the
+ * forward leaves the last layer's values there, and the backward writes
+ * layer l's again just before it reads them. */
 typedef struct LayerActs {
     void *ln1;                  /* (N,C) */
     float *ln1_mean, *ln1_rstd; /* (N) */
@@ -151,6 +170,7 @@ typedef struct Model {
     /* Activations, planned for micro-batch B x T (model_plan_activations);
      * void *: act dtype, float *: fp32. */
     int B, T;           /* planned capacity */
+    ModelRecompute recompute; /* planned with it: what the backward recomputes */
     int live_B, live_T; /* shape of the last forward */
     void *act_mem;
     size_t act_size;  /* bytes */
@@ -204,8 +224,10 @@ void model_params_changed(Model *m);
  * from `seed`, independent of the backend and thread count. */
 void model_init_weights(Model *m, uint64_t seed);
 
-/* Plan and allocate activations for micro-batches up to B x T (T <= seq_len). */
-void model_plan_activations(Model *m, int B, int T);
+/* Plan and allocate activations for micro-batches up to B x T (T <= seq_len),
+ * keeping or recomputing per `r`. The only activation allocation: forward
+ * and backward allocate nothing. */
+void model_plan_activations(Model *m, int B, int T, ModelRecompute r);
 
 /* Forward. tokens, targets: host (B,T). With targets, returns the mean loss
  * and fills losses_host; else returns 0 and leaves logits intact. With
@@ -229,8 +251,11 @@ size_t model_num_nonembedding_params(const Model *m);
  * attention term 6 * n_layer * T * C (causal: half of 12 L T C). */
 double model_flops_per_token(const ModelShape *s, int T);
 /* Bytes of the activation arena for micro-batch B x T, activations of
- * act_bytes each (statistics and losses fp32). */
-size_t model_activation_bytes(const ModelShape *s, int B, int T, size_t act_bytes);
+ * act_bytes each (statistics and losses fp32), recomputing per `r`: exactly
+ * what model_plan_activations allocates. Every buffer is rounded up to 64
+ * bytes; with X = the (N,4C) and Y = the (N,C) buffer so rounded, GELU is
+ * (L-1) X smaller than NONE (L kept, one shared), NORM_GELU (2L-1) Y more. */
+size_t model_activation_bytes(const ModelShape *s, int B, int T, size_t act_bytes, ModelRecompute r);
 
 /* Find a tensor by name; NULL if absent. */
 const ParamInfo *model_find_param(const Model *m, const char *name);

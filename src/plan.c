@@ -23,7 +23,9 @@ static const char *plan_usage =
     "Memory per rank = parameters + gradients + AdamW state (per ZeRO stage, as --dry-run\n"
     "counts them) + activations of one micro-batch + 32 MiB cuBLAS workspace, all + 5%.\n"
     "Everything is counted in fp32, activations included: an upper bound for precision.compute\n"
-    "bf16 on a GPU, whose bf16 activations take half (plus a bf16 copy of the parameters).\n"
+    "bf16 on a GPU, whose bf16 activations take half (plus a bf16 copy of the parameters);\n"
+    "the activations' bf16 figure is printed too. Activations follow model.recompute (none,\n"
+    "gelu, norm_gelu: less memory for recomputation in the backward); the suggestion keeps it.\n"
     "\n"
     "exit: 0 valid and fits; 2 invalid, does not fit, or bad usage (one line says what to change)\n";
 
@@ -32,7 +34,7 @@ size_t plan_num_params(const ModelShape *s) {
     return (size_t)s->padded_vocab * C + (size_t)s->seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
 }
 
-PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch) {
+PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch, ModelRecompute recompute) {
     PlanMemory m = {0};
     double C = s->n_embd, L = s->n_layer, params = (double)plan_num_params(s);
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
@@ -68,7 +70,13 @@ PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro
     }
     m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
     /* fp32 activations: the upper bound (bf16 halves them, see plan_usage) */
-    m.activations = (double)model_activation_bytes(s, micro_batch, s->seq_len, sizeof(float));
+    for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
+        for (int k = 0; k < 2; k++)
+            m.act_by_mode[r][k] = (double)model_activation_bytes(s, micro_batch, s->seq_len, k ? 2 : sizeof(float),
+                                                                (ModelRecompute)r);
+    m.recompute = recompute;
+    m.activations = m.act_by_mode[recompute][0];
+    m.activations_bf16 = m.act_by_mode[recompute][1];
     double counted = m.state + m.activations + PLAN_WORKSPACE_BYTES;
     m.overhead = PLAN_WORKSPACE_BYTES + PLAN_MARGIN * counted;
     m.total = m.state + m.activations + m.overhead;
@@ -80,6 +88,21 @@ void plan_print_bytes(const char *what, double bytes) {
     int u = 0;
     while (bytes >= 1024.0 && u < 4) bytes /= 1024.0, u++;
     printf("  %-22s %9.2f %s\n", what, bytes, unit[u]);
+}
+
+#define GIB (1024.0 * 1024.0 * 1024.0)
+
+void plan_print_activations(const PlanMemory *m) {
+    plan_print_bytes("activations", m->activations);
+    plan_print_bytes("activations, bf16", m->activations_bf16);
+    const double(*by)[2] = m->act_by_mode;
+    if (m->recompute == MODEL_RECOMPUTE_NONE)
+        printf("  recompute              none (model.recompute: gelu would take %.2f GiB less in fp32, norm_gelu "
+               "%.2f GiB)\n", (by[0][0] - by[1][0]) / GIB, (by[0][0] - by[2][0]) / GIB);
+    else
+        printf("  recompute              %s (model.recompute): %.2f GiB less than none in fp32, %.2f GiB in bf16\n",
+               model_recompute_name(m->recompute), (by[0][0] - m->activations) / GIB,
+               (by[0][1] - m->activations_bf16) / GIB);
 }
 
 void plan_print_state(const PlanMemory *m, int dp, int zero) {
@@ -101,8 +124,6 @@ void plan_print_state(const PlanMemory *m, int dp, int zero) {
     }
     plan_print_bytes("params + grads + optim", m->state);
 }
-
-#define GIB (1024.0 * 1024.0 * 1024.0)
 
 static long plan_parse_count(const char *flag, const char *v) {
     char *end;
@@ -211,7 +232,8 @@ int plan_main(int argc, char **argv) {
                  (long long)c.total_tokens, c.micro_batch, c.seq_len, dp, (long long)unit, nearest, alt);
     }
 
-    PlanMemory m = plan_memory_per_rank(&s, dp, c.zero, c.micro_batch);
+    ModelRecompute recompute = model_recompute_parse(c.recompute);
+    PlanMemory m = plan_memory_per_rank(&s, dp, c.zero, c.micro_batch, recompute);
     size_t params = plan_num_params(&s);
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d): %zu parameters "
            "(%.2fM)\n", c.run_name, c.arch, s.n_layer, s.n_head, s.n_embd, s.seq_len, s.vocab_size, s.padded_vocab,
@@ -229,7 +251,7 @@ int plan_main(int argc, char **argv) {
                (long long)c.total_tokens, c.micro_batch, c.seq_len);
     printf("  memory per rank        fp32 storage (parameters, gradients, AdamW m and v; activations counted in fp32)\n");
     plan_print_state(&m, dp, c.zero);
-    plan_print_bytes("activations", m.activations);
+    plan_print_activations(&m);
     plan_print_bytes("overhead", m.overhead);
     printf("                         (32 MiB cuBLAS workspace + 5%% margin for the allocator and the uncounted)\n");
     plan_print_bytes("total per rank", m.total);
@@ -246,13 +268,13 @@ int plan_main(int argc, char **argv) {
         int nd = plan_divisors(rank_samples, div, 128);
         for (int z = 0; z <= 3 && best_zero < 0; z++) {
             for (int j = 0; j < nd; j++) {
-                PlanMemory t = plan_memory_per_rank(&s, dp, z, div[j]);
+                PlanMemory t = plan_memory_per_rank(&s, dp, z, div[j], recompute);
                 if (t.total <= cap) {
                     best_zero = z, best_mb = div[j], best = t;
                     break;
                 }
             }
-            PlanMemory t1 = plan_memory_per_rank(&s, dp, z, 1);
+            PlanMemory t1 = plan_memory_per_rank(&s, dp, z, 1, recompute);
             if (least_zero < 0 || t1.total < least.total) least = t1, least_zero = z;
         }
     }

@@ -25,7 +25,10 @@ typedef struct PlanMemory {
                                (+ two 1/dp reduce-scatter targets); else 0 */
     double optim;           /* AdamW m and v: whole, or 1/dp (ZeRO >= 1) */
     double state;           /* params + grads + optim (+ shard, gathered, unreduced) */
-    double activations;     /* model_activation_bytes for one micro-batch */
+    double activations;     /* model_activation_bytes for one micro-batch, fp32, with `recompute` */
+    double activations_bf16; /* the same in bf16 (the GPU's default), for the report; not in total */
+    double act_by_mode[3][2]; /* the same for each ModelRecompute, [0] fp32 [1] bf16 */
+    ModelRecompute recompute; /* model.recompute */
     double overhead;        /* PLAN_WORKSPACE_BYTES + PLAN_MARGIN of the rest */
     double total;           /* state + activations + overhead */
 } PlanMemory;
@@ -37,7 +40,7 @@ size_t plan_num_params(const ModelShape *s);
 /* The per-rank memory of data parallelism over dp ranks at ZeRO stage `zero`
  * with micro-batches of micro_batch x seq_len tokens: the accounting of
  * ddp.c's arenas, and the one `--dry-run` prints. */
-PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch);
+PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch, ModelRecompute recompute);
 
 /* One "  %-22s %9.2f <unit>" line of a byte count (B, KiB, ... TiB). */
 void plan_print_bytes(const char *what, double bytes);
@@ -46,6 +49,11 @@ void plan_print_bytes(const char *what, double bytes);
  * "params + grads + optim", with ZeRO-2's shard and ZeRO-2/3's gathered and
  * unreduced lines) in the `--dry-run` format: "  %-22s %9.2f %s". */
 void plan_print_state(const PlanMemory *m, int dp, int zero);
+
+/* The activation lines, in the same format: "activations" (fp32, the one
+ * counted in the total), "activations, bf16", and a "recompute" line naming
+ * model.recompute and what it saves (none: what the other modes would take). */
+void plan_print_activations(const PlanMemory *m);
 
 /* `./train plan CONFIG [--set k=v]... --gpus N [--gpu-mem GB] [--nodes K]`;
  * argv[0] is "plan". Returns 0 (valid, fits) or 2 (does not; one line says

@@ -48,9 +48,9 @@ static void print_plan(const Config *c, const ModelShape *s) {
     printf("  memory per rank        dp %d%s, ZeRO %d\n", dp, c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)",
            c->zero);
     /* the same accounting `./train plan` uses (src/plan.c) */
-    PlanMemory mem = plan_memory_per_rank(s, dp, c->zero, c->micro_batch);
+    PlanMemory mem = plan_memory_per_rank(s, dp, c->zero, c->micro_batch, model_recompute_parse(c->recompute));
     plan_print_state(&mem, dp, c->zero);
-    plan_print_bytes("activations", mem.activations);
+    plan_print_activations(&mem);
     printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps x %d ranks)\n",
            (long long)tokens_per_step, c->micro_batch, c->seq_len, c->grad_accum / dp, dp);
     printf("  micro-batches per step %d (%d per rank)\n", c->grad_accum, c->grad_accum / dp);
@@ -249,7 +249,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     }
     else model_init_weights(&model, c->seed);
     ddp_shard_params(&ddp); /* ZeRO-2/3: take this rank's shard (ZeRO-3: drop the whole arena) */
-    model_plan_activations(&model, B, T);
+    model_plan_activations(&model, B, T, model_recompute_parse(c->recompute));
 
     AdamW opt;
     size_t opt_lo, opt_hi;
@@ -306,6 +306,9 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     metrics_print(mx, "run %s -> %s", c->run_name, c->run_dir);
     metrics_print(mx, "model gpt2: %zu parameters (%.2fM), %.3g FLOPs/token", model_num_params(&model),
                   model_num_params(&model) / 1e6, fpt);
+    metrics_print(mx, "activations: %.2f MiB for a %d x %d micro-batch, %zu-byte activations, recompute %s%s",
+                  model.act_size / 1048576.0, B, T, model.act_bytes, model_recompute_name(model.recompute),
+                  model.recompute == MODEL_RECOMPUTE_NONE ? "" : " (the backward recomputes them: bit-identical)");
     char vtok[64] = "";
     if (val) snprintf(vtok, sizeof vtok, ", %llu val tokens", (unsigned long long)data_num_tokens(val));
     metrics_print(mx, "data: %llu train tokens in %d shard(s)%s", (unsigned long long)data_num_tokens(train),

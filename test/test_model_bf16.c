@@ -3,8 +3,9 @@
  * compute copy is the master rounded to nearest even and follows every change
  * (model_params_changed), a training run tracks the fp32 CPU run, and ZeRO-3's
  * re-binding of parameter views to shared gather buffers casts each layer's
- * copy again after the pre-layer hook. Also that an fp32 backend keeps no copy
- * at all (its compute views are the master's). */
+ * copy again after the pre-layer hook (also when the backward recomputes
+ * LayerNorm and GeLU outputs, model.recompute). Also that an fp32 backend
+ * keeps no copy at all (its compute views are the master's). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,7 +59,7 @@ static void test_copy_follows(void) {
     Model m;
     make(&m, &emu);
     model_init_weights(&m, 5);
-    model_plan_activations(&m, B, T);
+    model_plan_activations(&m, B, T, MODEL_RECOMPUTE_NONE);
     int32_t inp[B * T], tgt[B * T];
     batch(inp, tgt, 1);
     int ok = m.act_bytes == 2 && m.n_cbuf == 1 && m.cbuf[0].stale;
@@ -81,7 +82,8 @@ static void test_copy_follows(void) {
     ok = 1;
     for (int j = 0; j < 64; j++) ok = ok && isfinite(row[j]) && row[j] == backend_act_round(row[j], 2);
     test_report(ok, "model_bf16_logits_row", "a logits row is not bf16 values");
-    size_t want = model_activation_bytes(&m.shape, B, T, 2), fp32 = model_activation_bytes(&m.shape, B, T, 4);
+    size_t want = model_activation_bytes(&m.shape, B, T, 2, MODEL_RECOMPUTE_NONE);
+    size_t fp32 = model_activation_bytes(&m.shape, B, T, 4, MODEL_RECOMPUTE_NONE);
     test_report(m.act_size == want && want < fp32 * 6 / 10, "model_bf16_activations_halved",
                 "activation arena %zu bytes (fp32 %zu)", m.act_size, fp32);
     model_free(&m);
@@ -92,7 +94,7 @@ static void train(const Backend *be, int steps, float *loss) {
     Model m;
     make(&m, be);
     model_init_weights(&m, 7);
-    model_plan_activations(&m, B, T);
+    model_plan_activations(&m, B, T, MODEL_RECOMPUTE_NONE);
     AdamW o;
     optim_init(&o, be, m.num_params, m.num_decay, 0.9f, 0.95f, 1e-8f, 0.0f, 1.0f);
     int32_t inp[B * T], tgt[B * T];
@@ -149,7 +151,20 @@ static float *bind_whole_grads(Model *m) {
     return g;
 }
 
-static void test_zero3_rebinding(void) {
+/* r: what z recomputes in its backward (a never does): the recomputation
+ * must come after the hook put the layer's values back in its slot and the
+ * compute copy was cast again, or it computes with the layer two ahead. */
+/* Initial LayerNorm gains are all 1 and biases 0: shift every parameter by
+ * an amount that depends on its place, so no two layers are alike and a
+ * layer computed with another's weights shows. */
+static void distinct_layers(Model *m) {
+    for (size_t i = 0; i < m->arena_len; i++) m->param_mem[i] += 0.01f * (float)((i * 7919) % 13) / 13.0f;
+    model_params_changed(m);
+}
+
+static void test_zero3_rebinding(ModelRecompute r) {
+    char name[96];
+    const char *tag = r == MODEL_RECOMPUTE_NONE ? "" : "_recompute_norm_gelu";
     Model a, z;
     make(&a, &emu);
     make(&z, &emu);
@@ -158,8 +173,10 @@ static void test_zero3_rebinding(void) {
     float *ga = bind_whole_grads(&a);
     model_init_weights(&a, 9);
     model_init_weights(&z, 9);
-    model_plan_activations(&a, B, T);
-    model_plan_activations(&z, B, T);
+    distinct_layers(&a);
+    distinct_layers(&z);
+    model_plan_activations(&a, B, T, MODEL_RECOMPUTE_NONE);
+    model_plan_activations(&z, B, T, r);
     int L = z.shape.n_layer;
     size_t layer_len = 0;
     for (int u = 0; u < L; u++) layer_len = z.unit_len[u] > layer_len ? z.unit_len[u] : layer_len;
@@ -178,20 +195,23 @@ static void test_zero3_rebinding(void) {
     model_bind_unit(&z, L, g.prest, grest);
     z.pre_hook = gather_hook;
     z.hook_ctx = &g;
-    test_report(z.n_cbuf == 3, "model_bf16_zero3_buffers", "%d compute buffers for 3 gather buffers", z.n_cbuf);
+    snprintf(name, sizeof name, "model_bf16_zero3_buffers%s", tag);
+    test_report(z.n_cbuf == 3, name, "%d compute buffers for 3 gather buffers", z.n_cbuf);
 
     int32_t inp[B * T], tgt[B * T];
     batch(inp, tgt, 3);
     float la = model_forward(&a, inp, tgt, B, T, 1.0f / (B * T));
     float lz = model_forward(&z, inp, tgt, B, T, 1.0f / (B * T));
-    test_report(la == lz, "model_bf16_zero3_forward", "loss %.9g bound to gather buffers, %.9g whole", lz, la);
+    snprintf(name, sizeof name, "model_bf16_zero3_forward%s", tag);
+    test_report(la == lz, name, "loss %.9g bound to gather buffers, %.9g whole", lz, la);
     model_backward(&a, 0);
     model_backward(&z, 0);
     /* after the backward gbuf[l % 2] holds layers 1 and 0 (the last two done) */
     int same = memcmp(grest, ga + a.unit_off[L], a.unit_len[L] * sizeof(float)) == 0;
     for (int l = 0; l < 2; l++)
         same = same && memcmp(gbuf[l], ga + a.unit_off[l], a.unit_len[l] * sizeof(float)) == 0;
-    test_report(same, "model_bf16_zero3_backward", "gradients differ from the unbound model's");
+    snprintf(name, sizeof name, "model_bf16_zero3_backward%s", tag);
+    test_report(same, name, "gradients differ from the unbound model's");
     model_free(&a);
     model_free(&z);
     for (int s = 0; s < 2; s++) free(g.pbuf[s]), free(gbuf[s]);
@@ -220,7 +240,9 @@ static int refresh_hook(void *ctx, int layer, int backward) {
     return 1;
 }
 
-static void test_zero2_refresh(void) {
+static void test_zero2_refresh(ModelRecompute rc) {
+    char name[96];
+    snprintf(name, sizeof name, "model_bf16_zero2_refresh%s", rc == MODEL_RECOMPUTE_NONE ? "" : "_recompute_norm_gelu");
     Model a, y;
     make(&a, &emu);
     make(&y, &emu);
@@ -229,8 +251,8 @@ static void test_zero2_refresh(void) {
     float *ga = bind_whole_grads(&a), *gy = bind_whole_grads(&y);
     model_init_weights(&a, 9);
     model_init_weights(&y, 9);
-    model_plan_activations(&a, B, T);
-    model_plan_activations(&y, B, T);
+    model_plan_activations(&a, B, T, MODEL_RECOMPUTE_NONE);
+    model_plan_activations(&y, B, T, rc);
     int32_t inp[B * T], tgt[B * T];
     batch(inp, tgt, 4);
     float la = model_forward(&a, inp, tgt, B, T, 1.0f / (B * T));
@@ -248,7 +270,7 @@ static void test_zero2_refresh(void) {
     model_backward(&a, 0);
     model_backward(&y, 0);
     int same = memcmp(ga, gy, a.arena_len * sizeof(float)) == 0;
-    test_report(la == ly && la2 == ly2 && la2 != la && y.n_cbuf == 1 && same, "model_bf16_zero2_refresh",
+    test_report(la == ly && la2 == ly2 && la2 != la && y.n_cbuf == 1 && same, name,
                 "losses %.9g/%.9g before, %.9g/%.9g after the refresh (whole/refreshed), %d compute buffers, "
                 "gradients %s", la, ly, la2, ly2, y.n_cbuf, same ? "equal" : "differ");
     model_free(&a);
@@ -262,8 +284,10 @@ int main(void) {
     test_fp32_alias();
     test_copy_follows();
     test_training_tracks_fp32();
-    test_zero3_rebinding();
-    test_zero2_refresh();
+    test_zero3_rebinding(MODEL_RECOMPUTE_NONE);
+    test_zero3_rebinding(MODEL_RECOMPUTE_NORM_GELU);
+    test_zero2_refresh(MODEL_RECOMPUTE_NONE);
+    test_zero2_refresh(MODEL_RECOMPUTE_NORM_GELU);
     emu.shutdown();
     return 0;
 }

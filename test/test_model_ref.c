@@ -204,7 +204,7 @@ int main(void) {
     be->init(0);
     Model m;
     model_init(&m, be, &s, 1 /* decay embeddings, as the reference does */);
-    model_plan_activations(&m, f.B, f.T);
+    model_plan_activations(&m, f.B, f.T, MODEL_RECOMPUTE_NONE);
     int B = f.B, T = f.T, Vp = f.padded_vocab, N = B * T;
 
     /* The reference decays exactly the 2-D tensors; kiln must agree, and keep
