@@ -124,6 +124,10 @@ void cuda_matmul_forward(void *out, const void *inp, const void *w, const void *
                          int OC);
 void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                           const void *w, int N, int C, int OC, int accumulate);
+void cuda_matmul_gelu_forward(void *out_gelu, void *pre, const void *inp, const void *w, const void *bias, int N,
+                              int C, int OC);
+void cuda_matmul_backward_dgelu(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
+                                const void *w, const void *pre, int N, int C, int OC, int accumulate);
 /* attention.cu: the backend's attention ops choose between the SIMT kernels
  * (any dtype and head size up to 128) and the tensor-core ones of
  * attention_tc.cu; set_mode is precision.attention (auto | tensor_cores |

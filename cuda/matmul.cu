@@ -37,13 +37,17 @@
 
 typedef struct {
     int m, n, k, ta, tb, lda, ldb, ldd;
-    int align_a, align_b, align_d; /* bytes, power of two <= 256 */
-    int bias;
+    int align_a, align_b, align_d, align_aux; /* bytes, power of two <= 256 */
+    int epi;                                  /* cublasLtEpilogue_t */
+    int ldaux;                                /* GELU_AUX*, DGELU: the aux matrix's leading dimension */
     int ab_bf16, d_bf16; /* A/B, C/D element types: bf16 (1) or fp32 (0) */
 } MmKey;
 
+/* A plan is kept whether or not cuBLASLt has an algorithm for it (usable 0),
+ * so a shape it refuses costs one heuristic query per run, not one per step. */
 typedef struct {
     MmKey key;
+    int usable;
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, ld;
     cublasLtMatmulAlgo_t algo;
@@ -60,13 +64,17 @@ void cuda_matmul_init(void) {
     CUDA_CHECK(cudaMalloc(&mm_workspace, MM_WORKSPACE_BYTES));
 }
 
+static void mm_plan_release(MmPlan *p) {
+    if (p->desc) cublasLtMatmulDescDestroy(p->desc);
+    if (p->la) cublasLtMatrixLayoutDestroy(p->la);
+    if (p->lb) cublasLtMatrixLayoutDestroy(p->lb);
+    if (p->ld) cublasLtMatrixLayoutDestroy(p->ld);
+    p->desc = NULL, p->la = p->lb = p->ld = NULL;
+    p->usable = 0;
+}
+
 void cuda_matmul_shutdown(void) {
-    for (int i = 0; i < mm_nplans; i++) {
-        cublasLtMatmulDescDestroy(mm_plans[i].desc);
-        cublasLtMatrixLayoutDestroy(mm_plans[i].la);
-        cublasLtMatrixLayoutDestroy(mm_plans[i].lb);
-        cublasLtMatrixLayoutDestroy(mm_plans[i].ld);
-    }
+    for (int i = 0; i < mm_nplans; i++) mm_plan_release(&mm_plans[i]);
     mm_nplans = 0;
     if (mm_workspace) cudaFree(mm_workspace);
     mm_workspace = NULL;
@@ -81,22 +89,59 @@ static int mm_align(const void *p) {
     return al;
 }
 
-/* Build (or find) the plan for a key; NULL if the heuristic has no algorithm. */
-static MmPlan *mm_plan(const MmKey *key) {
+static int mm_epi_has_aux(int epi) {
+    return epi == CUBLASLT_EPILOGUE_GELU_AUX || epi == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || epi == CUBLASLT_EPILOGUE_DGELU;
+}
+static const char *mm_epi_name(int epi) {
+    return epi == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ? "GELU_AUX_BIAS"
+           : epi == CUBLASLT_EPILOGUE_GELU_AUX    ? "GELU_AUX"
+           : epi == CUBLASLT_EPILOGUE_DGELU       ? "DGELU"
+           : epi == CUBLASLT_EPILOGUE_BIAS        ? "BIAS"
+                                                  : "DEFAULT";
+}
+
+/* Say once per plan why a GeLU epilogue is not used (the bias epilogue's
+ * fallback, a separate add, is silent as it always was). */
+static void mm_refused(const MmKey *key, const char *why) {
+    if (!mm_epi_has_aux(key->epi)) return;
+    kiln_warn("cublasLt: %s epilogue: %s for a %dx%dx%d %s product (aux ld %d, aux alignment %d): the GeLU runs "
+              "as its own kernel for this shape (precision.gelu_fusion)", mm_epi_name(key->epi), why, key->m, key->n, key->k,
+              key->ab_bf16 ? "bf16" : "fp32", key->ldaux, key->align_aux);
+}
+
+/* Build (or find) the plan for a key. The aux pointer goes into the
+ * descriptor before the heuristic runs: cublasLt.h says it reads its value
+ * (not the memory) to know its alignment, which the key therefore holds. The
+ * bias pointer is set per call only, as it always was (every bias given to
+ * an epilogue is 16-byte aligned). */
+static MmPlan *mm_plan(const MmKey *key, const void *aux) {
     for (int i = 0; i < mm_nplans; i++)
         if (memcmp(&mm_plans[i].key, key, sizeof *key) == 0) return &mm_plans[i];
     if (mm_nplans == MM_MAX_PLANS)
         kiln_fail(KILN_EXIT_RUNTIME, "cublasLt: more than %d distinct matrix-product shapes", MM_MAX_PLANS);
-    MmPlan *p = &mm_plans[mm_nplans];
+    MmPlan *p = &mm_plans[mm_nplans++];
     memset(p, 0, sizeof *p);
     p->key = *key;
+    /* cublasLt.h: the GELU aux leading dimension must be a multiple of 8 (and
+     * at least D's rows, which ld = m is); 16-byte aux pointers as for the bias. */
+    if (mm_epi_has_aux(key->epi) && (key->ldaux % 8 != 0 || key->align_aux < 16)) {
+        mm_refused(key, key->ldaux % 8 ? "aux leading dimension not a multiple of 8" : "aux not 16-byte aligned");
+        return p;
+    }
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cudaDataType_t tab = key->ab_bf16 ? CUDA_R_16BF : CUDA_R_32F, td = key->d_bf16 ? CUDA_R_16BF : CUDA_R_32F;
     cublasOperation_t ta = key->ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = key->tb ? CUBLAS_OP_T : CUBLAS_OP_N;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-    cublasLtEpilogue_t epi = key->bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    cublasLtEpilogue_t epi = (cublasLtEpilogue_t)key->epi;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+    if (mm_epi_has_aux(key->epi)) {
+        /* The aux element type is left at its default, D's type: the act
+         * dtype, which is what the pre-activation buffer holds. */
+        int64_t ldaux = key->ldaux;
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ldaux, sizeof ldaux));
+    }
     /* op(A) is m x k, op(B) is k x n, D is m x n, all column-major. */
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, tab, key->ta ? key->k : key->m,
                                             key->ta ? key->m : key->k, key->lda));
@@ -116,43 +161,58 @@ static MmPlan *mm_plan(const MmKey *key) {
     int found = 0;
     cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(mm_handle, p->desc, p->la, p->lb, p->ld, p->ld,
                                                        pref, 1, &res, &found);
-    cublasLtMatmulPreferenceDestroy(pref);
+    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
     if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
-        cublasLtMatmulDescDestroy(p->desc);
-        cublasLtMatrixLayoutDestroy(p->la);
-        cublasLtMatrixLayoutDestroy(p->lb);
-        cublasLtMatrixLayoutDestroy(p->ld);
-        return NULL;
+        mm_refused(key, "the heuristic has no algorithm");
+        mm_plan_release(p);
+        return p;
     }
     p->algo = res.algo;
-    mm_nplans++;
+    p->usable = 1;
     return p;
 }
 
-/* D(m,n) = op(A) op(B) (+ bias(m)) + beta D, column-major; A, B of the
- * activation dtype, D too or fp32 (d_f32). Returns 0 if no algorithm takes a
- * bias epilogue for this shape (the caller adds the bias). */
-static int mm_gemm(void *D, const void *A, const void *B, const void *bias, int m, int n, int k, int ta,
-                   int tb, int lda, int ldb, int ldd, float beta, int d_f32) {
+/* D(m,n) = epilogue(op(A) op(B) (+ bias(m))) + beta D, column-major; A, B of
+ * the activation dtype, D too or fp32 (d_f32). epi is a cublasLtEpilogue_t;
+ * aux (ld ldaux) is the GELU epilogues' pre-activation, written by GELU_AUX*
+ * and read by DGELU. Returns 0, having done nothing, if cuBLASLt takes no
+ * such epilogue for this shape (the caller does its part separately); the
+ * plain product (DEFAULT) has no fallback and fails the run instead. */
+static int mm_gemm(void *D, const void *A, const void *B, int m, int n, int k, int ta, int tb, int lda,
+                   int ldb, int ldd, float beta, int d_f32, int epi, const void *bias, const void *aux,
+                   int ldaux) {
     MmKey key;
     memset(&key, 0, sizeof key); /* padding too: keys are compared with memcmp */
     key.m = m, key.n = n, key.k = k, key.ta = ta, key.tb = tb;
     key.lda = lda, key.ldb = ldb, key.ldd = ldd;
     key.align_a = mm_align(A), key.align_b = mm_align(B), key.align_d = mm_align(D);
-    key.bias = bias != NULL;
+    key.epi = epi;
+    if (mm_epi_has_aux(epi)) key.align_aux = mm_align(aux), key.ldaux = ldaux;
     key.ab_bf16 = cuda_act_bf16;
     key.d_bf16 = cuda_act_bf16 && !d_f32;
-    MmPlan *p = mm_plan(&key);
-    if (!p) {
-        if (bias) return 0;
+    MmPlan *p = mm_plan(&key, aux);
+    if (!p->usable) {
+        if (epi != CUBLASLT_EPILOGUE_DEFAULT) return 0;
         kiln_fail(KILN_EXIT_RUNTIME, "cublasLt: no algorithm for a %dx%dx%d product (ta=%d tb=%d, alignments %d/%d/%d)",
                   m, n, k, ta, tb, key.align_a, key.align_b, key.align_d);
     }
     if (bias)
         CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+    if (mm_epi_has_aux(epi))
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
     const float alpha = 1.0f;
-    CUBLAS_CHECK(cublasLtMatmul(mm_handle, p->desc, &alpha, A, p->la, B, p->lb, &beta, D, p->ld, D, p->ld,
-                                &p->algo, mm_workspace, MM_WORKSPACE_BYTES, 0));
+    cublasStatus_t st = cublasLtMatmul(mm_handle, p->desc, &alpha, A, p->la, B, p->lb, &beta, D, p->ld, D, p->ld,
+                                       &p->algo, mm_workspace, MM_WORKSPACE_BYTES, 0);
+    /* An epilogue the heuristic offered but the call refuses (checked on the
+     * host, before any work is queued): drop it for this shape and let the
+     * caller do its part; anything else, and any plain product, is an error. */
+    if (st != CUBLAS_STATUS_SUCCESS && epi != CUBLASLT_EPILOGUE_DEFAULT &&
+        (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE)) {
+        mm_refused(&key, "cublasLtMatmul refused the epilogue");
+        mm_plan_release(p);
+        return 0;
+    }
+    CUBLAS_CHECK(st);
     return 1;
 }
 
@@ -178,17 +238,58 @@ void cuda_matmul_forward(void *out, const void *inp, const void *w, const void *
      * aligned vectors (every model tensor is: offsets are multiples of 16
      * elements, 32 bytes in the bf16 compute copy). */
     const void *epi_bias = bias && mm_align(bias) >= 16 ? bias : NULL;
-    int fused = mm_gemm(out, w, inp, epi_bias, OC, N, C, 1, 0, C, C, OC, 0.0f, 0);
-    if (!fused) mm_gemm(out, w, inp, NULL, OC, N, C, 1, 0, C, C, OC, 0.0f, 0);
-    if (bias && (!fused || !epi_bias)) ACT_DISPATCH(add_bias_run, out, bias, N, OC);
+    int fused = epi_bias && mm_gemm(out, w, inp, OC, N, C, 1, 0, C, C, OC, 0.0f, 0, CUBLASLT_EPILOGUE_BIAS,
+                                    epi_bias, NULL, 0);
+    if (!fused) mm_gemm(out, w, inp, OC, N, C, 1, 0, C, C, OC, 0.0f, 0, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0);
+    if (bias && !fused) ACT_DISPATCH(add_bias_run, out, bias, N, OC);
 }
 
 void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                           const void *w, int N, int C, int OC, int accumulate) {
     /* dinp (N,C) act or NULL, dw (OC,C) fp32, dbias (OC) fp32 or NULL, dout (N,OC), inp (N,C),
      * w (OC,C) act */
-    if (dinp) mm_gemm(dinp, w, dout, NULL, C, N, OC, 0, 0, C, OC, C, 0.0f, 0);
+    if (dinp) mm_gemm(dinp, w, dout, C, N, OC, 0, 0, C, OC, C, 0.0f, 0, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0);
     /* beta 0 does not read dw (BLAS semantics): garbage, even NaN, is overwritten. */
-    mm_gemm(dw, inp, dout, NULL, C, OC, N, 0, 1, C, OC, C, accumulate ? 1.0f : 0.0f, 1);
+    mm_gemm(dw, inp, dout, C, OC, N, 0, 1, C, OC, C, accumulate ? 1.0f : 0.0f, 1, CUBLASLT_EPILOGUE_DEFAULT, NULL,
+            NULL, 0);
     if (dbias) cuda_colsum(dbias, dout, N, OC, accumulate);
+}
+
+/* ---------------------------------------------------------------------------
+ * GeLU fused into the fc products (backend.h: matmul_gelu_forward,
+ * matmul_backward_dgelu). In cuBLASLt's column-major view:
+ *   forward  out^T(OC,N) = GELU(w^T' inp^T + bias), aux = pre^T(OC,N), ld OC:
+ *            GELU_AUX_BIAS (GELU_AUX without a bias);
+ *   backward dinp^T(C,N) = (w^T dout^T) * GELU'(aux), aux = pre^T(C,N), ld C:
+ *            DGELU; dw and dbias as in matmul_backward (dw reads inp = gelu(pre)).
+ * The GeLU is cuBLASLt's: applied to the fp32 accumulator (plus bias) before
+ * the act store, so with bf16 out = bf16(gelu(x)) where the separate kernel
+ * computes bf16(gelu(bf16(x))); and its formula is the library's (cublasLt.h
+ * says only "GELU"; test_backend_cross measures which variant it is). Not
+ * DGELU_BGRAD: like BGRADB it writes the bias gradient in D's type,
+ * overwriting, where kiln accumulates fp32. Where cuBLASLt takes no such
+ * epilogue for a shape (an aux ld not a multiple of 8, no algorithm) the
+ * separate ops run instead, after one warning naming the shape. */
+void cuda_matmul_gelu_forward(void *out_gelu, void *pre, const void *inp, const void *w, const void *bias, int N,
+                              int C, int OC) {
+    /* out_gelu, pre (N,OC), inp (N,C), w (OC,C), bias (OC) or NULL; all act */
+    int epi = bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    if ((!bias || mm_align(bias) >= 16) && mm_gemm(out_gelu, w, inp, OC, N, C, 1, 0, C, C, OC, 0.0f, 0, epi, bias,
+                                                   pre, OC))
+        return;
+    cuda_matmul_forward(pre, inp, w, bias, N, C, OC);
+    cuda_gelu_forward(out_gelu, pre, (size_t)N * OC);
+}
+
+void cuda_matmul_backward_dgelu(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
+                                const void *w, const void *pre, int N, int C, int OC, int accumulate) {
+    /* dinp, pre, inp (N,C) act; dw (OC,C), dbias (OC) fp32 (dbias may be NULL); dout (N,OC), w (OC,C) act */
+    if (mm_gemm(dinp, w, dout, C, N, OC, 0, 0, C, OC, C, 0.0f, 0, CUBLASLT_EPILOGUE_DGELU, NULL, pre, C)) {
+        cuda_matmul_backward(NULL, dw, dbias, dout, inp, w, N, C, OC, accumulate);
+        return;
+    }
+    /* the separate ops, in place: gelu_backward reads each element of its
+     * dout before writing the same element of dinp */
+    cuda_matmul_backward(dinp, dw, dbias, dout, inp, w, N, C, OC, accumulate);
+    cuda_gelu_backward(dinp, pre, dinp, (size_t)N * C);
 }

@@ -102,6 +102,26 @@ typedef struct Backend {
     void (*gelu_forward)(void *out, const void *inp, size_t n);
     void (*gelu_backward)(void *dinp, const void *inp, const void *dout, size_t n);
 
+    /* Optional fused MLP ops, NULL where the backend has nothing faster than
+     * the separate ops (the CPU). Host code uses them when present and
+     * model.gelu_fusion allows, else the composition named on each; never by
+     * backend name. They compute the same function as that composition, but
+     * need not give its bits: the GeLU is applied to the fp32 product before
+     * any act store, and may be the library's own tanh-approximation code.
+     * matmul_gelu_forward: pre(N,OC) act = inp(N,C) @ w(OC,C)^T + bias(OC),
+     * out_gelu(N,OC) act = gelu(pre); all act, bias non-NULL. Composition:
+     * matmul_forward(pre, ...) then gelu_forward(out_gelu, pre, N*OC). */
+    void (*matmul_gelu_forward)(void *out_gelu, void *pre, const void *inp, const void *w, const void *bias,
+                                int N, int C, int OC);
+    /* The backward of a product whose input was gelu(pre): as matmul_backward
+     * (inp(N,C) = gelu(pre) act, the forward's input; dw(OC,C), dbias(OC)
+     * fp32 per `accumulate`, dbias may be NULL; dout(N,OC), w(OC,C) act), but
+     * dinp(N,C) act = (dout @ w) * gelu'(pre(N,C) act), the gradient of pre,
+     * not of gelu(pre). Composition: matmul_backward(tmp, dw, dbias, dout,
+     * inp, w, ...) then gelu_backward(dinp, pre, tmp, N*C). */
+    void (*matmul_backward_dgelu)(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
+                                  const void *w, const void *pre, int N, int C, int OC, int accumulate);
+
     /* out = a + b, act (n): the residual stream. */
     void (*residual_forward)(void *out, const void *a, const void *b, size_t n);
     /* out = a + b, fp32 (n): gradient shards (ddp.c). */

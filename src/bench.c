@@ -80,6 +80,7 @@ int bench_run(const Config *c, int steps) {
 
     Model m;
     model_init(&m, be, &s, c->decay_embeddings);
+    m.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     model_init_weights(&m, c->seed);
     model_plan_activations(&m, B, T, model_recompute_parse(c->recompute));
     AdamW opt;
@@ -125,6 +126,8 @@ int bench_run(const Config *c, int steps) {
     printf("bench: tok_per_s=%.1f step_gflops=%.1f sgemm_gflops=%.1f ratio=%.3f\n", tokens / step_s, step_gflops,
            mm_gflops, step_gflops / mm_gflops);
     if (be->memory_peak) printf("bench: peak_mem_gib=%.2f\n", be->memory_peak() / 1073741824.0);
+    printf("bench: gelu_fusion=%s\n", model_gelu_fused(&m, 0) || model_gelu_fused(&m, 1) ? "on"
+                                       : m.gelu_fusion ? "not_offered" : "off");
     free(inp), free(tgt), free(times);
     optim_free(&opt);
     model_free(&m);

@@ -69,7 +69,8 @@ static const CfgKey cfg_keys[] = {
           "activation memory for backward time: `gelu` keeps no GeLU output per layer (the backward recomputes "
           "each from the saved fc output into one shared buffer: L-1 fewer (B,T,4C) tensors, one more GeLU per "
           "layer), `norm_gelu` also no LayerNorm outputs (recomputed from the saved layer inputs and statistics: "
-          "2L-1 fewer (B,T,C), two more LayerNorms per layer); results are bit-identical to `none`, and "
+          "2L-1 fewer (B,T,C), two more LayerNorms per layer); results are bit-identical to `none` (on GPU with "
+          "`precision.gelu_fusion: off`; with fusion the recomputed GeLU may differ in the last bit), and "
           "`--dry-run` prints the activation memory of the mode"),
     KSTR("data.train", train_glob, "\"data/austen/train_*.bin\"", "glob of the training token shards"),
     KSTR("data.val", val_glob, "\"data/austen/val_*.bin\"", "glob of the validation shards; `\"\"` = no validation"),
@@ -113,6 +114,12 @@ static const CfgKey cfg_keys[] = {
     KENUM("precision.compute", compute, "bf16", "bf16|fp32", "activation dtype on GPU: `bf16` stores activations, their gradients and the weights' compute copy in bf16 (half the memory; fp32 math and accumulation, matrix products on tensor cores), `fp32` is strict fp32; the CPU backend is always fp32"),
     KENUM("precision.attention", attention, "auto", "auto|tensor_cores|simt",
           "attention kernels on GPU with `compute: bf16`: `tensor_cores` (bf16 WMMA, fp32 accumulation), `simt` (fp32 CUDA cores), or `auto` = tensor cores when a start-up self-check against the SIMT kernels passes (the log's backend line says which ran); with `compute: fp32` attention is always `simt` (`tensor_cores` is then an error); the CPU backend ignores the key"),
+    KENUM("precision.gelu_fusion", gelu_fusion, "auto", "auto|off",
+          "the MLP's fc product and its GeLU: `auto` runs them as one op where the backend has one (CUDA: cuBLASLt's "
+          "GELU_AUX_BIAS epilogue forward, DGELU backward; a shape cuBLASLt refuses falls back with a warning), "
+          "`off` as a product and a GeLU kernel; the epilogue applies cuBLASLt's own GeLU to the unrounded product, "
+          "so losses differ in the last bits (within bf16 rounding), and with fusion `model.recompute` is no longer "
+          "bit-identical to `none`; the CPU backend has no fused op and ignores the key"),
     KENUM("precision.master", master, "fp32", "fp32", "dtype of master weights, gradients and optimizer state (what checkpoints hold)"),
     KINT("checkpoint.every", ckpt_every, "500", 0, INF, "steps between checkpoints; 0 = off (a final one is still written, see `checkpoint.final`)"),
     KINT("checkpoint.keep_last", ckpt_keep_last, "3", 0, INF,

@@ -63,6 +63,7 @@ typedef struct Config {
     /* precision */
     char compute[8]; /* bf16 | fp32: the GPU's activation dtype (the CPU backend is always fp32) */
     char attention[16]; /* auto | tensor_cores | simt: attention kernels with bf16 compute on GPU */
+    char gelu_fusion[8]; /* auto | off: the fc product and its GeLU as one fused op where the backend has one */
     char master[8];  /* fp32 */
 
     /* checkpoint */

@@ -449,6 +449,11 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     m->row_host = xcalloc((size_t)m->shape.padded_vocab, m->act_bytes);
 }
 
+int model_gelu_fused(const Model *m, int backward) {
+    if (!m->gelu_fusion) return 0;
+    return backward ? m->be->matmul_backward_dgelu != NULL : m->be->matmul_gelu_forward != NULL;
+}
+
 float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T, float dloss) {
     const Backend *be = m->be;
     const ModelShape *s = &m->shape;
@@ -456,6 +461,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: batch %dx%d exceeds the planned %dx%d", B, T, m->B, m->T);
     int N = B * T, C = s->n_embd, NH = s->n_head, L = s->n_layer;
     be->to_device(m->tokens_dev, tokens, (size_t)N * sizeof(int32_t));
+    int fuse_fwd = model_gelu_fused(m, 0);
 
     use_layer(m, -1, 0);
     be->embed_forward(m->encoded, m->tokens_dev, m->w.wte, m->w.wpe, B, T, C);
@@ -473,8 +479,12 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         be->matmul_forward(proj, a->atty, w->attprojw, w->attprojb, N, C, C);
         be->residual_forward(a->res2, x, proj, (size_t)N * C);
         be->layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, w->ln2w, w->ln2b, N, C);
-        be->matmul_forward(a->fch, a->ln2, w->fcw, w->fcb, N, C, 4 * C);
-        be->gelu_forward(a->fch_gelu, a->fch, (size_t)N * 4 * C);
+        if (fuse_fwd) {
+            be->matmul_gelu_forward(a->fch_gelu, a->fch, a->ln2, w->fcw, w->fcb, N, C, 4 * C);
+        } else {
+            be->matmul_forward(a->fch, a->ln2, w->fcw, w->fcb, N, C, 4 * C);
+            be->gelu_forward(a->fch_gelu, a->fch, (size_t)N * 4 * C);
+        }
         be->matmul_forward(proj, a->fch_gelu, w->fcprojw, w->fcprojb, N, 4 * C, C);
         be->residual_forward(a->res3, a->res2, proj, (size_t)N * C);
         x = a->res3;
@@ -523,6 +533,7 @@ void model_backward(Model *m, int accumulate) {
     int acc_layer = accumulate && !m->layer_grads_fresh;
     int recompute_gelu = m->recompute >= MODEL_RECOMPUTE_GELU;
     int recompute_norm = m->recompute >= MODEL_RECOMPUTE_NORM_GELU;
+    int fuse_bwd = model_gelu_fused(m, 1);
     for (int l = L - 1; l >= 0; l--) {
         use_layer(m, l, 1);
         const LayerWeights *w = &m->w.layer[l];
@@ -534,11 +545,19 @@ void model_backward(Model *m, int accumulate) {
          * buffers get this layer's values again by the forward's own ops on
          * its saved inputs; LayerNorm also rewrites its saved mean and rstd,
          * with the same values. */
-        /* MLP: res3 = res2 + c_proj(gelu(c_fc(ln2(res2)))) */
+        /* MLP: res3 = res2 + c_proj(gelu(c_fc(ln2(res2)))). c_proj's dw reads
+         * the GeLU output, recomputed here by the GeLU op even when the forward
+         * made it in the fused product (so with fusion the recomputed values
+         * may differ from the forward's in the last bit: see model.h). */
         if (recompute_gelu) be->gelu_forward(a->fch_gelu, a->fch, (size_t)N * 4 * C);
-        be->matmul_backward(dbuf, gw->fcprojw, gw->fcprojb, dresidual, a->fch_gelu, w->fcprojw, N, 4 * C, C,
-                            acc_layer);
-        be->gelu_backward(dbuf2, a->fch, dbuf, (size_t)N * 4 * C);
+        if (fuse_bwd) {
+            be->matmul_backward_dgelu(dbuf2, gw->fcprojw, gw->fcprojb, dresidual, a->fch_gelu, w->fcprojw, a->fch,
+                                      N, 4 * C, C, acc_layer);
+        } else {
+            be->matmul_backward(dbuf, gw->fcprojw, gw->fcprojb, dresidual, a->fch_gelu, w->fcprojw, N, 4 * C, C,
+                                acc_layer);
+            be->gelu_backward(dbuf2, a->fch, dbuf, (size_t)N * 4 * C);
+        }
         if (recompute_norm)
             be->layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, w->ln2w, w->ln2b, N, C);
         be->matmul_backward(dln, gw->fcw, gw->fcb, dbuf2, a->ln2, w->fcw, N, C, 4 * C, acc_layer);

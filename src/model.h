@@ -90,8 +90,10 @@ typedef struct ComputeBuf {
 /* What the backward pass recomputes instead of keeping per layer
  * (model.recompute). Each mode includes the one before. The recomputation
  * runs the forward's op on the forward's inputs (saved in the arena), so
- * values, and every result after them, are bit-identical to NONE; it costs
- * one more gelu_forward (and two layernorm_forward) per layer and backward. */
+ * values, and every result after them, are bit-identical to NONE (except for
+ * the GeLU output when the forward made it in a fused product:
+ * model_gelu_fused); it costs one more gelu_forward (and two
+ * layernorm_forward) per layer and backward. */
 typedef enum {
     MODEL_RECOMPUTE_NONE,      /* keep ln1, ln2 and the GeLU output of every layer */
     MODEL_RECOMPUTE_GELU,      /* one (N,4C) GeLU output shared by all layers */
@@ -171,6 +173,9 @@ typedef struct Model {
      * void *: act dtype, float *: fp32. */
     int B, T;           /* planned capacity */
     ModelRecompute recompute; /* planned with it: what the backward recomputes */
+    int gelu_fusion;    /* 1 (model_init's default; precision.gelu_fusion auto): the MLP's fc
+                           product and its GeLU run as the backend's fused ops where it offers
+                           them (model_gelu_fused); 0 (off): always as separate ops */
     int live_B, live_T; /* shape of the last forward */
     void *act_mem;
     size_t act_size;  /* bytes */
@@ -228,6 +233,17 @@ void model_init_weights(Model *m, uint64_t seed);
  * keeping or recomputing per `r`. The only activation allocation: forward
  * and backward allocate nothing. */
 void model_plan_activations(Model *m, int B, int T, ModelRecompute r);
+
+/* Whether the forward (backward = 0) or the backward (1) runs the fc product
+ * and its GeLU as one fused op (backend.h: matmul_gelu_forward,
+ * matmul_backward_dgelu): gelu_fusion is on and the backend offers it. The
+ * fused ops compute the same function with other rounding (the GeLU of the
+ * unrounded product, the library's GeLU code), so fusion changes results in
+ * the last bits; and under model.recompute the backward's recomputed GeLU
+ * (the GeLU op on the kept pre-activation) may differ from the fused forward's
+ * in the last bit, so recomputation is bit-identical to none only when
+ * fusion is off or not offered (the CPU backend offers none). */
+int model_gelu_fused(const Model *m, int backward);
 
 /* Forward. tokens, targets: host (B,T). With targets, returns the mean loss
  * and fills losses_host; else returns 0 and leaves logits intact. With

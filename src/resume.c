@@ -23,7 +23,8 @@ static const struct {
     KeyPolicy p;
     const char *why;
 } resume_rules[] = {
-    {"model.recompute", KEY_ALLOW, "memory only: the backward recomputes what it no longer keeps, to the bit"},
+    {"model.recompute", KEY_ALLOW,
+     "memory only: the backward recomputes what it no longer keeps, to the bit (without GeLU fusion)"},
     {"model.*", KEY_NEVER, "the parameter shapes and the function they compute"},
     {"data.tokenizer*", KEY_NEVER, "token ids would mean different text"},
     {"run.seed", KEY_NEVER, "the data order of the current epoch is drawn from it"},
@@ -35,6 +36,7 @@ static const struct {
     {"run.threads", KEY_NOTE, "floating-point sums are split differently"},
     {"device", KEY_NOTE, "another backend rounds differently"},
     {"precision.attention", KEY_ALLOW, "GPU attention kernels only: the CPU backend ignores it"},
+    {"precision.gelu_fusion", KEY_ALLOW, "GPU products only (GeLU fused or not): the CPU backend ignores it"},
     {"precision.*", KEY_NOTE, "another precision rounds differently"},
     {"parallel.timeout_s", KEY_ALLOW, NULL},
     {"parallel.*", KEY_NOTE, "the state is resharded onto the new mesh"},

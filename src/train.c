@@ -233,6 +233,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
 
     Model model;
     model_init(&model, be, &shape, c->decay_embeddings);
+    model.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
      * per-message latency is small, small enough to overlap with backward.
      * Before the weights: ZeRO-2/3 lay the arena out by layer. */
@@ -306,9 +307,15 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     metrics_print(mx, "run %s -> %s", c->run_name, c->run_dir);
     metrics_print(mx, "model gpt2: %zu parameters (%.2fM), %.3g FLOPs/token", model_num_params(&model),
                   model_num_params(&model) / 1e6, fpt);
+    int fused = model_gelu_fused(&model, 0) || model_gelu_fused(&model, 1);
     metrics_print(mx, "activations: %.2f MiB for a %d x %d micro-batch, %zu-byte activations, recompute %s%s",
                   model.act_size / 1048576.0, B, T, model.act_bytes, model_recompute_name(model.recompute),
-                  model.recompute == MODEL_RECOMPUTE_NONE ? "" : " (the backward recomputes them: bit-identical)");
+                  model.recompute == MODEL_RECOMPUTE_NONE ? ""
+                  : fused ? " (the backward recomputes them; the GeLU's last bits may differ from the fused forward's)"
+                          : " (the backward recomputes them: bit-identical)");
+    metrics_print(mx, "gelu fusion: %s", !model.gelu_fusion ? "off (precision.gelu_fusion), fc product and GeLU separate"
+                  : fused ? "on: fc product and GeLU fused (forward and backward) by the backend"
+                          : "not offered by this backend: fc product and GeLU separate");
     char vtok[64] = "";
     if (val) snprintf(vtok, sizeof vtok, ", %llu val tokens", (unsigned long long)data_num_tokens(val));
     metrics_print(mx, "data: %llu train tokens in %d shard(s)%s", (unsigned long long)data_num_tokens(train),

@@ -621,6 +621,11 @@ const Backend backend_cpu = {
     .attention_backward = cpu_attention_backward,
     .gelu_forward = cpu_gelu_forward,
     .gelu_backward = cpu_gelu_backward,
+    /* No fused matmul + GeLU: here it would be the composition itself, which
+     * model.c already runs when these are NULL; offering it would only make
+     * "fused" mean nothing (tests wrap the CPU ops as the composition). */
+    .matmul_gelu_forward = NULL,
+    .matmul_backward_dgelu = NULL,
     .residual_forward = cpu_residual_forward,
     .add = cpu_add,
     .crossentropy_forward = cpu_crossentropy_forward,
