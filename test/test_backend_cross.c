@@ -7,7 +7,11 @@
  * and head-size paths that only real shapes take. With no GPU it prints one
  * "skip" line; the suite also runs it on emu_bf16 (the CPU ops behind bf16
  * storage, test/emu_bf16.h), which checks this harness's bf16 conversions
- * and tolerances where there is no GPU.
+ * and tolerances where there is no GPU. The optional fused matmul + GeLU ops
+ * (backend.h) are checked against the CPU's composition where a backend
+ * offers them (emu_bf16 and the CPU get them as that composition,
+ * fused_compose.h, to exercise the checks), with fp32 also which GeLU the
+ * fused forward computes (tanh or erf: cuBLASLt's documentation does not say).
  *
  * Both sides read the same values: inputs of the activation dtype are
  * rounded to it on the host first (quant), then given to the CPU backend as
@@ -17,6 +21,7 @@
  * stores. */
 #include "backend.h"
 #include "emu_bf16.h"
+#include "fused_compose.h"
 #include "test.h"
 #include "util.h"
 
@@ -51,7 +56,19 @@
  *   CPU's order), embed_forward and the residual add against the CPU's fp32
  *   result rounded once to the activation dtype, and AdamW (written without
  *   fused multiply-adds): their bits must agree in either dtype. */
+/* TOL_GELU_EPI 5e-3 (fp32): the fused matmul + GeLU ops (backend.h), whose
+ *   GeLU is the library's (cuBLASLt's epilogue, applied to the fp32
+ *   accumulator). cublasLt.h names it only "GELU": neither its formula nor
+ *   its precision is documented. A hardware tanh (PTX tanh.approx.f32,
+ *   relative error up to 2^-11) would give up to 0.5|x|*2^-11 ~ 1.2e-3 at
+ *   |x| = 5, ~3e-4 of the max output; in the backward gelu' multiplies the
+ *   tanh's error by up to 0.5 + |x| du ~ 6 at |x| = 3, ~1e-3 of the max.
+ *   5e-3 admits that with room; a wrong formula or index errs by O(1). It
+ *   also admits the erf GeLU (at most 4.7e-4 from the tanh one): which of
+ *   the two the library computes is the separate gelu_is_tanh check. With
+ *   bf16 the store's TOL_X_BF16 covers it. */
 #define TOL_X 1e-5
+#define TOL_GELU_EPI 5e-3
 #define TOL_X_SUM 1e-4
 #define TOL_X_BF16 1e-2
 #define TOL_X_BF16_F32 1e-3
@@ -192,6 +209,85 @@ static void cross_matmul(int N, int C, int OC, const char *tag) {
     for (size_t i = 0; i < sizeof dptr / sizeof dptr[0]; i++) dev->free(dptr[i]);
 }
 
+static double gelu_tanh_d(double x) { return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))); }
+static double gelu_erf_d(double x) { return 0.5 * x * (1.0 + erf(x / sqrt(2.0))); }
+
+/* Which GeLU the fused forward computes, from its own pre-activation (aux)
+ * and output, with fp32 activations (continuous pre, no rounded store): with
+ * r = out - gelu_tanh(pre) and d = gelu_erf(pre) - gelu_tanh(pre), the
+ * least-squares a in r ~ a d is 0 for the tanh approximation (GPT-2's, the
+ * kernels') and 1 for the erf GeLU. Pass: |a| < 0.5, nearer tanh than erf.
+ * Not with bf16: pre then takes only the few hundred bf16 values of each
+ * octave, and the rounding of out at those points does not average out
+ * (measured |a| ~ 0.5 for the composition itself on emu_bf16). A hardware
+ * tanh's own error (up to ~5e-4, as large as d) could bias a too: if this
+ * fails while forward_gelu passes, read the printed maxima before concluding. */
+static double gelu_erf_fraction(const void *d_out, const void *d_pre, size_t n, const char *tag) {
+    float *out = down(d_out, n, 1), *pre = down(d_pre, n, 1);
+    double rd = 0.0, dd = 0.0, rmax = 0.0, dmax = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double t = gelu_tanh_d(pre[i]), r = out[i] - t, d = gelu_erf_d(pre[i]) - t;
+        rd += r * d, dd += d * d;
+        rmax = fabs(r) > rmax ? fabs(r) : rmax;
+        dmax = fabs(d) > dmax ? fabs(d) : dmax;
+    }
+    double a = dd > 0 ? rd / dd : 0.0;
+    printf("# %s %s: GeLU variant a = %.3f (0 tanh, 1 erf); max |out - gelu_tanh(aux)| %.3g, erf-tanh up to %.3g\n",
+           label, tag, a, rmax, dmax);
+    free(out), free(pre);
+    return a;
+}
+
+/* The optional fused ops against the CPU's composition: the forward of the fc
+ * product (inp (N,C) -> pre, gelu (N,OC)) and the backward of the c_proj one
+ * reading gelu(pre) (its input (N,OC) -> output (N,C)). OC = 3072 is GPT-2's
+ * 4C; OC not a multiple of 8 is a shape cuBLASLt's GeLU aux cannot take (ld),
+ * so the CUDA backend's fallback (the separate ops) runs there. */
+static void cross_matmul_gelu(int N, int C, int OC, const char *tag) {
+    if (!dev->matmul_gelu_forward || !dev->matmul_backward_dgelu) {
+        printf("skip cross_%s_%s: the backend offers no fused matmul + GeLU ops\n", label, tag);
+        return;
+    }
+    size_t nc = (size_t)N * C, oc = (size_t)OC * C, no = (size_t)N * OC;
+    /* forward: |pre| up to ~6 (std 1.4 from the product, 1 from the bias) */
+    float *inp = rnda(nc, 1.0f), *w = rnda(oc, 0.05f), *bias = rnda(OC, 1.0f);
+    float *pre = xmalloc(no * 4), *out = xmalloc(no * 4);
+    cpu->matmul_forward(pre, inp, w, bias, N, C, OC);
+    cpu->gelu_forward(out, pre, no);
+    void *d_inp = upa(inp, nc), *d_w = upa(w, oc), *d_bias = upa(bias, OC);
+    void *d_pre = dev->alloc(no * ab), *d_out = dev->alloc(no * ab);
+    dev->matmul_gelu_forward(d_out, d_pre, d_inp, d_w, d_bias, N, C, OC);
+    char what[64];
+    snprintf(what, sizeof what, "%s_forward_pre", tag);
+    report(what, xerr_a(d_pre, pre, no), tol_act(TOL_X));
+    snprintf(what, sizeof what, "%s_forward_gelu", tag);
+    report(what, xerr_a(d_out, out, no), tol_act(TOL_GELU_EPI));
+    if (ab == 4) {
+        double a = gelu_erf_fraction(d_out, d_pre, no, tag);
+        snprintf(what, sizeof what, "%s_gelu_is_tanh", tag);
+        report_exact(what, fabs(a) < 0.5, "the fused GeLU reads as the erf GeLU, not GPT-2's tanh approximation");
+    }
+
+    /* backward of c_proj (N,OC) -> (N,C): its input is gelu(pre) as the
+     * forward stored it; dinp is the gradient of pre */
+    float *w2 = rnda(oc, 0.05f), *dout = rnda(nc, 1.0f), *g = quant(fdup(out, no), no);
+    quant(pre, no);
+    float *dinp = xmalloc(no * 4), *dw = xmalloc(oc * 4), *db = xmalloc(C * 4);
+    cpu->matmul_backward(dinp, dw, db, dout, g, w2, N, OC, C, 0);
+    cpu->gelu_backward(dinp, pre, dinp, no);
+    void *d_w2 = upa(w2, oc), *d_dout = upa(dout, nc), *d_g = upa(g, no), *d_pre2 = upa(pre, no);
+    void *d_dinp = dev->alloc(no * ab);
+    float *d_dw = dev->alloc(oc * 4), *d_db = dev->alloc(C * 4);
+    dev->matmul_backward_dgelu(d_dinp, d_dw, d_db, d_dout, d_g, d_w2, d_pre2, N, OC, C, 0);
+    snprintf(what, sizeof what, "%s_backward_dpre", tag);
+    report(what, xerr_a(d_dinp, dinp, no), tol_act(TOL_GELU_EPI));
+    snprintf(what, sizeof what, "%s_backward_dparams", tag);
+    report(what, fmax(xerr(d_dw, dw, oc), xerr(d_db, db, C)), tol_f32(TOL_X_SUM));
+    free(inp), free(w), free(bias), free(pre), free(out), free(w2), free(dout), free(g), free(dinp), free(dw), free(db);
+    void *dptr[] = {d_inp, d_w, d_bias, d_pre, d_out, d_w2, d_dout, d_g, d_pre2, d_dinp, d_dw, d_db};
+    for (size_t i = 0; i < sizeof dptr / sizeof dptr[0]; i++) dev->free(dptr[i]);
+}
+
 static void cross_rest(int B, int T, int C, int V, int Vp, int fp32_ops) {
     size_t N = (size_t)B * T, nc = N * C;
     /* LayerNorm */
@@ -311,15 +407,45 @@ static void cross_all(const char *compute) {
     if (both) dev->set_attention("auto");
     cross_matmul(512, 768, 2304, "matmul");
     cross_matmul(512, 768, 1000, "matmul_oddoc");
+    cross_matmul_gelu(512, 768, 3072, "matmul_gelu");
+    cross_matmul_gelu(512, 768, 1004, "matmul_gelu_oddoc");
     cross_rest(2, 256, 768, 1000, 1024, ab == 4);
+}
+
+/* The fused-op checks on the CPU with fp32 activations, no GPU needed: the
+ * CPU's ops composed (fused_compose.h) pass them, and the GeLU variant check
+ * tells a stand-in that computes the erf GeLU from the tanh one. */
+static void erf_matmul_gelu_forward(void *out_gelu, void *pre, const void *inp, const void *w, const void *bias,
+                                    int N, int C, int OC) {
+    cpu->matmul_forward(pre, inp, w, bias, N, C, OC);
+    float *o = out_gelu;
+    const float *p = pre;
+    for (size_t i = 0; i < (size_t)N * OC; i++) o[i] = (float)gelu_erf_d(p[i]);
+}
+static void cross_harness_cpu(void) {
+    static Backend comp;
+    comp = compose_fused(cpu);
+    dev = &comp, ab = 4, label = "cpu_composed";
+    cross_matmul_gelu(256, 768, 3072, "matmul_gelu");
+    size_t N = 256, C = 768, OC = 3072;
+    float *inp = rnd(N * C, 1.0f), *w = rnd(OC * C, 0.05f), *bias = rnd(OC, 1.0f);
+    float *pre = xmalloc(N * OC * 4), *out = xmalloc(N * OC * 4);
+    erf_matmul_gelu_forward(out, pre, inp, w, bias, (int)N, (int)C, (int)OC);
+    label = "cpu_erf_standin";
+    double a = gelu_erf_fraction(out, pre, N * OC, "matmul_gelu");
+    report_exact("gelu_variant_detects_erf", fabs(a - 1.0) < 0.5, "the variant check did not see the erf GeLU");
+    free(inp), free(w), free(bias), free(pre), free(out);
 }
 
 /* All checks of one device against the CPU; a "skip" line without it. */
 static void cross_device(const char *name) {
-    static Backend emu;
+    static Backend emu, emu_fused;
     if (strcmp(name, "emu_bf16") == 0) {
+        /* with the fused ops as the composition of its own (fused_compose.h),
+         * so the fused-op checks and their bf16 handling run here too */
         emu = emu_bf16_backend();
-        dev = &emu;
+        emu_fused = compose_fused(&emu);
+        dev = &emu_fused;
     } else {
         dev = backend_get(name);
         if (!dev || !backend_available(name)) {
@@ -344,7 +470,7 @@ int main(int argc, char **argv) {
     rng_seed(&rng, seed);
     /* default: the GPU (or a skip line), then emu_bf16 */
     if (argc > 1) cross_device(argv[1]);
-    else cross_device("cuda"), cross_device("emu_bf16");
+    else cross_device("cuda"), cross_device("emu_bf16"), cross_harness_cpu();
     cpu->shutdown();
     return 0;
 }

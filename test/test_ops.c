@@ -7,6 +7,7 @@
  * exercised before a GPU runs them. */
 #include "backend.h"
 #include "emu_bf16.h"
+#include "fused_compose.h"
 #include "test.h"
 #include "util.h"
 
@@ -65,6 +66,12 @@
 #define TOL_SUMSQ 1e-10
 #define FD_EPS 1e-5
 #define TOL_BF16_SCALE 1e3
+/* TOL_GELU_EPI 5e-3: the optional fused matmul + GeLU ops, whose GeLU may be
+ * a library's own (cuBLASLt's epilogue: formula and precision undocumented;
+ * a hardware tanh would err up to ~1e-3 of the max, test_backend_cross.c
+ * says why). Checked unscaled: with bf16 the larger of it and the scaled
+ * TOL_FWD / TOL_BWD applies. */
+#define TOL_GELU_EPI 5e-3
 
 static const Backend *be;
 static double tol_scale = 1.0;
@@ -559,6 +566,72 @@ static void test_gelu(const OpTest *t) {
     check(t->name, "backward", err_rel(dx, g, n), TOL_BWD);
 }
 
+/* ---- fused matmul + GeLU (backend.h: optional) ------------------------------ */
+
+static double gelu_grad_d(double x) {
+    double k = 0.7978845608028654, u = k * (x + 0.044715 * x * x * x), th = tanh(u);
+    return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * k * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
+/* Forward: pre = inp @ w^T + bias, out = gelu(pre). Backward (of a product
+ * whose input was gelu(pre), here pre (N,OC) -> (N,C)): dpre = (R @ w2) *
+ * gelu'(pre), dw2 = R^T gelu(pre), db2 = colsum(R). Direct double references:
+ * the compositions they replace are checked against finite differences above. */
+static void test_matmul_gelu(const OpTest *t) {
+    if (!be->matmul_gelu_forward || !be->matmul_backward_dgelu) {
+        printf("skip ops_%s_%s: the backend offers no fused matmul + GeLU ops\n", label, t->name);
+        return;
+    }
+    int N = t->B * t->T, C = t->C, OC = t->V;
+    size_t NC = (size_t)N * C, OCC = (size_t)OC * C, NO = (size_t)N * OC;
+    float *inp = quant(randn(NC, 1.0f, 0.0f), NC), *w = quant(randn(OCC, 0.5f, 0.0f), OCC);
+    float *bias = quant(randn(OC, 1.0f, 0.0f), OC);
+    double *pre = hd(NO), *out = hd(NO);
+    for (int i = 0; i < N; i++)
+        for (int o = 0; o < OC; o++) {
+            double s = bias[o];
+            for (int c = 0; c < C; c++) s += (double)inp[(size_t)i * C + c] * w[(size_t)o * C + c];
+            pre[(size_t)i * OC + o] = s, out[(size_t)i * OC + o] = gelu_d(s);
+        }
+    void *d_inp = da(inp, NC), *d_w = da(w, OCC), *d_bias = da(bias, OC), *d_pre = da(NULL, NO), *d_out = da(NULL, NO);
+    float *got_pre = hf(NO), *got_out = hf(NO);
+    be->matmul_gelu_forward(d_out, d_pre, d_inp, d_w, d_bias, N, C, OC);
+    down_a(got_pre, d_pre, NO);
+    down_a(got_out, d_out, NO);
+    check(t->name, "forward_pre", err_rel(got_pre, pre, NO), TOL_FWD);
+    check(t->name, "forward_gelu", err_rel(got_out, out, NO), fmax(TOL_GELU_EPI / tol_scale, TOL_FWD));
+
+    /* backward: the forward's stored pre and gelu(pre) are its inputs */
+    float *w2 = quant(randn(OCC, 0.5f, 0.0f), OCC), *R = quant(randn(NC, 1.0f, 0.0f), NC), *g = hf(NO);
+    for (size_t i = 0; i < NO; i++) g[i] = backend_act_round((float)gelu_d(got_pre[i]), ab);
+    double *dpre = hd(NO), *dw2 = hd(OCC), *db2 = hd(C);
+    for (int i = 0; i < N; i++)
+        for (int o = 0; o < OC; o++) {
+            double s = 0.0;
+            for (int c = 0; c < C; c++) s += (double)R[(size_t)i * C + c] * w2[(size_t)c * OC + o];
+            dpre[(size_t)i * OC + o] = s * gelu_grad_d(got_pre[(size_t)i * OC + o]);
+        }
+    for (int c = 0; c < C; c++) {
+        for (int o = 0; o < OC; o++) {
+            double s = 0.0;
+            for (int i = 0; i < N; i++) s += (double)R[(size_t)i * C + c] * g[(size_t)i * OC + o];
+            dw2[(size_t)c * OC + o] = s;
+        }
+        double s = 0.0;
+        for (int i = 0; i < N; i++) s += R[(size_t)i * C + c];
+        db2[c] = s;
+    }
+    void *d_w2 = da(w2, OCC), *d_R = da(R, NC), *d_g = da(g, NO), *d_dpre = da(filled(NO, NAN), NO);
+    float *d_dw2 = df(filled(OCC, NAN), OCC), *d_db2 = df(filled(C, NAN), C);
+    float *got_dpre = hf(NO), *got_dw2 = hf(OCC), *got_db2 = hf(C);
+    be->matmul_backward_dgelu(d_dpre, d_dw2, d_db2, d_R, d_g, d_w2, d_pre, N, OC, C, 0);
+    down_a(got_dpre, d_dpre, NO);
+    down(got_dw2, d_dw2, OCC);
+    down(got_db2, d_db2, C);
+    check(t->name, "backward_dpre", err_rel(got_dpre, dpre, NO), fmax(TOL_GELU_EPI / tol_scale, TOL_FWD));
+    check(t->name, "backward_dparams", maxd(err_rel(got_dw2, dw2, OCC), err_rel(got_db2, db2, C)), TOL_FWD);
+}
+
 static void test_add(const OpTest *t) {
     size_t n = (size_t)t->B * t->T * t->C;
     float *a = quant(randn(n, 1.0f, 0.0f), n), *b = quant(randn(n, 1.0f, 0.0f), n), *out = hf(n);
@@ -720,6 +793,10 @@ static const OpTest op_tests[] = {
      * (precision.attention auto), two 64-row tiles, the last partial. */
     {"attention_hs16",   test_attention,   1, 70, 16, 1,   0,    0, 0},
     {"gelu",             test_gelu,        1, 1, 1003, 0,  0,    0, 0},
+    /* OC 16: a GeLU aux cuBLASLt takes; 13: one it cannot (ld not a multiple
+     * of 8), so the CUDA backend's fallback runs */
+    {"matmul_gelu",      test_matmul_gelu, 2, 5,  8,  0,  16,    0, 0},
+    {"matmul_gelu_odd",  test_matmul_gelu, 1, 7, 37,  0,  13,    0, 0},
     {"add",              test_add,         1, 1, 1003, 0,  0,    0, 0},
     {"crossentropy",     test_crossentropy, 2, 5, 0,  0,  11,   16, 0},
     {"crossentropy_odd", test_crossentropy, 1, 3, 0,  0, 997, 1024, 0},
@@ -747,7 +824,11 @@ int main(int argc, char **argv) {
     const char *names[] = {"cpu", "cuda", "emu_bf16"};
     int nb = 3;
     if (argc > 1) names[0] = argv[1], nb = 1;
-    Backend emu = emu_bf16_backend();
+    /* emu_bf16 with the fused ops as the composition of its own
+     * (fused_compose.h), so their checks and bf16 tolerances run here too */
+    static Backend emu_plain;
+    emu_plain = emu_bf16_backend();
+    Backend emu = compose_fused(&emu_plain);
     for (int k = 0; k < nb; k++) {
         if (strcmp(names[k], "emu_bf16") == 0) {
             be = &emu;
