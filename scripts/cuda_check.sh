@@ -5,8 +5,10 @@
 # fp32 and with bf16 activations), which attention kernels the bf16 path chose
 # and the throughput of both (SIMT and tensor cores), a 50-step tiny run on the CPU and on CUDA
 # with precision.compute fp32 and bf16, the loss curves compared step by step
-# (and model.recompute=norm_gelu's against none's, bit for bit), GPT-2 124M
-# (also with norm_gelu) and 1.5B benchmark steps (tokens/s, MFU, peak memory), and comm's
+# (and model.recompute=norm_gelu's against none's, bit for bit; GeLU fused into
+# the fc products by cuBLASLt's epilogues against precision.gelu_fusion off,
+# and whether the fusion ran), GPT-2 124M (also with norm_gelu, and without
+# GeLU fusion) and 1.5B benchmark steps (tokens/s, MFU, peak memory), and comm's
 # NCCL device mode on one rank (test_nccl). Full log and a summary go
 # to $OUT (or a fresh /tmp folder); the summary table is printed last. Aims at
 # well under 8 minutes on one H100/H200.
@@ -160,17 +162,18 @@ section "tiny: 50 steps, cpu vs cuda"
 if [ ! -f data/austen/train_000000.bin ]; then
     ./train prepare --tokenizer byte --out data/austen --val-fraction 0.05 --shard-tokens 2000000 data/austen.txt >/dev/null
 fi
-tiny() { # NAME DEVICE COMPUTE [ATTENTION [RECOMPUTE]]
+tiny() { # NAME DEVICE COMPUTE [ATTENTION [RECOMPUTE [GELU_FUSION]]]
     timeout 150 ./train configs/tiny.yaml --set device="$2" --set precision.compute="$3" \
         --set precision.attention="${4:-auto}" --set model.recompute="${5:-none}" \
+        --set precision.gelu_fusion="${6:-auto}" \
         --set train.steps=50 --set train.sample_every=0 --set train.eval_every=0 \
         --set metrics.log_every=10 --set run.dir="$OUT/tiny_$1" > "$OUT/tiny_$1.txt" 2>&1
     local rc=$?
     tail -n 4 "$OUT/tiny_$1.txt"
     return $rc
 }
-compare() { # NAME TOL: every step's loss against the CPU run
-    python3 - "$OUT/tiny_cpu/metrics.jsonl" "$OUT/tiny_$1/metrics.jsonl" "$2" <<'EOF'
+compare() { # NAME TOL [BASE]: every step's loss against the CPU run (or tiny_BASE's)
+    python3 - "$OUT/tiny_${3:-cpu}/metrics.jsonl" "$OUT/tiny_$1/metrics.jsonl" "$2" "${3:-cpu}" <<'EOF'
 import json, sys
 def losses(p):
     return [json.loads(l)["loss"] for l in open(p) if '"loss"' in l]
@@ -180,8 +183,10 @@ if n < 50:
     print(f"only {n} steps to compare"); sys.exit(1)
 worst = max(range(n), key=lambda i: abs(a[i] - b[i]) / abs(a[i]))
 rel = abs(a[worst] - b[worst]) / abs(a[worst])
-print(f"max rel diff {rel:.2e} at step {worst + 1} (cpu {a[worst]:.5f}, gpu {b[worst]:.5f}); "
-      f"final cpu {a[n-1]:.4f} gpu {b[n-1]:.4f}")
+ref = "cpu" if sys.argv[4] == "cpu" else sys.argv[4]
+run = "gpu" if sys.argv[4] == "cpu" else "this"
+print(f"max rel diff {rel:.2e} at step {worst + 1} ({ref} {a[worst]:.5f}, {run} {b[worst]:.5f}); "
+      f"final {ref} {a[n-1]:.4f} {run} {b[n-1]:.4f}")
 sys.exit(0 if rel <= tol else 1)
 EOF
 }
@@ -198,16 +203,53 @@ if tiny cpu cpu fp32; then
         echo "$1: $msg"
         if [ $rc -eq 0 ]; then row "tiny_$1" ok "$msg (tol $3)"; else row "tiny_$1" FAIL "$msg (tol $3)"; failed=1; fi
     done
+    # precision.gelu_fusion: the runs above fuse the fc product and its GeLU
+    # (cuBLASLt GELU_AUX_BIAS forward, DGELU backward) where cuBLASLt takes
+    # the shape; a refused shape falls back to the separate ops with a warning
+    # naming it. Did it run? The log's "gelu fusion:" line and no warning.
+    # The same bf16 run with fusion off must agree within the bf16 tolerance
+    # (the epilogue's GeLU reads the unrounded product, and is the library's).
+    fusion_state() { # LOG: "fused" or why not
+        if ! grep -q 'gelu fusion: on' "$1"; then echo "not on: $(grep -o 'gelu fusion: .*' "$1" | head -1)"
+        elif grep -q 'the GeLU runs as its own kernel' "$1"; then
+            echo "fell back for $(grep -c 'the GeLU runs as its own kernel' "$1") shape(s): $(grep -m1 -o 'cublasLt: .*epilogue: [^(]*' "$1")"
+        else echo fused; fi
+    }
+    for name in cuda_bf16 cuda_fp32; do
+        [ -s "$OUT/tiny_$name.txt" ] || continue
+        st=$(fusion_state "$OUT/tiny_$name.txt")
+        # not a failure: cuBLASLt may lack the epilogue for a type or shape
+        if [ "$st" = fused ]; then row "gelu_fusion_$name" ok "fc + GeLU fused by cuBLASLt (forward and backward)"
+        else row "gelu_fusion_$name" note "$st"; fi
+    done
+    if over_budget; then row tiny_cuda_bf16_nofusion skip "over the time budget"
+    elif tiny cuda_bf16_nofusion cuda bf16 auto none off; then
+        msg=$(compare cuda_bf16_nofusion "$TOL_TINY_BF16"); rc=$?
+        msg2=$(compare cuda_bf16 "$TOL_TINY_BF16" cuda_bf16_nofusion); rc2=$?
+        echo "cuda_bf16_nofusion: $msg; fused vs not: $msg2"
+        if [ $rc -eq 0 ] && [ $rc2 -eq 0 ]; then row tiny_cuda_bf16_nofusion ok "vs cpu: $msg; fused run vs this: ${msg2%%;*} (tol $TOL_TINY_BF16)"
+        else row tiny_cuda_bf16_nofusion FAIL "vs cpu: $msg; fused run vs this: $msg2 (tol $TOL_TINY_BF16)"; failed=1; fi
+    else row tiny_cuda_bf16_nofusion FAIL "run failed: $(tail -n 1 "$OUT/tiny_cuda_bf16_nofusion.txt")"; failed=1; fi
     # model.recompute: the backward recomputes LayerNorm and GeLU outputs with
     # the forward's own kernels on the same inputs, so every loss is the one
-    # without recomputation, bit for bit (the kernels are deterministic)
+    # without recomputation, bit for bit (the kernels are deterministic); with
+    # GeLU fusion off, as the recomputed GeLU is the kernel's, not the epilogue's
     if over_budget; then row tiny_cuda_bf16_norm_gelu skip "over the time budget"
-    elif [ -s "$OUT/tiny_cuda_bf16/metrics.jsonl" ] && tiny cuda_bf16_norm_gelu cuda bf16 auto norm_gelu; then
+    elif [ -s "$OUT/tiny_cuda_bf16_nofusion/metrics.jsonl" ] && tiny cuda_bf16_norm_gelu cuda bf16 auto norm_gelu off; then
         strip() { grep -o '"step":[0-9]*,"tokens":[0-9]*,"loss":[^,]*\|"grad_norm":[^,]*' "$1"; }
-        if [ "$(strip "$OUT/tiny_cuda_bf16/metrics.jsonl")" = "$(strip "$OUT/tiny_cuda_bf16_norm_gelu/metrics.jsonl")" ]; then
-            row tiny_cuda_bf16_norm_gelu ok "losses and gradient norms equal to recompute none's, bit for bit"
-        else row tiny_cuda_bf16_norm_gelu FAIL "losses or gradient norms differ from recompute none's"; failed=1; fi
+        if [ "$(strip "$OUT/tiny_cuda_bf16_nofusion/metrics.jsonl")" = "$(strip "$OUT/tiny_cuda_bf16_norm_gelu/metrics.jsonl")" ]; then
+            row tiny_cuda_bf16_norm_gelu ok "fusion off: losses and gradient norms equal to recompute none's, bit for bit"
+        else row tiny_cuda_bf16_norm_gelu FAIL "fusion off: losses or gradient norms differ from recompute none's"; failed=1; fi
     else row tiny_cuda_bf16_norm_gelu FAIL "run failed: $(tail -n 1 "$OUT/tiny_cuda_bf16_norm_gelu.txt")"; failed=1; fi
+    # and with fusion on: the fused forward keeps the pre-activation, the
+    # backward recomputes the GeLU from it; within the bf16 tolerance of the CPU
+    if over_budget; then row tiny_cuda_bf16_norm_gelu_fused skip "over the time budget"
+    elif tiny cuda_bf16_norm_gelu_fused cuda bf16 auto norm_gelu auto; then
+        msg=$(compare cuda_bf16_norm_gelu_fused "$TOL_TINY_BF16"); rc=$?
+        echo "cuda_bf16_norm_gelu_fused: $msg"
+        if [ $rc -eq 0 ]; then row tiny_cuda_bf16_norm_gelu_fused ok "$msg (tol $TOL_TINY_BF16)"
+        else row tiny_cuda_bf16_norm_gelu_fused FAIL "$msg (tol $TOL_TINY_BF16)"; failed=1; fi
+    else row tiny_cuda_bf16_norm_gelu_fused FAIL "run failed: $(tail -n 1 "$OUT/tiny_cuda_bf16_norm_gelu_fused.txt")"; failed=1; fi
 else
     row tiny_cpu FAIL "cpu run failed: $(tail -n 1 "$OUT/tiny_cpu.txt")"; failed=1
 fi
@@ -234,13 +276,21 @@ bench() { # NAME STEPS SETS...
     tok=$(echo "$line" | sed -n 's/.*tok_per_s=\([0-9.]*\).*/\1/p')
     gf=$(echo "$line" | sed -n 's/.*step_gflops=\([0-9.]*\).*/\1/p')
     mem=$(sed -n 's/^bench: peak_mem_gib=//p' "$OUT/bench_$name.txt")
+    local fus; fus=$(sed -n 's/^bench: gelu_fusion=//p' "$OUT/bench_$name.txt")
+    local fb; fb=$(grep -c 'the GeLU runs as its own kernel' "$OUT/bench_$name.txt")
+    [ "$fb" -gt 0 ] && fus="$fus, fell back for $fb shape(s)"
     row "bench_$name" ok "$(awk -v t="$tok" -v g="$gf" -v p="$PEAK_GFLOPS" -v m="$mem" \
-        'BEGIN { printf "%.0f tok/s, %.1f TFLOP/s, MFU %.1f%%, peak mem %s GiB", t, g / 1e3, 100 * g / p, m }')"
+        'BEGIN { printf "%.0f tok/s, %.1f TFLOP/s, MFU %.1f%%, peak mem %s GiB", t, g / 1e3, 100 * g / p, m }'), gelu fusion $fus"
 }
 GPT2_124M="model.n_layer=12 model.n_head=12 model.n_embd=768 model.seq_len=1024"
 GPT2_1558M="model.n_layer=48 model.n_head=25 model.n_embd=1600 model.seq_len=1024"
 # shellcheck disable=SC2086
 bench 124m_bf16 10 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=bf16
+# the same without GeLU fusion (precision.gelu_fusion off): what the
+# epilogues gain against the separate GeLU kernels
+# shellcheck disable=SC2086
+bench 124m_bf16_nofusion 10 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=bf16 \
+    precision.gelu_fusion=off
 # the same with model.recompute=norm_gelu: peak memory down by its 1.57 GiB
 # of bf16 activations (--dry-run), tok/s down by the recomputation's cost
 # shellcheck disable=SC2086
