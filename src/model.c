@@ -226,6 +226,7 @@ void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embe
     memset(m, 0, sizeof *m);
     m->shape = *s;
     m->be = be;
+    m->gelu_fusion = 1; /* precision.gelu_fusion auto */
     m->act_bytes = be->act_bytes();
     int L = s->n_layer, C = s->n_embd;
     m->num_tensors = 2 + 12 * L + 2;
