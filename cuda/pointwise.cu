@@ -49,17 +49,17 @@ __global__ void cast_bf16_kernel(bf16 *dst, const float *src, size_t n) {
 
 template <typename T_>
 static void gelu_forward_run(void *out, const void *inp, size_t n) {
-    gelu_forward_kernel<T_><<<grid_for(n, 256), 256>>>((T_ *)out, (const T_ *)inp, n);
+    KLAUNCH(gelu_forward_kernel<T_>, grid_for(n, 256), 256, 0, (T_ *)out, (const T_ *)inp, n);
     CUDA_CHECK_LAUNCH();
 }
 template <typename T_>
 static void gelu_backward_run(void *dinp, const void *inp, const void *dout, size_t n) {
-    gelu_backward_kernel<T_><<<grid_for(n, 256), 256>>>((T_ *)dinp, (const T_ *)inp, (const T_ *)dout, n);
+    KLAUNCH(gelu_backward_kernel<T_>, grid_for(n, 256), 256, 0, (T_ *)dinp, (const T_ *)inp, (const T_ *)dout, n);
     CUDA_CHECK_LAUNCH();
 }
 template <typename T_>
 static void add_run(void *out, const void *a, const void *b, size_t n) {
-    add_kernel<T_><<<grid_for(n, 256), 256>>>((T_ *)out, (const T_ *)a, (const T_ *)b, n);
+    KLAUNCH(add_kernel<T_>, grid_for(n, 256), 256, 0, (T_ *)out, (const T_ *)a, (const T_ *)b, n);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -81,7 +81,7 @@ void cuda_cast_to_act(void *dst, const float *src, size_t n) {
         CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, 0));
         return;
     }
-    cast_bf16_kernel<<<grid_for(n, 256), 256>>>((bf16 *)dst, src, n);
+    KLAUNCH(cast_bf16_kernel, grid_for(n, 256), 256, 0, (bf16 *)dst, src, n);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -119,7 +119,7 @@ __global__ void crossentropy_kernel(T_ *logits, float *losses, const int32_t *ta
 template <typename T_>
 static void crossentropy_run(void *logits, float *losses, const int32_t *targets, int N, int V, int Vp,
                              float dloss) {
-    crossentropy_kernel<T_><<<N, CE_THREADS>>>((T_ *)logits, losses, targets, V, Vp, dloss);
+    KLAUNCH(crossentropy_kernel<T_>, N, CE_THREADS, 0, (T_ *)logits, losses, targets, V, Vp, dloss);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -155,7 +155,7 @@ void cuda_adamw_update(float *params, const float *grads, float *m, float *v, si
     /* Bias corrections once, in double, for step t (1-based), as the CPU does. */
     float bc1 = (float)(1.0 - pow((double)beta1, t));
     float bc2 = (float)(1.0 - pow((double)beta2, t));
-    adamw_kernel<<<grid_for(n, 256), 256>>>(params, grads, m, v, n, lr, beta1, beta2, eps,
+    KLAUNCH(adamw_kernel, grid_for(n, 256), 256, 0, params, grads, m, v, n, lr, beta1, beta2, eps,
                                              weight_decay, grad_scale, bc1, bc2);
     CUDA_CHECK_LAUNCH();
 }
@@ -193,9 +193,9 @@ __global__ void sumsq_final_kernel(double *result, const double *part) {
 
 double cuda_sumsq(const float *x, size_t n) {
     double *part = (double *)cuda_scratch(SCRATCH_SUMSQ, (SUMSQ_BLOCKS + 1) * sizeof(double));
-    sumsq_partial_kernel<<<SUMSQ_BLOCKS, SUMSQ_THREADS>>>(part, x, n);
+    KLAUNCH(sumsq_partial_kernel, SUMSQ_BLOCKS, SUMSQ_THREADS, 0, part, x, n);
     CUDA_CHECK_LAUNCH();
-    sumsq_final_kernel<<<1, SUMSQ_BLOCKS>>>(part + SUMSQ_BLOCKS, part);
+    KLAUNCH(sumsq_final_kernel, 1, SUMSQ_BLOCKS, 0, part + SUMSQ_BLOCKS, part);
     CUDA_CHECK_LAUNCH();
     double s = 0.0;
     CUDA_CHECK(cudaMemcpy(&s, part + SUMSQ_BLOCKS, sizeof s, cudaMemcpyDeviceToHost));
