@@ -135,16 +135,31 @@ static void check_exact(const std::string &name, const Vec &got, const Vec &ref)
     report(name, bad == 0, "%.0f elements differ, first at %.0f (exact)", (double)bad, (double)first);
 }
 
-static void test_cast(void) {
-    size_t n = 1001;
+/* dev_act/dev_f32 copies placed `off` elements into a larger buffer: off 1
+ * leaves the 16-byte packs of pointwise.cu for the element-wise fallback. */
+static void *at(void *base, size_t off, size_t es) { return (unsigned char *)base + off * es; }
+static void *dev_act_off(const Vec &h, size_t off) {
+    Vec g(off, 0.0f);
+    g.insert(g.end(), h.begin(), h.end());
+    return dev_act(g);
+}
+static float *dev_f32_off(const Vec &h, size_t off) {
+    Vec g(off, 0.0f);
+    g.insert(g.end(), h.begin(), h.end());
+    return dev_f32(g);
+}
+
+static void test_cast(size_t n, size_t off) {
     Vec src = rnd(n, 10.0f);
-    src[0] = NAN, src[1] = INFINITY, src[2] = -INFINITY, src[3] = 3.0e38f, src[4] = 1e-40f, src[5] = -0.0f;
-    float *d = dev_f32(src);
-    void *dst;
-    CUDA_CHECK(cudaMalloc(&dst, n * AB));
-    cuda_cast_to_act(dst, d, n);
-    check_exact("cast_to_act", get_act(dst, n), act_round(src));
-    cudaFree(d), cudaFree(dst);
+    float specials[] = {NAN, INFINITY, -INFINITY, 3.0e38f, 1e-40f, -0.0f};
+    for (size_t i = 0; i < 6 && i < n; i++) src[i * 3 % n] = specials[i];
+    float *bs = dev_f32_off(src, off);
+    void *bd;
+    CUDA_CHECK(cudaMalloc(&bd, (n + off) * AB));
+    void *dst = at(bd, off, AB);
+    cuda_cast_to_act(dst, bs + off, n);
+    check_exact("cast_to_act_n" + std::to_string(n) + (off ? "_unaligned" : ""), get_act(dst, n), act_round(src));
+    cudaFree(bs), cudaFree(bd);
 }
 
 static void test_embed(void) {
@@ -214,13 +229,14 @@ static void test_layernorm(int N, int C) {
     cudaFree(dx), cudaFree(dw), cudaFree(db), cudaFree(dout), cudaFree(dmean), cudaFree(drstd);
 }
 
-static void test_pointwise(size_t n) {
-    std::string sh = "_n" + std::to_string(n);
+static void test_pointwise(size_t n, size_t off) {
+    std::string sh = "_n" + std::to_string(n) + (off ? "_unaligned" : "");
     Vec x = rnd_act(n, 2.0f), g = rnd_act(n, 1.0f), y = rnd_act(n, 1.0f), out(n), dinp(n);
     cpu->gelu_forward(out.data(), x.data(), n);
     cpu->gelu_backward(dinp.data(), x.data(), g.data(), n);
-    void *dx = dev_act(x), *dg = dev_act(g), *dy = dev_act(y), *dout;
-    CUDA_CHECK(cudaMalloc(&dout, n * AB));
+    void *bx = dev_act_off(x, off), *bg = dev_act_off(g, off), *by = dev_act_off(y, off), *bout;
+    CUDA_CHECK(cudaMalloc(&bout, (n + off) * AB));
+    void *dx = at(bx, off, AB), *dg = at(bg, off, AB), *dy = at(by, off, AB), *dout = at(bout, off, AB);
     cuda_gelu_forward(dout, dx, n);
     check("gelu_forward" + sh, get_act(dout, n), out, tol_act());
     cuda_gelu_backward(dout, dx, dg, n);
@@ -228,17 +244,18 @@ static void test_pointwise(size_t n) {
     cpu->residual_forward(out.data(), x.data(), y.data(), n);
     cuda_residual_forward(dout, dx, dy, n);
     check_exact("residual_forward" + sh, get_act(dout, n), act_round(out));
-    cudaFree(dx), cudaFree(dg), cudaFree(dy), cudaFree(dout);
+    cudaFree(bx), cudaFree(bg), cudaFree(by), cudaFree(bout);
 
     Vec a = rnd(n, 1.0f), b = rnd(n, 1.0f), s(n);
     cpu->add(s.data(), a.data(), b.data(), n);
-    float *da = dev_f32(a), *dbb = dev_f32(b), *ds;
-    CUDA_CHECK(cudaMalloc(&ds, n * sizeof(float)));
-    cuda_add(ds, da, dbb, n);
+    float *ba = dev_f32_off(a, off), *bb = dev_f32_off(b, off), *bs;
+    CUDA_CHECK(cudaMalloc(&bs, (n + off) * sizeof(float)));
+    float *da = ba + off, *db = bb + off, *ds = bs + off;
+    cuda_add(ds, da, db, n);
     check_exact("add" + sh, get_f32(ds, n), s);
-    cuda_add(da, da, dbb, n); /* in place, as ddp.c may call it */
+    cuda_add(da, da, db, n); /* in place, as ddp.c may call it */
     check_exact("add_inplace" + sh, get_f32(da, n), s);
-    cudaFree(da), cudaFree(dbb), cudaFree(ds);
+    cudaFree(ba), cudaFree(bb), cudaFree(bs);
 }
 
 static void test_crossentropy(int N, int V, int Vp) {
@@ -356,12 +373,15 @@ int main(void) {
         printf("%s cuda_emu_%s_attention_choice%s%s\n", want_tc == got_tc ? "ok" : "FAIL", DT,
                want_tc == got_tc ? " # " : ": ", desc);
         failures += want_tc != got_tc;
-        test_cast();
+        test_cast(1001, 0);
+        test_cast(1001, 1);
+        test_cast(5, 0);
         test_embed();
         test_layernorm(37, 48);
         test_layernorm(201, 40); /* 4 column-sum chunks, the last one short; C not a multiple of 32 */
-        test_pointwise(1777);
-        test_pointwise(3);
+        test_pointwise(1777, 0); /* 16-byte packs and a tail */
+        test_pointwise(1777, 1); /* element by element */
+        test_pointwise(3, 0);    /* tail only */
         test_crossentropy(37, 100, 128);
         test_crossentropy(5, 1000, 1024); /* rows wider than the block */
         test_adamw(1003);
