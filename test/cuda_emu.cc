@@ -3,10 +3,11 @@
  * against test/cuda_emu.h and compared op by op with the CPU backend on the
  * same random inputs, in both activation dtypes, at shapes that are not
  * multiples of any block size. Built and run by test/t_cuda_emu.sh; one
- * "ok"/"FAIL" line per check. The backend table itself (backend_cuda.cu) and
- * cuBLASLt (matmul.cu) are left out; the op functions the table points to are
- * called directly, with a grow-only scratch like backend_cuda.cu's except that
- * it hands out garbage (NaN bytes), not zeros.
+ * "ok"/"FAIL" line per check. Everything goes through the backend_cuda
+ * table (backend_cuda.cu under the emulation: start-up, memory, the staging
+ * ring, scratch, precision and the attention choice) except cuBLASLt
+ * (matmul.cu), which is left out. Test buffers come from cudaMalloc, so
+ * outputs start as garbage (NaN bytes): an element an op fails to write shows.
  *
  * Tolerances: max |cuda - cpu| / max |cpu| per tensor ("normalised"). Both
  * sides read the same values (inputs rounded to the activation dtype first)
@@ -29,28 +30,19 @@
 #include "../cuda/pointwise.cu"
 #include "../cuda/attention.cu"
 #include "../cuda/attention_tc.cu"
+#include "../cuda/backend_cuda.cu"
 
 #include <random>
 #include <string>
 
-/* What backend_cuda.cu (left out) would define. */
-int cuda_act_bf16;
-static void *scratch_ptr[SCRATCH_COUNT];
-static size_t scratch_size[SCRATCH_COUNT];
-void *cuda_scratch(int slot, size_t bytes) {
-    if (bytes > scratch_size[slot]) {
-        if (scratch_ptr[slot]) CUDA_CHECK(cudaFree(scratch_ptr[slot]));
-        CUDA_CHECK(cudaMalloc(&scratch_ptr[slot], bytes)); /* garbage: a kernel must write before it reads */
-        scratch_size[slot] = bytes;
-    }
-    return scratch_ptr[slot];
+/* matmul.cu (cuBLASLt) is left out: its entry points must not be reached. */
+void cuda_matmul_init(void) {}
+void cuda_matmul_shutdown(void) {}
+void cuda_matmul_forward(void *, const void *, const void *, const void *, int, int, int) { emu_fail("matmul called"); }
+void cuda_matmul_backward(void *, float *, float *, const void *, const void *, const void *, int, int, int, int) {
+    emu_fail("matmul called");
 }
-void cuda_scratch_free_all(void) {
-    for (int i = 0; i < SCRATCH_COUNT; i++) {
-        if (scratch_ptr[i]) CUDA_CHECK(cudaFree(scratch_ptr[i]));
-        scratch_ptr[i] = NULL, scratch_size[i] = 0;
-    }
-}
+
 #define TOL_F32 1e-5
 #define TOL_BF16 1e-2
 #define TOL_SUMSQ 1e-12
@@ -58,7 +50,7 @@ void cuda_scratch_free_all(void) {
 typedef std::vector<float> Vec;
 static size_t AB;                /* act bytes this round: 4 or 2 */
 static const char *DT;           /* "fp32" or "bf16" */
-static const Backend *cpu = &backend_cpu;
+static const Backend *cpu = &backend_cpu, *gpu = &backend_cuda;
 static std::mt19937 gen(12345);  /* fixed inputs: a failure replays */
 static int failures;
 
@@ -111,6 +103,10 @@ static void report(const std::string &name, int ok, const char *fmt, double a, d
     printf("%s cuda_emu_%s_%s%s%s\n", ok ? "ok" : "FAIL", DT, name.c_str(), ok ? " # " : ": ", detail);
     failures += !ok;
 }
+static void report_s(const std::string &name, int ok, const char *detail) {
+    printf("%s cuda_emu_%s_%s%s%s\n", ok ? "ok" : "FAIL", DT, name.c_str(), ok ? " # " : ": ", detail);
+    failures += !ok;
+}
 /* Normalised max error against tol; NaN anywhere fails. */
 static void check(const std::string &name, const Vec &got, const Vec &ref, double tol) {
     double num = 0.0, den = 0.0;
@@ -149,6 +145,46 @@ static float *dev_f32_off(const Vec &h, size_t off) {
     return dev_f32(g);
 }
 
+/* alloc zeroes; to_device through the staging ring (more copies than its
+ * 8 slots, each source reused at once) and past it (over 1 MiB); to_host,
+ * copy, zero. */
+static void test_memory(void) {
+    size_t big = ((size_t)1 << 20) + 12, nsmall = 11, small = 1000;
+    unsigned char *z = (unsigned char *)gpu->alloc(small), *b = (unsigned char *)gpu->alloc(big);
+    std::vector<unsigned char> h(big), src(big), back(big);
+    gpu->to_host(h.data(), z, small);
+    int ok = std::all_of(h.begin(), h.begin() + small, [](unsigned char c) { return c == 0; });
+    report_s("alloc_zeroed", ok, ok ? "zeroed" : "NOT zeroed");
+    std::vector<void *> d(nsmall);
+    for (size_t k = 0; k < nsmall; k++) {
+        d[k] = gpu->alloc(small);
+        for (size_t i = 0; i < small; i++) src[i] = (unsigned char)(k * 31 + i);
+        gpu->to_device(d[k], src.data(), small);
+        memset(src.data(), 0, small); /* the source may be reused on return */
+    }
+    gpu->sync();
+    ok = 1;
+    for (size_t k = 0; k < nsmall; k++) {
+        gpu->to_host(back.data(), d[k], small);
+        for (size_t i = 0; i < small; i++) ok &= back[i] == (unsigned char)(k * 31 + i);
+    }
+    report_s("to_device_staged", ok, ok ? "all copies arrived" : "a staged copy was lost or overwritten");
+    for (size_t i = 0; i < big; i++) src[i] = (unsigned char)(i * 7 + 3);
+    gpu->to_device(b, src.data(), big);
+    gpu->copy(z, b + 5, small);
+    gpu->to_host(back.data(), b, big);
+    gpu->to_host(h.data(), z, small);
+    ok = memcmp(back.data(), src.data(), big) == 0 && memcmp(h.data(), src.data() + 5, small) == 0;
+    report_s("to_device_large_copy", ok, ok ? "same bytes" : "bytes differ");
+    gpu->zero(b + 3, 100);
+    gpu->to_host(back.data(), b, big);
+    ok = back[2] == src[2] && back[103] == src[103];
+    for (size_t i = 3; i < 103; i++) ok &= back[i] == 0;
+    report_s("zero", ok, ok ? "exactly the range zeroed" : "wrong range");
+    for (size_t k = 0; k < nsmall; k++) gpu->free(d[k]);
+    gpu->free(z), gpu->free(b);
+}
+
 static void test_cast(size_t n, size_t off) {
     Vec src = rnd(n, 10.0f);
     float specials[] = {NAN, INFINITY, -INFINITY, 3.0e38f, 1e-40f, -0.0f};
@@ -157,7 +193,7 @@ static void test_cast(size_t n, size_t off) {
     void *bd;
     CUDA_CHECK(cudaMalloc(&bd, (n + off) * AB));
     void *dst = at(bd, off, AB);
-    cuda_cast_to_act(dst, bs + off, n);
+    gpu->cast_to_act(dst, bs + off, n);
     check_exact("cast_to_act_n" + std::to_string(n) + (off ? "_unaligned" : ""), get_act(dst, n), act_round(src));
     cudaFree(bs), cudaFree(bd);
 }
@@ -175,7 +211,7 @@ static void test_embed(void) {
     CUDA_CHECK(cudaMemcpy(dtok, tok.data(), N * sizeof(int32_t), cudaMemcpyHostToDevice));
     void *dwte_a = dev_act(wte), *dwpe_a = dev_act(wpe), *dout;
     CUDA_CHECK(cudaMalloc(&dout, (size_t)N * C * AB));
-    cuda_embed_forward(dout, dtok, dwte_a, dwpe_a, B, T, C);
+    gpu->embed_forward(dout, dtok, dwte_a, dwpe_a, B, T, C);
     check_exact("embed_forward", get_act(dout, (size_t)N * C), act_round(ref));
     cudaFree(dwte_a), cudaFree(dwpe_a), cudaFree(dout);
 
@@ -185,7 +221,7 @@ static void test_embed(void) {
         cpu->embed_backward(rwte.data(), rwpe.data(), g.data(), tok.data(), B, T, C, acc);
         void *dg = dev_act(g);
         float *dw = dev_f32(gwte), *dp = dev_f32(gwpe);
-        cuda_embed_backward(dw, dp, dg, dtok, B, T, C, acc);
+        gpu->embed_backward(dw, dp, dg, dtok, B, T, C, acc);
         std::string s = acc ? "_acc1" : "_acc0";
         check_exact("embed_backward_dwte" + s, get_f32(dw, rwte.size()), rwte);
         check_exact("embed_backward_dwpe" + s, get_f32(dp, rwpe.size()), rwpe);
@@ -204,7 +240,7 @@ static void test_layernorm(int N, int C) {
     CUDA_CHECK(cudaMalloc(&dout, (size_t)N * C * AB));
     CUDA_CHECK(cudaMalloc(&dmean, N * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&drstd, N * sizeof(float)));
-    cuda_layernorm_forward(dout, dmean, drstd, dx, dw, db, N, C);
+    gpu->layernorm_forward(dout, dmean, drstd, dx, dw, db, N, C);
     check("layernorm_forward_out" + sh, get_act(dout, (size_t)N * C), out, tol_act());
     check("layernorm_forward_mean" + sh, get_f32(dmean, N), mean, TOL_F32);
     check("layernorm_forward_rstd" + sh, get_f32(drstd, N), rstd, TOL_F32);
@@ -219,7 +255,7 @@ static void test_layernorm(int N, int C) {
                                 rstd.data(), N, C, acc);
         void *dg = dev_act(g), *ddinp = dev_act(dinp);
         float *dgw = dev_f32(gw), *dgb = dev_f32(gb);
-        cuda_layernorm_backward(ddinp, dgw, dgb, dg, dx, dw, dmean, drstd, N, C, acc);
+        gpu->layernorm_backward(ddinp, dgw, dgb, dg, dx, dw, dmean, drstd, N, C, acc);
         std::string s = sh + (acc ? "_acc1" : "_acc0");
         check("layernorm_backward_dinp" + s, get_act(ddinp, (size_t)N * C), rdinp, tol_act());
         check("layernorm_backward_dw" + s, get_f32(dgw, C), rgw, TOL_F32);
@@ -237,12 +273,12 @@ static void test_pointwise(size_t n, size_t off) {
     void *bx = dev_act_off(x, off), *bg = dev_act_off(g, off), *by = dev_act_off(y, off), *bout;
     CUDA_CHECK(cudaMalloc(&bout, (n + off) * AB));
     void *dx = at(bx, off, AB), *dg = at(bg, off, AB), *dy = at(by, off, AB), *dout = at(bout, off, AB);
-    cuda_gelu_forward(dout, dx, n);
+    gpu->gelu_forward(dout, dx, n);
     check("gelu_forward" + sh, get_act(dout, n), out, tol_act());
-    cuda_gelu_backward(dout, dx, dg, n);
+    gpu->gelu_backward(dout, dx, dg, n);
     check("gelu_backward" + sh, get_act(dout, n), dinp, tol_act());
     cpu->residual_forward(out.data(), x.data(), y.data(), n);
-    cuda_residual_forward(dout, dx, dy, n);
+    gpu->residual_forward(dout, dx, dy, n);
     check_exact("residual_forward" + sh, get_act(dout, n), act_round(out));
     cudaFree(bx), cudaFree(bg), cudaFree(by), cudaFree(bout);
 
@@ -251,9 +287,9 @@ static void test_pointwise(size_t n, size_t off) {
     float *ba = dev_f32_off(a, off), *bb = dev_f32_off(b, off), *bs;
     CUDA_CHECK(cudaMalloc(&bs, (n + off) * sizeof(float)));
     float *da = ba + off, *db = bb + off, *ds = bs + off;
-    cuda_add(ds, da, db, n);
+    gpu->add(ds, da, db, n);
     check_exact("add" + sh, get_f32(ds, n), s);
-    cuda_add(da, da, db, n); /* in place, as ddp.c may call it */
+    gpu->add(da, da, db, n); /* in place, as ddp.c may call it */
     check_exact("add_inplace" + sh, get_f32(da, n), s);
     cudaFree(ba), cudaFree(bb), cudaFree(bs);
 }
@@ -276,7 +312,7 @@ static void test_crossentropy(int N, int V, int Vp) {
         void *dl = dev_act(logits);
         float *dloss_buf;
         CUDA_CHECK(cudaMalloc(&dloss_buf, N * sizeof(float)));
-        cuda_crossentropy_forward(dl, dloss_buf, dtg, N, V, Vp, dloss);
+        gpu->crossentropy_forward(dl, dloss_buf, dtg, N, V, Vp, dloss);
         std::string s = sh + (grad ? "_dlogits" : "_nograd");
         check("crossentropy_losses" + s, get_f32(dloss_buf, N), rloss, TOL_F32);
         Vec gl = get_act(dl, (size_t)N * Vp);
@@ -302,7 +338,7 @@ static void test_adamw(size_t n) {
         Vec g = rnd(n, 1.0f);
         float *dg = dev_f32(g);
         cpu->adamw_update(p.data(), g.data(), m.data(), v.data(), n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t);
-        cuda_adamw_update(dp, dg, dm, dv, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t);
+        gpu->adamw_update(dp, dg, dm, dv, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t);
         cudaFree(dg);
     }
     check_exact("adamw_params_n" + std::to_string(n), get_f32(dp, n), p);
@@ -315,7 +351,7 @@ static void test_sumsq(size_t n) {
     std::string sh = "_n" + std::to_string(n);
     Vec x = rnd(n, 3.0f);
     float *dx = dev_f32(x);
-    double ref = cpu->sumsq(x.data(), n), got = cuda_sumsq(dx, n);
+    double ref = cpu->sumsq(x.data(), n), got = gpu->sumsq(dx, n);
     double err = fabs(got - ref) / (ref > 0 ? ref : 1.0);
     report("sumsq" + sh, err <= TOL_SUMSQ, "rel err %.2e (tol %.0e)", err, TOL_SUMSQ);
     if (n > 10) {
@@ -323,7 +359,7 @@ static void test_sumsq(size_t n) {
         const char *names[2] = {"_nan", "_inf"};
         for (int k = 0; k < 2; k++) {
             CUDA_CHECK(cudaMemcpy(dx + n - 2, &bad[k], sizeof(float), cudaMemcpyHostToDevice));
-            got = cuda_sumsq(dx, n);
+            got = gpu->sumsq(dx, n);
             report("sumsq" + sh + names[k], !std::isfinite(got), "got %g (must be non-finite) %g", got, 0.0);
         }
     }
@@ -344,7 +380,7 @@ static void test_attention(int B, int T, int C, int NH, int tc) {
     CUDA_CHECK(cudaMalloc(&dout, nc * AB));
     CUDA_CHECK(cudaMalloc(&ddq, n3 * AB));
     CUDA_CHECK(cudaMalloc(&dlse, nl * sizeof(float)));
-    if (tc) cuda_attention_forward(dout, dlse, dq, B, T, C, NH);
+    if (tc) gpu->attention_forward(dout, dlse, dq, B, T, C, NH);
     else cuda_attention_simt_forward(dout, dlse, dq, B, T, C, NH);
     check(std::string("attention_forward_out") + sh, get_act(dout, nc), out, tol_act());
     check(std::string("attention_forward_lse") + sh, get_f32(dlse, nl), lse, TOL_F32);
@@ -353,7 +389,7 @@ static void test_attention(int B, int T, int C, int NH, int tc) {
     cpu->attention_backward(dqkv.data(), g.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH);
     void *dout2 = dev_act(out);
     CUDA_CHECK(cudaMemcpy(dlse, lse.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
-    if (tc) cuda_attention_backward(ddq, dg, dq, dout2, dlse, B, T, C, NH);
+    if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, B, T, C, NH);
     else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, B, T, C, NH);
     check(std::string("attention_backward_dqkv") + sh, get_act(ddq, n3), dqkv, tol_act());
     cudaFree(dq), cudaFree(dg), cudaFree(dout), cudaFree(ddq), cudaFree(dlse), cudaFree(dout2);
@@ -362,12 +398,14 @@ static void test_attention(int B, int T, int C, int NH, int tc) {
 int main(void) {
     cpu->init(1);
     for (int bf = 0; bf <= 1; bf++) {
-        cuda_act_bf16 = bf;
         AB = bf ? 2 : 4;
         DT = bf ? "bf16" : "fp32";
-        /* what set_precision does: with bf16 the attention self-check runs
-         * both kernel sets (T 200, head size 64) and must pick the tensor cores */
-        cuda_attention_precision_changed();
+        gpu->init(0);
+        /* with bf16 the attention self-check runs both kernel sets (T 200,
+         * head size 64) and must pick the tensor cores */
+        gpu->set_precision(DT);
+        report("act_bytes", gpu->act_bytes() == AB, "act_bytes %.0f, want %.0f", (double)gpu->act_bytes(), (double)AB);
+        test_memory();
         const char *desc = cuda_attention_describe();
         int want_tc = bf == 1, got_tc = strstr(desc, "attention: tensor cores (bf16 WMMA") != NULL;
         printf("%s cuda_emu_%s_attention_choice%s%s\n", want_tc == got_tc ? "ok" : "FAIL", DT,
@@ -394,8 +432,7 @@ int main(void) {
             test_attention(1, 65, 100, 1, tc); /* 100: 8 threads per row, dims past hs masked; SIMT only */
             test_attention(1, 1, 64, 1, tc);   /* one row */
         }
+        gpu->shutdown();
     }
-    cuda_scratch_free_all();
-    cuda_embed_free_host();
     return 0;
 }

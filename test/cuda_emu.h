@@ -282,7 +282,45 @@ static inline cudaError_t cudaMemset(void *p, int v, size_t n) {
 static inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t = 0) { return cudaMemset(p, v, n); }
 static inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 
-/* ---- the device: an H100/H200's limits */
+/* ---- the device: one H100/H200-like GPU; events and streams are no-ops
+ * (everything is done when a call returns) */
+#define CUDART_VERSION 12040
+struct cudaDeviceProp { char name[256]; int major, minor, multiProcessorCount; size_t totalGlobalMem; };
+typedef struct EmuEvent *cudaEvent_t;
+#define cudaEventDisableTiming 2
+static inline cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return cudaSuccess; }
+static inline cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+static inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int) {
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "CPU emulation (test/cuda_emu.h)");
+    p->major = 9, p->minor = 0, p->multiProcessorCount = 1, p->totalGlobalMem = (size_t)1 << 30;
+    return cudaSuccess;
+}
+static inline cudaError_t cudaRuntimeGetVersion(int *v) { *v = CUDART_VERSION; return cudaSuccess; }
+static inline cudaError_t cudaDriverGetVersion(int *v) { *v = CUDART_VERSION; return cudaSuccess; }
+static inline cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b) {
+    size_t used = 0;
+    for (auto &a : emu_allocs) used += a.second;
+    *total_b = (size_t)1 << 30, *free_b = *total_b - used;
+    return cudaSuccess;
+}
+static inline cudaError_t cudaMallocHost(void **p, size_t bytes) {
+    *p = malloc(bytes ? bytes : 1);
+    return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+static inline cudaError_t cudaFreeHost(void *p) { free(p); return cudaSuccess; }
+static inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned) { *e = (cudaEvent_t)0x1; return cudaSuccess; }
+static inline cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
+static inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = 0) { return cudaSuccess; }
+static inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+/* cuBLASLt is not emulated (matmul.cu is left out); its version for the
+ * backend's description line only. */
+#define CUBLAS_VER_MAJOR 0
+#define CUBLAS_VER_MINOR 0
+#define CUBLAS_VER_PATCH 0
+static inline size_t cublasLtGetVersion() { return 0; }
+
+/* ---- the device's limits */
 enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 static inline cudaError_t cudaGetDevice(int *d) { *d = 0; return cudaSuccess; }
