@@ -46,6 +46,10 @@ void cuda_matmul_backward(void *, float *, float *, const void *, const void *, 
 #define TOL_F32 1e-5
 #define TOL_BF16 1e-2
 #define TOL_SUMSQ 1e-12
+/* A column sum over 20000 rows: the CPU adds them one by one in fp32, whose
+ * error grows with the row count (measured 4.3e-6 of the max); 5e-5 is 10x
+ * that and still ~100x below a lost or doubled chunk (1/256 of a sum). */
+#define TOL_LONG_SUM 5e-5
 
 typedef std::vector<float> Vec;
 static size_t AB;                /* act bytes this round: 4 or 2 */
@@ -265,6 +269,24 @@ static void test_layernorm(int N, int C) {
     cudaFree(dx), cudaFree(dw), cudaFree(db), cudaFree(dout), cudaFree(dmean), cudaFree(drstd);
 }
 
+/* The bias gradient of matmul_backward (cuBLASLt's products are not
+ * emulated; its dbias is embed_norm.cu's column sum): against the CPU
+ * backend's matmul_backward with dinp NULL. */
+static void test_colsum(int N, int OC, double tol) {
+    const int C = 3;
+    Vec g = rnd_act((size_t)N * OC, 1.0f), inp = rnd((size_t)N * C, 1.0f), w = rnd((size_t)OC * C, 1.0f);
+    for (int acc = 0; acc <= 1; acc++) {
+        Vec dw((size_t)OC * C, 0.0f), db = rnd(OC, 1.0f), rdb = db;
+        cpu->matmul_backward(NULL, dw.data(), rdb.data(), g.data(), inp.data(), w.data(), N, C, OC, acc);
+        void *dg = dev_act(g);
+        float *ddb = dev_f32(db);
+        cuda_colsum(ddb, dg, N, OC, acc);
+        check("matmul_dbias_colsum_N" + std::to_string(N) + "_OC" + std::to_string(OC) + (acc ? "_acc1" : "_acc0"),
+              get_f32(ddb, OC), rdb, tol);
+        cudaFree(dg), cudaFree(ddb);
+    }
+}
+
 static void test_pointwise(size_t n, size_t off) {
     std::string sh = "_n" + std::to_string(n) + (off ? "_unaligned" : "");
     Vec x = rnd_act(n, 2.0f), g = rnd_act(n, 1.0f), y = rnd_act(n, 1.0f), out(n), dinp(n);
@@ -417,6 +439,8 @@ int main(void) {
         test_embed();
         test_layernorm(37, 48);
         test_layernorm(201, 40); /* 4 column-sum chunks, the last one short; C not a multiple of 32 */
+        test_colsum(201, 100, TOL_F32);
+        test_colsum(20000, 5, TOL_LONG_SUM); /* 256 chunks, the last ones empty */
         test_pointwise(1777, 0); /* 16-byte packs and a tail */
         test_pointwise(1777, 1); /* element by element */
         test_pointwise(3, 0);    /* tail only */
