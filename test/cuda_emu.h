@@ -13,19 +13,24 @@
  * a lane has exited) is reported as a deadlock: undefined behaviour on a GPU.
  * Dynamic shared memory and fresh cudaMalloc memory are filled with garbage
  * (NaN bytes) before use; a canary behind every cudaMalloc buffer and behind
- * dynamic shared memory catches writes past the end. Launch shapes are
+ * dynamic shared memory catches writes past the end, and guard pages around
+ * every cudaMalloc buffer catch accesses further out (a read up to 255 bytes
+ * past the end reads the canary: garbage). Launch shapes are
  * checked as the hardware would (<= 1024 threads, grid.y/z <= 65535, no empty
  * grid, dynamic shared memory <= 48 KiB without opt-in).
  *
  * Not emulated: every interleaving (two orders of warps and of lanes are
- * tried, so a race can still hide), blocks running concurrently (cross-block races), reads past the end of a
- * buffer, static __shared__ arrays are not refilled with garbage per block,
+ * tried, so a race can still hide), blocks running concurrently (cross-block
+ * races), static __shared__ arrays are not refilled with garbage per block,
  * fragment element order of WMMA (a fragment is the whole 16x16 matrix in
  * every lane; only lane 0 stores), fast-math intrinsics' exact ulps, timing. */
 #ifndef KILN_CUDA_EMU_H
 #define KILN_CUDA_EMU_H
 #define KILN_CUDA_EMU 1
+#include <signal.h>
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -210,7 +215,6 @@ enum cudaMemcpyKind { cudaMemcpyHostToHost, cudaMemcpyHostToDevice, cudaMemcpyDe
                       cudaMemcpyDeviceToDevice, cudaMemcpyDefault };
 typedef struct EmuStream *cudaStream_t;
 #define cudaStreamLegacy ((cudaStream_t)0x1)
-#define EMU_CANARY 256
 inline std::map<uintptr_t, size_t> emu_allocs;
 inline cudaError_t emu_last_error = cudaSuccess;
 static inline const char *cudaGetErrorString(cudaError_t e) {
@@ -231,12 +235,29 @@ static inline cudaError_t emu_error(cudaError_t e, const char *what) {
     fprintf(stderr, "cuda_emu: %s\n", what);
     return e;
 }
+/* A buffer ends at most 255 bytes before an inaccessible guard page (and
+ * one precedes it): the start stays 256-byte aligned as cudaMalloc's is; the
+ * slack behind the end is the canary, and an access further out faults. */
+struct EmuMap { void *base; size_t len; };
+inline std::map<uintptr_t, EmuMap> emu_maps;
+static void emu_segv(int) {
+    static const char m[] = "FAIL cuda_emu: an access outside every cudaMalloc buffer hit a guard page (SIGSEGV)\n";
+    if (write(1, m, sizeof m - 1) < 0) {}
+    _exit(1);
+}
 static inline cudaError_t cudaMalloc(void **p, size_t bytes) {
-    unsigned char *q = (unsigned char *)aligned_alloc(256, (bytes + EMU_CANARY + 255) / 256 * 256);
-    if (!q) return cudaErrorMemoryAllocation;
+    static int handler;
+    if (!handler) signal(SIGSEGV, emu_segv), handler = 1;
+    size_t page = 4096, data = (bytes + 255 + page - 1) / page * page, len = data + 2 * page;
+    unsigned char *base = (unsigned char *)mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return cudaErrorMemoryAllocation;
+    mprotect(base, page, PROT_NONE);
+    mprotect(base + page + data, page, PROT_NONE);
+    unsigned char *end = base + page + data, *q = (unsigned char *)(((uintptr_t)(end - bytes)) & ~(uintptr_t)255);
     memset(q, 0xff, bytes); /* garbage (NaN in fp32 and bf16) until written */
-    memset(q + bytes, 0xcd, EMU_CANARY);
+    memset(q + bytes, 0xcd, end - (q + bytes));
     emu_allocs[(uintptr_t)q] = bytes;
+    emu_maps[(uintptr_t)q] = EmuMap{base, len};
     *p = q;
     return cudaSuccess;
 }
@@ -249,16 +270,20 @@ static inline int emu_is_device(const void *p, size_t n) {
     return (uintptr_t)p + n <= it->first + it->second;
 }
 static inline void emu_check_canaries() {
-    for (auto &a : emu_allocs)
-        for (size_t i = 0; i < EMU_CANARY; i++)
-            if (((unsigned char *)a.first)[a.second + i] != 0xcd) emu_fail("a write past the end of a cudaMalloc buffer");
+    for (auto &a : emu_allocs) {
+        const unsigned char *c = (const unsigned char *)a.first + a.second;
+        for (; (uintptr_t)c & 4095; c++)
+            if (*c != 0xcd) emu_fail("a write past the end of a cudaMalloc buffer");
+    }
 }
 static inline cudaError_t cudaFree(void *p) {
     if (!p) return cudaSuccess;
     if (!emu_allocs.count((uintptr_t)p)) return emu_error(cudaErrorInvalidValue, "cudaFree of a pointer cudaMalloc never gave");
     emu_check_canaries();
     emu_allocs.erase((uintptr_t)p);
-    free(p);
+    EmuMap m = emu_maps[(uintptr_t)p];
+    emu_maps.erase((uintptr_t)p);
+    munmap(m.base, m.len);
     return cudaSuccess;
 }
 static inline cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind) {
