@@ -4,26 +4,29 @@
  * what a reader cannot: indexing, masks, launch shapes, shared-memory plans,
  * barrier placement. Never part of ./train.
  *
- * Model. KLAUNCH runs the blocks of a grid one after another; the threads of
- * a block are coroutines on one OS thread, switched only at barriers, warp
- * by warp so that warps drift apart as far as the barriers allow: __syncthreads, __syncwarp and every shuffle (write, warp barrier,
- * read, warp barrier) are real barriers, so a thread reading what another
- * wrote without one in between sees the old value or garbage. A barrier some
- * thread never reaches (an early return before __syncthreads, a shuffle after
- * a lane has exited) is reported as a deadlock: undefined behaviour on a GPU.
- * Dynamic shared memory and fresh cudaMalloc memory are filled with garbage
- * (NaN bytes) before use; a canary behind every cudaMalloc buffer and behind
- * dynamic shared memory catches writes past the end, and guard pages around
- * every cudaMalloc buffer catch accesses further out (a read up to 255 bytes
- * past the end reads the canary: garbage). Launch shapes are
- * checked as the hardware would (<= 1024 threads, grid.y/z <= 65535, no empty
- * grid, dynamic shared memory <= 48 KiB without opt-in).
+ * Model. KLAUNCH runs the blocks of a grid one after another; the threads of a
+ * block are coroutines on one OS thread, switched only at barriers, warp by
+ * warp so that warps drift apart as far as the barriers allow: __syncthreads,
+ * __syncwarp and every shuffle (write, warp barrier, read, warp barrier) are
+ * real barriers, so a thread reading what another wrote without one in between
+ * sees the old value or garbage. A barrier some thread never reaches (an early
+ * return before __syncthreads, a shuffle after a lane has exited) is reported
+ * as a deadlock: undefined behaviour on a GPU. Dynamic shared memory and fresh
+ * cudaMalloc memory are filled with garbage (NaN bytes) before use; a canary
+ * behind every cudaMalloc buffer and behind dynamic shared memory catches
+ * writes past the end, and guard pages around every cudaMalloc buffer catch
+ * accesses further out (a read up to 255 bytes past the end reads the canary:
+ * garbage). Launch shapes are checked as the hardware would (<= 1024 threads,
+ * grid.y/z <= 65535, no empty grid, dynamic shared memory <= 48 KiB without
+ * opt-in).
  *
  * Not emulated: every interleaving (two orders of warps and of lanes are
  * tried, so a race can still hide), blocks running concurrently (cross-block
  * races), static __shared__ arrays are not refilled with garbage per block,
  * fragment element order of WMMA (a fragment is the whole 16x16 matrix in
- * every lane; only lane 0 stores), fast-math intrinsics' exact ulps, timing. */
+ * every lane; only lane 0 stores), asynchrony (every copy and launch is done
+ * when its call returns, so stream and event ordering is not tested), device
+ * math's exact ulps, timing. */
 #ifndef KILN_CUDA_EMU_H
 #define KILN_CUDA_EMU_H
 #define KILN_CUDA_EMU 1
