@@ -474,7 +474,7 @@ void cuda_attention_tc_backward(void *dqkv, const void *dout, const void *qkv, c
     float *Dbuf = (float *)cuda_scratch(SCRATCH_ATTENTION, (size_t)B * NH * T * sizeof(float));
     size_t rows = (size_t)B * NH * T;
     KLAUNCH(tc_backward_d_kernel, cuda_blocks(rows * CUDA_WARP, 256), 256, 0, Dbuf, (const bf16 *)dout, (const bf16 *)out, B,
-                                                                      T, C, NH);
+            T, C, NH);
     CUDA_CHECK_LAUNCH();
     /* D is read by both kernels below (same stream, in order); they write
      * disjoint columns of dqkv (k, v and q), so their order does not matter. */

@@ -172,7 +172,7 @@ template <typename T_>
 static void layernorm_forward_run(void *out, float *mean, float *rstd, const void *inp, const void *w,
                                   const void *b, int N, int C) {
     KLAUNCH(layernorm_forward_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)out, mean, rstd, (const T_ *)inp,
-                                                             (const T_ *)w, (const T_ *)b, N, C);
+            (const T_ *)w, (const T_ *)b, N, C);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -275,10 +275,10 @@ static void colsum_run(float *out_a, float *out_b, const void *dout, const void 
     float *part_a = part, *part_b = part + (size_t)chunks * C;
     dim3 grid((C + 31) / 32, chunks), block(32, COLSUM_ROWS);
     KLAUNCH(colsum_partial_kernel<T_>, grid, block, 0, part_a, part_b, (const T_ *)dout, (const T_ *)inp, mean,
-                                               rstd, N, C, rows_per_chunk);
+            rstd, N, C, rows_per_chunk);
     CUDA_CHECK_LAUNCH();
     KLAUNCH(colsum_finish_kernel, cuda_blocks(C, 256), 256, 0, out_a, out_b, part_a, inp ? part_b : NULL,
-                                                       chunks, C, accumulate);
+            chunks, C, accumulate);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -291,7 +291,7 @@ static void layernorm_backward_run(void *dinp, float *dw, float *db, const void 
                                    const void *w, const float *mean, const float *rstd, int N, int C,
                                    int accumulate) {
     KLAUNCH(layernorm_dinp_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)dinp, (const T_ *)dout, (const T_ *)inp,
-                                                          (const T_ *)w, mean, rstd, N, C);
+            (const T_ *)w, mean, rstd, N, C);
     CUDA_CHECK_LAUNCH();
     colsum_run<T_>(dw, db, dout, inp, mean, rstd, N, C, accumulate);
 }

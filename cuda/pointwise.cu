@@ -228,7 +228,7 @@ void cuda_adamw_update(float *params, const float *grads, float *m, float *v, si
     float bc1 = (float)(1.0 - pow((double)beta1, t));
     float bc2 = (float)(1.0 - pow((double)beta2, t));
     KLAUNCH(adamw_kernel, grid_for(n, 256), 256, 0, params, grads, m, v, n, lr, beta1, beta2, eps,
-                                             weight_decay, grad_scale, bc1, bc2);
+            weight_decay, grad_scale, bc1, bc2);
     CUDA_CHECK_LAUNCH();
 }
 
