@@ -57,7 +57,7 @@ __device__ __forceinline__ void att_load_tile(float *dst, const T_ *src, size_t 
 template <int TPK, typename T_>
 __global__ void __launch_bounds__(ATT_BR *TPK)
     att_forward_kernel(T_ *out, float *lse, const T_ *qkv, int T, int C, int NH, float scale) {
-    extern __shared__ float smem[];
+    KILN_DYN_SHARED(float, smem);
     int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     float *Ks = smem, *Vs = smem + ATT_BC * hs; /* (ATT_BC, hs) each */
     float *Ss = Vs + ATT_BC * hs;                /* (ATT_BR, ATT_BC + 1) scores */
@@ -134,7 +134,7 @@ template <int TPK, typename T_>
 __global__ void __launch_bounds__(ATT_BR *TPK)
     att_backward_dq_kernel(T_ *dqkv, float *Dbuf, const T_ *dout, const T_ *qkv, const T_ *out,
                            const float *lse, int T, int C, int NH, float scale) {
-    extern __shared__ float smem[];
+    KILN_DYN_SHARED(float, smem);
     int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     float *Ks = smem, *Vs = smem + ATT_BC * hs;
     int r0 = blockIdx.y * ATT_BR, row = r0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
@@ -200,7 +200,7 @@ template <int TPK, typename T_>
 __global__ void __launch_bounds__(ATT_BK *TPK)
     att_backward_dkv_kernel(T_ *dqkv, const float *Dbuf, const T_ *dout, const T_ *qkv, const float *lse,
                             int T, int C, int NH, float scale) {
-    extern __shared__ float smem[];
+    KILN_DYN_SHARED(float, smem);
     int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     float *Qs = smem, *dOs = smem + ATT_BQ * hs; /* (ATT_BQ, hs) each */
     float *Ls = dOs + ATT_BQ * hs, *Ds = Ls + ATT_BQ; /* (ATT_BQ) each */
@@ -288,9 +288,9 @@ static void att_forward_run(void *out, float *lse, const void *qkv, int B, int T
     T_ *o = (T_ *)out;
     const T_ *x = (const T_ *)qkv;
     switch (tpk) {
-    case 2: att_forward_kernel<2, T_><<<grid, ATT_BR * 2, sh>>>(o, lse, x, T, C, NH, scale); break;
-    case 4: att_forward_kernel<4, T_><<<grid, ATT_BR * 4, sh>>>(o, lse, x, T, C, NH, scale); break;
-    default: att_forward_kernel<8, T_><<<grid, ATT_BR * 8, sh>>>(o, lse, x, T, C, NH, scale); break;
+    case 2: KLAUNCH((att_forward_kernel<2, T_>), grid, ATT_BR * 2, sh, o, lse, x, T, C, NH, scale); break;
+    case 4: KLAUNCH((att_forward_kernel<4, T_>), grid, ATT_BR * 4, sh, o, lse, x, T, C, NH, scale); break;
+    default: KLAUNCH((att_forward_kernel<8, T_>), grid, ATT_BR * 8, sh, o, lse, x, T, C, NH, scale); break;
     }
     CUDA_CHECK_LAUNCH();
 }
@@ -312,10 +312,10 @@ static void att_backward_run(void *dqkv_, const void *dout_, const void *qkv_, c
     const T_ *dout = (const T_ *)dout_, *qkv = (const T_ *)qkv_, *out = (const T_ *)out_;
     /* dQ first: it also writes D, which the dK/dV kernel reads (same stream). */
 #define ATT_BACKWARD(TPK)                                                                                  \
-    att_backward_dq_kernel<TPK, T_><<<gq, ATT_BR * TPK, shq>>>(dqkv, Dbuf, dout, qkv, out, lse, T, C, NH,   \
-                                                               scale);                                    \
+    KLAUNCH((att_backward_dq_kernel<TPK, T_>), gq, ATT_BR * TPK, shq, dqkv, Dbuf, dout, qkv, out, lse, T, C,  \
+            NH, scale);                                                                                     \
     CUDA_CHECK_LAUNCH();                                                                                    \
-    att_backward_dkv_kernel<TPK, T_><<<gk, ATT_BK * TPK, shk>>>(dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale)
+    KLAUNCH((att_backward_dkv_kernel<TPK, T_>), gk, ATT_BK * TPK, shk, dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale)
     switch (tpk) {
     case 2: ATT_BACKWARD(2); break;
     case 4: ATT_BACKWARD(4); break;

@@ -47,11 +47,11 @@
  * butterfly, the tile loops) runs in a fixed order, so the same inputs give
  * the same bits. Math is fp32 with fp32 accumulation; only the tensor-core
  * operands are bf16 (the inputs as stored, and P, dS rounded to nearest). */
-#ifndef KILN_WMMA_EMU /* test/attention_tc_emu.cc runs the kernels on the CPU with test/wmma_emu.h's stand-ins */
+#ifndef KILN_CUDA_EMU /* test/attention_tc_emu.cc runs the kernels on the CPU with test/cuda_emu.h's stand-ins */
 #include <mma.h>
+#endif
 
 #include "common.cuh"
-#endif
 
 using namespace nvcuda;
 
@@ -148,7 +148,7 @@ __device__ __forceinline__ void tc_store_rows(bf16 *dst, size_t ld, const float 
  * (the longest: most key tiles) down, so the short ones fill the tail. */
 __global__ void __launch_bounds__(TC_THREADS)
     tc_forward_kernel(bf16 *out, float *lse, const bf16 *qkv, int T, int C, int NH, float sl2) {
-    extern __shared__ __align__(128) unsigned char tc_smem_buf[];
+    KILN_DYN_SHARED(__align__(128) unsigned char, tc_smem_buf);
     int hs = C / NH, nd = hs / 16, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     int q0 = (gridDim.y - 1 - blockIdx.y) * TC_B;
     TcSmem L = tc_smem(hs, 0);
@@ -249,7 +249,7 @@ template <int MAXD>
 __global__ void __launch_bounds__(TC_THREADS)
     tc_backward_dkv_kernel(bf16 *dqkv, const float *Dbuf, const bf16 *dout, const bf16 *qkv, const float *lse,
                            int T, int C, int NH, float scale, float sl2) {
-    extern __shared__ __align__(128) unsigned char tc_smem_buf[];
+    KILN_DYN_SHARED(__align__(128) unsigned char, tc_smem_buf);
     int hs = C / NH, nd = hs / 16, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     int k0 = blockIdx.y * TC_B;
     TcSmem L = tc_smem(hs, 1);
@@ -339,7 +339,7 @@ template <int MAXD>
 __global__ void __launch_bounds__(TC_THREADS)
     tc_backward_dq_kernel(bf16 *dqkv, const float *Dbuf, const bf16 *dout, const bf16 *qkv, const float *lse,
                           int T, int C, int NH, float scale, float sl2) {
-    extern __shared__ __align__(128) unsigned char tc_smem_buf[];
+    KILN_DYN_SHARED(__align__(128) unsigned char, tc_smem_buf);
     int hs = C / NH, nd = hs / 16, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     int q0 = (gridDim.y - 1 - blockIdx.y) * TC_B;
     TcSmem L = tc_smem(hs, 1);
@@ -410,9 +410,10 @@ __global__ void __launch_bounds__(TC_THREADS)
     tc_store_rows(dqkv + (size_t)b * T * ld + h * hs, ld, stage, ldo, q0, wr, T, hs);
 }
 
-#ifndef KILN_WMMA_EMU
 /* ---------------------------------------------------------------------------
- * Host entry points */
+ * Host entry points (test/attention_tc_emu.cc defines KILN_TC_KERNELS_ONLY:
+ * it launches the kernels itself) */
+#ifndef KILN_TC_KERNELS_ONLY
 
 /* Largest dynamic shared memory a block may opt into on device 0 (bytes). */
 static int tc_smem_optin(void) {
@@ -448,7 +449,7 @@ void cuda_attention_tc_forward(void *out, float *lse, const void *qkv, int B, in
     tc_allow_smem(tc_forward_kernel, sh, &allowed);
     float sl2 = TC_LOG2E / sqrtf((float)hs);
     dim3 grid(B * NH, (T + TC_B - 1) / TC_B);
-    tc_forward_kernel<<<grid, TC_THREADS, sh>>>((bf16 *)out, lse, (const bf16 *)qkv, T, C, NH, sl2);
+    KLAUNCH(tc_forward_kernel, grid, TC_THREADS, sh, (bf16 *)out, lse, (const bf16 *)qkv, T, C, NH, sl2);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -462,9 +463,9 @@ static void tc_backward_run(bf16 *dqkv, const float *Dbuf, const bf16 *dout, con
     tc_allow_smem(tc_backward_dq_kernel<MAXD>, sh, &allowed_q);
     float scale = 1.0f / sqrtf((float)hs), sl2 = TC_LOG2E * scale;
     dim3 grid(B * NH, (T + TC_B - 1) / TC_B);
-    tc_backward_dkv_kernel<MAXD><<<grid, TC_THREADS, sh>>>(dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale, sl2);
+    KLAUNCH(tc_backward_dkv_kernel<MAXD>, grid, TC_THREADS, sh, dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale, sl2);
     CUDA_CHECK_LAUNCH();
-    tc_backward_dq_kernel<MAXD><<<grid, TC_THREADS, sh>>>(dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale, sl2);
+    KLAUNCH(tc_backward_dq_kernel<MAXD>, grid, TC_THREADS, sh, dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale, sl2);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -472,8 +473,8 @@ void cuda_attention_tc_backward(void *dqkv, const void *dout, const void *qkv, c
                                 int B, int T, int C, int NH) {
     float *Dbuf = (float *)cuda_scratch(SCRATCH_ATTENTION, (size_t)B * NH * T * sizeof(float));
     size_t rows = (size_t)B * NH * T;
-    tc_backward_d_kernel<<<cuda_blocks(rows * CUDA_WARP, 256), 256>>>(Dbuf, (const bf16 *)dout, (const bf16 *)out, B,
-                                                                      T, C, NH);
+    KLAUNCH(tc_backward_d_kernel, cuda_blocks(rows * CUDA_WARP, 256), 256, 0, Dbuf, (const bf16 *)dout, (const bf16 *)out, B,
+            T, C, NH);
     CUDA_CHECK_LAUNCH();
     /* D is read by both kernels below (same stream, in order); they write
      * disjoint columns of dqkv (k, v and q), so their order does not matter. */
@@ -482,4 +483,4 @@ void cuda_attention_tc_backward(void *dqkv, const void *dout, const void *qkv, c
     else
         tc_backward_run<8>((bf16 *)dqkv, Dbuf, (const bf16 *)dout, (const bf16 *)qkv, lse, B, T, C, NH);
 }
-#endif /* KILN_WMMA_EMU */
+#endif /* KILN_TC_KERNELS_ONLY */

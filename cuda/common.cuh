@@ -5,8 +5,10 @@
 #ifndef KILN_CUDA_COMMON_CUH
 #define KILN_CUDA_COMMON_CUH
 
+#ifndef KILN_CUDA_EMU /* test/cuda_emu.h stands in for the CUDA headers on the CPU */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#endif
 #include <stddef.h>
 #include <stdint.h>
 
@@ -47,6 +49,17 @@ template <> __device__ __forceinline__ bf16 act_from<bf16>(float x) { return __f
         if (cuda_act_bf16) fn<bf16>(__VA_ARGS__);  \
         else fn<float>(__VA_ARGS__);         \
     } while (0)
+
+/* Every kernel launch is KLAUNCH(kernel, grid, block, smem, args...): the
+ * chevron launch on the default stream under nvcc; under the CPU emulation
+ * (test/cuda_emu.h, KILN_CUDA_EMU) a call that runs every block of the grid
+ * with blockDim emulated threads. A kernel name with a template comma goes in
+ * parentheses. Dynamic shared memory is declared with KILN_DYN_SHARED(type,
+ * name) for the same reason (the emulation hands out its own buffer). */
+#ifndef KILN_CUDA_EMU
+#define KLAUNCH(kernel, grid, block, smem, ...) kernel<<<grid, block, smem>>>(__VA_ARGS__)
+#define KILN_DYN_SHARED(type, name) extern __shared__ type name[]
+#endif
 
 /* Device-side launch configuration. */
 #define CUDA_WARP 32

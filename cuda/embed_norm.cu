@@ -30,7 +30,7 @@ static void embed_forward_run(void *out, const int32_t *tokens, const void *wte,
     size_t n = (size_t)B * T * C;
     unsigned blocks = cuda_blocks(n, 256);
     if (blocks > 65536) blocks = 65536;
-    embed_forward_kernel<T_><<<blocks, 256>>>((T_ *)out, tokens, (const T_ *)wte, (const T_ *)wpe, B * T, T, C);
+    KLAUNCH(embed_forward_kernel<T_>, blocks, 256, 0, (T_ *)out, tokens, (const T_ *)wte, (const T_ *)wpe, B * T, T, C);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -119,9 +119,9 @@ template <typename T_>
 static void embed_backward_kernels(float *dwte, float *dwpe, const void *dout, const int32_t *plan, int R,
                                    int B, int T, int C, int accumulate) {
     dim3 grid(R, (C + 127) / 128);
-    embed_dwte_kernel<T_><<<grid, 128>>>(dwte, (const T_ *)dout, plan, R, C);
+    KLAUNCH(embed_dwte_kernel<T_>, grid, 128, 0, dwte, (const T_ *)dout, plan, R, C);
     CUDA_CHECK_LAUNCH();
-    embed_dwpe_kernel<T_><<<cuda_blocks((size_t)T * C, 256), 256>>>(dwpe, (const T_ *)dout, B, T, C, accumulate);
+    KLAUNCH(embed_dwpe_kernel<T_>, cuda_blocks((size_t)T * C, 256), 256, 0, dwpe, (const T_ *)dout, B, T, C, accumulate);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -171,8 +171,8 @@ __global__ void layernorm_forward_kernel(T_ *out, float *mean, float *rstd, cons
 template <typename T_>
 static void layernorm_forward_run(void *out, float *mean, float *rstd, const void *inp, const void *w,
                                   const void *b, int N, int C) {
-    layernorm_forward_kernel<T_><<<cuda_blocks(N, 8), 256>>>((T_ *)out, mean, rstd, (const T_ *)inp,
-                                                             (const T_ *)w, (const T_ *)b, N, C);
+    KLAUNCH(layernorm_forward_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)out, mean, rstd, (const T_ *)inp,
+            (const T_ *)w, (const T_ *)b, N, C);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -274,11 +274,11 @@ static void colsum_run(float *out_a, float *out_b, const void *dout, const void 
     float *part = (float *)cuda_scratch(SCRATCH_COLSUM, (size_t)2 * chunks * C * sizeof(float));
     float *part_a = part, *part_b = part + (size_t)chunks * C;
     dim3 grid((C + 31) / 32, chunks), block(32, COLSUM_ROWS);
-    colsum_partial_kernel<T_><<<grid, block>>>(part_a, part_b, (const T_ *)dout, (const T_ *)inp, mean,
-                                               rstd, N, C, rows_per_chunk);
+    KLAUNCH(colsum_partial_kernel<T_>, grid, block, 0, part_a, part_b, (const T_ *)dout, (const T_ *)inp, mean,
+            rstd, N, C, rows_per_chunk);
     CUDA_CHECK_LAUNCH();
-    colsum_finish_kernel<<<cuda_blocks(C, 256), 256>>>(out_a, out_b, part_a, inp ? part_b : NULL,
-                                                       chunks, C, accumulate);
+    KLAUNCH(colsum_finish_kernel, cuda_blocks(C, 256), 256, 0, out_a, out_b, part_a, inp ? part_b : NULL,
+            chunks, C, accumulate);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -290,8 +290,8 @@ template <typename T_>
 static void layernorm_backward_run(void *dinp, float *dw, float *db, const void *dout, const void *inp,
                                    const void *w, const float *mean, const float *rstd, int N, int C,
                                    int accumulate) {
-    layernorm_dinp_kernel<T_><<<cuda_blocks(N, 8), 256>>>((T_ *)dinp, (const T_ *)dout, (const T_ *)inp,
-                                                          (const T_ *)w, mean, rstd, N, C);
+    KLAUNCH(layernorm_dinp_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)dinp, (const T_ *)dout, (const T_ *)inp,
+            (const T_ *)w, mean, rstd, N, C);
     CUDA_CHECK_LAUNCH();
     colsum_run<T_>(dw, db, dout, inp, mean, rstd, N, C, accumulate);
 }

@@ -3,7 +3,10 @@
  * dtype (templates on T_), arithmetic in fp32; AdamW and sumsq are fp32 only. Each mirrors the CPU backend's formula in the same order; AdamW is
  * written with explicitly rounded intrinsics (no FMA contraction) so its
  * update is the CPU's bit for bit. Reductions run in a fixed tree: the same
- * bits every run. */
+ * bits every run. GeLU, the adds and the cast move 128 bits per load and
+ * store where their pointers are aligned. */
+#include <string.h>
+
 #include "common.cuh"
 
 #define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
@@ -16,50 +19,118 @@ static unsigned grid_for(size_t n, unsigned threads) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n);                   \
          i += (size_t)gridDim.x * blockDim.x)
 
+/* 128-bit loads and stores: a Pack holds 16 bytes of T_ (8 bf16 or 4 fp32)
+ * and moves as one uint4. The elementwise kernels take packs over the first
+ * n / PACK * PACK elements when every pointer is 16-byte aligned (the host
+ * checks; arena buffers are), then single elements for the tail, or for
+ * everything when a pointer is not aligned. The math per element is the
+ * scalar code's, so the result is the same bits either way. */
+template <typename T_> struct alignas(16) Pack {
+    T_ v[16 / sizeof(T_)];
+};
+#define PACK(T_) (16 / sizeof(T_))
+template <typename T_> __device__ __forceinline__ Pack<T_> pack_load(const T_ *p) {
+    uint4 bits = *reinterpret_cast<const uint4 *>(p);
+    Pack<T_> x;
+    memcpy(&x, &bits, sizeof bits);
+    return x;
+}
+template <typename T_> __device__ __forceinline__ void pack_store(T_ *p, const Pack<T_> &x) {
+    uint4 bits;
+    memcpy(&bits, &x, sizeof bits);
+    *reinterpret_cast<uint4 *>(p) = bits;
+}
+static int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+/* Packs to take over n elements given the pointers' alignment, and a grid for
+ * the larger of the packed and the tail loops. */
+template <typename T_> static size_t packs_for(size_t n, int aligned) { return aligned ? n / PACK(T_) : 0; }
+template <typename T_> static unsigned grid_packed(size_t n, size_t packs) {
+    size_t tail = n - packs * PACK(T_);
+    return grid_for(packs > tail ? packs : tail, 256);
+}
+/* Elements [i0, n), grid-strided: the tail after the packs. */
+#define GRID_STRIDE_FROM(i, i0, n)                                                            \
+    for (size_t i = (i0) + blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n);            \
+         i += (size_t)gridDim.x * blockDim.x)
+
+__device__ __forceinline__ float gelu_f(float x) {
+    float u = GELU_SCALE * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(u));
+}
+__device__ __forceinline__ float gelu_grad_f(float x, float d) {
+    float u = GELU_SCALE * (x + 0.044715f * x * x * x);
+    float th = tanhf(u);
+    float sech2 = 1.0f - th * th;
+    float du = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+    return d * (0.5f * (1.0f + th) + 0.5f * x * sech2 * du);
+}
+
 template <typename T_>
-__global__ void gelu_forward_kernel(T_ *out, const T_ *inp, size_t n) {
-    GRID_STRIDE(i, n) {
-        float x = act_f(inp[i]);
-        float u = GELU_SCALE * (x + 0.044715f * x * x * x);
-        out[i] = act_from<T_>(0.5f * x * (1.0f + tanhf(u)));
+__global__ void gelu_forward_kernel(T_ *out, const T_ *inp, size_t n, size_t packs) {
+    GRID_STRIDE(i, packs) {
+        Pack<T_> x = pack_load(inp + i * PACK(T_)), o;
+#pragma unroll
+        for (int k = 0; k < (int)PACK(T_); k++) o.v[k] = act_from<T_>(gelu_f(act_f(x.v[k])));
+        pack_store(out + i * PACK(T_), o);
     }
+    GRID_STRIDE_FROM(i, packs * PACK(T_), n) out[i] = act_from<T_>(gelu_f(act_f(inp[i])));
 }
 
 template <typename T_>
-__global__ void gelu_backward_kernel(T_ *dinp, const T_ *inp, const T_ *dout, size_t n) {
-    GRID_STRIDE(i, n) {
-        float x = act_f(inp[i]);
-        float u = GELU_SCALE * (x + 0.044715f * x * x * x);
-        float th = tanhf(u);
-        float sech2 = 1.0f - th * th;
-        float du = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
-        dinp[i] = act_from<T_>(act_f(dout[i]) * (0.5f * (1.0f + th) + 0.5f * x * sech2 * du));
+__global__ void gelu_backward_kernel(T_ *dinp, const T_ *inp, const T_ *dout, size_t n, size_t packs) {
+    GRID_STRIDE(i, packs) {
+        Pack<T_> x = pack_load(inp + i * PACK(T_)), d = pack_load(dout + i * PACK(T_)), o;
+#pragma unroll
+        for (int k = 0; k < (int)PACK(T_); k++) o.v[k] = act_from<T_>(gelu_grad_f(act_f(x.v[k]), act_f(d.v[k])));
+        pack_store(dinp + i * PACK(T_), o);
     }
+    GRID_STRIDE_FROM(i, packs * PACK(T_), n) dinp[i] = act_from<T_>(gelu_grad_f(act_f(inp[i]), act_f(dout[i])));
 }
 
 template <typename T_>
-__global__ void add_kernel(T_ *out, const T_ *a, const T_ *b, size_t n) {
-    GRID_STRIDE(i, n) out[i] = act_from<T_>(act_f(a[i]) + act_f(b[i]));
+__global__ void add_kernel(T_ *out, const T_ *a, const T_ *b, size_t n, size_t packs) {
+    GRID_STRIDE(i, packs) {
+        Pack<T_> x = pack_load(a + i * PACK(T_)), y = pack_load(b + i * PACK(T_)), o;
+#pragma unroll
+        for (int k = 0; k < (int)PACK(T_); k++) o.v[k] = act_from<T_>(act_f(x.v[k]) + act_f(y.v[k]));
+        pack_store(out + i * PACK(T_), o);
+    }
+    GRID_STRIDE_FROM(i, packs * PACK(T_), n) out[i] = act_from<T_>(act_f(a[i]) + act_f(b[i]));
 }
 
-/* fp32 -> bf16, round to nearest even (the compute copy of the parameters). */
-__global__ void cast_bf16_kernel(bf16 *dst, const float *src, size_t n) {
-    GRID_STRIDE(i, n) dst[i] = __float2bfloat16_rn(src[i]);
+/* fp32 -> bf16, round to nearest even (the compute copy of the parameters):
+ * packs of 8 outputs from two 16-byte loads. */
+__global__ void cast_bf16_kernel(bf16 *dst, const float *src, size_t n, size_t packs) {
+    GRID_STRIDE(i, packs) {
+        Pack<float> x0 = pack_load(src + i * 8), x1 = pack_load(src + i * 8 + 4);
+        Pack<bf16> o;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            o.v[k] = __float2bfloat16_rn(x0.v[k]);
+            o.v[k + 4] = __float2bfloat16_rn(x1.v[k]);
+        }
+        pack_store(dst + i * 8, o);
+    }
+    GRID_STRIDE_FROM(i, packs * PACK(bf16), n) dst[i] = __float2bfloat16_rn(src[i]);
 }
 
 template <typename T_>
 static void gelu_forward_run(void *out, const void *inp, size_t n) {
-    gelu_forward_kernel<T_><<<grid_for(n, 256), 256>>>((T_ *)out, (const T_ *)inp, n);
+    size_t packs = packs_for<T_>(n, aligned16(out) && aligned16(inp));
+    KLAUNCH(gelu_forward_kernel<T_>, grid_packed<T_>(n, packs), 256, 0, (T_ *)out, (const T_ *)inp, n, packs);
     CUDA_CHECK_LAUNCH();
 }
 template <typename T_>
 static void gelu_backward_run(void *dinp, const void *inp, const void *dout, size_t n) {
-    gelu_backward_kernel<T_><<<grid_for(n, 256), 256>>>((T_ *)dinp, (const T_ *)inp, (const T_ *)dout, n);
+    size_t packs = packs_for<T_>(n, aligned16(dinp) && aligned16(inp) && aligned16(dout));
+    KLAUNCH(gelu_backward_kernel<T_>, grid_packed<T_>(n, packs), 256, 0, (T_ *)dinp, (const T_ *)inp,
+            (const T_ *)dout, n, packs);
     CUDA_CHECK_LAUNCH();
 }
 template <typename T_>
 static void add_run(void *out, const void *a, const void *b, size_t n) {
-    add_kernel<T_><<<grid_for(n, 256), 256>>>((T_ *)out, (const T_ *)a, (const T_ *)b, n);
+    size_t packs = packs_for<T_>(n, aligned16(out) && aligned16(a) && aligned16(b));
+    KLAUNCH(add_kernel<T_>, grid_packed<T_>(n, packs), 256, 0, (T_ *)out, (const T_ *)a, (const T_ *)b, n, packs);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -81,7 +152,8 @@ void cuda_cast_to_act(void *dst, const float *src, size_t n) {
         CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, 0));
         return;
     }
-    cast_bf16_kernel<<<grid_for(n, 256), 256>>>((bf16 *)dst, src, n);
+    size_t packs = packs_for<bf16>(n, aligned16(dst) && aligned16(src));
+    KLAUNCH(cast_bf16_kernel, grid_packed<bf16>(n, packs), 256, 0, (bf16 *)dst, src, n, packs);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -119,7 +191,7 @@ __global__ void crossentropy_kernel(T_ *logits, float *losses, const int32_t *ta
 template <typename T_>
 static void crossentropy_run(void *logits, float *losses, const int32_t *targets, int N, int V, int Vp,
                              float dloss) {
-    crossentropy_kernel<T_><<<N, CE_THREADS>>>((T_ *)logits, losses, targets, V, Vp, dloss);
+    KLAUNCH(crossentropy_kernel<T_>, N, CE_THREADS, 0, (T_ *)logits, losses, targets, V, Vp, dloss);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -155,8 +227,8 @@ void cuda_adamw_update(float *params, const float *grads, float *m, float *v, si
     /* Bias corrections once, in double, for step t (1-based), as the CPU does. */
     float bc1 = (float)(1.0 - pow((double)beta1, t));
     float bc2 = (float)(1.0 - pow((double)beta2, t));
-    adamw_kernel<<<grid_for(n, 256), 256>>>(params, grads, m, v, n, lr, beta1, beta2, eps,
-                                             weight_decay, grad_scale, bc1, bc2);
+    KLAUNCH(adamw_kernel, grid_for(n, 256), 256, 0, params, grads, m, v, n, lr, beta1, beta2, eps,
+            weight_decay, grad_scale, bc1, bc2);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -193,9 +265,9 @@ __global__ void sumsq_final_kernel(double *result, const double *part) {
 
 double cuda_sumsq(const float *x, size_t n) {
     double *part = (double *)cuda_scratch(SCRATCH_SUMSQ, (SUMSQ_BLOCKS + 1) * sizeof(double));
-    sumsq_partial_kernel<<<SUMSQ_BLOCKS, SUMSQ_THREADS>>>(part, x, n);
+    KLAUNCH(sumsq_partial_kernel, SUMSQ_BLOCKS, SUMSQ_THREADS, 0, part, x, n);
     CUDA_CHECK_LAUNCH();
-    sumsq_final_kernel<<<1, SUMSQ_BLOCKS>>>(part + SUMSQ_BLOCKS, part);
+    KLAUNCH(sumsq_final_kernel, 1, SUMSQ_BLOCKS, 0, part + SUMSQ_BLOCKS, part);
     CUDA_CHECK_LAUNCH();
     double s = 0.0;
     CUDA_CHECK(cudaMemcpy(&s, part + SUMSQ_BLOCKS, sizeof s, cudaMemcpyDeviceToHost));

@@ -1,5 +1,5 @@
 /* attention_tc_emu: the tensor-core attention kernels of cuda/attention_tc.cu,
- * compiled for the CPU against test/wmma_emu.h and run on small shapes
+ * compiled for the CPU against test/cuda_emu.h and run on small shapes
  * (T not a multiple of the 64-row tiles, T = 1, head sizes 16..128 and both
  * register-fragment variants), compared with a double-precision attention
  * forward and backward on the same bf16 inputs. Built and run by
@@ -14,68 +14,17 @@
  *    adding < 1e-3). A wrong index, mask or missing barrier gives > 0.1.
  *  - lse 1e-5: fp32 scores from exact bf16 products and fp32 sums, exp2 and
  *    log in fp32 (measured ~1e-7). */
-#include "wmma_emu.h"
+#include "cuda_emu.h"
+#define KILN_TC_KERNELS_ONLY
 #include "../cuda/attention_tc.cu"
 #include <functional>
 #include <random>
 
-thread_local uint3e threadIdx;
-uint3e blockIdx;
-dim3 blockDim, gridDim;
-static pthread_barrier_t bar_block, bar_warp[32];
-static float xch[32][32];
-alignas(128) unsigned char tc_smem_buf[1 << 20];
-static size_t smem_limit;
-static int bad_ptr;
-
-void __syncthreads() { pthread_barrier_wait(&bar_block); }
-void __syncwarp(unsigned) { pthread_barrier_wait(&bar_warp[threadIdx.x / 32]); }
-float __shfl_xor_sync(unsigned, float v, int o) {
-    int w = threadIdx.x / 32, l = threadIdx.x % 32;
-    xch[w][l] = v;
-    __syncwarp();
-    float r = xch[w][l ^ o];
-    __syncwarp();
-    return r;
-}
-namespace nvcuda { namespace wmma {
-void emu_check_ptr(const void *p, unsigned ldm, int es) {
-    const unsigned char *c = (const unsigned char *)p;
-    if (c >= tc_smem_buf && c < tc_smem_buf + sizeof tc_smem_buf) {
-        if ((c - tc_smem_buf) % 32 != 0) bad_ptr = 1;
-        /* the 16 rows must stay inside the requested dynamic smem */
-        if ((size_t)(c - tc_smem_buf) + (15 * (size_t)ldm + 16) * es > smem_limit) bad_ptr = 2;
-    } else bad_ptr = 3;
-    if (ldm % (es == 2 ? 8 : 4) != 0) bad_ptr = 4;
-}
-}}
-
-struct Arg { std::function<void()> *f; unsigned tid; };
-static void *run_thread(void *a) {
-    Arg *x = (Arg *)a;
-    threadIdx.x = x->tid, threadIdx.y = threadIdx.z = 0;
-    (*x->f)();
-    return NULL;
-}
-static void launch(dim3 grid, unsigned threads, size_t smem, std::function<void()> f) {
-    gridDim = grid; blockDim = dim3(threads);
-    smem_limit = smem;
-    if (smem + 4096 > sizeof tc_smem_buf) { printf("FAIL attention_tc_emu: %zu bytes of shared memory\n", smem); exit(1); }
-    pthread_barrier_init(&bar_block, NULL, threads);
-    for (unsigned w = 0; w < threads / 32; w++) pthread_barrier_init(&bar_warp[w], NULL, 32);
-    std::vector<pthread_t> th(threads);
-    std::vector<Arg> args(threads);
-    for (unsigned by = 0; by < grid.y; by++)
-        for (unsigned bx = 0; bx < grid.x; bx++) {
-            blockIdx = uint3e{bx, by, 0};
-            memset(tc_smem_buf, 0xA5, smem + 4096); /* garbage: reads of unwritten smem show; a canary past the end */
-            for (unsigned t = 0; t < threads; t++) { args[t] = Arg{&f, t}; pthread_create(&th[t], NULL, run_thread, &args[t]); }
-            for (unsigned t = 0; t < threads; t++) pthread_join(th[t], NULL);
-            for (size_t i = smem; i < smem + 4096 && i < sizeof tc_smem_buf; i++)
-                if (tc_smem_buf[i] != 0xA5) { printf("FAIL attention_tc_emu: shared memory written past its %zu bytes\n", smem); exit(1); }
-        }
-    pthread_barrier_destroy(&bar_block);
-    for (unsigned w = 0; w < threads / 32; w++) pthread_barrier_destroy(&bar_warp[w]);
+/* The kernels' dynamic shared memory is opted in up to the GPU's maximum
+ * (attention_tc.cu's host side does it with cudaFuncSetAttribute). */
+static void launch(dim3 grid, unsigned threads, size_t smem, const std::function<void()> &f) {
+    emu_launch(grid, dim3(threads), smem, f, EMU_SMEM_MAX);
+    if (cudaGetLastError() != cudaSuccess) { printf("FAIL attention_tc_emu: launch refused (%zu bytes of shared memory)\n", smem); exit(1); }
 }
 
 static std::mt19937 gen(7); /* fixed inputs: a failure replays */
@@ -155,12 +104,12 @@ static int check(int B, int NH, int T, int hs, float qscale) {
     for (size_t i = 0; i < nc; i++) qo[i] = __bfloat162float(__float2bfloat16_rn((float)ro[i]));
     for (size_t i = 0; i < n3; i++) qg[i] = __bfloat162float(__float2bfloat16_rn((float)rg[i]));
     double eo = maxrel(go, ro), el = maxrel(gl, rl), eg = maxrel(gg, rg);
-    int ok = eo <= 1e-2 && el <= 1e-5 && eg <= 1e-2 && !bad_ptr;
+    int ok = eo <= 1e-2 && el <= 1e-5 && eg <= 1e-2 && !emu_wmma_bad;
     printf("%s attention_tc_emu_B%d_NH%d_T%d_hs%d%s%s out %.2e (bf16 store alone %.2e), lse %.2e, dqkv %.2e (bf16 store "
            "alone %.2e)%s\n",
            ok ? "ok" : "FAIL", B, NH, T, hs, qscale > 1 ? "_peaked" : "", ok ? " #" : ":", eo, maxrel(qo, ro), el, eg,
-           maxrel(qg, rg), bad_ptr ? ", bad WMMA pointer or ldm" : "");
-    bad_ptr = 0;
+           maxrel(qg, rg), emu_wmma_bad ? ", bad WMMA pointer or ldm" : "");
+    emu_wmma_bad = 0;
     return ok;
 }
 

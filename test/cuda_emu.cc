@@ -1,0 +1,469 @@
+/* cuda_emu: the CUDA backend's SIMT kernels with their host wrappers
+ * (cuda/embed_norm.cu, pointwise.cu, attention.cu), compiled for the CPU
+ * against test/cuda_emu.h and compared op by op with the CPU backend on the
+ * same random inputs, in both activation dtypes, at shapes that are not
+ * multiples of any block size. Built and run by test/t_cuda_emu.sh; one
+ * "ok"/"FAIL" line per check. Everything goes through the backend_cuda
+ * table (backend_cuda.cu under the emulation: start-up, memory, the staging
+ * ring, scratch, precision and the attention choice) except cuBLASLt
+ * (matmul.cu), which is left out. Test buffers come from cudaMalloc, so
+ * outputs start as garbage (NaN bytes): an element an op fails to write shows.
+ *
+ * Tolerances: max |cuda - cpu| / max |cpu| per tensor ("normalised"). Both
+ * sides read the same values (inputs rounded to the activation dtype first)
+ * and compute in fp32; they differ in summation order and in the store.
+ *  - fp32 outputs 1e-5: sums of <= a few hundred terms in another order (warp
+ *    butterflies, chunked column sums, tiled online softmax) differ by a few
+ *    fp32 ulps of the largest term, ~1e-6 of the max; an indexing or mask bug
+ *    errs by 1e-2 or more.
+ *  - bf16 outputs 1e-2: the CUDA side rounds its fp32 result to bf16 once
+ *    (half an ulp, 2^-9 = 2e-3 of an element, so at most that of the max),
+ *    plus the fp32 differences above; 1e-2 is ~5x that.
+ *  - exact (same bits): the embedding gradients (dwte, dwpe) and AdamW, which
+ *    the README promises; the fp32 adds, the cast, embed forward and the
+ *    residual add, whose one fp32 operation per element is the same on both
+ *    sides, rounded once (compared after rounding the CPU's result).
+ *  - sumsq 1e-12 relative: double sums of fp32 squares in another order. */
+#include "cuda_emu.h"
+
+#include "../cuda/embed_norm.cu"
+#include "../cuda/pointwise.cu"
+#include "../cuda/attention.cu"
+#include "../cuda/attention_tc.cu"
+#include "../cuda/backend_cuda.cu"
+
+#include <random>
+#include <string>
+
+/* matmul.cu (cuBLASLt) is left out: its entry points must not be reached. */
+void cuda_matmul_init(void) {}
+void cuda_matmul_shutdown(void) {}
+void cuda_matmul_forward(void *, const void *, const void *, const void *, int, int, int) { emu_fail("matmul called"); }
+void cuda_matmul_backward(void *, float *, float *, const void *, const void *, const void *, int, int, int, int) {
+    emu_fail("matmul called");
+}
+void cuda_matmul_gelu_forward(void *, void *, const void *, const void *, const void *, int, int, int) {
+    emu_fail("matmul called");
+}
+void cuda_matmul_backward_dgelu(void *, float *, float *, const void *, const void *, const void *, const void *, int, int,
+                                int, int) {
+    emu_fail("matmul called");
+}
+
+#define TOL_F32 1e-5
+#define TOL_BF16 1e-2
+#define TOL_SUMSQ 1e-12
+/* A column sum over 20000 rows: the CPU adds them one by one in fp32, whose
+ * error grows with the row count (measured 4.3e-6 of the max); 5e-5 is 10x
+ * that and still ~100x below a lost or doubled chunk (1/256 of a sum). */
+#define TOL_LONG_SUM 5e-5
+
+typedef std::vector<float> Vec;
+static size_t AB;                /* act bytes this round: 4 or 2 */
+static const char *DT;           /* "fp32" or "bf16" */
+static const Backend *cpu = &backend_cpu, *gpu = &backend_cuda;
+static std::mt19937 gen(12345);  /* fixed inputs: a failure replays */
+static int failures;
+
+static Vec rnd(size_t n, float scale, float shift = 0.0f) {
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    Vec v(n);
+    for (auto &x : v) x = d(gen) * scale + shift;
+    return v;
+}
+/* Random values that the act dtype holds exactly. */
+static Vec rnd_act(size_t n, float scale, float shift = 0.0f) {
+    Vec v = rnd(n, scale, shift);
+    for (auto &x : v) x = backend_act_round(x, AB);
+    return v;
+}
+static Vec act_round(Vec v) {
+    for (auto &x : v) x = backend_act_round(x, AB);
+    return v;
+}
+static void *dev_act(const Vec &h) {
+    void *d;
+    CUDA_CHECK(cudaMalloc(&d, h.size() * AB + 1));
+    std::vector<unsigned char> s(h.size() * AB + 1);
+    backend_f32_to_act(s.data(), h.data(), h.size(), AB);
+    CUDA_CHECK(cudaMemcpy(d, s.data(), h.size() * AB, cudaMemcpyHostToDevice));
+    return d;
+}
+static float *dev_f32(const Vec &h) {
+    float *d;
+    CUDA_CHECK(cudaMalloc(&d, h.size() * sizeof(float) + 1));
+    CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
+    return d;
+}
+static Vec get_act(const void *d, size_t n) {
+    std::vector<unsigned char> s(n * AB + 1);
+    CUDA_CHECK(cudaMemcpy(s.data(), d, n * AB, cudaMemcpyDeviceToHost));
+    Vec h(n);
+    backend_act_to_f32(h.data(), s.data(), n, AB);
+    return h;
+}
+static Vec get_f32(const float *d, size_t n) {
+    Vec h(n);
+    CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost));
+    return h;
+}
+
+static void report(const std::string &name, int ok, const char *fmt, double a, double b) {
+    char detail[160];
+    snprintf(detail, sizeof detail, fmt, a, b);
+    printf("%s cuda_emu_%s_%s%s%s\n", ok ? "ok" : "FAIL", DT, name.c_str(), ok ? " # " : ": ", detail);
+    failures += !ok;
+}
+static void report_s(const std::string &name, int ok, const char *detail) {
+    printf("%s cuda_emu_%s_%s%s%s\n", ok ? "ok" : "FAIL", DT, name.c_str(), ok ? " # " : ": ", detail);
+    failures += !ok;
+}
+/* Normalised max error against tol; NaN anywhere fails. */
+static void check(const std::string &name, const Vec &got, const Vec &ref, double tol) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < ref.size(); i++) {
+        double d = fabs((double)got[i] - ref[i]);
+        if (!(d == d) || std::isinf(d)) { num = INFINITY; break; }
+        num = std::max(num, d);
+        den = std::max(den, fabs((double)ref[i]));
+    }
+    double err = num / (den > 0.0 ? den : 1.0);
+    report(name, err <= tol, "err %.2e (tol %.0e)", err, tol);
+}
+/* Tolerance for an act output. */
+static double tol_act() { return AB == 2 ? TOL_BF16 : TOL_F32; }
+/* Same bits (two NaNs count as equal). */
+static void check_exact(const std::string &name, const Vec &got, const Vec &ref) {
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < ref.size(); i++) {
+        int same = memcmp(&got[i], &ref[i], 4) == 0 || (std::isnan(got[i]) && std::isnan(ref[i]));
+        if (!same && !bad++) first = i;
+    }
+    report(name, bad == 0, "%.0f elements differ, first at %.0f (exact)", (double)bad, (double)first);
+}
+
+/* dev_act/dev_f32 copies placed `off` elements into a larger buffer: off 1
+ * leaves the 16-byte packs of pointwise.cu for the element-wise fallback. */
+static void *at(void *base, size_t off, size_t es) { return (unsigned char *)base + off * es; }
+static void *dev_act_off(const Vec &h, size_t off) {
+    Vec g(off, 0.0f);
+    g.insert(g.end(), h.begin(), h.end());
+    return dev_act(g);
+}
+static float *dev_f32_off(const Vec &h, size_t off) {
+    Vec g(off, 0.0f);
+    g.insert(g.end(), h.begin(), h.end());
+    return dev_f32(g);
+}
+
+/* alloc zeroes; to_device through the staging ring (more copies than its
+ * 8 slots, each source reused at once) and past it (over 1 MiB); to_host,
+ * copy, zero. */
+static void test_memory(void) {
+    size_t big = ((size_t)1 << 20) + 12, nsmall = 11, small = 1000;
+    unsigned char *z = (unsigned char *)gpu->alloc(small), *b = (unsigned char *)gpu->alloc(big);
+    std::vector<unsigned char> h(big), src(big), back(big);
+    gpu->to_host(h.data(), z, small);
+    int ok = std::all_of(h.begin(), h.begin() + small, [](unsigned char c) { return c == 0; });
+    report_s("alloc_zeroed", ok, ok ? "zeroed" : "NOT zeroed");
+    std::vector<void *> d(nsmall);
+    for (size_t k = 0; k < nsmall; k++) {
+        d[k] = gpu->alloc(small);
+        for (size_t i = 0; i < small; i++) src[i] = (unsigned char)(k * 31 + i);
+        gpu->to_device(d[k], src.data(), small);
+        memset(src.data(), 0, small); /* the source may be reused on return */
+    }
+    gpu->sync();
+    ok = 1;
+    for (size_t k = 0; k < nsmall; k++) {
+        gpu->to_host(back.data(), d[k], small);
+        for (size_t i = 0; i < small; i++) ok &= back[i] == (unsigned char)(k * 31 + i);
+    }
+    report_s("to_device_staged", ok, ok ? "all copies arrived" : "a staged copy was lost or overwritten");
+    for (size_t i = 0; i < big; i++) src[i] = (unsigned char)(i * 7 + 3);
+    gpu->to_device(b, src.data(), big);
+    gpu->copy(z, b + 5, small);
+    gpu->to_host(back.data(), b, big);
+    gpu->to_host(h.data(), z, small);
+    ok = memcmp(back.data(), src.data(), big) == 0 && memcmp(h.data(), src.data() + 5, small) == 0;
+    report_s("to_device_large_copy", ok, ok ? "same bytes" : "bytes differ");
+    gpu->zero(b + 3, 100);
+    gpu->to_host(back.data(), b, big);
+    ok = back[2] == src[2] && back[103] == src[103];
+    for (size_t i = 3; i < 103; i++) ok &= back[i] == 0;
+    report_s("zero", ok, ok ? "exactly the range zeroed" : "wrong range");
+    for (size_t k = 0; k < nsmall; k++) gpu->free(d[k]);
+    gpu->free(z), gpu->free(b);
+}
+
+static void test_cast(size_t n, size_t off) {
+    Vec src = rnd(n, 10.0f);
+    float specials[] = {NAN, INFINITY, -INFINITY, 3.0e38f, 1e-40f, -0.0f};
+    for (size_t i = 0; i < 6 && i < n; i++) src[i * 3 % n] = specials[i];
+    float *bs = dev_f32_off(src, off);
+    void *bd;
+    CUDA_CHECK(cudaMalloc(&bd, (n + off) * AB));
+    void *dst = at(bd, off, AB);
+    gpu->cast_to_act(dst, bs + off, n);
+    check_exact("cast_to_act_n" + std::to_string(n) + (off ? "_unaligned" : ""), get_act(dst, n), act_round(src));
+    cudaFree(bs), cudaFree(bd);
+}
+
+static void test_embed(void) {
+    const int B = 3, T = 13, C = 48, V = 100, Vp = 128, N = B * T;
+    std::vector<int32_t> tok(N);
+    for (auto &t : tok) t = (int32_t)(gen() % V);
+    tok[5] = tok[17] = tok[30] = 42; /* a token seen three times: its dwte row sums in position order */
+    Vec wte = rnd_act((size_t)Vp * C, 1.0f), wpe = rnd_act((size_t)T * C, 1.0f);
+    Vec ref((size_t)N * C);
+    cpu->embed_forward(ref.data(), tok.data(), wte.data(), wpe.data(), B, T, C);
+    int32_t *dtok;
+    CUDA_CHECK(cudaMalloc(&dtok, N * sizeof(int32_t)));
+    CUDA_CHECK(cudaMemcpy(dtok, tok.data(), N * sizeof(int32_t), cudaMemcpyHostToDevice));
+    void *dwte_a = dev_act(wte), *dwpe_a = dev_act(wpe), *dout;
+    CUDA_CHECK(cudaMalloc(&dout, (size_t)N * C * AB));
+    gpu->embed_forward(dout, dtok, dwte_a, dwpe_a, B, T, C);
+    check_exact("embed_forward", get_act(dout, (size_t)N * C), act_round(ref));
+    cudaFree(dwte_a), cudaFree(dwpe_a), cudaFree(dout);
+
+    for (int acc = 0; acc <= 1; acc++) {
+        Vec g = rnd_act((size_t)N * C, 1.0f), gwte = rnd((size_t)Vp * C, 1.0f), gwpe = rnd((size_t)T * C, 1.0f);
+        Vec rwte = gwte, rwpe = gwpe;
+        cpu->embed_backward(rwte.data(), rwpe.data(), g.data(), tok.data(), B, T, C, acc);
+        void *dg = dev_act(g);
+        float *dw = dev_f32(gwte), *dp = dev_f32(gwpe);
+        gpu->embed_backward(dw, dp, dg, dtok, B, T, C, acc);
+        std::string s = acc ? "_acc1" : "_acc0";
+        check_exact("embed_backward_dwte" + s, get_f32(dw, rwte.size()), rwte);
+        check_exact("embed_backward_dwpe" + s, get_f32(dp, rwpe.size()), rwpe);
+        cudaFree(dg), cudaFree(dw), cudaFree(dp);
+    }
+    cudaFree(dtok);
+}
+
+static void test_layernorm(int N, int C) {
+    std::string sh = "_N" + std::to_string(N) + "_C" + std::to_string(C);
+    Vec x = rnd_act((size_t)N * C, 2.0f, 0.5f), w = rnd_act(C, 1.0f, 1.0f), b = rnd_act(C, 0.5f);
+    Vec out((size_t)N * C), mean(N), rstd(N);
+    cpu->layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
+    void *dx = dev_act(x), *dw = dev_act(w), *db = dev_act(b), *dout;
+    float *dmean, *drstd;
+    CUDA_CHECK(cudaMalloc(&dout, (size_t)N * C * AB));
+    CUDA_CHECK(cudaMalloc(&dmean, N * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&drstd, N * sizeof(float)));
+    gpu->layernorm_forward(dout, dmean, drstd, dx, dw, db, N, C);
+    check("layernorm_forward_out" + sh, get_act(dout, (size_t)N * C), out, tol_act());
+    check("layernorm_forward_mean" + sh, get_f32(dmean, N), mean, TOL_F32);
+    check("layernorm_forward_rstd" + sh, get_f32(drstd, N), rstd, TOL_F32);
+    /* the backward of both reads the CPU's statistics */
+    CUDA_CHECK(cudaMemcpy(dmean, mean.data(), N * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(drstd, rstd.data(), N * sizeof(float), cudaMemcpyHostToDevice));
+    for (int acc = 0; acc <= 1; acc++) {
+        Vec g = rnd_act((size_t)N * C, 1.0f), dinp = rnd_act((size_t)N * C, 1.0f);
+        Vec gw = rnd(C, 1.0f), gb = rnd(C, 1.0f);
+        Vec rdinp = dinp, rgw = gw, rgb = gb;
+        cpu->layernorm_backward(rdinp.data(), rgw.data(), rgb.data(), g.data(), x.data(), w.data(), mean.data(),
+                                rstd.data(), N, C, acc);
+        void *dg = dev_act(g), *ddinp = dev_act(dinp);
+        float *dgw = dev_f32(gw), *dgb = dev_f32(gb);
+        gpu->layernorm_backward(ddinp, dgw, dgb, dg, dx, dw, dmean, drstd, N, C, acc);
+        std::string s = sh + (acc ? "_acc1" : "_acc0");
+        check("layernorm_backward_dinp" + s, get_act(ddinp, (size_t)N * C), rdinp, tol_act());
+        check("layernorm_backward_dw" + s, get_f32(dgw, C), rgw, TOL_F32);
+        check("layernorm_backward_db" + s, get_f32(dgb, C), rgb, TOL_F32);
+        cudaFree(dg), cudaFree(ddinp), cudaFree(dgw), cudaFree(dgb);
+    }
+    cudaFree(dx), cudaFree(dw), cudaFree(db), cudaFree(dout), cudaFree(dmean), cudaFree(drstd);
+}
+
+/* The bias gradient of matmul_backward (cuBLASLt's products are not
+ * emulated; its dbias is embed_norm.cu's column sum): against the CPU
+ * backend's matmul_backward with dinp NULL. */
+static void test_colsum(int N, int OC, double tol) {
+    const int C = 3;
+    Vec g = rnd_act((size_t)N * OC, 1.0f), inp = rnd((size_t)N * C, 1.0f), w = rnd((size_t)OC * C, 1.0f);
+    for (int acc = 0; acc <= 1; acc++) {
+        Vec dw((size_t)OC * C, 0.0f), db = rnd(OC, 1.0f), rdb = db;
+        cpu->matmul_backward(NULL, dw.data(), rdb.data(), g.data(), inp.data(), w.data(), N, C, OC, acc);
+        void *dg = dev_act(g);
+        float *ddb = dev_f32(db);
+        cuda_colsum(ddb, dg, N, OC, acc);
+        check("matmul_dbias_colsum_N" + std::to_string(N) + "_OC" + std::to_string(OC) + (acc ? "_acc1" : "_acc0"),
+              get_f32(ddb, OC), rdb, tol);
+        cudaFree(dg), cudaFree(ddb);
+    }
+}
+
+static void test_pointwise(size_t n, size_t off) {
+    std::string sh = "_n" + std::to_string(n) + (off ? "_unaligned" : "");
+    Vec x = rnd_act(n, 2.0f), g = rnd_act(n, 1.0f), y = rnd_act(n, 1.0f), out(n), dinp(n);
+    cpu->gelu_forward(out.data(), x.data(), n);
+    cpu->gelu_backward(dinp.data(), x.data(), g.data(), n);
+    void *bx = dev_act_off(x, off), *bg = dev_act_off(g, off), *by = dev_act_off(y, off), *bout;
+    CUDA_CHECK(cudaMalloc(&bout, (n + off) * AB));
+    void *dx = at(bx, off, AB), *dg = at(bg, off, AB), *dy = at(by, off, AB), *dout = at(bout, off, AB);
+    gpu->gelu_forward(dout, dx, n);
+    check("gelu_forward" + sh, get_act(dout, n), out, tol_act());
+    gpu->gelu_backward(dout, dx, dg, n);
+    check("gelu_backward" + sh, get_act(dout, n), dinp, tol_act());
+    cpu->residual_forward(out.data(), x.data(), y.data(), n);
+    gpu->residual_forward(dout, dx, dy, n);
+    check_exact("residual_forward" + sh, get_act(dout, n), act_round(out));
+    cudaFree(bx), cudaFree(bg), cudaFree(by), cudaFree(bout);
+
+    Vec a = rnd(n, 1.0f), b = rnd(n, 1.0f), s(n);
+    cpu->add(s.data(), a.data(), b.data(), n);
+    float *ba = dev_f32_off(a, off), *bb = dev_f32_off(b, off), *bs;
+    CUDA_CHECK(cudaMalloc(&bs, (n + off) * sizeof(float)));
+    float *da = ba + off, *db = bb + off, *ds = bs + off;
+    gpu->add(ds, da, db, n);
+    check_exact("add" + sh, get_f32(ds, n), s);
+    gpu->add(da, da, db, n); /* in place, as ddp.c may call it */
+    check_exact("add_inplace" + sh, get_f32(da, n), s);
+    cudaFree(ba), cudaFree(bb), cudaFree(bs);
+}
+
+static void test_crossentropy(int N, int V, int Vp) {
+    std::string sh = "_N" + std::to_string(N) + "_V" + std::to_string(V) + "_Vp" + std::to_string(Vp);
+    std::vector<int32_t> tg(N);
+    for (auto &t : tg) t = (int32_t)(gen() % V);
+    tg[0] = V - 1;
+    Vec logits = rnd_act((size_t)N * Vp, 3.0f);
+    for (int i = 0; i < N; i++)
+        for (int j = V; j < Vp; j++) logits[(size_t)i * Vp + j] = 7.0f; /* padding: ignored, then zeroed */
+    int32_t *dtg;
+    CUDA_CHECK(cudaMalloc(&dtg, N * sizeof(int32_t)));
+    CUDA_CHECK(cudaMemcpy(dtg, tg.data(), N * sizeof(int32_t), cudaMemcpyHostToDevice));
+    for (int grad = 0; grad <= 1; grad++) {
+        float dloss = grad ? 1.0f / N : 0.0f;
+        Vec rl = logits, rloss(N);
+        cpu->crossentropy_forward(rl.data(), rloss.data(), tg.data(), N, V, Vp, dloss);
+        void *dl = dev_act(logits);
+        float *dloss_buf;
+        CUDA_CHECK(cudaMalloc(&dloss_buf, N * sizeof(float)));
+        gpu->crossentropy_forward(dl, dloss_buf, dtg, N, V, Vp, dloss);
+        std::string s = sh + (grad ? "_dlogits" : "_nograd");
+        check("crossentropy_losses" + s, get_f32(dloss_buf, N), rloss, TOL_F32);
+        Vec gl = get_act(dl, (size_t)N * Vp);
+        if (grad) {
+            check("crossentropy_dlogits" + s, gl, rl, tol_act());
+            Vec pad, rpad;
+            for (int i = 0; i < N; i++)
+                for (int j = V; j < Vp; j++) pad.push_back(gl[(size_t)i * Vp + j]), rpad.push_back(0.0f);
+            if (!pad.empty()) check_exact("crossentropy_padding_zeroed" + s, pad, rpad);
+        } else {
+            check_exact("crossentropy_logits_untouched" + s, gl, logits);
+        }
+        cudaFree(dl), cudaFree(dloss_buf);
+    }
+    cudaFree(dtg);
+}
+
+static void test_adamw(size_t n) {
+    Vec p = rnd(n, 1.0f), m = rnd(n, 0.01f), v = rnd(n, 1e-4f);
+    for (auto &x : v) x = fabsf(x);
+    float *dp = dev_f32(p), *dm = dev_f32(m), *dv = dev_f32(v);
+    for (int t = 3; t <= 4; t++) { /* two steps: the second starts from each side's own first */
+        Vec g = rnd(n, 1.0f);
+        float *dg = dev_f32(g);
+        cpu->adamw_update(p.data(), g.data(), m.data(), v.data(), n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t);
+        gpu->adamw_update(dp, dg, dm, dv, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t);
+        cudaFree(dg);
+    }
+    check_exact("adamw_params_n" + std::to_string(n), get_f32(dp, n), p);
+    check_exact("adamw_m_n" + std::to_string(n), get_f32(dm, n), m);
+    check_exact("adamw_v_n" + std::to_string(n), get_f32(dv, n), v);
+    cudaFree(dp), cudaFree(dm), cudaFree(dv);
+}
+
+static void test_sumsq(size_t n) {
+    std::string sh = "_n" + std::to_string(n);
+    Vec x = rnd(n, 3.0f);
+    float *dx = dev_f32(x);
+    double ref = cpu->sumsq(x.data(), n), got = gpu->sumsq(dx, n);
+    double err = fabs(got - ref) / (ref > 0 ? ref : 1.0);
+    report("sumsq" + sh, err <= TOL_SUMSQ, "rel err %.2e (tol %.0e)", err, TOL_SUMSQ);
+    if (n > 10) {
+        float bad[2] = {NAN, INFINITY};
+        const char *names[2] = {"_nan", "_inf"};
+        for (int k = 0; k < 2; k++) {
+            CUDA_CHECK(cudaMemcpy(dx + n - 2, &bad[k], sizeof(float), cudaMemcpyHostToDevice));
+            got = gpu->sumsq(dx, n);
+            report("sumsq" + sh + names[k], !std::isfinite(got), "got %g (must be non-finite) %g", got, 0.0);
+        }
+    }
+    cudaFree(dx);
+}
+
+/* impl "simt": attention.cu's kernels; "tc": the backend's choice (the
+ * tensor-core kernels where the head size allows, with bf16 after a passed
+ * self-check). */
+static void test_attention(int B, int T, int C, int NH, int tc) {
+    char sh[64];
+    snprintf(sh, sizeof sh, "%s_B%d_T%d_C%d_NH%d", tc ? "_tc" : "_simt", B, T, C, NH);
+    size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    Vec qkv = rnd_act(n3, 1.0f), g = rnd_act(nc, 1.0f), out(nc), lse(nl), dqkv(n3);
+    cpu->attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+    void *dq = dev_act(qkv), *dg = dev_act(g), *dout, *ddq;
+    float *dlse;
+    CUDA_CHECK(cudaMalloc(&dout, nc * AB));
+    CUDA_CHECK(cudaMalloc(&ddq, n3 * AB));
+    CUDA_CHECK(cudaMalloc(&dlse, nl * sizeof(float)));
+    if (tc) gpu->attention_forward(dout, dlse, dq, B, T, C, NH);
+    else cuda_attention_simt_forward(dout, dlse, dq, B, T, C, NH);
+    check(std::string("attention_forward_out") + sh, get_act(dout, nc), out, tol_act());
+    check(std::string("attention_forward_lse") + sh, get_f32(dlse, nl), lse, TOL_F32);
+    /* the backward of both reads the CPU's out (in act) and lse */
+    out = act_round(out);
+    cpu->attention_backward(dqkv.data(), g.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH);
+    void *dout2 = dev_act(out);
+    CUDA_CHECK(cudaMemcpy(dlse, lse.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
+    if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, B, T, C, NH);
+    else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, B, T, C, NH);
+    check(std::string("attention_backward_dqkv") + sh, get_act(ddq, n3), dqkv, tol_act());
+    cudaFree(dq), cudaFree(dg), cudaFree(dout), cudaFree(ddq), cudaFree(dlse), cudaFree(dout2);
+}
+
+int main(void) {
+    cpu->init(1);
+    for (int bf = 0; bf <= 1; bf++) {
+        AB = bf ? 2 : 4;
+        DT = bf ? "bf16" : "fp32";
+        gpu->init(0);
+        /* with bf16 the attention self-check runs both kernel sets (T 200,
+         * head size 64) and must pick the tensor cores */
+        gpu->set_precision(DT);
+        report("act_bytes", gpu->act_bytes() == AB, "act_bytes %.0f, want %.0f", (double)gpu->act_bytes(), (double)AB);
+        test_memory();
+        const char *desc = cuda_attention_describe();
+        int want_tc = bf == 1, got_tc = strstr(desc, "attention: tensor cores (bf16 WMMA") != NULL;
+        printf("%s cuda_emu_%s_attention_choice%s%s\n", want_tc == got_tc ? "ok" : "FAIL", DT,
+               want_tc == got_tc ? " # " : ": ", desc);
+        failures += want_tc != got_tc;
+        test_cast(1001, 0);
+        test_cast(1001, 1);
+        test_cast(5, 0);
+        test_embed();
+        test_layernorm(37, 48);
+        test_layernorm(201, 40); /* 4 column-sum chunks, the last one short; C not a multiple of 32 */
+        test_colsum(201, 100, TOL_F32);
+        test_colsum(20000, 5, TOL_LONG_SUM); /* 256 chunks, the last ones empty */
+        test_pointwise(1777, 0); /* 16-byte packs and a tail */
+        test_pointwise(1777, 1); /* element by element */
+        test_pointwise(3, 0);    /* tail only */
+        test_crossentropy(37, 100, 128);
+        test_crossentropy(5, 1000, 1024); /* rows wider than the block */
+        test_adamw(1003);
+        test_sumsq(4099);
+        test_sumsq(100);                  /* fewer elements than partial blocks */
+        test_sumsq(0);
+        for (int tc = 0; tc <= bf; tc++) {
+            test_attention(2, 37, 48, 3, tc);  /* head size 16: 2 threads per row */
+            test_attention(1, 70, 96, 2, tc);  /* 48: 4 threads per row, a second tile */
+            test_attention(1, 65, 100, 1, tc); /* 100: 8 threads per row, dims past hs masked; SIMT only */
+            test_attention(1, 1, 64, 1, tc);   /* one row */
+        }
+        gpu->shutdown();
+    }
+    return 0;
+}
