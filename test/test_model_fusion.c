@@ -25,70 +25,25 @@
 
 static const ModelShape shape0 = {3, 2, 32, 16, 64, 0};
 enum { B = 2, T = 16, ACCUM = 2, STEPS = 3 };
-
-typedef struct {
-    float loss[STEPS * ACCUM];
-    double norm[STEPS];
-    float *grads, *params; /* (num_params) after the last backward / step */
-    size_t n;
-} Trace;
-
-static void train(const Backend *be, ModelRecompute r, int fusion, Trace *t) {
-    Model m;
-    ModelShape s = shape0;
-    model_shape_resolve(&s);
-    model_init(&m, be, &s, 0);
-    m.gelu_fusion = fusion;
-    model_init_weights(&m, 5);
-    model_plan_activations(&m, B, T, r);
-    AdamW o;
-    optim_init(&o, be, m.num_params, m.num_decay, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f);
-    int32_t inp[B * T], tgt[B * T];
-    for (int step = 0; step < STEPS; step++) {
-        for (int k = 0; k < ACCUM; k++) {
-            Rng rg;
-            rng_seed(&rg, 300 + (uint64_t)(step * ACCUM + k));
-            for (int i = 0; i < B * T; i++) inp[i] = (int32_t)rng_below(&rg, 64), tgt[i] = (int32_t)rng_below(&rg, 64);
-            t->loss[step * ACCUM + k] = model_forward(&m, inp, tgt, B, T, 1.0f / (B * T * ACCUM));
-            model_backward(&m, k > 0);
-        }
-        t->n = m.num_params;
-        if (step == STEPS - 1) {
-            t->grads = xmalloc(t->n * sizeof(float));
-            be->to_host(t->grads, m.grad_mem, t->n * sizeof(float));
-        }
-        t->norm[step] = optim_step(&o, m.param_mem, m.grad_mem, 3e-3f).grad_norm;
-        model_params_changed(&m);
-    }
-    t->params = xmalloc(t->n * sizeof(float));
-    be->to_host(t->params, m.param_mem, t->n * sizeof(float));
-    optim_free(&o);
-    model_free(&m);
-}
-
-static int same(const Trace *a, const Trace *b) {
-    return memcmp(a->loss, b->loss, sizeof a->loss) == 0 && memcmp(a->norm, b->norm, sizeof a->norm) == 0 &&
-           memcmp(a->grads, b->grads, a->n * sizeof(float)) == 0 &&
-           memcmp(a->params, b->params, a->n * sizeof(float)) == 0;
-}
+#include "model_trace.h"
 
 static void test_backend(const Backend *base, const char *tag) {
     char name[96];
     Trace ref;
-    train(base, MODEL_RECOMPUTE_NONE, 1, &ref); /* no fused ops offered: the separate ones */
+    trace_train(base, shape0, MODEL_RECOMPUTE_NONE, 1, &ref); /* no fused ops offered: the separate ones */
     Backend fused = compose_fused(base);
     long want = (long)STEPS * ACCUM * shape0.n_layer;
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++) {
         for (int fusion = 1; fusion >= 0; fusion--) {
             Trace t;
             compose_calls_fwd = compose_calls_bwd = 0;
-            train(&fused, (ModelRecompute)r, fusion, &t);
+            trace_train(&fused, shape0, (ModelRecompute)r, fusion, &t);
             long wf = fusion ? want : 0;
             snprintf(name, sizeof name, "fusion_%s_%s_%s", fusion ? "on" : "off",
                      model_recompute_name((ModelRecompute)r), tag);
-            test_report(same(&t, &ref) && compose_calls_fwd == wf && compose_calls_bwd == wf, name,
+            test_report(trace_same(&t, &ref) && compose_calls_fwd == wf && compose_calls_bwd == wf, name,
                         "%s; fused calls forward %ld backward %ld, want %ld (last loss %.9g vs %.9g)",
-                        same(&t, &ref) ? "bits equal" : "losses, gradients or parameters differ from the separate ops",
+                        trace_same(&t, &ref) ? "bits equal" : "losses, gradients or parameters differ from the separate ops",
                         compose_calls_fwd, compose_calls_bwd, wf, t.loss[STEPS * ACCUM - 1],
                         ref.loss[STEPS * ACCUM - 1]);
             free(t.grads), free(t.params);

@@ -25,12 +25,7 @@
  * buffer is rounded and the savings are the products themselves. */
 static const ModelShape shape0 = {3, 2, 32, 16, 64, 0};
 enum { B = 2, T = 16, ACCUM = 2, STEPS = 4 };
-
-static void batch(int32_t *inp, int32_t *tgt, uint64_t seed) {
-    Rng r;
-    rng_seed(&r, seed);
-    for (int i = 0; i < B * T; i++) inp[i] = (int32_t)rng_below(&r, 64), tgt[i] = (int32_t)rng_below(&r, 64);
-}
+#include "model_trace.h"
 
 static ModelShape resolved(ModelShape s) {
     model_shape_resolve(&s);
@@ -79,52 +74,12 @@ static void test_bytes_124m(void) {
     test_report((int)ok, "recompute_bytes_gpt2_124m", "savings are not 11 x (N,4C) and 23 x (N,C)");
 }
 
-/* What a run leaves behind, for comparison bit for bit. */
-typedef struct {
-    float loss[STEPS * ACCUM];
-    double norm[STEPS];
-    float *grads;  /* (num_params) after the last backward */
-    float *params; /* (num_params) after the last step */
-    size_t n;
-} Trace;
-
-/* STEPS AdamW steps of ACCUM micro-batches each (the second accumulates),
- * each micro-batch a different batch. */
-static void train(const Backend *be, ModelRecompute r, Trace *t) {
-    Model m;
-    ModelShape s = resolved(shape0);
-    model_init(&m, be, &s, 0);
-    model_init_weights(&m, 11);
-    model_plan_activations(&m, B, T, r);
-    AdamW o;
-    optim_init(&o, be, m.num_params, m.num_decay, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f);
-    int32_t inp[B * T], tgt[B * T];
-    for (int step = 0; step < STEPS; step++) {
-        for (int k = 0; k < ACCUM; k++) {
-            batch(inp, tgt, 100 + (uint64_t)(step * ACCUM + k));
-            t->loss[step * ACCUM + k] = model_forward(&m, inp, tgt, B, T, 1.0f / (B * T * ACCUM));
-            model_backward(&m, k > 0);
-        }
-        t->n = m.num_params;
-        if (step == STEPS - 1) {
-            t->grads = xmalloc(t->n * sizeof(float));
-            be->to_host(t->grads, m.grad_mem, t->n * sizeof(float));
-        }
-        t->norm[step] = optim_step(&o, m.param_mem, m.grad_mem, 3e-3f).grad_norm;
-        model_params_changed(&m);
-    }
-    t->params = xmalloc(t->n * sizeof(float));
-    be->to_host(t->params, m.param_mem, t->n * sizeof(float));
-    optim_free(&o);
-    model_free(&m);
-}
-
 static void test_bit_identical(const Backend *be, const char *tag) {
     Trace ref;
-    train(be, MODEL_RECOMPUTE_NONE, &ref);
+    trace_train(be, shape0, MODEL_RECOMPUTE_NONE, 1, &ref);
     for (int r = MODEL_RECOMPUTE_GELU; r <= MODEL_RECOMPUTE_NORM_GELU; r++) {
         Trace t;
-        train(be, (ModelRecompute)r, &t);
+        trace_train(be, shape0, (ModelRecompute)r, 1, &t);
         char name[96];
         snprintf(name, sizeof name, "recompute_%s_bit_identical_%s", model_recompute_name((ModelRecompute)r), tag);
         int losses = memcmp(t.loss, ref.loss, sizeof t.loss) == 0, norms = memcmp(t.norm, ref.norm, sizeof t.norm) == 0;

@@ -1,0 +1,73 @@
+/* model_trace.h: train a small GPT-2 a few AdamW steps and record what the
+ * run leaves behind, for tests that compare two ways of computing the same
+ * thing bit for bit (test_model_recompute.c: recomputation against keeping
+ * activations; test_model_fusion.c: fused ops against separate ones). The
+ * including file defines B, T, ACCUM and STEPS (an enum) first. Each step is
+ * ACCUM micro-batches (all but the first accumulate), each a different batch
+ * of tokens below 64. */
+#ifndef KILN_TEST_MODEL_TRACE_H
+#define KILN_TEST_MODEL_TRACE_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "model.h"
+#include "optim.h"
+#include "util.h"
+
+typedef struct {
+    float loss[STEPS * ACCUM];
+    double norm[STEPS];
+    float *grads;  /* (num_params) after the last backward */
+    float *params; /* (num_params) after the last step */
+    size_t n;
+} Trace;
+
+static void trace_batch(int32_t *inp, int32_t *tgt, uint64_t seed) {
+    Rng r;
+    rng_seed(&r, seed);
+    for (int i = 0; i < B * T; i++) inp[i] = (int32_t)rng_below(&r, 64), tgt[i] = (int32_t)rng_below(&r, 64);
+}
+
+/* Train shape s (resolved) from init seed 11 with model.recompute r and
+ * gelu_fusion as given; the trace's buffers are the caller's to free. */
+static void trace_train(const Backend *be, ModelShape s, ModelRecompute r, int gelu_fusion, Trace *t) {
+    Model m;
+    model_shape_resolve(&s);
+    model_init(&m, be, &s, 0);
+    m.gelu_fusion = gelu_fusion;
+    model_init_weights(&m, 11);
+    model_plan_activations(&m, B, T, r);
+    AdamW o;
+    optim_init(&o, be, m.num_params, m.num_decay, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f);
+    int32_t inp[B * T], tgt[B * T];
+    for (int step = 0; step < STEPS; step++) {
+        for (int k = 0; k < ACCUM; k++) {
+            trace_batch(inp, tgt, 100 + (uint64_t)(step * ACCUM + k));
+            t->loss[step * ACCUM + k] = model_forward(&m, inp, tgt, B, T, 1.0f / (B * T * ACCUM));
+            model_backward(&m, k > 0);
+        }
+        t->n = m.num_params;
+        if (step == STEPS - 1) {
+            t->grads = xmalloc(t->n * sizeof(float));
+            be->to_host(t->grads, m.grad_mem, t->n * sizeof(float));
+        }
+        t->norm[step] = optim_step(&o, m.param_mem, m.grad_mem, 3e-3f).grad_norm;
+        model_params_changed(&m);
+    }
+    t->params = xmalloc(t->n * sizeof(float));
+    be->to_host(t->params, m.param_mem, t->n * sizeof(float));
+    optim_free(&o);
+    model_free(&m);
+}
+
+/* Every loss, gradient norm, gradient and parameter the same bits. */
+static inline int trace_same(const Trace *a, const Trace *b) {
+    return a->n == b->n && memcmp(a->loss, b->loss, sizeof a->loss) == 0 &&
+           memcmp(a->norm, b->norm, sizeof a->norm) == 0 && memcmp(a->grads, b->grads, a->n * sizeof(float)) == 0 &&
+           memcmp(a->params, b->params, a->n * sizeof(float)) == 0;
+}
+
+#endif
