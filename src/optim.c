@@ -107,8 +107,11 @@ static OptimStepInfo step_begin(AdamW *o, double grad_norm) {
     return info;
 }
 
-/* adamw_update on state elements [k, k + n) (arena element lo + k), in the
- * state's dtype; the bf16 rounding is keyed by that arena element. */
+/* adamw_update on state elements [k, k + n), in the state's dtype. The bf16
+ * rounding is keyed by element lo + k: the arena element without ZeRO and
+ * with ZeRO-1 (the same bits on any number of ranks), the offset in the
+ * rank's shard with ZeRO-2/3 (unbiased all the same; the bits then follow
+ * the layout). */
 static void update_range(AdamW *o, float *params, const float *grads, size_t k, size_t n, float lr, float wd,
                          float grad_scale) {
     if (o->state_bytes == 2)
