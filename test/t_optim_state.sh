@@ -2,7 +2,8 @@
 # precision.optim_state bf16 on the CPU backend: a tiny run learns as the fp32
 # one does, resumes from its own checkpoint bit for bit, and its checkpoint
 # (fp32 moments) resumes an fp32-state run and the other way round; --dry-run
-# counts the moments at 2 bytes. Prints one line per check.
+# counts the moments at 2 bytes; on two MPI ranks ZeRO-1 and ZeRO-3 resume and
+# cross to one rank. Prints one line per check.
 set -u
 cd "$(dirname "$0")/.."
 T=${KILN_TEST_TMP:-$(mktemp -d)}/t_optim_state
@@ -87,3 +88,31 @@ b=$(./train $Y $B --dry-run 2>&1 | grep 'optimizer state' | awk '{print $3}')
 if python3 -c "import sys; sys.exit(0 if abs(float('$a') - 2 * float('$b')) < 0.02 else 1)" 2>/dev/null; then
     ok optim_state_bf16_dry_run_halves
 else fail optim_state_bf16_dry_run_halves "fp32 $a, bf16 $b"; fi
+
+# Two ranks (Open MPI), bf16 moments: ZeRO-1 keys the rounding by arena
+# element, so it draws one rank's bits and its losses match one rank's within
+# t_dp.sh's 1e-5 (gradient sums reassociated; nothing else differs). ZeRO-1
+# and ZeRO-3 (moments in per-unit blocks) resume bit for bit, and a ZeRO-3
+# bf16 checkpoint resumes one fp32-state rank.
+if ! command -v mpirun >/dev/null 2>&1 || ! ldd ./train | grep -q libmpi; then
+    echo "skip optim_state_zero: no mpirun or not an MPI build"
+    exit 0
+fi
+M=(timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2)
+S="$C $B --set batch.total_tokens=512 --set checkpoint.async=false --set checkpoint.every=10"
+./train $Y $S --set run.dir=$T/z_ref >/dev/null 2>&1
+for z in 1 3; do
+    "${M[@]}" ./train $Y $S --set parallel.zero=$z --set run.dir=$T/z$z >/dev/null 2>&1
+    "${M[@]}" ./train $Y $S --set parallel.zero=$z --set run.dir=$T/zh$z --set train.steps=10 >/dev/null 2>&1
+    "${M[@]}" ./train $Y $S --set parallel.zero=$z --set run.dir=$T/zh$z --resume auto >$T/zh$z.txt 2>&1
+    rc=$?
+    a=$(sums $T/z$z/checkpoints/step_00000020)
+    if [ $rc -eq 0 ] && [ -n "$a" ] && [ "$(sums $T/zh$z/checkpoints/step_00000020)" = "$a" ]; then
+        ok optim_state_bf16_zero${z}_resume_bit_identical
+    else fail optim_state_bf16_zero${z}_resume_bit_identical "rc $rc; $(grep -m2 -iE 'error|fail' $T/zh$z.txt)"; fi
+done
+why=$(close_losses $T/z_ref/metrics.jsonl $T/z1/metrics.jsonl 2>&1)
+if [ $? -eq 0 ]; then ok optim_state_bf16_zero1_matches_one_rank
+else fail optim_state_bf16_zero1_matches_one_rank "$why"; fi
+expect optim_state_bf16_zero3_ckpt_into_one_fp32_rank 0 'resumed from .*step_00000010 at step 10' -- \
+    ./train $Y $S --set precision.optim_state=fp32 --set run.dir=$T/zx --resume $T/zh3/checkpoints/step_00000010
