@@ -292,6 +292,7 @@ extern "C" const Backend backend_cuda = {
     .add = cuda_add,
     .crossentropy_forward = cuda_crossentropy_forward,
     .adamw_update = cuda_adamw_update,
+    .adamw_update_bf16 = cuda_adamw_update_bf16,
     .sumsq = cuda_sumsq,
     .set_precision = cuda_set_precision,
     .set_attention = cuda_set_attention,

@@ -1,6 +1,6 @@
 /* pointwise: GeLU, the adds, the fp32 -> activation-dtype cast, fused
  * softmax + cross-entropy, AdamW and the sum of squares. Activations in either
- * dtype (templates on T_), arithmetic in fp32; AdamW and sumsq are fp32 only. Each mirrors the CPU backend's formula in the same order; AdamW is
+ * dtype (templates on T_), arithmetic in fp32; AdamW and sumsq are fp32 only (AdamW's moments may be bf16). Each mirrors the CPU backend's formula in the same order; AdamW is
  * written with explicitly rounded intrinsics (no FMA contraction) so its
  * update is the CPU's bit for bit. Reductions run in a fixed tree: the same
  * bits every run. GeLU, the adds and the cast move 128 bits per load and
@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common.cuh"
+#include "sround.h"
 
 #define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
 
@@ -229,6 +230,37 @@ void cuda_adamw_update(float *params, const float *grads, float *m, float *v, si
     float bc2 = (float)(1.0 - pow((double)beta2, t));
     KLAUNCH(adamw_kernel, grid_for(n, 256), 256, 0, params, grads, m, v, n, lr, beta1, beta2, eps,
             weight_decay, grad_scale, bc1, bc2);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* AdamW with bf16 moments: the kernel above on moments read from bf16 and
+ * stored through sround_bf16 with the CPU's random bits (sround.h). */
+__global__ void adamw_bf16_kernel(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n,
+                                  float lr, float beta1, float beta2, float eps, float wd, float grad_scale,
+                                  float bc1, float bc2, uint64_t t, uint64_t seed, uint64_t idx0) {
+    const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
+    GRID_STRIDE(i, n) {
+        float g = __fmul_rn(grads[i], grad_scale);
+        float mi = __fadd_rn(__fmul_rn(beta1, sround_f32(m[i])), __fmul_rn(b1c, g));
+        float vi = __fadd_rn(__fmul_rn(beta2, sround_f32(v[i])), __fmul_rn(__fmul_rn(b2c, g), g));
+        uint64_t r = sround_hash(seed, t, idx0 + i);
+        m[i] = sround_bf16(mi, (uint32_t)r);
+        v[i] = sround_bf16(vi, (uint32_t)(r >> 16));
+        float mhat = __fdiv_rn(mi, bc1), vhat = __fdiv_rn(vi, bc2);
+        float p = params[i];
+        float upd = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps)), __fmul_rn(wd, p));
+        params[i] = __fsub_rn(p, __fmul_rn(lr, upd));
+    }
+}
+
+void cuda_adamw_update_bf16(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n, float lr,
+                            float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
+                            uint64_t seed, uint64_t idx0) {
+    if (!n) return;
+    float bc1 = (float)(1.0 - pow((double)beta1, t));
+    float bc2 = (float)(1.0 - pow((double)beta2, t));
+    KLAUNCH(adamw_bf16_kernel, grid_for(n, 256), 256, 0, params, grads, m, v, n, lr, beta1, beta2, eps,
+            weight_decay, grad_scale, bc1, bc2, (uint64_t)t, seed, idx0);
     CUDA_CHECK_LAUNCH();
 }
 

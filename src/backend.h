@@ -17,7 +17,7 @@
  *  - fp32 (float *): statistics (LayerNorm mean/rstd, attention lse, losses),
  *    parameter gradients (dw, dbias, dwte, ...: accumulated in fp32 whatever
  *    act is), the fp32 master parameters and optimizer state (adamw_update,
- *    sumsq, add).
+ *    sumsq, add); the AdamW moments may instead be bf16 (adamw_update_bf16).
  * Arithmetic inside an op is fp32 with fp32 accumulation on every backend;
  * act only changes what is loaded and stored (bf16 stores round to nearest
  * even). Host code sizes act buffers with act_bytes() and converts with
@@ -139,6 +139,16 @@ typedef struct Backend {
     void (*adamw_update)(float *params, const float *grads, float *m, float *v, size_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
                          float grad_scale, int t);
+    /* The same update with m and v stored as bf16 (precision.optim_state
+     * bf16: half the optimizer memory): m(n) v(n) bf16 bits are read into
+     * fp32, updated in fp32 exactly as adamw_update does (the parameter step
+     * uses the unrounded fp32 moments), and stored back rounded
+     * stochastically (sround.h) with the random bits of sround_hash(seed, t,
+     * idx0 + i) for element i: the low 16 bits for m, the next 16 for v.
+     * Every backend gives the same bits. */
+    void (*adamw_update_bf16)(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n,
+                              float lr, float beta1, float beta2, float eps, float weight_decay,
+                              float grad_scale, int t, uint64_t seed, uint64_t idx0);
 
     /* Sum of squares of fp32 x, in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);

@@ -330,7 +330,9 @@ static const unsigned char *w_source(CkptWriter *w, int i, size_t off, size_t le
     const CkptEntry *e = &w->t.e[i];
     if (w->stage) return w->stage + w->stage_off[i] + off;
     if (!e->to_host) return (const unsigned char *)e->ptr + off;
-    e->to_host(w->bounce, (const unsigned char *)e->ptr + off, len);
+    /* off counts checkpoint bytes; memory may hold fewer per element */
+    size_t mem_off = e->mem_size ? off / dtype_sizes[e->dtype] * e->mem_size : off;
+    e->to_host(w->bounce, (const unsigned char *)e->ptr + mem_off, len);
     return w->bounce;
 }
 

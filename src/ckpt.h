@@ -17,7 +17,9 @@ typedef enum { CKPT_TENSOR, CKPT_BLOB } CkptKind;
 typedef enum { CKPT_F32, CKPT_F64, CKPT_I64, CKPT_U64, CKPT_U8 } CkptDtype;
 
 /* Copies between the entry's memory and the host (backend to_host/to_device);
- * NULL = the pointer is host memory. */
+ * NULL = the pointer is host memory. bytes counts the checkpoint's side (the
+ * dtype's size per element). A copy may convert (mem_size below): to_device's
+ * src is then ckpt's own scratch buffer, which it may overwrite. */
 typedef void (*CkptCopyFn)(void *dst, const void *src, size_t bytes);
 
 typedef struct CkptEntry {
@@ -29,6 +31,8 @@ typedef struct CkptEntry {
     uint64_t lo, hi;            /* this rank holds flat elements [lo, hi) of it */
     void *ptr;                  /* (hi-lo) elements, on the device if to_host is set */
     CkptCopyFn to_host, to_device;
+    size_t mem_size;            /* bytes per element at ptr when the copies convert (bf16 AdamW
+                                   moments saved as fp32); 0 = the dtype's size */
 } CkptEntry;
 
 typedef struct CkptTable {

@@ -65,6 +65,7 @@ typedef struct Config {
     char attention[16]; /* auto | tensor_cores | simt: attention kernels with bf16 compute on GPU */
     char gelu_fusion[8]; /* auto | off: the fc product and its GeLU as one fused op where the backend has one */
     char master[8];  /* fp32 */
+    char optim_state[8]; /* fp32 | bf16: dtype of AdamW's m and v (bf16: stochastically rounded) */
 
     /* checkpoint */
     int ckpt_every, ckpt_keep_last, ckpt_keep_every; /* 0 = off / keep all / none */

@@ -44,9 +44,23 @@ void optim_init(AdamW *o, const Backend *be, size_t n, size_t n_decay, float bet
     optim_init_shard(o, be, n, n_decay, 0, n, beta1, beta2, eps, weight_decay, grad_clip);
 }
 
+size_t optim_state_bytes(const char *name) {
+    if (strcmp(name, "fp32") == 0) return 4;
+    if (strcmp(name, "bf16") == 0) return 2;
+    return 0;
+}
+
 void optim_init_shard(AdamW *o, const Backend *be, size_t n, size_t n_decay, size_t lo, size_t hi, float beta1,
                       float beta2, float eps, float weight_decay, float grad_clip) {
+    optim_init_shard_dtype(o, be, n, n_decay, lo, hi, beta1, beta2, eps, weight_decay, grad_clip, 0, 0);
+}
+
+void optim_init_shard_dtype(AdamW *o, const Backend *be, size_t n, size_t n_decay, size_t lo, size_t hi,
+                            float beta1, float beta2, float eps, float weight_decay, float grad_clip,
+                            int state_bf16, uint64_t seed) {
     memset(o, 0, sizeof *o);
+    o->state_bytes = state_bf16 ? 2 : 4;
+    o->seed = seed;
     o->lo = lo;
     o->hi = hi;
     o->be = be;
@@ -57,9 +71,9 @@ void optim_init_shard(AdamW *o, const Backend *be, size_t n, size_t n_decay, siz
     o->eps = eps;
     o->weight_decay = weight_decay;
     o->grad_clip = grad_clip;
-    /* at least one float: a rank whose shard is empty still has valid pointers */
-    o->m = be->alloc((hi - lo + 1) * sizeof(float));
-    o->v = be->alloc((hi - lo + 1) * sizeof(float));
+    /* at least one element: a rank whose shard is empty still has valid pointers */
+    o->m = be->alloc((hi - lo + 1) * o->state_bytes);
+    o->v = be->alloc((hi - lo + 1) * o->state_bytes);
 }
 
 void optim_free(AdamW *o) {
@@ -93,14 +107,29 @@ static OptimStepInfo step_begin(AdamW *o, double grad_norm) {
     return info;
 }
 
+/* adamw_update on state elements [k, k + n), in the state's dtype. The bf16
+ * rounding is keyed by element lo + k: the arena element without ZeRO and
+ * with ZeRO-1 (the same bits on any number of ranks), the offset in the
+ * rank's shard with ZeRO-2/3 (unbiased all the same; the bits then follow
+ * the layout). */
+static void update_range(AdamW *o, float *params, const float *grads, size_t k, size_t n, float lr, float wd,
+                         float grad_scale) {
+    if (o->state_bytes == 2)
+        o->be->adamw_update_bf16(params, grads, (uint16_t *)o->m + k, (uint16_t *)o->v + k, n, lr, o->beta1,
+                                 o->beta2, o->eps, wd, grad_scale, o->t, o->seed, o->lo + k);
+    else
+        o->be->adamw_update(params, grads, (float *)o->m + k, (float *)o->v + k, n, lr, o->beta1, o->beta2,
+                            o->eps, wd, grad_scale, o->t);
+}
+
 OptimStepInfo optim_step_segments(AdamW *o, float *params, const float *grads, const OptimSegment *seg, int nseg,
                                   float lr, double grad_norm) {
     OptimStepInfo info = step_begin(o, grad_norm);
     if (info.nonfinite) return info;
     for (int i = 0; i < nseg; i++) {
         size_t k = seg[i].off;
-        o->be->adamw_update(params + k, grads + k, o->m + k, o->v + k, seg[i].n, lr, o->beta1, o->beta2, o->eps,
-                            seg[i].decay ? o->weight_decay : 0.0f, info.grad_scale, o->t);
+        update_range(o, params + k, grads + k, k, seg[i].n, lr, seg[i].decay ? o->weight_decay : 0.0f,
+                     info.grad_scale);
     }
     return info;
 }
@@ -108,16 +137,11 @@ OptimStepInfo optim_step_segments(AdamW *o, float *params, const float *grads, c
 OptimStepInfo optim_step_norm(AdamW *o, float *params, const float *grads, float lr, double grad_norm) {
     OptimStepInfo info = step_begin(o, grad_norm);
     if (info.nonfinite) return info;
-    const Backend *be = o->be;
     size_t n = o->hi - o->lo;
     /* decayed elements of the range: [lo, min(hi, n_decay)) */
     size_t d = o->n_decay > o->lo ? o->n_decay - o->lo : 0;
     if (d > n) d = n;
-    if (d > 0)
-        be->adamw_update(params, grads, o->m, o->v, d, lr, o->beta1, o->beta2, o->eps, o->weight_decay,
-                         info.grad_scale, o->t);
-    if (n > d)
-        be->adamw_update(params + d, grads + d, o->m + d, o->v + d, n - d, lr, o->beta1, o->beta2, o->eps, 0.0f,
-                         info.grad_scale, o->t);
+    if (d > 0) update_range(o, params, grads, 0, d, lr, o->weight_decay, info.grad_scale);
+    if (n > d) update_range(o, params + d, grads + d, d, n - d, lr, 0.0f, info.grad_scale);
     return info;
 }

@@ -6,6 +6,7 @@
 #define KILN_OPTIM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "backend.h"
 
@@ -27,7 +28,10 @@ float optim_lr(const Schedule *s, int step);
 
 typedef struct AdamW {
     const Backend *be;
-    float *m, *v;      /* device (hi - lo): moments of arena elements [lo, hi) */
+    void *m, *v;       /* device (hi - lo) state_bytes each: moments of arena elements [lo, hi),
+                          fp32 or bf16 bits (precision.optim_state) */
+    size_t state_bytes;/* 4 (fp32 moments) or 2 (bf16, stochastically rounded: sround.h) */
+    uint64_t seed;     /* bf16 moments: the rounding's random bits come from (seed, t, element) */
     size_t n;          /* parameters (the whole arena) */
     size_t n_decay;    /* [0, n_decay) get weight decay */
     size_t lo, hi;     /* the elements this rank updates: [0, n), or its ZeRO shard */
@@ -47,7 +51,14 @@ void optim_init(AdamW *o, const Backend *be, size_t n, size_t n_decay, float bet
  * [0, shard_len) of the shard buffers, with optim_step_segments). */
 void optim_init_shard(AdamW *o, const Backend *be, size_t n, size_t n_decay, size_t lo, size_t hi, float beta1,
                       float beta2, float eps, float weight_decay, float grad_clip);
+/* The same with the moments stored as bf16 when state_bf16 is nonzero
+ * (precision.optim_state: bf16), their stochastic rounding drawn from seed. */
+void optim_init_shard_dtype(AdamW *o, const Backend *be, size_t n, size_t n_decay, size_t lo, size_t hi,
+                            float beta1, float beta2, float eps, float weight_decay, float grad_clip,
+                            int state_bf16, uint64_t seed);
 void optim_free(AdamW *o);
+/* "fp32" -> 4, "bf16" -> 2 (precision.optim_state); 0 if unknown. */
+size_t optim_state_bytes(const char *name);
 
 /* One step: norm of grads, clip, update params in place with `lr`. A
  * non-finite gradient norm leaves params and state untouched. */

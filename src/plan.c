@@ -12,6 +12,7 @@
 
 #include "config.h"
 #include "mesh.h"
+#include "optim.h"
 #include "util.h"
 
 static const char *plan_usage =
@@ -22,7 +23,8 @@ static const char *plan_usage =
     "fits; then suggests the smallest parallel.zero and the largest batch.micro_batch that fit.\n"
     "Memory per rank = parameters + gradients + AdamW state (per ZeRO stage, as --dry-run\n"
     "counts them) + activations of one micro-batch + 32 MiB cuBLAS workspace, all + 5%.\n"
-    "Everything is counted in fp32, activations included: an upper bound for precision.compute\n"
+    "Everything is counted in fp32 (AdamW's m and v in bf16 with precision.optim_state bf16),\n"
+    "activations included: an upper bound for precision.compute\n"
     "bf16 on a GPU, whose bf16 activations take half (plus a bf16 copy of the parameters);\n"
     "the activations' bf16 figure is printed too. Activations follow model.recompute (none,\n"
     "gelu, norm_gelu: less memory for recomputation in the backward); the suggestion keeps it.\n"
@@ -34,7 +36,8 @@ size_t plan_num_params(const ModelShape *s) {
     return (size_t)s->padded_vocab * C + (size_t)s->seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
 }
 
-PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch, ModelRecompute recompute) {
+PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch, ModelRecompute recompute,
+                                size_t moment_bytes) {
     PlanMemory m = {0};
     double C = s->n_embd, L = s->n_layer, params = (double)plan_num_params(s);
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
@@ -49,7 +52,7 @@ PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro
          * in a 1/dp block before it is added to the shard */
         m.grads = shard * 4;
         m.grads_unreduced = (2 * layer + rest + 2 * layer / dp) * 4;
-        m.optim = shard * 8;
+        m.optim = shard * 2 * moment_bytes; /* m and v */
         if (zero == 3) {
             /* parameters: the shard, plus two layers gathered (one
              * computing, one prefetched) and wte/wpe/ln_f for the whole pass */
@@ -66,7 +69,7 @@ PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro
          * rank (ZeRO 2 and 3 on one rank are plain training) */
         m.params = params * 4;
         m.grads = params * 4;
-        m.optim = (zero == 1 ? shard : params) * 8;
+        m.optim = (zero == 1 ? shard : params) * 2 * moment_bytes;
     }
     m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
     /* fp32 activations: the upper bound (bf16 halves them, see plan_usage) */
@@ -233,7 +236,7 @@ int plan_main(int argc, char **argv) {
     }
 
     ModelRecompute recompute = model_recompute_parse(c.recompute);
-    PlanMemory m = plan_memory_per_rank(&s, dp, c.zero, c.micro_batch, recompute);
+    PlanMemory m = plan_memory_per_rank(&s, dp, c.zero, c.micro_batch, recompute, optim_state_bytes(c.optim_state));
     size_t params = plan_num_params(&s);
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d): %zu parameters "
            "(%.2fM)\n", c.run_name, c.arch, s.n_layer, s.n_head, s.n_embd, s.seq_len, s.vocab_size, s.padded_vocab,
@@ -249,7 +252,8 @@ int plan_main(int argc, char **argv) {
     else
         printf("  batch                  %lld tokens, micro-batch %d x %d tokens: INVALID (below)\n",
                (long long)c.total_tokens, c.micro_batch, c.seq_len);
-    printf("  memory per rank        fp32 storage (parameters, gradients, AdamW m and v; activations counted in fp32)\n");
+    printf("  memory per rank        fp32 storage (parameters, gradients%s; activations counted in fp32)\n",
+           optim_state_bytes(c.optim_state) == 2 ? "; AdamW m and v in bf16" : ", AdamW m and v");
     plan_print_state(&m, dp, c.zero);
     plan_print_activations(&m);
     plan_print_bytes("overhead", m.overhead);
@@ -268,13 +272,13 @@ int plan_main(int argc, char **argv) {
         int nd = plan_divisors(rank_samples, div, 128);
         for (int z = 0; z <= 3 && best_zero < 0; z++) {
             for (int j = 0; j < nd; j++) {
-                PlanMemory t = plan_memory_per_rank(&s, dp, z, div[j], recompute);
+                PlanMemory t = plan_memory_per_rank(&s, dp, z, div[j], recompute, optim_state_bytes(c.optim_state));
                 if (t.total <= cap) {
                     best_zero = z, best_mb = div[j], best = t;
                     break;
                 }
             }
-            PlanMemory t1 = plan_memory_per_rank(&s, dp, z, 1, recompute);
+            PlanMemory t1 = plan_memory_per_rank(&s, dp, z, 1, recompute, optim_state_bytes(c.optim_state));
             if (least_zero < 0 || t1.total < least.total) least = t1, least_zero = z;
         }
     }

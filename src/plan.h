@@ -40,7 +40,9 @@ size_t plan_num_params(const ModelShape *s);
 /* The per-rank memory of data parallelism over dp ranks at ZeRO stage `zero`
  * with micro-batches of micro_batch x seq_len tokens: the accounting of
  * ddp.c's arenas, and the one `--dry-run` prints. */
-PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch, ModelRecompute recompute);
+/* moment_bytes: AdamW's m and v per element, 4 (fp32) or 2 (precision.optim_state bf16). */
+PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch, ModelRecompute recompute,
+                                size_t moment_bytes);
 
 /* One "  %-22s %9.2f <unit>" line of a byte count (B, KiB, ... TiB). */
 void plan_print_bytes(const char *what, double bytes);

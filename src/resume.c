@@ -37,6 +37,8 @@ static const struct {
     {"device", KEY_NOTE, "another backend rounds differently"},
     {"precision.attention", KEY_ALLOW, "GPU attention kernels only: the CPU backend ignores it"},
     {"precision.gelu_fusion", KEY_ALLOW, "GPU products only (GeLU fused or not): the CPU backend ignores it"},
+    {"precision.optim_state", KEY_ALLOW,
+     "checkpoints hold the moments in fp32: they load into either dtype (bf16 rounds them to nearest)"},
     {"precision.*", KEY_NOTE, "another precision rounds differently"},
     {"parallel.timeout_s", KEY_ALLOW, NULL},
     {"parallel.*", KEY_NOTE, "the state is resharded onto the new mesh"},

@@ -24,6 +24,7 @@
 #include "ddp.h"
 #include "metrics.h"
 #include "resume.h"
+#include "sround.h"
 #include "stop.h"
 
 static void add_params(CkptTable *t, Model *m, float *base, const char *prefix) {
@@ -38,11 +39,38 @@ static void add_params(CkptTable *t, Model *m, float *base, const char *prefix) 
     }
 }
 
+/* bf16 AdamW moments (precision.optim_state: bf16) travel as fp32: the
+ * checkpoint is the same whatever the run's setting, so a run resumes with
+ * either. These copies convert (CkptCopyFn has no context: the run's one
+ * backend is kept here by state_open). to_host widens in place from the back
+ * (element i's 4 bytes overwrite bf16 elements >= i, already read); to_device
+ * narrows ckpt's scratch buffer in place, rounding to nearest even. */
+static const Backend *state_be;
+static void bf16_moments_to_host(void *dst, const void *src, size_t bytes) {
+    size_t n = bytes / 4;
+    unsigned char *d = dst;
+    state_be->to_host(dst, src, n * 2);
+    for (size_t i = n; i-- > 0;) {
+        uint16_t h;
+        memcpy(&h, d + 2 * i, 2);
+        float f = sround_f32(h);
+        memcpy(d + 4 * i, &f, 4);
+    }
+}
+static void bf16_moments_to_device(void *dst, const void *src, size_t bytes) {
+    size_t n = bytes / 4;
+    backend_f32_to_act((void *)src, src, n, 2);
+    state_be->to_device(dst, src, n * 2);
+}
+
 /* The part of every tensor inside arena range [lo, hi), stored at base
- * (which holds arena elements from lo on): one entry per tensor that
- * overlaps, with its tensor-local flat range. */
-static void add_range(CkptTable *t, Model *m, float *base, size_t lo, size_t hi, const char *prefix) {
+ * (which holds arena elements from lo on, esz bytes each: 4 fp32, 2 bf16
+ * moments): one fp32 entry per tensor that overlaps, with its tensor-local
+ * flat range. */
+static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo, size_t hi, const char *prefix) {
     const Backend *be = m->be;
+    CkptCopyFn to_host = esz == 2 ? bf16_moments_to_host : be->to_host;
+    CkptCopyFn to_device = esz == 2 ? bf16_moments_to_device : be->to_device;
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
         size_t a = p->offset > lo ? p->offset : lo, b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
@@ -50,16 +78,18 @@ static void add_range(CkptTable *t, Model *m, float *base, size_t lo, size_t hi,
         char name[CKPT_NAME];
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
         int64_t shape[2] = {p->shape[0], p->shape[1]};
-        ckpt_add_tensor(t, name, CKPT_F32, p->ndim, shape, a - p->offset, b - p->offset, base + (a - lo), be->to_host,
-                        be->to_device);
+        CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, p->ndim, shape, a - p->offset, b - p->offset,
+                                       (char *)base + (a - lo) * esz, to_host, to_device);
+        e->mem_size = esz == 2 ? 2 : 0;
     }
 }
 
 /* ZeRO-2/3: this rank's block of every unit, stored back to back at base
  * (d->at[u]): the parameters (pshard) or an optimizer moment. */
-static void add_unit_blocks(CkptTable *t, Model *m, const Ddp *d, float *base, const char *prefix) {
+static void add_unit_blocks(CkptTable *t, Model *m, const Ddp *d, void *base, size_t esz, const char *prefix) {
     for (int u = 0; u < d->nu; u++)
-        add_range(t, m, base + d->at[u], m->unit_off[u] + d->us[u].lo, m->unit_off[u] + d->us[u].hi, prefix);
+        add_range(t, m, (char *)base + d->at[u] * esz, esz, m->unit_off[u] + d->us[u].lo,
+                  m->unit_off[u] + d->us[u].hi, prefix);
 }
 
 int state_init_from(Model *m, const char *dir, int say) {
@@ -89,8 +119,8 @@ static void state_fresh(RunState *s, int dirty) {
         if (!c->init_from[0]) model_init_weights(s->m, c->seed);
         else if (!state_init_from(s->m, c->init_from, s->mesh.rank == 0)) model_load_llmc(s->m, c->init_from);
         if (u) ddp_params_loaded(u);
-        s->o->be->zero(s->o->m, (s->o->hi - s->o->lo) * sizeof(float));
-        s->o->be->zero(s->o->v, (s->o->hi - s->o->lo) * sizeof(float));
+        s->o->be->zero(s->o->m, (s->o->hi - s->o->lo) * s->o->state_bytes);
+        s->o->be->zero(s->o->v, (s->o->hi - s->o->lo) * s->o->state_bytes);
         s->o->t = 0;
         DataPos zero = {0, 0};
         data_set_pos(s->train, zero);
@@ -114,6 +144,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
                Model *m, AdamW *o, DataLoader *train) {
     memset(s, 0, sizeof *s);
     s->c = c, s->m = m, s->o = o, s->train = train, s->commit = commit;
+    state_be = o->be;
     s->mesh = *mesh;
     if (s->mesh.world <= 1) s->mesh.g = NULL;
     int rank = s->mesh.rank, multi = s->mesh.g != NULL;
@@ -130,13 +161,13 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         /* ZeRO-2 loads the whole parameters (then takes its blocks:
          * ddp_params_loaded); ZeRO-3 only its blocks */
         if (us->whole_params) add_params(t, m, m->param_mem, "");
-        else add_unit_blocks(t, m, us, us->pshard, "");
-        add_unit_blocks(t, m, us, o->m, "optim.m/");
-        add_unit_blocks(t, m, us, o->v, "optim.v/");
+        else add_unit_blocks(t, m, us, us->pshard, 4, "");
+        add_unit_blocks(t, m, us, o->m, o->state_bytes, "optim.m/");
+        add_unit_blocks(t, m, us, o->v, o->state_bytes, "optim.v/");
     } else {
         add_params(t, m, m->param_mem, "");
-        add_range(t, m, o->m, o->lo, o->hi, "optim.m/");
-        add_range(t, m, o->v, o->lo, o->hi, "optim.v/");
+        add_range(t, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
+        add_range(t, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
     }
     ckpt_add_blob(t, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
     ckpt_add_blob(t, "train.step", CKPT_I64, 1, 1, &s->step);
@@ -152,13 +183,13 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         /* every rank writes its blocks of the (fp32) parameters and moments:
          * no rank writes the whole, and the whole arena of ZeRO-2 may be in
          * the middle of its refresh */
-        add_unit_blocks(w, m, us, us->pshard, "");
-        add_unit_blocks(w, m, us, o->m, "optim.m/");
-        add_unit_blocks(w, m, us, o->v, "optim.v/");
+        add_unit_blocks(w, m, us, us->pshard, 4, "");
+        add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/");
+        add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/");
     } else if (rank == 0) add_params(w, m, m->param_mem, "");
     if (!us && (rank == 0 || opt_sharded)) {
-        add_range(w, m, o->m, o->lo, o->hi, "optim.m/");
-        add_range(w, m, o->v, o->lo, o->hi, "optim.v/");
+        add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
+        add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
     }
     if (rank == 0) {
         ckpt_add_blob(w, "optim.step", CKPT_I64, 1, 1, &s->optim_t);

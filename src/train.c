@@ -48,7 +48,8 @@ static void print_plan(const Config *c, const ModelShape *s) {
     printf("  memory per rank        dp %d%s, ZeRO %d\n", dp, c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)",
            c->zero);
     /* the same accounting `./train plan` uses (src/plan.c) */
-    PlanMemory mem = plan_memory_per_rank(s, dp, c->zero, c->micro_batch, model_recompute_parse(c->recompute));
+    PlanMemory mem = plan_memory_per_rank(s, dp, c->zero, c->micro_batch, model_recompute_parse(c->recompute),
+                                          optim_state_bytes(c->optim_state));
     plan_print_state(&mem, dp, c->zero);
     plan_print_activations(&mem);
     printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps x %d ranks)\n",
@@ -255,8 +256,11 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     AdamW opt;
     size_t opt_lo, opt_hi;
     ddp_optim_range(&ddp, &opt_lo, &opt_hi);
-    optim_init_shard(&opt, be, model.num_params, model.num_decay, opt_lo, opt_hi, c->beta1, c->beta2, c->eps,
-                     c->weight_decay, c->grad_clip);
+    /* bf16 moments: one rounding seed on every rank (the bits follow the arena
+     * element, not the rank), apart from the other streams drawn from run.seed */
+    optim_init_shard_dtype(&opt, be, model.num_params, model.num_decay, opt_lo, opt_hi, c->beta1, c->beta2, c->eps,
+                           c->weight_decay, c->grad_clip, optim_state_bytes(c->optim_state) == 2,
+                           c->seed ^ 0x6f7074696d2e7372ULL);
     Schedule sched = {(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps, c->min_lr_ratio,
                       c->decay_ratio};
 

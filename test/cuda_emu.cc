@@ -376,6 +376,40 @@ static void test_adamw(size_t n) {
     cudaFree(dp), cudaFree(dm), cudaFree(dv);
 }
 
+/* bf16 moments (precision.optim_state bf16): the kernel must give the CPU's
+ * bits, the stochastic rounding's included (both call sround.h with the same
+ * (seed, t, idx0 + i)); idx0 nonzero as for a ZeRO-1 shard. Moments are
+ * compared as the fp32 values of their bf16 bits. */
+static void test_adamw_bf16(size_t n) {
+    Vec p = rnd(n, 1.0f), m = rnd(n, 0.01f), v = rnd(n, 1e-4f);
+    std::vector<uint16_t> m16(n), v16(n);
+    for (size_t i = 0; i < n; i++) m16[i] = sround_bf16(m[i], 0x8000u), v16[i] = sround_bf16(fabsf(v[i]), 0x8000u);
+    float *dp = dev_f32(p);
+    uint16_t *dm, *dv;
+    CUDA_CHECK(cudaMalloc(&dm, n * 2));
+    CUDA_CHECK(cudaMalloc(&dv, n * 2));
+    CUDA_CHECK(cudaMemcpy(dm, m16.data(), n * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dv, v16.data(), n * 2, cudaMemcpyHostToDevice));
+    for (int t = 3; t <= 4; t++) {
+        Vec g = rnd(n, 1.0f);
+        float *dg = dev_f32(g);
+        cpu->adamw_update_bf16(p.data(), g.data(), m16.data(), v16.data(), n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f,
+                               t, 1234567ULL, 777);
+        gpu->adamw_update_bf16(dp, dg, dm, dv, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t, 1234567ULL, 777);
+        cudaFree(dg);
+    }
+    std::vector<uint16_t> gm(n), gv(n);
+    CUDA_CHECK(cudaMemcpy(gm.data(), dm, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gv.data(), dv, n * 2, cudaMemcpyDeviceToHost));
+    Vec fm(n), fv(n), rm(n), rv(n);
+    for (size_t i = 0; i < n; i++)
+        fm[i] = sround_f32(gm[i]), fv[i] = sround_f32(gv[i]), rm[i] = sround_f32(m16[i]), rv[i] = sround_f32(v16[i]);
+    check_exact("adamw_bf16_params_n" + std::to_string(n), get_f32(dp, n), p);
+    check_exact("adamw_bf16_m_n" + std::to_string(n), fm, rm);
+    check_exact("adamw_bf16_v_n" + std::to_string(n), fv, rv);
+    cudaFree(dp), cudaFree(dm), cudaFree(dv);
+}
+
 static void test_sumsq(size_t n) {
     std::string sh = "_n" + std::to_string(n);
     Vec x = rnd(n, 3.0f);
@@ -454,6 +488,7 @@ int main(void) {
         test_crossentropy(37, 100, 128);
         test_crossentropy(5, 1000, 1024); /* rows wider than the block */
         test_adamw(1003);
+        test_adamw_bf16(1003);
         test_sumsq(4099);
         test_sumsq(100);                  /* fewer elements than partial blocks */
         test_sumsq(0);

@@ -20,6 +20,7 @@
  * backend's own arithmetic and, in bf16, the device's rounding of what it
  * stores. */
 #include "backend.h"
+#include "sround.h"
 #include "emu_bf16.h"
 #include "fused_compose.h"
 #include "test.h"
@@ -371,6 +372,25 @@ static void cross_rest(int B, int T, int C, int V, int Vp, int fp32_ops) {
     dev->adamw_update(d_p, d_g, d_m, d_v, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 5);
     report_exact("adamw_exact", xsame_k(d_p, p, n, 0) && xsame_k(d_m, m, n, 0) && xsame_k(d_v, v, n, 0),
                  "AdamW differs from the cpu backend's bits");
+    /* bf16 moments (precision.optim_state bf16): the same bits, the
+     * stochastic rounding's included (sround.h on both sides) */
+    {
+        uint16_t *m16 = xmalloc(n * 2), *v16 = xmalloc(n * 2), *gm = xmalloc(n * 2), *gv = xmalloc(n * 2);
+        for (size_t i = 0; i < n; i++) m16[i] = sround_bf16(m[i], 0x8000u), v16[i] = sround_bf16(v[i], 0x8000u);
+        uint16_t *d_m16 = dev->alloc(n * 2), *d_v16 = dev->alloc(n * 2);
+        dev->to_device(d_m16, m16, n * 2);
+        dev->to_device(d_v16, v16, n * 2);
+        dev->to_device(d_p, p, n * 4);
+        cpu->adamw_update_bf16(p, g, m16, v16, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 6, 99, 12345);
+        dev->adamw_update_bf16(d_p, d_g, d_m16, d_v16, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 6, 99, 12345);
+        dev->to_host(gm, d_m16, n * 2);
+        dev->to_host(gv, d_v16, n * 2);
+        report_exact("adamw_bf16_state_exact",
+                     xsame_k(d_p, p, n, 0) && !memcmp(gm, m16, n * 2) && !memcmp(gv, v16, n * 2),
+                     "AdamW with bf16 moments differs from the cpu backend's bits");
+        dev->free(d_m16), dev->free(d_v16);
+        free(m16), free(v16), free(gm), free(gv);
+    }
     double s_cpu = cpu->sumsq(g, n), s_dev = dev->sumsq(d_g, n);
     /* double sums of 1M squares in different orders: ~1e-16 x sqrt(n) */
     report("sumsq", fabs(s_cpu - s_dev) / s_cpu, 1e-12);

@@ -1,11 +1,14 @@
-/* test_optim: learning-rate schedules (warmup, floor, each kind's shape) and
- * the optimizer step's clipping and non-finite handling, on the CPU backend. */
+/* test_optim: learning-rate schedules (warmup, floor, each kind's shape), the
+ * optimizer step's clipping and non-finite handling, and bf16 AdamW moments
+ * (precision.optim_state bf16: stochastic rounding, accuracy, determinism),
+ * on the CPU backend. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "backend.h"
 #include "optim.h"
+#include "sround.h"
 #include "test.h"
 
 /* Schedules are computed in double and returned as float: 1e-6 relative is a
@@ -101,8 +104,119 @@ static void test_step(void) {
     be->free(g);
 }
 
+/* Stochastic rounding: the mean of many roundings of one value is the value.
+ * x sits 0.3 of a bf16 ulp above a bf16 number, so round-to-nearest would be
+ * off by 0.3 ulp; each rounding is the lower or upper neighbour (Bernoulli
+ * 0.3), so the mean of K has standard error ulp * sqrt(0.3 * 0.7 / K). Pass
+ * within 5 standard errors (a false failure once in ~1.7 million). */
+static void test_sround(void) {
+    const int K = 200000;
+    const float xs[3] = {1.0f + 0.3f / 128, -3.0f - 0.3f * 3.0f / 128 * 0.5f, 0x1p-20f * (1.0f + 0.3f / 128)};
+    int ok = 1;
+    char what[256] = "";
+    for (int c = 0; c < 3; c++) {
+        float x = xs[c];
+        /* bf16 ulp at x: 2^(exponent - 7) */
+        int e;
+        frexpf(fabsf(x), &e);
+        double ulp = ldexp(1.0, e - 1 - 7);
+        double lo = sround_f32(sround_bf16(x, 0)), frac = (fabs(x) - fabs(lo)) / ulp;
+        double sum = 0.0;
+        for (int i = 0; i < K; i++) {
+            uint16_t h = sround_bf16(x, (uint32_t)sround_hash(42, 7, (uint64_t)i));
+            double y = sround_f32(h);
+            if (fabs(y - lo) > 0 && fabs(fabs(y) - fabs(lo) - ulp) > 0) ok = 0; /* a neighbour, nothing else */
+            sum += y;
+        }
+        double se = ulp * sqrt(frac * (1 - frac) / K), err = sum / K - x;
+        if (!(fabs(err) <= 5 * se) || frac < 0.1) ok = 0;
+        snprintf(what + strlen(what), sizeof what - strlen(what), " x %g: mean-x %.3g (se %.3g);", x, err, se);
+    }
+    /* Inf and NaN pass through; an exact bf16 value stays put whatever r */
+    ok = ok && isinf(sround_f32(sround_bf16(INFINITY, 0xffff))) && isnan(sround_f32(sround_bf16(NAN, 0xffff))) &&
+         sround_f32(sround_bf16(1.5f, 0xffff)) == 1.5f;
+    test_report(ok, "optim_sround_unbiased", "%s", what);
+}
+
+/* One AdamW run over n elements for `steps` steps, bf16 or fp32 moments, with
+ * the given rounding seed; grads from a fixed formula. Returns params in p. */
+static void run_adamw(float *hp, size_t n, size_t nd, int bf16, uint64_t seed, int steps, void *m_out, void *v_out) {
+    const Backend *be = &backend_cpu;
+    float *p = be->alloc(n * sizeof(float)), *g = be->alloc(n * sizeof(float));
+    float *hg = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) hp[i] = 0.02f * sinf(0.37f * (float)i);
+    be->to_device(p, hp, n * sizeof(float));
+    AdamW o;
+    optim_init_shard_dtype(&o, be, n, nd, 0, n, 0.9f, 0.95f, 1e-8f, 0.1f, 0.0f, bf16, seed);
+    for (int t = 1; t <= steps; t++) {
+        for (size_t i = 0; i < n; i++) hg[i] = 1e-3f * sinf(1.3f * (float)i + 0.7f * (float)t) + 2e-4f * cosf(0.05f * (float)i);
+        be->to_device(g, hg, n * sizeof(float));
+        optim_step(&o, p, g, 1e-3f);
+    }
+    be->to_host(hp, p, n * sizeof(float));
+    if (m_out) be->to_host(m_out, o.m, n * o.state_bytes);
+    if (v_out) be->to_host(v_out, o.v, n * o.state_bytes);
+    optim_free(&o);
+    be->free(p);
+    be->free(g);
+    free(hg);
+}
+
+/* bf16 moments against AdamW in double with exact moments, and determinism. */
+static void test_bf16_state(void) {
+    enum { N = 4096, ND = 3000, STEPS = 50 };
+    static float pb[N], pf[N], pb2[N], pb3[N];
+    static uint16_t mb[N], vb[N], mb2[N], vb2[N], mb3[N];
+    run_adamw(pb, N, ND, 1, 99, STEPS, mb, vb);
+    run_adamw(pf, N, ND, 0, 0, STEPS, NULL, NULL);
+    /* double reference: the same gradients, moments never rounded */
+    double worst_b = 0, worst_f = 0, mean_b = 0;
+    for (size_t i = 0; i < N; i++) {
+        double p = 0.02f * sinf(0.37f * (float)i), m = 0, v = 0, wd = i < ND ? 0.1 : 0.0;
+        for (int t = 1; t <= STEPS; t++) {
+            double g = 1e-3f * sinf(1.3f * (float)i + 0.7f * (float)t) + 2e-4f * cosf(0.05f * (float)i);
+            m = 0.9 * m + 0.1 * g;
+            v = 0.95 * v + 0.05 * g * g;
+            double mh = m / (1 - pow(0.9, t)), vh = v / (1 - pow(0.95, t));
+            p -= 1e-3 * (mh / (sqrt(vh) + 1e-8) + wd * p);
+        }
+        double eb = fabs(pb[i] - p), ef = fabs(pf[i] - p);
+        worst_b = eb > worst_b ? eb : worst_b;
+        worst_f = ef > worst_f ? ef : worst_f;
+        mean_b += eb / N;
+    }
+    /* Every step moves a parameter by ~lr = 1e-3 (|mhat/sqrt(vhat)| <= ~1).
+     * A bf16 store errs by under one ulp (2^-7 relative), zero-mean
+     * (stochastic), about 2^-8 rms, and so does the step it feeds; the signs
+     * are random from step to step, so over 50 steps the drift is a random
+     * walk of sqrt(50) * 1e-3 * 2^-8 = 2.8e-5 rms (measured mean 2.8e-5).
+     * Pass: mean under 6e-5 (twice that), worst under 4e-4 = 50 * 1e-3 *
+     * 2^-7, every step's error at its largest and of one sign (measured
+     * 1.8e-4). fp32 moments: float rounding, 1e-6. */
+    int ok = worst_b < 4e-4 && mean_b < 6e-5 && worst_f < 1e-6;
+    test_report(ok, "optim_bf16_state_vs_double", "bf16 moments: worst %.3g mean %.3g; fp32: worst %.3g", worst_b,
+                mean_b, worst_f);
+
+    run_adamw(pb2, N, ND, 1, 99, STEPS, mb2, vb2);
+    run_adamw(pb3, N, ND, 1, 100, STEPS, mb3, NULL);
+    ok = memcmp(pb, pb2, sizeof pb) == 0 && memcmp(mb, mb2, sizeof mb) == 0 && memcmp(vb, vb2, sizeof vb) == 0 &&
+         memcmp(mb, mb3, sizeof mb) != 0;
+    test_report(ok, "optim_bf16_state_deterministic", "same seed gave other bits, or another seed the same");
+
+    /* memory: the moments take 2 bytes each */
+    AdamW o;
+    optim_init_shard_dtype(&o, &backend_cpu, N, ND, 0, N, 0.9f, 0.95f, 1e-8f, 0.1f, 0.0f, 1, 1);
+    size_t sb = o.state_bytes;
+    ok = sb == 2 && optim_state_bytes("bf16") == 2 && optim_state_bytes("fp32") == 4 &&
+         optim_state_bytes("fp16") == 0;
+    optim_free(&o);
+    test_report(ok, "optim_bf16_state_bytes", "state_bytes %zu", sb);
+}
+
 int main(void) {
     test_schedules();
     test_step();
+    test_sround();
+    test_bf16_state();
     return 0;
 }

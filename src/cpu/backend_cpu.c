@@ -4,6 +4,7 @@
  * static schedules only, no float atomics, reductions combined in a fixed order.
  * Must never allocate inside an op in steady state, nor know about models. */
 #include "backend.h"
+#include "sround.h"
 #include "util.h"
 
 #include <cblas.h>
@@ -574,6 +575,30 @@ static void cpu_adamw_update(float *params, const float *grads, float *m, float 
     }
 }
 
+/* AdamW with bf16 moments (backend.h adamw_update_bf16): the scalar body of
+ * cpu_adamw_range, each operation IEEE-rounded in the same order as the CUDA
+ * kernel, and the stores through sround_bf16. Scalar only: the optimizer is
+ * a small part of a CPU step, and the CPU is the reference here. */
+static void cpu_adamw_update_bf16(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n,
+                                  float lr, float beta1, float beta2, float eps, float weight_decay,
+                                  float grad_scale, int t, uint64_t seed, uint64_t idx0) {
+    /* params, grads (n) fp32; m, v (n) bf16 bits */
+    float bc1 = (float)(1.0 - pow((double)beta1, t));
+    float bc2 = (float)(1.0 - pow((double)beta2, t));
+    const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float g = grads[i] * grad_scale;
+        float mi = beta1 * sround_f32(m[i]) + b1c * g;
+        float vi = beta2 * sround_f32(v[i]) + b2c * g * g;
+        uint64_t r = sround_hash(seed, (uint64_t)t, idx0 + i);
+        m[i] = sround_bf16(mi, (uint32_t)r);
+        v[i] = sround_bf16(vi, (uint32_t)(r >> 16));
+        float mhat = mi / bc1, vhat = vi / bc2;
+        params[i] -= lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * params[i]);
+    }
+}
+
 /* Fixed chunking independent of the thread count, partials summed in chunk
  * order: the same bits for any number of threads. */
 #define CPU_SUMSQ_CHUNKS 256
@@ -630,5 +655,6 @@ const Backend backend_cpu = {
     .add = cpu_add,
     .crossentropy_forward = cpu_crossentropy_forward,
     .adamw_update = cpu_adamw_update,
+    .adamw_update_bf16 = cpu_adamw_update_bf16,
     .sumsq = cpu_sumsq,
 };
