@@ -2,6 +2,7 @@
  * between fp32 and the activation dtype. The only file that knows which
  * backends this build holds; a build without nvcc simply has no CUDA entry. */
 #include "backend.h"
+#include "sround.h"
 
 #include <string.h>
 
@@ -69,13 +70,6 @@ static uint16_t f32_to_bf16(float x) {
     return (uint16_t)(u >> 16);
 }
 
-static float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float x;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
 void backend_f32_to_act(void *dst, const float *src, size_t n, size_t act_bytes) {
     if (act_bytes == sizeof(float)) {
         if (n) memmove(dst, src, n * sizeof(float));
@@ -91,9 +85,9 @@ void backend_act_to_f32(float *dst, const void *src, size_t n, size_t act_bytes)
         return;
     }
     const uint16_t *s = src;
-    for (size_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    for (size_t i = 0; i < n; i++) dst[i] = sround_f32(s[i]);
 }
 
 float backend_act_round(float x, size_t act_bytes) {
-    return act_bytes == sizeof(float) ? x : bf16_to_f32(f32_to_bf16(x));
+    return act_bytes == sizeof(float) ? x : sround_f32(f32_to_bf16(x));
 }

@@ -255,6 +255,7 @@ struct CkptWriter {
     pthread_t thread;
     int in_flight, status, swept;
     atomic_int thread_done; /* set by the writer thread as it ends */
+    int no_thread;        /* the write in flight ran on the main thread (no thread could start) */
     char *mtext;          /* this rank's manifest text, between write and complete */
     size_t mlen;
     char err[1536];
@@ -665,7 +666,7 @@ int ckpt_in_flight(const CkptWriter *w) { return w->in_flight; }
 
 int ckpt_wait(CkptWriter *w) {
     if (w->in_flight) {
-        pthread_join(w->thread, NULL);
+        if (!w->no_thread) pthread_join(w->thread, NULL);
         w->in_flight = 0;
         if (w_multi(w)) return w_complete(w); /* collective: every rank waits at the same point */
     }
@@ -692,13 +693,20 @@ int ckpt_save(CkptWriter *w, const CkptMeta *meta) {
     atomic_store(&w->thread_done, 0);
     int rc = pthread_create(&w->thread, NULL, w_thread, w);
     pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    if (rc != 0 && w_multi(w)) {
+        /* several ranks: the others' threads run and every rank completes
+         * at the same later point (ckpt_wait, a collective), so write here
+         * on this thread (no communication) and join that point as usual */
+        w_write_rank(w);
+        atomic_store(&w->thread_done, 1);
+        w->in_flight = 1, w->no_thread = 1;
+        return 0;
+    }
     if (rc != 0) {
         werr(w, "cannot start the checkpoint writer thread: %s", strerror(rc));
-        /* several ranks: the others' threads run; complete() agrees on the failure */
-        if (w_multi(w)) return w_complete(w);
         return -1;
     }
-    w->in_flight = 1;
+    w->in_flight = 1, w->no_thread = 0;
     return 0;
 }
 

@@ -169,9 +169,11 @@ int comm_dead_peers(const CommGroup *g, int *out, int max);
  * What the caller must still do: not write a buffer that a posted operation
  * reads (send), and not touch one it writes (recv), until comm_wait (or
  * comm_test returning 1) -- the same rule as for MPI; finish every request
- * it posts (an unfinished one holds its event for good); and not call the
- * backend's sync (cudaDeviceSynchronize, which also waits for the comm
- * streams, with no deadline) while requests are in flight. A blocking call is
+ * it posts (an unfinished one holds its event for good); and not call
+ * cudaDeviceSynchronize (or anything that implies it, such as cudaFree),
+ * which also waits for the comm streams, with no deadline, while requests are
+ * in flight -- the CUDA backend's sync waits for its own stream only. A
+ * blocking call is
  * post + wait: it returns when the result is on the device.
  *
  * In place: all-reduce and broadcast always; comm_all_gather when send ==

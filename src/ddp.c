@@ -196,6 +196,7 @@ static void z2_need(Ddp *d, int u) {
         comm_wait(&d->preq[u]);
         blocked(d, t0);
     }
+    if (d->g->dev) return; /* NCCL progresses on its own */
     for (int v = 0; v < d->nu; v++)
         if (d->preq[v].active) comm_test(&d->preq[v]);
 }
@@ -280,14 +281,15 @@ static int unit_pre_hook(void *ctx, int layer, int backward) {
             z2_need(d, L);
             return z2_changed(d, L);
         }
-        if (!d->rest_held) {
+        int fresh = !d->rest_held; /* wte/wpe/ln_f stay gathered until the optimizer step */
+        if (fresh) {
             double t0 = kiln_now();
             comm_all_gather(d->g, d->pshard + d->at[L], d->prest, d->us[L].block);
             blocked(d, t0);
             d->rest_held = 1;
         }
         z3_post_gather(d, 0);
-        return 1;
+        return fresh;
     }
     if (backward) unit_finish_rs(d, layer % 2); /* gbuf[slot] is about to be overwritten */
     if (d->whole_params) {

@@ -214,9 +214,10 @@ void model_layout_by_unit(Model *m, size_t unit_align);
 /* Unit of tensor `i` (table index) under model_layout_by_unit. */
 int model_unit_of(const Model *m, int i);
 /* Point unit u's parameter and gradient views at pbuf and gbuf, which hold
- * buffers the views point at (or wait for their refresh). It returns 1 when
- * the unit's parameter values may have changed since its last use (a gather
- * landed), and the model then casts its compute copy again before use. */
+ * the unit's arena range [unit_off[u], unit_off[u] + unit_len[u]); a NULL
+ * buffer leaves those views where they are. With a bf16 compute copy, units
+ * bound to the same pbuf share one compute buffer (allocated here, at setup),
+ * cast again whenever the pre-layer hook says the values changed. */
 void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf);
 
 /* The fp32 parameters changed (optimizer step, checkpoint load): the compute
