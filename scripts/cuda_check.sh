@@ -111,21 +111,21 @@ row binary ok "$(./train --version | sed -n 's/^cuda: //p')"
 
 # --- 4. Ops ----------------------------------------------------------------
 count() { grep -c "^$1 " "$2" || true; }
+# A table of op checks on the GPU: every one passes, some with bf16 activations.
+op_table() { # ROW SECONDS BINARY LOG BF16_PREFIX
+    timeout "$2" "$3" cuda > "$OUT/$4" 2>&1; local rc=$?
+    cat "$OUT/$4"
+    local nok nfail nbf
+    nok=$(count ok "$OUT/$4"); nfail=$(count FAIL "$OUT/$4")
+    nbf=$(grep -c "^ok $5" "$OUT/$4" || true)
+    if [ $rc -eq 0 ] && [ "$nfail" -eq 0 ] && [ "$nbf" -gt 0 ]; then row "$1" ok "$nok checks ($nbf with bf16 activations)"
+    else row "$1" FAIL "$nok ok, $nfail failed, exit $rc"; failed=1; fi
+}
 section "ops: test_ops cuda (double references, small shapes)"
-timeout 120 build/test/test_ops cuda > "$OUT/test_ops.txt" 2>&1; rc=$?
-cat "$OUT/test_ops.txt"
-nok=$(count ok "$OUT/test_ops.txt"); nfail=$(count FAIL "$OUT/test_ops.txt")
-nbf=$(grep -c '^ok ops_cuda_bf16_' "$OUT/test_ops.txt" || true)
-if [ $rc -eq 0 ] && [ "$nfail" -eq 0 ] && [ "$nbf" -gt 0 ]; then row test_ops ok "$nok checks ($nbf with bf16 activations)"
-else row test_ops FAIL "$nok ok, $nfail failed, exit $rc"; failed=1; fi
+op_table test_ops 120 build/test/test_ops test_ops.txt ops_cuda_bf16_
 
 section "ops: test_backend_cross cuda (vs the CPU backend, GPT-2 shapes)"
-timeout 150 build/test/test_backend_cross cuda > "$OUT/test_cross.txt" 2>&1; rc=$?
-cat "$OUT/test_cross.txt"
-nok=$(count ok "$OUT/test_cross.txt"); nfail=$(count FAIL "$OUT/test_cross.txt")
-nbf=$(grep -c '^ok cross_cuda_bf16_' "$OUT/test_cross.txt" || true)
-if [ $rc -eq 0 ] && [ "$nfail" -eq 0 ] && [ "$nbf" -gt 0 ]; then row test_backend_cross ok "$nok checks ($nbf with bf16 activations)"
-else row test_backend_cross FAIL "$nok ok, $nfail failed, exit $rc"; failed=1; fi
+op_table test_backend_cross 150 build/test/test_backend_cross test_cross.txt cross_cuda_bf16_
 
 section "comm: test_nccl (NCCL device mode, one rank: collectives, stream order, overlap, deadline)"
 timeout 120 build/test/test_nccl > "$OUT/test_nccl.txt" 2>&1; rc=$?
