@@ -19,7 +19,9 @@
  * dbias is not the BGRADB epilogue: that writes the gradient in D's type and
  * overwrites it, where kiln accumulates micro-batches into fp32; the
  * deterministic column sum (embed_norm.cu) reads bf16 dout and adds in fp32. */
+#ifndef KILN_CUDA_EMU /* test/matmul_emu.cc runs this file on the CPU against test/cublaslt_emu.h */
 #include <cublasLt.h>
+#endif
 #include <string.h>
 
 #include "common.cuh"
@@ -37,7 +39,7 @@
 
 typedef struct {
     int m, n, k, ta, tb, lda, ldb, ldd;
-    int align_a, align_b, align_d, align_aux; /* bytes, power of two <= 256 */
+    int align_a, align_b, align_d, align_aux, align_bias; /* bytes, power of two <= 256 */
     int epi;                                  /* cublasLtEpilogue_t */
     int ldaux;                                /* GELU_AUX*, DGELU: the aux matrix's leading dimension */
     int ab_bf16, d_bf16; /* A/B, C/D element types: bf16 (1) or fp32 (0) */
@@ -109,12 +111,12 @@ static void mm_refused(const MmKey *key, const char *why) {
               key->ab_bf16 ? "bf16" : "fp32", key->ldaux, key->align_aux);
 }
 
-/* Build (or find) the plan for a key. The aux pointer goes into the
- * descriptor before the heuristic runs: cublasLt.h says it reads its value
- * (not the memory) to know its alignment, which the key therefore holds. The
- * bias pointer is set per call only, as it always was (every bias given to
- * an epilogue is 16-byte aligned). */
-static MmPlan *mm_plan(const MmKey *key, const void *aux) {
+/* Build (or find) the plan for a key. The aux and bias pointers go into
+ * the descriptor before the heuristic runs: cublasLt.h says it reads their
+ * values (not the memory) to know their alignment (EPILOGUE_AUX_POINTER,
+ * BIAS_POINTER), which the key therefore holds; a NULL bias there would
+ * promise any alignment, and a later, less aligned bias break the promise. */
+static MmPlan *mm_plan(const MmKey *key, const void *aux, const void *bias) {
     for (int i = 0; i < mm_nplans; i++)
         if (memcmp(&mm_plans[i].key, key, sizeof *key) == 0) return &mm_plans[i];
     if (mm_nplans == MM_MAX_PLANS)
@@ -142,6 +144,8 @@ static MmPlan *mm_plan(const MmKey *key, const void *aux) {
         CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
         CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ldaux, sizeof ldaux));
     }
+    if (bias)
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
     /* op(A) is m x k, op(B) is k x n, D is m x n, all column-major. */
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, tab, key->ta ? key->k : key->m,
                                             key->ta ? key->m : key->k, key->lda));
@@ -188,9 +192,10 @@ static int mm_gemm(void *D, const void *A, const void *B, int m, int n, int k, i
     key.align_a = mm_align(A), key.align_b = mm_align(B), key.align_d = mm_align(D);
     key.epi = epi;
     if (mm_epi_has_aux(epi)) key.align_aux = mm_align(aux), key.ldaux = ldaux;
+    if (bias) key.align_bias = mm_align(bias);
     key.ab_bf16 = cuda_act_bf16;
     key.d_bf16 = cuda_act_bf16 && !d_f32;
-    MmPlan *p = mm_plan(&key, aux);
+    MmPlan *p = mm_plan(&key, aux, bias);
     if (!p->usable) {
         if (epi != CUBLASLT_EPILOGUE_DEFAULT) return 0;
         kiln_fail(KILN_EXIT_RUNTIME, "cublasLt: no algorithm for a %dx%dx%d product (ta=%d tb=%d, alignments %d/%d/%d)",
@@ -227,7 +232,7 @@ __global__ void add_bias_kernel(T_ *out, const T_ *bias, int N, int OC) {
 template <typename T_>
 static void add_bias_run(void *out, const void *bias, int N, int OC) {
     unsigned blocks = cuda_blocks((size_t)N * OC, 256);
-    add_bias_kernel<T_><<<blocks > 65536 ? 65536 : blocks, 256>>>((T_ *)out, (const T_ *)bias, N, OC);
+    KLAUNCH(add_bias_kernel<T_>, blocks > 65536 ? 65536 : blocks, 256, 0, (T_ *)out, (const T_ *)bias, N, OC);
     CUDA_CHECK_LAUNCH();
 }
 

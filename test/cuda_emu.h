@@ -341,8 +341,8 @@ static inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned) { *
 static inline cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
 static inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = 0) { return cudaSuccess; }
 static inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
-/* cuBLASLt is not emulated (matmul.cu is left out); its version for the
- * backend's description line only. */
+/* cuBLASLt's version for the backend's description line only; the library
+ * itself is test/cublaslt_emu.h (test/matmul_emu.cc), not needed here. */
 #define CUBLAS_VER_MAJOR 0
 #define CUBLAS_VER_MINOR 0
 #define CUBLAS_VER_PATCH 0

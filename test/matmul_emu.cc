@@ -1,0 +1,184 @@
+/* matmul_emu: cuda/matmul.cu (the cuBLASLt products, the bias and GeLU
+ * epilogues, their fallbacks) on the CPU against test/cublaslt_emu.h's
+ * cuBLASLt, compared with the CPU backend's cblas products through the
+ * Backend tables, in both activation dtypes. What the other emulation
+ * (cuda_emu.cc) leaves out: the row-major/column-major transposes, leading
+ * dimensions and types of each product, the attribute sizes cublasLt.h
+ * types, the pointers the heuristic must see, the stream, and that every
+ * descriptor is destroyed. Built and run by test/t_matmul_emu.sh; one
+ * "ok"/"FAIL" line per check.
+ *
+ * Tolerances: max |cuda - cpu| / max |cpu| per tensor, as cuda_emu.cc.
+ *  - fp32 1e-5: sums of <= 40 products in another order than OpenBLAS's,
+ *    a few fp32 ulps of the largest term; a transposed or mis-strided operand
+ *    errs by O(1).
+ *  - bf16 1e-2: the CUDA side stores bf16 once (2^-9 of an element); the
+ *    fused GeLU reads the unrounded product where the reference reads it
+ *    rounded to bf16, one more 2^-9 through a GeLU whose slope is <= 1.13;
+ *    1e-2 is ~3x their sum. */
+#include "cuda_emu.h"
+#include "cublaslt_emu.h"
+
+#include "../cuda/embed_norm.cu"
+#include "../cuda/pointwise.cu"
+#include "../cuda/attention.cu"
+#include "../cuda/attention_tc.cu"
+#include "../cuda/matmul.cu"
+#include "../cuda/backend_cuda.cu"
+
+#include <random>
+#include <string>
+
+typedef std::vector<float> Vec;
+static size_t AB;       /* act bytes this round */
+static const char *DT;  /* "fp32" or "bf16" */
+static const Backend *cpu = &backend_cpu, *gpu = &backend_cuda;
+static std::mt19937 gen(4242);
+static int failures;
+
+static Vec rnd_act(size_t n, float scale) {
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    Vec v(n);
+    for (auto &x : v) x = backend_act_round(d(gen) * scale, AB);
+    return v;
+}
+static Vec act_round(Vec v) {
+    for (auto &x : v) x = backend_act_round(x, AB);
+    return v;
+}
+/* A device buffer of n act (es = AB) or fp32 (es = 4) elements placed `off`
+ * elements into its allocation (cudaMalloc's start is 256-byte aligned). */
+static void *dev_put(const Vec &h, size_t off, size_t es) {
+    void *d;
+    CUDA_CHECK(cudaMalloc(&d, (h.size() + off) * es + 1));
+    std::vector<unsigned char> s(h.size() * es + 1);
+    backend_f32_to_act(s.data(), h.data(), h.size(), es);
+    unsigned char *p = (unsigned char *)d + off * es;
+    CUDA_CHECK(cudaMemcpy(p, s.data(), h.size() * es, cudaMemcpyHostToDevice));
+    return p;
+}
+static void *dev_out(size_t n, size_t es) { /* garbage (NaN) until written */
+    void *d;
+    CUDA_CHECK(cudaMalloc(&d, n * es + 1));
+    return d;
+}
+static Vec get(const void *d, size_t n, size_t es) {
+    std::vector<unsigned char> s(n * es + 1);
+    CUDA_CHECK(cudaMemcpy(s.data(), d, n * es, cudaMemcpyDeviceToHost));
+    Vec h(n);
+    backend_act_to_f32(h.data(), s.data(), n, es);
+    return h;
+}
+static void report(const std::string &name, int ok, const std::string &detail) {
+    printf("%s matmul_emu_%s_%s%s%s\n", ok ? "ok" : "FAIL", DT, name.c_str(), ok ? " # " : ": ", detail.c_str());
+    failures += !ok;
+}
+static void check(const std::string &name, const Vec &got, const Vec &ref, double tol) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < ref.size(); i++) {
+        double d = fabs((double)got[i] - ref[i]);
+        if (!(d == d) || std::isinf(d)) { num = INFINITY; break; }
+        num = std::max(num, d);
+        den = std::max(den, fabs((double)ref[i]));
+    }
+    double err = num / (den > 0.0 ? den : 1.0);
+    char b[96];
+    snprintf(b, sizeof b, "err %.2e (tol %.0e)", err, tol);
+    report(name, err <= tol, b);
+}
+static double tol_act() { return AB == 2 ? 1e-2 : 1e-5; }
+static double tol_f32() { return AB == 2 ? 1e-2 : 1e-5; } /* fp32 gradients of bf16 inputs: same sums, fp32 store */
+
+/* Did cuBLASLt run this epilogue for an (m, ldaux) product (a usable plan)? */
+static int fused(int epi, int m) {
+    for (int i = 0; i < mm_nplans; i++)
+        if (mm_plans[i].key.epi == epi && mm_plans[i].key.m == m && mm_plans[i].usable) return 1;
+    return 0;
+}
+
+/* matmul_forward with a bias at element offset boff (0: 256-byte aligned;
+ * 16: 32 bytes in bf16, as model tensors are; 1: the add-bias fallback;
+ * -1: no bias), then matmul_backward, both accumulate modes. */
+static void test_matmul(int N, int C, int OC, int boff) {
+    std::string s = "N" + std::to_string(N) + "_C" + std::to_string(C) + "_OC" + std::to_string(OC) +
+                    (boff < 0 ? "_nobias" : "_boff" + std::to_string(boff));
+    Vec inp = rnd_act((size_t)N * C, 1.0f), w = rnd_act((size_t)OC * C, 0.3f), b = rnd_act(OC, 0.5f);
+    Vec dout = rnd_act((size_t)N * OC, 1.0f);
+    void *dinp_ = dev_put(inp, 0, AB), *dw_ = dev_put(w, 0, AB), *db_ = boff < 0 ? NULL : dev_put(b, boff, AB);
+    void *dout_ = dev_put(dout, 0, AB), *out_ = dev_out((size_t)N * OC, AB);
+    Vec ref((size_t)N * OC);
+    cpu->matmul_forward(ref.data(), inp.data(), w.data(), boff < 0 ? NULL : b.data(), N, C, OC);
+    gpu->matmul_forward(out_, dinp_, dw_, db_, N, C, OC);
+    check("forward_" + s, get(out_, (size_t)N * OC, AB), act_round(ref), tol_act());
+    for (int acc = 0; acc <= 1; acc++) {
+        Vec dw0 = rnd_act((size_t)OC * C, 1.0f), dbias0 = rnd_act(OC, 1.0f);
+        Vec rdinp((size_t)N * C), rdw = dw0, rdb = dbias0;
+        cpu->matmul_backward(rdinp.data(), rdw.data(), rdb.data(), dout.data(), inp.data(), w.data(), N, C, OC, acc);
+        void *gdinp = dev_out((size_t)N * C, AB);
+        float *gdw = (float *)(acc ? dev_put(dw0, 0, 4) : dev_out((size_t)OC * C, 4));
+        float *gdb = (float *)(acc ? dev_put(dbias0, 0, 4) : dev_out(OC, 4));
+        gpu->matmul_backward(gdinp, gdw, gdb, dout_, dinp_, dw_, N, C, OC, acc);
+        std::string a = acc ? "_acc1" : "_acc0";
+        check("backward_dinp_" + s + a, get(gdinp, (size_t)N * C, AB), act_round(rdinp), tol_act());
+        check("backward_dw_" + s + a, get(gdw, (size_t)OC * C, 4), rdw, tol_f32());
+        check("backward_dbias_" + s + a, get(gdb, OC, 4), rdb, tol_f32());
+    }
+}
+
+/* matmul_gelu_forward and matmul_backward_dgelu against the compositions
+ * backend.h names; want_fused: whether cuBLASLt should take the epilogues
+ * (aux leading dimensions OC and C multiples of 8). */
+static void test_gelu(int N, int C, int OC, int boff, int want_fused) {
+    std::string s = "N" + std::to_string(N) + "_C" + std::to_string(C) + "_OC" + std::to_string(OC) + "_boff" +
+                    std::to_string(boff);
+    Vec inp = rnd_act((size_t)N * C, 1.0f), w = rnd_act((size_t)OC * C, 0.3f), b = rnd_act(OC, 0.5f);
+    void *ginp = dev_put(inp, 0, AB), *gw = dev_put(w, 0, AB), *gb = dev_put(b, boff, AB);
+    void *gpre = dev_out((size_t)N * OC, AB), *gout = dev_out((size_t)N * OC, AB);
+    Vec rpre((size_t)N * OC), rout((size_t)N * OC);
+    cpu->matmul_forward(rpre.data(), inp.data(), w.data(), b.data(), N, C, OC);
+    rpre = act_round(rpre);
+    cpu->gelu_forward(rout.data(), rpre.data(), rout.size());
+    gpu->matmul_gelu_forward(gout, gpre, ginp, gw, gb, N, C, OC);
+    check("gelu_forward_pre_" + s, get(gpre, rpre.size(), AB), rpre, tol_act());
+    check("gelu_forward_out_" + s, get(gout, rout.size(), AB), act_round(rout), tol_act());
+    int f = fused(CUBLASLT_EPILOGUE_GELU_AUX_BIAS, OC);
+    report("gelu_forward_fused_" + s, f == want_fused, f ? "GELU_AUX_BIAS epilogue" : "separate GeLU kernel");
+
+    /* backward of fc2 (input gelu(pre2), pre2 (N, C)) */
+    Vec pre2 = rnd_act((size_t)N * C, 1.0f), g2((size_t)N * C), dout = rnd_act((size_t)N * OC, 1.0f);
+    cpu->gelu_forward(g2.data(), pre2.data(), g2.size());
+    g2 = act_round(g2);
+    Vec tmp((size_t)N * C), rdinp((size_t)N * C), rdw((size_t)OC * C), rdb(OC);
+    cpu->matmul_backward(tmp.data(), rdw.data(), rdb.data(), dout.data(), g2.data(), w.data(), N, C, OC, 0);
+    tmp = act_round(tmp);
+    cpu->gelu_backward(rdinp.data(), pre2.data(), tmp.data(), rdinp.size());
+    void *gpre2 = dev_put(pre2, 0, AB), *gg2 = dev_put(g2, 0, AB), *gdout = dev_put(dout, 0, AB);
+    void *gdinp = dev_out((size_t)N * C, AB);
+    float *gdw = (float *)dev_out((size_t)OC * C, 4), *gdb = (float *)dev_out(OC, 4);
+    gpu->matmul_backward_dgelu(gdinp, gdw, gdb, gdout, gg2, gw, gpre2, N, C, OC, 0);
+    check("dgelu_dinp_" + s, get(gdinp, rdinp.size(), AB), act_round(rdinp), tol_act());
+    check("dgelu_dw_" + s, get(gdw, rdw.size(), 4), rdw, tol_f32());
+    check("dgelu_dbias_" + s, get(gdb, OC, 4), rdb, tol_f32());
+    f = fused(CUBLASLT_EPILOGUE_DGELU, C);
+    report("dgelu_fused_" + s, f == want_fused, f ? "DGELU epilogue" : "separate GeLU backward");
+}
+
+int main(void) {
+    cpu->init(1);
+    for (int bf = 0; bf <= 1; bf++) {
+        AB = bf ? 2 : 4;
+        DT = bf ? "bf16" : "fp32";
+        gpu->init(0);
+        gpu->set_attention("simt"); /* no attention self-check: this test is about the products */
+        gpu->set_precision(DT);
+        test_matmul(37, 24, 40, 0);
+        test_matmul(37, 24, 40, 16); /* a model tensor's bias: 32 bytes (bf16) or 64 (fp32) aligned */
+        test_matmul(37, 24, 40, 1);  /* under 16 bytes: the add-bias kernel */
+        test_matmul(5, 20, 36, -1);
+        test_gelu(37, 24, 40, 16, 1);
+        test_gelu(37, 20, 36, 16, 0); /* aux ld 36 and 20: not multiples of 8, the separate ops */
+        gpu->shutdown();
+        report("descriptors_destroyed", emu_lt_live == 0, std::to_string(emu_lt_live) + " cuBLASLt objects live");
+    }
+    return failures ? 1 : 0;
+}
