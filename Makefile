@@ -85,15 +85,36 @@ $(error NCCL=1 needs the CUDA backend (CUDA=1))
 endif
 CFLAGS  += -DKILN_NCCL -I$(CUDA_HOME)/include $(if $(filter-out /usr/include $(CUDA_HOME)/include,$(NCCL_INC)),-I$(NCCL_INC))
 endif
+# cuDNN carries the fused-attention path (cuda/attention_cudnn.cu,
+# precision.attention cudnn): built when the CUDA backend is and cudnn_graph.h
+# is found. libcudnn is not linked: attention_cudnn.cu opens
+# libcudnn_graph.so.9 (dlopen) on first use, so ./train starts and runs the
+# other attention kernels where cuDNN is missing. CUDNN=0 leaves it out;
+# CUDNN=1 insists.
+CUDNN_H   := $(firstword $(wildcard $(CUDA_HOME)/include/cudnn_graph.h /usr/include/cudnn_graph.h /usr/local/include/cudnn_graph.h /usr/include/x86_64-linux-gnu/cudnn_graph.h))
+CUDNN_INC := $(patsubst %/,%,$(dir $(CUDNN_H)))
+CUDNN     ?= $(if $(and $(filter 1,$(CUDA)),$(CUDNN_H)),1,0)
+CUDNN_VER := $(if $(CUDNN_H),$(shell sed -n 's/^\#define CUDNN_\(MAJOR\|MINOR\|PATCHLEVEL\) *\([0-9]*\).*/\2/p' $(CUDNN_INC)/cudnn_version.h 2>/dev/null | paste -sd.))
+ifeq ($(CUDNN),1)
+ifeq ($(CUDNN_H),)
+$(error CUDNN=1 but no cudnn_graph.h under $(CUDA_HOME)/include, /usr/include or /usr/local/include)
+endif
+ifneq ($(CUDA),1)
+$(error CUDNN=1 needs the CUDA backend (CUDA=1))
+endif
+CUDNN_FLAGS := -DKILN_CUDNN $(if $(filter-out /usr/include $(CUDA_HOME)/include,$(CUDNN_INC)),-I$(CUDNN_INC))
+NVCCFLAGS += $(CUDNN_FLAGS)
+CFLAGS    += $(CUDNN_FLAGS)
+endif
 $(BUILD)/cuda/%.o: cuda/%.cu
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 # backend.o and main.o differ with and without CUDA, comm.o with and without
-# NCCL: rebuild them when that changes.
+# NCCL, the CUDA objects with and without cuDNN: rebuild them when that changes.
 $(BUILD)/cuda.stamp: FORCE
 	@mkdir -p $(BUILD)
-	@echo 'cuda=$(CUDA) nccl=$(NCCL)' | cmp -s - $@ || echo 'cuda=$(CUDA) nccl=$(NCCL)' > $@
-$(BUILD)/src/backend.o $(BUILD)/src/comm.o: $(BUILD)/cuda.stamp
+	@echo 'cuda=$(CUDA) nccl=$(NCCL) cudnn=$(CUDNN)' | cmp -s - $@ || echo 'cuda=$(CUDA) nccl=$(NCCL) cudnn=$(CUDNN)' > $@
+$(BUILD)/src/backend.o $(BUILD)/src/comm.o $(CUDA_OBJ): $(BUILD)/cuda.stamp
 
 # STATIC=1: libyaml, zstd and OpenBLAS from their static archives, for a
 # machine that lacks the Debian packages (the GPU machines: see
@@ -131,6 +152,10 @@ found:
 	 elif [ "$(CUDA)" != 1 ]; then echo "✗ NCCL left out: no CUDA backend"; \
 	 elif [ -n "$(NCCL_H)" ]; then echo "✗ NCCL left out (NCCL=0): one GPU per run"; \
 	 else echo "✗ NCCL not found (no nccl.h): one GPU per run"; fi
+	@if [ "$(CUDNN)" = 1 ]; then echo "✓ cuDNN $(CUDNN_VER) headers $(CUDNN_H) (fused attention; libcudnn_graph.so.9 is loaded at run time)"; \
+	 elif [ "$(CUDA)" != 1 ]; then echo "✗ cuDNN left out: no CUDA backend"; \
+	 elif [ -n "$(CUDNN_H)" ]; then echo "✗ cuDNN left out (CUDNN=0): attention on kiln's own kernels"; \
+	 else echo "✗ cuDNN not found (no cudnn_graph.h): attention on kiln's own kernels"; fi
 	@if [ -n "$(NVCC_PATH)" ]; then echo "✓ nvcc $$($(NVCC) --version | sed -n 's/.*release \([0-9.]*\).*/\1/p') $(CUDA_HOME) (CUDA backend: $(if $(filter 1,$(CUDA)),built$(COMMA) $(CUDA_ARCH),left out: CUDA=0))"; else echo "✗ nvcc not found: CPU backend only"; fi
 
 train: $(OBJ) $(BUILD)/main.o

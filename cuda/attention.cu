@@ -332,32 +332,79 @@ void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv,
 
 /* ---------------------------------------------------------------------------
  * Which kernels run: precision.attention (set_attention) and the activation
- * dtype (set_precision) decide once, at start-up. The tensor-core kernels
- * read bf16, so fp32 activations always take the SIMT ones. With bf16, `auto`
- * first runs both on the same random inputs and takes the tensor cores only
- * if they agree (a kiln bug or a toolchain/driver problem shows up here as a
- * warning, not as a silently wrong model); `tensor_cores` takes them whatever
- * the check says (it still runs, and warns); `simt` never launches them.
- * Per call, a head size or alignment the tensor-core kernels do not handle
- * falls back to the SIMT kernels (hs a multiple of 16 up to 128, qkv and dout
- * 16-byte aligned: every kiln buffer is). */
+ * dtype (set_precision). Three paths: these SIMT kernels (any dtype), the
+ * tensor-core kernels of attention_tc.cu and cuDNN's fused attention
+ * (attention_cudnn.cu), the last two bf16 only, so fp32 activations always
+ * take SIMT (asking for another is a config error, exit 2).
+ *
+ * With bf16, set_precision self-checks each candidate the mode allows
+ * against the SIMT kernels on the same random inputs (att_selfcheck: forward
+ * and backward, backward run twice for determinism): a kiln bug, or a
+ * toolchain, driver or library problem, shows up there instead of as a
+ * silently wrong model.
+ *  - `simt` never launches the others.
+ *  - `tensor_cores` takes them whatever the check says (a failure warns).
+ *  - `cudnn` must load libcudnn_graph.so.9, find an engine for the graphs and
+ *    pass the check; any of these failing ends the run (exit 1: the library
+ *    or GPU, not the config, is wrong), as does a head size it cannot take
+ *    (exit 2: that is the config's n_embd / n_head).
+ *  - `auto` keeps the candidates that pass (SIMT always), and at the first
+ *    forward of each new shape (B, T, C, NH) — the backend learns the shape
+ *    only there: set_precision runs before the model plans its activations —
+ *    times them (forward + backward, a warm-up and ATT_TIME_REPS iterations,
+ *    cudaEvents, on the call's own qkv and scratch buffers of its size), takes
+ *    the fastest and logs one line with the timings. That first forward is
+ *    the first micro-batch of step 1 (or of the first eval), whose timing
+ *    already includes such start-up work (cuBLASLt, scratch growth). A path
+ *    later in the order of preference (cudnn, tensor_cores, simt) must be
+ *    more than 10% faster to be taken (ATT_MARGIN), so paths within noise of
+ *    each other do not flip between runs or ranks; every path passed the
+ *    same self-check either way.
+ * The first ATT_SHAPES shapes get this; later ones — generation's
+ * one-token-longer contexts — run the best path that needs no per-shape
+ * plan (tensor cores if usable, else SIMT), so sampling never plans cuDNN
+ * graphs token by token. Per call, a head size or alignment a path does not
+ * handle falls back to the SIMT kernels (qkv and dout 16-byte aligned: every
+ * kiln buffer is). */
 
-enum { ATT_AUTO, ATT_TENSOR_CORES, ATT_SIMT };
-static const char *const att_mode_names[] = {"auto", "tensor_cores", "simt"};
+enum { ATT_AUTO, ATT_CUDNN, ATT_TENSOR_CORES, ATT_SIMT, ATT_MODES };
+static const char *const att_mode_names[ATT_MODES] = {"auto", "cudnn", "tensor_cores", "simt"};
+/* Paths, in auto's order of preference when timings tie. */
+enum { PATH_CUDNN, PATH_TC, PATH_SIMT, PATH_COUNT };
+static const char *const att_path_names[PATH_COUNT] = {"cudnn", "tensor_cores", "simt"};
+
+typedef struct {
+    int ran, ok, det;
+    double out, lse, dqkv; /* max |path - simt| / max |simt| */
+} AttCheck;
+
 static int att_mode = ATT_AUTO;
-static int att_precision_set; /* set_precision has run since init: the choice can be made */
-static int att_tc;            /* 1: the tensor-core kernels are chosen */
-static int att_checked;       /* the self-check has run since init; its figures: */
-static double att_err_out, att_err_lse, att_err_dqkv;
-static int att_check_det, att_check_ok;
-static char att_desc[256] = "attention: SIMT kernels";
+static int att_precision_set;       /* set_precision has run since init: the choice can be made */
+static int att_usable[PATH_COUNT];  /* may run (passed its self-check, or forced) */
+static AttCheck att_check[PATH_COUNT];
+static char att_cudnn_why[700];     /* why cuDNN is no candidate, for the log */
+static char att_desc[700] = "attention: SIMT kernels";
 
-/* Self-check tolerance, max |tc - simt| / max |simt| per tensor. Both read
+#define ATT_SHAPES 4
+#define ATT_TIME_REPS 3
+/* A later path in preference order replaces the one chosen so far only when
+ * it is more than 10% faster: two paths within timing noise of each other
+ * then give the same choice run after run (and rank after rank), so a rerun
+ * of a config computes the same bits; a 10% gain is well above the noise of
+ * three timed iterations on an idle GPU. */
+#define ATT_MARGIN 0.9f
+static struct {
+    int B, T, C, NH, path;
+} att_shapes[ATT_SHAPES];
+static int att_n_shapes, att_overflow_noted;
+
+/* Self-check tolerance, max |path - simt| / max |simt| per tensor. Both read
  * the same bf16 inputs and store bf16 outputs: two roundings of nearby fp32
  * values can differ by one bf16 ulp, up to 2^-7 = 7.8e-3 of the largest
- * element; the tensor cores also round P and dS to bf16 (2^-9 each, errors
- * that average out over a row: ~1e-3 of the max). 2e-2 is 2x that sum; a
- * wrong index, mask, scale or missed synchronisation errs by 0.1 or more. */
+ * element; the tensor cores and cuDNN also round P and dS to bf16 before
+ * their products (2^-9 each, errors that average out over a row: ~1e-3 of
+ * the max). 2e-2 is 2x that sum; a wrong index, mask, scale, stride or missed
+ * synchronisation errs by 0.1 or more. */
 #define ATT_CHECK_TOL 2e-2
 
 static double att_max_rel(const float *got, const float *ref, size_t n) {
@@ -382,12 +429,26 @@ static float *att_fetch(const void *d, size_t n, int act) {
     return h;
 }
 
-/* Both implementations, forward and backward, on random bf16 inputs at a T
- * that is not a multiple of the 64-row tiles, GPT-2's head size; the
- * backward of both reads the SIMT forward's out and lse, so each pass is
- * compared on its own. The tensor-core backward runs twice: same bits. */
-static void att_selfcheck(void) {
-    const int B = 1, NH = 2, T = 200, hs = 64, C = NH * hs;
+typedef void (*AttForward)(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
+typedef void (*AttBackward)(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse, int B,
+                            int T, int C, int NH);
+static const AttForward att_fwd[PATH_COUNT] = {cuda_attention_cudnn_forward, cuda_attention_tc_forward,
+                                               cuda_attention_simt_forward};
+static const AttBackward att_bwd[PATH_COUNT] = {cuda_attention_cudnn_backward, cuda_attention_tc_backward,
+                                                cuda_attention_simt_backward};
+
+/* The self-check's shape: a T that is not a multiple of the 64-row tiles,
+ * GPT-2's head size. */
+#define ATT_CHECK_B 1
+#define ATT_CHECK_NH 2
+#define ATT_CHECK_T 200
+#define ATT_CHECK_HS 64
+
+/* Path `p`, forward and backward, against the SIMT kernels on random bf16
+ * inputs; the backward of both reads the SIMT forward's out and lse, so each
+ * pass is compared on its own. p's backward runs twice: same bits. */
+static void att_selfcheck(int p) {
+    const int B = ATT_CHECK_B, NH = ATT_CHECK_NH, T = ATT_CHECK_T, hs = ATT_CHECK_HS, C = NH * hs;
     size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
     float *h = (float *)xmalloc(n3 * sizeof(float));
     bf16 *hq = (bf16 *)xmalloc(n3 * sizeof(bf16)), *hd = (bf16 *)xmalloc(nc * sizeof(bf16));
@@ -414,74 +475,132 @@ static void att_selfcheck(void) {
     free(hq), free(hd);
 
     cuda_attention_simt_forward(out_s, lse_s, qkv, B, T, C, NH);
-    cuda_attention_tc_forward(out_t, lse_t, qkv, B, T, C, NH);
+    att_fwd[p](out_t, lse_t, qkv, B, T, C, NH);
     cuda_attention_simt_backward(dq_s, dout, qkv, out_s, lse_s, B, T, C, NH);
-    cuda_attention_tc_backward(dq_t, dout, qkv, out_s, lse_s, B, T, C, NH);
-    cuda_attention_tc_backward(dq_t2, dout, qkv, out_s, lse_s, B, T, C, NH);
+    att_bwd[p](dq_t, dout, qkv, out_s, lse_s, B, T, C, NH);
+    att_bwd[p](dq_t2, dout, qkv, out_s, lse_s, B, T, C, NH);
     CUDA_CHECK(cudaDeviceSynchronize());
 
     float *os = att_fetch(out_s, nc, 1), *ot = att_fetch(out_t, nc, 1);
     float *ls = att_fetch(lse_s, nl, 0), *lt = att_fetch(lse_t, nl, 0);
     float *gs = att_fetch(dq_s, n3, 1), *gt = att_fetch(dq_t, n3, 1), *gt2 = att_fetch(dq_t2, n3, 1);
-    att_err_out = att_max_rel(ot, os, nc);
-    att_err_lse = att_max_rel(lt, ls, nl);
-    att_err_dqkv = att_max_rel(gt, gs, n3);
-    att_check_det = memcmp(gt, gt2, n3 * sizeof(float)) == 0;
-    att_check_ok = att_err_out <= ATT_CHECK_TOL && att_err_lse <= ATT_CHECK_TOL && att_err_dqkv <= ATT_CHECK_TOL &&
-                   att_check_det;
+    AttCheck *r = &att_check[p];
+    r->ran = 1;
+    r->out = att_max_rel(ot, os, nc);
+    r->lse = att_max_rel(lt, ls, nl);
+    r->dqkv = att_max_rel(gt, gs, n3);
+    r->det = memcmp(gt, gt2, n3 * sizeof(float)) == 0;
+    r->ok = r->out <= ATT_CHECK_TOL && r->lse <= ATT_CHECK_TOL && r->dqkv <= ATT_CHECK_TOL && r->det;
     free(os), free(ot), free(ls), free(lt), free(gs), free(gt), free(gt2);
     void *dptr[] = {qkv, dout, out_s, out_t, dq_s, dq_t, dq_t2, lse_s, lse_t};
     for (size_t i = 0; i < sizeof dptr / sizeof dptr[0]; i++) CUDA_CHECK(cudaFree(dptr[i]));
 }
 
-/* The choice, from att_mode and the activation dtype; writes att_desc. */
-static void att_choose(void) {
-    if (!cuda_act_bf16) {
+static void att_figures(int p, char *s, size_t n) {
+    const AttCheck *r = &att_check[p];
+    snprintf(s, n, "self-check vs SIMT: out %.1e, lse %.1e, dqkv %.1e (tol %.0e), %s", r->out, r->lse, r->dqkv,
+             ATT_CHECK_TOL, r->det ? "deterministic" : "NOT deterministic");
+}
+
+/* The tensor-core candidate: att_usable[PATH_TC], and a warning if refused. */
+static void att_choose_tc(void) {
+    if (!cuda_attention_tc_fits(128, 2)) { /* the self-check's head size 64: its shared memory does not fit */
         if (att_mode == ATT_TENSOR_CORES)
-            kiln_fail(KILN_EXIT_USAGE, "key 'precision.attention': tensor_cores needs precision.compute bf16 "
-                                       "(the tensor-core kernels read bf16 activations)");
-        att_tc = 0;
+            kiln_warn("attention: this GPU's shared memory is too small for the tensor-core kernels: using SIMT");
+        return;
+    }
+    if (!att_check[PATH_TC].ran) att_selfcheck(PATH_TC);
+    att_usable[PATH_TC] = att_mode == ATT_TENSOR_CORES || att_check[PATH_TC].ok;
+    if (!att_check[PATH_TC].ok) {
+        char f[200];
+        att_figures(PATH_TC, f, sizeof f);
+        kiln_warn("attention: the tensor-core kernels disagree with the SIMT ones (%s): %s", f,
+                  att_mode == ATT_TENSOR_CORES ? "using them anyway (precision.attention tensor_cores)"
+                                               : "not using them (precision.attention tensor_cores forces them)");
+    }
+}
+
+/* The cuDNN candidate: att_usable[PATH_CUDNN]; with precision.attention
+ * cudnn every failure ends the run. */
+static void att_choose_cudnn(void) {
+    char why[640];
+    int forced = att_mode == ATT_CUDNN;
+    if (!cuda_attention_cudnn_load(why, sizeof why)) {
+        if (forced)
+            kiln_fail_hint(KILN_EXIT_RUNTIME, "precision.attention auto uses kiln's own kernels where cuDNN is missing",
+                           "key 'precision.attention': cudnn: %s", why);
+        snprintf(att_cudnn_why, sizeof att_cudnn_why, "%s", why);
+        return;
+    }
+    if (!cuda_attention_cudnn_plan(ATT_CHECK_B, ATT_CHECK_T, ATT_CHECK_NH * ATT_CHECK_HS, ATT_CHECK_NH, why,
+                                   sizeof why)) {
+        if (forced)
+            kiln_fail(KILN_EXIT_RUNTIME, "key 'precision.attention': cudnn: no cuDNN engine runs kiln's attention "
+                                         "graph on this GPU (%s): %s", cuda_attention_cudnn_library(), why);
+        snprintf(att_cudnn_why, sizeof att_cudnn_why, "no engine for the graph: %s", why);
+        kiln_warn("attention: cuDNN not used: %s", att_cudnn_why);
+        return;
+    }
+    if (!att_check[PATH_CUDNN].ran) att_selfcheck(PATH_CUDNN);
+    char f[200];
+    att_figures(PATH_CUDNN, f, sizeof f);
+    if (!att_check[PATH_CUDNN].ok) {
+        if (forced)
+            kiln_fail(KILN_EXIT_RUNTIME, "key 'precision.attention': cudnn: cuDNN's fused attention (%s) disagrees "
+                                         "with kiln's SIMT kernels (%s)", cuda_attention_cudnn_library(), f);
+        snprintf(att_cudnn_why, sizeof att_cudnn_why, "it disagrees with the SIMT kernels (%s)", f);
+        kiln_warn("attention: cuDNN not used: %s", att_cudnn_why);
+        return;
+    }
+    att_usable[PATH_CUDNN] = 1;
+}
+
+/* The candidates, from att_mode and the activation dtype; writes att_desc.
+ * Forgets the shapes chosen so far: they are chosen again. */
+static void att_choose(void) {
+    att_usable[PATH_SIMT] = 1;
+    att_usable[PATH_TC] = att_usable[PATH_CUDNN] = 0;
+    att_n_shapes = att_overflow_noted = 0;
+    att_cudnn_why[0] = '\0';
+    if (!cuda_act_bf16) {
+        if (att_mode == ATT_TENSOR_CORES || att_mode == ATT_CUDNN)
+            kiln_fail(KILN_EXIT_USAGE, "key 'precision.attention': %s needs precision.compute bf16 (it reads bf16 "
+                                       "activations)", att_mode_names[att_mode]);
         snprintf(att_desc, sizeof att_desc, "attention: SIMT kernels (fp32 activations)");
         return;
     }
     if (att_mode == ATT_SIMT) {
-        att_tc = 0;
         snprintf(att_desc, sizeof att_desc, "attention: SIMT kernels (precision.attention simt)");
         return;
     }
-    if (!cuda_attention_tc_fits(128, 2)) { /* the self-check's head size 64: its shared memory does not fit */
-        att_tc = 0;
-        snprintf(att_desc, sizeof att_desc, "attention: SIMT kernels (this GPU's shared memory is too small "
-                                            "for the tensor-core kernels)");
-        return;
-    }
-    if (!att_checked) {
-        att_selfcheck();
-        att_checked = 1;
-    }
-    char figures[160];
-    snprintf(figures, sizeof figures, "self-check vs SIMT: out %.1e, lse %.1e, dqkv %.1e (tol %.0e), %s",
-             att_err_out, att_err_lse, att_err_dqkv, ATT_CHECK_TOL,
-             att_check_det ? "deterministic" : "NOT deterministic");
-    att_tc = att_mode == ATT_TENSOR_CORES || att_check_ok;
-    if (!att_check_ok)
-        kiln_warn("attention: the tensor-core kernels disagree with the SIMT ones (%s): %s", figures,
-                  att_mode == ATT_TENSOR_CORES ? "using them anyway (precision.attention tensor_cores)"
-                                               : "using the SIMT kernels (precision.attention tensor_cores "
-                                                 "forces the others)");
-    snprintf(att_desc, sizeof att_desc, "attention: %s; %s)",
-             !att_tc ? "SIMT kernels (tensor cores refused"
-             : att_check_ok ? "tensor cores (bf16 WMMA for head sizes 16..128 in steps of 16, else SIMT"
-                            : "tensor cores (forced by precision.attention",
-             figures);
+    if (att_mode == ATT_AUTO || att_mode == ATT_TENSOR_CORES) att_choose_tc();
+    if (att_mode == ATT_AUTO || att_mode == ATT_CUDNN) att_choose_cudnn();
+    char ftc[200] = "", fdnn[200] = "";
+    if (att_check[PATH_TC].ran) att_figures(PATH_TC, ftc, sizeof ftc);
+    if (att_check[PATH_CUDNN].ran) att_figures(PATH_CUDNN, fdnn, sizeof fdnn);
+    if (att_mode == ATT_CUDNN)
+        snprintf(att_desc, sizeof att_desc, "attention: cuDNN fused attention (%s; head sizes 8..128 in steps of 8, "
+                 "else SIMT; %s)", cuda_attention_cudnn_library(), fdnn);
+    else if (att_mode == ATT_TENSOR_CORES)
+        snprintf(att_desc, sizeof att_desc, "attention: %s%s%s)",
+                 att_usable[PATH_TC] ? "tensor cores (forced by precision.attention" : "SIMT kernels (tensor cores "
+                                                                                       "do not fit this GPU",
+                 ftc[0] ? "; " : "", ftc);
+    else
+        snprintf(att_desc, sizeof att_desc, "attention: auto, timed at each shape's first forward among %s%s%s "
+                 "(tensor cores %s%s%s; cuDNN %s%s%.400s)",
+                 att_usable[PATH_CUDNN] ? "cudnn, " : "", att_usable[PATH_TC] ? "tensor_cores, " : "", "simt",
+                 att_usable[PATH_TC] ? "passed" : "refused", ftc[0] ? ": " : "", ftc,
+                 att_usable[PATH_CUDNN] ? "passed" : "refused", ": ",
+                 att_usable[PATH_CUDNN] ? fdnn : (att_cudnn_why[0] ? att_cudnn_why : fdnn));
 }
 
 void cuda_attention_set_mode(const char *mode) {
     int m = -1;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < ATT_MODES; i++)
         if (strcmp(mode, att_mode_names[i]) == 0) m = i;
     if (m < 0)
-        kiln_fail(KILN_EXIT_USAGE, "key 'precision.attention': '%s' is not one of auto|tensor_cores|simt", mode);
+        kiln_fail(KILN_EXIT_USAGE, "key 'precision.attention': '%s' is not one of auto|cudnn|tensor_cores|simt", mode);
     att_mode = m;
     if (att_precision_set) att_choose();
 }
@@ -495,24 +614,135 @@ const char *cuda_attention_describe(void) { return att_desc; }
 
 void cuda_attention_reset(void) {
     att_mode = ATT_AUTO;
-    att_precision_set = att_tc = att_checked = 0;
+    att_precision_set = att_n_shapes = att_overflow_noted = 0;
+    memset(att_usable, 0, sizeof att_usable);
+    memset(att_check, 0, sizeof att_check);
     snprintf(att_desc, sizeof att_desc, "attention: SIMT kernels");
+    cuda_attention_cudnn_reset();
 }
 
-/* 16-byte vector loads of qkv and dout (attention_tc.cu). */
+/* 16-byte vector loads of qkv and dout (attention_tc.cu, cuDNN's alignment). */
 static int att_aligned(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
+/* Whether path p can take this shape at all (alignment is checked per call). */
+static int att_path_fits(int p, int C, int NH) {
+    return p == PATH_SIMT || (p == PATH_TC && cuda_attention_tc_fits(C, NH)) ||
+           (p == PATH_CUDNN && cuda_attention_cudnn_fits(C, NH));
+}
+
+/* Milliseconds of one forward + backward of path p at this shape, on the
+ * call's qkv (read only) and scratch buffers; negative if they cannot be
+ * had (memory). */
+static float att_time(int p, const void *qkv, int B, int T, int C, int NH) {
+    size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    void *out = NULL, *dout = NULL, *dqkv = NULL;
+    float *lse = NULL;
+    int ok = cudaMalloc(&out, nc * sizeof(bf16)) == cudaSuccess && cudaMalloc(&dout, nc * sizeof(bf16)) == cudaSuccess &&
+             cudaMalloc(&dqkv, n3 * sizeof(bf16)) == cudaSuccess && cudaMalloc(&lse, nl * sizeof(float)) == cudaSuccess;
+    float ms = -1.0f;
+    if (ok) {
+        CUDA_CHECK(cudaMemset(dout, 0, nc * sizeof(bf16)));
+        cudaEvent_t t0, t1;
+        CUDA_CHECK(cudaEventCreate(&t0));
+        CUDA_CHECK(cudaEventCreate(&t1));
+        for (int r = 0; r <= ATT_TIME_REPS; r++) { /* r = 0: warm-up (cuDNN, caches) */
+            if (r == 1) CUDA_CHECK(cudaEventRecord(t0, cudaStreamLegacy));
+            att_fwd[p](out, lse, qkv, B, T, C, NH);
+            att_bwd[p](dqkv, dout, qkv, out, lse, B, T, C, NH);
+        }
+        CUDA_CHECK(cudaEventRecord(t1, cudaStreamLegacy));
+        CUDA_CHECK(cudaEventSynchronize(t1));
+        CUDA_CHECK(cudaEventElapsedTime(&ms, t0, t1));
+        ms /= ATT_TIME_REPS;
+        CUDA_CHECK(cudaEventDestroy(t0));
+        CUDA_CHECK(cudaEventDestroy(t1));
+    } else {
+        (void)cudaGetLastError(); /* the failed allocation's error */
+    }
+    void *dptr[] = {out, dout, dqkv, lse};
+    for (int i = 0; i < 4; i++)
+        if (dptr[i]) CUDA_CHECK(cudaFree(dptr[i]));
+    return ms;
+}
+
+/* auto at a new shape: the usable paths that take it, timed; the fastest
+ * by more than ATT_MARGIN, else the earlier in the order of PATH_*. Logs one
+ * line. */
+static int att_pick(const void *qkv, int B, int T, int C, int NH) {
+    int cand[PATH_COUNT], nc = 0;
+    char note[700] = "";
+    for (int p = 0; p < PATH_COUNT; p++) {
+        if (!att_usable[p] || !att_path_fits(p, C, NH)) continue;
+        char why[640];
+        if (p == PATH_CUDNN && !cuda_attention_cudnn_plan(B, T, C, NH, why, sizeof why)) {
+            snprintf(note, sizeof note, " (cudnn: %s)", why);
+            continue;
+        }
+        cand[nc++] = p;
+    }
+    if (nc == 1) return cand[0];
+    float ms[PATH_COUNT];
+    int best = -1, timed = 1;
+    for (int i = 0; i < nc; i++) { /* cand is in order of preference */
+        ms[i] = att_time(cand[i], qkv, B, T, C, NH);
+        if (ms[i] < 0.0f) timed = 0;
+        if (best < 0 || ms[i] < ATT_MARGIN * ms[best]) best = i;
+    }
+    if (!timed) best = 0; /* no memory to time: the first in preference order */
+    char line[400];
+    int len = snprintf(line, sizeof line, "attention: B=%d T=%d NH=%d hs=%d:", B, T, NH, C / NH);
+    for (int i = 0; i < nc && len < (int)sizeof line; i++)
+        len += snprintf(line + len, sizeof line - len, "%s %s %.3f ms", i ? "," : "", att_path_names[cand[i]], ms[i]);
+    printf("%s -> %s%s%s\n", line, att_path_names[cand[best]], timed ? "" : " (no memory to time: by preference)",
+           note);
+    fflush(stdout);
+    return cand[best];
+}
+
+/* The path for this shape: chosen at its first call (see the top). */
+static int att_path(const void *qkv, int B, int T, int C, int NH) {
+    if (!cuda_act_bf16 || att_mode == ATT_SIMT) return PATH_SIMT;
+    for (int i = 0; i < att_n_shapes; i++)
+        if (att_shapes[i].B == B && att_shapes[i].T == T && att_shapes[i].C == C && att_shapes[i].NH == NH)
+            return att_shapes[i].path;
+    int tc = att_usable[PATH_TC] && cuda_attention_tc_fits(C, NH) ? PATH_TC : PATH_SIMT;
+    if (att_n_shapes == ATT_SHAPES) {
+        if (!att_overflow_noted)
+            printf("attention: more than %d shapes (generation's growing context): the others run %s\n", ATT_SHAPES,
+                   att_path_names[tc]);
+        att_overflow_noted = 1;
+        return tc;
+    }
+    int path = tc;
+    if (att_mode == ATT_CUDNN) {
+        char why[640];
+        if (!cuda_attention_cudnn_fits(C, NH))
+            kiln_fail(KILN_EXIT_USAGE, "key 'precision.attention': cudnn needs a head size (model.n_embd / "
+                                       "model.n_head) that is a multiple of 8 up to 128, not %d", C / NH);
+        if (!cuda_attention_cudnn_plan(B, T, C, NH, why, sizeof why))
+            kiln_fail(KILN_EXIT_RUNTIME, "key 'precision.attention': cudnn: no cuDNN engine runs attention at B=%d "
+                                         "T=%d NH=%d hs=%d: %s", B, T, NH, C / NH, why);
+        path = PATH_CUDNN;
+    } else if (att_mode == ATT_AUTO) {
+        path = att_pick(qkv, B, T, C, NH);
+    }
+    att_shapes[att_n_shapes].B = B, att_shapes[att_n_shapes].T = T, att_shapes[att_n_shapes].C = C;
+    att_shapes[att_n_shapes].NH = NH, att_shapes[att_n_shapes].path = path;
+    att_n_shapes++;
+    return path;
+}
+
 void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
-    if (att_tc && att_aligned(qkv) && cuda_attention_tc_fits(C, NH))
-        cuda_attention_tc_forward(out, lse, qkv, B, T, C, NH);
-    else
-        cuda_attention_simt_forward(out, lse, qkv, B, T, C, NH);
+    int p = att_path(qkv, B, T, C, NH);
+    if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(out) || !att_path_fits(p, C, NH))) p = PATH_SIMT;
+    att_fwd[p](out, lse, qkv, B, T, C, NH);
 }
 
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse, int B,
                              int T, int C, int NH) {
-    if (att_tc && att_aligned(qkv) && att_aligned(dout) && cuda_attention_tc_fits(C, NH))
-        cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
-    else
-        cuda_attention_simt_backward(dqkv, dout, qkv, out, lse, B, T, C, NH);
+    int p = att_path(qkv, B, T, C, NH);
+    if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(dout) || !att_aligned(out) || !att_aligned(dqkv) ||
+                           !att_path_fits(p, C, NH)))
+        p = PATH_SIMT;
+    att_bwd[p](dqkv, dout, qkv, out, lse, B, T, C, NH);
 }

@@ -1,5 +1,6 @@
 /* backend_cuda: the CUDA backend's start-up, memory and the Backend table; the
- * ops live in embed_norm.cu, matmul.cu, attention.cu (+ attention_tc.cu) and pointwise.cu. The
+ * ops live in embed_norm.cu, matmul.cu, attention.cu (+ attention_tc.cu,
+ * attention_cudnn.cu) and pointwise.cu. The
  * activation dtype (backend.h) is precision.compute: bf16 (activations, their
  * gradients and the parameters' compute copy stored in bf16, matrix products
  * on bf16 tensor cores, fp32 math and accumulation) or fp32 (everything fp32,
@@ -15,9 +16,10 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "attention_cudnn.h"
 #include "common.cuh"
 
-static char cuda_desc[768];
+static char cuda_desc[1280];
 static char cuda_device_part[384];
 static int cuda_started;
 static size_t cuda_peak_used; /* bytes in use on the device, highest seen */
@@ -42,10 +44,11 @@ extern "C" int backend_cuda_available(void) {
 
 /* What this build was compiled against, for ./train --version. */
 extern "C" const char *backend_cuda_build_info(void) {
-    static char info[160];
+    static char info[512];
     if (!info[0])
-        snprintf(info, sizeof info, "cuda: built against CUDA runtime %d.%d, cuBLASLt %d.%d.%d", CUDART_VERSION / 1000,
-                 CUDART_VERSION % 1000 / 10, CUBLAS_VER_MAJOR, CUBLAS_VER_MINOR, CUBLAS_VER_PATCH);
+        snprintf(info, sizeof info, "cuda: built against CUDA runtime %d.%d, cuBLASLt %d.%d.%d; %s", CUDART_VERSION / 1000,
+                 CUDART_VERSION % 1000 / 10, CUBLAS_VER_MAJOR, CUBLAS_VER_MINOR, CUBLAS_VER_PATCH,
+                 cuda_cudnn_build_info());
     return info;
 }
 
@@ -240,7 +243,7 @@ static void cuda_set_precision(const char *compute) {
     cuda_update_desc();
 }
 
-/* precision.attention: "auto", "tensor_cores" or "simt" (attention.cu). */
+/* precision.attention: "auto", "cudnn", "tensor_cores" or "simt" (attention.cu). */
 static void cuda_set_attention(const char *impl) {
     cuda_attention_set_mode(impl);
     cuda_update_desc();

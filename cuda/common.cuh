@@ -111,6 +111,7 @@ enum {
     SCRATCH_EMBED,     /* token buckets for the dwte scatter */
     SCRATCH_ATTENTION, /* D = rowsum(dO * O) of the attention backward (either kernel set) */
     SCRATCH_SUMSQ,     /* sumsq partials */
+    SCRATCH_CUDNN,     /* cuDNN attention's workspace, grown when a shape is planned */
     SCRATCH_COUNT
 };
 void *cuda_scratch(int slot, size_t bytes);
@@ -142,11 +143,12 @@ void cuda_matmul_gelu_forward(void *out_gelu, void *pre, const void *inp, const 
 void cuda_matmul_backward_dgelu(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                                 const void *w, const void *pre, int N, int C, int OC, int accumulate);
 /* attention.cu: the backend's attention ops choose between the SIMT kernels
- * (any dtype and head size up to 128) and the tensor-core ones of
- * attention_tc.cu; set_mode is precision.attention (auto | tensor_cores |
- * simt), precision_changed runs after set_precision (the choice, and the
- * self-check the first time it is needed), describe is the line for the
- * backend's description, reset is for shutdown. */
+ * (any dtype and head size up to 128), the tensor-core ones of
+ * attention_tc.cu and cuDNN's fused attention (attention_cudnn.cu); set_mode
+ * is precision.attention (auto | cudnn | tensor_cores | simt),
+ * precision_changed runs after set_precision (the self-checks the first time
+ * they are needed), describe is the line for the backend's description, reset
+ * is for shutdown. */
 void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                              const float *lse, int B, int T, int C, int NH);
@@ -163,6 +165,20 @@ int cuda_attention_tc_fits(int C, int NH);
 void cuda_attention_tc_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
 void cuda_attention_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                                 const float *lse, int B, int T, int C, int NH);
+/* attention_cudnn.cu: bf16 act only, cuDNN opened at run time. load: 1 when
+ * libcudnn_graph.so.9 (or libcudnn.so.9) is loaded, else 0 with why; library:
+ * its version and path; fits: head sizes the graphs support; plan: 1 when
+ * forward and backward plans exist for the shape (made now if needed, with
+ * the workspace), else 0 with why; forward/backward run a planned shape (an
+ * unplannable one is a runtime error); qkv, out, dout, dqkv 16-byte aligned. */
+int cuda_attention_cudnn_load(char *why, size_t n);
+const char *cuda_attention_cudnn_library(void);
+int cuda_attention_cudnn_fits(int C, int NH);
+int cuda_attention_cudnn_plan(int B, int T, int C, int NH, char *why, size_t n);
+void cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
+void cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
+                                   const float *lse, int B, int T, int C, int NH);
+void cuda_attention_cudnn_reset(void);
 /* pointwise.cu */
 void cuda_cast_to_act(void *dst, const float *src, size_t n);
 void cuda_gelu_forward(void *out, const void *inp, size_t n);

@@ -2,9 +2,10 @@
 # cuda_check: everything a short GPU window should establish, as one prepared
 # command (`make cuda-check`): the GPU and its libraries, every op of the CUDA
 # backend against double references and against the CPU backend (both with
-# fp32 and with bf16 activations), which attention kernels the bf16 path chose
-# and the throughput of both (SIMT and tensor cores), a 50-step tiny run on the CPU and on CUDA
-# with precision.compute fp32 and bf16, the loss curves compared step by step
+# fp32 and with bf16 activations), which attention paths the bf16 path kept
+# and the throughput and error of each (SIMT, tensor cores, cuDNN), a 50-step
+# tiny run on the CPU and on CUDA with precision.compute fp32 and bf16 (and
+# precision.attention simt and cudnn), the loss curves compared step by step
 # (and model.recompute=norm_gelu's against none's, bit for bit; GeLU fused into
 # the fc products by cuBLASLt's epilogues against precision.gelu_fusion off,
 # and whether the fusion ran), GPT-2 124M (also with norm_gelu, and without
@@ -69,7 +70,7 @@ PIP_NV=$(python3 -c "import nvidia, os; print(os.path.dirname(nvidia.__path__[0]
 echo "pip nvidia packages under: ${PIP_NV:-none}"
 extra=""
 if [ -n "$PIP_NV" ]; then
-    for lib in 'libcublasLt.so.*' 'libcudnn.so.9*' 'libnccl.so.2*'; do
+    for lib in 'libcublasLt.so.*' 'libcudnn_graph.so.9*' 'libnvrtc.so.*' 'libnccl.so.2*'; do
         f=$(find "$PIP_NV/nvidia" -name "$lib" 2>/dev/null | head -1)
         [ -n "$f" ] && echo "found $f" && extra="$extra:$(dirname "$f")"
     done
@@ -84,6 +85,19 @@ if ! echo "$extra" | grep -q nccl; then
         if [ -e "$d/libnccl.so.2" ]; then echo "found $d/libnccl.so.2"; extra="$extra:$d"; break; fi
     done
 fi
+# cuDNN is opened the same way (dlopen "libcudnn_graph.so.9", by
+# cuda/attention_cudnn.cu): pip's nvidia-cudnn-cu13 puts it in
+# site-packages/nvidia/cudnn/lib (its engines beside it); the runtime-compiled
+# fused-attention engines also load NVRTC (pip nvidia-cuda-nvrtc, or the toolkit).
+if ! echo "$extra" | grep -q cudnn; then
+    for d in "$PIP_NV/nvidia/cudnn/lib" /usr/local/lib/python3*/dist-packages/nvidia/cudnn/lib \
+             /usr/lib/python3*/site-packages/nvidia/cudnn/lib "$HOME"/.local/lib/python3*/site-packages/nvidia/cudnn/lib \
+             /usr/local/cuda/lib /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
+        if [ -e "$d/libcudnn_graph.so.9" ]; then echo "found $d/libcudnn_graph.so.9"; extra="$extra:$d"; break; fi
+    done
+fi
+echo "$extra" | grep -q cudnn || ls /usr/local/cuda/lib64/libcudnn_graph.so.9 >/dev/null 2>&1 ||
+    echo "libcudnn_graph.so.9 not found: precision.attention cudnn will be refused (auto notes it and goes on)"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${extra}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 
@@ -137,25 +151,37 @@ else
     row test_nccl FAIL "$nok ok, $nfail failed, exit $rc: $(grep -m1 -E '^(FAIL|skip)' "$OUT/test_nccl.txt")"; failed=1
 fi
 
-# --- 4b. Attention: which kernels bf16 chose, and both kernels' throughput --
+# --- 4b. Attention: the candidates bf16 kept, each path's throughput and error --
 # build/test/bench_attention prints the backend line after set_precision bf16
-# (precision.attention auto: "attention: tensor cores ..." when the start-up
-# self-check against the SIMT kernels passed, with its figures), then forward
-# and backward times of each implementation at B 8 and 16, T 1024, C 768,
-# NH 12. TFLOP/s count the causal half only: forward 2 B NH T^2 hs, backward
-# 2.5x that (test/bench_attention.c).
-section "attention: chosen kernels and throughput (bench_attention)"
+# (precision.attention auto: "attention: auto, timed ... among cudnn,
+# tensor_cores, simt (tensor cores passed: self-check ...; cuDNN passed: ...)"),
+# then forward and backward times of each implementation at B 8 and 16,
+# T 1024, C 768, NH 12 (GPT-2 124M), with its max error against the SIMT
+# kernels on the same inputs. TFLOP/s count the causal half only: forward
+# 2 B NH T^2 hs, backward 2.5x that (test/bench_attention.c).
+# Error tolerance 2e-2 of the largest element, out and dqkv: the start-up
+# self-check's (cuda/attention.cu ATT_CHECK_TOL): one bf16 ulp (2^-7 of the
+# max) from two roundings of nearby fp32 values, plus P and dS rounded to bf16
+# before their products (~1e-3), times 2; a wrong mask or stride errs by 0.1.
+TOL_ATTN=2e-2
+section "attention: candidates, throughput and error vs SIMT (bench_attention)"
 if [ -x build/test/bench_attention ]; then
-    timeout 120 build/test/bench_attention cuda bf16 > "$OUT/bench_attention.txt" 2>&1; rc=$?
+    timeout 150 build/test/bench_attention cuda bf16 > "$OUT/bench_attention.txt" 2>&1; rc=$?
     cat "$OUT/bench_attention.txt"
     choice=$(sed -n 's/^# .*\(attention: .*\)$/\1/p' "$OUT/bench_attention.txt" | head -n 1)
     if [ $rc -ne 0 ]; then row attention_choice FAIL "bench_attention exit $rc: $(tail -n 1 "$OUT/bench_attention.txt")"; failed=1
     elif grep -q 'disagree' "$OUT/bench_attention.txt"; then row attention_choice FAIL "self-check failed: $choice"; failed=1
-    elif [[ $choice == "attention: tensor cores"* ]]; then row attention_choice ok "$choice"
-    else row attention_choice FAIL "auto did not take the tensor cores: ${choice:-no backend line}"; failed=1; fi
+    elif [[ $choice == *"tensor cores passed"* ]]; then row attention_choice ok "$choice"
+    else row attention_choice FAIL "auto refused the tensor cores: ${choice:-no backend line}"; failed=1; fi
+    # cuDNN is on this machine (pip nvidia-cudnn-cu13): auto must keep it
+    if [[ $choice == *"among cudnn"* ]]; then row attention_cudnn ok "self-check passed: ${choice##*cuDNN passed: }"
+    else row attention_cudnn FAIL "auto did not keep cuDNN: ${choice##*cuDNN refused: }"; failed=1; fi
     while read -r line; do
         v() { echo "$line" | sed -n "s/.* $1=\([^ ]*\).*/\1/p"; }
-        row "attn_$(v impl)_B$(v B)" ok "fwd $(v fwd_ms) ms $(v fwd_tflops) TFLOP/s, bwd $(v bwd_ms) ms $(v bwd_tflops) TFLOP/s, fwd+bwd $(v total_tflops) TFLOP/s"
+        eo=$(v err_out); ed=$(v err_dqkv)
+        st=$(python3 -c "import sys; print('ok' if float(sys.argv[1]) <= float(sys.argv[3]) and float(sys.argv[2]) <= float(sys.argv[3]) else 'FAIL')" "$eo" "$ed" "$TOL_ATTN")
+        [ "$st" = ok ] || failed=1
+        row "attn_$(v impl)_B$(v B)" "$st" "fwd $(v fwd_ms) ms $(v fwd_tflops) TFLOP/s, bwd $(v bwd_ms) ms $(v bwd_tflops) TFLOP/s, fwd+bwd $(v total_tflops) TFLOP/s; vs simt: out $eo, dqkv $ed (tol $TOL_ATTN)"
     done < <(grep '^bench_attention ' "$OUT/bench_attention.txt")
 else
     row attention_choice skip "build/test/bench_attention not built (see the build line at the top)"
@@ -196,16 +222,19 @@ EOF
 }
 if tiny cpu cpu fp32; then
     row tiny_cpu ok "$(grep -o 'final loss [0-9.]*' "$OUT/tiny_cpu.txt")"
-    # cuda_bf16 runs attention on tensor cores (auto; tiny's head size is 32),
-    # cuda_bf16_simt on the SIMT kernels: if only the first fails, suspect them.
+    # cuda_bf16 runs attention on what auto timed fastest (its log's
+    # "attention: B=..." line says which; tiny's head size is 32),
+    # cuda_bf16_simt on the SIMT kernels, cuda_bf16_cudnn on cuDNN's fused
+    # attention: if only one fails, suspect its path.
     for pair in "cuda_fp32 fp32 $TOL_TINY_FP32 auto" "cuda_bf16 bf16 $TOL_TINY_BF16 auto" \
-                "cuda_bf16_simt bf16 $TOL_TINY_BF16 simt"; do
+                "cuda_bf16_simt bf16 $TOL_TINY_BF16 simt" "cuda_bf16_cudnn bf16 $TOL_TINY_BF16 cudnn"; do
         set -- $pair
         if over_budget; then row "tiny_$1" skip "over the time budget"; continue; fi
         if ! tiny "$1" cuda "$2" "$4"; then row "tiny_$1" FAIL "run failed: $(tail -n 1 "$OUT/tiny_$1.txt")"; failed=1; continue; fi
         msg=$(compare "$1" "$3"); rc=$?
         echo "$1: $msg"
         if [ $rc -eq 0 ]; then row "tiny_$1" ok "$msg (tol $3)"; else row "tiny_$1" FAIL "$msg (tol $3)"; failed=1; fi
+        if [ "$1" = cuda_bf16 ]; then row attention_auto_tiny note "$(grep -m1 '^attention: B=' "$OUT/tiny_$1.txt")"; fi
     done
     # precision.gelu_fusion: the runs above fuse the fc product and its GeLU
     # (cuBLASLt GELU_AUX_BIAS forward, DGELU backward) where cuBLASLt takes

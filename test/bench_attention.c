@@ -1,11 +1,15 @@
 /* bench_attention: attention forward + backward throughput of a backend at
  * GPT-2 124M's attention shape (T 1024, C 768, NH 12: hs 64) for B = 8 and
  * 16, on each attention implementation the backend offers (CUDA with bf16
- * activations: precision.attention simt and tensor_cores). Not part of the
- * suite (not test_*); scripts/cuda_check.sh runs it on a GPU:
+ * activations: precision.attention simt, tensor_cores and, where the start-up
+ * self-check kept it as a candidate of `auto`, cudnn). Not part of the suite
+ * (not test_*); scripts/cuda_check.sh runs it on a GPU:
  *   build/test/bench_attention [backend [precision]]     (cuda bf16 by default)
- * It prints the backend's description line (which kernels `auto` chose, with
- * the self-check's figures), then one line per implementation and batch.
+ * It prints the backend's description line (the candidates `auto` kept, with
+ * the self-checks' figures), then one line per implementation and batch with
+ * its times and its max error against the SIMT kernels' results on the same
+ * inputs (max |x - simt| / max |simt|, out and dqkv; the backward of each
+ * reads its own forward's out and lse, as in training).
  *
  * FLOPs are counted for the causal half only, 2 per multiply-add: the forward
  * does Q K^T and P V over the lower triangle, 2 * 2 * B*NH * T^2/2 * hs =
@@ -16,6 +20,7 @@
 #include "backend.h"
 #include "util.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +56,28 @@ static double best_time(int which, void *out, float *lse, void *qkv, void *dout,
     return best;
 }
 
+/* Device act tensor (n) to host fp32. */
+static float *fetch(const void *d, size_t n, size_t ab) {
+    void *s = xmalloc(n * ab);
+    float *h = xmalloc(n * sizeof(float));
+    be->to_host(s, d, n * ab);
+    backend_act_to_f32(h, s, n, ab);
+    free(s);
+    return h;
+}
+
+/* max |got - ref| / max |ref|; Inf for NaN or Inf (the self-check's measure). */
+static double max_rel(const float *got, const float *ref, size_t n) {
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)got[i] - ref[i]);
+        if (!(d == d) || isinf(d)) return INFINITY;
+        num = d > num ? d : num;
+        den = fabs(ref[i]) > den ? fabs(ref[i]) : den;
+    }
+    return num / (den > 0.0 ? den : 1.0);
+}
+
 int main(int argc, char **argv) {
     const char *name = argc > 1 ? argv[1] : "cuda", *prec = argc > 2 ? argv[2] : "bf16";
     be = backend_get(name);
@@ -63,8 +90,9 @@ int main(int argc, char **argv) {
     printf("# %s\n", desc); /* after set_precision: says which attention `auto` chose */
     size_t ab = be->act_bytes();
     const int T = 1024, C = 768, NH = 12, hs = C / NH, Bs[] = {8, 16};
-    const char *impls[] = {"simt", "tensor_cores"};
-    int nimpl = ab == 2 && be->set_attention ? 2 : 1;
+    /* simt first: the reference of the error columns */
+    const char *impls[] = {"simt", "tensor_cores", "cudnn"};
+    int nimpl = ab == 2 && be->set_attention ? (strstr(desc, "among cudnn") ? 3 : 2) : 1;
     Rng rng;
     rng_seed(&rng, 1);
     for (int bi = 0; bi < 2; bi++) {
@@ -74,16 +102,22 @@ int main(int argc, char **argv) {
         void *out = be->alloc(N * C * ab), *dqkv = be->alloc(N * 3 * C * ab);
         float *lse = be->alloc((size_t)B * NH * T * sizeof(float));
         double fwd_flops = 2.0 * B * NH * (double)T * T * hs, bwd_flops = 2.5 * fwd_flops;
+        float *ref_out = NULL, *ref_dqkv = NULL;
         for (int k = 0; k < nimpl; k++) {
             if (nimpl > 1) be->set_attention(impls[k]);
             double tf = best_time(0, out, lse, qkv, dout, dqkv, B, T, C, NH);
             double tb = best_time(1, out, lse, qkv, dout, dqkv, B, T, C, NH);
+            float *h_out = fetch(out, N * C, ab), *h_dqkv = fetch(dqkv, N * 3 * C, ab);
+            if (k == 0) ref_out = h_out, ref_dqkv = h_dqkv;
             printf("bench_attention impl=%s B=%d T=%d C=%d NH=%d fwd_ms=%.3f bwd_ms=%.3f fwd_tflops=%.2f "
-                   "bwd_tflops=%.2f total_tflops=%.2f\n",
+                   "bwd_tflops=%.2f total_tflops=%.2f err_out=%.1e err_dqkv=%.1e\n",
                    nimpl > 1 ? impls[k] : "default", B, T, C, NH, 1e3 * tf, 1e3 * tb, fwd_flops / tf / 1e12,
-                   bwd_flops / tb / 1e12, (fwd_flops + bwd_flops) / (tf + tb) / 1e12);
+                   bwd_flops / tb / 1e12, (fwd_flops + bwd_flops) / (tf + tb) / 1e12,
+                   max_rel(h_out, ref_out, N * C), max_rel(h_dqkv, ref_dqkv, N * 3 * C));
             fflush(stdout);
+            if (k > 0) free(h_out), free(h_dqkv);
         }
+        free(ref_out), free(ref_dqkv);
         if (nimpl > 1) be->set_attention("auto");
         be->free(qkv), be->free(dout), be->free(out), be->free(dqkv), be->free(lse);
     }

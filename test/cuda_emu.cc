@@ -30,6 +30,7 @@
 #include "../cuda/pointwise.cu"
 #include "../cuda/attention.cu"
 #include "../cuda/attention_tc.cu"
+#include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */
 #include "../cuda/backend_cuda.cu"
 
 #include <random>
@@ -458,6 +459,28 @@ static void test_attention(int B, int T, int C, int NH, int tc) {
     cudaFree(dq), cudaFree(dg), cudaFree(dout), cudaFree(ddq), cudaFree(dlse), cudaFree(dout2);
 }
 
+/* precision.attention auto with bf16 at a new shape: the usable paths (here
+ * tensor cores and SIMT) are timed at its first forward; the emulation's
+ * clock ties them (cuda_emu.h), so the first in preference order, the tensor
+ * cores, must run: the backend's output has their bits. */
+static void test_attention_auto(void) {
+    const int B = 1, T = 70, C = 96, NH = 2;
+    size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    Vec qkv = rnd_act(n3, 1.0f);
+    void *dq = dev_act(qkv), *o1, *o2;
+    float *l1, *l2;
+    CUDA_CHECK(cudaMalloc(&o1, nc * AB));
+    CUDA_CHECK(cudaMalloc(&o2, nc * AB));
+    CUDA_CHECK(cudaMalloc(&l1, nl * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&l2, nl * sizeof(float)));
+    gpu->attention_forward(o1, l1, dq, B, T, C, NH);
+    cuda_attention_tc_forward(o2, l2, dq, B, T, C, NH);
+    Vec a = get_act(o1, nc), b = get_act(o2, nc);
+    int same = memcmp(a.data(), b.data(), nc * sizeof(float)) == 0;
+    report_s("attention_auto_picks_tensor_cores", same, same ? "same bits as the tensor cores" : "auto's output differs from the tensor cores'");
+    cudaFree(dq), cudaFree(o1), cudaFree(o2), cudaFree(l1), cudaFree(l2);
+}
+
 int main(void) {
     cpu->init(1);
     for (int bf = 0; bf <= 1; bf++) {
@@ -469,8 +492,11 @@ int main(void) {
         gpu->set_precision(DT);
         report("act_bytes", gpu->act_bytes() == AB, "act_bytes %.0f, want %.0f", (double)gpu->act_bytes(), (double)AB);
         test_memory();
+        /* auto keeps the tensor cores as a candidate when their self-check
+         * passes; cuDNN is not in the emulation and must be refused, saying why */
         const char *desc = cuda_attention_describe();
-        int want_tc = bf == 1, got_tc = strstr(desc, "attention: tensor cores (bf16 WMMA") != NULL;
+        int want_tc = bf == 1, got_tc = strstr(desc, "among tensor_cores, simt (tensor cores passed") != NULL &&
+                                        strstr(desc, "cuDNN refused: this ./train was built without cuDNN");
         printf("%s cuda_emu_%s_attention_choice%s%s\n", want_tc == got_tc ? "ok" : "FAIL", DT,
                want_tc == got_tc ? " # " : ": ", desc);
         failures += want_tc != got_tc;
@@ -493,11 +519,16 @@ int main(void) {
         test_sumsq(100);                  /* fewer elements than partial blocks */
         test_sumsq(0);
         for (int tc = 0; tc <= bf; tc++) {
+            /* tc: through the backend's dispatch with the tensor cores forced
+             * (auto would time them against SIMT per shape) */
+            if (tc) gpu->set_attention("tensor_cores");
             test_attention(2, 37, 48, 3, tc);  /* head size 16: 2 threads per row */
             test_attention(1, 70, 96, 2, tc);  /* 48: 4 threads per row, a second tile */
             test_attention(1, 65, 100, 1, tc); /* 100: 8 threads per row, dims past hs masked; SIMT only */
             test_attention(1, 1, 64, 1, tc);   /* one row */
+            if (tc) gpu->set_attention("auto");
         }
+        if (bf) test_attention_auto();
         gpu->shutdown();
     }
     return 0;
