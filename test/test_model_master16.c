@@ -16,6 +16,7 @@
 #include "ckpt.h"
 #include "emu_bf16.h"
 #include "model.h"
+#include "resume.h"
 #include "optim.h"
 #include "sround.h"
 #include "state.h"
@@ -289,6 +290,46 @@ static void test_fp32_ckpt_into_master16(void) {
     model_free(&f), model_free(&a);
 }
 
+/* precision.master may change on resume (resume.c: KEY_ALLOW, printed, no
+ * warning): the checkpoint holds fp32 either way. */
+static void resume_master_change(void *arg) {
+    (void)arg;
+    resume_check_config("ckpt", "precision:\n  master: bf16\n", "precision:\n  master: fp32\n", 0, 0);
+    resume_check_config("ckpt", "precision:\n  master: fp32\n", "precision:\n  master: bf16\n", 0, 0);
+}
+
+/* Where the model would need an fp32 master it refuses, exit 2 naming the key. */
+static void init_on_cpu(void *arg) {
+    Model m;
+    ModelShape s = shape0;
+    model_shape_resolve(&s);
+    model_init_dtype(&m, &backend_cpu, &s, 0, 1);
+}
+static void zero_layout(void *arg) {
+    Model m;
+    ModelShape s = shape0;
+    model_shape_resolve(&s);
+    model_init_dtype(&m, &emu, &s, 0, 1);
+    model_layout_by_unit(&m, 64);
+}
+
+static int one_line(const char *s) {
+    const char *nl = strchr(s, '\n');
+    return nl && nl[1] == '\0';
+}
+
+static void test_refusals(void) {
+    char err[1024];
+    int rc = test_run_child(resume_master_change, NULL, err, sizeof err);
+    test_report(rc == 0 && !err[0], "master16_may_change_on_resume", "rc %d: %s", rc, err);
+    rc = test_run_child(init_on_cpu, NULL, err, sizeof err);
+    test_report(rc == 2 && strstr(err, "precision.master") && strstr(err, "fp32") && one_line(err),
+                "master16_refused_with_fp32_activations", "rc %d: %s", rc, err);
+    rc = test_run_child(zero_layout, NULL, err, sizeof err);
+    test_report(rc == 2 && strstr(err, "precision.master") && strstr(err, "parallel.zero"),
+                "master16_refused_by_zero_layout", "rc %d: %s", rc, err);
+}
+
 int main(void) {
     emu = emu_bf16_backend();
     emu.init(2);
@@ -300,6 +341,7 @@ int main(void) {
     test_checkpoint(0);
     test_checkpoint(1);
     test_fp32_ckpt_into_master16();
+    test_refusals();
     emu.shutdown();
     return 0;
 }
