@@ -193,6 +193,9 @@ void cuda_adamw_update(float *params, const float *grads, float *m, float *v, si
 void cuda_adamw_update_bf16(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n, float lr,
                             float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
                             uint64_t seed, uint64_t idx0);
+void cuda_adamw_update_p16(uint16_t *params, const float *grads, void *m, void *v, size_t state_bytes, size_t n,
+                           float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
+                           uint64_t seed, uint64_t idx0);
 double cuda_sumsq(const float *x, size_t n);
 
 #endif

@@ -1,6 +1,6 @@
 /* pointwise: GeLU, the adds, the fp32 -> activation-dtype cast, fused
  * softmax + cross-entropy, AdamW and the sum of squares. Activations in either
- * dtype (templates on T_), arithmetic in fp32; AdamW and sumsq are fp32 only (AdamW's moments may be bf16). Each mirrors the CPU backend's formula in the same order; AdamW is
+ * dtype (templates on T_), arithmetic in fp32; AdamW and sumsq are fp32 only (AdamW's moments, and with precision.master bf16 its parameters, may be bf16). Each mirrors the CPU backend's formula in the same order; AdamW is
  * written with explicitly rounded intrinsics (no FMA contraction) so its
  * update is the CPU's bit for bit. Reductions run in a fixed tree: the same
  * bits every run. GeLU, the adds and the cast move 128 bits per load and
@@ -261,6 +261,49 @@ void cuda_adamw_update_bf16(float *params, const float *grads, uint16_t *m, uint
     float bc2 = (float)(1.0 - pow((double)beta2, t));
     KLAUNCH(adamw_bf16_kernel, grid_for(n, 256), 256, 0, params, grads, m, v, n, lr, beta1, beta2, eps,
             weight_decay, grad_scale, bc1, bc2, (uint64_t)t, seed, idx0);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* AdamW on bf16 parameters (precision.master bf16): the same expression on a
+ * parameter read from bf16 and stored through sround_bf16 with bits 32..47 of
+ * the element's hash, as the CPU does; the moments fp32 or bf16 (S_ = float
+ * or uint16_t: their load and store below). */
+__device__ __forceinline__ float moment_load(const float *p, size_t i) { return p[i]; }
+__device__ __forceinline__ float moment_load(const uint16_t *p, size_t i) { return sround_f32(p[i]); }
+__device__ __forceinline__ void moment_store(float *p, size_t i, float x, uint32_t r) { p[i] = x; }
+__device__ __forceinline__ void moment_store(uint16_t *p, size_t i, float x, uint32_t r) { p[i] = sround_bf16(x, r); }
+
+template <typename S_>
+__global__ void adamw_p16_kernel(uint16_t *params, const float *grads, S_ *m, S_ *v, size_t n, float lr,
+                                 float beta1, float beta2, float eps, float wd, float grad_scale, float bc1,
+                                 float bc2, uint64_t t, uint64_t seed, uint64_t idx0) {
+    const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
+    GRID_STRIDE(i, n) {
+        float g = __fmul_rn(grads[i], grad_scale);
+        float mi = __fadd_rn(__fmul_rn(beta1, moment_load(m, i)), __fmul_rn(b1c, g));
+        float vi = __fadd_rn(__fmul_rn(beta2, moment_load(v, i)), __fmul_rn(__fmul_rn(b2c, g), g));
+        uint64_t r = sround_hash(seed, t, idx0 + i);
+        moment_store(m, i, mi, (uint32_t)r);
+        moment_store(v, i, vi, (uint32_t)(r >> 16));
+        float mhat = __fdiv_rn(mi, bc1), vhat = __fdiv_rn(vi, bc2);
+        float p = sround_f32(params[i]);
+        float upd = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps)), __fmul_rn(wd, p));
+        params[i] = sround_bf16(__fsub_rn(p, __fmul_rn(lr, upd)), (uint32_t)(r >> 32));
+    }
+}
+
+void cuda_adamw_update_p16(uint16_t *params, const float *grads, void *m, void *v, size_t state_bytes, size_t n,
+                           float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
+                           uint64_t seed, uint64_t idx0) {
+    if (!n) return;
+    float bc1 = (float)(1.0 - pow((double)beta1, t));
+    float bc2 = (float)(1.0 - pow((double)beta2, t));
+    if (state_bytes == 2)
+        KLAUNCH(adamw_p16_kernel<uint16_t>, grid_for(n, 256), 256, 0, params, grads, (uint16_t *)m, (uint16_t *)v, n,
+                lr, beta1, beta2, eps, weight_decay, grad_scale, bc1, bc2, (uint64_t)t, seed, idx0);
+    else
+        KLAUNCH(adamw_p16_kernel<float>, grid_for(n, 256), 256, 0, params, grads, (float *)m, (float *)v, n, lr,
+                beta1, beta2, eps, weight_decay, grad_scale, bc1, bc2, (uint64_t)t, seed, idx0);
     CUDA_CHECK_LAUNCH();
 }
 

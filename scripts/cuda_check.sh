@@ -5,7 +5,8 @@
 # fp32 and with bf16 activations), which attention paths the bf16 path kept
 # and the throughput and error of each (SIMT, tensor cores, cuDNN), a 50-step
 # tiny run on the CPU and on CUDA with precision.compute fp32 and bf16 (and
-# precision.attention simt and cudnn), the loss curves compared step by step
+# precision.attention simt and cudnn, and bf16 without a master:
+# precision.master bf16), the loss curves compared step by step
 # (and model.recompute=norm_gelu's against none's, bit for bit; GeLU fused into
 # the fc products by cuBLASLt's epilogues against precision.gelu_fusion off,
 # and whether the fusion ran), GPT-2 124M (also with norm_gelu, and without
@@ -43,8 +44,16 @@ failed=0
 #     1e-2: the epilogue's GeLU reads the unrounded product (one bf16 rounding
 #     fewer) and is cuBLASLt's own formula; either is well inside the bf16
 #     storage's 1e-3-scale differences, a wrong aux or gradient is not.
+#   precision.master bf16 (no fp32 master, AdamW stores each parameter with
+#     stochastic rounding) 3e-2: on top of the bf16 storage above, each step
+#     rounds every weight to bf16 (zero-mean, up to one ulp = 2^-8 relative);
+#     test/test_model_master16 measures a 1.2% final-loss gap to the fp32
+#     master on an emulated 40-step overfit, so 3e-2 leaves 2.5x margin. A
+#     broken update is far outside it: tiny's loss falls 5.55 -> 2.55 in 50
+#     steps, and an update that is lost (rounded away) or wrong stalls it.
 TOL_TINY_FP32=1e-3
 TOL_TINY_BF16=1e-2
+TOL_TINY_MASTER16=3e-2
 
 row() { printf '%-28s %-6s %s\n' "$1" "$2" "$3" | tee -a "$SUM" >/dev/null; }
 elapsed() { echo $(( $(date +%s) - T0 )); }
@@ -192,10 +201,10 @@ section "tiny: 50 steps, cpu vs cuda"
 if [ ! -f data/austen/train_000000.bin ]; then
     ./train prepare --tokenizer byte --out data/austen --val-fraction 0.05 --shard-tokens 2000000 data/austen.txt >/dev/null
 fi
-tiny() { # NAME DEVICE COMPUTE [ATTENTION [RECOMPUTE [GELU_FUSION]]]
+tiny() { # NAME DEVICE COMPUTE [ATTENTION [RECOMPUTE [GELU_FUSION [MASTER]]]]
     timeout 150 ./train configs/tiny.yaml --set device="$2" --set precision.compute="$3" \
         --set precision.attention="${4:-auto}" --set model.recompute="${5:-none}" \
-        --set precision.gelu_fusion="${6:-auto}" \
+        --set precision.gelu_fusion="${6:-auto}" --set precision.master="${7:-fp32}" \
         --set train.steps=50 --set train.sample_every=0 --set train.eval_every=0 \
         --set metrics.log_every=10 --set run.dir="$OUT/tiny_$1" > "$OUT/tiny_$1.txt" 2>&1
     local rc=$?
@@ -283,6 +292,17 @@ if tiny cpu cpu fp32; then
         if [ $rc -eq 0 ]; then row tiny_cuda_bf16_norm_gelu_fused ok "$msg (tol $TOL_TINY_BF16)"
         else row tiny_cuda_bf16_norm_gelu_fused FAIL "$msg (tol $TOL_TINY_BF16)"; failed=1; fi
     else row tiny_cuda_bf16_norm_gelu_fused FAIL "run failed: $(tail -n 1 "$OUT/tiny_cuda_bf16_norm_gelu_fused.txt")"; failed=1; fi
+    # precision.master bf16: the bf16 copy is the parameters, updated by
+    # adamw_update_p16 with stochastic rounding; the log line says the mode ran
+    if over_budget; then row tiny_cuda_bf16_master16 skip "over the time budget"
+    elif tiny cuda_bf16_master16 cuda bf16 auto none auto bf16; then
+        msg=$(compare cuda_bf16_master16 "$TOL_TINY_MASTER16"); rc=$?
+        echo "cuda_bf16_master16: $msg"
+        if ! grep -q 'parameters: bf16 (precision.master)' "$OUT/tiny_cuda_bf16_master16.txt"; then
+            row tiny_cuda_bf16_master16 FAIL "no 'parameters: bf16' line: the mode did not run"; failed=1
+        elif [ $rc -eq 0 ]; then row tiny_cuda_bf16_master16 ok "$msg (tol $TOL_TINY_MASTER16)"
+        else row tiny_cuda_bf16_master16 FAIL "$msg (tol $TOL_TINY_MASTER16)"; failed=1; fi
+    else row tiny_cuda_bf16_master16 FAIL "run failed: $(tail -n 1 "$OUT/tiny_cuda_bf16_master16.txt")"; failed=1; fi
 else
     row tiny_cpu FAIL "cpu run failed: $(tail -n 1 "$OUT/tiny_cpu.txt")"; failed=1
 fi

@@ -17,7 +17,9 @@
  *  - fp32 (float *): statistics (LayerNorm mean/rstd, attention lse, losses),
  *    parameter gradients (dw, dbias, dwte, ...: accumulated in fp32 whatever
  *    act is), the fp32 master parameters and optimizer state (adamw_update,
- *    sumsq, add); the AdamW moments may instead be bf16 (adamw_update_bf16).
+ *    sumsq, add); the AdamW moments may instead be bf16 (adamw_update_bf16),
+ *    and with precision.master bf16 the parameters themselves are bf16 bits
+ *    (adamw_update_p16: no fp32 master; the compute copy is the parameters).
  * Arithmetic inside an op is fp32 with fp32 accumulation on every backend;
  * act only changes what is loaded and stored (bf16 stores round to nearest
  * even). Host code sizes act buffers with act_bytes() and converts with
@@ -149,6 +151,20 @@ typedef struct Backend {
     void (*adamw_update_bf16)(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n,
                               float lr, float beta1, float beta2, float eps, float weight_decay,
                               float grad_scale, int t, uint64_t seed, uint64_t idx0);
+    /* The same update on bf16 parameters (precision.master bf16: the bf16
+     * compute copy is the parameters, no fp32 master): params(n) bf16 bits
+     * are read into fp32, the step is computed in fp32 exactly as above, and
+     * the new parameter is stored rounded stochastically with bits 32..47 of
+     * sround_hash(seed, t, idx0 + i), a stream apart from the moments' (bits
+     * 0..31). m(n) v(n) are fp32 (state_bytes 4, as adamw_update) or bf16
+     * bits (2, as adamw_update_bf16). grads fp32. Every backend gives the
+     * same bits. A backend may leave it NULL where act is never bf16; the
+     * CPU backend has it as the reference the CUDA kernel is checked against
+     * (and for tests' bf16 emulation), though a CPU run never calls it: with
+     * fp32 activations the config refuses precision.master bf16. */
+    void (*adamw_update_p16)(uint16_t *params, const float *grads, void *m, void *v, size_t state_bytes, size_t n,
+                             float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
+                             int t, uint64_t seed, uint64_t idx0);
 
     /* Sum of squares of fp32 x, in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);

@@ -120,7 +120,14 @@ static const CfgKey cfg_keys[] = {
           "`off` as a product and a GeLU kernel; the epilogue applies cuBLASLt's own GeLU to the unrounded product, "
           "so losses differ in the last bits (within bf16 rounding), and with fusion `model.recompute` is no longer "
           "bit-identical to `none`; the CPU backend has no fused op and ignores the key"),
-    KENUM("precision.master", master, "fp32", "fp32", "dtype of master weights and gradients (what checkpoints hold)"),
+    KENUM("precision.master", master, "fp32", "fp32|bf16",
+          "dtype of the parameters the optimizer updates: `fp32` keeps an fp32 master (cast to the compute "
+          "copy after each step); `bf16` (llm.c's mode without master weights) makes the bf16 compute copy the "
+          "parameters: no fp32 arena, 4 bytes per parameter saved (GPT-2 1.5B: 6.2 GB), each AdamW update "
+          "computed in fp32 and stored with stochastic rounding (random bits from `run.seed`, the step and the "
+          "element: deterministic, the same on every data-parallel rank). Needs `precision.compute: bf16` on "
+          "`device: cuda` and `parallel.zero: 0`. Gradients and moments as before; checkpoints hold fp32 "
+          "either way (bf16 widened exactly), so a run may resume with the other setting"),
     KENUM("precision.optim_state", optim_state, "fp32", "fp32|bf16",
           "dtype of AdamW's moments m and v in memory: `bf16` halves the optimizer state (GPT-2 1.5B: 6.2 GB "
           "instead of 12.5 GB); the update still runs in fp32 and stores the moments back with stochastic "
@@ -598,6 +605,23 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
                   c->micro_batch, c->seq_len, c->dp, (long long)c->micro_batch * c->seq_len * c->dp);
 }
 
+/* precision.master bf16 makes the bf16 compute copy the parameters: it
+ * needs bf16 activations (CUDA; a CPU run found by device: auto is refused
+ * at start-up, when the backend is known) and whole parameters on every rank
+ * (ZeRO shards and gathers an fp32 master). */
+static void cfg_check_precision(const Config *c, CfgLoad *L) {
+    if (strcmp(c->master, "bf16") != 0) return;
+    if (!strcmp(c->compute, "fp32") || !strcmp(c->device, "cpu"))
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.master': bf16 needs bf16 activations (device: cuda with "
+                  "precision.compute: bf16), got %s; use precision.master: fp32",
+                  cfg_where_of(L, "precision.master", NULL),
+                  !strcmp(c->device, "cpu") ? "device: cpu (always fp32)" : "precision.compute: fp32");
+    if (c->zero != 0)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.master': bf16 is plain data parallelism only, got "
+                  "parallel.zero: %d (ZeRO shards and gathers fp32 master weights); set parallel.zero: 0 or "
+                  "precision.master: fp32", cfg_where_of(L, "precision.master", "parallel.zero"), c->zero);
+}
+
 static void cfg_check_batch(Config *c, CfgLoad *L) {
     int64_t per = (int64_t)c->micro_batch * c->seq_len;
     if (c->total_tokens % per)
@@ -627,6 +651,7 @@ static void cfg_finish(Config *c, CfgLoad *L) {
                   cfg_where_of(L, "data.tokenizer_file", "data.tokenizer"));
     cfg_check_batch(c, L);
     cfg_check_parallel(c, L);
+    cfg_check_precision(c, L);
     if (!c->run_dir[0]) {
         char dir[CFG_STR + 8];
         snprintf(dir, sizeof dir, "runs/%s", c->run_name);

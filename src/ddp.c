@@ -446,7 +446,7 @@ OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
         }
         return info;
     }
-    if (d->zero == 0) return optim_step_norm(o, m->param_mem, m->grad_mem, lr, grad_norm);
+    if (d->zero == 0) return optim_step_norm(o, model_param_arena(m), m->grad_mem, lr, grad_norm);
     OptimStepInfo info = optim_step_norm(o, m->param_mem + d->shard.lo, m->grad_mem + d->shard.lo, lr, grad_norm);
     if (info.nonfinite || !d->g) return info; /* every rank skipped: the norm is global */
     host_comm_fence(d);

@@ -79,6 +79,10 @@ static int unit_buf(const Model *m, int u) { return m->unit_cbuf ? m->unit_cbuf[
 /* Derive every compute view from the fp32 view of the same tensor. */
 static void bind_compute(Model *m) {
     for (int i = 0; i < m->num_tensors; i++) {
+        if (m->master_bf16) { /* no fp32 views: the bf16 parameters, by arena offset */
+            *wview_slot(m, i) = m->param16 + m->params[i].offset;
+            continue;
+        }
         float *master = *view_slot(m, &m->p, i);
         if (m->act_bytes == sizeof(float)) {
             *wview_slot(m, i) = master;
@@ -95,14 +99,17 @@ static void cbuf_free_all(Model *m) {
 }
 
 /* After the arena moved (init, layout, padding): one compute buffer over the
- * whole arena, stale. */
+ * whole arena, stale. precision.master bf16: that buffer is the parameters
+ * (param16), with no master to cast from: never stale. */
 static void compute_reset(Model *m) {
     cbuf_free_all(m);
     if (m->act_bytes != sizeof(float)) {
         int cap = m->n_units + 1;
         m->cbuf = xrealloc(m->cbuf, (size_t)cap * sizeof(ComputeBuf));
-        m->cbuf[0] = (ComputeBuf){m->param_mem, m->be->alloc(m->arena_len * m->act_bytes), m->arena_len, 1};
+        m->cbuf[0] = (ComputeBuf){m->param_mem, m->be->alloc(m->arena_len * m->act_bytes), m->arena_len,
+                                  !m->master_bf16};
         m->n_cbuf = 1;
+        m->param16 = m->master_bf16 ? m->cbuf[0].mem : NULL;
     }
     if (m->unit_cbuf) memset(m->unit_cbuf, 0, (size_t)m->n_units * sizeof(int));
     for (int u = 0; m->unit_stale && u < m->n_units; u++) m->unit_stale[u] = 1;
@@ -144,6 +151,7 @@ static void compute_bind_unit(Model *m, int u, const float *pbuf) {
 }
 
 void model_params_changed(Model *m) {
+    if (m->master_bf16) return; /* the ops read the parameters themselves */
     for (int k = 0; k < m->n_cbuf; k++) m->cbuf[k].stale = 1;
     for (int u = 0; m->unit_stale && u < m->n_units; u++) m->unit_stale[u] = 1;
 }
@@ -183,7 +191,16 @@ int model_unit_of(const Model *m, int i) {
     return i >= 2 && i < 2 + 12 * L ? (i - 2) / 12 : L;
 }
 
+/* ZeRO's layouts shard and gather the fp32 master, which precision.master
+ * bf16 does not have (the config refuses the pair; this is the backstop). */
+static void need_master(const Model *m, const char *what) {
+    if (m->master_bf16)
+        kiln_fail(KILN_EXIT_USAGE, "key 'precision.master': bf16 keeps no fp32 parameters for %s; set "
+                  "parallel.zero: 0 or precision.master: fp32", what);
+}
+
 void model_layout_by_unit(Model *m, size_t unit_align) {
+    need_master(m, "ZeRO-2/3's layout");
     int L = m->shape.n_layer;
     if (unit_align < 1) unit_align = 1;
     m->n_units = L + 1;
@@ -213,6 +230,7 @@ void model_layout_by_unit(Model *m, size_t unit_align) {
 }
 
 void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf) {
+    need_master(m, "ZeRO-2/3's layers");
     for (int i = 0; i < m->num_tensors; i++) {
         if (model_unit_of(m, i) != u) continue;
         size_t at = m->params[i].offset - m->unit_off[u];
@@ -223,11 +241,20 @@ void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf) {
 }
 
 void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings) {
+    model_init_dtype(m, be, s, decay_embeddings, 0);
+}
+
+void model_init_dtype(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings, int master_bf16) {
     memset(m, 0, sizeof *m);
     m->shape = *s;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
     m->act_bytes = be->act_bytes();
+    if (master_bf16 && (m->act_bytes != 2 || !be->adamw_update_p16))
+        kiln_fail(KILN_EXIT_USAGE, "key 'precision.master': bf16 needs bf16 activations (device: cuda with "
+                  "precision.compute: bf16), but the %s backend computes in %s; use precision.master: fp32",
+                  be->name, m->act_bytes == 2 ? "bf16 without a bf16 parameter update" : "fp32");
+    m->master_bf16 = master_bf16;
     int L = s->n_layer, C = s->n_embd;
     m->num_tensors = 2 + 12 * L + 2;
     m->params = xcalloc((size_t)m->num_tensors, sizeof(ParamInfo));
@@ -270,12 +297,13 @@ void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embe
     }
     m->num_params = off;
     m->arena_len = off;
-    m->param_mem = be->alloc(off * sizeof(float));
+    /* precision.master bf16: no fp32 arena; compute_reset allocates param16 */
+    m->param_mem = master_bf16 ? NULL : be->alloc(off * sizeof(float));
     m->grad_mem = be->alloc(off * sizeof(float));
     m->p.layer = xcalloc((size_t)L, sizeof(LayerParams));
     m->g.layer = xcalloc((size_t)L, sizeof(LayerParams));
     m->w.layer = xcalloc((size_t)L, sizeof(LayerWeights));
-    bind_views(m, m->param_mem, &m->p);
+    if (!master_bf16) bind_views(m, m->param_mem, &m->p); /* else the p views stay NULL: nothing may read them */
     bind_views(m, m->grad_mem, &m->g);
     compute_reset(m);
 }
@@ -306,6 +334,7 @@ void model_free(Model *m) {
 
 void model_pad_arenas(Model *m, size_t n) {
     if (n <= m->arena_len) return;
+    need_master(m, "ZeRO's equal blocks");
     const Backend *be = m->be;
     float *p = be->alloc(n * sizeof(float)), *g = be->alloc(n * sizeof(float));
     be->copy(p, m->param_mem, m->arena_len * sizeof(float));
@@ -346,10 +375,34 @@ void model_init_weights(Model *m, uint64_t seed) {
         }
         /* biases stay zero */
     }
-    m->be->to_device(m->param_mem, host, m->num_params * sizeof(float));
+    model_params_from_host(m, host);
     free(host);
+}
+
+void model_params_from_host(Model *m, const float *host) {
+    if (m->master_bf16) {
+        uint16_t *h16 = xmalloc(m->num_params * sizeof(uint16_t));
+        backend_f32_to_act(h16, host, m->num_params, 2); /* nearest even */
+        m->be->to_device(m->param16, h16, m->num_params * sizeof(uint16_t));
+        free(h16);
+    } else {
+        m->be->to_device(m->param_mem, host, m->num_params * sizeof(float));
+    }
     model_params_changed(m);
 }
+
+void model_params_to_host(const Model *m, float *host) {
+    if (m->master_bf16) {
+        uint16_t *h16 = xmalloc(m->num_params * sizeof(uint16_t));
+        m->be->to_host(h16, m->param16, m->num_params * sizeof(uint16_t));
+        backend_act_to_f32(host, h16, m->num_params, 2); /* exact */
+        free(h16);
+    } else {
+        m->be->to_host(host, m->param_mem, m->num_params * sizeof(float));
+    }
+}
+
+void *model_param_arena(const Model *m) { return m->master_bf16 ? (void *)m->param16 : (void *)m->param_mem; }
 
 static const char *const recompute_names[] = {"none", "gelu", "norm_gelu"};
 
@@ -684,8 +737,7 @@ void model_load_llmc(Model *m, const char *path) {
     }
     memcpy(host + m->params[2 + 12 * L].offset, p, Cz * sizeof(float));
     memcpy(host + m->params[3 + 12 * L].offset, p + Cz, Cz * sizeof(float));
-    m->be->to_device(m->param_mem, host, m->num_params * sizeof(float));
+    model_params_from_host(m, host);
     free(host);
     free(src);
-    model_params_changed(m);
 }

@@ -11,6 +11,13 @@
  * (model_params_changed) or its views are re-bound (ZeRO-3), at the first
  * use. Activations are act; statistics and losses fp32.
  *
+ * precision.master bf16 (act_bytes 2, no ZeRO): there is no fp32 master.
+ * The compute copy is the parameters (param16, bf16 bits; the optimizer
+ * updates it with stochastic rounding), param_mem and the p views are NULL,
+ * and host code reaches the values only through model_params_to_host /
+ * model_params_from_host (exact widening; rounding to nearest even).
+ * Gradients stay fp32.
+ *
  * Parameter table, in listing order (the order of docs, fixtures and
  * checkpoints; C = n_embd, Vp = padded vocab, T = seq_len):
  *   wte (Vp,C)  wpe (T,C)
@@ -146,13 +153,15 @@ typedef struct Model {
     size_t num_params;
     size_t num_decay;  /* arena elements [0, num_decay) are decayed */
 
-    float *param_mem; /* device (arena_len >= num_params; zeros past num_params) */
+    float *param_mem; /* device (arena_len >= num_params; zeros past num_params); NULL with master_bf16 */
+    int master_bf16;  /* precision.master bf16: param16 is the parameters, no fp32 arena (see the top) */
+    uint16_t *param16;/* device (arena_len) bf16 bits with master_bf16 (= cbuf[0].mem), else NULL */
     float *grad_mem;  /* device (arena_len); NULL after model_layout_by_unit */
     size_t arena_len; /* num_params, or more after model_pad_arenas (ZeRO's equal blocks) */
     ModelBackwardHook hook; /* NULL: none (see ModelBackwardHook) */
     void *hook_ctx;
     ModelLayerHook pre_hook; /* NULL: none; shares hook_ctx */
-    ParamViews p, g;  /* fp32 master parameters and their gradients */
+    ParamViews p, g;  /* fp32 master parameters (all NULL with master_bf16) and their gradients */
     size_t act_bytes; /* be->act_bytes(): 4 fp32, 2 bf16 */
     WeightViews w;    /* compute copy (act): p itself when act_bytes is 4 */
     ComputeBuf *cbuf; /* [n_cbuf] act_bytes 2: the compute copy's buffers */
@@ -197,6 +206,10 @@ void model_shape_resolve(ModelShape *s);
 
 /* Build the parameter table and allocate the parameter and gradient arenas. */
 void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings);
+/* The same with master_bf16 = 1 for precision.master bf16 (see the top): the
+ * backend must have bf16 activations and adamw_update_p16, else exit 2
+ * naming the key. */
+void model_init_dtype(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings, int master_bf16);
 void model_free(Model *m);
 /* Grow both arenas to n >= num_params floats (zero padding at the end), so a
  * flat arena splits into equal ZeRO blocks. Keeps the parameter values. */
@@ -221,8 +234,18 @@ int model_unit_of(const Model *m, int i);
 void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf);
 
 /* The fp32 parameters changed (optimizer step, checkpoint load): the compute
- * copy is cast again before the next use. A flag; nothing runs here. */
+ * copy is cast again before the next use. A flag; nothing runs here (and
+ * nothing at all with master_bf16: the copy is the parameters). */
 void model_params_changed(Model *m);
+
+/* The first num_params parameters to and from host fp32, arena order: the
+ * fp32 master as is, or with master_bf16 the bf16 parameters widened
+ * (exact) / rounded to nearest even (values already bf16 are kept to the
+ * bit). from_host marks the compute copy stale. */
+void model_params_to_host(const Model *m, float *host);
+void model_params_from_host(Model *m, const float *host);
+/* What the optimizer updates: param_mem (fp32) or, with master_bf16, param16. */
+void *model_param_arena(const Model *m);
 
 /* GPT-2 initialisation: N(0, 0.02) weights and embeddings, residual
  * projections (attn.c_proj, mlp.c_proj weights) scaled by 1/sqrt(2*n_layer),

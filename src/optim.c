@@ -60,6 +60,7 @@ void optim_init_shard_dtype(AdamW *o, const Backend *be, size_t n, size_t n_deca
                             int state_bf16, uint64_t seed) {
     memset(o, 0, sizeof *o);
     o->state_bytes = state_bf16 ? 2 : 4;
+    o->param_bytes = 4;
     o->seed = seed;
     o->lo = lo;
     o->hi = hi;
@@ -76,6 +77,13 @@ void optim_init_shard_dtype(AdamW *o, const Backend *be, size_t n, size_t n_deca
     o->v = be->alloc((hi - lo + 1) * o->state_bytes);
 }
 
+void optim_set_params_bf16(AdamW *o) {
+    if (!o->be->adamw_update_p16)
+        kiln_fail(KILN_EXIT_USAGE, "key 'precision.master': bf16: the %s backend has no bf16 parameter update; use "
+                  "precision.master: fp32", o->be->name);
+    o->param_bytes = 2;
+}
+
 void optim_free(AdamW *o) {
     if (o->be) {
         o->be->free(o->m);
@@ -84,8 +92,9 @@ void optim_free(AdamW *o) {
     memset(o, 0, sizeof *o);
 }
 
-OptimStepInfo optim_step(AdamW *o, float *params, const float *grads, float lr) {
-    return optim_step_norm(o, params + o->lo, grads + o->lo, lr, sqrt(o->be->sumsq(grads, o->n)));
+OptimStepInfo optim_step(AdamW *o, void *params, const float *grads, float lr) {
+    return optim_step_norm(o, (char *)params + o->lo * o->param_bytes, grads + o->lo, lr,
+                           sqrt(o->be->sumsq(grads, o->n)));
 }
 
 /* The norm check and clipping factor shared by the step functions. */
@@ -107,14 +116,18 @@ static OptimStepInfo step_begin(AdamW *o, double grad_norm) {
     return info;
 }
 
-/* adamw_update on state elements [k, k + n), in the state's dtype. The bf16
- * rounding is keyed by element lo + k: the arena element without ZeRO and
- * with ZeRO-1 (the same bits on any number of ranks), the offset in the
- * rank's shard with ZeRO-2/3 (unbiased all the same; the bits then follow
- * the layout). */
-static void update_range(AdamW *o, float *params, const float *grads, size_t k, size_t n, float lr, float wd,
+/* adamw_update on state elements [k, k + n), in the state's and the
+ * parameters' dtypes; params and grads point at element k. The bf16 rounding
+ * is keyed by element lo + k: the arena element without ZeRO and with ZeRO-1
+ * (the same bits on any number of ranks), the offset in the rank's shard
+ * with ZeRO-2/3 (unbiased all the same; the bits then follow the layout). */
+static void update_range(AdamW *o, void *params, const float *grads, size_t k, size_t n, float lr, float wd,
                          float grad_scale) {
-    if (o->state_bytes == 2)
+    if (o->param_bytes == 2)
+        o->be->adamw_update_p16(params, grads, (char *)o->m + k * o->state_bytes, (char *)o->v + k * o->state_bytes,
+                                o->state_bytes, n, lr, o->beta1, o->beta2, o->eps, wd, grad_scale, o->t, o->seed,
+                                o->lo + k);
+    else if (o->state_bytes == 2)
         o->be->adamw_update_bf16(params, grads, (uint16_t *)o->m + k, (uint16_t *)o->v + k, n, lr, o->beta1,
                                  o->beta2, o->eps, wd, grad_scale, o->t, o->seed, o->lo + k);
     else
@@ -122,19 +135,20 @@ static void update_range(AdamW *o, float *params, const float *grads, size_t k, 
                             o->eps, wd, grad_scale, o->t);
 }
 
-OptimStepInfo optim_step_segments(AdamW *o, float *params, const float *grads, const OptimSegment *seg, int nseg,
+OptimStepInfo optim_step_segments(AdamW *o, void *params, const float *grads, const OptimSegment *seg, int nseg,
                                   float lr, double grad_norm) {
     OptimStepInfo info = step_begin(o, grad_norm);
     if (info.nonfinite) return info;
     for (int i = 0; i < nseg; i++) {
         size_t k = seg[i].off;
-        update_range(o, params + k, grads + k, k, seg[i].n, lr, seg[i].decay ? o->weight_decay : 0.0f,
+        update_range(o, (char *)params + k * o->param_bytes, grads + k, k, seg[i].n, lr,
+                     seg[i].decay ? o->weight_decay : 0.0f,
                      info.grad_scale);
     }
     return info;
 }
 
-OptimStepInfo optim_step_norm(AdamW *o, float *params, const float *grads, float lr, double grad_norm) {
+OptimStepInfo optim_step_norm(AdamW *o, void *params, const float *grads, float lr, double grad_norm) {
     OptimStepInfo info = step_begin(o, grad_norm);
     if (info.nonfinite) return info;
     size_t n = o->hi - o->lo;
@@ -142,6 +156,6 @@ OptimStepInfo optim_step_norm(AdamW *o, float *params, const float *grads, float
     size_t d = o->n_decay > o->lo ? o->n_decay - o->lo : 0;
     if (d > n) d = n;
     if (d > 0) update_range(o, params, grads, 0, d, lr, o->weight_decay, info.grad_scale);
-    if (n > d) update_range(o, params + d, grads + d, d, n - d, lr, 0.0f, info.grad_scale);
+    if (n > d) update_range(o, (char *)params + d * o->param_bytes, grads + d, d, n - d, lr, 0.0f, info.grad_scale);
     return info;
 }

@@ -31,7 +31,9 @@ typedef struct AdamW {
     void *m, *v;       /* device (hi - lo) state_bytes each: moments of arena elements [lo, hi),
                           fp32 or bf16 bits (precision.optim_state) */
     size_t state_bytes;/* 4 (fp32 moments) or 2 (bf16, stochastically rounded: sround.h) */
-    uint64_t seed;     /* bf16 moments: the rounding's random bits come from (seed, t, element) */
+    uint64_t seed;     /* bf16 moments and parameters: the rounding's random bits come from (seed, t, element) */
+    size_t param_bytes;/* 4 (fp32 master) or 2 (precision.master bf16: the step functions' params are bf16
+                          bits, stored back with stochastic rounding: backend.h adamw_update_p16) */
     size_t n;          /* parameters (the whole arena) */
     size_t n_decay;    /* [0, n_decay) get weight decay */
     size_t lo, hi;     /* the elements this rank updates: [0, n), or its ZeRO shard */
@@ -56,18 +58,23 @@ void optim_init_shard(AdamW *o, const Backend *be, size_t n, size_t n_decay, siz
 void optim_init_shard_dtype(AdamW *o, const Backend *be, size_t n, size_t n_decay, size_t lo, size_t hi,
                             float beta1, float beta2, float eps, float weight_decay, float grad_clip,
                             int state_bf16, uint64_t seed);
+/* precision.master bf16: from now on the step functions take the parameters
+ * as bf16 bits (uint16_t, the model's param16) and round their update
+ * stochastically from o->seed; before the first step. */
+void optim_set_params_bf16(AdamW *o);
 void optim_free(AdamW *o);
 /* "fp32" -> 4, "bf16" -> 2 (precision.optim_state); 0 if unknown. */
 size_t optim_state_bytes(const char *name);
 
 /* One step: norm of grads, clip, update params in place with `lr`. A
- * non-finite gradient norm leaves params and state untouched. */
-OptimStepInfo optim_step(AdamW *o, float *params, const float *grads, float lr);
+ * non-finite gradient norm leaves params and state untouched. params: the
+ * arena, param_bytes per element (fp32, or bf16 bits: optim_set_params_bf16). */
+OptimStepInfo optim_step(AdamW *o, void *params, const float *grads, float lr);
 /* The same with the global gradient norm computed by the caller (data
  * parallelism: from every rank's shard). params and grads point at arena
  * element o->lo (grads may be a shard buffer); hi - lo elements are updated,
  * the weight-decay boundary clipped into the range. */
-OptimStepInfo optim_step_norm(AdamW *o, float *params, const float *grads, float lr, double grad_norm);
+OptimStepInfo optim_step_norm(AdamW *o, void *params, const float *grads, float lr, double grad_norm);
 
 /* ZeRO-2/3: a run of `n` elements at `off` of the shard buffers (params, grads,
  * m and v alike), all weight-decayed or all not. */
@@ -77,7 +84,7 @@ typedef struct OptimSegment {
 } OptimSegment;
 /* One step over the segments (the optimizer state holds the whole shard:
  * optim_init_shard(..., 0, shard_len)), with the caller's global norm. */
-OptimStepInfo optim_step_segments(AdamW *o, float *params, const float *grads, const OptimSegment *seg, int nseg,
+OptimStepInfo optim_step_segments(AdamW *o, void *params, const float *grads, const OptimSegment *seg, int nseg,
                                   float lr, double grad_norm);
 
 #endif

@@ -23,7 +23,8 @@ static const char *plan_usage =
     "fits; then suggests the smallest parallel.zero and the largest batch.micro_batch that fit.\n"
     "Memory per rank = parameters + gradients + AdamW state (per ZeRO stage, as --dry-run\n"
     "counts them) + activations of one micro-batch + 32 MiB cuBLAS workspace, all + 5%.\n"
-    "Everything is counted in fp32 (AdamW's m and v in bf16 with precision.optim_state bf16),\n"
+    "Everything is counted in fp32 (AdamW's m and v in bf16 with precision.optim_state bf16,\n"
+    "the parameters in bf16 with precision.master bf16, which has no fp32 master),\n"
     "activations included: an upper bound for precision.compute\n"
     "bf16 on a GPU, whose bf16 activations take half (plus a bf16 copy of the parameters);\n"
     "the activations' bf16 figure is printed too. Activations follow model.recompute (none,\n"
@@ -36,9 +37,12 @@ size_t plan_num_params(const ModelShape *s) {
     return (size_t)s->padded_vocab * C + (size_t)s->seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
 }
 
+size_t plan_param_bytes(const char *master) { return strcmp(master, "bf16") == 0 ? 2 : 4; }
+
 PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch, ModelRecompute recompute,
-                                size_t moment_bytes) {
+                                size_t moment_bytes, size_t param_bytes) {
     PlanMemory m = {0};
+    m.param_bytes = param_bytes;
     double C = s->n_embd, L = s->n_layer, params = (double)plan_num_params(s);
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
     double layer = 12.0 * C * C + 13.0 * C, rest = params - L * layer;
@@ -66,8 +70,9 @@ PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro
         }
     } else {
         /* the backward pass accumulates into a whole gradient arena on every
-         * rank (ZeRO 2 and 3 on one rank are plain training) */
-        m.params = params * 4;
+         * rank (ZeRO 2 and 3 on one rank are plain training); the parameters
+         * are fp32, or bf16 without a master (precision.master bf16) */
+        m.params = params * (double)param_bytes;
         m.grads = params * 4;
         m.optim = (zero == 1 ? shard : params) * 2 * moment_bytes;
     }
@@ -121,7 +126,7 @@ void plan_print_state(const PlanMemory *m, int dp, int zero) {
         plan_print_bytes("  + unreduced", m->grads_unreduced);
         plan_print_bytes("optimizer state (1/dp)", m->optim);
     } else {
-        plan_print_bytes("parameters", m->params);
+        plan_print_bytes(m->param_bytes == 2 ? "parameters, bf16" : "parameters", m->params);
         plan_print_bytes("gradients", m->grads);
         plan_print_bytes(zero == 1 ? "optimizer state (1/dp)" : "optimizer state", m->optim);
     }
@@ -236,7 +241,8 @@ int plan_main(int argc, char **argv) {
     }
 
     ModelRecompute recompute = model_recompute_parse(c.recompute);
-    PlanMemory m = plan_memory_per_rank(&s, dp, c.zero, c.micro_batch, recompute, optim_state_bytes(c.optim_state));
+    size_t sb = optim_state_bytes(c.optim_state), pb = plan_param_bytes(c.master); /* bytes per element */
+    PlanMemory m = plan_memory_per_rank(&s, dp, c.zero, c.micro_batch, recompute, sb, pb);
     size_t params = plan_num_params(&s);
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d): %zu parameters "
            "(%.2fM)\n", c.run_name, c.arch, s.n_layer, s.n_head, s.n_embd, s.seq_len, s.vocab_size, s.padded_vocab,
@@ -252,7 +258,8 @@ int plan_main(int argc, char **argv) {
     else
         printf("  batch                  %lld tokens, micro-batch %d x %d tokens: INVALID (below)\n",
                (long long)c.total_tokens, c.micro_batch, c.seq_len);
-    printf("  memory per rank        fp32 storage (parameters, gradients%s; activations counted in fp32)\n",
+    printf("  memory per rank        fp32 storage (%sgradients%s; activations counted in fp32)\n",
+           plan_param_bytes(c.master) == 2 ? "bf16 parameters without a master; " : "parameters, ",
            optim_state_bytes(c.optim_state) == 2 ? "; AdamW m and v in bf16" : ", AdamW m and v");
     plan_print_state(&m, dp, c.zero);
     plan_print_activations(&m);
@@ -270,15 +277,17 @@ int plan_main(int argc, char **argv) {
     if (rank_samples > 0) {
         int div[128];
         int nd = plan_divisors(rank_samples, div, 128);
-        for (int z = 0; z <= 3 && best_zero < 0; z++) {
+        /* precision.master bf16 is ZeRO 0 only (its parameters are not sharded) */
+        int max_zero = pb == 2 ? 0 : 3;
+        for (int z = 0; z <= max_zero && best_zero < 0; z++) {
             for (int j = 0; j < nd; j++) {
-                PlanMemory t = plan_memory_per_rank(&s, dp, z, div[j], recompute, optim_state_bytes(c.optim_state));
+                PlanMemory t = plan_memory_per_rank(&s, dp, z, div[j], recompute, sb, pb);
                 if (t.total <= cap) {
                     best_zero = z, best_mb = div[j], best = t;
                     break;
                 }
             }
-            PlanMemory t1 = plan_memory_per_rank(&s, dp, z, 1, recompute, optim_state_bytes(c.optim_state));
+            PlanMemory t1 = plan_memory_per_rank(&s, dp, z, 1, recompute, sb, pb);
             if (least_zero < 0 || t1.total < least.total) least = t1, least_zero = z;
         }
     }

@@ -18,6 +18,7 @@
  * gradients, AdamW m and v, activations), on both backends. */
 typedef struct PlanMemory {
     double params;          /* whole parameters (ZeRO 0-2), or the 1/dp shard (ZeRO-3) */
+    size_t param_bytes;     /* 4 (fp32 master) or 2 (precision.master bf16, ZeRO 0: no fp32 arena) */
     double params_shard;    /* ZeRO-2: the fp32 1/dp shard AdamW updates; else 0 */
     double params_gathered; /* ZeRO-3: two layers + wte/wpe/ln_f gathered; else 0 */
     double grads;           /* whole gradient arena (ZeRO 0-1), or the 1/dp shard (ZeRO 2-3) */
@@ -40,9 +41,12 @@ size_t plan_num_params(const ModelShape *s);
 /* The per-rank memory of data parallelism over dp ranks at ZeRO stage `zero`
  * with micro-batches of micro_batch x seq_len tokens: the accounting of
  * ddp.c's arenas, and the one `--dry-run` prints. */
-/* moment_bytes: AdamW's m and v per element, 4 (fp32) or 2 (precision.optim_state bf16). */
+/* moment_bytes: AdamW's m and v per element, 4 (fp32) or 2 (precision.optim_state bf16);
+ * param_bytes: the parameters', 4 (fp32 master) or 2 (precision.master bf16, ZeRO 0 only). */
 PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch, ModelRecompute recompute,
-                                size_t moment_bytes);
+                                size_t moment_bytes, size_t param_bytes);
+/* "fp32" -> 4, "bf16" -> 2 (precision.master). */
+size_t plan_param_bytes(const char *master);
 
 /* One "  %-22s %9.2f <unit>" line of a byte count (B, KiB, ... TiB). */
 void plan_print_bytes(const char *what, double bytes);

@@ -39,6 +39,9 @@ static const struct {
     {"precision.gelu_fusion", KEY_ALLOW, "GPU products only (GeLU fused or not): the CPU backend ignores it"},
     {"precision.optim_state", KEY_ALLOW,
      "checkpoints hold the moments in fp32: they load into either dtype (bf16 rounds them to nearest)"},
+    {"precision.master", KEY_ALLOW,
+     "checkpoints hold the parameters in fp32: they load into either dtype (bf16 rounds them to nearest; a bf16 "
+     "run's own values load to the bit)"},
     {"precision.*", KEY_NOTE, "another precision rounds differently"},
     {"parallel.timeout_s", KEY_ALLOW, NULL},
     {"parallel.*", KEY_NOTE, "the state is resharded onto the new mesh"},

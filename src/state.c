@@ -39,14 +39,17 @@ static void add_params(CkptTable *t, Model *m, float *base, const char *prefix) 
     }
 }
 
-/* bf16 AdamW moments (precision.optim_state: bf16) travel as fp32: the
- * checkpoint is the same whatever the run's setting, so a run resumes with
- * either. These copies convert (CkptCopyFn has no context: the run's one
+/* bf16 AdamW moments (precision.optim_state: bf16) and bf16 parameters
+ * (precision.master: bf16) travel as fp32: the checkpoint is the same
+ * whatever the run's setting, so a run resumes with either. A bf16 run's
+ * values widen exactly and round back to themselves, so its own resume is
+ * bit-identical; an fp32 checkpoint loads into bf16 rounded to nearest even.
+ * These copies convert (CkptCopyFn has no context: the run's one
  * backend is kept here by state_open). to_host widens in place from the back
  * (element i's 4 bytes overwrite bf16 elements >= i, already read); to_device
  * narrows ckpt's scratch buffer in place, rounding to nearest even. */
 static const Backend *state_be;
-static void bf16_moments_to_host(void *dst, const void *src, size_t bytes) {
+static void bf16_to_host(void *dst, const void *src, size_t bytes) {
     size_t n = bytes / 4;
     unsigned char *d = dst;
     state_be->to_host(dst, src, n * 2);
@@ -57,7 +60,7 @@ static void bf16_moments_to_host(void *dst, const void *src, size_t bytes) {
         memcpy(d + 4 * i, &f, 4);
     }
 }
-static void bf16_moments_to_device(void *dst, const void *src, size_t bytes) {
+static void bf16_to_device(void *dst, const void *src, size_t bytes) {
     size_t n = bytes / 4;
     backend_f32_to_act((void *)src, src, n, 2);
     state_be->to_device(dst, src, n * 2);
@@ -69,8 +72,8 @@ static void bf16_moments_to_device(void *dst, const void *src, size_t bytes) {
  * flat range. */
 static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo, size_t hi, const char *prefix) {
     const Backend *be = m->be;
-    CkptCopyFn to_host = esz == 2 ? bf16_moments_to_host : be->to_host;
-    CkptCopyFn to_device = esz == 2 ? bf16_moments_to_device : be->to_device;
+    CkptCopyFn to_host = esz == 2 ? bf16_to_host : be->to_host;
+    CkptCopyFn to_device = esz == 2 ? bf16_to_device : be->to_device;
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
         size_t a = p->offset > lo ? p->offset : lo, b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
@@ -82,6 +85,21 @@ static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo,
                                        (char *)base + (a - lo) * esz, to_host, to_device);
         e->mem_size = esz == 2 ? 2 : 0;
     }
+}
+
+/* The whole parameters: the fp32 master, or with precision.master bf16 the
+ * bf16 parameters as fp32 entries (the same names, shapes and format). */
+static void add_model_params(CkptTable *t, Model *m) {
+    if (m->master_bf16) add_range(t, m, m->param16, 2, 0, m->num_params, "");
+    else add_params(t, m, m->param_mem, "");
+}
+
+void state_table_add(CkptTable *t, Model *m, AdamW *o) {
+    state_be = m->be;
+    add_model_params(t, m);
+    if (!o) return;
+    add_range(t, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
+    add_range(t, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
 }
 
 /* ZeRO-2/3: this rank's block of every unit, stored back to back at base
@@ -96,7 +114,7 @@ int state_init_from(Model *m, const char *dir, int say) {
     if (!ckpt_is_checkpoint(dir)) return 0;
     CkptTable t;
     ckpt_table_init(&t);
-    add_params(&t, m, m->param_mem, "");
+    state_table_add(&t, m, NULL);
     char err[2048];
     CkptInfo info;
     if (ckpt_load(dir, &t, &info, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "key 'init.from': %s", err);
@@ -165,9 +183,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         add_unit_blocks(t, m, us, o->m, o->state_bytes, "optim.m/");
         add_unit_blocks(t, m, us, o->v, o->state_bytes, "optim.v/");
     } else {
-        add_params(t, m, m->param_mem, "");
-        add_range(t, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
-        add_range(t, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
+        state_table_add(t, m, o);
     }
     ckpt_add_blob(t, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
     ckpt_add_blob(t, "train.step", CKPT_I64, 1, 1, &s->step);
@@ -186,7 +202,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         add_unit_blocks(w, m, us, us->pshard, 4, "");
         add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/");
         add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/");
-    } else if (rank == 0) add_params(w, m, m->param_mem, "");
+    } else if (rank == 0) add_model_params(w, m);
     if (!us && (rank == 0 || opt_sharded)) {
         add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
         add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");

@@ -70,5 +70,10 @@ void state_close(RunState *s);
  * (and say so when `say`: rank 0). Returns 0 if `dir` is not a kiln
  * checkpoint (the caller tries llm.c). */
 int state_init_from(Model *m, const char *dir, int say);
+/* The entries a run without ZeRO-2/3 saves and loads for the model and
+ * AdamW: every parameter (fp32 entries; precision.master bf16's widened
+ * exactly on save, rounded to nearest even on load) and, unless o is NULL,
+ * the moments of o's range [lo, hi). For state_open, init.from and tests. */
+void state_table_add(CkptTable *t, Model *m, AdamW *o);
 
 #endif

@@ -49,7 +49,7 @@ static void print_plan(const Config *c, const ModelShape *s) {
            c->zero);
     /* the same accounting `./train plan` uses (src/plan.c) */
     PlanMemory mem = plan_memory_per_rank(s, dp, c->zero, c->micro_batch, model_recompute_parse(c->recompute),
-                                          optim_state_bytes(c->optim_state));
+                                          optim_state_bytes(c->optim_state), plan_param_bytes(c->master));
     plan_print_state(&mem, dp, c->zero);
     plan_print_activations(&mem);
     printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps x %d ranks)\n",
@@ -233,7 +233,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                                      : NULL;
 
     Model model;
-    model_init(&model, be, &shape, c->decay_embeddings);
+    /* precision.master bf16: no fp32 arena (exit 2 unless act is bf16) */
+    model_init_dtype(&model, be, &shape, c->decay_embeddings, strcmp(c->master, "bf16") == 0);
     model.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
      * per-message latency is small, small enough to overlap with backward.
@@ -261,6 +262,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     optim_init_shard_dtype(&opt, be, model.num_params, model.num_decay, opt_lo, opt_hi, c->beta1, c->beta2, c->eps,
                            c->weight_decay, c->grad_clip, optim_state_bytes(c->optim_state) == 2,
                            c->seed ^ 0x6f7074696d2e7372ULL);
+    if (model.master_bf16) optim_set_params_bf16(&opt); /* the same seed: other bits of each element's hash */
     Schedule sched = {(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps, c->min_lr_ratio,
                       c->decay_ratio};
 
@@ -317,6 +319,9 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                   model.recompute == MODEL_RECOMPUTE_NONE ? ""
                   : fused ? " (the backward recomputes them; the GeLU's last bits may differ from the fused forward's)"
                           : " (the backward recomputes them: bit-identical)");
+    if (model.master_bf16)
+        metrics_print(mx, "parameters: bf16 (precision.master), no fp32 master (%.2f MiB saved); AdamW rounds each "
+                          "update stochastically; gradients fp32", model.num_params * 4.0 / 1048576.0);
     metrics_print(mx, "gelu fusion: %s", !model.gelu_fusion ? "off (precision.gelu_fusion), fc product and GeLU separate"
                   : fused ? "on: fc product and GeLU fused (forward and backward) by the backend"
                           : "not offered by this backend: fc product and GeLU separate");
@@ -390,7 +395,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
             /* ZeRO-2/3: this rank's fp32 shard (rank 0's is the one logged;
              * ZeRO-2's whole arena is still being refreshed) */
             size_t np = ddp.units ? ddp.shard_len : model.num_params;
-            be->to_host(param_host, ddp.units ? ddp.pshard : model.param_mem, np * sizeof(float));
+            if (ddp.units) be->to_host(param_host, ddp.pshard, np * sizeof(float));
+            else model_params_to_host(&model, param_host); /* precision.master bf16: widened */
             ms.param_hash = kiln_fnv1a(param_host, np * sizeof(float), KILN_FNV_INIT);
         }
         if (bad && !skip_nonfinite) {

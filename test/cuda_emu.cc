@@ -411,6 +411,54 @@ static void test_adamw_bf16(size_t n) {
     cudaFree(dp), cudaFree(dm), cudaFree(dv);
 }
 
+/* bf16 parameters (precision.master bf16), with fp32 and bf16 moments: the
+ * kernel must give the CPU's bits, the parameter's stochastic rounding (bits
+ * 32..47 of the hash) included; idx0 nonzero as for an arena offset. */
+static void test_adamw_p16(size_t n, int state16) {
+    Vec p = rnd(n, 1.0f), m = rnd(n, 0.01f), v = rnd(n, 1e-4f);
+    size_t sb = state16 ? 2 : 4;
+    std::vector<uint16_t> p16(n);
+    std::vector<unsigned char> ms(n * sb), vs(n * sb);
+    for (size_t i = 0; i < n; i++) {
+        p16[i] = sround_bf16(p[i], 0x8000u);
+        float vi = fabsf(v[i]);
+        if (state16) {
+            uint16_t a = sround_bf16(m[i], 0x8000u), b = sround_bf16(vi, 0x8000u);
+            memcpy(&ms[2 * i], &a, 2), memcpy(&vs[2 * i], &b, 2);
+        } else {
+            memcpy(&ms[4 * i], &m[i], 4), memcpy(&vs[4 * i], &vi, 4);
+        }
+    }
+    uint16_t *dp;
+    void *dm, *dv;
+    CUDA_CHECK(cudaMalloc(&dp, n * 2));
+    CUDA_CHECK(cudaMalloc(&dm, n * sb));
+    CUDA_CHECK(cudaMalloc(&dv, n * sb));
+    CUDA_CHECK(cudaMemcpy(dp, p16.data(), n * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dm, ms.data(), n * sb, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dv, vs.data(), n * sb, cudaMemcpyHostToDevice));
+    for (int t = 3; t <= 4; t++) {
+        Vec g = rnd(n, 1.0f);
+        float *dg = dev_f32(g);
+        cpu->adamw_update_p16(p16.data(), g.data(), ms.data(), vs.data(), sb, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f,
+                              0.5f, t, 1234567ULL, 777);
+        gpu->adamw_update_p16(dp, dg, dm, dv, sb, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t, 1234567ULL, 777);
+        cudaFree(dg);
+    }
+    std::vector<uint16_t> gp(n);
+    std::vector<unsigned char> gm(n * sb), gv(n * sb);
+    CUDA_CHECK(cudaMemcpy(gp.data(), dp, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gm.data(), dm, n * sb, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gv.data(), dv, n * sb, cudaMemcpyDeviceToHost));
+    Vec fp(n), rp(n);
+    for (size_t i = 0; i < n; i++) fp[i] = sround_f32(gp[i]), rp[i] = sround_f32(p16[i]);
+    std::string sh = std::string(state16 ? "_state_bf16" : "_state_fp32") + "_n" + std::to_string(n);
+    check_exact("adamw_p16_params" + sh, fp, rp);
+    int same = gm == ms && gv == vs;
+    report_s("adamw_p16_moments" + sh, same, same ? "the cpu backend's bits" : "moments differ from the cpu backend's bits");
+    cudaFree(dp), cudaFree(dm), cudaFree(dv);
+}
+
 static void test_sumsq(size_t n) {
     std::string sh = "_n" + std::to_string(n);
     Vec x = rnd(n, 3.0f);
@@ -515,6 +563,8 @@ int main(void) {
         test_crossentropy(5, 1000, 1024); /* rows wider than the block */
         test_adamw(1003);
         test_adamw_bf16(1003);
+        test_adamw_p16(1003, 0);
+        test_adamw_p16(1003, 1);
         test_sumsq(4099);
         test_sumsq(100);                  /* fewer elements than partial blocks */
         test_sumsq(0);

@@ -50,6 +50,21 @@ expect bad_set_type 2 "optim.lr" -- ./train "$T/small.yaml" --set optim.lr=fast
 expect bad_set_eps_zero 2 "optim.eps.*\\(0, 1\\]" -- ./train "$T/small.yaml" --set optim.eps=0
 expect bad_data_glob 2 "data.train.*nothing_here" -- ./train "$T/small.yaml" --set "data.train=$T/nothing_here_*.bin"
 expect bad_device 2 "device" -- ./train "$T/small.yaml" --set device=cuda
+# precision.master bf16 (no fp32 master): bf16 activations (CUDA, compute
+# bf16) and plain data parallelism only; each refusal is one line. The
+# start-up refusal (device auto finding the CPU) is test_model_master16's.
+M="--set precision.master=bf16"
+for c in "cpu:device=cpu:device: cpu" "compute_fp32:precision.compute=fp32:precision.compute: fp32" \
+    "zero1:parallel.zero=1:parallel.zero: 1" "zero3:parallel.zero=3:parallel.zero: 3"; do
+    name=${c%%:*}; rest=${c#*:}; set_kv=${rest%%:*}; pat=${rest#*:}
+    extra=""; [ "$name" = cpu ] || extra="--set device=cuda"
+    if expect "bad_master_bf16_$name" 2 "precision.master.*$pat" -- ./train "$T/small.yaml" $M $extra --set "$set_kv" \
+        && [ "$(wc -l < "$T/err.txt")" -ne 1 ]; then
+        fail "bad_master_bf16_${name}_one_line" "$(cat "$T/err.txt")"
+    fi
+done
+# ... and the plan counts its parameters at 2 bytes (124M: 237.42 MiB, not 474.84)
+expect train_dry_run_master_bf16 0 'parameters, bf16 +237\.42 MiB' -- ./train configs/gpt2-124m.yaml --dry-run $M
 
 # Shards broken on purpose.
 mkdir -p "$T/bad"

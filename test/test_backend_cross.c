@@ -391,6 +391,37 @@ static void cross_rest(int B, int T, int C, int V, int Vp, int fp32_ops) {
         dev->free(d_m16), dev->free(d_v16);
         free(m16), free(v16), free(gm), free(gv);
     }
+    /* bf16 parameters (precision.master bf16), fp32 and bf16 moments: the
+     * same bits, the parameter's stochastic rounding (bits 32..47) included */
+    for (int s16 = 0; s16 <= 1; s16++) {
+        size_t sb = s16 ? 2 : 4;
+        uint16_t *p16 = xmalloc(n * 2), *gp = xmalloc(n * 2);
+        unsigned char *ms = xmalloc(n * sb), *vs = xmalloc(n * sb), *gm = xmalloc(n * sb), *gv = xmalloc(n * sb);
+        for (size_t i = 0; i < n; i++) {
+            p16[i] = sround_bf16(p[i], 0x8000u);
+            if (s16) {
+                uint16_t mh = sround_bf16(m[i], 0x8000u), vh = sround_bf16(v[i], 0x8000u);
+                memcpy(ms + 2 * i, &mh, 2), memcpy(vs + 2 * i, &vh, 2);
+            } else {
+                memcpy(ms + 4 * i, &m[i], 4), memcpy(vs + 4 * i, &v[i], 4);
+            }
+        }
+        uint16_t *d_p16 = dev->alloc(n * 2);
+        void *d_ms = dev->alloc(n * sb), *d_vs = dev->alloc(n * sb);
+        dev->to_device(d_p16, p16, n * 2);
+        dev->to_device(d_ms, ms, n * sb);
+        dev->to_device(d_vs, vs, n * sb);
+        cpu->adamw_update_p16(p16, g, ms, vs, sb, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 7, 99, 4321);
+        dev->adamw_update_p16(d_p16, d_g, d_ms, d_vs, sb, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 7, 99, 4321);
+        dev->to_host(gp, d_p16, n * 2);
+        dev->to_host(gm, d_ms, n * sb);
+        dev->to_host(gv, d_vs, n * sb);
+        report_exact(s16 ? "adamw_p16_state_bf16_exact" : "adamw_p16_state_fp32_exact",
+                     !memcmp(gp, p16, n * 2) && !memcmp(gm, ms, n * sb) && !memcmp(gv, vs, n * sb),
+                     "AdamW on bf16 parameters differs from the cpu backend's bits");
+        dev->free(d_p16), dev->free(d_ms), dev->free(d_vs);
+        free(p16), free(gp), free(ms), free(vs), free(gm), free(gv);
+    }
     double s_cpu = cpu->sumsq(g, n), s_dev = dev->sumsq(d_g, n);
     /* double sums of 1M squares in different orders: ~1e-16 x sqrt(n) */
     report("sumsq", fabs(s_cpu - s_dev) / s_cpu, 1e-12);

@@ -599,6 +599,40 @@ static void cpu_adamw_update_bf16(float *params, const float *grads, uint16_t *m
     }
 }
 
+/* AdamW on bf16 parameters (backend.h adamw_update_p16): the scalar body
+ * of cpu_adamw_update_bf16 with the parameter read from bf16 and stored
+ * through sround_bf16 with bits 32..47 of the element's hash; the moments
+ * fp32 or bf16 per state_bytes. The reference for the CUDA kernel. */
+static void cpu_adamw_update_p16(uint16_t *params, const float *grads, void *m, void *v, size_t state_bytes,
+                                 size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
+                                 float grad_scale, int t, uint64_t seed, uint64_t idx0) {
+    /* params (n) bf16 bits; grads (n) fp32; m, v (n) fp32 or bf16 bits */
+    float bc1 = (float)(1.0 - pow((double)beta1, t));
+    float bc2 = (float)(1.0 - pow((double)beta2, t));
+    const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
+    float *mf = m, *vf = v;
+    uint16_t *mh = m, *vh = v;
+    int s16 = state_bytes == 2;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float g = grads[i] * grad_scale;
+        float mi = beta1 * (s16 ? sround_f32(mh[i]) : mf[i]) + b1c * g;
+        float vi = beta2 * (s16 ? sround_f32(vh[i]) : vf[i]) + b2c * g * g;
+        uint64_t r = sround_hash(seed, (uint64_t)t, idx0 + i);
+        if (s16) {
+            mh[i] = sround_bf16(mi, (uint32_t)r);
+            vh[i] = sround_bf16(vi, (uint32_t)(r >> 16));
+        } else {
+            mf[i] = mi;
+            vf[i] = vi;
+        }
+        float mhat = mi / bc1, vhat = vi / bc2;
+        float p = sround_f32(params[i]);
+        p -= lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * p);
+        params[i] = sround_bf16(p, (uint32_t)(r >> 32));
+    }
+}
+
 /* Fixed chunking independent of the thread count, partials summed in chunk
  * order: the same bits for any number of threads. */
 #define CPU_SUMSQ_CHUNKS 256
@@ -656,5 +690,6 @@ const Backend backend_cpu = {
     .crossentropy_forward = cpu_crossentropy_forward,
     .adamw_update = cpu_adamw_update,
     .adamw_update_bf16 = cpu_adamw_update_bf16,
+    .adamw_update_p16 = cpu_adamw_update_p16,
     .sumsq = cpu_sumsq,
 };
