@@ -135,9 +135,13 @@ $(BUILD)/static.stamp: FORCE
 	@echo 'static=$(STATIC)' | cmp -s - $@ || echo 'static=$(STATIC)' > $@
 $(OBJ) $(BUILD)/main.o: $(BUILD)/static.stamp
 
-.PHONY: cuda-check
+.PHONY: cuda-check gpu-bundle
 cuda-check:
 	@bash scripts/cuda_check.sh
+# The binaries cuda-check needs, built STATIC=1 from HEAD and packed into
+# .gpu/kiln-gpu.tar.xz, to carry to a GPU machine (scripts/gpu_bundle.sh).
+gpu-bundle:
+	@bash scripts/gpu_bundle.sh
 # ------------------------------------------------------------------ end CUDA block
 
 .PHONY: all deps run test bench clean found FORCE

@@ -15,11 +15,12 @@
 # to $OUT (or a fresh /tmp folder); the summary table is printed last. Aims at
 # well under 8 minutes on one H100/H200.
 #
-# The binaries are normally built on the build machine with
-#     make -j2 STATIC=1 train build/test/test_ops build/test/test_backend_cross build/test/test_nccl build/test/bench_attention
-# and carried over with the tree (the GPU machine lacks libyaml, zstd, OpenBLAS
-# and MPI); if ./train is missing or cannot start, the script tries that build
-# here. Exit: 0 all checks passed, 1 a check failed, 2 no GPU or no binary.
+# The binaries are normally built on the build machine with `make gpu-bundle`
+# (scripts/gpu_bundle.sh: STATIC=1, packed into .gpu/kiln-gpu.tar.xz, since the
+# GPU machine lacks libyaml, zstd, OpenBLAS and MPI and five static binaries
+# overflow a 64 MiB transfer) and carried as .gpu; if no usable ./train is
+# there the bundle is unpacked, and failing that the script tries a STATIC=1
+# build here. Exit: 0 all checks passed, 1 a check failed, 2 no GPU or no binary.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$(mktemp -d /tmp/kiln-cuda-check.XXXXXX)}
@@ -114,6 +115,12 @@ echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 section "binaries"
 usable() { [ -x ./train ] && ./train --version 2>/dev/null | grep -q 'backends: .*cuda' &&
            [ -x build/test/test_ops ] && [ -x build/test/test_backend_cross ] && [ -x build/test/test_nccl ]; }
+if ! usable && [ -f .gpu/kiln-gpu.tar.xz ]; then # `make gpu-bundle` on the build machine, carried as .gpu
+    BUNDLE_NOTE="; bundle of commit $(cat .gpu/COMMIT 2>/dev/null || echo unknown)"
+    echo "unpacking .gpu/kiln-gpu.tar.xz (${BUNDLE_NOTE#; })"
+    tar -xJf .gpu/kiln-gpu.tar.xz 2>/dev/null ||
+        python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall()' .gpu/kiln-gpu.tar.xz
+fi
 if ! usable; then
     echo "no usable carried binary: building here (make STATIC=1)"
     if command -v nvcc >/dev/null 2>&1; then
@@ -130,7 +137,7 @@ if ! usable; then
 fi
 ./train --version
 ldd ./train | grep -E 'not found|cublas|cudart|gomp|stdc' || true
-row binary ok "$(./train --version | sed -n 's/^cuda: //p')"
+row binary ok "$(./train --version | sed -n 's/^cuda: //p')${BUNDLE_NOTE:-}"
 
 # --- 4. Ops ----------------------------------------------------------------
 count() { grep -c "^$1 " "$2" || true; }
