@@ -203,7 +203,39 @@ else
     row attention_choice skip "build/test/bench_attention not built (see the build line at the top)"
 fi
 
-# --- 5. Tiny run on both backends --------------------------------------------
+# --- 5. Benchmarks (defined here, run in two parts: the headline shapes right
+# after the first tiny runs, the variants at the end) --------------------
+# Random tokens, no data. MFU against the H100/H200 dense bf16 datasheet peak
+# (989 TFLOP/s); measured bf16 GEMM there is ~770-800 TFLOP/s.
+PEAK_GFLOPS=989000
+bench() { # NAME STEPS SETS...
+    local name=$1 steps=$2; shift 2
+    if over_budget; then row "bench_$name" skip "over the time budget"; return; fi
+    section "bench $name"
+    local sets=()
+    for s in "$@"; do sets+=(--set "$s"); done
+    timeout 200 ./train bench configs/bench-cpu.yaml --steps "$steps" --set device=cuda "${sets[@]}" \
+        > "$OUT/bench_$name.txt" 2>&1
+    local rc=$?
+    cat "$OUT/bench_$name.txt"
+    local line; line=$(grep '^bench: tok_per_s=' "$OUT/bench_$name.txt")
+    if [ $rc -ne 0 ] || [ -z "$line" ]; then
+        row "bench_$name" FAIL "exit $rc: $(tail -n 1 "$OUT/bench_$name.txt")"; failed=1; return
+    fi
+    local tok gf mem
+    tok=$(echo "$line" | sed -n 's/.*tok_per_s=\([0-9.]*\).*/\1/p')
+    gf=$(echo "$line" | sed -n 's/.*step_gflops=\([0-9.]*\).*/\1/p')
+    mem=$(sed -n 's/^bench: peak_mem_gib=//p' "$OUT/bench_$name.txt")
+    local fus; fus=$(sed -n 's/^bench: gelu_fusion=//p' "$OUT/bench_$name.txt")
+    local fb; fb=$(grep -c 'the GeLU runs as its own kernel' "$OUT/bench_$name.txt")
+    [ "$fb" -gt 0 ] && fus="$fus, fell back for $fb shape(s)"
+    row "bench_$name" ok "$(awk -v t="$tok" -v g="$gf" -v p="$PEAK_GFLOPS" -v m="$mem" \
+        'BEGIN { printf "%.0f tok/s, %.1f TFLOP/s, MFU %.1f%%, peak mem %s GiB", t, g / 1e3, 100 * g / p, m }'), gelu fusion $fus"
+}
+GPT2_124M="model.n_layer=12 model.n_head=12 model.n_embd=768 model.seq_len=1024"
+GPT2_1558M="model.n_layer=48 model.n_head=25 model.n_embd=1600 model.seq_len=1024"
+
+# --- 6. Tiny run on both backends --------------------------------------------
 section "tiny: 50 steps, cpu vs cuda"
 if [ ! -f data/austen/train_000000.bin ]; then
     ./train prepare --tokenizer byte --out data/austen --val-fraction 0.05 --shard-tokens 2000000 data/austen.txt >/dev/null
@@ -212,8 +244,20 @@ tiny() { # NAME DEVICE COMPUTE [ATTENTION [RECOMPUTE [GELU_FUSION [MASTER]]]]
     timeout 150 ./train configs/tiny.yaml --set device="$2" --set precision.compute="$3" \
         --set precision.attention="${4:-auto}" --set model.recompute="${5:-none}" \
         --set precision.gelu_fusion="${6:-auto}" --set precision.master="${7:-fp32}" \
-        --set train.steps=50 --set train.sample_every=0 --set train.eval_every=0 \
+        --set train.steps=50 --set train.sample_every=0 --set train.eval_every=0 --set checkpoint.every=20 \
         --set metrics.log_every=10 --set run.dir="$OUT/tiny_$1" > "$OUT/tiny_$1.txt" 2>&1
+    local rc=$?
+    tail -n 4 "$OUT/tiny_$1.txt"
+    return $rc
+}
+# Checkpoints across backends: tiny_FROM's step-20 checkpoint resumed on
+# DEVICE for steps 21..50 (run tiny_NAME); compare NAME TOL FROM then checks
+# that continuation against FROM's own steps 21..50.
+resume_on() { # NAME DEVICE COMPUTE FROM
+    timeout 150 ./train configs/tiny.yaml --set device="$2" --set precision.compute="$3" \
+        --set train.steps=50 --set train.sample_every=0 --set train.eval_every=0 --set checkpoint.every=20 \
+        --set metrics.log_every=10 --set run.dir="$OUT/tiny_$1" \
+        --resume "$OUT/tiny_$4/checkpoints/step_00000020" > "$OUT/tiny_$1.txt" 2>&1
     local rc=$?
     tail -n 4 "$OUT/tiny_$1.txt"
     return $rc
@@ -225,18 +269,23 @@ def losses(p):
     return [json.loads(l)["loss"] for l in open(p) if '"loss"' in l]
 a, b, tol = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
 n = min(len(a), len(b))
-if n < 50:
+if len(a) == 50 and len(b) == 30:  # a resumed run (resume_on): steps 21..50 against the base's
+    a, n = a[20:], 30
+elif n < 50:
     print(f"only {n} steps to compare"); sys.exit(1)
 worst = max(range(n), key=lambda i: abs(a[i] - b[i]) / abs(a[i]))
 rel = abs(a[worst] - b[worst]) / abs(a[worst])
 ref = "cpu" if sys.argv[4] == "cpu" else sys.argv[4]
 run = "gpu" if sys.argv[4] == "cpu" else "this"
-print(f"max rel diff {rel:.2e} at step {worst + 1} ({ref} {a[worst]:.5f}, {run} {b[worst]:.5f}); "
+first = 51 - n  # 1, or 21 for a resumed run
+print(f"max rel diff {rel:.2e} at step {worst + first} ({ref} {a[worst]:.5f}, {run} {b[worst]:.5f}); "
       f"final {ref} {a[n-1]:.4f} {run} {b[n-1]:.4f}")
 sys.exit(0 if rel <= tol else 1)
 EOF
 }
+tiny_cpu_ok=0
 if tiny cpu cpu fp32; then
+    tiny_cpu_ok=1
     row tiny_cpu ok "$(grep -o 'final loss [0-9.]*' "$OUT/tiny_cpu.txt")"
     # cuda_bf16 runs attention on what auto timed fastest (its log's
     # "attention: B=..." line says which; tiny's head size is 32),
@@ -271,6 +320,35 @@ if tiny cpu cpu fp32; then
         if [ "$st" = fused ]; then row "gelu_fusion_$name" ok "fc + GeLU fused by cuBLASLt (forward and backward)"
         else row "gelu_fusion_$name" note "$st"; fi
     done
+    # A GPU checkpoint resumes on the CPU and a CPU one on the GPU, format
+    # unchanged: each continuation (steps 21..50) against the run it left,
+    # within the bf16 tolerance (the two sides round differently from step 21
+    # on). A checkpoint that lost the optimizer state or misplaced a tensor
+    # is off by far more at step 21.
+    for pair in "resume_gpu_on_cpu cpu fp32 cuda_bf16" "resume_cpu_on_gpu cuda bf16 cpu"; do
+        set -- $pair
+        if over_budget; then row "$1" skip "over the time budget"; continue; fi
+        if [ ! -d "$OUT/tiny_$4/checkpoints/step_00000020" ]; then row "$1" FAIL "no step-20 checkpoint in tiny_$4"; failed=1; continue; fi
+        if ! resume_on "$1" "$2" "$3" "$4"; then row "$1" FAIL "run failed: $(tail -n 1 "$OUT/tiny_$1.txt")"; failed=1; continue; fi
+        msg=$(compare "$1" "$TOL_TINY_BF16" "$4"); rc=$?
+        echo "$1: $msg"
+        if [ $rc -eq 0 ]; then row "$1" ok "$msg (tol $TOL_TINY_BF16)"; else row "$1" FAIL "$msg (tol $TOL_TINY_BF16)"; failed=1; fi
+    done
+else
+    row tiny_cpu FAIL "cpu run failed: $(tail -n 1 "$OUT/tiny_cpu.txt")"; failed=1
+fi
+
+# The headline figures next, before the variants, so a short window has them.
+# shellcheck disable=SC2086
+bench 124m_bf16 10 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=bf16
+# 1.5B: ~25 GB of fp32 parameters, gradients and AdamW state, 3 GB of bf16
+# weight copy, and ~23 GB of bf16 activations at micro-batch 8 (45 GB in fp32).
+# shellcheck disable=SC2086
+bench 1558m_bf16 5 $GPT2_1558M batch.micro_batch=8 batch.total_tokens=8192 precision.compute=bf16
+
+# --- 7. Tiny variants (against the runs above) --------------------------------
+if [ $tiny_cpu_ok = 1 ]; then
+    section "tiny variants: fusion off, recompute, master bf16"
     if over_budget; then row tiny_cuda_bf16_nofusion skip "over the time budget"
     elif tiny cuda_bf16_nofusion cuda bf16 auto none off; then
         msg=$(compare cuda_bf16_nofusion "$TOL_TINY_BF16"); rc=$?
@@ -310,42 +388,9 @@ if tiny cpu cpu fp32; then
         elif [ $rc -eq 0 ]; then row tiny_cuda_bf16_master16 ok "$msg (tol $TOL_TINY_MASTER16)"
         else row tiny_cuda_bf16_master16 FAIL "$msg (tol $TOL_TINY_MASTER16)"; failed=1; fi
     else row tiny_cuda_bf16_master16 FAIL "run failed: $(tail -n 1 "$OUT/tiny_cuda_bf16_master16.txt")"; failed=1; fi
-else
-    row tiny_cpu FAIL "cpu run failed: $(tail -n 1 "$OUT/tiny_cpu.txt")"; failed=1
 fi
 
-# --- 6. Benchmarks -----------------------------------------------------------
-# Random tokens, no data. MFU against the H100/H200 dense bf16 datasheet peak
-# (989 TFLOP/s); measured bf16 GEMM there is ~770-800 TFLOP/s.
-PEAK_GFLOPS=989000
-bench() { # NAME STEPS SETS...
-    local name=$1 steps=$2; shift 2
-    if over_budget; then row "bench_$name" skip "over the time budget"; return; fi
-    section "bench $name"
-    local sets=()
-    for s in "$@"; do sets+=(--set "$s"); done
-    timeout 200 ./train bench configs/bench-cpu.yaml --steps "$steps" --set device=cuda "${sets[@]}" \
-        > "$OUT/bench_$name.txt" 2>&1
-    local rc=$?
-    cat "$OUT/bench_$name.txt"
-    local line; line=$(grep '^bench: tok_per_s=' "$OUT/bench_$name.txt")
-    if [ $rc -ne 0 ] || [ -z "$line" ]; then
-        row "bench_$name" FAIL "exit $rc: $(tail -n 1 "$OUT/bench_$name.txt")"; failed=1; return
-    fi
-    local tok gf mem
-    tok=$(echo "$line" | sed -n 's/.*tok_per_s=\([0-9.]*\).*/\1/p')
-    gf=$(echo "$line" | sed -n 's/.*step_gflops=\([0-9.]*\).*/\1/p')
-    mem=$(sed -n 's/^bench: peak_mem_gib=//p' "$OUT/bench_$name.txt")
-    local fus; fus=$(sed -n 's/^bench: gelu_fusion=//p' "$OUT/bench_$name.txt")
-    local fb; fb=$(grep -c 'the GeLU runs as its own kernel' "$OUT/bench_$name.txt")
-    [ "$fb" -gt 0 ] && fus="$fus, fell back for $fb shape(s)"
-    row "bench_$name" ok "$(awk -v t="$tok" -v g="$gf" -v p="$PEAK_GFLOPS" -v m="$mem" \
-        'BEGIN { printf "%.0f tok/s, %.1f TFLOP/s, MFU %.1f%%, peak mem %s GiB", t, g / 1e3, 100 * g / p, m }'), gelu fusion $fus"
-}
-GPT2_124M="model.n_layer=12 model.n_head=12 model.n_embd=768 model.seq_len=1024"
-GPT2_1558M="model.n_layer=48 model.n_head=25 model.n_embd=1600 model.seq_len=1024"
-# shellcheck disable=SC2086
-bench 124m_bf16 10 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=bf16
+# --- 8. Benchmark variants ------------------------------------------------------
 # the same without GeLU fusion (precision.gelu_fusion off): what the
 # epilogues gain against the separate GeLU kernels
 # shellcheck disable=SC2086
@@ -358,10 +403,11 @@ bench 124m_bf16_norm_gelu 10 $GPT2_124M batch.micro_batch=16 batch.total_tokens=
     model.recompute=norm_gelu
 # shellcheck disable=SC2086
 bench 124m_fp32 5 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=fp32
-# 1.5B: ~25 GB of fp32 parameters, gradients and AdamW state, 3 GB of bf16
-# weight copy, and ~23 GB of bf16 activations at micro-batch 8 (45 GB in fp32).
+# 1.5B with precision.master bf16: no fp32 parameter arena, 6.2 GB less
+# (peak memory against 1558m_bf16's), AdamW writing bf16 parameters
 # shellcheck disable=SC2086
-bench 1558m_bf16 5 $GPT2_1558M batch.micro_batch=8 batch.total_tokens=8192 precision.compute=bf16
+bench 1558m_bf16_master16 5 $GPT2_1558M batch.micro_batch=8 batch.total_tokens=8192 precision.compute=bf16 \
+    precision.master=bf16
 
 # --- Summary -------------------------------------------------------------------
 echo

@@ -4,7 +4,7 @@
 # Why: a GPU host often lacks libyaml, zstd, OpenBLAS and MPI, so the binaries
 # are built with STATIC=1; each is then ~29 MB, almost all of it the same
 # static libraries, and five of them (~147 MB) overflow a 64 MiB transfer.
-# Packed with xz they are ~16 MB. cuda_check.sh unpacks .gpu/kiln-gpu.tar.xz
+# Packed with xz they are ~13 MB. cuda_check.sh unpacks .gpu/kiln-gpu.tar.xz
 # when no usable ./train is present (tar -xJf, else python3's tarfile).
 #
 # The build runs in a temporary clone of HEAD (a STATIC build would otherwise
