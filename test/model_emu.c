@@ -202,7 +202,9 @@ static void check_eval(const char *tag, const float *ref, double tol) {
     for (int i = V; i < Vp; i++) pad_zero &= row[i] == 0.0f; /* padded rows of wte are zero: so are their logits */
     char name[64];
     snprintf(name, sizeof name, "%s_eval_logits_row", tag);
-    report(num / den <= tol && pad_zero, name, "max err %.2e of max |logit| (tol %.0e)%s", num / den, tol,
+    double e = num / (den > 0.0 ? den : 1.0);
+    report(e <= tol && den > 0.0 && pad_zero, name, "max err %.2e of max |logit| (tol %.0e)%s%s", e, tol,
+           den > 0.0 ? "" : "; the reference row is all zero (a row the forward never wrote)",
            pad_zero ? "" : "; a padded column is not 0");
     free(row);
 }
