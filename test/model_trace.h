@@ -1,7 +1,9 @@
 /* model_trace.h: train a small GPT-2 a few AdamW steps and record what the
  * run leaves behind, for tests that compare two ways of computing the same
  * thing bit for bit (test_model_recompute.c: recomputation against keeping
- * activations; test_model_fusion.c: fused ops against separate ones). The
+ * activations; test_model_fusion.c: fused ops against separate ones) or two
+ * backends within a tolerance (test/model_emu.c: the emulated CUDA backend
+ * against the CPU). The
  * including file defines B, T, ACCUM and STEPS (an enum) first. Each step is
  * ACCUM micro-batches (all but the first accumulate), each a different batch
  * of tokens below 64. */
@@ -31,17 +33,27 @@ static void trace_batch(int32_t *inp, int32_t *tgt, uint64_t seed) {
     for (int i = 0; i < B * T; i++) inp[i] = (int32_t)rng_below(&r, 64), tgt[i] = (int32_t)rng_below(&r, 64);
 }
 
-/* Train shape s (resolved) from init seed 11 with model.recompute r and
- * gelu_fusion as given; the trace's buffers are the caller's to free. */
-static void trace_train(const Backend *be, ModelShape s, ModelRecompute r, int gelu_fusion, Trace *t) {
+/* What a run may vary: model.recompute, gelu_fusion, precision.master bf16
+ * (master16: bf16 parameters, no fp32 arena; the backend must have bf16
+ * activations) and precision.optim_state bf16 (state16). */
+typedef struct {
+    ModelRecompute r;
+    int gelu_fusion, master16, state16;
+} TraceOpts;
+
+/* Train shape s (resolved) from init seed 11 as `op` says, set up as train.c
+ * does; the trace's buffers are the caller's to free. */
+static void trace_train_opts(const Backend *be, ModelShape s, TraceOpts op, Trace *t) {
     Model m;
     model_shape_resolve(&s);
-    model_init(&m, be, &s, 0);
-    m.gelu_fusion = gelu_fusion;
+    model_init_dtype(&m, be, &s, 0, op.master16);
+    m.gelu_fusion = op.gelu_fusion;
     model_init_weights(&m, 11);
-    model_plan_activations(&m, B, T, r);
+    model_plan_activations(&m, B, T, op.r);
     AdamW o;
-    optim_init(&o, be, m.num_params, m.num_decay, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f);
+    optim_init_shard_dtype(&o, be, m.num_params, m.num_decay, 0, m.num_params, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f,
+                           op.state16, 0x5eed);
+    if (op.master16) optim_set_params_bf16(&o);
     int32_t inp[B * T], tgt[B * T];
     for (int step = 0; step < STEPS; step++) {
         for (int k = 0; k < ACCUM; k++) {
@@ -54,13 +66,19 @@ static void trace_train(const Backend *be, ModelShape s, ModelRecompute r, int g
             t->grads = xmalloc(t->n * sizeof(float));
             be->to_host(t->grads, m.grad_mem, t->n * sizeof(float));
         }
-        t->norm[step] = optim_step(&o, m.param_mem, m.grad_mem, 3e-3f).grad_norm;
+        t->norm[step] = optim_step(&o, model_param_arena(&m), m.grad_mem, 3e-3f).grad_norm;
         model_params_changed(&m);
     }
     t->params = xmalloc(t->n * sizeof(float));
-    be->to_host(t->params, m.param_mem, t->n * sizeof(float));
+    model_params_to_host(&m, t->params);
     optim_free(&o);
     model_free(&m);
+}
+
+/* Model.recompute r and gelu_fusion, fp32 master and moments. */
+static inline void trace_train(const Backend *be, ModelShape s, ModelRecompute r, int gelu_fusion, Trace *t) {
+    TraceOpts op = {r, gelu_fusion, 0, 0};
+    trace_train_opts(be, s, op, t);
 }
 
 /* Every loss, gradient norm, gradient and parameter the same bits. */
