@@ -19,6 +19,7 @@
  * counted. Timings: best of REPS after a warm-up call. */
 #include "backend.h"
 #include "util.h"
+#include "max_rel.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -66,17 +67,6 @@ static float *fetch(const void *d, size_t n, size_t ab) {
     return h;
 }
 
-/* max |got - ref| / max |ref|; Inf for NaN or Inf (the self-check's measure). */
-static double max_rel(const float *got, const float *ref, size_t n) {
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)got[i] - ref[i]);
-        if (!(d == d) || isinf(d)) return INFINITY;
-        num = d > num ? d : num;
-        den = fabs(ref[i]) > den ? fabs(ref[i]) : den;
-    }
-    return num / (den > 0.0 ? den : 1.0);
-}
 
 int main(int argc, char **argv) {
     const char *name = argc > 1 ? argv[1] : "cuda", *prec = argc > 2 ? argv[2] : "bf16";
@@ -113,7 +103,7 @@ int main(int argc, char **argv) {
                    "bwd_tflops=%.2f total_tflops=%.2f err_out=%.1e err_dqkv=%.1e\n",
                    nimpl > 1 ? impls[k] : "default", B, T, C, NH, 1e3 * tf, 1e3 * tb, fwd_flops / tf / 1e12,
                    bwd_flops / tb / 1e12, (fwd_flops + bwd_flops) / (tf + tb) / 1e12,
-                   max_rel(h_out, ref_out, N * C), max_rel(h_dqkv, ref_dqkv, N * 3 * C));
+                   test_max_rel(h_out, ref_out, N * C), test_max_rel(h_dqkv, ref_dqkv, N * 3 * C));
             fflush(stdout);
             if (k > 0) free(h_out), free(h_dqkv);
         }

@@ -25,6 +25,7 @@
  *    sides, rounded once (compared after rounding the CPU's result).
  *  - sumsq 1e-12 relative: double sums of fp32 squares in another order. */
 #include "cuda_emu.h"
+#include "max_rel.h"
 
 #include "../cuda/embed_norm.cu"
 #include "../cuda/pointwise.cu"
@@ -121,14 +122,7 @@ static void report_s(const std::string &name, int ok, const char *detail) {
 }
 /* Normalised max error against tol; NaN anywhere fails. */
 static void check(const std::string &name, const Vec &got, const Vec &ref, double tol) {
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < ref.size(); i++) {
-        double d = fabs((double)got[i] - ref[i]);
-        if (!(d == d) || std::isinf(d)) { num = INFINITY; break; }
-        num = std::max(num, d);
-        den = std::max(den, fabs((double)ref[i]));
-    }
-    double err = num / (den > 0.0 ? den : 1.0);
+    double err = test_max_rel(got.data(), ref.data(), ref.size());
     report(name, err <= tol, "err %.2e (tol %.0e)", err, tol);
 }
 /* Tolerance for an act output. */

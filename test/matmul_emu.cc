@@ -17,6 +17,7 @@
  *    rounded to bf16, one more 2^-9 through a GeLU whose slope is <= 1.13;
  *    1e-2 is ~3x their sum. */
 #include "cuda_emu.h"
+#include "max_rel.h"
 #include "cublaslt_emu.h"
 
 #include "../cuda/embed_norm.cu"
@@ -75,14 +76,7 @@ static void report(const std::string &name, int ok, const std::string &detail) {
     failures += !ok;
 }
 static void check(const std::string &name, const Vec &got, const Vec &ref, double tol) {
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < ref.size(); i++) {
-        double d = fabs((double)got[i] - ref[i]);
-        if (!(d == d) || std::isinf(d)) { num = INFINITY; break; }
-        num = std::max(num, d);
-        den = std::max(den, fabs((double)ref[i]));
-    }
-    double err = num / (den > 0.0 ? den : 1.0);
+    double err = test_max_rel(got.data(), ref.data(), ref.size());
     char b[96];
     snprintf(b, sizeof b, "err %.2e (tol %.0e)", err, tol);
     report(name, err <= tol, b);

@@ -23,6 +23,7 @@
 #include "sround.h"
 #include "emu_bf16.h"
 #include "fused_compose.h"
+#include "max_rel.h"
 #include "test.h"
 #include "util.h"
 
@@ -127,15 +128,9 @@ static float *down(const void *d, size_t n, int act) {
 /* max |got - ref| / max |ref| with `got` on the device; infinite on NaN. */
 static double xerr_k(const void *dgot, const float *ref, size_t n, int act) {
     float *got = down(dgot, n, act);
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)got[i] - ref[i]);
-        if (isnan(d)) num = INFINITY;
-        num = d > num ? d : num;
-        den = fabs(ref[i]) > den ? fabs(ref[i]) : den;
-    }
+    double e = test_max_rel(got, ref, n);
     free(got);
-    return num / (den > 0 ? den : 1.0);
+    return e;
 }
 static double xerr(const float *dgot, const float *ref, size_t n) { return xerr_k(dgot, ref, n, 0); }
 static double xerr_a(const void *dgot, const float *ref, size_t n) { return xerr_k(dgot, ref, n, 1); }
