@@ -348,28 +348,29 @@ void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv,
  *    pass the check; any of these failing ends the run (exit 1: the library
  *    or GPU, not the config, is wrong), as does a head size it cannot take
  *    (exit 2: that is the config's n_embd / n_head).
- *  - `auto` keeps the candidates that pass (SIMT always), and at the first
- *    forward of each new shape (B, T, C, NH) — the backend learns the shape
- *    only there: set_precision runs before the model plans its activations —
- *    times them (forward + backward, a warm-up and ATT_TIME_REPS iterations,
- *    cudaEvents, on the call's own qkv and scratch buffers of its size), takes
- *    the fastest and logs one line with the timings. That first forward is
- *    the first micro-batch of step 1 (or of the first eval), whose timing
- *    already includes such start-up work (cuBLASLt, scratch growth). A path
- *    later in the order of preference (cudnn, tensor_cores, simt) must be
- *    more than 10% faster to be taken (ATT_MARGIN), so paths within noise of
- *    each other do not flip between runs or ranks; every path passed the
- *    same self-check either way.
- * The first ATT_SHAPES shapes get this; later ones — generation's
- * one-token-longer contexts — run the best path that needs no per-shape
- * plan (tensor cores if usable, else SIMT), so sampling never plans cuDNN
- * graphs token by token. Per call, a head size or alignment a path does not
- * handle falls back to the SIMT kernels (qkv and dout 16-byte aligned: every
- * kiln buffer is). */
+ *  - `auto` keeps the candidates that pass (SIMT always) and runs the first
+ *    that takes the shape in the order cudnn, tensor_cores, simt. The order
+ *    is fixed, not timed: a choice by timing can differ between two runs of
+ *    one config, or between data-parallel ranks when two paths are close,
+ *    and then a rerun or a resume no longer computes the same bits (and
+ *    under ZeRO-3, ranks whose sampled tokens differ would stop generating
+ *    at different points and desynchronise their gathers). `make cuda-check`
+ *    times all three (bench_attention); a path that is slower on some GPU is
+ *    one config line away (precision.attention).
+ * cuDNN plans a graph per shape (B, T, C, NH), at its first forward (the
+ * backend learns the shape only there: set_precision runs before the model
+ * plans its activations), and logs one line for it. Only the first
+ * ATT_SHAPES shapes get a plan; later ones — generation's one-token-longer
+ * contexts — run the best path that needs no per-shape plan (tensor cores if
+ * usable, else SIMT), so sampling never plans cuDNN graphs token by token.
+ * Every rank sees the same shapes in the same order, so every rank makes the
+ * same choices. Per call, a head size or alignment a path does not handle
+ * falls back to the SIMT kernels (qkv and dout 16-byte aligned: every kiln
+ * buffer is). */
 
 enum { ATT_AUTO, ATT_CUDNN, ATT_TENSOR_CORES, ATT_SIMT, ATT_MODES };
 static const char *const att_mode_names[ATT_MODES] = {"auto", "cudnn", "tensor_cores", "simt"};
-/* Paths, in auto's order of preference when timings tie. */
+/* Paths, in auto's order of preference. */
 enum { PATH_CUDNN, PATH_TC, PATH_SIMT, PATH_COUNT };
 static const char *const att_path_names[PATH_COUNT] = {"cudnn", "tensor_cores", "simt"};
 
@@ -386,13 +387,6 @@ static char att_cudnn_why[700];     /* why cuDNN is no candidate, for the log */
 static char att_desc[700] = "attention: SIMT kernels";
 
 #define ATT_SHAPES 4
-#define ATT_TIME_REPS 3
-/* A later path in preference order replaces the one chosen so far only when
- * it is more than 10% faster: two paths within timing noise of each other
- * then give the same choice run after run (and rank after rank), so a rerun
- * of a config computes the same bits; a 10% gain is well above the noise of
- * three timed iterations on an idle GPU. */
-#define ATT_MARGIN 0.9f
 static struct {
     int B, T, C, NH, path;
 } att_shapes[ATT_SHAPES];
@@ -587,7 +581,7 @@ static void att_choose(void) {
                                                                                        "do not fit this GPU",
                  ftc[0] ? "; " : "", ftc);
     else
-        snprintf(att_desc, sizeof att_desc, "attention: auto, timed at each shape's first forward among %s%s%s "
+        snprintf(att_desc, sizeof att_desc, "attention: auto, the first that takes the shape among %s%s%s "
                  "(tensor cores %s%s%s; cuDNN %s%s%.400s)",
                  att_usable[PATH_CUDNN] ? "cudnn, " : "", att_usable[PATH_TC] ? "tensor_cores, " : "", "simt",
                  att_usable[PATH_TC] ? "passed" : "refused", ftc[0] ? ": " : "", ftc,
@@ -630,47 +624,11 @@ static int att_path_fits(int p, int C, int NH) {
            (p == PATH_CUDNN && cuda_attention_cudnn_fits(C, NH));
 }
 
-/* Milliseconds of one forward + backward of path p at this shape, on the
- * call's qkv (read only) and scratch buffers; negative if they cannot be
- * had (memory). */
-static float att_time(int p, const void *qkv, int B, int T, int C, int NH) {
-    size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
-    void *out = NULL, *dout = NULL, *dqkv = NULL;
-    float *lse = NULL;
-    int ok = cudaMalloc(&out, nc * sizeof(bf16)) == cudaSuccess && cudaMalloc(&dout, nc * sizeof(bf16)) == cudaSuccess &&
-             cudaMalloc(&dqkv, n3 * sizeof(bf16)) == cudaSuccess && cudaMalloc(&lse, nl * sizeof(float)) == cudaSuccess;
-    float ms = -1.0f;
-    if (ok) {
-        CUDA_CHECK(cudaMemset(dout, 0, nc * sizeof(bf16)));
-        cudaEvent_t t0, t1;
-        CUDA_CHECK(cudaEventCreate(&t0));
-        CUDA_CHECK(cudaEventCreate(&t1));
-        for (int r = 0; r <= ATT_TIME_REPS; r++) { /* r = 0: warm-up (cuDNN, caches) */
-            if (r == 1) CUDA_CHECK(cudaEventRecord(t0, cudaStreamLegacy));
-            att_fwd[p](out, lse, qkv, B, T, C, NH);
-            att_bwd[p](dqkv, dout, qkv, out, lse, B, T, C, NH);
-        }
-        CUDA_CHECK(cudaEventRecord(t1, cudaStreamLegacy));
-        CUDA_CHECK(cudaEventSynchronize(t1));
-        CUDA_CHECK(cudaEventElapsedTime(&ms, t0, t1));
-        ms /= ATT_TIME_REPS;
-        CUDA_CHECK(cudaEventDestroy(t0));
-        CUDA_CHECK(cudaEventDestroy(t1));
-    } else {
-        (void)cudaGetLastError(); /* the failed allocation's error */
-    }
-    void *dptr[] = {out, dout, dqkv, lse};
-    for (int i = 0; i < 4; i++)
-        if (dptr[i]) CUDA_CHECK(cudaFree(dptr[i]));
-    return ms;
-}
-
-/* auto at a new shape: the usable paths that take it, timed; the fastest
- * by more than ATT_MARGIN, else the earlier in the order of PATH_*. Logs one
- * line. */
-static int att_pick(const void *qkv, int B, int T, int C, int NH) {
-    int cand[PATH_COUNT], nc = 0;
+/* auto at a new shape: the first usable path that takes it, in the order of
+ * PATH_*; cuDNN only where it can plan the shape. Logs one line. */
+static int att_pick(int B, int T, int C, int NH) {
     char note[700] = "";
+    int path = PATH_SIMT;
     for (int p = 0; p < PATH_COUNT; p++) {
         if (!att_usable[p] || !att_path_fits(p, C, NH)) continue;
         char why[640];
@@ -678,29 +636,16 @@ static int att_pick(const void *qkv, int B, int T, int C, int NH) {
             snprintf(note, sizeof note, " (cudnn: %s)", why);
             continue;
         }
-        cand[nc++] = p;
+        path = p;
+        break;
     }
-    if (nc == 1) return cand[0];
-    float ms[PATH_COUNT];
-    int best = -1, timed = 1;
-    for (int i = 0; i < nc; i++) { /* cand is in order of preference */
-        ms[i] = att_time(cand[i], qkv, B, T, C, NH);
-        if (ms[i] < 0.0f) timed = 0;
-        if (best < 0 || ms[i] < ATT_MARGIN * ms[best]) best = i;
-    }
-    if (!timed) best = 0; /* no memory to time: the first in preference order */
-    char line[400];
-    int len = snprintf(line, sizeof line, "attention: B=%d T=%d NH=%d hs=%d:", B, T, NH, C / NH);
-    for (int i = 0; i < nc && len < (int)sizeof line; i++)
-        len += snprintf(line + len, sizeof line - len, "%s %s %.3f ms", i ? "," : "", att_path_names[cand[i]], ms[i]);
-    printf("%s -> %s%s%s\n", line, att_path_names[cand[best]], timed ? "" : " (no memory to time: by preference)",
-           note);
+    printf("attention: B=%d T=%d NH=%d hs=%d: %s%s\n", B, T, NH, C / NH, att_path_names[path], note);
     fflush(stdout);
-    return cand[best];
+    return path;
 }
 
 /* The path for this shape: chosen at its first call (see the top). */
-static int att_path(const void *qkv, int B, int T, int C, int NH) {
+static int att_path(int B, int T, int C, int NH) {
     if (!cuda_act_bf16 || att_mode == ATT_SIMT) return PATH_SIMT;
     for (int i = 0; i < att_n_shapes; i++)
         if (att_shapes[i].B == B && att_shapes[i].T == T && att_shapes[i].C == C && att_shapes[i].NH == NH)
@@ -724,7 +669,7 @@ static int att_path(const void *qkv, int B, int T, int C, int NH) {
                                          "T=%d NH=%d hs=%d: %s", B, T, NH, C / NH, why);
         path = PATH_CUDNN;
     } else if (att_mode == ATT_AUTO) {
-        path = att_pick(qkv, B, T, C, NH);
+        path = att_pick(B, T, C, NH);
     }
     att_shapes[att_n_shapes].B = B, att_shapes[att_n_shapes].T = T, att_shapes[att_n_shapes].C = C;
     att_shapes[att_n_shapes].NH = NH, att_shapes[att_n_shapes].path = path;
@@ -733,14 +678,14 @@ static int att_path(const void *qkv, int B, int T, int C, int NH) {
 }
 
 void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
-    int p = att_path(qkv, B, T, C, NH);
+    int p = att_path(B, T, C, NH);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(out) || !att_path_fits(p, C, NH))) p = PATH_SIMT;
     att_fwd[p](out, lse, qkv, B, T, C, NH);
 }
 
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse, int B,
                              int T, int C, int NH) {
-    int p = att_path(qkv, B, T, C, NH);
+    int p = att_path(B, T, C, NH);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(dout) || !att_aligned(out) || !att_aligned(dqkv) ||
                            !att_path_fits(p, C, NH)))
         p = PATH_SIMT;

@@ -406,8 +406,9 @@ static int sdpa_build(SdpaGraph *g, int backward, int B, int T, int NH, int hs) 
         sg_tensor(g, "dK", SDPA_DK, CUDNN_GT_BF16, dQ, sQ, 0, 0);
         sg_tensor(g, "dV", SDPA_DV, CUDNN_GT_BF16, dQ, sQ, 0, 0);
         sg_tensor(g, "1", SDPA_ONE, CUDNN_GT_F32, one4, one4, 0, 1);
-        /* D = rowsum(dO ⊙ O); the product's strides are cudnn-frontend's for this virtual */
-        const int64_t sDO[4] = {h * t * d, t * d, h * d, 1};
+        /* D = rowsum(dO ⊙ O); the product laid out as O and dO are, (B,T,NH,hs)
+         * in memory (a virtual tensor's strides must still be a layout) */
+        const int64_t sDO[4] = {h * t * d, d, h * d, 1};
         int64_t doo = sg_virt(g, "dO*O", CUDNN_GT_F32, dQ, sDO);
         sg_pw(g, "mul dO O", CUDNN_POINTWISE_MUL, SDPA_DO, SDPA_O, 0, doo, 0);
         int64_t dsum0 = sg_virt(g, "rowsum dO*O", CUDNN_GT_F32, dR, sR);
@@ -452,7 +453,8 @@ static int sdpa_build(SdpaGraph *g, int backward, int B, int T, int NH, int hs) 
 typedef struct {
     SdpaGraph g;
     cudnnBackendDescriptor_t opgraph, plan;
-    int64_t workspace; /* bytes */
+    cudnnBackendDescriptor_t cfg; /* the plan's engine config, kept as long as the plan (as cudnn-frontend does) */
+    int64_t workspace;            /* bytes */
 } SdpaPlan;
 
 #define CUDNN_SHAPES 6 /* the training shape, eval's, the self-check's, ... (attention.cu keeps fewer) */
@@ -467,8 +469,9 @@ static cudnnHandle_t cudnn_handle;
 
 static void plan_free(SdpaPlan *p) {
     if (p->plan) D.BackendDestroyDescriptor(p->plan);
+    if (p->cfg) D.BackendDestroyDescriptor(p->cfg);
     if (p->opgraph) D.BackendDestroyDescriptor(p->opgraph);
-    p->plan = p->opgraph = NULL;
+    p->plan = p->cfg = p->opgraph = NULL;
     sg_destroy(&p->g);
 }
 
@@ -490,7 +493,8 @@ static int plan_make(SdpaPlan *p, int backward, int B, int T, int NH, int hs, ch
     CUDNN_CHECK(&e, D.BackendFinalize(p->opgraph));
     const cudnnBackendHeurMode_t modes[2] = {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK};
     int tried = 0;
-    for (int m = 0; m < 2 && !e.failed && !p->plan; m++) {
+    CudnnErr last = {0, ""}; /* the last refusal (heuristics or plan), if no mode yields a plan */
+    for (int m = 0; m < 2 && !e.failed && !p->plan; m++) { /* e: the operation graph itself failed */
         cudnnBackendDescriptor_t heur = NULL;
         CudnnErr he = {0, ""};
         CUDNN_CHECK(&he, D.BackendCreateDescriptor(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, &heur));
@@ -504,8 +508,10 @@ static int plan_make(SdpaPlan *p, int backward, int B, int T, int NH, int hs, ch
         if (count > 32) count = 32;
         cudnnBackendDescriptor_t cfgs[32];
         int64_t made = 0, got = 0;
-        for (; made < count && !he.failed; made++)
+        while (made < count && !he.failed) { /* made counts only descriptors that exist */
             CUDNN_CHECK(&he, D.BackendCreateDescriptor(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, &cfgs[made]));
+            if (!he.failed) made++;
+        }
         if (made > 0)
             CUDNN_CHECK(&he, D.BackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
                                                    made, &got, cfgs));
@@ -526,18 +532,21 @@ static int plan_make(SdpaPlan *p, int backward, int B, int T, int NH, int hs, ch
             }
             if (pe.failed) {
                 if (plan) D.BackendDestroyDescriptor(plan);
-                snprintf(e.msg, sizeof e.msg, "%s", pe.msg); /* the last refusal, if none succeeds */
+                last = pe;
             } else {
                 p->plan = plan;
+                p->cfg = cfgs[i];
+                cfgs[i] = NULL;
             }
         }
-        for (int64_t i = 0; i < made; i++) D.BackendDestroyDescriptor(cfgs[i]);
+        for (int64_t i = 0; i < made; i++)
+            if (cfgs[i]) D.BackendDestroyDescriptor(cfgs[i]);
         if (heur) D.BackendDestroyDescriptor(heur);
-        if (he.failed) e = he;
+        if (he.failed) last = he; /* and go on to the next mode */
     }
     if (e.failed || !p->plan) {
         snprintf(why, n, "%s graph: %.560s", backward ? "backward" : "forward",
-                 e.failed ? e.msg : tried ? e.msg : "cuDNN's heuristics offer no engine for it");
+                 e.failed ? e.msg : last.failed || tried ? last.msg : "cuDNN's heuristics offer no engine for it");
         plan_free(p);
         return 0;
     }

@@ -99,14 +99,16 @@ fi
 # cuda/attention_cudnn.cu): pip's nvidia-cudnn-cu13 puts it in
 # site-packages/nvidia/cudnn/lib (its engines beside it); the runtime-compiled
 # fused-attention engines also load NVRTC (pip nvidia-cuda-nvrtc, or the toolkit).
-if ! echo "$extra" | grep -q cudnn; then
+cudnn_found=0
+echo "$extra" | grep -q cudnn && cudnn_found=1
+if [ $cudnn_found = 0 ]; then
     for d in "$PIP_NV/nvidia/cudnn/lib" /usr/local/lib/python3*/dist-packages/nvidia/cudnn/lib \
              /usr/lib/python3*/site-packages/nvidia/cudnn/lib "$HOME"/.local/lib/python3*/site-packages/nvidia/cudnn/lib \
              /usr/local/cuda/lib /usr/local/cuda/lib64 /usr/lib/x86_64-linux-gnu; do
-        if [ -e "$d/libcudnn_graph.so.9" ]; then echo "found $d/libcudnn_graph.so.9"; extra="$extra:$d"; break; fi
+        if [ -e "$d/libcudnn_graph.so.9" ]; then echo "found $d/libcudnn_graph.so.9"; extra="$extra:$d"; cudnn_found=1; break; fi
     done
 fi
-echo "$extra" | grep -q cudnn || ls /usr/local/cuda/lib64/libcudnn_graph.so.9 >/dev/null 2>&1 ||
+[ $cudnn_found = 1 ] ||
     echo "libcudnn_graph.so.9 not found: precision.attention cudnn will be refused (auto notes it and goes on)"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64${extra}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
@@ -120,6 +122,11 @@ if ! usable && [ -f .gpu/kiln-gpu.tar.xz ]; then # `make gpu-bundle` on the buil
     echo "unpacking .gpu/kiln-gpu.tar.xz (${BUNDLE_NOTE#; })"
     tar -xJf .gpu/kiln-gpu.tar.xz 2>/dev/null ||
         python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall()' .gpu/kiln-gpu.tar.xz
+    # a bundle built from other sources than this tree's tests stale code
+    if [ -f .gpu/SOURCES.sha256 ] && ! stale=$(sha256sum -c --quiet .gpu/SOURCES.sha256 2>&1); then
+        row bundle FAIL "built from other sources than this tree (make gpu-bundle again): $(echo "$stale" | head -n 3 | tr '\n' ' ')"
+        failed=1
+    fi
 fi
 if ! usable; then
     echo "no usable carried binary: building here (make STATIC=1)"
@@ -169,7 +176,7 @@ fi
 
 # --- 4b. Attention: the candidates bf16 kept, each path's throughput and error --
 # build/test/bench_attention prints the backend line after set_precision bf16
-# (precision.attention auto: "attention: auto, timed ... among cudnn,
+# (precision.attention auto: "attention: auto, the first that takes the shape among cudnn,
 # tensor_cores, simt (tensor cores passed: self-check ...; cuDNN passed: ...)"),
 # then forward and backward times of each implementation at B 8 and 16,
 # T 1024, C 768, NH 12 (GPT-2 124M), with its max error against the SIMT
@@ -226,11 +233,15 @@ bench() { # NAME STEPS SETS...
     tok=$(echo "$line" | sed -n 's/.*tok_per_s=\([0-9.]*\).*/\1/p')
     gf=$(echo "$line" | sed -n 's/.*step_gflops=\([0-9.]*\).*/\1/p')
     mem=$(sed -n 's/^bench: peak_mem_gib=//p' "$OUT/bench_$name.txt")
+    local prec; prec=$(sed -n 's/^bench: \(master=.*\)/\1/p' "$OUT/bench_$name.txt")
+    if [[ $name == *master16* && $prec != *master=bf16* ]]; then # the mode really ran
+        row "bench_$name" FAIL "precision.master bf16 did not run: '${prec:-no master line}'"; failed=1; return
+    fi
     local fus; fus=$(sed -n 's/^bench: gelu_fusion=//p' "$OUT/bench_$name.txt")
     local fb; fb=$(grep -c 'the GeLU runs as its own kernel' "$OUT/bench_$name.txt")
     [ "$fb" -gt 0 ] && fus="$fus, fell back for $fb shape(s)"
     row "bench_$name" ok "$(awk -v t="$tok" -v g="$gf" -v p="$PEAK_GFLOPS" -v m="$mem" \
-        'BEGIN { printf "%.0f tok/s, %.1f TFLOP/s, MFU %.1f%%, peak mem %s GiB", t, g / 1e3, 100 * g / p, m }'), gelu fusion $fus"
+        'BEGIN { printf "%.0f tok/s, %.1f TFLOP/s, MFU %.1f%%, peak mem %s GiB", t, g / 1e3, 100 * g / p, m }'), gelu fusion $fus, $prec"
 }
 GPT2_124M="model.n_layer=12 model.n_head=12 model.n_embd=768 model.seq_len=1024"
 GPT2_1558M="model.n_layer=48 model.n_head=25 model.n_embd=1600 model.seq_len=1024"
@@ -287,8 +298,9 @@ tiny_cpu_ok=0
 if tiny cpu cpu fp32; then
     tiny_cpu_ok=1
     row tiny_cpu ok "$(grep -o 'final loss [0-9.]*' "$OUT/tiny_cpu.txt")"
-    # cuda_bf16 runs attention on what auto timed fastest (its log's
-    # "attention: B=..." line says which; tiny's head size is 32),
+    # cuda_bf16 runs attention on auto's choice, the first kept path of
+    # cudnn, tensor_cores, simt (its log's "attention: B=..." line says which;
+    # tiny's head size is 32),
     # cuda_bf16_simt on the SIMT kernels, cuda_bf16_cudnn on cuDNN's fused
     # attention: if only one fails, suspect its path.
     for pair in "cuda_fp32 fp32 $TOL_TINY_FP32 auto" "cuda_bf16 bf16 $TOL_TINY_BF16 auto" \

@@ -10,7 +10,8 @@
 # The build runs in a temporary clone of HEAD (a STATIC build would otherwise
 # replace every object of the working tree's own build/), so the bundle is
 # exactly the committed code: uncommitted changes are refused, not silently
-# left out. Output: .gpu/kiln-gpu.tar.xz and .gpu/COMMIT (ignored by git).
+# left out. Output: .gpu/kiln-gpu.tar.xz, .gpu/COMMIT and .gpu/SOURCES.sha256
+# (ignored by git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
@@ -33,5 +34,8 @@ mkdir -p .gpu
 (cd "$tmp/src" && tar -cf - $BINS) | xz -6 -T"$(nproc)" > .gpu/kiln-gpu.tar.xz.tmp
 mv .gpu/kiln-gpu.tar.xz.tmp .gpu/kiln-gpu.tar.xz
 echo "$commit" > .gpu/COMMIT
+# What the binaries were built from, so cuda_check.sh can tell a stale bundle
+# from a current one on a machine that has the tree but not its git history.
+git ls-files -z src cuda test Makefile | xargs -0 sha256sum > .gpu/SOURCES.sha256
 echo "gpu_bundle: .gpu/kiln-gpu.tar.xz ($(du -h .gpu/kiln-gpu.tar.xz | cut -f1), commit $commit)"
 echo "on the GPU machine: carry .gpu and run OUT=\$OUT make cuda-check (limit ~560 s)"

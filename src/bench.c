@@ -79,12 +79,16 @@ int bench_run(const Config *c, int steps) {
     int B = c->micro_batch, T = c->seq_len, N = B * T;
 
     Model m;
-    model_init(&m, be, &s, c->decay_embeddings);
+    int master16 = strcmp(c->master, "bf16") == 0; /* precision.master: bf16 parameters, no fp32 arena */
+    model_init_dtype(&m, be, &s, c->decay_embeddings, master16);
     m.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     model_init_weights(&m, c->seed);
     model_plan_activations(&m, B, T, model_recompute_parse(c->recompute));
     AdamW opt;
-    optim_init(&opt, be, m.num_params, m.num_decay, c->beta1, c->beta2, c->eps, c->weight_decay, c->grad_clip);
+    /* precision.optim_state and precision.master as a run has them (train.c) */
+    optim_init_shard_dtype(&opt, be, m.num_params, m.num_decay, 0, m.num_params, c->beta1, c->beta2, c->eps,
+                           c->weight_decay, c->grad_clip, optim_state_bytes(c->optim_state) == 2, c->seed);
+    if (master16) optim_set_params_bf16(&opt);
 
     int32_t *inp = xmalloc((size_t)N * sizeof(int32_t)), *tgt = xmalloc((size_t)N * sizeof(int32_t));
     Rng rng;
@@ -108,7 +112,7 @@ int bench_run(const Config *c, int steps) {
             loss = model_forward(&m, inp, tgt, B, T, dloss);
             model_backward(&m, micro > 0);
         }
-        optim_step(&opt, m.param_mem, m.grad_mem, c->lr);
+        optim_step(&opt, model_param_arena(&m), m.grad_mem, c->lr);
         model_params_changed(&m);
         be->sync();
         times[step] = kiln_now() - t0;
@@ -126,6 +130,7 @@ int bench_run(const Config *c, int steps) {
     printf("bench: tok_per_s=%.1f step_gflops=%.1f sgemm_gflops=%.1f ratio=%.3f\n", tokens / step_s, step_gflops,
            mm_gflops, step_gflops / mm_gflops);
     if (be->memory_peak) printf("bench: peak_mem_gib=%.2f\n", be->memory_peak() / 1073741824.0);
+    printf("bench: master=%s optim_state=%s\n", master16 ? "bf16" : "fp32", c->optim_state);
     printf("bench: gelu_fusion=%s\n", model_gelu_fused(&m, 0) || model_gelu_fused(&m, 1) ? "on"
                                        : m.gelu_fusion ? "not_offered" : "off");
     free(inp), free(tgt), free(times);

@@ -501,10 +501,9 @@ static void test_attention(int B, int T, int C, int NH, int tc) {
     cudaFree(dq), cudaFree(dg), cudaFree(dout), cudaFree(ddq), cudaFree(dlse), cudaFree(dout2);
 }
 
-/* precision.attention auto with bf16 at a new shape: the usable paths (here
- * tensor cores and SIMT) are timed at its first forward; the emulation's
- * clock ties them (cuda_emu.h), so the first in preference order, the tensor
- * cores, must run: the backend's output has their bits. */
+/* precision.attention auto with bf16 at a new shape: the first usable path
+ * in the order cudnn, tensor_cores, simt runs; cuDNN is not built into the
+ * emulation, so the tensor cores must: the backend's output has their bits. */
 static void test_attention_auto(void) {
     const int B = 1, T = 70, C = 96, NH = 2;
     size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;

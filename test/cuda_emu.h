@@ -341,11 +341,6 @@ static inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned) { *
 static inline cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
 static inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = 0) { return cudaSuccess; }
 static inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
-/* The emulation has no device clock: every timed interval is 0 ms, so
- * precision.attention auto's timing (attention.cu) ties and takes its first
- * candidate in order of preference, the same one every run. */
-static inline cudaError_t cudaEventCreate(cudaEvent_t *e) { *e = (cudaEvent_t)0x1; return cudaSuccess; }
-static inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t, cudaEvent_t) { *ms = 0.0f; return cudaSuccess; }
 /* cuBLASLt's version for the backend's description line only; the library
  * itself is test/cublaslt_emu.h (test/matmul_emu.cc), not needed here. */
 #define CUBLAS_VER_MAJOR 0

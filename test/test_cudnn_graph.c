@@ -88,6 +88,31 @@ static int views(const CudnnGraphInfo *g, int B, int T, int NH, int hs, char *wh
     return 1;
 }
 
+/* Every tensor's strides describe a layout: no two elements at one address.
+ * Dims of size > 1 sorted by stride, each stride at least the span of the
+ * ones below it (gaps allowed: the qkv views skip the other two thirds). */
+static int layouts(const CudnnGraphInfo *g, char *why, size_t n) {
+    for (int i = 0; i < g->n_tensors; i++) {
+        const CudnnGraphTensor *t = &g->t[i];
+        int64_t d[4], s[4];
+        int k = 0;
+        for (int j = 0; j < 4; j++)
+            if (t->dims[j] > 1) d[k] = t->dims[j], s[k] = t->strides[j], k++;
+        for (int a = 1; a < k; a++) /* insertion sort by stride */
+            for (int b = a; b > 0 && s[b] < s[b - 1]; b--) {
+                int64_t x = s[b]; s[b] = s[b - 1], s[b - 1] = x;
+                x = d[b]; d[b] = d[b - 1], d[b - 1] = x;
+            }
+        for (int a = 0; a + 1 < k; a++)
+            if (s[a] < 1 || s[a + 1] < s[a] * d[a])
+                return snprintf(why, n, "%s: strides %lld,%lld,%lld,%lld overlap for dims %lld,%lld,%lld,%lld", t->name,
+                                (long long)t->strides[0], (long long)t->strides[1], (long long)t->strides[2],
+                                (long long)t->strides[3], (long long)t->dims[0], (long long)t->dims[1],
+                                (long long)t->dims[2], (long long)t->dims[3]), 0;
+    }
+    return 1;
+}
+
 int main(void) {
     static const struct { const char *name; int B, T, NH, hs; } shapes[] = {
         {"gpt2_124m", 4, 1024, 12, 64}, /* GPT-2 124M's training shape */
@@ -114,6 +139,8 @@ int main(void) {
             char sub[128];
             snprintf(sub, sizeof sub, "%s_wiring", name);
             test_report(wiring(&info, bwd, why, sizeof why), sub, "%s", why);
+            snprintf(sub, sizeof sub, "%s_layouts", name);
+            test_report(layouts(&info, why, sizeof why), sub, "%s", why);
             snprintf(sub, sizeof sub, "%s_views", name);
             test_report(views(&info, shapes[s].B, shapes[s].T, shapes[s].NH, shapes[s].hs, why, sizeof why), sub, "%s",
                         why);
