@@ -252,18 +252,31 @@ __global__ void colsum_partial_kernel(float *part_a, float *part_b, const T_ *do
     }
 }
 
+/* The partials (chunks, C) summed per column: block (32, COLSUM_FIN_LANES)
+ * over 32 columns, lane ty summing chunks ty, ty + LANES, ... in order, then
+ * the lanes in lane order, then onto what out holds (accumulate). A single
+ * thread per column summing all 256 partials serially made each call a chain
+ * of dependent L2 loads on a handful of blocks (C / 256 of them): ~10 us per
+ * output, ~70 calls a step at GPT-2 124M (docs/benchmarks.md's budget). */
+#define COLSUM_FIN_LANES 32
 __global__ void colsum_finish_kernel(float *out_a, float *out_b, const float *part_a,
                                      const float *part_b, int chunks, int C, int accumulate) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    float a = accumulate ? out_a[c] : 0.0f;
-    for (int k = 0; k < chunks; k++) a += part_a[(size_t)k * C + c];
-    out_a[c] = a;
-    if (out_b) {
-        float b = accumulate ? out_b[c] : 0.0f;
-        for (int k = 0; k < chunks; k++) b += part_b[(size_t)k * C + c];
-        out_b[c] = b;
+    __shared__ float sa[COLSUM_FIN_LANES][33], sb[COLSUM_FIN_LANES][33];
+    int tx = threadIdx.x, ty = threadIdx.y, c = blockIdx.x * 32 + tx;
+    float a = 0.0f, b = 0.0f;
+    if (c < C) {
+        for (int k = ty; k < chunks; k += COLSUM_FIN_LANES) {
+            a += part_a[(size_t)k * C + c];
+            if (out_b) b += part_b[(size_t)k * C + c];
+        }
     }
+    sa[ty][tx] = a;
+    sb[ty][tx] = b;
+    __syncthreads();
+    if (ty != 0 || c >= C) return;
+    for (int k = 1; k < COLSUM_FIN_LANES; k++) a += sa[k][tx], b += sb[k][tx];
+    out_a[c] = accumulate ? out_a[c] + a : a;
+    if (out_b) out_b[c] = accumulate ? out_b[c] + b : b;
 }
 
 template <typename T_>
@@ -277,8 +290,8 @@ static void colsum_run(float *out_a, float *out_b, const void *dout, const void 
     KLAUNCH(colsum_partial_kernel<T_>, grid, block, 0, part_a, part_b, (const T_ *)dout, (const T_ *)inp, mean,
             rstd, N, C, rows_per_chunk);
     CUDA_CHECK_LAUNCH();
-    KLAUNCH(colsum_finish_kernel, cuda_blocks(C, 256), 256, 0, out_a, out_b, part_a, inp ? part_b : NULL,
-            chunks, C, accumulate);
+    KLAUNCH(colsum_finish_kernel, (C + 31) / 32, dim3(32, COLSUM_FIN_LANES), 0, out_a, out_b, part_a,
+            inp ? part_b : NULL, chunks, C, accumulate);
     CUDA_CHECK_LAUNCH();
 }
 
