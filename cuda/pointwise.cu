@@ -159,28 +159,66 @@ void cuda_cast_to_act(void *dst, const float *src, size_t n) {
 }
 
 /* ---------------------------------------------------------------------------
- * Softmax + cross-entropy, one block per row: max, sum of exp, loss, and (if
- * dloss != 0) dlogits = (softmax - onehot) * dloss in place, zero padding.
- * fmaxf skips NaN as the CPU's compare does; a NaN logit still reaches the
- * loss through the sum. */
+ * Softmax + cross-entropy, one block per row: max and sum of exp in one pass
+ * (each thread keeps its own running max and a sum scaled to it, combined
+ * over the block at the end), the loss, and (if dloss != 0) dlogits =
+ * (softmax - onehot) * dloss in place, zero padding: two passes over the
+ * row, the second mostly from L2, where a max pass, a sum pass and a write
+ * pass read the (Vp) row three times. At GPT-2 scale the logits are N x 50304
+ * bf16, 1.6 GB: the op is one of a step's largest memory-bound items
+ * (docs/benchmarks.md). Rows move in 16-byte packs when the row stride and
+ * the pointer allow, else element by element; the math per element is the
+ * same either way. fmaxf-style compares skip NaN as the CPU's compare does;
+ * a NaN logit still reaches the loss through the sum. */
 #define CE_THREADS 512
+
+/* x folded into a thread's running (max m, sum s of exp(x_i - m)). */
+__device__ __forceinline__ void ce_online(float x, float &m, float &s) {
+    if (x > m) {
+        s = s * expf(m - x) + 1.0f; /* m = -inf at first: s = 0 * 0 + 1 */
+        m = x;
+    } else if (x != -INFINITY) {
+        s += expf(x - m); /* NaN x: NaN, as on the CPU */
+    }
+}
 
 template <typename T_>
 __global__ void crossentropy_kernel(T_ *logits, float *losses, const int32_t *targets, int V, int Vp,
-                                    float dloss) {
+                                    float dloss, int packed) {
     __shared__ float red[32];
     T_ *x = logits + (size_t)blockIdx.x * Vp;
+    const int P = (int)PACK(T_);
     int tg = targets[blockIdx.x];
     float xt = act_f(x[tg]); /* read before any thread writes the row */
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, act_f(x[j]));
-    mx = block_max(mx, red);
-    float s = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(act_f(x[j]) - mx);
-    s = block_sum(s, red); /* its barriers also order every read of xt before the writes */
+    float m = -INFINITY, s = 0.0f;
+    if (packed) {
+        for (int i = threadIdx.x; i < Vp / P; i += blockDim.x) {
+            Pack<T_> p = pack_load(x + (size_t)i * P);
+#pragma unroll
+            for (int k = 0; k < P; k++)
+                if (i * P + k < V) ce_online(act_f(p.v[k]), m, s);
+        }
+    } else {
+        for (int j = threadIdx.x; j < V; j += blockDim.x) ce_online(act_f(x[j]), m, s);
+    }
+    float mx = block_max(m, red);
+    s = block_sum(m == -INFINITY ? 0.0f : s * expf(m - mx), red);
+    /* block_sum's barriers also order every read of xt before the writes */
     if (threadIdx.x == 0) losses[blockIdx.x] = mx + logf(s) - xt;
-    if (dloss != 0.0f) {
-        float k = dloss / s;
+    if (dloss == 0.0f) return;
+    float k = dloss / s;
+    if (packed) {
+        for (int i = threadIdx.x; i < Vp / P; i += blockDim.x) {
+            Pack<T_> p = pack_load(x + (size_t)i * P);
+#pragma unroll
+            for (int e = 0; e < P; e++) {
+                int j = i * P + e;
+                float g = expf(act_f(p.v[e]) - mx) * k;
+                p.v[e] = act_from<T_>(j >= V ? 0.0f : j == tg ? g - dloss : g);
+            }
+            pack_store(x + (size_t)i * P, p);
+        }
+    } else {
         for (int j = threadIdx.x; j < V; j += blockDim.x) {
             float g = expf(act_f(x[j]) - mx) * k;
             x[j] = act_from<T_>(j == tg ? g - dloss : g);
@@ -192,7 +230,9 @@ __global__ void crossentropy_kernel(T_ *logits, float *losses, const int32_t *ta
 template <typename T_>
 static void crossentropy_run(void *logits, float *losses, const int32_t *targets, int N, int V, int Vp,
                              float dloss) {
-    KLAUNCH(crossentropy_kernel<T_>, N, CE_THREADS, 0, (T_ *)logits, losses, targets, V, Vp, dloss);
+    /* packs need every row to start 16-byte aligned and to hold whole packs */
+    int packed = aligned16(logits) && Vp % (int)PACK(T_) == 0;
+    KLAUNCH(crossentropy_kernel<T_>, N, CE_THREADS, 0, (T_ *)logits, losses, targets, V, Vp, dloss, packed);
     CUDA_CHECK_LAUNCH();
 }
 

@@ -561,6 +561,8 @@ int main(void) {
         test_pointwise(3, 0);    /* tail only */
         test_crossentropy(37, 100, 128);
         test_crossentropy(5, 1000, 1024); /* rows wider than the block */
+        test_crossentropy(3, 5000, 5056); /* more 16-byte packs in a row than threads in the block */
+        test_crossentropy(7, 100, 103);   /* a row stride of no whole packs: element by element */
         test_adamw(1003);
         test_adamw_bf16(1003);
         test_adamw_p16(1003, 0);
