@@ -20,28 +20,12 @@ static unsigned grid_for(size_t n, unsigned threads) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n);                   \
          i += (size_t)gridDim.x * blockDim.x)
 
-/* 128-bit loads and stores: a Pack holds 16 bytes of T_ (8 bf16 or 4 fp32)
- * and moves as one uint4. The elementwise kernels take packs over the first
- * n / PACK * PACK elements when every pointer is 16-byte aligned (the host
- * checks; arena buffers are), then single elements for the tail, or for
- * everything when a pointer is not aligned. The math per element is the
- * scalar code's, so the result is the same bits either way. */
-template <typename T_> struct alignas(16) Pack {
-    T_ v[16 / sizeof(T_)];
-};
-#define PACK(T_) (16 / sizeof(T_))
-template <typename T_> __device__ __forceinline__ Pack<T_> pack_load(const T_ *p) {
-    uint4 bits = *reinterpret_cast<const uint4 *>(p);
-    Pack<T_> x;
-    memcpy(&x, &bits, sizeof bits);
-    return x;
-}
-template <typename T_> __device__ __forceinline__ void pack_store(T_ *p, const Pack<T_> &x) {
-    uint4 bits;
-    memcpy(&bits, &x, sizeof bits);
-    *reinterpret_cast<uint4 *>(p) = bits;
-}
-static int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+/* The elementwise kernels take 16-byte packs (common.cuh: Pack, pack_load,
+ * pack_store, aligned16) over the first n / PACK * PACK elements when every
+ * pointer is 16-byte aligned (the host checks; arena buffers are), then single
+ * elements for the tail, or for everything when a pointer is not aligned. The
+ * math per element is the scalar code's, so the result is the same bits
+ * either way. */
 /* Packs to take over n elements given the pointers' alignment, and a grid for
  * the larger of the packed and the tail loops. */
 template <typename T_> static size_t packs_for(size_t n, int aligned) { return aligned ? n / PACK(T_) : 0; }

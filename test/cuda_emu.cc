@@ -554,6 +554,7 @@ int main(void) {
         test_embed();
         test_layernorm(37, 48);
         test_layernorm(201, 40); /* 4 column-sum chunks, the last one short; C not a multiple of 32 */
+        test_layernorm(9, 42);   /* C of no whole 16-byte packs: element by element */
         test_colsum(201, 100, TOL_F32);
         test_colsum(20000, 5, TOL_LONG_SUM); /* 256 chunks, the last ones empty */
         test_pointwise(1777, 0); /* 16-byte packs and a tail */
