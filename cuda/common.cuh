@@ -11,6 +11,7 @@
 #endif
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 extern "C" {
 #include "backend.h"
@@ -60,6 +61,26 @@ template <> __device__ __forceinline__ bf16 act_from<bf16>(float x) { return __f
 #define KLAUNCH(kernel, grid, block, smem, ...) kernel<<<grid, block, smem>>>(__VA_ARGS__)
 #define KILN_DYN_SHARED(type, name) extern __shared__ type name[]
 #endif
+
+/* 128-bit loads and stores: a Pack holds 16 bytes of T_ (8 bf16 or 4 fp32)
+ * and moves as one uint4; aligned16 is the host's check that a pointer may
+ * be read or written in packs. */
+template <typename T_> struct alignas(16) Pack {
+    T_ v[16 / sizeof(T_)];
+};
+#define PACK(T_) (16 / sizeof(T_))
+template <typename T_> __device__ __forceinline__ Pack<T_> pack_load(const T_ *p) {
+    uint4 bits = *reinterpret_cast<const uint4 *>(p);
+    Pack<T_> x;
+    memcpy(&x, &bits, sizeof bits);
+    return x;
+}
+template <typename T_> __device__ __forceinline__ void pack_store(T_ *p, const Pack<T_> &x) {
+    uint4 bits;
+    memcpy(&bits, &x, sizeof bits);
+    *reinterpret_cast<uint4 *>(p) = bits;
+}
+static inline int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 /* Device-side launch configuration. */
 #define CUDA_WARP 32

@@ -144,24 +144,50 @@ void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32
 /* ---------------------------------------------------------------------------
  * LayerNorm (eps 1e-5, biased variance), one warp per row */
 
+/* packed: C is whole 16-byte packs and every pointer 16-byte aligned (so is
+ * every row), and lanes take packs lane, lane + 32, ...: at C = 768 in bf16,
+ * 3 16-byte loads per lane and pass instead of 24 2-byte ones (25 calls a
+ * step at GPT-2 124M, docs/benchmarks.md). Else element by element. Same
+ * math per element; the sums' order differs (fp32 rounding). */
 template <typename T_>
 __global__ void layernorm_forward_kernel(T_ *out, float *mean, float *rstd, const T_ *inp, const T_ *w,
-                                         const T_ *b, int N, int C) {
+                                         const T_ *b, int N, int C, int packed) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
     const T_ *x = inp + (size_t)row * C;
+    T_ *o = out + (size_t)row * C;
+    const int P = (int)PACK(T_), np = packed ? C / P : 0;
     float s = 0.0f;
-    for (int c = lane; c < C; c += 32) s += act_f(x[c]);
+    for (int i = lane; i < np; i += 32) {
+        Pack<T_> p = pack_load(x + i * P);
+#pragma unroll
+        for (int k = 0; k < P; k++) s += act_f(p.v[k]);
+    }
+    for (int c = np * P + lane; c < C; c += 32) s += act_f(x[c]);
     float m = warp_sum(s) / C;
     /* Two passes, as the CPU backend: no cancellation for a large mean. */
     float v = 0.0f;
-    for (int c = lane; c < C; c += 32) {
+    for (int i = lane; i < np; i += 32) {
+        Pack<T_> p = pack_load(x + i * P);
+#pragma unroll
+        for (int k = 0; k < P; k++) {
+            float d = act_f(p.v[k]) - m;
+            v += d * d;
+        }
+    }
+    for (int c = np * P + lane; c < C; c += 32) {
         float d = act_f(x[c]) - m;
         v += d * d;
     }
     float r = 1.0f / sqrtf(warp_sum(v) / C + 1e-5f);
-    T_ *o = out + (size_t)row * C;
-    for (int c = lane; c < C; c += 32) o[c] = act_from<T_>((act_f(x[c]) - m) * r * act_f(w[c]) + act_f(b[c]));
+    for (int i = lane; i < np; i += 32) {
+        Pack<T_> p = pack_load(x + i * P), pw = pack_load(w + i * P), pb = pack_load(b + i * P);
+#pragma unroll
+        for (int k = 0; k < P; k++) p.v[k] = act_from<T_>((act_f(p.v[k]) - m) * r * act_f(pw.v[k]) + act_f(pb.v[k]));
+        pack_store(o + i * P, p);
+    }
+    for (int c = np * P + lane; c < C; c += 32)
+        o[c] = act_from<T_>((act_f(x[c]) - m) * r * act_f(w[c]) + act_f(b[c]));
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
@@ -171,8 +197,9 @@ __global__ void layernorm_forward_kernel(T_ *out, float *mean, float *rstd, cons
 template <typename T_>
 static void layernorm_forward_run(void *out, float *mean, float *rstd, const void *inp, const void *w,
                                   const void *b, int N, int C) {
+    int packed = C % (int)PACK(T_) == 0 && aligned16(out) && aligned16(inp) && aligned16(w) && aligned16(b);
     KLAUNCH(layernorm_forward_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)out, mean, rstd, (const T_ *)inp,
-            (const T_ *)w, (const T_ *)b, N, C);
+            (const T_ *)w, (const T_ *)b, N, C, packed);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -252,18 +279,31 @@ __global__ void colsum_partial_kernel(float *part_a, float *part_b, const T_ *do
     }
 }
 
+/* The partials (chunks, C) summed per column: block (32, COLSUM_FIN_LANES)
+ * over 32 columns, lane ty summing chunks ty, ty + LANES, ... in order, then
+ * the lanes in lane order, then onto what out holds (accumulate). A single
+ * thread per column summing all 256 partials serially made each call a chain
+ * of dependent L2 loads on a handful of blocks (C / 256 of them): ~10 us per
+ * output, ~70 calls a step at GPT-2 124M (docs/benchmarks.md's budget). */
+#define COLSUM_FIN_LANES 32
 __global__ void colsum_finish_kernel(float *out_a, float *out_b, const float *part_a,
                                      const float *part_b, int chunks, int C, int accumulate) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    float a = accumulate ? out_a[c] : 0.0f;
-    for (int k = 0; k < chunks; k++) a += part_a[(size_t)k * C + c];
-    out_a[c] = a;
-    if (out_b) {
-        float b = accumulate ? out_b[c] : 0.0f;
-        for (int k = 0; k < chunks; k++) b += part_b[(size_t)k * C + c];
-        out_b[c] = b;
+    __shared__ float sa[COLSUM_FIN_LANES][33], sb[COLSUM_FIN_LANES][33];
+    int tx = threadIdx.x, ty = threadIdx.y, c = blockIdx.x * 32 + tx;
+    float a = 0.0f, b = 0.0f;
+    if (c < C) {
+        for (int k = ty; k < chunks; k += COLSUM_FIN_LANES) {
+            a += part_a[(size_t)k * C + c];
+            if (out_b) b += part_b[(size_t)k * C + c];
+        }
     }
+    sa[ty][tx] = a;
+    sb[ty][tx] = b;
+    __syncthreads();
+    if (ty != 0 || c >= C) return;
+    for (int k = 1; k < COLSUM_FIN_LANES; k++) a += sa[k][tx], b += sb[k][tx];
+    out_a[c] = accumulate ? out_a[c] + a : a;
+    if (out_b) out_b[c] = accumulate ? out_b[c] + b : b;
 }
 
 template <typename T_>
@@ -277,8 +317,8 @@ static void colsum_run(float *out_a, float *out_b, const void *dout, const void 
     KLAUNCH(colsum_partial_kernel<T_>, grid, block, 0, part_a, part_b, (const T_ *)dout, (const T_ *)inp, mean,
             rstd, N, C, rows_per_chunk);
     CUDA_CHECK_LAUNCH();
-    KLAUNCH(colsum_finish_kernel, cuda_blocks(C, 256), 256, 0, out_a, out_b, part_a, inp ? part_b : NULL,
-            chunks, C, accumulate);
+    KLAUNCH(colsum_finish_kernel, (C + 31) / 32, dim3(32, COLSUM_FIN_LANES), 0, out_a, out_b, part_a,
+            inp ? part_b : NULL, chunks, C, accumulate);
     CUDA_CHECK_LAUNCH();
 }
 

@@ -20,28 +20,12 @@ static unsigned grid_for(size_t n, unsigned threads) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (n);                   \
          i += (size_t)gridDim.x * blockDim.x)
 
-/* 128-bit loads and stores: a Pack holds 16 bytes of T_ (8 bf16 or 4 fp32)
- * and moves as one uint4. The elementwise kernels take packs over the first
- * n / PACK * PACK elements when every pointer is 16-byte aligned (the host
- * checks; arena buffers are), then single elements for the tail, or for
- * everything when a pointer is not aligned. The math per element is the
- * scalar code's, so the result is the same bits either way. */
-template <typename T_> struct alignas(16) Pack {
-    T_ v[16 / sizeof(T_)];
-};
-#define PACK(T_) (16 / sizeof(T_))
-template <typename T_> __device__ __forceinline__ Pack<T_> pack_load(const T_ *p) {
-    uint4 bits = *reinterpret_cast<const uint4 *>(p);
-    Pack<T_> x;
-    memcpy(&x, &bits, sizeof bits);
-    return x;
-}
-template <typename T_> __device__ __forceinline__ void pack_store(T_ *p, const Pack<T_> &x) {
-    uint4 bits;
-    memcpy(&bits, &x, sizeof bits);
-    *reinterpret_cast<uint4 *>(p) = bits;
-}
-static int aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+/* The elementwise kernels take 16-byte packs (common.cuh: Pack, pack_load,
+ * pack_store, aligned16) over the first n / PACK * PACK elements when every
+ * pointer is 16-byte aligned (the host checks; arena buffers are), then single
+ * elements for the tail, or for everything when a pointer is not aligned. The
+ * math per element is the scalar code's, so the result is the same bits
+ * either way. */
 /* Packs to take over n elements given the pointers' alignment, and a grid for
  * the larger of the packed and the tail loops. */
 template <typename T_> static size_t packs_for(size_t n, int aligned) { return aligned ? n / PACK(T_) : 0; }
@@ -159,28 +143,66 @@ void cuda_cast_to_act(void *dst, const float *src, size_t n) {
 }
 
 /* ---------------------------------------------------------------------------
- * Softmax + cross-entropy, one block per row: max, sum of exp, loss, and (if
- * dloss != 0) dlogits = (softmax - onehot) * dloss in place, zero padding.
- * fmaxf skips NaN as the CPU's compare does; a NaN logit still reaches the
- * loss through the sum. */
+ * Softmax + cross-entropy, one block per row: max and sum of exp in one pass
+ * (each thread keeps its own running max and a sum scaled to it, combined
+ * over the block at the end), the loss, and (if dloss != 0) dlogits =
+ * (softmax - onehot) * dloss in place, zero padding: two passes over the
+ * row, the second mostly from L2, where a max pass, a sum pass and a write
+ * pass read the (Vp) row three times. At GPT-2 scale the logits are N x 50304
+ * bf16, 1.6 GB: the op is one of a step's largest memory-bound items
+ * (docs/benchmarks.md). Rows move in 16-byte packs when the row stride and
+ * the pointer allow, else element by element; the math per element is the
+ * same either way. fmaxf-style compares skip NaN as the CPU's compare does;
+ * a NaN logit still reaches the loss through the sum. */
 #define CE_THREADS 512
+
+/* x folded into a thread's running (max m, sum s of exp(x_i - m)). */
+__device__ __forceinline__ void ce_online(float x, float &m, float &s) {
+    if (x > m) {
+        s = s * expf(m - x) + 1.0f; /* m = -inf at first: s = 0 * 0 + 1 */
+        m = x;
+    } else if (x != -INFINITY) {
+        s += expf(x - m); /* NaN x: NaN, as on the CPU */
+    }
+}
 
 template <typename T_>
 __global__ void crossentropy_kernel(T_ *logits, float *losses, const int32_t *targets, int V, int Vp,
-                                    float dloss) {
+                                    float dloss, int packed) {
     __shared__ float red[32];
     T_ *x = logits + (size_t)blockIdx.x * Vp;
+    const int P = (int)PACK(T_);
     int tg = targets[blockIdx.x];
     float xt = act_f(x[tg]); /* read before any thread writes the row */
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, act_f(x[j]));
-    mx = block_max(mx, red);
-    float s = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(act_f(x[j]) - mx);
-    s = block_sum(s, red); /* its barriers also order every read of xt before the writes */
+    float m = -INFINITY, s = 0.0f;
+    if (packed) {
+        for (int i = threadIdx.x; i < Vp / P; i += blockDim.x) {
+            Pack<T_> p = pack_load(x + (size_t)i * P);
+#pragma unroll
+            for (int k = 0; k < P; k++)
+                if (i * P + k < V) ce_online(act_f(p.v[k]), m, s);
+        }
+    } else {
+        for (int j = threadIdx.x; j < V; j += blockDim.x) ce_online(act_f(x[j]), m, s);
+    }
+    float mx = block_max(m, red);
+    s = block_sum(m == -INFINITY ? 0.0f : s * expf(m - mx), red);
+    /* block_sum's barriers also order every read of xt before the writes */
     if (threadIdx.x == 0) losses[blockIdx.x] = mx + logf(s) - xt;
-    if (dloss != 0.0f) {
-        float k = dloss / s;
+    if (dloss == 0.0f) return;
+    float k = dloss / s;
+    if (packed) {
+        for (int i = threadIdx.x; i < Vp / P; i += blockDim.x) {
+            Pack<T_> p = pack_load(x + (size_t)i * P);
+#pragma unroll
+            for (int e = 0; e < P; e++) {
+                int j = i * P + e;
+                float g = expf(act_f(p.v[e]) - mx) * k;
+                p.v[e] = act_from<T_>(j >= V ? 0.0f : j == tg ? g - dloss : g);
+            }
+            pack_store(x + (size_t)i * P, p);
+        }
+    } else {
         for (int j = threadIdx.x; j < V; j += blockDim.x) {
             float g = expf(act_f(x[j]) - mx) * k;
             x[j] = act_from<T_>(j == tg ? g - dloss : g);
@@ -192,7 +214,9 @@ __global__ void crossentropy_kernel(T_ *logits, float *losses, const int32_t *ta
 template <typename T_>
 static void crossentropy_run(void *logits, float *losses, const int32_t *targets, int N, int V, int Vp,
                              float dloss) {
-    KLAUNCH(crossentropy_kernel<T_>, N, CE_THREADS, 0, (T_ *)logits, losses, targets, V, Vp, dloss);
+    /* packs need every row to start 16-byte aligned and to hold whole packs */
+    int packed = aligned16(logits) && Vp % (int)PACK(T_) == 0;
+    KLAUNCH(crossentropy_kernel<T_>, N, CE_THREADS, 0, (T_ *)logits, losses, targets, V, Vp, dloss, packed);
     CUDA_CHECK_LAUNCH();
 }
 

@@ -547,6 +547,7 @@ int main(void) {
         test_embed();
         test_layernorm(37, 48);
         test_layernorm(201, 40); /* 4 column-sum chunks, the last one short; C not a multiple of 32 */
+        test_layernorm(9, 42);   /* C of no whole 16-byte packs: element by element */
         test_colsum(201, 100, TOL_F32);
         test_colsum(20000, 5, TOL_LONG_SUM); /* 256 chunks, the last ones empty */
         test_pointwise(1777, 0); /* 16-byte packs and a tail */
@@ -554,6 +555,8 @@ int main(void) {
         test_pointwise(3, 0);    /* tail only */
         test_crossentropy(37, 100, 128);
         test_crossentropy(5, 1000, 1024); /* rows wider than the block */
+        test_crossentropy(3, 5000, 5056); /* more 16-byte packs in a row than threads in the block */
+        test_crossentropy(7, 100, 103);   /* a row stride of no whole packs: element by element */
         test_adamw(1003);
         test_adamw_bf16(1003);
         test_adamw_p16(1003, 0);
