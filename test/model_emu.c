@@ -157,6 +157,14 @@ static void trace_free(Trace *t) { free(t->grads), free(t->params); }
 
 /* The emulated backend started for compute ("fp32"/"bf16") with attention
  * `att`; its description line names what it chose. */
+/* One case on the emulated GPU: train with opts, compare with ref, free. */
+static void run_case(const char *tag, TraceOpts opts, const Trace *ref, Tol tol) {
+    Trace t;
+    trace_train_opts(gpu, shape0, opts, &t);
+    compare(tag, &t, ref, tol);
+    trace_free(&t);
+}
+
 static void gpu_start(const char *compute, const char *att) {
     const char *desc = gpu->init(0);
     gpu->set_attention(att);
@@ -234,20 +242,14 @@ int main(void) {
 
     /* precision.compute fp32: SIMT attention, the fused GeLU products (model.c's default) */
     gpu_start("fp32", "auto");
-    trace_train_opts(gpu, shape0, plain, &t);
-    compare("fp32", &t, &ref, TOL_FP32);
-    trace_free(&t);
-    trace_train_opts(gpu, shape0, state16, &t);
-    compare("fp32_optim_state_bf16", &t, &ref_s16, TOL_FP32_STATE16);
-    trace_free(&t);
+    run_case("fp32", plain, &ref, TOL_FP32);
+    run_case("fp32_optim_state_bf16", state16, &ref_s16, TOL_FP32_STATE16);
     check_eval("fp32", row32, 1e-5);
     gpu_stop("fp32");
 
     /* precision.compute bf16, tensor-core attention */
     gpu_start("bf16", "tensor_cores");
-    trace_train_opts(gpu, shape0, plain, &t);
-    compare("bf16_tensor_cores", &t, &ref, TOL_BF16);
-    trace_free(&t);
+    run_case("bf16_tensor_cores", plain, &ref, TOL_BF16);
     TraceOpts unfused = plain, unfused_norm = plain;
     unfused.gelu_fusion = unfused_norm.gelu_fusion = 0;
     unfused_norm.r = MODEL_RECOMPUTE_NORM_GELU;
@@ -260,20 +262,14 @@ int main(void) {
                 : "losses, grad norms, grads or params differ from recompute none",
            u.loss[STEPS * ACCUM - 1], t.loss[STEPS * ACCUM - 1]);
     trace_free(&t), trace_free(&u);
-    trace_train_opts(gpu, shape0, state16, &t);
-    compare("bf16_optim_state_bf16", &t, &ref_s16, TOL_BF16);
-    trace_free(&t);
-    trace_train_opts(gpu, shape0, master16, &t);
-    compare("bf16_master_bf16", &t, &ref_m16, TOL_BF16);
-    trace_free(&t);
+    run_case("bf16_optim_state_bf16", state16, &ref_s16, TOL_BF16);
+    run_case("bf16_master_bf16", master16, &ref_m16, TOL_BF16);
     check_eval("bf16", row16, 1e-2);
     gpu_stop("bf16_tensor_cores");
 
     /* precision.compute bf16, SIMT attention */
     gpu_start("bf16", "simt");
-    trace_train_opts(gpu, shape0, plain, &t);
-    compare("bf16_simt", &t, &ref, TOL_BF16);
-    trace_free(&t);
+    run_case("bf16_simt", plain, &ref, TOL_BF16);
     gpu_stop("bf16_simt");
 
     trace_free(&ref), trace_free(&ref_s16), trace_free(&ref_m16);
