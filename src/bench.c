@@ -87,7 +87,8 @@ int bench_run(const Config *c, int steps) {
     AdamW opt;
     /* precision.optim_state and precision.master as a run has them (train.c) */
     optim_init_shard_dtype(&opt, be, m.num_params, m.num_decay, 0, m.num_params, c->beta1, c->beta2, c->eps,
-                           c->weight_decay, c->grad_clip, optim_state_bytes(c->optim_state) == 2, c->seed);
+                           c->weight_decay, c->grad_clip, optim_state_bytes(c->optim_state) == 2,
+                           optim_round_seed(c->seed));
     if (master16) optim_set_params_bf16(&opt);
 
     int32_t *inp = xmalloc((size_t)N * sizeof(int32_t)), *tgt = xmalloc((size_t)N * sizeof(int32_t));

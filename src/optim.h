@@ -62,6 +62,10 @@ void optim_init_shard_dtype(AdamW *o, const Backend *be, size_t n, size_t n_deca
  * as bf16 bits (uint16_t, the model's param16) and round their update
  * stochastically from o->seed; before the first step. */
 void optim_set_params_bf16(AdamW *o);
+/* The rounding seed of a run with run.seed `run_seed`: one on every rank (the
+ * bits follow the arena element, not the rank), apart from the other streams
+ * drawn from run.seed. train.c and bench.c both use it. */
+static inline uint64_t optim_round_seed(uint64_t run_seed) { return run_seed ^ 0x6f7074696d2e7372ULL; }
 void optim_free(AdamW *o);
 /* "fp32" -> 4, "bf16" -> 2 (precision.optim_state); 0 if unknown. */
 size_t optim_state_bytes(const char *name);

@@ -257,11 +257,9 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     AdamW opt;
     size_t opt_lo, opt_hi;
     ddp_optim_range(&ddp, &opt_lo, &opt_hi);
-    /* bf16 moments: one rounding seed on every rank (the bits follow the arena
-     * element, not the rank), apart from the other streams drawn from run.seed */
     optim_init_shard_dtype(&opt, be, model.num_params, model.num_decay, opt_lo, opt_hi, c->beta1, c->beta2, c->eps,
                            c->weight_decay, c->grad_clip, optim_state_bytes(c->optim_state) == 2,
-                           c->seed ^ 0x6f7074696d2e7372ULL);
+                           optim_round_seed(c->seed));
     if (model.master_bf16) optim_set_params_bf16(&opt); /* the same seed: other bits of each element's hash */
     Schedule sched = {(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps, c->min_lr_ratio,
                       c->decay_ratio};
