@@ -677,14 +677,27 @@ static int att_path(int B, int T, int C, int NH) {
     return path;
 }
 
-void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
+/* Grouped K/V heads (NKV < NH) and head sizes other than C / NH are not in
+ * these kernels yet: refused with one line rather than computed wrong. */
+static void att_need_mha(const AttnShape *s) {
+    if (s->NKV != s->NH)
+        kiln_fail(KILN_EXIT_USAGE, "key 'model.n_kv_head': the CUDA backend's attention has no grouped K/V heads "
+                                   "yet (n_kv_head %d, n_head %d); use device: cpu or n_kv_head = n_head",
+                  s->NKV, s->NH);
+}
+
+void cuda_attention_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
+    att_need_mha(s);
+    int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
     int p = att_path(B, T, C, NH);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(out) || !att_path_fits(p, C, NH))) p = PATH_SIMT;
     att_fwd[p](out, lse, qkv, B, T, C, NH);
 }
 
-void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse, int B,
-                             int T, int C, int NH) {
+void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                             const AttnShape *s) {
+    att_need_mha(s);
+    int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
     int p = att_path(B, T, C, NH);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(dout) || !att_aligned(out) || !att_aligned(dqkv) ||
                            !att_path_fits(p, C, NH)))

@@ -146,7 +146,7 @@ void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32
                          int T, int C, int accumulate);
 void cuda_embed_free_host(void);
 void cuda_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
-                            const void *b, int N, int C);
+                            const void *b, int N, int C, float eps);
 void cuda_layernorm_backward(void *dinp, float *dw, float *db, const void *dout, const void *inp,
                              const void *w, const float *mean, const float *rstd, int N, int C,
                              int accumulate);
@@ -170,9 +170,9 @@ void cuda_matmul_backward_dgelu(void *dinp, float *dw, float *dbias, const void 
  * precision_changed runs after set_precision (the self-checks the first time
  * they are needed), describe is the line for the backend's description, reset
  * is for shutdown. */
-void cuda_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
+void cuda_attention_forward(void *out, float *lse, const void *qkv, const AttnShape *s);
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
-                             const float *lse, int B, int T, int C, int NH);
+                             const float *lse, const AttnShape *s);
 void cuda_attention_simt_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
 void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                                   const float *lse, int B, int T, int C, int NH);

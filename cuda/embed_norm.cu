@@ -151,7 +151,7 @@ void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32
  * math per element; the sums' order differs (fp32 rounding). */
 template <typename T_>
 __global__ void layernorm_forward_kernel(T_ *out, float *mean, float *rstd, const T_ *inp, const T_ *w,
-                                         const T_ *b, int N, int C, int packed) {
+                                         const T_ *b, int N, int C, float eps, int packed) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
     const T_ *x = inp + (size_t)row * C;
@@ -179,15 +179,21 @@ __global__ void layernorm_forward_kernel(T_ *out, float *mean, float *rstd, cons
         float d = act_f(x[c]) - m;
         v += d * d;
     }
-    float r = 1.0f / sqrtf(warp_sum(v) / C + 1e-5f);
+    float r = 1.0f / sqrtf(warp_sum(v) / C + eps);
     for (int i = lane; i < np; i += 32) {
-        Pack<T_> p = pack_load(x + i * P), pw = pack_load(w + i * P), pb = pack_load(b + i * P);
+        Pack<T_> p = pack_load(x + i * P), pw = pack_load(w + i * P);
+        if (b) {
+            Pack<T_> pb = pack_load(b + i * P);
 #pragma unroll
-        for (int k = 0; k < P; k++) p.v[k] = act_from<T_>((act_f(p.v[k]) - m) * r * act_f(pw.v[k]) + act_f(pb.v[k]));
+            for (int k = 0; k < P; k++) p.v[k] = act_from<T_>((act_f(p.v[k]) - m) * r * act_f(pw.v[k]) + act_f(pb.v[k]));
+        } else {
+#pragma unroll
+            for (int k = 0; k < P; k++) p.v[k] = act_from<T_>((act_f(p.v[k]) - m) * r * act_f(pw.v[k]));
+        }
         pack_store(o + i * P, p);
     }
     for (int c = np * P + lane; c < C; c += 32)
-        o[c] = act_from<T_>((act_f(x[c]) - m) * r * act_f(w[c]) + act_f(b[c]));
+        o[c] = act_from<T_>((act_f(x[c]) - m) * r * act_f(w[c]) + (b ? act_f(b[c]) : 0.0f));
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
@@ -196,16 +202,16 @@ __global__ void layernorm_forward_kernel(T_ *out, float *mean, float *rstd, cons
 
 template <typename T_>
 static void layernorm_forward_run(void *out, float *mean, float *rstd, const void *inp, const void *w,
-                                  const void *b, int N, int C) {
-    int packed = C % (int)PACK(T_) == 0 && aligned16(out) && aligned16(inp) && aligned16(w) && aligned16(b);
+                                  const void *b, int N, int C, float eps) {
+    int packed = C % (int)PACK(T_) == 0 && aligned16(out) && aligned16(inp) && aligned16(w) && (!b || aligned16(b));
     KLAUNCH(layernorm_forward_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)out, mean, rstd, (const T_ *)inp,
-            (const T_ *)w, (const T_ *)b, N, C, packed);
+            (const T_ *)w, (const T_ *)b, N, C, eps, packed);
     CUDA_CHECK_LAUNCH();
 }
 
 void cuda_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
-                            const void *b, int N, int C) {
-    ACT_DISPATCH(layernorm_forward_run, out, mean, rstd, inp, w, b, N, C);
+                            const void *b, int N, int C, float eps) {
+    ACT_DISPATCH(layernorm_forward_run, out, mean, rstd, inp, w, b, N, C, eps);
 }
 
 template <typename T_>

@@ -35,6 +35,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The shape of one attention call: B sequences of T tokens, NH query heads
+ * and NKV key/value heads (NKV divides NH: NKV = NH is multi-head, 1
+ * multi-query), HD dims per head. */
+typedef struct AttnShape {
+    int B, T, NH, NKV, HD;
+} AttnShape;
+
+/* Row width of the qkv buffer: (NH + 2 NKV) HD. */
+static inline int attn_qkv_width(const AttnShape *s) { return (s->NH + 2 * s->NKV) * s->HD; }
+
 typedef struct Backend {
     const char *name; /* "cpu", "cuda" */
     /* 1 if device pointers are host memory (the CPU backend): host MPI
@@ -71,15 +81,26 @@ typedef struct Backend {
     void (*embed_backward)(float *dwte, float *dwpe, const void *dout, const int32_t *tokens,
                            int B, int T, int C, int accumulate);
 
-    /* out(N,C) act = (inp - mean) * rstd * w + b; inp (N,C), w, b (C) act;
-     * mean, rstd (N) fp32 saved for backward. */
+    /* out(N,C) act = (inp - mean) * rstd * w + b, rstd = 1/sqrt(var + eps)
+     * (biased variance, as torch.nn.LayerNorm); inp (N,C), w, b (C) act, b
+     * may be NULL (model.bias false); mean, rstd (N) fp32 saved for backward. */
     void (*layernorm_forward)(void *out, float *mean, float *rstd, const void *inp,
-                              const void *w, const void *b, int N, int C);
-    /* dinp(N,C) act +=; dw, db (C) fp32 per `accumulate`; dout, inp (N,C),
-     * w (C) act; mean, rstd (N) fp32. */
+                              const void *w, const void *b, int N, int C, float eps);
+    /* dinp(N,C) act +=; dw, db (C) fp32 per `accumulate` (db may be NULL);
+     * dout, inp (N,C), w (C) act; mean, rstd (N) fp32. */
     void (*layernorm_backward)(void *dinp, float *dw, float *db, const void *dout,
                                const void *inp, const void *w, const float *mean,
                                const float *rstd, int N, int C, int accumulate);
+
+    /* RMSNorm (Llama): out(N,C) act = inp * rstd * w, rstd(N) fp32 =
+     * 1/sqrt(mean(inp^2) + eps), saved for backward; inp (N,C), w (C) act.
+     * Computed in fp32 whatever act is, as HF's LlamaRMSNorm does. */
+    void (*rmsnorm_forward)(void *out, float *rstd, const void *inp, const void *w, int N, int C,
+                            float eps);
+    /* dinp(N,C) act +=; dw(C) fp32 per `accumulate`; dout, inp (N,C), w (C)
+     * act; rstd (N) fp32 from the forward. */
+    void (*rmsnorm_backward)(void *dinp, float *dw, const void *dout, const void *inp, const void *w,
+                             const float *rstd, int N, int C, int accumulate);
 
     /* out(N,OC) act = inp(N,C) @ w(OC,C)^T + bias(OC), all act; bias may be NULL. */
     void (*matmul_forward)(void *out, const void *inp, const void *w, const void *bias,
@@ -90,19 +111,107 @@ typedef struct Backend {
                             const void *inp, const void *w, int N, int C, int OC,
                             int accumulate);
 
-    /* Causal multi-head attention. qkv(N,3C) act holds [q | k | v], head h in
-     * columns h*hs..(h+1)*hs of each; out(N,C) act; lse(B,NH,T) fp32 is the
-     * log-sum-exp of each softmax row (scaled scores), kept for the backward
-     * pass so no (T,T) matrix need be stored. */
-    void (*attention_forward)(void *out, float *lse, const void *qkv, int B, int T, int C,
-                              int NH);
-    /* dqkv(N,3C) act = gradient of the above; dout, out (N,C) act. */
+    /* Causal attention with grouped K/V heads (AttnShape below). qkv(N, QKVW)
+     * act holds per row [q heads | k heads | v heads], QKVW = (NH + 2 NKV) HD,
+     * head h of q in columns h*HD..(h+1)*HD; query head h reads kv head
+     * h / (NH / NKV); scores are scaled by 1/sqrt(HD). out(N, NH HD) act;
+     * lse(B,NH,T) fp32 is the log-sum-exp of each softmax row (scaled
+     * scores), kept for the backward pass so no (T,T) matrix need be stored.
+     * GPT-2 is NKV = NH, HD = C / NH. */
+    void (*attention_forward)(void *out, float *lse, const void *qkv, const AttnShape *s);
+    /* dqkv(N, QKVW) act = gradient of the above (overwritten; a kv head's
+     * gradient sums over the query heads that read it); dout, out (N, NH HD) act. */
     void (*attention_backward)(void *dqkv, const void *dout, const void *qkv, const void *out,
-                               const float *lse, int B, int T, int C, int NH);
+                               const float *lse, const AttnShape *s);
+
+    /* Rotary position embedding on the q and k heads of qkv (N, QKVW) act,
+     * in place, rotate-half layout (HF's Llama: no interleaving): for a head
+     * vector x and i < HD/2, j = i + HD/2, with c = cs[t][i], s = sn[t][i]:
+     *   x_i' = x_i c - x_j s,   x_j' = x_j c + x_i s.
+     * The table rope (2, Tmax, HD/2) fp32 holds cos then sin of the angle of
+     * position pos0 + t (t = row % T; pos0 = 0 for a whole sequence, the
+     * shard's first position under context parallelism), made by the model.
+     * v is untouched. rope_backward applies the inverse rotation (angle -a):
+     * on dqkv it turns gradients of rotated q, k into gradients of the
+     * unrotated ones, in place. */
+    void (*rope_forward)(void *qkv, const float *rope, const AttnShape *s, int pos0);
+    void (*rope_backward)(void *dqkv, const float *rope, const AttnShape *s, int pos0);
+
+    /* QK-norm: RMSNorm of q and k in qkv (N, QKVW) act, in place, before
+     * RoPE. per_head 1 (Qwen3): each head's HD values are one group, weights
+     * qw, kw (HD) act; per_head 0 (OLMoE): all NH HD q values of a row are
+     * one group (qw (NH HD)) and all NKV HD k values another (kw (NKV HD)).
+     * qk_in (N, (NH + NKV) HD) act receives the values before the norm (q
+     * then k), rstd (N, G) fp32 the statistics, G = NH + NKV groups per row
+     * (per_head) or 2. */
+    void (*qknorm_forward)(void *qkv, void *qk_in, float *rstd, const void *qw, const void *kw,
+                           const AttnShape *s, int per_head, float eps);
+    /* dqkv's q and k parts, gradients of the normalised values on entry,
+     * become gradients of the values before the norm, in place (v untouched);
+     * dqw, dkw fp32 per `accumulate`; qk_in, rstd from the forward. */
+    void (*qknorm_backward)(void *dqkv, float *dqw, float *dkw, const void *qk_in, const void *qw,
+                            const void *kw, const float *rstd, const AttnShape *s, int per_head,
+                            int accumulate);
 
     /* GeLU, tanh approximation (GPT-2); every tensor act (n). */
     void (*gelu_forward)(void *out, const void *inp, size_t n);
     void (*gelu_backward)(void *dinp, const void *inp, const void *dout, size_t n);
+
+    /* SwiGLU (Llama's MLP): h(N, 2F) act holds per row [gate (F) | up (F)]
+     * (one product with gate_proj's rows then up_proj's); out(N,F) act =
+     * silu(gate) * up, silu(x) = x / (1 + exp(-x)). */
+    void (*swiglu_forward)(void *out, const void *h, int N, int F);
+    /* dh(N,2F) act = gradient of the above w.r.t. h; dout (N,F), h (N,2F) act. */
+    void (*swiglu_backward)(void *dh, const void *dout, const void *h, int N, int F);
+
+    /* Mixture of experts (model.mlp moe; docs/architectures.md). Routing is
+     * deterministic: ties between equal scores go to the lower expert index.
+     *
+     * moe_route: logits (N,E) act from the router product. probs (N,E) fp32 =
+     * softmax(logits) (sigmoid 0) or sigmoid(logits) (sigmoid 1), saved for
+     * backward. Selection: the K experts with the largest probs + bias (bias
+     * (E) fp32 or NULL: DeepSeek-V3's balancing bias, used for selection
+     * only), in descending order, into topk (N,K) int32. gates (N,K) fp32 =
+     * the chosen probs, divided by their sum when norm_topk (the sum is taken
+     * of the probs, not probs + bias). stats (E + 1) fp32: [e] = sum over the
+     * N rows of probs[., e], [E] = sum of lse^2 where lse = logsumexp of the
+     * row's logits (the z-loss), both summed in row order. */
+    void (*moe_route)(int32_t *topk, float *gates, float *probs, float *stats, const void *logits,
+                      const float *bias, int N, int E, int K, int sigmoid, int norm_topk);
+    /* moe_dispatch: the permutation. Slot (t, k) goes to expert topk[t][k];
+     * each expert takes its slots in token order (t, then k), at most cap of
+     * them (cap <= 0: all; later ones are dropped). offsets (E+1) int32: expert
+     * e owns permuted rows [offsets[e], offsets[e+1]); row_of (N,K) int32: the
+     * permuted row of slot (t,k), -1 if dropped; src (N K) int32: token of
+     * each permuted row (rows past offsets[E] are unused). counts (E) int32:
+     * slots routed to each expert before any drop (the load). */
+    void (*moe_dispatch)(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts,
+                         const int32_t *topk, int N, int E, int K, int cap);
+    /* xp(R, C) act = x[src[r]] for the R = offsets[E] permuted rows. */
+    void (*moe_gather)(void *xp, const void *x, const int32_t *src, int R, int C);
+    /* dx(N,C) act += sum over k of dxp[row_of[t][k]] (dropped slots skipped),
+     * in k order: the backward of moe_gather. */
+    void (*moe_gather_backward)(void *dx, const void *dxp, const int32_t *row_of, int N, int K, int C);
+    /* out(N,C) act = sum over k of gates[t][k] * yp[row_of[t][k]] (dropped
+     * slots add nothing), in k order, accumulated in fp32; yp (R,C) act. */
+    void (*moe_combine)(void *out, const void *yp, const float *gates, const int32_t *row_of, int N,
+                        int K, int C);
+    /* The backward of moe_combine: dyp(R,C) act = gates[t][k] * dout[t] for
+     * row r = row_of[t][k]; dgates(N,K) fp32 = dot(dout[t], yp[r]) (0 for a
+     * dropped slot); dout (N,C) act. */
+    void (*moe_combine_backward)(void *dyp, float *dgates, const void *dout, const void *yp,
+                                 const float *gates, const int32_t *row_of, int N, int K, int C);
+    /* The router's backward: dlogits(N,E) act (overwritten) = gradient through
+     * gates (from dgates, following norm_topk and the probs function; the
+     * selection is constant) plus the auxiliary losses': aux (E) fp32 or NULL
+     * adds aux[e] to dL/dprobs[t][e] for every row (the load-balancing loss,
+     * whose gradient does not depend on t: coef E f_e / N), and z_coef adds
+     * z_coef * 2 lse softmax(logits)[e] / N (the router z-loss, mean over N
+     * rows). probs, topk, gates from moe_route; logits (N,E) act. */
+    void (*moe_route_backward)(void *dlogits, const float *dgates, const float *probs,
+                               const int32_t *topk, const float *gates, const void *logits,
+                               const float *aux, float z_coef, int N, int E, int K, int sigmoid,
+                               int norm_topk);
 
     /* Optional fused MLP ops, NULL where the backend has nothing faster than
      * the separate ops (the CPU). Host code uses them when present and

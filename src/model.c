@@ -527,12 +527,12 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         /* The projections' outputs live in scratch only until the residual
          * add consumes them; the backward pass never needs them. */
         void *proj = m->scratch;
-        be->layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, w->ln1w, w->ln1b, N, C);
+        be->layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, w->ln1w, w->ln1b, N, C, 1e-5f);
         be->matmul_forward(a->qkv, a->ln1, w->qkvw, w->qkvb, N, C, 3 * C);
-        be->attention_forward(a->atty, a->att_lse, a->qkv, B, T, C, NH);
+        be->attention_forward(a->atty, a->att_lse, a->qkv, &(AttnShape){B, T, NH, NH, C / NH});
         be->matmul_forward(proj, a->atty, w->attprojw, w->attprojb, N, C, C);
         be->residual_forward(a->res2, x, proj, (size_t)N * C);
-        be->layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, w->ln2w, w->ln2b, N, C);
+        be->layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, w->ln2w, w->ln2b, N, C, 1e-5f);
         if (fuse_fwd) {
             be->matmul_gelu_forward(a->fch_gelu, a->fch, a->ln2, w->fcw, w->fcb, N, C, 4 * C);
         } else {
@@ -543,7 +543,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         be->residual_forward(a->res3, a->res2, proj, (size_t)N * C);
         x = a->res3;
     }
-    be->layernorm_forward(m->lnf, m->lnf_mean, m->lnf_rstd, x, m->w.lnfw, m->w.lnfb, N, C);
+    be->layernorm_forward(m->lnf, m->lnf_mean, m->lnf_rstd, x, m->w.lnfw, m->w.lnfb, N, C, 1e-5f);
     /* tied head: logits (N,Vp) = lnf @ wte^T */
     be->matmul_forward(m->logits, m->lnf, m->w.wte, NULL, N, C, s->padded_vocab);
 
@@ -613,16 +613,16 @@ void model_backward(Model *m, int accumulate) {
             be->gelu_backward(dbuf2, a->fch, dbuf, (size_t)N * 4 * C);
         }
         if (recompute_norm)
-            be->layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, w->ln2w, w->ln2b, N, C);
+            be->layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, w->ln2w, w->ln2b, N, C, 1e-5f);
         be->matmul_backward(dln, gw->fcw, gw->fcb, dbuf2, a->ln2, w->fcw, N, C, 4 * C, acc_layer);
         be->layernorm_backward(dresidual, gw->ln2w, gw->ln2b, dln, a->res2, w->ln2w, a->ln2_mean, a->ln2_rstd, N,
                                C, acc_layer);
         /* attention: res2 = x_in + c_proj(attn(c_attn(ln1(x_in)))) */
         be->matmul_backward(dbuf, gw->attprojw, gw->attprojb, dresidual, a->atty, w->attprojw, N, C, C,
                             acc_layer);
-        be->attention_backward(dqkv, dbuf, a->qkv, a->atty, a->att_lse, B, T, C, NH);
+        be->attention_backward(dqkv, dbuf, a->qkv, a->atty, a->att_lse, &(AttnShape){B, T, NH, NH, C / NH});
         if (recompute_norm)
-            be->layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x_in, w->ln1w, w->ln1b, N, C);
+            be->layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x_in, w->ln1w, w->ln1b, N, C, 1e-5f);
         be->matmul_backward(dln, gw->qkvw, gw->qkvb, dqkv, a->ln1, w->qkvw, N, C, 3 * C, acc_layer);
         be->layernorm_backward(dresidual, gw->ln1w, gw->ln1b, dln, x_in, w->ln1w, a->ln1_mean, a->ln1_rstd, N, C,
                                acc_layer);

@@ -240,13 +240,13 @@ static void test_layernorm(int N, int C) {
     std::string sh = "_N" + std::to_string(N) + "_C" + std::to_string(C);
     Vec x = rnd_act((size_t)N * C, 2.0f, 0.5f), w = rnd_act(C, 1.0f, 1.0f), b = rnd_act(C, 0.5f);
     Vec out((size_t)N * C), mean(N), rstd(N);
-    cpu->layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C);
+    cpu->layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), N, C, 1e-5f);
     void *dx = dev_act(x), *dw = dev_act(w), *db = dev_act(b), *dout;
     float *dmean, *drstd;
     CUDA_CHECK(cudaMalloc(&dout, (size_t)N * C * AB));
     CUDA_CHECK(cudaMalloc(&dmean, N * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&drstd, N * sizeof(float)));
-    gpu->layernorm_forward(dout, dmean, drstd, dx, dw, db, N, C);
+    gpu->layernorm_forward(dout, dmean, drstd, dx, dw, db, N, C, 1e-5f);
     check("layernorm_forward_out" + sh, get_act(dout, (size_t)N * C), out, tol_act());
     check("layernorm_forward_mean" + sh, get_f32(dmean, N), mean, TOL_F32);
     check("layernorm_forward_rstd" + sh, get_f32(drstd, N), rstd, TOL_F32);
@@ -479,23 +479,24 @@ static void test_attention(int B, int T, int C, int NH, int tc) {
     char sh[64];
     snprintf(sh, sizeof sh, "%s_B%d_T%d_C%d_NH%d", tc ? "_tc" : "_simt", B, T, C, NH);
     size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    const AttnShape ash = {B, T, NH, NH, C / NH};
     Vec qkv = rnd_act(n3, 1.0f), g = rnd_act(nc, 1.0f), out(nc), lse(nl), dqkv(n3);
-    cpu->attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, NH);
+    cpu->attention_forward(out.data(), lse.data(), qkv.data(), &ash);
     void *dq = dev_act(qkv), *dg = dev_act(g), *dout, *ddq;
     float *dlse;
     CUDA_CHECK(cudaMalloc(&dout, nc * AB));
     CUDA_CHECK(cudaMalloc(&ddq, n3 * AB));
     CUDA_CHECK(cudaMalloc(&dlse, nl * sizeof(float)));
-    if (tc) gpu->attention_forward(dout, dlse, dq, B, T, C, NH);
+    if (tc) gpu->attention_forward(dout, dlse, dq, &ash);
     else cuda_attention_simt_forward(dout, dlse, dq, B, T, C, NH);
     check(std::string("attention_forward_out") + sh, get_act(dout, nc), out, tol_act());
     check(std::string("attention_forward_lse") + sh, get_f32(dlse, nl), lse, TOL_F32);
     /* the backward of both reads the CPU's out (in act) and lse */
     out = act_round(out);
-    cpu->attention_backward(dqkv.data(), g.data(), qkv.data(), out.data(), lse.data(), B, T, C, NH);
+    cpu->attention_backward(dqkv.data(), g.data(), qkv.data(), out.data(), lse.data(), &ash);
     void *dout2 = dev_act(out);
     CUDA_CHECK(cudaMemcpy(dlse, lse.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
-    if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, B, T, C, NH);
+    if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, &ash);
     else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, B, T, C, NH);
     check(std::string("attention_backward_dqkv") + sh, get_act(ddq, n3), dqkv, tol_act());
     cudaFree(dq), cudaFree(dg), cudaFree(dout), cudaFree(ddq), cudaFree(dlse), cudaFree(dout2);
@@ -506,6 +507,7 @@ static void test_attention(int B, int T, int C, int NH, int tc) {
  * emulation, so the tensor cores must: the backend's output has their bits. */
 static void test_attention_auto(void) {
     const int B = 1, T = 70, C = 96, NH = 2;
+    const AttnShape ash = {B, T, NH, NH, C / NH};
     size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
     Vec qkv = rnd_act(n3, 1.0f);
     void *dq = dev_act(qkv), *o1, *o2;
@@ -514,7 +516,7 @@ static void test_attention_auto(void) {
     CUDA_CHECK(cudaMalloc(&o2, nc * AB));
     CUDA_CHECK(cudaMalloc(&l1, nl * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&l2, nl * sizeof(float)));
-    gpu->attention_forward(o1, l1, dq, B, T, C, NH);
+    gpu->attention_forward(o1, l1, dq, &ash);
     cuda_attention_tc_forward(o2, l2, dq, B, T, C, NH);
     Vec a = get_act(o1, nc), b = get_act(o2, nc);
     int same = memcmp(a.data(), b.data(), nc * sizeof(float)) == 0;

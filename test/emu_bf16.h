@@ -52,10 +52,10 @@ static void emu_embed_backward(float *dwte, float *dwpe, const void *dout, const
     free(d);
 }
 static void emu_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
-                                  const void *b, int N, int C) {
+                                  const void *b, int N, int C, float eps) {
     size_t NC = (size_t)N * C;
     float *o = xmalloc(NC * sizeof(float)), *x = emu_wide(inp, NC), *wf = emu_wide(w, C), *bf = emu_wide(b, C);
-    backend_cpu.layernorm_forward(o, mean, rstd, x, wf, bf, N, C);
+    backend_cpu.layernorm_forward(o, mean, rstd, x, wf, bf, N, C, eps);
     emu_store(out, o, NC);
     free(x), free(wf), free(bf);
 }
@@ -84,20 +84,20 @@ static void emu_matmul_backward(void *dinp, float *dw, float *dbias, const void 
     emu_store(dinp, di, (size_t)N * C);
     free(d), free(x), free(wf);
 }
-static void emu_attention_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
-    size_t N = (size_t)B * T;
-    float *o = xmalloc(N * C * sizeof(float)), *q = emu_wide(qkv, N * 3 * C);
-    backend_cpu.attention_forward(o, lse, q, B, T, C, NH);
+static void emu_attention_forward(void *out, float *lse, const void *qkv, const AttnShape *sh) {
+    size_t N = (size_t)sh->B * sh->T, C = (size_t)sh->NH * sh->HD, W = (size_t)attn_qkv_width(sh);
+    float *o = xmalloc(N * C * sizeof(float)), *q = emu_wide(qkv, N * W);
+    backend_cpu.attention_forward(o, lse, q, sh);
     emu_store(out, o, N * C);
     free(q);
 }
 static void emu_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
-                                   const float *lse, int B, int T, int C, int NH) {
-    size_t N = (size_t)B * T;
-    float *dq = xmalloc(N * 3 * C * sizeof(float)), *d = emu_wide(dout, N * C), *q = emu_wide(qkv, N * 3 * C);
+                                   const float *lse, const AttnShape *sh) {
+    size_t N = (size_t)sh->B * sh->T, C = (size_t)sh->NH * sh->HD, W = (size_t)attn_qkv_width(sh);
+    float *dq = xmalloc(N * W * sizeof(float)), *d = emu_wide(dout, N * C), *q = emu_wide(qkv, N * W);
     float *o = emu_wide(out, N * C);
-    backend_cpu.attention_backward(dq, d, q, o, lse, B, T, C, NH);
-    emu_store(dqkv, dq, N * 3 * C);
+    backend_cpu.attention_backward(dq, d, q, o, lse, sh);
+    emu_store(dqkv, dq, N * W);
     free(d), free(q), free(o);
 }
 static void emu_gelu_forward(void *out, const void *inp, size_t n) {

@@ -162,14 +162,14 @@ static void cross_attention(int B, int T, int C, int NH, const char *impl) {
     size_t N = (size_t)B * T, n3 = N * 3 * C, nc = N * C, nl = (size_t)B * NH * T;
     float *qkv = rnda(n3, 1.0f), *dout = rnda(nc, 1.0f);
     float *out = xmalloc(nc * 4), *lse = xmalloc(nl * 4), *dqkv = xmalloc(n3 * 4);
-    cpu->attention_forward(out, lse, qkv, B, T, C, NH);
+    cpu->attention_forward(out, lse, qkv, &(AttnShape){B, T, NH, NH, C / NH});
     float *outq = quant(fdup(out, nc), nc); /* what a bf16 device would have stored */
-    cpu->attention_backward(dqkv, dout, qkv, outq, lse, B, T, C, NH);
+    cpu->attention_backward(dqkv, dout, qkv, outq, lse, &(AttnShape){B, T, NH, NH, C / NH});
     void *d_qkv = upa(qkv, n3), *d_dout = upa(dout, nc), *d_outq = upa(outq, nc);
     void *d_out = dev->alloc(nc * ab), *d_dqkv = dev->alloc(n3 * ab);
     float *d_lse = dev->alloc(nl * 4), *d_lse_cpu = up(lse, nl);
-    dev->attention_forward(d_out, d_lse, d_qkv, B, T, C, NH);
-    dev->attention_backward(d_dqkv, d_dout, d_qkv, d_outq, d_lse_cpu, B, T, C, NH);
+    dev->attention_forward(d_out, d_lse, d_qkv, &(AttnShape){B, T, NH, NH, C / NH});
+    dev->attention_backward(d_dqkv, d_dout, d_qkv, d_outq, d_lse_cpu, &(AttnShape){B, T, NH, NH, C / NH});
     char what[64];
     snprintf(what, sizeof what, "attention_%shs%d_T%d_forward", impl, C / NH, T);
     report(what, xerr_a(d_out, out, nc), tol_act(TOL_X));
@@ -292,12 +292,12 @@ static void cross_rest(int B, int T, int C, int V, int Vp, int fp32_ops) {
     quant(x, nc);
     float *out = xmalloc(nc * 4), *mean = xmalloc(N * 4), *rstd = xmalloc(N * 4);
     float *prior = rnda(nc, 1.0f), *dinp = fdup(prior, nc), *dw = xmalloc(C * 4), *db = xmalloc(C * 4);
-    cpu->layernorm_forward(out, mean, rstd, x, w, b, (int)N, C);
+    cpu->layernorm_forward(out, mean, rstd, x, w, b, (int)N, C, 1e-5f);
     cpu->layernorm_backward(dinp, dw, db, dout, x, w, mean, rstd, (int)N, C, 0);
     void *d_x = upa(x, nc), *d_w = upa(w, C), *d_b = upa(b, C), *d_dout = upa(dout, nc);
     void *d_out = dev->alloc(nc * ab), *d_dinp = upa(prior, nc);
     float *d_mean = dev->alloc(N * 4), *d_rstd = dev->alloc(N * 4), *d_dw = dev->alloc(C * 4), *d_db = dev->alloc(C * 4);
-    dev->layernorm_forward(d_out, d_mean, d_rstd, d_x, d_w, d_b, (int)N, C);
+    dev->layernorm_forward(d_out, d_mean, d_rstd, d_x, d_w, d_b, (int)N, C, 1e-5f);
     dev->layernorm_backward(d_dinp, d_dw, d_db, d_dout, d_x, d_w, d_mean, d_rstd, (int)N, C, 0);
     report("layernorm_forward", xerr_a(d_out, out, nc), tol_act(TOL_X));
     report("layernorm_forward_stats", fmax(xerr(d_mean, mean, N), xerr(d_rstd, rstd, N)), tol_f32(TOL_X));

@@ -317,7 +317,7 @@ static void test_layernorm(const OpTest *t) {
     void *d_inp = da(inp, NC), *d_w = da(w, C), *d_b = da(b, C), *d_out = da(NULL, NC);
     float *d_mean = df(NULL, N), *d_rstd = df(NULL, N);
     float *out = hf(NC), *mean = hf(N), *rstd = hf(N);
-    be->layernorm_forward(d_out, d_mean, d_rstd, d_inp, d_w, d_b, N, C);
+    be->layernorm_forward(d_out, d_mean, d_rstd, d_inp, d_w, d_b, N, C, 1e-5f);
     down_a(out, d_out, NC);
     down(mean, d_mean, N);
     down(rstd, d_rstd, N);
@@ -465,7 +465,7 @@ static void test_attention(const OpTest *t) {
     void *d_qkv = da(qkv, N3), *d_out = da(NULL, NC);
     float *d_lse = df(NULL, NL);
     float *out = hf(NC), *lse = hf(NL);
-    be->attention_forward(d_out, d_lse, d_qkv, B, T, C, NH);
+    be->attention_forward(d_out, d_lse, d_qkv, &(AttnShape){B, T, NH, NH, C / NH});
     down_a(out, d_out, NC);
     down(lse, d_lse, NL);
     att_ref(&a);
@@ -476,12 +476,12 @@ static void test_attention(const OpTest *t) {
     fd_grad(att_loss, &a, a.qkv, N3, g);
     void *d_dqkv = da(filled(N3, NAN), N3), *d_R = da(R, NC);
     float *dqkv = hf(N3), *dqkv2 = hf(N3);
-    be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, B, T, C, NH);
+    be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, &(AttnShape){B, T, NH, NH, C / NH});
     down_a(dqkv, d_dqkv, N3);
     check(t->name, "backward", err_rel(dqkv, g, N3), TOL_BWD);
 
     /* Same inputs, same bits: no races, no order-dependent sums (exact). */
-    be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, B, T, C, NH);
+    be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, &(AttnShape){B, T, NH, NH, C / NH});
     down_a(dqkv2, d_dqkv, N3);
     check_exact(t->name, "deterministic", memcmp(dqkv, dqkv2, N3 * sizeof(float)) == 0,
                 "two identical backward calls differ");
@@ -493,7 +493,7 @@ static void test_attention(const OpTest *t) {
     quant(qkv, N3);
     void *d_qkv2 = da(qkv, N3);
     float *out2 = hf(NC), *lse2 = hf(NL);
-    be->attention_forward(d_out, d_lse, d_qkv2, B, T, C, NH);
+    be->attention_forward(d_out, d_lse, d_qkv2, &(AttnShape){B, T, NH, NH, C / NH});
     down_a(out2, d_out, NC);
     down(lse2, d_lse, NL);
     int same = 1, moved = 0;
@@ -520,7 +520,7 @@ static void test_attention(const OpTest *t) {
     void *d_qkv3 = da(qkv, N3);
     a.qkv = to_d(qkv, N3);
     att_ref(&a);
-    be->attention_forward(d_out, d_lse, d_qkv3, B, T, C, NH);
+    be->attention_forward(d_out, d_lse, d_qkv3, &(AttnShape){B, T, NH, NH, C / NH});
     down_a(out, d_out, NC);
     down(lse, d_lse, NL);
     check(t->name, "large_scores", maxd(err_rel(out, a.out, NC), err_rel(lse, a.lse, NL)), TOL_LARGE);

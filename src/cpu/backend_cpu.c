@@ -179,8 +179,8 @@ static void cpu_embed_backward(float *dwte, float *dwpe, const void *dout_,
  * LayerNorm (eps 1e-5 and biased variance, as torch.nn.LayerNorm) */
 
 static void cpu_layernorm_forward(void *out_, float *mean, float *rstd, const void *inp_,
-                                  const void *w_, const void *b_, int N, int C) {
-    /* out (N,C), mean (N), rstd (N), inp (N,C), w (C), b (C) */
+                                  const void *w_, const void *b_, int N, int C, float eps) {
+    /* out (N,C), mean (N), rstd (N), inp (N,C), w (C), b (C) or NULL */
     float *out = out_;
     const float *inp = inp_, *w = w_, *b = b_;
     #pragma omp parallel for schedule(static)
@@ -198,9 +198,12 @@ static void cpu_layernorm_forward(void *out_, float *mean, float *rstd, const vo
             float d = x[c] - m;
             v += d * d;
         }
-        float r = 1.0f / sqrtf(v / C + 1e-5f);
+        float r = 1.0f / sqrtf(v / C + eps);
         float *o = out + (size_t)i * C;
-        for (int c = 0; c < C; c++) o[c] = (x[c] - m) * r * w[c] + b[c];
+        if (b)
+            for (int c = 0; c < C; c++) o[c] = (x[c] - m) * r * w[c] + b[c];
+        else
+            for (int c = 0; c < C; c++) o[c] = (x[c] - m) * r * w[c];
         mean[i] = m;
         rstd[i] = r;
     }
@@ -209,7 +212,7 @@ static void cpu_layernorm_forward(void *out_, float *mean, float *rstd, const vo
 static void cpu_layernorm_backward(void *dinp_, float *dw, float *db, const void *dout_,
                                    const void *inp_, const void *w_, const float *mean,
                                    const float *rstd, int N, int C, int accumulate) {
-    /* dinp (N,C) +=, dw (C), db (C), dout (N,C), inp (N,C), w (C), mean (N), rstd (N) */
+    /* dinp (N,C) +=, dw (C), db (C) or NULL, dout (N,C), inp (N,C), w (C), mean (N), rstd (N) */
     float *dinp = dinp_;
     const float *dout = dout_, *inp = inp_, *w = w_;
     #pragma omp parallel
@@ -240,15 +243,17 @@ static void cpu_layernorm_backward(void *dinp_, float *dw, float *db, const void
         int nt = omp_get_num_threads(), id = omp_get_thread_num();
         int c0 = (int)((long)C * id / nt), c1 = (int)((long)C * (id + 1) / nt);
         if (!accumulate)
-            for (int c = c0; c < c1; c++) dw[c] = db[c] = 0.0f;
+            for (int c = c0; c < c1; c++) {
+                dw[c] = 0.0f;
+                if (db) db[c] = 0.0f;
+            }
         for (int i = 0; i < N; i++) {
             const float *x = inp + (size_t)i * C;
             const float *d = dout + (size_t)i * C;
             float m = mean[i], r = rstd[i];
-            for (int c = c0; c < c1; c++) {
-                dw[c] += d[c] * (x[c] - m) * r;
-                db[c] += d[c];
-            }
+            for (int c = c0; c < c1; c++) dw[c] += d[c] * (x[c] - m) * r;
+            if (db)
+                for (int c = c0; c < c1; c++) db[c] += d[c];
         }
     }
 }
@@ -331,20 +336,21 @@ static inline float cpu_dot(const float *a, const float *b, int n) {
     return s;
 }
 
-static void cpu_attention_forward(void *out_, float *lse, const void *qkv_, int B, int T, int C,
-                                  int NH) {
-    /* out (B*T,C), lse (B,NH,T), qkv (B*T,3C) */
+static void cpu_attention_forward(void *out_, float *lse, const void *qkv_, const AttnShape *sh) {
+    /* out (B*T, NH*HD), lse (B,NH,T), qkv (B*T, (NH+2NKV)*HD) */
     float *out = out_;
     const float *qkv = qkv_;
-    int hs = C / NH, ld = 3 * C, TB = T < CPU_ATT_BLOCK ? T : CPU_ATT_BLOCK;
+    int B = sh->B, T = sh->T, NH = sh->NH, hs = sh->HD, group = sh->NH / sh->NKV;
+    int ld = attn_qkv_width(sh), OC = NH * hs, TB = T < CPU_ATT_BLOCK ? T : CPU_ATT_BLOCK;
     float scale = 1.0f / sqrtf((float)hs);
     float *scratch = cpu_scratch_get((size_t)omp_get_max_threads() * TB * T);
     #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
         for (int h = 0; h < NH; h++) {
             float *S = scratch + (size_t)omp_get_thread_num() * TB * T; /* (TB, T) */
-            const float *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
-            float *O = out + (size_t)b * T * C + h * hs;
+            const float *row = qkv + (size_t)b * T * ld;
+            const float *Q = row + h * hs, *K = row + OC + (h / group) * hs, *V = K + sh->NKV * hs;
+            float *O = out + (size_t)b * T * OC + h * hs;
             float *L = lse + ((size_t)b * NH + h) * T;
             for (int r0 = 0; r0 < T; r0 += TB) {
                 int nb = T - r0 < TB ? T - r0 : TB, r1 = r0 + nb; /* rows see keys [0, r1) */
@@ -367,65 +373,71 @@ static void cpu_attention_forward(void *out_, float *lse, const void *qkv_, int 
                     L[t] = mx + logf(sum);
                 }
                 cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, r1, 1.0f, S, r1, V,
-                            ld, 0.0f, O + (size_t)r0 * C, C);
+                            ld, 0.0f, O + (size_t)r0 * OC, OC);
             }
         }
 }
 
 static void cpu_attention_backward(void *dqkv_, const void *dout_, const void *qkv_,
-                                   const void *out_, const float *lse, int B, int T, int C,
-                                   int NH) {
-    /* dqkv (B*T,3C) overwritten, dout (B*T,C), qkv (B*T,3C), out (B*T,C), lse (B,NH,T) */
+                                   const void *out_, const float *lse, const AttnShape *sh) {
+    /* dqkv (B*T, (NH+2NKV)*HD) overwritten, dout (B*T, NH*HD), qkv (B*T, (NH+2NKV)*HD),
+     * out (B*T, NH*HD), lse (B,NH,T) */
     float *dqkv = dqkv_;
     const float *dout = dout_, *qkv = qkv_, *out = out_;
-    int hs = C / NH, ld = 3 * C, TB = T < CPU_ATT_BLOCK ? T : CPU_ATT_BLOCK;
+    int B = sh->B, T = sh->T, NH = sh->NH, NKV = sh->NKV, hs = sh->HD, group = NH / NKV;
+    int ld = attn_qkv_width(sh), OC = NH * hs, TB = T < CPU_ATT_BLOCK ? T : CPU_ATT_BLOCK;
     float scale = 1.0f / sqrtf((float)hs);
     float *scratch = cpu_scratch_get((size_t)omp_get_max_threads() * 2 * TB * T);
-    /* Each (b,h) task owns its dq, dk, dv columns: the "+=" over query blocks
-     * never races and sums in block order. */
+    /* Each (b, kv head) task owns its dk, dv columns and the dq columns of
+     * the query heads that read them: the "+=" over query heads and blocks
+     * never races and sums in (head, block) order. */
     #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
-        for (int h = 0; h < NH; h++) {
+        for (int kh = 0; kh < NKV; kh++) {
             float *P = scratch + (size_t)omp_get_thread_num() * 2 * TB * T; /* (TB, T) */
             float *dS = P + (size_t)TB * T;                                    /* (TB, T) */
-            size_t off = (size_t)b * T * ld + h * hs;
-            const float *Q = qkv + off, *K = Q + C, *V = Q + 2 * C;
-            float *dQ = dqkv + off, *dK = dQ + C, *dV = dQ + 2 * C;
-            const float *dO = dout + (size_t)b * T * C + h * hs;
-            const float *O = out + (size_t)b * T * C + h * hs;
-            const float *L = lse + ((size_t)b * NH + h) * T;
+            size_t row = (size_t)b * T * ld;
+            const float *K = qkv + row + OC + kh * hs, *V = K + NKV * hs;
+            float *dK = dqkv + row + OC + kh * hs, *dV = dK + NKV * hs;
             for (int t = 0; t < T; t++) {
                 memset(dK + (size_t)t * ld, 0, hs * sizeof(float));
                 memset(dV + (size_t)t * ld, 0, hs * sizeof(float));
             }
-            for (int r0 = 0; r0 < T; r0 += TB) {
-                int nb = T - r0 < TB ? T - r0 : TB, r1 = r0 + nb;
-                const float *Qb = Q + (size_t)r0 * ld, *dOb = dO + (size_t)r0 * C;
-                /* P = softmax(scale Q K^T) from lse; dS = dO V^T for now. */
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, r1, hs, scale, Qb, ld, K,
-                            ld, 0.0f, P, r1);
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, r1, hs, 1.0f, dOb, C, V,
-                            ld, 0.0f, dS, r1);
-                for (int i = 0; i < nb; i++) {
-                    int t = r0 + i;
-                    float *p = P + (size_t)i * r1, *ds = dS + (size_t)i * r1;
-                    float D = cpu_dot(dO + (size_t)t * C, O + (size_t)t * C, hs);
-                    float lt = L[t];
-                    /* ds = p (dp - D), with the 1/sqrt(hs) of both dq and dk folded in. */
-                    #pragma omp simd
-                    for (int j = 0; j <= t; j++) {
-                        p[j] = cpu_expf(p[j] - lt);
-                        ds[j] = p[j] * (ds[j] - D) * scale;
+            for (int h = kh * group; h < (kh + 1) * group; h++) {
+                const float *Q = qkv + row + h * hs;
+                float *dQ = dqkv + row + h * hs;
+                const float *dO = dout + (size_t)b * T * OC + h * hs;
+                const float *O = out + (size_t)b * T * OC + h * hs;
+                const float *L = lse + ((size_t)b * NH + h) * T;
+                for (int r0 = 0; r0 < T; r0 += TB) {
+                    int nb = T - r0 < TB ? T - r0 : TB, r1 = r0 + nb;
+                    const float *Qb = Q + (size_t)r0 * ld, *dOb = dO + (size_t)r0 * OC;
+                    /* P = softmax(scale Q K^T) from lse; dS = dO V^T for now. */
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, r1, hs, scale, Qb, ld, K,
+                                ld, 0.0f, P, r1);
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, r1, hs, 1.0f, dOb, OC, V,
+                                ld, 0.0f, dS, r1);
+                    for (int i = 0; i < nb; i++) {
+                        int t = r0 + i;
+                        float *p = P + (size_t)i * r1, *ds = dS + (size_t)i * r1;
+                        float D = cpu_dot(dO + (size_t)t * OC, O + (size_t)t * OC, hs);
+                        float lt = L[t];
+                        /* ds = p (dp - D), with the 1/sqrt(hs) of both dq and dk folded in. */
+                        #pragma omp simd
+                        for (int j = 0; j <= t; j++) {
+                            p[j] = cpu_expf(p[j] - lt);
+                            ds[j] = p[j] * (ds[j] - D) * scale;
+                        }
+                        for (int j = t + 1; j < r1; j++) p[j] = ds[j] = 0.0f; /* causal mask */
                     }
-                    for (int j = t + 1; j < r1; j++) p[j] = ds[j] = 0.0f; /* causal mask */
+                    /* dQ_b = dS K;  dK += dS^T Q_b;  dV += P^T dO_b */
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, r1, 1.0f, dS, r1, K,
+                                ld, 0.0f, dQ + (size_t)r0 * ld, ld);
+                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, nb, 1.0f, dS, r1, Qb,
+                                ld, 1.0f, dK, ld);
+                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, nb, 1.0f, P, r1, dOb, OC,
+                                1.0f, dV, ld);
                 }
-                /* dQ_b = dS K;  dK += dS^T Q_b;  dV += P^T dO_b */
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, r1, 1.0f, dS, r1, K,
-                            ld, 0.0f, dQ + (size_t)r0 * ld, ld);
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, nb, 1.0f, dS, r1, Qb,
-                            ld, 1.0f, dK, ld);
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, nb, 1.0f, P, r1, dOb, C,
-                            1.0f, dV, ld);
             }
         }
 }

@@ -1,0 +1,125 @@
+/* arch: the architecture spec (GPT-2, Llama, MoE pieces chosen by config) and
+ * the tensor table it implies: every parameter's name, layer, role, global
+ * shape and initialisation. Counts (parameters, FLOPs) come from here too.
+ * Knows no backend, no memory and no file format; formulas: docs/architectures.md. */
+#ifndef KILN_ARCH_H
+#define KILN_ARCH_H
+
+#include <stddef.h>
+
+typedef enum { ARCH_GPT2, ARCH_LLAMA } ArchFamily; /* the preset; also the naming scheme */
+typedef enum { NORM_LAYERNORM, NORM_RMSNORM } ArchNorm;
+typedef enum { POS_LEARNED, POS_ROPE } ArchPos;
+typedef enum { MLP_GELU, MLP_SWIGLU, MLP_MOE } ArchMlp;
+typedef enum { QKNORM_NONE, QKNORM_HEAD, QKNORM_FULL } ArchQkNorm; /* FULL: over the whole projection (OLMoE) */
+
+/* Llama 3.1's frequency-dependent RoPE scaling (HF rope_type "llama3"). */
+typedef struct ArchRopeScaling {
+    int on;
+    float factor, low_freq_factor, high_freq_factor;
+    int original_context; /* original_max_position_embeddings */
+} ArchRopeScaling;
+
+typedef struct ArchMoe {
+    int n_experts, top_k, n_shared; /* routed experts, chosen per token, always-on experts */
+    int expert_hidden;              /* width of one expert's SwiGLU */
+    int sigmoid;                    /* router: 0 softmax, 1 sigmoid (gates then always renormalised) */
+    int norm_topk;                  /* renormalise the chosen gates to sum to one */
+    float capacity_factor;          /* 0: dropless; else cap = ceil(cf * tokens * top_k / n_experts) */
+    float aux_loss_coef, z_loss_coef, bias_update_rate;
+} ArchMoe;
+
+typedef struct ArchSpec {
+    ArchFamily family;
+    int n_layer, n_head, n_kv_head, head_dim, n_embd, seq_len, vocab_size;
+    int padded_vocab; /* derived: vocab_size rounded up to a multiple of 64 */
+    int ffn_hidden;   /* dense MLP width */
+    ArchNorm norm;
+    float norm_eps;
+    ArchPos pos;
+    float rope_theta;
+    ArchRopeScaling rope_scaling;
+    ArchQkNorm qk_norm;
+    ArchMlp mlp;
+    int bias;           /* linear and norm biases */
+    int tie_embeddings; /* the head reads the token embedding */
+    ArchMoe moe;
+} ArchSpec;
+
+/* Parameter roles: what the model does with a tensor. Layer roles repeat per
+ * layer; EXPERT_* repeat per expert of a layer. */
+typedef enum {
+    ROLE_TOK_EMB, ROLE_POS_EMB, ROLE_FINAL_NORM_W, ROLE_FINAL_NORM_B, ROLE_HEAD_W, /* layer -1 */
+    ROLE_ATTN_NORM_W, ROLE_ATTN_NORM_B,
+    ROLE_QKV_W, ROLE_K_W, ROLE_V_W, /* QKV_W is q (llama) or all of q|k|v (gpt2); K, V follow it in memory */
+    ROLE_QKV_B, ROLE_K_B, ROLE_V_B,
+    ROLE_Q_NORM, ROLE_K_NORM,
+    ROLE_O_W, ROLE_O_B,
+    ROLE_MLP_NORM_W, ROLE_MLP_NORM_B,
+    ROLE_FC_W, ROLE_UP_W, ROLE_FC_B, ROLE_UP_B, /* FC is GeLU's c_fc or SwiGLU's gate; UP follows it */
+    ROLE_DOWN_W, ROLE_DOWN_B,
+    ROLE_ROUTER_W, ROLE_ROUTER_BIAS, /* ROUTER_BIAS: the balancing bias, not trained by gradient */
+    ROLE_SHARED_GATE_W, ROLE_SHARED_UP_W, ROLE_SHARED_DOWN_W,
+    ROLE_LAYER_COUNT,
+    ROLE_EXPERT_GATE_W = ROLE_LAYER_COUNT, ROLE_EXPERT_UP_W, ROLE_EXPERT_DOWN_W,
+    ROLE_COUNT
+} ArchRole;
+#define ROLE_EXPERT_COUNT (ROLE_COUNT - ROLE_LAYER_COUNT)
+
+typedef enum {
+    INIT_NORMAL,       /* N(0, 0.02) */
+    INIT_NORMAL_RESID, /* N(0, 0.02 / sqrt(2 n_layer)): projections into the residual stream */
+    INIT_ONES,         /* norm gains */
+    INIT_ZEROS         /* biases, the balancing bias */
+} ArchInit;
+
+typedef struct ArchTensor {
+    char name[64];
+    int layer;  /* -1: embeddings, final norm, head */
+    int role;   /* ArchRole */
+    int expert; /* -1 unless an EXPERT_* role */
+    int ndim;
+    int shape[2];
+    size_t numel;
+    int init;   /* ArchInit */
+    int decay;  /* weight decay applies (2-D weights; embeddings per optim.decay_embeddings) */
+    int follows; /* 1: placed right after the previous tensor, no padding (K after Q, up after gate):
+                    the two are read as one product */
+    int trained; /* 0: no gradient (ROUTER_BIAS) */
+} ArchTensor;
+
+/* Parse enum names (the config's values); exit 2 naming the key on anything else. */
+ArchFamily arch_family_parse(const char *s);
+ArchNorm arch_norm_parse(const char *s);
+ArchPos arch_pos_parse(const char *s);
+ArchMlp arch_mlp_parse(const char *s);
+ArchQkNorm arch_qk_norm_parse(const char *s);
+const char *arch_family_name(ArchFamily f);
+const char *arch_mlp_name(ArchMlp m);
+
+/* Fill derived fields (padded_vocab; head_dim, n_kv_head, ffn_hidden and
+ * expert_hidden where 0) and check every constraint, exiting 2 with one line
+ * naming the key. */
+void arch_resolve(ArchSpec *s);
+
+/* The tensor table in listing order (docs, checkpoints, fixtures): a
+ * malloc'd array of *n entries. */
+ArchTensor *arch_tensors(const ArchSpec *s, int decay_embeddings, int *n);
+
+/* Widths. */
+static inline int arch_q_width(const ArchSpec *s) { return s->n_head * s->head_dim; }
+static inline int arch_qkv_width(const ArchSpec *s) { return (s->n_head + 2 * s->n_kv_head) * s->head_dim; }
+/* Rows of the first MLP product: ffn_hidden (GeLU) or 2 ffn_hidden (SwiGLU: gate | up). */
+static inline int arch_fc_width(const ArchSpec *s) { return s->mlp == MLP_GELU ? s->ffn_hidden : 2 * s->ffn_hidden; }
+/* Expert capacity for N tokens (0: dropless). */
+int arch_moe_capacity(const ArchSpec *s, int N);
+
+/* Counts. Total parameters; active per token (MoE: top_k of the routed
+ * experts, all of the rest); training FLOPs per token at context T:
+ * 6 x (active matmul weights incl. the head) + 6 n_layer T (NH HD) for
+ * causal attention (half of 12 L T d: the mask). */
+size_t arch_num_params(const ArchSpec *s);
+size_t arch_num_active_params(const ArchSpec *s);
+double arch_flops_per_token(const ArchSpec *s, int T);
+
+#endif
