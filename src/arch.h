@@ -97,6 +97,11 @@ ArchQkNorm arch_qk_norm_parse(const char *s);
 const char *arch_family_name(ArchFamily f);
 const char *arch_mlp_name(ArchMlp m);
 
+/* The resolved spec of a loaded config: the model.arch preset decides every
+ * `auto` key (docs/architectures.md), then arch_resolve. */
+struct Config;
+void arch_from_config(const struct Config *c, ArchSpec *s);
+
 /* Fill derived fields (padded_vocab; head_dim, n_kv_head, ffn_hidden and
  * expert_hidden where 0) and check every constraint, exiting 2 with one line
  * naming the key. */

@@ -72,12 +72,13 @@ typedef struct Backend {
      * fp32): refreshes the compute copy of the parameters from the master. */
     void (*cast_to_act)(void *dst, const float *src, size_t n);
 
-    /* out(N,C) act = wte[tokens] + wpe[t]; wte (Vp,C), wpe (T,C) act. */
+    /* out(N,C) act = wte[tokens] + wpe[t]; wte (Vp,C), wpe (T,C) act; wpe
+     * NULL: no learned positions (RoPE), out = wte[tokens]. */
     void (*embed_forward)(void *out, const int32_t *tokens, const void *wte, const void *wpe,
                           int B, int T, int C);
     /* dwte(Vp,C) fp32 += scatter of dout (N,C) act by token (always
      * accumulates: the tied head writes dwte first); dwpe(T,C) fp32 per
-     * `accumulate`. */
+     * `accumulate`, or NULL (no learned positions). */
     void (*embed_backward)(float *dwte, float *dwpe, const void *dout, const int32_t *tokens,
                            int B, int T, int C, int accumulate);
 

@@ -26,7 +26,7 @@ static double median(double *v, int n) {
 /* FLOP/s of the backend's matmul forward + backward over every product of one
  * micro-batch (per layer: qkv, attention proj, fc, fc proj; plus the head),
  * each timed `reps` times; total FLOPs over total median times. */
-static double matmul_rate(const Backend *be, const ModelShape *s, int N, int reps) {
+static double matmul_rate(const Backend *be, const ArchSpec *s, int N, int reps) {
     int C = s->n_embd;
     int shapes[5][2] = {{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}, {C, s->padded_vocab}};
     int count[5] = {s->n_layer, s->n_layer, s->n_layer, s->n_layer, 1};
@@ -69,8 +69,8 @@ static double matmul_rate(const Backend *be, const ModelShape *s, int N, int rep
 }
 
 int bench_run(const Config *c, int steps) {
-    ModelShape s = {c->n_layer, c->n_head, c->n_embd, c->seq_len, c->vocab_size, 0};
-    model_shape_resolve(&s);
+    ArchSpec s;
+    arch_from_config(c, &s);
     const Backend *be = backend_get(c->device);
     if (!be) kiln_fail(KILN_EXIT_USAGE, "key 'device': '%s' is not available in this build", c->device);
     const char *desc = be->init(c->threads);
@@ -80,7 +80,7 @@ int bench_run(const Config *c, int steps) {
 
     Model m;
     int master16 = strcmp(c->master, "bf16") == 0; /* precision.master: bf16 parameters, no fp32 arena */
-    model_init_dtype(&m, be, &s, c->decay_embeddings, master16);
+    model_init(&m, be, &s, &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = master16});
     m.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     model_init_weights(&m, c->seed);
     model_plan_activations(&m, B, T, model_recompute_parse(c->recompute));
@@ -120,7 +120,7 @@ int bench_run(const Config *c, int steps) {
     }
     double step_s = median(times + 1, steps);
     double tokens = (double)c->total_tokens;
-    double fpt = model_flops_per_token(&s, T);
+    double fpt = arch_flops_per_token(&s, T);
     double step_gflops = fpt * tokens / step_s / 1e9;
     double mm_after = matmul_rate(be, &s, N, 5);
     double mm_gflops = (mm_before > mm_after ? mm_before : mm_after) / 1e9;

@@ -6,6 +6,7 @@
 #define _GNU_SOURCE /* open_memstream */
 #endif
 #include "config.h"
+#include "arch.h"
 #include "util.h"
 
 #include <errno.h>
@@ -59,12 +60,28 @@ static const CfgKey cfg_keys[] = {
     KU64("run.seed", seed, "1337", "seed of every random decision (init, data order, sampling)"),
     KINT("run.threads", threads, "0", 0, 1024, "CPU threads; 0 = all cores"),
     KENUM("device", device, "auto", "auto|cpu|cuda", "backend; `auto` picks `cuda` when a GPU is present, else `cpu`"),
-    KENUM("model.arch", arch, "gpt2", "gpt2", "architecture"),
+    KENUM("model.arch", arch, "gpt2", "gpt2|llama",
+          "preset (docs/architectures.md): `gpt2` is LayerNorm, learned positions, GeLU, biases, tied head; `llama` "
+          "is RMSNorm, RoPE, SwiGLU, no biases, untied head; each `auto` key below follows it"),
     KINT("model.n_layer", n_layer, "4", 1, 1024, "transformer blocks"),
-    KINT("model.n_head", n_head, "4", 1, 1024, "attention heads; must divide `model.n_embd`"),
+    KINT("model.n_head", n_head, "4", 1, 1024, "attention (query) heads"),
+    KINTA("model.n_kv_head", n_kv_head, "auto", 0, 1024,
+          "key/value heads (grouped-query attention; `auto` = n_head, 1 = multi-query); must divide n_head"),
+    KINTA("model.head_dim", head_dim, "auto", 0, 1024, "dimensions per head; `auto` = n_embd / n_head"),
     KINT("model.n_embd", n_embd, "128", 8, 65536, "embedding width"),
     KINT("model.seq_len", seq_len, "256", 2, 1048576, "tokens per sequence (context length)"),
     KINT("model.vocab_size", vocab_size, "256", 2, INT_MAX, "vocabulary size; padded to a multiple of 64 internally"),
+    KENUM("model.norm", norm, "auto", "auto|layernorm|rmsnorm", "normalisation of every block and the final norm"),
+    KFLTF("model.norm_eps", norm_eps, "1.0e-5", 0, 1, CF_LO_OPEN, "epsilon of every norm"),
+    KENUM("model.pos", pos, "auto", "auto|learned|rope", "positions: a learned table, or rotary embeddings"),
+    KFLTF("model.rope_theta", rope_theta, "10000", 1, INF, CF_LO_OPEN, "RoPE base (Llama 3: 500000)"),
+    KENUM("model.qk_norm", qk_norm, "none", "none|head|full",
+          "RMSNorm of q and k before RoPE: over each head (Qwen3) or the whole projection (OLMoE)"),
+    KENUM("model.mlp", mlp, "auto", "auto|gelu|swiglu|moe", "the block's MLP"),
+    KINTA("model.ffn_hidden", ffn_hidden, "auto", 0, 1 << 24,
+          "MLP width; `auto` = 4 n_embd (GeLU) or 8 n_embd / 3 rounded up to 256 (SwiGLU)"),
+    KENUM("model.bias", bias, "auto", "auto|true|false", "biases on the linear layers and LayerNorms"),
+    KENUM("model.tie_embeddings", tie_embeddings, "auto", "auto|true|false", "the output head reads the token embedding"),
     KENUM("model.recompute", recompute, "none", "none|gelu|norm_gelu",
           "activation memory for backward time: `gelu` keeps no GeLU output per layer (the backward recomputes "
           "each from the saved fc output into one shared buffer: L-1 fewer (B,T,4C) tensors, one more GeLU per "
@@ -72,6 +89,25 @@ static const CfgKey cfg_keys[] = {
           "2L-1 fewer (B,T,C), two more LayerNorms per layer); results are bit-identical to `none` (on GPU with "
           "`precision.gelu_fusion: off`; with fusion the recomputed GeLU may differ in the last bit), and "
           "`--dry-run` prints the activation memory of the mode"),
+    KFLT("model.rope_scaling.factor", rope_factor, "0", 0, INF,
+         "Llama 3.1 RoPE scaling: 0 = off; else >= 1 with the three keys below"),
+    KFLT("model.rope_scaling.low_freq_factor", rope_low, "0", 0, INF, "Llama 3.1 scaling: low-frequency factor (1)"),
+    KFLT("model.rope_scaling.high_freq_factor", rope_high, "0", 0, INF, "Llama 3.1 scaling: high-frequency factor (4)"),
+    KINT("model.rope_scaling.original_context", rope_orig, "0", 0, INT_MAX,
+         "Llama 3.1 scaling: the context the model was trained at (8192)"),
+    KINT("model.moe.n_experts", moe_experts, "8", 1, 4096, "routed experts per MoE layer"),
+    KINT("model.moe.top_k", moe_top_k, "2", 1, 4096, "experts each token is routed to"),
+    KINT("model.moe.n_shared", moe_shared, "0", 0, 64, "shared experts every token passes through"),
+    KINTA("model.moe.expert_hidden", moe_hidden, "auto", 0, 1 << 24, "SwiGLU width of one expert; `auto` = ffn_hidden"),
+    KENUM("model.moe.router", moe_router, "softmax", "softmax|sigmoid", "router scores (math in fp32)"),
+    KENUM("model.moe.norm_topk", moe_norm_topk, "true", "true|false",
+          "renormalise the chosen gates to sum to one (Mixtral true, OLMoE false; sigmoid always)"),
+    KFLT("model.moe.capacity_factor", moe_capacity, "0", 0, 1024,
+         "0 = dropless; else each expert takes at most ceil(factor * tokens * top_k / n_experts) slots"),
+    KFLT("model.moe.aux_loss_coef", moe_aux, "0.01", 0, 100, "load-balancing loss E sum_i f_i P_i, per layer"),
+    KFLT("model.moe.z_loss_coef", moe_z, "0.001", 0, 100, "router z-loss mean(logsumexp(logits)^2), per layer"),
+    KFLT("model.moe.bias_update_rate", moe_bias_rate, "0", 0, 1,
+         "DeepSeek-V3 auxiliary-loss-free balancing: per-expert selection bias moved by rate * sign(mean load - load) each step"),
     KSTR("data.train", train_glob, "\"data/austen/train_*.bin\"", "glob of the training token shards"),
     KSTR("data.val", val_glob, "\"data/austen/val_*.bin\"", "glob of the validation shards; `\"\"` = no validation"),
     KENUM("data.tokenizer", tokenizer, "byte", "byte|gpt2", "tokenizer used to decode samples"),
@@ -638,7 +674,7 @@ static void cfg_check_batch(Config *c, CfgLoad *L) {
 }
 
 static void cfg_finish(Config *c, CfgLoad *L) {
-    if (c->n_embd % c->n_head)
+    if (!c->head_dim && c->n_embd % c->n_head)
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'model.n_embd': %d must be divisible by model.n_head = %d",
                   cfg_where_of(L, "model.n_embd", "model.n_head"), c->n_embd, c->n_head);
     int64_t padded = ((int64_t)c->vocab_size + 63) / 64 * 64;
@@ -649,6 +685,8 @@ static void cfg_finish(Config *c, CfgLoad *L) {
     if (!strcmp(c->tokenizer, "gpt2") && !c->tokenizer_file[0])
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'data.tokenizer_file': expected a rank file path when data.tokenizer is gpt2, got \"\"",
                   cfg_where_of(L, "data.tokenizer_file", "data.tokenizer"));
+    ArchSpec spec;
+    arch_from_config(c, &spec); /* every architecture constraint, naming the key */
     cfg_check_batch(c, L);
     cfg_check_parallel(c, L);
     cfg_check_precision(c, L);
@@ -757,23 +795,36 @@ static void cfg_write_derived(FILE *f, const Config *c, const char *section, siz
                     *(const int *)((const char *)c + cfg_derived[d].off));
 }
 
+/* Leading whole sections two dotted keys share ("model.moe.top_k" and
+ * "model.moe.router": 2; "model.n_head": 1 with either). */
+static int cfg_common_sections(const char *a, const char *b) {
+    int n = 0;
+    for (size_t i = 0; a[i] && a[i] == b[i]; i++)
+        if (a[i] == '.') n++;
+    return n;
+}
+
 void cfg_write_yaml(const Config *c, FILE *f) {
     fputs("# kiln resolved config: every key, defaults filled in; derived values are comments\n", f);
     for (int i = 0; i < NKEYS; i++) {
         const char *key = cfg_keys[i].key;
         size_t slen = cfg_section_len(key);
-        int top = key[slen] == 0, first = i == 0 || cfg_section_len(cfg_keys[i - 1].key) != slen ||
-                                              strncmp(cfg_keys[i - 1].key, key, slen);
-        if (top) fprintf(f, "%s: ", key);
-        else {
-            if (first) fprintf(f, "%.*s:\n", (int)slen, key);
-            fprintf(f, "  %s: ", cfg_last(key));
+        /* open the sections this key enters (nested maps for model.moe.*) */
+        int depth = 0;
+        for (const char *p = key; *p; p++) depth += *p == '.';
+        int from = i == 0 ? 0 : cfg_common_sections(cfg_keys[i - 1].key, key);
+        const char *part = key;
+        for (int d = 0; d < depth; d++) {
+            const char *dot = strchr(part, '.');
+            if (d >= from) fprintf(f, "%*s%.*s:\n", 2 * d, "", (int)(dot - part), part);
+            part = dot + 1;
         }
+        fprintf(f, "%*s%s: ", 2 * depth, "", cfg_last(key));
         cfg_write_value(f, &cfg_keys[i], c);
         fputc('\n', f);
         int last = i + 1 == NKEYS || cfg_section_len(cfg_keys[i + 1].key) != slen ||
                    strncmp(cfg_keys[i + 1].key, key, slen);
-        if (!top && last) cfg_write_derived(f, c, key, slen);
+        if (depth && last) cfg_write_derived(f, c, key, slen);
     }
 }
 

@@ -20,8 +20,16 @@ typedef struct Config {
     char device[16]; /* auto | cpu | cuda */
 
     /* model */
-    char arch[16]; /* gpt2 */
+    char arch[16]; /* gpt2 | llama: the preset the auto keys follow (arch.h) */
     int n_layer, n_head, n_embd, seq_len, vocab_size;
+    int n_kv_head, head_dim, ffn_hidden; /* 0 = auto */
+    char norm[16], pos[16], mlp[16], qk_norm[8], bias[8], tie_embeddings[8]; /* auto | ... */
+    float norm_eps, rope_theta;
+    float rope_factor, rope_low, rope_high; /* model.rope_scaling: factor 0 = off */
+    int rope_orig;
+    int moe_experts, moe_top_k, moe_shared, moe_hidden; /* model.moe */
+    char moe_router[8], moe_norm_topk[8];
+    float moe_capacity, moe_aux, moe_z, moe_bias_rate;
     int padded_vocab; /* derived: vocab_size rounded up to a multiple of 64 */
     char recompute[16]; /* none | gelu | norm_gelu: what the backward recomputes (model.h) */
 

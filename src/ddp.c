@@ -24,16 +24,6 @@ static void host_comm_fence(const Ddp *d) {
     if (d->m->be->host_mem) d->m->be->sync();
 }
 
-/* The hook at which a tensor's gradient is complete: its layer; ln_f's is
- * done before any layer's (hook n_layer-1); wte and wpe only after the
- * embedding backward (hook -1). */
-static int ready_layer(const ParamInfo *p, int L) {
-    int l;
-    if (sscanf(p->name, "h.%d.", &l) == 1) return l;
-    if (!strncmp(p->name, "ln_f.", 5)) return L - 1;
-    return -1;
-}
-
 static void plan_buckets(Ddp *d, size_t bucket_floats) {
     Model *m = d->m;
     int L = m->shape.n_layer;
@@ -53,7 +43,7 @@ static void plan_buckets(Ddp *d, size_t bucket_floats) {
              * which is arena order within a group) */
             const ParamInfo *p = &m->params[pass];
             if ((p->decay ? 0 : 1) != g) continue;
-            int r = ready_layer(p, L);
+            int r = model_grads_ready_layer(m, pass);
             if (p->offset < last_off || r < last) ok = 0;
             last = r, last_off = p->offset;
             if (p->offset < start[g][r + 1]) start[g][r + 1] = p->offset;
@@ -65,7 +55,7 @@ static void plan_buckets(Ddp *d, size_t bucket_floats) {
     d->b = xcalloc((size_t)(L + 1), sizeof(DdpBucket));
     d->nb = 0;
     if (!ok) {
-        /* one bucket at the end (never expected for GPT-2's table) */
+        /* one bucket at the end (never expected for arch.c's tables) */
         DdpBucket *b = &d->b[d->nb++];
         b->layer = -1;
         for (int g = 0; g < 2; g++) b->off[g] = gbeg[g], b->len[g] = gend[g] - gbeg[g];
@@ -93,6 +83,7 @@ static void plan_buckets(Ddp *d, size_t bucket_floats) {
 
 static int unit_pre_hook(void *ctx, int layer, int backward);
 static void unit_post_hook(void *ctx, int layer);
+static void ddp_hook(void *ctx, int layer);
 
 /* Plan the unit shards and the optimizer's segments, and allocate the fp32
  * parameter shard; the other buffers wait for ddp_shard_params. */
@@ -173,9 +164,7 @@ void ddp_shard_params(Ddp *d) {
         m->param_mem = NULL;
     }
     unit_alloc(d); /* ZeRO-2: pbuf and prest are NULL, the parameter views stay */
-    m->pre_hook = unit_pre_hook;
-    m->hook = unit_post_hook;
-    m->hook_ctx = d;
+    model_set_hooks(m, &(ModelHooks){.ctx = d, .layer_begin = unit_pre_hook, .grads_done = unit_post_hook});
 }
 
 void ddp_params_loaded(Ddp *d) {
@@ -364,10 +353,12 @@ void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes) {
     if (zero >= 1) model_pad_arenas(m, d->shard.padded_n);
     plan_buckets(d, bucket_bytes / sizeof(float));
     d->overlap = d->g != NULL;
+    if (d->overlap) model_set_hooks(m, &(ModelHooks){.ctx = d, .grads_done = ddp_hook});
 }
 
 void ddp_free(Ddp *d) {
     const Backend *be = d->m->be;
+    model_set_hooks(d->m, NULL);
     if (d->units) {
         ddp_params_ready(d); /* no request may outlive its buffers */
         be->free(d->pshard);
@@ -405,6 +396,7 @@ static void post_bucket(Ddp *d, int i) {
  * and let MPI progress the ones in flight (it only does inside MPI calls). */
 static void ddp_hook(void *ctx, int layer) {
     Ddp *d = ctx;
+    if (!d->armed) return;
     while (d->posted < d->nb && d->b[d->posted].layer >= layer) post_bucket(d, d->posted++);
     for (int i = 0; i < 2 * d->posted; i++)
         if (d->req[i].active) comm_test(&d->req[i]);
@@ -413,17 +405,14 @@ static void ddp_hook(void *ctx, int layer) {
 void ddp_arm(Ddp *d) {
     d->posted = 0;
     d->step_blocked_s = 0;
-    if (!d->overlap) return;
-    d->m->hook = ddp_hook;
-    d->m->hook_ctx = d;
+    d->armed = d->overlap;
 }
 
 double ddp_reduce_grads(Ddp *d) {
     Model *m = d->m;
     const Backend *be = m->be;
     if (d->units) return unit_norm(d);
-    m->hook = NULL;
-    m->hook_ctx = NULL;
+    d->armed = 0;
     if (d->g) {
         double t0 = kiln_now();
         while (d->posted < d->nb) post_bucket(d, d->posted++); /* hook not armed (never with overlap) */

@@ -34,6 +34,7 @@ typedef struct Ddp {
     int nb, posted;
     CommRequest *req;    /* [2 * nb] */
     int overlap;         /* 1: buckets are posted from the backward hook */
+    int armed;           /* the hook posts buckets (between ddp_arm and ddp_reduce_grads) */
     /* Unit-sharded mode (units: ZeRO 2 or 3 over more than one rank). The
      * arena is laid out by unit (model_layout_by_unit: unit l < L is layer l,
      * unit L is wte, wpe and ln_f), each unit padded to dp equal blocks, and

@@ -48,7 +48,7 @@ typedef struct MetricsStep {
 typedef struct Metrics Metrics;
 
 /* Open the run's metric files under c->run_dir for `rank` (of `world`).
- * flops_per_token: training FLOPs per token (model_flops_per_token);
+ * flops_per_token: training FLOPs per token (arch_flops_per_token);
  * peak_flops: one device's peak FLOP/s (0 = MFU not reported); peak_source
  * says where it came from ("measured sgemm", "table: H100 SXM bf16", "config").
  * start_step > 0 (resume): metrics.jsonl keeps its lines up to that step and

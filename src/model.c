@@ -1,8 +1,9 @@
-/* model: GPT-2's parameter table, initialisation, the parameters' compute
- * copy, the activation plan, and the forward/backward graph expressed as
- * backend ops. Must never do arithmetic on tensors itself (that is the
- * backend's: even the compute copy is a backend cast) nor know the optimizer
- * or data. */
+/* model: the parameter table placed in arenas, initialisation, the
+ * parameters' compute copy, the activation plan, and the forward/backward
+ * block graph (GPT-2, Llama, MoE pieces by spec) expressed as backend ops.
+ * Must never do arithmetic on tensors itself (that is the backend's: even the
+ * compute copy is a backend cast), know the optimizer or data, or communicate
+ * (parallel code runs through ModelHooks). */
 #include "model.h"
 
 #include <math.h>
@@ -11,59 +12,51 @@
 
 #include "util.h"
 
-void model_shape_resolve(ModelShape *s) {
-    if (s->n_layer < 1 || s->n_head < 1 || s->n_embd < 1 || s->seq_len < 1 || s->vocab_size < 2)
-        kiln_fail(KILN_EXIT_USAGE, "model: sizes must be positive (n_layer=%d n_head=%d n_embd=%d seq_len=%d vocab_size=%d)",
-                  s->n_layer, s->n_head, s->n_embd, s->seq_len, s->vocab_size);
-    if (s->n_embd % s->n_head != 0)
-        kiln_fail(KILN_EXIT_USAGE, "key 'model.n_embd': %d is not divisible by model.n_head = %d", s->n_embd,
-                  s->n_head);
-    /* Padding the vocabulary to a multiple of 64 keeps the head's matrix
-     * products on aligned, vector-friendly sizes (GPT-2: 50257 -> 50304). */
-    s->padded_vocab = (s->vocab_size + 63) / 64 * 64;
-}
+/* ---------------------------------------------------------------------------
+ * The table and its views */
 
-/* One row of the parameter table, before placement in the arena. */
-static void add_param(Model *m, int *count, const char *name, int d0, int d1, int decay) {
-    ParamInfo *p = &m->params[(*count)++];
-    snprintf(p->name, sizeof p->name, "%s", name);
-    p->ndim = d1 > 0 ? 2 : 1;
-    p->shape[0] = d0;
-    p->shape[1] = d1 > 0 ? d1 : 0;
-    p->numel = (size_t)d0 * (size_t)(d1 > 0 ? d1 : 1);
-    p->decay = decay;
-}
-
-/* The view pointer of table entry `i` in `v`. */
-static float **view_slot(const Model *m, ParamViews *v, int i) {
+int model_tensor_index(const Model *m, int layer, int role, int expert) {
     int L = m->shape.n_layer;
-    if (i == 0) return &v->wte;
-    if (i == 1) return &v->wpe;
-    if (i == 2 + 12 * L) return &v->lnfw;
-    if (i == 3 + 12 * L) return &v->lnfb;
-    LayerParams *lp = &v->layer[(i - 2) / 12];
-    float **slots[12] = {&lp->ln1w,     &lp->ln1b, &lp->qkvw, &lp->qkvb, &lp->attprojw, &lp->attprojb,
-                         &lp->ln2w,     &lp->ln2b, &lp->fcw,  &lp->fcb,  &lp->fcprojw,  &lp->fcprojb};
-    return slots[(i - 2) % 12];
+    if (role < ROLE_LAYER_COUNT) return m->slot[(layer + 1) * ROLE_LAYER_COUNT + role];
+    int E = m->shape.mlp == MLP_MOE ? m->shape.moe.n_experts : 0;
+    if (layer < 0 || expert < 0 || expert >= E) return -1;
+    return m->slot[(L + 1) * ROLE_LAYER_COUNT + ((size_t)layer * E + expert) * ROLE_EXPERT_COUNT +
+                   (role - ROLE_LAYER_COUNT)];
 }
 
-/* The same slot in the compute views. */
-static const void **wview_slot(Model *m, int i) {
-    int L = m->shape.n_layer;
-    WeightViews *v = &m->w;
-    if (i == 0) return &v->wte;
-    if (i == 1) return &v->wpe;
-    if (i == 2 + 12 * L) return &v->lnfw;
-    if (i == 3 + 12 * L) return &v->lnfb;
-    LayerWeights *lw = &v->layer[(i - 2) / 12];
-    const void **slots[12] = {&lw->ln1w, &lw->ln1b, &lw->qkvw, &lw->qkvb, &lw->attprojw, &lw->attprojb,
-                              &lw->ln2w, &lw->ln2b, &lw->fcw,  &lw->fcb,  &lw->fcprojw,  &lw->fcprojb};
-    return slots[(i - 2) % 12];
+int model_grads_ready_layer(const Model *m, int i) {
+    const ParamInfo *p = &m->params[i];
+    if (p->layer >= 0) return p->layer;
+    return p->role == ROLE_TOK_EMB || p->role == ROLE_POS_EMB ? -1 : m->shape.n_layer - 1;
 }
 
-/* Point the views of `v` into arena `base`, by table index. */
-static void bind_views(const Model *m, float *base, ParamViews *v) {
-    for (int i = 0; i < m->num_tensors; i++) *view_slot(m, v, i) = base + m->params[i].offset;
+/* Views of (layer, role): compute copy, fp32 parameter, gradient; NULL where absent. */
+static const void *W(const Model *m, int layer, int role) {
+    int i = model_tensor_index(m, layer, role, -1);
+    return i < 0 ? NULL : m->wview[i];
+}
+static float *G(const Model *m, int layer, int role) {
+    int i = model_tensor_index(m, layer, role, -1);
+    return i < 0 ? NULL : m->gview[i];
+}
+static const void *WX(const Model *m, int layer, int role, int e) { return m->wview[model_tensor_index(m, layer, role, e)]; }
+static float *GX(const Model *m, int layer, int role, int e) { return m->gview[model_tensor_index(m, layer, role, e)]; }
+
+/* Point views v[i] into arena `base`, by table row. */
+static void bind_views(const Model *m, float *base, float **v) {
+    for (int i = 0; i < m->num_tensors; i++) v[i] = base + m->params[i].offset;
+}
+
+/* Place tensor i at `off` (after tensor `prev`, -1 for none), returning the
+ * next free offset. Offsets are multiples of 16 floats (64 bytes), so every
+ * tensor starts cache-line aligned, except a tensor that follows the one
+ * before it, which sits right after it (one product reads both). */
+static size_t place(Model *m, int i, int prev, size_t off) {
+    ParamInfo *p = &m->params[i];
+    if (p->follows && prev == i - 1) off = m->params[prev].offset + m->params[prev].numel;
+    p->offset = off;
+    int next_follows = i + 1 < m->num_tensors && m->params[i + 1].follows;
+    return next_follows ? off + p->numel : (off + p->numel + 15) / 16 * 16;
 }
 
 /* ---------------------------------------------------------------------------
@@ -72,7 +65,7 @@ static void bind_views(const Model *m, float *base, ParamViews *v) {
  * gather buffers) has a compute buffer of the same layout, and a tensor's
  * compute view sits at the same element offset from its buffer's start. */
 
-/* Compute buffer of unit u (u = n_layer: wte, wpe, ln_f); 0 when the arena
+/* Compute buffer of unit u (u = n_layer: the non-layer tensors); 0 when the arena
  * is not laid out by unit. */
 static int unit_buf(const Model *m, int u) { return m->unit_cbuf ? m->unit_cbuf[u] : 0; }
 
@@ -80,16 +73,16 @@ static int unit_buf(const Model *m, int u) { return m->unit_cbuf ? m->unit_cbuf[
 static void bind_compute(Model *m) {
     for (int i = 0; i < m->num_tensors; i++) {
         if (m->master_bf16) { /* no fp32 views: the bf16 parameters, by arena offset */
-            *wview_slot(m, i) = m->param16 + m->params[i].offset;
+            m->wview[i] = m->param16 + m->params[i].offset;
             continue;
         }
-        float *master = *view_slot(m, &m->p, i);
+        float *master = m->pview[i];
         if (m->act_bytes == sizeof(float)) {
-            *wview_slot(m, i) = master;
+            m->wview[i] = master;
             continue;
         }
         const ComputeBuf *cb = &m->cbuf[unit_buf(m, model_unit_of(m, i))];
-        *wview_slot(m, i) = (const char *)cb->mem + (size_t)(master - cb->master) * m->act_bytes;
+        m->wview[i] = (const char *)cb->mem + (size_t)(master - cb->master) * m->act_bytes;
     }
 }
 
@@ -172,7 +165,7 @@ static void compute_refresh(Model *m, int u) {
     if (!m->unit_stale[u]) return;
     int first = 0;
     while (model_unit_of(m, first) != u) first++;
-    const float *base = *view_slot(m, &m->p, first) - (m->params[first].offset - m->unit_off[u]);
+    const float *base = m->pview[first] - (m->params[first].offset - m->unit_off[u]);
     m->be->cast_to_act((char *)cb->mem + (size_t)(base - cb->master) * m->act_bytes, base, m->unit_len[u]);
     m->unit_stale[u] = 0;
 }
@@ -182,13 +175,14 @@ static void compute_refresh(Model *m, int u) {
  * parameters and says whether they changed; then the compute copy. */
 static void use_layer(Model *m, int layer, int backward) {
     int u = layer < 0 ? m->shape.n_layer : layer;
-    if (m->pre_hook && m->pre_hook(m->hook_ctx, layer, backward) && m->unit_stale) m->unit_stale[u] = 1;
+    if (m->hooks.layer_begin && m->hooks.layer_begin(m->hooks.ctx, layer, backward) && m->unit_stale)
+        m->unit_stale[u] = 1;
     compute_refresh(m, u);
 }
 
 int model_unit_of(const Model *m, int i) {
-    int L = m->shape.n_layer;
-    return i >= 2 && i < 2 + 12 * L ? (i - 2) / 12 : L;
+    int l = m->params[i].layer;
+    return l >= 0 ? l : m->shape.n_layer;
 }
 
 /* ZeRO's layouts shard and gather the fp32 master, which precision.master
@@ -209,10 +203,11 @@ void model_layout_by_unit(Model *m, size_t unit_align) {
     size_t off = 0;
     for (int u = 0; u < m->n_units; u++) {
         m->unit_off[u] = off;
+        int prev = -1;
         for (int i = 0; i < m->num_tensors; i++) {
             if (model_unit_of(m, i) != u) continue;
-            m->params[i].offset = off;
-            off += (m->params[i].numel + 15) / 16 * 16;
+            off = place(m, i, prev, off);
+            prev = i;
         }
         off = m->unit_off[u] + (off - m->unit_off[u] + unit_align - 1) / unit_align * unit_align;
         m->unit_len[u] = off - m->unit_off[u];
@@ -223,7 +218,7 @@ void model_layout_by_unit(Model *m, size_t unit_align) {
     m->be->free(m->grad_mem);
     m->param_mem = m->be->alloc(off * sizeof(float));
     m->grad_mem = NULL; /* the caller binds the gradient views (model_bind_unit) */
-    bind_views(m, m->param_mem, &m->p);
+    bind_views(m, m->param_mem, m->pview);
     m->unit_cbuf = xcalloc((size_t)m->n_units, sizeof(int));
     m->unit_stale = xcalloc((size_t)m->n_units, sizeof(int));
     compute_reset(m);
@@ -234,78 +229,150 @@ void model_bind_unit(Model *m, int u, float *pbuf, float *gbuf) {
     for (int i = 0; i < m->num_tensors; i++) {
         if (model_unit_of(m, i) != u) continue;
         size_t at = m->params[i].offset - m->unit_off[u];
-        if (pbuf) *view_slot(m, &m->p, i) = pbuf + at;
-        if (gbuf) *view_slot(m, &m->g, i) = gbuf + at;
+        if (pbuf) m->pview[i] = pbuf + at;
+        if (gbuf) m->gview[i] = gbuf + at;
     }
     if (pbuf) compute_bind_unit(m, u, pbuf); /* NULL: the parameters stay where they are */
 }
 
-void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings) {
-    model_init_dtype(m, be, s, decay_embeddings, 0);
+/* RoPE's table (seq_len, 2, HD/2): per position, cos then sin of pos * inv_freq[i], computed
+ * as HF's Llama does in fp32 (inv_freq = 1 / theta^(2i/HD) in float, the
+ * llama3 scaling on it, the angle rounded to float), so positions far from
+ * 0 carry the same angles as the reference. */
+static void rope_table(Model *m) {
+    const ArchSpec *s = &m->shape;
+    int H = s->head_dim / 2, T = s->seq_len;
+    float *inv = xmalloc((size_t)H * sizeof(float)), *tab = xmalloc((size_t)2 * T * H * sizeof(float));
+    for (int i = 0; i < H; i++) inv[i] = 1.0f / powf(s->rope_theta, (float)(2 * i) / (float)s->head_dim);
+    const ArchRopeScaling *r = &s->rope_scaling;
+    if (r->on) {
+        /* HF _compute_llama3_parameters: long wavelengths are slowed by
+         * `factor`, short ones kept, the band between blended smoothly. */
+        float low_wl = (float)r->original_context / r->low_freq_factor;
+        float high_wl = (float)r->original_context / r->high_freq_factor;
+        for (int i = 0; i < H; i++) {
+            float wl = 2.0f * (float)M_PI / inv[i];
+            if (wl > low_wl) {
+                inv[i] = inv[i] / r->factor;
+            } else if (wl >= high_wl) {
+                float smooth = ((float)r->original_context / wl - r->low_freq_factor) /
+                               (r->high_freq_factor - r->low_freq_factor);
+                inv[i] = (1.0f - smooth) * inv[i] / r->factor + smooth * inv[i];
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < H; i++) {
+            float a = (float)t * inv[i];
+            tab[(size_t)t * 2 * H + i] = (float)cos((double)a);
+            tab[(size_t)t * 2 * H + H + i] = (float)sin((double)a);
+        }
+    m->rope = m->be->alloc((size_t)2 * T * H * sizeof(float));
+    m->be->to_device(m->rope, tab, (size_t)2 * T * H * sizeof(float));
+    free(inv);
+    free(tab);
 }
 
-void model_init_dtype(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings, int master_bf16) {
+void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptions *o) {
+    ModelOptions none = {0};
+    if (!o) o = &none;
     memset(m, 0, sizeof *m);
     m->shape = *s;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
     m->act_bytes = be->act_bytes();
-    if (master_bf16 && (m->act_bytes != 2 || !be->adamw_update_p16))
+    if (o->master_bf16 && (m->act_bytes != 2 || !be->adamw_update_p16))
         kiln_fail(KILN_EXIT_USAGE, "key 'precision.master': bf16 needs bf16 activations (device: cuda with "
                   "precision.compute: bf16), but the %s backend computes in %s; use precision.master: fp32",
                   be->name, m->act_bytes == 2 ? "bf16 without a bf16 parameter update" : "fp32");
-    m->master_bf16 = master_bf16;
-    int L = s->n_layer, C = s->n_embd;
-    m->num_tensors = 2 + 12 * L + 2;
-    m->params = xcalloc((size_t)m->num_tensors, sizeof(ParamInfo));
-    int n = 0;
-    char name[48];
-    add_param(m, &n, "wte", s->padded_vocab, C, decay_embeddings);
-    add_param(m, &n, "wpe", s->seq_len, C, decay_embeddings);
-    for (int l = 0; l < L; l++) {
-#define P(suffix, d0, d1, decay)                                   \
-    snprintf(name, sizeof name, "h.%d." suffix, l);                \
-    add_param(m, &n, name, d0, d1, decay)
-        P("ln_1.weight", C, 0, 0);
-        P("ln_1.bias", C, 0, 0);
-        P("attn.c_attn.weight", 3 * C, C, 1);
-        P("attn.c_attn.bias", 3 * C, 0, 0);
-        P("attn.c_proj.weight", C, C, 1);
-        P("attn.c_proj.bias", C, 0, 0);
-        P("ln_2.weight", C, 0, 0);
-        P("ln_2.bias", C, 0, 0);
-        P("mlp.c_fc.weight", 4 * C, C, 1);
-        P("mlp.c_fc.bias", 4 * C, 0, 0);
-        P("mlp.c_proj.weight", C, 4 * C, 1);
-        P("mlp.c_proj.bias", C, 0, 0);
-#undef P
+    if (o->master_bf16 && s->mlp == MLP_MOE && s->moe.bias_update_rate > 0)
+        kiln_fail(KILN_EXIT_USAGE, "key 'model.moe.bias_update_rate': the balancing bias is kept in fp32 "
+                  "parameters, which precision.master: bf16 does not have; use precision.master: fp32");
+    m->master_bf16 = o->master_bf16;
+    int L = s->n_layer, E = s->mlp == MLP_MOE ? s->moe.n_experts : 0;
+    ArchTensor *t = arch_tensors(s, o->decay_embeddings, &m->num_tensors);
+    int n = m->num_tensors;
+    m->params = xcalloc((size_t)n, sizeof(ParamInfo));
+    size_t nslot = (size_t)(L + 1) * ROLE_LAYER_COUNT + (size_t)L * E * ROLE_EXPERT_COUNT;
+    m->slot = xmalloc(nslot * sizeof(int));
+    for (size_t k = 0; k < nslot; k++) m->slot[k] = -1;
+    for (int i = 0; i < n; i++) {
+        ParamInfo *p = &m->params[i];
+        snprintf(p->name, sizeof p->name, "%s", t[i].name);
+        p->ndim = t[i].ndim;
+        p->shape[0] = t[i].shape[0], p->shape[1] = t[i].shape[1];
+        p->numel = t[i].numel;
+        p->decay = t[i].decay;
+        p->layer = t[i].layer, p->role = t[i].role, p->expert = t[i].expert;
+        p->init = t[i].init, p->follows = t[i].follows, p->trained = t[i].trained;
+        size_t k = p->role < ROLE_LAYER_COUNT
+                       ? (size_t)(p->layer + 1) * ROLE_LAYER_COUNT + p->role
+                       : (size_t)(L + 1) * ROLE_LAYER_COUNT + ((size_t)p->layer * E + p->expert) * ROLE_EXPERT_COUNT +
+                             (p->role - ROLE_LAYER_COUNT);
+        m->slot[k] = i;
     }
-    add_param(m, &n, "ln_f.weight", C, 0, 0);
-    add_param(m, &n, "ln_f.bias", C, 0, 0);
+    free(t);
 
-    /* Arena placement: decayed tensors first, in listing order, then the rest,
-     * so AdamW runs as two contiguous updates. Offsets are multiples of 16
-     * floats (64 bytes) so every tensor starts cache-line aligned. */
+    /* Arena placement: decayed tensors first, in listing order, then the
+     * rest, so AdamW runs as two contiguous updates. */
     size_t off = 0;
     for (int pass = 1; pass >= 0; pass--) {
+        int prev = -1;
         for (int i = 0; i < n; i++) {
             if (m->params[i].decay != pass) continue;
-            m->params[i].offset = off;
-            off += (m->params[i].numel + 15) / 16 * 16;
+            off = place(m, i, prev, off);
+            prev = i;
         }
         if (pass == 1) m->num_decay = off;
     }
     m->num_params = off;
     m->arena_len = off;
     /* precision.master bf16: no fp32 arena; compute_reset allocates param16 */
-    m->param_mem = master_bf16 ? NULL : be->alloc(off * sizeof(float));
+    m->param_mem = o->master_bf16 ? NULL : be->alloc(off * sizeof(float));
     m->grad_mem = be->alloc(off * sizeof(float));
-    m->p.layer = xcalloc((size_t)L, sizeof(LayerParams));
-    m->g.layer = xcalloc((size_t)L, sizeof(LayerParams));
-    m->w.layer = xcalloc((size_t)L, sizeof(LayerWeights));
-    if (!master_bf16) bind_views(m, m->param_mem, &m->p); /* else the p views stay NULL: nothing may read them */
-    bind_views(m, m->grad_mem, &m->g);
+    m->pview = xcalloc((size_t)n, sizeof(float *));
+    m->gview = xcalloc((size_t)n, sizeof(float *));
+    m->wview = xcalloc((size_t)n, sizeof(void *));
+    if (!o->master_bf16) bind_views(m, m->param_mem, m->pview); /* else the p views stay NULL: nothing may read them */
+    bind_views(m, m->grad_mem, m->gview);
     compute_reset(m);
+    if (s->pos == POS_ROPE) rope_table(m);
+    if (E) {
+        m->moe.load = xcalloc((size_t)L * E, sizeof(int64_t));
+        m->stats_host = xcalloc((size_t)E + 1, sizeof(float));
+    }
+}
+
+void model_set_hooks(Model *m, const ModelHooks *h) {
+    if (h) m->hooks = *h;
+    else memset(&m->hooks, 0, sizeof m->hooks);
+}
+
+void model_init_weights(Model *m, uint64_t seed) {
+    /* Drawn on the host in listing order from one stream, so the initial
+     * weights depend only on the seed and the shape. */
+    float *host = xcalloc(m->num_params, sizeof(float));
+    Rng rng;
+    rng_seed(&rng, seed);
+    float resid_scale = 1.0f / sqrtf(2.0f * (float)m->shape.n_layer);
+    for (int i = 0; i < m->num_tensors; i++) {
+        const ParamInfo *p = &m->params[i];
+        float *w = host + p->offset;
+        if (p->init == INIT_ONES) {
+            for (size_t j = 0; j < p->numel; j++) w[j] = 1.0f;
+        } else if (p->init == INIT_NORMAL || p->init == INIT_NORMAL_RESID) {
+            float std = 0.02f;
+            if (p->init == INIT_NORMAL_RESID) std *= resid_scale;
+            size_t rows = (size_t)p->shape[0];
+            /* The padded vocabulary rows stay zero: no token maps to them. */
+            if (p->role == ROLE_TOK_EMB || p->role == ROLE_HEAD_W) rows = (size_t)m->shape.vocab_size;
+            size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
+            for (size_t j = 0; j < rows * cols; j++) w[j] = std * rng_normal(&rng);
+        }
+        /* INIT_ZEROS: biases stay zero */
+    }
+    model_params_from_host(m, host);
+    free(host);
 }
 
 void model_free(Model *m) {
@@ -318,13 +385,18 @@ void model_free(Model *m) {
         cbuf_free_all(m);
     }
     free(m->params);
-    free(m->p.layer);
-    free(m->g.layer);
-    free(m->w.layer);
+    free(m->pview);
+    free(m->gview);
+    free(m->wview);
+    free(m->slot);
+    free(m->moe.load);
+    free(m->stats_host);
+    if (m->be && m->rope) m->be->free(m->rope);
     free(m->cbuf);
     free(m->unit_cbuf);
     free(m->unit_stale);
     free(m->row_host);
+    for (int l = 0; m->acts && l < m->shape.n_layer; l++) free(m->acts[l].offsets_host);
     free(m->acts);
     free(m->losses_host);
     free(m->unit_off);
@@ -342,41 +414,9 @@ void model_pad_arenas(Model *m, size_t n) {
     be->free(m->param_mem);
     be->free(m->grad_mem);
     m->param_mem = p, m->grad_mem = g, m->arena_len = n;
-    bind_views(m, m->param_mem, &m->p);
-    bind_views(m, m->grad_mem, &m->g);
+    bind_views(m, m->param_mem, m->pview);
+    bind_views(m, m->grad_mem, m->gview);
     compute_reset(m);
-}
-
-static int ends_with(const char *s, const char *suffix) {
-    size_t a = strlen(s), b = strlen(suffix);
-    return a >= b && strcmp(s + a - b, suffix) == 0;
-}
-
-void model_init_weights(Model *m, uint64_t seed) {
-    /* Drawn on the host in listing order from one stream, so the initial
-     * weights depend only on the seed and the shape. */
-    float *host = xcalloc(m->num_params, sizeof(float));
-    Rng rng;
-    rng_seed(&rng, seed);
-    float resid_scale = 1.0f / sqrtf(2.0f * (float)m->shape.n_layer);
-    for (int i = 0; i < m->num_tensors; i++) {
-        const ParamInfo *p = &m->params[i];
-        float *w = host + p->offset;
-        if (ends_with(p->name, "ln_1.weight") || ends_with(p->name, "ln_2.weight") ||
-            ends_with(p->name, "ln_f.weight")) {
-            for (size_t j = 0; j < p->numel; j++) w[j] = 1.0f;
-        } else if (p->ndim == 2) {
-            float std = 0.02f;
-            if (ends_with(p->name, "c_proj.weight")) std *= resid_scale;
-            size_t rows = (size_t)p->shape[0];
-            /* The padded rows of wte stay zero: no token maps to them. */
-            if (strcmp(p->name, "wte") == 0) rows = (size_t)m->shape.vocab_size;
-            for (size_t j = 0; j < rows * (size_t)p->shape[1]; j++) w[j] = std * rng_normal(&rng);
-        }
-        /* biases stay zero */
-    }
-    model_params_from_host(m, host);
-    free(host);
 }
 
 void model_params_from_host(Model *m, const float *host) {
@@ -416,14 +456,28 @@ const char *model_recompute_name(ModelRecompute r) {
     return r >= MODEL_RECOMPUTE_NONE && r <= MODEL_RECOMPUTE_NORM_GELU ? recompute_names[r] : "?";
 }
 
+/* Widths of the backward's scratch buffers (act elements per row). */
+typedef struct ScratchPlan {
+    size_t dres, dbuf, dbuf2, dqkv, dln; /* per row of N */
+    size_t moe_rows, moe_C, moe_2F, moe_F; /* MoE: R permuted rows of dyp/dxp (C), dhp (2Fe), dhp_act (Fe) */
+} ScratchPlan;
+
+static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
+
 /* Activation plan: the bytes each buffer needs, in one arena; act tensors
  * of act_bytes each, statistics fp32, every buffer 64-byte aligned (so with
  * fp32 the layout is the same as when everything was fp32). Also used by
  * --dry-run through model_activation_bytes, so the two can never disagree.
  * What `r` recomputes gets one buffer that every layer's view points at,
- * after the layers (so NONE's layout is unchanged). */
-static size_t plan_bytes(const ModelShape *s, int B, int T, size_t ab, ModelRecompute r, Model *m) {
-    size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float);
+ * after the layers. MoE activations are always kept. */
+static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, Model *m) {
+    size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float), I = sizeof(int32_t);
+    size_t Q = (size_t)arch_q_width(s), QKVW = (size_t)arch_qkv_width(s), FF = (size_t)s->ffn_hidden;
+    size_t FCW = (size_t)arch_fc_width(s), QK = (size_t)(s->n_head + s->n_kv_head) * s->head_dim;
+    size_t G = s->qk_norm == QKNORM_HEAD ? (size_t)(s->n_head + s->n_kv_head) : 2;
+    int moe = s->mlp == MLP_MOE;
+    size_t E = moe ? (size_t)s->moe.n_experts : 0, K = moe ? (size_t)s->moe.top_k : 0;
+    size_t Fe = moe ? (size_t)s->moe.expert_hidden : 0, S = moe ? (size_t)s->moe.n_shared * Fe : 0, R = N * K;
     size_t off = 0;
     /* Without a model, only count: views are written into a throwaway. */
     Model sink;
@@ -433,7 +487,7 @@ static size_t plan_bytes(const ModelShape *s, int B, int T, size_t ab, ModelReco
         memset(&sink, 0, sizeof sink);
         m = &sink;
     }
-    int keep_gelu = r < MODEL_RECOMPUTE_GELU, keep_norm = r < MODEL_RECOMPUTE_NORM_GELU;
+    int keep_gelu = r < MODEL_RECOMPUTE_GELU || moe, keep_norm = r < MODEL_RECOMPUTE_NORM_GELU;
 #define TAKE(ptr, count, esize)                                 \
     do {                                                        \
         if (assign) (ptr) = (void *)((char *)m->act_mem + off); \
@@ -445,19 +499,43 @@ static size_t plan_bytes(const ModelShape *s, int B, int T, size_t ab, ModelReco
         if (keep_norm) TAKE(a->ln1, N * C, ab);
         TAKE(a->ln1_mean, N, F);
         TAKE(a->ln1_rstd, N, F);
-        TAKE(a->qkv, N * 3 * C, ab);
-        TAKE(a->atty, N * C, ab);
+        TAKE(a->qkv, N * QKVW, ab);
+        if (s->qk_norm != QKNORM_NONE) {
+            TAKE(a->qk_in, N * QK, ab);
+            TAKE(a->qk_rstd, N * G, F);
+        }
+        TAKE(a->atty, N * Q, ab);
         TAKE(a->att_lse, N * NH, F);
         TAKE(a->res2, N * C, ab);
         if (keep_norm) TAKE(a->ln2, N * C, ab);
         TAKE(a->ln2_mean, N, F);
         TAKE(a->ln2_rstd, N, F);
-        TAKE(a->fch, N * 4 * C, ab);
-        if (keep_gelu) TAKE(a->fch_gelu, N * 4 * C, ab);
+        if (!moe) {
+            TAKE(a->fch, N * FCW, ab);
+            if (keep_gelu) TAKE(a->fch_gelu, N * FF, ab);
+        } else {
+            TAKE(a->router, N * E, ab);
+            TAKE(a->probs, N * E, F);
+            TAKE(a->gates, N * K, F);
+            TAKE(a->stats, E + 1, F);
+            TAKE(a->topk, N * K, I);
+            TAKE(a->row_of, N * K, I);
+            TAKE(a->src, R, I);
+            TAKE(a->offsets, E + 1, I);
+            TAKE(a->counts, E, I);
+            TAKE(a->xp, R * C, ab);
+            TAKE(a->hp, R * 2 * Fe, ab);
+            TAKE(a->hp_act, R * Fe, ab);
+            TAKE(a->yp, R * C, ab);
+            if (S) {
+                TAKE(a->sh, N * 2 * S, ab);
+                TAKE(a->sh_act, N * S, ab);
+            }
+        }
         TAKE(a->res3, N * C, ab);
     }
-    void *gelu_shared = NULL, *ln_shared = NULL; /* (N,4C) (N,C) act */
-    if (!keep_gelu) TAKE(gelu_shared, N * 4 * C, ab);
+    void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
+    if (!keep_gelu) TAKE(gelu_shared, N * FF, ab);
     if (!keep_norm) TAKE(ln_shared, N * C, ab);
     for (int l = 0; assign && l < s->n_layer; l++) {
         if (!keep_gelu) m->acts[l].fch_gelu = gelu_shared;
@@ -468,14 +546,21 @@ static size_t plan_bytes(const ModelShape *s, int B, int T, size_t ab, ModelReco
     TAKE(m->lnf_rstd, N, F);
     TAKE(m->logits, N * (size_t)s->padded_vocab, ab);
     TAKE(m->losses, N, F);
-    /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf and
-     * dbuf2 (N,4C) each, dqkv (N,3C), dln (N,C); all act */
-    TAKE(m->scratch, N * C + 2 * N * 4 * C + N * 3 * C + N * C, ab);
+    if (moe) TAKE(m->aux, E * s->n_layer, F);
+    /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf (N,
+     * the widest of NH HD, F, S, C), dbuf2 (N, the widest of the first MLP
+     * product and 2S), dqkv (N,QKVW), dln (N,C); MoE: dyp and dxp (R,C),
+     * dhp (R,2Fe), dhp_act (R,Fe), dlogits (N,E) act, dgates (N,K) fp32;
+     * all act unless said */
+    ScratchPlan sp = {.dres = C, .dbuf = zmax(zmax(Q, FF), zmax(S, C)), .dbuf2 = zmax(FCW, 2 * S), .dqkv = QKVW, .dln = C};
+    size_t scratch = N * (sp.dres + sp.dbuf + sp.dbuf2 + sp.dqkv + sp.dln);
+    if (moe) scratch += R * (2 * C + 3 * Fe) + N * E + (N * K * F + ab - 1) / ab + 64;
+    TAKE(m->scratch, scratch, ab);
 #undef TAKE
     return off;
 }
 
-size_t model_activation_bytes(const ModelShape *s, int B, int T, size_t act_bytes, ModelRecompute r) {
+size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r) {
     return plan_bytes(s, B, T, act_bytes, r, NULL);
 }
 
@@ -486,6 +571,7 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
         m->be->free(m->act_mem);
         m->be->free(m->tokens_dev);
         m->be->free(m->targets_dev);
+        for (int l = 0; l < m->shape.n_layer; l++) free(m->acts[l].offsets_host);
         free(m->acts);
         free(m->losses_host);
         free(m->row_host);
@@ -497,6 +583,9 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, NULL);
     m->act_mem = m->be->alloc(m->act_size);
     plan_bytes(&m->shape, B, T, m->act_bytes, r, m);
+    if (m->shape.mlp == MLP_MOE)
+        for (int l = 0; l < m->shape.n_layer; l++)
+            m->acts[l].offsets_host = xcalloc((size_t)m->shape.moe.n_experts + 1, sizeof(int32_t));
     m->tokens_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
     m->targets_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
     m->losses_host = xcalloc((size_t)B * T, sizeof(float));
@@ -504,48 +593,188 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
 }
 
 int model_gelu_fused(const Model *m, int backward) {
-    if (!m->gelu_fusion) return 0;
+    if (!m->gelu_fusion || m->shape.mlp != MLP_GELU) return 0;
     return backward ? m->be->matmul_backward_dgelu != NULL : m->be->matmul_gelu_forward != NULL;
+}
+
+/* ---------------------------------------------------------------------------
+ * The block graph. Row counts: N = B*T tokens; widths from the spec. */
+
+static AttnShape attn_shape(const ArchSpec *s, int B, int T) {
+    return (AttnShape){B, T, s->n_head, s->n_kv_head, s->head_dim};
+}
+
+/* Bytes offset of `rows` rows of `width` act elements. */
+static void *act_at(const Model *m, const void *base, size_t rows, size_t width) {
+    return (char *)base + rows * width * m->act_bytes;
+}
+
+static void norm_forward(const Model *m, void *out, float *mean, float *rstd, const void *x, const void *w,
+                         const void *b, int N) {
+    const ArchSpec *s = &m->shape;
+    if (s->norm == NORM_LAYERNORM) m->be->layernorm_forward(out, mean, rstd, x, w, b, N, s->n_embd, s->norm_eps);
+    else m->be->rmsnorm_forward(out, rstd, x, w, N, s->n_embd, s->norm_eps);
+}
+
+static void norm_backward(const Model *m, void *dx, float *dw, float *db, const void *dout, const void *x,
+                          const void *w, const float *mean, const float *rstd, int N, int acc) {
+    const ArchSpec *s = &m->shape;
+    if (s->norm == NORM_LAYERNORM) m->be->layernorm_backward(dx, dw, db, dout, x, w, mean, rstd, N, s->n_embd, acc);
+    else m->be->rmsnorm_backward(dx, dw, dout, x, w, rstd, N, s->n_embd, acc);
+}
+
+/* res2 = x + o_proj(attention(rope(qknorm(qkv_proj(norm1(x)))))) */
+static void attn_forward(Model *m, int l, const void *x, int B, int T) {
+    const Backend *be = m->be;
+    const ArchSpec *s = &m->shape;
+    LayerActs *a = &m->acts[l];
+    int N = B * T, C = s->n_embd, Q = arch_q_width(s);
+    AttnShape sh = attn_shape(s, B, T);
+    void *proj = m->scratch; /* (N,C) lives only until the residual add consumes it */
+    norm_forward(m, a->ln1, a->ln1_mean, a->ln1_rstd, x, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B), N);
+    be->matmul_forward(a->qkv, a->ln1, W(m, l, ROLE_QKV_W), W(m, l, ROLE_QKV_B), N, C, arch_qkv_width(s));
+    if (s->qk_norm != QKNORM_NONE)
+        be->qknorm_forward(a->qkv, a->qk_in, a->qk_rstd, W(m, l, ROLE_Q_NORM), W(m, l, ROLE_K_NORM), &sh,
+                           s->qk_norm == QKNORM_HEAD, s->norm_eps);
+    if (s->pos == POS_ROPE) be->rope_forward(a->qkv, m->rope, &sh, 0);
+    be->attention_forward(a->atty, a->att_lse, a->qkv, &sh);
+    be->matmul_forward(proj, a->atty, W(m, l, ROLE_O_W), W(m, l, ROLE_O_B), N, Q, C);
+    be->residual_forward(a->res2, x, proj, (size_t)N * C);
+}
+
+/* The dense MLP's activation from its first product: GeLU or SwiGLU. */
+static void mlp_activation(const Model *m, const LayerActs *a, int N) {
+    const ArchSpec *s = &m->shape;
+    if (s->mlp == MLP_SWIGLU) m->be->swiglu_forward(a->fch_gelu, a->fch, N, s->ffn_hidden);
+    else m->be->gelu_forward(a->fch_gelu, a->fch, (size_t)N * s->ffn_hidden);
+}
+
+/* Routed experts on the permuted rows: expert e owns rows [off[e], off[e+1])
+ * of xp; its gate and up weights follow each other, so one product. */
+static void experts_forward(Model *m, int l, LayerActs *a) {
+    const Backend *be = m->be;
+    const ArchSpec *s = &m->shape;
+    int C = s->n_embd, E = s->moe.n_experts, Fe = s->moe.expert_hidden;
+    const int32_t *off = a->offsets_host;
+    for (int e = 0; e < E; e++) {
+        int n = off[e + 1] - off[e];
+        if (n > 0)
+            be->matmul_forward(act_at(m, a->hp, off[e], 2 * Fe), act_at(m, a->xp, off[e], C),
+                               WX(m, l, ROLE_EXPERT_GATE_W, e), NULL, n, C, 2 * Fe);
+    }
+    be->swiglu_forward(a->hp_act, a->hp, off[E], Fe);
+    for (int e = 0; e < E; e++) {
+        int n = off[e + 1] - off[e];
+        if (n > 0)
+            be->matmul_forward(act_at(m, a->yp, off[e], C), act_at(m, a->hp_act, off[e], Fe),
+                               WX(m, l, ROLE_EXPERT_DOWN_W, e), NULL, n, Fe, C);
+    }
+}
+
+/* out (N,C) = sum_k gate * expert(x) (+ the shared experts, added to res3
+ * by the caller); router statistics into the losses and loads. */
+static void moe_forward(Model *m, int l, int N, float dloss, int train) {
+    const Backend *be = m->be;
+    const ArchSpec *s = &m->shape;
+    const ArchMoe *mo = &s->moe;
+    LayerActs *a = &m->acts[l];
+    int C = s->n_embd, E = mo->n_experts, K = mo->top_k;
+    void *proj = m->scratch;
+    int bi = model_tensor_index(m, l, ROLE_ROUTER_BIAS, -1);
+    be->matmul_forward(a->router, a->ln2, W(m, l, ROLE_ROUTER_W), NULL, N, C, E);
+    be->moe_route(a->topk, a->gates, a->probs, a->stats, a->router, bi < 0 ? NULL : m->pview[bi], N, E, K,
+                  mo->sigmoid, mo->norm_topk);
+    be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, E, K, arch_moe_capacity(s, N));
+    /* The experts' row ranges decide the products' sizes: the one host
+     * synchronisation of an MoE layer. */
+    be->to_host(a->offsets_host, a->offsets, (size_t)(E + 1) * sizeof(int32_t));
+    be->moe_gather(a->xp, a->ln2, a->src, a->offsets_host[E], C);
+    experts_forward(m, l, a);
+    be->moe_combine(proj, a->yp, a->gates, a->row_of, N, K, C);
+    be->residual_forward(a->res3, a->res2, proj, (size_t)N * C);
+    if (mo->n_shared > 0) {
+        int S = mo->n_shared * mo->expert_hidden;
+        be->matmul_forward(a->sh, a->ln2, W(m, l, ROLE_SHARED_GATE_W), NULL, N, C, 2 * S);
+        be->swiglu_forward(a->sh_act, a->sh, N, S);
+        be->matmul_forward(proj, a->sh_act, W(m, l, ROLE_SHARED_DOWN_W), NULL, N, S, C);
+        be->residual_forward(a->res3, a->res3, proj, (size_t)N * C);
+    }
+    /* Losses: aux = E sum_e f_e P_e (f_e = load / (N K), P_e = mean prob),
+     * z = mean lse^2; the aux gradient per expert for the backward. */
+    int32_t *counts = xmalloc((size_t)E * sizeof(int32_t));
+    be->to_host(counts, a->counts, (size_t)E * sizeof(int32_t));
+    be->to_host(m->stats_host, a->stats, (size_t)(E + 1) * sizeof(float));
+    double aux = 0;
+    float *auxg = xmalloc((size_t)E * sizeof(float));
+    int64_t routed = 0;
+    for (int e = 0; e < E; e++) {
+        double f = (double)counts[e] / ((double)N * K);
+        aux += f * m->stats_host[e] / N;
+        auxg[e] = (float)(mo->aux_loss_coef * E * f * dloss);
+        routed += counts[e];
+        if (train) m->moe.load[(size_t)l * E + e] += counts[e];
+    }
+    m->moe.aux += E * aux;
+    m->moe.z += m->stats_host[E] / N;
+    if (train) {
+        m->moe.routed += routed;
+        m->moe.drops += routed - a->offsets_host[E];
+    }
+    be->to_device(m->aux + (size_t)l * E, auxg, (size_t)E * sizeof(float));
+    free(auxg);
+    free(counts);
+}
+
+/* res3 = res2 + mlp(norm2(res2)): GeLU, SwiGLU or MoE. */
+static void mlp_forward(Model *m, int l, int N, int fuse, float dloss, int train) {
+    const Backend *be = m->be;
+    const ArchSpec *s = &m->shape;
+    LayerActs *a = &m->acts[l];
+    int C = s->n_embd, F = s->ffn_hidden;
+    void *proj = m->scratch;
+    norm_forward(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W), W(m, l, ROLE_MLP_NORM_B), N);
+    if (s->mlp == MLP_MOE) {
+        moe_forward(m, l, N, dloss, train);
+        return;
+    }
+    if (fuse) {
+        be->matmul_gelu_forward(a->fch_gelu, a->fch, a->ln2, W(m, l, ROLE_FC_W), W(m, l, ROLE_FC_B), N, C, F);
+    } else {
+        be->matmul_forward(a->fch, a->ln2, W(m, l, ROLE_FC_W), W(m, l, ROLE_FC_B), N, C, arch_fc_width(s));
+        mlp_activation(m, a, N);
+    }
+    be->matmul_forward(proj, a->fch_gelu, W(m, l, ROLE_DOWN_W), W(m, l, ROLE_DOWN_B), N, F, C);
+    be->residual_forward(a->res3, a->res2, proj, (size_t)N * C);
+}
+
+/* The output head: tied to the token embedding, or its own weight. */
+static int head_index(const Model *m) {
+    return model_tensor_index(m, -1, m->shape.tie_embeddings ? ROLE_TOK_EMB : ROLE_HEAD_W, -1);
 }
 
 float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T, float dloss) {
     const Backend *be = m->be;
-    const ModelShape *s = &m->shape;
+    const ArchSpec *s = &m->shape;
     if (B > m->B || T > m->T || B * T > m->B * m->T)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: batch %dx%d exceeds the planned %dx%d", B, T, m->B, m->T);
-    int N = B * T, C = s->n_embd, NH = s->n_head, L = s->n_layer;
+    int N = B * T, C = s->n_embd, L = s->n_layer;
     be->to_device(m->tokens_dev, tokens, (size_t)N * sizeof(int32_t));
     int fuse_fwd = model_gelu_fused(m, 0);
+    int train = targets && dloss != 0.0f;
+    m->moe.aux = m->moe.z = 0;
 
     use_layer(m, -1, 0);
-    be->embed_forward(m->encoded, m->tokens_dev, m->w.wte, m->w.wpe, B, T, C);
+    be->embed_forward(m->encoded, m->tokens_dev, W(m, -1, ROLE_TOK_EMB), W(m, -1, ROLE_POS_EMB), B, T, C);
     const void *x = m->encoded; /* (N,C) residual stream entering layer l */
     for (int l = 0; l < L; l++) {
         use_layer(m, l, 0);
-        const LayerWeights *w = &m->w.layer[l];
-        LayerActs *a = &m->acts[l];
-        /* The projections' outputs live in scratch only until the residual
-         * add consumes them; the backward pass never needs them. */
-        void *proj = m->scratch;
-        be->layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x, w->ln1w, w->ln1b, N, C, 1e-5f);
-        be->matmul_forward(a->qkv, a->ln1, w->qkvw, w->qkvb, N, C, 3 * C);
-        be->attention_forward(a->atty, a->att_lse, a->qkv, &(AttnShape){B, T, NH, NH, C / NH});
-        be->matmul_forward(proj, a->atty, w->attprojw, w->attprojb, N, C, C);
-        be->residual_forward(a->res2, x, proj, (size_t)N * C);
-        be->layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, w->ln2w, w->ln2b, N, C, 1e-5f);
-        if (fuse_fwd) {
-            be->matmul_gelu_forward(a->fch_gelu, a->fch, a->ln2, w->fcw, w->fcb, N, C, 4 * C);
-        } else {
-            be->matmul_forward(a->fch, a->ln2, w->fcw, w->fcb, N, C, 4 * C);
-            be->gelu_forward(a->fch_gelu, a->fch, (size_t)N * 4 * C);
-        }
-        be->matmul_forward(proj, a->fch_gelu, w->fcprojw, w->fcprojb, N, 4 * C, C);
-        be->residual_forward(a->res3, a->res2, proj, (size_t)N * C);
-        x = a->res3;
+        attn_forward(m, l, x, B, T);
+        mlp_forward(m, l, N, fuse_fwd, dloss, train);
+        x = m->acts[l].res3;
     }
-    be->layernorm_forward(m->lnf, m->lnf_mean, m->lnf_rstd, x, m->w.lnfw, m->w.lnfb, N, C, 1e-5f);
-    /* tied head: logits (N,Vp) = lnf @ wte^T */
-    be->matmul_forward(m->logits, m->lnf, m->w.wte, NULL, N, C, s->padded_vocab);
+    norm_forward(m, m->lnf, m->lnf_mean, m->lnf_rstd, x, W(m, -1, ROLE_FINAL_NORM_W), W(m, -1, ROLE_FINAL_NORM_B), N);
+    /* logits (N,Vp) = lnf @ head^T */
+    be->matmul_forward(m->logits, m->lnf, m->wview[head_index(m)], NULL, N, C, s->padded_vocab);
 
     m->live_B = B;
     m->live_T = T;
@@ -557,80 +786,230 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     double sum = 0.0;
     for (int i = 0; i < N; i++) sum += m->losses_host[i];
     m->have_targets = dloss != 0.0f;
+    m->live_dloss = dloss;
     return (float)(sum / N);
+}
+
+/* Backward scratch, carved from m->scratch after the forward is done with it. */
+typedef struct BackScratch {
+    void *dres, *dbuf, *dbuf2, *dqkv, *dln;  /* (N,C) (N,wide) (N,wider) (N,QKVW) (N,C) act */
+    void *dyp, *dxp, *dhp, *dhp_act, *dlogits; /* MoE: (R,C) (R,C) (R,2Fe) (R,Fe) (N,E) act */
+    float *dgates;                           /* (N,K) fp32 */
+} BackScratch;
+
+static BackScratch back_scratch(const Model *m, int N) {
+    const ArchSpec *s = &m->shape;
+    size_t C = (size_t)s->n_embd, Q = (size_t)arch_q_width(s), FF = (size_t)s->ffn_hidden;
+    int moe = s->mlp == MLP_MOE;
+    size_t S = moe ? (size_t)s->moe.n_shared * s->moe.expert_hidden : 0;
+    size_t wide = zmax(zmax(Q, FF), zmax(S, C)), wider = zmax((size_t)arch_fc_width(s), 2 * S);
+    BackScratch b = {0};
+    b.dres = m->scratch;
+    b.dbuf = act_at(m, b.dres, N, C);
+    b.dbuf2 = act_at(m, b.dbuf, N, wide);
+    b.dqkv = act_at(m, b.dbuf2, N, wider);
+    b.dln = act_at(m, b.dqkv, N, (size_t)arch_qkv_width(s));
+    if (moe) {
+        size_t R = (size_t)N * s->moe.top_k, Fe = (size_t)s->moe.expert_hidden;
+        b.dyp = act_at(m, b.dln, N, C);
+        b.dxp = act_at(m, b.dyp, R, C);
+        b.dhp = act_at(m, b.dxp, R, C);
+        b.dhp_act = act_at(m, b.dhp, R, 2 * Fe);
+        b.dlogits = act_at(m, b.dhp_act, R, Fe);
+        /* fp32 after act data: round the byte offset up to 4 */
+        uintptr_t p = (uintptr_t)act_at(m, b.dlogits, N, (size_t)s->moe.n_experts);
+        b.dgates = (float *)((p + 3) / 4 * 4);
+    }
+    return b;
+}
+
+/* An expert with no rows this micro-batch: its gradients are zero (written
+ * when this backward overwrites rather than adds). */
+static void expert_zero_grads(const Model *m, int l, int e, int acc) {
+    if (acc) return;
+    const ArchSpec *s = &m->shape;
+    size_t w = (size_t)s->moe.expert_hidden * s->n_embd * sizeof(float);
+    m->be->zero(GX(m, l, ROLE_EXPERT_GATE_W, e), 2 * w); /* gate and up follow each other */
+    m->be->zero(GX(m, l, ROLE_EXPERT_DOWN_W, e), w);
+}
+
+/* dln (N,C) = gradient of the MoE layer's input (the normed res2) from
+ * dres = d(res3); parameter gradients per acc. */
+static void moe_backward(Model *m, int l, int N, const BackScratch *b, int acc) {
+    const Backend *be = m->be;
+    const ArchSpec *s = &m->shape;
+    const ArchMoe *mo = &s->moe;
+    const LayerActs *a = &m->acts[l];
+    int C = s->n_embd, E = mo->n_experts, K = mo->top_k, Fe = mo->expert_hidden;
+    const int32_t *off = a->offsets_host;
+    if (mo->n_shared > 0) {
+        int S = mo->n_shared * Fe;
+        be->matmul_backward(b->dbuf, G(m, l, ROLE_SHARED_DOWN_W), NULL, b->dres, a->sh_act,
+                            W(m, l, ROLE_SHARED_DOWN_W), N, S, C, acc);
+        be->swiglu_backward(b->dbuf2, b->dbuf, a->sh, N, S);
+        be->matmul_backward(b->dln, G(m, l, ROLE_SHARED_GATE_W), NULL, b->dbuf2, a->ln2, W(m, l, ROLE_SHARED_GATE_W),
+                            N, C, 2 * S, acc);
+    } else {
+        be->zero(b->dln, (size_t)N * C * m->act_bytes);
+    }
+    be->moe_combine_backward(b->dyp, b->dgates, b->dres, a->yp, a->gates, a->row_of, N, K, C);
+    for (int e = 0; e < E; e++) {
+        int n = off[e + 1] - off[e];
+        if (n == 0) continue;
+        be->matmul_backward(act_at(m, b->dhp_act, off[e], Fe), GX(m, l, ROLE_EXPERT_DOWN_W, e), NULL,
+                            act_at(m, b->dyp, off[e], C), act_at(m, a->hp_act, off[e], Fe),
+                            WX(m, l, ROLE_EXPERT_DOWN_W, e), n, Fe, C, acc);
+    }
+    be->swiglu_backward(b->dhp, b->dhp_act, a->hp, off[E], Fe);
+    for (int e = 0; e < E; e++) {
+        int n = off[e + 1] - off[e];
+        if (n == 0) {
+            expert_zero_grads(m, l, e, acc);
+            continue;
+        }
+        be->matmul_backward(act_at(m, b->dxp, off[e], C), GX(m, l, ROLE_EXPERT_GATE_W, e), NULL,
+                            act_at(m, b->dhp, off[e], 2 * Fe), act_at(m, a->xp, off[e], C),
+                            WX(m, l, ROLE_EXPERT_GATE_W, e), n, C, 2 * Fe, acc);
+    }
+    be->moe_gather_backward(b->dln, b->dxp, a->row_of, N, K, C);
+    /* the router: its gates' gradient plus the aux and z losses' */
+    be->moe_route_backward(b->dlogits, b->dgates, a->probs, a->topk, a->gates, a->router, m->aux + (size_t)l * E,
+                           mo->z_loss_coef * m->live_dloss * N, N, E, K, mo->sigmoid, mo->norm_topk);
+    be->matmul_backward(b->dbuf, G(m, l, ROLE_ROUTER_W), NULL, b->dlogits, a->ln2, W(m, l, ROLE_ROUTER_W), N, C, E,
+                        acc);
+    be->residual_forward(b->dln, b->dln, b->dbuf, (size_t)N * C);
+    int bi = model_tensor_index(m, l, ROLE_ROUTER_BIAS, -1);
+    if (bi >= 0 && !acc) be->zero(m->gview[bi], (size_t)E * sizeof(float)); /* steered, not trained */
+}
+
+/* d(res2) += through the MLP, from dres = d(res3). */
+static void mlp_backward(Model *m, int l, int N, const BackScratch *b, int acc, int fuse, int rec_act, int rec_norm) {
+    const Backend *be = m->be;
+    const ArchSpec *s = &m->shape;
+    const LayerActs *a = &m->acts[l];
+    int C = s->n_embd, F = s->ffn_hidden;
+    /* Recomputation (model.recompute) comes after use_layer: the layer's
+     * parameters are gathered and its compute copy is fresh. The shared
+     * buffers get this layer's values again by the forward's own ops on its
+     * saved inputs; the norm also rewrites its saved statistics, with the
+     * same values. */
+    if (rec_norm)
+        norm_forward(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W),
+                     W(m, l, ROLE_MLP_NORM_B), N);
+    if (s->mlp == MLP_MOE) {
+        moe_backward(m, l, N, b, acc);
+    } else {
+        /* down's dw reads the activation, recomputed here by its op even
+         * when the forward made it in the fused product (so with fusion the
+         * recomputed values may differ from the forward's in the last bit:
+         * see model.h) */
+        if (rec_act) mlp_activation(m, a, N);
+        if (fuse) {
+            be->matmul_backward_dgelu(b->dbuf2, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), b->dres, a->fch_gelu,
+                                      W(m, l, ROLE_DOWN_W), a->fch, N, F, C, acc);
+        } else {
+            be->matmul_backward(b->dbuf, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), b->dres, a->fch_gelu,
+                                W(m, l, ROLE_DOWN_W), N, F, C, acc);
+            if (s->mlp == MLP_SWIGLU) be->swiglu_backward(b->dbuf2, b->dbuf, a->fch, N, F);
+            else be->gelu_backward(b->dbuf2, a->fch, b->dbuf, (size_t)N * F);
+        }
+        be->matmul_backward(b->dln, G(m, l, ROLE_FC_W), G(m, l, ROLE_FC_B), b->dbuf2, a->ln2, W(m, l, ROLE_FC_W), N,
+                            C, arch_fc_width(s), acc);
+    }
+    norm_backward(m, b->dres, G(m, l, ROLE_MLP_NORM_W), G(m, l, ROLE_MLP_NORM_B), b->dln, a->res2,
+                  W(m, l, ROLE_MLP_NORM_W), a->ln2_mean, a->ln2_rstd, N, acc);
+}
+
+/* d(x_in) += through attention, from dres = d(res2). */
+static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const BackScratch *b, int acc,
+                          int rec_norm) {
+    const Backend *be = m->be;
+    const ArchSpec *s = &m->shape;
+    const LayerActs *a = &m->acts[l];
+    int N = B * T, C = s->n_embd, Q = arch_q_width(s);
+    AttnShape sh = attn_shape(s, B, T);
+    be->matmul_backward(b->dbuf, G(m, l, ROLE_O_W), G(m, l, ROLE_O_B), b->dres, a->atty, W(m, l, ROLE_O_W), N, Q, C,
+                        acc);
+    be->attention_backward(b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
+    if (s->pos == POS_ROPE) be->rope_backward(b->dqkv, m->rope, &sh, 0);
+    if (s->qk_norm != QKNORM_NONE)
+        be->qknorm_backward(b->dqkv, G(m, l, ROLE_Q_NORM), G(m, l, ROLE_K_NORM), a->qk_in, W(m, l, ROLE_Q_NORM),
+                            W(m, l, ROLE_K_NORM), a->qk_rstd, &sh, s->qk_norm == QKNORM_HEAD, acc);
+    if (rec_norm)
+        norm_forward(m, a->ln1, a->ln1_mean, a->ln1_rstd, x_in, W(m, l, ROLE_ATTN_NORM_W),
+                     W(m, l, ROLE_ATTN_NORM_B), N);
+    be->matmul_backward(b->dln, G(m, l, ROLE_QKV_W), G(m, l, ROLE_QKV_B), b->dqkv, a->ln1, W(m, l, ROLE_QKV_W), N, C,
+                        arch_qkv_width(s), acc);
+    norm_backward(m, b->dres, G(m, l, ROLE_ATTN_NORM_W), G(m, l, ROLE_ATTN_NORM_B), b->dln, x_in,
+                  W(m, l, ROLE_ATTN_NORM_W), a->ln1_mean, a->ln1_rstd, N, acc);
 }
 
 void model_backward(Model *m, int accumulate) {
     const Backend *be = m->be;
-    const ModelShape *s = &m->shape;
+    const ArchSpec *s = &m->shape;
     if (!m->have_targets)
         kiln_fail(KILN_EXIT_RUNTIME, "model_backward: the last forward had no targets or dloss = 0");
     int B = m->live_B, T = m->live_T, N = B * T;
-    int C = s->n_embd, NH = s->n_head, L = s->n_layer;
-    size_t NC = (size_t)N * C, ab = m->act_bytes;
-    /* gradient buffers in scratch, act dtype */
-    char *dresidual = m->scratch;           /* (N,C) gradient of the residual stream */
-    char *dbuf = dresidual + NC * ab;       /* (N,4C) */
-    char *dbuf2 = dbuf + 4 * NC * ab;       /* (N,4C) */
-    char *dqkv = dbuf2 + 4 * NC * ab;       /* (N,3C) */
-    char *dln = dqkv + 3 * NC * ab;         /* (N,C) gradient of a norm's output */
+    int C = s->n_embd, L = s->n_layer;
+    BackScratch b = back_scratch(m, N);
     const void *x_last = L > 0 ? m->acts[L - 1].res3 : m->encoded;
+    int head = head_index(m);
 
-    /* head: logits now hold dlogits (N,Vp); wte and ln_f are still gathered
-     * (the hook holds them for the whole step), their compute copy fresh */
+    /* head: logits now hold dlogits (N,Vp); the non-layer tensors are still
+     * gathered (the hook holds them for the whole step), their compute copy fresh */
     compute_refresh(m, L);
-    be->matmul_backward(dln, m->g.wte, NULL, m->logits, m->lnf, m->w.wte, N, C, s->padded_vocab, accumulate);
-    be->zero(dresidual, NC * ab);
-    be->layernorm_backward(dresidual, m->g.lnfw, m->g.lnfb, dln, x_last, m->w.lnfw, m->lnf_mean, m->lnf_rstd,
-                           N, C, accumulate);
+    be->matmul_backward(b.dln, m->gview[head], NULL, m->logits, m->lnf, m->wview[head], N, C, s->padded_vocab,
+                        accumulate);
+    be->zero(b.dres, (size_t)N * C * m->act_bytes);
+    norm_backward(m, b.dres, G(m, -1, ROLE_FINAL_NORM_W), G(m, -1, ROLE_FINAL_NORM_B), b.dln, x_last,
+                  W(m, -1, ROLE_FINAL_NORM_W), m->lnf_mean, m->lnf_rstd, N, accumulate);
     /* ZeRO-2/3: each backward writes fresh layer gradients; the caller adds them up */
     int acc_layer = accumulate && !m->layer_grads_fresh;
-    int recompute_gelu = m->recompute >= MODEL_RECOMPUTE_GELU;
-    int recompute_norm = m->recompute >= MODEL_RECOMPUTE_NORM_GELU;
+    int rec_act = m->recompute >= MODEL_RECOMPUTE_GELU && s->mlp != MLP_MOE;
+    int rec_norm = m->recompute >= MODEL_RECOMPUTE_NORM_GELU;
     int fuse_bwd = model_gelu_fused(m, 1);
     for (int l = L - 1; l >= 0; l--) {
         use_layer(m, l, 1);
-        const LayerWeights *w = &m->w.layer[l];
-        const LayerParams *gw = &m->g.layer[l];
-        const LayerActs *a = &m->acts[l];
         const void *x_in = l > 0 ? m->acts[l - 1].res3 : m->encoded;
-        /* Recomputation (model.recompute) comes after use_layer: the layer's
-         * parameters are gathered and its compute copy is fresh. The shared
-         * buffers get this layer's values again by the forward's own ops on
-         * its saved inputs; LayerNorm also rewrites its saved mean and rstd,
-         * with the same values. */
-        /* MLP: res3 = res2 + c_proj(gelu(c_fc(ln2(res2)))). c_proj's dw reads
-         * the GeLU output, recomputed here by the GeLU op even when the forward
-         * made it in the fused product (so with fusion the recomputed values
-         * may differ from the forward's in the last bit: see model.h). */
-        if (recompute_gelu) be->gelu_forward(a->fch_gelu, a->fch, (size_t)N * 4 * C);
-        if (fuse_bwd) {
-            be->matmul_backward_dgelu(dbuf2, gw->fcprojw, gw->fcprojb, dresidual, a->fch_gelu, w->fcprojw, a->fch,
-                                      N, 4 * C, C, acc_layer);
-        } else {
-            be->matmul_backward(dbuf, gw->fcprojw, gw->fcprojb, dresidual, a->fch_gelu, w->fcprojw, N, 4 * C, C,
-                                acc_layer);
-            be->gelu_backward(dbuf2, a->fch, dbuf, (size_t)N * 4 * C);
-        }
-        if (recompute_norm)
-            be->layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, w->ln2w, w->ln2b, N, C, 1e-5f);
-        be->matmul_backward(dln, gw->fcw, gw->fcb, dbuf2, a->ln2, w->fcw, N, C, 4 * C, acc_layer);
-        be->layernorm_backward(dresidual, gw->ln2w, gw->ln2b, dln, a->res2, w->ln2w, a->ln2_mean, a->ln2_rstd, N,
-                               C, acc_layer);
-        /* attention: res2 = x_in + c_proj(attn(c_attn(ln1(x_in)))) */
-        be->matmul_backward(dbuf, gw->attprojw, gw->attprojb, dresidual, a->atty, w->attprojw, N, C, C,
-                            acc_layer);
-        be->attention_backward(dqkv, dbuf, a->qkv, a->atty, a->att_lse, &(AttnShape){B, T, NH, NH, C / NH});
-        if (recompute_norm)
-            be->layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x_in, w->ln1w, w->ln1b, N, C, 1e-5f);
-        be->matmul_backward(dln, gw->qkvw, gw->qkvb, dqkv, a->ln1, w->qkvw, N, C, 3 * C, acc_layer);
-        be->layernorm_backward(dresidual, gw->ln1w, gw->ln1b, dln, x_in, w->ln1w, a->ln1_mean, a->ln1_rstd, N, C,
-                               acc_layer);
-        if (m->hook) m->hook(m->hook_ctx, l);
+        mlp_backward(m, l, N, &b, acc_layer, fuse_bwd, rec_act, rec_norm);
+        attn_backward(m, l, x_in, B, T, &b, acc_layer, rec_norm);
+        if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, l);
     }
-    be->embed_backward(m->g.wte, m->g.wpe, dresidual, m->tokens_dev, B, T, C, accumulate);
-    if (m->hook) m->hook(m->hook_ctx, -1);
+    /* the token embedding's gradient always accumulates in embed_backward:
+     * the tied head wrote it first, else it starts from zero here */
+    float *dwte = G(m, -1, ROLE_TOK_EMB);
+    if (!s->tie_embeddings && !accumulate) be->zero(dwte, (size_t)s->padded_vocab * C * sizeof(float));
+    be->embed_backward(dwte, G(m, -1, ROLE_POS_EMB), b.dres, m->tokens_dev, B, T, C, accumulate);
+    if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, -1);
     m->have_targets = 0;
+}
+
+void model_moe_reset(Model *m) {
+    if (!m->moe.load) return;
+    memset(m->moe.load, 0, (size_t)m->shape.n_layer * m->shape.moe.n_experts * sizeof(int64_t));
+    m->moe.routed = m->moe.drops = 0;
+}
+
+void model_moe_update_bias(Model *m, const int64_t *load) {
+    const ArchSpec *s = &m->shape;
+    if (s->mlp != MLP_MOE || s->moe.bias_update_rate <= 0) return;
+    int E = s->moe.n_experts;
+    float *bias = xmalloc((size_t)E * sizeof(float));
+    for (int l = 0; l < s->n_layer; l++) {
+        int i = model_tensor_index(m, l, ROLE_ROUTER_BIAS, -1);
+        if (i < 0 || !m->pview[i]) continue; /* ZeRO-3: held by its gather, refreshed by the caller */
+        m->be->to_host(bias, m->pview[i], (size_t)E * sizeof(float));
+        double mean = 0;
+        for (int e = 0; e < E; e++) mean += (double)load[(size_t)l * E + e];
+        mean /= E;
+        for (int e = 0; e < E; e++) {
+            double d = mean - (double)load[(size_t)l * E + e];
+            bias[e] += s->moe.bias_update_rate * (float)((d > 0) - (d < 0));
+        }
+        m->be->to_device(m->pview[i], bias, (size_t)E * sizeof(float));
+    }
+    free(bias);
+    model_params_changed(m);
 }
 
 void model_logits_row(const Model *m, int b, int t, float *out) {
@@ -647,17 +1026,9 @@ size_t model_num_params(const Model *m) {
 
 size_t model_num_nonembedding_params(const Model *m) {
     size_t n = model_num_params(m);
-    return n - m->params[0].numel - m->params[1].numel;
-}
-
-double model_flops_per_token(const ModelShape *s, int T) {
-    double L = s->n_layer, C = s->n_embd, V = s->vocab_size;
-    /* per layer: qkv 3C^2 + proj C^2 + fc 4C^2 + fcproj 4C^2 weights */
-    double matmul_params = L * 12.0 * C * C + C * V;
-    /* Each weight costs 2 FLOPs forward and 4 backward per token. Attention
-     * scores and the weighted sum cost 2*2*T*C per token and layer forward,
-     * twice that backward: 12*L*T*C, halved because the mask is causal. */
-    return 6.0 * matmul_params + 6.0 * L * T * C;
+    for (int i = 0; i < m->num_tensors; i++)
+        if (m->params[i].role == ROLE_TOK_EMB || m->params[i].role == ROLE_POS_EMB) n -= m->params[i].numel;
+    return n;
 }
 
 const ParamInfo *model_find_param(const Model *m, const char *name) {
@@ -668,8 +1039,14 @@ const ParamInfo *model_find_param(const Model *m, const char *name) {
 
 /* llm.c's GPT-2 checkpoint: 256 int32 header, then each parameter kind
  * stacked over layers, in llm.c's order. */
+
 void model_load_llmc(Model *m, const char *path) {
-    const ModelShape *s = &m->shape;
+    const ArchSpec *s = &m->shape;
+    if (s->family != ARCH_GPT2 || s->norm != NORM_LAYERNORM || s->pos != POS_LEARNED || s->mlp != MLP_GELU ||
+        !s->bias || !s->tie_embeddings || s->qk_norm != QKNORM_NONE || s->ffn_hidden != 4 * s->n_embd ||
+        s->head_dim * s->n_head != s->n_embd)
+        kiln_fail(KILN_EXIT_USAGE, "%s: an llm.c checkpoint is a GPT-2 (model.arch: gpt2 with its defaults); the "
+                  "config's model differs (key 'init.from')", path);
     FILE *f = fopen(path, "rb");
     if (!f) {
         kiln_fail_hint(KILN_EXIT_USAGE, "init.from names an llm.c GPT-2 checkpoint such as gpt2_124M.bin",
@@ -724,20 +1101,25 @@ void model_load_llmc(Model *m, const char *path) {
     fclose(f);
     float *host = xcalloc(m->num_params, sizeof(float));
     const float *p = src;
-    memcpy(host + m->params[0].offset, p, (size_t)V * Cz * sizeof(float)); /* padded rows stay zero */
+    const ParamInfo *P = m->params;
+    memcpy(host + P[model_tensor_index(m, -1, ROLE_TOK_EMB, -1)].offset, p, (size_t)V * Cz * sizeof(float)); /* padded rows stay zero */
     p += (size_t)Vp * Cz;
-    memcpy(host + m->params[1].offset, p, (size_t)s->seq_len * Cz * sizeof(float));
+    memcpy(host + P[model_tensor_index(m, -1, ROLE_POS_EMB, -1)].offset, p, (size_t)s->seq_len * Cz * sizeof(float));
     p += (size_t)maxT * Cz;
+    static const int roles[12] = {ROLE_ATTN_NORM_W, ROLE_ATTN_NORM_B, ROLE_QKV_W,      ROLE_QKV_B,
+                                  ROLE_O_W,         ROLE_O_B,         ROLE_MLP_NORM_W, ROLE_MLP_NORM_B,
+                                  ROLE_FC_W,        ROLE_FC_B,        ROLE_DOWN_W,     ROLE_DOWN_B};
     for (int k = 0; k < 12; k++) {
         for (int l = 0; l < L; l++) {
-            const ParamInfo *info = &m->params[2 + 12 * l + k];
+            const ParamInfo *info = &P[model_tensor_index(m, l, roles[k], -1)];
             memcpy(host + info->offset, p, per_layer_sizes[k] * sizeof(float));
             p += per_layer_sizes[k];
         }
     }
-    memcpy(host + m->params[2 + 12 * L].offset, p, Cz * sizeof(float));
-    memcpy(host + m->params[3 + 12 * L].offset, p + Cz, Cz * sizeof(float));
+    memcpy(host + P[model_tensor_index(m, -1, ROLE_FINAL_NORM_W, -1)].offset, p, Cz * sizeof(float));
+    memcpy(host + P[model_tensor_index(m, -1, ROLE_FINAL_NORM_B, -1)].offset, p + Cz, Cz * sizeof(float));
     model_params_from_host(m, host);
     free(host);
     free(src);
 }
+

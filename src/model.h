@@ -1,4 +1,4 @@
-/* model: GPT-2 as a parameter table plus a forward/backward graph of backend ops.
+/* model: one block graph (GPT-2, Llama, MoE pieces chosen by the spec) as backend ops.
  * Owns the parameter, gradient and activation arenas (one allocation each)
  * and the parameters' compute copy; tensors are views into them. Knows no
  * file formats but llm.c's checkpoint, no optimizer and no data loader.
@@ -18,71 +18,41 @@
  * model_params_from_host (exact widening; rounding to nearest even).
  * Gradients stay fp32.
  *
- * Parameter table, in listing order (the order of docs, fixtures and
- * checkpoints; C = n_embd, Vp = padded vocab, T = seq_len):
- *   wte (Vp,C)  wpe (T,C)
- *   per layer i: h.i.ln_1.weight (C)  h.i.ln_1.bias (C)
- *                h.i.attn.c_attn.weight (3C,C)  h.i.attn.c_attn.bias (3C)
- *                h.i.attn.c_proj.weight (C,C)   h.i.attn.c_proj.bias (C)
- *                h.i.ln_2.weight (C)  h.i.ln_2.bias (C)
- *                h.i.mlp.c_fc.weight (4C,C)     h.i.mlp.c_fc.bias (4C)
- *                h.i.mlp.c_proj.weight (C,4C)   h.i.mlp.c_proj.bias (C)
- *   ln_f.weight (C)  ln_f.bias (C)
- * The output head is tied to wte. In memory the arena holds the weight-decayed
- * tensors first, then the rest, so the optimizer updates two contiguous ranges
- * (ZeRO-2 and -3 lay it out layer by layer instead: model_layout_by_unit). */
+ * The parameter table is arch.c's (arch_tensors): one row per tensor with
+ * its layer, role and global shape; views are indexed by table row and found
+ * by (layer, role, expert), never by name or index arithmetic. In memory the
+ * arena holds the weight-decayed tensors first, then the rest, so the
+ * optimizer updates two contiguous ranges (ZeRO-2 and -3 lay it out layer by
+ * layer instead: model_layout_by_unit); a tensor marked `follows` sits right
+ * after the one before it, so the two are read as one product (Llama's q, k,
+ * v; SwiGLU's gate and up). The block graph and its formulas:
+ * docs/architectures.md. */
 #ifndef KILN_MODEL_H
 #define KILN_MODEL_H
 
 #include <stddef.h>
 #include <stdint.h>
 
+#include "arch.h"
 #include "backend.h"
 
-typedef struct ModelShape {
-    int n_layer, n_head, n_embd, seq_len, vocab_size, padded_vocab;
-} ModelShape;
+/* GPT-2 of the given sizes (the gpt2 preset), resolved: what tests and
+ * tools that only ever mean GPT-2 start from. */
+#define ARCH_GPT2_SHAPE(L, NH, C, T, V)                                                             \
+    {.family = ARCH_GPT2, .n_layer = (L), .n_head = (NH), .n_embd = (C), .seq_len = (T),             \
+     .vocab_size = (V), .norm = NORM_LAYERNORM, .pos = POS_LEARNED, .mlp = MLP_GELU, .bias = 1,      \
+     .tie_embeddings = 1}
 
+/* A row of the tensor table (arch.h) placed in the arena. */
 typedef struct ParamInfo {
-    char name[48];
+    char name[64];
     int ndim;
     int shape[2];
     size_t numel;
     size_t offset; /* elements from the start of the parameter arena */
     int decay;     /* 1 if weight decay applies */
+    int layer, role, expert, init, follows, trained; /* as ArchTensor */
 } ParamInfo;
-
-/* Per-layer views into the parameter (or gradient) arena, fp32. */
-typedef struct LayerParams {
-    float *ln1w, *ln1b;   /* (C) */
-    float *qkvw, *qkvb;   /* (3C,C) (3C) */
-    float *attprojw, *attprojb; /* (C,C) (C) */
-    float *ln2w, *ln2b;   /* (C) */
-    float *fcw, *fcb;     /* (4C,C) (4C) */
-    float *fcprojw, *fcprojb; /* (C,4C) (C) */
-} LayerParams;
-
-typedef struct ParamViews {
-    float *wte, *wpe; /* (Vp,C) (T,C) */
-    LayerParams *layer; /* [n_layer] */
-    float *lnfw, *lnfb; /* (C) */
-} ParamViews;
-
-/* The same views into the compute copy, act dtype: what the ops read. */
-typedef struct LayerWeights {
-    const void *ln1w, *ln1b;         /* (C) */
-    const void *qkvw, *qkvb;         /* (3C,C) (3C) */
-    const void *attprojw, *attprojb; /* (C,C) (C) */
-    const void *ln2w, *ln2b;         /* (C) */
-    const void *fcw, *fcb;           /* (4C,C) (4C) */
-    const void *fcprojw, *fcprojb;   /* (C,4C) (C) */
-} LayerWeights;
-
-typedef struct WeightViews {
-    const void *wte, *wpe; /* (Vp,C) (T,C) */
-    LayerWeights *layer;   /* [n_layer] */
-    const void *lnfw, *lnfb; /* (C) */
-} WeightViews;
 
 /* One buffer of the compute copy (act_bytes 2 only): the cast of `len`
  * floats of the fp32 buffer `master` (the arena, or one of ZeRO-3's gather
@@ -119,33 +89,64 @@ const char *model_recompute_name(ModelRecompute r);
  * layer l's again just before it reads them. */
 typedef struct LayerActs {
     void *ln1;                  /* (N,C) */
-    float *ln1_mean, *ln1_rstd; /* (N) */
-    void *qkv;                  /* (N,3C) */
-    void *atty;                 /* (N,C) */
+    float *ln1_mean, *ln1_rstd; /* (N); mean unused by RMSNorm */
+    void *qkv;                  /* (N,QKVW) after QK-norm and RoPE: what attention read */
+    void *qk_in;                /* (N,(NH+NKV)HD) q, k before QK-norm; NULL without it */
+    float *qk_rstd;             /* (N,G) QK-norm statistics */
+    void *atty;                 /* (N,NH HD) */
     float *att_lse;             /* (B,NH,T) */
     void *res2;                 /* (N,C) residual after attention */
     void *ln2;                  /* (N,C) */
     float *ln2_mean, *ln2_rstd; /* (N) */
-    void *fch;                  /* (N,4C) */
-    void *fch_gelu;             /* (N,4C) */
+    void *fch;                  /* (N,F) GeLU pre-activation, or (N,2F) SwiGLU's gate | up */
+    void *fch_gelu;             /* (N,F) the activation (GeLU or SwiGLU output) */
     void *res3;                 /* (N,C) residual after the MLP = next layer's input */
+    /* MoE (R = N K permuted rows at most, S = n_shared expert_hidden) */
+    void *router;               /* (N,E) router logits */
+    float *probs, *gates, *stats; /* (N,E) (N,K) (E+1) */
+    int32_t *topk, *row_of, *src, *offsets, *counts; /* (N,K) (N,K) (R) (E+1) (E) */
+    int32_t *offsets_host;      /* (E+1) host copy: the experts' row ranges */
+    void *xp, *hp, *hp_act, *yp; /* (R,C) (R,2Fe) (R,Fe) (R,C) */
+    void *sh, *sh_act;          /* (N,2S) (N,S) shared experts */
 } LayerActs;
 
-/* Called by model_backward once gradients are complete for layer `layer` and
- * every later one (and ln_f): with layer = n_layer-1 down to 0, then -1 once
- * the embeddings' are too. Lets the caller start reducing gradients while the
- * backward pass goes on; model.c itself never communicates. */
-typedef void (*ModelBackwardHook)(void *ctx, int layer);
-/* ZeRO-2/3: called before layer `layer`'s forward (layer = -1: before the
- * embeddings, when wte/wpe/ln_f must be present) and before its backward
- * (backward = 1), so the caller can gather that layer's parameters into the
- * buffers the views point at (or wait for their refresh). It returns 1 when
- * the unit's parameter values may have changed since its last use (a gather
- * landed), and the model then casts its compute copy again before use. */
-typedef int (*ModelLayerHook)(void *ctx, int layer, int backward);
+/* Per-step MoE figures of the last training forward, summed over MoE layers
+ * (aux, z) or over layers and micro-batches since model_moe_reset (loads). */
+typedef struct ModelMoeStats {
+    double aux, z;     /* last forward: sum over layers of the aux and z losses */
+    double dropped;    /* since reset: slots dropped / slots routed */
+    int64_t *load;     /* (n_layer, E) since reset: slots routed to each expert */
+    int64_t routed, drops;
+} ModelMoeStats;
+
+/* What parallel code needs to run inside the model's passes; model.c itself
+ * never communicates. One table, set once (model_set_hooks); NULL members
+ * are skipped.
+ *  layer_begin: before layer `layer`'s forward (layer = -1: before the
+ *   embeddings, when the non-layer tensors must be present) and before its
+ *   backward (backward = 1), so ZeRO-2/3 can gather the layer's parameters
+ *   into the buffers the views point at; returns 1 when the layer's values
+ *   may have changed since its last use (the model then casts its compute
+ *   copy again).
+ *  grads_done: once the gradients of layer `layer` and every later one (and
+ *   the final norm and head) are complete: layer = n_layer-1 down to 0, then
+ *   -1 once the embeddings' are too. */
+typedef struct ModelHooks {
+    void *ctx;
+    int (*layer_begin)(void *ctx, int layer, int backward);
+    void (*grads_done)(void *ctx, int layer);
+} ModelHooks;
+
+/* model_init's options. */
+typedef struct ModelOptions {
+    int decay_embeddings; /* optim.decay_embeddings */
+    int master_bf16;      /* precision.master bf16 (see the top): the backend must have bf16
+                             activations and adamw_update_p16, else exit 2 naming the key */
+} ModelOptions;
+
 
 typedef struct Model {
-    ModelShape shape;
+    ArchSpec shape;
     const Backend *be;
 
     int num_tensors;
@@ -158,12 +159,14 @@ typedef struct Model {
     uint16_t *param16;/* device (arena_len) bf16 bits with master_bf16 (= cbuf[0].mem), else NULL */
     float *grad_mem;  /* device (arena_len); NULL after model_layout_by_unit */
     size_t arena_len; /* num_params, or more after model_pad_arenas (ZeRO's equal blocks) */
-    ModelBackwardHook hook; /* NULL: none (see ModelBackwardHook) */
-    void *hook_ctx;
-    ModelLayerHook pre_hook; /* NULL: none; shares hook_ctx */
-    ParamViews p, g;  /* fp32 master parameters (all NULL with master_bf16) and their gradients */
+    ModelHooks hooks; /* all NULL: none */
+    float **pview, **gview; /* [num_tensors] fp32 master parameters (all NULL with master_bf16), gradients */
     size_t act_bytes; /* be->act_bytes(): 4 fp32, 2 bf16 */
-    WeightViews w;    /* compute copy (act): p itself when act_bytes is 4 */
+    const void **wview; /* [num_tensors] compute copy (act): pview itself when act_bytes is 4 */
+    int *slot;          /* [(n_layer + 1) ROLE_LAYER_COUNT + n_layer E ROLE_EXPERT_COUNT] table row of
+                           (layer, role[, expert]), -1 where absent (see model_tensor_index) */
+    float *rope;        /* device (seq_len, 2, head_dim/2) fp32 RoPE cos, sin per position; NULL without RoPE */
+    ModelMoeStats moe;
     ComputeBuf *cbuf; /* [n_cbuf] act_bytes 2: the compute copy's buffers */
     int n_cbuf;
     int *unit_cbuf;   /* [n_units] buffer holding each unit's compute copy */
@@ -191,6 +194,8 @@ typedef struct Model {
     void *encoded;    /* (N,C) */
     LayerActs *acts;  /* [n_layer] */
     void *lnf;        /* (N,C) */
+    float *aux;       /* (E) device: the aux loss's gradient per expert, one MoE layer at a time */
+    float *stats_host; /* (E+1) host: a layer's router stats */
     float *lnf_mean, *lnf_rstd; /* (N) */
     void *logits;     /* (N,Vp); dlogits in place after a training forward */
     float *losses;    /* (N) device */
@@ -199,18 +204,22 @@ typedef struct Model {
     float *losses_host; /* (N) */
     void *row_host;     /* (Vp) act: one logits row on its way to the host */
     int have_targets;   /* last forward had targets (backward allowed) */
+    float live_dloss;   /* its dloss: the aux and z losses' gradient scale */
 } Model;
 
-/* Derive padded_vocab (multiple of 64) and check divisibility; exits 2 naming the key. */
-void model_shape_resolve(ModelShape *s);
-
-/* Build the parameter table and allocate the parameter and gradient arenas. */
-void model_init(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings);
-/* The same with master_bf16 = 1 for precision.master bf16 (see the top): the
- * backend must have bf16 activations and adamw_update_p16, else exit 2
- * naming the key. */
-void model_init_dtype(Model *m, const Backend *be, const ModelShape *s, int decay_embeddings, int master_bf16);
+/* Build the parameter table of the resolved spec `s` (arch_resolve) and
+ * allocate the parameter and gradient arenas; o NULL: all options 0. */
+void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptions *o);
 void model_free(Model *m);
+/* Install the hook table (see ModelHooks); NULL removes it. */
+void model_set_hooks(Model *m, const ModelHooks *h);
+/* Table row of (layer, role, expert) (layer -1 for non-layer roles, expert
+ * -1 for non-expert roles); -1 if the architecture has no such tensor. */
+int model_tensor_index(const Model *m, int layer, int role, int expert);
+/* The hook at which tensor i's gradient is complete (ModelHooks.grads_done):
+ * its layer; the final norm's and the untied head's n_layer-1; the
+ * embeddings' -1. */
+int model_grads_ready_layer(const Model *m, int i);
 /* Grow both arenas to n >= num_params floats (zero padding at the end), so a
  * flat arena splits into equal ZeRO blocks. Keeps the parameter values. */
 void model_pad_arenas(Model *m, size_t n);
@@ -247,10 +256,11 @@ void model_params_from_host(Model *m, const float *host);
 /* What the optimizer updates: param_mem (fp32) or, with master_bf16, param16. */
 void *model_param_arena(const Model *m);
 
-/* GPT-2 initialisation: N(0, 0.02) weights and embeddings, residual
- * projections (attn.c_proj, mlp.c_proj weights) scaled by 1/sqrt(2*n_layer),
- * zero biases, unit LayerNorm gains, zero padded rows of wte. Deterministic
- * from `seed`, independent of the backend and thread count. */
+/* Initialisation by each tensor's ArchInit: N(0, 0.02) weights and
+ * embeddings, residual projections (attention output, MLP down) scaled by
+ * 1/sqrt(2*n_layer), zero biases, unit norm gains, zero padded rows of the
+ * token embedding and head. Drawn in listing order from one stream:
+ * deterministic from `seed`, independent of the backend and thread count. */
 void model_init_weights(Model *m, uint64_t seed);
 
 /* Plan and allocate activations for micro-batches up to B x T (T <= seq_len),
@@ -284,18 +294,24 @@ void model_backward(Model *m, int accumulate);
  * (converted from the activation dtype). */
 void model_logits_row(const Model *m, int b, int t, float *out);
 
-/* Counts. */
+/* Counts (arch.h has the formulas). */
 size_t model_num_params(const Model *m);
 size_t model_num_nonembedding_params(const Model *m);
-/* Training FLOPs per token: 6 x (non-embedding params + head C*V) plus the
- * attention term 6 * n_layer * T * C (causal: half of 12 L T C). */
-double model_flops_per_token(const ModelShape *s, int T);
 /* Bytes of the activation arena for micro-batch B x T, activations of
  * act_bytes each (statistics and losses fp32), recomputing per `r`: exactly
  * what model_plan_activations allocates. Every buffer is rounded up to 64
- * bytes; with X = the (N,4C) and Y = the (N,C) buffer so rounded, GELU is
+ * bytes; with X = the (N,F) and Y = the (N,C) buffer so rounded, GELU is
  * (L-1) X smaller than NONE (L kept, one shared), NORM_GELU (2L-1) Y more. */
-size_t model_activation_bytes(const ModelShape *s, int B, int T, size_t act_bytes, ModelRecompute r);
+size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r);
+
+/* MoE: zero the loads and drop counts (the start of an optimizer step). */
+void model_moe_reset(Model *m);
+/* MoE with moe.bias_update_rate > 0 (DeepSeek-V3's auxiliary-loss-free
+ * balancing), after the optimizer step: each layer's balancing bias moves by
+ * rate * sign(mean load - load) per expert, from `load` (n_layer, E): the
+ * loads of the whole step, all micro-batches and (summed by the caller) all
+ * ranks. Not a gradient step: the bias only steers selection. */
+void model_moe_update_bias(Model *m, const int64_t *load);
 
 /* Find a tensor by name; NULL if absent. */
 const ParamInfo *model_find_param(const Model *m, const char *name);

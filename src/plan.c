@@ -32,20 +32,28 @@ static const char *plan_usage =
     "\n"
     "exit: 0 valid and fits; 2 invalid, does not fit, or bad usage (one line says what to change)\n";
 
-size_t plan_num_params(const ModelShape *s) {
-    size_t C = (size_t)s->n_embd, L = (size_t)s->n_layer;
-    return (size_t)s->padded_vocab * C + (size_t)s->seq_len * C + L * (12 * C * C + 13 * C) + 2 * C;
+size_t plan_num_params(const ArchSpec *s) { return arch_num_params(s); }
+
+/* Parameters of one layer (every layer has the same table rows). */
+static double plan_layer_params(const ArchSpec *s) {
+    int n;
+    ArchTensor *t = arch_tensors(s, 0, &n);
+    double sum = 0;
+    for (int i = 0; i < n; i++)
+        if (t[i].layer == 0) sum += (double)t[i].numel;
+    free(t);
+    return sum;
 }
 
 size_t plan_param_bytes(const char *master) { return strcmp(master, "bf16") == 0 ? 2 : 4; }
 
-PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch, ModelRecompute recompute,
+PlanMemory plan_memory_per_rank(const ArchSpec *s, int dp, int zero, int micro_batch, ModelRecompute recompute,
                                 size_t moment_bytes, size_t param_bytes) {
     PlanMemory m = {0};
     m.param_bytes = param_bytes;
-    double C = s->n_embd, L = s->n_layer, params = (double)plan_num_params(s);
+    double L = s->n_layer, params = (double)plan_num_params(s);
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
-    double layer = 12.0 * C * C + 13.0 * C, rest = params - L * layer;
+    double layer = plan_layer_params(s), rest = params - L * layer;
     if (zero >= 2 && dp > 1) {
         /* ZeRO 2 and 3 (ddp.c, unit-sharded): a 1/dp shard of the gradients
          * and the optimizer state; each backward writes a layer's whole
@@ -209,8 +217,8 @@ int plan_main(int argc, char **argv) {
     Config c;
     cfg_load(&c, config_path, sets, nsets); /* tp/pp/cp/ep != 1 exit 2 here: not implemented */
     free(sets);
-    ModelShape s = {c.n_layer, c.n_head, c.n_embd, c.seq_len, c.vocab_size, 0};
-    model_shape_resolve(&s);
+    ArchSpec s;
+    arch_from_config(&c, &s);
     double cap = gpu_gib * GIB;
 
     /* Validity. dp: the config's, or auto = every GPU; a mismatch is reported

@@ -36,14 +36,14 @@ typedef struct PlanMemory {
 
 /* Parameters of a GPT-2 shape, counted from the shape (no table, no arena):
  * wte (Vp,C) + wpe (T,C) + L x (12 C^2 + 13 C) + ln_f 2C. */
-size_t plan_num_params(const ModelShape *s);
+size_t plan_num_params(const ArchSpec *s);
 
 /* The per-rank memory of data parallelism over dp ranks at ZeRO stage `zero`
  * with micro-batches of micro_batch x seq_len tokens: the accounting of
  * ddp.c's arenas, and the one `--dry-run` prints. */
 /* moment_bytes: AdamW's m and v per element, 4 (fp32) or 2 (precision.optim_state bf16);
  * param_bytes: the parameters', 4 (fp32 master) or 2 (precision.master bf16, ZeRO 0 only). */
-PlanMemory plan_memory_per_rank(const ModelShape *s, int dp, int zero, int micro_batch, ModelRecompute recompute,
+PlanMemory plan_memory_per_rank(const ArchSpec *s, int dp, int zero, int micro_batch, ModelRecompute recompute,
                                 size_t moment_bytes, size_t param_bytes);
 /* "fp32" -> 4, "bf16" -> 2 (precision.master). */
 size_t plan_param_bytes(const char *master);

@@ -20,27 +20,44 @@
 #include "tokenizer.h"
 #include "util.h"
 
-static void shape_from_config(const Config *c, ModelShape *s) {
-    s->n_layer = c->n_layer;
-    s->n_head = c->n_head;
-    s->n_embd = c->n_embd;
-    s->seq_len = c->seq_len;
-    s->vocab_size = c->vocab_size;
-    model_shape_resolve(s);
+/* MoE after an optimizer step: the step's expert loads summed over the dp
+ * ranks move the balancing bias (model.moe.bias_update_rate), and a log line
+ * gives the loads' spread and the drops. */
+static void moe_after_step(Model *m, Ddp *d, Metrics *mx, int step, int log_every) {
+    const ArchSpec *s = &m->shape;
+    if (s->mlp != MLP_MOE) return;
+    size_t n = (size_t)s->n_layer * s->moe.n_experts;
+    int64_t *load = xmalloc(n * sizeof(int64_t));
+    double lo = INFINITY, hi = 0, sum = 0, sq = 0;
+    for (size_t i = 0; i < n; i++) {
+        load[i] = (int64_t)ddp_sum(d, (double)m->moe.load[i]);
+        double x = (double)load[i];
+        lo = x < lo ? x : lo, hi = x > hi ? x : hi, sum += x, sq += x * x;
+    }
+    model_moe_update_bias(m, load);
+    double mean = sum / (double)n, cv = mean > 0 ? sqrt(fmax(sq / (double)n - mean * mean, 0)) / mean : 0;
+    double drops = ddp_sum(d, (double)m->moe.drops), routed = ddp_sum(d, (double)m->moe.routed);
+    if (log_every > 0 && step % log_every == 0)
+        metrics_print(mx, "moe step %d: aux %.4f z %.4f | expert load min %.0f max %.0f cv %.3f | dropped %.4f", step,
+                      m->moe.aux, m->moe.z, lo, hi, cv, routed > 0 ? drops / routed : 0.0);
+    free(load);
 }
 
 /* --dry-run: the plan, without data or training. */
-static void print_plan(const Config *c, const ModelShape *s) {
+static void print_plan(const Config *c, const ArchSpec *s) {
     /* Counting needs the table, not the memory: a model on the CPU backend
      * with real arenas would allocate gigabytes for large shapes, so count
      * from the shape directly. */
-    size_t params = plan_num_params(s);
-    size_t nonemb = params - (size_t)s->padded_vocab * s->n_embd - (size_t)s->seq_len * s->n_embd;
-    double fpt = model_flops_per_token(s, s->seq_len);
+    size_t params = arch_num_params(s);
+    size_t nonemb = params - (size_t)s->padded_vocab * s->n_embd - (s->pos == POS_LEARNED ? (size_t)s->seq_len * s->n_embd : 0);
+    double fpt = arch_flops_per_token(s, s->seq_len);
     int64_t tokens_per_step = c->total_tokens;
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d)\n", c->run_name, c->arch,
            s->n_layer, s->n_head, s->n_embd, s->seq_len, s->vocab_size, s->padded_vocab);
     printf("  parameters             %zu (%.2fM; %.2fM without embeddings)\n", params, params / 1e6, nonemb / 1e6);
+    if (s->mlp == MLP_MOE)
+        printf("  active per token       %zu (%.2fM: top %d of %d experts)\n", arch_num_active_params(s),
+               arch_num_active_params(s) / 1e6, s->moe.top_k, s->moe.n_experts);
     printf("  FLOPs per token        %.4g (training: forward + backward)\n", fpt);
     /* per rank: dp auto resolves to the world size at launch; without a
      * launcher the plan shows one rank unless parallel.dp says how many */
@@ -123,7 +140,7 @@ static int sample_token(const float *logits, int V, float temperature, int top_k
  * model recomputes the whole window each token (no KV cache): sampling is
  * occasional and small next to training. */
 static void generate(Model *m, const Config *c, const Tokenizer *tok, uint64_t seed, int32_t *ctx, FILE *out) {
-    const ModelShape *s = &m->shape;
+    const ArchSpec *s = &m->shape;
     int V = s->vocab_size, Tmax = m->T;
     float *logits = xmalloc((size_t)s->padded_vocab * sizeof(float));
     float *probs = xmalloc((size_t)s->padded_vocab * sizeof(float));
@@ -194,8 +211,8 @@ static void setup_parallel(const Config *c, const TrainOptions *topt, Mesh *mesh
 
 int train_run_with(const Config *c, const TrainOptions *topt) {
     int dry_run = topt->dry_run;
-    ModelShape shape;
-    shape_from_config(c, &shape);
+    ArchSpec shape;
+    arch_from_config(c, &shape);
     if (dry_run) {
         print_plan(c, &shape);
         return KILN_EXIT_OK;
@@ -234,7 +251,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
 
     Model model;
     /* precision.master bf16: no fp32 arena (exit 2 unless act is bf16) */
-    model_init_dtype(&model, be, &shape, c->decay_embeddings, strcmp(c->master, "bf16") == 0);
+    model_init(&model, be, &shape,
+               &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16")});
     model.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
      * per-message latency is small, small enough to overlap with backward.
@@ -264,7 +282,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     Schedule sched = {(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps, c->min_lr_ratio,
                       c->decay_ratio};
 
-    double fpt = model_flops_per_token(&shape, T);
+    double fpt = arch_flops_per_token(&shape, T);
     /* MFU's denominator: the config's figure, else the GPU's datasheet peak,
      * else (the CPU) this machine's measured matrix-product rate */
     double peak = 0.0;
@@ -309,8 +327,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                                                    "wte/wpe/ln_f's whole gradients)" : "");
     if (rs.resumed_msg[0]) metrics_print(mx, "%s", rs.resumed_msg);
     metrics_print(mx, "run %s -> %s", c->run_name, c->run_dir);
-    metrics_print(mx, "model gpt2: %zu parameters (%.2fM), %.3g FLOPs/token", model_num_params(&model),
-                  model_num_params(&model) / 1e6, fpt);
+    metrics_print(mx, "model %s (%s MLP): %zu parameters (%.2fM), %.3g FLOPs/token", c->arch,
+                  arch_mlp_name(shape.mlp), model_num_params(&model), model_num_params(&model) / 1e6, fpt);
     int fused = model_gelu_fused(&model, 0) || model_gelu_fused(&model, 1);
     metrics_print(mx, "activations: %.2f MiB for a %d x %d micro-batch, %zu-byte activations, recompute %s%s",
                   model.act_size / 1048576.0, B, T, model.act_bytes, model_recompute_name(model.recompute),
@@ -358,6 +376,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         double t0 = kiln_now();
         float lr = optim_lr(&sched, step);
         double loss_sum = 0.0;
+        model_moe_reset(&model);
         for (int micro = 0; micro < accum; micro++) {
             metrics_phase(mx, PHASE_DATA, step + 1);
             data_next_batch(train, inp, tgt);
@@ -380,6 +399,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         /* a non-finite loss skips the update even if its gradients look finite */
         OptimStepInfo info = {grad_norm, 1.0f, 1};
         if (isfinite(loss)) info = ddp_optim_step(&ddp, &opt, lr, grad_norm);
+        if (isfinite(loss)) moe_after_step(&model, &ddp, mx, step + 1, c->log_every);
         model_params_changed(&model); /* the next forward casts the compute copy again */
         be->sync();
         int bad = !isfinite(loss) || info.nonfinite;

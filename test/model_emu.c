@@ -69,7 +69,7 @@
 #include "optim.h"
 #include "util.h"
 
-static const ModelShape shape0 = {2, 3, 48, 48, 70, 0};
+static const ArchSpec shape0 = ARCH_GPT2_SHAPE(2, 3, 48, 48, 70);
 enum { B = 2, T = 40, ACCUM = 2, STEPS = 3 };
 #include "model_trace.h"
 
@@ -188,10 +188,10 @@ static void gpu_stop(const char *tag) {
  * one logits row (b 1, the last t) read to the host. */
 enum { EVAL_T = 23 };
 static void eval_row(const Backend *be, float *row) {
-    ModelShape s = shape0;
-    model_shape_resolve(&s);
+    ArchSpec s = shape0;
+    arch_resolve(&s);
     Model m;
-    model_init(&m, be, &s, 0);
+    model_init(&m, be, &s, NULL);
     model_init_weights(&m, 11);
     model_plan_activations(&m, B, T, MODEL_RECOMPUTE_NONE);
     int32_t tok[B * EVAL_T];
@@ -218,10 +218,10 @@ static void check_eval(const char *tag, const float *ref, double tol) {
 }
 
 int main(void) {
-    ModelShape s = shape0;
-    model_shape_resolve(&s);
+    ArchSpec s = shape0;
+    arch_resolve(&s);
     backend_cpu.init(2);
-    model_init(&layout, &backend_cpu, &s, 0);
+    model_init(&layout, &backend_cpu, &s, NULL);
     model_init_weights(&layout, 11);
     Backend emu = emu_bf16_backend(); /* the CPU backend's table with bf16 act ops */
 

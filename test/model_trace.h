@@ -43,10 +43,10 @@ typedef struct {
 
 /* Train shape s (resolved) from init seed 11 as `op` says, set up as train.c
  * does; the trace's buffers are the caller's to free. */
-static void trace_train_opts(const Backend *be, ModelShape s, TraceOpts op, Trace *t) {
+static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace *t) {
     Model m;
-    model_shape_resolve(&s);
-    model_init_dtype(&m, be, &s, 0, op.master16);
+    arch_resolve(&s);
+    model_init(&m, be, &s, &(ModelOptions){.master_bf16 = op.master16});
     m.gelu_fusion = op.gelu_fusion;
     model_init_weights(&m, 11);
     model_plan_activations(&m, B, T, op.r);
@@ -76,7 +76,7 @@ static void trace_train_opts(const Backend *be, ModelShape s, TraceOpts op, Trac
 }
 
 /* Model.recompute r and gelu_fusion, fp32 master and moments. */
-static inline void trace_train(const Backend *be, ModelShape s, ModelRecompute r, int gelu_fusion, Trace *t) {
+static inline void trace_train(const Backend *be, ArchSpec s, ModelRecompute r, int gelu_fusion, Trace *t) {
     TraceOpts op = {r, gelu_fusion, 0, 0};
     trace_train_opts(be, s, op, t);
 }

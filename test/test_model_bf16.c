@@ -19,7 +19,7 @@
 #include "util.h"
 
 static Backend emu;
-static const ModelShape shape0 = {4, 2, 32, 16, 64, 0};
+static const ArchSpec shape0 = ARCH_GPT2_SHAPE(4, 2, 32, 16, 64);
 enum { B = 2, T = 16 };
 
 static void batch(int32_t *inp, int32_t *tgt, uint64_t seed) {
@@ -29,9 +29,9 @@ static void batch(int32_t *inp, int32_t *tgt, uint64_t seed) {
 }
 
 static void make(Model *m, const Backend *be) {
-    ModelShape s = shape0;
-    model_shape_resolve(&s);
-    model_init(m, be, &s, 0);
+    ArchSpec s = shape0;
+    arch_resolve(&s);
+    model_init(m, be, &s, NULL);
 }
 
 /* Compute buffer k holds exactly the bf16 rounding of its master. */
@@ -48,8 +48,10 @@ static int copy_exact(const Model *m, int k) {
 static void test_fp32_alias(void) {
     Model m;
     make(&m, &backend_cpu);
-    int alias = m.act_bytes == 4 && m.n_cbuf == 0 && m.w.wte == m.p.wte && m.w.layer[1].fcw == m.p.layer[1].fcw &&
-                m.w.lnfb == m.p.lnfb;
+    int fc = (int)(model_find_param(&m, "h.1.mlp.c_fc.weight") - m.params);
+    int lnfb = (int)(model_find_param(&m, "ln_f.bias") - m.params);
+    int alias = m.act_bytes == 4 && m.n_cbuf == 0 && m.wview[0] == m.pview[0] && m.wview[fc] == m.pview[fc] &&
+                m.wview[lnfb] == m.pview[lnfb];
     test_report(alias, "model_bf16_fp32_aliases_master", "an fp32 backend got a separate compute copy");
     model_free(&m);
 }
@@ -68,12 +70,13 @@ static void test_copy_follows(void) {
     test_report(ok, "model_bf16_copy_cast_on_first_use", "the compute copy is not the master rounded to bf16");
     /* change the master (as an optimizer step would): stale until the next forward */
     float one = 1.0f;
-    m.be->to_device(m.p.layer[2].fcw + 3, &one, sizeof one);
+    int fc = (int)(model_find_param(&m, "h.2.mlp.c_fc.weight") - m.params);
+    m.be->to_device(m.pview[fc] + 3, &one, sizeof one);
     model_params_changed(&m);
     ok = m.cbuf[0].stale;
     model_forward(&m, inp, tgt, B, T, 0.0f);
     uint16_t got;
-    m.be->to_host(&got, (const char *)m.w.layer[2].fcw + 3 * 2, 2);
+    m.be->to_host(&got, (const char *)m.wview[fc] + 3 * 2, 2);
     ok = ok && !m.cbuf[0].stale && copy_exact(&m, 0) && got == 0x3f80; /* bf16 1.0 */
     test_report(ok, "model_bf16_copy_follows_changes", "a changed master did not reach the compute copy");
     /* logits rows come back as floats with bf16 values */
@@ -193,8 +196,7 @@ static void test_zero3_rebinding(ModelRecompute r) {
     z.param_mem = NULL;
     for (int l = 0; l < L; l++) model_bind_unit(&z, l, g.pbuf[l % 2], gbuf[l % 2]);
     model_bind_unit(&z, L, g.prest, grest);
-    z.pre_hook = gather_hook;
-    z.hook_ctx = &g;
+    model_set_hooks(&z, &(ModelHooks){.ctx = &g, .layer_begin = gather_hook});
     snprintf(name, sizeof name, "model_bf16_zero3_buffers%s", tag);
     test_report(z.n_cbuf == 3, name, "%d compute buffers for 3 gather buffers", z.n_cbuf);
 
@@ -263,8 +265,7 @@ static void test_zero2_refresh(ModelRecompute rc) {
     Refresh r = {&y, xmalloc(y.arena_len * sizeof(float)), xcalloc((size_t)y.n_units, sizeof(int))};
     memcpy(r.next, a.param_mem, a.arena_len * sizeof(float));
     for (int u = 0; u < y.n_units; u++) r.fresh[u] = 1;
-    y.pre_hook = refresh_hook;
-    y.hook_ctx = &r;
+    model_set_hooks(&y, &(ModelHooks){.ctx = &r, .layer_begin = refresh_hook});
     float la2 = model_forward(&a, inp, tgt, B, T, 1.0f / (B * T));
     float ly2 = model_forward(&y, inp, tgt, B, T, 1.0f / (B * T));
     model_backward(&a, 0);

@@ -23,7 +23,7 @@
 #include "test.h"
 #include "util.h"
 
-static const ModelShape shape0 = {3, 2, 32, 16, 64, 0};
+static const ArchSpec shape0 = ARCH_GPT2_SHAPE(3, 2, 32, 16, 64);
 enum { B = 2, T = 16, ACCUM = 2, STEPS = 3 };
 #include "model_trace.h"
 
@@ -51,12 +51,12 @@ static void test_backend(const Backend *base, const char *tag) {
     }
     /* the plain backend offers nothing, so asks for nothing */
     Model m;
-    ModelShape s = shape0;
-    model_shape_resolve(&s);
-    model_init(&m, base, &s, 0);
+    ArchSpec s = shape0;
+    arch_resolve(&s);
+    model_init(&m, base, &s, NULL);
     int plain = !model_gelu_fused(&m, 0) && !model_gelu_fused(&m, 1);
     model_free(&m);
-    model_init(&m, &fused, &s, 0);
+    model_init(&m, &fused, &s, NULL);
     int offered = model_gelu_fused(&m, 0) && model_gelu_fused(&m, 1);
     m.gelu_fusion = 0;
     int off = !model_gelu_fused(&m, 0) && !model_gelu_fused(&m, 1);

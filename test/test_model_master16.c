@@ -24,7 +24,7 @@
 #include "util.h"
 
 static Backend emu;
-static const ModelShape shape0 = {4, 2, 32, 16, 64, 0};
+static const ArchSpec shape0 = ARCH_GPT2_SHAPE(4, 2, 32, 16, 64);
 enum { B = 2, T = 16 };
 static const float LR = 3e-3f, WD = 0.1f, B1 = 0.9f, B2 = 0.95f, EPS = 1e-8f, CLIP = 1.0f;
 static const uint64_t SEED = 0x5eed;
@@ -39,9 +39,9 @@ static void batch(int32_t *inp, int32_t *tgt, uint64_t seed) {
 /* A model on `be` (master bf16 or fp32) with weights from seed 7, and its
  * AdamW (moments bf16 when state16) as train.c sets them up. */
 static void make(Model *m, AdamW *o, const Backend *be, int master16, int state16) {
-    ModelShape s = shape0;
-    model_shape_resolve(&s);
-    model_init_dtype(m, be, &s, 0, master16);
+    ArchSpec s = shape0;
+    arch_resolve(&s);
+    model_init(m, be, &s, &(ModelOptions){.master_bf16 = master16});
     model_init_weights(m, 7);
     model_plan_activations(m, B, T, MODEL_RECOMPUTE_NONE);
     optim_init_shard_dtype(o, be, m->num_params, m->num_decay, 0, m->num_params, B1, B2, EPS, WD, CLIP, state16,
@@ -74,11 +74,12 @@ static void test_layout_and_init(void) {
     make(&a, &oa, &emu, 1, 0);
     make(&f, &of, &emu, 0, 0);
     const ParamInfo *fc = model_find_param(&a, "h.2.mlp.c_fc.weight");
-    int ok = a.master_bf16 && a.param_mem == NULL && a.p.wte == NULL && a.p.layer[2].fcw == NULL && a.param16 &&
-             a.w.wte == (const void *)(a.param16 + a.params[0].offset) &&
-             a.w.layer[2].fcw == (const void *)(a.param16 + fc->offset) && !a.cbuf[0].stale;
-    test_report(ok, "master16_no_fp32_arena", "param_mem %p, p.wte %p, compute views off the parameters",
-                (void *)a.param_mem, (void *)a.p.wte);
+    int ifc = (int)(fc - a.params);
+    int ok = a.master_bf16 && a.param_mem == NULL && a.pview[0] == NULL && a.pview[ifc] == NULL && a.param16 &&
+             a.wview[0] == (const void *)(a.param16 + a.params[0].offset) &&
+             a.wview[ifc] == (const void *)(a.param16 + fc->offset) && !a.cbuf[0].stale;
+    test_report(ok, "master16_no_fp32_arena", "param_mem %p, pview[wte] %p, compute views off the parameters",
+                (void *)a.param_mem, (void *)a.pview[0]);
     float *h = xmalloc(a.num_params * sizeof(float));
     model_params_to_host(&a, h);
     size_t bad = 0;
@@ -301,15 +302,15 @@ static void resume_master_change(void *arg) {
 /* Where the model would need an fp32 master it refuses, exit 2 naming the key. */
 static void init_on_cpu(void *arg) {
     Model m;
-    ModelShape s = shape0;
-    model_shape_resolve(&s);
-    model_init_dtype(&m, &backend_cpu, &s, 0, 1);
+    ArchSpec s = shape0;
+    arch_resolve(&s);
+    model_init(&m, &backend_cpu, &s, &(ModelOptions){.master_bf16 = 1});
 }
 static void zero_layout(void *arg) {
     Model m;
-    ModelShape s = shape0;
-    model_shape_resolve(&s);
-    model_init_dtype(&m, &emu, &s, 0, 1);
+    ArchSpec s = shape0;
+    arch_resolve(&s);
+    model_init(&m, &emu, &s, &(ModelOptions){.master_bf16 = 1});
     model_layout_by_unit(&m, 64);
 }
 

@@ -23,12 +23,12 @@
 /* 3 layers, so the shared buffers are overwritten by a later layer before the
  * backward needs an earlier one's values; N*C*2 bytes a multiple of 64, so no
  * buffer is rounded and the savings are the products themselves. */
-static const ModelShape shape0 = {3, 2, 32, 16, 64, 0};
+static const ArchSpec shape0 = ARCH_GPT2_SHAPE(3, 2, 32, 16, 64);
 enum { B = 2, T = 16, ACCUM = 2, STEPS = 4 };
 #include "model_trace.h"
 
-static ModelShape resolved(ModelShape s) {
-    model_shape_resolve(&s);
+static ArchSpec resolved(ArchSpec s) {
+    arch_resolve(&s);
     return s;
 }
 
@@ -36,7 +36,7 @@ static ModelShape resolved(ModelShape s) {
  * in either dtype; and the planned arena is what model_activation_bytes says. */
 static void test_bytes(const Backend *be, const char *tag) {
     char name[96];
-    ModelShape s = resolved(shape0);
+    ArchSpec s = resolved(shape0);
     size_t ab = be->act_bytes(), N = (size_t)B * T, C = (size_t)s.n_embd, L = (size_t)s.n_layer;
     size_t none = model_activation_bytes(&s, B, T, ab, MODEL_RECOMPUTE_NONE);
     size_t gelu = model_activation_bytes(&s, B, T, ab, MODEL_RECOMPUTE_GELU);
@@ -48,7 +48,7 @@ static void test_bytes(const Backend *be, const char *tag) {
     int same = 1;
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++) {
         Model m;
-        model_init(&m, be, &s, 0);
+        model_init(&m, be, &s, NULL);
         model_plan_activations(&m, B, T, (ModelRecompute)r);
         same = same && m.act_size == model_activation_bytes(&s, B, T, ab, (ModelRecompute)r);
         /* shared: every layer's view is one buffer */
@@ -63,7 +63,7 @@ static void test_bytes(const Backend *be, const char *tag) {
 /* GPT-2 124M, micro-batch 16 x 1024 (the figure --dry-run prints): every
  * buffer is a multiple of 64 bytes, so the savings are the products. */
 static void test_bytes_124m(void) {
-    ModelShape s = resolved((ModelShape){12, 12, 768, 1024, 50257, 0});
+    ArchSpec s = resolved((ArchSpec)ARCH_GPT2_SHAPE(12, 12, 768, 1024, 50257));
     size_t N = 16 * 1024, C = 768, ok = 1;
     for (size_t ab = 2; ab <= 4; ab += 2) {
         size_t none = model_activation_bytes(&s, 16, 1024, ab, MODEL_RECOMPUTE_NONE);

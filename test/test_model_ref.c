@@ -192,9 +192,8 @@ int main(void) {
         ref_free(&f);
         return 0;
     }
-    ModelShape s = {.n_layer = f.n_layer, .n_head = f.n_head, .n_embd = f.n_embd, .seq_len = f.seq_len,
-                    .vocab_size = f.vocab};
-    model_shape_resolve(&s);
+    ArchSpec s = ARCH_GPT2_SHAPE(f.n_layer, f.n_head, f.n_embd, f.seq_len, f.vocab);
+    arch_resolve(&s);
     if (s.padded_vocab != f.padded_vocab) {
         test_report(0, "model_ref_fixture", "kiln pads vocab %d to %d, the fixture to %d", f.vocab, s.padded_vocab,
                     f.padded_vocab);
@@ -203,7 +202,7 @@ int main(void) {
     const Backend *be = &backend_cpu;
     be->init(0);
     Model m;
-    model_init(&m, be, &s, 1 /* decay embeddings, as the reference does */);
+    model_init(&m, be, &s, &(ModelOptions){.decay_embeddings = 1} /* as the reference does */);
     model_plan_activations(&m, f.B, f.T, MODEL_RECOMPUTE_NONE);
     int B = f.B, T = f.T, Vp = f.padded_vocab, N = B * T;
 

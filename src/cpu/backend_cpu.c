@@ -135,14 +135,18 @@ static void cpu_cast_to_act(void *dst, const float *src, size_t n) {
 
 static void cpu_embed_forward(void *out_, const int32_t *tokens, const void *wte_,
                               const void *wpe_, int B, int T, int C) {
-    /* out (B*T,C), tokens (B*T), wte (Vp,C), wpe (T,C) */
+    /* out (B*T,C), tokens (B*T), wte (Vp,C), wpe (T,C) or NULL (no learned positions) */
     float *out = out_;
     const float *wte = wte_, *wpe = wpe_;
     #pragma omp parallel for schedule(static)
     for (int i = 0; i < B * T; i++) {
         const float *we = wte + (size_t)tokens[i] * C;
-        const float *pe = wpe + (size_t)(i % T) * C;
         float *o = out + (size_t)i * C;
+        if (!wpe) {
+            memcpy(o, we, (size_t)C * sizeof(float));
+            continue;
+        }
+        const float *pe = wpe + (size_t)(i % T) * C;
         for (int c = 0; c < C; c++) o[c] = we[c] + pe[c];
     }
 }
@@ -163,6 +167,7 @@ static void cpu_embed_backward(float *dwte, float *dwpe, const void *dout_,
             for (int c = c0; c < c1; c++) dw[c] += d[c];
         }
     }
+    if (!dwpe) return;
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < T; t++) {
         float *dp = dwpe + (size_t)t * C;
