@@ -173,9 +173,10 @@ void cuda_matmul_backward_dgelu(void *dinp, float *dw, float *dbias, const void 
 void cuda_attention_forward(void *out, float *lse, const void *qkv, const AttnShape *s);
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                              const float *lse, const AttnShape *s);
-void cuda_attention_simt_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
+/* The SIMT kernels take any AttnShape (grouped K/V heads, head sizes up to 128). */
+void cuda_attention_simt_forward(void *out, float *lse, const void *qkv, const AttnShape *s);
 void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
-                                  const float *lse, int B, int T, int C, int NH);
+                                  const float *lse, const AttnShape *s);
 void cuda_attention_set_mode(const char *mode);
 void cuda_attention_precision_changed(void);
 const char *cuda_attention_describe(void);

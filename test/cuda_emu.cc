@@ -475,11 +475,14 @@ static void test_sumsq(size_t n) {
 /* impl "simt": attention.cu's kernels; "tc": the backend's choice (the
  * tensor-core kernels where the head size allows, with bf16 after a passed
  * self-check). */
-static void test_attention(int B, int T, int C, int NH, int tc) {
-    char sh[64];
-    snprintf(sh, sizeof sh, "%s_B%d_T%d_C%d_NH%d", tc ? "_tc" : "_simt", B, T, C, NH);
-    size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
-    const AttnShape ash = {B, T, NH, NH, C / NH};
+/* Grouped K/V heads: NKV divides NH (NKV = NH is multi-head). tc: through
+ * the backend's dispatch (tensor cores forced where they take the shape;
+ * grouped shapes go to SIMT there), else the SIMT entry points directly. */
+static void test_attention(int B, int T, int NH, int NKV, int HD, int tc) {
+    char sh[80];
+    snprintf(sh, sizeof sh, "%s_B%d_T%d_NH%d_NKV%d_HD%d", tc ? "_tc" : "_simt", B, T, NH, NKV, HD);
+    const AttnShape ash = {B, T, NH, NKV, HD};
+    size_t n3 = (size_t)B * T * attn_qkv_width(&ash), nc = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
     Vec qkv = rnd_act(n3, 1.0f), g = rnd_act(nc, 1.0f), out(nc), lse(nl), dqkv(n3);
     cpu->attention_forward(out.data(), lse.data(), qkv.data(), &ash);
     void *dq = dev_act(qkv), *dg = dev_act(g), *dout, *ddq;
@@ -488,7 +491,7 @@ static void test_attention(int B, int T, int C, int NH, int tc) {
     CUDA_CHECK(cudaMalloc(&ddq, n3 * AB));
     CUDA_CHECK(cudaMalloc(&dlse, nl * sizeof(float)));
     if (tc) gpu->attention_forward(dout, dlse, dq, &ash);
-    else cuda_attention_simt_forward(dout, dlse, dq, B, T, C, NH);
+    else cuda_attention_simt_forward(dout, dlse, dq, &ash);
     check(std::string("attention_forward_out") + sh, get_act(dout, nc), out, tol_act());
     check(std::string("attention_forward_lse") + sh, get_f32(dlse, nl), lse, TOL_F32);
     /* the backward of both reads the CPU's out (in act) and lse */
@@ -497,8 +500,13 @@ static void test_attention(int B, int T, int C, int NH, int tc) {
     void *dout2 = dev_act(out);
     CUDA_CHECK(cudaMemcpy(dlse, lse.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
     if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, &ash);
-    else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, B, T, C, NH);
-    check(std::string("attention_backward_dqkv") + sh, get_act(ddq, n3), dqkv, tol_act());
+    else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, &ash);
+    Vec got = get_act(ddq, n3);
+    check(std::string("attention_backward_dqkv") + sh, got, dqkv, tol_act());
+    /* run again: the group's dK/dV sums are the same bits */
+    if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, &ash);
+    else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, &ash);
+    check_exact(std::string("attention_backward_deterministic") + sh, get_act(ddq, n3), got);
     cudaFree(dq), cudaFree(dg), cudaFree(dout), cudaFree(ddq), cudaFree(dlse), cudaFree(dout2);
 }
 
@@ -570,10 +578,17 @@ int main(void) {
             /* tc: through the backend's dispatch with the tensor cores forced
              * (auto would time them against SIMT per shape) */
             if (tc) gpu->set_attention("tensor_cores");
-            test_attention(2, 37, 48, 3, tc);  /* head size 16: 2 threads per row */
-            test_attention(1, 70, 96, 2, tc);  /* 48: 4 threads per row, a second tile */
-            test_attention(1, 65, 100, 1, tc); /* 100: 8 threads per row, dims past hs masked; SIMT only */
-            test_attention(1, 1, 64, 1, tc);   /* one row */
+            test_attention(2, 37, 3, 3, 16, tc);  /* head size 16: 2 threads per row */
+            test_attention(1, 70, 2, 2, 48, tc);  /* 48: 4 threads per row, a second tile */
+            test_attention(1, 65, 1, 1, 100, tc); /* 100: 8 threads per row, dims past hs masked; SIMT only */
+            test_attention(1, 1, 1, 1, 64, tc);   /* one row */
+            /* grouped K/V heads: groups of 3 and 6 query heads, odd and
+             * GPT-2 head sizes, one and two key tiles */
+            test_attention(2, 37, 6, 2, 10, tc);
+            test_attention(1, 70, 6, 1, 10, tc);
+            test_attention(1, 37, 6, 2, 64, tc);
+            test_attention(1, 70, 6, 1, 64, tc);
+            test_attention(1, 70, 6, 2, 18, tc);
             if (tc) gpu->set_attention("auto");
         }
         if (bf) test_attention_auto();
