@@ -53,18 +53,42 @@ __device__ __forceinline__ void att_load_tile(float *dst, const T_ *src, size_t 
 }
 
 /* ---------------------------------------------------------------------------
+ * Grouped K/V heads (backend.h's AttnShape): a qkv row is [q (NH hs) | k (NKV
+ * hs) | v (NKV hs)], ld = (NH + 2 NKV) hs wide; query head h reads kv head
+ * h / (NH / NKV); out and dout rows are NH hs wide. */
+struct AttDims {
+    int T, NH, NKV, hs;
+    size_t ld;  /* qkv row */
+    size_t ldo; /* out, dout row */
+};
+
+static AttDims att_dims(const AttnShape *s) {
+    AttDims d;
+    d.T = s->T, d.NH = s->NH, d.NKV = s->NKV, d.hs = s->HD;
+    d.ld = (size_t)attn_qkv_width(s);
+    d.ldo = (size_t)s->NH * s->HD;
+    return d;
+}
+
+/* Column of query head h's k (v: + NKV hs) in a qkv row. */
+__device__ __forceinline__ size_t att_kcol(const AttDims &a, int h) {
+    return (size_t)a.NH * a.hs + (size_t)(h / (a.NH / a.NKV)) * a.hs;
+}
+
+/* ---------------------------------------------------------------------------
  * Forward. Block: ATT_BR query rows of one (b, h); grid (B*NH, ceil(T/ATT_BR)). */
 template <int TPK, typename T_>
 __global__ void __launch_bounds__(ATT_BR *TPK)
-    att_forward_kernel(T_ *out, float *lse, const T_ *qkv, int T, int C, int NH, float scale) {
+    att_forward_kernel(T_ *out, float *lse, const T_ *qkv, AttDims a, float scale) {
     KILN_DYN_SHARED(float, smem);
-    int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    int T = a.T, hs = a.hs, bh = blockIdx.x, b = bh / a.NH, h = bh % a.NH;
     float *Ks = smem, *Vs = smem + ATT_BC * hs; /* (ATT_BC, hs) each */
     float *Ss = Vs + ATT_BC * hs;                /* (ATT_BR, ATT_BC + 1) scores */
     int r0 = blockIdx.y * ATT_BR, lr = threadIdx.x / TPK, row = r0 + lr, sub = threadIdx.x % TPK;
     float *S = Ss + lr * (ATT_BC + 1);
-    size_t ld = 3 * (size_t)C;
-    const T_ *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
+    size_t ld = a.ld;
+    const T_ *Q = qkv + (size_t)b * T * ld + h * hs, *K = qkv + (size_t)b * T * ld + att_kcol(a, h);
+    const T_ *V = K + (size_t)a.NKV * hs;
     float q[ATT_D], o[ATT_D];
 #pragma unroll
     for (int i = 0; i < ATT_D; i++) {
@@ -117,7 +141,7 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
     }
     if (row < T) {
         float inv = 1.0f / l;
-        T_ *O = out + ((size_t)b * T + row) * C + h * hs;
+        T_ *O = out + ((size_t)b * T + row) * a.ldo + h * hs;
 #pragma unroll
         for (int i = 0; i < ATT_D; i++) {
             int d = i * TPK + sub;
@@ -133,14 +157,15 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
 template <int TPK, typename T_>
 __global__ void __launch_bounds__(ATT_BR *TPK)
     att_backward_dq_kernel(T_ *dqkv, float *Dbuf, const T_ *dout, const T_ *qkv, const T_ *out,
-                           const float *lse, int T, int C, int NH, float scale) {
+                           const float *lse, AttDims a, float scale) {
     KILN_DYN_SHARED(float, smem);
-    int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    int T = a.T, hs = a.hs, bh = blockIdx.x, b = bh / a.NH, h = bh % a.NH;
     float *Ks = smem, *Vs = smem + ATT_BC * hs;
     int r0 = blockIdx.y * ATT_BR, row = r0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
-    size_t ld = 3 * (size_t)C;
-    const T_ *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
-    const T_ *dO = dout + (size_t)b * T * C + h * hs, *O = out + (size_t)b * T * C + h * hs;
+    size_t ld = a.ld, ldo = a.ldo;
+    const T_ *Q = qkv + (size_t)b * T * ld + h * hs, *K = qkv + (size_t)b * T * ld + att_kcol(a, h);
+    const T_ *V = K + (size_t)a.NKV * hs;
+    const T_ *dO = dout + (size_t)b * T * ldo + h * hs, *O = out + (size_t)b * T * ldo + h * hs;
     float q[ATT_D], dor[ATT_D], dq[ATT_D];
     float part = 0.0f;
 #pragma unroll
@@ -148,8 +173,8 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
         int d = i * TPK + sub;
         int ok = row < T && d < hs;
         q[i] = ok ? act_f(Q[(size_t)row * ld + d]) : 0.0f;
-        dor[i] = ok ? act_f(dO[(size_t)row * C + d]) : 0.0f;
-        part += ok ? dor[i] * act_f(O[(size_t)row * C + d]) : 0.0f;
+        dor[i] = ok ? act_f(dO[(size_t)row * ldo + d]) : 0.0f;
+        part += ok ? dor[i] * act_f(O[(size_t)row * ldo + d]) : 0.0f;
         dq[i] = 0.0f;
     }
     float Dt = group_sum<TPK>(part);
@@ -194,21 +219,21 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
     }
 }
 
-/* Backward, part 2: dK and dV. Block: ATT_BK key rows of one (b, h), each
- * summing over the queries that see it (rows >= the key) in row order. */
+/* Backward, part 2: dK and dV. Block: ATT_BK key rows of one (b, kv head),
+ * each summing over the query heads of its group in head order and, per
+ * head, over the queries that see it (rows >= the key) in row order: the
+ * group's sum is one fixed chain of fp32 additions, with no atomics. */
 template <int TPK, typename T_>
 __global__ void __launch_bounds__(ATT_BK *TPK)
     att_backward_dkv_kernel(T_ *dqkv, const float *Dbuf, const T_ *dout, const T_ *qkv, const float *lse,
-                            int T, int C, int NH, float scale) {
+                            AttDims a, float scale) {
     KILN_DYN_SHARED(float, smem);
-    int hs = C / NH, bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    int T = a.T, hs = a.hs, bkv = blockIdx.x, b = bkv / a.NKV, kvh = bkv % a.NKV, G = a.NH / a.NKV;
     float *Qs = smem, *dOs = smem + ATT_BQ * hs; /* (ATT_BQ, hs) each */
     float *Ls = dOs + ATT_BQ * hs, *Ds = Ls + ATT_BQ; /* (ATT_BQ) each */
     int k0 = blockIdx.y * ATT_BK, key = k0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
-    size_t ld = 3 * (size_t)C;
-    const T_ *Q = qkv + (size_t)b * T * ld + h * hs, *K = Q + C, *V = Q + 2 * C;
-    const T_ *dO = dout + (size_t)b * T * C + h * hs;
-    const float *L = lse + (size_t)bh * T, *D = Dbuf + (size_t)bh * T;
+    size_t ld = a.ld, ldo = a.ldo;
+    const T_ *K = qkv + (size_t)b * T * ld + (size_t)a.NH * hs + (size_t)kvh * hs, *V = K + (size_t)a.NKV * hs;
     float k[ATT_D], v[ATT_D], dk[ATT_D], dv[ATT_D];
 #pragma unroll
     for (int i = 0; i < ATT_D; i++) {
@@ -218,44 +243,48 @@ __global__ void __launch_bounds__(ATT_BK *TPK)
         v[i] = ok ? act_f(V[(size_t)key * ld + d]) : 0.0f;
         dk[i] = dv[i] = 0.0f;
     }
-    for (int i0 = k0; i0 < T; i0 += ATT_BQ) { /* queries before k0 see none of these keys */
-        __syncthreads();
-        att_load_tile(Qs, Q, ld, i0, ATT_BQ, T, hs);
-        att_load_tile(dOs, dO, C, i0, ATT_BQ, T, hs);
-        for (int r = threadIdx.x; r < ATT_BQ; r += blockDim.x) {
-            Ls[r] = i0 + r < T ? L[i0 + r] : 0.0f;
-            Ds[r] = i0 + r < T ? D[i0 + r] : 0.0f;
-        }
-        __syncthreads();
-#pragma unroll 1
-        for (int r = 0; r < ATT_BQ; r++) {
-            float ps = 0.0f, pp = 0.0f;
-#pragma unroll
-            for (int i = 0; i < ATT_D; i++) {
-                int d = i * TPK + sub;
-                if (d < hs) {
-                    ps += k[i] * Qs[r * hs + d];
-                    pp += v[i] * dOs[r * hs + d];
-                }
+    for (int h = kvh * G; h < (kvh + 1) * G; h++) {
+        const T_ *Q = qkv + (size_t)b * T * ld + h * hs, *dO = dout + (size_t)b * T * ldo + h * hs;
+        const float *L = lse + ((size_t)b * a.NH + h) * T, *D = Dbuf + ((size_t)b * a.NH + h) * T;
+        for (int i0 = k0; i0 < T; i0 += ATT_BQ) { /* queries before k0 see none of these keys */
+            __syncthreads();
+            att_load_tile(Qs, Q, ld, i0, ATT_BQ, T, hs);
+            att_load_tile(dOs, dO, ldo, i0, ATT_BQ, T, hs);
+            for (int r = threadIdx.x; r < ATT_BQ; r += blockDim.x) {
+                Ls[r] = i0 + r < T ? L[i0 + r] : 0.0f;
+                Ds[r] = i0 + r < T ? D[i0 + r] : 0.0f;
             }
-            float s = group_sum<TPK>(ps), dp = group_sum<TPK>(pp);
-            int qi = i0 + r;
-            if (qi < T && qi >= key) {
-                float p = expf(s * scale - Ls[r]);
-                float ds = p * (dp - Ds[r]) * scale;
+            __syncthreads();
+#pragma unroll 1
+            for (int r = 0; r < ATT_BQ; r++) {
+                float ps = 0.0f, pp = 0.0f;
 #pragma unroll
                 for (int i = 0; i < ATT_D; i++) {
                     int d = i * TPK + sub;
                     if (d < hs) {
-                        dv[i] += p * dOs[r * hs + d];
-                        dk[i] += ds * Qs[r * hs + d];
+                        ps += k[i] * Qs[r * hs + d];
+                        pp += v[i] * dOs[r * hs + d];
+                    }
+                }
+                float s = group_sum<TPK>(ps), dp = group_sum<TPK>(pp);
+                int qi = i0 + r;
+                if (qi < T && qi >= key) {
+                    float p = expf(s * scale - Ls[r]);
+                    float ds = p * (dp - Ds[r]) * scale;
+#pragma unroll
+                    for (int i = 0; i < ATT_D; i++) {
+                        int d = i * TPK + sub;
+                        if (d < hs) {
+                            dv[i] += p * dOs[r * hs + d];
+                            dk[i] += ds * Qs[r * hs + d];
+                        }
                     }
                 }
             }
         }
     }
     if (key < T) {
-        T_ *dK = dqkv + ((size_t)b * T + key) * ld + C + h * hs, *dV = dK + C;
+        T_ *dK = dqkv + ((size_t)b * T + key) * ld + (size_t)a.NH * hs + (size_t)kvh * hs, *dV = dK + (size_t)a.NKV * hs;
 #pragma unroll
         for (int i = 0; i < ATT_D; i++) {
             int d = i * TPK + sub;
@@ -270,52 +299,59 @@ __global__ void __launch_bounds__(ATT_BK *TPK)
 /* ---------------------------------------------------------------------------
  * Dispatch on the head size. */
 
-static int att_tpk(int C, int NH) {
-    int hs = C / NH;
+static int att_tpk(int hs) {
     for (int tpk = 2; tpk <= 8; tpk *= 2)
         if (hs <= ATT_D * tpk) return tpk;
-    kiln_fail(KILN_EXIT_USAGE, "cuda attention: head size %d (n_embd / n_head) is over the supported %d", hs,
-              8 * ATT_D);
+    kiln_fail(KILN_EXIT_USAGE, "cuda attention: head size %d is over the supported %d", hs, 8 * ATT_D);
+}
+
+static void att_check_shape(const AttnShape *s) {
+    if (s->NKV < 1 || s->NH % s->NKV != 0)
+        kiln_fail(KILN_EXIT_USAGE, "cuda attention: n_kv_head %d does not divide n_head %d", s->NKV, s->NH);
 }
 
 template <typename T_>
-static void att_forward_run(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
-    int hs = C / NH, tpk = att_tpk(C, NH);
+static void att_forward_run(void *out, float *lse, const void *qkv, const AttnShape *s) {
+    att_check_shape(s);
+    AttDims a = att_dims(s);
+    int hs = a.hs, tpk = att_tpk(hs);
     float scale = 1.0f / sqrtf((float)hs);
-    dim3 grid(B * NH, (T + ATT_BR - 1) / ATT_BR);
+    dim3 grid(s->B * s->NH, (s->T + ATT_BR - 1) / ATT_BR);
     /* K, V tiles and the scores: <= 40 KiB at hs 128, under the 48 KiB default */
     size_t sh = ((size_t)2 * ATT_BC * hs + ATT_BR * (ATT_BC + 1)) * sizeof(float);
     T_ *o = (T_ *)out;
     const T_ *x = (const T_ *)qkv;
     switch (tpk) {
-    case 2: KLAUNCH((att_forward_kernel<2, T_>), grid, ATT_BR * 2, sh, o, lse, x, T, C, NH, scale); break;
-    case 4: KLAUNCH((att_forward_kernel<4, T_>), grid, ATT_BR * 4, sh, o, lse, x, T, C, NH, scale); break;
-    default: KLAUNCH((att_forward_kernel<8, T_>), grid, ATT_BR * 8, sh, o, lse, x, T, C, NH, scale); break;
+    case 2: KLAUNCH((att_forward_kernel<2, T_>), grid, ATT_BR * 2, sh, o, lse, x, a, scale); break;
+    case 4: KLAUNCH((att_forward_kernel<4, T_>), grid, ATT_BR * 4, sh, o, lse, x, a, scale); break;
+    default: KLAUNCH((att_forward_kernel<8, T_>), grid, ATT_BR * 8, sh, o, lse, x, a, scale); break;
     }
     CUDA_CHECK_LAUNCH();
 }
 
-void cuda_attention_simt_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
-    ACT_DISPATCH(att_forward_run, out, lse, qkv, B, T, C, NH);
+void cuda_attention_simt_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
+    ACT_DISPATCH(att_forward_run, out, lse, qkv, s);
 }
 
 template <typename T_>
 static void att_backward_run(void *dqkv_, const void *dout_, const void *qkv_, const void *out_,
-                             const float *lse, int B, int T, int C, int NH) {
-    int hs = C / NH, tpk = att_tpk(C, NH);
+                             const float *lse, const AttnShape *s) {
+    att_check_shape(s);
+    AttDims a = att_dims(s);
+    int hs = a.hs, tpk = att_tpk(hs), B = s->B, T = s->T;
     float scale = 1.0f / sqrtf((float)hs);
-    float *Dbuf = (float *)cuda_scratch(SCRATCH_ATTENTION, (size_t)B * NH * T * sizeof(float));
-    dim3 gq(B * NH, (T + ATT_BR - 1) / ATT_BR), gk(B * NH, (T + ATT_BK - 1) / ATT_BK);
+    float *Dbuf = (float *)cuda_scratch(SCRATCH_ATTENTION, (size_t)B * s->NH * T * sizeof(float));
+    dim3 gq(B * s->NH, (T + ATT_BR - 1) / ATT_BR), gk(B * s->NKV, (T + ATT_BK - 1) / ATT_BK);
     size_t shq = (size_t)2 * ATT_BC * hs * sizeof(float);
     size_t shk = ((size_t)2 * ATT_BQ * hs + 2 * ATT_BQ) * sizeof(float);
     T_ *dqkv = (T_ *)dqkv_;
     const T_ *dout = (const T_ *)dout_, *qkv = (const T_ *)qkv_, *out = (const T_ *)out_;
     /* dQ first: it also writes D, which the dK/dV kernel reads (same stream). */
 #define ATT_BACKWARD(TPK)                                                                                  \
-    KLAUNCH((att_backward_dq_kernel<TPK, T_>), gq, ATT_BR * TPK, shq, dqkv, Dbuf, dout, qkv, out, lse, T, C,  \
-            NH, scale);                                                                                     \
+    KLAUNCH((att_backward_dq_kernel<TPK, T_>), gq, ATT_BR * TPK, shq, dqkv, Dbuf, dout, qkv, out, lse, a,    \
+            scale);                                                                                         \
     CUDA_CHECK_LAUNCH();                                                                                    \
-    KLAUNCH((att_backward_dkv_kernel<TPK, T_>), gk, ATT_BK * TPK, shk, dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale)
+    KLAUNCH((att_backward_dkv_kernel<TPK, T_>), gk, ATT_BK * TPK, shk, dqkv, Dbuf, dout, qkv, lse, a, scale)
     switch (tpk) {
     case 2: ATT_BACKWARD(2); break;
     case 4: ATT_BACKWARD(4); break;
@@ -326,8 +362,8 @@ static void att_backward_run(void *dqkv_, const void *dout_, const void *qkv_, c
 }
 
 void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
-                                  const float *lse, int B, int T, int C, int NH) {
-    ACT_DISPATCH(att_backward_run, dqkv, dout, qkv, out, lse, B, T, C, NH);
+                                  const float *lse, const AttnShape *s) {
+    ACT_DISPATCH(att_backward_run, dqkv, dout, qkv, out, lse, s);
 }
 
 /* ---------------------------------------------------------------------------
@@ -423,13 +459,27 @@ static float *att_fetch(const void *d, size_t n, int act) {
     return h;
 }
 
-typedef void (*AttForward)(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
-typedef void (*AttBackward)(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse, int B,
-                            int T, int C, int NH);
-static const AttForward att_fwd[PATH_COUNT] = {cuda_attention_cudnn_forward, cuda_attention_tc_forward,
-                                               cuda_attention_simt_forward};
-static const AttBackward att_bwd[PATH_COUNT] = {cuda_attention_cudnn_backward, cuda_attention_tc_backward,
-                                                cuda_attention_simt_backward};
+/* Every path through one signature; the tensor-core and cuDNN kernels take
+ * multi-head shapes only (NKV = NH), which the dispatch below guarantees. */
+typedef void (*AttForward)(void *out, float *lse, const void *qkv, const AttnShape *s);
+typedef void (*AttBackward)(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                            const AttnShape *s);
+static void att_tc_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
+    cuda_attention_tc_forward(out, lse, qkv, s->B, s->T, s->NH * s->HD, s->NH);
+}
+static void att_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                            const AttnShape *s) {
+    cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, s->B, s->T, s->NH * s->HD, s->NH);
+}
+static void att_cudnn_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
+    cuda_attention_cudnn_forward(out, lse, qkv, s->B, s->T, s->NH * s->HD, s->NH);
+}
+static void att_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                               const AttnShape *s) {
+    cuda_attention_cudnn_backward(dqkv, dout, qkv, out, lse, s->B, s->T, s->NH * s->HD, s->NH);
+}
+static const AttForward att_fwd[PATH_COUNT] = {att_cudnn_forward, att_tc_forward, cuda_attention_simt_forward};
+static const AttBackward att_bwd[PATH_COUNT] = {att_cudnn_backward, att_tc_backward, cuda_attention_simt_backward};
 
 /* The self-check's shape: a T that is not a multiple of the 64-row tiles,
  * GPT-2's head size. */
@@ -468,11 +518,12 @@ static void att_selfcheck(int p) {
     CUDA_CHECK(cudaMemcpy(dout, hd, nc * sizeof(bf16), cudaMemcpyHostToDevice));
     free(hq), free(hd);
 
-    cuda_attention_simt_forward(out_s, lse_s, qkv, B, T, C, NH);
-    att_fwd[p](out_t, lse_t, qkv, B, T, C, NH);
-    cuda_attention_simt_backward(dq_s, dout, qkv, out_s, lse_s, B, T, C, NH);
-    att_bwd[p](dq_t, dout, qkv, out_s, lse_s, B, T, C, NH);
-    att_bwd[p](dq_t2, dout, qkv, out_s, lse_s, B, T, C, NH);
+    const AttnShape ash = {B, T, NH, NH, hs};
+    cuda_attention_simt_forward(out_s, lse_s, qkv, &ash);
+    att_fwd[p](out_t, lse_t, qkv, &ash);
+    cuda_attention_simt_backward(dq_s, dout, qkv, out_s, lse_s, &ash);
+    att_bwd[p](dq_t, dout, qkv, out_s, lse_s, &ash);
+    att_bwd[p](dq_t2, dout, qkv, out_s, lse_s, &ash);
     CUDA_CHECK(cudaDeviceSynchronize());
 
     float *os = att_fetch(out_s, nc, 1), *ot = att_fetch(out_t, nc, 1);
@@ -677,30 +728,30 @@ static int att_path(int B, int T, int C, int NH) {
     return path;
 }
 
-/* Grouped K/V heads (NKV < NH) and head sizes other than C / NH are not in
- * these kernels yet: refused with one line rather than computed wrong. */
-static void att_need_mha(const AttnShape *s) {
-    if (s->NKV != s->NH)
-        kiln_fail(KILN_EXIT_USAGE, "key 'model.n_kv_head': the CUDA backend's attention has no grouped K/V heads "
-                                   "yet (n_kv_head %d, n_head %d); use device: cpu or n_kv_head = n_head",
-                  s->NKV, s->NH);
-}
-
+/* Grouped K/V heads (NKV < NH) run the SIMT kernels, which index k and v
+ * per group; the tensor-core kernels and kiln's cuDNN graphs assume
+ * NKV = NH (q, k, v at C and 2C of a 3C row), so they never see such a shape. */
 void cuda_attention_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
-    att_need_mha(s);
+    if (s->NKV != s->NH) {
+        cuda_attention_simt_forward(out, lse, qkv, s);
+        return;
+    }
     int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
     int p = att_path(B, T, C, NH);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(out) || !att_path_fits(p, C, NH))) p = PATH_SIMT;
-    att_fwd[p](out, lse, qkv, B, T, C, NH);
+    att_fwd[p](out, lse, qkv, s);
 }
 
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                              const AttnShape *s) {
-    att_need_mha(s);
+    if (s->NKV != s->NH) {
+        cuda_attention_simt_backward(dqkv, dout, qkv, out, lse, s);
+        return;
+    }
     int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
     int p = att_path(B, T, C, NH);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(dout) || !att_aligned(out) || !att_aligned(dqkv) ||
                            !att_path_fits(p, C, NH)))
         p = PATH_SIMT;
-    att_bwd[p](dqkv, dout, qkv, out, lse, B, T, C, NH);
+    att_bwd[p](dqkv, dout, qkv, out, lse, s);
 }

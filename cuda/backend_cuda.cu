@@ -1,6 +1,6 @@
 /* backend_cuda: the CUDA backend's start-up, memory and the Backend table; the
  * ops live in embed_norm.cu, matmul.cu, attention.cu (+ attention_tc.cu,
- * attention_cudnn.cu) and pointwise.cu. The
+ * attention_cudnn.cu), llama.cu, moe.cu and pointwise.cu. The
  * activation dtype (backend.h) is precision.compute: bf16 (activations, their
  * gradients and the parameters' compute copy stored in bf16, matrix products
  * on bf16 tensor cores, fp32 math and accumulation) or fp32 (everything fp32,
@@ -283,12 +283,27 @@ extern "C" const Backend backend_cuda = {
     .embed_backward = cuda_embed_backward,
     .layernorm_forward = cuda_layernorm_forward,
     .layernorm_backward = cuda_layernorm_backward,
+    .rmsnorm_forward = cuda_rmsnorm_forward,
+    .rmsnorm_backward = cuda_rmsnorm_backward,
     .matmul_forward = cuda_matmul_forward,
     .matmul_backward = cuda_matmul_backward,
     .attention_forward = cuda_attention_forward,
     .attention_backward = cuda_attention_backward,
+    .rope_forward = cuda_rope_forward,
+    .rope_backward = cuda_rope_backward,
+    .qknorm_forward = cuda_qknorm_forward,
+    .qknorm_backward = cuda_qknorm_backward,
     .gelu_forward = cuda_gelu_forward,
     .gelu_backward = cuda_gelu_backward,
+    .swiglu_forward = cuda_swiglu_forward,
+    .swiglu_backward = cuda_swiglu_backward,
+    .moe_route = cuda_moe_route,
+    .moe_dispatch = cuda_moe_dispatch,
+    .moe_gather = cuda_moe_gather,
+    .moe_gather_backward = cuda_moe_gather_backward,
+    .moe_combine = cuda_moe_combine,
+    .moe_combine_backward = cuda_moe_combine_backward,
+    .moe_route_backward = cuda_moe_route_backward,
     .matmul_gelu_forward = cuda_matmul_gelu_forward,
     .matmul_backward_dgelu = cuda_matmul_backward_dgelu,
     .residual_forward = cuda_residual_forward,

@@ -133,6 +133,8 @@ enum {
     SCRATCH_ATTENTION, /* D = rowsum(dO * O) of the attention backward (either kernel set) */
     SCRATCH_SUMSQ,     /* sumsq partials */
     SCRATCH_CUDNN,     /* cuDNN attention's workspace, grown when a shape is planned */
+    SCRATCH_MOE,       /* moe_dispatch's per-tile expert counters */
+    SCRATCH_MOE_GRAD,  /* moe_route_backward's fp32 dL/dprobs rows */
     SCRATCH_COUNT
 };
 void *cuda_scratch(int slot, size_t bytes);
@@ -150,8 +152,15 @@ void cuda_layernorm_forward(void *out, float *mean, float *rstd, const void *inp
 void cuda_layernorm_backward(void *dinp, float *dw, float *db, const void *dout, const void *inp,
                              const void *w, const float *mean, const float *rstd, int N, int C,
                              int accumulate);
+void cuda_rmsnorm_forward(void *out, float *rstd, const void *inp, const void *w, int N, int C, float eps);
+void cuda_rmsnorm_backward(void *dinp, float *dw, const void *dout, const void *inp, const void *w, const float *rstd,
+                           int N, int C, int accumulate);
 /* dbias(OC) fp32 (+)= column sums of dout(N,OC) act, deterministic. */
 void cuda_colsum(float *dbias, const void *dout, int N, int OC, int accumulate);
+/* The column sums' chunk count for N rows, and their fixed-order finish:
+ * out(C) fp32 (+)= the sum over chunks of part(chunks, C) fp32. */
+int cuda_colsum_chunks(int N);
+void cuda_colsum_finish(float *out, const float *part, int chunks, int C, int accumulate);
 /* matmul.cu */
 void cuda_matmul_init(void);
 void cuda_matmul_shutdown(void);
@@ -173,9 +182,10 @@ void cuda_matmul_backward_dgelu(void *dinp, float *dw, float *dbias, const void 
 void cuda_attention_forward(void *out, float *lse, const void *qkv, const AttnShape *s);
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                              const float *lse, const AttnShape *s);
-void cuda_attention_simt_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
+/* The SIMT kernels take any AttnShape (grouped K/V heads, head sizes up to 128). */
+void cuda_attention_simt_forward(void *out, float *lse, const void *qkv, const AttnShape *s);
 void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
-                                  const float *lse, int B, int T, int C, int NH);
+                                  const float *lse, const AttnShape *s);
 void cuda_attention_set_mode(const char *mode);
 void cuda_attention_precision_changed(void);
 const char *cuda_attention_describe(void);
@@ -200,6 +210,28 @@ void cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B,
 void cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                                    const float *lse, int B, int T, int C, int NH);
 void cuda_attention_cudnn_reset(void);
+/* llama.cu */
+void cuda_rope_forward(void *qkv, const float *rope, const AttnShape *s, int pos0);
+void cuda_rope_backward(void *dqkv, const float *rope, const AttnShape *s, int pos0);
+void cuda_qknorm_forward(void *qkv, void *qk_in, float *rstd, const void *qw, const void *kw, const AttnShape *s,
+                         int per_head, float eps);
+void cuda_qknorm_backward(void *dqkv, float *dqw, float *dkw, const void *qk_in, const void *qw, const void *kw,
+                          const float *rstd, const AttnShape *s, int per_head, int accumulate);
+void cuda_swiglu_forward(void *out, const void *h, int N, int F);
+void cuda_swiglu_backward(void *dh, const void *dout, const void *h, int N, int F);
+/* moe.cu */
+void cuda_moe_route(int32_t *topk, float *gates, float *probs, float *stats, const void *logits, const float *bias,
+                    int N, int E, int K, int sigmoid, int norm_topk);
+void cuda_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts, const int32_t *topk, int N,
+                       int E, int K, int cap);
+void cuda_moe_gather(void *xp, const void *x, const int32_t *src, int R, int C);
+void cuda_moe_gather_backward(void *dx, const void *dxp, const int32_t *row_of, int N, int K, int C);
+void cuda_moe_combine(void *out, const void *yp, const float *gates, const int32_t *row_of, int N, int K, int C);
+void cuda_moe_combine_backward(void *dyp, float *dgates, const void *dout, const void *yp, const float *gates,
+                               const int32_t *row_of, int N, int K, int C);
+void cuda_moe_route_backward(void *dlogits, const float *dgates, const float *probs, const int32_t *topk,
+                             const float *gates, const void *logits, const float *aux, float z_coef, int N, int E,
+                             int K, int sigmoid, int norm_topk);
 /* pointwise.cu */
 void cuda_cast_to_act(void *dst, const float *src, size_t n);
 void cuda_gelu_forward(void *out, const void *inp, size_t n);

@@ -243,7 +243,8 @@ __global__ void layernorm_dinp_kernel(T_ *dinp, const T_ *dout, const T_ *inp, c
  * lanes, combines the lanes in lane order and writes one partial per column;
  * a second kernel adds the partials in chunk order. With `inp` the summand of
  * the first output is dout * (inp - mean) * rstd (LayerNorm's dw) and the
- * second output gets plain dout (db); without, only the plain sum (dbias). */
+ * second output gets plain dout (db); without, only the plain sum (dbias).
+ * mean NULL is RMSNorm's dw: dout * inp * rstd, no second output. */
 
 #define COLSUM_ROWS 8
 
@@ -265,7 +266,7 @@ __global__ void colsum_partial_kernel(float *part_a, float *part_b, const T_ *do
         for (int r = r0 + ty; r < r1; r += COLSUM_ROWS) {
             float d = act_f(dout[(size_t)r * C + c]);
             if (inp) {
-                a += d * (act_f(inp[(size_t)r * C + c]) - mean[r]) * rstd[r];
+                a += d * (act_f(inp[(size_t)r * C + c]) - (mean ? mean[r] : 0.0f)) * rstd[r];
                 b += d;
             } else {
                 a += d;
@@ -346,4 +347,86 @@ void cuda_layernorm_backward(void *dinp, float *dw, float *db, const void *dout,
                              const void *w, const float *mean, const float *rstd, int N, int C,
                              int accumulate) {
     ACT_DISPATCH(layernorm_backward_run, dinp, dw, db, dout, inp, w, mean, rstd, N, C, accumulate);
+}
+
+/* ---------------------------------------------------------------------------
+ * RMSNorm (Llama), one warp per row, as LayerNorm without the centring and
+ * the bias: rstd = 1/sqrt(mean(x^2) + eps), out = x rstd w. */
+
+template <typename T_>
+__global__ void rmsnorm_forward_kernel(T_ *out, float *rstd, const T_ *inp, const T_ *w, int N, int C, float eps,
+                                       int packed) {
+    /* out, inp (N,C), w (C), rstd (N) */
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const T_ *x = inp + (size_t)row * C;
+    T_ *o = out + (size_t)row * C;
+    const int P = (int)PACK(T_), np = packed ? C / P : 0;
+    float s = 0.0f;
+    for (int i = lane; i < np; i += 32) {
+        Pack<T_> p = pack_load(x + i * P);
+#pragma unroll
+        for (int k = 0; k < P; k++) s += act_f(p.v[k]) * act_f(p.v[k]);
+    }
+    for (int c = np * P + lane; c < C; c += 32) s += act_f(x[c]) * act_f(x[c]);
+    float r = 1.0f / sqrtf(warp_sum(s) / C + eps);
+    for (int i = lane; i < np; i += 32) {
+        Pack<T_> p = pack_load(x + i * P), pw = pack_load(w + i * P);
+#pragma unroll
+        for (int k = 0; k < P; k++) p.v[k] = act_from<T_>(act_f(p.v[k]) * r * act_f(pw.v[k]));
+        pack_store(o + i * P, p);
+    }
+    for (int c = np * P + lane; c < C; c += 32) o[c] = act_from<T_>(act_f(x[c]) * r * act_f(w[c]));
+    if (lane == 0) rstd[row] = r;
+}
+
+template <typename T_>
+static void rmsnorm_forward_run(void *out, float *rstd, const void *inp, const void *w, int N, int C, float eps) {
+    int packed = C % (int)PACK(T_) == 0 && aligned16(out) && aligned16(inp) && aligned16(w);
+    KLAUNCH(rmsnorm_forward_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)out, rstd, (const T_ *)inp, (const T_ *)w, N,
+            C, eps, packed);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_rmsnorm_forward(void *out, float *rstd, const void *inp, const void *w, int N, int C, float eps) {
+    ACT_DISPATCH(rmsnorm_forward_run, out, rstd, inp, w, N, C, eps);
+}
+
+/* dinp += r (dy w) - x r^3 mean(dy w x), one warp per row. */
+template <typename T_>
+__global__ void rmsnorm_dinp_kernel(T_ *dinp, const T_ *dout, const T_ *inp, const T_ *w, const float *rstd, int N,
+                                    int C) {
+    /* dinp, dout, inp (N,C), w (C), rstd (N) */
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const T_ *x = inp + (size_t)row * C, *d = dout + (size_t)row * C;
+    float r = rstd[row], s = 0.0f;
+    for (int c = lane; c < C; c += 32) s += act_f(d[c]) * act_f(w[c]) * act_f(x[c]);
+    float k = r * r * r * (warp_sum(s) / C);
+    T_ *di = dinp + (size_t)row * C;
+    for (int c = lane; c < C; c += 32)
+        di[c] = act_from<T_>(act_f(di[c]) + (r * (act_f(d[c]) * act_f(w[c])) - act_f(x[c]) * k));
+}
+
+template <typename T_>
+static void rmsnorm_backward_run(void *dinp, float *dw, const void *dout, const void *inp, const void *w,
+                                 const float *rstd, int N, int C, int accumulate) {
+    KLAUNCH(rmsnorm_dinp_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)dinp, (const T_ *)dout, (const T_ *)inp,
+            (const T_ *)w, rstd, N, C);
+    CUDA_CHECK_LAUNCH();
+    colsum_run<T_>(dw, NULL, dout, inp, NULL, rstd, N, C, accumulate);
+}
+
+void cuda_rmsnorm_backward(void *dinp, float *dw, const void *dout, const void *inp, const void *w, const float *rstd,
+                           int N, int C, int accumulate) {
+    ACT_DISPATCH(rmsnorm_backward_run, dinp, dw, dout, inp, w, rstd, N, C, accumulate);
+}
+
+/* The column-sum finish for other files' partials (llama.cu's QK-norm
+ * weight gradients): out(C) (+)= sum over chunks of part(chunks, C). */
+int cuda_colsum_chunks(int N) { return colsum_chunks(N); }
+void cuda_colsum_finish(float *out, const float *part, int chunks, int C, int accumulate) {
+    KLAUNCH(colsum_finish_kernel, (C + 31) / 32, dim3(32, COLSUM_FIN_LANES), 0, out, NULL, part, NULL, chunks, C,
+            accumulate);
+    CUDA_CHECK_LAUNCH();
 }

@@ -129,9 +129,10 @@ typedef struct Backend {
      * in place, rotate-half layout (HF's Llama: no interleaving): for a head
      * vector x and i < HD/2, j = i + HD/2, with c = cs[t][i], s = sn[t][i]:
      *   x_i' = x_i c - x_j s,   x_j' = x_j c + x_i s.
-     * The table rope (2, Tmax, HD/2) fp32 holds cos then sin of the angle of
-     * position pos0 + t (t = row % T; pos0 = 0 for a whole sequence, the
-     * shard's first position under context parallelism), made by the model.
+     * The table rope (Tmax, 2, HD/2) fp32, made by the model, holds for each
+     * position p its HD/2 cosines then its HD/2 sines (per position, so the op
+     * needs no Tmax: row r reads position p = pos0 + r % T; pos0 = 0 for a
+     * whole sequence, the shard's first position under context parallelism).
      * v is untouched. rope_backward applies the inverse rotation (angle -a):
      * on dqkv it turns gradients of rotated q, k into gradients of the
      * unrotated ones, in place. */

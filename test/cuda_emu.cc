@@ -29,6 +29,8 @@
 
 #include "../cuda/embed_norm.cu"
 #include "../cuda/pointwise.cu"
+#include "../cuda/llama.cu"
+#include "../cuda/moe.cu"
 #include "../cuda/attention.cu"
 #include "../cuda/attention_tc.cu"
 #include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */
@@ -475,11 +477,14 @@ static void test_sumsq(size_t n) {
 /* impl "simt": attention.cu's kernels; "tc": the backend's choice (the
  * tensor-core kernels where the head size allows, with bf16 after a passed
  * self-check). */
-static void test_attention(int B, int T, int C, int NH, int tc) {
-    char sh[64];
-    snprintf(sh, sizeof sh, "%s_B%d_T%d_C%d_NH%d", tc ? "_tc" : "_simt", B, T, C, NH);
-    size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
-    const AttnShape ash = {B, T, NH, NH, C / NH};
+/* Grouped K/V heads: NKV divides NH (NKV = NH is multi-head). tc: through
+ * the backend's dispatch (tensor cores forced where they take the shape;
+ * grouped shapes go to SIMT there), else the SIMT entry points directly. */
+static void test_attention(int B, int T, int NH, int NKV, int HD, int tc) {
+    char sh[80];
+    snprintf(sh, sizeof sh, "%s_B%d_T%d_NH%d_NKV%d_HD%d", tc ? "_tc" : "_simt", B, T, NH, NKV, HD);
+    const AttnShape ash = {B, T, NH, NKV, HD};
+    size_t n3 = (size_t)B * T * attn_qkv_width(&ash), nc = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
     Vec qkv = rnd_act(n3, 1.0f), g = rnd_act(nc, 1.0f), out(nc), lse(nl), dqkv(n3);
     cpu->attention_forward(out.data(), lse.data(), qkv.data(), &ash);
     void *dq = dev_act(qkv), *dg = dev_act(g), *dout, *ddq;
@@ -488,7 +493,7 @@ static void test_attention(int B, int T, int C, int NH, int tc) {
     CUDA_CHECK(cudaMalloc(&ddq, n3 * AB));
     CUDA_CHECK(cudaMalloc(&dlse, nl * sizeof(float)));
     if (tc) gpu->attention_forward(dout, dlse, dq, &ash);
-    else cuda_attention_simt_forward(dout, dlse, dq, B, T, C, NH);
+    else cuda_attention_simt_forward(dout, dlse, dq, &ash);
     check(std::string("attention_forward_out") + sh, get_act(dout, nc), out, tol_act());
     check(std::string("attention_forward_lse") + sh, get_f32(dlse, nl), lse, TOL_F32);
     /* the backward of both reads the CPU's out (in act) and lse */
@@ -497,8 +502,13 @@ static void test_attention(int B, int T, int C, int NH, int tc) {
     void *dout2 = dev_act(out);
     CUDA_CHECK(cudaMemcpy(dlse, lse.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
     if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, &ash);
-    else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, B, T, C, NH);
-    check(std::string("attention_backward_dqkv") + sh, get_act(ddq, n3), dqkv, tol_act());
+    else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, &ash);
+    Vec got = get_act(ddq, n3);
+    check(std::string("attention_backward_dqkv") + sh, got, dqkv, tol_act());
+    /* run again: the group's dK/dV sums are the same bits */
+    if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, &ash);
+    else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, &ash);
+    check_exact(std::string("attention_backward_deterministic") + sh, get_act(ddq, n3), got);
     cudaFree(dq), cudaFree(dg), cudaFree(dout), cudaFree(ddq), cudaFree(dlse), cudaFree(dout2);
 }
 
@@ -522,6 +532,224 @@ static void test_attention_auto(void) {
     int same = memcmp(a.data(), b.data(), nc * sizeof(float)) == 0;
     report_s("attention_auto_picks_tensor_cores", same, same ? "same bits as the tensor cores" : "auto's output differs from the tensor cores'");
     cudaFree(dq), cudaFree(o1), cudaFree(o2), cudaFree(l1), cudaFree(l2);
+}
+
+/* ---------------------------------------------------------------------------
+ * The Llama and MoE ops, same tolerances as above: act outputs tol_act(),
+ * fp32 statistics and gradients TOL_F32 (sums of <= a few hundred terms in
+ * another order); MoE index outputs exactly the CPU's (a counting sort has
+ * one right answer). */
+
+static Vec dev_i32_get(const int32_t *d, size_t n) {
+    std::vector<int32_t> h(n);
+    CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    Vec v(n);
+    for (size_t i = 0; i < n; i++) v[i] = (float)h[i]; /* small ints: exact in fp32 */
+    return v;
+}
+static int32_t *dev_i32(const std::vector<int32_t> &h) {
+    int32_t *d;
+    CUDA_CHECK(cudaMalloc(&d, h.size() * sizeof(int32_t) + 4));
+    CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    return d;
+}
+static Vec i32_vec(const std::vector<int32_t> &h) { return Vec(h.begin(), h.end()); }
+
+static void test_rmsnorm(int N, int C) {
+    std::string sh = "_N" + std::to_string(N) + "_C" + std::to_string(C);
+    Vec x = rnd_act((size_t)N * C, 2.0f, 0.5f), w = rnd_act(C, 1.0f, 1.0f), out((size_t)N * C), rstd(N);
+    cpu->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C, 1e-5f);
+    void *dx = dev_act(x), *dw = dev_act(w), *dout;
+    float *drstd;
+    CUDA_CHECK(cudaMalloc(&dout, (size_t)N * C * AB));
+    CUDA_CHECK(cudaMalloc(&drstd, N * sizeof(float)));
+    gpu->rmsnorm_forward(dout, drstd, dx, dw, N, C, 1e-5f);
+    check("rmsnorm_forward_out" + sh, get_act(dout, (size_t)N * C), out, tol_act());
+    check("rmsnorm_forward_rstd" + sh, get_f32(drstd, N), rstd, TOL_F32);
+    CUDA_CHECK(cudaMemcpy(drstd, rstd.data(), N * sizeof(float), cudaMemcpyHostToDevice));
+    for (int acc = 0; acc <= 1; acc++) {
+        Vec g = rnd_act((size_t)N * C, 1.0f), dinp = rnd_act((size_t)N * C, 1.0f), gw = rnd(C, 1.0f);
+        Vec rdinp = dinp, rgw = gw;
+        cpu->rmsnorm_backward(rdinp.data(), rgw.data(), g.data(), x.data(), w.data(), rstd.data(), N, C, acc);
+        void *dg = dev_act(g), *ddinp = dev_act(dinp);
+        float *dgw = dev_f32(gw);
+        gpu->rmsnorm_backward(ddinp, dgw, dg, dx, dw, drstd, N, C, acc);
+        std::string s = sh + (acc ? "_acc1" : "_acc0");
+        check("rmsnorm_backward_dinp" + s, get_act(ddinp, (size_t)N * C), rdinp, tol_act());
+        check("rmsnorm_backward_dw" + s, get_f32(dgw, C), rgw, TOL_F32);
+        cudaFree(dg), cudaFree(ddinp), cudaFree(dgw);
+    }
+    cudaFree(dx), cudaFree(dw), cudaFree(dout), cudaFree(drstd);
+}
+
+static std::string ash_name(const AttnShape &a) {
+    char s[80];
+    snprintf(s, sizeof s, "_B%d_T%d_NH%d_NKV%d_HD%d", a.B, a.T, a.NH, a.NKV, a.HD);
+    return s;
+}
+
+/* rope: the table at positions pos0 .. pos0 + T - 1 of a longer one. */
+static void test_rope(const AttnShape &a, int pos0) {
+    std::string sh = ash_name(a) + "_pos" + std::to_string(pos0);
+    int H2 = a.HD / 2, Tmax = pos0 + a.T + 3;
+    size_t n = (size_t)a.B * a.T * attn_qkv_width(&a);
+    Vec ang = rnd((size_t)Tmax * H2, 2.0f), tab((size_t)Tmax * 2 * H2);
+    for (int t = 0; t < Tmax; t++)
+        for (int i = 0; i < H2; i++) {
+            tab[(size_t)t * 2 * H2 + i] = cosf(ang[(size_t)t * H2 + i]);
+            tab[(size_t)t * 2 * H2 + H2 + i] = sinf(ang[(size_t)t * H2 + i]);
+        }
+    float *dtab = dev_f32(tab);
+    for (int bwd = 0; bwd <= 1; bwd++) {
+        Vec x = rnd_act(n, 1.0f), ref = x;
+        (bwd ? cpu->rope_backward : cpu->rope_forward)(ref.data(), tab.data(), &a, pos0);
+        void *dx = dev_act(x);
+        (bwd ? gpu->rope_backward : gpu->rope_forward)(dx, dtab, &a, pos0);
+        check(std::string(bwd ? "rope_backward" : "rope_forward") + sh, get_act(dx, n), ref, tol_act());
+        cudaFree(dx);
+    }
+    cudaFree(dtab);
+}
+
+static void test_qknorm(const AttnShape &a, int per_head) {
+    std::string sh = ash_name(a) + (per_head ? "_per_head" : "_whole");
+    int N = a.B * a.T, W = (a.NH + a.NKV) * a.HD, G = per_head ? a.NH + a.NKV : 2;
+    int WQ = per_head ? a.HD : a.NH * a.HD, WK = per_head ? a.HD : a.NKV * a.HD;
+    size_t n = (size_t)N * attn_qkv_width(&a);
+    Vec x = rnd_act(n, 2.0f, 0.3f), qw = rnd_act(WQ, 1.0f, 1.0f), kw = rnd_act(WK, 1.0f, 1.0f);
+    Vec ref = x, qk_in((size_t)N * W), rstd((size_t)N * G);
+    cpu->qknorm_forward(ref.data(), qk_in.data(), rstd.data(), qw.data(), kw.data(), &a, per_head, 1e-6f);
+    void *dx = dev_act(x), *dqw = dev_act(qw), *dkw = dev_act(kw), *dqk;
+    float *drstd;
+    CUDA_CHECK(cudaMalloc(&dqk, (size_t)N * W * AB));
+    CUDA_CHECK(cudaMalloc(&drstd, (size_t)N * G * sizeof(float)));
+    gpu->qknorm_forward(dx, dqk, drstd, dqw, dkw, &a, per_head, 1e-6f);
+    check("qknorm_forward_qkv" + sh, get_act(dx, n), ref, tol_act());
+    check_exact("qknorm_forward_qk_in" + sh, get_act(dqk, (size_t)N * W), qk_in);
+    check("qknorm_forward_rstd" + sh, get_f32(drstd, (size_t)N * G), rstd, TOL_F32);
+    CUDA_CHECK(cudaMemcpy(drstd, rstd.data(), (size_t)N * G * sizeof(float), cudaMemcpyHostToDevice));
+    for (int acc = 0; acc <= 1; acc++) {
+        Vec g = rnd_act(n, 1.0f), gq = rnd(WQ, 1.0f), gk = rnd(WK, 1.0f), rg = g, rgq = gq, rgk = gk;
+        cpu->qknorm_backward(rg.data(), rgq.data(), rgk.data(), qk_in.data(), qw.data(), kw.data(), rstd.data(), &a,
+                             per_head, acc);
+        void *dg = dev_act(g);
+        float *dgq = dev_f32(gq), *dgk = dev_f32(gk);
+        gpu->qknorm_backward(dg, dgq, dgk, dqk, dqw, dkw, drstd, &a, per_head, acc);
+        std::string s = sh + (acc ? "_acc1" : "_acc0");
+        check("qknorm_backward_dqkv" + s, get_act(dg, n), rg, tol_act());
+        check("qknorm_backward_dqw" + s, get_f32(dgq, WQ), rgq, TOL_F32);
+        check("qknorm_backward_dkw" + s, get_f32(dgk, WK), rgk, TOL_F32);
+        cudaFree(dg), cudaFree(dgq), cudaFree(dgk);
+    }
+    cudaFree(dx), cudaFree(dqw), cudaFree(dkw), cudaFree(dqk), cudaFree(drstd);
+}
+
+static void test_swiglu(int N, int F) {
+    std::string sh = "_N" + std::to_string(N) + "_F" + std::to_string(F);
+    Vec h = rnd_act((size_t)N * 2 * F, 2.0f), g = rnd_act((size_t)N * F, 1.0f);
+    Vec out((size_t)N * F), dh((size_t)N * 2 * F);
+    cpu->swiglu_forward(out.data(), h.data(), N, F);
+    cpu->swiglu_backward(dh.data(), g.data(), h.data(), N, F);
+    void *dhh = dev_act(h), *dg = dev_act(g), *dout, *ddh;
+    CUDA_CHECK(cudaMalloc(&dout, (size_t)N * F * AB));
+    CUDA_CHECK(cudaMalloc(&ddh, (size_t)N * 2 * F * AB));
+    gpu->swiglu_forward(dout, dhh, N, F);
+    gpu->swiglu_backward(ddh, dg, dhh, N, F);
+    check("swiglu_forward" + sh, get_act(dout, (size_t)N * F), out, tol_act());
+    check("swiglu_backward" + sh, get_act(ddh, (size_t)N * 2 * F), dh, tol_act());
+    cudaFree(dhh), cudaFree(dg), cudaFree(dout), cudaFree(ddh);
+}
+
+/* The whole MoE chain: route, dispatch (from the CPU's topk, so both sides
+ * permute alike), gather, combine and the backwards, each GPU op reading the
+ * CPU's outputs of the earlier ones. cap 0 keeps every slot; a small cap
+ * drops some (row_of -1). */
+static void test_moe(int N, int E, int K, int C, int sigmoid, int norm_topk, int use_bias, int cap) {
+    char shc[96];
+    snprintf(shc, sizeof shc, "_N%d_E%d_K%d_C%d%s%s%s_cap%d", N, E, K, C, sigmoid ? "_sigmoid" : "_softmax",
+             norm_topk ? "_norm" : "", use_bias ? "_bias" : "", cap);
+    std::string sh = shc;
+    Vec logits = rnd_act((size_t)N * E, 2.0f), bias = rnd(E, 0.1f);
+    std::vector<int32_t> topk((size_t)N * K);
+    Vec gates((size_t)N * K), probs((size_t)N * E), stats(E + 1);
+    cpu->moe_route(topk.data(), gates.data(), probs.data(), stats.data(), logits.data(), use_bias ? bias.data() : NULL,
+                   N, E, K, sigmoid, norm_topk);
+    void *dlog = dev_act(logits);
+    float *dbias = dev_f32(bias), *dgates, *dprobs, *dstats;
+    int32_t *dtopk;
+    CUDA_CHECK(cudaMalloc(&dgates, (size_t)N * K * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&dprobs, (size_t)N * E * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&dstats, (E + 1) * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&dtopk, (size_t)N * K * sizeof(int32_t)));
+    gpu->moe_route(dtopk, dgates, dprobs, dstats, dlog, use_bias ? dbias : NULL, N, E, K, sigmoid, norm_topk);
+    check_exact("moe_route_topk" + sh, dev_i32_get(dtopk, (size_t)N * K), i32_vec(topk));
+    check("moe_route_gates" + sh, get_f32(dgates, (size_t)N * K), gates, TOL_F32);
+    check("moe_route_probs" + sh, get_f32(dprobs, (size_t)N * E), probs, TOL_F32);
+    check("moe_route_stats" + sh, get_f32(dstats, E + 1), stats, TOL_F32);
+    CUDA_CHECK(cudaMemcpy(dgates, gates.data(), (size_t)N * K * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dprobs, probs.data(), (size_t)N * E * sizeof(float), cudaMemcpyHostToDevice));
+
+    std::vector<int32_t> offsets(E + 1), row_of((size_t)N * K), src((size_t)N * K, 0), counts(E);
+    cpu->moe_dispatch(offsets.data(), row_of.data(), src.data(), counts.data(), topk.data(), N, E, K, cap);
+    int R = offsets[E];
+    int32_t *dt = dev_i32(topk), *doff, *drow, *dsrc, *dcnt;
+    CUDA_CHECK(cudaMalloc(&doff, (E + 1) * sizeof(int32_t)));
+    CUDA_CHECK(cudaMalloc(&drow, (size_t)N * K * sizeof(int32_t)));
+    CUDA_CHECK(cudaMalloc(&dsrc, (size_t)N * K * sizeof(int32_t)));
+    CUDA_CHECK(cudaMalloc(&dcnt, E * sizeof(int32_t)));
+    gpu->moe_dispatch(doff, drow, dsrc, dcnt, dt, N, E, K, cap);
+    check_exact("moe_dispatch_offsets" + sh, dev_i32_get(doff, E + 1), i32_vec(offsets));
+    check_exact("moe_dispatch_row_of" + sh, dev_i32_get(drow, (size_t)N * K), i32_vec(row_of));
+    check_exact("moe_dispatch_src" + sh, dev_i32_get(dsrc, R), Vec(src.begin(), src.begin() + R));
+    check_exact("moe_dispatch_counts" + sh, dev_i32_get(dcnt, E), i32_vec(counts));
+    int32_t *drow_c = dev_i32(row_of), *dsrc_c = dev_i32(src);
+
+    Vec x = rnd_act((size_t)N * C, 1.0f), xp((size_t)R * C);
+    cpu->moe_gather(xp.data(), x.data(), src.data(), R, C);
+    void *dx = dev_act(x), *dxp;
+    CUDA_CHECK(cudaMalloc(&dxp, (size_t)R * C * AB + 4));
+    gpu->moe_gather(dxp, dx, dsrc_c, R, C);
+    check_exact("moe_gather" + sh, get_act(dxp, (size_t)R * C), xp);
+
+    Vec gx = rnd_act((size_t)N * C, 1.0f), gxp = rnd_act((size_t)R * C, 1.0f), rgx = gx;
+    cpu->moe_gather_backward(rgx.data(), gxp.data(), row_of.data(), N, K, C);
+    void *dgx = dev_act(gx), *dgxp = dev_act(gxp);
+    gpu->moe_gather_backward(dgx, dgxp, drow_c, N, K, C);
+    check("moe_gather_backward" + sh, get_act(dgx, (size_t)N * C), rgx, tol_act());
+
+    Vec yp = rnd_act((size_t)R * C, 1.0f), out((size_t)N * C);
+    cpu->moe_combine(out.data(), yp.data(), gates.data(), row_of.data(), N, K, C);
+    void *dyp = dev_act(yp), *dout;
+    CUDA_CHECK(cudaMalloc(&dout, (size_t)N * C * AB));
+    gpu->moe_combine(dout, dyp, dgates, drow_c, N, K, C);
+    check("moe_combine" + sh, get_act(dout, (size_t)N * C), out, tol_act());
+
+    Vec g = rnd_act((size_t)N * C, 1.0f), dy((size_t)R * C), dgt((size_t)N * K);
+    cpu->moe_combine_backward(dy.data(), dgt.data(), g.data(), yp.data(), gates.data(), row_of.data(), N, K, C);
+    void *dg = dev_act(g), *ddy;
+    float *ddgt;
+    CUDA_CHECK(cudaMalloc(&ddy, (size_t)R * C * AB + 4));
+    CUDA_CHECK(cudaMalloc(&ddgt, (size_t)N * K * sizeof(float)));
+    gpu->moe_combine_backward(ddy, ddgt, dg, dyp, dgates, drow_c, N, K, C);
+    check("moe_combine_backward_dyp" + sh, get_act(ddy, (size_t)R * C), dy, tol_act());
+    check("moe_combine_backward_dgates" + sh, get_f32(ddgt, (size_t)N * K), dgt, TOL_F32);
+
+    Vec aux = rnd(E, 0.1f), rdl((size_t)N * E);
+    for (int zl = 0; zl <= 1; zl++) {
+        float z = zl ? 1e-2f : 0.0f;
+        const float *ax = zl ? aux.data() : NULL;
+        cpu->moe_route_backward(rdl.data(), dgt.data(), probs.data(), topk.data(), gates.data(), logits.data(), ax, z,
+                                N, E, K, sigmoid, norm_topk);
+        float *ddg = dev_f32(dgt), *daux = dev_f32(aux);
+        void *ddlog;
+        CUDA_CHECK(cudaMalloc(&ddlog, (size_t)N * E * AB));
+        gpu->moe_route_backward(ddlog, ddg, dprobs, dt, dgates, dlog, zl ? daux : NULL, z, N, E, K, sigmoid, norm_topk);
+        check("moe_route_backward" + sh + (zl ? "_aux_z" : ""), get_act(ddlog, (size_t)N * E), rdl, tol_act());
+        cudaFree(ddg), cudaFree(daux), cudaFree(ddlog);
+    }
+    void *ptrs[] = {dlog, dbias, dgates, dprobs, dstats, dtopk, dt, doff, drow, dsrc, dcnt, drow_c, dsrc_c,
+                    dx, dxp, dgx, dgxp, dyp, dout, dg, ddy, ddgt};
+    for (void *p : ptrs) cudaFree(p);
 }
 
 int main(void) {
@@ -570,13 +798,34 @@ int main(void) {
             /* tc: through the backend's dispatch with the tensor cores forced
              * (auto would time them against SIMT per shape) */
             if (tc) gpu->set_attention("tensor_cores");
-            test_attention(2, 37, 48, 3, tc);  /* head size 16: 2 threads per row */
-            test_attention(1, 70, 96, 2, tc);  /* 48: 4 threads per row, a second tile */
-            test_attention(1, 65, 100, 1, tc); /* 100: 8 threads per row, dims past hs masked; SIMT only */
-            test_attention(1, 1, 64, 1, tc);   /* one row */
+            test_attention(2, 37, 3, 3, 16, tc);  /* head size 16: 2 threads per row */
+            test_attention(1, 70, 2, 2, 48, tc);  /* 48: 4 threads per row, a second tile */
+            test_attention(1, 65, 1, 1, 100, tc); /* 100: 8 threads per row, dims past hs masked; SIMT only */
+            test_attention(1, 1, 1, 1, 64, tc);   /* one row */
+            /* grouped K/V heads: groups of 3 and 6 query heads, odd and
+             * GPT-2 head sizes, one and two key tiles */
+            test_attention(2, 37, 6, 2, 10, tc);
+            test_attention(1, 70, 6, 1, 10, tc);
+            test_attention(1, 37, 6, 2, 64, tc);
+            test_attention(1, 70, 6, 1, 64, tc);
+            test_attention(1, 70, 6, 2, 18, tc);
             if (tc) gpu->set_attention("auto");
         }
         if (bf) test_attention_auto();
+        test_rmsnorm(37, 70);
+        test_rmsnorm(37, 48); /* whole 16-byte packs */
+        const AttnShape a18 = {1, 37, 6, 2, 18}, a10 = {2, 37, 6, 1, 10};
+        test_rope(a18, 0);
+        test_rope(a10, 5);
+        for (int ph = 0; ph <= 1; ph++) {
+            test_qknorm(a18, ph);
+            test_qknorm(a10, ph);
+        }
+        test_swiglu(37, 45);
+        test_moe(37, 5, 2, 70, 0, 1, 0, 0);
+        test_moe(37, 5, 2, 70, 1, 1, 1, 0);
+        test_moe(37, 5, 2, 70, 0, 0, 0, 9);   /* capacity drops */
+        test_moe(600, 5, 2, 18, 1, 0, 1, 100); /* several dispatch tiles, drops */
         gpu->shutdown();
     }
     return 0;

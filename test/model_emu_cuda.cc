@@ -10,6 +10,8 @@
 
 #include "../cuda/embed_norm.cu"
 #include "../cuda/pointwise.cu"
+#include "../cuda/llama.cu"
+#include "../cuda/moe.cu"
 #include "../cuda/attention.cu"
 #include "../cuda/attention_tc.cu"
 #include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */

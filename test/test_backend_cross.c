@@ -158,28 +158,34 @@ static void report_exact(const char *what, int same, const char *why) {
 
 /* impl: "" for the backend's default kernels, else the name part saying
  * which precision.attention implementation ran ("simt_", "tc_"). */
-static void cross_attention(int B, int T, int C, int NH, const char *impl) {
-    size_t N = (size_t)B * T, n3 = N * 3 * C, nc = N * C, nl = (size_t)B * NH * T;
+static void cross_attention_gqa(AttnShape sh, const char *impl) {
+    int B = sh.B, T = sh.T, NH = sh.NH, HD = sh.HD;
+    size_t N = (size_t)B * T, n3 = N * attn_qkv_width(&sh), nc = N * NH * HD, nl = (size_t)B * NH * T;
     float *qkv = rnda(n3, 1.0f), *dout = rnda(nc, 1.0f);
     float *out = xmalloc(nc * 4), *lse = xmalloc(nl * 4), *dqkv = xmalloc(n3 * 4);
-    cpu->attention_forward(out, lse, qkv, &(AttnShape){B, T, NH, NH, C / NH});
+    cpu->attention_forward(out, lse, qkv, &sh);
     float *outq = quant(fdup(out, nc), nc); /* what a bf16 device would have stored */
-    cpu->attention_backward(dqkv, dout, qkv, outq, lse, &(AttnShape){B, T, NH, NH, C / NH});
+    cpu->attention_backward(dqkv, dout, qkv, outq, lse, &sh);
     void *d_qkv = upa(qkv, n3), *d_dout = upa(dout, nc), *d_outq = upa(outq, nc);
     void *d_out = dev->alloc(nc * ab), *d_dqkv = dev->alloc(n3 * ab);
     float *d_lse = dev->alloc(nl * 4), *d_lse_cpu = up(lse, nl);
-    dev->attention_forward(d_out, d_lse, d_qkv, &(AttnShape){B, T, NH, NH, C / NH});
-    dev->attention_backward(d_dqkv, d_dout, d_qkv, d_outq, d_lse_cpu, &(AttnShape){B, T, NH, NH, C / NH});
-    char what[64];
-    snprintf(what, sizeof what, "attention_%shs%d_T%d_forward", impl, C / NH, T);
+    dev->attention_forward(d_out, d_lse, d_qkv, &sh);
+    dev->attention_backward(d_dqkv, d_dout, d_qkv, d_outq, d_lse_cpu, &sh);
+    char what[80], kv[24] = "";
+    if (sh.NKV != NH) snprintf(kv, sizeof kv, "nh%d_nkv%d_", NH, sh.NKV);
+    snprintf(what, sizeof what, "attention_%s%shs%d_T%d_forward", impl, kv, HD, T);
     report(what, xerr_a(d_out, out, nc), tol_act(TOL_X));
-    snprintf(what, sizeof what, "attention_%shs%d_T%d_forward_lse", impl, C / NH, T);
+    snprintf(what, sizeof what, "attention_%s%shs%d_T%d_forward_lse", impl, kv, HD, T);
     report(what, xerr(d_lse, lse, nl), tol_f32(TOL_X));
-    snprintf(what, sizeof what, "attention_%shs%d_T%d_backward", impl, C / NH, T);
+    snprintf(what, sizeof what, "attention_%s%shs%d_T%d_backward", impl, kv, HD, T);
     report(what, xerr_a(d_dqkv, dqkv, n3), tol_act(TOL_X_SUM));
     free(qkv), free(dout), free(out), free(outq), free(lse), free(dqkv);
     void *dptr[] = {d_qkv, d_dout, d_outq, d_out, d_dqkv, d_lse, d_lse_cpu};
     for (size_t i = 0; i < sizeof dptr / sizeof dptr[0]; i++) dev->free(dptr[i]);
+}
+
+static void cross_attention(int B, int T, int C, int NH, const char *impl) {
+    cross_attention_gqa((AttnShape){B, T, NH, NH, C / NH}, impl);
 }
 
 static void cross_matmul(int N, int C, int OC, const char *tag) {
@@ -449,6 +455,9 @@ static void cross_all(const char *compute) {
         cross_attention(2, 200, 768, 12, impl); /* hs 64, T not a multiple of the 64-row tiles */
         cross_attention(3, 17, 768, 12, impl);  /* hs 64, T under one tile */
         cross_attention(1, 200, 768, 6, impl);  /* hs 128, T not a multiple of any tile */
+        /* grouped K/V heads (SIMT on every path): Llama 3's group of 4 at hs 128, multi-query at hs 64 */
+        cross_attention_gqa((AttnShape){2, 256, 8, 2, 128}, impl);
+        cross_attention_gqa((AttnShape){1, 200, 12, 1, 64}, impl);
     }
     if (both) dev->set_attention("auto");
     cross_matmul(512, 768, 2304, "matmul");

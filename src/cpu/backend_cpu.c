@@ -264,6 +264,186 @@ static void cpu_layernorm_backward(void *dinp_, float *dw, float *db, const void
 }
 
 /* ---------------------------------------------------------------------------
+ * RMSNorm (Llama; HF LlamaRMSNorm in fp32) */
+
+static void cpu_rmsnorm_forward(void *out_, float *rstd, const void *inp_, const void *w_, int N, int C,
+                                float eps) {
+    /* out (N,C), rstd (N), inp (N,C), w (C) */
+    float *out = out_;
+    const float *inp = inp_, *w = w_;
+    #pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        const float *x = inp + (size_t)i * C;
+        float s = 0.0f;
+        #pragma omp simd reduction(+ : s)
+        for (int c = 0; c < C; c++) s += x[c] * x[c];
+        float r = 1.0f / sqrtf(s / C + eps);
+        float *o = out + (size_t)i * C;
+        for (int c = 0; c < C; c++) o[c] = x[c] * r * w[c];
+        rstd[i] = r;
+    }
+}
+
+/* One group's gradient through y = x r w, r = (mean(x^2) + eps)^-1/2:
+ * dx = r (dy w) - x r^3 mean(dy w x). dx may alias dy (QK-norm works in place). */
+static void cpu_rms_group_backward(float *dx, const float *dy, const float *x, const float *w, float r,
+                                   int n, int add) {
+    /* dx, dy, x, w (n) */
+    float s = 0.0f;
+    #pragma omp simd reduction(+ : s)
+    for (int c = 0; c < n; c++) s += dy[c] * w[c] * x[c];
+    float k = r * r * r * (s / n);
+    if (add)
+        for (int c = 0; c < n; c++) dx[c] += r * (dy[c] * w[c]) - x[c] * k;
+    else
+        for (int c = 0; c < n; c++) dx[c] = r * (dy[c] * w[c]) - x[c] * k;
+}
+
+static void cpu_rmsnorm_backward(void *dinp_, float *dw, const void *dout_, const void *inp_, const void *w_,
+                                 const float *rstd, int N, int C, int accumulate) {
+    /* dinp (N,C) +=, dw (C), dout (N,C), inp (N,C), w (C), rstd (N) */
+    float *dinp = dinp_;
+    const float *dout = dout_, *inp = inp_, *w = w_;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int i = 0; i < N; i++)
+            cpu_rms_group_backward(dinp + (size_t)i * C, dout + (size_t)i * C, inp + (size_t)i * C, w,
+                                   rstd[i], C, 1);
+        /* dw by channel ranges, rows in order (as layernorm's). */
+        int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        int c0 = (int)((long)C * id / nt), c1 = (int)((long)C * (id + 1) / nt);
+        if (!accumulate)
+            for (int c = c0; c < c1; c++) dw[c] = 0.0f;
+        for (int i = 0; i < N; i++) {
+            const float *x = inp + (size_t)i * C, *d = dout + (size_t)i * C;
+            float r = rstd[i];
+            for (int c = c0; c < c1; c++) dw[c] += d[c] * x[c] * r;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * RoPE, rotate-half, in place on the q and k heads of qkv */
+
+/* sign +1 rotates by the angle (forward), -1 by its negative (backward). */
+static void cpu_rope_apply(float *qkv, const float *rope, const AttnShape *sh, int pos0, float sign) {
+    /* qkv (N, QKVW), rope (Tmax, 2, HD/2) */
+    int N = sh->B * sh->T, HD = sh->HD, H2 = sh->HD / 2, heads = sh->NH + sh->NKV;
+    int ld = attn_qkv_width(sh);
+    #pragma omp parallel for schedule(static)
+    for (int r = 0; r < N; r++) {
+        const float *cs = rope + (size_t)(pos0 + r % sh->T) * 2 * H2, *sn = cs + H2;
+        float *row = qkv + (size_t)r * ld;
+        for (int h = 0; h < heads; h++) {
+            float *x = row + (size_t)h * HD;
+            #pragma omp simd
+            for (int i = 0; i < H2; i++) {
+                float a = x[i], b = x[i + H2], c = cs[i], s = sign * sn[i];
+                x[i] = a * c - b * s;
+                x[i + H2] = b * c + a * s;
+            }
+        }
+    }
+}
+
+static void cpu_rope_forward(void *qkv, const float *rope, const AttnShape *sh, int pos0) {
+    cpu_rope_apply(qkv, rope, sh, pos0, 1.0f);
+}
+
+/* The rotation is orthogonal: its transpose, the gradient map, is the inverse rotation. */
+static void cpu_rope_backward(void *dqkv, const float *rope, const AttnShape *sh, int pos0) {
+    cpu_rope_apply(dqkv, rope, sh, pos0, -1.0f);
+}
+
+/* ---------------------------------------------------------------------------
+ * QK-norm: RMSNorm groups over the first (NH + NKV) HD columns of each qkv row */
+
+/* Group g of a row: its first column, its size and its weight offset;
+ * q groups come first (NH of them per head, else one). */
+typedef struct {
+    int G, GQ, HD, NH, NKV, per_head;
+} CpuQkGroups;
+
+static CpuQkGroups cpu_qk_groups(const AttnShape *sh, int per_head) {
+    CpuQkGroups q = {per_head ? sh->NH + sh->NKV : 2, per_head ? sh->NH : 1, sh->HD, sh->NH, sh->NKV,
+                     per_head};
+    return q;
+}
+static int cpu_qk_start(const CpuQkGroups *q, int g) {
+    return q->per_head ? g * q->HD : g ? q->NH * q->HD : 0;
+}
+static int cpu_qk_size(const CpuQkGroups *q, int g) {
+    return q->per_head ? q->HD : g ? q->NKV * q->HD : q->NH * q->HD;
+}
+
+static void cpu_qknorm_forward(void *qkv_, void *qk_in_, float *rstd, const void *qw_, const void *kw_,
+                               const AttnShape *sh, int per_head, float eps) {
+    /* qkv (N, QKVW) in place, qk_in (N, (NH+NKV) HD), rstd (N, G), qw, kw (HD or NH HD, NKV HD) */
+    float *qkv = qkv_, *qk_in = qk_in_;
+    const float *qw = qw_, *kw = kw_;
+    CpuQkGroups q = cpu_qk_groups(sh, per_head);
+    int N = sh->B * sh->T, ld = attn_qkv_width(sh), W = (sh->NH + sh->NKV) * sh->HD;
+    #pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        float *row = qkv + (size_t)i * ld, *saved = qk_in + (size_t)i * W;
+        memcpy(saved, row, (size_t)W * sizeof(float));
+        for (int g = 0; g < q.G; g++) {
+            int n = cpu_qk_size(&q, g);
+            float *x = row + cpu_qk_start(&q, g);
+            const float *w = g < q.GQ ? qw : kw;
+            float s = 0.0f;
+            #pragma omp simd reduction(+ : s)
+            for (int c = 0; c < n; c++) s += x[c] * x[c];
+            float r = 1.0f / sqrtf(s / n + eps);
+            for (int c = 0; c < n; c++) x[c] = x[c] * r * w[c];
+            rstd[(size_t)i * q.G + g] = r;
+        }
+    }
+}
+
+static void cpu_qknorm_backward(void *dqkv_, float *dqw, float *dkw, const void *qk_in_, const void *qw_,
+                                const void *kw_, const float *rstd, const AttnShape *sh, int per_head,
+                                int accumulate) {
+    /* dqkv (N, QKVW) in place, dqw, dkw (as qw, kw), qk_in (N, (NH+NKV) HD), rstd (N, G) */
+    float *dqkv = dqkv_;
+    const float *qk_in = qk_in_, *qw = qw_, *kw = kw_;
+    CpuQkGroups q = cpu_qk_groups(sh, per_head);
+    int N = sh->B * sh->T, ld = attn_qkv_width(sh), W = (sh->NH + sh->NKV) * sh->HD;
+    int WQ = cpu_qk_size(&q, 0), WK = per_head ? sh->HD : cpu_qk_size(&q, 1);
+    /* Weight gradients first (they read dqkv before it is overwritten): threads
+     * own ranges of the joined [dqw | dkw], each summed in (row, group) order. */
+    #pragma omp parallel
+    {
+        int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        int j0 = (int)((long)(WQ + WK) * id / nt), j1 = (int)((long)(WQ + WK) * (id + 1) / nt);
+        for (int j = j0; j < j1; j++) {
+            float *dw = j < WQ ? dqw + j : dkw + (j - WQ);
+            if (!accumulate) *dw = 0.0f;
+        }
+        for (int i = 0; i < N; i++) {
+            const float *d = dqkv + (size_t)i * ld, *x = qk_in + (size_t)i * W, *r = rstd + (size_t)i * q.G;
+            for (int g = 0; g < q.G; g++) {
+                int isq = g < q.GQ, base = isq ? 0 : WQ, n = cpu_qk_size(&q, g), st = cpu_qk_start(&q, g);
+                float *dw = isq ? dqw : dkw;
+                int c0 = j0 - base > 0 ? j0 - base : 0, c1 = j1 - base < n ? j1 - base : n;
+                for (int c = c0; c < c1; c++) dw[c] += d[st + c] * x[st + c] * r[g];
+            }
+        }
+    }
+    #pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        float *d = dqkv + (size_t)i * ld;
+        const float *x = qk_in + (size_t)i * W;
+        for (int g = 0; g < q.G; g++) {
+            int st = cpu_qk_start(&q, g);
+            cpu_rms_group_backward(d + st, d + st, x + st, g < q.GQ ? qw : kw, rstd[(size_t)i * q.G + g],
+                                   cpu_qk_size(&q, g), 0);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
  * Matrix products (row-major; w is (OC,C) so the forward is inp @ w^T) */
 
 static void cpu_matmul_forward(void *out_, const void *inp_, const void *w_, const void *bias_,
@@ -489,6 +669,228 @@ static void cpu_residual_forward(void *out, const void *a, const void *b, size_t
 }
 
 /* ---------------------------------------------------------------------------
+ * SwiGLU: h rows are [gate (F) | up (F)] */
+
+static void cpu_swiglu_forward(void *out_, const void *h_, int N, int F) {
+    /* out (N,F), h (N,2F) */
+    float *out = out_;
+    const float *h = h_;
+    #pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        const float *g = h + (size_t)i * 2 * F, *u = g + F;
+        float *o = out + (size_t)i * F;
+        #pragma omp simd
+        for (int j = 0; j < F; j++) o[j] = g[j] / (1.0f + cpu_expf(-g[j])) * u[j];
+    }
+}
+
+static void cpu_swiglu_backward(void *dh_, const void *dout_, const void *h_, int N, int F) {
+    /* dh (N,2F) overwritten, dout (N,F), h (N,2F) */
+    float *dh = dh_;
+    const float *dout = dout_, *h = h_;
+    #pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        const float *g = h + (size_t)i * 2 * F, *u = g + F, *d = dout + (size_t)i * F;
+        float *dg = dh + (size_t)i * 2 * F, *du = dg + F;
+        #pragma omp simd
+        for (int j = 0; j < F; j++) {
+            float sg = 1.0f / (1.0f + cpu_expf(-g[j])), silu = g[j] * sg;
+            /* silu' = sg (1 + g (1 - sg)) */
+            dg[j] = d[j] * u[j] * sg * (1.0f + g[j] * (1.0f - sg));
+            du[j] = d[j] * silu;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Mixture of experts: routing, the permutation and its inverse. Index work is
+ * serial (O(N K)); row copies and sums are parallel over the rows they write. */
+
+/* Max and log-sum-exp of one row of router logits, the sum in expert order. */
+static float cpu_row_lse(const float *x, int E, float *mx_out) {
+    float mx = -INFINITY, s = 0.0f;
+    for (int e = 0; e < E; e++) mx = x[e] > mx ? x[e] : mx;
+    for (int e = 0; e < E; e++) s += cpu_expf(x[e] - mx);
+    if (mx_out) *mx_out = mx;
+    return mx + logf(s);
+}
+
+static void cpu_moe_route(int32_t *topk, float *gates, float *probs, float *stats, const void *logits_,
+                          const float *bias, int N, int E, int K, int sigmoid, int norm_topk) {
+    /* topk (N,K), gates (N,K), probs (N,E), stats (E+1), logits (N,E), bias (E) or NULL */
+    const float *logits = logits_;
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < N; t++) {
+        const float *x = logits + (size_t)t * E;
+        float *p = probs + (size_t)t * E;
+        if (sigmoid) {
+            for (int e = 0; e < E; e++) p[e] = 1.0f / (1.0f + cpu_expf(-x[e]));
+        } else {
+            float lse = cpu_row_lse(x, E, NULL);
+            for (int e = 0; e < E; e++) p[e] = cpu_expf(x[e] - lse);
+        }
+        /* The k-th pick is the best expert ranked after the (k-1)-th in the
+         * order (score descending, index ascending): K passes, no mask. */
+        int32_t *sel = topk + (size_t)t * K;
+        float *gt = gates + (size_t)t * K, prev_s = INFINITY, sum = 0.0f;
+        int prev_e = -1;
+        for (int k = 0; k < K; k++) {
+            int best = -1;
+            float bs = -INFINITY;
+            for (int e = 0; e < E; e++) {
+                float s = p[e] + (bias ? bias[e] : 0.0f);
+                int after = s < prev_s || (s == prev_s && e > prev_e);
+                if (after && (best < 0 || s > bs)) best = e, bs = s;
+            }
+            sel[k] = best;
+            gt[k] = p[best];
+            sum += p[best];
+            prev_s = bs, prev_e = best;
+        }
+        if (norm_topk)
+            for (int k = 0; k < K; k++) gt[k] /= sum;
+    }
+    /* Statistics by ownership of [0, E]: each a sum in row order; index E
+     * recomputes the rows' lse rather than keep a buffer for it. */
+    #pragma omp parallel for schedule(static)
+    for (int e = 0; e <= E; e++) {
+        float s = 0.0f;
+        if (e < E)
+            for (int t = 0; t < N; t++) s += probs[(size_t)t * E + e];
+        else
+            for (int t = 0; t < N; t++) {
+                float l = cpu_row_lse(logits + (size_t)t * E, E, NULL);
+                s += l * l;
+            }
+        stats[e] = s;
+    }
+}
+
+static void cpu_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts,
+                             const int32_t *topk, int N, int E, int K, int cap) {
+    /* offsets (E+1), row_of (N,K), src (N K), counts (E), topk (N,K) */
+    for (int e = 0; e < E; e++) counts[e] = 0;
+    for (int i = 0; i < N * K; i++) counts[topk[i]]++;
+    offsets[0] = 0;
+    for (int e = 0; e < E; e++)
+        offsets[e + 1] = offsets[e] + (cap > 0 && counts[e] > cap ? cap : counts[e]);
+    /* counts is recounted as each expert's cursor, ending where it began. */
+    for (int e = 0; e < E; e++) counts[e] = 0;
+    for (int i = 0; i < N * K; i++) {
+        int e = topk[i], j = counts[e]++;
+        if (cap > 0 && j >= cap) {
+            row_of[i] = -1;
+        } else {
+            row_of[i] = offsets[e] + j;
+            src[offsets[e] + j] = i / K;
+        }
+    }
+}
+
+static void cpu_moe_gather(void *xp_, const void *x_, const int32_t *src, int R, int C) {
+    /* xp (R,C), x (N,C), src (R) */
+    float *xp = xp_;
+    const float *x = x_;
+    #pragma omp parallel for schedule(static)
+    for (int r = 0; r < R; r++) memcpy(xp + (size_t)r * C, x + (size_t)src[r] * C, (size_t)C * sizeof(float));
+}
+
+static void cpu_moe_gather_backward(void *dx_, const void *dxp_, const int32_t *row_of, int N, int K, int C) {
+    /* dx (N,C) +=, dxp (R,C), row_of (N,K) */
+    float *dx = dx_;
+    const float *dxp = dxp_;
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < N; t++) {
+        float *d = dx + (size_t)t * C;
+        for (int k = 0; k < K; k++) {
+            int r = row_of[(size_t)t * K + k];
+            if (r < 0) continue;
+            const float *s = dxp + (size_t)r * C;
+            for (int c = 0; c < C; c++) d[c] += s[c];
+        }
+    }
+}
+
+static void cpu_moe_combine(void *out_, const void *yp_, const float *gates, const int32_t *row_of, int N,
+                            int K, int C) {
+    /* out (N,C), yp (R,C), gates (N,K), row_of (N,K) */
+    float *out = out_;
+    const float *yp = yp_;
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < N; t++) {
+        float *o = out + (size_t)t * C;
+        for (int c = 0; c < C; c++) o[c] = 0.0f;
+        for (int k = 0; k < K; k++) {
+            int r = row_of[(size_t)t * K + k];
+            if (r < 0) continue;
+            const float *y = yp + (size_t)r * C;
+            float g = gates[(size_t)t * K + k];
+            for (int c = 0; c < C; c++) o[c] += g * y[c];
+        }
+    }
+}
+
+static void cpu_moe_combine_backward(void *dyp_, float *dgates, const void *dout_, const void *yp_,
+                                     const float *gates, const int32_t *row_of, int N, int K, int C) {
+    /* dyp (R,C), dgates (N,K), dout (N,C), yp (R,C), gates (N,K), row_of (N,K) */
+    float *dyp = dyp_;
+    const float *dout = dout_, *yp = yp_;
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < N; t++) {
+        const float *d = dout + (size_t)t * C;
+        for (int k = 0; k < K; k++) {
+            size_t s = (size_t)t * K + k;
+            int r = row_of[s];
+            if (r < 0) {
+                dgates[s] = 0.0f;
+                continue;
+            }
+            float *dy = dyp + (size_t)r * C, g = gates[s];
+            for (int c = 0; c < C; c++) dy[c] = g * d[c];
+            dgates[s] = cpu_dot(d, yp + (size_t)r * C, C);
+        }
+    }
+}
+
+static void cpu_moe_route_backward(void *dlogits_, const float *dgates, const float *probs, const int32_t *topk,
+                                   const float *gates, const void *logits_, const float *aux, float z_coef,
+                                   int N, int E, int K, int sigmoid, int norm_topk) {
+    /* dlogits (N,E), dgates (N,K), probs (N,E), topk (N,K), gates (N,K), logits (N,E), aux (E) or NULL */
+    float *dlogits = dlogits_;
+    const float *logits = logits_;
+    #pragma omp parallel for schedule(static)
+    for (int t = 0; t < N; t++) {
+        const float *p = probs + (size_t)t * E, *dg = dgates + (size_t)t * K, *g = gates + (size_t)t * K;
+        const int32_t *sel = topk + (size_t)t * K;
+        float *a = dlogits + (size_t)t * E; /* dL/dprobs first, then dL/dlogits in place */
+        for (int e = 0; e < E; e++) a[e] = aux ? aux[e] : 0.0f;
+        if (norm_topk) {
+            /* g_k = p_k / S, S = sum_j p_j: dL/dp_j = (dg_j - sum_k dg_k g_k) / S */
+            float S = 0.0f, dgg = 0.0f;
+            for (int k = 0; k < K; k++) S += p[sel[k]], dgg += dg[k] * g[k];
+            for (int k = 0; k < K; k++) a[sel[k]] += (dg[k] - dgg) / S;
+        } else {
+            for (int k = 0; k < K; k++) a[sel[k]] += dg[k];
+        }
+        if (sigmoid) {
+            for (int e = 0; e < E; e++) a[e] *= p[e] * (1.0f - p[e]);
+        } else {
+            float ap = 0.0f;
+            for (int e = 0; e < E; e++) ap += a[e] * p[e];
+            for (int e = 0; e < E; e++) a[e] = p[e] * (a[e] - ap);
+        }
+        /* z-loss z_coef mean_t lse_t^2: d/dlogit_e = z_coef 2 lse softmax_e / N.
+         * It penalises the logits' size, so with a sigmoid router too it uses
+         * the row's softmax and lse, not the sigmoid probs. */
+        if (z_coef != 0.0f) {
+            const float *x = logits + (size_t)t * E;
+            float lse = cpu_row_lse(x, E, NULL), k2 = z_coef * 2.0f * lse / N;
+            for (int e = 0; e < E; e++) a[e] += k2 * cpu_expf(x[e] - lse);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
  * Softmax + cross-entropy, fused */
 
 static void cpu_crossentropy_forward(void *logits_, float *losses, const int32_t *targets, int N,
@@ -695,6 +1097,21 @@ const Backend backend_cpu = {
     .matmul_backward = cpu_matmul_backward,
     .attention_forward = cpu_attention_forward,
     .attention_backward = cpu_attention_backward,
+    .rmsnorm_forward = cpu_rmsnorm_forward,
+    .rmsnorm_backward = cpu_rmsnorm_backward,
+    .rope_forward = cpu_rope_forward,
+    .rope_backward = cpu_rope_backward,
+    .qknorm_forward = cpu_qknorm_forward,
+    .qknorm_backward = cpu_qknorm_backward,
+    .swiglu_forward = cpu_swiglu_forward,
+    .swiglu_backward = cpu_swiglu_backward,
+    .moe_route = cpu_moe_route,
+    .moe_dispatch = cpu_moe_dispatch,
+    .moe_gather = cpu_moe_gather,
+    .moe_gather_backward = cpu_moe_gather_backward,
+    .moe_combine = cpu_moe_combine,
+    .moe_combine_backward = cpu_moe_combine_backward,
+    .moe_route_backward = cpu_moe_route_backward,
     .gelu_forward = cpu_gelu_forward,
     .gelu_backward = cpu_gelu_backward,
     /* No fused matmul + GeLU: here it would be the composition itself, which
