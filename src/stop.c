@@ -41,6 +41,11 @@ void stop_install(void) {
 
 int stop_signal(void) { return stop_sig; }
 
+void stop_test_wait_signal(void) {
+    struct timespec ts = {0, 10 * 1000 * 1000};
+    for (int i = 0; i < 6000 && !stop_sig; i++) nanosleep(&ts, NULL);
+}
+
 /* "2024-05-01T12:34:56" (local time, squeue %e) -> unix seconds; 0 if not a time. */
 static double parse_slurm_time(const char *s) {
     struct tm tm;

@@ -10,6 +10,9 @@
 void stop_install(void);
 /* The signal that asked for a stop (SIGUSR1, SIGTERM), 0 if none. */
 int stop_signal(void);
+/* Test hook (KILN_TEST_PAUSE_AT_STEP, docs/metrics.md): wait, in 10 ms
+ * sleeps and at most about 60 s, until a stop signal has been received. */
+void stop_test_wait_signal(void);
 
 /* Under Slurm (SLURM_JOB_ID set) with before_s > 0: find the job's end time
  * (SLURM_JOB_END_TIME, else `squeue -h -j ID -o %e`) and arm the deadline.

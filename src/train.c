@@ -17,6 +17,7 @@
 #include "optim.h"
 #include "plan.h"
 #include "state.h"
+#include "stop.h"
 #include "tokenizer.h"
 #include "util.h"
 
@@ -354,6 +355,10 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     const char *nan_env = getenv("KILN_TEST_INJECT_NAN_STEP");
     int inject_nan_step = nan_env ? atoi(nan_env) : 0;
     int inject_nan_after = nan_env && strchr(nan_env, '+') != NULL; /* "N+": every step from N on */
+    /* Test hook (docs/metrics.md): after step N, wait for a stop signal, so a
+     * signal test cannot lose a race against the end of the run. */
+    const char *pause_env = getenv("KILN_TEST_PAUSE_AT_STEP");
+    int pause_at_step = pause_env ? atoi(pause_env) : 0;
     float *param_host = inject_nan_step > 0 ? xmalloc((ddp.units ? ddp.shard_len : model.num_params) * sizeof(float)) : NULL;
     int skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0, skips_in_a_row = 0;
     /* ZeRO-3: every rank samples (each forward gathers layers collectively);
@@ -450,6 +455,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                      rank == 0 ? stdout : devnull);
             if (rank == 0) printf("---\n");
         }
+        if (step + 1 == pause_at_step) stop_test_wait_signal();
         stopped = state_after_step(&rs, step + 1, last); /* enters PHASE_CHECKPOINT only when it saves */
         steps_done = step + 1;
     }

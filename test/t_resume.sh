@@ -82,18 +82,22 @@ expect resume_force_needs_resume 2 "--force only applies with --resume" -- ./tra
 # SIGUSR1 mid-run: the step finishes, a checkpoint is written at that step,
 # exit 75; the resumed run ends exactly where an uninterrupted one does.
 # Cosine schedule over 200 steps (the default), every: 0 so only the signal saves.
+# The run waits after step 50 until a signal has come (KILN_TEST_PAUSE_AT_STEP)
+# and the signal is sent once step 50 is in metrics.jsonl, so it always lands
+# mid-run, at step 50, however fast or slow the machine is.
 S="--set train.steps=200 --set checkpoint.every=0 --set train.eval_every=0"
+# wait_step FILE N: until FILE (metrics.jsonl) holds N lines; 60 s at most
+wait_step() { for _ in $(seq 1200); do [ "$(cat "$1" 2>/dev/null | wc -l)" -ge "$2" ] && return 0; sleep 0.05; done; return 1; }
 ./train $Y $S --set run.dir=$T/sigref >/dev/null 2>&1
-./train $Y $S --set run.dir=$T/sig >$T/sig1.txt 2>&1 &
+KILN_TEST_PAUSE_AT_STEP=50 ./train $Y $S --set run.dir=$T/sig >$T/sig1.txt 2>&1 &
 pid=$!
-for i in $(seq 100); do [ -s $T/sig/metrics.jsonl ] && break; sleep 0.05; done
-sleep 0.3
+wait_step $T/sig/metrics.jsonl 50
 kill -USR1 $pid
 wait $pid
 rc=$?
 n=$(wc -l < $T/sig/metrics.jsonl)
 last=$(cat $T/sig/checkpoints/latest 2>/dev/null)
-if [ $rc -eq 75 ] && [ "$last" = "$(printf 'step_%08d' $n)" ] && [ "$n" -lt 200 ] && grep -q 'stopped by' $T/sig1.txt; then
+if [ $rc -eq 75 ] && [ "$n" -eq 50 ] && [ "$last" = step_00000050 ] && grep -q 'stopped by User defined signal 1 after step 50' $T/sig1.txt; then
     ok signal_usr1_saves_exit_75
 else fail signal_usr1_saves_exit_75 "rc $rc, latest '$last', $n steps in metrics.jsonl"; fi
 ./train $Y $S --set run.dir=$T/sig --resume auto >$T/sig2.txt 2>&1
@@ -103,27 +107,37 @@ if [ "$(losses $T/sigref/metrics.jsonl)" = "$(losses $T/sig/metrics.jsonl)" ] \
 else fail signal_resume_bit_identical "$(tail -n 2 $T/sig2.txt)"; fi
 
 # Two SIGTERMs: the second exits at once (code 1) and leaves nothing a resume
-# would load by mistake. A bigger model (~0.3 s a step) lands both signals,
-# 10 ms apart (two pending SIGTERMs would merge into one), inside one step.
-B="--set model.n_embd=128 --set model.seq_len=256 --set batch.micro_batch=8 --set batch.total_tokens=2048 --set checkpoint.every=1"
-./train $Y $B --set run.dir=$T/term --set train.steps=1000 >$T/term.txt 2>&1 &
+# would load by mistake. The run hangs in step 3 (KILN_TEST_STALL_AT_STEP)
+# after step 2's checkpoint is complete, so the first SIGTERM can only set the
+# flag, and no step ends and no save starts before the second. Two pending
+# SIGTERMs merge into one, so SIGTERM is sent until the run is gone; every
+# one after the first counts as the second.
+B="--set checkpoint.every=1"
+KILN_TEST_STALL_AT_STEP=3 ./train $Y $B --set run.dir=$T/term --set train.steps=1000 >$T/term.txt 2>&1 &
 pid=$!
-for i in $(seq 400); do [ -f $T/term/checkpoints/latest ] && break; sleep 0.05; done
-kill -TERM $pid; sleep 0.01; kill -TERM $pid
+for _ in $(seq 1200); do [ "$(cat $T/term/checkpoints/latest 2>/dev/null)" = step_00000002 ] && break; sleep 0.05; done
+for _ in $(seq 600); do
+    grep -q 'second SIGTERM' $T/term.txt && break
+    kill -TERM $pid 2>/dev/null || break
+    sleep 0.1
+done
 wait $pid
 rc=$?
-if [ $rc -eq 1 ] && grep -q 'second SIGTERM' $T/term.txt; then ok signal_second_sigterm_exits_1
+if [ $rc -eq 1 ] && grep -q 'second SIGTERM' $T/term.txt && [ "$(wc -l < $T/term/metrics.jsonl)" -eq 2 ]; then ok signal_second_sigterm_exits_1
 else fail signal_second_sigterm_exits_1 "rc $rc: $(tail -n 2 $T/term.txt)"; fi
-expect signal_second_sigterm_resumable 0 'resumed from' -- ./train $Y $B --set run.dir=$T/term --set train.steps=3 --resume auto
+expect signal_second_sigterm_resumable 0 'resumed from .*step_00000002' -- ./train $Y $B --set run.dir=$T/term --set train.steps=3 --resume auto
 if grep -q 'skipping' $T/err.txt; then fail signal_no_corrupt_after_sigterm "$(grep skipping $T/err.txt)"; else ok signal_no_corrupt_after_sigterm; fi
-# One SIGTERM: save and exit 75.
-./train $Y $B --set run.dir=$T/term1 --set train.steps=1000 >$T/term1.txt 2>&1 &
+# One SIGTERM: save and exit 75, at the step the run waits after
+# (KILN_TEST_PAUSE_AT_STEP) until the signal has come.
+KILN_TEST_PAUSE_AT_STEP=4 ./train $Y --set run.dir=$T/term1 --set train.steps=1000 >$T/term1.txt 2>&1 &
 pid=$!
-for i in $(seq 200); do [ -s $T/term1/metrics.jsonl ] && break; sleep 0.05; done
+wait_step $T/term1/metrics.jsonl 4
 kill -TERM $pid
 wait $pid
 rc=$?
-[ $rc -eq 75 ] && [ -f $T/term1/checkpoints/latest ] && ok signal_sigterm_exit_75 || fail signal_sigterm_exit_75 "rc $rc"
+last=$(cat $T/term1/checkpoints/latest 2>/dev/null)
+[ $rc -eq 75 ] && [ "$last" = step_00000004 ] && grep -q 'stopped by Terminated after step 4' $T/term1.txt \
+    && ok signal_sigterm_exit_75 || fail signal_sigterm_exit_75 "rc $rc, latest '$last'"
 
 # checkpoint.before_time_limit under Slurm: an end time 20 s away and a margin
 # of 1000 s means "save now": one step, a checkpoint, exit 75. Once from
