@@ -448,12 +448,12 @@ static void att_ref(AttRef *a) {
                     s[j] = dot_d(q, k0 + (size_t)j * ld, hs) / sqrt(hs);
                     mx = s[j] > mx ? s[j] : mx;
                 }
-                for (int j = 0; j <= t; j++) sum += exp(s[j] - mx);
+                for (int j = 0; j <= t; j++) s[j] = exp(s[j] - mx), sum += s[j];
                 double *o = a->out + ((size_t)b * T + t) * OC + h * hs;
                 for (int c = 0; c < hs; c++) o[c] = 0.0;
                 for (int j = 0; j <= t; j++) {
-                    const double *v = v0 + (size_t)j * ld;
-                    for (int c = 0; c < hs; c++) o[c] += exp(s[j] - mx) / sum * v[c];
+                    const double *v = v0 + (size_t)j * ld, pj = s[j] / sum;
+                    for (int c = 0; c < hs; c++) o[c] += pj * v[c];
                 }
                 a->lse[((size_t)b * NH + h) * T + t] = mx + log(sum);
             }
