@@ -209,7 +209,8 @@ typedef struct Backend {
      * adds aux[e] to dL/dprobs[t][e] for every row (the load-balancing loss,
      * whose gradient does not depend on t: coef E f_e / N), and z_coef adds
      * z_coef * 2 lse softmax(logits)[e] / N (the router z-loss, mean over N
-     * rows). probs, topk, gates from moe_route; logits (N,E) act. */
+     * rows; softmax and lse of the logits under a sigmoid router too). probs,
+     * topk, gates from moe_route; logits (N,E) act. */
     void (*moe_route_backward)(void *dlogits, const float *dgates, const float *probs,
                                const int32_t *topk, const float *gates, const void *logits,
                                const float *aux, float z_coef, int N, int E, int K, int sigmoid,

@@ -127,6 +127,127 @@ static void emu_crossentropy_forward(void *logits, float *losses, const int32_t 
     else free(x);
 }
 
+/* An fp32 output buffer of n (>= 1) floats. */
+static float *emu_floats(size_t n) { return xmalloc((n ? n : 1) * sizeof(float)); }
+
+static void emu_rmsnorm_forward(void *out, float *rstd, const void *inp, const void *w, int N, int C, float eps) {
+    size_t NC = (size_t)N * C;
+    float *o = xmalloc(NC * sizeof(float)), *x = emu_wide(inp, NC), *wf = emu_wide(w, C);
+    backend_cpu.rmsnorm_forward(o, rstd, x, wf, N, C, eps);
+    emu_store(out, o, NC);
+    free(x), free(wf);
+}
+static void emu_rmsnorm_backward(void *dinp, float *dw, const void *dout, const void *inp, const void *w,
+                                 const float *rstd, int N, int C, int accumulate) {
+    size_t NC = (size_t)N * C;
+    float *di = emu_wide(dinp, NC), *d = emu_wide(dout, NC), *x = emu_wide(inp, NC), *wf = emu_wide(w, C);
+    backend_cpu.rmsnorm_backward(di, dw, d, x, wf, rstd, N, C, accumulate);
+    emu_store(dinp, di, NC);
+    free(d), free(x), free(wf);
+}
+static void emu_rope_forward(void *qkv, const float *rope, const AttnShape *sh, int pos0) {
+    size_t n = (size_t)sh->B * sh->T * attn_qkv_width(sh);
+    float *q = emu_wide(qkv, n);
+    backend_cpu.rope_forward(q, rope, sh, pos0);
+    emu_store(qkv, q, n);
+}
+static void emu_rope_backward(void *dqkv, const float *rope, const AttnShape *sh, int pos0) {
+    size_t n = (size_t)sh->B * sh->T * attn_qkv_width(sh);
+    float *q = emu_wide(dqkv, n);
+    backend_cpu.rope_backward(q, rope, sh, pos0);
+    emu_store(dqkv, q, n);
+}
+/* QK-norm weights: HD each (per_head) or NH HD and NKV HD. */
+static size_t emu_qk_wq(const AttnShape *sh, int per_head) { return (size_t)(per_head ? 1 : sh->NH) * sh->HD; }
+static size_t emu_qk_wk(const AttnShape *sh, int per_head) { return (size_t)(per_head ? 1 : sh->NKV) * sh->HD; }
+static void emu_qknorm_forward(void *qkv, void *qk_in, float *rstd, const void *qw, const void *kw,
+                               const AttnShape *sh, int per_head, float eps) {
+    size_t N = (size_t)sh->B * sh->T, n = N * attn_qkv_width(sh), ni = N * (sh->NH + sh->NKV) * sh->HD;
+    float *q = emu_wide(qkv, n), *in = xmalloc(ni * sizeof(float));
+    float *qwf = emu_wide(qw, emu_qk_wq(sh, per_head)), *kwf = emu_wide(kw, emu_qk_wk(sh, per_head));
+    backend_cpu.qknorm_forward(q, in, rstd, qwf, kwf, sh, per_head, eps);
+    emu_store(qkv, q, n);
+    emu_store(qk_in, in, ni);
+    free(qwf), free(kwf);
+}
+static void emu_qknorm_backward(void *dqkv, float *dqw, float *dkw, const void *qk_in, const void *qw,
+                                const void *kw, const float *rstd, const AttnShape *sh, int per_head,
+                                int accumulate) {
+    size_t N = (size_t)sh->B * sh->T, n = N * attn_qkv_width(sh), ni = N * (sh->NH + sh->NKV) * sh->HD;
+    float *d = emu_wide(dqkv, n), *in = emu_wide(qk_in, ni);
+    float *qwf = emu_wide(qw, emu_qk_wq(sh, per_head)), *kwf = emu_wide(kw, emu_qk_wk(sh, per_head));
+    backend_cpu.qknorm_backward(d, dqw, dkw, in, qwf, kwf, rstd, sh, per_head, accumulate);
+    emu_store(dqkv, d, n);
+    free(in), free(qwf), free(kwf);
+}
+static void emu_swiglu_forward(void *out, const void *h, int N, int F) {
+    size_t NF = (size_t)N * F;
+    float *o = emu_floats(NF), *x = emu_wide(h, 2 * NF);
+    backend_cpu.swiglu_forward(o, x, N, F);
+    emu_store(out, o, NF);
+    free(x);
+}
+static void emu_swiglu_backward(void *dh, const void *dout, const void *h, int N, int F) {
+    size_t NF = (size_t)N * F;
+    float *dx = emu_floats(2 * NF), *d = emu_wide(dout, NF), *x = emu_wide(h, 2 * NF);
+    backend_cpu.swiglu_backward(dx, d, x, N, F);
+    emu_store(dh, dx, 2 * NF);
+    free(d), free(x);
+}
+static void emu_moe_route(int32_t *topk, float *gates, float *probs, float *stats, const void *logits,
+                          const float *bias, int N, int E, int K, int sigmoid, int norm_topk) {
+    float *x = emu_wide(logits, (size_t)N * E);
+    backend_cpu.moe_route(topk, gates, probs, stats, x, bias, N, E, K, sigmoid, norm_topk);
+    free(x);
+}
+/* Permuted rows referenced by row_of (N,K): 1 + the largest. */
+static size_t emu_moe_rows(const int32_t *row_of, int N, int K) {
+    int32_t r = -1;
+    for (size_t i = 0; i < (size_t)N * K; i++) r = row_of[i] > r ? row_of[i] : r;
+    return (size_t)(r + 1);
+}
+static void emu_moe_gather(void *xp, const void *x, const int32_t *src, int R, int C) {
+    int rows = 0;
+    for (int r = 0; r < R; r++) rows = src[r] + 1 > rows ? src[r] + 1 : rows; /* x rows read */
+    float *o = emu_floats((size_t)R * C), *xf = emu_wide(x, (size_t)rows * C);
+    backend_cpu.moe_gather(o, xf, src, R, C);
+    emu_store(xp, o, (size_t)R * C);
+    free(xf);
+}
+static void emu_moe_gather_backward(void *dx, const void *dxp, const int32_t *row_of, int N, int K, int C) {
+    size_t R = emu_moe_rows(row_of, N, K);
+    float *d = emu_wide(dx, (size_t)N * C), *dp = emu_wide(dxp, R * C);
+    backend_cpu.moe_gather_backward(d, dp, row_of, N, K, C);
+    emu_store(dx, d, (size_t)N * C);
+    free(dp);
+}
+static void emu_moe_combine(void *out, const void *yp, const float *gates, const int32_t *row_of, int N, int K,
+                            int C) {
+    size_t R = emu_moe_rows(row_of, N, K);
+    float *o = emu_floats((size_t)N * C), *y = emu_wide(yp, R * C);
+    backend_cpu.moe_combine(o, y, gates, row_of, N, K, C);
+    emu_store(out, o, (size_t)N * C);
+    free(y);
+}
+static void emu_moe_combine_backward(void *dyp, float *dgates, const void *dout, const void *yp, const float *gates,
+                                     const int32_t *row_of, int N, int K, int C) {
+    size_t R = emu_moe_rows(row_of, N, K);
+    /* rows no slot references are not written: start from what dyp holds */
+    float *dy = emu_wide(dyp, R * C), *d = emu_wide(dout, (size_t)N * C), *y = emu_wide(yp, R * C);
+    backend_cpu.moe_combine_backward(dy, dgates, d, y, gates, row_of, N, K, C);
+    emu_store(dyp, dy, R * C);
+    free(d), free(y);
+}
+static void emu_moe_route_backward(void *dlogits, const float *dgates, const float *probs, const int32_t *topk,
+                                   const float *gates, const void *logits, const float *aux, float z_coef, int N,
+                                   int E, int K, int sigmoid, int norm_topk) {
+    size_t NE = (size_t)N * E;
+    float *dl = emu_floats(NE), *x = emu_wide(logits, NE);
+    backend_cpu.moe_route_backward(dl, dgates, probs, topk, gates, x, aux, z_coef, N, E, K, sigmoid, norm_topk);
+    emu_store(dlogits, dl, NE);
+    free(x);
+}
+
 /* The CPU backend's table with the act ops above; memory, fp32 ops as is. */
 static Backend emu_bf16_backend(void) {
     Backend b = backend_cpu;
@@ -143,6 +264,20 @@ static Backend emu_bf16_backend(void) {
     b.attention_backward = emu_attention_backward;
     b.gelu_forward = emu_gelu_forward;
     b.gelu_backward = emu_gelu_backward;
+    b.rmsnorm_forward = emu_rmsnorm_forward;
+    b.rmsnorm_backward = emu_rmsnorm_backward;
+    b.rope_forward = emu_rope_forward;
+    b.rope_backward = emu_rope_backward;
+    b.qknorm_forward = emu_qknorm_forward;
+    b.qknorm_backward = emu_qknorm_backward;
+    b.swiglu_forward = emu_swiglu_forward;
+    b.swiglu_backward = emu_swiglu_backward;
+    b.moe_route = emu_moe_route; /* moe_dispatch: indices only, the CPU's */
+    b.moe_gather = emu_moe_gather;
+    b.moe_gather_backward = emu_moe_gather_backward;
+    b.moe_combine = emu_moe_combine;
+    b.moe_combine_backward = emu_moe_combine_backward;
+    b.moe_route_backward = emu_moe_route_backward;
     b.residual_forward = emu_residual_forward;
     b.crossentropy_forward = emu_crossentropy_forward;
     return b;

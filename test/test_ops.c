@@ -215,6 +215,8 @@ typedef struct OpTest {
     void (*run)(const struct OpTest *t);
     int B, T, C, NH, V, Vp; /* shapes; elementwise ops use n = B*T*C */
     int fp32_only;          /* 1: no activation tensors (not rerun in bf16) */
+    int NKV, HD;            /* kv heads and head width (GQA, RoPE, QK-norm; MoE: HD = expert width) */
+    int opt;                /* op-specific: QK-norm per_head; MoE's MOE_* bits */
 } OpTest;
 
 /* ---- embed --------------------------------------------------------------- */
@@ -424,29 +426,34 @@ static void test_matmul(const OpTest *t) {
 
 /* ---- attention ------------------------------------------------------------ */
 
+/* The reference for every head layout: NH query heads over NKV kv heads
+ * (GPT-2's is NKV = NH, HD = C / NH). */
 typedef struct {
-    int B, T, C, NH;
-    double *qkv, *R, *out, *lse;
+    AttnShape s;
+    double *qkv, *R, *out, *lse; /* qkv (N, (NH + 2 NKV) HD), R, out (N, NH HD), lse (B, NH, T) */
 } AttRef;
 
 static void att_ref(AttRef *a) {
-    int T = a->T, C = a->C, NH = a->NH, hs = C / NH;
+    int T = a->s.T, NH = a->s.NH, hs = a->s.HD, ld = attn_qkv_width(&a->s), OC = NH * hs;
+    int group = NH / a->s.NKV;
     double s[T];
-    for (int b = 0; b < a->B; b++)
+    for (int b = 0; b < a->s.B; b++)
         for (int h = 0; h < NH; h++)
             for (int t = 0; t < T; t++) {
-                const double *q = a->qkv + ((size_t)b * T + t) * 3 * C + h * hs;
+                const double *q = a->qkv + ((size_t)b * T + t) * ld + h * hs;
+                const double *k0 = a->qkv + (size_t)b * T * ld + OC + (h / group) * hs;
+                const double *v0 = k0 + a->s.NKV * hs;
                 double mx = -INFINITY, sum = 0.0;
                 for (int j = 0; j <= t; j++) {
-                    s[j] = dot_d(q, a->qkv + ((size_t)b * T + j) * 3 * C + C + h * hs, hs) / sqrt(hs);
+                    s[j] = dot_d(q, k0 + (size_t)j * ld, hs) / sqrt(hs);
                     mx = s[j] > mx ? s[j] : mx;
                 }
-                for (int j = 0; j <= t; j++) sum += exp(s[j] - mx);
-                double *o = a->out + ((size_t)b * T + t) * C + h * hs;
+                for (int j = 0; j <= t; j++) s[j] = exp(s[j] - mx), sum += s[j];
+                double *o = a->out + ((size_t)b * T + t) * OC + h * hs;
                 for (int c = 0; c < hs; c++) o[c] = 0.0;
                 for (int j = 0; j <= t; j++) {
-                    const double *v = a->qkv + ((size_t)b * T + j) * 3 * C + 2 * C + h * hs;
-                    for (int c = 0; c < hs; c++) o[c] += exp(s[j] - mx) / sum * v[c];
+                    const double *v = v0 + (size_t)j * ld, pj = s[j] / sum;
+                    for (int c = 0; c < hs; c++) o[c] += pj * v[c];
                 }
                 a->lse[((size_t)b * NH + h) * T + t] = mx + log(sum);
             }
@@ -454,14 +461,14 @@ static void att_ref(AttRef *a) {
 static double att_loss(void *ctx) {
     AttRef *a = ctx;
     att_ref(a);
-    return dot_d(a->out, a->R, (size_t)a->B * a->T * a->C);
+    return dot_d(a->out, a->R, (size_t)a->s.B * a->s.T * a->s.NH * a->s.HD);
 }
 
 static void test_attention(const OpTest *t) {
     int B = t->B, T = t->T, C = t->C, NH = t->NH, N = B * T;
     size_t N3 = (size_t)N * 3 * C, NC = (size_t)N * C, NL = (size_t)B * NH * T;
     float *qkv = quant(randn(N3, 1.0f, 0.0f), N3), *R = quant(randn(NC, 1.0f, 0.0f), NC);
-    AttRef a = {B, T, C, NH, to_d(qkv, N3), to_d(R, NC), hd(NC), hd(NL)};
+    AttRef a = {{B, T, NH, NH, C / NH}, to_d(qkv, N3), to_d(R, NC), hd(NC), hd(NL)};
     void *d_qkv = da(qkv, N3), *d_out = da(NULL, NC);
     float *d_lse = df(NULL, NL);
     float *out = hf(NC), *lse = hf(NL);
@@ -524,6 +531,33 @@ static void test_attention(const OpTest *t) {
     down_a(out, d_out, NC);
     down(lse, d_lse, NL);
     check(t->name, "large_scores", maxd(err_rel(out, a.out, NC), err_rel(lse, a.lse, NL)), TOL_LARGE);
+}
+
+/* Grouped K/V heads: NH query heads read NKV < NH kv heads (t->NKV), head
+ * width HD (t->HD) independent of any C. Forward, lse and backward against
+ * finite differences, as above; a kv head's gradient sums over its group. */
+static void test_attention_gqa(const OpTest *t) {
+    AttnShape sh = {t->B, t->T, t->NH, t->NKV, t->HD};
+    int N = sh.B * sh.T;
+    size_t NW = (size_t)N * attn_qkv_width(&sh), NO = (size_t)N * sh.NH * sh.HD, NL = (size_t)sh.B * sh.NH * sh.T;
+    float *qkv = quant(randn(NW, 1.0f, 0.0f), NW), *R = quant(randn(NO, 1.0f, 0.0f), NO);
+    AttRef a = {sh, to_d(qkv, NW), to_d(R, NO), hd(NO), hd(NL)};
+    void *d_qkv = da(qkv, NW), *d_out = da(NULL, NO);
+    float *d_lse = df(NULL, NL), *out = hf(NO), *lse = hf(NL);
+    be->attention_forward(d_out, d_lse, d_qkv, &sh);
+    down_a(out, d_out, NO);
+    down(lse, d_lse, NL);
+    att_ref(&a);
+    check(t->name, "forward", err_rel(out, a.out, NO), TOL_FWD);
+    check(t->name, "forward_lse", err_rel(lse, a.lse, NL), TOL_FWD);
+
+    double *g = hd(NW);
+    fd_grad(att_loss, &a, a.qkv, NW, g);
+    void *d_dqkv = da(filled(NW, NAN), NW), *d_R = da(R, NO);
+    float *dqkv = hf(NW);
+    be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, &sh);
+    down_a(dqkv, d_dqkv, NW);
+    check(t->name, "backward", err_rel(dqkv, g, NW), TOL_BWD);
 }
 
 /* ---- gelu, add ------------------------------------------------------------ */
@@ -773,35 +807,644 @@ static void test_sumsq(const OpTest *t) {
     check_exact(t->name, "inf", isinf(be->sumsq(d_inf, n)), "-Inf in x gave a finite sum");
 }
 
+/* ---- rmsnorm -------------------------------------------------------------- */
+
+#define RMS_EPS 1e-6 /* Llama's */
+
+typedef struct {
+    int N, C;
+    double *inp, *w, *R, *out, *rstd;
+} RmsRef;
+
+static void rms_ref(RmsRef *r) {
+    for (int i = 0; i < r->N; i++) {
+        const double *x = r->inp + (size_t)i * r->C;
+        double s = 0.0;
+        for (int c = 0; c < r->C; c++) s += x[c] * x[c];
+        double rs = 1.0 / sqrt(s / r->C + RMS_EPS);
+        for (int c = 0; c < r->C; c++) r->out[(size_t)i * r->C + c] = x[c] * rs * r->w[c];
+        r->rstd[i] = rs;
+    }
+}
+static double rms_loss(void *ctx) {
+    RmsRef *r = ctx;
+    rms_ref(r);
+    return dot_d(r->out, r->R, (size_t)r->N * r->C);
+}
+
+static void test_rmsnorm(const OpTest *t) {
+    int N = t->B * t->T, C = t->C;
+    size_t NC = (size_t)N * C;
+    /* Offset 1: RMSNorm does not centre, so a mean must not be removed. */
+    float *inp = quant(randn(NC, 1.0f, 1.0f), NC), *w = quant(randn(C, 0.5f, 1.0f), C);
+    float *R = quant(randn(NC, 1.0f, 0.0f), NC);
+    RmsRef r = {N, C, to_d(inp, NC), to_d(w, C), to_d(R, NC), hd(NC), hd(N)};
+    void *d_inp = da(inp, NC), *d_w = da(w, C), *d_out = da(NULL, NC);
+    float *d_rstd = df(NULL, N), *out = hf(NC), *rstd = hf(N);
+    be->rmsnorm_forward(d_out, d_rstd, d_inp, d_w, N, C, (float)RMS_EPS);
+    down_a(out, d_out, NC);
+    down(rstd, d_rstd, N);
+    rms_ref(&r);
+    check(t->name, "forward", err_rel(out, r.out, NC), TOL_FWD);
+    check(t->name, "forward_rstd", err_rel(rstd, r.rstd, N), TOL_FWD);
+
+    double *ginp = hd(NC), *gw = hd(C);
+    fd_grad(rms_loss, &r, r.inp, NC, ginp);
+    fd_grad(rms_loss, &r, r.w, C, gw);
+    float *prior = quant(randn(NC, 1.0f, 0.0f), NC); /* dinp is "+=" */
+    void *d_dinp = da(prior, NC), *d_R = da(R, NC);
+    float *d_dw = df(filled(C, NAN), C), *dinp1 = hf(NC), *dw1 = hf(C), *g1 = hf(NC);
+    be->rmsnorm_backward(d_dinp, d_dw, d_R, d_inp, d_w, d_rstd, N, C, 0);
+    down_a(dinp1, d_dinp, NC);
+    down(dw1, d_dw, C);
+    for (size_t i = 0; i < NC; i++) g1[i] = dinp1[i] - prior[i];
+    check(t->name, "backward_dinp", err_rel(g1, ginp, NC), TOL_BWD);
+    check(t->name, "backward_dw", err_rel(dw1, gw, C), TOL_BWD);
+
+    float *dinp2 = hf(NC), *dw2 = hf(C);
+    be->rmsnorm_backward(d_dinp, d_dw, d_R, d_inp, d_w, d_rstd, N, C, 1);
+    down_a(dinp2, d_dinp, NC);
+    down(dw2, d_dw, C);
+    for (size_t i = 0; i < NC; i++) g1[i] = dinp2[i] - prior[i];
+    check(t->name, "accumulate", err_twice(dw2, dw1, C), TOL_ACC);
+    check(t->name, "dinp_adds", err_rel(g1, plus(NULL, ginp, 2.0, NC), NC), TOL_BWD);
+}
+
+/* ---- rope ----------------------------------------------------------------- */
+
+/* The table (Tmax, 2, HD/2): per position HD/2 cosines then HD/2 sines of
+ * p theta^(-2i/HD), theta 1e4, made in double and stored fp32 as a model would. */
+static float *rope_table(int Tmax, int HD) {
+    int H2 = HD / 2;
+    float *tab = hf((size_t)Tmax * HD);
+    for (int p = 0; p < Tmax; p++)
+        for (int i = 0; i < H2; i++) {
+            double a = p * pow(1e4, -2.0 * i / HD);
+            tab[(size_t)p * HD + i] = (float)cos(a);
+            tab[(size_t)p * HD + H2 + i] = (float)sin(a);
+        }
+    return tab;
+}
+
+typedef struct {
+    AttnShape s;
+    int pos0;
+    const float *tab;
+    double *qkv, *R, *out;
+} RopeRef;
+
+static void rope_ref(RopeRef *r) {
+    int N = r->s.B * r->s.T, ld = attn_qkv_width(&r->s), HD = r->s.HD, H2 = HD / 2;
+    memcpy(r->out, r->qkv, (size_t)N * ld * sizeof(double));
+    for (int i = 0; i < N; i++) {
+        const float *cs = r->tab + (size_t)(r->pos0 + i % r->s.T) * HD, *sn = cs + H2;
+        for (int h = 0; h < r->s.NH + r->s.NKV; h++) {
+            const double *x = r->qkv + (size_t)i * ld + h * HD;
+            double *o = r->out + (size_t)i * ld + h * HD;
+            for (int k = 0; k < H2; k++) {
+                o[k] = x[k] * cs[k] - x[k + H2] * sn[k];
+                o[k + H2] = x[k + H2] * cs[k] + x[k] * sn[k];
+            }
+        }
+    }
+}
+static double rope_loss(void *ctx) {
+    RopeRef *r = ctx;
+    rope_ref(r);
+    return dot_d(r->out, r->R, (size_t)r->s.B * r->s.T * attn_qkv_width(&r->s));
+}
+
+/* pos0 (t->V) > 0: a context-parallel shard's positions; the table is longer
+ * than pos0 + T, so a wrong Tmax-based stride would read the wrong rows. */
+static void test_rope(const OpTest *t) {
+    AttnShape sh = {t->B, t->T, t->NH, t->NKV, t->HD};
+    int N = sh.B * sh.T, ld = attn_qkv_width(&sh), pos0 = t->V, vcol = (sh.NH + sh.NKV) * sh.HD;
+    size_t NW = (size_t)N * ld;
+    const float *tab = rope_table(pos0 + sh.T + 5, sh.HD);
+    float *d_tab = df(tab, (size_t)(pos0 + sh.T + 5) * sh.HD);
+    float *qkv = quant(randn(NW, 1.0f, 0.0f), NW), *R = quant(randn(NW, 1.0f, 0.0f), NW);
+    RopeRef r = {sh, pos0, tab, to_d(qkv, NW), to_d(R, NW), hd(NW)};
+    void *d_qkv = da(qkv, NW);
+    float *out = hf(NW);
+    be->rope_forward(d_qkv, d_tab, &sh, pos0);
+    down_a(out, d_qkv, NW);
+    rope_ref(&r);
+    check(t->name, "forward", err_rel(out, r.out, NW), TOL_FWD);
+    int vsame = 1;
+    for (int i = 0; i < N; i++)
+        for (int c = vcol; c < ld; c++) vsame = vsame && out[(size_t)i * ld + c] == qkv[(size_t)i * ld + c];
+    check_exact(t->name, "v_untouched", vsame, "rope_forward changed v");
+
+    double *g = hd(NW);
+    fd_grad(rope_loss, &r, r.qkv, NW, g);
+    void *d_R = da(R, NW);
+    float *dq = hf(NW);
+    be->rope_backward(d_R, d_tab, &sh, pos0);
+    down_a(dq, d_R, NW);
+    check(t->name, "backward", err_rel(dq, g, NW), TOL_BWD);
+}
+
+/* ---- qknorm --------------------------------------------------------------- */
+
+typedef struct {
+    AttnShape s;
+    int per_head;
+    double *qkv, *qw, *kw, *R, *out, *rstd; /* qkv, R, out (N, QKVW); rstd (N, G) */
+} QkRef;
+
+static void qk_ref(QkRef *q) {
+    int N = q->s.B * q->s.T, ld = attn_qkv_width(&q->s), HD = q->s.HD, NH = q->s.NH, NKV = q->s.NKV;
+    int G = q->per_head ? NH + NKV : 2;
+    memcpy(q->out, q->qkv, (size_t)N * ld * sizeof(double));
+    for (int i = 0; i < N; i++)
+        for (int g = 0; g < G; g++) {
+            int isq = q->per_head ? g < NH : g == 0;
+            int st = q->per_head ? g * HD : g ? NH * HD : 0, n = q->per_head ? HD : g ? NKV * HD : NH * HD;
+            const double *x = q->qkv + (size_t)i * ld + st, *w = isq ? q->qw : q->kw;
+            double s = 0.0;
+            for (int c = 0; c < n; c++) s += x[c] * x[c];
+            double r = 1.0 / sqrt(s / n + RMS_EPS);
+            for (int c = 0; c < n; c++) q->out[(size_t)i * ld + st + c] = x[c] * r * w[c];
+            q->rstd[(size_t)i * G + g] = r;
+        }
+}
+static double qk_loss(void *ctx) {
+    QkRef *q = ctx;
+    qk_ref(q);
+    return dot_d(q->out, q->R, (size_t)q->s.B * q->s.T * attn_qkv_width(&q->s));
+}
+
+/* t->opt: per_head. dqkv enters as R for the whole row: its v part must come
+ * back unchanged (exact), its q, k parts as the gradient before the norm. */
+static void test_qknorm(const OpTest *t) {
+    AttnShape sh = {t->B, t->T, t->NH, t->NKV, t->HD};
+    int per_head = t->opt, N = sh.B * sh.T, ld = attn_qkv_width(&sh), QK = (sh.NH + sh.NKV) * sh.HD;
+    int G = per_head ? sh.NH + sh.NKV : 2, WQ = per_head ? sh.HD : sh.NH * sh.HD, WK = per_head ? sh.HD : sh.NKV * sh.HD;
+    size_t NW = (size_t)N * ld;
+    float *qkv = quant(randn(NW, 1.0f, 0.5f), NW), *R = quant(randn(NW, 1.0f, 0.0f), NW);
+    float *qw = quant(randn(WQ, 0.5f, 1.0f), WQ), *kw = quant(randn(WK, 0.5f, 1.0f), WK);
+    QkRef q = {sh, per_head, to_d(qkv, NW), to_d(qw, WQ), to_d(kw, WK), to_d(R, NW), hd(NW), hd((size_t)N * G)};
+    void *d_qkv = da(qkv, NW), *d_in = da(NULL, (size_t)N * QK), *d_qw = da(qw, WQ), *d_kw = da(kw, WK);
+    float *d_rstd = df(NULL, (size_t)N * G), *out = hf(NW), *in = hf((size_t)N * QK), *rstd = hf((size_t)N * G);
+    be->qknorm_forward(d_qkv, d_in, d_rstd, d_qw, d_kw, &sh, per_head, (float)RMS_EPS);
+    down_a(out, d_qkv, NW);
+    down_a(in, d_in, (size_t)N * QK);
+    down(rstd, d_rstd, (size_t)N * G);
+    qk_ref(&q);
+    check(t->name, "forward", err_rel(out, q.out, NW), TOL_FWD);
+    check(t->name, "forward_rstd", err_rel(rstd, q.rstd, (size_t)N * G), TOL_FWD);
+    int saved = 1;
+    for (int i = 0; i < N; i++)
+        saved = saved && memcmp(in + (size_t)i * QK, qkv + (size_t)i * ld, QK * sizeof(float)) == 0;
+    check_exact(t->name, "qk_in", saved, "qk_in is not the q, k values before the norm");
+
+    double *g = hd(NW), *gq = hd(WQ), *gk = hd(WK);
+    for (int i = 0; i < N; i++) fd_grad(qk_loss, &q, q.qkv + (size_t)i * ld, QK, g + (size_t)i * ld);
+    for (int i = 0; i < N; i++)
+        for (int c = QK; c < ld; c++) g[(size_t)i * ld + c] = R[(size_t)i * ld + c]; /* v: dqkv unchanged */
+    fd_grad(qk_loss, &q, q.qw, WQ, gq);
+    fd_grad(qk_loss, &q, q.kw, WK, gk);
+    void *d_d = da(R, NW);
+    float *d_dqw = df(filled(WQ, NAN), WQ), *d_dkw = df(filled(WK, NAN), WK);
+    float *dq = hf(NW), *dqw1 = hf(WQ), *dkw1 = hf(WK), *dqw2 = hf(WQ), *dkw2 = hf(WK);
+    be->qknorm_backward(d_d, d_dqw, d_dkw, d_in, d_qw, d_kw, d_rstd, &sh, per_head, 0);
+    down_a(dq, d_d, NW);
+    down(dqw1, d_dqw, WQ);
+    down(dkw1, d_dkw, WK);
+    check(t->name, "backward", err_rel(dq, g, NW), TOL_BWD);
+    check(t->name, "backward_dw", maxd(err_rel(dqw1, gq, WQ), err_rel(dkw1, gk, WK)), TOL_BWD);
+    int vsame = 1;
+    for (int i = 0; i < N; i++)
+        for (int c = QK; c < ld; c++) vsame = vsame && dq[(size_t)i * ld + c] == R[(size_t)i * ld + c];
+    check_exact(t->name, "v_untouched", vsame, "qknorm_backward changed dqkv's v part");
+    void *d_d2 = da(R, NW); /* in place: a fresh incoming gradient */
+    be->qknorm_backward(d_d2, d_dqw, d_dkw, d_in, d_qw, d_kw, d_rstd, &sh, per_head, 1);
+    down(dqw2, d_dqw, WQ);
+    down(dkw2, d_dkw, WK);
+    check(t->name, "accumulate", maxd(err_twice(dqw2, dqw1, WQ), err_twice(dkw2, dkw1, WK)), TOL_ACC);
+}
+
+/* ---- swiglu --------------------------------------------------------------- */
+
+typedef struct {
+    int N, F;
+    double *h, *R;
+} SwiRef;
+
+static double silu_d(double x) { return x / (1.0 + exp(-x)); }
+static double swi_loss(void *ctx) {
+    SwiRef *r = ctx;
+    double s = 0.0;
+    for (int i = 0; i < r->N; i++)
+        for (int j = 0; j < r->F; j++)
+            s += silu_d(r->h[(size_t)i * 2 * r->F + j]) * r->h[(size_t)i * 2 * r->F + r->F + j] * r->R[(size_t)i * r->F + j];
+    return s;
+}
+
+static void test_swiglu(const OpTest *t) {
+    int N = t->B * t->T, F = t->C;
+    size_t NF = (size_t)N * F;
+    float *h = randn(2 * NF, 2.0f, 0.0f), *R = quant(randn(NF, 1.0f, 0.0f), NF);
+    h[0] = 30.0f, h[1] = -30.0f, h[2] = 0.0f; /* saturated gates and zero */
+    quant(h, 2 * NF);
+    SwiRef r = {N, F, to_d(h, 2 * NF), to_d(R, NF)};
+    double *ref = hd(NF);
+    for (int i = 0; i < N; i++)
+        for (int j = 0; j < F; j++)
+            ref[(size_t)i * F + j] = silu_d(r.h[(size_t)i * 2 * F + j]) * r.h[(size_t)i * 2 * F + F + j];
+    void *d_h = da(h, 2 * NF), *d_out = da(NULL, NF);
+    float *out = hf(NF);
+    be->swiglu_forward(d_out, d_h, N, F);
+    down_a(out, d_out, NF);
+    check(t->name, "forward", err_rel(out, ref, NF), TOL_FWD);
+
+    double *g = hd(2 * NF);
+    fd_grad(swi_loss, &r, r.h, 2 * NF, g);
+    void *d_R = da(R, NF), *d_dh = da(filled(2 * NF, NAN), 2 * NF);
+    float *dh = hf(2 * NF);
+    be->swiglu_backward(d_dh, d_R, d_h, N, F);
+    down_a(dh, d_dh, 2 * NF);
+    check(t->name, "backward", err_rel(dh, g, 2 * NF), TOL_BWD);
+}
+
+/* ---- moe ------------------------------------------------------------------ */
+/* Rows: N = B T tokens, C the token width, E = V experts, K = Vp chosen per
+ * token, opt bits MOE_SIGMOID, MOE_NORM (norm_topk), MOE_BIAS. */
+
+#define MOE_SIGMOID 1
+#define MOE_NORM 2
+#define MOE_BIAS 4
+
+/* p (E) = softmax or sigmoid of x (E); returns the logsumexp of x. */
+static double moe_probs_d(const double *x, int E, int sigmoid, double *p) {
+    double mx = -INFINITY, s = 0.0;
+    for (int e = 0; e < E; e++) mx = x[e] > mx ? x[e] : mx;
+    for (int e = 0; e < E; e++) s += exp(x[e] - mx);
+    double lse = mx + log(s);
+    for (int e = 0; e < E; e++) p[e] = sigmoid ? 1.0 / (1.0 + exp(-x[e])) : exp(x[e] - lse);
+    return lse;
+}
+
+/* Router logits a backend sees (quantised). Separated: each row a random
+ * permutation of E levels 0.5 apart plus noise 0.05, so no two scores are
+ * near a tie and finite differences never cross a selection boundary. */
+static float *moe_logits(int N, int E, int separated) {
+    float *x = randn((size_t)N * E, 1.5f, 0.0f);
+    if (separated) {
+        int *perm = hbuf((size_t)E * sizeof(int));
+        for (int t = 0; t < N; t++) {
+            for (int e = 0; e < E; e++) perm[e] = e;
+            for (int e = E - 1; e > 0; e--) {
+                int j = (int)rng_below(&rng, (uint64_t)e + 1), tmp = perm[e];
+                perm[e] = perm[j], perm[j] = tmp;
+            }
+            for (int e = 0; e < E; e++)
+                x[(size_t)t * E + e] = 0.5f * (perm[e] - 0.5f * E) + 0.05f * rng_normal(&rng);
+        }
+    }
+    return quant(x, (size_t)N * E);
+}
+
+static void test_moe_route(const OpTest *t) {
+    int N = t->B * t->T, E = t->V, K = t->Vp, sig = !!(t->opt & MOE_SIGMOID), norm = !!(t->opt & MOE_NORM);
+    size_t NE = (size_t)N * E, NK = (size_t)N * K;
+    float *logits = moe_logits(N, E, 0), *bias = t->opt & MOE_BIAS ? randn(E, 0.1f, 0.0f) : NULL;
+    double *x = to_d(logits, NE), *p = hd(NE), *gates = hd(NK), *stats = hd(E + 1);
+    int32_t *topk = hbuf(NK * sizeof(int32_t));
+    for (int e = 0; e <= E; e++) stats[e] = 0.0;
+    for (int i = 0; i < N; i++) {
+        double *pi = p + (size_t)i * E, lse = moe_probs_d(x + (size_t)i * E, E, sig, pi), sum = 0.0;
+        /* Selection by sorting ranks: expert e beats f if its score is larger, or equal with e < f. */
+        for (int e = 0; e < E; e++) {
+            int rank = 0;
+            for (int f = 0; f < E; f++) {
+                double se = pi[e] + (bias ? bias[e] : 0.0), sf = pi[f] + (bias ? bias[f] : 0.0);
+                rank += sf > se || (sf == se && f < e);
+            }
+            if (rank < K) topk[(size_t)i * K + rank] = e;
+        }
+        for (int k = 0; k < K; k++) sum += pi[topk[(size_t)i * K + k]];
+        for (int k = 0; k < K; k++) gates[(size_t)i * K + k] = pi[topk[(size_t)i * K + k]] / (norm ? sum : 1.0);
+        for (int e = 0; e < E; e++) stats[e] += pi[e];
+        stats[E] += lse * lse;
+    }
+    void *d_x = da(logits, NE);
+    float *d_bias = bias ? df(bias, E) : NULL, *d_g = df(NULL, NK), *d_p = df(NULL, NE), *d_s = df(NULL, E + 1);
+    int32_t *d_topk = dbuf(NULL, NK * sizeof(int32_t)), *got_topk = hbuf(NK * sizeof(int32_t));
+    float *got_g = hf(NK), *got_p = hf(NE), *got_s = hf(E + 1);
+    be->moe_route(d_topk, d_g, d_p, d_s, d_x, d_bias, N, E, K, sig, norm);
+    be->sync();
+    be->to_host(got_topk, d_topk, NK * sizeof(int32_t));
+    down(got_g, d_g, NK);
+    down(got_p, d_p, NE);
+    down(got_s, d_s, E + 1);
+    check_exact(t->name, "topk", memcmp(got_topk, topk, NK * sizeof(int32_t)) == 0,
+                "the chosen experts or their order differ from the reference");
+    check(t->name, "probs", err_rel(got_p, p, NE), TOL_FWD);
+    check(t->name, "gates", err_rel(got_g, gates, NK), TOL_FWD);
+    check(t->name, "stats", maxd(err_rel(got_s, stats, E), err_rel(got_s + E, stats + E, 1)), TOL_FWD);
+
+    /* Ties: equal logits (and no bias) give experts 0..K-1 in order; a second
+     * call gives the same bits (exact). */
+    void *d_eq = da(filled(NE, 0.25f), NE);
+    int32_t *eq_topk = hbuf(NK * sizeof(int32_t));
+    be->moe_route(d_topk, d_g, d_p, d_s, d_eq, NULL, N, E, K, sig, norm);
+    be->sync();
+    be->to_host(eq_topk, d_topk, NK * sizeof(int32_t));
+    int ok = 1;
+    for (size_t i = 0; i < NK; i++) ok = ok && eq_topk[i] == (int32_t)(i % K);
+    check_exact(t->name, "ties_lower_index", ok, "equal scores did not go to the lower expert index");
+    be->moe_route(d_topk, d_g, d_p, d_s, d_x, d_bias, N, E, K, sig, norm);
+    float *g2 = hf(NK), *p2 = hf(NE), *s2 = hf(E + 1);
+    int32_t *topk2 = hbuf(NK * sizeof(int32_t));
+    be->sync();
+    be->to_host(topk2, d_topk, NK * sizeof(int32_t));
+    down(g2, d_g, NK);
+    down(p2, d_p, NE);
+    down(s2, d_s, E + 1);
+    check_exact(t->name, "deterministic",
+                !memcmp(topk2, got_topk, NK * sizeof(int32_t)) && !memcmp(g2, got_g, NK * 4) &&
+                    !memcmp(p2, got_p, NE * 4) && !memcmp(s2, got_s, (E + 1) * 4),
+                "two identical moe_route calls differ");
+}
+
+/* The dispatch reference, expert-major (a different loop order from a
+ * counting sort): expert e's slots are those with topk == e in (t, k) order. */
+static void dispatch_ref(int32_t *off, int32_t *row_of, int32_t *src, int32_t *counts, const int32_t *topk, int N,
+                         int E, int K, int cap) {
+    off[0] = 0;
+    for (int e = 0; e < E; e++) {
+        int n = 0;
+        for (int i = 0; i < N * K; i++) {
+            if (topk[i] != e) continue;
+            if (cap <= 0 || n < cap) {
+                row_of[i] = off[e] + n;
+                src[off[e] + n] = i / K;
+            } else {
+                row_of[i] = -1;
+            }
+            n++;
+        }
+        counts[e] = n;
+        off[e + 1] = off[e] + (cap > 0 && n > cap ? cap : n);
+    }
+}
+
+/* Index work only (fp32_only). The last expert is never chosen: a zero-token
+ * expert must have an empty row range. */
+static void test_moe_dispatch(const OpTest *t) {
+    int N = t->B * t->T, E = t->V, K = t->Vp;
+    size_t NK = (size_t)N * K, I = sizeof(int32_t);
+    int32_t *topk = hbuf(NK * I);
+    for (int i = 0; i < N; i++)
+        for (int k = 0; k < K; k++) {
+            int e, dup;
+            do {
+                e = (int)rng_below(&rng, (uint64_t)E - 1), dup = 0;
+                for (int j = 0; j < k; j++) dup = dup || topk[(size_t)i * K + j] == e;
+            } while (dup);
+            topk[(size_t)i * K + k] = e;
+        }
+    int32_t *d_topk = dbuf(topk, NK * I), *d_off = dbuf(NULL, (E + 1) * I), *d_row = dbuf(NULL, NK * I);
+    int32_t *d_src = dbuf(NULL, NK * I), *d_cnt = dbuf(NULL, E * I);
+    int caps[2] = {(int)(NK / E / 2), 0};
+    const char *what[2] = {"cap", "dropless"};
+    for (int c = 0; c < 2; c++) {
+        int32_t *off = hbuf((E + 1) * I), *row = hbuf(NK * I), *src = hbuf(NK * I), *cnt = hbuf(E * I);
+        int32_t *roff = hbuf((E + 1) * I), *rrow = hbuf(NK * I), *rsrc = hbuf(NK * I), *rcnt = hbuf(E * I);
+        dispatch_ref(roff, rrow, rsrc, rcnt, topk, N, E, K, caps[c]);
+        be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, E, K, caps[c]);
+        be->sync();
+        be->to_host(off, d_off, (E + 1) * I);
+        be->to_host(row, d_row, NK * I);
+        be->to_host(src, d_src, NK * I);
+        be->to_host(cnt, d_cnt, E * I);
+        int ok = !memcmp(off, roff, (E + 1) * I) && !memcmp(row, rrow, NK * I) && !memcmp(cnt, rcnt, E * I) &&
+                 !memcmp(src, rsrc, (size_t)roff[E] * I);
+        check_exact(t->name, what[c], ok, "offsets, row_of, src or counts differ from the reference");
+        int drops = 0, want = 0;
+        for (size_t i = 0; i < NK; i++) drops += row[i] < 0;
+        for (int e = 0; e < E; e++) want += caps[c] > 0 && cnt[e] > caps[c] ? cnt[e] - caps[c] : 0;
+        char w[32];
+        snprintf(w, sizeof w, "%s_drops", what[c]);
+        check_exact(t->name, w, drops == want && (c == 1 ? drops == 0 : drops > 0) && off[E] == (int)NK - drops,
+                    "dropped slots do not match the loads over the capacity");
+        if (c == 0) {
+            int order = 1;
+            for (int e = 0; e < E; e++)
+                for (int r = off[e] + 1; r < off[e + 1]; r++) order = order && src[r - 1] <= src[r];
+            check_exact(t->name, "token_order", order, "an expert's rows are not in token order");
+        } else {
+            check_exact(t->name, "zero_expert", cnt[E - 1] == 0 && off[E - 1] == off[E],
+                        "an expert with no tokens has a non-empty row range");
+        }
+    }
+}
+
+/* Dropless MoE equals the dense sum: gather, one product per expert on its
+ * row range (backend matmul_forward: expert e is W_e (D = t->HD, C)),
+ * combine; against sum_k gate_k W_{e_k} x_t in double. Then with a capacity
+ * (most late tokens dropped): dropped slots add nothing, a token with every
+ * slot dropped gets 0 and dgates 0 there; and moe_gather_backward's "+=". */
+static void test_moe_dense(const OpTest *t) {
+    int N = t->B * t->T, C = t->C, D = t->HD, E = t->V, K = t->Vp;
+    size_t NK = (size_t)N * K, NC = (size_t)N * C, I = sizeof(int32_t);
+    float *x = quant(randn(NC, 1.0f, 0.0f), NC), *W = quant(randn((size_t)E * D * C, 0.5f, 0.0f), (size_t)E * D * C);
+    float *logits = moe_logits(N, E, 0);
+    void *d_x = da(x, NC), *d_W = da(W, (size_t)E * D * C), *d_l = da(logits, (size_t)N * E);
+    float *d_g = df(NULL, NK), *d_p = df(NULL, (size_t)N * E), *d_s = df(NULL, E + 1), *gates = hf(NK);
+    int32_t *d_topk = dbuf(NULL, NK * I), *topk = hbuf(NK * I), *off = hbuf((E + 1) * I), *row = hbuf(NK * I);
+    int32_t *d_off = dbuf(NULL, (E + 1) * I), *d_row = dbuf(NULL, NK * I), *d_src = dbuf(NULL, NK * I);
+    int32_t *d_cnt = dbuf(NULL, E * I);
+    void *d_xp = da(NULL, NK * C), *d_yp = da(NULL, NK * D), *d_out = da(NULL, (size_t)N * D);
+    be->moe_route(d_topk, d_g, d_p, d_s, d_l, NULL, N, E, K, 0, 1);
+    be->sync();
+    be->to_host(topk, d_topk, NK * I);
+    down(gates, d_g, NK);
+    int caps[2] = {0, 3};
+    for (int c = 0; c < 2; c++) {
+        be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, E, K, caps[c]);
+        be->sync();
+        be->to_host(off, d_off, (E + 1) * I);
+        be->to_host(row, d_row, NK * I);
+        be->moe_gather(d_xp, d_x, d_src, off[E], C);
+        for (int e = 0; e < E; e++)
+            if (off[e + 1] > off[e])
+                be->matmul_forward((char *)d_yp + (size_t)off[e] * D * ab, (char *)d_xp + (size_t)off[e] * C * ab,
+                                   (char *)d_W + (size_t)e * D * C * ab, NULL, off[e + 1] - off[e], C, D);
+        be->moe_combine(d_out, d_yp, d_g, d_row, N, K, D);
+        float *out = hf((size_t)N * D);
+        double *ref = hd((size_t)N * D);
+        down_a(out, d_out, (size_t)N * D);
+        int zero = 1, all_dropped = 0;
+        for (int i = 0; i < N; i++) {
+            int kept = 0;
+            for (int d = 0; d < D; d++) {
+                double s = 0.0;
+                for (int k = 0; k < K; k++) {
+                    if (row[(size_t)i * K + k] < 0) continue;
+                    const float *w = W + ((size_t)topk[(size_t)i * K + k] * D + d) * C;
+                    double y = 0.0;
+                    for (int j = 0; j < C; j++) y += (double)w[j] * x[(size_t)i * C + j];
+                    s += gates[(size_t)i * K + k] * y;
+                }
+                ref[(size_t)i * D + d] = s;
+            }
+            for (int k = 0; k < K; k++) kept += row[(size_t)i * K + k] >= 0;
+            if (!kept) {
+                all_dropped++;
+                for (int d = 0; d < D; d++) zero = zero && out[(size_t)i * D + d] == 0.0f;
+            }
+        }
+        check(t->name, c ? "capped_equals_dense" : "dropless_equals_dense", err_rel(out, ref, (size_t)N * D), TOL_FWD);
+        if (c) {
+            check_exact(t->name, "all_dropped_zero", zero && all_dropped > 0,
+                        all_dropped ? "a token with every slot dropped got a non-zero output"
+                                    : "the capacity dropped no token entirely (test shape too loose)");
+            float *d_dg = df(filled(NK, NAN), NK), *dg = hf(NK);
+            void *d_dyp = da(NULL, NK * D), *d_dout = da(randn((size_t)N * D, 1.0f, 0.0f), (size_t)N * D);
+            be->moe_combine_backward(d_dyp, d_dg, d_dout, d_yp, d_g, d_row, N, K, D);
+            down(dg, d_dg, NK);
+            int dz = 1;
+            for (size_t i = 0; i < NK; i++) dz = dz && (row[i] >= 0 ? isfinite(dg[i]) : dg[i] == 0.0f);
+            check_exact(t->name, "dropped_dgates_zero", dz, "a dropped slot's dgates is not 0");
+        }
+    }
+    /* gather_backward (capped rows, as left by the loop): dx += sum_k dxp[row_of] */
+    float *prior = quant(randn(NC, 1.0f, 0.0f), NC), *dxp = quant(randn(NK * C, 1.0f, 0.0f), NK * C), *dx = hf(NC);
+    double *g = hd(NC);
+    for (int i = 0; i < N; i++)
+        for (int j = 0; j < C; j++) {
+            double s = 0.0;
+            for (int k = 0; k < K; k++)
+                if (row[(size_t)i * K + k] >= 0) s += dxp[(size_t)row[(size_t)i * K + k] * C + j];
+            g[(size_t)i * C + j] = s;
+        }
+    void *d_dx = da(prior, NC), *d_dxp = da(dxp, NK * C);
+    be->moe_gather_backward(d_dx, d_dxp, d_row, N, K, C);
+    down_a(dx, d_dx, NC);
+    check(t->name, "gather_backward_adds", err_rel(dx, plus(prior, g, 1.0, NC), NC), TOL_FWD);
+}
+
+/* The router's and combine's backward against finite differences of
+ * L = sum(Rm . out) + sum_t,e aux_e probs_te + z mean_t lse_t^2, out_t =
+ * sum_k gate_tk yp[row_of_tk], through the probs function and norm_topk with
+ * the selection held fixed (the backend's topk). */
+typedef struct {
+    int N, E, K, D, sig, norm;
+    const int32_t *topk, *row_of;
+    double *logits, *yp, *Rm, *aux, z, *out; /* logits (N,E), yp (N K, D), Rm, out (N, D) */
+} MoeRef;
+
+static double moe_loss(void *ctx) {
+    MoeRef *m = ctx;
+    double L = 0.0, p[64];
+    for (int t = 0; t < m->N; t++) {
+        double lse = moe_probs_d(m->logits + (size_t)t * m->E, m->E, m->sig, p), S = 0.0;
+        for (int k = 0; k < m->K; k++) S += p[m->topk[(size_t)t * m->K + k]];
+        for (int d = 0; d < m->D; d++) {
+            double o = 0.0;
+            for (int k = 0; k < m->K; k++) {
+                size_t s = (size_t)t * m->K + k;
+                o += p[m->topk[s]] / (m->norm ? S : 1.0) * m->yp[(size_t)m->row_of[s] * m->D + d];
+            }
+            m->out[(size_t)t * m->D + d] = o;
+            L += m->Rm[(size_t)t * m->D + d] * o;
+        }
+        for (int e = 0; e < m->E; e++) L += m->aux[e] * p[e];
+        L += m->z * lse * lse / m->N;
+    }
+    return L;
+}
+
+static void test_moe_backward(const OpTest *t) {
+    int N = t->B * t->T, D = t->C, E = t->V, K = t->Vp, sig = !!(t->opt & MOE_SIGMOID), norm = !!(t->opt & MOE_NORM);
+    size_t NK = (size_t)N * K, NE = (size_t)N * E, ND = (size_t)N * D, I = sizeof(int32_t);
+    const float z = 0.3f; /* larger than a run's 1e-3, so the term shows in the gradient */
+    float *logits = moe_logits(N, E, 1), *yp = quant(randn(NK * D, 1.0f, 0.0f), NK * D);
+    float *Rm = quant(randn(ND, 1.0f, 0.0f), ND), *aux = randn(E, 0.1f, 0.0f);
+    void *d_l = da(logits, NE), *d_yp = da(yp, NK * D), *d_Rm = da(Rm, ND), *d_out = da(NULL, ND);
+    float *d_g = df(NULL, NK), *d_p = df(NULL, NE), *d_s = df(NULL, E + 1), *d_aux = df(aux, E);
+    int32_t *d_topk = dbuf(NULL, NK * I), *topk = hbuf(NK * I), *row = hbuf(NK * I);
+    int32_t *d_off = dbuf(NULL, (E + 1) * I), *d_row = dbuf(NULL, NK * I), *d_src = dbuf(NULL, NK * I);
+    int32_t *d_cnt = dbuf(NULL, E * I);
+    be->moe_route(d_topk, d_g, d_p, d_s, d_l, NULL, N, E, K, sig, norm);
+    be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, E, K, 0);
+    be->sync();
+    be->to_host(topk, d_topk, NK * I);
+    be->to_host(row, d_row, NK * I);
+    MoeRef m = {N, E, K, D, sig, norm, topk, row, to_d(logits, NE), to_d(yp, NK * D), to_d(Rm, ND), to_d(aux, E), z, hd(ND)};
+    moe_loss(&m);
+    float *out = hf(ND);
+    be->moe_combine(d_out, d_yp, d_g, d_row, N, K, D);
+    down_a(out, d_out, ND);
+    check(t->name, "combine", err_rel(out, m.out, ND), TOL_FWD);
+
+    double *glog = hd(NE), *gyp = hd(NK * D), *gg = hd(NK);
+    fd_grad(moe_loss, &m, m.logits, NE, glog);
+    fd_grad(moe_loss, &m, m.yp, NK * D, gyp);
+    for (size_t s = 0; s < NK; s++) gg[s] = dot_d(m.Rm + (s / K) * D, m.yp + (size_t)row[s] * D, D);
+    float *d_dg = df(filled(NK, NAN), NK), *dg = hf(NK), *dyp = hf(NK * D), *dl = hf(NE);
+    void *d_dyp = da(filled(NK * D, NAN), NK * D), *d_dl = da(filled(NE, NAN), NE);
+    be->moe_combine_backward(d_dyp, d_dg, d_Rm, d_yp, d_g, d_row, N, K, D);
+    be->moe_route_backward(d_dl, d_dg, d_p, d_topk, d_g, d_l, d_aux, z, N, E, K, sig, norm);
+    down(dg, d_dg, NK);
+    down_a(dyp, d_dyp, NK * D);
+    down_a(dl, d_dl, NE);
+    check(t->name, "combine_backward_dyp", err_rel(dyp, gyp, NK * D), TOL_BWD);
+    check(t->name, "combine_backward_dgates", err_rel(dg, gg, NK), TOL_FWD);
+    check(t->name, "route_backward", err_rel(dl, glog, NE), TOL_BWD);
+}
+
 /* ---------------------------------------------------------------------------
  * The table. Small shapes keep the finite differences fast; the "_odd" cases
  * use sizes that are not multiples of the SIMD width or the thread count. */
 
 static const OpTest op_tests[] = {
-    /* name                run             B  T   C  NH   V    Vp  fp32_only */
-    {"embed",            test_embed,       2, 5,  8,  0,  11,   16, 0},
-    {"embed_odd",        test_embed,       3, 7,  5,  0,  13,   13, 0},
-    {"layernorm",        test_layernorm,   2, 5,  8,  0,   0,    0, 0},
-    {"layernorm_odd",    test_layernorm,   1, 7, 37,  0,   0,    0, 0},
-    {"matmul",           test_matmul,      2, 5,  8,  0,  11,    0, 0},
-    {"matmul_odd",       test_matmul,      1, 7, 37,  0,  13,    0, 0},
-    {"attention",        test_attention,   2, 5,  8,  2,   0,    0, 0},
-    {"attention_odd",    test_attention,   2, 7, 15,  3,   0,    0, 0},
+    /* name                run             B  T   C  NH   V    Vp  fp32_only NKV HD opt */
+    {"embed",            test_embed,       2, 5,  8,  0,  11,   16, 0, 0, 0, 0},
+    {"embed_odd",        test_embed,       3, 7,  5,  0,  13,   13, 0, 0, 0, 0},
+    {"layernorm",        test_layernorm,   2, 5,  8,  0,   0,    0, 0, 0, 0, 0},
+    {"layernorm_odd",    test_layernorm,   1, 7, 37,  0,   0,    0, 0, 0, 0, 0},
+    {"matmul",           test_matmul,      2, 5,  8,  0,  11,    0, 0, 0, 0, 0},
+    {"matmul_odd",       test_matmul,      1, 7, 37,  0,  13,    0, 0, 0, 0, 0},
+    {"attention",        test_attention,   2, 5,  8,  2,   0,    0, 0, 0, 0, 0},
+    {"attention_odd",    test_attention,   2, 7, 15,  3,   0,    0, 0, 0, 0, 0},
     /* T over the CPU backend's 64-row query blocks: two blocks, the last partial. */
-    {"attention_blocks", test_attention,   1, 70, 6,  2,   0,    0, 0},
+    {"attention_blocks", test_attention,   1, 70, 6,  2,   0,    0, 0, 0, 0, 0},
     /* hs 16, a multiple of 16: on CUDA with bf16 the tensor-core kernels
      * (precision.attention auto), two 64-row tiles, the last partial. */
-    {"attention_hs16",   test_attention,   1, 70, 16, 1,   0,    0, 0},
-    {"gelu",             test_gelu,        1, 1, 1003, 0,  0,    0, 0},
+    {"attention_hs16",   test_attention,   1, 70, 16, 1,   0,    0, 0, 0, 0, 0},
+    {"gelu",             test_gelu,        1, 1, 1003, 0,  0,    0, 0, 0, 0, 0},
     /* OC 16: a GeLU aux cuBLASLt takes; 13: one it cannot (ld not a multiple
      * of 8), so the CUDA backend's fallback runs */
-    {"matmul_gelu",      test_matmul_gelu, 2, 5,  8,  0,  16,    0, 0},
-    {"matmul_gelu_odd",  test_matmul_gelu, 1, 7, 37,  0,  13,    0, 0},
-    {"add",              test_add,         1, 1, 1003, 0,  0,    0, 0},
-    {"crossentropy",     test_crossentropy, 2, 5, 0,  0,  11,   16, 0},
-    {"crossentropy_odd", test_crossentropy, 1, 3, 0,  0, 997, 1024, 0},
-    {"adamw",            test_adamw,       1, 1, 1037, 0,  0,    0, 1},
-    {"sumsq",            test_sumsq,       1, 1, 100003, 0, 0,   0, 1},
+    {"matmul_gelu",      test_matmul_gelu, 2, 5,  8,  0,  16,    0, 0, 0, 0, 0},
+    {"matmul_gelu_odd",  test_matmul_gelu, 1, 7, 37,  0,  13,    0, 0, 0, 0, 0},
+    {"add",              test_add,         1, 1, 1003, 0,  0,    0, 0, 0, 0, 0},
+    {"crossentropy",     test_crossentropy, 2, 5, 0,  0,  11,   16, 0, 0, 0, 0},
+    {"crossentropy_odd", test_crossentropy, 1, 3, 0,  0, 997, 1024, 0, 0, 0, 0},
+    {"adamw",            test_adamw,       1, 1, 1037, 0,  0,    0, 1, 0, 0, 0},
+    {"sumsq",            test_sumsq,       1, 1, 100003, 0, 0,   0, 1, 0, 0, 0},
+    /* Llama ops on odd shapes (no multiple of 8, 16 or 64). GQA: NH 6 over
+     * NKV 2, then multi-query (NKV 1), HD 10 independent of C. RoPE: V is pos0. */
+    {"attention_gqa",    test_attention_gqa, 1, 37, 0, 6,  0,    0, 0,        2, 10, 0},
+    {"attention_mqa",    test_attention_gqa, 1, 37, 0, 6,  0,    0, 0,        1, 10, 0},
+    {"rmsnorm",          test_rmsnorm,     1, 37, 70, 0,   0,    0, 0, 0, 0, 0},
+    {"rope",             test_rope,        2, 9,  0,  3,   0,    0, 0,        1, 18, 0},
+    {"rope_pos0",        test_rope,        1, 7,  0,  6,  13,    0, 0,        2, 10, 0},
+    {"qknorm_head",      test_qknorm,      2, 5,  0,  3,   0,    0, 0,        1, 18, 1},
+    {"qknorm_full",      test_qknorm,      2, 5,  0,  6,   0,    0, 0,        2, 10, 0},
+    {"swiglu",           test_swiglu,      1, 37, 45, 0,   0,    0, 0, 0, 0, 0},
+    /* MoE: V is E, Vp is K, opt MOE_*; dense: C in, HD out per expert. */
+    {"moe_route_softmax", test_moe_route,  1, 37, 0,  0,   7,    3, 0,        0, 0, MOE_NORM},
+    {"moe_route_sigmoid_bias", test_moe_route, 1, 37, 0, 0, 9,   2, 0,        0, 0, MOE_SIGMOID | MOE_NORM | MOE_BIAS},
+    {"moe_route_raw",    test_moe_route,   1, 37, 0,  0,   5,    2, 0,        0, 0, 0},
+    {"moe_dispatch",     test_moe_dispatch, 1, 37, 0, 0,   6,    2, 1, 0, 0, 0},
+    {"moe_dense",        test_moe_dense,   1, 37, 10, 0,   5,    2, 0,        0, 6, 0},
+    {"moe_backward_softmax", test_moe_backward, 1, 13, 5, 0, 7,  3, 0,        0, 0, 0},
+    {"moe_backward_softmax_norm", test_moe_backward, 1, 13, 5, 0, 7, 3, 0,    0, 0, MOE_NORM},
+    {"moe_backward_sigmoid", test_moe_backward, 1, 13, 5, 0, 7,  3, 0,        0, 0, MOE_SIGMOID},
+    {"moe_backward_sigmoid_norm", test_moe_backward, 1, 13, 5, 0, 7, 3, 0,    0, 0, MOE_SIGMOID | MOE_NORM},
 };
 
 /* Run the table on `be` under `tag` (with the activation dtype be has now);

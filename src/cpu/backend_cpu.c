@@ -742,6 +742,7 @@ static void cpu_moe_route(int32_t *topk, float *gates, float *probs, float *stat
                 int after = s < prev_s || (s == prev_s && e > prev_e);
                 if (after && (best < 0 || s > bs)) best = e, bs = s;
             }
+            if (best < 0) best = k; /* only NaN scores left: stay in bounds (the loss is NaN anyway) */
             sel[k] = best;
             gt[k] = p[best];
             sum += p[best];
