@@ -352,12 +352,12 @@ static void arc_run(const char *stem, const ArcTol *tol) {
     test_report(loss_err < tol->loss, NAME("loss"), "kiln %.8f ref %.8f err %.3e (tol %.0e)", loss, f.loss,
                 loss_err, tol->loss);
     if (s.mlp == MLP_MOE) {
-        double ea = rel_diff(m.moe_aux, f.aux), ez = rel_diff(m.moe_z, f.z);
+        double ea = rel_diff(m.moe.aux, f.aux), ez = rel_diff(m.moe.z, f.z);
         NOTE("# %s aux %.8f ref %.8f (rel %.2e) z %.8f ref %.8f (rel %.2e); ref dropped slots %d\n", stem,
-             (double)m.moe_aux, f.aux, ea, (double)m.moe_z, f.z, ez, f.dropped_slots);
+             (double)m.moe.aux, f.aux, ea, (double)m.moe.z, f.z, ez, f.dropped_slots);
         test_report(ea < tol->moe_rel && ez < tol->moe_rel, NAME("moe_losses"),
-                    "aux %.8f ref %.8f rel %.2e, z %.8f ref %.8f rel %.2e (tol %.0e)", (double)m.moe_aux, f.aux,
-                    ea, (double)m.moe_z, f.z, ez, tol->moe_rel);
+                    "aux %.8f ref %.8f rel %.2e, z %.8f ref %.8f rel %.2e (tol %.0e)", (double)m.moe.aux, f.aux,
+                    ea, (double)m.moe.z, f.z, ez, tol->moe_rel);
     }
 
     /* gradients of the objective */
