@@ -35,7 +35,7 @@ CFLAGS  += -DKILN_MPI $(shell $(MPICC) --showme:compile 2>/dev/null)
 LDLIBS  += $(shell $(MPICC) --showme:link 2>/dev/null)
 endif
 
-DEB_PKGS := libyaml-dev libzstd-dev libopenblas-openmp-dev zstd python3-numpy \
+DEB_PKGS := libyaml-dev libzstd-dev libopenblas-openmp-dev zstd python3-numpy python3-torch python3-venv \
             openmpi-bin libopenmpi-dev libpmix-dev slurmctld slurmd slurm-client munge chromium
 BUILD := build
 
@@ -208,6 +208,7 @@ run: deps
 test: deps
 	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BENCH_BIN)
 	@bash scripts/fetch_gpt2_vocab.sh || echo "✗ GPT-2 vocabulary not fetched: its checks will skip"
+	@bash scripts/setup_hf.sh || echo "✗ transformers not installed: the HuggingFace checks will skip"
 	@bash test/run.sh
 
 bench: deps
