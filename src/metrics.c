@@ -588,6 +588,46 @@ static void check_warnings(Metrics *m, const MetricsStep *s) {
     m->ntimes++;
 }
 
+/* MoE fields of a metrics.jsonl record: the scalars, then "moe_load" as
+ * one array of n_experts loads per layer. */
+static void json_moe(FILE *f, const MetricsMoe *e) {
+    json_num(f, "moe_aux", e->aux);
+    json_num(f, "moe_z", e->z);
+    json_num(f, "moe_dropped", e->dropped);
+    json_num(f, "moe_load_cv", e->load_cv);
+    fputs(",\"moe_load\":[", f);
+    for (int l = 0; l < e->n_layer; l++) {
+        fputs(l ? ",[" : "[", f);
+        for (int x = 0; x < e->n_experts; x++)
+            fprintf(f, "%s%lld", x ? "," : "", (long long)e->load[(size_t)l * e->n_experts + x]);
+        fputc(']', f);
+    }
+    fputc(']', f);
+}
+
+/* TensorBoard: moe/{aux,z,dropped,load_cv} and moe/load/layer_L/expert_E,
+ * one record (the tags of a big MoE do not fit the step's fixed buffer). */
+static void tb_moe(Metrics *m, int step, const MetricsMoe *e) {
+    int n = 4 + e->n_layer * e->n_experts;
+    const char **tags = xmalloc((size_t)n * sizeof(char *));
+    char *names = xmalloc((size_t)n * 64);
+    float *vals = xmalloc((size_t)n * sizeof(float));
+    static const char *const fixed[4] = {"moe/aux", "moe/z", "moe/dropped", "moe/load_cv"};
+    double fv[4] = {e->aux, e->z, e->dropped, e->load_cv};
+    for (int i = 0; i < 4; i++) tags[i] = fixed[i], vals[i] = (float)fv[i];
+    for (int i = 4; i < n; i++) {
+        int l = (i - 4) / e->n_experts, x = (i - 4) % e->n_experts;
+        snprintf(names + (size_t)i * 64, 64, "moe/load/layer_%d/expert_%d", l, x);
+        tags[i] = names + (size_t)i * 64;
+        vals[i] = (float)e->load[i - 4];
+    }
+    size_t cap = 64 + (size_t)n * 64;
+    uint8_t *buf = xmalloc(cap);
+    size_t len = metrics_tb_encode(buf, cap, wall_now(), step, NULL, n, tags, vals);
+    if (len) metrics_tb_write_record(m->tb, buf, len);
+    free(buf), free(vals), free(names), free(tags);
+}
+
 void metrics_step(Metrics *m, const MetricsStep *s) {
     double now = kiln_now();
     double elapsed = m->elapsed_base + (now - m->t_open);
@@ -619,6 +659,7 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         fprintf(f, ",\"nonfinite_skipped\":%d", m->skipped);
         if (s->skipped) fputs(",\"skipped\":true", f);
         if (s->param_hash) fprintf(f, ",\"param_hash\":\"%016llx\"", (unsigned long long)s->param_hash);
+        if (s->moe) json_moe(f, s->moe);
         fputs("}\n", f);
         fflush(f);
     }
@@ -642,6 +683,7 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         uint8_t buf[1024];
         size_t len = metrics_tb_encode(buf, sizeof buf, wall_now(), s->step, NULL, n, tags, vals);
         metrics_tb_write_record(m->tb, buf, len);
+        if (s->moe) tb_moe(m, s->step, s->moe);
         fflush(m->tb);
     }
 
@@ -657,12 +699,15 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
     fmt_duration(elapsed, el, sizeof el);
     fmt_duration(last ? 0.0 : eta, et, sizeof et);
     if (s->step % m->log_every == 0 || last || evaluated || s->skipped) {
-        char line[512], mf[32] = "", val[32] = "";
+        char line[640], mf[32] = "", val[32] = "", moe[128] = "";
         if (m->peak > 0) snprintf(mf, sizeof mf, " | MFU %4.1f%%", 100.0 * mfu);
         if (evaluated) snprintf(val, sizeof val, " | val %.4f", s->val_loss);
-        snprintf(line, sizeof line, "step %*d/%d | loss %.4f | lr %.3e | norm %.3f | %s tok/s%s | %.0f ms | %s elapsed | ETA %s%s%s",
+        if (s->moe)
+            snprintf(moe, sizeof moe, " | moe aux %.3f z %.3f load %.0f..%.0f cv %.3f drop %.2f%%", s->moe->aux,
+                     s->moe->z, s->moe->load_min, s->moe->load_max, s->moe->load_cv, 100.0 * s->moe->dropped);
+        snprintf(line, sizeof line, "step %*d/%d | loss %.4f | lr %.3e | norm %.3f | %s tok/s%s | %.0f ms | %s elapsed | ETA %s%s%s%s",
                  (int)snprintf(NULL, 0, "%d", m->steps), s->step, m->steps, s->loss, s->lr, s->grad_norm, tok, mf,
-                 s->step_time_s * 1e3, el, et, val, s->skipped ? " | skipped" : "");
+                 s->step_time_s * 1e3, el, et, moe, val, s->skipped ? " | skipped" : "");
         metrics_print(m, "%s", line);
     }
     if (m->tty && !last && (now - m->last_bar >= 0.1)) {

@@ -43,7 +43,18 @@ typedef struct MetricsStep {
     int skipped;         /* 1: non-finite loss or gradient, no update made */
     uint64_t param_hash; /* test hook only (0 = absent): FNV-1a of the parameters */
     double device_mib;   /* peak device memory since start, MiB (0 = the backend has none: CPU) */
+    const struct MetricsMoe *moe; /* MoE models: the router's figures; NULL otherwise */
 } MetricsStep;
+
+/* One step of an MoE model: losses of the step's last micro-batch (summed
+ * over layers), slots dropped by capacity, and the loads (slots routed to
+ * each expert, all micro-batches and ranks) of every layer. */
+typedef struct MetricsMoe {
+    double aux, z, dropped;     /* dropped: fraction of routed slots */
+    double load_min, load_max, load_cv; /* over every (layer, expert) */
+    int n_layer, n_experts;
+    const int64_t *load;        /* (n_layer, n_experts) */
+} MetricsMoe;
 
 typedef struct Metrics Metrics;
 

@@ -22,13 +22,15 @@
 #include "util.h"
 
 /* MoE after an optimizer step: the step's expert loads summed over the dp
- * ranks move the balancing bias (model.moe.bias_update_rate), and a log line
- * gives the loads' spread and the drops. */
-static void moe_after_step(Model *m, Ddp *d, Metrics *mx, int step, int log_every) {
+ * ranks move the balancing bias (model.moe.bias_update_rate) and give the
+ * step's router figures for the metrics (*out; its load is *load_buf, grown
+ * here, the caller's to free). */
+static void moe_after_step(Model *m, Ddp *d, MetricsMoe *out, int64_t **load_buf) {
     const ArchSpec *s = &m->shape;
     if (s->mlp != MLP_MOE) return;
     size_t n = (size_t)s->n_layer * s->moe.n_experts;
-    int64_t *load = xmalloc(n * sizeof(int64_t));
+    if (!*load_buf) *load_buf = xmalloc(n * sizeof(int64_t));
+    int64_t *load = *load_buf;
     double lo = INFINITY, hi = 0, sum = 0, sq = 0;
     for (size_t i = 0; i < n; i++) {
         load[i] = (int64_t)ddp_sum(d, (double)m->moe.load[i]);
@@ -38,10 +40,9 @@ static void moe_after_step(Model *m, Ddp *d, Metrics *mx, int step, int log_ever
     model_moe_update_bias(m, load);
     double mean = sum / (double)n, cv = mean > 0 ? sqrt(fmax(sq / (double)n - mean * mean, 0)) / mean : 0;
     double drops = ddp_sum(d, (double)m->moe.drops), routed = ddp_sum(d, (double)m->moe.routed);
-    if (log_every > 0 && step % log_every == 0)
-        metrics_print(mx, "moe step %d: aux %.4f z %.4f | expert load min %.0f max %.0f cv %.3f | dropped %.4f", step,
-                      m->moe.aux, m->moe.z, lo, hi, cv, routed > 0 ? drops / routed : 0.0);
-    free(load);
+    *out = (MetricsMoe){.aux = m->moe.aux, .z = m->moe.z, .dropped = routed > 0 ? drops / routed : 0.0,
+                        .load_min = lo, .load_max = hi, .load_cv = cv, .n_layer = s->n_layer,
+                        .n_experts = s->moe.n_experts, .load = load};
 }
 
 /* --dry-run: the plan, without data or training. */
@@ -376,6 +377,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     double t_start = kiln_now();
     float val_loss = NAN, last_loss = NAN;
 
+    int64_t *moe_load = NULL; /* MoE: the step's loads, all ranks (moe_after_step) */
     int stopped = 0, steps_done = start_step;
     for (int step = start_step; step < c->steps && !stopped; step++) {
         double t0 = kiln_now();
@@ -404,7 +406,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         /* a non-finite loss skips the update even if its gradients look finite */
         OptimStepInfo info = {grad_norm, 1.0f, 1};
         if (isfinite(loss)) info = ddp_optim_step(&ddp, &opt, lr, grad_norm);
-        if (isfinite(loss)) moe_after_step(&model, &ddp, mx, step + 1, c->log_every);
+        MetricsMoe moe_ms = {0};
+        if (isfinite(loss)) moe_after_step(&model, &ddp, &moe_ms, &moe_load);
         model_params_changed(&model); /* the next forward casts the compute copy again */
         be->sync();
         int bad = !isfinite(loss) || info.nonfinite;
@@ -413,7 +416,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         if (!bad) last_loss = loss;
         int last = step == c->steps - 1;
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
-                          info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0};
+                          info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0,
+                          moe_ms.load ? &moe_ms : NULL};
         if (param_host) {
             /* ZeRO-2/3: this rank's fp32 shard (rank 0's is the one logged;
              * ZeRO-2's whole arena is still being refreshed) */
@@ -484,6 +488,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     free(ctx);
     optim_free(&opt);
     ddp_free(&ddp);
+    free(moe_load);
     model_free(&model);
     data_close(train);
     if (val) data_close(val);
