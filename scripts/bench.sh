@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# make bench: GPT-2 124M shape on the CPU backend at context 64 and 256; each
+# make bench: GPT-2 124M shape on the CPU backend at context 64 and 256, a
+# Llama and an MoE point of the same size at 256; each
 # point prints whole-step GFLOP/s next to the sgemm rate measured in the same
 # process; a 2-rank data-parallel point comes first (when MPI is built in).
 # The last line is the context-64 point, the headline.
@@ -31,6 +32,16 @@ if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
 else
     echo "== data-parallel point skipped: mpirun or an MPI build of ./train not found =="
 fi
+# Llama at about GPT-2 124M's size (12 x 768, GQA 12 heads / 4 kv heads,
+# SwiGLU 2048, RoPE, untied head) and an MoE of the same trunk (8 experts of
+# width 1024, top 2, one shared expert): their ratios sit next to GPT-2's.
+echo "== Llama ~125M shape (12 x 768, 12/4 heads, SwiGLU 2048), micro-batch 4, context 256 =="
+./train bench configs/bench-cpu.yaml --steps "$steps" --set model.arch=llama --set model.n_kv_head=4 \
+    --set model.seq_len=256 --set batch.total_tokens=1024
+echo "== MoE on that trunk (8 experts x 1024 wide, top 2, 1 shared), micro-batch 4, context 256 =="
+./train bench configs/bench-cpu.yaml --steps "$steps" --set model.arch=llama --set model.n_kv_head=4 \
+    --set model.mlp=moe --set model.moe.n_experts=8 --set model.moe.top_k=2 --set model.moe.n_shared=1 \
+    --set model.moe.expert_hidden=1024 --set model.seq_len=256 --set batch.total_tokens=1024
 echo "== GPT-2 124M shape, micro-batch 4, context 256 =="
 ./train bench configs/bench-cpu.yaml --steps "$steps" --set model.seq_len=256 --set batch.total_tokens=1024
 echo "== GPT-2 124M shape, micro-batch 4, context 64 =="

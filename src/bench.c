@@ -124,8 +124,11 @@ int bench_run(const Config *c, int steps) {
     double step_gflops = fpt * tokens / step_s / 1e9;
     double mm_after = matmul_rate(be, &s, N, 5);
     double mm_gflops = (mm_before > mm_after ? mm_before : mm_after) / 1e9;
-    printf("bench %s: %s | %d layers, %d wide, B=%d T=%d, %d micro-batch(es)/step, loss %.3f\n", c->run_name, desc,
-           s.n_layer, s.n_embd, B, T, c->grad_accum, loss);
+    printf("bench %s: %s | %s %s, %d layers, %d wide, B=%d T=%d, %d micro-batch(es)/step, loss %.3f\n", c->run_name,
+           desc, arch_family_name(s.family), arch_mlp_name(s.mlp), s.n_layer, s.n_embd, B, T, c->grad_accum, loss);
+    if (s.mlp == MLP_MOE)
+        printf("bench: moe %d experts top %d, %zu of %zu parameters active per token\n", s.moe.n_experts,
+               s.moe.top_k, arch_num_active_params(&s), arch_num_params(&s));
     printf("bench: step %.3f s (median of %d) | matmul %.1f GFLOP/s at the model's shapes\n", step_s, steps,
            mm_gflops);
     printf("bench: tok_per_s=%.1f step_gflops=%.1f sgemm_gflops=%.1f ratio=%.3f\n", tokens / step_s, step_gflops,
