@@ -618,6 +618,15 @@ static const char *cfg_where_of(CfgLoad *L, const char *a, const char *b) {
     return L->where[j];
 }
 
+/* The balancing bias is moved in the whole parameter arena after the step;
+ * ZeRO-2/3 keep the master in per-rank shards that would overwrite it. */
+static void cfg_check_moe(const Config *c, const ArchSpec *s, CfgLoad *L) {
+    if (s->mlp == MLP_MOE && s->moe.bias_update_rate > 0 && c->zero >= 2)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'model.moe.bias_update_rate': the balancing bias is updated outside the "
+                  "optimizer, which ZeRO-%d's parameter shards do not see yet; use parallel.zero 0 or 1, or "
+                  "bias_update_rate: 0", cfg_where_of(L, "model.moe.bias_update_rate", "parallel.zero"), c->zero);
+}
+
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {
     static const struct { const char *key; size_t off; int lo, hi; } limits[] = {
         {"parallel.tp", offsetof(Config, tp), 1, 1},
@@ -687,6 +696,7 @@ static void cfg_finish(Config *c, CfgLoad *L) {
                   cfg_where_of(L, "data.tokenizer_file", "data.tokenizer"));
     ArchSpec spec;
     arch_from_config(c, &spec); /* every architecture constraint, naming the key */
+    cfg_check_moe(c, &spec, L);
     cfg_check_batch(c, L);
     cfg_check_parallel(c, L);
     cfg_check_precision(c, L);
