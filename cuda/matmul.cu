@@ -242,6 +242,7 @@ void cuda_matmul_forward(void *out, const void *inp, const void *w, const void *
     /* The bias epilogue reads the vector with wide loads: give it only 16-byte
      * aligned vectors (every model tensor is: offsets are multiples of 16
      * elements, 32 bytes in the bf16 compute copy). */
+    if (N == 0) return; /* no rows (an expert given no tokens): nothing to write; cuBLASLt takes no empty matrix */
     const void *epi_bias = bias && mm_align(bias) >= 16 ? bias : NULL;
     int fused = epi_bias && mm_gemm(out, w, inp, OC, N, C, 1, 0, C, C, OC, 0.0f, 0, CUBLASLT_EPILOGUE_BIAS,
                                     epi_bias, NULL, 0);
@@ -253,6 +254,11 @@ void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout,
                           const void *w, int N, int C, int OC, int accumulate) {
     /* dinp (N,C) act or NULL, dw (OC,C) fp32, dbias (OC) fp32 or NULL, dout (N,OC), inp (N,C),
      * w (OC,C) act */
+    if (N == 0) { /* a sum over no rows: dw and dbias are 0 or kept, per accumulate; no dinp rows */
+        if (!accumulate) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)OC * C * sizeof(float), 0));
+        if (dbias) cuda_colsum(dbias, dout, N, OC, accumulate);
+        return;
+    }
     if (dinp) mm_gemm(dinp, w, dout, C, N, OC, 0, 0, C, OC, C, 0.0f, 0, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0);
     /* beta 0 does not read dw (BLAS semantics): garbage, even NaN, is overwritten. */
     mm_gemm(dw, inp, dout, C, OC, N, 0, 1, C, OC, C, accumulate ? 1.0f : 0.0f, 1, CUBLASLT_EPILOGUE_DEFAULT, NULL,
@@ -278,6 +284,7 @@ void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout,
 void cuda_matmul_gelu_forward(void *out_gelu, void *pre, const void *inp, const void *w, const void *bias, int N,
                               int C, int OC) {
     /* out_gelu, pre (N,OC), inp (N,C), w (OC,C), bias (OC) or NULL; all act */
+    if (N == 0) return;
     int epi = bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     if ((!bias || mm_align(bias) >= 16) && mm_gemm(out_gelu, w, inp, OC, N, C, 1, 0, C, C, OC, 0.0f, 0, epi, bias,
                                                    pre, OC))
@@ -289,6 +296,10 @@ void cuda_matmul_gelu_forward(void *out_gelu, void *pre, const void *inp, const 
 void cuda_matmul_backward_dgelu(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                                 const void *w, const void *pre, int N, int C, int OC, int accumulate) {
     /* dinp, pre, inp (N,C) act; dw (OC,C), dbias (OC) fp32 (dbias may be NULL); dout (N,OC), w (OC,C) act */
+    if (N == 0) {
+        cuda_matmul_backward(NULL, dw, dbias, dout, inp, w, N, C, OC, accumulate);
+        return;
+    }
     if (mm_gemm(dinp, w, dout, C, N, OC, 0, 0, C, OC, C, 0.0f, 0, CUBLASLT_EPILOGUE_DGELU, NULL, pre, C)) {
         cuda_matmul_backward(NULL, dw, dbias, dout, inp, w, N, C, OC, accumulate);
         return;

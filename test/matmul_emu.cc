@@ -172,6 +172,7 @@ int main(void) {
         test_matmul(37, 24, 40, 16); /* a model tensor's bias: 32 bytes (bf16) or 64 (fp32) aligned */
         test_matmul(37, 24, 40, 1);  /* under 16 bytes: the add-bias kernel */
         test_matmul(5, 20, 36, -1);
+        test_matmul(0, 24, 40, 16); /* no rows (an expert given no tokens): dw, dbias 0 or kept */
         test_gelu(37, 24, 40, 16, 1);
         test_gelu(37, 20, 36, 16, 0); /* aux ld 36 and 20: not multiples of 8, the separate ops */
         gpu->shutdown();
