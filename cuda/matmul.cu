@@ -53,12 +53,14 @@ typedef struct {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, ld;
     cublasLtMatmulAlgo_t algo;
+    unsigned long long used; /* mm_clock at the last use: the least recent is replaced when the table is full */
 } MmPlan;
 
 static cublasLtHandle_t mm_handle;
 static void *mm_workspace;
 static MmPlan mm_plans[MM_MAX_PLANS];
 static int mm_nplans;
+static unsigned long long mm_clock;
 
 void cuda_matmul_init(void) {
     if (mm_handle) return;
@@ -116,14 +118,30 @@ static void mm_refused(const MmKey *key, const char *why) {
  * values (not the memory) to know their alignment (EPILOGUE_AUX_POINTER,
  * BIAS_POINTER), which the key therefore holds; a NULL bias there would
  * promise any alignment, and a later, less aligned bias break the promise. */
+/* The table is bounded but the shapes are not: an MoE layer's expert
+ * products take as many rows (and row offsets, so alignments) as the router
+ * gave each expert, new shapes every micro-batch. When it is full the least
+ * recently used plan makes room (the model's fixed shapes stay, being used
+ * every step); a replaced plan costs one heuristic query if it comes back. */
 static MmPlan *mm_plan(const MmKey *key, const void *aux, const void *bias) {
+    mm_clock++;
     for (int i = 0; i < mm_nplans; i++)
-        if (memcmp(&mm_plans[i].key, key, sizeof *key) == 0) return &mm_plans[i];
-    if (mm_nplans == MM_MAX_PLANS)
-        kiln_fail(KILN_EXIT_RUNTIME, "cublasLt: more than %d distinct matrix-product shapes", MM_MAX_PLANS);
-    MmPlan *p = &mm_plans[mm_nplans++];
+        if (memcmp(&mm_plans[i].key, key, sizeof *key) == 0) {
+            mm_plans[i].used = mm_clock;
+            return &mm_plans[i];
+        }
+    MmPlan *p;
+    if (mm_nplans < MM_MAX_PLANS) {
+        p = &mm_plans[mm_nplans++];
+    } else { /* full: replace the least recently used */
+        p = &mm_plans[0];
+        for (int i = 1; i < MM_MAX_PLANS; i++)
+            if (mm_plans[i].used < p->used) p = &mm_plans[i];
+        mm_plan_release(p);
+    }
     memset(p, 0, sizeof *p);
     p->key = *key;
+    p->used = mm_clock;
     /* cublasLt.h: the GELU aux leading dimension must be a multiple of 8 (and
      * at least D's rows, which ld = m is); 16-byte aux pointers as for the bias. */
     if (mm_epi_has_aux(key->epi) && (key->ldaux % 8 != 0 || key->align_aux < 16)) {

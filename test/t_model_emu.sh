@@ -3,8 +3,8 @@
 # (every file of cuda/, matmul.cu over test/cublaslt_emu.h's cuBLASLt, under
 # test/cuda_emu.h) with the host C++ compiler, links it with src/model.c,
 # src/optim.c and the CPU backend (the reference), and runs test/model_emu.c:
-# a few AdamW steps of a small GPT-2 in fp32 and bf16 compared with the CPU
-# (one line per check). Needs no GPU and no nvcc; skips without g++.
+# a few AdamW steps of a small GPT-2, two Llamas and two MoE models in fp32
+# and bf16 compared with the CPU (one line per check). Needs no GPU and no nvcc; skips without g++.
 set -u
 cd "$(dirname "$0")/.."
 . test/emu_lib.sh
