@@ -15,12 +15,13 @@
 template <typename T_>
 __global__ void embed_forward_kernel(T_ *out, const int32_t *tokens, const T_ *wte, const T_ *wpe,
                                      int N, int T, int C) {
-    /* out (N,C), tokens (N), wte (Vp,C), wpe (T,C) */
+    /* out (N,C), tokens (N), wte (Vp,C), wpe (T,C) or NULL (no learned positions: a copy of the row) */
     size_t total = (size_t)N * C;
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
          e += (size_t)gridDim.x * blockDim.x) {
         size_t i = e / C, c = e % C;
-        out[e] = act_from<T_>(act_f(wte[(size_t)tokens[i] * C + c]) + act_f(wpe[(i % T) * C + c]));
+        const T_ we = wte[(size_t)tokens[i] * C + c];
+        out[e] = wpe ? act_from<T_>(act_f(we) + act_f(wpe[(i % T) * C + c])) : we;
     }
 }
 
@@ -115,12 +116,17 @@ __global__ void embed_dwpe_kernel(float *dwpe, const T_ *dout, int B, int T, int
     dwpe[e] = acc;
 }
 
+/* dwpe NULL: no learned positions (RoPE), no position gradient. R 0 (no
+ * rows): dwte keeps what it holds, dwpe is zeroed or kept per accumulate. */
 template <typename T_>
 static void embed_backward_kernels(float *dwte, float *dwpe, const void *dout, const int32_t *plan, int R,
                                    int B, int T, int C, int accumulate) {
-    dim3 grid(R, (C + 127) / 128);
-    KLAUNCH(embed_dwte_kernel<T_>, grid, 128, 0, dwte, (const T_ *)dout, plan, R, C);
-    CUDA_CHECK_LAUNCH();
+    if (R > 0) { /* a grid of 0 blocks is a launch error */
+        dim3 grid(R, (C + 127) / 128);
+        KLAUNCH(embed_dwte_kernel<T_>, grid, 128, 0, dwte, (const T_ *)dout, plan, R, C);
+        CUDA_CHECK_LAUNCH();
+    }
+    if (!dwpe) return;
     KLAUNCH(embed_dwpe_kernel<T_>, cuda_blocks((size_t)T * C, 256), 256, 0, dwpe, (const T_ *)dout, B, T, C, accumulate);
     CUDA_CHECK_LAUNCH();
 }
@@ -128,6 +134,10 @@ static void embed_backward_kernels(float *dwte, float *dwpe, const void *dout, c
 void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens, int B,
                          int T, int C, int accumulate) {
     int N = B * T;
+    if (N == 0) { /* no tokens: only dwpe's zeroing (accumulate 0) is left to do */
+        ACT_DISPATCH(embed_backward_kernels, dwte, dwpe, dout, (const int32_t *)NULL, 0, B, T, C, accumulate);
+        return;
+    }
     if ((size_t)N > embed_host_n) {
         embed_host_tok = (int32_t *)embed_grow(embed_host_tok, (size_t)N * sizeof(int32_t));
         embed_host_plan = (int32_t *)embed_grow(embed_host_plan, (size_t)(3 * N + 1) * sizeof(int32_t));
@@ -250,6 +260,7 @@ __global__ void layernorm_dinp_kernel(T_ *dinp, const T_ *dout, const T_ *inp, c
 
 static int colsum_chunks(int N) {
     int chunks = (N + 63) / 64; /* >= 64 rows per chunk ... */
+    if (chunks < 1) chunks = 1; /* N 0: one empty chunk (a grid of 0 blocks is a launch error), sums 0 */
     return chunks < 256 ? chunks : 256; /* ... and at most 256 partials */
 }
 

@@ -192,11 +192,15 @@ static unsigned swiglu_blocks(int N, int F) {
     return b > 65536 ? 65536 : b;
 }
 
+/* N 0 happens: the experts' SwiGLU over a micro-batch whose every slot was
+ * dropped (offsets[E] 0); nothing to write, so no launch. */
 template <typename T_> static void swiglu_forward_run(void *out, const void *h, int N, int F) {
+    if ((size_t)N * F == 0) return;
     KLAUNCH(swiglu_forward_kernel<T_>, swiglu_blocks(N, F), 256, 0, (T_ *)out, (const T_ *)h, N, F);
     CUDA_CHECK_LAUNCH();
 }
 template <typename T_> static void swiglu_backward_run(void *dh, const void *dout, const void *h, int N, int F) {
+    if ((size_t)N * F == 0) return;
     KLAUNCH(swiglu_backward_kernel<T_>, swiglu_blocks(N, F), 256, 0, (T_ *)dh, (const T_ *)dout, (const T_ *)h, N, F);
     CUDA_CHECK_LAUNCH();
 }

@@ -53,12 +53,14 @@ typedef struct {
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t la, lb, ld;
     cublasLtMatmulAlgo_t algo;
+    unsigned long long used; /* mm_clock at the last use: the least recent is replaced when the table is full */
 } MmPlan;
 
 static cublasLtHandle_t mm_handle;
 static void *mm_workspace;
 static MmPlan mm_plans[MM_MAX_PLANS];
 static int mm_nplans;
+static unsigned long long mm_clock;
 
 void cuda_matmul_init(void) {
     if (mm_handle) return;
@@ -116,14 +118,30 @@ static void mm_refused(const MmKey *key, const char *why) {
  * values (not the memory) to know their alignment (EPILOGUE_AUX_POINTER,
  * BIAS_POINTER), which the key therefore holds; a NULL bias there would
  * promise any alignment, and a later, less aligned bias break the promise. */
+/* The table is bounded but the shapes are not: an MoE layer's expert
+ * products take as many rows (and row offsets, so alignments) as the router
+ * gave each expert, new shapes every micro-batch. When it is full the least
+ * recently used plan makes room (the model's fixed shapes stay, being used
+ * every step); a replaced plan costs one heuristic query if it comes back. */
 static MmPlan *mm_plan(const MmKey *key, const void *aux, const void *bias) {
+    mm_clock++;
     for (int i = 0; i < mm_nplans; i++)
-        if (memcmp(&mm_plans[i].key, key, sizeof *key) == 0) return &mm_plans[i];
-    if (mm_nplans == MM_MAX_PLANS)
-        kiln_fail(KILN_EXIT_RUNTIME, "cublasLt: more than %d distinct matrix-product shapes", MM_MAX_PLANS);
-    MmPlan *p = &mm_plans[mm_nplans++];
+        if (memcmp(&mm_plans[i].key, key, sizeof *key) == 0) {
+            mm_plans[i].used = mm_clock;
+            return &mm_plans[i];
+        }
+    MmPlan *p;
+    if (mm_nplans < MM_MAX_PLANS) {
+        p = &mm_plans[mm_nplans++];
+    } else { /* full: replace the least recently used */
+        p = &mm_plans[0];
+        for (int i = 1; i < MM_MAX_PLANS; i++)
+            if (mm_plans[i].used < p->used) p = &mm_plans[i];
+        mm_plan_release(p);
+    }
     memset(p, 0, sizeof *p);
     p->key = *key;
+    p->used = mm_clock;
     /* cublasLt.h: the GELU aux leading dimension must be a multiple of 8 (and
      * at least D's rows, which ld = m is); 16-byte aux pointers as for the bias. */
     if (mm_epi_has_aux(key->epi) && (key->ldaux % 8 != 0 || key->align_aux < 16)) {
@@ -242,6 +260,7 @@ void cuda_matmul_forward(void *out, const void *inp, const void *w, const void *
     /* The bias epilogue reads the vector with wide loads: give it only 16-byte
      * aligned vectors (every model tensor is: offsets are multiples of 16
      * elements, 32 bytes in the bf16 compute copy). */
+    if (N == 0) return; /* no rows (an expert given no tokens): nothing to write; cuBLASLt takes no empty matrix */
     const void *epi_bias = bias && mm_align(bias) >= 16 ? bias : NULL;
     int fused = epi_bias && mm_gemm(out, w, inp, OC, N, C, 1, 0, C, C, OC, 0.0f, 0, CUBLASLT_EPILOGUE_BIAS,
                                     epi_bias, NULL, 0);
@@ -253,6 +272,11 @@ void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout,
                           const void *w, int N, int C, int OC, int accumulate) {
     /* dinp (N,C) act or NULL, dw (OC,C) fp32, dbias (OC) fp32 or NULL, dout (N,OC), inp (N,C),
      * w (OC,C) act */
+    if (N == 0) { /* a sum over no rows: dw and dbias are 0 or kept, per accumulate; no dinp rows */
+        if (!accumulate) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)OC * C * sizeof(float), 0));
+        if (dbias) cuda_colsum(dbias, dout, N, OC, accumulate);
+        return;
+    }
     if (dinp) mm_gemm(dinp, w, dout, C, N, OC, 0, 0, C, OC, C, 0.0f, 0, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0);
     /* beta 0 does not read dw (BLAS semantics): garbage, even NaN, is overwritten. */
     mm_gemm(dw, inp, dout, C, OC, N, 0, 1, C, OC, C, accumulate ? 1.0f : 0.0f, 1, CUBLASLT_EPILOGUE_DEFAULT, NULL,
@@ -278,6 +302,7 @@ void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout,
 void cuda_matmul_gelu_forward(void *out_gelu, void *pre, const void *inp, const void *w, const void *bias, int N,
                               int C, int OC) {
     /* out_gelu, pre (N,OC), inp (N,C), w (OC,C), bias (OC) or NULL; all act */
+    if (N == 0) return;
     int epi = bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     if ((!bias || mm_align(bias) >= 16) && mm_gemm(out_gelu, w, inp, OC, N, C, 1, 0, C, C, OC, 0.0f, 0, epi, bias,
                                                    pre, OC))
@@ -289,6 +314,10 @@ void cuda_matmul_gelu_forward(void *out_gelu, void *pre, const void *inp, const 
 void cuda_matmul_backward_dgelu(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                                 const void *w, const void *pre, int N, int C, int OC, int accumulate) {
     /* dinp, pre, inp (N,C) act; dw (OC,C), dbias (OC) fp32 (dbias may be NULL); dout (N,OC), w (OC,C) act */
+    if (N == 0) {
+        cuda_matmul_backward(NULL, dw, dbias, dout, inp, w, N, C, OC, accumulate);
+        return;
+    }
     if (mm_gemm(dinp, w, dout, C, N, OC, 0, 0, C, OC, C, 0.0f, 0, CUBLASLT_EPILOGUE_DGELU, NULL, pre, C)) {
         cuda_matmul_backward(NULL, dw, dbias, dout, inp, w, N, C, OC, accumulate);
         return;

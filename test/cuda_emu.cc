@@ -236,6 +236,28 @@ static void test_embed(void) {
         cudaFree(dg), cudaFree(dw), cudaFree(dp);
     }
     cudaFree(dtok);
+
+    /* wpe NULL (RoPE models: no learned positions): out = wte[tokens], and
+     * embed_backward leaves the position gradient alone (dwte only). */
+    Vec ref0((size_t)N * C);
+    cpu->embed_forward(ref0.data(), tok.data(), wte.data(), NULL, B, T, C);
+    CUDA_CHECK(cudaMalloc(&dtok, N * sizeof(int32_t)));
+    CUDA_CHECK(cudaMemcpy(dtok, tok.data(), N * sizeof(int32_t), cudaMemcpyHostToDevice));
+    dwte_a = dev_act(wte);
+    CUDA_CHECK(cudaMalloc(&dout, (size_t)N * C * AB));
+    gpu->embed_forward(dout, dtok, dwte_a, NULL, B, T, C);
+    check_exact("embed_forward_no_wpe", get_act(dout, (size_t)N * C), act_round(ref0));
+    for (int acc = 0; acc <= 1; acc++) {
+        Vec g = rnd_act((size_t)N * C, 1.0f), gwte = rnd((size_t)Vp * C, 1.0f), rwte = gwte;
+        cpu->embed_backward(rwte.data(), NULL, g.data(), tok.data(), B, T, C, acc);
+        void *dg = dev_act(g);
+        float *dw = dev_f32(gwte);
+        gpu->embed_backward(dw, NULL, dg, dtok, B, T, C, acc);
+        check_exact(std::string("embed_backward_no_wpe_dwte") + (acc ? "_acc1" : "_acc0"), get_f32(dw, rwte.size()),
+                    rwte);
+        cudaFree(dg), cudaFree(dw);
+    }
+    cudaFree(dwte_a), cudaFree(dout), cudaFree(dtok);
 }
 
 static void test_layernorm(int N, int C) {
@@ -752,6 +774,78 @@ static void test_moe(int N, int E, int K, int C, int sigmoid, int norm_topk, int
     for (void *p : ptrs) cudaFree(p);
 }
 
+/* Every op with a row count at 0 rows (an MoE micro-batch whose every slot
+ * was dropped runs the experts' SwiGLU and gather on 0 rows): no launch of
+ * an empty grid (the emulation refuses one as the GPU does, and the op's
+ * CUDA_CHECK_LAUNCH ends the run), and what such a call defines — sums over
+ * no rows, zeroed or kept per accumulate; MoE statistics and offsets 0 — the
+ * CPU's exactly. Outputs with no rows are never read. */
+static void test_zero_rows(void) {
+    const int C = 40, F = 24, E = 4, K = 2, T = 7;
+    const AttnShape a0 = {0, T, 6, 2, 10};
+    Vec w = rnd_act(C, 1.0f, 1.0f), wq = rnd_act(a0.HD, 1.0f, 1.0f), wk = rnd_act(a0.HD, 1.0f, 1.0f);
+    void *dw = dev_act(w), *dwq = dev_act(wq), *dwk = dev_act(wk), *dnone;
+    CUDA_CHECK(cudaMalloc(&dnone, 64)); /* the (0, .) tensors: never read or written */
+    float *fnone = (float *)dnone;
+    int32_t *inone = (int32_t *)dnone;
+    Vec tab((size_t)T * a0.HD, 0.5f);
+    float *dtab = dev_f32(tab);
+    gpu->rmsnorm_forward(dnone, fnone, dnone, dw, 0, C, 1e-5f);
+    gpu->layernorm_forward(dnone, fnone, fnone, dnone, dw, dw, 0, C, 1e-5f);
+    gpu->rope_forward(dnone, dtab, &a0, 0);
+    gpu->rope_backward(dnone, dtab, &a0, 0);
+    gpu->qknorm_forward(dnone, dnone, fnone, dwq, dwk, &a0, 1, 1e-6f);
+    gpu->swiglu_forward(dnone, dnone, 0, F);
+    gpu->swiglu_backward(dnone, dnone, dnone, 0, F);
+    gpu->moe_gather(dnone, dnone, inone, 0, C);
+    gpu->moe_gather_backward(dnone, dnone, inone, 0, K, C);
+    gpu->moe_combine(dnone, dnone, fnone, inone, 0, K, C);
+    gpu->moe_combine_backward(dnone, fnone, dnone, dnone, fnone, inone, 0, K, C);
+    gpu->moe_route_backward(dnone, fnone, fnone, inone, fnone, dnone, NULL, 1e-2f, 0, E, K, 0, 1);
+    for (int acc = 0; acc <= 1; acc++) {
+        std::string s = acc ? "_acc1" : "_acc0";
+        Vec g = rnd(C, 1.0f), gb = rnd(C, 1.0f), gq = rnd(a0.HD, 1.0f), gk = rnd(a0.HD, 1.0f);
+        Vec rg = g, rgb = gb, rgq = gq, rgk = gk;
+        cpu->rmsnorm_backward(NULL, rg.data(), NULL, NULL, w.data(), NULL, 0, C, acc);
+        float *d1 = dev_f32(g);
+        gpu->rmsnorm_backward(dnone, d1, dnone, dnone, dw, fnone, 0, C, acc);
+        check_exact("zero_rows_rmsnorm_backward_dw" + s, get_f32(d1, C), rg);
+        rg = g;
+        cpu->layernorm_backward(NULL, rg.data(), rgb.data(), NULL, NULL, w.data(), NULL, NULL, 0, C, acc);
+        float *d2 = dev_f32(g), *d3 = dev_f32(gb);
+        gpu->layernorm_backward(dnone, d2, d3, dnone, dnone, dw, fnone, fnone, 0, C, acc);
+        check_exact("zero_rows_layernorm_backward_dw" + s, get_f32(d2, C), rg);
+        check_exact("zero_rows_layernorm_backward_db" + s, get_f32(d3, C), rgb);
+        cpu->qknorm_backward(NULL, rgq.data(), rgk.data(), NULL, wq.data(), wk.data(), NULL, &a0, 1, acc);
+        float *d4 = dev_f32(gq), *d5 = dev_f32(gk);
+        gpu->qknorm_backward(dnone, d4, d5, dnone, dwq, dwk, fnone, &a0, 1, acc);
+        check_exact("zero_rows_qknorm_backward_dqw" + s, get_f32(d4, a0.HD), rgq);
+        check_exact("zero_rows_qknorm_backward_dkw" + s, get_f32(d5, a0.HD), rgk);
+        Vec gte = rnd((size_t)3 * C, 1.0f), gpe = rnd((size_t)T * C, 1.0f), rte = gte, rpe = gpe;
+        cpu->embed_backward(rte.data(), rpe.data(), NULL, NULL, 0, T, C, acc);
+        float *d6 = dev_f32(gte), *d7 = dev_f32(gpe);
+        gpu->embed_backward(d6, d7, dnone, inone, 0, T, C, acc);
+        check_exact("zero_rows_embed_backward_dwte" + s, get_f32(d6, rte.size()), rte);
+        check_exact("zero_rows_embed_backward_dwpe" + s, get_f32(d7, rpe.size()), rpe);
+        cudaFree(d1), cudaFree(d2), cudaFree(d3), cudaFree(d4), cudaFree(d5), cudaFree(d6), cudaFree(d7);
+    }
+    Vec stats(E + 1), rstats(E + 1);
+    cpu->moe_route(NULL, NULL, NULL, rstats.data(), NULL, NULL, 0, E, K, 0, 1);
+    float *dstats = dev_f32(Vec(E + 1, NAN));
+    gpu->moe_route(inone, fnone, fnone, dstats, dnone, NULL, 0, E, K, 0, 1);
+    check_exact("zero_rows_moe_route_stats", get_f32(dstats, E + 1), rstats);
+    std::vector<int32_t> off(E + 1, -7), cnt(E, -7);
+    cpu->moe_dispatch(off.data(), NULL, NULL, cnt.data(), NULL, 0, E, K, 3);
+    int32_t *doff = dev_i32(std::vector<int32_t>(E + 1, -7)), *dcnt = dev_i32(std::vector<int32_t>(E, -7));
+    gpu->moe_dispatch(doff, inone, inone, dcnt, inone, 0, E, K, 3);
+    check_exact("zero_rows_moe_dispatch_offsets", dev_i32_get(doff, E + 1), i32_vec(off));
+    check_exact("zero_rows_moe_dispatch_counts", dev_i32_get(dcnt, E), i32_vec(cnt));
+    report_s("zero_rows_launches", cudaGetLastError() == cudaSuccess,
+             "every op at 0 rows returned without an invalid launch");
+    void *ptrs[] = {dw, dwq, dwk, dnone, dtab, dstats, doff, dcnt};
+    for (void *p : ptrs) cudaFree(p);
+}
+
 int main(void) {
     cpu->init(1);
     for (int bf = 0; bf <= 1; bf++) {
@@ -826,6 +920,7 @@ int main(void) {
         test_moe(37, 5, 2, 70, 1, 1, 1, 0);
         test_moe(37, 5, 2, 70, 0, 0, 0, 9);   /* capacity drops */
         test_moe(600, 5, 2, 18, 1, 0, 1, 100); /* several dispatch tiles, drops */
+        test_zero_rows();
         gpu->shutdown();
     }
     return 0;

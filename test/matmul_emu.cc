@@ -160,6 +160,31 @@ static void test_gelu(int N, int C, int OC, int boff, int want_fused) {
     report("dgelu_fused_" + s, f == want_fused, f ? "DGELU epilogue" : "separate GeLU backward");
 }
 
+/* More distinct shapes than the plan table holds (an MoE run brings new
+ * expert row counts every micro-batch): the least recently used plan makes
+ * room, a shape used all along keeps its plan, and every product is right. */
+static void test_plan_eviction(void) {
+    const int C = 8, OC = 16, NMAX = MM_MAX_PLANS + 40, NHOT = 5;
+    Vec inp = rnd_act((size_t)NMAX * C, 1.0f), w = rnd_act((size_t)OC * C, 0.3f);
+    void *di = dev_put(inp, 0, AB), *dw = dev_put(w, 0, AB), *out = dev_out((size_t)NMAX * OC, AB);
+    double err = 0.0;
+    for (int n = NHOT + 1; n <= NMAX; n++) {
+        gpu->matmul_forward(out, di, dw, NULL, NHOT, C, OC); /* the hot shape, every time */
+        gpu->matmul_forward(out, di, dw, NULL, n, C, OC);
+        Vec ref((size_t)n * OC);
+        cpu->matmul_forward(ref.data(), inp.data(), w.data(), NULL, n, C, OC);
+        double e = test_max_rel(get(out, (size_t)n * OC, AB).data(), act_round(ref).data(), ref.size());
+        err = e > err || e != e ? e : err;
+    }
+    int hot = 0;
+    for (int i = 0; i < mm_nplans; i++) hot |= mm_plans[i].key.n == NHOT && mm_plans[i].usable;
+    char b[160];
+    snprintf(b, sizeof b, "%d shapes through a table of %d: hot shape %s, worst err %.2e (tol %.0e)", NMAX - NHOT + 1,
+             mm_nplans, hot ? "kept" : "EVICTED", err, tol_act());
+    report("plan_table_evicts_least_recent", hot && mm_nplans == MM_MAX_PLANS && err <= tol_act(), b);
+    cudaFree(di), cudaFree(dw), cudaFree(out);
+}
+
 int main(void) {
     cpu->init(1);
     for (int bf = 0; bf <= 1; bf++) {
@@ -172,8 +197,10 @@ int main(void) {
         test_matmul(37, 24, 40, 16); /* a model tensor's bias: 32 bytes (bf16) or 64 (fp32) aligned */
         test_matmul(37, 24, 40, 1);  /* under 16 bytes: the add-bias kernel */
         test_matmul(5, 20, 36, -1);
+        test_matmul(0, 24, 40, 16); /* no rows (an expert given no tokens): dw, dbias 0 or kept */
         test_gelu(37, 24, 40, 16, 1);
         test_gelu(37, 20, 36, 16, 0); /* aux ld 36 and 20: not multiples of 8, the separate ops */
+        test_plan_eviction();
         gpu->shutdown();
         report("descriptors_destroyed", emu_lt_live == 0, std::to_string(emu_lt_live) + " cuBLASLt objects live");
     }

@@ -19,12 +19,18 @@
 #include "optim.h"
 #include "util.h"
 
+#define TRACE_MOE_LOADS 64 /* n_layer * n_experts at most */
+
 typedef struct {
     float loss[STEPS * ACCUM];
     double norm[STEPS];
     float *grads;  /* (num_params) after the last backward */
     float *params; /* (num_params) after the last step */
     size_t n;
+    /* MoE models: slots routed to each (layer, expert) and slots dropped,
+     * summed over every training forward (ModelMoeStats); 0 otherwise */
+    int64_t moe_load[TRACE_MOE_LOADS];
+    int64_t moe_routed, moe_drops;
 } Trace;
 
 static void trace_batch(int32_t *inp, int32_t *tgt, uint64_t seed) {
@@ -71,6 +77,14 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
     }
     t->params = xmalloc(t->n * sizeof(float));
     model_params_to_host(&m, t->params);
+    memset(t->moe_load, 0, sizeof t->moe_load);
+    if (m.moe.load) {
+        size_t nl = (size_t)m.shape.n_layer * m.shape.moe.n_experts;
+        if (nl > TRACE_MOE_LOADS)
+            kiln_fail(KILN_EXIT_RUNTIME, "model_trace: %zu MoE loads, room for %d", nl, TRACE_MOE_LOADS);
+        memcpy(t->moe_load, m.moe.load, nl * sizeof(int64_t));
+    }
+    t->moe_routed = m.moe.routed, t->moe_drops = m.moe.drops;
     optim_free(&o);
     model_free(&m);
 }
