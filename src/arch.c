@@ -125,9 +125,9 @@ void arch_from_config(const Config *c, ArchSpec *s) {
     arch_resolve(s);
 }
 
-int arch_moe_capacity(const ArchSpec *s, int N) {
+int arch_moe_capacity(const ArchSpec *s, int T) {
     if (s->mlp != MLP_MOE || s->moe.capacity_factor <= 0) return 0;
-    double cap = ceil((double)s->moe.capacity_factor * N * s->moe.top_k / s->moe.n_experts);
+    double cap = ceil((double)s->moe.capacity_factor * T * s->moe.top_k / s->moe.n_experts);
     return cap < 1 ? 1 : (int)cap;
 }
 

@@ -25,7 +25,7 @@ typedef struct ArchMoe {
     int expert_hidden;              /* width of one expert's SwiGLU */
     int sigmoid;                    /* router: 0 softmax, 1 sigmoid (gates then always renormalised) */
     int norm_topk;                  /* renormalise the chosen gates to sum to one */
-    float capacity_factor;          /* 0: dropless; else cap = ceil(cf * tokens * top_k / n_experts) */
+    float capacity_factor;          /* 0: dropless; else cap = ceil(cf * seq_tokens * top_k / n_experts) per sequence */
     float aux_loss_coef, z_loss_coef, bias_update_rate;
 } ArchMoe;
 
@@ -116,8 +116,8 @@ static inline int arch_q_width(const ArchSpec *s) { return s->n_head * s->head_d
 static inline int arch_qkv_width(const ArchSpec *s) { return (s->n_head + 2 * s->n_kv_head) * s->head_dim; }
 /* Rows of the first MLP product: ffn_hidden (GeLU) or 2 ffn_hidden (SwiGLU: gate | up). */
 static inline int arch_fc_width(const ArchSpec *s) { return s->mlp == MLP_GELU ? s->ffn_hidden : 2 * s->ffn_hidden; }
-/* Expert capacity for N tokens (0: dropless). */
-int arch_moe_capacity(const ArchSpec *s, int N);
+/* Expert capacity for a sequence of T tokens (0: dropless). */
+int arch_moe_capacity(const ArchSpec *s, int T);
 
 /* Counts. Total parameters; active per token (MoE: top_k of the routed
  * experts, all of the rest); training FLOPs per token at context T:

@@ -168,6 +168,9 @@ typedef struct Backend {
 
     /* Mixture of experts (model.mlp moe; docs/architectures.md). Routing is
      * deterministic: ties between equal scores go to the lower expert index.
+     * The N rows are N / S sequences of S tokens (S divides N): statistics,
+     * loads and capacity are per sequence, so they do not depend on how
+     * sequences are grouped into micro-batches and ranks.
      *
      * moe_route: logits (N,E) act from the router product. probs (N,E) fp32 =
      * softmax(logits) (sigmoid 0) or sigmoid(logits) (sigmoid 1), saved for
@@ -175,20 +178,22 @@ typedef struct Backend {
      * (E) fp32 or NULL: DeepSeek-V3's balancing bias, used for selection
      * only), in descending order, into topk (N,K) int32. gates (N,K) fp32 =
      * the chosen probs, divided by their sum when norm_topk (the sum is taken
-     * of the probs, not probs + bias). stats (E + 1) fp32: [e] = sum over the
-     * N rows of probs[., e], [E] = sum of lse^2 where lse = logsumexp of the
-     * row's logits (the z-loss), both summed in row order. */
+     * of the probs, not probs + bias). stats (N/S, E + 1) fp32, per sequence
+     * b: [b][e] = sum over its S rows of probs[., e], [b][E] = sum of lse^2
+     * where lse = logsumexp of the row's logits (the z-loss), both summed in
+     * row order. */
     void (*moe_route)(int32_t *topk, float *gates, float *probs, float *stats, const void *logits,
-                      const float *bias, int N, int E, int K, int sigmoid, int norm_topk);
+                      const float *bias, int N, int S, int E, int K, int sigmoid, int norm_topk);
     /* moe_dispatch: the permutation. Slot (t, k) goes to expert topk[t][k];
      * each expert takes its slots in token order (t, then k), at most cap of
-     * them (cap <= 0: all; later ones are dropped). offsets (E+1) int32: expert
-     * e owns permuted rows [offsets[e], offsets[e+1]); row_of (N,K) int32: the
-     * permuted row of slot (t,k), -1 if dropped; src (N K) int32: token of
-     * each permuted row (rows past offsets[E] are unused). counts (E) int32:
-     * slots routed to each expert before any drop (the load). */
+     * each sequence's (cap <= 0: all; a sequence's later ones are dropped).
+     * offsets (E+1) int32: expert e owns permuted rows [offsets[e],
+     * offsets[e+1]); row_of (N,K) int32: the permuted row of slot (t,k), -1 if
+     * dropped; src (N K) int32: token of each permuted row (rows past
+     * offsets[E] are unused). counts (N/S, E) int32: slots of each sequence
+     * routed to each expert before any drop (the load). */
     void (*moe_dispatch)(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts,
-                         const int32_t *topk, int N, int E, int K, int cap);
+                         const int32_t *topk, int N, int S, int E, int K, int cap);
     /* xp(R, C) act = x[src[r]] for the R = offsets[E] permuted rows. */
     void (*moe_gather)(void *xp, const void *x, const int32_t *src, int R, int C);
     /* dx(N,C) act += sum over k of dxp[row_of[t][k]] (dropped slots skipped),
@@ -205,16 +210,16 @@ typedef struct Backend {
                                  const float *gates, const int32_t *row_of, int N, int K, int C);
     /* The router's backward: dlogits(N,E) act (overwritten) = gradient through
      * gates (from dgates, following norm_topk and the probs function; the
-     * selection is constant) plus the auxiliary losses': aux (E) fp32 or NULL
-     * adds aux[e] to dL/dprobs[t][e] for every row (the load-balancing loss,
-     * whose gradient does not depend on t: coef E f_e / N), and z_coef adds
+     * selection is constant) plus the auxiliary losses': aux (N/S, E) fp32 or
+     * NULL adds aux[t / S][e] to dL/dprobs[t][e] (the load-balancing loss,
+     * whose gradient is the same for every row of a sequence), and z_coef adds
      * z_coef * 2 lse softmax(logits)[e] / N (the router z-loss, mean over N
      * rows; softmax and lse of the logits under a sigmoid router too). probs,
      * topk, gates from moe_route; logits (N,E) act. */
     void (*moe_route_backward)(void *dlogits, const float *dgates, const float *probs,
                                const int32_t *topk, const float *gates, const void *logits,
-                               const float *aux, float z_coef, int N, int E, int K, int sigmoid,
-                               int norm_topk);
+                               const float *aux, float z_coef, int N, int S, int E, int K,
+                               int sigmoid, int norm_topk);
 
     /* Optional fused MLP ops, NULL where the backend has nothing faster than
      * the separate ops (the CPU). Host code uses them when present and

@@ -339,7 +339,6 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     if (s->pos == POS_ROPE) rope_table(m);
     if (E) {
         m->moe.load = xcalloc((size_t)L * E, sizeof(int64_t));
-        m->stats_host = xcalloc((size_t)E + 1, sizeof(float));
     }
 }
 
@@ -391,6 +390,8 @@ void model_free(Model *m) {
     free(m->slot);
     free(m->moe.load);
     free(m->stats_host);
+    free(m->auxg_host);
+    free(m->counts_host);
     if (m->be && m->rope) m->be->free(m->rope);
     free(m->cbuf);
     free(m->unit_cbuf);
@@ -517,12 +518,12 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
             TAKE(a->router, N * E, ab);
             TAKE(a->probs, N * E, F);
             TAKE(a->gates, N * K, F);
-            TAKE(a->stats, E + 1, F);
+            TAKE(a->stats, (size_t)B * (E + 1), F);
             TAKE(a->topk, N * K, I);
             TAKE(a->row_of, N * K, I);
             TAKE(a->src, R, I);
             TAKE(a->offsets, E + 1, I);
-            TAKE(a->counts, E, I);
+            TAKE(a->counts, (size_t)B * E, I);
             TAKE(a->xp, R * C, ab);
             TAKE(a->hp, R * 2 * Fe, ab);
             TAKE(a->hp_act, R * Fe, ab);
@@ -546,7 +547,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     TAKE(m->lnf_rstd, N, F);
     TAKE(m->logits, N * (size_t)s->padded_vocab, ab);
     TAKE(m->losses, N, F);
-    if (moe) TAKE(m->aux, E * s->n_layer, F);
+    if (moe) TAKE(m->aux, (size_t)B * E * s->n_layer, F);
     /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf (N,
      * the widest of NH HD, F, S, C), dbuf2 (N, the widest of the first MLP
      * product and 2S), dqkv (N,QKVW), dln (N,C); MoE: dyp and dxp (R,C),
@@ -583,9 +584,13 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, NULL);
     m->act_mem = m->be->alloc(m->act_size);
     plan_bytes(&m->shape, B, T, m->act_bytes, r, m);
-    if (m->shape.mlp == MLP_MOE)
-        for (int l = 0; l < m->shape.n_layer; l++)
-            m->acts[l].offsets_host = xcalloc((size_t)m->shape.moe.n_experts + 1, sizeof(int32_t));
+    if (m->shape.mlp == MLP_MOE) {
+        size_t E = (size_t)m->shape.moe.n_experts;
+        for (int l = 0; l < m->shape.n_layer; l++) m->acts[l].offsets_host = xcalloc(E + 1, sizeof(int32_t));
+        m->stats_host = xrealloc(m->stats_host, (size_t)B * (E + 1) * sizeof(float));
+        m->auxg_host = xrealloc(m->auxg_host, (size_t)B * E * sizeof(float));
+        m->counts_host = xrealloc(m->counts_host, (size_t)B * E * sizeof(int32_t));
+    }
     m->tokens_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
     m->targets_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
     m->losses_host = xcalloc((size_t)B * T, sizeof(float));
@@ -673,7 +678,7 @@ static void experts_forward(Model *m, int l, LayerActs *a) {
 
 /* out (N,C) = sum_k gate * expert(x) (+ the shared experts, added to res3
  * by the caller); router statistics into the losses and loads. */
-static void moe_forward(Model *m, int l, int N, float dloss, int train) {
+static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
     const ArchMoe *mo = &s->moe;
@@ -682,9 +687,9 @@ static void moe_forward(Model *m, int l, int N, float dloss, int train) {
     void *proj = m->scratch;
     int bi = model_tensor_index(m, l, ROLE_ROUTER_BIAS, -1);
     be->matmul_forward(a->router, a->ln2, W(m, l, ROLE_ROUTER_W), NULL, N, C, E);
-    be->moe_route(a->topk, a->gates, a->probs, a->stats, a->router, bi < 0 ? NULL : m->pview[bi], N, E, K,
+    be->moe_route(a->topk, a->gates, a->probs, a->stats, a->router, bi < 0 ? NULL : m->pview[bi], N, T, E, K,
                   mo->sigmoid, mo->norm_topk);
-    be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, E, K, arch_moe_capacity(s, N));
+    be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, T, E, K, arch_moe_capacity(s, T));
     /* The experts' row ranges decide the products' sizes: the one host
      * synchronisation of an MoE layer. */
     be->to_host(a->offsets_host, a->offsets, (size_t)(E + 1) * sizeof(int32_t));
@@ -699,34 +704,37 @@ static void moe_forward(Model *m, int l, int N, float dloss, int train) {
         be->matmul_forward(proj, a->sh_act, W(m, l, ROLE_SHARED_DOWN_W), NULL, N, S, C);
         be->residual_forward(a->res3, a->res3, proj, (size_t)N * C);
     }
-    /* Losses: aux = E sum_e f_e P_e (f_e = load / (N K), P_e = mean prob),
-     * z = mean lse^2; the aux gradient per expert for the backward. */
-    int32_t *counts = xmalloc((size_t)E * sizeof(int32_t));
-    be->to_host(counts, a->counts, (size_t)E * sizeof(int32_t));
-    be->to_host(m->stats_host, a->stats, (size_t)(E + 1) * sizeof(float));
-    double aux = 0;
-    float *auxg = xmalloc((size_t)E * sizeof(float));
+    /* Losses per sequence b of T tokens, averaged over the B sequences:
+     * aux_b = E sum_e f_be P_be (f = load / (T K), P = mean prob), z = mean
+     * lse^2; the aux gradient per (sequence, expert) for the backward. */
+    int B = N / T;
+    be->to_host(m->counts_host, a->counts, (size_t)B * E * sizeof(int32_t));
+    be->to_host(m->stats_host, a->stats, (size_t)B * (E + 1) * sizeof(float));
+    double aux = 0, z = 0;
     int64_t routed = 0;
-    for (int e = 0; e < E; e++) {
-        double f = (double)counts[e] / ((double)N * K);
-        aux += f * m->stats_host[e] / N;
-        auxg[e] = (float)(mo->aux_loss_coef * E * f * dloss);
-        routed += counts[e];
-        if (train) m->moe.load[(size_t)l * E + e] += counts[e];
+    for (int b = 0; b < B; b++) {
+        const int32_t *cnt = m->counts_host + (size_t)b * E;
+        const float *st = m->stats_host + (size_t)b * (E + 1);
+        for (int e = 0; e < E; e++) {
+            double f = (double)cnt[e] / ((double)T * K);
+            aux += f * st[e] / T;
+            m->auxg_host[(size_t)b * E + e] = (float)(mo->aux_loss_coef * E * f * dloss);
+            routed += cnt[e];
+            if (train) m->moe.load[(size_t)l * E + e] += cnt[e];
+        }
+        z += st[E];
     }
-    m->moe.aux += E * aux;
-    m->moe.z += m->stats_host[E] / N;
+    m->moe.aux += E * aux / B;
+    m->moe.z += z / N;
     if (train) {
         m->moe.routed += routed;
         m->moe.drops += routed - a->offsets_host[E];
     }
-    be->to_device(m->aux + (size_t)l * E, auxg, (size_t)E * sizeof(float));
-    free(auxg);
-    free(counts);
+    be->to_device(m->aux + (size_t)l * B * E, m->auxg_host, (size_t)B * E * sizeof(float));
 }
 
 /* res3 = res2 + mlp(norm2(res2)): GeLU, SwiGLU or MoE. */
-static void mlp_forward(Model *m, int l, int N, int fuse, float dloss, int train) {
+static void mlp_forward(Model *m, int l, int N, int T, int fuse, float dloss, int train) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
     LayerActs *a = &m->acts[l];
@@ -734,7 +742,7 @@ static void mlp_forward(Model *m, int l, int N, int fuse, float dloss, int train
     void *proj = m->scratch;
     norm_forward(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W), W(m, l, ROLE_MLP_NORM_B), N);
     if (s->mlp == MLP_MOE) {
-        moe_forward(m, l, N, dloss, train);
+        moe_forward(m, l, N, T, dloss, train);
         return;
     }
     if (fuse) {
@@ -769,7 +777,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     for (int l = 0; l < L; l++) {
         use_layer(m, l, 0);
         attn_forward(m, l, x, B, T);
-        mlp_forward(m, l, N, fuse_fwd, dloss, train);
+        mlp_forward(m, l, N, T, fuse_fwd, dloss, train);
         x = m->acts[l].res3;
     }
     norm_forward(m, m->lnf, m->lnf_mean, m->lnf_rstd, x, W(m, -1, ROLE_FINAL_NORM_W), W(m, -1, ROLE_FINAL_NORM_B), N);
@@ -873,8 +881,9 @@ static void moe_backward(Model *m, int l, int N, const BackScratch *b, int acc) 
     }
     be->moe_gather_backward(b->dln, b->dxp, a->row_of, N, K, C);
     /* the router: its gates' gradient plus the aux and z losses' */
-    be->moe_route_backward(b->dlogits, b->dgates, a->probs, a->topk, a->gates, a->router, m->aux + (size_t)l * E,
-                           mo->z_loss_coef * m->live_dloss * N, N, E, K, mo->sigmoid, mo->norm_topk);
+    be->moe_route_backward(b->dlogits, b->dgates, a->probs, a->topk, a->gates, a->router,
+                           m->aux + (size_t)l * (N / m->live_T) * E, mo->z_loss_coef * m->live_dloss * N, N,
+                           m->live_T, E, K, mo->sigmoid, mo->norm_topk);
     be->matmul_backward(b->dbuf, G(m, l, ROLE_ROUTER_W), NULL, b->dlogits, a->ln2, W(m, l, ROLE_ROUTER_W), N, C, E,
                         acc);
     be->residual_forward(b->dln, b->dln, b->dbuf, (size_t)N * C);

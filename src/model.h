@@ -103,8 +103,8 @@ typedef struct LayerActs {
     void *res3;                 /* (N,C) residual after the MLP = next layer's input */
     /* MoE (R = N K permuted rows at most, S = n_shared expert_hidden) */
     void *router;               /* (N,E) router logits */
-    float *probs, *gates, *stats; /* (N,E) (N,K) (E+1) */
-    int32_t *topk, *row_of, *src, *offsets, *counts; /* (N,K) (N,K) (R) (E+1) (E) */
+    float *probs, *gates, *stats; /* (N,E) (N,K) (B,E+1) */
+    int32_t *topk, *row_of, *src, *offsets, *counts; /* (N,K) (N,K) (R) (E+1) (B,E) */
     int32_t *offsets_host;      /* (E+1) host copy: the experts' row ranges */
     void *xp, *hp, *hp_act, *yp; /* (R,C) (R,2Fe) (R,Fe) (R,C) */
     void *sh, *sh_act;          /* (N,2S) (N,S) shared experts */
@@ -113,10 +113,9 @@ typedef struct LayerActs {
 /* Per-step MoE figures of the last training forward, summed over MoE layers
  * (aux, z) or over layers and micro-batches since model_moe_reset (loads). */
 typedef struct ModelMoeStats {
-    double aux, z;     /* last forward: sum over layers of the aux and z losses */
-    double dropped;    /* since reset: slots dropped / slots routed */
-    int64_t *load;     /* (n_layer, E) since reset: slots routed to each expert */
-    int64_t routed, drops;
+    double aux, z;         /* last forward: sum over layers of the aux and z losses */
+    int64_t *load;         /* (n_layer, E) since reset: slots routed to each expert */
+    int64_t routed, drops; /* since reset: slots routed, and dropped by capacity */
 } ModelMoeStats;
 
 /* What parallel code needs to run inside the model's passes; model.c itself
@@ -194,8 +193,9 @@ typedef struct Model {
     void *encoded;    /* (N,C) */
     LayerActs *acts;  /* [n_layer] */
     void *lnf;        /* (N,C) */
-    float *aux;       /* (E) device: the aux loss's gradient per expert, one MoE layer at a time */
-    float *stats_host; /* (E+1) host: a layer's router stats */
+    float *aux;       /* (n_layer, B, E) device: the aux loss's gradient per sequence and expert */
+    float *stats_host, *auxg_host; /* (B, E+1) (B, E) host: one layer's router stats, aux gradient */
+    int32_t *counts_host;          /* (B, E) host: one layer's loads per sequence */
     float *lnf_mean, *lnf_rstd; /* (N) */
     void *logits;     /* (N,Vp); dlogits in place after a training forward */
     float *losses;    /* (N) device */

@@ -195,9 +195,9 @@ static void emu_swiglu_backward(void *dh, const void *dout, const void *h, int N
     free(d), free(x);
 }
 static void emu_moe_route(int32_t *topk, float *gates, float *probs, float *stats, const void *logits,
-                          const float *bias, int N, int E, int K, int sigmoid, int norm_topk) {
+                          const float *bias, int N, int S, int E, int K, int sigmoid, int norm_topk) {
     float *x = emu_wide(logits, (size_t)N * E);
-    backend_cpu.moe_route(topk, gates, probs, stats, x, bias, N, E, K, sigmoid, norm_topk);
+    backend_cpu.moe_route(topk, gates, probs, stats, x, bias, N, S, E, K, sigmoid, norm_topk);
     free(x);
 }
 /* Permuted rows referenced by row_of (N,K): 1 + the largest. */
@@ -240,10 +240,10 @@ static void emu_moe_combine_backward(void *dyp, float *dgates, const void *dout,
 }
 static void emu_moe_route_backward(void *dlogits, const float *dgates, const float *probs, const int32_t *topk,
                                    const float *gates, const void *logits, const float *aux, float z_coef, int N,
-                                   int E, int K, int sigmoid, int norm_topk) {
+                                   int S, int E, int K, int sigmoid, int norm_topk) {
     size_t NE = (size_t)N * E;
     float *dl = emu_floats(NE), *x = emu_wide(logits, NE);
-    backend_cpu.moe_route_backward(dl, dgates, probs, topk, gates, x, aux, z_coef, N, E, K, sigmoid, norm_topk);
+    backend_cpu.moe_route_backward(dl, dgates, probs, topk, gates, x, aux, z_coef, N, S, E, K, sigmoid, norm_topk);
     emu_store(dlogits, dl, NE);
     free(x);
 }

@@ -1132,7 +1132,7 @@ static void test_moe_route(const OpTest *t) {
     float *d_bias = bias ? df(bias, E) : NULL, *d_g = df(NULL, NK), *d_p = df(NULL, NE), *d_s = df(NULL, E + 1);
     int32_t *d_topk = dbuf(NULL, NK * sizeof(int32_t)), *got_topk = hbuf(NK * sizeof(int32_t));
     float *got_g = hf(NK), *got_p = hf(NE), *got_s = hf(E + 1);
-    be->moe_route(d_topk, d_g, d_p, d_s, d_x, d_bias, N, E, K, sig, norm);
+    be->moe_route(d_topk, d_g, d_p, d_s, d_x, d_bias, N, N, E, K, sig, norm);
     be->sync();
     be->to_host(got_topk, d_topk, NK * sizeof(int32_t));
     down(got_g, d_g, NK);
@@ -1148,13 +1148,13 @@ static void test_moe_route(const OpTest *t) {
      * call gives the same bits (exact). */
     void *d_eq = da(filled(NE, 0.25f), NE);
     int32_t *eq_topk = hbuf(NK * sizeof(int32_t));
-    be->moe_route(d_topk, d_g, d_p, d_s, d_eq, NULL, N, E, K, sig, norm);
+    be->moe_route(d_topk, d_g, d_p, d_s, d_eq, NULL, N, N, E, K, sig, norm);
     be->sync();
     be->to_host(eq_topk, d_topk, NK * sizeof(int32_t));
     int ok = 1;
     for (size_t i = 0; i < NK; i++) ok = ok && eq_topk[i] == (int32_t)(i % K);
     check_exact(t->name, "ties_lower_index", ok, "equal scores did not go to the lower expert index");
-    be->moe_route(d_topk, d_g, d_p, d_s, d_x, d_bias, N, E, K, sig, norm);
+    be->moe_route(d_topk, d_g, d_p, d_s, d_x, d_bias, N, N, E, K, sig, norm);
     float *g2 = hf(NK), *p2 = hf(NE), *s2 = hf(E + 1);
     int32_t *topk2 = hbuf(NK * sizeof(int32_t));
     be->sync();
@@ -1213,7 +1213,7 @@ static void test_moe_dispatch(const OpTest *t) {
         int32_t *off = hbuf((E + 1) * I), *row = hbuf(NK * I), *src = hbuf(NK * I), *cnt = hbuf(E * I);
         int32_t *roff = hbuf((E + 1) * I), *rrow = hbuf(NK * I), *rsrc = hbuf(NK * I), *rcnt = hbuf(E * I);
         dispatch_ref(roff, rrow, rsrc, rcnt, topk, N, E, K, caps[c]);
-        be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, E, K, caps[c]);
+        be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, N, E, K, caps[c]);
         be->sync();
         be->to_host(off, d_off, (E + 1) * I);
         be->to_host(row, d_row, NK * I);
@@ -1241,6 +1241,83 @@ static void test_moe_dispatch(const OpTest *t) {
     }
 }
 
+/* Sequences: with S = T < N, the router's statistics, the dispatch's loads,
+ * capacity and drops, and the aux gradient are each sequence's alone, as if
+ * each ran by itself (S = N = T): the figures then do not depend on how
+ * sequences are grouped into micro-batches and ranks. Exact: each per-sequence
+ * sum runs over the same rows in the same order. */
+/* The expert owning permuted row r (offsets (E+1)). */
+static int topk_expert_of(const int32_t *off, int E, int r) {
+    int e = 0;
+    while (e + 1 < E && off[e + 1] <= r) e++;
+    return e;
+}
+
+static void test_moe_sequences(const OpTest *t) {
+    int B = t->B, T = t->T, N = B * T, E = t->V, K = t->Vp, cap = 2;
+    size_t NE = (size_t)N * E, NK = (size_t)N * K, I = sizeof(int32_t);
+    float *logits = moe_logits(N, E, 0);
+    void *d_x = da(logits, NE);
+    float *d_g = df(NULL, NK), *d_p = df(NULL, NE), *d_s = df(NULL, (size_t)B * (E + 1));
+    int32_t *d_topk = dbuf(NULL, NK * I), *d_off = dbuf(NULL, (E + 1) * I), *d_row = dbuf(NULL, NK * I);
+    int32_t *d_src = dbuf(NULL, NK * I), *d_cnt = dbuf(NULL, (size_t)B * E * I);
+    be->moe_route(d_topk, d_g, d_p, d_s, d_x, NULL, N, T, E, K, 0, 1);
+    be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, T, E, K, cap);
+    float *aux = randn((size_t)B * E, 0.1f, 0.0f), *dg = randn(NK, 1.0f, 0.0f);
+    float *d_aux = df(aux, (size_t)B * E), *d_dg = df(dg, NK);
+    void *d_dl = da(NULL, NE);
+    be->moe_route_backward(d_dl, d_dg, d_p, d_topk, d_g, d_x, d_aux, 0.0f, N, T, E, K, 0, 1);
+    be->sync();
+    float *st = hf((size_t)B * (E + 1)), *dl = hf(NE);
+    int32_t *off = hbuf((E + 1) * I), *row = hbuf(NK * I), *src = hbuf(NK * I), *cnt = hbuf((size_t)B * E * I);
+    be->to_host(st, d_s, (size_t)B * (E + 1) * sizeof(float));
+    down_a(dl, d_dl, NE);
+    be->to_host(off, d_off, (E + 1) * I), be->to_host(row, d_row, NK * I);
+    be->to_host(src, d_src, NK * I), be->to_host(cnt, d_cnt, (size_t)B * E * I);
+    /* each sequence alone */
+    int same_stats = 1, same_counts = 1, same_rows = 1, same_grad = 1, kept = 0;
+    int32_t *cursor = hbuf((size_t)E * I);
+    memset(cursor, 0, (size_t)E * I);
+    float *st1 = hf(E + 1), *dl1 = hf((size_t)T * E);
+    int32_t *off1 = hbuf((E + 1) * I), *row1 = hbuf((size_t)T * K * I), *src1 = hbuf((size_t)T * K * I);
+    int32_t *cnt1 = hbuf((size_t)E * I);
+    for (int b = 0; b < B; b++) {
+        size_t r0 = (size_t)b * T;
+        void *xb = (char *)d_x + r0 * E * be->act_bytes();
+        int32_t *tb = d_topk + r0 * K;
+        float *gb = d_g + r0 * K, *pb = d_p + r0 * E;
+        be->moe_route(tb, gb, pb, d_s, xb, NULL, T, T, E, K, 0, 1);
+        be->moe_dispatch(d_off, d_row, d_src, d_cnt, tb, T, T, E, K, cap);
+        be->moe_route_backward(d_dl, d_dg + r0 * K, pb, tb, gb, xb, d_aux + (size_t)b * E, 0.0f, T, T, E, K, 0, 1);
+        be->sync();
+        be->to_host(st1, d_s, (E + 1) * sizeof(float));
+        down_a(dl1, d_dl, (size_t)T * E);
+        be->to_host(off1, d_off, (E + 1) * I), be->to_host(row1, d_row, (size_t)T * K * I);
+        be->to_host(src1, d_src, (size_t)T * K * I), be->to_host(cnt1, d_cnt, (size_t)E * I);
+        same_stats = same_stats && !memcmp(st1, st + (size_t)b * (E + 1), (E + 1) * sizeof(float));
+        same_counts = same_counts && !memcmp(cnt1, cnt + (size_t)b * E, (size_t)E * I);
+        same_grad = same_grad && !memcmp(dl1, dl + r0 * E, (size_t)T * E * sizeof(float));
+        /* the micro-batch's rows of expert e: each sequence's kept slots in turn */
+        for (int i = 0; i < T * K; i++) {
+            int whole = row[r0 * K + (size_t)i];
+            if (row1[i] < 0) {
+                same_rows = same_rows && whole < 0;
+                continue;
+            }
+            int e = topk_expert_of(off1, E, row1[i]);
+            int want = off[e] + cursor[e] + (row1[i] - off1[e]);
+            same_rows = same_rows && whole == want && src[whole] == (int)r0 + src1[row1[i]];
+            kept++;
+        }
+        for (int e = 0; e < E; e++) cursor[e] += off1[e + 1] - off1[e];
+    }
+    check_exact(t->name, "stats", same_stats, "a sequence's router statistics differ from its own run");
+    check_exact(t->name, "loads", same_counts, "a sequence's loads differ from its own run");
+    check_exact(t->name, "capacity", same_rows && kept == off[E] && kept < N * K,
+                "the capacity is not applied per sequence, or the rows are not each sequence's kept slots in turn");
+    check_exact(t->name, "aux_grad", same_grad, "a sequence's router gradient differs from its own run");
+}
+
 /* Dropless MoE equals the dense sum: gather, one product per expert on its
  * row range (backend matmul_forward: expert e is W_e (D = t->HD, C)),
  * combine; against sum_k gate_k W_{e_k} x_t in double. Then with a capacity
@@ -1257,13 +1334,13 @@ static void test_moe_dense(const OpTest *t) {
     int32_t *d_off = dbuf(NULL, (E + 1) * I), *d_row = dbuf(NULL, NK * I), *d_src = dbuf(NULL, NK * I);
     int32_t *d_cnt = dbuf(NULL, E * I);
     void *d_xp = da(NULL, NK * C), *d_yp = da(NULL, NK * D), *d_out = da(NULL, (size_t)N * D);
-    be->moe_route(d_topk, d_g, d_p, d_s, d_l, NULL, N, E, K, 0, 1);
+    be->moe_route(d_topk, d_g, d_p, d_s, d_l, NULL, N, N, E, K, 0, 1);
     be->sync();
     be->to_host(topk, d_topk, NK * I);
     down(gates, d_g, NK);
     int caps[2] = {0, 3};
     for (int c = 0; c < 2; c++) {
-        be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, E, K, caps[c]);
+        be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, N, E, K, caps[c]);
         be->sync();
         be->to_host(off, d_off, (E + 1) * I);
         be->to_host(row, d_row, NK * I);
@@ -1368,8 +1445,8 @@ static void test_moe_backward(const OpTest *t) {
     int32_t *d_topk = dbuf(NULL, NK * I), *topk = hbuf(NK * I), *row = hbuf(NK * I);
     int32_t *d_off = dbuf(NULL, (E + 1) * I), *d_row = dbuf(NULL, NK * I), *d_src = dbuf(NULL, NK * I);
     int32_t *d_cnt = dbuf(NULL, E * I);
-    be->moe_route(d_topk, d_g, d_p, d_s, d_l, NULL, N, E, K, sig, norm);
-    be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, E, K, 0);
+    be->moe_route(d_topk, d_g, d_p, d_s, d_l, NULL, N, N, E, K, sig, norm);
+    be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, N, E, K, 0);
     be->sync();
     be->to_host(topk, d_topk, NK * I);
     be->to_host(row, d_row, NK * I);
@@ -1387,7 +1464,7 @@ static void test_moe_backward(const OpTest *t) {
     float *d_dg = df(filled(NK, NAN), NK), *dg = hf(NK), *dyp = hf(NK * D), *dl = hf(NE);
     void *d_dyp = da(filled(NK * D, NAN), NK * D), *d_dl = da(filled(NE, NAN), NE);
     be->moe_combine_backward(d_dyp, d_dg, d_Rm, d_yp, d_g, d_row, N, K, D);
-    be->moe_route_backward(d_dl, d_dg, d_p, d_topk, d_g, d_l, d_aux, z, N, E, K, sig, norm);
+    be->moe_route_backward(d_dl, d_dg, d_p, d_topk, d_g, d_l, d_aux, z, N, N, E, K, sig, norm);
     down(dg, d_dg, NK);
     down_a(dyp, d_dyp, NK * D);
     down_a(dl, d_dl, NE);
@@ -1440,6 +1517,7 @@ static const OpTest op_tests[] = {
     {"moe_route_sigmoid_bias", test_moe_route, 1, 37, 0, 0, 9,   2, 0,        0, 0, MOE_SIGMOID | MOE_NORM | MOE_BIAS},
     {"moe_route_raw",    test_moe_route,   1, 37, 0,  0,   5,    2, 0,        0, 0, 0},
     {"moe_dispatch",     test_moe_dispatch, 1, 37, 0, 0,   6,    2, 1, 0, 0, 0},
+    {"moe_sequences",    test_moe_sequences, 3, 13, 0, 0,  5,    2, 0, 0, 0, 0},
     {"moe_dense",        test_moe_dense,   1, 37, 10, 0,   5,    2, 0,        0, 6, 0},
     {"moe_backward_softmax", test_moe_backward, 1, 13, 5, 0, 7,  3, 0,        0, 0, 0},
     {"moe_backward_softmax_norm", test_moe_backward, 1, 13, 5, 0, 7, 3, 0,    0, 0, MOE_NORM},

@@ -716,8 +716,8 @@ static float cpu_row_lse(const float *x, int E, float *mx_out) {
 }
 
 static void cpu_moe_route(int32_t *topk, float *gates, float *probs, float *stats, const void *logits_,
-                          const float *bias, int N, int E, int K, int sigmoid, int norm_topk) {
-    /* topk (N,K), gates (N,K), probs (N,E), stats (E+1), logits (N,E), bias (E) or NULL */
+                          const float *bias, int N, int S, int E, int K, int sigmoid, int norm_topk) {
+    /* topk (N,K), gates (N,K), probs (N,E), stats (N/S, E+1), logits (N,E), bias (E) or NULL */
     const float *logits = logits_;
     #pragma omp parallel for schedule(static)
     for (int t = 0; t < N; t++) {
@@ -751,39 +751,53 @@ static void cpu_moe_route(int32_t *topk, float *gates, float *probs, float *stat
         if (norm_topk)
             for (int k = 0; k < K; k++) gt[k] /= sum;
     }
-    /* Statistics by ownership of [0, E]: each a sum in row order; index E
-     * recomputes the rows' lse rather than keep a buffer for it. */
-    #pragma omp parallel for schedule(static)
-    for (int e = 0; e <= E; e++) {
-        float s = 0.0f;
-        if (e < E)
-            for (int t = 0; t < N; t++) s += probs[(size_t)t * E + e];
-        else
-            for (int t = 0; t < N; t++) {
-                float l = cpu_row_lse(logits + (size_t)t * E, E, NULL);
-                s += l * l;
-            }
-        stats[e] = s;
-    }
+    /* Statistics by ownership of (sequence, [0, E]): each a sum in row
+     * order; index E recomputes the rows' lse rather than keep a buffer for it. */
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int b = 0; b < N / S; b++)
+        for (int e = 0; e <= E; e++) {
+            float s = 0.0f;
+            if (e < E)
+                for (int t = b * S; t < (b + 1) * S; t++) s += probs[(size_t)t * E + e];
+            else
+                for (int t = b * S; t < (b + 1) * S; t++) {
+                    float l = cpu_row_lse(logits + (size_t)t * E, E, NULL);
+                    s += l * l;
+                }
+            stats[(size_t)b * (E + 1) + e] = s;
+        }
 }
 
 static void cpu_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts,
-                             const int32_t *topk, int N, int E, int K, int cap) {
-    /* offsets (E+1), row_of (N,K), src (N K), counts (E), topk (N,K) */
-    for (int e = 0; e < E; e++) counts[e] = 0;
-    for (int i = 0; i < N * K; i++) counts[topk[i]]++;
+                             const int32_t *topk, int N, int S, int E, int K, int cap) {
+    /* offsets (E+1), row_of (N,K), src (N K), counts (N/S, E), topk (N,K) */
+    int nseq = N / S;
+    for (int i = 0; i < nseq * E; i++) counts[i] = 0;
+    for (int i = 0; i < N * K; i++) counts[(size_t)(i / K / S) * E + topk[i]]++;
+    /* each expert's rows: the kept slots of every sequence, in token order */
     offsets[0] = 0;
-    for (int e = 0; e < E; e++)
-        offsets[e + 1] = offsets[e] + (cap > 0 && counts[e] > cap ? cap : counts[e]);
-    /* counts is recounted as each expert's cursor, ending where it began. */
-    for (int e = 0; e < E; e++) counts[e] = 0;
-    for (int i = 0; i < N * K; i++) {
-        int e = topk[i], j = counts[e]++;
-        if (cap > 0 && j >= cap) {
-            row_of[i] = -1;
-        } else {
-            row_of[i] = offsets[e] + j;
-            src[offsets[e] + j] = i / K;
+    for (int e = 0; e < E; e++) {
+        int kept = 0;
+        for (int b = 0; b < nseq; b++) {
+            int c = counts[(size_t)b * E + e];
+            kept += cap > 0 && c > cap ? cap : c;
+        }
+        offsets[e + 1] = offsets[e] + kept;
+    }
+    /* cursor per expert over the whole micro-batch, taken per sequence */
+    int *cursor = (int *)cpu_scratch_get(2 * (size_t)E), *in_seq = cursor + E; /* int-sized floats */
+    for (int e = 0; e < E; e++) cursor[e] = 0;
+    for (int b = 0; b < nseq; b++) {
+        for (int e = 0; e < E; e++) in_seq[e] = 0;
+        for (int i = b * S * K; i < (b + 1) * S * K; i++) {
+            int e = topk[i], j = in_seq[e]++;
+            if (cap > 0 && j >= cap) {
+                row_of[i] = -1;
+            } else {
+                int r = offsets[e] + cursor[e]++;
+                row_of[i] = r;
+                src[r] = i / K;
+            }
         }
     }
 }
@@ -855,8 +869,9 @@ static void cpu_moe_combine_backward(void *dyp_, float *dgates, const void *dout
 
 static void cpu_moe_route_backward(void *dlogits_, const float *dgates, const float *probs, const int32_t *topk,
                                    const float *gates, const void *logits_, const float *aux, float z_coef,
-                                   int N, int E, int K, int sigmoid, int norm_topk) {
-    /* dlogits (N,E), dgates (N,K), probs (N,E), topk (N,K), gates (N,K), logits (N,E), aux (E) or NULL */
+                                   int N, int S, int E, int K, int sigmoid, int norm_topk) {
+    /* dlogits (N,E), dgates (N,K), probs (N,E), topk (N,K), gates (N,K), logits (N,E),
+     * aux (N/S, E) or NULL */
     float *dlogits = dlogits_;
     const float *logits = logits_;
     #pragma omp parallel for schedule(static)
@@ -864,12 +879,13 @@ static void cpu_moe_route_backward(void *dlogits_, const float *dgates, const fl
         const float *p = probs + (size_t)t * E, *dg = dgates + (size_t)t * K, *g = gates + (size_t)t * K;
         const int32_t *sel = topk + (size_t)t * K;
         float *a = dlogits + (size_t)t * E; /* dL/dprobs first, then dL/dlogits in place */
-        for (int e = 0; e < E; e++) a[e] = aux ? aux[e] : 0.0f;
+        const float *ax = aux ? aux + (size_t)(t / S) * E : NULL;
+        for (int e = 0; e < E; e++) a[e] = ax ? ax[e] : 0.0f;
         if (norm_topk) {
-            /* g_k = p_k / S, S = sum_j p_j: dL/dp_j = (dg_j - sum_k dg_k g_k) / S */
-            float S = 0.0f, dgg = 0.0f;
-            for (int k = 0; k < K; k++) S += p[sel[k]], dgg += dg[k] * g[k];
-            for (int k = 0; k < K; k++) a[sel[k]] += (dg[k] - dgg) / S;
+            /* g_k = p_k / Z, Z = sum_j p_j: dL/dp_j = (dg_j - sum_k dg_k g_k) / Z */
+            float Z = 0.0f, dgg = 0.0f;
+            for (int k = 0; k < K; k++) Z += p[sel[k]], dgg += dg[k] * g[k];
+            for (int k = 0; k < K; k++) a[sel[k]] += (dg[k] - dgg) / Z;
         } else {
             for (int k = 0; k < K; k++) a[sel[k]] += dg[k];
         }

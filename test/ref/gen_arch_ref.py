@@ -36,11 +36,14 @@ Definitions (kiln's; docs/architectures.md states the same):
       expert_e(x) = down_e(silu(gate_e x) * up_e x);
       out_t = sum_k gate_{t,k} expert_{i_{t,k}}(x_t) + shared(x_t),
       shared = a SwiGLU of width n_shared * Fe (absent when n_shared = 0).
-      Capacity: cap = ceil(capacity_factor * N * top_k / E) (0: no cap); each
-      expert keeps its first cap slots in (token, k) order; dropped slots add nothing.
-      aux = E * sum_e f_e P_e, f_e = slots routed to e before drops / (N top_k)
-      (a constant: no gradient), P_e = mean_t probs[t, e];
-      z = mean_t logsumexp(logits_t)^2.
+      Per sequence b (T tokens), so that no figure depends on how sequences
+      are grouped into micro-batches or ranks:
+      capacity: cap = ceil(capacity_factor * T * top_k / E) (0: no cap); each
+      expert keeps the first cap slots of each sequence in (token, k) order;
+      dropped slots add nothing.
+      aux = mean_b E * sum_e f_be P_be, f_be = slots of b routed to e before
+      drops / (T top_k) (a constant: no gradient), P_be = mean over b's tokens
+      of probs[t, e]; z = mean_t logsumexp(logits_t)^2.
   Objective (what the gradients are of) = loss + aux_loss_coef * sum_layers aux
       + z_loss_coef * sum_layers z; the recorded loss is the cross-entropy alone.
   AdamW: as gen_gpt2_ref.py: lr 1e-3, betas (0.9, 0.95), eps 1e-8, decoupled
@@ -99,7 +102,7 @@ CASES = [
     ("moe_sigmoid", base_spec(mlp="moe", ffn_hidden=0, n_kv_head=4, tie_embeddings=1,
                               moe=dict(n_experts=6, top_k=2, n_shared=0, expert_hidden=24, sigmoid=1,
                                        norm_topk=1, capacity_factor=1.0, aux_loss_coef=0.01,
-                                       z_loss_coef=0.0)), 3, 1342),
+                                       z_loss_coef=0.0)), 3, 1355),
 ]
 
 
@@ -246,14 +249,14 @@ def moe(s, p, pre, x, stats):
     if m["sigmoid"] or m["norm_topk"]:
         gates = gates / gates.sum(dim=-1, keepdim=True)
     cf = f32r(m["capacity_factor"])
-    cap = math.ceil(cf * N * K / E) if cf > 0 else 0
+    cap = math.ceil(cf * T * K / E) if cf > 0 else 0
     keep = torch.ones(N, K)
-    seen = [0] * E
+    seen = [[0] * E for _ in range(B)]  # per sequence
     for t in range(N):  # (token, k) order
         for j in range(K):
             e = int(idx[t, j])
-            seen[e] += 1
-            if cap and seen[e] > cap:
+            seen[t // T][e] += 1
+            if cap and seen[t // T][e] > cap:
                 keep[t, j] = 0.0
     out = torch.zeros(N, C)
     for e in range(E):
@@ -264,8 +267,9 @@ def moe(s, p, pre, x, stats):
     if m["n_shared"] > 0:
         q = pre + "shared_experts."
         out = out + swiglu(xs, p[q + "gate_proj.weight"], p[q + "up_proj.weight"], p[q + "down_proj.weight"])
-    counts = torch.tensor(seen, dtype=torch.float64)  # slots per expert before drops
-    aux = E * ((counts / (N * K)) * probs.mean(dim=0)).sum()
+    counts = torch.tensor(seen, dtype=torch.float64)  # (B,E) slots per sequence and expert before drops
+    P = probs.reshape(B, T, E).mean(dim=1)  # (B,E)
+    aux = (E * ((counts / (T * K)) * P).sum(dim=1)).mean()
     z = (torch.logsumexp(logits, dim=-1) ** 2).mean()
     stats.append(dict(margin=margin, dropped=int(N * K - keep.sum().item()), aux=aux, z=z))
     return out.reshape(B, T, C)
