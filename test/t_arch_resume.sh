@@ -26,7 +26,11 @@ QKN="--set model.arch=llama --set model.n_head=4 --set model.n_kv_head=1 --set m
 MOE="--set model.arch=llama --set model.n_head=4 --set model.n_kv_head=2 --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.n_shared=1 --set model.moe.expert_hidden=32"
 MOECAP="$MOE --set model.moe.capacity_factor=1"
 MOEBIAS="$MOE --set model.moe.bias_update_rate=0.01 --set model.moe.aux_loss_coef=0"
-flags() { case $1 in llama) echo "$LLAMA" ;; qkn) echo "$QKN" ;; moe) echo "$MOE" ;; moecap) echo "$MOECAP" ;; moebias) echo "$MOEBIAS" ;; esac; }
+# moenoaux (multi-rank only): moe without the aux loss, the control that
+# tells a failure of moe's aux-loss path from one of the experts' layout
+MOENOAUX="$MOE --set model.moe.aux_loss_coef=0"
+flags() { case $1 in llama) echo "$LLAMA" ;; qkn) echo "$QKN" ;; moe) echo "$MOE" ;; moecap) echo "$MOECAP" ;;
+    moebias) echo "$MOEBIAS" ;; moenoaux) echo "$MOENOAUX" ;; esac; }
 
 # The shapes asked for are the ones built: the tensor table of a checkpoint
 # (GQA: k_proj is 2 heads x 8 = 16 rows; untied: lm_head; tied: none; QK-norm
@@ -95,8 +99,9 @@ bias=$(info moebias | grep ' layers.0.mlp.gate.e_score_correction_bias' | grep -
 #          embedding and the head, one gradient from both) sharded and
 #          gathered, and the per-head q/k norm weights.
 #   moe    zero 0 and 3 on 2 ranks: expert, shared-expert and router tensors in
-#          both the replicated and the gathered layout; moecap zero 3: drops are
-#          per micro-batch, so the same as on one rank.
+#          both the replicated and the gathered layout (moenoaux zero 0: the
+#          same without the aux loss); moecap zero 3: capacity is per
+#          micro-batch, so the same tokens drop as on one rank.
 #   moebias zero 0 and 3 on 2 ranks: the bias is updated after the optimizer
 #          step from loads summed over the ranks, outside the gradient path,
 #          on a whole copy (zero 0) or a gathered one (zero 3).
@@ -105,11 +110,11 @@ if ! command -v mpirun >/dev/null 2>&1 || ! ldd ./train | grep -q libmpi; then
 else
 MPIRUN=(timeout 120 mpirun --allow-run-as-root --oversubscribe)
 S="--set batch.total_tokens=512 --set checkpoint.async=false --set checkpoint.every=10 --set schedule.kind=constant"
-for a in llama qkn moe moecap moebias; do
+for a in llama qkn moe moenoaux moecap moebias; do
     ./train $Y $(flags $a) $S --set run.dir=$T/dp/$a.1 >$T/dp.$a.1.txt 2>&1 || fail arch_dp_reference_$a "$(tail -n 2 $T/dp.$a.1.txt)"
 done
 for c in llama:2:0 llama:2:1 llama:2:2 llama:2:3 llama:4:0 llama:4:3 qkn:2:1 qkn:2:3 \
-    moe:2:0 moe:2:3 moecap:2:3 moebias:2:0 moebias:2:3; do
+    moe:2:0 moe:2:3 moenoaux:2:0 moecap:2:3 moebias:2:0 moebias:2:3; do
     IFS=: read -r a np z <<<"$c"
     D=$T/dp/$a.np$np.z$z
     "${MPIRUN[@]}" -np $np ./train $Y $(flags $a) $S --set parallel.zero=$z --set run.dir=$D >$D.txt 2>&1
@@ -159,6 +164,10 @@ refuse arch_refuse_llama_qk_norm "changed key 'model.qk_norm': none -> head" \
     $LLAMA --set run.dir=$T/llama/ref --set model.qk_norm=head --resume auto
 refuse arch_refuse_moe_experts "changed key 'model.moe.n_experts': 4 -> 8" \
     $MOE --set run.dir=$T/moe/ref --set model.moe.n_experts=8 --resume auto
+# keys of the nested blocks are named in full (model.rope_scaling.factor)
+refuse arch_refuse_llama_rope_scaling "changed key 'model.rope_scaling.factor': 0 -> 8" $LLAMA --set run.dir=$T/llama/ref \
+    --set model.rope_scaling.factor=8 --set model.rope_scaling.low_freq_factor=1 --set model.rope_scaling.high_freq_factor=4 \
+    --set model.rope_scaling.original_context=16 --resume auto
 refuse arch_refuse_llama_ckpt_as_gpt2 "changed key 'model.arch': llama -> gpt2" \
     --set run.dir=$T/other --resume $T/llama/ref/checkpoints/step_00000010
 # --force does not override a shape change
