@@ -67,7 +67,9 @@ static int rule_of(const char *key) {
     return -1;
 }
 
-/* The resolved YAML (cfg_write_yaml) as "section.key" -> value text. */
+/* The resolved YAML (cfg_write_yaml) as "section.key" (or, for a block
+ * indented under a section such as model.moe, "section.block.key") -> value
+ * text. cfg_write_yaml indents by two spaces per level. */
 typedef struct {
     char key[128];
     char *val;
@@ -76,21 +78,24 @@ typedef struct {
 static int parse_resolved(char *text, KV **out) {
     int n = 0, cap = 0;
     KV *v = NULL;
-    char section[64] = "";
+    char section[64] = "", block[64] = "";
     for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
-        int indent = line[0] == ' ';
-        char *s = line + strspn(line, " ");
+        size_t indent = strspn(line, " ");
+        char *s = line + indent;
         if (*s == '#' || !*s) continue;
         char *colon = strstr(s, ":");
         if (!colon) continue;
         *colon = 0;
         char *val = colon[1] == ' ' ? colon + 2 : colon + 1;
-        if (!indent && !*val) { /* "section:" */
-            kiln_strlcpy(section, s, sizeof section);
+        if (!*val && indent < 4) { /* "section:" or "  block:" */
+            kiln_strlcpy(indent ? block : section, s, indent ? sizeof block : sizeof section);
+            if (!indent) block[0] = 0;
             continue;
         }
+        if (indent < 4) block[0] = 0; /* a key after a block ends it */
         if (n == cap) cap = cap ? 2 * cap : 64, v = xrealloc(v, (size_t)cap * sizeof *v);
-        if (indent) snprintf(v[n].key, sizeof v[n].key, "%s.%s", section, s);
+        if (indent >= 4) snprintf(v[n].key, sizeof v[n].key, "%s.%s.%s", section, block, s);
+        else if (indent) snprintf(v[n].key, sizeof v[n].key, "%s.%s", section, s);
         else snprintf(v[n].key, sizeof v[n].key, "%s", s);
         v[n++].val = val;
     }
