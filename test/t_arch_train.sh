@@ -48,8 +48,21 @@ PY
     else fail "arch_train_${cfg}_loss_falls" "$(grep -E '^step +(10|60)/' "$T/$cfg.txt" | tr '\n' ' ')"; fi
 done
 
-# The MoE log: a line every 10 steps; [0-9.]+ admits no nan or inf in aux and z.
-n=$(grep -cE '^moe step [0-9]+: aux [0-9.]+ z [0-9.]+ \| expert load min [0-9]+ max [0-9]+ cv [0-9.]+ \| dropped [0-9.]+$' \
+# The MoE figures in the progress line (every 10 steps) and in every
+# metrics.jsonl record; [0-9.]+ admits no nan or inf in aux and z.
+n=$(grep -cE '^step +[0-9]+/60 .*\| moe aux [0-9.]+ z [0-9.]+ load [0-9]+\.\.[0-9]+ cv [0-9.]+ drop [0-9.]+%' \
     "$T/moe-tiny.txt" 2>/dev/null)
 if [ "${n:-0}" -eq 6 ]; then ok arch_train_moe_log_lines
-else fail arch_train_moe_log_lines "$n of 6 well-formed moe lines: $(grep -m 2 '^moe' "$T/moe-tiny.txt" | tr '\n' ' ')"; fi
+else fail arch_train_moe_log_lines "$n of 6 well-formed moe progress lines: $(grep -m 2 '^step' "$T/moe-tiny.txt" | tr '\n' ' ')"; fi
+if python3 - "$T/moe-tiny/metrics.jsonl" <<'PY'
+import json, math, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+ok = len(recs) == 60 and all(
+    math.isfinite(r["moe_aux"]) and math.isfinite(r["moe_z"]) and r["moe_dropped"] == 0
+    and len(r["moe_load"]) == 4 and all(len(l) == 8 for l in r["moe_load"])
+    # every layer routes 2 slots per token of the step's 2048
+    and all(sum(l) == 2 * 2048 for l in r["moe_load"]) for r in recs)
+sys.exit(0 if ok else 1)
+PY
+then ok arch_train_moe_metrics_jsonl
+else fail arch_train_moe_metrics_jsonl "$(tail -n 1 "$T/moe-tiny/metrics.jsonl" | cut -c1-300)"; fi
