@@ -1003,10 +1003,10 @@ void model_moe_update_bias(Model *m, const int64_t *load) {
     const ArchSpec *s = &m->shape;
     if (s->mlp != MLP_MOE || s->moe.bias_update_rate <= 0) return;
     int E = s->moe.n_experts;
-    float *bias = xmalloc((size_t)E * sizeof(float));
+    float *bias = m->stats_host; /* (E) of its (B, E+1): free between steps */
     for (int l = 0; l < s->n_layer; l++) {
         int i = model_tensor_index(m, l, ROLE_ROUTER_BIAS, -1);
-        if (i < 0 || !m->pview[i]) continue; /* ZeRO-3: held by its gather, refreshed by the caller */
+        if (i < 0) continue; /* config.c refuses the bias with ZeRO-2/3, whose shards would not see this */
         m->be->to_host(bias, m->pview[i], (size_t)E * sizeof(float));
         double mean = 0;
         for (int e = 0; e < E; e++) mean += (double)load[(size_t)l * E + e];
@@ -1017,7 +1017,6 @@ void model_moe_update_bias(Model *m, const int64_t *load) {
         }
         m->be->to_device(m->pview[i], bias, (size_t)E * sizeof(float));
     }
-    free(bias);
     model_params_changed(m);
 }
 

@@ -469,7 +469,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         metrics_print(mx, "stopped by %s after step %d; checkpoint written: resume with --resume auto (exit 75)",
                       stop_reason > 0 ? strsignal(stop_reason) : "the Slurm time limit", steps_done);
     char vdone[64] = "";
-    if (val) snprintf(vdone, sizeof vdone, " | val loss %.4f", val_loss);
+    if (val && !isnan(val_loss)) snprintf(vdone, sizeof vdone, " | val loss %.4f", val_loss); /* not with eval_every 0 */
     char sdone[64] = "";
     if (metrics_skipped(mx)) snprintf(sdone, sizeof sdone, " | %d step(s) skipped", metrics_skipped(mx));
     metrics_print(mx, "done: %d steps in %.1f s | final loss %.4f%s%s", steps_done, kiln_now() - t_start, last_loss,

@@ -12,6 +12,7 @@
 #include "util.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1316,6 +1317,21 @@ static void test_moe_sequences(const OpTest *t) {
     check_exact(t->name, "capacity", same_rows && kept == off[E] && kept < N * K,
                 "the capacity is not applied per sequence, or the rows are not each sequence's kept slots in turn");
     check_exact(t->name, "aux_grad", same_grad, "a sequence's router gradient differs from its own run");
+    /* Routing is the same on one thread as on all (the CPU backend's
+     * threads own rows and experts; other backends ignore the count). */
+    int nt = omp_get_max_threads();
+    omp_set_num_threads(1);
+    be->moe_route(d_topk, d_g, d_p, d_s, d_x, NULL, N, T, E, K, 0, 1);
+    be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, T, E, K, cap);
+    be->sync();
+    omp_set_num_threads(nt);
+    float *st2 = hf((size_t)B * (E + 1));
+    int32_t *row2 = hbuf(NK * I), *src2 = hbuf(NK * I);
+    be->to_host(st2, d_s, (size_t)B * (E + 1) * sizeof(float));
+    be->to_host(row2, d_row, NK * I), be->to_host(src2, d_src, NK * I);
+    check_exact(t->name, "one_thread", !memcmp(st2, st, (size_t)B * (E + 1) * sizeof(float)) &&
+                !memcmp(row2, row, NK * I) && !memcmp(src2, src, (size_t)off[E] * I),
+                "routing on one thread differs from routing on all");
 }
 
 /* Dropless MoE equals the dense sum: gather, one product per expert on its
