@@ -1,8 +1,8 @@
 /* moe: mixture-of-experts routing and the permutation of tokens to experts
  * and back (backend.h's moe_* ops). Index outputs are the CPU backend's
  * exactly: the dispatch is a counting sort over tiles of slots in (t, k)
- * order with integer counters, no atomics; every float sum runs in the CPU's
- * order (experts, then k, then rows). Never allocates except through the
+ * order with integer counters per (sequence, expert), no atomics; every float
+ * sum runs in the CPU's order (experts, then k, then a sequence's rows). Never allocates except through the
  * grow-only scratch. */
 #include <math.h>
 
