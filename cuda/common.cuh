@@ -133,8 +133,9 @@ enum {
     SCRATCH_ATTENTION, /* D = rowsum(dO * O) of the attention backward (either kernel set) */
     SCRATCH_SUMSQ,     /* sumsq partials */
     SCRATCH_CUDNN,     /* cuDNN attention's workspace, grown when a shape is planned */
-    SCRATCH_MOE,       /* moe_dispatch's per-tile expert counters */
+    SCRATCH_MOE,       /* moe_dispatch's per-tile expert counters and per-sequence bases */
     SCRATCH_MOE_GRAD,  /* moe_route_backward's fp32 dL/dprobs rows */
+    SCRATCH_MOE_LSE,   /* moe_route's per-row lse^2 for the z-loss statistic */
     SCRATCH_COUNT
 };
 void *cuda_scratch(int slot, size_t bytes);
@@ -221,17 +222,17 @@ void cuda_swiglu_forward(void *out, const void *h, int N, int F);
 void cuda_swiglu_backward(void *dh, const void *dout, const void *h, int N, int F);
 /* moe.cu */
 void cuda_moe_route(int32_t *topk, float *gates, float *probs, float *stats, const void *logits, const float *bias,
-                    int N, int E, int K, int sigmoid, int norm_topk);
+                    int N, int S, int E, int K, int sigmoid, int norm_topk);
 void cuda_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts, const int32_t *topk, int N,
-                       int E, int K, int cap);
+                       int S, int E, int K, int cap);
 void cuda_moe_gather(void *xp, const void *x, const int32_t *src, int R, int C);
 void cuda_moe_gather_backward(void *dx, const void *dxp, const int32_t *row_of, int N, int K, int C);
 void cuda_moe_combine(void *out, const void *yp, const float *gates, const int32_t *row_of, int N, int K, int C);
 void cuda_moe_combine_backward(void *dyp, float *dgates, const void *dout, const void *yp, const float *gates,
                                const int32_t *row_of, int N, int K, int C);
 void cuda_moe_route_backward(void *dlogits, const float *dgates, const float *probs, const int32_t *topk,
-                             const float *gates, const void *logits, const float *aux, float z_coef, int N, int E,
-                             int K, int sigmoid, int norm_topk);
+                             const float *gates, const void *logits, const float *aux, float z_coef, int N, int S,
+                             int E, int K, int sigmoid, int norm_topk);
 /* pointwise.cu */
 void cuda_cast_to_act(void *dst, const float *src, size_t n);
 void cuda_gelu_forward(void *out, const void *inp, size_t n);

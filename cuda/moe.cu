@@ -1,8 +1,8 @@
 /* moe: mixture-of-experts routing and the permutation of tokens to experts
  * and back (backend.h's moe_* ops). Index outputs are the CPU backend's
  * exactly: the dispatch is a counting sort over tiles of slots in (t, k)
- * order with integer counters, no atomics; every float sum runs in the CPU's
- * order (experts, then k, then rows). Never allocates except through the
+ * order with integer counters per (sequence, expert), no atomics; every float
+ * sum runs in the CPU's order (experts, then k, then a sequence's rows). Never allocates except through the
  * grow-only scratch. */
 #include <math.h>
 
@@ -17,20 +17,23 @@ template <typename T_> __device__ float moe_row_lse(const T_ *x, int E) {
 }
 
 /* ---------------------------------------------------------------------------
- * Routing: one thread per row (E is tens to a few hundred), then one thread
- * per statistic summing the rows in order. */
+ * Routing: one thread per row (E is tens to a few hundred), which also keeps
+ * the row's lse^2 (the same function of the same logits as the CPU's
+ * recomputation), then one thread per (sequence, statistic) summing that
+ * sequence's rows in order. */
 template <typename T_>
-__global__ void moe_route_kernel(int32_t *topk, float *gates, float *probs, const T_ *logits, const float *bias,
-                                 int N, int E, int K, int sigmoid, int norm_topk) {
-    /* topk, gates (N,K), probs (N,E), logits (N,E), bias (E) or NULL */
+__global__ void moe_route_kernel(int32_t *topk, float *gates, float *probs, float *lse2, const T_ *logits,
+                                 const float *bias, int N, int E, int K, int sigmoid, int norm_topk) {
+    /* topk, gates (N,K), probs (N,E), lse2 (N), logits (N,E), bias (E) or NULL */
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= N) return;
     const T_ *x = logits + (size_t)t * E;
     float *p = probs + (size_t)t * E;
+    float lse = moe_row_lse(x, E);
+    lse2[t] = lse * lse;
     if (sigmoid) {
         for (int e = 0; e < E; e++) p[e] = 1.0f / (1.0f + expf(-act_f(x[e])));
     } else {
-        float lse = moe_row_lse(x, E);
         for (int e = 0; e < E; e++) p[e] = expf(act_f(x[e]) - lse);
     }
     /* The k-th pick is the best expert ranked after the (k-1)-th in the order
@@ -46,6 +49,7 @@ __global__ void moe_route_kernel(int32_t *topk, float *gates, float *probs, cons
             int after = s < prev_s || (s == prev_s && e > prev_e);
             if (after && (best < 0 || s > bs)) best = e, bs = s;
         }
+        if (best < 0) best = k; /* only NaN scores left: stay in bounds, as the CPU */
         sel[k] = best;
         gt[k] = p[best];
         sum += p[best];
@@ -55,101 +59,132 @@ __global__ void moe_route_kernel(int32_t *topk, float *gates, float *probs, cons
         for (int k = 0; k < K; k++) gt[k] /= sum;
 }
 
-template <typename T_>
-__global__ void moe_stats_kernel(float *stats, const float *probs, const T_ *logits, int N, int E) {
-    /* stats (E+1): [e] = sum of probs[., e], [E] = sum of lse^2, rows in order */
-    int e = blockIdx.x * blockDim.x + threadIdx.x;
-    if (e > E) return;
+__global__ void moe_stats_kernel(float *stats, const float *probs, const float *lse2, int nseq, int S, int E) {
+    /* stats (nseq, E+1): [b][e] = sum of probs[., e], [b][E] = sum of lse^2,
+     * over sequence b's S rows in order */
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nseq * (E + 1)) return;
+    int b = i / (E + 1), e = i % (E + 1);
+    int t0 = b * S, t1 = t0 + S;
     float s = 0.0f;
     if (e < E)
-        for (int t = 0; t < N; t++) s += probs[(size_t)t * E + e];
+        for (int t = t0; t < t1; t++) s += probs[(size_t)t * E + e];
     else
-        for (int t = 0; t < N; t++) {
-            float l = moe_row_lse(logits + (size_t)t * E, E);
-            s += l * l;
-        }
-    stats[e] = s;
+        for (int t = t0; t < t1; t++) s += lse2[t];
+    stats[i] = s;
 }
 
 template <typename T_>
 static void moe_route_run(int32_t *topk, float *gates, float *probs, float *stats, const void *logits,
-                          const float *bias, int N, int E, int K, int sigmoid, int norm_topk) {
-    KLAUNCH(moe_route_kernel<T_>, cuda_blocks(N, 128), 128, 0, topk, gates, probs, (const T_ *)logits, bias, N, E, K,
-            sigmoid, norm_topk);
+                          const float *bias, int N, int S, int E, int K, int sigmoid, int norm_topk) {
+    if (N <= 0) return; /* no rows, no sequences: nothing to write */
+    int nseq = N / S;
+    float *lse2 = (float *)cuda_scratch(SCRATCH_MOE_LSE, (size_t)N * sizeof(float));
+    KLAUNCH(moe_route_kernel<T_>, cuda_blocks(N, 128), 128, 0, topk, gates, probs, lse2, (const T_ *)logits, bias, N,
+            E, K, sigmoid, norm_topk);
     CUDA_CHECK_LAUNCH();
-    KLAUNCH(moe_stats_kernel<T_>, cuda_blocks(E + 1, 128), 128, 0, stats, probs, (const T_ *)logits, N, E);
+    KLAUNCH(moe_stats_kernel, cuda_blocks((size_t)nseq * (E + 1), 128), 128, 0, stats, probs, lse2, nseq, S, E);
     CUDA_CHECK_LAUNCH();
 }
 
 void cuda_moe_route(int32_t *topk, float *gates, float *probs, float *stats, const void *logits, const float *bias,
-                    int N, int E, int K, int sigmoid, int norm_topk) {
-    ACT_DISPATCH(moe_route_run, topk, gates, probs, stats, logits, bias, N, E, K, sigmoid, norm_topk);
+                    int N, int S, int E, int K, int sigmoid, int norm_topk) {
+    ACT_DISPATCH(moe_route_run, topk, gates, probs, stats, logits, bias, N, S, E, K, sigmoid, norm_topk);
 }
 
 /* ---------------------------------------------------------------------------
  * Dispatch: a counting sort of the N K slots by expert, stable in (t, k)
- * order. Slots are cut into tiles of MOE_TILE; (1) one thread per tile
- * counts its slots per expert, (2) one thread per expert turns the tile
- * counts into exclusive prefixes (the expert's rank of each tile's first
- * slot) and the load, then offsets follow with the cap, (3) one thread per
- * tile walks its slots in order and places them. cnt (tiles, E) int32. */
+ * order, counted and capped per (sequence, expert). Each sequence's S K slots
+ * are cut into tps tiles of at most MOE_TILE (a tile never spans two
+ * sequences); (1) one thread per tile counts its slots per expert, (2) one
+ * thread per expert walks the sequences in order: the tile counts become
+ * exclusive prefixes within the sequence (the expert's in-sequence rank of
+ * each tile's first slot), the sequence's total is its load, and base is the
+ * kept slots of the earlier sequences; then offsets follow, (3) one thread
+ * per tile walks its slots in order and places the first cap of each
+ * sequence. Scratch: cnt (tiles, E) then base (nseq, E), int32. */
 #define MOE_TILE 256
 
-__global__ void moe_tile_count_kernel(int32_t *cnt, const int32_t *topk, int NK, int E, int tiles) {
+__global__ void moe_tile_count_kernel(int32_t *cnt, const int32_t *topk, int SK, int tps, int E, int tiles) {
     int tile = blockIdx.x * blockDim.x + threadIdx.x;
     if (tile >= tiles) return;
     int32_t *c = cnt + (size_t)tile * E;
     for (int e = 0; e < E; e++) c[e] = 0;
-    int i1 = min(NK, (tile + 1) * MOE_TILE);
-    for (int i = tile * MOE_TILE; i < i1; i++) c[topk[i]]++;
+    int b = tile / tps, j = tile % tps;
+    int i0 = b * SK + j * MOE_TILE, i1 = min((b + 1) * SK, i0 + MOE_TILE);
+    for (int i = i0; i < i1; i++) c[topk[i]]++;
 }
 
-__global__ void moe_prefix_kernel(int32_t *offsets, int32_t *counts, int32_t *cnt, int E, int tiles, int cap) {
+__global__ void moe_prefix_kernel(int32_t *offsets, int32_t *counts, int32_t *cnt, int32_t *base, int nseq, int tps,
+                                  int E, int cap) {
     /* one block */
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int32_t run = 0;
-        for (int tile = 0; tile < tiles; tile++) {
-            int32_t c = cnt[(size_t)tile * E + e];
-            cnt[(size_t)tile * E + e] = run;
-            run += c;
+        int32_t kept = 0;
+        for (int b = 0; b < nseq; b++) {
+            int32_t run = 0;
+            for (int j = 0; j < tps; j++) {
+                size_t at = ((size_t)b * tps + j) * E + e;
+                int32_t c = cnt[at];
+                cnt[at] = run;
+                run += c;
+            }
+            counts[(size_t)b * E + e] = run;
+            base[(size_t)b * E + e] = kept;
+            kept += cap > 0 && run > cap ? cap : run;
         }
-        counts[e] = run;
+        offsets[e + 1] = kept; /* this expert's rows, summed below */
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+        int32_t acc = 0;
         offsets[0] = 0;
-        for (int e = 0; e < E; e++) offsets[e + 1] = offsets[e] + (cap > 0 && counts[e] > cap ? cap : counts[e]);
+        for (int e = 0; e < E; e++) {
+            acc += offsets[e + 1];
+            offsets[e + 1] = acc;
+        }
     }
 }
 
-__global__ void moe_place_kernel(int32_t *row_of, int32_t *src, int32_t *cnt, const int32_t *offsets,
-                                 const int32_t *topk, int NK, int E, int K, int tiles, int cap) {
+__global__ void moe_place_kernel(int32_t *row_of, int32_t *src, int32_t *cnt, const int32_t *base,
+                                 const int32_t *offsets, const int32_t *topk, int SK, int tps, int E, int K, int tiles,
+                                 int cap) {
     int tile = blockIdx.x * blockDim.x + threadIdx.x;
     if (tile >= tiles) return;
     int32_t *c = cnt + (size_t)tile * E;
-    int i1 = min(NK, (tile + 1) * MOE_TILE);
-    for (int i = tile * MOE_TILE; i < i1; i++) {
+    int b = tile / tps, j0 = tile % tps;
+    const int32_t *bs = base + (size_t)b * E;
+    int i0 = b * SK + j0 * MOE_TILE, i1 = min((b + 1) * SK, i0 + MOE_TILE);
+    for (int i = i0; i < i1; i++) {
         int e = topk[i], j = c[e]++;
         if (cap > 0 && j >= cap) {
             row_of[i] = -1;
         } else {
-            row_of[i] = offsets[e] + j;
-            src[offsets[e] + j] = i / K;
+            int r = offsets[e] + bs[e] + j;
+            row_of[i] = r;
+            src[r] = i / K;
         }
     }
 }
 
 void cuda_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts, const int32_t *topk, int N,
-                       int E, int K, int cap) {
-    int NK = N * K, tiles = (NK + MOE_TILE - 1) / MOE_TILE;
-    if (tiles < 1) tiles = 1;
-    int32_t *cnt = (int32_t *)cuda_scratch(SCRATCH_MOE, (size_t)tiles * E * sizeof(int32_t));
-    KLAUNCH(moe_tile_count_kernel, cuda_blocks(tiles, 128), 128, 0, cnt, topk, NK, E, tiles);
+                       int S, int E, int K, int cap) {
+    int nseq = N > 0 ? N / S : 0, SK = S * K;
+    int tps = nseq > 0 && SK > 0 ? (SK + MOE_TILE - 1) / MOE_TILE : 0, tiles = nseq * tps;
+    size_t words = ((size_t)tiles + nseq) * E;
+    int32_t *cnt = (int32_t *)cuda_scratch(SCRATCH_MOE, (words ? words : 1) * sizeof(int32_t));
+    int32_t *base = cnt + (size_t)tiles * E;
+    if (tiles > 0) {
+        KLAUNCH(moe_tile_count_kernel, cuda_blocks(tiles, 128), 128, 0, cnt, topk, SK, tps, E, tiles);
+        CUDA_CHECK_LAUNCH();
+    }
+    /* always: offsets are defined (all 0) for no rows too */
+    KLAUNCH(moe_prefix_kernel, 1, 256, 0, offsets, counts, cnt, base, nseq, tps, E, cap);
     CUDA_CHECK_LAUNCH();
-    KLAUNCH(moe_prefix_kernel, 1, 256, 0, offsets, counts, cnt, E, tiles, cap);
-    CUDA_CHECK_LAUNCH();
-    KLAUNCH(moe_place_kernel, cuda_blocks(tiles, 128), 128, 0, row_of, src, cnt, offsets, topk, NK, E, K, tiles, cap);
-    CUDA_CHECK_LAUNCH();
+    if (tiles > 0) {
+        KLAUNCH(moe_place_kernel, cuda_blocks(tiles, 128), 128, 0, row_of, src, cnt, base, offsets, topk, SK, tps, E,
+                K, tiles, cap);
+        CUDA_CHECK_LAUNCH();
+    }
 }
 
 /* ---------------------------------------------------------------------------
@@ -277,18 +312,20 @@ void cuda_moe_combine_backward(void *dyp, float *dgates, const void *dout, const
 template <typename T_>
 __global__ void moe_route_backward_kernel(T_ *dlogits, float *abuf, const float *dgates, const float *probs,
                                           const int32_t *topk, const float *gates, const T_ *logits, const float *aux,
-                                          float z_coef, int N, int E, int K, int sigmoid, int norm_topk) {
+                                          float z_coef, int N, int S, int E, int K, int sigmoid, int norm_topk) {
+    /* aux (N/S, E) or NULL: row t reads its sequence's row t / S */
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= N) return;
     const float *p = probs + (size_t)t * E, *dg = dgates + (size_t)t * K, *g = gates + (size_t)t * K;
     const int32_t *sel = topk + (size_t)t * K;
     float *a = abuf + (size_t)t * E;
-    for (int e = 0; e < E; e++) a[e] = aux ? aux[e] : 0.0f;
+    const float *ax = aux ? aux + (size_t)(t / S) * E : NULL;
+    for (int e = 0; e < E; e++) a[e] = ax ? ax[e] : 0.0f;
     if (norm_topk) {
-        /* g_k = p_k / S: dL/dp_j = (dg_j - sum_k dg_k g_k) / S */
-        float S = 0.0f, dgg = 0.0f;
-        for (int k = 0; k < K; k++) S += p[sel[k]], dgg += dg[k] * g[k];
-        for (int k = 0; k < K; k++) a[sel[k]] += (dg[k] - dgg) / S;
+        /* g_k = p_k / Z, Z = sum_j p_j: dL/dp_j = (dg_j - sum_k dg_k g_k) / Z */
+        float Z = 0.0f, dgg = 0.0f;
+        for (int k = 0; k < K; k++) Z += p[sel[k]], dgg += dg[k] * g[k];
+        for (int k = 0; k < K; k++) a[sel[k]] += (dg[k] - dgg) / Z;
     } else {
         for (int k = 0; k < K; k++) a[sel[k]] += dg[k];
     }
@@ -312,16 +349,16 @@ __global__ void moe_route_backward_kernel(T_ *dlogits, float *abuf, const float 
 template <typename T_>
 static void moe_route_backward_run(void *dlogits, const float *dgates, const float *probs, const int32_t *topk,
                                    const float *gates, const void *logits, const float *aux, float z_coef, int N,
-                                   int E, int K, int sigmoid, int norm_topk) {
+                                   int S, int E, int K, int sigmoid, int norm_topk) {
     float *abuf = (float *)cuda_scratch(SCRATCH_MOE_GRAD, (size_t)N * E * sizeof(float));
     KLAUNCH(moe_route_backward_kernel<T_>, cuda_blocks(N, 128), 128, 0, (T_ *)dlogits, abuf, dgates, probs, topk,
-            gates, (const T_ *)logits, aux, z_coef, N, E, K, sigmoid, norm_topk);
+            gates, (const T_ *)logits, aux, z_coef, N, S, E, K, sigmoid, norm_topk);
     CUDA_CHECK_LAUNCH();
 }
 
 void cuda_moe_route_backward(void *dlogits, const float *dgates, const float *probs, const int32_t *topk,
-                             const float *gates, const void *logits, const float *aux, float z_coef, int N, int E,
-                             int K, int sigmoid, int norm_topk) {
-    ACT_DISPATCH(moe_route_backward_run, dlogits, dgates, probs, topk, gates, logits, aux, z_coef, N, E, K, sigmoid,
+                             const float *gates, const void *logits, const float *aux, float z_coef, int N, int S,
+                             int E, int K, int sigmoid, int norm_topk) {
+    ACT_DISPATCH(moe_route_backward_run, dlogits, dgates, probs, topk, gates, logits, aux, z_coef, N, S, E, K, sigmoid,
                  norm_topk);
 }

@@ -686,44 +686,48 @@ static void test_swiglu(int N, int F) {
  * permute alike), gather, combine and the backwards, each GPU op reading the
  * CPU's outputs of the earlier ones. cap 0 keeps every slot; a small cap
  * drops some (row_of -1). */
-static void test_moe(int N, int E, int K, int C, int sigmoid, int norm_topk, int use_bias, int cap) {
-    char shc[96];
-    snprintf(shc, sizeof shc, "_N%d_E%d_K%d_C%d%s%s%s_cap%d", N, E, K, C, sigmoid ? "_sigmoid" : "_softmax",
+static void test_moe(int N, int S, int E, int K, int C, int sigmoid, int norm_topk, int use_bias, int cap) {
+    char shc[112];
+    snprintf(shc, sizeof shc, "_N%d_S%d_E%d_K%d_C%d%s%s%s_cap%d", N, S, E, K, C, sigmoid ? "_sigmoid" : "_softmax",
              norm_topk ? "_norm" : "", use_bias ? "_bias" : "", cap);
     std::string sh = shc;
+    const int nseq = N / S;
     Vec logits = rnd_act((size_t)N * E, 2.0f), bias = rnd(E, 0.1f);
     std::vector<int32_t> topk((size_t)N * K);
-    Vec gates((size_t)N * K), probs((size_t)N * E), stats(E + 1);
+    Vec gates((size_t)N * K), probs((size_t)N * E), stats((size_t)nseq * (E + 1));
     cpu->moe_route(topk.data(), gates.data(), probs.data(), stats.data(), logits.data(), use_bias ? bias.data() : NULL,
-                   N, E, K, sigmoid, norm_topk);
+                   N, S, E, K, sigmoid, norm_topk);
     void *dlog = dev_act(logits);
     float *dbias = dev_f32(bias), *dgates, *dprobs, *dstats;
     int32_t *dtopk;
     CUDA_CHECK(cudaMalloc(&dgates, (size_t)N * K * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&dprobs, (size_t)N * E * sizeof(float)));
-    CUDA_CHECK(cudaMalloc(&dstats, (E + 1) * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&dstats, stats.size() * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&dtopk, (size_t)N * K * sizeof(int32_t)));
-    gpu->moe_route(dtopk, dgates, dprobs, dstats, dlog, use_bias ? dbias : NULL, N, E, K, sigmoid, norm_topk);
+    gpu->moe_route(dtopk, dgates, dprobs, dstats, dlog, use_bias ? dbias : NULL, N, S, E, K, sigmoid, norm_topk);
     check_exact("moe_route_topk" + sh, dev_i32_get(dtopk, (size_t)N * K), i32_vec(topk));
     check("moe_route_gates" + sh, get_f32(dgates, (size_t)N * K), gates, TOL_F32);
     check("moe_route_probs" + sh, get_f32(dprobs, (size_t)N * E), probs, TOL_F32);
-    check("moe_route_stats" + sh, get_f32(dstats, E + 1), stats, TOL_F32);
+    check("moe_route_stats" + sh, get_f32(dstats, stats.size()), stats, TOL_F32);
     CUDA_CHECK(cudaMemcpy(dgates, gates.data(), (size_t)N * K * sizeof(float), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(dprobs, probs.data(), (size_t)N * E * sizeof(float), cudaMemcpyHostToDevice));
 
-    std::vector<int32_t> offsets(E + 1), row_of((size_t)N * K), src((size_t)N * K, 0), counts(E);
-    cpu->moe_dispatch(offsets.data(), row_of.data(), src.data(), counts.data(), topk.data(), N, E, K, cap);
+    std::vector<int32_t> offsets(E + 1), row_of((size_t)N * K), src((size_t)N * K, 0), counts((size_t)nseq * E);
+    cpu->moe_dispatch(offsets.data(), row_of.data(), src.data(), counts.data(), topk.data(), N, S, E, K, cap);
     int R = offsets[E];
     int32_t *dt = dev_i32(topk), *doff, *drow, *dsrc, *dcnt;
     CUDA_CHECK(cudaMalloc(&doff, (E + 1) * sizeof(int32_t)));
     CUDA_CHECK(cudaMalloc(&drow, (size_t)N * K * sizeof(int32_t)));
     CUDA_CHECK(cudaMalloc(&dsrc, (size_t)N * K * sizeof(int32_t)));
-    CUDA_CHECK(cudaMalloc(&dcnt, E * sizeof(int32_t)));
-    gpu->moe_dispatch(doff, drow, dsrc, dcnt, dt, N, E, K, cap);
+    CUDA_CHECK(cudaMalloc(&dcnt, counts.size() * sizeof(int32_t)));
+    gpu->moe_dispatch(doff, drow, dsrc, dcnt, dt, N, S, E, K, cap);
     check_exact("moe_dispatch_offsets" + sh, dev_i32_get(doff, E + 1), i32_vec(offsets));
     check_exact("moe_dispatch_row_of" + sh, dev_i32_get(drow, (size_t)N * K), i32_vec(row_of));
     check_exact("moe_dispatch_src" + sh, dev_i32_get(dsrc, R), Vec(src.begin(), src.begin() + R));
-    check_exact("moe_dispatch_counts" + sh, dev_i32_get(dcnt, E), i32_vec(counts));
+    check_exact("moe_dispatch_counts" + sh, dev_i32_get(dcnt, counts.size()), i32_vec(counts));
+    /* the case is meant to drop (cap > 0) or keep everything (cap 0) */
+    report("moe_dispatch_drops" + sh, cap > 0 ? R < N * K : R == N * K, "%.0f of %.0f slots kept",
+           (double)R, (double)N * K);
     int32_t *drow_c = dev_i32(row_of), *dsrc_c = dev_i32(src);
 
     Vec x = rnd_act((size_t)N * C, 1.0f), xp((size_t)R * C);
@@ -756,16 +760,17 @@ static void test_moe(int N, int E, int K, int C, int sigmoid, int norm_topk, int
     check("moe_combine_backward_dyp" + sh, get_act(ddy, (size_t)R * C), dy, tol_act());
     check("moe_combine_backward_dgates" + sh, get_f32(ddgt, (size_t)N * K), dgt, TOL_F32);
 
-    Vec aux = rnd(E, 0.1f), rdl((size_t)N * E);
+    Vec aux = rnd((size_t)nseq * E, 0.1f), rdl((size_t)N * E);
     for (int zl = 0; zl <= 1; zl++) {
         float z = zl ? 1e-2f : 0.0f;
         const float *ax = zl ? aux.data() : NULL;
         cpu->moe_route_backward(rdl.data(), dgt.data(), probs.data(), topk.data(), gates.data(), logits.data(), ax, z,
-                                N, E, K, sigmoid, norm_topk);
+                                N, S, E, K, sigmoid, norm_topk);
         float *ddg = dev_f32(dgt), *daux = dev_f32(aux);
         void *ddlog;
         CUDA_CHECK(cudaMalloc(&ddlog, (size_t)N * E * AB));
-        gpu->moe_route_backward(ddlog, ddg, dprobs, dt, dgates, dlog, zl ? daux : NULL, z, N, E, K, sigmoid, norm_topk);
+        gpu->moe_route_backward(ddlog, ddg, dprobs, dt, dgates, dlog, zl ? daux : NULL, z, N, S, E, K, sigmoid,
+                                norm_topk);
         check("moe_route_backward" + sh + (zl ? "_aux_z" : ""), get_act(ddlog, (size_t)N * E), rdl, tol_act());
         cudaFree(ddg), cudaFree(daux), cudaFree(ddlog);
     }
@@ -801,7 +806,7 @@ static void test_zero_rows(void) {
     gpu->moe_gather_backward(dnone, dnone, inone, 0, K, C);
     gpu->moe_combine(dnone, dnone, fnone, inone, 0, K, C);
     gpu->moe_combine_backward(dnone, fnone, dnone, dnone, fnone, inone, 0, K, C);
-    gpu->moe_route_backward(dnone, fnone, fnone, inone, fnone, dnone, NULL, 1e-2f, 0, E, K, 0, 1);
+    gpu->moe_route_backward(dnone, fnone, fnone, inone, fnone, dnone, NULL, 1e-2f, 0, T, E, K, 0, 1);
     for (int acc = 0; acc <= 1; acc++) {
         std::string s = acc ? "_acc1" : "_acc0";
         Vec g = rnd(C, 1.0f), gb = rnd(C, 1.0f), gq = rnd(a0.HD, 1.0f), gk = rnd(a0.HD, 1.0f);
@@ -829,15 +834,17 @@ static void test_zero_rows(void) {
         check_exact("zero_rows_embed_backward_dwpe" + s, get_f32(d7, rpe.size()), rpe);
         cudaFree(d1), cudaFree(d2), cudaFree(d3), cudaFree(d4), cudaFree(d5), cudaFree(d6), cudaFree(d7);
     }
-    Vec stats(E + 1), rstats(E + 1);
-    cpu->moe_route(NULL, NULL, NULL, rstats.data(), NULL, NULL, 0, E, K, 0, 1);
-    float *dstats = dev_f32(Vec(E + 1, NAN));
-    gpu->moe_route(inone, fnone, fnone, dstats, dnone, NULL, 0, E, K, 0, 1);
+    /* no rows are no sequences: stats (0, E+1) and counts (0, E) are not
+     * written (the sentinels stay), offsets are all 0 */
+    Vec rstats(E + 1, -7.0f);
+    cpu->moe_route(NULL, NULL, NULL, rstats.data(), NULL, NULL, 0, T, E, K, 0, 1);
+    float *dstats = dev_f32(Vec(E + 1, -7.0f));
+    gpu->moe_route(inone, fnone, fnone, dstats, dnone, NULL, 0, T, E, K, 0, 1);
     check_exact("zero_rows_moe_route_stats", get_f32(dstats, E + 1), rstats);
     std::vector<int32_t> off(E + 1, -7), cnt(E, -7);
-    cpu->moe_dispatch(off.data(), NULL, NULL, cnt.data(), NULL, 0, E, K, 3);
+    cpu->moe_dispatch(off.data(), NULL, NULL, cnt.data(), NULL, 0, T, E, K, 3);
     int32_t *doff = dev_i32(std::vector<int32_t>(E + 1, -7)), *dcnt = dev_i32(std::vector<int32_t>(E, -7));
-    gpu->moe_dispatch(doff, inone, inone, dcnt, inone, 0, E, K, 3);
+    gpu->moe_dispatch(doff, inone, inone, dcnt, inone, 0, T, E, K, 3);
     check_exact("zero_rows_moe_dispatch_offsets", dev_i32_get(doff, E + 1), i32_vec(off));
     check_exact("zero_rows_moe_dispatch_counts", dev_i32_get(dcnt, E), i32_vec(cnt));
     report_s("zero_rows_launches", cudaGetLastError() == cudaSuccess,
@@ -916,10 +923,17 @@ int main(void) {
             test_qknorm(a10, ph);
         }
         test_swiglu(37, 45);
-        test_moe(37, 5, 2, 70, 0, 1, 0, 0);
-        test_moe(37, 5, 2, 70, 1, 1, 1, 0);
-        test_moe(37, 5, 2, 70, 0, 0, 0, 9);   /* capacity drops */
-        test_moe(600, 5, 2, 18, 1, 0, 1, 100); /* several dispatch tiles, drops */
+        /* one sequence (S = N) */
+        test_moe(37, 37, 5, 2, 70, 0, 1, 0, 0);
+        test_moe(37, 37, 5, 2, 70, 1, 1, 1, 0);
+        test_moe(37, 37, 5, 2, 70, 0, 0, 0, 9);    /* capacity drops */
+        test_moe(600, 600, 5, 2, 18, 1, 0, 1, 100); /* several dispatch tiles, drops */
+        /* several sequences: per-sequence stats, loads, caps and aux rows */
+        test_moe(39, 13, 5, 2, 70, 0, 1, 0, 0);     /* 3 x 13, all kept */
+        test_moe(39, 13, 5, 2, 70, 0, 1, 1, 3);     /* 3 x 13, drops */
+        test_moe(600, 100, 5, 2, 18, 1, 0, 1, 30);  /* 6 x 100, one tile each, drops */
+        test_moe(900, 300, 5, 2, 18, 0, 1, 0, 100); /* 3 x 300, 3 tiles each (the last short), drops */
+        test_moe(40, 2, 5, 2, 18, 1, 1, 0, 1);      /* sequences of two rows, cap 1 */
         test_zero_rows();
         gpu->shutdown();
     }
