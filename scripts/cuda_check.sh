@@ -402,6 +402,30 @@ if [ $tiny_cpu_ok = 1 ]; then
     else row tiny_cuda_bf16_master16 FAIL "run failed: $(tail -n 1 "$OUT/tiny_cuda_bf16_master16.txt")"; failed=1; fi
 fi
 
+# --- 7b. Llama and MoE: 50 steps of llama-tiny and moe-tiny, cpu vs cuda -------
+# GQA + RoPE + SwiGLU (SIMT attention: grouped K/V heads), and MoE routing,
+# dispatch and per-expert products; tolerances as tiny's. In bf16 a router
+# score within bf16 noise of another may pick another expert (test/model_emu.c
+# says why), so a moe-tiny bf16 failure alone points there first.
+section "llama-tiny and moe-tiny: 50 steps, cpu vs cuda"
+arch_tiny() { # NAME CONFIG DEVICE COMPUTE
+    timeout 150 ./train "configs/$2.yaml" --set device="$3" --set precision.compute="$4" --set train.steps=50 \
+        --set train.sample_every=0 --set train.eval_every=0 --set checkpoint.every=0 --set checkpoint.final=false \
+        --set metrics.log_every=10 --set run.dir="$OUT/tiny_$1" > "$OUT/tiny_$1.txt" 2>&1
+}
+for cfg in llama-tiny moe-tiny; do
+    if over_budget; then row "$cfg" skip "over the time budget"; continue; fi
+    if ! arch_tiny "${cfg}_cpu" "$cfg" cpu fp32; then row "$cfg" FAIL "cpu run failed: $(tail -n 1 "$OUT/tiny_${cfg}_cpu.txt")"; failed=1; continue; fi
+    for pc in "fp32 $TOL_TINY_FP32" "bf16 $TOL_TINY_BF16"; do
+        set -- $pc
+        n="${cfg}_cuda_$1"
+        if ! arch_tiny "$n" "$cfg" cuda "$1"; then row "$n" FAIL "run failed: $(tail -n 1 "$OUT/tiny_$n.txt")"; failed=1; continue; fi
+        msg=$(compare "$n" "$2" "${cfg}_cpu"); rc=$?
+        echo "$n: $msg"
+        if [ $rc -eq 0 ]; then row "$n" ok "$msg (tol $2)"; else row "$n" FAIL "$msg (tol $2)"; failed=1; fi
+    done
+done
+
 # --- 8. Benchmark variants ------------------------------------------------------
 # the same without GeLU fusion (precision.gelu_fusion off): what the
 # epilogues gain against the separate GeLU kernels
