@@ -12,6 +12,7 @@
 
 #include "backend.h"
 #include "model.h" /* first: the ArchSpec-built model's model.h includes arch.h */
+#include "ref_reader.h"
 #include "test.h"
 #include "util.h"
 
@@ -25,14 +26,12 @@ int main(void) {
 #else
 
 #define ARC_MAX_TENSORS 128
-#define ARC_MAX_COPIES (3 * ARC_MAX_TENSORS + 8)
 
 _Static_assert(sizeof(ArchFamily) == sizeof(int) && sizeof(ArchMlp) == sizeof(int), "enum fields are ints");
 
-/* The fixture, parsed. Arrays are aligned copies owned by `copies`. */
+/* The fixture, parsed. Arrays are aligned copies that f.r owns. */
 typedef struct ArcFixture {
-    char *blob;
-    size_t len, pos;
+    RefReader r; /* the file and the copies of its arrays */
     ArchSpec spec;
     int B, T, n_steps, decay_embeddings, dropped_slots;
     float lr, beta1, beta2, eps, weight_decay, grad_clip;
@@ -47,8 +46,6 @@ typedef struct ArcFixture {
     const float *grads[ARC_MAX_TENSORS];
     const double *step_losses, *grad_norms; /* (n_steps) */
     const float *final[ARC_MAX_TENSORS];    /* n_steps > 0 only */
-    void *copies[ARC_MAX_COPIES];
-    int num_copies;
 } ArcFixture;
 
 /* Header keys: an ArchSpec field or a run field of the fixture. */
@@ -76,35 +73,8 @@ static const ArcKey arc_keys[] = {
     RUN_F(beta1), RUN_F(beta2), RUN_F(eps), RUN_F(weight_decay), RUN_F(grad_clip),
 };
 
-static const void *arc_take(ArcFixture *f, size_t n) {
-    if (f->pos + n > f->len) return NULL;
-    const void *p = f->blob + f->pos;
-    f->pos += n;
-    return p;
-}
-
-static int arc_take_i32(ArcFixture *f, int *out) {
-    const void *p = arc_take(f, 4);
-    if (!p) return -1;
-    int32_t v;
-    memcpy(&v, p, 4);
-    *out = v;
-    return 0;
-}
-
-/* Arrays sit at unaligned offsets after the names: copy them out. */
-static const void *arc_take_array(ArcFixture *f, size_t bytes) {
-    const void *p = arc_take(f, bytes);
-    if (!p || f->num_copies == ARC_MAX_COPIES) return NULL;
-    void *c = xmalloc(bytes ? bytes : 1);
-    memcpy(c, p, bytes);
-    f->copies[f->num_copies++] = c;
-    return c;
-}
-
 static void arc_free(ArcFixture *f) {
-    for (int i = 0; i < f->num_copies; i++) free(f->copies[i]);
-    free(f->blob);
+    rr_free(&f->r);
     memset(f, 0, sizeof *f);
 }
 
@@ -123,24 +93,24 @@ static int arc_set_key(ArcFixture *f, const char *name, char kind, const void *v
 /* 0 on success; on failure `why` says what was wrong. Format: test/ref/README.md. */
 static int arc_load(ArcFixture *f, const char *path, char *why, size_t why_len) {
     memset(f, 0, sizeof *f);
-    f->blob = kiln_read_file(path, &f->len);
-    if (!f->blob) {
+    f->r.blob = kiln_read_file(path, &f->r.len);
+    if (!f->r.blob) {
         snprintf(why, why_len, "cannot read %s (run from the repo root; regenerate with "
                  "/usr/bin/python3 test/ref/gen_arch_ref.py)", path);
         return -1;
     }
-    const void *magic = arc_take(f, 8);
+    const void *magic = rr_take(&f->r, 8);
     if (!magic || memcmp(magic, "KILNARC1", 8) != 0) {
         snprintf(why, why_len, "%s: bad magic, expected KILNARC1", path);
         return -1;
     }
     int n_keys;
-    if (arc_take_i32(f, &n_keys) || n_keys < 1 || n_keys > 256) goto truncated;
+    if (rr_take_i32(&f->r, &n_keys) || n_keys < 1 || n_keys > 256) goto truncated;
     for (int i = 0; i < n_keys; i++) {
         int name_len;
         char name[64], kind;
-        if (arc_take_i32(f, &name_len) || name_len < 1 || name_len >= (int)sizeof name) goto truncated;
-        const char *p = arc_take(f, (size_t)name_len + 1 + 4);
+        if (rr_take_i32(&f->r, &name_len) || name_len < 1 || name_len >= (int)sizeof name) goto truncated;
+        const char *p = rr_take(&f->r, (size_t)name_len + 1 + 4);
         if (!p) goto truncated;
         memcpy(name, p, (size_t)name_len);
         name[name_len] = '\0';
@@ -150,7 +120,7 @@ static int arc_load(ArcFixture *f, const char *path, char *why, size_t why_len) 
             return -1;
         }
     }
-    if (arc_take_i32(f, &f->num_tensors) || f->num_tensors < 1 || f->num_tensors > ARC_MAX_TENSORS ||
+    if (rr_take_i32(&f->r, &f->num_tensors) || f->num_tensors < 1 || f->num_tensors > ARC_MAX_TENSORS ||
         f->B < 1 || f->T < 1 || f->n_steps < 0) {
         snprintf(why, why_len, "%s: implausible header (num_tensors=%d B=%d T=%d n_steps=%d)", path,
                  f->num_tensors, f->B, f->T, f->n_steps);
@@ -158,42 +128,42 @@ static int arc_load(ArcFixture *f, const char *path, char *why, size_t why_len) 
     }
     for (int i = 0; i < f->num_tensors; i++) {
         int name_len;
-        if (arc_take_i32(f, &name_len) || name_len < 1 || name_len >= 64) goto truncated;
-        const void *name = arc_take(f, (size_t)name_len);
+        if (rr_take_i32(&f->r, &name_len) || name_len < 1 || name_len >= 64) goto truncated;
+        const void *name = rr_take(&f->r, (size_t)name_len);
         if (!name) goto truncated;
         memcpy(f->names[i], name, (size_t)name_len);
         f->names[i][name_len] = '\0';
-        if (arc_take_i32(f, &f->ndim[i]) || f->ndim[i] < 1 || f->ndim[i] > 2) goto truncated;
+        if (rr_take_i32(&f->r, &f->ndim[i]) || f->ndim[i] < 1 || f->ndim[i] > 2) goto truncated;
         f->numel[i] = 1;
         f->shape[i][1] = 1;
         for (int d = 0; d < f->ndim[i]; d++) {
-            if (arc_take_i32(f, &f->shape[i][d]) || f->shape[i][d] < 1) goto truncated;
+            if (rr_take_i32(&f->r, &f->shape[i][d]) || f->shape[i][d] < 1) goto truncated;
             f->numel[i] *= (size_t)f->shape[i][d];
         }
-        if (!(f->params[i] = arc_take_array(f, f->numel[i] * sizeof(float)))) goto truncated;
+        if (!(f->params[i] = rr_take_array(&f->r, f->numel[i] * sizeof(float)))) goto truncated;
     }
     size_t N = (size_t)f->B * f->T;
-    if (!(f->tokens = arc_take_array(f, N * sizeof(int32_t)))) goto truncated;
-    if (!(f->targets = arc_take_array(f, N * sizeof(int32_t)))) goto truncated;
-    if (!(f->logits = arc_take_array(f, N * f->spec.padded_vocab * sizeof(float)))) goto truncated;
-    const void *l = arc_take(f, 3 * sizeof(double));
+    if (!(f->tokens = rr_take_array(&f->r, N * sizeof(int32_t)))) goto truncated;
+    if (!(f->targets = rr_take_array(&f->r, N * sizeof(int32_t)))) goto truncated;
+    if (!(f->logits = rr_take_array(&f->r, N * f->spec.padded_vocab * sizeof(float)))) goto truncated;
+    const void *l = rr_take(&f->r, 3 * sizeof(double));
     if (!l) goto truncated;
     memcpy(&f->loss, l, sizeof(double));
     memcpy(&f->aux, (const char *)l + 8, sizeof(double));
     memcpy(&f->z, (const char *)l + 16, sizeof(double));
     for (int i = 0; i < f->num_tensors; i++)
-        if (!(f->grads[i] = arc_take_array(f, f->numel[i] * sizeof(float)))) goto truncated;
-    if (!(f->step_losses = arc_take_array(f, (size_t)f->n_steps * sizeof(double)))) goto truncated;
-    if (!(f->grad_norms = arc_take_array(f, (size_t)f->n_steps * sizeof(double)))) goto truncated;
+        if (!(f->grads[i] = rr_take_array(&f->r, f->numel[i] * sizeof(float)))) goto truncated;
+    if (!(f->step_losses = rr_take_array(&f->r, (size_t)f->n_steps * sizeof(double)))) goto truncated;
+    if (!(f->grad_norms = rr_take_array(&f->r, (size_t)f->n_steps * sizeof(double)))) goto truncated;
     for (int i = 0; f->n_steps > 0 && i < f->num_tensors; i++)
-        if (!(f->final[i] = arc_take_array(f, f->numel[i] * sizeof(float)))) goto truncated;
-    if (f->pos != f->len) {
-        snprintf(why, why_len, "%s: %zu trailing bytes", path, f->len - f->pos);
+        if (!(f->final[i] = rr_take_array(&f->r, f->numel[i] * sizeof(float)))) goto truncated;
+    if (f->r.pos != f->r.len) {
+        snprintf(why, why_len, "%s: %zu trailing bytes", path, f->r.len - f->r.pos);
         return -1;
     }
     return 0;
 truncated:
-    snprintf(why, why_len, "%s: truncated at byte %zu of %zu", path, f->pos, f->len);
+    snprintf(why, why_len, "%s: truncated at byte %zu of %zu", path, f->r.pos, f->r.len);
     return -1;
 }
 

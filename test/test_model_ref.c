@@ -9,17 +9,16 @@
 
 #include "backend.h"
 #include "model.h"
+#include "ref_reader.h"
 #include "test.h"
 #include "util.h"
 
 #define REF_PATH "test/ref/gpt2_ref.bin"
 #define REF_MAX_TENSORS 64
-#define REF_MAX_COPIES (3 * REF_MAX_TENSORS + 8)
 
-/* The fixture, parsed. Every array points into `blob`. */
+/* The fixture, parsed. Every array is a copy that f.r owns. */
 typedef struct RefFixture {
-    char *blob;
-    size_t len, pos;
+    RefReader r; /* the file and the copies of its arrays */
     int n_layer, n_head, n_embd, seq_len, vocab, padded_vocab, B, T, n_steps, num_tensors;
     char names[REF_MAX_TENSORS][48];
     int32_t numel[REF_MAX_TENSORS];
@@ -30,54 +29,23 @@ typedef struct RefFixture {
     const float *grads[REF_MAX_TENSORS];
     const double *step_losses, *grad_norms; /* (n_steps) */
     const float *final[REF_MAX_TENSORS];
-    void *copies[REF_MAX_COPIES]; /* owned aligned copies of the arrays above */
-    int num_copies;
 } RefFixture;
 
-/* Next `n` bytes of the fixture, or NULL past its end. */
-static const void *ref_take(RefFixture *f, size_t n) {
-    if (f->pos + n > f->len) return NULL;
-    const void *p = f->blob + f->pos;
-    f->pos += n;
-    return p;
-}
-
-static int ref_take_i32(RefFixture *f, int *out) {
-    const void *p = ref_take(f, 4);
-    if (!p) return -1;
-    int32_t v;
-    memcpy(&v, p, 4);
-    *out = v;
-    return 0;
-}
-
-/* Float arrays sit at unaligned offsets after the names; copy them out so the
- * pointers are aligned. ref_free releases the copies. */
-static const void *ref_take_array(RefFixture *f, size_t bytes) {
-    const void *p = ref_take(f, bytes);
-    if (!p || f->num_copies == REF_MAX_COPIES) return NULL;
-    void *c = xmalloc(bytes ? bytes : 1);
-    memcpy(c, p, bytes);
-    f->copies[f->num_copies++] = c;
-    return c;
-}
-
 static void ref_free(RefFixture *f) {
-    for (int i = 0; i < f->num_copies; i++) free(f->copies[i]);
-    free(f->blob);
+    rr_free(&f->r);
     memset(f, 0, sizeof *f);
 }
 
 /* 0 on success; on failure `why` says what was wrong. */
 static int ref_load(RefFixture *f, const char *path, char *why, size_t why_len) {
     memset(f, 0, sizeof *f);
-    f->blob = kiln_read_file(path, &f->len);
-    if (!f->blob) {
+    f->r.blob = kiln_read_file(path, &f->r.len);
+    if (!f->r.blob) {
         snprintf(why, why_len, "cannot read %s (run from the repo root; regenerate with "
                  "/usr/bin/python3 test/ref/gen_gpt2_ref.py)", path);
         return -1;
     }
-    const void *magic = ref_take(f, 8);
+    const void *magic = rr_take(&f->r, 8);
     if (!magic || memcmp(magic, "KILNREF1", 8) != 0) {
         snprintf(why, why_len, "%s: bad magic, expected KILNREF1", path);
         return -1;
@@ -85,7 +53,7 @@ static int ref_load(RefFixture *f, const char *path, char *why, size_t why_len) 
     int *hdr[] = {&f->n_layer, &f->n_head, &f->n_embd, &f->seq_len, &f->vocab, &f->padded_vocab,
                   &f->B, &f->T, &f->n_steps, &f->num_tensors};
     for (size_t i = 0; i < sizeof hdr / sizeof hdr[0]; i++)
-        if (ref_take_i32(f, hdr[i])) goto truncated;
+        if (rr_take_i32(&f->r, hdr[i])) goto truncated;
     if (f->num_tensors < 1 || f->num_tensors > REF_MAX_TENSORS || f->n_steps < 1 || f->B < 1 || f->T < 1) {
         snprintf(why, why_len, "%s: implausible header (num_tensors=%d n_steps=%d B=%d T=%d)", path,
                  f->num_tensors, f->n_steps, f->B, f->T);
@@ -93,36 +61,36 @@ static int ref_load(RefFixture *f, const char *path, char *why, size_t why_len) 
     }
     for (int i = 0; i < f->num_tensors; i++) {
         int name_len;
-        if (ref_take_i32(f, &name_len) || name_len < 1 || name_len >= 48) goto truncated;
-        const void *name = ref_take(f, (size_t)name_len);
+        if (rr_take_i32(&f->r, &name_len) || name_len < 1 || name_len >= 48) goto truncated;
+        const void *name = rr_take(&f->r, (size_t)name_len);
         if (!name) goto truncated;
         memcpy(f->names[i], name, (size_t)name_len);
         f->names[i][name_len] = '\0';
         int numel;
-        if (ref_take_i32(f, &numel) || numel < 1) goto truncated;
+        if (rr_take_i32(&f->r, &numel) || numel < 1) goto truncated;
         f->numel[i] = numel;
-        if (!(f->params[i] = ref_take_array(f, (size_t)numel * sizeof(float)))) goto truncated;
+        if (!(f->params[i] = rr_take_array(&f->r, (size_t)numel * sizeof(float)))) goto truncated;
     }
     size_t N = (size_t)f->B * f->T;
-    if (!(f->tokens = ref_take_array(f, N * sizeof(int32_t)))) goto truncated;
-    if (!(f->targets = ref_take_array(f, N * sizeof(int32_t)))) goto truncated;
-    if (!(f->logits = ref_take_array(f, N * f->padded_vocab * sizeof(float)))) goto truncated;
-    const void *loss = ref_take(f, sizeof(double));
+    if (!(f->tokens = rr_take_array(&f->r, N * sizeof(int32_t)))) goto truncated;
+    if (!(f->targets = rr_take_array(&f->r, N * sizeof(int32_t)))) goto truncated;
+    if (!(f->logits = rr_take_array(&f->r, N * f->padded_vocab * sizeof(float)))) goto truncated;
+    const void *loss = rr_take(&f->r, sizeof(double));
     if (!loss) goto truncated;
     memcpy(&f->loss, loss, sizeof(double));
     for (int i = 0; i < f->num_tensors; i++)
-        if (!(f->grads[i] = ref_take_array(f, (size_t)f->numel[i] * sizeof(float)))) goto truncated;
-    if (!(f->step_losses = ref_take_array(f, (size_t)f->n_steps * sizeof(double)))) goto truncated;
-    if (!(f->grad_norms = ref_take_array(f, (size_t)f->n_steps * sizeof(double)))) goto truncated;
+        if (!(f->grads[i] = rr_take_array(&f->r, (size_t)f->numel[i] * sizeof(float)))) goto truncated;
+    if (!(f->step_losses = rr_take_array(&f->r, (size_t)f->n_steps * sizeof(double)))) goto truncated;
+    if (!(f->grad_norms = rr_take_array(&f->r, (size_t)f->n_steps * sizeof(double)))) goto truncated;
     for (int i = 0; i < f->num_tensors; i++)
-        if (!(f->final[i] = ref_take_array(f, (size_t)f->numel[i] * sizeof(float)))) goto truncated;
-    if (f->pos != f->len) {
-        snprintf(why, why_len, "%s: %zu trailing bytes", path, f->len - f->pos);
+        if (!(f->final[i] = rr_take_array(&f->r, (size_t)f->numel[i] * sizeof(float)))) goto truncated;
+    if (f->r.pos != f->r.len) {
+        snprintf(why, why_len, "%s: %zu trailing bytes", path, f->r.len - f->r.pos);
         return -1;
     }
     return 0;
 truncated:
-    snprintf(why, why_len, "%s: truncated at byte %zu of %zu", path, f->pos, f->len);
+    snprintf(why, why_len, "%s: truncated at byte %zu of %zu", path, f->r.pos, f->r.len);
     return -1;
 }
 
