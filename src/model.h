@@ -69,12 +69,12 @@ typedef struct ComputeBuf {
  * runs the forward's op on the forward's inputs (saved in the arena), so
  * values, and every result after them, are bit-identical to NONE (except for
  * the GeLU output when the forward made it in a fused product:
- * model_gelu_fused); it costs one more gelu_forward (and two
- * layernorm_forward) per layer and backward. */
+ * model_gelu_fused); it costs one more activation op (GeLU or SwiGLU; and
+ * two norms) per layer and backward. MoE layers keep their activations. */
 typedef enum {
-    MODEL_RECOMPUTE_NONE,      /* keep ln1, ln2 and the GeLU output of every layer */
-    MODEL_RECOMPUTE_GELU,      /* one (N,4C) GeLU output shared by all layers */
-    MODEL_RECOMPUTE_NORM_GELU  /* + one (N,C) LayerNorm output for ln1 and ln2 of all layers */
+    MODEL_RECOMPUTE_NONE,      /* keep ln1, ln2 and the MLP activation of every layer */
+    MODEL_RECOMPUTE_GELU,      /* one (N,F) activation (GeLU or SwiGLU output) shared by all layers */
+    MODEL_RECOMPUTE_NORM_GELU  /* + one (N,C) norm output for ln1 and ln2 of all layers */
 } ModelRecompute;
 
 /* "none", "gelu", "norm_gelu" (the config's values) and back; parse exits 2
@@ -172,7 +172,7 @@ typedef struct Model {
     int *unit_stale;  /* [n_units] by-unit layout: the unit's compute copy must be cast again */
 
     /* ZeRO-2/3 (model_layout_by_unit): the arena is laid out unit by unit
-     * (unit l < n_layer: layer l's 12 tensors; unit n_layer: wte, wpe, ln_f),
+     * (unit l < n_layer: layer l's tensors; unit n_layer: the embeddings, final norm and head),
      * each unit's tensors in listing order, and the views may point into
      * per-unit buffers (model_bind_unit). n_units = 0: decayed-first layout. */
     int n_units;
