@@ -272,6 +272,16 @@ ArchTensor *arch_tensors(const ArchSpec *s, int decay_embeddings, int *n) {
     return b.t;
 }
 
+int arch_tensor_in_stage(const ArchSpec *s, const ArchTensor *t, int lo, int hi) {
+    if (t->layer >= 0) return t->layer >= lo && t->layer < hi;
+    int first = lo == 0, last = hi == s->n_layer;
+    switch (t->role) {
+    case ROLE_TOK_EMB: return first || (last && s->tie_embeddings);
+    case ROLE_POS_EMB: return first;
+    default: return last; /* final norm, head */
+    }
+}
+
 /* ------------------------------------------------------------ counts */
 
 size_t arch_num_params(const ArchSpec *s) {

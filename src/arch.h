@@ -111,6 +111,13 @@ void arch_resolve(ArchSpec *s);
  * malloc'd array of *n entries. */
 ArchTensor *arch_tensors(const ArchSpec *s, int decay_embeddings, int *n);
 
+/* Whether tensor t belongs to the pipeline stage of layers [lo, hi): its
+ * layer's tensors; the embeddings with layer 0; the final norm and head with
+ * the last layer, and with them the token embedding when the head is tied
+ * to it (a first and a last stage then each hold a copy, whose gradients the
+ * pipeline adds). */
+int arch_tensor_in_stage(const ArchSpec *s, const ArchTensor *t, int lo, int hi);
+
 /* Widths. */
 static inline int arch_q_width(const ArchSpec *s) { return s->n_head * s->head_dim; }
 static inline int arch_qkv_width(const ArchSpec *s) { return (s->n_head + 2 * s->n_kv_head) * s->head_dim; }

@@ -195,6 +195,9 @@ static void need_master(const Model *m, const char *what) {
 
 void model_layout_by_unit(Model *m, size_t unit_align) {
     need_master(m, "ZeRO-2/3's layout");
+    if (!m->has_embed || !m->has_head)
+        kiln_fail(KILN_EXIT_USAGE, "key 'parallel.zero': ZeRO-2/3 shard whole models by layer; a pipeline stage "
+                  "(layers %d..%d) has no unit layout yet", m->layer_lo, m->layer_hi - 1);
     int L = m->shape.n_layer;
     if (unit_align < 1) unit_align = 1;
     m->n_units = L + 1;
@@ -290,8 +293,17 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
                   "parameters, which precision.master: bf16 does not have; use precision.master: fp32");
     m->master_bf16 = o->master_bf16;
     int L = s->n_layer, E = s->mlp == MLP_MOE ? s->moe.n_experts : 0;
-    ArchTensor *t = arch_tensors(s, o->decay_embeddings, &m->num_tensors);
-    int n = m->num_tensors;
+    m->layer_lo = o->layer_lo, m->layer_hi = o->layer_hi ? o->layer_hi : L;
+    if (m->layer_lo < 0 || m->layer_lo >= m->layer_hi || m->layer_hi > L)
+        kiln_fail(KILN_EXIT_USAGE, "model: layer range [%d, %d) is not a non-empty part of the %d layers",
+                  m->layer_lo, m->layer_hi, L);
+    m->has_embed = m->layer_lo == 0, m->has_head = m->layer_hi == L;
+    int all;
+    ArchTensor *t = arch_tensors(s, o->decay_embeddings, &all), *keep = t;
+    int n = 0;
+    for (int i = 0; i < all; i++)
+        if (arch_tensor_in_stage(s, &t[i], m->layer_lo, m->layer_hi)) keep[n++] = t[i]; /* in place, in order */
+    m->num_tensors = n;
     m->params = xcalloc((size_t)n, sizeof(ParamInfo));
     size_t nslot = (size_t)(L + 1) * ROLE_LAYER_COUNT + (size_t)L * E * ROLE_EXPERT_COUNT;
     m->slot = xmalloc(nslot * sizeof(int));
@@ -348,17 +360,22 @@ void model_set_hooks(Model *m, const ModelHooks *h) {
 }
 
 void model_init_weights(Model *m, uint64_t seed) {
-    /* Drawn on the host in listing order from one stream, so the initial
-     * weights depend only on the seed and the shape. */
+    /* Drawn on the host in the whole table's listing order from one stream,
+     * so the initial weights depend only on the seed and the shape, and a
+     * pipeline stage gets the values the whole model would: it draws every
+     * tensor and keeps its own. */
     float *host = xcalloc(m->num_params, sizeof(float));
     Rng rng;
     rng_seed(&rng, seed);
     float resid_scale = 1.0f / sqrtf(2.0f * (float)m->shape.n_layer);
-    for (int i = 0; i < m->num_tensors; i++) {
-        const ParamInfo *p = &m->params[i];
-        float *w = host + p->offset;
+    int all, mine = 0;
+    ArchTensor *t = arch_tensors(&m->shape, 0, &all);
+    for (int i = 0; i < all; i++) {
+        const ArchTensor *p = &t[i];
+        int own = mine < m->num_tensors && !strcmp(m->params[mine].name, p->name);
+        float *w = own ? host + m->params[mine++].offset : NULL;
         if (p->init == INIT_ONES) {
-            for (size_t j = 0; j < p->numel; j++) w[j] = 1.0f;
+            for (size_t j = 0; own && j < p->numel; j++) w[j] = 1.0f;
         } else if (p->init == INIT_NORMAL || p->init == INIT_NORMAL_RESID) {
             float std = 0.02f;
             if (p->init == INIT_NORMAL_RESID) std *= resid_scale;
@@ -366,10 +383,14 @@ void model_init_weights(Model *m, uint64_t seed) {
             /* The padded vocabulary rows stay zero: no token maps to them. */
             if (p->role == ROLE_TOK_EMB || p->role == ROLE_HEAD_W) rows = (size_t)m->shape.vocab_size;
             size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
-            for (size_t j = 0; j < rows * cols; j++) w[j] = std * rng_normal(&rng);
+            for (size_t j = 0; j < rows * cols; j++) {
+                float x = std * rng_normal(&rng);
+                if (own) w[j] = x;
+            }
         }
         /* INIT_ZEROS: biases stay zero */
     }
+    free(t);
     model_params_from_host(m, host);
     free(host);
 }
@@ -471,7 +492,7 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
  * --dry-run through model_activation_bytes, so the two can never disagree.
  * What `r` recomputes gets one buffer that every layer's view points at,
  * after the layers. MoE activations are always kept. */
-static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, Model *m) {
+static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, int lo, int hi, Model *m) {
     size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float), I = sizeof(int32_t);
     size_t Q = (size_t)arch_q_width(s), QKVW = (size_t)arch_qkv_width(s), FF = (size_t)s->ffn_hidden;
     size_t FCW = (size_t)arch_fc_width(s), QK = (size_t)(s->n_head + s->n_kv_head) * s->head_dim;
@@ -494,8 +515,9 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         if (assign) (ptr) = (void *)((char *)m->act_mem + off); \
         off += ((size_t)(count) * (esize) + 63) / 64 * 64;      \
     } while (0)
+    int head = hi == s->n_layer;
     TAKE(m->encoded, N * C, ab);
-    for (int l = 0; l < s->n_layer; l++) {
+    for (int l = lo; l < hi; l++) {
         LayerActs *a = assign ? &m->acts[l] : &sink_layer;
         if (keep_norm) TAKE(a->ln1, N * C, ab);
         TAKE(a->ln1_mean, N, F);
@@ -538,15 +560,19 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
     if (!keep_gelu) TAKE(gelu_shared, N * FF, ab);
     if (!keep_norm) TAKE(ln_shared, N * C, ab);
-    for (int l = 0; assign && l < s->n_layer; l++) {
+    for (int l = lo; assign && l < hi; l++) {
         if (!keep_gelu) m->acts[l].fch_gelu = gelu_shared;
         if (!keep_norm) m->acts[l].ln1 = m->acts[l].ln2 = ln_shared;
     }
-    TAKE(m->lnf, N * C, ab);
-    TAKE(m->lnf_mean, N, F);
-    TAKE(m->lnf_rstd, N, F);
-    TAKE(m->logits, N * (size_t)s->padded_vocab, ab);
-    TAKE(m->losses, N, F);
+    if (head) {
+        TAKE(m->lnf, N * C, ab);
+        TAKE(m->lnf_mean, N, F);
+        TAKE(m->lnf_rstd, N, F);
+        TAKE(m->logits, N * (size_t)s->padded_vocab, ab);
+        TAKE(m->losses, N, F);
+    } else {
+        TAKE(m->stage_dout, N * C, ab);
+    }
     if (moe) TAKE(m->aux, (size_t)B * E * s->n_layer, F);
     /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf (N,
      * the widest of NH HD, F, S, C), dbuf2 (N, the widest of the first MLP
@@ -562,7 +588,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
 }
 
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r) {
-    return plan_bytes(s, B, T, act_bytes, r, NULL);
+    return plan_bytes(s, B, T, act_bytes, r, 0, s->n_layer, NULL);
 }
 
 void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
@@ -581,12 +607,12 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     m->T = T;
     m->recompute = r;
     m->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
-    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, NULL);
+    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, NULL);
     m->act_mem = m->be->alloc(m->act_size);
-    plan_bytes(&m->shape, B, T, m->act_bytes, r, m);
+    plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m);
     if (m->shape.mlp == MLP_MOE) {
         size_t E = (size_t)m->shape.moe.n_experts;
-        for (int l = 0; l < m->shape.n_layer; l++) m->acts[l].offsets_host = xcalloc(E + 1, sizeof(int32_t));
+        for (int l = m->layer_lo; l < m->layer_hi; l++) m->acts[l].offsets_host = xcalloc(E + 1, sizeof(int32_t));
         m->stats_host = xrealloc(m->stats_host, (size_t)B * (E + 1) * sizeof(float));
         m->auxg_host = xrealloc(m->auxg_host, (size_t)B * E * sizeof(float));
         m->counts_host = xrealloc(m->counts_host, (size_t)B * E * sizeof(int32_t));
@@ -596,6 +622,11 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     m->losses_host = xcalloc((size_t)B * T, sizeof(float));
     m->row_host = xcalloc((size_t)m->shape.padded_vocab, m->act_bytes);
 }
+
+void *model_stage_input(const Model *m) { return m->encoded; }
+const void *model_stage_output(const Model *m) { return m->acts[m->layer_hi - 1].res3; }
+void *model_stage_output_grad(const Model *m) { return m->stage_dout; }
+const void *model_stage_input_grad(const Model *m) { return m->scratch; /* dres of back_scratch */ }
 
 int model_gelu_fused(const Model *m, int backward) {
     if (!m->gelu_fusion || m->shape.mlp != MLP_GELU) return 0;
@@ -765,20 +796,28 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     const ArchSpec *s = &m->shape;
     if (B > m->B || T > m->T || B * T > m->B * m->T)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: batch %dx%d exceeds the planned %dx%d", B, T, m->B, m->T);
-    int N = B * T, C = s->n_embd, L = s->n_layer;
+    int N = B * T, C = s->n_embd;
     be->to_device(m->tokens_dev, tokens, (size_t)N * sizeof(int32_t));
     int fuse_fwd = model_gelu_fused(m, 0);
-    int train = targets && dloss != 0.0f;
+    int train = dloss != 0.0f && (targets || !m->has_head);
     m->moe.aux = m->moe.z = 0;
 
     use_layer(m, -1, 0);
-    be->embed_forward(m->encoded, m->tokens_dev, W(m, -1, ROLE_TOK_EMB), W(m, -1, ROLE_POS_EMB), B, T, C);
+    if (m->has_embed)
+        be->embed_forward(m->encoded, m->tokens_dev, W(m, -1, ROLE_TOK_EMB), W(m, -1, ROLE_POS_EMB), B, T, C);
     const void *x = m->encoded; /* (N,C) residual stream entering layer l */
-    for (int l = 0; l < L; l++) {
+    for (int l = m->layer_lo; l < m->layer_hi; l++) {
         use_layer(m, l, 0);
         attn_forward(m, l, x, B, T);
         mlp_forward(m, l, N, T, fuse_fwd, dloss, train);
         x = m->acts[l].res3;
+    }
+    m->live_B = B;
+    m->live_T = T;
+    m->live_dloss = dloss;
+    if (!m->has_head) { /* the output stays in the last layer's res3 for the next stage */
+        m->have_targets = dloss != 0.0f;
+        return 0.0f;
     }
     norm_forward(m, m->lnf, m->lnf_mean, m->lnf_rstd, x, W(m, -1, ROLE_FINAL_NORM_W), W(m, -1, ROLE_FINAL_NORM_B), N);
     /* logits (N,Vp) = lnf @ head^T */
@@ -794,7 +833,6 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     double sum = 0.0;
     for (int i = 0; i < N; i++) sum += m->losses_host[i];
     m->have_targets = dloss != 0.0f;
-    m->live_dloss = dloss;
     return (float)(sum / N);
 }
 
@@ -957,38 +995,45 @@ void model_backward(Model *m, int accumulate) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
     if (!m->have_targets)
-        kiln_fail(KILN_EXIT_RUNTIME, "model_backward: the last forward had no targets or dloss = 0");
+        kiln_fail(KILN_EXIT_RUNTIME, "model_backward: the last forward had dloss = 0 (or no targets with the head)");
     int B = m->live_B, T = m->live_T, N = B * T;
     int C = s->n_embd, L = s->n_layer;
     BackScratch b = back_scratch(m, N);
-    const void *x_last = L > 0 ? m->acts[L - 1].res3 : m->encoded;
-    int head = head_index(m);
-
-    /* head: logits now hold dlogits (N,Vp); the non-layer tensors are still
-     * gathered (the hook holds them for the whole step), their compute copy fresh */
-    compute_refresh(m, L);
-    be->matmul_backward(b.dln, m->gview[head], NULL, m->logits, m->lnf, m->wview[head], N, C, s->padded_vocab,
-                        accumulate);
-    be->zero(b.dres, (size_t)N * C * m->act_bytes);
-    norm_backward(m, b.dres, G(m, -1, ROLE_FINAL_NORM_W), G(m, -1, ROLE_FINAL_NORM_B), b.dln, x_last,
-                  W(m, -1, ROLE_FINAL_NORM_W), m->lnf_mean, m->lnf_rstd, N, accumulate);
+    if (m->has_head) {
+        /* head: logits now hold dlogits (N,Vp); the non-layer tensors are still
+         * gathered (the hook holds them for the whole step), their compute copy fresh */
+        int head = head_index(m);
+        const void *x_last = m->acts[m->layer_hi - 1].res3;
+        compute_refresh(m, L);
+        be->matmul_backward(b.dln, m->gview[head], NULL, m->logits, m->lnf, m->wview[head], N, C,
+                            s->padded_vocab, accumulate);
+        be->zero(b.dres, (size_t)N * C * m->act_bytes);
+        norm_backward(m, b.dres, G(m, -1, ROLE_FINAL_NORM_W), G(m, -1, ROLE_FINAL_NORM_B), b.dln, x_last,
+                      W(m, -1, ROLE_FINAL_NORM_W), m->lnf_mean, m->lnf_rstd, N, accumulate);
+    } else {
+        be->copy(b.dres, m->stage_dout, (size_t)N * C * m->act_bytes); /* from the next stage */
+    }
     /* ZeRO-2/3: each backward writes fresh layer gradients; the caller adds them up */
     int acc_layer = accumulate && !m->layer_grads_fresh;
     int rec_act = m->recompute >= MODEL_RECOMPUTE_GELU && s->mlp != MLP_MOE;
     int rec_norm = m->recompute >= MODEL_RECOMPUTE_NORM_GELU;
     int fuse_bwd = model_gelu_fused(m, 1);
-    for (int l = L - 1; l >= 0; l--) {
+    for (int l = m->layer_hi - 1; l >= m->layer_lo; l--) {
         use_layer(m, l, 1);
-        const void *x_in = l > 0 ? m->acts[l - 1].res3 : m->encoded;
+        const void *x_in = l > m->layer_lo ? m->acts[l - 1].res3 : m->encoded;
         mlp_backward(m, l, N, &b, acc_layer, fuse_bwd, rec_act, rec_norm);
         attn_backward(m, l, x_in, B, T, &b, acc_layer, rec_norm);
         if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, l);
     }
     /* the token embedding's gradient always accumulates in embed_backward:
-     * the tied head wrote it first, else it starts from zero here */
-    float *dwte = G(m, -1, ROLE_TOK_EMB);
-    if (!s->tie_embeddings && !accumulate) be->zero(dwte, (size_t)s->padded_vocab * C * sizeof(float));
-    be->embed_backward(dwte, G(m, -1, ROLE_POS_EMB), b.dres, m->tokens_dev, B, T, C, accumulate);
+     * the tied head wrote it first, else it starts from zero here. Without
+     * the embeddings, b.dres is the input's gradient (model_stage_input_grad). */
+    if (m->has_embed) {
+        float *dwte = G(m, -1, ROLE_TOK_EMB);
+        if (!(s->tie_embeddings && m->has_head) && !accumulate)
+            be->zero(dwte, (size_t)s->padded_vocab * C * sizeof(float));
+        be->embed_backward(dwte, G(m, -1, ROLE_POS_EMB), b.dres, m->tokens_dev, B, T, C, accumulate);
+    }
     if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, -1);
     m->have_targets = 0;
 }
@@ -1050,6 +1095,8 @@ const ParamInfo *model_find_param(const Model *m, const char *name) {
 
 void model_load_llmc(Model *m, const char *path) {
     const ArchSpec *s = &m->shape;
+    if (!m->has_embed || !m->has_head)
+        kiln_fail(KILN_EXIT_USAGE, "%s: an llm.c checkpoint loads into a whole model, not a pipeline stage", path);
     if (s->family != ARCH_GPT2 || s->norm != NORM_LAYERNORM || s->pos != POS_LEARNED || s->mlp != MLP_GELU ||
         !s->bias || !s->tie_embeddings || s->qk_norm != QKNORM_NONE || s->ffn_hidden != 4 * s->n_embd ||
         s->head_dim * s->n_head != s->n_embd)

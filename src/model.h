@@ -139,6 +139,8 @@ typedef struct ModelHooks {
 /* model_init's options. */
 typedef struct ModelOptions {
     int decay_embeddings; /* optim.decay_embeddings */
+    int layer_lo, layer_hi; /* a pipeline stage: layers [lo, hi) (0, 0: all); the embeddings come with
+                               layer 0, the final norm and head with the last (arch_tensor_in_stage) */
     int master_bf16;      /* precision.master bf16 (see the top): the backend must have bf16
                              activations and adamw_update_p16, else exit 2 naming the key */
 } ModelOptions;
@@ -147,6 +149,8 @@ typedef struct ModelOptions {
 typedef struct Model {
     ArchSpec shape;
     const Backend *be;
+    int layer_lo, layer_hi;   /* the layers this model runs: [lo, hi) of shape.n_layer */
+    int has_embed, has_head;  /* lo == 0: embeds tokens; hi == n_layer: the final norm, head and loss */
 
     int num_tensors;
     ParamInfo *params; /* [num_tensors], listing order */
@@ -190,7 +194,8 @@ typedef struct Model {
     int live_B, live_T; /* shape of the last forward */
     void *act_mem;
     size_t act_size;  /* bytes */
-    void *encoded;    /* (N,C) */
+    void *encoded;    /* (N,C) the embeddings, or a later stage's input (model_stage_input) */
+    void *stage_dout; /* (N,C) a stage without the head: the gradient of its output (model_stage_output_grad) */
     LayerActs *acts;  /* [n_layer] */
     void *lnf;        /* (N,C) */
     float *aux;       /* (n_layer, B, E) device: the aux loss's gradient per sequence and expert */
@@ -286,9 +291,25 @@ int model_gelu_fused(const Model *m, int backward);
 float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T,
                     float dloss);
 
-/* Backward of the last forward (which must have had targets and dloss != 0).
- * accumulate = 0 on the first micro-batch of a step (gradients overwritten). */
+/* Backward of the last forward (which must have had dloss != 0, and targets
+ * on the stage with the head). accumulate = 0 on the first micro-batch of a
+ * step (gradients overwritten). */
 void model_backward(Model *m, int accumulate);
+
+/* Pipeline stages (ModelOptions.layer_lo/hi). A stage without the embeddings
+ * reads its input (N,C) act from model_stage_input, which the caller fills
+ * before model_forward (whose tokens it ignores); a stage without the head
+ * leaves its output in model_stage_output after the forward (model_forward
+ * returns 0 and takes no targets) and reads the gradient of that output from
+ * model_stage_output_grad, filled by the caller before model_backward; after
+ * the backward, a stage without the embeddings leaves the gradient of its
+ * input in model_stage_input_grad (until the next forward). With the
+ * outputs of one stage copied into the next, the stages compute exactly what
+ * the whole model does. */
+void *model_stage_input(const Model *m);
+const void *model_stage_output(const Model *m);
+void *model_stage_output_grad(const Model *m);
+const void *model_stage_input_grad(const Model *m);
 
 /* Host copy of logits row (b, t) after a forward without targets: Vp floats
  * (converted from the activation dtype). */

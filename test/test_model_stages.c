@@ -1,0 +1,126 @@
+/* test_model_stages: a model split into pipeline stages (ModelOptions
+ * layer_lo/hi) computes what the whole model does. Two or three stages of
+ * GPT-2 (tied head: the first and last stage each hold the token
+ * embedding), a Llama with GQA and QK-norm (untied) and an MoE, on the CPU:
+ * each stage's output copied into the next stage's input, the gradient of
+ * each stage's input back into the previous one's output gradient. Never
+ * communicates; the copies stand in for a pipeline's send and receive. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "model.h"
+#include "test.h"
+#include "util.h"
+
+enum { B = 2, T = 16, MAX_STAGES = 3 };
+
+/* Same ops on the same inputs in the same order: the CPU backend gives the
+ * same bits, so parameters, losses and gradients are compared exactly;
+ * except the tied token embedding, whose gradient the whole model adds up in
+ * one buffer (head, then embedding) and the stages in two: their sum agrees
+ * to float rounding (TOL_TIED, a few ulps of the largest entry). */
+#define TOL_TIED 1e-6
+
+static int32_t tokens[B * T], targets[B * T];
+
+/* max |a - b| / max |b| over tensor `name` of the two models' views */
+static double rel_diff(const float *a, const float *b, size_t n) {
+    double d = 0, s = 0;
+    for (size_t i = 0; i < n; i++) {
+        d = fmax(d, fabs((double)a[i] - b[i]));
+        s = fmax(s, fabs((double)b[i]));
+    }
+    return s > 0 ? d / s : d;
+}
+
+static void run_case(const char *name, ArchSpec s, const int *cuts, int nst) {
+    arch_resolve(&s);
+    const Backend *be = &backend_cpu;
+    size_t NC = (size_t)B * T * s.n_embd;
+    Model whole, st[MAX_STAGES];
+    model_init(&whole, be, &s, NULL);
+    model_init_weights(&whole, 7);
+    model_plan_activations(&whole, B, T, MODEL_RECOMPUTE_NONE);
+    float dloss = 1.0f / (B * T);
+    float loss_whole = model_forward(&whole, tokens, targets, B, T, dloss);
+    model_backward(&whole, 0);
+    for (int k = 0; k < nst; k++) {
+        model_init(&st[k], be, &s, &(ModelOptions){.layer_lo = cuts[k], .layer_hi = cuts[k + 1]});
+        model_init_weights(&st[k], 7);
+        model_plan_activations(&st[k], B, T, MODEL_RECOMPUTE_NONE);
+    }
+    /* the same initial values, tensor by tensor */
+    int same_init = 1, tensors = 0;
+    for (int k = 0; k < nst; k++)
+        for (int i = 0; i < st[k].num_tensors; i++) {
+            const ParamInfo *p = model_find_param(&whole, st[k].params[i].name);
+            same_init = same_init && p && !memcmp(st[k].pview[i], whole.pview[p - whole.params], p->numel * 4);
+            tensors++;
+        }
+    char what[96];
+    snprintf(what, sizeof what, "stages_%s_init", name);
+    test_report(same_init && tensors >= whole.num_tensors, what, "a stage's initial values differ from the whole model's");
+    float loss = 0;
+    for (int k = 0; k < nst; k++) {
+        if (k > 0) memcpy(model_stage_input(&st[k]), model_stage_output(&st[k - 1]), NC * sizeof(float));
+        loss = model_forward(&st[k], tokens, k == nst - 1 ? targets : NULL, B, T, dloss);
+    }
+    snprintf(what, sizeof what, "stages_%s_loss", name);
+    test_report(loss == loss_whole, what, "loss %.9g, the whole model's %.9g", loss, loss_whole);
+    for (int k = nst - 1; k >= 0; k--) {
+        if (k < nst - 1) memcpy(model_stage_output_grad(&st[k]), model_stage_input_grad(&st[k + 1]), NC * sizeof(float));
+        model_backward(&st[k], 0);
+    }
+    /* every gradient; the tied embedding as the sum of its copies */
+    int exact = 1;
+    double tied = 0;
+    char worst[64] = "";
+    for (int i = 0; i < whole.num_tensors; i++) {
+        const ParamInfo *p = &whole.params[i];
+        float *sum = xcalloc(p->numel, sizeof(float));
+        int copies = 0;
+        for (int k = 0; k < nst; k++) {
+            const ParamInfo *q = model_find_param(&st[k], p->name);
+            if (!q) continue;
+            const float *g = st[k].gview[q - st[k].params];
+            for (size_t j = 0; j < p->numel; j++) sum[j] += g[j];
+            copies++;
+        }
+        if (copies == 1 && memcmp(sum, whole.gview[i], p->numel * 4)) {
+            exact = 0;
+            snprintf(worst, sizeof worst, "%s", p->name);
+        }
+        if (copies > 1) tied = fmax(tied, rel_diff(sum, whole.gview[i], p->numel));
+        free(sum);
+    }
+    snprintf(what, sizeof what, "stages_%s_grads", name);
+    test_report(exact && tied <= TOL_TIED, what, "gradient of %s differs; tied embedding rel %.2e (tol %.0e)",
+                worst[0] ? worst : "(none)", tied, TOL_TIED);
+    for (int k = 0; k < nst; k++) model_free(&st[k]);
+    model_free(&whole);
+}
+
+int main(void) {
+    backend_cpu.init(0);
+    Rng rng;
+    rng_seed(&rng, 99);
+    for (int i = 0; i < B * T; i++) {
+        tokens[i] = (int32_t)rng_below(&rng, 61);
+        targets[i] = (int32_t)rng_below(&rng, 61);
+    }
+    ArchSpec gpt2 = ARCH_GPT2_SHAPE(4, 2, 32, T, 61);
+    run_case("gpt2_tied", gpt2, (int[]){0, 1, 3, 4}, 3);
+    ArchSpec llama = {.family = ARCH_LLAMA, .n_layer = 4, .n_head = 4, .n_kv_head = 2, .n_embd = 32, .seq_len = T,
+                      .vocab_size = 61, .norm = NORM_RMSNORM, .pos = POS_ROPE, .rope_theta = 10000,
+                      .qk_norm = QKNORM_HEAD, .mlp = MLP_SWIGLU, .ffn_hidden = 40};
+    run_case("llama", llama, (int[]){0, 2, 4}, 2);
+    ArchSpec moe = llama;
+    moe.qk_norm = QKNORM_NONE, moe.mlp = MLP_MOE;
+    moe.moe = (ArchMoe){.n_experts = 4, .top_k = 2, .n_shared = 1, .expert_hidden = 16, .norm_topk = 1,
+                        .capacity_factor = 1.0f, .aux_loss_coef = 0.01f, .z_loss_coef = 0.001f};
+    run_case("moe", moe, (int[]){0, 3, 4}, 2);
+    backend_cpu.shutdown();
+    return 0;
+}
