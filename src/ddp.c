@@ -450,3 +450,51 @@ double ddp_sum(Ddp *d, double x) {
     if (d->g) comm_all_reduce_sum_f64(d->g, &x, 1);
     return x;
 }
+
+int ddp_ranks(const Ddp *d) { return d->dp; }
+
+int ddp_whole_params(const Ddp *d) { return !d->units || d->whole_params; }
+
+float *ddp_param_shard(const Ddp *d, size_t *n) {
+    if (n) *n = d->units ? d->shard_len : 0;
+    return d->units ? d->pshard : NULL;
+}
+
+float *ddp_optim_grads(const Ddp *d) { return d->units ? d->gshard : d->m->grad_mem; }
+
+int ddp_shard_piece(const Ddp *d, int i, DdpPiece *p) {
+    if (!d->units || i >= d->nu) return 0;
+    size_t off = d->m->unit_off[i];
+    *p = (DdpPiece){.at = d->at[i], .lo = off + d->us[i].lo, .hi = off + d->us[i].hi};
+    return 1;
+}
+
+double ddp_step_blocked_s(const Ddp *d) { return d->step_blocked_s; }
+
+int ddp_describe_layout(const Ddp *d, char *buf, size_t len) {
+    size_t np = d->m->num_params, lo, hi;
+    if (d->dp == 1) return 0;
+    if (d->units && !d->whole_params)
+        snprintf(buf, len, "data parallel: %d ranks, ZeRO-3: parameters, gradients and optimizer state sharded by "
+                           "layer (%zu of %zu elements here), layers gathered one ahead, gradients reduce-scattered "
+                           "after each layer's backward", d->dp, d->shard_len, np);
+    else if (d->units)
+        snprintf(buf, len, "data parallel: %d ranks, ZeRO-2: parameters whole; gradients reduce-scattered layer by "
+                           "layer during the backward into a shard, optimizer state and fp32 parameters sharded "
+                           "(%zu of %zu elements here); parameters all-gathered per layer after the optimizer step, "
+                           "waited for at first use", d->dp, d->shard_len, np);
+    else {
+        ddp_optim_range(d, &lo, &hi);
+        snprintf(buf, len, "data parallel: %d ranks, %d gradient bucket(s) all-reduced during backward; optimizer "
+                           "state %zu of %zu elements here", d->dp, d->nb, hi - lo, np);
+    }
+    return 1;
+}
+
+int ddp_describe_memory(const Ddp *d, char *buf, size_t len) {
+    if (d->dp == 1) return 0;
+    snprintf(buf, len, "data parallel: gradient buffers here %zu floats, parameters %zu%s", ddp_grad_floats(d),
+             d->m->num_params, d->units ? " (1/dp shard, two layer slots and their reduce-scatter targets, "
+                                          "wte/wpe/ln_f's whole gradients)" : "");
+    return 1;
+}

@@ -25,6 +25,8 @@ typedef struct DdpBucket {
     size_t off[2], len[2]; /* floats; len 0 = no range in that group */
 } DdpBucket;
 
+/* Declared here so callers can hold one by value; its fields are ddp.c's own
+ * (other modules ask through the calls at the end of this file). */
 typedef struct Ddp {
     Model *m;
     CommGroup *g;        /* the dp group (NULL or size 1: no communication) */
@@ -132,5 +134,39 @@ size_t ddp_grad_floats(const Ddp *d);
 
 /* Sum of x over the dp group (losses for logging), in double. */
 double ddp_sum(Ddp *d, double x);
+
+/* What other modules ask of a Ddp (checkpoints, the step loop's logs and
+ * test hooks). */
+
+/* Ranks in the dp group (1: no communication). */
+int ddp_ranks(const Ddp *d);
+/* 1 while the model's whole parameter arena lives on this rank (all stages
+ * but ZeRO-3). */
+int ddp_whole_params(const Ddp *d);
+/* ZeRO-2/3: the fp32 parameter shard the optimizer updates, device (*n
+ * floats; n may be NULL); NULL and *n = 0 for other stages (the optimizer
+ * updates the model's arena). */
+float *ddp_param_shard(const Ddp *d, size_t *n);
+/* The gradients this rank's optimizer reads, device: the gradient shard
+ * (ZeRO-2/3) or the model's gradient arena. */
+float *ddp_optim_grads(const Ddp *d);
+
+/* ZeRO-2/3: one unit's block on this rank. Blocks lie back to back in the
+ * parameter shard and in the optimizer moments; at is where this one
+ * starts there, [lo, hi) its real elements in the model's arena (floats). */
+typedef struct DdpPiece {
+    size_t at, lo, hi;
+} DdpPiece;
+/* Piece i of this rank's shard into *p; 0 past the last (at once for
+ * stages other than ZeRO-2/3). */
+int ddp_shard_piece(const Ddp *d, int i, DdpPiece *p);
+
+/* Seconds this rank spent blocked in communication in the current step
+ * (reset as it begins): after ddp_optim_step, the whole step's. */
+double ddp_step_blocked_s(const Ddp *d);
+/* The start-up lines (one rank: none, return 0): how the state is split
+ * and what is sent when; the gradient buffers held here. */
+int ddp_describe_layout(const Ddp *d, char *buf, size_t len);
+int ddp_describe_memory(const Ddp *d, char *buf, size_t len);
 
 #endif

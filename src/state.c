@@ -103,11 +103,10 @@ void state_table_add(CkptTable *t, Model *m, AdamW *o) {
 }
 
 /* ZeRO-2/3: this rank's block of every unit, stored back to back at base
- * (d->at[u]): the parameters (pshard) or an optimizer moment. */
+ * (ddp_shard_piece): the fp32 parameter shard or an optimizer moment. */
 static void add_unit_blocks(CkptTable *t, Model *m, const Ddp *d, void *base, size_t esz, const char *prefix) {
-    for (int u = 0; u < d->nu; u++)
-        add_range(t, m, (char *)base + d->at[u] * esz, esz, m->unit_off[u] + d->us[u].lo,
-                  m->unit_off[u] + d->us[u].hi, prefix);
+    DdpPiece p;
+    for (int i = 0; ddp_shard_piece(d, i, &p); i++) add_range(t, m, (char *)base + p.at * esz, esz, p.lo, p.hi, prefix);
 }
 
 int state_init_from(Model *m, const char *dir, int say) {
@@ -131,7 +130,7 @@ static void state_fresh(RunState *s, int dirty) {
     const Config *c = s->c;
     if (dirty) {
         Ddp *u = s->mesh.units;
-        if (u && !u->whole_params)
+        if (u && !ddp_whole_params(u))
             kiln_fail(KILN_EXIT_RUNTIME, "a checkpoint failed after part of it was loaded into ZeRO-3 shards; "
                                          "start fresh or resume another checkpoint (--resume PATH)");
         if (!c->init_from[0]) model_init_weights(s->m, c->seed);
@@ -178,8 +177,8 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     if (us) {
         /* ZeRO-2 loads the whole parameters (then takes its blocks:
          * ddp_params_loaded); ZeRO-3 only its blocks */
-        if (us->whole_params) add_params(t, m, m->param_mem, "");
-        else add_unit_blocks(t, m, us, us->pshard, 4, "");
+        if (ddp_whole_params(us)) add_params(t, m, m->param_mem, "");
+        else add_unit_blocks(t, m, us, ddp_param_shard(us, NULL), 4, "");
         add_unit_blocks(t, m, us, o->m, o->state_bytes, "optim.m/");
         add_unit_blocks(t, m, us, o->v, o->state_bytes, "optim.v/");
     } else {
@@ -199,7 +198,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         /* every rank writes its blocks of the (fp32) parameters and moments:
          * no rank writes the whole, and the whole arena of ZeRO-2 may be in
          * the middle of its refresh */
-        add_unit_blocks(w, m, us, us->pshard, 4, "");
+        add_unit_blocks(w, m, us, ddp_param_shard(us, NULL), 4, "");
         add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/");
         add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/");
     } else if (rank == 0) add_model_params(w, m);

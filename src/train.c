@@ -89,7 +89,7 @@ static float evaluate(Model *m, DataLoader *val, int batches, int B, int T, int3
     double sum = 0.0;
     /* split: the dp ranks share the batches (the loader slices each global
      * batch by rank), so together they see the same samples as one rank */
-    int mine = split ? batches / d->dp : batches;
+    int mine = split ? batches / ddp_ranks(d) : batches;
     for (int i = 0; i < mine; i++) {
         data_next_batch(val, inp, tgt);
         sum += model_forward(m, inp, tgt, B, T, 0.0f);
@@ -301,7 +301,9 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     }
     /* checkpoints: collect the state table, resume, plan the writer (state.c) */
     RunState rs;
-    StateMesh smesh = {rank, world, dp, c->zero, comm_world(), ddp.units ? &ddp : NULL};
+    size_t shard_n;
+    float *param_shard = ddp_param_shard(&ddp, &shard_n); /* ZeRO-2/3: what checkpoints and hashes read */
+    StateMesh smesh = {rank, world, dp, c->zero, comm_world(), param_shard ? &ddp : NULL};
     int start_step = state_open(&rs, c, &smesh, topt->resume, topt->force, topt->commit, &model, &opt, train);
     model_params_changed(&model); /* a resume loaded them: the compute copy follows */
     Metrics *mx = metrics_open(c, rank, world, fpt, peak, peak_src, start_step);
@@ -311,22 +313,9 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     comm_describe(cdesc, sizeof cdesc);
     mesh_describe(&mesh.shape, mdesc, sizeof mdesc);
     metrics_print(mx, "%s | mesh %s | ZeRO %d", cdesc, mdesc, c->zero);
-    if (ddp.units && !ddp.whole_params)
-        metrics_print(mx, "data parallel: %d ranks, ZeRO-3: parameters, gradients and optimizer state sharded by "
-                          "layer (%zu of %zu elements here), layers gathered one ahead, gradients reduce-scattered "
-                          "after each layer's backward", dp, ddp.shard_len, model.num_params);
-    else if (ddp.units)
-        metrics_print(mx, "data parallel: %d ranks, ZeRO-2: parameters whole; gradients reduce-scattered layer by "
-                          "layer during the backward into a shard, optimizer state and fp32 parameters sharded "
-                          "(%zu of %zu elements here); parameters all-gathered per layer after the optimizer step, "
-                          "waited for at first use", dp, ddp.shard_len, model.num_params);
-    else if (dp > 1)
-        metrics_print(mx, "data parallel: %d ranks, %d gradient bucket(s) all-reduced during backward; optimizer "
-                          "state %zu of %zu elements here", dp, ddp.nb, opt_hi - opt_lo, model.num_params);
-    if (dp > 1)
-        metrics_print(mx, "data parallel: gradient buffers here %zu floats, parameters %zu%s", ddp_grad_floats(&ddp),
-                      model.num_params, ddp.units ? " (1/dp shard, two layer slots and their reduce-scatter targets, "
-                                                   "wte/wpe/ln_f's whole gradients)" : "");
+    char ddesc[512];
+    if (ddp_describe_layout(&ddp, ddesc, sizeof ddesc)) metrics_print(mx, "%s", ddesc);
+    if (ddp_describe_memory(&ddp, ddesc, sizeof ddesc)) metrics_print(mx, "%s", ddesc);
     if (rs.resumed_msg[0]) metrics_print(mx, "%s", rs.resumed_msg);
     metrics_print(mx, "run %s -> %s", c->run_name, c->run_dir);
     metrics_print(mx, "model %s (%s MLP): %zu parameters (%.2fM), %.3g FLOPs/token", c->arch,
@@ -360,11 +349,11 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
      * signal test cannot lose a race against the end of the run. */
     const char *pause_env = getenv("KILN_TEST_PAUSE_AT_STEP");
     int pause_at_step = pause_env ? atoi(pause_env) : 0;
-    float *param_host = inject_nan_step > 0 ? xmalloc((ddp.units ? ddp.shard_len : model.num_params) * sizeof(float)) : NULL;
+    float *param_host = inject_nan_step > 0 ? xmalloc((param_shard ? shard_n : model.num_params) * sizeof(float)) : NULL;
     int skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0, skips_in_a_row = 0;
     /* ZeRO-3: every rank samples (each forward gathers layers collectively);
      * ZeRO-2's forward only waits for refreshes every rank has posted */
-    int sample_all = ddp.units && !ddp.whole_params;
+    int sample_all = !ddp_whole_params(&ddp);
     FILE *devnull = sample_all && rank > 0 ? fopen("/dev/null", "w") : NULL;
     if (sample_all && rank > 0 && !devnull) kiln_fail(KILN_EXIT_RUNTIME, "/dev/null: cannot open (samples of rank %d)", rank);
     size_t N = (size_t)B * T;
@@ -397,7 +386,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         if (inject_nan_step > 0 && (step + 1 == inject_nan_step || (inject_nan_after && step + 1 > inject_nan_step))) {
             float poison = NAN;
             /* ZeRO-2/3: the gradient shard (there is no whole arena) */
-            be->to_device(ddp.units ? ddp.gshard : model.grad_mem, &poison, sizeof poison);
+            be->to_device(ddp_optim_grads(&ddp), &poison, sizeof poison);
         }
         metrics_phase(mx, PHASE_SYNC, step + 1);
         double grad_norm = ddp_reduce_grads(&ddp);
@@ -412,7 +401,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         be->sync();
         int bad = !isfinite(loss) || info.nonfinite;
         double dt = kiln_now() - t0;
-        step_time_sum += dt, blocked_sum += ddp.step_blocked_s;
+        step_time_sum += dt, blocked_sum += ddp_step_blocked_s(&ddp);
         if (!bad) last_loss = loss;
         int last = step == c->steps - 1;
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
@@ -421,8 +410,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         if (param_host) {
             /* ZeRO-2/3: this rank's fp32 shard (rank 0's is the one logged;
              * ZeRO-2's whole arena is still being refreshed) */
-            size_t np = ddp.units ? ddp.shard_len : model.num_params;
-            if (ddp.units) be->to_host(param_host, ddp.pshard, np * sizeof(float));
+            size_t np = param_shard ? shard_n : model.num_params;
+            if (param_shard) be->to_host(param_host, param_shard, np * sizeof(float));
             else model_params_to_host(&model, param_host); /* precision.master bf16: widened */
             ms.param_hash = kiln_fnv1a(param_host, np * sizeof(float), KILN_FNV_INIT);
         }
