@@ -25,7 +25,7 @@ done
 # eval, samples or checkpoints): about 5 s each on two idle cores.
 small_corpus "$T/data"
 short=(--set train.steps=60 --set train.eval_every=0 --set train.sample_every=0 --set schedule.warmup_steps=10
-    --set checkpoint.every=0 --set checkpoint.final=false --set metrics.log_every=10 --set metrics.tensorboard=false
+    --set checkpoint.every=0 --set checkpoint.final=false --set metrics.log_every=10
     --set batch.total_tokens=2048 --set run.threads=2
     --set "data.train=$T/data/train_*.bin" --set "data.val=$T/data/val_*.bin")
 for cfg in llama-tiny moe-tiny; do
@@ -66,3 +66,26 @@ sys.exit(0 if ok else 1)
 PY
 then ok arch_train_moe_metrics_jsonl
 else fail arch_train_moe_metrics_jsonl "$(tail -n 1 "$T/moe-tiny/metrics.jsonl" | cut -c1-300)"; fi
+
+# TensorBoard's own reader: the MoE scalars and one tag per (layer, expert)
+# load, equal to metrics.jsonl's (t_metrics.sh installs tensorboard).
+if python3 -c 'import tensorboard' 2>/dev/null; then
+    if python3 - "$T/moe-tiny" >"$T/tb.txt" 2>&1 <<'PY'
+import glob, json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+d = sys.argv[1]
+ea = EventAccumulator(glob.glob(d + "/events.out.tfevents.*")[0], size_guidance={"scalars": 0}); ea.Reload()
+tags = set(ea.Tags()["scalars"])
+rows = {r["step"]: r for r in (json.loads(l) for l in open(d + "/metrics.jsonl"))}
+for t in ("moe/aux", "moe/z", "moe/dropped", "moe/load_cv"):
+    assert t in tags, (t, sorted(tags)[:8])
+for l in range(4):
+    for e in range(8):
+        got = {x.step: x.value for x in ea.Scalars("moe/load/layer_%d/expert_%d" % (l, e))}
+        assert sorted(got) == sorted(rows), (l, e)
+        assert all(got[s] == rows[s]["moe_load"][l][e] for s in got), (l, e)
+PY
+    then ok arch_train_moe_tensorboard; else fail arch_train_moe_tensorboard "$(tail -n 2 "$T/tb.txt")"; fi
+else
+    skip arch_train_moe_tensorboard "tensorboard not importable"
+fi
