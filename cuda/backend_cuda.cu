@@ -312,6 +312,7 @@ extern "C" const Backend backend_cuda = {
     .adamw_update = cuda_adamw_update,
     .adamw_update_bf16 = cuda_adamw_update_bf16,
     .adamw_update_p16 = cuda_adamw_update_p16,
+    .lion_update = cuda_lion_update,
     .sumsq = cuda_sumsq,
     .set_precision = cuda_set_precision,
     .set_attention = cuda_set_attention,

@@ -244,6 +244,8 @@ void cuda_crossentropy_forward(void *logits, float *losses, const int32_t *targe
 void cuda_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr,
                        float beta1, float beta2, float eps, float weight_decay, float grad_scale,
                        int t);
+void cuda_lion_update(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
+                      float weight_decay, float grad_scale);
 void cuda_adamw_update_bf16(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n, float lr,
                             float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
                             uint64_t seed, uint64_t idx0);

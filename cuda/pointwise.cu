@@ -257,6 +257,28 @@ void cuda_adamw_update(float *params, const float *grads, float *m, float *v, si
     CUDA_CHECK_LAUNCH();
 }
 
+/* Lion, the CPU backend's expression with each operation rounded on its own. */
+__global__ void lion_kernel(float *params, const float *grads, float *m, size_t n, float lr, float beta1,
+                            float beta2, float wd, float grad_scale) {
+    const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
+    GRID_STRIDE(i, n) {
+        float g = __fmul_rn(grads[i], grad_scale);
+        float mi = m[i];
+        float c = __fadd_rn(__fmul_rn(beta1, mi), __fmul_rn(b1c, g));
+        float s = (float)((c > 0.0f) - (c < 0.0f));
+        float p = params[i];
+        params[i] = __fsub_rn(p, __fmul_rn(lr, __fadd_rn(s, __fmul_rn(wd, p))));
+        m[i] = __fadd_rn(__fmul_rn(beta2, mi), __fmul_rn(b2c, g));
+    }
+}
+
+void cuda_lion_update(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
+                      float weight_decay, float grad_scale) {
+    if (!n) return;
+    KLAUNCH(lion_kernel, grid_for(n, 256), 256, 0, params, grads, m, n, lr, beta1, beta2, weight_decay, grad_scale);
+    CUDA_CHECK_LAUNCH();
+}
+
 /* AdamW with bf16 moments: the kernel above on moments read from bf16 and
  * stored through sround_bf16 with the CPU's random bits (sround.h). */
 __global__ void adamw_bf16_kernel(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n,

@@ -283,6 +283,12 @@ typedef struct Backend {
                              float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
                              int t, uint64_t seed, uint64_t idx0);
 
+    /* Lion (Chen et al. 2023) on a contiguous range, all fp32: with g = grad *
+     * grad_scale, p -= lr * (sign(beta1 m + (1 - beta1) g) + wd * p), then
+     * m = beta2 m + (1 - beta2) g; sign(0) = 0. One state buffer m(n). */
+    void (*lion_update)(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
+                        float weight_decay, float grad_scale);
+
     /* Sum of squares of fp32 x, in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);
 

@@ -90,6 +90,7 @@ int bench_run(const Config *c, int steps) {
                            c->weight_decay, c->grad_clip, optim_state_bytes(c->optim_state) == 2,
                            optim_round_seed(c->seed));
     if (master16) optim_set_params_bf16(&opt);
+    if (optim_kind(c->optim_name) == OPTIM_LION) optim_set_lion(&opt, c->lion_beta1, c->lion_beta2);
 
     int32_t *inp = xmalloc((size_t)N * sizeof(int32_t)), *tgt = xmalloc((size_t)N * sizeof(int32_t));
     Rng rng;

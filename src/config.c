@@ -127,7 +127,9 @@ static const CfgKey cfg_keys[] = {
     KINT("train.max_consecutive_skips", max_consecutive_skips, "10", 0, INF,
          "with `on_nonfinite: skip`, stop (exit 1) after this many skipped steps in a row: a run that "
          "stays non-finite is diverging, not unlucky; 0 = never stop"),
-    KENUM("optim.name", optim_name, "adamw", "adamw", "optimizer"),
+    KENUM("optim.name", optim_name, "adamw", "adamw|lion",
+          "optimizer (docs/optimizers.md): `adamw`, or `lion` (sign of the interpolated momentum, one state "
+          "buffer; takes `optim.lion_betas`, `lr`, `weight_decay` and `grad_clip`, not `betas` or `eps`)"),
     KFLT("optim.lr", lr, "6.0e-4", 0, 10, "peak learning rate"),
     KPAIR("optim.betas", beta1, beta2, "[0.9, 0.95]", 0, 1, CF_HI_OPEN, "AdamW `[beta1, beta2]`"),
     /* eps = 0 divides 0 by 0 wherever a gradient is always zero (the padded
@@ -135,6 +137,8 @@ static const CfgKey cfg_keys[] = {
     KFLTF("optim.eps", eps, "1.0e-8", 0, 1, CF_LO_OPEN, "AdamW epsilon"),
     KFLT("optim.weight_decay", weight_decay, "0.1", 0, 10, "decoupled weight decay of the matrices"),
     KFLT("optim.grad_clip", grad_clip, "1.0", 0, 1e9, "clip the global gradient norm to this; 0 = off"),
+    KPAIR("optim.lion_betas", lion_beta1, lion_beta2, "[0.9, 0.99]", 0, 1, CF_HI_OPEN,
+          "Lion `[beta1, beta2]`: the update's sign is of beta1 m + (1 - beta1) g; m moves with beta2"),
     KBOOL("optim.decay_embeddings", decay_embeddings, "true", "apply weight decay to the embedding tables too"),
     KENUM("schedule.kind", sched_kind, "cosine", "cosine|linear|constant|wsd", "learning-rate shape after warmup"),
     KINT("schedule.warmup_steps", warmup_steps, "100", 0, INF, "steps of linear warmup from 0"),
@@ -627,6 +631,17 @@ static void cfg_check_moe(const Config *c, const ArchSpec *s, CfgLoad *L) {
                   "bias_update_rate: 0", cfg_where_of(L, "model.moe.bias_update_rate", "parallel.zero"), c->zero);
 }
 
+/* Lion's op keeps fp32 state and updates fp32 parameters only. */
+static void cfg_check_optim(const Config *c, CfgLoad *L) {
+    if (strcmp(c->optim_name, "lion") != 0) return;
+    if (strcmp(c->optim_state, "fp32") != 0)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.optim_state': optim.name lion keeps its momentum in fp32; "
+                  "use precision.optim_state: fp32", cfg_where_of(L, "precision.optim_state", "optim.name"));
+    if (strcmp(c->master, "fp32") != 0)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.master': optim.name lion updates an fp32 master; use "
+                  "precision.master: fp32", cfg_where_of(L, "precision.master", "optim.name"));
+}
+
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {
     static const struct { const char *key; size_t off; int lo, hi; } limits[] = {
         {"parallel.tp", offsetof(Config, tp), 1, 1},
@@ -700,6 +715,7 @@ static void cfg_finish(Config *c, CfgLoad *L) {
     cfg_check_batch(c, L);
     cfg_check_parallel(c, L);
     cfg_check_precision(c, L);
+    cfg_check_optim(c, L);
     if (!c->run_dir[0]) {
         char dir[CFG_STR + 8];
         snprintf(dir, sizeof dir, "runs/%s", c->run_name);

@@ -53,8 +53,9 @@ typedef struct Config {
     int max_consecutive_skips; /* skip: stop after this many in a row; 0 = never */
 
     /* optim */
-    char optim_name[16]; /* adamw */
+    char optim_name[16]; /* adamw | lion */
     float lr, beta1, beta2, eps, weight_decay, grad_clip;
+    float lion_beta1, lion_beta2; /* optim.lion_betas: Lion's interpolation and momentum betas */
     int decay_embeddings; /* bool */
 
     /* schedule */

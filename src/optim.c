@@ -1,5 +1,6 @@
-/* optim: schedules, clipping, AdamW. The update arithmetic is the backend's
- * (adamw_update, sumsq); this file decides what to call with which numbers. */
+/* optim: schedules, clipping, AdamW and Lion. The update arithmetic is the
+ * backend's (adamw_update, lion_update, sumsq); this file decides what to
+ * call with which numbers. */
 #include "optim.h"
 
 #include <math.h>
@@ -84,10 +85,27 @@ void optim_set_params_bf16(AdamW *o) {
     o->param_bytes = 2;
 }
 
+int optim_kind(const char *name) {
+    if (strcmp(name, "adamw") == 0) return OPTIM_ADAMW;
+    if (strcmp(name, "lion") == 0) return OPTIM_LION;
+    return -1;
+}
+
+void optim_set_lion(AdamW *o, float beta1, float beta2) {
+    if (o->state_bytes != 4 || o->param_bytes != 4)
+        kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': lion keeps fp32 state and parameters; use "
+                  "precision.optim_state: fp32 and precision.master: fp32");
+    o->kind = OPTIM_LION;
+    o->beta1 = beta1;
+    o->beta2 = beta2;
+    o->be->free(o->v);
+    o->v = NULL;
+}
+
 void optim_free(AdamW *o) {
     if (o->be) {
         o->be->free(o->m);
-        o->be->free(o->v);
+        if (o->v) o->be->free(o->v);
     }
     memset(o, 0, sizeof *o);
 }
@@ -123,7 +141,9 @@ static OptimStepInfo step_begin(AdamW *o, double grad_norm) {
  * with ZeRO-2/3 (unbiased all the same; the bits then follow the layout). */
 static void update_range(AdamW *o, void *params, const float *grads, size_t k, size_t n, float lr, float wd,
                          float grad_scale) {
-    if (o->param_bytes == 2)
+    if (o->kind == OPTIM_LION)
+        o->be->lion_update(params, grads, (float *)o->m + k, n, lr, o->beta1, o->beta2, wd, grad_scale);
+    else if (o->param_bytes == 2)
         o->be->adamw_update_p16(params, grads, (char *)o->m + k * o->state_bytes, (char *)o->v + k * o->state_bytes,
                                 o->state_bytes, n, lr, o->beta1, o->beta2, o->eps, wd, grad_scale, o->t, o->seed,
                                 o->lo + k);

@@ -1,7 +1,8 @@
-/* optim: learning-rate schedules, global-norm clipping and AdamW over the
- * model's parameter arena. Owns the optimizer state arenas (m, v). Never reads
- * data or knows the model's architecture: it sees flat arenas and the split
- * point between decayed and undecayed parameters. */
+/* optim: learning-rate schedules, global-norm clipping and the elementwise
+ * optimizers (AdamW, Lion) over the model's parameter arena. Owns the
+ * optimizer state arenas (m, v). Never reads data or knows the model's
+ * architecture: it sees flat arenas and the split point between decayed and
+ * undecayed parameters. docs/optimizers.md. */
 #ifndef KILN_OPTIM_H
 #define KILN_OPTIM_H
 
@@ -26,10 +27,16 @@ int optim_sched_kind(const char *name);
 /* Learning rate for optimizer step `step` (0-based). */
 float optim_lr(const Schedule *s, int step);
 
+/* optim.name */
+typedef enum { OPTIM_ADAMW, OPTIM_LION } OptimKind;
+
+/* The optimizer of the arena: AdamW unless optim_set_lion made it Lion (the
+ * struct keeps its historical name). */
 typedef struct AdamW {
     const Backend *be;
+    OptimKind kind;
     void *m, *v;       /* device (hi - lo) state_bytes each: moments of arena elements [lo, hi),
-                          fp32 or bf16 bits (precision.optim_state) */
+                          fp32 or bf16 bits (precision.optim_state); Lion: m only, v NULL */
     size_t state_bytes;/* 4 (fp32 moments) or 2 (bf16, stochastically rounded: sround.h) */
     uint64_t seed;     /* bf16 moments and parameters: the rounding's random bits come from (seed, t, element) */
     size_t param_bytes;/* 4 (fp32 master) or 2 (precision.master bf16: the step functions' params are bf16
@@ -66,6 +73,11 @@ void optim_set_params_bf16(AdamW *o);
  * bits follow the arena element, not the rank), apart from the other streams
  * drawn from run.seed. train.c and bench.c both use it. */
 static inline uint64_t optim_round_seed(uint64_t run_seed) { return run_seed ^ 0x6f7074696d2e7372ULL; }
+/* Lion instead of AdamW, with its own betas (optim.lion_betas); before the
+ * first step, fp32 state and parameters only. Frees v: Lion keeps m alone. */
+void optim_set_lion(AdamW *o, float beta1, float beta2);
+/* "adamw" | "lion" -> kind; -1 if unknown. */
+int optim_kind(const char *name);
 void optim_free(AdamW *o);
 /* "fp32" -> 4, "bf16" -> 2 (precision.optim_state); 0 if unknown. */
 size_t optim_state_bytes(const char *name);

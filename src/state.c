@@ -1,6 +1,6 @@
 /* state: the training run's checkpoint table and its save/resume policy.
  * Names in the table: parameters by their model names ("wte", "h.0.ln_1.weight"),
- * AdamW moments as "optim.m/<name>" and "optim.v/<name>", and blobs
+ * AdamW moments as "optim.m/<name>" and "optim.v/<name>" (Lion: its m alone), and blobs
  * "optim.step", "train.step", "train.tokens", "train.elapsed_s",
  * "data.train.pos", "rng.train" (rank 0; rank r > 0: "rng.train/rank<r>"),
  * "config.yaml". docs/formats.md.
@@ -99,7 +99,7 @@ void state_table_add(CkptTable *t, Model *m, AdamW *o) {
     add_model_params(t, m);
     if (!o) return;
     add_range(t, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
-    add_range(t, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
+    if (o->v) add_range(t, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
 }
 
 /* ZeRO-2/3: this rank's block of every unit, stored back to back at base
@@ -137,7 +137,7 @@ static void state_fresh(RunState *s, int dirty) {
         else if (!state_init_from(s->m, c->init_from, s->mesh.rank == 0)) model_load_llmc(s->m, c->init_from);
         if (u) ddp_params_loaded(u);
         s->o->be->zero(s->o->m, (s->o->hi - s->o->lo) * s->o->state_bytes);
-        s->o->be->zero(s->o->v, (s->o->hi - s->o->lo) * s->o->state_bytes);
+        if (s->o->v) s->o->be->zero(s->o->v, (s->o->hi - s->o->lo) * s->o->state_bytes);
         s->o->t = 0;
         DataPos zero = {0, 0};
         data_set_pos(s->train, zero);
@@ -180,7 +180,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         if (ddp_whole_params(us)) add_params(t, m, m->param_mem, "");
         else add_unit_blocks(t, m, us, ddp_param_shard(us, NULL), 4, "");
         add_unit_blocks(t, m, us, o->m, o->state_bytes, "optim.m/");
-        add_unit_blocks(t, m, us, o->v, o->state_bytes, "optim.v/");
+        if (o->v) add_unit_blocks(t, m, us, o->v, o->state_bytes, "optim.v/");
     } else {
         state_table_add(t, m, o);
     }
@@ -200,11 +200,11 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
          * the middle of its refresh */
         add_unit_blocks(w, m, us, ddp_param_shard(us, NULL), 4, "");
         add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/");
-        add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/");
+        if (o->v) add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/");
     } else if (rank == 0) add_model_params(w, m);
     if (!us && (rank == 0 || opt_sharded)) {
         add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
-        add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
+        if (o->v) add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
     }
     if (rank == 0) {
         ckpt_add_blob(w, "optim.step", CKPT_I64, 1, 1, &s->optim_t);

@@ -281,6 +281,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                            c->weight_decay, c->grad_clip, optim_state_bytes(c->optim_state) == 2,
                            optim_round_seed(c->seed));
     if (model.master_bf16) optim_set_params_bf16(&opt); /* the same seed: other bits of each element's hash */
+    if (optim_kind(c->optim_name) == OPTIM_LION) optim_set_lion(&opt, c->lion_beta1, c->lion_beta2);
     Schedule sched = {(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps, c->min_lr_ratio,
                       c->decay_ratio};
 

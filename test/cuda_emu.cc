@@ -395,6 +395,26 @@ static void test_adamw(size_t n) {
     cudaFree(dp), cudaFree(dm), cudaFree(dv);
 }
 
+/* Lion: the kernel must give the CPU's bits; a few elements with m = g = 0
+ * take sign(0) = 0 (only weight decay moves them). */
+static void test_lion(size_t n) {
+    Vec p = rnd(n, 1.0f), m = rnd(n, 0.01f);
+    for (size_t i = 0; i < n; i += 97) m[i] = 0.0f;
+    float *dp = dev_f32(p), *dm = dev_f32(m);
+    for (int t = 1; t <= 2; t++) { /* two steps: the second starts from each side's own first */
+        Vec g = rnd(n, 1.0f);
+        if (t == 1)
+            for (size_t i = 0; i < n; i += 97) g[i] = 0.0f;
+        float *dg = dev_f32(g);
+        cpu->lion_update(p.data(), g.data(), m.data(), n, 1e-4f, 0.9f, 0.99f, 0.1f, 0.5f);
+        gpu->lion_update(dp, dg, dm, n, 1e-4f, 0.9f, 0.99f, 0.1f, 0.5f);
+        cudaFree(dg);
+    }
+    check_exact("lion_params_n" + std::to_string(n), get_f32(dp, n), p);
+    check_exact("lion_m_n" + std::to_string(n), get_f32(dm, n), m);
+    cudaFree(dp), cudaFree(dm);
+}
+
 /* bf16 moments (precision.optim_state bf16): the kernel must give the CPU's
  * bits, the stochastic rounding's included (both call sround.h with the same
  * (seed, t, idx0 + i)); idx0 nonzero as for a ZeRO-1 shard. Moments are
@@ -892,6 +912,7 @@ int main(void) {
         test_adamw_bf16(1003);
         test_adamw_p16(1003, 0);
         test_adamw_p16(1003, 1);
+        test_lion(1003);
         test_sumsq(4099);
         test_sumsq(100);                  /* fewer elements than partial blocks */
         test_sumsq(0);

@@ -1011,6 +1011,24 @@ static void cpu_adamw_update(float *params, const float *grads, float *m, float 
     }
 }
 
+/* Lion (backend.h lion_update): a plain loop, which GCC vectorises (no
+ * sqrt or division); each operation rounded on its own in the CUDA kernel's
+ * order, so both give the same bits. */
+static void cpu_lion_update(float *params, const float *grads, float *m, size_t n, float lr, float beta1,
+                            float beta2, float weight_decay, float grad_scale) {
+    /* params, grads, m (n) */
+    const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float g = grads[i] * grad_scale;
+        float c = beta1 * m[i] + b1c * g;
+        float s = (float)((c > 0.0f) - (c < 0.0f));
+        float p = params[i];
+        params[i] = p - lr * (s + weight_decay * p);
+        m[i] = beta2 * m[i] + b2c * g;
+    }
+}
+
 /* AdamW with bf16 moments (backend.h adamw_update_bf16): the scalar body of
  * cpu_adamw_range, each operation IEEE-rounded in the same order as the CUDA
  * kernel, and the stores through sround_bf16. Scalar only: the optimizer is
@@ -1142,5 +1160,6 @@ const Backend backend_cpu = {
     .adamw_update = cpu_adamw_update,
     .adamw_update_bf16 = cpu_adamw_update_bf16,
     .adamw_update_p16 = cpu_adamw_update_p16,
+    .lion_update = cpu_lion_update,
     .sumsq = cpu_sumsq,
 };
