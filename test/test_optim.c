@@ -1,6 +1,7 @@
 /* test_optim: learning-rate schedules (warmup, floor, each kind's shape), the
  * optimizer step's clipping and non-finite handling, and bf16 AdamW moments
  * (precision.optim_state bf16: stochastic rounding, accuracy, determinism),
+ * Lion against its math in double,
  * on the CPU backend. */
 #include <math.h>
 #include <stdlib.h>
@@ -217,10 +218,67 @@ static void test_bf16_state(void) {
     test_report(ok, "optim_bf16_state_bytes", "state_bytes %zu", sb);
 }
 
+/* Lion over 5 steps against the math in double (Chen et al. 2023, with
+ * clip_grad_norm_'s clipping and decoupled decay on [0, ND)): c = b1 m +
+ * (1 - b1) g, p -= lr (sign(c) + wd p), m = b2 m + (1 - b2) g. Each float
+ * step rounds a few operations on O(0.02) parameters (~1e-9 each), so 5
+ * steps stay below 1e-7 absolute; a wrong sign would move an element by
+ * 2 lr = 2e-3. m: 1e-6 of its largest element (a few float roundings per
+ * step; elementwise relative error is meaningless where m cancels to ~0). */
+static void test_lion_vs_double(void) {
+    enum { N = 4096, ND = 3000, STEPS = 5 };
+    const Backend *be = &backend_cpu;
+    const float lr = 1e-3f, b1 = 0.9f, b2 = 0.99f, wd = 0.1f, clip = 0.02f;
+    static float hp[N], hg[N], hm[N];
+    static double rp[N], rm[N];
+    for (size_t i = 0; i < N; i++) hp[i] = 0.02f * sinf(0.37f * (float)i), rp[i] = hp[i], rm[i] = 0.0;
+    float *p = be->alloc(N * sizeof(float)), *g = be->alloc(N * sizeof(float));
+    be->to_device(p, hp, sizeof hp);
+    AdamW o;
+    optim_init_shard_dtype(&o, be, N, ND, 0, N, 0.9f, 0.95f, 1e-8f, wd, clip, 0, 0);
+    optim_set_lion(&o, b1, b2);
+    int clipped = 1;
+    for (int t = 1; t <= STEPS; t++) {
+        double sq = 0.0;
+        for (size_t i = 0; i < N; i++) {
+            hg[i] = 1e-3f * sinf(1.3f * (float)i + 0.7f * (float)t) + 2e-4f * cosf(0.05f * (float)i);
+            sq += (double)hg[i] * hg[i];
+        }
+        be->to_device(g, hg, sizeof hg);
+        OptimStepInfo info = optim_step(&o, p, g, lr);
+        double coef = clip / (sqrt(sq) + 1e-6);
+        if (coef >= 1.0) coef = 1.0, clipped = 0;
+        for (size_t i = 0; i < N; i++) {
+            double gi = hg[i] * coef, c = b1 * rm[i] + (1.0 - b1) * gi;
+            double w = i < ND ? wd : 0.0;
+            rp[i] -= lr * ((c > 0) - (c < 0) + w * rp[i]);
+            rm[i] = b2 * rm[i] + (1.0 - b2) * gi;
+        }
+        (void)info;
+    }
+    be->to_host(hp, p, sizeof hp);
+    be->to_host(hm, o.m, sizeof hm);
+    double ep = 0.0, em = 0.0, mmax = 0.0;
+    for (size_t i = 0; i < N; i++) {
+        ep = fmax(ep, fabs(hp[i] - rp[i]));
+        em = fmax(em, fabs(hm[i] - rm[i]));
+        mmax = fmax(mmax, fabs(rm[i]));
+    }
+    em /= mmax;
+    test_report(clipped && ep < 1e-7 && em < 1e-6 && o.v == NULL, "optim_lion_vs_double",
+                "5 steps: params max abs err %.3g (tol 1e-7), m max err / max |m| %.3g (tol 1e-6), clipped %d", ep, em,
+                clipped);
+    printf("# lion vs double over 5 steps: params max abs err %.3g, m max err / max |m| %.3g\n", ep, em);
+    optim_free(&o);
+    be->free(p);
+    be->free(g);
+}
+
 int main(void) {
     test_schedules();
     test_step();
     test_sround();
     test_bf16_state();
+    test_lion_vs_double();
     return 0;
 }
