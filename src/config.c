@@ -127,9 +127,11 @@ static const CfgKey cfg_keys[] = {
     KINT("train.max_consecutive_skips", max_consecutive_skips, "10", 0, INF,
          "with `on_nonfinite: skip`, stop (exit 1) after this many skipped steps in a row: a run that "
          "stays non-finite is diverging, not unlucky; 0 = never stop"),
-    KENUM("optim.name", optim_name, "adamw", "adamw|lion",
-          "optimizer (docs/optimizers.md): `adamw`, or `lion` (sign of the interpolated momentum, one state "
-          "buffer; takes `optim.lion_betas`, `lr`, `weight_decay` and `grad_clip`, not `betas` or `eps`)"),
+    KENUM("optim.name", optim_name, "adamw", "adamw|lion|muon",
+          "optimizer (docs/optimizers.md): `adamw`; `lion` (sign of the interpolated momentum, one state "
+          "buffer; takes `optim.lion_betas`, `lr`, `weight_decay` and `grad_clip`, not `betas` or `eps`); `muon` "
+          "(the blocks' 2-D matrices orthogonalised by Newton-Schulz; embeddings, head, gains, biases and the "
+          "router keep AdamW with `betas`, `eps`; CPU backend and `parallel.zero: 0` only)"),
     KFLT("optim.lr", lr, "6.0e-4", 0, 10, "peak learning rate"),
     KPAIR("optim.betas", beta1, beta2, "[0.9, 0.95]", 0, 1, CF_HI_OPEN, "AdamW `[beta1, beta2]`"),
     /* eps = 0 divides 0 by 0 wherever a gradient is always zero (the padded
@@ -139,6 +141,13 @@ static const CfgKey cfg_keys[] = {
     KFLT("optim.grad_clip", grad_clip, "1.0", 0, 1e9, "clip the global gradient norm to this; 0 = off"),
     KPAIR("optim.lion_betas", lion_beta1, lion_beta2, "[0.9, 0.99]", 0, 1, CF_HI_OPEN,
           "Lion `[beta1, beta2]`: the update's sign is of beta1 m + (1 - beta1) g; m moves with beta2"),
+    KFLT("optim.momentum", momentum, "0.95", 0, 0.999999, "Muon's Nesterov momentum"),
+    KINT("optim.ns_steps", ns_steps, "5", 1, 100, "Muon's quintic Newton-Schulz iterations"),
+    KENUM("optim.muon_scale", muon_scale, "spectral", "spectral|match_adamw",
+          "Muon's update scale for a (rows, cols) matrix: `spectral` sqrt(max(1, rows/cols)); `match_adamw` 0.2 "
+          "sqrt(max(rows, cols)), an update RMS like AdamW's so its lr and weight_decay carry over"),
+    KBOOL("optim.muon_split_qkv", muon_split_qkv, "true",
+          "Muon orthogonalises GPT-2's fused c_attn as its q, k and v thirds (false: as one matrix)"),
     KBOOL("optim.decay_embeddings", decay_embeddings, "true", "apply weight decay to the embedding tables too"),
     KENUM("schedule.kind", sched_kind, "cosine", "cosine|linear|constant|wsd", "learning-rate shape after warmup"),
     KINT("schedule.warmup_steps", warmup_steps, "100", 0, INF, "steps of linear warmup from 0"),
@@ -631,15 +640,22 @@ static void cfg_check_moe(const Config *c, const ArchSpec *s, CfgLoad *L) {
                   "bias_update_rate: 0", cfg_where_of(L, "model.moe.bias_update_rate", "parallel.zero"), c->zero);
 }
 
-/* Lion's op keeps fp32 state and updates fp32 parameters only. */
+/* Lion's and Muon's ops keep fp32 state and update fp32 parameters only;
+ * Muon needs whole matrices, which only ZeRO 0 has on every rank (the
+ * owner-based distributed scheme is not written yet: docs/optimizers.md). */
 static void cfg_check_optim(const Config *c, CfgLoad *L) {
-    if (strcmp(c->optim_name, "lion") != 0) return;
+    if (strcmp(c->optim_name, "adamw") == 0) return;
+    const char *n = c->optim_name;
     if (strcmp(c->optim_state, "fp32") != 0)
-        kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.optim_state': optim.name lion keeps its momentum in fp32; "
-                  "use precision.optim_state: fp32", cfg_where_of(L, "precision.optim_state", "optim.name"));
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.optim_state': optim.name %s keeps its momentum in fp32; "
+                  "use precision.optim_state: fp32", cfg_where_of(L, "precision.optim_state", "optim.name"), n);
     if (strcmp(c->master, "fp32") != 0)
-        kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.master': optim.name lion updates an fp32 master; use "
-                  "precision.master: fp32", cfg_where_of(L, "precision.master", "optim.name"));
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.master': optim.name %s updates an fp32 master; use "
+                  "precision.master: fp32", cfg_where_of(L, "precision.master", "optim.name"), n);
+    if (strcmp(n, "muon") == 0 && c->zero != 0)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': optim.name muon runs with parallel.zero 0 only (each "
+                  "rank orthogonalises every whole matrix), got %d", cfg_where_of(L, "parallel.zero", "optim.name"),
+                  c->zero);
 }
 
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {

@@ -4,6 +4,7 @@
 #include "optim.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "util.h"
@@ -88,7 +89,44 @@ void optim_set_params_bf16(AdamW *o) {
 int optim_kind(const char *name) {
     if (strcmp(name, "adamw") == 0) return OPTIM_ADAMW;
     if (strcmp(name, "lion") == 0) return OPTIM_LION;
+    if (strcmp(name, "muon") == 0) return OPTIM_MUON;
     return -1;
+}
+
+float optim_muon_scale(const char *kind, int rows, int cols) {
+    if (strcmp(kind, "spectral") == 0) return (float)sqrt(fmax(1.0, (double)rows / cols));
+    if (strcmp(kind, "match_adamw") == 0) return (float)(0.2 * sqrt((double)(rows > cols ? rows : cols)));
+    return -1.0f;
+}
+
+static int mat_cmp(const void *a, const void *b) {
+    size_t x = ((const OptimMatrix *)a)->off, y = ((const OptimMatrix *)b)->off;
+    return x < y ? -1 : x > y;
+}
+
+void optim_set_muon(AdamW *o, const OptimMatrix *mats, int nmat, float momentum, int ns_steps) {
+    const Backend *be = o->be;
+    if (!be->newton_schulz || !be->muon_momentum || !be->muon_apply)
+        kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': muon: the %s backend has no Newton-Schulz op yet; use "
+                  "device: cpu, or optim.name adamw or lion", be->name);
+    if (o->state_bytes != 4 || o->param_bytes != 4 || o->lo != 0 || o->hi != o->n)
+        kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': muon needs fp32 state and parameters and the whole "
+                  "optimizer state on every rank (parallel.zero 0)");
+    o->kind = OPTIM_MUON;
+    o->momentum = momentum;
+    o->ns_steps = ns_steps;
+    o->nmat = nmat;
+    o->mats = xmalloc((size_t)(nmat > 0 ? nmat : 1) * sizeof *mats);
+    if (nmat > 0) memcpy(o->mats, mats, (size_t)nmat * sizeof *mats);
+    qsort(o->mats, (size_t)nmat, sizeof *mats, mat_cmp);
+    size_t most = 1, work = 1;
+    for (int i = 0; i < nmat; i++) {
+        size_t r = (size_t)mats[i].rows, c = (size_t)mats[i].cols, a = r < c ? r : c;
+        if (r * c > most) most = r * c;
+        if (2 * r * c + 2 * a * a > work) work = 2 * r * c + 2 * a * a;
+    }
+    o->u = be->alloc(most * sizeof(float));
+    o->ns_work = be->alloc(work * sizeof(float));
 }
 
 void optim_set_lion(AdamW *o, float beta1, float beta2) {
@@ -106,7 +144,9 @@ void optim_free(AdamW *o) {
     if (o->be) {
         o->be->free(o->m);
         if (o->v) o->be->free(o->v);
+        if (o->u) o->be->free(o->u), o->be->free(o->ns_work);
     }
+    free(o->mats);
     memset(o, 0, sizeof *o);
 }
 
@@ -157,6 +197,7 @@ static void update_range(AdamW *o, void *params, const float *grads, size_t k, s
 
 OptimStepInfo optim_step_segments(AdamW *o, void *params, const float *grads, const OptimSegment *seg, int nseg,
                                   float lr, double grad_norm) {
+    if (o->kind == OPTIM_MUON) kiln_fail(KILN_EXIT_USAGE, "key 'parallel.zero': muon runs with parallel.zero 0 only");
     OptimStepInfo info = step_begin(o, grad_norm);
     if (info.nonfinite) return info;
     for (int i = 0; i < nseg; i++) {
@@ -168,9 +209,37 @@ OptimStepInfo optim_step_segments(AdamW *o, void *params, const float *grads, co
     return info;
 }
 
+/* AdamW on arena elements [a, b) of a whole-arena optimizer, split at n_decay. */
+static void adamw_span(AdamW *o, float *params, const float *grads, size_t a, size_t b, float lr, float grad_scale) {
+    size_t d = o->n_decay < a ? a : o->n_decay > b ? b : o->n_decay;
+    if (d > a) update_range(o, params + a, grads + a, a, d - a, lr, o->weight_decay, grad_scale);
+    if (b > d) update_range(o, params + d, grads + d, d, b - d, lr, 0.0f, grad_scale);
+}
+
+/* Muon: per matrix, Nesterov momentum, Newton-Schulz of the look-ahead, the
+ * scaled step with decoupled decay; AdamW on the elements between matrices. */
+static void muon_step(AdamW *o, float *params, const float *grads, float lr, float grad_scale) {
+    const Backend *be = o->be;
+    size_t at = 0;
+    for (int i = 0; i < o->nmat; i++) {
+        const OptimMatrix *x = &o->mats[i];
+        size_t n = (size_t)x->rows * x->cols;
+        adamw_span(o, params, grads, at, x->off, lr, grad_scale);
+        be->muon_momentum(o->u, (float *)o->m + x->off, grads + x->off, n, o->momentum, grad_scale);
+        be->newton_schulz(o->u, x->rows, x->cols, o->ns_steps, o->ns_work);
+        be->muon_apply(params + x->off, o->u, n, lr, x->scale, x->decay ? o->weight_decay : 0.0f);
+        at = x->off + n;
+    }
+    adamw_span(o, params, grads, at, o->n, lr, grad_scale);
+}
+
 OptimStepInfo optim_step_norm(AdamW *o, void *params, const float *grads, float lr, double grad_norm) {
     OptimStepInfo info = step_begin(o, grad_norm);
     if (info.nonfinite) return info;
+    if (o->kind == OPTIM_MUON) {
+        muon_step(o, params, grads, lr, info.grad_scale);
+        return info;
+    }
     size_t n = o->hi - o->lo;
     /* decayed elements of the range: [lo, min(hi, n_decay)) */
     size_t d = o->n_decay > o->lo ? o->n_decay - o->lo : 0;

@@ -28,7 +28,15 @@ int optim_sched_kind(const char *name);
 float optim_lr(const Schedule *s, int step);
 
 /* optim.name */
-typedef enum { OPTIM_ADAMW, OPTIM_LION } OptimKind;
+typedef enum { OPTIM_ADAMW, OPTIM_LION, OPTIM_MUON } OptimKind;
+
+/* Muon: one logical matrix of the arena, row-major at element `off`. */
+typedef struct OptimMatrix {
+    size_t off;
+    int rows, cols;
+    float scale; /* optim.muon_scale's factor for this shape */
+    int decay;   /* weight decay applies */
+} OptimMatrix;
 
 /* The optimizer of the arena: AdamW unless optim_set_lion made it Lion (the
  * struct keeps its historical name). */
@@ -46,6 +54,12 @@ typedef struct AdamW {
     size_t lo, hi;     /* the elements this rank updates: [0, n), or its ZeRO shard */
     float beta1, beta2, eps, weight_decay, grad_clip;
     int t;             /* optimizer steps taken */
+    /* Muon (optim_set_muon): these matrices get Muon with their momentum in
+     * m; every other element gets AdamW */
+    OptimMatrix *mats; /* host (nmat), by offset */
+    int nmat, ns_steps;
+    float momentum;
+    float *u, *ns_work;/* device: the largest matrix's Nesterov update; newton_schulz's work */
 } AdamW;
 
 typedef struct OptimStepInfo {
@@ -76,7 +90,15 @@ static inline uint64_t optim_round_seed(uint64_t run_seed) { return run_seed ^ 0
 /* Lion instead of AdamW, with its own betas (optim.lion_betas); before the
  * first step, fp32 state and parameters only. Frees v: Lion keeps m alone. */
 void optim_set_lion(AdamW *o, float beta1, float beta2);
-/* "adamw" | "lion" -> kind; -1 if unknown. */
+/* Muon on `mats` (copied; disjoint, inside [0, n)), AdamW with the
+ * settings given at init on the rest; before the first step, fp32 state and
+ * parameters, the whole arena on every rank (ZeRO 0). Muon's momentum lives
+ * in m (v stays zero there). Allocates the step's work buffers. */
+void optim_set_muon(AdamW *o, const OptimMatrix *mats, int nmat, float momentum, int ns_steps);
+/* optim.muon_scale for a (rows, cols) matrix: "spectral" sqrt(max(1,
+ * rows/cols)), "match_adamw" 0.2 sqrt(max(rows, cols)); -1 if unknown. */
+float optim_muon_scale(const char *kind, int rows, int cols);
+/* "adamw" | "lion" | "muon" -> kind; -1 if unknown. */
 int optim_kind(const char *name);
 void optim_free(AdamW *o);
 /* "fp32" -> 4, "bf16" -> 2 (precision.optim_state); 0 if unknown. */

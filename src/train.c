@@ -176,6 +176,36 @@ static void generate(Model *m, const Config *c, const Tokenizer *tok, uint64_t s
     free(probs);
 }
 
+/* Muon's matrices, from the tensor table: the blocks' 2-D weights (q|k|v,
+ * output, MLP, shared and routed experts); GPT-2's fused c_attn (a QKV_W with
+ * no K_W after it) as its three row blocks unless optim.muon_split_qkv is
+ * false. Embeddings, head, norms, biases and the router keep AdamW. */
+static void train_set_muon(AdamW *o, const Model *m, const Config *c, int say) {
+    OptimMatrix *mats = xmalloc((size_t)(3 * m->num_tensors + 1) * sizeof *mats);
+    int n = 0, muon_params = 0;
+    for (int i = 0; i < m->num_tensors; i++) {
+        const ParamInfo *p = &m->params[i];
+        int r = p->role;
+        int block = r == ROLE_QKV_W || r == ROLE_K_W || r == ROLE_V_W || r == ROLE_O_W || r == ROLE_FC_W ||
+                    r == ROLE_UP_W || r == ROLE_DOWN_W || r == ROLE_SHARED_GATE_W || r == ROLE_SHARED_UP_W ||
+                    r == ROLE_SHARED_DOWN_W || r == ROLE_EXPERT_GATE_W || r == ROLE_EXPERT_UP_W ||
+                    r == ROLE_EXPERT_DOWN_W;
+        if (!block || p->ndim != 2 || !p->trained) continue;
+        int fused = r == ROLE_QKV_W && (i + 1 >= m->num_tensors || m->params[i + 1].role != ROLE_K_W);
+        int parts = fused && c->muon_split_qkv && p->shape[0] % 3 == 0 ? 3 : 1;
+        int rows = p->shape[0] / parts, cols = p->shape[1];
+        for (int k = 0; k < parts; k++)
+            mats[n++] = (OptimMatrix){.off = p->offset + (size_t)k * rows * cols, .rows = rows, .cols = cols,
+                                      .scale = optim_muon_scale(c->muon_scale, rows, cols), .decay = p->decay};
+        muon_params += (int)p->numel;
+    }
+    optim_set_muon(o, mats, n, c->momentum, c->ns_steps);
+    free(mats);
+    if (say)
+        printf("optim: muon on %d matrices (%d parameters), adamw on the other %zu parameters\n", n, muon_params,
+               m->num_params - (size_t)muon_params);
+}
+
 static void write_resolved_config(const Config *c) {
     char path[1024];
     snprintf(path, sizeof path, "%s/config.yaml", c->run_dir);
@@ -282,6 +312,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                            optim_round_seed(c->seed));
     if (model.master_bf16) optim_set_params_bf16(&opt); /* the same seed: other bits of each element's hash */
     if (optim_kind(c->optim_name) == OPTIM_LION) optim_set_lion(&opt, c->lion_beta1, c->lion_beta2);
+    if (optim_kind(c->optim_name) == OPTIM_MUON) train_set_muon(&opt, &model, c, rank == 0);
     Schedule sched = {(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps, c->min_lr_ratio,
                       c->decay_ratio};
 

@@ -1029,6 +1029,50 @@ static void cpu_lion_update(float *params, const float *grads, float *m, size_t 
     }
 }
 
+static void cpu_muon_momentum(float *u, float *m, const float *grads, size_t n, float momentum, float grad_scale) {
+    /* u, m, grads (n) */
+    const float mc = 1.0f - momentum;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float g = grads[i] * grad_scale;
+        float mi = momentum * m[i] + mc * g;
+        m[i] = mi;
+        u[i] = mc * g + momentum * mi;
+    }
+}
+
+/* Quintic Newton-Schulz (Keller Jordan's coefficients), fp32 through
+ * OpenBLAS. The wide orientation (a = min(rows, cols) rows) keeps A = X X^T
+ * at a x a, the cheaper Gram matrix. */
+static void cpu_newton_schulz(float *x, int rows, int cols, int steps, float *work) {
+    const float ca = 3.4445f, cb = -4.7750f, cc = 2.0315f;
+    int tr = rows > cols, a = tr ? cols : rows, b = tr ? rows : cols;
+    size_t ab = (size_t)a * b;
+    float *X = work, *Y = work + ab, *A = Y + ab, *B = A + (size_t)a * a; /* X Y (a, b), A B (a, a) */
+    double sq = 0.0;
+    for (size_t i = 0; i < ab; i++) sq += (double)x[i] * x[i];
+    float inv = (float)(1.0 / (sqrt(sq) + 1e-7));
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) X[tr ? (size_t)j * b + i : (size_t)i * b + j] = x[(size_t)i * cols + j] * inv;
+    for (int k = 0; k < steps; k++) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, a, a, b, 1.0f, X, b, X, b, 0.0f, A, a);
+        memcpy(B, A, (size_t)a * a * sizeof(float));
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, a, a, a, cc, A, a, A, a, cb, B, a);
+        memcpy(Y, X, ab * sizeof(float));
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, a, b, a, 1.0f, B, a, X, b, ca, Y, b);
+        float *t = X;
+        X = Y, Y = t;
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) x[(size_t)i * cols + j] = X[tr ? (size_t)j * b + i : (size_t)i * b + j];
+}
+
+static void cpu_muon_apply(float *params, const float *o, size_t n, float lr, float scale, float weight_decay) {
+    /* params, o (n) */
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) params[i] -= lr * (scale * o[i] + weight_decay * params[i]);
+}
+
 /* AdamW with bf16 moments (backend.h adamw_update_bf16): the scalar body of
  * cpu_adamw_range, each operation IEEE-rounded in the same order as the CUDA
  * kernel, and the stores through sround_bf16. Scalar only: the optimizer is
@@ -1161,5 +1205,8 @@ const Backend backend_cpu = {
     .adamw_update_bf16 = cpu_adamw_update_bf16,
     .adamw_update_p16 = cpu_adamw_update_p16,
     .lion_update = cpu_lion_update,
+    .muon_momentum = cpu_muon_momentum,
+    .newton_schulz = cpu_newton_schulz,
+    .muon_apply = cpu_muon_apply,
     .sumsq = cpu_sumsq,
 };
