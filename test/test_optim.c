@@ -1,7 +1,7 @@
 /* test_optim: learning-rate schedules (warmup, floor, each kind's shape), the
  * optimizer step's clipping and non-finite handling, and bf16 AdamW moments
  * (precision.optim_state bf16: stochastic rounding, accuracy, determinism),
- * Lion against its math in double,
+ * Lion and Muon against their math in double, Newton-Schulz's singular values,
  * on the CPU backend. */
 #include <math.h>
 #include <stdlib.h>
@@ -11,6 +11,7 @@
 #include "optim.h"
 #include "sround.h"
 #include "test.h"
+#include "util.h"
 
 /* Schedules are computed in double and returned as float: 1e-6 relative is a
  * few float ulps, far below any real schedule error (a wrong step shifts the
@@ -274,11 +275,182 @@ static void test_lion_vs_double(void) {
     be->free(g);
 }
 
+/* Singular values of x (r, c) in double: eigenvalues of the Gram matrix
+ * x x^T (or x^T x, the smaller) by cyclic Jacobi rotations; sv (min(r, c)). */
+static void singular_values(const float *x, int r, int c, double *sv) {
+    int a = r < c ? r : c, tr = r > c;
+    double *G = calloc((size_t)a * a, sizeof(double));
+    for (int i = 0; i < a; i++)
+        for (int j = 0; j < a; j++) {
+            double acc = 0.0;
+            for (int k = 0; k < (tr ? r : c); k++)
+                acc += tr ? (double)x[(size_t)k * c + i] * x[(size_t)k * c + j]
+                          : (double)x[(size_t)i * c + k] * x[(size_t)j * c + k];
+            G[i * a + j] = acc;
+        }
+    for (int sweep = 0; sweep < 60; sweep++)
+        for (int p = 0; p < a; p++)
+            for (int q = p + 1; q < a; q++) {
+                double apq = G[p * a + q];
+                if (fabs(apq) < 1e-300) continue;
+                double th = 0.5 * atan2(2 * apq, G[q * a + q] - G[p * a + p]), cs = cos(th), sn = sin(th);
+                for (int k = 0; k < a; k++) { /* G <- J^T G J */
+                    double gp = G[k * a + p], gq = G[k * a + q];
+                    G[k * a + p] = cs * gp - sn * gq, G[k * a + q] = sn * gp + cs * gq;
+                }
+                for (int k = 0; k < a; k++) {
+                    double gp = G[p * a + k], gq = G[q * a + k];
+                    G[p * a + k] = cs * gp - sn * gq, G[q * a + k] = sn * gp + cs * gq;
+                }
+            }
+    for (int i = 0; i < a; i++) sv[i] = sqrt(fmax(G[i * a + i], 0.0));
+    free(G);
+}
+
+/* Newton-Schulz: five quintic steps take every singular value of a
+ * normalised matrix into about [0.7, 1.2]: the coefficients trade exactness
+ * for speed, so the iteration oscillates around 1 rather than converging,
+ * its lower turning point near 0.68 (measured 0.6818); hence [0.65, 1.2], for
+ * matrices whose smallest singular value is not tiny, which holds for random
+ * Gaussian matrices of these sizes. */
+static void test_newton_schulz(void) {
+    const Backend *be = &backend_cpu;
+    static const int shapes[][2] = {{32, 32}, {16, 64}, {64, 16}, {24, 72}, {100, 30}};
+    Rng rng;
+    rng_seed(&rng, 11);
+    double lo = 1e9, hi = 0.0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int r = shapes[s][0], c = shapes[s][1], a = r < c ? r : c;
+        float *x = malloc((size_t)r * c * sizeof(float));
+        float *w = malloc((2 * (size_t)r * c + 2 * (size_t)a * a) * sizeof(float));
+        double *sv = malloc((size_t)a * sizeof(double));
+        for (int i = 0; i < r * c; i++) x[i] = 3.0f * rng_normal(&rng);
+        be->newton_schulz(x, r, c, 5, w);
+        singular_values(x, r, c, sv);
+        for (int i = 0; i < a; i++) lo = fmin(lo, sv[i]), hi = fmax(hi, sv[i]);
+        free(x), free(w), free(sv);
+    }
+    test_report(lo >= 0.65 && hi <= 1.2, "optim_newton_schulz_singular_values",
+                "singular values in [%.4f, %.4f], want within [0.65, 1.2]", lo, hi);
+    printf("# newton_schulz 5 steps, shapes 32x32 16x64 64x16 24x72 100x30: singular values in [%.4f, %.4f]\n", lo,
+           hi);
+}
+
+/* Newton-Schulz in double, the same algorithm; x (r, c) in place. */
+static void ns_double(double *x, int r, int c, int steps) {
+    int tr = r > c, a = tr ? c : r, b = tr ? r : c;
+    double *X = malloc((size_t)a * b * sizeof(double)), *Y = malloc((size_t)a * b * sizeof(double));
+    double *A = malloc((size_t)a * a * sizeof(double)), *B = malloc((size_t)a * a * sizeof(double));
+    double sq = 0.0;
+    for (int i = 0; i < r * c; i++) sq += x[i] * x[i];
+    double nrm = sqrt(sq) + 1e-7;
+    for (int i = 0; i < r; i++)
+        for (int j = 0; j < c; j++) X[tr ? j * b + i : i * b + j] = x[i * c + j] / nrm;
+    for (int k = 0; k < steps; k++) {
+        for (int i = 0; i < a; i++)
+            for (int j = 0; j < a; j++) {
+                double acc = 0.0;
+                for (int l = 0; l < b; l++) acc += X[i * b + l] * X[j * b + l];
+                A[i * a + j] = acc;
+            }
+        for (int i = 0; i < a; i++)
+            for (int j = 0; j < a; j++) {
+                double acc = 0.0;
+                for (int l = 0; l < a; l++) acc += A[i * a + l] * A[l * a + j];
+                B[i * a + j] = -4.7750 * A[i * a + j] + 2.0315 * acc;
+            }
+        for (int i = 0; i < a; i++)
+            for (int j = 0; j < b; j++) {
+                double acc = 0.0;
+                for (int l = 0; l < a; l++) acc += B[i * a + l] * X[l * b + j];
+                Y[i * b + j] = 3.4445 * X[i * b + j] + acc;
+            }
+        memcpy(X, Y, (size_t)a * b * sizeof(double));
+    }
+    for (int i = 0; i < r; i++)
+        for (int j = 0; j < c; j++) x[i * c + j] = X[tr ? j * b + i : i * b + j];
+    free(X), free(Y), free(A), free(B);
+}
+
+/* Muon over 5 steps against its math in double: an arena of AdamW elements,
+ * a wide (12, 20) and a tall (30, 10) matrix (decayed), more AdamW elements
+ * past n_decay; clipping engaged. Per matrix: m = mu m + (1 - mu) g, u =
+ * (1 - mu) g + mu m, p -= lr (scale NS5(u) + wd p); the rest AdamW with bias
+ * corrections. Tolerance: the fp32 Newton-Schulz runs 15 products whose
+ * rounding (~1e-7 relative each) the iteration's slope near 1 amplifies a few
+ * times; with lr 0.02 the parameters' error stays below 1e-6 abs (measured
+ * 4.6e-7), against per-element steps of ~lr * scale / sqrt(numel) ~ 1e-3. */
+static void test_muon_vs_double(void) {
+    enum { N = 700, ND = 640, STEPS = 5 };
+    const Backend *be = &backend_cpu;
+    const float lr = 0.02f, mu = 0.95f, wd = 0.1f, clip = 0.5f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f;
+    OptimMatrix mats[2] = {{.off = 100, .rows = 12, .cols = 20, .decay = 1}, {.off = 340, .rows = 30, .cols = 10, .decay = 1}};
+    for (int i = 0; i < 2; i++) mats[i].scale = optim_muon_scale("spectral", mats[i].rows, mats[i].cols);
+    static float hp[N], hg[N], hm[N];
+    static double rp[N], rm[N], rv[N], u[N];
+    for (size_t i = 0; i < N; i++) hp[i] = 0.02f * sinf(0.37f * (float)i), rp[i] = hp[i], rm[i] = rv[i] = 0.0;
+    float *p = be->alloc(N * sizeof(float)), *g = be->alloc(N * sizeof(float));
+    be->to_device(p, hp, sizeof hp);
+    AdamW o;
+    optim_init_shard_dtype(&o, be, N, ND, 0, N, b1, b2, eps, wd, clip, 0, 0);
+    optim_set_muon(&o, mats, 2, mu, 5);
+    int clipped = 1;
+    for (int t = 1; t <= STEPS; t++) {
+        double sq = 0.0;
+        for (size_t i = 0; i < N; i++) {
+            hg[i] = 0.03f * sinf(1.3f * (float)i + 0.7f * (float)t) + 0.01f * cosf(0.05f * (float)i * t);
+            sq += (double)hg[i] * hg[i];
+        }
+        be->to_device(g, hg, sizeof hg);
+        optim_step(&o, p, g, lr);
+        double coef = clip / (sqrt(sq) + 1e-6);
+        if (coef >= 1.0) coef = 1.0, clipped = 0;
+        coef = (float)coef; /* the step applies the clipping factor as a float */
+        double bc1 = 1.0 - pow(b1, t), bc2 = 1.0 - pow(b2, t);
+        for (size_t i = 0; i < N; i++) {
+            int in = (i >= 100 && i < 340) || (i >= 340 && i < 640);
+            double gi = hg[i] * coef;
+            if (in) {
+                rm[i] = mu * rm[i] + (1.0 - mu) * gi;
+                u[i] = (1.0 - mu) * gi + mu * rm[i];
+            } else {
+                rm[i] = b1 * rm[i] + (1.0 - b1) * gi;
+                rv[i] = b2 * rv[i] + (1.0 - b2) * gi * gi;
+                rp[i] -= lr * (rm[i] / bc1 / (sqrt(rv[i] / bc2) + eps) + (i < ND ? wd : 0.0) * rp[i]);
+            }
+        }
+        for (int k = 0; k < 2; k++) {
+            size_t off = mats[k].off, n = (size_t)mats[k].rows * mats[k].cols;
+            ns_double(u + off, mats[k].rows, mats[k].cols, 5);
+            double sc = sqrt(fmax(1.0, (double)mats[k].rows / mats[k].cols));
+            for (size_t i = off; i < off + n; i++) rp[i] -= lr * (sc * u[i] + wd * rp[i]);
+        }
+    }
+    be->to_host(hp, p, sizeof hp);
+    be->to_host(hm, o.m, sizeof hm);
+    double ep = 0.0, em = 0.0, mmax = 0.0;
+    for (size_t i = 0; i < N; i++) {
+        ep = fmax(ep, fabs(hp[i] - rp[i]));
+        em = fmax(em, fabs(hm[i] - rm[i]));
+        mmax = fmax(mmax, fabs(rm[i]));
+    }
+    em /= mmax;
+    test_report(clipped && ep < 1e-6 && em < 1e-6, "optim_muon_vs_double",
+                "5 steps: params max abs err %.3g (tol 1e-6), m max err / max |m| %.3g (tol 1e-6), clipped %d", ep,
+                em, clipped);
+    printf("# muon vs double over 5 steps: params max abs err %.3g, m max err / max |m| %.3g\n", ep, em);
+    optim_free(&o);
+    be->free(p);
+    be->free(g);
+}
+
 int main(void) {
     test_schedules();
     test_step();
     test_sround();
     test_bf16_state();
     test_lion_vs_double();
+    test_newton_schulz();
+    test_muon_vs_double();
     return 0;
 }
