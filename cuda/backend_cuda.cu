@@ -313,6 +313,10 @@ extern "C" const Backend backend_cuda = {
     .adamw_update_bf16 = cuda_adamw_update_bf16,
     .adamw_update_p16 = cuda_adamw_update_p16,
     .lion_update = cuda_lion_update,
+    /* Muon runs on the CPU only so far: optim.c refuses it on a backend without these */
+    .muon_momentum = NULL,
+    .newton_schulz = NULL,
+    .muon_apply = NULL,
     .sumsq = cuda_sumsq,
     .set_precision = cuda_set_precision,
     .set_attention = cuda_set_attention,
