@@ -63,3 +63,9 @@ PY
     expect hf_import_names_missing_tensor 2 "tensor 'model.layers.0.mlp.up_proj.weight' .* is missing" -- \
         build/test/hf_tool "$T/llama/config.yaml" "$T/bad.safetensors" --dump "$T/x.safetensors"
 fi
+# The run's own path: ./train with init.from an HF directory says what it loaded.
+if [ -d "$T/llama_hf32" ]; then
+    # shellcheck disable=SC2086
+    expect hf_train_init_from 0 "init.from: HuggingFace weights of .*llama_hf32/model.safetensors" -- \
+        ./train ${cfgs[llama]} "${common[@]}" --set train.steps=1 --set "init.from=$T/llama_hf32" --set "run.dir=$T/llama_from_hf"
+fi
