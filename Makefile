@@ -45,6 +45,8 @@ TEST_SRC := $(wildcard test/test_*.c)
 TEST_BIN := $(TEST_SRC:test/%.c=$(BUILD)/test/%)
 # Benchmarks built with the tests so they keep compiling, run by scripts only.
 BENCH_BIN := $(BUILD)/test/bench_attention
+# test/t_hf_interop.sh's kiln side (forward, parameter dump, export), built with the tests too
+BENCH_BIN += $(BUILD)/test/hf_tool
 
 # ---- CUDA backend (cuda/*.cu) --------------------------------- begin CUDA block
 # Built whenever nvcc is found; CUDA=0 leaves it out, CUDA=1 insists. The CUDA

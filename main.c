@@ -12,6 +12,7 @@
 #include "ckpt.h"
 #include "comm.h"
 #include "config.h"
+#include "hf.h"
 #include "plan.h"
 #include "prepare.h"
 #include "report.h"
@@ -43,6 +44,11 @@ static const char *usage =
     "                              largest absolute difference of every tensor of two\n"
     "                              checkpoints, whatever ranks or ZeRO stage wrote them;\n"
     "                              exit 1 if a parameter differs by more than X\n"
+    "  ./train export CKPT_DIR --format hf --out DIR [--dtype fp32|bf16]\n"
+    "                              write a checkpoint (or a run directory's newest) as a\n"
+    "                              HuggingFace model: model.safetensors, config.json,\n"
+    "                              generation_config.json (GPT-2, Llama, OLMoE-style MoE);\n"
+    "                              init.from: DIR loads such a directory back\n"
     "  ./train config-doc          print the reference of every config key (docs/config.md)\n"
     "  ./train --version           version, commit, backends and libraries\n"
     "  ./train --help              this text\n"
@@ -91,6 +97,7 @@ int main(int argc, char **argv) {
     }
     if (strcmp(cmd, "prepare") == 0) return prepare_main(argc - 1, argv + 1);
     if (strcmp(cmd, "ckpt-info") == 0) return ckpt_info_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "export") == 0) return hf_export_main(argc - 1, argv + 1);
     if (strcmp(cmd, "ckpt-diff") == 0) return ckpt_diff_main(argc - 1, argv + 1);
     if (strcmp(cmd, "plan") == 0) return plan_main(argc - 1, argv + 1);
     if (strcmp(cmd, "status") == 0) return report_status_main(argc - 1, argv + 1);

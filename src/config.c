@@ -207,7 +207,8 @@ static const CfgKey cfg_keys[] = {
     KFLT("monitor.spike_factor", spike_factor, "2.0", 0, 1e6,
          "warn when the loss exceeds this multiple of its running mean; 0 = off"),
     KSTR("init.from", init_from, "\"\"",
-         "weights to start from: an llm.c GPT-2 `.bin`, or a kiln checkpoint directory (parameters only); `\"\"` = random init"),
+         "weights to start from: an llm.c GPT-2 `.bin`, a kiln checkpoint directory (parameters only), or a "
+         "HuggingFace directory (`model.safetensors`) or `.safetensors` file (docs/formats.md); `\"\"` = random init"),
 };
 #define NKEYS ((int)(sizeof(cfg_keys) / sizeof(cfg_keys[0])))
 

@@ -98,7 +98,7 @@ typedef struct Config {
     float spike_factor;   /* warn when loss > spike_factor x its running mean; 0 = off */
 
     /* init */
-    char init_from[CFG_STR]; /* llm.c GPT-2 checkpoint to start from, "" = random */
+    char init_from[CFG_STR]; /* llm.c file, kiln checkpoint or HF directory to start from, "" = random */
 
     uint64_t hash; /* FNV-1a of the resolved YAML text */
 } Config;

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "ddp.h"
+#include "hf.h"
 #include "metrics.h"
 #include "resume.h"
 #include "sround.h"
@@ -124,6 +125,10 @@ int state_init_from(Model *m, const char *dir, int say) {
     return 1;
 }
 
+void state_load_init_from(Model *m, const char *path, int say) {
+    if (!state_init_from(m, path, say) && !hf_init_from(m, path, say)) model_load_llmc(m, path);
+}
+
 /* Start-up state when nothing is resumed, or after a corrupt checkpoint was
  * partly loaded and skipped: the same as a fresh run's. */
 static void state_fresh(RunState *s, int dirty) {
@@ -134,7 +139,7 @@ static void state_fresh(RunState *s, int dirty) {
             kiln_fail(KILN_EXIT_RUNTIME, "a checkpoint failed after part of it was loaded into ZeRO-3 shards; "
                                          "start fresh or resume another checkpoint (--resume PATH)");
         if (!c->init_from[0]) model_init_weights(s->m, c->seed);
-        else if (!state_init_from(s->m, c->init_from, s->mesh.rank == 0)) model_load_llmc(s->m, c->init_from);
+        else state_load_init_from(s->m, c->init_from, s->mesh.rank == 0);
         if (u) ddp_params_loaded(u);
         s->o->be->zero(s->o->m, (s->o->hi - s->o->lo) * s->o->state_bytes);
         if (s->o->v) s->o->be->zero(s->o->v, (s->o->hi - s->o->lo) * s->o->state_bytes);

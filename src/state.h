@@ -70,6 +70,9 @@ void state_close(RunState *s);
  * (and say so when `say`: rank 0). Returns 0 if `dir` is not a kiln
  * checkpoint (the caller tries llm.c). */
 int state_init_from(Model *m, const char *dir, int say);
+/* init.from, whatever it names: a kiln checkpoint directory, an HF
+ * directory or .safetensors file (hf_init_from), else an llm.c file. */
+void state_load_init_from(Model *m, const char *path, int say);
 /* The entries a run without ZeRO-2/3 saves and loads for the model and
  * AdamW: every parameter (fp32 entries; precision.master bf16's widened
  * exactly on save, rounded to nearest even on load) and, unless o is NULL,

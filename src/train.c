@@ -298,7 +298,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     }
     ddp_init(&ddp, &model, dpg, c->zero, (size_t)25 << 20);
     if (c->init_from[0]) {
-        if (!state_init_from(&model, c->init_from, rank == 0)) model_load_llmc(&model, c->init_from);
+        state_load_init_from(&model, c->init_from, rank == 0);
     }
     else model_init_weights(&model, c->seed);
     ddp_shard_params(&ddp); /* ZeRO-2/3: take this rank's shard (ZeRO-3: drop the whole arena) */

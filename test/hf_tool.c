@@ -1,0 +1,70 @@
+/* hf_tool: what test/t_hf_interop.sh asks of kiln's side. Builds the model of
+ * CONFIG.yaml on the CPU backend, loads INIT_FROM through init.from's chain
+ * (kiln checkpoint, HF directory, llm.c file), then:
+ *   --logits OUT.bin TOK...  forward one sequence, write (T, vocab_size) fp32 logits
+ *   --dump OUT.safetensors   every parameter under its kiln name, padded rows included
+ *   --export DIR             the model as an HF directory (hf_write_dir)
+ * usage: hf_tool CONFIG.yaml INIT_FROM (--logits OUT TOK... | --dump OUT | --export DIR) */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "arch.h"
+#include "backend.h"
+#include "config.h"
+#include "hf.h"
+#include "model.h"
+#include "safetensors.h"
+#include "state.h"
+#include "util.h"
+
+int main(int argc, char **argv) {
+    if (argc < 5) kiln_fail(KILN_EXIT_USAGE, "usage: hf_tool CONFIG.yaml INIT_FROM --logits OUT TOK... | --dump OUT | --export DIR");
+    Config c;
+    cfg_load(&c, argv[1], NULL, 0);
+    ArchSpec s;
+    arch_from_config(&c, &s);
+    Model m;
+    model_init(&m, backend_get("cpu"), &s, NULL);
+    state_load_init_from(&m, argv[2], 0);
+    const char *mode = argv[3], *out = argv[4];
+    float *all = xmalloc(m.num_params * sizeof(float));
+    model_params_to_host(&m, all);
+    if (!strcmp(mode, "--logits")) {
+        int T = argc - 5;
+        if (T < 1 || T > s.seq_len) kiln_fail(KILN_EXIT_USAGE, "--logits: 1 to %d tokens", s.seq_len);
+        int32_t *tok = xmalloc((size_t)T * sizeof *tok);
+        for (int t = 0; t < T; t++) tok[t] = atoi(argv[5 + t]);
+        model_plan_activations(&m, 1, T, MODEL_RECOMPUTE_NONE);
+        model_forward(&m, tok, NULL, 1, T, 0);
+        float *row = xmalloc((size_t)s.padded_vocab * sizeof *row);
+        FILE *f = fopen(out, "wb");
+        if (!f) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot create", out);
+        for (int t = 0; t < T; t++) {
+            model_logits_row(&m, 0, t, row);
+            fwrite(row, sizeof *row, (size_t)s.vocab_size, f);
+        }
+        fclose(f);
+        free(row), free(tok);
+    } else if (!strcmp(mode, "--dump")) {
+        StWrite *w = xcalloc((size_t)m.num_tensors, sizeof *w);
+        for (int i = 0; i < m.num_tensors; i++) {
+            const ParamInfo *p = &m.params[i];
+            w[i] = (StWrite){.name = p->name, .dtype = ST_F32, .ndim = p->ndim, .shape = {p->shape[0], p->shape[1]},
+                             .data = all + p->offset};
+        }
+        char err[1400];
+        if (st_write(out, w, m.num_tensors, err, sizeof err) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s", err);
+        free(w);
+    } else if (!strcmp(mode, "--export")) {
+        int n;
+        ArchTensor *t = arch_tensors(&s, 0, &n);
+        float **host = xcalloc((size_t)n, sizeof *host);
+        for (int i = 0; i < n; i++) host[i] = all + model_find_param(&m, t[i].name)->offset;
+        hf_write_dir(&s, t, n, host, out, ST_F32);
+        free(host), free(t);
+    } else kiln_fail(KILN_EXIT_USAGE, "hf_tool: unknown mode '%s'", mode);
+    free(all);
+    model_free(&m);
+    return 0;
+}
