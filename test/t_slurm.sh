@@ -117,8 +117,14 @@ J=$("${SB[@]}" --parsable --nodes=1 --ntasks-per-node=2 -o "$T/sig.out" scripts/
 for i in $(seq 300); do [ "$(cat $T/sig/metrics.jsonl 2>/dev/null | wc -l)" -ge 50 ] && break; sleep 0.1; done
 scancel --signal=USR1 "$J"
 state=""
+# The requeued job may not start in the second its old credential was
+# revoked (slurmctld: "Killing non-startable batch job: Job credential
+# revoked"), so its start is set 2 s ahead, once, instead of now.
+moved=0
 for i in $(seq 600); do
-    grep -q 'requeueing' "$T/sig.out" 2>/dev/null && scontrol update JobId="$J" StartTime=now >/dev/null 2>&1
+    if [ $moved -eq 0 ] && grep -q 'requeueing' "$T/sig.out" 2>/dev/null; then
+        scontrol update JobId="$J" StartTime=now+2 >/dev/null 2>&1 && moved=1
+    fi
     state=$(scontrol show job "$J" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2)
     [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
     sleep 0.2
