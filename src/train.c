@@ -182,7 +182,8 @@ static void generate(Model *m, const Config *c, const Tokenizer *tok, uint64_t s
  * false. Embeddings, head, norms, biases and the router keep AdamW. */
 static void train_set_muon(AdamW *o, const Model *m, const Config *c, int say) {
     OptimMatrix *mats = xmalloc((size_t)(3 * m->num_tensors + 1) * sizeof *mats);
-    int n = 0, muon_params = 0;
+    int n = 0;
+    size_t muon_params = 0;
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
         int r = p->role;
@@ -197,13 +198,13 @@ static void train_set_muon(AdamW *o, const Model *m, const Config *c, int say) {
         for (int k = 0; k < parts; k++)
             mats[n++] = (OptimMatrix){.off = p->offset + (size_t)k * rows * cols, .rows = rows, .cols = cols,
                                       .scale = optim_muon_scale(c->muon_scale, rows, cols), .decay = p->decay};
-        muon_params += (int)p->numel;
+        muon_params += p->numel;
     }
     optim_set_muon(o, mats, n, c->momentum, c->ns_steps);
     free(mats);
     if (say)
-        printf("optim: muon on %d matrices (%d parameters), adamw on the other %zu parameters\n", n, muon_params,
-               m->num_params - (size_t)muon_params);
+        printf("optim: muon on %d matrices (%zu parameters), adamw on the other %zu parameters\n", n, muon_params,
+               m->num_params - muon_params);
 }
 
 static void write_resolved_config(const Config *c) {
