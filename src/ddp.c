@@ -447,8 +447,12 @@ OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
 }
 
 double ddp_sum(Ddp *d, double x) {
-    if (d->g) comm_all_reduce_sum_f64(d->g, &x, 1);
+    ddp_sum_n(d, &x, 1);
     return x;
+}
+
+void ddp_sum_n(Ddp *d, double *x, size_t n) {
+    if (d->g) comm_all_reduce_sum_f64(d->g, x, n);
 }
 
 int ddp_ranks(const Ddp *d) { return d->dp; }

@@ -134,6 +134,8 @@ size_t ddp_grad_floats(const Ddp *d);
 
 /* Sum of x over the dp group (losses for logging), in double. */
 double ddp_sum(Ddp *d, double x);
+/* x[0..n) summed over the dp group in place, one collective. */
+void ddp_sum_n(Ddp *d, double *x, size_t n);
 
 /* What other modules ask of a Ddp (checkpoints, the step loop's logs and
  * test hooks). */

@@ -22,24 +22,34 @@
 #include "util.h"
 
 /* MoE after an optimizer step: the step's expert loads summed over the dp
- * ranks move the balancing bias (model.moe.bias_update_rate) and give the
- * step's router figures for the metrics (*out; its load is *load_buf, grown
- * here, the caller's to free). */
-static void moe_after_step(Model *m, Ddp *d, MetricsMoe *out, int64_t **load_buf) {
+ * ranks (one collective, with the drop counts) move the balancing bias
+ * (model.moe.bias_update_rate) and give the step's router figures for the
+ * metrics (*out, whose load points into *buf). *buf is grown here once, the
+ * caller's to free. */
+typedef struct MoeStepBuf {
+    int64_t *load; /* (n_layer, E) */
+    double *sums;  /* (n_layer E + 2): the loads, drops, routed slots on their way through the reduction */
+} MoeStepBuf;
+
+static void moe_after_step(Model *m, Ddp *d, MetricsMoe *out, MoeStepBuf *buf) {
     const ArchSpec *s = &m->shape;
     if (s->mlp != MLP_MOE) return;
     size_t n = (size_t)s->n_layer * s->moe.n_experts;
-    if (!*load_buf) *load_buf = xmalloc(n * sizeof(int64_t));
-    int64_t *load = *load_buf;
+    if (!buf->load) buf->load = xmalloc(n * sizeof(int64_t)), buf->sums = xmalloc((n + 2) * sizeof(double));
+    double *sums = buf->sums;
+    for (size_t i = 0; i < n; i++) sums[i] = (double)m->moe.load[i];
+    sums[n] = (double)m->moe.drops, sums[n + 1] = (double)m->moe.routed;
+    ddp_sum_n(d, sums, n + 2); /* integers below 2^53: exact in any order */
+    int64_t *load = buf->load;
     double lo = INFINITY, hi = 0, sum = 0, sq = 0;
     for (size_t i = 0; i < n; i++) {
-        load[i] = (int64_t)ddp_sum(d, (double)m->moe.load[i]);
-        double x = (double)load[i];
+        load[i] = (int64_t)sums[i];
+        double x = sums[i];
         lo = x < lo ? x : lo, hi = x > hi ? x : hi, sum += x, sq += x * x;
     }
     model_moe_update_bias(m, load);
     double mean = sum / (double)n, cv = mean > 0 ? sqrt(fmax(sq / (double)n - mean * mean, 0)) / mean : 0;
-    double drops = ddp_sum(d, (double)m->moe.drops), routed = ddp_sum(d, (double)m->moe.routed);
+    double drops = sums[n], routed = sums[n + 1];
     *out = (MetricsMoe){.aux = m->moe.aux, .z = m->moe.z, .dropped = routed > 0 ? drops / routed : 0.0,
                         .load_min = lo, .load_max = hi, .load_cv = cv, .n_layer = s->n_layer,
                         .n_experts = s->moe.n_experts, .load = load};
@@ -399,7 +409,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     double t_start = kiln_now();
     float val_loss = NAN, last_loss = NAN;
 
-    int64_t *moe_load = NULL; /* MoE: the step's loads, all ranks (moe_after_step) */
+    MoeStepBuf moe_buf = {0}; /* MoE: the step's loads, all ranks (moe_after_step) */
     int stopped = 0, steps_done = start_step;
     for (int step = start_step; step < c->steps && !stopped; step++) {
         double t0 = kiln_now();
@@ -429,7 +439,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         OptimStepInfo info = {grad_norm, 1.0f, 1};
         if (isfinite(loss)) info = ddp_optim_step(&ddp, &opt, lr, grad_norm);
         MetricsMoe moe_ms = {0};
-        if (isfinite(loss)) moe_after_step(&model, &ddp, &moe_ms, &moe_load);
+        if (isfinite(loss)) moe_after_step(&model, &ddp, &moe_ms, &moe_buf);
         model_params_changed(&model); /* the next forward casts the compute copy again */
         be->sync();
         int bad = !isfinite(loss) || info.nonfinite;
@@ -510,7 +520,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     free(ctx);
     optim_free(&opt);
     ddp_free(&ddp);
-    free(moe_load);
+    free(moe_buf.load);
+    free(moe_buf.sums);
     model_free(&model);
     data_close(train);
     if (val) data_close(val);
