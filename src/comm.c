@@ -161,7 +161,9 @@ typedef enum {
     NCCL_OP_BROADCAST,
     NCCL_OP_SEND,
     NCCL_OP_RECV,
-    NCCL_OP_ALL_TO_ALL
+    NCCL_OP_ALL_TO_ALL,
+    NCCL_OP_SUM_BF16,           /* bf16 activations (tensor parallelism) */
+    NCCL_OP_REDUCE_SCATTER_BF16
 } NcclOp;
 /* n: elements per rank's block where the operation has blocks; peer: the
  * root of a broadcast or the other side of a send/recv. */
@@ -673,6 +675,29 @@ void comm_all_reduce_max_f64(CommGroup *g, double *buf, size_t n) {
 #ifdef KILN_MPI
     all_reduce_f64(g, buf, n, MPI_MAX, "all_reduce_max");
 #endif
+}
+
+/* bf16 sums have no MPI type: device mode (NCCL) only; one rank copies. */
+static int bf16_host(CommGroup *g, const char *op) {
+    if (g->dev) return 0;
+    g->seq++;
+    if (g->size > 1)
+        kiln_fail(KILN_EXIT_USAGE, "rank %d: %s of bf16 on group '%s' needs NCCL device buffers (bf16 "
+                  "activations come from the CUDA backend, whose groups run on NCCL)", C.info.rank, op, g->name);
+    return 1;
+}
+
+void comm_all_reduce_sum_bf16(CommGroup *g, void *buf, size_t n) {
+    if (bf16_host(g, "all_reduce")) return;
+    dev_run(g, "all_reduce", NCCL_OP_SUM_BF16, buf, buf, n, 0);
+}
+
+void comm_reduce_scatter_bf16(CommGroup *g, const void *send, void *recv, size_t block) {
+    if (bf16_host(g, "reduce_scatter")) {
+        if (send != recv && block) memmove(recv, send, block * 2);
+        return;
+    }
+    dev_run(g, "reduce_scatter", NCCL_OP_REDUCE_SCATTER_BF16, send, recv, block, 0);
 }
 
 void comm_reduce_scatter(CommGroup *g, const float *send, float *recv, size_t block) {
@@ -1292,6 +1317,12 @@ static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, 
         break;
     case NCCL_OP_REDUCE_SCATTER:
         NCCL_CHECK(g, N.ReduceScatter(send, recv, n, ncclFloat32, ncclSum, c, s));
+        break;
+    case NCCL_OP_SUM_BF16:
+        NCCL_CHECK(g, N.AllReduce(send, recv, n, ncclBfloat16, ncclSum, c, s));
+        break;
+    case NCCL_OP_REDUCE_SCATTER_BF16:
+        NCCL_CHECK(g, N.ReduceScatter(send, recv, n, ncclBfloat16, ncclSum, c, s));
         break;
     case NCCL_OP_ALL_GATHER:
         NCCL_CHECK(g, N.AllGather(send, recv, n, ncclFloat32, c, s));

@@ -102,6 +102,11 @@ void comm_reduce_scatter(CommGroup *g, const float *send, float *recv, size_t bl
  * In place when send == recv + rank * block. */
 void comm_all_gather(CommGroup *g, const float *send, float *recv, size_t block);
 void comm_all_gather_bytes(CommGroup *g, const void *send, void *recv, size_t block);
+/* bf16 (the activation dtype on CUDA; tensor parallelism): sums in device
+ * mode only (NCCL), a copy on one rank; exit 2 on host buffers of several
+ * ranks (MPI has no bf16 sum). */
+void comm_all_reduce_sum_bf16(CommGroup *g, void *buf, size_t n);
+void comm_reduce_scatter_bf16(CommGroup *g, const void *send, void *recv, size_t block);
 void comm_broadcast(CommGroup *g, float *buf, size_t n, int root);       /* root: group rank */
 void comm_broadcast_bytes(CommGroup *g, void *buf, size_t n, int root);
 /* Point to point; peer is a group rank, tag >= 0 tells messages apart. */
