@@ -233,6 +233,24 @@ int train_run(const Config *c, int dry_run) {
     return train_run_with(c, &o);
 }
 
+/* KILN_TEST_TP_GRADS: one line per replicated tensor, its name and the
+ * FNV-1a hash of its gradient's bytes. */
+static void dump_replicated_grads(const Model *m, const char *path, int rank) {
+    char name[1200];
+    snprintf(name, sizeof name, "%s.rank%d", path, rank);
+    FILE *f = fopen(name, "w");
+    if (!f) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_TP_GRADS)", name);
+    for (int i = 0; i < m->num_tensors; i++) {
+        const ParamInfo *p = &m->params[i];
+        if (p->split.dim >= 0) continue;
+        float *g = xmalloc(p->numel * sizeof(float));
+        m->be->to_host(g, m->gview[i], p->numel * sizeof(float));
+        fprintf(f, "%s %016llx\n", p->name, (unsigned long long)kiln_fnv1a(g, p->numel * sizeof(float), KILN_FNV_INIT));
+        free(g);
+    }
+    fclose(f);
+}
+
 /* Ranks, the mesh, the consistency check. Exits 2 on a layout that does not
  * fit the world or the batch. */
 static void setup_parallel(const Config *c, const TrainOptions *topt, Mesh *mesh, int *accum) {
@@ -410,6 +428,10 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     int inject_nan_after = nan_env && strchr(nan_env, '+') != NULL; /* "N+": every step from N on */
     /* Test hook (docs/metrics.md): after step N, wait for a stop signal, so a
      * signal test cannot lose a race against the end of the run. */
+    /* Test hook (docs/parallel.md): after the first step's gradient sync,
+     * fingerprint every replicated tensor's gradient into FILE.rank<R>, so a
+     * test can see that every tp rank holds the same */
+    const char *tp_grads_file = ddp_whole_params(&ddp) && !param_shard ? getenv("KILN_TEST_TP_GRADS") : NULL;
     const char *pause_env = getenv("KILN_TEST_PAUSE_AT_STEP");
     int pause_at_step = pause_env ? atoi(pause_env) : 0;
     float *param_host = inject_nan_step > 0 ? xmalloc((param_shard ? shard_n : model.num_params) * sizeof(float)) : NULL;
@@ -454,6 +476,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         }
         metrics_phase(mx, PHASE_SYNC, step + 1);
         double grad_norm = ddp_reduce_grads(&ddp);
+        if (tp_grads_file && step == start_step) dump_replicated_grads(&model, tp_grads_file, rank);
         float loss = (float)(ddp_sum(&ddp, loss_sum) / (accum * dp));
         metrics_phase(mx, PHASE_OPTIMIZER, step + 1);
         /* a non-finite loss skips the update even if its gradients look finite */
