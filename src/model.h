@@ -383,6 +383,11 @@ size_t model_num_nonembedding_params(const Model *m);
  * bytes; with X = the (N,F) and Y = the (N,C) buffer so rounded, GELU is
  * (L-1) X smaller than NONE (L kept, one shared), NORM_GELU (2L-1) Y more. */
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r);
+/* The same for one rank of a model split over tp ranks (ModelOptions.tp):
+ * its local widths, all N rows of every buffer (sequence parallelism keeps
+ * the whole-sequence buffers that the column-parallel products read), and
+ * tp's own buffers. */
+size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r);
 
 /* MoE: zero the loads and drop counts (the start of an optimizer step). */
 void model_moe_reset(Model *m);
