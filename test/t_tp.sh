@@ -70,6 +70,15 @@ equiv llama_qknorm_tp2_sp QKN 2 2 true 0
 equiv moe_tp2_sp MOE 2 2 true 0
 equiv moe_tp2_dp2_zero1_nosp MOE 4 2 false 1
 
+# Generation under tp: every rank runs the forward on its part, the logits row
+# is gathered, and every rank draws the same token: the text of one rank.
+G="--set train.sample_every=6 --set train.sample_tokens=40"
+./train $Y $S $LLAMA $G --set run.dir=$T/gen1 2>&1 | sed -n '/--- sample/,/^---$/p' >$T/gen1.txt
+"${MPIRUN[@]}" -np 2 ./train $Y $S $LLAMA $G --set parallel.tp=2 --set run.dir=$T/gen2 2>&1 \
+    | sed -n '/--- sample/,/^---$/p' >$T/gen2.txt
+[ -s $T/gen1.txt ] && cmp -s $T/gen1.txt $T/gen2.txt && ok tp_generation_same_text \
+    || fail tp_generation_same_text "$(head -c 200 $T/gen1.txt) vs $(head -c 200 $T/gen2.txt)"
+
 grep -q 'tensor parallel: 2 ranks' $T/llama_gqa_tp2_sp/log/rank0.txt 2>/dev/null || grep -q 'tensor parallel: 2 ranks' \
     $T/llama_gqa_tp2_sp.txt && ok tp_start_up_line || fail tp_start_up_line "$(grep -m3 tensor $T/llama_gqa_tp2_sp.txt)"
 grep -q 'blocked in tp communication' $T/llama_gqa_tp2_sp.txt && ok tp_reports_blocked_fraction \
