@@ -793,6 +793,11 @@ static const void *grad_gather(const Model *m, const void *d, void *full, int N)
     return full;
 }
 
+/* Before a host read of a device buffer under tp (ModelTp.drain). */
+static void tp_drain(const Model *m) {
+    if (m->tpc.drain) m->tpc.drain(m->tpc.ctx);
+}
+
 /* Row-parallel products add their (replicated) bias once: on tp rank 0,
  * before the sum over the ranks. Its gradient, from the gradient of all N
  * rows, is complete on every rank. */
@@ -863,6 +868,7 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, T, E, K, arch_moe_capacity(s, T));
     /* The experts' row ranges decide the products' sizes: the one host
      * synchronisation of an MoE layer. */
+    tp_drain(m);
     be->to_host(a->offsets_host, a->offsets, (size_t)(E + 1) * sizeof(int32_t));
     be->moe_gather(a->xp, a->ln2, a->src, a->offsets_host[E], C);
     experts_forward(m, l, a);
@@ -1007,6 +1013,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         m->tpc.all_gather_f32(m->tpc.ctx, mine, all, (size_t)N * 3);
         be->xent_finish(m->logits, m->losses, all, m->tp, m->targets_dev, N, s->vocab_size, s->padded_vocab, dloss);
     }
+    tp_drain(m);
     be->to_host(m->losses_host, m->losses, (size_t)N * sizeof(float));
     double sum = 0.0;
     for (int i = 0; i < N; i++) sum += m->losses_host[i];
@@ -1270,6 +1277,7 @@ void model_logits_row(const Model *m, int b, int t, float *out) {
         src = m->row_dev;
     }
     size_t n = (size_t)m->gshape.padded_vocab;
+    tp_drain(m);
     m->be->to_host(m->row_host, src, n * m->act_bytes);
     backend_act_to_f32(out, m->row_host, n, m->act_bytes);
 }

@@ -165,7 +165,8 @@ typedef struct ModelHooks {
  *   this rank's block of the sum.
  *  all_gather_f32: fp32 send (block) -> recv (tp block), rank order.
  *  grads_done: before ModelHooks.grads_done of the same layer: the partial
- *   gradients (ParamInfo.tp_partial) that are complete are summed. */
+ *   gradients (ParamInfo.tp_partial) that are complete are summed.
+ *  drain: see below. */
 typedef struct ModelTp {
     void *ctx;
     void (*all_reduce)(void *ctx, void *buf, size_t n);
@@ -173,6 +174,10 @@ typedef struct ModelTp {
     void (*reduce_scatter)(void *ctx, const void *send, void *recv, size_t block);
     void (*all_gather_f32)(void *ctx, const float *send, float *recv, size_t block);
     void (*grads_done)(void *ctx, int layer);
+    /* before the host reads a device buffer (losses, MoE row ranges, a
+     * logits row): the collectives still in flight are waited for, with the
+     * deadline (on a GPU they are ordered on the device, not on the host) */
+    void (*drain)(void *ctx);
 } ModelTp;
 
 /* model_init's options. */

@@ -67,6 +67,15 @@ static void tp_grads_done(void *ctx, int layer) {
     t->blocked_s += kiln_now() - t0;
 }
 
+static void tp_drain_hook(void *ctx) { tp_drain(ctx); }
+
+void tp_drain(Tp *t) {
+    if (!t->g || t->g->size <= 1) return;
+    double t0 = kiln_now();
+    comm_drain(t->g);
+    t->blocked_s += kiln_now() - t0;
+}
+
 void tp_init(Tp *t, Model *m, CommGroup *g) {
     memset(t, 0, sizeof *t);
     t->m = m;
@@ -77,7 +86,11 @@ void tp_init(Tp *t, Model *m, CommGroup *g) {
         kiln_fail(KILN_EXIT_RUNTIME, "tp_init: the model is rank %d of tp %d, the group rank %d of %d", m->tp_rank,
                   m->tp, g->rank, g->size);
     if (m->act_bytes != 4 && m->act_bytes != 2) tp_fail_dtype(t);
-    ModelTp ops = {t, tp_all_reduce, tp_all_gather, tp_reduce_scatter, tp_all_gather_f32, tp_grads_done};
+    /* on a GPU the layers' collectives are ordered on the device: no host
+     * wait inside a layer (the host drains them before it reads) */
+    if (g->dev) comm_nccl_stream_ordered(g);
+    ModelTp ops = {t, tp_all_reduce, tp_all_gather, tp_reduce_scatter, tp_all_gather_f32, tp_grads_done,
+                   tp_drain_hook};
     model_set_tp(m, &ops);
 }
 

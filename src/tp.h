@@ -30,8 +30,14 @@ void tp_free(Tp *t);
  * layer gradients) are summed over tp once, on the last. */
 void tp_micro_begin(Tp *t, int first, int last);
 
+/* Wait, bounded by parallel.timeout_s, for the tp collectives still in
+ * flight (on a GPU they are stream-ordered: comm_nccl_stream_ordered); after
+ * the backward, before the host waits on the device. */
+void tp_drain(Tp *t);
+
 /* Seconds this rank spent blocked in tp collectives in the current step
- * (since the first micro-batch). */
+ * (since the first micro-batch). On a GPU the collectives are ordered on the
+ * device, so this is the host's enqueue and drain time, not the device's. */
 double tp_step_blocked_s(const Tp *t);
 
 #endif

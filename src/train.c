@@ -472,6 +472,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
             metrics_phase(mx, PHASE_BACKWARD, step + 1);
             model_backward(&model, micro > 0);
         }
+        tp_drain(&tpx); /* the backward's last tp collectives, with the deadline */
         if (inject_nan_step > 0 && (step + 1 == inject_nan_step || (inject_nan_after && step + 1 > inject_nan_step))) {
             float poison = NAN;
             /* ZeRO-2/3: the gradient shard (there is no whole arena) */

@@ -77,7 +77,7 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
     Model m;
     arch_resolve(&s);
     model_init(&m, be, &s, &(ModelOptions){.master_bf16 = op.master16, .tp = op.tp, .tp_rank = op.tp_rank});
-    ModelTp loop = {&m, trace_tp_sum, trace_tp_gather, trace_tp_scatter, trace_tp_gather_f32, NULL};
+    ModelTp loop = {&m, trace_tp_sum, trace_tp_gather, trace_tp_scatter, trace_tp_gather_f32, NULL, NULL};
     if (op.tp > 1) model_set_tp(&m, &loop);
     m.gelu_fusion = op.gelu_fusion;
     model_init_weights(&m, 11);
