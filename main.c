@@ -66,8 +66,9 @@ static const char *usage =
     "                         (activations as model.recompute says), tokens per step and\n"
     "                         in total, then exit without training\n"
     "\n"
-    "several ranks (data parallelism, parallel.dp / parallel.zero): scripts/launch.sh NP\n"
-    "CONFIG.yaml [flags], or srun --mpi=pmix / sbatch scripts/train.sbatch (docs/parallel.md)\n"
+    "several ranks (data parallelism, parallel.dp / parallel.zero; tensor parallelism,\n"
+    "parallel.tp / parallel.sequence_parallel): scripts/launch.sh NP CONFIG.yaml [flags],\n"
+    "or srun --mpi=pmix / sbatch scripts/train.sbatch (docs/parallel.md)\n"
     "\n"
     "exit codes: 0 done, 1 runtime failure, 2 bad usage or input, 75 stopped on a signal\n"
     "(resume me). See README.md and docs/.\n";

@@ -241,6 +241,9 @@ void cuda_residual_forward(void *out, const void *a, const void *b, size_t n);
 void cuda_add(float *out, const float *a, const float *b, size_t n);
 void cuda_crossentropy_forward(void *logits, float *losses, const int32_t *targets, int N, int V,
                                int Vp, float dloss);
+void cuda_xent_partial(float *stats, const void *logits, const int32_t *targets, int N, int V, int Vp);
+void cuda_xent_finish(void *logits, float *losses, const float *stats_all, int P, const int32_t *targets, int N, int V,
+                      int Vp, float dloss);
 void cuda_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr,
                        float beta1, float beta2, float eps, float weight_decay, float grad_scale,
                        int t);

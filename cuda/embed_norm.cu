@@ -20,7 +20,8 @@ __global__ void embed_forward_kernel(T_ *out, const int32_t *tokens, const T_ *w
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
          e += (size_t)gridDim.x * blockDim.x) {
         size_t i = e / C, c = e % C;
-        const T_ we = wte[(size_t)tokens[i] * C + c];
+        /* a negative id is another tp rank's token: a zero row */
+        const T_ we = tokens[i] < 0 ? act_from<T_>(0.0f) : wte[(size_t)tokens[i] * C + c];
         out[e] = wpe ? act_from<T_>(act_f(we) + act_f(wpe[(i % T) * C + c])) : we;
     }
 }
@@ -74,12 +75,14 @@ void cuda_embed_free_host(void) {
     embed_host_n = embed_host_vocab = 0;
 }
 
-/* Counting sort of positions by token (stable); returns the number of runs. */
+/* Counting sort of positions by token (stable); returns the number of runs.
+ * Negative ids (other tp ranks' tokens) are left out. */
 static int embed_plan(const int32_t *tok, int N) {
     int32_t vmax = 0;
+    int kept = 0;
     for (int i = 0; i < N; i++) {
-        if (tok[i] < 0) kiln_fail(KILN_EXIT_RUNTIME, "cuda embed_backward: negative token %d at %d", tok[i], i);
         vmax = tok[i] > vmax ? tok[i] : vmax;
+        kept += tok[i] >= 0;
     }
     size_t vocab = (size_t)vmax + 1;
     if (vocab > embed_host_vocab) {
@@ -88,7 +91,8 @@ static int embed_plan(const int32_t *tok, int N) {
     }
     int32_t *count = embed_host_count;
     memset(count, 0, (vocab + 1) * sizeof(int32_t));
-    for (int i = 0; i < N; i++) count[tok[i] + 1]++;
+    for (int i = 0; i < N; i++)
+        if (tok[i] >= 0) count[tok[i] + 1]++;
     int R = 0;
     for (size_t v = 0; v < vocab; v++) R += count[v + 1] > 0;
     int32_t *run_tok = embed_host_plan, *run_start = run_tok + R, *pos = run_start + R + 1;
@@ -101,8 +105,9 @@ static int embed_plan(const int32_t *tok, int N) {
         }
         count[v + 1] += count[v];
     }
-    run_start[R] = N;
-    for (int i = 0; i < N; i++) pos[count[tok[i]]++] = i; /* in position order: stable */
+    run_start[R] = kept;
+    for (int i = 0; i < N; i++)
+        if (tok[i] >= 0) pos[count[tok[i]]++] = i; /* in position order: stable */
     return R;
 }
 

@@ -225,6 +225,70 @@ void cuda_crossentropy_forward(void *logits, float *losses, const int32_t *targe
     if (N > 0) ACT_DISPATCH(crossentropy_run, logits, losses, targets, N, V, Vp, dloss);
 }
 
+/* Vocabulary-parallel cross-entropy (tensor parallelism; backend.h), one
+ * block per row like the kernel above. Part 1: this rank's (max, sum of exp
+ * scaled to it, target logit or 0). */
+template <typename T_>
+__global__ void xent_partial_kernel(float *stats, const T_ *logits, const int32_t *targets, int V, int Vp) {
+    __shared__ float red[32];
+    const T_ *x = logits + (size_t)blockIdx.x * Vp;
+    float m = -INFINITY, s = 0.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) ce_online(act_f(x[j]), m, s);
+    float mx = block_max(m, red);
+    s = block_sum(m == -INFINITY ? 0.0f : s * expf(m - mx), red);
+    if (threadIdx.x == 0) {
+        int tg = targets[blockIdx.x];
+        float *st = stats + (size_t)blockIdx.x * 3;
+        st[0] = mx, st[1] = s, st[2] = tg >= 0 ? act_f(x[tg]) : 0.0f;
+    }
+}
+
+/* Part 2: every rank's stats of the row (rank order, as the CPU combines
+ * them), the loss, and dlogits of this rank's columns in place. */
+template <typename T_>
+__global__ void xent_finish_kernel(T_ *logits, float *losses, const float *stats_all, int P, const int32_t *targets,
+                                   int N, int V, int Vp, float dloss) {
+    int i = blockIdx.x;
+    float mx = -INFINITY, s = 0.0f, xt = 0.0f;
+    for (int p = 0; p < P; p++) mx = fmaxf(mx, stats_all[((size_t)p * N + i) * 3]);
+    for (int p = 0; p < P; p++) {
+        const float *st = stats_all + ((size_t)p * N + i) * 3;
+        if (st[1] > 0.0f) s += st[1] * expf(st[0] - mx);
+        xt += st[2];
+    }
+    if (threadIdx.x == 0) losses[i] = mx + logf(s) - xt;
+    if (dloss == 0.0f) return;
+    T_ *x = logits + (size_t)i * Vp;
+    int tg = targets[i];
+    float k = dloss / s;
+    for (int j = threadIdx.x; j < Vp; j += blockDim.x) {
+        float g = j < V ? expf(act_f(x[j]) - mx) * k : 0.0f;
+        x[j] = act_from<T_>(j == tg ? g - dloss : g);
+    }
+}
+
+template <typename T_>
+static void xent_partial_run(float *stats, const void *logits, const int32_t *targets, int N, int V, int Vp) {
+    KLAUNCH(xent_partial_kernel<T_>, N, CE_THREADS, 0, stats, (const T_ *)logits, targets, V, Vp);
+    CUDA_CHECK_LAUNCH();
+}
+
+template <typename T_>
+static void xent_finish_run(void *logits, float *losses, const float *stats_all, int P, const int32_t *targets, int N,
+                            int V, int Vp, float dloss) {
+    KLAUNCH(xent_finish_kernel<T_>, N, CE_THREADS, 0, (T_ *)logits, losses, stats_all, P, targets, N, V, Vp, dloss);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_xent_partial(float *stats, const void *logits, const int32_t *targets, int N, int V, int Vp) {
+    if (N > 0) ACT_DISPATCH(xent_partial_run, stats, logits, targets, N, V, Vp);
+}
+
+void cuda_xent_finish(void *logits, float *losses, const float *stats_all, int P, const int32_t *targets, int N, int V,
+                      int Vp, float dloss) {
+    if (N > 0) ACT_DISPATCH(xent_finish_run, logits, losses, stats_all, P, targets, N, V, Vp, dloss);
+}
+
 /* ---------------------------------------------------------------------------
  * AdamW, the CPU backend's expression with each operation rounded on its own. */
 

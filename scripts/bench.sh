@@ -2,7 +2,8 @@
 # make bench: GPT-2 124M shape on the CPU backend at context 64 and 256, a
 # Llama and an MoE point of the same size at 256; each
 # point prints whole-step GFLOP/s next to the sgemm rate measured in the same
-# process; a 2-rank data-parallel point comes first (when MPI is built in).
+# process; 2-rank data-parallel and tensor-parallel points come first (when
+# MPI is built in).
 # The last line is the context-64 point, the headline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,8 +30,24 @@ if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
             --set metrics.peak_gflops=1 --set metrics.log_every=1 --set parallel.zero=$zero \
             --set run.dir="$dir/run$zero" 2>&1 | grep -E '^step|^done|data parallel' | sed 's/ | MFU[^|]*//'
     done
+    # Tensor parallelism: the same shape split over 2 ranks (tp 2, sequence
+    # parallel), each rank computing half the heads, MLP width and vocabulary
+    # on the same micro-batch, next to one rank with one thread on that batch.
+    # Reported: step times, and the fraction of step time blocked in the tp
+    # group's collectives (four all-gathers and four reduce-scatters of the
+    # residual per layer, all on the critical path: nothing overlaps them here).
+    TPS=(--set data.tokenizer=byte --set "data.train=$dir/data/train_*.bin" --set 'data.val=""' --set run.threads=1
+         --set batch.total_tokens=256 --set train.steps="$steps" --set train.sample_every=0 --set train.eval_every=0
+         --set checkpoint.every=0 --set checkpoint.final=false --set metrics.peak_gflops=1 --set metrics.log_every=1)
+    echo "== GPT-2 124M shape, 1 rank x 1 thread, batch 4 x 64 (the tp point's reference) =="
+    ./train configs/bench-cpu.yaml "${TPS[@]}" --set run.dir="$dir/tp1" 2>&1 | grep -E '^step|^done' \
+        | sed 's/ | MFU[^|]*//'
+    echo "== GPT-2 124M shape, 2 ranks x 1 thread, tensor parallel tp 2 (sequence parallel), batch 4 x 64 =="
+    mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 ./train configs/bench-cpu.yaml "${TPS[@]}" \
+        --set parallel.tp=2 --set run.dir="$dir/tp2" 2>&1 | grep -E '^step|^done|tensor parallel: [0-9.]*%' \
+        | sed 's/ | MFU[^|]*//'
 else
-    echo "== data-parallel point skipped: mpirun or an MPI build of ./train not found =="
+    echo "== data- and tensor-parallel points skipped: mpirun or an MPI build of ./train not found =="
 fi
 # Llama at about GPT-2 124M's size (12 x 768, GQA 12 heads / 4 kv heads,
 # SwiGLU 2048, RoPE, untied head) and an MoE of the same trunk (8 experts of

@@ -282,6 +282,57 @@ int arch_tensor_in_stage(const ArchSpec *s, const ArchTensor *t, int lo, int hi)
     }
 }
 
+/* ------------------------------------------------------------ tensor parallelism */
+
+ArchTpSplit arch_tp_split(const ArchSpec *s, int role) {
+    switch (role) {
+    case ROLE_QKV_W:
+    case ROLE_QKV_B: return (ArchTpSplit){0, s->family == ARCH_GPT2 ? 3 : 1};
+    case ROLE_K_W: case ROLE_V_W: case ROLE_K_B: case ROLE_V_B:
+    case ROLE_FC_W: case ROLE_UP_W: case ROLE_FC_B: case ROLE_UP_B:
+    case ROLE_TOK_EMB: case ROLE_HEAD_W: return (ArchTpSplit){0, 1};
+    case ROLE_O_W:
+    case ROLE_DOWN_W: return (ArchTpSplit){1, 1};
+    default: return (ArchTpSplit){-1, 1};
+    }
+}
+
+int arch_tp_check(const ArchSpec *s, int tp, char *err, size_t errn) {
+    if (tp <= 1) return 0;
+    if (s->n_head % tp) {
+        snprintf(err, errn, "keys 'parallel.tp', 'model.n_head': tp %d must divide the %d attention heads (each "
+                 "rank computes whole heads)", tp, s->n_head);
+        return -1;
+    }
+    if (s->n_kv_head % tp) {
+        snprintf(err, errn, "keys 'parallel.tp', 'model.n_kv_head': tp %d must divide the %d kv heads (each rank "
+                 "holds whole kv-head groups; replicating kv heads over tp is not supported)", tp, s->n_kv_head);
+        return -1;
+    }
+    if (s->mlp != MLP_MOE && s->ffn_hidden % tp) {
+        snprintf(err, errn, "keys 'parallel.tp', 'model.ffn_hidden': tp %d must divide the MLP width %d", tp,
+                 s->ffn_hidden);
+        return -1;
+    }
+    if (s->qk_norm == QKNORM_FULL) {
+        snprintf(err, errn, "keys 'parallel.tp', 'model.qk_norm': full normalises over every head at once, which "
+                 "tensor parallelism splits; use qk_norm: head or none, or parallel.tp: 1");
+        return -1;
+    }
+    return 0;
+}
+
+void arch_tp_local(const ArchSpec *g, int tp, int rank, ArchSpec *l) {
+    *l = *g;
+    if (tp <= 1) return;
+    l->n_head = g->n_head / tp;
+    l->n_kv_head = g->n_kv_head / tp;
+    if (g->mlp != MLP_MOE) l->ffn_hidden = g->ffn_hidden / tp;
+    int rows = arch_tp_vocab_rows(g, tp), lo = rank * rows;
+    l->padded_vocab = rows;
+    l->vocab_size = g->vocab_size <= lo ? 0 : g->vocab_size - lo < rows ? g->vocab_size - lo : rows;
+}
+
 /* ------------------------------------------------------------ counts */
 
 size_t arch_num_params(const ArchSpec *s) {

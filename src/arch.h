@@ -118,6 +118,40 @@ ArchTensor *arch_tensors(const ArchSpec *s, int decay_embeddings, int *n);
  * pipeline adds). */
 int arch_tensor_in_stage(const ArchSpec *s, const ArchTensor *t, int lo, int hi);
 
+/* ------------------------------------------------------------ tensor parallelism
+ * How each tensor splits over the tp ranks (Megatron's layout;
+ * docs/parallel.md "Tensor parallelism"): column-parallel products (q, k, v;
+ * c_fc / gate, up; the token embedding and head by vocabulary rows) split
+ * their output rows, dim 0, and their biases with them; row-parallel products
+ * (the attention output, the MLP's down) split their input columns, dim 1;
+ * everything else is replicated: norms, the row-parallel biases, learned
+ * positions, QK-norm gains, and whole MoE layers (router, experts, shared
+ * experts: not split by tp; expert parallelism is its own strategy). GPT-2's
+ * fused c_attn is q | k | v: each of the three parts splits by heads, so
+ * `parts` is 3 and a rank holds rows [part p's slice] of each part in turn. */
+typedef struct ArchTpSplit {
+    int dim;   /* -1 replicated, 0 rows, 1 columns */
+    int parts; /* the dimension is `parts` equal blocks, each split over the ranks (1 or 3) */
+} ArchTpSplit;
+ArchTpSplit arch_tp_split(const ArchSpec *s, int role);
+
+/* Whether the spec splits over tp ranks: heads, kv heads (tp must divide
+ * n_kv_head; kv heads are never replicated), the MLP width; QK-norm over the
+ * whole projection is refused. Returns 0, or -1 with one line in err naming
+ * the keys. */
+int arch_tp_check(const ArchSpec *s, int tp, char *err, size_t errn);
+
+/* Vocabulary rows each tp rank holds: vocab_size rounded up to 64 tp, over
+ * tp. The logical token embedding keeps padded_vocab (64) rows; a rank's rows
+ * past it are padding too. */
+static inline int arch_tp_vocab_rows(const ArchSpec *s, int tp) { return (s->vocab_size + 64 * tp - 1) / (64 * tp) * 64; }
+
+/* The spec tp rank `rank` computes with: n_head, n_kv_head and ffn_hidden
+ * over tp, padded_vocab its vocabulary rows and vocab_size the real tokens
+ * among them (0 on ranks past the vocabulary). Its tensor table holds the
+ * local shapes under the global names. tp 1: the spec itself. */
+void arch_tp_local(const ArchSpec *g, int tp, int rank, ArchSpec *local);
+
 /* Widths. */
 static inline int arch_q_width(const ArchSpec *s) { return s->n_head * s->head_dim; }
 static inline int arch_qkv_width(const ArchSpec *s) { return (s->n_head + 2 * s->n_kv_head) * s->head_dim; }

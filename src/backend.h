@@ -73,12 +73,14 @@ typedef struct Backend {
     void (*cast_to_act)(void *dst, const float *src, size_t n);
 
     /* out(N,C) act = wte[tokens] + wpe[t]; wte (Vp,C), wpe (T,C) act; wpe
-     * NULL: no learned positions (RoPE), out = wte[tokens]. */
+     * NULL: no learned positions (RoPE), out = wte[tokens]. A negative token
+     * id reads a zero row (vocabulary-parallel embeddings: another tp rank
+     * holds that token's row), so out = wpe[t] or 0. */
     void (*embed_forward)(void *out, const int32_t *tokens, const void *wte, const void *wpe,
                           int B, int T, int C);
     /* dwte(Vp,C) fp32 += scatter of dout (N,C) act by token (always
-     * accumulates: the tied head writes dwte first); dwpe(T,C) fp32 per
-     * `accumulate`, or NULL (no learned positions). */
+     * accumulates: the tied head writes dwte first; negative token ids add
+     * nothing); dwpe(T,C) fp32 per `accumulate`, or NULL (no learned positions). */
     void (*embed_backward)(float *dwte, float *dwpe, const void *dout, const int32_t *tokens,
                            int B, int T, int C, int accumulate);
 
@@ -252,6 +254,20 @@ typedef struct Backend {
      * * dloss, with zeros in the padded columns. targets(N) must be in [0, V). */
     void (*crossentropy_forward)(void *logits, float *losses, const int32_t *targets, int N,
                                  int V, int Vp, float dloss);
+    /* Vocabulary-parallel cross-entropy (tensor parallelism), in two parts
+     * around one all-gather; each of the P tp ranks holds logits(N,Vp) act
+     * for its Vp vocabulary columns, of which the first V (0 <= V <= Vp) are
+     * real; targets(N) are local column ids, negative when another rank
+     * holds the target. Part 1: stats(N,3) fp32 = per row [m = max of the V
+     * logits (-inf if V = 0), s = sum of exp(logit - m), the target's logit
+     * (0 if not here)]. */
+    void (*xent_partial)(float *stats, const void *logits, const int32_t *targets, int N, int V, int Vp);
+    /* Part 2, with every rank's stats gathered in rank order, stats_all(P,N,3):
+     * M = max_p m_p, S = sum_p s_p exp(m_p - M), losses(N) fp32 = M + log S -
+     * sum_p t_p, the same on every rank. If dloss != 0, logits become dlogits
+     * = (exp(logit - M) / S - onehot) * dloss in place, zeros past V. */
+    void (*xent_finish)(void *logits, float *losses, const float *stats_all, int P, const int32_t *targets,
+                        int N, int V, int Vp, float dloss);
 
     /* AdamW on a contiguous range, all fp32: p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p),
      * with g = grad * grad_scale, bias corrections for step t (1-based). */

@@ -94,8 +94,10 @@ size_t ckpt_entry_bytes(const CkptEntry *e) { return (size_t)(e->hi - e->lo) * d
 static CkptEntry *table_push(CkptTable *t, const char *name) {
     if (strlen(name) >= CKPT_NAME || strpbrk(name, " \t\n=") || !*name)
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint entry name '%s' is empty, too long or has a space or '='", name);
+    /* one entry per name, except the boxes of one tensor's tensor-parallel parts */
     for (int i = 0; i < t->n; i++)
-        if (!strcmp(t->e[i].name, name)) kiln_fail(KILN_EXIT_RUNTIME, "checkpoint entry '%s' added twice", name);
+        if (!strcmp(t->e[i].name, name) && !t->e[i].r1)
+            kiln_fail(KILN_EXIT_RUNTIME, "checkpoint entry '%s' added twice", name);
     if (t->n == t->cap) {
         t->cap = t->cap ? 2 * t->cap : 64;
         t->e = xrealloc(t->e, (size_t)t->cap * sizeof *t->e);
@@ -120,6 +122,25 @@ CkptEntry *ckpt_add_tensor(CkptTable *t, const char *name, CkptDtype dtype, int 
     e->ptr = ptr;
     e->to_host = to_host, e->to_device = to_device;
     return e;
+}
+
+/* Rows and columns of a tensor viewed as (shape[0], the rest); a scalar is 1 x 1. */
+static void tensor_rc(int ndim, const int64_t *shape, uint64_t *rows, uint64_t *cols) {
+    *rows = ndim ? (uint64_t)shape[0] : 1;
+    *cols = 1;
+    for (int d = 1; d < ndim; d++) *cols *= (uint64_t)shape[d];
+}
+
+void ckpt_entry_set_box(CkptEntry *e, uint64_t r0, uint64_t r1, uint64_t c0, uint64_t c1) {
+    uint64_t rows, cols;
+    tensor_rc(e->ndim, e->shape, &rows, &cols);
+    if (r0 >= r1 || c0 >= c1 || r1 > rows || c1 > cols || e->hi > (r1 - r0) * (c1 - c0))
+        kiln_fail(KILN_EXIT_RUNTIME, "checkpoint entry '%s': box rows [%llu, %llu) x columns [%llu, %llu) with range "
+                  "[%llu, %llu) does not fit its %llu x %llu tensor", e->name, (unsigned long long)r0,
+                  (unsigned long long)r1, (unsigned long long)c0, (unsigned long long)c1, (unsigned long long)e->lo,
+                  (unsigned long long)e->hi, (unsigned long long)rows, (unsigned long long)cols);
+    if (r0 == 0 && r1 == rows && c0 == 0 && c1 == cols) r1 = c1 = 0; /* the whole tensor */
+    e->r0 = r0, e->r1 = r1, e->c0 = c0, e->c1 = c1;
 }
 
 CkptEntry *ckpt_add_blob(CkptTable *t, const char *name, CkptDtype dtype, size_t count, int scalar, void *ptr) {
@@ -396,10 +417,10 @@ static void w_manifest_entries(CkptWriter *w, FILE *f, const char *file, uint64_
         fprintf(f, "entry name=%s kind=%s dtype=%s shape=[", e->name, e->kind == CKPT_TENSOR ? "tensor" : "blob",
                 dtype_names[e->dtype]);
         for (int d = 0; d < e->ndim; d++) fprintf(f, "%s%" PRId64, d ? "," : "", e->shape[d]);
-        fprintf(f, "] range=%" PRIu64 ":%" PRIu64 " rank=%d file=%s offset=%" PRIu64 " bytes=%zu stored=%" PRIu64
-                   " codec=%s crc32c=%08x\n",
-                e->lo, e->hi, m->mesh.rank, file, r->offset, ckpt_entry_bytes(e), r->stored,
-                w->zc ? "zstd" : "none", r->crc);
+        fprintf(f, "] range=%" PRIu64 ":%" PRIu64, e->lo, e->hi);
+        if (e->r1) fprintf(f, " box=%" PRIu64 ":%" PRIu64 ",%" PRIu64 ":%" PRIu64, e->r0, e->r1, e->c0, e->c1);
+        fprintf(f, " rank=%d file=%s offset=%" PRIu64 " bytes=%zu stored=%" PRIu64 " codec=%s crc32c=%08x\n",
+                m->mesh.rank, file, r->offset, ckpt_entry_bytes(e), r->stored, w->zc ? "zstd" : "none", r->crc);
     }
 }
 
@@ -732,6 +753,7 @@ typedef struct {
     int dtype, ndim, rank, zstd;
     int64_t shape[CKPT_MAX_DIM];
     uint64_t lo, hi, offset, bytes, stored;
+    uint64_t r0, r1, c0, c1; /* its box, always filled in (the whole tensor when the line has none) */
     char file[64];
     uint32_t crc;
 } MEntry;
@@ -820,8 +842,18 @@ static int parse_entry(const char *line, MEntry *e) {
     crc = strtoull(b, &end, 16);
     if (*end || strlen(b) != 8) return -1;
     e->crc = (uint32_t)crc;
-    uint64_t numel = 1;
-    for (int d = 0; d < e->ndim; d++) numel *= (uint64_t)e->shape[d];
+    uint64_t rows, cols;
+    tensor_rc(e->ndim, e->shape, &rows, &cols);
+    e->r0 = 0, e->r1 = rows, e->c0 = 0, e->c1 = cols;
+    if (field(line, "box", b, sizeof b)) {
+        unsigned long long r0, r1, c0, c1;
+        int used = 0;
+        if (sscanf(b, "%llu:%llu,%llu:%llu%n", &r0, &r1, &c0, &c1, &used) != 4 || b[used] || r0 >= r1 || c0 >= c1 ||
+            r1 > rows || c1 > cols)
+            return -1;
+        e->r0 = r0, e->r1 = r1, e->c0 = c0, e->c1 = c1;
+    }
+    uint64_t numel = (e->r1 - e->r0) * (e->c1 - e->c0);
     if (e->hi > numel || e->bytes != (e->hi - e->lo) * dtype_sizes[e->dtype]) return -1;
     if (!e->zstd && e->stored != e->bytes) return -1;
     return 0;
@@ -833,15 +865,29 @@ static void man_free(Manifest *m) {
 }
 
 
+static int cmp_u64(uint64_t a, uint64_t b) { return a < b ? -1 : a > b; }
+
 static int mentry_by_name_lo(const void *a, const void *b) {
     const MEntry *x = *(const MEntry *const *)a, *y = *(const MEntry *const *)b;
     int c = strcmp(x->name, y->name);
-    if (c) return c;
-    return x->lo < y->lo ? -1 : x->lo > y->lo;
+    if (!c) c = cmp_u64(x->r0, y->r0);
+    if (!c) c = cmp_u64(x->c0, y->c0);
+    if (!c) c = cmp_u64(x->r1, y->r1);
+    if (!c) c = cmp_u64(x->c1, y->c1);
+    return c ? c : cmp_u64(x->lo, y->lo);
+}
+
+static int same_box(const MEntry *x, const MEntry *y) {
+    return x->r0 == y->r0 && x->r1 == y->r1 && x->c0 == y->c0 && x->c1 == y->c1;
+}
+
+static int boxes_meet(const MEntry *x, const MEntry *y) {
+    return x->r0 < y->r1 && y->r0 < x->r1 && x->c0 < y->c1 && y->c0 < x->c1;
 }
 
 /* Pieces of one tensor must not overlap: the loader counts covered elements,
- * and two copies of one range would hide a missing one. */
+ * and two copies of one range would hide a missing one. Pieces of one box
+ * are disjoint ranges of it; pieces of different boxes lie in disjoint boxes. */
 static int manifest_check_overlap(const Manifest *m, const char *path, char *err, size_t cap) {
     const MEntry **v = xmalloc((size_t)(m->n ? m->n : 1) * sizeof *v);
     int k = 0;
@@ -849,11 +895,22 @@ static int manifest_check_overlap(const Manifest *m, const char *path, char *err
         if (m->e[i].kind == CKPT_TENSOR) v[k++] = &m->e[i];
     qsort(v, (size_t)k, sizeof *v, mentry_by_name_lo);
     int rc = 0;
-    for (int i = 1; i < k && rc == 0; i++)
-        if (!strcmp(v[i]->name, v[i - 1]->name) && v[i]->lo < v[i - 1]->hi)
+    for (int i = 1; i < k && rc == 0; i++) {
+        if (strcmp(v[i]->name, v[i - 1]->name)) continue;
+        if (same_box(v[i], v[i - 1]) && v[i]->lo < v[i - 1]->hi)
             rc = rerr(err, cap, "%s: pieces of '%s' overlap ([%llu,%llu) and [%llu,%llu))", path, v[i]->name,
                       (unsigned long long)v[i - 1]->lo, (unsigned long long)v[i - 1]->hi,
                       (unsigned long long)v[i]->lo, (unsigned long long)v[i]->hi);
+    }
+    /* distinct boxes of one name must not meet (a few per tensor: every pair) */
+    for (int i = 0; i < k && rc == 0; i++)
+        for (int j = i + 1; j < k && !strcmp(v[i]->name, v[j]->name) && rc == 0; j++)
+            if (!same_box(v[i], v[j]) && boxes_meet(v[i], v[j]) && v[i]->lo < v[i]->hi && v[j]->lo < v[j]->hi)
+                rc = rerr(err, cap, "%s: pieces of '%s' overlap (boxes rows %llu:%llu cols %llu:%llu and rows "
+                          "%llu:%llu cols %llu:%llu)", path, v[i]->name, (unsigned long long)v[i]->r0,
+                          (unsigned long long)v[i]->r1, (unsigned long long)v[i]->c0, (unsigned long long)v[i]->c1,
+                          (unsigned long long)v[j]->r0, (unsigned long long)v[j]->r1, (unsigned long long)v[j]->c0,
+                          (unsigned long long)v[j]->c1);
     free(v);
     return rc;
 }
@@ -969,6 +1026,51 @@ static void shape_text(int ndim, const int64_t *shape, char *buf, size_t cap) {
     if (n < cap) snprintf(buf + n, cap - n, "]");
 }
 
+/* A range [lo, hi) of a box of a rows x cols tensor (see CkptEntry). */
+typedef struct BoxRange {
+    uint64_t r0, r1, c0, c1, lo, hi;
+} BoxRange;
+
+static BoxRange entry_range(const CkptEntry *e) {
+    uint64_t rows, cols;
+    tensor_rc(e->ndim, e->shape, &rows, &cols);
+    if (!e->r1) return (BoxRange){0, rows, 0, cols, e->lo, e->hi};
+    return (BoxRange){e->r0, e->r1, e->c0, e->c1, e->lo, e->hi};
+}
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* The elements that range e (to fill, at dst) and saved range p (at src)
+ * share, of a tensor with `cols` columns: counted, and copied when dst is
+ * set (es bytes each). Full-width boxes are flat ranges of the tensor: one
+ * copy; others meet row by row. */
+static uint64_t range_meet(const BoxRange *e, const BoxRange *p, uint64_t cols, unsigned char *dst,
+                           const unsigned char *src, size_t es) {
+    if (e->c0 == 0 && e->c1 == cols && p->c0 == 0 && p->c1 == cols) {
+        uint64_t e0 = e->r0 * cols + e->lo, e1 = e->r0 * cols + e->hi, p0 = p->r0 * cols + p->lo,
+                 p1 = p->r0 * cols + p->hi;
+        uint64_t a = e0 > p0 ? e0 : p0, b = e1 < p1 ? e1 : p1;
+        if (a >= b) return 0;
+        if (dst) memcpy(dst + (a - e0) * es, src + (a - p0) * es, (size_t)(b - a) * es);
+        return b - a;
+    }
+    int64_t ew = (int64_t)(e->c1 - e->c0), pw = (int64_t)(p->c1 - p->c0), n = 0;
+    int64_t r0 = max64((int64_t)e->r0, (int64_t)p->r0), r1 = min64((int64_t)e->r1, (int64_t)p->r1);
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t eb = (r - (int64_t)e->r0) * ew - (int64_t)e->c0, pb = (r - (int64_t)p->r0) * pw - (int64_t)p->c0;
+        /* column c is element eb + c of e's range and pb + c of p's */
+        int64_t c0 = max64(max64((int64_t)e->c0, (int64_t)p->c0), max64((int64_t)e->lo - eb, (int64_t)p->lo - pb));
+        int64_t c1 = min64(min64((int64_t)e->c1, (int64_t)p->c1), min64((int64_t)e->hi - eb, (int64_t)p->hi - pb));
+        if (c0 >= c1) continue;
+        if (dst)
+            memcpy(dst + (size_t)(eb + c0 - (int64_t)e->lo) * es, src + (size_t)(pb + c0 - (int64_t)p->lo) * es,
+                   (size_t)(c1 - c0) * es);
+        n += c1 - c0;
+    }
+    return (uint64_t)n;
+}
+
 int ckpt_load(const char *dir, const CkptTable *t, CkptInfo *info, char *err, size_t cap) {
     Manifest m;
     if (man_read(dir, &m, err, cap) != 0) return -1;
@@ -1004,12 +1106,15 @@ int ckpt_load(const char *dir, const CkptTable *t, CkptInfo *info, char *err, si
             /* a blob is written once (per-rank state has per-rank names): the
              * first piece of the name is it */
             if (e->kind == CKPT_BLOB && covered > 0) continue;
-            uint64_t lo = p->lo > e->lo ? p->lo : e->lo, hi = p->hi < e->hi ? p->hi : e->hi;
-            if (lo >= hi && !(e->lo == e->hi && p->lo == p->hi)) continue;
+            BoxRange er = entry_range(e), pr = {p->r0, p->r1, p->c0, p->c1, p->lo, p->hi};
+            uint64_t rows, cols;
+            tensor_rc(e->ndim, e->shape, &rows, &cols);
+            uint64_t n = range_meet(&er, &pr, cols, NULL, NULL, es);
+            if (n == 0 && !(e->lo == e->hi && p->lo == p->hi)) continue;
             if (p->bytes > piece_cap) piece_cap = p->bytes, piece = xrealloc(piece, piece_cap);
             if (piece_read(&m, p, piece ? piece : (unsigned char *)"", err, cap) != 0) goto out;
-            if (hi > lo) memcpy(dst + (lo - e->lo) * es, piece + (lo - p->lo) * es, (size_t)(hi - lo) * es);
-            covered += hi > lo ? hi - lo : 0;
+            if (n) range_meet(&er, &pr, cols, dst, piece, es);
+            covered += n;
         }
         if (!found) {
             rerr(err, cap, "%s: no entry '%s' in the checkpoint", dir, e->name);

@@ -28,7 +28,11 @@ typedef struct CkptEntry {
     CkptDtype dtype;
     int ndim;                   /* 0 = scalar */
     int64_t shape[CKPT_MAX_DIM];/* logical (whole, unsharded) shape */
-    uint64_t lo, hi;            /* this rank holds flat elements [lo, hi) of it */
+    uint64_t lo, hi;            /* this rank holds flat elements [lo, hi) of it, or of its box */
+    /* A box (ckpt_entry_set_box; all 0: the whole tensor): rows [r0, r1) x
+     * columns [c0, c1) of the tensor viewed as (shape[0], the rest), whose
+     * elements, row-major, [lo, hi) indexes. A tensor-parallel part. */
+    uint64_t r0, r1, c0, c1;
     void *ptr;                  /* (hi-lo) elements, on the device if to_host is set */
     CkptCopyFn to_host, to_device;
     size_t mem_size;            /* bytes per element at ptr when the copies convert (bf16 AdamW
@@ -78,6 +82,9 @@ void ckpt_table_free(CkptTable *t);
 /* Add a whole (unsharded) tensor or a slice [lo, hi) of its flat elements. */
 CkptEntry *ckpt_add_tensor(CkptTable *t, const char *name, CkptDtype dtype, int ndim, const int64_t *shape,
                            uint64_t lo, uint64_t hi, void *ptr, CkptCopyFn to_host, CkptCopyFn to_device);
+/* Make e's range index a box of its tensor (see CkptEntry) instead of the
+ * whole; [lo, hi) must lie inside the box's elements. */
+void ckpt_entry_set_box(CkptEntry *e, uint64_t r0, uint64_t r1, uint64_t c0, uint64_t c1);
 /* A host blob of `count` elements (count 0 with ndim 0 = scalar). */
 CkptEntry *ckpt_add_blob(CkptTable *t, const char *name, CkptDtype dtype, size_t count, int scalar, void *ptr);
 size_t ckpt_entry_bytes(const CkptEntry *e);

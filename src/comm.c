@@ -161,7 +161,9 @@ typedef enum {
     NCCL_OP_BROADCAST,
     NCCL_OP_SEND,
     NCCL_OP_RECV,
-    NCCL_OP_ALL_TO_ALL
+    NCCL_OP_ALL_TO_ALL,
+    NCCL_OP_SUM_BF16,           /* bf16 activations (tensor parallelism) */
+    NCCL_OP_REDUCE_SCATTER_BF16
 } NcclOp;
 /* n: elements per rank's block where the operation has blocks; peer: the
  * root of a broadcast or the other side of a send/recv. */
@@ -170,9 +172,12 @@ static int nccl_test(CommRequest *req);
 static void nccl_wait(CommRequest *req);
 static void nccl_describe(char *buf, size_t n);
 static void req_start(CommRequest *req, CommGroup *g, const char *op);
+static int nccl_run_ordered(CommGroup *g, const char *op, NcclOp k, const void *send, void *recv, size_t n, int peer);
 
-/* A blocking collective in device mode: post, then wait. */
+/* A blocking collective in device mode: post, then wait (or, on a
+ * stream-ordered group, post and let the compute stream wait). */
 static void dev_run(CommGroup *g, const char *op, NcclOp k, const void *send, void *recv, size_t n, int peer) {
+    if (nccl_run_ordered(g, op, k, send, recv, n, peer)) return;
     CommRequest r;
     req_start(&r, g, op);
     nccl_post(&r, k, send, recv, n, peer);
@@ -673,6 +678,29 @@ void comm_all_reduce_max_f64(CommGroup *g, double *buf, size_t n) {
 #ifdef KILN_MPI
     all_reduce_f64(g, buf, n, MPI_MAX, "all_reduce_max");
 #endif
+}
+
+/* bf16 sums have no MPI type: device mode (NCCL) only; one rank copies. */
+static int bf16_host(CommGroup *g, const char *op) {
+    if (g->dev) return 0;
+    g->seq++;
+    if (g->size > 1)
+        kiln_fail(KILN_EXIT_USAGE, "rank %d: %s of bf16 on group '%s' needs NCCL device buffers (bf16 "
+                  "activations come from the CUDA backend, whose groups run on NCCL)", C.info.rank, op, g->name);
+    return 1;
+}
+
+void comm_all_reduce_sum_bf16(CommGroup *g, void *buf, size_t n) {
+    if (bf16_host(g, "all_reduce")) return;
+    dev_run(g, "all_reduce", NCCL_OP_SUM_BF16, buf, buf, n, 0);
+}
+
+void comm_reduce_scatter_bf16(CommGroup *g, const void *send, void *recv, size_t block) {
+    if (bf16_host(g, "reduce_scatter")) {
+        if (send != recv && block) memmove(recv, send, block * 2);
+        return;
+    }
+    dev_run(g, "reduce_scatter", NCCL_OP_REDUCE_SCATTER_BF16, send, recv, block, 0);
 }
 
 void comm_reduce_scatter(CommGroup *g, const float *send, float *recv, size_t block) {
@@ -1223,6 +1251,7 @@ void comm_nccl_init(CommGroup *g, const char *run_dir) {
  * issue order anyway, so one stream per group is all the concurrency there is.
  * Completion events come from a pool that grows when more requests are in
  * flight than ever before: after the first step it never allocates again. */
+#define COMM_PENDING 64
 typedef struct NcclDev {
     cudaStream_t compute; /* the caller's stream: inputs are written and results read there */
     cudaStream_t stream;  /* this group's comm stream */
@@ -1230,6 +1259,12 @@ typedef struct NcclDev {
     cudaEvent_t *events;  /* [cap] completion events */
     unsigned char *busy;  /* [cap] 1 while a request holds the event */
     int cap, next;        /* pool size; where the search for a free event starts */
+    /* comm_nccl_stream_ordered: blocking collectives whose completion the
+     * compute stream waits for on the device; checked (with the deadline)
+     * by comm_drain, or when the list is full */
+    int ordered;
+    CommRequest pend[COMM_PENDING];
+    int npend;
 } NcclDev;
 
 /* Add events to the pool: 16 at first, then double. */
@@ -1292,6 +1327,12 @@ static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, 
         break;
     case NCCL_OP_REDUCE_SCATTER:
         NCCL_CHECK(g, N.ReduceScatter(send, recv, n, ncclFloat32, ncclSum, c, s));
+        break;
+    case NCCL_OP_SUM_BF16:
+        NCCL_CHECK(g, N.AllReduce(send, recv, n, ncclBfloat16, ncclSum, c, s));
+        break;
+    case NCCL_OP_REDUCE_SCATTER_BF16:
+        NCCL_CHECK(g, N.ReduceScatter(send, recv, n, ncclBfloat16, ncclSum, c, s));
         break;
     case NCCL_OP_ALL_GATHER:
         NCCL_CHECK(g, N.AllGather(send, recv, n, ncclFloat32, c, s));
@@ -1394,9 +1435,37 @@ static void nccl_wait(CommRequest *req) {
     nccl_finish(req);
 }
 
+void comm_nccl_stream_ordered(CommGroup *g) {
+    if (!g->dev) kiln_fail(KILN_EXIT_RUNTIME, "comm_nccl_stream_ordered: group '%s' is not in device mode", g->name);
+    ((NcclDev *)g->dev)->ordered = 1;
+}
+
+/* Stream-ordered: enqueue, make the compute stream wait for the result, and
+ * keep the request (its event) until comm_drain looks at it. */
+static int nccl_run_ordered(CommGroup *g, const char *op, NcclOp k, const void *send, void *recv, size_t n, int peer) {
+    NcclDev *d = g->dev;
+    if (!d || !d->ordered) return 0;
+    if (d->npend == COMM_PENDING) comm_drain(g);
+    CommRequest *r = &d->pend[d->npend];
+    req_start(r, g, op);
+    nccl_post(r, k, send, recv, n, peer);
+    if (!r->active) return 1;
+    CUDA_CHECK_G(g, cudaStreamWaitEvent(d->compute, d->events[r->event], 0));
+    d->npend++;
+    return 1;
+}
+
+void comm_drain(CommGroup *g) {
+    NcclDev *d = g->dev;
+    if (!d) return;
+    for (int i = 0; i < d->npend; i++) nccl_wait(&d->pend[i]); /* bounded; frees the event */
+    d->npend = 0;
+}
+
 static void dev_free(CommGroup *g) {
     NcclDev *d = g->dev;
     if (!d) return;
+    comm_drain(g);
     /* bounded: a stream stuck in a collective with a dead peer never drains */
     double t0 = kiln_now();
     for (;;) {
@@ -1448,7 +1517,12 @@ __attribute__((noreturn)) static void no_nccl(const CommGroup *g, const char *wh
 void comm_nccl_init(CommGroup *g, const char *run_dir) { no_nccl(g, "comm_nccl_init"); }
 void comm_nccl_device_mode(CommGroup *g, void *compute_stream) { no_nccl(g, "comm_nccl_device_mode"); }
 void comm_nccl_free(CommGroup *g) {}
+void comm_nccl_stream_ordered(CommGroup *g) { no_nccl(g, "comm_nccl_stream_ordered"); }
+void comm_drain(CommGroup *g) {}
 /* g->dev is never set in this build: these are never reached. */
+static int nccl_run_ordered(CommGroup *g, const char *op, NcclOp k, const void *send, void *recv, size_t n, int peer) {
+    return 0;
+}
 static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, size_t n, int peer) {
     no_nccl(req->g, req->op);
 }

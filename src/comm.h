@@ -102,6 +102,11 @@ void comm_reduce_scatter(CommGroup *g, const float *send, float *recv, size_t bl
  * In place when send == recv + rank * block. */
 void comm_all_gather(CommGroup *g, const float *send, float *recv, size_t block);
 void comm_all_gather_bytes(CommGroup *g, const void *send, void *recv, size_t block);
+/* bf16 (the activation dtype on CUDA; tensor parallelism): sums in device
+ * mode only (NCCL), a copy on one rank; exit 2 on host buffers of several
+ * ranks (MPI has no bf16 sum). */
+void comm_all_reduce_sum_bf16(CommGroup *g, void *buf, size_t n);
+void comm_reduce_scatter_bf16(CommGroup *g, const void *send, void *recv, size_t block);
 void comm_broadcast(CommGroup *g, float *buf, size_t n, int root);       /* root: group rank */
 void comm_broadcast_bytes(CommGroup *g, void *buf, size_t n, int root);
 /* Point to point; peer is a group rank, tag >= 0 tells messages apart. */
@@ -204,6 +209,18 @@ void comm_nccl_init(CommGroup *g, const char *run_dir);
  * compute_stream: the cudaStream_t the caller's kernels run on (the
  * backend's stream hook). Needs comm_nccl_init(g) first; call it once. */
 void comm_nccl_device_mode(CommGroup *g, void *compute_stream);
+/* Stream-ordered device mode (tensor parallelism's collectives, inside a
+ * layer): from now on a blocking float collective on g returns once it is
+ * enqueued; the compute stream waits for its completion on the device, the
+ * host does not. Its completion (and the deadline) is checked by comm_drain,
+ * or when 64 are pending. Needs comm_nccl_device_mode(g) first. */
+void comm_nccl_stream_ordered(CommGroup *g);
+/* Wait, bounded by the deadline, for every stream-ordered collective of g
+ * still pending; call it before the host waits on the compute stream (a
+ * device-to-host copy), so a dead peer ends the run instead of a hang.
+ * Nothing for other groups. */
+void comm_drain(CommGroup *g);
+
 /* Wait (bounded) for g's comm stream, free the device-mode streams and
  * events, finalise and destroy the communicator. No-op without one;
  * comm_group_free and comm_finalize call it. */

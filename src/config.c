@@ -155,7 +155,11 @@ static const CfgKey cfg_keys[] = {
     KFLT("schedule.decay_ratio", decay_ratio, "0.2", 0, 1, "`wsd`: fraction of the steps spent in the final decay"),
     KINTA("parallel.dp", dp, "auto", 0, INF, "data-parallel ranks; `auto` (or 0) = world size / (tp x pp x cp)"),
     KINT("parallel.zero", zero, "0", 0, 3, "ZeRO stage over the dp group: 0 replicates everything, 1 shards optimizer state, 2 + gradients, 3 + parameters (FSDP: layers gathered for forward and backward)"),
-    KINT("parallel.tp", tp, "1", 1, INF, "tensor-parallel ranks (this build: 1)"),
+    KINT("parallel.tp", tp, "1", 1, INF, "tensor-parallel ranks (Megatron's split of heads, MLP width and vocabulary; "
+         "consecutive ranks, so keep it within a node); must divide n_head, n_kv_head and ffn_hidden"),
+    KENUM("parallel.sequence_parallel", sequence_parallel, "auto", "auto|true|false",
+          "tp > 1: norms and residuals on N/tp-token shards (all-gather before, reduce-scatter after the split "
+          "products); `auto` is on when tp > 1"),
     KINT("parallel.pp", pp, "1", 1, INF, "pipeline stages (this build: 1)"),
     KINT("parallel.cp", cp, "1", 1, INF, "context-parallel ranks (this build: 1)"),
     KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (this build: 1)"),
@@ -661,7 +665,6 @@ static void cfg_check_optim(const Config *c, CfgLoad *L) {
 
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {
     static const struct { const char *key; size_t off; int lo, hi; } limits[] = {
-        {"parallel.tp", offsetof(Config, tp), 1, 1},
         {"parallel.pp", offsetof(Config, pp), 1, 1},
         {"parallel.cp", offsetof(Config, cp), 1, 1},
         {"parallel.ep", offsetof(Config, ep), 1, 1},
@@ -672,6 +675,17 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
             kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': only 1 is supported in this build, got %d (this kind of "
                       "parallelism is not implemented yet)", cfg_where_of(L, limits[i].key, NULL), limits[i].key, v);
         }
+    }
+    if (c->tp > 1) {
+        if (strcmp(c->optim_name, "muon") == 0)
+            kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.tp': optim.name muon orthogonalises whole matrices, which "
+                      "tensor parallelism splits; use parallel.tp: 1 or optim.name adamw / lion",
+                      cfg_where_of(L, "parallel.tp", "optim.name"));
+        if (strcmp(c->sequence_parallel, "false") != 0 && ((long long)c->micro_batch * c->seq_len) % c->tp)
+            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'batch.micro_batch': a micro-batch "
+                      "of %d x %d tokens does not split over tp = %d ranks; make micro_batch * seq_len a multiple of "
+                      "tp, or set parallel.sequence_parallel: false",
+                      cfg_where_of(L, "parallel.sequence_parallel", "parallel.tp"), c->micro_batch, c->seq_len, c->tp);
     }
     /* the global batch splits evenly over the dp ranks (auto is checked at launch) */
     if (c->dp > 0 && c->grad_accum % c->dp)

@@ -317,11 +317,61 @@ static void unit_post_hook(void *ctx, int layer) {
     blocked(d, t0);
 }
 
+/* Sum of squares of the gradients at g, which hold arena elements [lo, hi):
+ * under tp, this rank's parts of split tensors and (tp rank 0) the
+ * replicated tensors; padding between tensors is zero either way. */
+static double grad_sumsq(const Ddp *d, const float *g, size_t lo, size_t hi) {
+    const Backend *be = d->m->be;
+    if (!d->tp) return be->sumsq(g, hi - lo);
+    double sq = 0;
+    for (int r = 0; r < d->nrun; r++) {
+        size_t a = d->run_lo[r] > lo ? d->run_lo[r] : lo, b = d->run_hi[r] < hi ? d->run_hi[r] : hi;
+        if (a < b && (d->run_split[r] || d->tp->rank == 0)) sq += be->sumsq(g + (a - lo), b - a);
+    }
+    return sq;
+}
+
+void ddp_set_tp(Ddp *d, CommGroup *g) {
+    Model *m = d->m;
+    if (!g || g->size <= 1) return;
+    d->tp = g;
+    int n = m->num_tensors;
+    int *order = xmalloc((size_t)n * sizeof(int));
+    for (int i = 0; i < n; i++) order[i] = i;
+    for (int i = 1; i < n; i++) /* by arena offset (a few hundred tensors: insertion sort) */
+        for (int j = i; j > 0 && m->params[order[j]].offset < m->params[order[j - 1]].offset; j--) {
+            int t = order[j];
+            order[j] = order[j - 1], order[j - 1] = t;
+        }
+    d->run_lo = xmalloc((size_t)n * sizeof(size_t));
+    d->run_hi = xmalloc((size_t)n * sizeof(size_t));
+    d->run_split = xmalloc((size_t)n * sizeof(int));
+    d->nrun = 0;
+    for (int k = 0; k < n; k++) {
+        const ParamInfo *p = &m->params[order[k]];
+        int split = p->split.dim >= 0, r = d->nrun;
+        if (r > 0 && d->run_split[r - 1] == split) {
+            d->run_hi[r - 1] = p->offset + p->numel;
+            continue;
+        }
+        d->run_lo[r] = p->offset, d->run_hi[r] = p->offset + p->numel, d->run_split[r] = split;
+        d->nrun++;
+    }
+    free(order);
+}
+
 /* The global gradient norm from every rank's shard (padding is zero). */
 static double unit_norm(Ddp *d) {
     double t0 = kiln_now();
-    double sq = d->m->be->sumsq(d->gshard, d->shard_len);
+    double sq = 0;
+    if (!d->tp) {
+        sq = d->m->be->sumsq(d->gshard, d->shard_len);
+    } else {
+        DdpPiece p;
+        for (int i = 0; ddp_shard_piece(d, i, &p); i++) sq += grad_sumsq(d, d->gshard + p.at, p.lo, p.hi);
+    }
     comm_all_reduce_sum_f64(d->g, &sq, 1);
+    if (d->tp) comm_all_reduce_sum_f64(d->tp, &sq, 1);
     blocked(d, t0);
     return sqrt(sq);
 }
@@ -372,6 +422,7 @@ void ddp_free(Ddp *d) {
     }
     free(d->b);
     free(d->req);
+    free(d->run_lo), free(d->run_hi), free(d->run_split);
     memset(d, 0, sizeof *d);
 }
 
@@ -420,7 +471,10 @@ double ddp_reduce_grads(Ddp *d) {
             if (d->req[i].active) comm_wait(&d->req[i]);
         blocked(d, t0);
     }
-    return sqrt(be->sumsq(m->grad_mem, m->num_params));
+    double sq = grad_sumsq(d, m->grad_mem, 0, m->num_params);
+    if (d->tp) comm_all_reduce_sum_f64(d->tp, &sq, 1);
+    (void)be;
+    return sqrt(sq);
 }
 
 OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {

@@ -78,6 +78,13 @@ typedef struct Ddp {
     int *refreshed;           /* [nu] ZeRO-2: a refresh was posted since the unit was last used
                                  (its compute copy must be cast again) */
     int first, last;          /* the micro-batch being computed is the step's first / last */
+    /* Tensor parallelism (ddp_set_tp): the gradient norm adds this rank's
+     * parts of the tp-split tensors and, on tp rank 0 only, the replicated
+     * ones, then sums over tp. runs: arena ranges [lo, hi) of tensors that
+     * are split (split 1) or replicated (0), in arena order. */
+    CommGroup *tp;
+    size_t *run_lo, *run_hi;
+    int *run_split, nrun;
     /* time this rank spent blocked in communication, and step count, since
      * ddp_init: the part of communication not hidden behind computation */
     double blocked_s, step_blocked_s;
@@ -131,6 +138,11 @@ OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm);
  * the shard + two layer slots + reduce-scatter targets + wte/wpe/ln_f's
  * buffer (ZeRO 2-3). What the start-up line reports. */
 size_t ddp_grad_floats(const Ddp *d);
+
+/* Tensor parallelism: the model's tensors are this rank's parts (ModelOptions.tp);
+ * the global gradient norm then also sums over the tp group g, counting each
+ * replicated tensor once. After ddp_init. g NULL or size 1: nothing. */
+void ddp_set_tp(Ddp *d, CommGroup *g);
 
 /* Sum of x over the dp group (losses for logging), in double. */
 double ddp_sum(Ddp *d, double x);

@@ -280,7 +280,15 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     ModelOptions none = {0};
     if (!o) o = &none;
     memset(m, 0, sizeof *m);
-    m->shape = *s;
+    m->gshape = *s;
+    m->tp = o->tp > 1 ? o->tp : 1;
+    m->tp_rank = m->tp > 1 ? o->tp_rank : 0;
+    char err[512];
+    if (arch_tp_check(s, m->tp, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
+    arch_tp_local(s, m->tp, m->tp_rank, &m->shape);
+    s = &m->shape; /* from here on: what this rank computes */
+    m->sp = m->tp > 1 && o->sequence_parallel;
+    m->vocab_lo = m->tp_rank * m->shape.padded_vocab;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
     m->act_bytes = be->act_bytes();
@@ -298,11 +306,12 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
         kiln_fail(KILN_EXIT_USAGE, "model: layer range [%d, %d) is not a non-empty part of the %d layers",
                   m->layer_lo, m->layer_hi, L);
     m->has_embed = m->layer_lo == 0, m->has_head = m->layer_hi == L;
-    int all;
+    int all, gall;
     ArchTensor *t = arch_tensors(s, o->decay_embeddings, &all), *keep = t;
+    ArchTensor *gt = arch_tensors(&m->gshape, o->decay_embeddings, &gall), *gkeep = gt; /* same rows, global shapes */
     int n = 0;
     for (int i = 0; i < all; i++)
-        if (arch_tensor_in_stage(s, &t[i], m->layer_lo, m->layer_hi)) keep[n++] = t[i]; /* in place, in order */
+        if (arch_tensor_in_stage(s, &t[i], m->layer_lo, m->layer_hi)) keep[n] = t[i], gkeep[n++] = gt[i]; /* in place */
     m->num_tensors = n;
     m->params = xcalloc((size_t)n, sizeof(ParamInfo));
     size_t nslot = (size_t)(L + 1) * ROLE_LAYER_COUNT + (size_t)L * E * ROLE_EXPERT_COUNT;
@@ -317,6 +326,11 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
         p->decay = t[i].decay;
         p->layer = t[i].layer, p->role = t[i].role, p->expert = t[i].expert;
         p->init = t[i].init, p->follows = t[i].follows, p->trained = t[i].trained;
+        p->gshape[0] = gt[i].shape[0], p->gshape[1] = gt[i].shape[1];
+        p->split = m->tp > 1 ? arch_tp_split(s, p->role) : (ArchTpSplit){-1, 1};
+        int norm = p->role == ROLE_ATTN_NORM_W || p->role == ROLE_ATTN_NORM_B || p->role == ROLE_MLP_NORM_W ||
+                   p->role == ROLE_MLP_NORM_B || p->role == ROLE_FINAL_NORM_W || p->role == ROLE_FINAL_NORM_B;
+        p->tp_partial = m->tp > 1 && ((m->sp && norm) || p->role == ROLE_Q_NORM || p->role == ROLE_K_NORM);
         size_t k = p->role < ROLE_LAYER_COUNT
                        ? (size_t)(p->layer + 1) * ROLE_LAYER_COUNT + p->role
                        : (size_t)(L + 1) * ROLE_LAYER_COUNT + ((size_t)p->layer * E + p->expert) * ROLE_EXPERT_COUNT +
@@ -324,6 +338,7 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
         m->slot[k] = i;
     }
     free(t);
+    free(gt);
 
     /* Arena placement: decayed tensors first, in listing order, then the
      * rest, so AdamW runs as two contiguous updates. */
@@ -359,6 +374,35 @@ void model_set_hooks(Model *m, const ModelHooks *h) {
     else memset(&m->hooks, 0, sizeof m->hooks);
 }
 
+void model_set_tp(Model *m, const ModelTp *t) {
+    if (t) m->tpc = *t;
+    else memset(&m->tpc, 0, sizeof m->tpc);
+}
+
+int model_tp_boxes(const Model *m, int i, ModelBox box[MODEL_MAX_BOXES]) {
+    const ParamInfo *p = &m->params[i];
+    size_t g0 = (size_t)p->gshape[0], g1 = p->ndim == 2 ? (size_t)p->gshape[1] : 1;
+    size_t l0 = (size_t)p->shape[0], l1 = p->ndim == 2 ? (size_t)p->shape[1] : 1, r = (size_t)m->tp_rank;
+    if (p->split.dim < 0) {
+        box[0] = (ModelBox){0, g0, 0, g1, 0};
+        return 1;
+    }
+    if (p->split.dim == 1) {
+        box[0] = (ModelBox){0, g0, r * l1, (r + 1) * l1, 0};
+        return 1;
+    }
+    /* rows: each of the parts holds lp local rows, from global row k gp + r lp */
+    size_t parts = (size_t)p->split.parts, lp = l0 / parts, gp = g0 / parts;
+    int n = 0;
+    for (size_t k = 0; k < parts; k++) {
+        size_t r0 = k * gp + r * lp, r1 = r0 + lp;
+        if (parts == 1 && r1 > g0) r1 = g0; /* the vocabulary's padding rows past the logical tensor */
+        if (r0 >= r1) continue;
+        box[n++] = (ModelBox){r0, r1, 0, g1, k * lp * l1};
+    }
+    return n;
+}
+
 void model_init_weights(Model *m, uint64_t seed) {
     /* Drawn on the host in the whole table's listing order from one stream,
      * so the initial weights depend only on the seed and the shape, and a
@@ -369,11 +413,19 @@ void model_init_weights(Model *m, uint64_t seed) {
     rng_seed(&rng, seed);
     float resid_scale = 1.0f / sqrtf(2.0f * (float)m->shape.n_layer);
     int all, mine = 0;
-    ArchTensor *t = arch_tensors(&m->shape, 0, &all);
+    ArchTensor *t = arch_tensors(&m->gshape, 0, &all);
+    float *whole = NULL; /* tp: the global tensor, drawn whole, of which this rank keeps its boxes */
+    if (m->tp > 1) {
+        size_t most = 0;
+        for (int i = 0; i < all; i++) most = t[i].numel > most ? t[i].numel : most;
+        whole = xcalloc(most, sizeof(float));
+    }
     for (int i = 0; i < all; i++) {
         const ArchTensor *p = &t[i];
+        int idx = mine;
         int own = mine < m->num_tensors && !strcmp(m->params[mine].name, p->name);
-        float *w = own ? host + m->params[mine++].offset : NULL;
+        float *w = own ? (whole ? whole : host + m->params[mine].offset) : NULL;
+        if (own) mine++;
         if (p->init == INIT_ONES) {
             for (size_t j = 0; own && j < p->numel; j++) w[j] = 1.0f;
         } else if (p->init == INIT_NORMAL || p->init == INIT_NORMAL_RESID) {
@@ -381,7 +433,7 @@ void model_init_weights(Model *m, uint64_t seed) {
             if (p->init == INIT_NORMAL_RESID) std *= resid_scale;
             size_t rows = (size_t)p->shape[0];
             /* The padded vocabulary rows stay zero: no token maps to them. */
-            if (p->role == ROLE_TOK_EMB || p->role == ROLE_HEAD_W) rows = (size_t)m->shape.vocab_size;
+            if (p->role == ROLE_TOK_EMB || p->role == ROLE_HEAD_W) rows = (size_t)m->gshape.vocab_size;
             size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
             for (size_t j = 0; j < rows * cols; j++) {
                 float x = std * rng_normal(&rng);
@@ -389,7 +441,19 @@ void model_init_weights(Model *m, uint64_t seed) {
             }
         }
         /* INIT_ZEROS: biases stay zero */
+        if (own && whole) {
+            ModelBox bx[MODEL_MAX_BOXES];
+            int nb = model_tp_boxes(m, idx, bx);
+            size_t g1 = p->ndim == 2 ? (size_t)p->shape[1] : 1;
+            float *dst = host + m->params[idx].offset;
+            for (int k = 0; k < nb; k++)
+                for (size_t r = bx[k].r0; r < bx[k].r1; r++)
+                    memcpy(dst + bx[k].at + (r - bx[k].r0) * (bx[k].c1 - bx[k].c0), whole + r * g1 + bx[k].c0,
+                           (bx[k].c1 - bx[k].c0) * sizeof(float));
+            memset(whole, 0, p->numel * sizeof(float));
+        }
     }
+    free(whole);
     free(t);
     model_params_from_host(m, host);
     free(host);
@@ -418,6 +482,8 @@ void model_free(Model *m) {
     free(m->unit_cbuf);
     free(m->unit_stale);
     free(m->row_host);
+    free(m->tok_host);
+    free(m->tgt_host);
     for (int l = 0; m->acts && l < m->shape.n_layer; l++) free(m->acts[l].offsets_host);
     free(m->acts);
     free(m->losses_host);
@@ -492,7 +558,8 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
  * --dry-run through model_activation_bytes, so the two can never disagree.
  * What `r` recomputes gets one buffer that every layer's view points at,
  * after the layers. MoE activations are always kept. */
-static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, int lo, int hi, Model *m) {
+static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, int lo, int hi, int tp,
+                         Model *m) {
     size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float), I = sizeof(int32_t);
     size_t Q = (size_t)arch_q_width(s), QKVW = (size_t)arch_qkv_width(s), FF = (size_t)s->ffn_hidden;
     size_t FCW = (size_t)arch_fc_width(s), QK = (size_t)(s->n_head + s->n_kv_head) * s->head_dim;
@@ -574,6 +641,10 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         TAKE(m->stage_dout, N * C, ab);
     }
     if (moe) TAKE(m->aux, (size_t)B * E * s->n_layer, F);
+    if (tp > 1) {
+        TAKE(m->xent_stats, (size_t)tp * N * 3, F);
+        TAKE(m->row_dev, (size_t)tp * s->padded_vocab, ab);
+    }
     /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf (N,
      * the widest of NH HD, F, S, C), dbuf2 (N, the widest of the first MLP
      * product and 2S), dqkv (N,QKVW), dln (N,C); MoE: dyp and dxp (R,C),
@@ -582,13 +653,20 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     ScratchPlan sp = {.dres = C, .dbuf = zmax(zmax(Q, FF), zmax(S, C)), .dbuf2 = zmax(FCW, 2 * S), .dqkv = QKVW, .dln = C};
     size_t scratch = N * (sp.dres + sp.dbuf + sp.dbuf2 + sp.dqkv + sp.dln);
     if (moe) scratch += R * (2 * C + 3 * Fe) + N * E + (N * K * F + ab - 1) / ab + 64;
+    if (tp > 1) scratch += N * C; /* dfull (N,C): a gathered gradient; the forward's reduce-scatter target */
     TAKE(m->scratch, scratch, ab);
 #undef TAKE
     return off;
 }
 
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r) {
-    return plan_bytes(s, B, T, act_bytes, r, 0, s->n_layer, NULL);
+    return plan_bytes(s, B, T, act_bytes, r, 0, s->n_layer, 1, NULL);
+}
+
+size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r) {
+    ArchSpec l;
+    arch_tp_local(s, tp, 0, &l); /* rank 0 holds the most vocabulary rows */
+    return plan_bytes(&l, B, T, act_bytes, r, 0, s->n_layer, tp, NULL);
 }
 
 void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
@@ -607,9 +685,9 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     m->T = T;
     m->recompute = r;
     m->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
-    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, NULL);
+    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, NULL);
     m->act_mem = m->be->alloc(m->act_size);
-    plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m);
+    plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m);
     if (m->shape.mlp == MLP_MOE) {
         size_t E = (size_t)m->shape.moe.n_experts;
         for (int l = m->layer_lo; l < m->layer_hi; l++) m->acts[l].offsets_host = xcalloc(E + 1, sizeof(int32_t));
@@ -620,7 +698,11 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     m->tokens_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
     m->targets_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
     m->losses_host = xcalloc((size_t)B * T, sizeof(float));
-    m->row_host = xcalloc((size_t)m->shape.padded_vocab, m->act_bytes);
+    m->row_host = xcalloc((size_t)m->tp * m->shape.padded_vocab, m->act_bytes);
+    if (m->tp > 1) {
+        m->tok_host = xrealloc(m->tok_host, (size_t)B * T * sizeof(int32_t));
+        m->tgt_host = xrealloc(m->tgt_host, (size_t)B * T * sizeof(int32_t));
+    }
 }
 
 void *model_stage_input(const Model *m) { return m->encoded; }
@@ -659,6 +741,68 @@ static void norm_backward(const Model *m, void *dx, float *dw, float *db, const 
     else m->be->rmsnorm_backward(dx, dw, dout, x, w, rstd, N, s->n_embd, acc);
 }
 
+/* ---------------------------------------------------------------------------
+ * Tensor parallelism (docs/parallel.md "Tensor parallelism"): the residual
+ * stream holds all N rows on every tp rank, or under sequence parallelism
+ * (live_sp) its own n = N/tp rows, from row tp_rank n. Column-parallel
+ * products read all N rows of their input and give this rank's columns;
+ * row-parallel products give partial sums of all N rows, reduced into the
+ * residual's rows. With tp 1 every helper is the plain op. */
+
+/* Rows of the residual stream held here, and where they start among the N. */
+static int res_rows(const Model *m, int N) { return m->live_sp ? N / m->tp : N; }
+static size_t res_first(const Model *m, int N) { return m->live_sp ? (size_t)m->tp_rank * (N / m->tp) : 0; }
+
+/* out (N,C) = norm(x) of the residual rows x: under sequence parallelism
+ * each rank norms its rows in place in `out` and the rows are gathered. */
+static void norm_in(const Model *m, void *out, float *mean, float *rstd, const void *x, const void *w, const void *b,
+                    int N) {
+    size_t C = (size_t)m->shape.n_embd;
+    int n = res_rows(m, N);
+    norm_forward(m, act_at(m, out, res_first(m, N), C), mean, rstd, x, w, b, n);
+    if (m->live_sp) m->tpc.all_gather(m->tpc.ctx, out, (size_t)n * C);
+}
+
+/* A row-parallel product's partial sums (N,C) at `partial` onto the
+ * residual rows: summed over the tp ranks (a reduce-scatter into `spare`
+ * (n,C) under sequence parallelism, else an all-reduce in place). Returns
+ * where the reduced rows are. tp 1: partial itself. */
+static const void *row_reduce(const Model *m, void *partial, void *spare, int N) {
+    size_t C = (size_t)m->shape.n_embd;
+    if (m->tp == 1) return partial;
+    if (m->live_sp) {
+        m->tpc.reduce_scatter(m->tpc.ctx, partial, spare, (size_t)res_rows(m, N) * C);
+        return spare;
+    }
+    m->tpc.all_reduce(m->tpc.ctx, partial, (size_t)N * C);
+    return partial;
+}
+
+/* A column-parallel product's input gradient: partial sums (N,C) over this
+ * rank's columns, reduced as row_reduce does. */
+#define col_grad_reduce row_reduce
+
+/* The gradient of all N rows of the residual from this rank's rows d: under
+ * sequence parallelism gathered into `full` (N,C); else d itself. */
+static const void *grad_gather(const Model *m, const void *d, void *full, int N) {
+    size_t C = (size_t)m->shape.n_embd;
+    if (!m->live_sp) return d;
+    int n = res_rows(m, N);
+    m->be->copy(act_at(m, full, res_first(m, N), C), d, (size_t)n * C * m->act_bytes);
+    m->tpc.all_gather(m->tpc.ctx, full, (size_t)n * C);
+    return full;
+}
+
+/* Before a host read of a device buffer under tp (ModelTp.drain). */
+static void tp_drain(const Model *m) {
+    if (m->tpc.drain) m->tpc.drain(m->tpc.ctx);
+}
+
+/* Row-parallel products add their (replicated) bias once: on tp rank 0,
+ * before the sum over the ranks. Its gradient, from the gradient of all N
+ * rows, is complete on every rank. */
+static const void *row_bias(const Model *m, int l, int role) { return m->tp_rank == 0 ? W(m, l, role) : NULL; }
+
 /* res2 = x + o_proj(attention(rope(qknorm(qkv_proj(norm1(x)))))) */
 static void attn_forward(Model *m, int l, const void *x, int B, int T) {
     const Backend *be = m->be;
@@ -667,15 +811,16 @@ static void attn_forward(Model *m, int l, const void *x, int B, int T) {
     int N = B * T, C = s->n_embd, Q = arch_q_width(s);
     AttnShape sh = attn_shape(s, B, T);
     void *proj = m->scratch; /* (N,C) lives only until the residual add consumes it */
-    norm_forward(m, a->ln1, a->ln1_mean, a->ln1_rstd, x, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B), N);
+    norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, x, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B), N);
     be->matmul_forward(a->qkv, a->ln1, W(m, l, ROLE_QKV_W), W(m, l, ROLE_QKV_B), N, C, arch_qkv_width(s));
     if (s->qk_norm != QKNORM_NONE)
         be->qknorm_forward(a->qkv, a->qk_in, a->qk_rstd, W(m, l, ROLE_Q_NORM), W(m, l, ROLE_K_NORM), &sh,
                            s->qk_norm == QKNORM_HEAD, s->norm_eps);
     if (s->pos == POS_ROPE) be->rope_forward(a->qkv, m->rope, &sh, 0);
     be->attention_forward(a->atty, a->att_lse, a->qkv, &sh);
-    be->matmul_forward(proj, a->atty, W(m, l, ROLE_O_W), W(m, l, ROLE_O_B), N, Q, C);
-    be->residual_forward(a->res2, x, proj, (size_t)N * C);
+    be->matmul_forward(proj, a->atty, W(m, l, ROLE_O_W), row_bias(m, l, ROLE_O_B), N, Q, C);
+    const void *out = row_reduce(m, proj, act_at(m, proj, N, C), N);
+    be->residual_forward(a->res2, x, out, (size_t)res_rows(m, N) * C);
 }
 
 /* The dense MLP's activation from its first product: GeLU or SwiGLU. */
@@ -723,17 +868,22 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, T, E, K, arch_moe_capacity(s, T));
     /* The experts' row ranges decide the products' sizes: the one host
      * synchronisation of an MoE layer. */
+    tp_drain(m);
     be->to_host(a->offsets_host, a->offsets, (size_t)(E + 1) * sizeof(int32_t));
     be->moe_gather(a->xp, a->ln2, a->src, a->offsets_host[E], C);
     experts_forward(m, l, a);
+    /* Under tp every rank runs the whole layer on all N rows (experts are
+     * replicated over tp) and adds its own residual rows. */
+    size_t n = (size_t)res_rows(m, N) * C;
+    const void *mine = act_at(m, proj, res_first(m, N), C);
     be->moe_combine(proj, a->yp, a->gates, a->row_of, N, K, C);
-    be->residual_forward(a->res3, a->res2, proj, (size_t)N * C);
+    be->residual_forward(a->res3, a->res2, mine, n);
     if (mo->n_shared > 0) {
         int S = mo->n_shared * mo->expert_hidden;
         be->matmul_forward(a->sh, a->ln2, W(m, l, ROLE_SHARED_GATE_W), NULL, N, C, 2 * S);
         be->swiglu_forward(a->sh_act, a->sh, N, S);
         be->matmul_forward(proj, a->sh_act, W(m, l, ROLE_SHARED_DOWN_W), NULL, N, S, C);
-        be->residual_forward(a->res3, a->res3, proj, (size_t)N * C);
+        be->residual_forward(a->res3, a->res3, mine, n);
     }
     /* Losses per sequence b of T tokens, averaged over the B sequences:
      * aux_b = E sum_e f_be P_be (f = load / (T K), P = mean prob), z = mean
@@ -771,7 +921,7 @@ static void mlp_forward(Model *m, int l, int N, int T, int fuse, float dloss, in
     LayerActs *a = &m->acts[l];
     int C = s->n_embd, F = s->ffn_hidden;
     void *proj = m->scratch;
-    norm_forward(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W), W(m, l, ROLE_MLP_NORM_B), N);
+    norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W), W(m, l, ROLE_MLP_NORM_B), N);
     if (s->mlp == MLP_MOE) {
         moe_forward(m, l, N, T, dloss, train);
         return;
@@ -782,13 +932,23 @@ static void mlp_forward(Model *m, int l, int N, int T, int fuse, float dloss, in
         be->matmul_forward(a->fch, a->ln2, W(m, l, ROLE_FC_W), W(m, l, ROLE_FC_B), N, C, arch_fc_width(s));
         mlp_activation(m, a, N);
     }
-    be->matmul_forward(proj, a->fch_gelu, W(m, l, ROLE_DOWN_W), W(m, l, ROLE_DOWN_B), N, F, C);
-    be->residual_forward(a->res3, a->res2, proj, (size_t)N * C);
+    be->matmul_forward(proj, a->fch_gelu, W(m, l, ROLE_DOWN_W), row_bias(m, l, ROLE_DOWN_B), N, F, C);
+    const void *out = row_reduce(m, proj, act_at(m, proj, N, C), N);
+    be->residual_forward(a->res3, a->res2, out, (size_t)res_rows(m, N) * C);
 }
 
 /* The output head: tied to the token embedding, or its own weight. */
 static int head_index(const Model *m) {
     return model_tensor_index(m, -1, m->shape.tie_embeddings ? ROLE_TOK_EMB : ROLE_HEAD_W, -1);
+}
+
+/* Token ids as rows of this rank's vocabulary slice, -1 for another rank's
+ * (tp > 1; host scratch buf); the ids themselves with tp 1. */
+static const int32_t *local_ids(const Model *m, int32_t *buf, const int32_t *ids, int N) {
+    if (m->tp == 1) return ids;
+    int lo = m->vocab_lo, rows = m->shape.padded_vocab;
+    for (int i = 0; i < N; i++) buf[i] = ids[i] >= lo && ids[i] < lo + rows ? ids[i] - lo : -1;
+    return buf;
 }
 
 float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T, float dloss) {
@@ -797,15 +957,30 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     if (B > m->B || T > m->T || B * T > m->B * m->T)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: batch %dx%d exceeds the planned %dx%d", B, T, m->B, m->T);
     int N = B * T, C = s->n_embd;
-    be->to_device(m->tokens_dev, tokens, (size_t)N * sizeof(int32_t));
+    if (m->tp > 1 && !m->tpc.all_reduce)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a tensor-parallel model without its collectives (model_set_tp)");
+    /* sequence parallelism needs rows that split evenly; other forwards
+     * (generation) run with every rank holding all rows: the same function */
+    m->live_sp = m->sp && N % m->tp == 0;
+    be->to_device(m->tokens_dev, local_ids(m, m->tok_host, tokens, N), (size_t)N * sizeof(int32_t));
     int fuse_fwd = model_gelu_fused(m, 0);
     int train = dloss != 0.0f && (targets || !m->has_head);
+    if (train && m->sp && !m->live_sp)
+        kiln_fail(KILN_EXIT_USAGE, "keys 'parallel.sequence_parallel', 'batch.micro_batch': a training micro-batch of "
+                  "%d x %d tokens does not split over the %d tp ranks", B, T, m->tp);
     m->moe.aux = m->moe.z = 0;
 
     use_layer(m, -1, 0);
-    if (m->has_embed)
-        be->embed_forward(m->encoded, m->tokens_dev, W(m, -1, ROLE_TOK_EMB), W(m, -1, ROLE_POS_EMB), B, T, C);
-    const void *x = m->encoded; /* (N,C) residual stream entering layer l */
+    if (m->has_embed) {
+        /* vocabulary-parallel: each rank embeds its own tokens (others read
+         * zero rows), rank 0 adds the positions, and the sum goes to the
+         * residual rows */
+        void *e = m->live_sp ? m->scratch : m->encoded;
+        be->embed_forward(e, m->tokens_dev, W(m, -1, ROLE_TOK_EMB), row_bias(m, -1, ROLE_POS_EMB), B, T, C);
+        const void *enc = row_reduce(m, e, m->encoded, N);
+        if (enc != m->encoded) be->copy(m->encoded, enc, (size_t)N * C * m->act_bytes);
+    }
+    const void *x = m->encoded; /* (N,C) residual stream entering layer l (its rows under sequence parallelism) */
     for (int l = m->layer_lo; l < m->layer_hi; l++) {
         use_layer(m, l, 0);
         attn_forward(m, l, x, B, T);
@@ -819,16 +994,26 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         m->have_targets = dloss != 0.0f;
         return 0.0f;
     }
-    norm_forward(m, m->lnf, m->lnf_mean, m->lnf_rstd, x, W(m, -1, ROLE_FINAL_NORM_W), W(m, -1, ROLE_FINAL_NORM_B), N);
-    /* logits (N,Vp) = lnf @ head^T */
+    norm_in(m, m->lnf, m->lnf_mean, m->lnf_rstd, x, W(m, -1, ROLE_FINAL_NORM_W), W(m, -1, ROLE_FINAL_NORM_B), N);
+    /* logits (N,Vp) = lnf @ head^T: under tp this rank's vocabulary columns */
     be->matmul_forward(m->logits, m->lnf, m->wview[head_index(m)], NULL, N, C, s->padded_vocab);
 
     m->live_B = B;
     m->live_T = T;
     m->have_targets = 0;
     if (!targets) return 0.0f;
-    be->to_device(m->targets_dev, targets, (size_t)N * sizeof(int32_t));
-    be->crossentropy_forward(m->logits, m->losses, m->targets_dev, N, s->vocab_size, s->padded_vocab, dloss);
+    be->to_device(m->targets_dev, local_ids(m, m->tgt_host, targets, N), (size_t)N * sizeof(int32_t));
+    if (m->tp == 1) {
+        be->crossentropy_forward(m->logits, m->losses, m->targets_dev, N, s->vocab_size, s->padded_vocab, dloss);
+    } else {
+        /* vocabulary-parallel: no rank holds a whole row of logits; one
+         * all-gather of (max, sum of exponentials, target logit) per row */
+        float *all = m->xent_stats, *mine = all + (size_t)m->tp_rank * N * 3;
+        be->xent_partial(mine, m->logits, m->targets_dev, N, s->vocab_size, s->padded_vocab);
+        m->tpc.all_gather_f32(m->tpc.ctx, mine, all, (size_t)N * 3);
+        be->xent_finish(m->logits, m->losses, all, m->tp, m->targets_dev, N, s->vocab_size, s->padded_vocab, dloss);
+    }
+    tp_drain(m);
     be->to_host(m->losses_host, m->losses, (size_t)N * sizeof(float));
     double sum = 0.0;
     for (int i = 0; i < N; i++) sum += m->losses_host[i];
@@ -839,6 +1024,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
 /* Backward scratch, carved from m->scratch after the forward is done with it. */
 typedef struct BackScratch {
     void *dres, *dbuf, *dbuf2, *dqkv, *dln;  /* (N,C) (N,wide) (N,wider) (N,QKVW) (N,C) act */
+    void *dfull;                             /* tp > 1: (N,C) act, a gathered or reduced gradient */
     void *dyp, *dxp, *dhp, *dhp_act, *dlogits; /* MoE: (R,C) (R,C) (R,2Fe) (R,Fe) (N,E) act */
     float *dgates;                           /* (N,K) fp32 */
 } BackScratch;
@@ -855,9 +1041,14 @@ static BackScratch back_scratch(const Model *m, int N) {
     b.dbuf2 = act_at(m, b.dbuf, N, wide);
     b.dqkv = act_at(m, b.dbuf2, N, wider);
     b.dln = act_at(m, b.dqkv, N, (size_t)arch_qkv_width(s));
+    void *end = act_at(m, b.dln, N, C);
+    if (m->tp > 1) {
+        b.dfull = end;
+        end = act_at(m, b.dfull, N, C);
+    }
     if (moe) {
         size_t R = (size_t)N * s->moe.top_k, Fe = (size_t)s->moe.expert_hidden;
-        b.dyp = act_at(m, b.dln, N, C);
+        b.dyp = end;
         b.dxp = act_at(m, b.dyp, R, C);
         b.dhp = act_at(m, b.dxp, R, C);
         b.dhp_act = act_at(m, b.dhp, R, 2 * Fe);
@@ -880,8 +1071,8 @@ static void expert_zero_grads(const Model *m, int l, int e, int acc) {
 }
 
 /* dln (N,C) = gradient of the MoE layer's input (the normed res2) from
- * dres = d(res3); parameter gradients per acc. */
-static void moe_backward(Model *m, int l, int N, const BackScratch *b, int acc) {
+ * dtop = d(res3) of all N rows; parameter gradients per acc. */
+static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScratch *b, int acc) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
     const ArchMoe *mo = &s->moe;
@@ -890,7 +1081,7 @@ static void moe_backward(Model *m, int l, int N, const BackScratch *b, int acc) 
     const int32_t *off = a->offsets_host;
     if (mo->n_shared > 0) {
         int S = mo->n_shared * Fe;
-        be->matmul_backward(b->dbuf, G(m, l, ROLE_SHARED_DOWN_W), NULL, b->dres, a->sh_act,
+        be->matmul_backward(b->dbuf, G(m, l, ROLE_SHARED_DOWN_W), NULL, dtop, a->sh_act,
                             W(m, l, ROLE_SHARED_DOWN_W), N, S, C, acc);
         be->swiglu_backward(b->dbuf2, b->dbuf, a->sh, N, S);
         be->matmul_backward(b->dln, G(m, l, ROLE_SHARED_GATE_W), NULL, b->dbuf2, a->ln2, W(m, l, ROLE_SHARED_GATE_W),
@@ -898,7 +1089,7 @@ static void moe_backward(Model *m, int l, int N, const BackScratch *b, int acc) 
     } else {
         be->zero(b->dln, (size_t)N * C * m->act_bytes);
     }
-    be->moe_combine_backward(b->dyp, b->dgates, b->dres, a->yp, a->gates, a->row_of, N, K, C);
+    be->moe_combine_backward(b->dyp, b->dgates, dtop, a->yp, a->gates, a->row_of, N, K, C);
     for (int e = 0; e < E; e++) {
         int n = off[e + 1] - off[e];
         if (n == 0) continue;
@@ -941,10 +1132,14 @@ static void mlp_backward(Model *m, int l, int N, const BackScratch *b, int acc, 
      * saved inputs; the norm also rewrites its saved statistics, with the
      * same values. */
     if (rec_norm)
-        norm_forward(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W),
-                     W(m, l, ROLE_MLP_NORM_B), N);
+        norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W), W(m, l, ROLE_MLP_NORM_B), N);
+    /* tp: the products read the gradient of all N rows */
+    const void *dtop = grad_gather(m, b->dres, b->dfull, N);
+    const void *dnorm; /* the gradient of this rank's rows of norm2's output */
     if (s->mlp == MLP_MOE) {
-        moe_backward(m, l, N, b, acc);
+        /* replicated over tp: dln is the same whole gradient on every rank */
+        moe_backward(m, l, N, dtop, b, acc);
+        dnorm = act_at(m, b->dln, res_first(m, N), C);
     } else {
         /* down's dw reads the activation, recomputed here by its op even
          * when the forward made it in the fused product (so with fusion the
@@ -952,19 +1147,20 @@ static void mlp_backward(Model *m, int l, int N, const BackScratch *b, int acc, 
          * see model.h) */
         if (rec_act) mlp_activation(m, a, N);
         if (fuse) {
-            be->matmul_backward_dgelu(b->dbuf2, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), b->dres, a->fch_gelu,
+            be->matmul_backward_dgelu(b->dbuf2, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), dtop, a->fch_gelu,
                                       W(m, l, ROLE_DOWN_W), a->fch, N, F, C, acc);
         } else {
-            be->matmul_backward(b->dbuf, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), b->dres, a->fch_gelu,
+            be->matmul_backward(b->dbuf, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), dtop, a->fch_gelu,
                                 W(m, l, ROLE_DOWN_W), N, F, C, acc);
             if (s->mlp == MLP_SWIGLU) be->swiglu_backward(b->dbuf2, b->dbuf, a->fch, N, F);
             else be->gelu_backward(b->dbuf2, a->fch, b->dbuf, (size_t)N * F);
         }
         be->matmul_backward(b->dln, G(m, l, ROLE_FC_W), G(m, l, ROLE_FC_B), b->dbuf2, a->ln2, W(m, l, ROLE_FC_W), N,
                             C, arch_fc_width(s), acc);
+        dnorm = col_grad_reduce(m, b->dln, b->dfull, N);
     }
-    norm_backward(m, b->dres, G(m, l, ROLE_MLP_NORM_W), G(m, l, ROLE_MLP_NORM_B), b->dln, a->res2,
-                  W(m, l, ROLE_MLP_NORM_W), a->ln2_mean, a->ln2_rstd, N, acc);
+    norm_backward(m, b->dres, G(m, l, ROLE_MLP_NORM_W), G(m, l, ROLE_MLP_NORM_B), dnorm, a->res2,
+                  W(m, l, ROLE_MLP_NORM_W), a->ln2_mean, a->ln2_rstd, res_rows(m, N), acc);
 }
 
 /* d(x_in) += through attention, from dres = d(res2). */
@@ -975,7 +1171,8 @@ static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const
     const LayerActs *a = &m->acts[l];
     int N = B * T, C = s->n_embd, Q = arch_q_width(s);
     AttnShape sh = attn_shape(s, B, T);
-    be->matmul_backward(b->dbuf, G(m, l, ROLE_O_W), G(m, l, ROLE_O_B), b->dres, a->atty, W(m, l, ROLE_O_W), N, Q, C,
+    const void *dtop = grad_gather(m, b->dres, b->dfull, N); /* tp: all N rows */
+    be->matmul_backward(b->dbuf, G(m, l, ROLE_O_W), G(m, l, ROLE_O_B), dtop, a->atty, W(m, l, ROLE_O_W), N, Q, C,
                         acc);
     be->attention_backward(b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
     if (s->pos == POS_ROPE) be->rope_backward(b->dqkv, m->rope, &sh, 0);
@@ -983,12 +1180,12 @@ static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const
         be->qknorm_backward(b->dqkv, G(m, l, ROLE_Q_NORM), G(m, l, ROLE_K_NORM), a->qk_in, W(m, l, ROLE_Q_NORM),
                             W(m, l, ROLE_K_NORM), a->qk_rstd, &sh, s->qk_norm == QKNORM_HEAD, acc);
     if (rec_norm)
-        norm_forward(m, a->ln1, a->ln1_mean, a->ln1_rstd, x_in, W(m, l, ROLE_ATTN_NORM_W),
-                     W(m, l, ROLE_ATTN_NORM_B), N);
+        norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, x_in, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B), N);
     be->matmul_backward(b->dln, G(m, l, ROLE_QKV_W), G(m, l, ROLE_QKV_B), b->dqkv, a->ln1, W(m, l, ROLE_QKV_W), N, C,
                         arch_qkv_width(s), acc);
-    norm_backward(m, b->dres, G(m, l, ROLE_ATTN_NORM_W), G(m, l, ROLE_ATTN_NORM_B), b->dln, x_in,
-                  W(m, l, ROLE_ATTN_NORM_W), a->ln1_mean, a->ln1_rstd, N, acc);
+    const void *dnorm = col_grad_reduce(m, b->dln, b->dfull, N);
+    norm_backward(m, b->dres, G(m, l, ROLE_ATTN_NORM_W), G(m, l, ROLE_ATTN_NORM_B), dnorm, x_in,
+                  W(m, l, ROLE_ATTN_NORM_W), a->ln1_mean, a->ln1_rstd, res_rows(m, N), acc);
 }
 
 void model_backward(Model *m, int accumulate) {
@@ -1007,9 +1204,10 @@ void model_backward(Model *m, int accumulate) {
         compute_refresh(m, L);
         be->matmul_backward(b.dln, m->gview[head], NULL, m->logits, m->lnf, m->wview[head], N, C,
                             s->padded_vocab, accumulate);
+        const void *dnorm = col_grad_reduce(m, b.dln, b.dfull, N); /* tp: the head is column-parallel */
         be->zero(b.dres, (size_t)N * C * m->act_bytes);
-        norm_backward(m, b.dres, G(m, -1, ROLE_FINAL_NORM_W), G(m, -1, ROLE_FINAL_NORM_B), b.dln, x_last,
-                      W(m, -1, ROLE_FINAL_NORM_W), m->lnf_mean, m->lnf_rstd, N, accumulate);
+        norm_backward(m, b.dres, G(m, -1, ROLE_FINAL_NORM_W), G(m, -1, ROLE_FINAL_NORM_B), dnorm, x_last,
+                      W(m, -1, ROLE_FINAL_NORM_W), m->lnf_mean, m->lnf_rstd, res_rows(m, N), accumulate);
     } else {
         be->copy(b.dres, m->stage_dout, (size_t)N * C * m->act_bytes); /* from the next stage */
     }
@@ -1023,6 +1221,7 @@ void model_backward(Model *m, int accumulate) {
         const void *x_in = l > m->layer_lo ? m->acts[l - 1].res3 : m->encoded;
         mlp_backward(m, l, N, &b, acc_layer, fuse_bwd, rec_act, rec_norm);
         attn_backward(m, l, x_in, B, T, &b, acc_layer, rec_norm);
+        if (m->tpc.grads_done) m->tpc.grads_done(m->tpc.ctx, l);
         if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, l);
     }
     /* the token embedding's gradient always accumulates in embed_backward:
@@ -1032,8 +1231,12 @@ void model_backward(Model *m, int accumulate) {
         float *dwte = G(m, -1, ROLE_TOK_EMB);
         if (!(s->tie_embeddings && m->has_head) && !accumulate)
             be->zero(dwte, (size_t)s->padded_vocab * C * sizeof(float));
-        be->embed_backward(dwte, G(m, -1, ROLE_POS_EMB), b.dres, m->tokens_dev, B, T, C, accumulate);
+        /* tp: every rank scatters the gradient of all N rows into its own
+         * vocabulary rows; each computes the whole position gradient */
+        const void *dtop = grad_gather(m, b.dres, b.dfull, N);
+        be->embed_backward(dwte, G(m, -1, ROLE_POS_EMB), dtop, m->tokens_dev, B, T, C, accumulate);
     }
+    if (m->tpc.grads_done) m->tpc.grads_done(m->tpc.ctx, -1);
     if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, -1);
     m->have_targets = 0;
 }
@@ -1067,8 +1270,16 @@ void model_moe_update_bias(Model *m, const int64_t *load) {
 
 void model_logits_row(const Model *m, int b, int t, float *out) {
     size_t row = (size_t)b * m->live_T + (size_t)t, Vp = (size_t)m->shape.padded_vocab;
-    m->be->to_host(m->row_host, (const char *)m->logits + row * Vp * m->act_bytes, Vp * m->act_bytes);
-    backend_act_to_f32(out, m->row_host, Vp, m->act_bytes);
+    const char *src = (const char *)m->logits + row * Vp * m->act_bytes;
+    if (m->tp > 1) { /* every rank's columns, in rank order: the global vocabulary */
+        m->be->copy((char *)m->row_dev + (size_t)m->tp_rank * Vp * m->act_bytes, src, Vp * m->act_bytes);
+        m->tpc.all_gather(m->tpc.ctx, m->row_dev, Vp);
+        src = m->row_dev;
+    }
+    size_t n = (size_t)m->gshape.padded_vocab;
+    tp_drain(m);
+    m->be->to_host(m->row_host, src, n * m->act_bytes);
+    backend_act_to_f32(out, m->row_host, n, m->act_bytes);
 }
 
 size_t model_num_params(const Model *m) {

@@ -52,7 +52,26 @@ typedef struct ParamInfo {
     size_t offset; /* elements from the start of the parameter arena */
     int decay;     /* 1 if weight decay applies */
     int layer, role, expert, init, follows, trained; /* as ArchTensor */
+    /* Tensor parallelism (ModelOptions.tp > 1; else gshape = shape, no split):
+     * shape is this rank's part of the global tensor gshape, split as
+     * arch_tp_split says (model_tp_boxes: where the part lies); tp_partial:
+     * the gradient each tp rank computes is a partial sum that tp.c adds up
+     * over the tp group (sequence-parallel norms see a shard of the tokens;
+     * QK-norm gains see a rank's heads). */
+    int gshape[2];
+    ArchTpSplit split;
+    int tp_partial;
 } ParamInfo;
+
+/* Where tensor i's local elements lie in the global tensor viewed as
+ * (gshape[0], the rest): rows [r0, r1) x columns [c0, c1), stored row-major
+ * in the local tensor from element `at`. One box, or one per part of a
+ * split (GPT-2's q | k | v: 3); none for a rank whose vocabulary rows are all
+ * padding. Rows of a part past the global tensor are local padding (zeros). */
+typedef struct ModelBox {
+    size_t r0, r1, c0, c1, at;
+} ModelBox;
+#define MODEL_MAX_BOXES 3
 
 /* One buffer of the compute copy (act_bytes 2 only): the cast of `len`
  * floats of the fp32 buffer `master` (the arena, or one of ZeRO-3's gather
@@ -136,6 +155,31 @@ typedef struct ModelHooks {
     void (*grads_done)(void *ctx, int layer);
 } ModelHooks;
 
+/* Tensor parallelism (tp.c fills it; model.c itself never communicates):
+ * collectives over the tp group inside a layer, on act buffers (n or block
+ * elements of act_bytes each) unless said. NULL table (tp 1): none run.
+ *  all_reduce: buf (n) summed over the ranks, in place.
+ *  all_gather: buf (tp block) holds this rank's block at rank * block; every
+ *   rank's block arrives in place.
+ *  reduce_scatter: send (tp block) summed over the ranks; recv (block) gets
+ *   this rank's block of the sum.
+ *  all_gather_f32: fp32 send (block) -> recv (tp block), rank order.
+ *  grads_done: before ModelHooks.grads_done of the same layer: the partial
+ *   gradients (ParamInfo.tp_partial) that are complete are summed.
+ *  drain: see below. */
+typedef struct ModelTp {
+    void *ctx;
+    void (*all_reduce)(void *ctx, void *buf, size_t n);
+    void (*all_gather)(void *ctx, void *buf, size_t block);
+    void (*reduce_scatter)(void *ctx, const void *send, void *recv, size_t block);
+    void (*all_gather_f32)(void *ctx, const float *send, float *recv, size_t block);
+    void (*grads_done)(void *ctx, int layer);
+    /* before the host reads a device buffer (losses, MoE row ranges, a
+     * logits row): the collectives still in flight are waited for, with the
+     * deadline (on a GPU they are ordered on the device, not on the host) */
+    void (*drain)(void *ctx);
+} ModelTp;
+
 /* model_init's options. */
 typedef struct ModelOptions {
     int decay_embeddings; /* optim.decay_embeddings */
@@ -143,11 +187,20 @@ typedef struct ModelOptions {
                                layer 0, the final norm and head with the last (arch_tensor_in_stage) */
     int master_bf16;      /* precision.master bf16 (see the top): the backend must have bf16
                              activations and adamw_update_p16, else exit 2 naming the key */
+    int tp, tp_rank;      /* tensor parallelism: this rank's part of a model split over tp ranks
+                             (0, 0: one rank); the spec must pass arch_tp_check */
+    int sequence_parallel;/* tp > 1: norms and residuals on N/tp-row shards of the tokens */
 } ModelOptions;
 
 
 typedef struct Model {
-    ArchSpec shape;
+    ArchSpec shape;     /* what this rank computes: the spec, or under tp its local part (arch_tp_local) */
+    ArchSpec gshape;    /* the whole model's spec (= shape without tp) */
+    int tp, tp_rank;    /* tensor parallelism: ranks and this one's place (tp 1: none) */
+    int sp;             /* sequence parallelism (tp > 1): the residual stream is row-sharded */
+    int live_sp;        /* the last forward ran sequence-parallel (sp, and B*T divides by tp) */
+    int vocab_lo;       /* first global vocabulary row of this rank's embedding and head */
+    ModelTp tpc;        /* the tp collectives (model_set_tp); all NULL: tp 1 */
     const Backend *be;
     int layer_lo, layer_hi;   /* the layers this model runs: [lo, hi) of shape.n_layer */
     int has_embed, has_head;  /* lo == 0: embeds tokens; hi == n_layer: the final norm, head and loss */
@@ -207,7 +260,11 @@ typedef struct Model {
     void *scratch;    /* forward: projection outputs; backward: gradient buffers */
     int32_t *tokens_dev, *targets_dev; /* (N) */
     float *losses_host; /* (N) */
-    void *row_host;     /* (Vp) act: one logits row on its way to the host */
+    void *row_host;     /* (tp Vp) act: one logits row on its way to the host */
+    /* tensor parallelism (tp > 1) */
+    int32_t *tok_host, *tgt_host; /* (N) host: token and target ids as local vocabulary rows, -1 elsewhere */
+    float *xent_stats;  /* device (N,3) this rank's cross-entropy statistics, then (tp,N,3) all */
+    void *row_dev;      /* device (tp Vp) act: one logits row gathered over the tp ranks */
     int have_targets;   /* last forward had targets (backward allowed) */
     float live_dloss;   /* its dloss: the aux and z losses' gradient scale */
 } Model;
@@ -218,6 +275,11 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
 void model_free(Model *m);
 /* Install the hook table (see ModelHooks); NULL removes it. */
 void model_set_hooks(Model *m, const ModelHooks *h);
+/* Install the tensor-parallel collectives (see ModelTp); needed before a
+ * forward when tp > 1. */
+void model_set_tp(Model *m, const ModelTp *t);
+/* Tensor i's boxes in its global tensor (ModelBox); returns how many. */
+int model_tp_boxes(const Model *m, int i, ModelBox box[MODEL_MAX_BOXES]);
 /* Table row of (layer, role, expert) (layer -1 for non-layer roles, expert
  * -1 for non-expert roles); -1 if the architecture has no such tensor. */
 int model_tensor_index(const Model *m, int layer, int role, int expert);
@@ -311,11 +373,13 @@ const void *model_stage_output(const Model *m);
 void *model_stage_output_grad(const Model *m);
 const void *model_stage_input_grad(const Model *m);
 
-/* Host copy of logits row (b, t) after a forward without targets: Vp floats
- * (converted from the activation dtype). */
+/* Host copy of logits row (b, t) after a forward without targets:
+ * gshape.padded_vocab floats (converted from the activation dtype). Under tp
+ * a collective: every tp rank calls it, and the row is gathered. */
 void model_logits_row(const Model *m, int b, int t, float *out);
 
-/* Counts (arch.h has the formulas). */
+/* Counts (arch.h has the formulas): the tensors this rank holds (under tp,
+ * its parts; arch_num_params(&m->gshape) is the whole model's). */
 size_t model_num_params(const Model *m);
 size_t model_num_nonembedding_params(const Model *m);
 /* Bytes of the activation arena for micro-batch B x T, activations of
@@ -324,6 +388,11 @@ size_t model_num_nonembedding_params(const Model *m);
  * bytes; with X = the (N,F) and Y = the (N,C) buffer so rounded, GELU is
  * (L-1) X smaller than NONE (L kept, one shared), NORM_GELU (2L-1) Y more. */
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r);
+/* The same for one rank of a model split over tp ranks (ModelOptions.tp):
+ * its local widths, all N rows of every buffer (sequence parallelism keeps
+ * the whole-sequence buffers that the column-parallel products read), and
+ * tp's own buffers. */
+size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r);
 
 /* MoE: zero the loads and drop counts (the start of an optimizer step). */
 void model_moe_reset(Model *m);

@@ -47,9 +47,12 @@ static double plan_layer_params(const ArchSpec *s) {
 
 size_t plan_param_bytes(const char *master) { return strcmp(master, "bf16") == 0 ? 2 : 4; }
 
-PlanMemory plan_memory_per_rank(const ArchSpec *s, int dp, int zero, int micro_batch, ModelRecompute recompute,
+PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int micro_batch, ModelRecompute recompute,
                                 size_t moment_bytes, size_t param_bytes) {
     PlanMemory m = {0};
+    ArchSpec local;
+    arch_tp_local(g, tp, 0, &local); /* tp 1: the spec itself */
+    const ArchSpec *s = &local;
     m.param_bytes = param_bytes;
     double L = s->n_layer, params = (double)plan_num_params(s);
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
@@ -88,8 +91,8 @@ PlanMemory plan_memory_per_rank(const ArchSpec *s, int dp, int zero, int micro_b
     /* fp32 activations: the upper bound (bf16 halves them, see plan_usage) */
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
         for (int k = 0; k < 2; k++)
-            m.act_by_mode[r][k] = (double)model_activation_bytes(s, micro_batch, s->seq_len, k ? 2 : sizeof(float),
-                                                                (ModelRecompute)r);
+            m.act_by_mode[r][k] = (double)model_activation_bytes_tp(g, tp, micro_batch, s->seq_len,
+                                                                   k ? 2 : sizeof(float), (ModelRecompute)r);
     m.recompute = recompute;
     m.activations = m.act_by_mode[recompute][0];
     m.activations_bf16 = m.act_by_mode[recompute][1];
@@ -97,6 +100,65 @@ PlanMemory plan_memory_per_rank(const ArchSpec *s, int dp, int zero, int micro_b
     m.overhead = PLAN_WORKSPACE_BYTES + PLAN_MARGIN * counted;
     m.total = m.state + m.activations + m.overhead;
     return m;
+}
+
+PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int zero, int micro_batch, int micro,
+                            size_t act_bytes) {
+    PlanComm c = {0};
+    double N = (double)micro_batch * s->seq_len, NC = N * s->n_embd * (double)act_bytes;
+    if (tp > 1) {
+        double k = tp, ag = (k - 1) / k, ar = 2 * ag; /* per byte of the whole buffer */
+        int moe = s->mlp == MLP_MOE, L = s->n_layer;
+        double per;
+        if (sp) {
+            /* a dense layer: gather before and reduce-scatter after each of
+             * the two split products, forward; gather the gradient and
+             * reduce-scatter the input gradient of each, backward. MoE: the
+             * attention's four, the MLP's input gathered forward and its
+             * output gradient backward. The embedding and the head one each way. */
+            per = (L * (moe ? 6.0 : 8.0) + 4.0) * ag * NC;
+            c.tp_collectives = L * (moe ? 6 : 8) + 4;
+        } else {
+            /* an all-reduce after each row-parallel product (forward) and
+             * of each column-parallel input gradient (backward) */
+            per = (L * (moe ? 2.0 : 4.0) + 2.0) * ar * NC;
+            c.tp_collectives = L * (moe ? 2 : 4) + 2;
+        }
+        per += ag * tp * N * 3 * 4; /* the cross-entropy statistics */
+        c.tp = per * micro;
+        c.tp_collectives += 1;
+    }
+    if (dp > 1) {
+        ArchSpec l;
+        arch_tp_local(s, tp, 0, &l);
+        double P = (double)arch_num_params(&l) * 4, k = dp, ag = (k - 1) / k;
+        /* ZeRO 0/1: one all-reduce (ZeRO-1: reduce-scatter + all-gather, the
+         * same bytes); ZeRO 2: reduce-scatters + the parameters' all-gather;
+         * ZeRO 3: + the forward's and backward's gathers of every layer,
+         * every micro-batch */
+        c.dp = 2 * ag * P;
+        if (zero == 3) c.dp += 2.0 * micro * ag * P - ag * P;
+    }
+    return c;
+}
+
+void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int zero, int micro_batch, int micro) {
+    if (tp <= 1 && dp <= 1) return;
+    if (tp > 1) {
+        ArchSpec l;
+        arch_tp_local(s, tp, 0, &l);
+        printf("  tensor parallel        tp %d, sequence parallel %s: per rank %d of %d heads, %d of %d kv heads, MLP "
+               "%d of %d, vocabulary rows %d (%d padded to %d x %d)%s\n", tp, sp ? "on" : "off", l.n_head, s->n_head,
+               l.n_kv_head, s->n_kv_head, s->mlp == MLP_MOE ? s->ffn_hidden : l.ffn_hidden, s->ffn_hidden,
+               l.padded_vocab, s->vocab_size, l.padded_vocab, tp,
+               s->mlp == MLP_MOE ? "; MoE layers replicated over tp" : "");
+    }
+    PlanComm c32 = plan_comm_per_step(s, tp, sp, dp, zero, micro_batch, micro, 4);
+    PlanComm c16 = plan_comm_per_step(s, tp, sp, dp, zero, micro_batch, micro, 2);
+    if (tp > 1)
+        printf("  comm per step, tp      %.4g GB sent per rank (%.4g GB with bf16 activations), %d collectives per "
+               "micro-batch\n", c32.tp / 1e9, c16.tp / 1e9, c32.tp_collectives);
+    if (dp > 1) printf("  comm per step, dp      %.4g GB sent per rank (fp32 gradients, ZeRO %d)\n", c32.dp / 1e9, zero);
 }
 
 void plan_print_bytes(const char *what, double bytes) {
@@ -215,7 +277,7 @@ int plan_main(int argc, char **argv) {
                   gpus, nodes);
 
     Config c;
-    cfg_load(&c, config_path, sets, nsets); /* tp/pp/cp/ep != 1 exit 2 here: not implemented */
+    cfg_load(&c, config_path, sets, nsets); /* pp/cp/ep != 1 exit 2 here: not implemented */
     free(sets);
     ArchSpec s;
     arch_from_config(&c, &s);
@@ -231,6 +293,8 @@ int plan_main(int argc, char **argv) {
         ms.size[MESH_DP] = gpus / (c.pp * c.cp * c.tp);
     }
     int dp = ms.size[MESH_DP];
+    int tp = c.tp, sp = tp > 1 && strcmp(c.sequence_parallel, "false") != 0;
+    if (!problem[0]) arch_tp_check(&s, tp, problem, sizeof problem);
     int64_t per_sample = (int64_t)c.seq_len * dp; /* tokens of one sample on every rank */
     int64_t unit = (int64_t)c.micro_batch * per_sample;
     int64_t rank_samples = c.total_tokens % per_sample ? 0 : c.total_tokens / per_sample;
@@ -250,7 +314,7 @@ int plan_main(int argc, char **argv) {
 
     ModelRecompute recompute = model_recompute_parse(c.recompute);
     size_t sb = optim_state_bytes(c.optim_state), pb = plan_param_bytes(c.master); /* bytes per element */
-    PlanMemory m = plan_memory_per_rank(&s, dp, c.zero, c.micro_batch, recompute, sb, pb);
+    PlanMemory m = plan_memory_per_rank(&s, tp, dp, c.zero, c.micro_batch, recompute, sb, pb);
     size_t params = plan_num_params(&s);
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d): %zu parameters "
            "(%.2fM)\n", c.run_name, c.arch, s.n_layer, s.n_head, s.n_embd, s.seq_len, s.vocab_size, s.padded_vocab,
@@ -259,7 +323,9 @@ int plan_main(int argc, char **argv) {
            gpus / nodes, gpu_gib, gpu_mem_given ? "" : " (default; --gpu-mem GB)");
     printf("  layout                 dp %d x tp %d x pp %d x cp %d (ep %d), ZeRO %d%s\n", dp, c.tp, c.pp, c.cp, c.ep,
            c.zero, c.dp > 0 ? "" : " (parallel.dp: auto)");
-    printf("                         tp, pp, cp and ep are 1: only data parallelism is implemented in this build\n");
+    printf("                         pp, cp and ep are 1: data and tensor parallelism are implemented in this "
+           "build\n");
+    if (!problem[0]) plan_print_tp(&s, tp, sp, dp, c.zero, c.micro_batch, c.grad_accum / dp);
     if (!problem[0])
         printf("  batch                  %lld tokens = %d ranks x %d accumulation steps x micro-batch %d x %d tokens\n",
                (long long)c.total_tokens, dp, c.grad_accum / dp, c.micro_batch, c.seq_len);
@@ -289,13 +355,13 @@ int plan_main(int argc, char **argv) {
         int max_zero = pb == 2 ? 0 : 3;
         for (int z = 0; z <= max_zero && best_zero < 0; z++) {
             for (int j = 0; j < nd; j++) {
-                PlanMemory t = plan_memory_per_rank(&s, dp, z, div[j], recompute, sb, pb);
+                PlanMemory t = plan_memory_per_rank(&s, tp, dp, z, div[j], recompute, sb, pb);
                 if (t.total <= cap) {
                     best_zero = z, best_mb = div[j], best = t;
                     break;
                 }
             }
-            PlanMemory t1 = plan_memory_per_rank(&s, dp, z, 1, recompute, sb, pb);
+            PlanMemory t1 = plan_memory_per_rank(&s, tp, dp, z, 1, recompute, sb, pb);
             if (least_zero < 0 || t1.total < least.total) least = t1, least_zero = z;
         }
     }

@@ -28,15 +28,38 @@
 #include "sround.h"
 #include "stop.h"
 
+/* Elements [a, b) of tensor i's local part, stored at ptr (esz bytes each),
+ * as entries of the logical (global) tensor: one whole-tensor range, or
+ * under tensor parallelism one per box of the part that [a, b) meets. */
+static void add_piece(CkptTable *t, const Model *m, int i, const char *name, void *ptr, size_t esz, size_t a,
+                      size_t b, CkptCopyFn to_host, CkptCopyFn to_device) {
+    const ParamInfo *p = &m->params[i];
+    int64_t shape[2] = {p->gshape[0], p->gshape[1]};
+    if (p->split.dim < 0) {
+        CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, p->ndim, shape, a, b, ptr, to_host, to_device);
+        e->mem_size = esz == 2 ? 2 : 0;
+        return;
+    }
+    ModelBox bx[MODEL_MAX_BOXES];
+    int nb = model_tp_boxes(m, i, bx);
+    for (int k = 0; k < nb; k++) {
+        size_t n = (bx[k].r1 - bx[k].r0) * (bx[k].c1 - bx[k].c0), x = a > bx[k].at ? a : bx[k].at;
+        size_t y = b < bx[k].at + n ? b : bx[k].at + n;
+        if (x >= y) continue;
+        CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, p->ndim, shape, x - bx[k].at, y - bx[k].at,
+                                       (char *)ptr + (x - a) * esz, to_host, to_device);
+        e->mem_size = esz == 2 ? 2 : 0;
+        ckpt_entry_set_box(e, bx[k].r0, bx[k].r1, bx[k].c0, bx[k].c1);
+    }
+}
+
 static void add_params(CkptTable *t, Model *m, float *base, const char *prefix) {
     const Backend *be = m->be;
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
         char name[CKPT_NAME];
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
-        int64_t shape[2] = {p->shape[0], p->shape[1]};
-        ckpt_add_tensor(t, name, CKPT_F32, p->ndim, shape, 0, p->numel, base + p->offset, be->to_host,
-                        be->to_device);
+        add_piece(t, m, i, name, base + p->offset, 4, 0, p->numel, be->to_host, be->to_device);
     }
 }
 
@@ -81,10 +104,8 @@ static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo,
         if (a >= b) continue;
         char name[CKPT_NAME];
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
-        int64_t shape[2] = {p->shape[0], p->shape[1]};
-        CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, p->ndim, shape, a - p->offset, b - p->offset,
-                                       (char *)base + (a - lo) * esz, to_host, to_device);
-        e->mem_size = esz == 2 ? 2 : 0;
+        add_piece(t, m, i, name, (char *)base + (a - lo) * esz, esz, a - p->offset, b - p->offset, to_host,
+                  to_device);
     }
 }
 
@@ -126,7 +147,11 @@ int state_init_from(Model *m, const char *dir, int say) {
 }
 
 void state_load_init_from(Model *m, const char *path, int say) {
-    if (!state_init_from(m, path, say) && !hf_init_from(m, path, say)) model_load_llmc(m, path);
+    if (state_init_from(m, path, say)) return;
+    if (m->tp > 1)
+        kiln_fail(KILN_EXIT_USAGE, "key 'init.from': %s is not a kiln checkpoint; HuggingFace and llm.c weights load "
+                  "with parallel.tp: 1 (import there, save a checkpoint, and start this run from it)", path);
+    if (!hf_init_from(m, path, say)) model_load_llmc(m, path);
 }
 
 /* Start-up state when nothing is resumed, or after a corrupt checkpoint was
@@ -152,6 +177,15 @@ static void state_fresh(RunState *s, int dirty) {
     rng_seed(&s->rng, c->seed ^ 0x7261696e2e726e67ULL ^ (0x9e3779b97f4a7c15ULL * (uint64_t)s->mesh.rank));
     s->step = s->tokens = s->optim_t = 0;
     s->elapsed_base = 0;
+}
+
+/* Tensor parallelism, tp ranks > 0: every tp rank holds the same replicated
+ * tensors (the entries without a box); tp rank 0 writes them. */
+static void drop_replicated(CkptTable *w) {
+    int k = 0;
+    for (int i = 0; i < w->n; i++)
+        if (w->e[i].kind != CKPT_TENSOR || w->e[i].r1) w->e[k++] = w->e[i];
+    w->n = k;
 }
 
 /* Collectives for ckpt and resume (ctx = the world group). */
@@ -206,8 +240,8 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         add_unit_blocks(w, m, us, ddp_param_shard(us, NULL), 4, "");
         add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/");
         if (o->v) add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/");
-    } else if (rank == 0) add_model_params(w, m);
-    if (!us && (rank == 0 || opt_sharded)) {
+    } else if (s->mesh.dp_rank == 0) add_model_params(w, m);
+    if (!us && (s->mesh.dp_rank == 0 || opt_sharded)) {
         add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
         if (o->v) add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
     }
@@ -219,6 +253,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         ckpt_add_blob(w, "data.train.pos", CKPT_U64, 2, 0, s->data_pos);
     }
     ckpt_add_blob(w, rng_name, CKPT_U64, 4, 0, s->rng.s);
+    if (s->mesh.tp_rank > 0) drop_replicated(w);
 
     CkptOptions *op = &s->opts;
     memset(op, 0, sizeof *op);
@@ -275,9 +310,12 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
                           op->root, (long long)steps[0]);
             if (rank == 0) ckpt_list_free(paths, steps, n);
             char mesh_note[160] = "";
-            if (info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp))
-                snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (dp %d) to %d (dp %d, ZeRO %d)",
-                         info.mesh.world, info.mesh.dp, s->mesh.world, s->mesh.dp, s->mesh.zero);
+            int saved_tp = info.mesh.tp > 0 ? info.mesh.tp : 1;
+            if (info.mesh.world > 0 &&
+                (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp || saved_tp != s->mesh.tp))
+                snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (dp %d x tp %d) to %d (dp %d x "
+                         "tp %d, ZeRO %d)", info.mesh.world, info.mesh.dp, saved_tp, s->mesh.world, s->mesh.dp,
+                         s->mesh.tp, s->mesh.zero);
             snprintf(s->resumed_msg, sizeof s->resumed_msg,
                      "resumed from %s at step %lld (%lld tokens, %.1f s of training before)%s", path,
                      (long long)s->step, (long long)s->tokens, s->elapsed_s, mesh_note);
@@ -309,8 +347,8 @@ static void state_save(RunState *s) {
     s->data_pos[0] = pos.epoch, s->data_pos[1] = pos.index;
     s->elapsed_s = s->elapsed_base + (kiln_now() - s->t_start);
     CkptMeta meta = {s->step, s->c->hash, KILN_VERSION, s->commit,
-                     {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1, 1, 1, 1,
-                      1}};
+                     {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1,
+                      s->mesh.tp > 0 ? s->mesh.tp : 1, 1, 1, 1}};
     double t0 = kiln_now();
     if (ckpt_save(s->writer, &meta) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",

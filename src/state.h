@@ -20,6 +20,8 @@
  * elements this rank holds. */
 typedef struct StateMesh {
     int rank, world, dp, zero;
+    int dp_rank, tp, tp_rank; /* tensor parallelism: each tp rank of dp rank 0 writes its parts of
+                                 the split tensors; the replicated ones come from tp rank 0 */
     CommGroup *g;
     struct Ddp *units; /* ZeRO-2/3 over several ranks: the fp32 parameters and the
                           optimizer state live in its shard buffers, unit by

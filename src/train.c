@@ -12,6 +12,7 @@
 #include "data.h"
 #include "ddp.h"
 #include "mesh.h"
+#include "tp.h"
 #include "metrics.h"
 #include "model.h"
 #include "optim.h"
@@ -73,14 +74,17 @@ static void print_plan(const Config *c, const ArchSpec *s) {
     printf("  FLOPs per token        %.4g (training: forward + backward)\n", fpt);
     /* per rank: dp auto resolves to the world size at launch; without a
      * launcher the plan shows one rank unless parallel.dp says how many */
-    int dp = c->dp > 0 ? c->dp : 1;
-    printf("  memory per rank        dp %d%s, ZeRO %d\n", dp, c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)",
-           c->zero);
+    int dp = c->dp > 0 ? c->dp : 1, tp = c->tp, sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
+    char err[512];
+    if (arch_tp_check(s, tp, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
+    printf("  memory per rank        dp %d%s x tp %d, ZeRO %d\n", dp,
+           c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)", tp, c->zero);
     /* the same accounting `./train plan` uses (src/plan.c) */
-    PlanMemory mem = plan_memory_per_rank(s, dp, c->zero, c->micro_batch, model_recompute_parse(c->recompute),
+    PlanMemory mem = plan_memory_per_rank(s, tp, dp, c->zero, c->micro_batch, model_recompute_parse(c->recompute),
                                           optim_state_bytes(c->optim_state), plan_param_bytes(c->master));
     plan_print_state(&mem, dp, c->zero);
     plan_print_activations(&mem);
+    plan_print_tp(s, tp, sp, dp, c->zero, c->micro_batch, c->grad_accum / dp);
     printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps x %d ranks)\n",
            (long long)tokens_per_step, c->micro_batch, c->seq_len, c->grad_accum / dp, dp);
     printf("  micro-batches per step %d (%d per rank)\n", c->grad_accum, c->grad_accum / dp);
@@ -152,7 +156,7 @@ static int sample_token(const float *logits, int V, float temperature, int top_k
  * model recomputes the whole window each token (no KV cache): sampling is
  * occasional and small next to training. */
 static void generate(Model *m, const Config *c, const Tokenizer *tok, uint64_t seed, int32_t *ctx, FILE *out) {
-    const ArchSpec *s = &m->shape;
+    const ArchSpec *s = &m->gshape; /* the whole vocabulary, also under tp */
     int V = s->vocab_size, Tmax = m->T;
     float *logits = xmalloc((size_t)s->padded_vocab * sizeof(float));
     float *probs = xmalloc((size_t)s->padded_vocab * sizeof(float));
@@ -232,6 +236,24 @@ int train_run(const Config *c, int dry_run) {
     return train_run_with(c, &o);
 }
 
+/* KILN_TEST_TP_GRADS: one line per replicated tensor, its name and the
+ * FNV-1a hash of its gradient's bytes. */
+static void dump_replicated_grads(const Model *m, const char *path, int rank) {
+    char name[1200];
+    snprintf(name, sizeof name, "%s.rank%d", path, rank);
+    FILE *f = fopen(name, "w");
+    if (!f) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_TP_GRADS)", name);
+    for (int i = 0; i < m->num_tensors; i++) {
+        const ParamInfo *p = &m->params[i];
+        if (p->split.dim >= 0) continue;
+        float *g = xmalloc(p->numel * sizeof(float));
+        m->be->to_host(g, m->gview[i], p->numel * sizeof(float));
+        fprintf(f, "%s %016llx\n", p->name, (unsigned long long)kiln_fnv1a(g, p->numel * sizeof(float), KILN_FNV_INIT));
+        free(g);
+    }
+    fclose(f);
+}
+
 /* Ranks, the mesh, the consistency check. Exits 2 on a layout that does not
  * fit the world or the batch. */
 static void setup_parallel(const Config *c, const TrainOptions *topt, Mesh *mesh, int *accum) {
@@ -264,8 +286,11 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     Mesh mesh;
     int accum;
     setup_parallel(c, topt, &mesh, &accum);
-    CommGroup *dpg = mesh_group(&mesh, MESH_GROUP_DP);
+    CommGroup *dpg = mesh_group(&mesh, MESH_GROUP_DP), *tpg = mesh_group(&mesh, MESH_GROUP_TP);
     int rank = mesh.rank, world = mesh.world, dp = dpg->size, dp_rank = dpg->rank;
+    int tp = tpg->size, sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
+    char tp_err[512];
+    if (arch_tp_check(&shape, tp, tp_err, sizeof tp_err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", tp_err);
 
     const Backend *be = backend_get(c->device);
     if (!be)
@@ -295,7 +320,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     Model model;
     /* precision.master bf16: no fp32 arena (exit 2 unless act is bf16) */
     model_init(&model, be, &shape,
-               &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16")});
+               &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16"),
+                               .tp = tp, .tp_rank = tpg->rank, .sequence_parallel = sp});
     model.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
      * per-message latency is small, small enough to overlap with backward.
@@ -308,6 +334,15 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         comm_nccl_device_mode(dpg, be->stream());
     }
     ddp_init(&ddp, &model, dpg, c->zero, (size_t)25 << 20);
+    /* tensor parallelism: the layers' collectives over the tp group (tp.c);
+     * the gradient norm sums over it too */
+    if (tp > 1 && be->stream) {
+        comm_nccl_init(tpg, c->run_dir);
+        comm_nccl_device_mode(tpg, be->stream());
+    }
+    Tp tpx;
+    tp_init(&tpx, &model, tpg);
+    ddp_set_tp(&ddp, tpg);
     if (c->init_from[0]) {
         state_load_init_from(&model, c->init_from, rank == 0);
     }
@@ -346,7 +381,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     RunState rs;
     size_t shard_n;
     float *param_shard = ddp_param_shard(&ddp, &shard_n); /* ZeRO-2/3: what checkpoints and hashes read */
-    StateMesh smesh = {rank, world, dp, c->zero, comm_world(), param_shard ? &ddp : NULL};
+    StateMesh smesh = {rank, world, dp, c->zero, dp_rank, tp, tpg->rank, comm_world(), param_shard ? &ddp : NULL};
     int start_step = state_open(&rs, c, &smesh, topt->resume, topt->force, topt->commit, &model, &opt, train);
     model_params_changed(&model); /* a resume loaded them: the compute copy follows */
     Metrics *mx = metrics_open(c, rank, world, fpt, peak, peak_src, start_step);
@@ -362,7 +397,13 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     if (rs.resumed_msg[0]) metrics_print(mx, "%s", rs.resumed_msg);
     metrics_print(mx, "run %s -> %s", c->run_name, c->run_dir);
     metrics_print(mx, "model %s (%s MLP): %zu parameters (%.2fM), %.3g FLOPs/token", c->arch,
-                  arch_mlp_name(shape.mlp), model_num_params(&model), model_num_params(&model) / 1e6, fpt);
+                  arch_mlp_name(shape.mlp), arch_num_params(&shape), arch_num_params(&shape) / 1e6, fpt);
+    if (tp > 1)
+        metrics_print(mx, "tensor parallel: %d ranks, %zu parameters here (heads %d of %d, kv heads %d of %d, MLP "
+                      "width %d of %d, vocabulary rows %d), sequence parallel %s", tp, model_num_params(&model),
+                      model.shape.n_head, shape.n_head, model.shape.n_kv_head, shape.n_kv_head,
+                      shape.mlp == MLP_MOE ? shape.ffn_hidden : model.shape.ffn_hidden, shape.ffn_hidden,
+                      model.shape.padded_vocab, sp ? "on" : "off");
     int fused = model_gelu_fused(&model, 0) || model_gelu_fused(&model, 1);
     metrics_print(mx, "activations: %.2f MiB for a %d x %d micro-batch, %zu-byte activations, recompute %s%s",
                   model.act_size / 1048576.0, B, T, model.act_bytes, model_recompute_name(model.recompute),
@@ -390,13 +431,17 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     int inject_nan_after = nan_env && strchr(nan_env, '+') != NULL; /* "N+": every step from N on */
     /* Test hook (docs/metrics.md): after step N, wait for a stop signal, so a
      * signal test cannot lose a race against the end of the run. */
+    /* Test hook (docs/parallel.md): after the first step's gradient sync,
+     * fingerprint every replicated tensor's gradient into FILE.rank<R>, so a
+     * test can see that every tp rank holds the same */
+    const char *tp_grads_file = ddp_whole_params(&ddp) && !param_shard ? getenv("KILN_TEST_TP_GRADS") : NULL;
     const char *pause_env = getenv("KILN_TEST_PAUSE_AT_STEP");
     int pause_at_step = pause_env ? atoi(pause_env) : 0;
     float *param_host = inject_nan_step > 0 ? xmalloc((param_shard ? shard_n : model.num_params) * sizeof(float)) : NULL;
     int skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0, skips_in_a_row = 0;
     /* ZeRO-3: every rank samples (each forward gathers layers collectively);
      * ZeRO-2's forward only waits for refreshes every rank has posted */
-    int sample_all = !ddp_whole_params(&ddp);
+    int sample_all = !ddp_whole_params(&ddp) || tp > 1; /* tp: every rank computes its part */
     FILE *devnull = sample_all && rank > 0 ? fopen("/dev/null", "w") : NULL;
     if (sample_all && rank > 0 && !devnull) kiln_fail(KILN_EXIT_RUNTIME, "/dev/null: cannot open (samples of rank %d)", rank);
     size_t N = (size_t)B * T;
@@ -405,7 +450,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     int32_t *ctx = xmalloc((size_t)2 * T * sizeof(int32_t) + 8);
     /* the mean over the global batch: every rank's gradients are summed */
     float dloss = 1.0f / (float)(N * (size_t)accum * (size_t)dp);
-    double step_time_sum = 0.0, blocked_sum = 0.0;
+    double step_time_sum = 0.0, blocked_sum = 0.0, tp_blocked_sum = 0.0;
     double t_start = kiln_now();
     float val_loss = NAN, last_loss = NAN;
 
@@ -422,10 +467,12 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
             metrics_phase(mx, PHASE_FORWARD, step + 1);
             /* on the last micro-batch: post gradient buckets as layers finish */
             ddp_micro_begin(&ddp, micro == 0, micro == accum - 1);
+            tp_micro_begin(&tpx, micro == 0, micro == accum - 1);
             loss_sum += model_forward(&model, inp, tgt, B, T, dloss);
             metrics_phase(mx, PHASE_BACKWARD, step + 1);
             model_backward(&model, micro > 0);
         }
+        tp_drain(&tpx); /* the backward's last tp collectives, with the deadline */
         if (inject_nan_step > 0 && (step + 1 == inject_nan_step || (inject_nan_after && step + 1 > inject_nan_step))) {
             float poison = NAN;
             /* ZeRO-2/3: the gradient shard (there is no whole arena) */
@@ -433,6 +480,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         }
         metrics_phase(mx, PHASE_SYNC, step + 1);
         double grad_norm = ddp_reduce_grads(&ddp);
+        if (tp_grads_file && step == start_step) dump_replicated_grads(&model, tp_grads_file, rank);
         float loss = (float)(ddp_sum(&ddp, loss_sum) / (accum * dp));
         metrics_phase(mx, PHASE_OPTIMIZER, step + 1);
         /* a non-finite loss skips the update even if its gradients look finite */
@@ -444,7 +492,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         be->sync();
         int bad = !isfinite(loss) || info.nonfinite;
         double dt = kiln_now() - t0;
-        step_time_sum += dt, blocked_sum += ddp_step_blocked_s(&ddp);
+        step_time_sum += dt, blocked_sum += ddp_step_blocked_s(&ddp), tp_blocked_sum += tp_step_blocked_s(&tpx);
         if (!bad) last_loss = loss;
         int last = step == c->steps - 1;
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
@@ -510,6 +558,10 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         metrics_print(mx, "data parallel: %.1f%% of step time blocked in gradient/parameter communication "
                           "(not overlapped with compute): %.3f of %.3f s",
                       100.0 * blocked_sum / step_time_sum, blocked_sum, step_time_sum);
+    if (tp > 1 && step_time_sum > 0)
+        metrics_print(mx, "tensor parallel: %.1f%% of step time blocked in tp communication (activations and "
+                          "partial gradients): %.3f of %.3f s", 100.0 * tp_blocked_sum / step_time_sum,
+                      tp_blocked_sum, step_time_sum);
     metrics_print(mx, "run directory: %s", c->run_dir);
     metrics_close(mx);
     free(param_host);
@@ -520,6 +572,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     free(ctx);
     optim_free(&opt);
     ddp_free(&ddp);
+    tp_free(&tpx);
     free(moe_buf.load);
     free(moe_buf.sums);
     model_free(&model);

@@ -342,6 +342,80 @@ static void test_pointwise(size_t n, size_t off) {
     cudaFree(ba), cudaFree(bb), cudaFree(bs);
 }
 
+/* Vocabulary-parallel cross-entropy and embeddings (tensor parallelism): P
+ * slices of Vl columns (V real ones in all, the last slices short or
+ * empty), each slice's xent_partial and xent_finish on the GPU against the
+ * CPU's, and an embedding whose negative ids are other ranks' tokens. */
+static void test_vocab_parallel(int N, int V, int P, int Vl) {
+    std::string sh = "_N" + std::to_string(N) + "_V" + std::to_string(V) + "_P" + std::to_string(P);
+    std::vector<int32_t> tg(N);
+    for (auto &t : tg) t = (int32_t)(gen() % V);
+    Vec stats_cpu((size_t)P * N * 3);
+    float *dstats;
+    CUDA_CHECK(cudaMalloc(&dstats, stats_cpu.size() * sizeof(float)));
+    std::vector<Vec> parts;
+    std::vector<std::vector<int32_t>> tls;
+    std::vector<void *> dparts;
+    std::vector<int32_t *> dtls;
+    for (int p = 0; p < P; p++) {
+        int valid = std::max(0, std::min(Vl, V - p * Vl));
+        Vec x = rnd_act((size_t)N * Vl, 3.0f);
+        std::vector<int32_t> tl(N);
+        for (int i = 0; i < N; i++) tl[i] = tg[i] >= p * Vl && tg[i] < (p + 1) * Vl ? tg[i] - p * Vl : -1;
+        cpu->xent_partial(stats_cpu.data() + (size_t)p * N * 3, x.data(), tl.data(), N, valid, Vl);
+        int32_t *dtl;
+        CUDA_CHECK(cudaMalloc(&dtl, N * sizeof(int32_t)));
+        CUDA_CHECK(cudaMemcpy(dtl, tl.data(), N * sizeof(int32_t), cudaMemcpyHostToDevice));
+        void *dx = dev_act(x);
+        gpu->xent_partial(dstats + (size_t)p * N * 3, dx, dtl, N, valid, Vl);
+        parts.push_back(x), tls.push_back(tl), dparts.push_back(dx), dtls.push_back(dtl);
+    }
+    /* an empty slice's max is -inf on both sides: compared as a plain number */
+    Vec got = get_f32(dstats, stats_cpu.size()), want = stats_cpu;
+    for (size_t i = 0; i < got.size(); i++) {
+        if (got[i] == -INFINITY) got[i] = -1e30f;
+        if (want[i] == -INFINITY) want[i] = -1e30f;
+    }
+    check("xent_partial_stats" + sh, got, want, TOL_F32);
+    CUDA_CHECK(cudaMemcpy(dstats, stats_cpu.data(), stats_cpu.size() * sizeof(float), cudaMemcpyHostToDevice));
+    float dloss = 1.0f / N;
+    for (int p = 0; p < P; p++) {
+        int valid = std::max(0, std::min(Vl, V - p * Vl));
+        Vec rl = parts[p], rloss(N);
+        cpu->xent_finish(rl.data(), rloss.data(), stats_cpu.data(), P, tls[p].data(), N, valid, Vl, dloss);
+        float *dl;
+        CUDA_CHECK(cudaMalloc(&dl, N * sizeof(float)));
+        gpu->xent_finish(dparts[p], dl, dstats, P, dtls[p], N, valid, Vl, dloss);
+        std::string s = sh + "_rank" + std::to_string(p);
+        check("xent_finish_losses" + s, get_f32(dl, N), rloss, TOL_F32);
+        check("xent_finish_dlogits" + s, get_act(dparts[p], (size_t)N * Vl), rl, tol_act());
+        cudaFree(dl), cudaFree(dparts[p]), cudaFree(dtls[p]);
+    }
+    cudaFree(dstats);
+
+    /* embeddings: every third id another rank's */
+    const int B = 2, T = N / 2, C = 40;
+    std::vector<int32_t> tok(B * T);
+    for (int i = 0; i < B * T; i++) tok[i] = i % 3 == 1 ? -1 : (int32_t)(gen() % Vl);
+    Vec wte = rnd_act((size_t)Vl * C, 1.0f), wpe = rnd_act((size_t)T * C, 1.0f), ref((size_t)B * T * C);
+    cpu->embed_forward(ref.data(), tok.data(), wte.data(), wpe.data(), B, T, C);
+    int32_t *dtok;
+    CUDA_CHECK(cudaMalloc(&dtok, tok.size() * sizeof(int32_t)));
+    CUDA_CHECK(cudaMemcpy(dtok, tok.data(), tok.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    void *dw = dev_act(wte), *dp = dev_act(wpe), *dout;
+    CUDA_CHECK(cudaMalloc(&dout, ref.size() * AB));
+    gpu->embed_forward(dout, dtok, dw, dp, B, T, C);
+    check_exact("embed_forward_other_ranks_ids" + sh, get_act(dout, ref.size()), act_round(ref));
+    Vec g = rnd_act(ref.size(), 1.0f), gwte = rnd((size_t)Vl * C, 1.0f), gwpe = rnd((size_t)T * C, 1.0f);
+    Vec rwte = gwte, rwpe = gwpe;
+    cpu->embed_backward(rwte.data(), rwpe.data(), g.data(), tok.data(), B, T, C, 0);
+    void *dg = dev_act(g);
+    float *dgw = dev_f32(gwte), *dgp = dev_f32(gwpe);
+    gpu->embed_backward(dgw, dgp, dg, dtok, B, T, C, 0);
+    check_exact("embed_backward_other_ranks_ids" + sh, get_f32(dgw, rwte.size()), rwte);
+    cudaFree(dtok), cudaFree(dw), cudaFree(dp), cudaFree(dout), cudaFree(dg), cudaFree(dgw), cudaFree(dgp);
+}
+
 static void test_crossentropy(int N, int V, int Vp) {
     std::string sh = "_N" + std::to_string(N) + "_V" + std::to_string(V) + "_Vp" + std::to_string(Vp);
     std::vector<int32_t> tg(N);
@@ -908,6 +982,9 @@ int main(void) {
         test_crossentropy(5, 1000, 1024); /* rows wider than the block */
         test_crossentropy(3, 5000, 5056); /* more 16-byte packs in a row than threads in the block */
         test_crossentropy(7, 100, 103);   /* a row stride of no whole packs: element by element */
+        test_vocab_parallel(8, 100, 2, 64);   /* 64 and 36 real columns */
+        test_vocab_parallel(6, 1000, 4, 320); /* 320, 320, 320, 40: rows wider than the block */
+        test_vocab_parallel(4, 70, 4, 64);    /* 64, 6, none, none */
         test_adamw(1003);
         test_adamw_bf16(1003);
         test_adamw_p16(1003, 0);

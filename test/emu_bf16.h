@@ -127,6 +127,20 @@ static void emu_crossentropy_forward(void *logits, float *losses, const int32_t 
     else free(x);
 }
 
+static void emu_xent_partial(float *stats, const void *logits, const int32_t *targets, int N, int V, int Vp) {
+    float *x = emu_wide(logits, (size_t)N * Vp);
+    backend_cpu.xent_partial(stats, x, targets, N, V, Vp);
+    free(x);
+}
+static void emu_xent_finish(void *logits, float *losses, const float *stats_all, int P, const int32_t *targets,
+                            int N, int V, int Vp, float dloss) {
+    size_t n = (size_t)N * Vp;
+    float *x = emu_wide(logits, n);
+    backend_cpu.xent_finish(x, losses, stats_all, P, targets, N, V, Vp, dloss);
+    if (dloss != 0.0f) emu_store(logits, x, n);
+    else free(x);
+}
+
 /* An fp32 output buffer of n (>= 1) floats. */
 static float *emu_floats(size_t n) { return xmalloc((n ? n : 1) * sizeof(float)); }
 
@@ -280,6 +294,8 @@ static Backend emu_bf16_backend(void) {
     b.moe_route_backward = emu_moe_route_backward;
     b.residual_forward = emu_residual_forward;
     b.crossentropy_forward = emu_crossentropy_forward;
+    b.xent_partial = emu_xent_partial;
+    b.xent_finish = emu_xent_finish;
     return b;
 }
 

@@ -45,14 +45,40 @@ static void trace_batch(int32_t *inp, int32_t *tgt, uint64_t seed) {
 typedef struct {
     ModelRecompute r;
     int gelu_fusion, master16, state16;
+    int tp, tp_rank; /* tp > 1: rank tp_rank's part of the model, on trace_tp's one-process collectives */
 } TraceOpts;
+
+/* Tensor parallelism on one process (TraceOpts.tp): the collectives of a tp
+ * group whose other ranks hold exactly what this one does. Sums leave this
+ * rank's partial sums as they are; gathers copy its block into every slot.
+ * Not the whole model's function, but a deterministic one of the local
+ * shapes (heads, kv heads, MLP width and vocabulary rows of one rank), the
+ * same on every backend: what comparing the backends on a tp step needs. */
+static void trace_tp_sum(void *ctx, void *buf, size_t n) { (void)ctx, (void)buf, (void)n; }
+static void trace_tp_gather(void *ctx, void *buf, size_t block) {
+    const Model *m = ctx;
+    size_t bytes = block * m->act_bytes;
+    for (int r = 0; r < m->tp; r++)
+        if (r != m->tp_rank) m->be->copy((char *)buf + r * bytes, (char *)buf + m->tp_rank * bytes, bytes);
+}
+static void trace_tp_scatter(void *ctx, const void *send, void *recv, size_t block) {
+    const Model *m = ctx;
+    m->be->copy(recv, (const char *)send + m->tp_rank * block * m->act_bytes, block * m->act_bytes);
+}
+static void trace_tp_gather_f32(void *ctx, const float *send, float *recv, size_t block) {
+    const Model *m = ctx;
+    for (int r = 0; r < m->tp; r++)
+        if (recv + r * block != send) m->be->copy(recv + r * block, send, block * sizeof(float));
+}
 
 /* Train shape s (resolved) from init seed 11 as `op` says, set up as train.c
  * does; the trace's buffers are the caller's to free. */
 static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace *t) {
     Model m;
     arch_resolve(&s);
-    model_init(&m, be, &s, &(ModelOptions){.master_bf16 = op.master16});
+    model_init(&m, be, &s, &(ModelOptions){.master_bf16 = op.master16, .tp = op.tp, .tp_rank = op.tp_rank});
+    ModelTp loop = {&m, trace_tp_sum, trace_tp_gather, trace_tp_scatter, trace_tp_gather_f32, NULL, NULL};
+    if (op.tp > 1) model_set_tp(&m, &loop);
     m.gelu_fusion = op.gelu_fusion;
     model_init_weights(&m, 11);
     model_plan_activations(&m, B, T, op.r);
@@ -91,7 +117,7 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
 
 /* Model.recompute r and gelu_fusion, fp32 master and moments. */
 static inline void trace_train(const Backend *be, ArchSpec s, ModelRecompute r, int gelu_fusion, Trace *t) {
-    TraceOpts op = {r, gelu_fusion, 0, 0};
+    TraceOpts op = {r, gelu_fusion, 0, 0, 0, 0};
     trace_train_opts(be, s, op, t);
 }
 

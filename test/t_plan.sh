@@ -20,8 +20,16 @@ expect plan_bad_gpus 2 "--gpus: expected a count" -- ./train plan $CFG --gpus ei
 expect plan_bad_gpu_mem 2 "--gpu-mem: expected GiB" -- ./train plan $CFG --gpus 8 --gpu-mem -3
 expect plan_nodes_indivisible 2 '--gpus 6 do not split evenly over --nodes 4' -- ./train plan $CFG --gpus 6 --nodes 4
 expect plan_unknown_flag 2 "unknown flag '--bogus'" -- ./train plan $CFG --gpus 8 --bogus
-# tp/pp/cp/ep > 1 are refused by the config itself (not implemented yet)
-expect plan_tp_refused 2 "parallel.tp.*not implemented" -- ./train plan $CFG --gpus 8 --set parallel.tp=2
+# pp/cp/ep > 1 are refused by the config itself (not implemented yet)
+expect plan_pp_refused 2 "parallel.pp.*not implemented" -- ./train plan $CFG --gpus 8 --set parallel.pp=2
+# tp: the split per rank and the communication; a tp that does not divide the heads: invalid, exit 2
+expect plan_tp_lines 0 "tensor parallel        tp 2, sequence parallel on: per rank 6 of 12 heads" -- \
+    ./train plan configs/gpt2-124m.yaml --gpus 8 --set parallel.tp=2
+expect plan_tp_comm 0 "comm per step, tp .* GB sent per rank" -- ./train plan configs/gpt2-124m.yaml --gpus 8 \
+    --set parallel.tp=2
+expect plan_tp_heads 2 "tp 8 must divide the 12 attention heads" -- ./train plan configs/gpt2-124m.yaml --gpus 8 \
+    --set parallel.tp=8
+expect plan_dry_run_tp 0 "comm per step, tp" -- ./train configs/llama-tiny.yaml --dry-run --set parallel.tp=2
 
 # GPT-2 124M, llm.c's recipe (524288 tokens, micro-batch 16) on 8 x 80 GiB at
 # ZeRO 0 (the config's): 1.85 GiB of state + 12.79 GiB of activations fits.

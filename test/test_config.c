@@ -197,8 +197,12 @@ static void test_cross_errors(void) {
                      "key 'batch.total_tokens'", "multiple of micro_batch*seq_len = 2048");
     expect_yaml_fail("config_gpt2_needs_tokenizer_file", "data:\n  tokenizer: gpt2\n", "data.tokenizer_file",
                      "gpt2", NULL);
-    expect_yaml_fail("config_parallel_tp", "parallel:\n  tp: 2\n", "bad.yaml:2:", "key 'parallel.tp'",
+    expect_yaml_fail("config_parallel_pp", "parallel:\n  pp: 2\n", "bad.yaml:2:", "key 'parallel.pp'",
                      "only 1 is supported in this build");
+    expect_yaml_fail("config_parallel_sp_value", "parallel:\n  tp: 2\n  sequence_parallel: sometimes\n",
+                     "bad.yaml:3:", "key 'parallel.sequence_parallel'", NULL);
+    expect_yaml_fail("config_parallel_tp_muon", "parallel:\n  tp: 2\noptim:\n  name: muon\n",
+                     "key 'parallel.tp'", "muon", NULL);
     expect_yaml_fail("config_parallel_dp_batch", "parallel:\n  dp: 3\n", "key 'batch.total_tokens'",
                      "parallel.dp = 3", NULL);
     expect_yaml_fail("config_parallel_zero4", "parallel:\n  zero: 4\n", "key 'parallel.zero'",

@@ -253,6 +253,45 @@ static void check_timeout(void) {
                 killed ? " (killed at 60 s)" : "", want, err);
 }
 
+/* Stream-ordered mode (tensor parallelism's collectives): a blocking
+ * collective returns once enqueued and the compute stream waits for it, so a
+ * kernel after it reads its result with no host wait; more than the 64
+ * pending requests drain by themselves; comm_drain leaves none. Then the bf16
+ * sums (one rank: the values, small integers, exact in bf16, unchanged). */
+static void check_stream_ordered(CommGroup *g) {
+    comm_nccl_stream_ordered(g);
+    float *a = dev_pattern(BIG, 9), *b = dev_pattern(BIG, 10);
+    float *out = be->alloc(BIG * sizeof(float)), *recv = be->alloc(BIG * sizeof(float));
+    float *out2 = be->alloc(BIG * sizeof(float));
+    be->add(out, a, b, BIG);
+    comm_reduce_scatter(g, out, recv, BIG);
+    be->add(out2, recv, b, BIG);
+    report_bad("nccl_ordered_reduce_scatter", dev_check(out2, BIG, 1, 9, 2, 10),
+               "a + 2b with no host wait between the collective and the add after it");
+    enum { K = 70 };
+    for (int k = 0; k < K; k++) comm_all_reduce_sum(g, a, 4096);
+    comm_drain(g);
+    report_bad("nccl_ordered_many", dev_check(a, BIG, 1, 9, 0, 0), "70 ordered all-reduces (one rank: unchanged)");
+    size_t n = 4096;
+    uint16_t *h16 = malloc(n * sizeof(uint16_t));
+    float *hf = host_pattern(n, 11), *back = malloc(n * sizeof(float));
+    backend_f32_to_act(h16, hf, n, 2);
+    void *d16 = be->alloc(n * sizeof(uint16_t)), *r16 = be->alloc(n * sizeof(uint16_t));
+    be->to_device(d16, h16, n * sizeof(uint16_t));
+    comm_all_reduce_sum_bf16(g, d16, n);
+    comm_reduce_scatter_bf16(g, d16, r16, n);
+    comm_drain(g);
+    be->to_host(h16, r16, n * sizeof(uint16_t));
+    backend_act_to_f32(back, h16, n, 2);
+    long bad = -1;
+    for (size_t i = 0; i < n && bad < 0; i++)
+        if (back[i] != hf[i]) bad = (long)i;
+    report_bad("nccl_bf16_sums", bad, "bf16 all-reduce and reduce-scatter of one rank");
+    free(h16), free(hf), free(back);
+    be->free(d16), be->free(r16);
+    be->free(a), be->free(b), be->free(out), be->free(out2), be->free(recv);
+}
+
 int main(int argc, char **argv) {
     int child = argc > 1 && strcmp(argv[1], "timeout") == 0;
     if (strcmp(comm_nccl_build_info(), "nccl: not built in") == 0) {
@@ -292,6 +331,7 @@ int main(int argc, char **argv) {
     check_ordering(g);
     check_many(g);
     check_timeout();
+    check_stream_ordered(g);
 
     comm_nccl_free(g);
     test_report(g->nccl == NULL && g->dev == NULL, "nccl_free", "comm_nccl_free left the communicator or its streams");

@@ -231,7 +231,7 @@ typedef struct {
 static void embed_ref(EmbedRef *e) {
     for (int i = 0; i < e->B * e->T; i++)
         for (int c = 0; c < e->C; c++)
-            e->out[(size_t)i * e->C + c] = e->wte[(size_t)e->tok[i] * e->C + c] +
+            e->out[(size_t)i * e->C + c] = (e->tok[i] < 0 ? 0.0 : e->wte[(size_t)e->tok[i] * e->C + c]) +
                                            e->wpe[(size_t)(i % e->T) * e->C + c];
 }
 static double embed_loss(void *ctx) {
@@ -245,6 +245,8 @@ static void test_embed(const OpTest *t) {
     int32_t *tok = hbuf(N * sizeof(int32_t));
     for (int i = 0; i < N; i++) tok[i] = (int32_t)rng_below(&rng, (uint64_t)V);
     tok[N - 1] = tok[0]; /* a repeated token: the scatter must add, not store */
+    /* opt: vocabulary-parallel ids, every third token another tp rank's (-1: a zero row) */
+    for (int i = 1; t->opt && i < N - 1; i += 3) tok[i] = -1;
     float *wte = quant(randn((size_t)Vp * C, 1.0f, 0.0f), (size_t)Vp * C);
     float *wpe = quant(randn((size_t)T * C, 1.0f, 0.0f), (size_t)T * C);
     float *R = quant(randn((size_t)N * C, 1.0f, 0.0f), (size_t)N * C);
@@ -747,6 +749,63 @@ static void test_crossentropy(const OpTest *t) {
     for (int i = 0; i < N; i++)
         for (int j = V; j < Vp; j++) zeros = zeros && after[(size_t)i * Vp + j] == 0.0f;
     check_exact(t->name, "padding_zero", zeros, "padded columns of dlogits are not 0");
+}
+
+/* Vocabulary-parallel cross-entropy (tensor parallelism): the dense case's
+ * logits split into P column slices of Vl (NH = P), slice p holding
+ * clamp(V - p Vl, 0, Vl) real columns, each processed as its rank would
+ * (xent_partial, the stats of all slices in rank order, xent_finish); the
+ * losses and every slice's dlogits against the dense reference and its
+ * finite differences. Same tolerances as crossentropy: the slices' partial
+ * sums of exponentials only reassociate the dense sum. */
+static void test_xent_parallel(const OpTest *t) {
+    int N = t->B * t->T, V = t->V, P = t->NH, Vl = (t->Vp + P - 1) / P, W = P * Vl;
+    size_t NW = (size_t)N * W, nl = (size_t)N * Vl;
+    float *logits = randn(NW, 3.0f, V > 64 ? -100.0f : 0.0f);
+    for (int i = 0; i < N; i++)
+        for (int j = V; j < W; j++) logits[(size_t)i * W + j] = 1e4f; /* padding: ignored */
+    quant(logits, NW);
+    int32_t *tg = hbuf(N * sizeof(int32_t)), *tl = hbuf(N * sizeof(int32_t));
+    for (int i = 0; i < N; i++) tg[i] = (int32_t)rng_below(&rng, (uint64_t)V);
+    tg[0] = V - 1;
+    const float dloss = 0.37f;
+    CeRef c = {N, V, W, tg, to_d(logits, NW), hd(N), dloss};
+    ce_ref(&c);
+    double *g = hd(NW);
+    for (int i = 0; i < N; i++) fd_grad(ce_loss, &c, c.logits + (size_t)i * W, V, g + (size_t)i * W);
+    float *all = df(NULL, (size_t)P * N * 3), *part = hf(nl), *losses = hf(N), *got = hf(NW);
+    void **d_part = calloc((size_t)P, sizeof(void *));
+    int32_t **d_tl = calloc((size_t)P, sizeof(int32_t *));
+    for (int p = 0; p < P; p++) {
+        int valid = V - p * Vl < 0 ? 0 : V - p * Vl > Vl ? Vl : V - p * Vl;
+        for (int i = 0; i < N; i++) {
+            memcpy(part + (size_t)i * Vl, logits + (size_t)i * W + (size_t)p * Vl, Vl * sizeof(float));
+            tl[i] = tg[i] >= p * Vl && tg[i] < (p + 1) * Vl ? tg[i] - p * Vl : -1;
+        }
+        d_part[p] = da(part, nl);
+        d_tl[p] = dbuf(tl, N * sizeof(int32_t));
+        be->xent_partial((float *)((char *)all + (size_t)p * N * 3 * sizeof(float)), d_part[p], d_tl[p], N, valid,
+                         Vl);
+    }
+    double worst = 0;
+    for (int p = 0; p < P; p++) {
+        int valid = V - p * Vl < 0 ? 0 : V - p * Vl > Vl ? Vl : V - p * Vl;
+        float *d_losses = df(NULL, N);
+        be->xent_finish(d_part[p], d_losses, all, P, d_tl[p], N, valid, Vl, dloss);
+        down(losses, d_losses, N);
+        double e = err_rel(losses, c.losses, N);
+        worst = e > worst ? e : worst;
+        down_a(part, d_part[p], nl);
+        for (int i = 0; i < N; i++) memcpy(got + (size_t)i * W + (size_t)p * Vl, part + (size_t)i * Vl, Vl * sizeof(float));
+    }
+    check(t->name, "loss_every_rank", worst, TOL_FWD);
+    check(t->name, "dlogits", err_rel(got, g, NW), TOL_BWD);
+    int zeros = 1;
+    for (int i = 0; i < N; i++)
+        for (int j = V; j < W; j++) zeros = zeros && got[(size_t)i * W + j] == 0.0f;
+    check_exact(t->name, "padding_zero", zeros, "padded columns of dlogits are not 0");
+    free(d_part);
+    free(d_tl);
 }
 
 /* ---- adamw ---------------------------------------------------------------- */
@@ -1516,6 +1575,12 @@ static const OpTest op_tests[] = {
     {"add",              test_add,         1, 1, 1003, 0,  0,    0, 0, 0, 0, 0},
     {"crossentropy",     test_crossentropy, 2, 5, 0,  0,  11,   16, 0, 0, 0, 0},
     {"crossentropy_odd", test_crossentropy, 1, 3, 0,  0, 997, 1024, 0, 0, 0, 0},
+    /* tp 2: slices of 8 hold 8 and 3 real columns; tp 4 over 1024: the last
+     * holds 229; tp 4 over 16: ranks 2 and 3 hold none */
+    {"xent_tp2",         test_xent_parallel, 2, 5, 0, 2,  11,   16, 0, 0, 0, 0},
+    {"xent_tp4_odd",     test_xent_parallel, 1, 3, 0, 4, 997, 1024, 0, 0, 0, 0},
+    {"xent_tp4_empty",   test_xent_parallel, 2, 3, 0, 4,  11,   32, 0, 0, 0, 0},
+    {"embed_vocab_parallel", test_embed,   2, 5,  8,  0,  11,   16, 0, 0, 0, 1},
     {"adamw",            test_adamw,       1, 1, 1037, 0,  0,    0, 1, 0, 0, 0},
     {"sumsq",            test_sumsq,       1, 1, 100003, 0, 0,   0, 1, 0, 0, 0},
     /* Llama ops on odd shapes (no multiple of 8, 16 or 64). GQA: NH 6 over

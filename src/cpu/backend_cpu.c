@@ -140,8 +140,12 @@ static void cpu_embed_forward(void *out_, const int32_t *tokens, const void *wte
     const float *wte = wte_, *wpe = wpe_;
     #pragma omp parallel for schedule(static)
     for (int i = 0; i < B * T; i++) {
-        const float *we = wte + (size_t)tokens[i] * C;
         float *o = out + (size_t)i * C;
+        if (tokens[i] < 0) { /* another tp rank's token: zero, plus the position */
+            for (int c = 0; c < C; c++) o[c] = wpe ? wpe[(size_t)(i % T) * C + c] : 0.0f;
+            continue;
+        }
+        const float *we = wte + (size_t)tokens[i] * C;
         if (!wpe) {
             memcpy(o, we, (size_t)C * sizeof(float));
             continue;
@@ -162,6 +166,7 @@ static void cpu_embed_backward(float *dwte, float *dwpe, const void *dout_,
         int nt = omp_get_num_threads(), id = omp_get_thread_num();
         int c0 = (int)((long)C * id / nt), c1 = (int)((long)C * (id + 1) / nt);
         for (int i = 0; i < B * T; i++) {
+            if (tokens[i] < 0) continue; /* another tp rank's token */
             float *dw = dwte + (size_t)tokens[i] * C;
             const float *d = dout + (size_t)i * C;
             for (int c = c0; c < c1; c++) dw[c] += d[c];
@@ -946,6 +951,52 @@ static void cpu_crossentropy_forward(void *logits_, float *losses, const int32_t
     }
 }
 
+static void cpu_xent_partial(float *stats, const void *logits_, const int32_t *targets, int N, int V, int Vp) {
+    /* stats (N,3) = [max, sum exp(x - max), target logit or 0]; logits (N,Vp), targets (N) local or < 0 */
+    const float *logits = logits_;
+    #pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        const float *x = logits + (size_t)i * Vp;
+        float mx = -INFINITY, s = 0.0f;
+        #pragma omp simd reduction(max : mx)
+        for (int j = 0; j < V; j++) mx = x[j] > mx ? x[j] : mx;
+        #pragma omp simd reduction(+ : s)
+        for (int j = 0; j < V; j++) s += cpu_expf(x[j] - mx);
+        float *st = stats + (size_t)i * 3;
+        st[0] = mx, st[1] = s, st[2] = targets[i] >= 0 ? x[targets[i]] : 0.0f;
+    }
+}
+
+/* The global max and sum of exponentials of row i from every rank's stats,
+ * in rank order (so every rank computes the same). */
+static void xent_combine(const float *stats_all, int P, int N, int i, float *M, float *S, float *xt) {
+    float mx = -INFINITY, s = 0.0f, t = 0.0f;
+    for (int p = 0; p < P; p++) mx = fmaxf(mx, stats_all[((size_t)p * N + i) * 3]);
+    for (int p = 0; p < P; p++) {
+        const float *st = stats_all + ((size_t)p * N + i) * 3;
+        if (st[1] > 0.0f) s += st[1] * cpu_expf(st[0] - mx);
+        t += st[2];
+    }
+    *M = mx, *S = s, *xt = t;
+}
+
+static void cpu_xent_finish(void *logits_, float *losses, const float *stats_all, int P, const int32_t *targets,
+                            int N, int V, int Vp, float dloss) {
+    /* logits (N,Vp) -> dlogits in place if dloss != 0; losses (N); stats_all (P,N,3) */
+    float *logits = logits_;
+    #pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) {
+        float mx, s, xt;
+        xent_combine(stats_all, P, N, i, &mx, &s, &xt);
+        losses[i] = mx + logf(s) - xt;
+        if (dloss == 0.0f) continue;
+        float *x = logits + (size_t)i * Vp, k = dloss / s;
+        for (int j = 0; j < V; j++) x[j] = cpu_expf(x[j] - mx) * k;
+        if (targets[i] >= 0) x[targets[i]] -= dloss;
+        for (int j = V; j < Vp; j++) x[j] = 0.0f;
+    }
+}
+
 /* ---------------------------------------------------------------------------
  * Optimizer and reductions */
 
@@ -1201,6 +1252,8 @@ const Backend backend_cpu = {
     .residual_forward = cpu_residual_forward,
     .add = cpu_add,
     .crossentropy_forward = cpu_crossentropy_forward,
+    .xent_partial = cpu_xent_partial,
+    .xent_finish = cpu_xent_finish,
     .adamw_update = cpu_adamw_update,
     .adamw_update_bf16 = cpu_adamw_update_bf16,
     .adamw_update_p16 = cpu_adamw_update_p16,
