@@ -521,6 +521,7 @@ static void check_agree(CommGroup *g, const char *op, FlightDtype dt, size_t cou
  * flight_wait / flight_done. */
 __attribute__((unused)) static uint64_t op_begin(CommGroup *g, const char *op, FlightDtype dt, size_t count,
                                                 int root, int p2p, int blocking) {
+    if (g->size < 2) return 0; /* a one-rank group in device mode: nothing to record or agree on */
     if (!p2p) g->coll++;
     FlightOp fo = {.group = g->name, .group_first = g->members[0], .group_size = g->size, .op = op,
                    .seq = g->seq, .coll = g->coll, .dtype = dt, .count = count,
