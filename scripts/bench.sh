@@ -29,6 +29,8 @@ if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
             --set metrics.peak_gflops=1 --set metrics.log_every=1 --set parallel.zero=$zero \
             --set run.dir="$dir/run$zero" 2>&1 | grep -E '^step|^done|data parallel' | sed 's/ | MFU[^|]*//'
     done
+    # what the flight recorder and monitor.check_collectives cost per step (docs/parallel.md)
+    bash scripts/bench_flight.sh 2 1000 5
 else
     echo "== data-parallel point skipped: mpirun or an MPI build of ./train not found =="
 fi
