@@ -483,7 +483,7 @@ __attribute__((noreturn)) static void check_fail(CommGroup *g, const CheckCall *
         sep = " (as do ranks ";
         for (int i = 1; i < g->size && k < (int)sizeof line - 16; i++)
             if (check_same(&all[i], &all[0])) k += snprintf(line + k, sizeof line - k, "%s%d", sep, g->members[i]), sep = ",";
-        if (*sep == ',') snprintf(line + k, sizeof line - k, ")");
+        if (*sep == ',' && k < (int)sizeof line - 2) snprintf(line + k, sizeof line - k, ")");
         fflush(stdout);
         fprintf(stderr, "kiln: error: %s\n", line);
         fprintf(stderr, "kiln: hint: monitor.check_collectives stopped this before it could hang: every rank must "

@@ -280,9 +280,26 @@ static int is_fatal(const char *reason) {
     return strcmp(reason, "SIGSEGV") == 0 || strcmp(reason, "SIGABRT") == 0 || strcmp(reason, "SIGBUS") == 0;
 }
 
+/* Crashed ranks, and ranks whose watchdog fired outside a collective (stuck
+ * in compute or I/O: the others wait for them). */
 static void find_crashes(Doc *d) {
     for (int q = 0; q < d->world; q++) {
         DRank *r = &d->r[q];
+        if (r->flight && strcmp(r->reason, "stall") == 0) {
+            char desc[160], why[400];
+            if (r->wait) {
+                op_desc(r->wait, desc, sizeof desc);
+                fprintf(d->out, "stall: rank %d's watchdog fired while it waited in %s\n", q, desc);
+                continue;
+            }
+            fprintf(d->out, "stall: rank %d on %s (pid %d) made no progress in step %d, phase %s, outside any "
+                            "collective (the watchdog fired): stuck in compute or I/O\n",
+                    q, host_of(r), r->pid, r->step, r->phase);
+            snprintf(why, sizeof why, "stuck in step %d, phase %s, outside any collective (watchdog)", r->step,
+                     r->phase);
+            name_culprit(d, q, why);
+            continue;
+        }
         if (!r->flight || !is_fatal(r->reason)) continue;
         char last[160] = "none recorded", why[400];
         if (r->n) op_desc(&r->ops[r->n - 1], last, sizeof last);

@@ -5,7 +5,7 @@
 # sequence number); a rank that calls another collective with
 # check_collectives on (an immediate error naming both ranks and both calls);
 # SIGUSR2 to a running rank (its ring written, the run goes on); a SIGSEGV
-# (the ring still written); the recorder and the check on and off (the same
+# (the ring still written); a watchdog stall; the recorder and the check on and off (the same
 # losses and parameters to the bit); the config keys; --help. The unit checks
 # of the ring and of doctor on written files are build/test/test_flight.
 # Nothing here waits on a clock: the signal test waits for a file, then the
@@ -105,7 +105,24 @@ if [ $rc -ne 0 ] && parses $D/flight/rank1.json && [ "$(field $D/flight/rank1.js
     ok flight_sigsegv_leaves_readable_ring
 else fail flight_sigsegv_leaves_readable_ring "exit $rc: $(grep -m2 -E 'kiln|Segm' $D.err) $(ls $D/flight 2>&1)"; fi
 
-# 5. The recorder off, on (default), and on with the agreement: the same
+# 5. rank 1 hangs in step 2's forward (outside any collective); its watchdog
+# (2 s) writes its ring with reason stall, and doctor names it whether or not
+# rank 0's watchdog, waiting in the gradient all-reduce, fired too. The hook
+# is given to rank 1 alone (an mpirun app context of its own).
+D=$T/stall
+W=(./train $Y --set train.steps=4 --set train.eval_every=0 --set checkpoint.every=0 --set checkpoint.final=false
+   --set monitor.stall_timeout_s=2 --set parallel.timeout_s=60 --set run.dir=$D)
+"${MPIRUN[@]}" -np 1 "${W[@]}" : -np 1 -x KILN_TEST_STALL_AT_STEP=2 "${W[@]}" >$D.out 2>$D.err
+rc=$?
+./train doctor $D >$D.doctor 2>&1
+drc=$?
+if [ $rc -eq 1 ] && [ "$(field $D/flight/rank1.json reason)" = stall ] && [ $drc -eq 3 ] &&
+   grep -q '^stall: rank 1 on .* made no progress in step 2, phase forward, outside any collective' $D.doctor &&
+   grep -q '^culprit: rank 1 ' $D.doctor && ! grep -q '^culprit: rank 0 ' $D.doctor; then
+    ok flight_watchdog_stall_ring_and_doctor
+else fail flight_watchdog_stall_ring_and_doctor "exit $rc, doctor $drc: $(grep -m2 error $D.err) $(cat $D.doctor)"; fi
+
+# 6. The recorder off, on (default), and on with the agreement: the same
 # losses and the same final parameters, to the bit (recording reads no data).
 B=(--set train.steps=6 --set train.eval_every=0 --set checkpoint.every=0 --set checkpoint.final=true)
 "${MPIRUN[@]}" -np 2 ./train $Y "${B[@]}" --set monitor.flight_records=0 --set run.dir=$T/off >$T/off.out 2>&1
@@ -118,7 +135,7 @@ if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" = "$c" ] && [ -n "$sa" ] && [ "$sa" 
    [ "$(echo "$a" | wc -l)" = 6 ]; then ok flight_on_off_bit_identical
 else fail flight_on_off_bit_identical "losses off/on/check: $(echo $a | tail -c 80) | $(echo $b | tail -c 80) | $(echo $c | tail -c 80); sums '$sa' '$sb' '$sc'"; fi
 
-# 6. The keys are validated like any other, and --help shows doctor.
+# 7. The keys are validated like any other, and --help shows doctor.
 expect flight_records_not_a_number_exit2 2 "key 'monitor.flight_records'" -- ./train $Y --dry-run --set monitor.flight_records=lots
 expect flight_records_negative_exit2 2 "key 'monitor.flight_records'" -- ./train $Y --dry-run --set monitor.flight_records=-1
 expect check_collectives_not_a_bool_exit2 2 "key 'monitor.check_collectives'" -- ./train $Y --dry-run --set monitor.check_collectives=maybe
