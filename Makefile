@@ -47,6 +47,8 @@ TEST_BIN := $(TEST_SRC:test/%.c=$(BUILD)/test/%)
 BENCH_BIN := $(BUILD)/test/bench_attention
 # test/t_hf_interop.sh's kiln side (forward, parameter dump, export), built with the tests too
 BENCH_BIN += $(BUILD)/test/hf_tool
+# scripts/bench_flight.sh: the flight recorder's and monitor.check_collectives' cost per operation
+BENCH_BIN += $(BUILD)/test/bench_flight
 
 # ---- CUDA backend (cuda/*.cu) --------------------------------- begin CUDA block
 # Built whenever nvcc is found; CUDA=0 leaves it out, CUDA=1 insists. The CUDA

@@ -12,6 +12,7 @@
 #include "ckpt.h"
 #include "comm.h"
 #include "config.h"
+#include "doctor.h"
 #include "hf.h"
 #include "plan.h"
 #include "prepare.h"
@@ -38,6 +39,12 @@ static const char *usage =
     "  ./train report RUN_DIR [RUN_DIR...] [-o FILE]\n"
     "                              one self-contained HTML page of charts (loss, lr, grad\n"
     "                              norm, tokens/s, MFU), runs overlaid; default RUN_DIR/report.html\n"
+    "  ./train doctor RUN_DIR [--stuck-after S] [--slow-ms MS]\n"
+    "                              after a hang, crash or SIGUSR2 snapshot: read every rank's\n"
+    "                              flight recorder (RUN_DIR/flight/) and heartbeat; name the\n"
+    "                              collective the ranks disagree on and who never posted it,\n"
+    "                              crashed ranks, the slowest rank per phase; exit 3 when it\n"
+    "                              names a culprit, 0 when not, 2 on bad input\n"
     "  ./train ckpt-info CKPT_DIR  print a checkpoint's manifest, verify every checksum,\n"
     "                              and print a checksum of the parameters and of all state\n"
     "  ./train ckpt-diff A B [--tol X] [--quiet]\n"
@@ -71,7 +78,9 @@ static const char *usage =
     "or srun --mpi=pmix / sbatch scripts/train.sbatch (docs/parallel.md)\n"
     "\n"
     "exit codes: 0 done, 1 runtime failure, 2 bad usage or input, 75 stopped on a signal\n"
-    "(resume me). See README.md and docs/.\n";
+    "(resume me); ./train doctor: 3 culprit found. A hung job: kill -USR2 (or scancel\n"
+    "--signal=USR2) writes each rank's flight recorder without stopping it, then\n"
+    "./train doctor RUN_DIR (docs/parallel.md, \"Debugging hangs\"). See README.md and docs/.\n";
 
 static void print_version(void) {
     printf("kiln %s (commit %s)\n", KILN_VERSION, KILN_COMMIT);
@@ -103,6 +112,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "plan") == 0) return plan_main(argc - 1, argv + 1);
     if (strcmp(cmd, "status") == 0) return report_status_main(argc - 1, argv + 1);
     if (strcmp(cmd, "report") == 0) return report_html_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "doctor") == 0) return doctor_main(argc - 1, argv + 1);
     if (strcmp(cmd, "config-doc") == 0) {
         cfg_write_doc(stdout);
         return KILN_EXIT_OK;

@@ -46,6 +46,8 @@ if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
     mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 ./train configs/bench-cpu.yaml "${TPS[@]}" \
         --set parallel.tp=2 --set run.dir="$dir/tp2" 2>&1 | grep -E '^step|^done|tensor parallel: [0-9.]*%' \
         | sed 's/ | MFU[^|]*//'
+    # what the flight recorder and monitor.check_collectives cost per step (docs/parallel.md)
+    bash scripts/bench_flight.sh 2 1000 5
 else
     echo "== data- and tensor-parallel points skipped: mpirun or an MPI build of ./train not found =="
 fi

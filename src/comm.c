@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "flight.h"
 #include "util.h"
 
 #ifdef KILN_MPI
@@ -48,6 +49,8 @@ static struct {
     uint64_t cur_seq;
     struct WatchMsg *answers;   /* [world]: one answer buffer per asker */
     uint64_t *answer_req;       /* [world]: MPI_Request of each answer */
+    int check;                  /* monitor.check_collectives */
+    struct CheckCall *check_all; /* [world]: every member's call, gathered before each collective */
 } C;
 
 /* A rank's answer to "where are you?". */
@@ -144,6 +147,7 @@ static void mpi_fail(const char *file, int line, const char *call, const CommGro
     char msg[MPI_MAX_ERROR_STRING];
     int len = 0;
     if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) snprintf(msg, sizeof msg, "MPI error %d", rc);
+    flight_dump(FLIGHT_COMM_ERROR, rc);
     kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s:%d: %s on group '%s' failed: %s", C.info.rank, file, line, call,
               g ? g->name : "world", msg);
 }
@@ -218,6 +222,10 @@ static void watch_serve(void) {
         if (MPI_Iprobe(MPI_ANY_SOURCE, WATCH_ASK, w, &flag, &st) != MPI_SUCCESS || !flag) return;
         int32_t who;
         if (MPI_Recv(&who, 1, MPI_INT32_T, st.MPI_SOURCE, WATCH_ASK, w, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
+        /* a peer timed out: write the ring before answering, so that every
+         * rank still waiting has its file before the asker exits (and mpirun
+         * ends the job) */
+        flight_dump(FLIGHT_PEER, who);
         int src = st.MPI_SOURCE;
         MPI_Request *r = (MPI_Request *)(void *)&C.answer_req[src];
         if (*r != MPI_REQUEST_NULL) {
@@ -281,6 +289,7 @@ static void watch_ask(const CommGroup *g, WatchMsg *ans, int *got, double grace)
 __attribute__((unused)) static void comm_timeout(const CommGroup *g, const char *op, uint64_t seq, double waited) {
     char line[2048];
     int cap = (int)sizeof line - 160;
+    flight_dump(FLIGHT_TIMEOUT, -1); /* first: the ring as it was when the wait gave up */
     int k = snprintf(line, sizeof line, "rank %d: %s #%llu on group '%s' (%d ranks) did not complete within %.0f s",
                      C.info.rank, op, (unsigned long long)seq, g->name, g->size, waited);
     int *got = xcalloc((size_t)g->size, sizeof(int));
@@ -406,6 +415,132 @@ static void need_mpi(const CommGroup *g, const char *op) {
               "this build has none: install libopenmpi-dev (make deps) and rebuild"
 #endif
     );
+}
+
+/* ---------------------------------------------------------------- flight recorder, agreement */
+
+/* What a rank is about to call, all-gathered by monitor.check_collectives. */
+typedef struct CheckCall {
+    char op[24];
+    uint64_t seq, coll, count;
+    int32_t dtype, root, rank, step; /* root: group rank, -1 none; rank: world */
+} CheckCall;
+
+void comm_check_collectives(int on) {
+    C.check = 0;
+    if (!on) return;
+#ifdef KILN_MPI
+    if (C.info.mpi) {
+        if (!C.check_all) C.check_all = xcalloc((size_t)C.info.world, sizeof(CheckCall));
+        C.check = 1;
+        return;
+    }
+#endif
+    if (C.info.world > 1)
+        kiln_warn("monitor.check_collectives: this launch has no MPI to compare calls over (RANK/WORLD_SIZE); "
+                  "nothing is checked");
+}
+
+#ifdef KILN_MPI
+static const char *check_dtype(int d) {
+    static const char *names[] = {"", "f32", "f64", "bytes", "bf16"};
+    return d >= 0 && d < 5 ? names[d] : "?";
+}
+
+/* "all_reduce #42 (1 f64)", "broadcast #7 (8 bytes, root rank 0)" */
+static void check_describe(const CommGroup *g, const CheckCall *c, char *buf, size_t n) {
+    char root[32] = "";
+    if (c->dtype == FLIGHT_NONE) {
+        snprintf(buf, n, "%s #%llu", c->op, (unsigned long long)c->seq);
+        return;
+    }
+    if (c->root >= 0) snprintf(root, sizeof root, ", root rank %d", c->root < g->size ? g->members[c->root] : -1);
+    snprintf(buf, n, "%s #%llu (%llu %s%s)", c->op, (unsigned long long)c->seq, (unsigned long long)c->count,
+             check_dtype(c->dtype), root);
+}
+
+static int check_same(const CheckCall *a, const CheckCall *b) {
+    return strcmp(a->op, b->op) == 0 && a->coll == b->coll && a->count == b->count && a->dtype == b->dtype &&
+           a->root == b->root;
+}
+
+/* Members disagree: group rank 0 names every rank whose call differs from
+ * its own; every member writes its ring, waits for the others (so that the
+ * line is out before a launcher kills the job) and exits 1. */
+__attribute__((noreturn)) static void check_fail(CommGroup *g, const CheckCall *all) {
+    int other = -1;
+    for (int i = 1; i < g->size && other < 0; i++)
+        if (!check_same(&all[i], &all[0])) other = g->members[i];
+    flight_dump(FLIGHT_MISMATCH, g->rank == 0 ? other : g->members[0]);
+    if (g->rank == 0) {
+        char line[2048], d[160];
+        int k = snprintf(line, sizeof line, "rank %d: collective mismatch on group '%s' (%d ranks) at step %d: ",
+                         C.info.rank, g->name, g->size, all[0].step);
+        const char *sep = "";
+        for (int i = 1; i < g->size && k < (int)sizeof line - 400; i++) {
+            if (check_same(&all[i], &all[0])) continue;
+            check_describe(g, &all[i], d, sizeof d);
+            k += snprintf(line + k, sizeof line - k, "%srank %d calls %s", sep, g->members[i], d);
+            sep = "; ";
+        }
+        check_describe(g, &all[0], d, sizeof d);
+        k += snprintf(line + k, sizeof line - k, " where rank %d calls %s", g->members[0], d);
+        sep = " (as do ranks ";
+        for (int i = 1; i < g->size && k < (int)sizeof line - 16; i++)
+            if (check_same(&all[i], &all[0])) k += snprintf(line + k, sizeof line - k, "%s%d", sep, g->members[i]), sep = ",";
+        if (*sep == ',' && k < (int)sizeof line - 2) snprintf(line + k, sizeof line - k, ")");
+        fflush(stdout);
+        fprintf(stderr, "kiln: error: %s\n", line);
+        fprintf(stderr, "kiln: hint: monitor.check_collectives stopped this before it could hang: every rank must "
+                        "issue the same collectives in the same order; RUN_DIR/flight/ holds each rank's recent "
+                        "operations (./train doctor RUN_DIR)\n");
+        fflush(stderr);
+    }
+    MPI_Request r;
+    double t0 = kiln_now();
+    if (MPI_Ibarrier(mcomm(g), &r) == MPI_SUCCESS) wait_mpi(g, &r, "barrier", g->seq, t0);
+    fflush(stdout);
+    _exit(KILN_EXIT_RUNTIME);
+}
+
+static void check_agree(CommGroup *g, const char *op, FlightDtype dt, size_t count, int root) {
+    CheckCall me;
+    memset(&me, 0, sizeof me);
+    kiln_strlcpy(me.op, op, sizeof me.op);
+    me.seq = g->seq, me.coll = g->coll, me.count = count;
+    me.dtype = (int32_t)dt, me.root = root, me.rank = C.info.rank, me.step = flight_step();
+    MPI_Request r;
+    double t0 = kiln_now();
+    MPI_CHECK(g, MPI_Iallgather(&me, (int)sizeof me, MPI_BYTE, C.check_all, (int)sizeof me, MPI_BYTE, mcomm(g), &r));
+    wait_mpi(g, &r, op, g->seq, t0);
+    for (int i = 0; i < g->size; i++)
+        if (!check_same(&C.check_all[i], &C.check_all[0])) check_fail(g, C.check_all);
+}
+#endif
+
+/* Every operation that moves data on a group of two or more ranks starts
+ * here: its flight record (flight.h) and, for a collective with
+ * monitor.check_collectives, the agreement. root: the group rank of a
+ * broadcast's root or a send/recv's peer, -1 none. blocking: the caller waits
+ * right away, so its wait starts now. Returns the record's id, for
+ * flight_wait / flight_done. */
+__attribute__((unused)) static uint64_t op_begin(CommGroup *g, const char *op, FlightDtype dt, size_t count,
+                                                int root, int p2p, int blocking) {
+    if (g->size < 2) return 0; /* a one-rank group in device mode: nothing to record or agree on */
+    if (!p2p) g->coll++;
+    FlightOp fo = {.group = g->name, .group_first = g->members[0], .group_size = g->size, .op = op,
+                   .seq = g->seq, .coll = g->coll, .dtype = dt, .count = count,
+                   .peer = root >= 0 && root < g->size ? g->members[root] : -1};
+    uint64_t id = flight_post(&fo);
+    if (blocking) flight_wait(id);
+#ifdef KILN_MPI
+    if (C.check && !p2p) {
+        if (!blocking) flight_wait(id); /* the agreement waits for the others too */
+        check_agree(g, op, dt, count, root);
+        if (!blocking) flight_idle(id); /* back to compute while the operation runs */
+    }
+#endif
+    return id;
 }
 
 /* ---------------------------------------------------------------- init */
@@ -548,6 +683,7 @@ void comm_finalize(void) {
     free(C.peers);
     free(C.answers);
     free(C.answer_req);
+    free(C.check_all);
     memset(&C, 0, sizeof C);
 }
 
@@ -597,6 +733,7 @@ void comm_split(CommGroup *parent, int color, int key, const char *name, CommGro
     MPI_CHECK(out, MPI_Comm_rank(c, &out->rank));
     MPI_CHECK(out, MPI_Comm_size(c, &out->size));
     out->members = xmalloc((size_t)out->size * sizeof(int));
+    for (int i = 0; i < out->size; i++) out->members[i] = -1; /* unknown until the all-gather below fills them */
     int me = C.info.rank;
     if (out->size == 1) out->members[0] = me;
     else comm_all_gather_bytes(out, &me, out->members, sizeof(int));
@@ -628,6 +765,7 @@ void comm_all_reduce_sum(CommGroup *g, float *buf, size_t n) {
     if (!group_uses_mpi(g) || n == 0) return;
     need_mpi(g, "all_reduce");
 #ifdef KILN_MPI
+    uint64_t fr = op_begin(g, "all_reduce", FLIGHT_F32, n, -1, 0, 1);
     for (size_t off = 0; off < n; off += COMM_CHUNK) {
         int cnt = (int)(n - off < COMM_CHUNK ? n - off : COMM_CHUNK);
         MPI_Request r;
@@ -635,6 +773,7 @@ void comm_all_reduce_sum(CommGroup *g, float *buf, size_t n) {
         MPI_CHECK(g, MPI_Iallreduce(MPI_IN_PLACE, buf + off, cnt, MPI_FLOAT, MPI_SUM, mcomm(g), &r));
         wait_mpi(g, &r, "all_reduce", g->seq, t0);
     }
+    flight_done(fr);
 #endif
 }
 
@@ -652,6 +791,7 @@ void comm_all_reduce_mean(CommGroup *g, float *buf, size_t n) {
 
 #ifdef KILN_MPI
 static void all_reduce_f64(CommGroup *g, double *buf, size_t n, MPI_Op op, const char *name) {
+    uint64_t fr = op_begin(g, name, FLIGHT_F64, n, -1, 0, 1);
     for (size_t off = 0; off < n; off += COMM_CHUNK) {
         int cnt = (int)(n - off < COMM_CHUNK ? n - off : COMM_CHUNK);
         MPI_Request r;
@@ -659,10 +799,21 @@ static void all_reduce_f64(CommGroup *g, double *buf, size_t n, MPI_Op op, const
         MPI_CHECK(g, MPI_Iallreduce(MPI_IN_PLACE, buf + off, cnt, MPI_DOUBLE, op, mcomm(g), &r));
         wait_mpi(g, &r, name, g->seq, t0);
     }
+    flight_done(fr);
 }
 #endif
 
+/* Test hooks KILN_TEST_SKIP_COLLECTIVE / KILN_TEST_WRONG_COLLECTIVE (flight.h):
+ * 1 when this all-reduce of doubles is not to run, having been skipped or
+ * replaced by a broadcast of the same bytes from group rank 0. */
+static int f64_test_hook(CommGroup *g, double *buf, size_t n) {
+    FlightHook h = flight_test_hook(g->name);
+    if (h == FLIGHT_HOOK_WRONG) comm_broadcast_bytes(g, buf, n * sizeof(double), 0);
+    return h != FLIGHT_HOOK_NONE;
+}
+
 void comm_all_reduce_sum_f64(CommGroup *g, double *buf, size_t n) {
+    if (f64_test_hook(g, buf, n)) return;
     g->seq++;
     if (!group_uses_mpi(g) || n == 0) return;
     need_mpi(g, "all_reduce");
@@ -672,6 +823,7 @@ void comm_all_reduce_sum_f64(CommGroup *g, double *buf, size_t n) {
 }
 
 void comm_all_reduce_max_f64(CommGroup *g, double *buf, size_t n) {
+    if (f64_test_hook(g, buf, n)) return;
     g->seq++;
     if (!group_uses_mpi(g) || n == 0) return;
     need_mpi(g, "all_reduce_max");
@@ -721,6 +873,7 @@ void comm_all_gather(CommGroup *g, const float *send, float *recv, size_t block)
     }
     need_mpi(g, "all_gather");
 #ifdef KILN_MPI
+    uint64_t fr = op_begin(g, "all_gather", FLIGHT_F32, block, -1, 0, 1);
     int cnt;
     MPI_Datatype t = big_type(MPI_FLOAT, block, &cnt, g);
     const void *sb = send == recv + (size_t)g->rank * block ? MPI_IN_PLACE : send;
@@ -729,6 +882,7 @@ void comm_all_gather(CommGroup *g, const float *send, float *recv, size_t block)
     MPI_CHECK(g, MPI_Iallgather(sb, cnt, t, recv, cnt, t, mcomm(g), &r));
     wait_mpi(g, &r, "all_gather", g->seq, t0);
     big_type_free(t, MPI_FLOAT, g);
+    flight_done(fr);
 #endif
 }
 
@@ -740,6 +894,7 @@ void comm_all_gather_bytes(CommGroup *g, const void *send, void *recv, size_t bl
     }
     need_mpi(g, "all_gather");
 #ifdef KILN_MPI
+    uint64_t fr = op_begin(g, "all_gather", FLIGHT_BYTES, block, -1, 0, 1);
     int cnt;
     MPI_Datatype t = big_type(MPI_BYTE, block, &cnt, g);
     const void *sb = (const char *)send == (char *)recv + (size_t)g->rank * block ? MPI_IN_PLACE : send;
@@ -748,6 +903,7 @@ void comm_all_gather_bytes(CommGroup *g, const void *send, void *recv, size_t bl
     MPI_CHECK(g, MPI_Iallgather(sb, cnt, t, recv, cnt, t, mcomm(g), &r));
     wait_mpi(g, &r, "all_gather", g->seq, t0);
     big_type_free(t, MPI_BYTE, g);
+    flight_done(fr);
 #endif
 }
 
@@ -763,6 +919,7 @@ static void broadcast_typed(CommGroup *g, void *buf, size_t n, int root, int byt
     if (!group_uses_mpi(g) || n == 0) return;
     need_mpi(g, "broadcast");
 #ifdef KILN_MPI
+    uint64_t fr = op_begin(g, "broadcast", bytes ? FLIGHT_BYTES : FLIGHT_F32, n, root, 0, 1);
     MPI_Datatype base = bytes ? MPI_BYTE : MPI_FLOAT;
     int cnt;
     MPI_Datatype t = big_type(base, n, &cnt, g);
@@ -771,6 +928,7 @@ static void broadcast_typed(CommGroup *g, void *buf, size_t n, int root, int byt
     MPI_CHECK(g, MPI_Ibcast(buf, cnt, t, root, mcomm(g), &r));
     wait_mpi(g, &r, "broadcast", g->seq, t0);
     big_type_free(t, base, g);
+    flight_done(fr);
 #endif
 }
 
@@ -800,6 +958,7 @@ void comm_send(CommGroup *g, const float *buf, size_t n, int peer, int tag) {
     check_peer(g, peer, "send");
     need_mpi(g, "send");
 #ifdef KILN_MPI
+    uint64_t fr = op_begin(g, "send", FLIGHT_F32, n, peer, 1, 1);
     int cnt;
     MPI_Datatype t = big_type(MPI_FLOAT, n, &cnt, g);
     MPI_Request r;
@@ -807,6 +966,7 @@ void comm_send(CommGroup *g, const float *buf, size_t n, int peer, int tag) {
     MPI_CHECK(g, MPI_Isend(buf, cnt, t, peer, tag, mcomm(g), &r));
     wait_mpi(g, &r, "send", g->seq, t0);
     big_type_free(t, MPI_FLOAT, g);
+    flight_done(fr);
 #endif
 }
 
@@ -820,6 +980,7 @@ void comm_recv(CommGroup *g, float *buf, size_t n, int peer, int tag) {
     check_peer(g, peer, "recv");
     need_mpi(g, "recv");
 #ifdef KILN_MPI
+    uint64_t fr = op_begin(g, "recv", FLIGHT_F32, n, peer, 1, 1);
     int cnt;
     MPI_Datatype t = big_type(MPI_FLOAT, n, &cnt, g);
     MPI_Request r;
@@ -827,6 +988,7 @@ void comm_recv(CommGroup *g, float *buf, size_t n, int peer, int tag) {
     MPI_CHECK(g, MPI_Irecv(buf, cnt, t, peer, tag, mcomm(g), &r));
     wait_mpi(g, &r, "recv", g->seq, t0);
     big_type_free(t, MPI_FLOAT, g);
+    flight_done(fr);
 #endif
 }
 
@@ -842,6 +1004,7 @@ void comm_all_to_all(CommGroup *g, const float *send, float *recv, size_t block)
     }
     need_mpi(g, "all_to_all");
 #ifdef KILN_MPI
+    uint64_t fr = op_begin(g, "all_to_all", FLIGHT_F32, block, -1, 0, 1);
     int cnt;
     MPI_Datatype t = big_type(MPI_FLOAT, block, &cnt, g);
     MPI_Request r;
@@ -849,6 +1012,7 @@ void comm_all_to_all(CommGroup *g, const float *send, float *recv, size_t block)
     MPI_CHECK(g, MPI_Ialltoall(send, cnt, t, recv, cnt, t, mcomm(g), &r));
     wait_mpi(g, &r, "all_to_all", g->seq, t0);
     big_type_free(t, MPI_FLOAT, g);
+    flight_done(fr);
 #endif
 }
 
@@ -857,10 +1021,12 @@ void comm_barrier(CommGroup *g) {
     if (!group_uses_mpi(g)) return;
     need_mpi(g, "barrier");
 #ifdef KILN_MPI
+    uint64_t fr = op_begin(g, "barrier", FLIGHT_NONE, 0, -1, 0, 1);
     MPI_Request r;
     double t0 = kiln_now();
     MPI_CHECK(g, MPI_Ibarrier(mcomm(g), &r));
     wait_mpi(g, &r, "barrier", g->seq, t0);
+    flight_done(fr);
 #endif
 }
 
@@ -890,6 +1056,7 @@ void comm_iall_reduce_sum(CommGroup *g, float *buf, size_t n, CommRequest *req) 
     need_mpi(g, "all_reduce");
     check_int_count(g, n, "all_reduce");
 #ifdef KILN_MPI
+    req->flight = op_begin(g, "all_reduce", FLIGHT_F32, n, -1, 0, 0);
     MPI_CHECK(g, MPI_Iallreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, mcomm(g), mreq(req)));
     req->active = 1;
 #endif
@@ -908,6 +1075,7 @@ void comm_ireduce_scatter(CommGroup *g, const float *send, float *recv, size_t b
     need_mpi(g, "reduce_scatter");
     check_int_count(g, block, "reduce_scatter");
 #ifdef KILN_MPI
+    req->flight = op_begin(g, "reduce_scatter", FLIGHT_F32, block, -1, 0, 0);
     MPI_CHECK(g, MPI_Ireduce_scatter_block(send, recv, (int)block, MPI_FLOAT, MPI_SUM, mcomm(g), mreq(req)));
     req->active = 1;
 #endif
@@ -926,6 +1094,7 @@ void comm_iall_gather(CommGroup *g, const float *send, float *recv, size_t block
     need_mpi(g, "all_gather");
     check_int_count(g, block, "all_gather");
 #ifdef KILN_MPI
+    req->flight = op_begin(g, "all_gather", FLIGHT_F32, block, -1, 0, 0);
     const void *sb = send == recv + (size_t)g->rank * block ? MPI_IN_PLACE : send;
     MPI_CHECK(g, MPI_Iallgather(sb, (int)block, MPI_FLOAT, recv, (int)block, MPI_FLOAT, mcomm(g), mreq(req)));
     req->active = 1;
@@ -938,7 +1107,7 @@ int comm_test(CommRequest *req) {
 #ifdef KILN_MPI
     int done = 0;
     MPI_CHECK(req->g, MPI_Test(mreq(req), &done, MPI_STATUS_IGNORE));
-    if (done) req->active = 0;
+    if (done) req->active = 0, flight_done(req->flight);
     else if (kiln_now() - req->t_start > C.info.timeout_s)
         comm_timeout(req->g, req->op, req->seq, kiln_now() - req->t_start);
     return done;
@@ -954,8 +1123,10 @@ void comm_wait(CommRequest *req) {
         return;
     }
 #ifdef KILN_MPI
+    flight_wait(req->flight);
     wait_mpi(req->g, mreq(req), req->op, req->seq, req->t_start);
     req->active = 0;
+    flight_done(req->flight);
 #endif
 }
 
@@ -1316,6 +1487,9 @@ static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, 
     CommGroup *g = req->g;
     NcclDev *d = g->dev;
     if (n == 0) return; /* nothing to move; the sequence number still counts it */
+    int p2p = k == NCCL_OP_SEND || k == NCCL_OP_RECV;
+    FlightDtype dt = k == NCCL_OP_SUM_BF16 || k == NCCL_OP_REDUCE_SCATTER_BF16 ? FLIGHT_BF16 : FLIGHT_F32;
+    req->flight = op_begin(g, req->op, dt, n, p2p || k == NCCL_OP_BROADCAST ? peer : -1, p2p, 0);
     ncclComm_t c = ncomm(g);
     cudaStream_t s = d->stream;
     CUDA_CHECK_G(g, cudaEventRecord(d->ready, d->compute));
@@ -1386,6 +1560,7 @@ static int nccl_poll(CommRequest *req) {
         for (int i = 0; i < nd && k < (int)sizeof dead - 80; i++)
             k += snprintf(dead + k, sizeof dead - k, "; rank %d (pid %d on %s) is dead", w[i], (int)C.peers[w[i]].pid,
                           C.peers[w[i]].host);
+        flight_dump(FLIGHT_COMM_ERROR, (int)st);
         kiln_fail(KILN_EXIT_RUNTIME, "rank %d: NCCL %s #%llu on group '%s' failed: %s (%s)%s", C.info.rank, req->op,
                   (unsigned long long)req->seq, g->name, N.GetErrorString(st), nccl_detail(g), dead);
     }
@@ -1406,6 +1581,7 @@ static void nccl_finish(CommRequest *req) {
     CUDA_CHECK_G(req->g, cudaStreamWaitEvent(d->compute, d->events[req->event], 0));
     d->busy[req->event] = 0;
     req->active = 0;
+    flight_done(req->flight);
 }
 
 static int nccl_test(CommRequest *req) {
@@ -1417,6 +1593,7 @@ static int nccl_test(CommRequest *req) {
 /* Like wait_mpi: yield first (latency), then short sleeps; answer the watch
  * meanwhile, so a peer that timed out learns this rank waits here. */
 static void nccl_wait(CommRequest *req) {
+    flight_wait(req->flight);
     C.cur_op = req->op;
     C.cur_group = req->g;
     C.cur_seq = req->seq;

@@ -36,6 +36,8 @@ typedef struct CommGroup {
     void *dev;                  /* device mode (comm_nccl_device_mode): comm.c's streams and
                                    events; NULL = float collectives take host buffers */
     uint64_t seq;               /* collectives issued on this group, for messages */
+    uint64_t coll;              /* collectives only (seq without send/recv) that moved data: what the
+                                   members agree on (monitor.check_collectives, flight.h) */
 } CommGroup;
 
 /* A non-blocking collective in flight (comm_i*); finish it with comm_wait (or
@@ -49,6 +51,7 @@ typedef struct CommRequest {
     int active;
     int device;        /* 1: an NCCL operation in device mode, tracked by an event */
     int event;         /* device mode: slot of its completion event in the group's pool */
+    uint64_t flight;   /* its flight recorder id (flight.h); 0 = not recorded */
 } CommRequest;
 
 /* Process-wide facts, valid after comm_init. */
@@ -133,6 +136,16 @@ void comm_wait(CommRequest *req);
  * mismatch rank 0 prints one line naming the ranks that differ from it, and
  * every rank exits 2. */
 void comm_check_consistent(uint64_t config_hash, const char *commit);
+
+/* monitor.check_collectives: before every collective on a group of two or
+ * more ranks, its members all-gather (operation, collective number, count,
+ * dtype, root) over the group's MPI communicator; a disagreement ends the run
+ * at once (exit 1) with one line from the group's rank 0 naming both ranks and
+ * both calls, instead of a hang. Point-to-point operations are not checked.
+ * Needs MPI: a launch without it (RANK/WORLD_SIZE) warns and checks nothing.
+ * Every operation is also recorded by the flight recorder (flight.h) once
+ * flight_open has run; a timeout, MPI error or mismatch writes its file. */
+void comm_check_collectives(int on);
 
 /* The world ranks of `g` that are known to be dead: same host and the pid
  * is gone. Returns how many were written to out[0..max). Used in timeout

@@ -210,6 +210,15 @@ static const CfgKey cfg_keys[] = {
          "watchdog: a rank with no progress for this many seconds logs what each phase was doing and exits 1; 0 = off"),
     KFLT("monitor.spike_factor", spike_factor, "2.0", 0, 1e6,
          "warn when the loss exceeds this multiple of its running mean; 0 = off"),
+    KINT("monitor.flight_records", flight_records, "256", 0, 1 << 20,
+         "flight recorder: each rank keeps its last this many collectives and point-to-point operations (group, "
+         "operation, sequence number, count, step, phase, times) in a fixed ring, written to "
+         "`flight/rank<R>.json` on a collective timeout, a watchdog stall, a fatal signal or SIGUSR2 (`./train "
+         "doctor RUN_DIR` reads them); 0 = off"),
+    KBOOL("monitor.check_collectives", check_collectives, "false",
+          "before every collective the group's ranks all-gather what they are about to call (operation, number, "
+          "count, dtype, root): a mismatch stops the run at once (exit 1) naming both ranks and both calls instead "
+          "of hanging; one small all-gather per collective (docs/parallel.md gives the cost)"),
     KSTR("init.from", init_from, "\"\"",
          "weights to start from: an llm.c GPT-2 `.bin`, a kiln checkpoint directory (parameters only), or a "
          "HuggingFace directory (`model.safetensors`) or `.safetensors` file (docs/formats.md); `\"\"` = random init"),

@@ -97,6 +97,8 @@ typedef struct Config {
     int heartbeat;        /* bool: heartbeat/rank*.json every step */
     float stall_timeout_s; /* watchdog: exit 1 after this long without progress; 0 = off */
     float spike_factor;   /* warn when loss > spike_factor x its running mean; 0 = off */
+    int flight_records;   /* flight recorder ring per rank (flight.h); 0 = off */
+    int check_collectives; /* bool: agree on every collective before it runs (comm.h) */
 
     /* init */
     char init_from[CFG_STR]; /* llm.c file, kiln checkpoint or HF directory to start from, "" = random */

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "backend.h"
+#include "flight.h"
 #include "util.h"
 
 static const char *phase_names[PHASE_COUNT] = {"init",      "data", "forward", "backward",   "sync",
@@ -380,6 +381,7 @@ void metrics_phase(Metrics *m, MetricsPhase phase, int step) {
                phase == PHASE_INIT;
     if (rare || now - m->hb_last_write >= 1.0) heartbeat_write_locked(m, 0);
     pthread_mutex_unlock(&m->lock);
+    flight_phase(phase_names[phase], step); /* the step and phase each flight record carries */
 
     /* Test hook (docs/metrics.md): hang in the forward phase of one step,
      * as a rank stuck in a collective would, for the watchdog test. */
@@ -420,6 +422,7 @@ static void watchdog_fire(Metrics *m, double now) {
         }
     }
     heartbeat_write_locked(m, 1);
+    flight_dump(FLIGHT_STALL, -1);
     _exit(KILN_EXIT_RUNTIME); /* exit() would run atexit handlers against a live main thread */
 }
 

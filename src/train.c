@@ -11,6 +11,7 @@
 #include "comm.h"
 #include "data.h"
 #include "ddp.h"
+#include "flight.h"
 #include "mesh.h"
 #include "tp.h"
 #include "metrics.h"
@@ -260,6 +261,11 @@ static void setup_parallel(const Config *c, const TrainOptions *topt, Mesh *mesh
     comm_init(c->timeout_s);
     const CommInfo *ci = comm_info();
     comm_check_consistent(c->hash, topt->commit ? topt->commit : "unknown");
+    /* from here on every collective is recorded (monitor.flight_records) and,
+     * with monitor.check_collectives, agreed on before it runs */
+    flight_open(&(FlightOptions){.run_dir = c->run_dir, .rank = ci->rank, .world = ci->world, .host = ci->host,
+                                 .records = c->flight_records, .signals = 1});
+    comm_check_collectives(c->check_collectives);
     MeshShape ms = {{c->pp, c->dp, c->cp, c->tp}, c->ep};
     char err[512];
     if (mesh_plan(&ms, ci->world, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
@@ -582,5 +588,6 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     if (be->shutdown) be->shutdown();
     mesh_free(&mesh);
     comm_finalize();
+    flight_close();
     return stopped ? KILN_EXIT_RESUME : KILN_EXIT_OK;
 }
