@@ -514,14 +514,21 @@ int report_html_main(int argc, char **argv) {
         fputs(report_usage, stderr);
         kiln_fail(KILN_EXIT_USAGE, "report: no run directory given");
     }
-    Run *runs = xcalloc((size_t)nd, sizeof(Run));
-    for (int i = 0; i < nd; i++) run_load(&runs[i], dirs[i]);
-    label_runs(runs, nd);
     char def[1200];
     if (!out) {
         snprintf(def, sizeof def, "%s/report.html", dirs[0]);
         out = def;
     }
+    if (report_write_html(dirs, nd, out) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write the report", out);
+    printf("report: %s (%d run%s)\n", out, nd, nd > 1 ? "s" : "");
+    free(dirs);
+    return KILN_EXIT_OK;
+}
+
+int report_write_html(const char *const *dirs, int nd, const char *out) {
+    Run *runs = xcalloc((size_t)nd, sizeof(Run));
+    for (int i = 0; i < nd; i++) run_load(&runs[i], dirs[i]);
+    label_runs(runs, nd);
     char *html = NULL;
     size_t hlen = 0;
     FILE *f = open_memstream(&html, &hlen);
@@ -595,11 +602,9 @@ int report_html_main(int argc, char **argv) {
     }
     fprintf(f, "</body></html>\n");
     fclose(f);
-    if (kiln_write_file_atomic(out, html, hlen) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write the report", out);
-    printf("report: %s (%d run%s)\n", out, nd, nd > 1 ? "s" : "");
+    int rc = kiln_write_file_atomic(out, html, hlen);
     free(html);
     for (int i = 0; i < nd; i++) run_free(&runs[i]);
     free(runs);
-    free(dirs);
-    return KILN_EXIT_OK;
+    return rc;
 }
