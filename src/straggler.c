@@ -24,17 +24,12 @@ struct Straggler {
     int *warned, nwarned;   /* [world] */
 };
 
-Straggler *straggler_open(CommGroup *g, const char *host, double factor, double min_excess_s, int persist) {
+Straggler *straggler_new(int world, double factor, double min_excess_s, int persist) {
     Straggler *s = xcalloc(1, sizeof *s);
-    s->g = g && g->size > 1 ? g : NULL;
-    s->world = s->g ? g->size : 1;
-    s->rank = s->g ? g->rank : 0;
+    s->world = world > 0 ? world : 1;
     s->factor = factor, s->min_excess = min_excess_s, s->persist = persist > 0 ? persist : 1;
     s->hosts = xcalloc((size_t)s->world, HOST_LEN);
-    char mine[HOST_LEN] = {0};
-    kiln_strlcpy(mine, host ? host : "?", sizeof mine);
-    if (s->g) comm_all_gather_bytes(s->g, mine, s->hosts, HOST_LEN);
-    else memcpy(s->hosts, mine, HOST_LEN);
+    for (int r = 0; r < s->world; r++) kiln_strlcpy(s->hosts + (size_t)r * HOST_LEN, "?", HOST_LEN);
     s->all = xcalloc((size_t)s->world, sizeof *s->all);
     s->busy = xcalloc((size_t)s->world, sizeof(double));
     s->compute = xcalloc((size_t)s->world, sizeof(double));
@@ -42,6 +37,18 @@ Straggler *straggler_open(CommGroup *g, const char *host, double factor, double 
     s->tmp = xcalloc((size_t)s->world, sizeof(double));
     s->warned = xcalloc((size_t)s->world, sizeof(int));
     s->streak_rank = -1;
+    return s;
+}
+
+Straggler *straggler_open(CommGroup *g, const char *host, double factor, double min_excess_s, int persist) {
+    CommGroup *grp = g && g->size > 1 ? g : NULL;
+    Straggler *s = straggler_new(grp ? grp->size : 1, factor, min_excess_s, persist);
+    s->g = grp;
+    s->rank = grp ? grp->rank : 0;
+    char mine[HOST_LEN] = {0};
+    kiln_strlcpy(mine, host ? host : "?", sizeof mine);
+    if (grp) comm_all_gather_bytes(grp, mine, s->hosts, HOST_LEN);
+    else memcpy(s->hosts, mine, HOST_LEN);
     return s;
 }
 

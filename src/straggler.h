@@ -45,12 +45,15 @@ typedef struct Straggler Straggler;
  * ranks' median (0: never) and by more than min_excess_s; persist: slow
  * logged steps in a row before the warning. */
 Straggler *straggler_open(CommGroup *g, const char *host, double factor, double min_excess_s, int persist);
+/* The same without a group, for `world` ranks whose samples the caller
+ * hands to straggler_feed (tests); hosts are "?". */
+Straggler *straggler_new(int world, double factor, double min_excess_s, int persist);
 void straggler_close(Straggler *s);
 /* Collective over g: everyone's sample to everyone; returns rank 0's view
  * (valid until the next call), NULL on other ranks. */
 const StragglerStats *straggler_gather(Straggler *s, const StragglerSample *mine);
-/* Rank 0's half of straggler_gather with every rank's sample given (tests;
- * world must be straggler_world()). */
+/* Rank 0's half of straggler_gather with every rank's sample given
+ * (all[straggler_world()]). */
 const StragglerStats *straggler_feed(Straggler *s, const StragglerSample *all);
 int straggler_world(const Straggler *s);
 /* Host of world rank r, as that rank named it. */
