@@ -614,7 +614,7 @@ static void summary_write(Metrics *m) {
     if (isfinite(m->best_val)) fprintf(f, ",\"best_val_step\":%d", m->best_val_step);
     double tok_s = m->run_step_s > 0 ? m->run_tokens / m->run_step_s : NAN;
     json_num(f, "tok_per_s", tok_s);
-    if (m->peak > 0) json_num(f, "mfu", m->fpt * tok_s / m->peak);
+    if (m->peak > 0) json_num(f, "mfu", m->fpt * tok_s / (m->peak * m->world));
     json_num(f, "step_time_s", m->steps_seen ? m->run_step_s / m->steps_seen : NAN);
     fprintf(f, ",\"nonfinite_skipped\":%d", m->skipped);
     char name[256] = "";
@@ -687,7 +687,9 @@ static void outlets_end_locked(Metrics *m, int code, const char *reason) {
 
 static void on_fail(int code, const char *message) {
     Metrics *m = fail_metrics;
-    if (!m) return;
+    /* ended == 2: the end is being written (a failure inside it, with the
+     * lock held by this very thread, must not wait for the lock) */
+    if (!m || m->ended == 2) return;
     pthread_mutex_lock(&m->lock);
     outlets_end_locked(m, code, message);
     pthread_mutex_unlock(&m->lock);
@@ -1127,7 +1129,9 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
     double now = kiln_now();
     double elapsed = m->elapsed_base + (now - m->t_open);
     double tok_s = s->step_time_s > 0 ? (double)m->tokens_per_step / s->step_time_s : 0.0;
-    double mfu = m->peak > 0 ? m->fpt * tok_s / m->peak : NAN;
+    /* tok_s is all ranks' throughput, so the peak is all ranks' devices
+     * (one a rank): each rank's share against one device's peak */
+    double mfu = m->peak > 0 ? m->fpt * tok_s / (m->peak * m->world) : NAN;
     int done_here = s->step - m->start_step;
     double eta = done_here > 0 ? (now - m->t_open) / done_here * (m->steps - s->step) : NAN;
     double rss = metrics_peak_rss_mib();
