@@ -479,9 +479,10 @@ static void jsonl_truncate(const char *path, int start_step, JsonlCarry *carry) 
             if (carry) {
                 double e = line_num(line, nl, "elapsed_s"), k = line_num(line, nl, "nonfinite_skipped");
                 double loss = line_num(line, nl, "loss"), val = line_num(line, nl, "val_loss");
+                const char *sk = strstr(line, "\"skipped\":true");
                 if (isfinite(e)) carry->elapsed = e;
                 if (isfinite(k)) carry->skipped = (int)k;
-                if (isfinite(loss)) {
+                if (isfinite(loss) && !(sk && sk < nl)) { /* as metrics_step: skipped steps left out */
                     carry->final_loss = loss;
                     if (!(loss >= carry->best_loss)) carry->best_loss = loss, carry->best_loss_step = step;
                 }
@@ -576,7 +577,7 @@ static void prom_write_locked(Metrics *m, int running) {
     ps.ckpt_step = latest_checkpoint(m, name, sizeof name, &when);
     if (ps.ckpt_step >= 0) ps.ckpt_age_s = wall - when;
     /* a monitoring file that cannot be written must not stop training: say it once */
-    if (prom_write(m->prom_path, &ps) != 0 && m->prom_every > 0) {
+    if (prom_write(m->prom_path, &ps) != 0) {
         kiln_warn("monitor.prometheus_file: %s: cannot write (%s); no more attempts", m->prom_path, strerror(errno));
         m->prom_path[0] = 0;
     }
