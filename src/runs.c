@@ -270,14 +270,22 @@ int runs_ranks_load(RunRanks *t, const char *dir) {
     snprintf(path, sizeof path, "%s/ranks.jsonl", dir);
     char *text = kiln_read_file(path, &len);
     if (!text) return 0;
-    char *end = text + len, *first_nl = memchr(text, '\n', len);
-    if (!first_nl) {
+    /* the layout of the last complete line: a run resumed on another number
+     * of ranks has older lines of the old layout, which ranks.json no longer
+     * describes; they are left out */
+    char *end = text + len, *last = NULL, *last_nl = NULL;
+    for (char *l = text; l < end;) {
+        char *nl = memchr(l, '\n', (size_t)(end - l));
+        if (!nl) break;
+        last = l, last_nl = nl;
+        l = nl + 1;
+    }
+    if (!last) {
         free(text);
         return 0;
     }
-    t->world = json_array_len(text, first_nl, "busy_s");
-    /* the groups, from the first line's comm_<g>_s keys */
-    for (const char *p = text; p < first_nl && (p = strstr(p, "\"comm_")) && p < first_nl && t->ngroups < RUNS_GROUPS;
+    t->world = json_array_len(last, last_nl, "busy_s");
+    for (const char *p = last; p < last_nl && (p = strstr(p, "\"comm_")) && p < last_nl && t->ngroups < RUNS_GROUPS;
          p++) {
         char g[16];
         if (sscanf(p + 6, "%15[^\"]", g) == 1 && strlen(g) > 2 && !strcmp(g + strlen(g) - 2, "_s")) {

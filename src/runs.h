@@ -56,7 +56,9 @@ typedef struct RunRanks {
     double *busy, *data, *compute, *stept; /* [nlines][world] */
     double *comm[RUNS_GROUPS];   /* [nlines][world] */
 } RunRanks;
-/* 1 if dir has a ranks.jsonl with at least one line, else 0 (t zeroed). */
+/* 1 if dir has a ranks.jsonl with at least one line, else 0 (t zeroed).
+ * Lines of another number of ranks than the last line's (a resume onto
+ * another layout) are left out. */
 int runs_ranks_load(RunRanks *t, const char *dir);
 void runs_ranks_free(RunRanks *t);
 /* Means per rank of lines [from, nlines) into out[world] for one series
