@@ -213,6 +213,7 @@ test: deps
 	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BENCH_BIN)
 	@bash scripts/fetch_gpt2_vocab.sh || echo "✗ GPT-2 vocabulary not fetched: its checks will skip"
 	@bash scripts/setup_hf.sh || echo "✗ transformers not installed: the HuggingFace checks will skip"
+	@bash scripts/setup_track.sh || echo "✗ mlflow-skinny / prometheus_client not installed: their reader checks skip or fail"
 	@bash test/run.sh
 
 bench: deps

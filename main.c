@@ -11,6 +11,7 @@
 #include "bench.h"
 #include "ckpt.h"
 #include "comm.h"
+#include "compare.h"
 #include "config.h"
 #include "doctor.h"
 #include "hf.h"
@@ -35,7 +36,7 @@ static const char *usage =
     "                              batch.micro_batch; exit 2 if it does not fit\n"
     "  ./train status RUN_DIR [--stale-after S]\n"
     "                              where a run stands: last step, loss, tokens/s, ETA,\n"
-    "                              checkpoints, stale ranks\n"
+    "                              checkpoints, stale ranks, ranks by slowness\n"
     "  ./train report RUN_DIR [RUN_DIR...] [-o FILE]\n"
     "                              one self-contained HTML page of charts (loss, lr, grad\n"
     "                              norm, tokens/s, MFU), runs overlaid; default RUN_DIR/report.html\n"
@@ -45,6 +46,11 @@ static const char *usage =
     "                              collective the ranks disagree on and who never posted it,\n"
     "                              crashed ranks, the slowest rank per phase; exit 3 when it\n"
     "                              names a culprit, 0 when not, 2 on bad input\n"
+    "                              norm, tokens/s, MFU, per-rank timings), runs overlaid, the\n"
+    "                              config keys that differ; default RUN_DIR/report.html\n"
+    "  ./train compare RUN_A RUN_B [RUN...]\n"
+    "                              runs side by side: config keys that differ, loss at equal\n"
+    "                              tokens, tokens/s and MFU, and a verdict line\n"
     "  ./train ckpt-info CKPT_DIR  print a checkpoint's manifest, verify every checksum,\n"
     "                              and print a checksum of the parameters and of all state\n"
     "  ./train ckpt-diff A B [--tol X] [--quiet]\n"
@@ -72,6 +78,10 @@ static const char *usage =
     "  --dry-run              print parameters, FLOPs per token, memory per buffer group\n"
     "                         (activations as model.recompute says), tokens per step and\n"
     "                         in total, then exit without training\n"
+    "\n"
+    "tracking: metrics.mlflow DIR files the run in an MLflow file store; monitor.prometheus_file\n"
+    "PATH keeps a node-exporter textfile; RUN_DIR/summary.json says how the run ended\n"
+    "(docs/metrics.md)\n"
     "\n"
     "several ranks (data parallelism, parallel.dp / parallel.zero; tensor parallelism,\n"
     "parallel.tp / parallel.sequence_parallel): scripts/launch.sh NP CONFIG.yaml [flags],\n"
@@ -113,6 +123,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "status") == 0) return report_status_main(argc - 1, argv + 1);
     if (strcmp(cmd, "report") == 0) return report_html_main(argc - 1, argv + 1);
     if (strcmp(cmd, "doctor") == 0) return doctor_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "compare") == 0) return compare_main(argc - 1, argv + 1);
     if (strcmp(cmd, "config-doc") == 0) {
         cfg_write_doc(stdout);
         return KILN_EXIT_OK;

@@ -203,6 +203,16 @@ static const CfgKey cfg_keys[] = {
     KBOOL("metrics.tensorboard", tensorboard, "true", "write TensorBoard event files (`events.out.tfevents.*`) in the run directory"),
     KFLT("metrics.peak_gflops", peak_gflops, "0", 0, 1e9,
          "peak FLOP/s of one device for MFU, in GFLOP/s; 0 = the GPU table, or the CPU's sgemm rate measured at start-up"),
+    KENUM("metrics.progress", progress, "auto", "auto|bar|lines",
+          "stdout of rank 0: `bar` redraws a live bar in place under the progress lines, `lines` writes plain lines "
+          "only, `auto` = the bar when stdout is a terminal and no launcher (mpirun, srun, torchrun-style "
+          "variables) started the run; launchers hand ranks pseudo-terminals whose output ends up in log files"),
+    KSTR("metrics.mlflow", mlflow, "\"\"",
+         "MLflow file store directory (e.g. `mlruns`): rank 0 files the run there as MLflow's FileStore lays it out "
+         "(params, metrics, tags, artifacts; docs/metrics.md); `mlflow ui --backend-store-uri DIR` shows it; a "
+         "resumed run continues the same MLflow run; `\"\"` = off"),
+    KSTR("metrics.mlflow_experiment", mlflow_experiment, "\"kiln\"",
+         "MLflow experiment the run is filed under (created when missing)"),
     KBOOL("monitor.heartbeat", heartbeat, "true", "write `heartbeat/rank<R>.json` (step, phase, time, host, pid) every step"),
     /* on by default: a hung rank should end its job, not burn the allocation;
      * 30 minutes is far above any single phase of a sane run */
@@ -219,6 +229,17 @@ static const CfgKey cfg_keys[] = {
           "before every collective the group's ranks all-gather what they are about to call (operation, number, "
           "count, dtype, root): a mismatch stops the run at once (exit 1) naming both ranks and both calls instead "
           "of hanging; one small all-gather per collective (docs/parallel.md gives the cost)"),
+    KSTR("monitor.prometheus_file", prometheus_file, "\"\"",
+         "Prometheus exposition file for node-exporter's textfile collector (a path ending in `.prom` inside "
+         "`--collector.textfile.directory`): rank 0 rewrites it atomically every `prometheus_every` steps "
+         "(docs/metrics.md); `\"\"` = off"),
+    KINT("monitor.prometheus_every", prometheus_every, "10", 1, INF, "steps between rewrites of `prometheus_file`"),
+    KFLT("monitor.straggler_factor", straggler_factor, "1.5", 0, 1e6,
+         "with several ranks: warn, naming rank and host, when one rank's busy time per step (step time minus "
+         "time blocked in communication) exceeds this multiple of the other ranks' median for `straggler_steps` "
+         "logged steps in a row; 0 = off, else > 1"),
+    KINT("monitor.straggler_steps", straggler_steps, "3", 1, INF,
+         "logged steps (`metrics.log_every`) in a row a rank must be slow before the straggler warning"),
     KSTR("init.from", init_from, "\"\"",
          "weights to start from: an llm.c GPT-2 `.bin`, a kiln checkpoint directory (parameters only), or a "
          "HuggingFace directory (`model.safetensors`) or `.safetensors` file (docs/formats.md); `\"\"` = random init"),
@@ -722,6 +743,17 @@ static void cfg_check_precision(const Config *c, CfgLoad *L) {
                   "precision.master: fp32", cfg_where_of(L, "precision.master", "parallel.zero"), c->zero);
 }
 
+/* Monitoring keys whose valid values the table's ranges cannot say. */
+static void cfg_check_monitor(const Config *c, CfgLoad *L) {
+    if (c->straggler_factor > 0 && c->straggler_factor <= 1)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'monitor.straggler_factor': expected 0 (off) or a factor > 1, got %g "
+                  "(every rank is at least as slow as the median times %g)",
+                  cfg_where_of(L, "monitor.straggler_factor", NULL), c->straggler_factor, c->straggler_factor);
+    if (c->mlflow[0] && !c->mlflow_experiment[0])
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'metrics.mlflow_experiment': expected an experiment name, got \"\"",
+                  cfg_where_of(L, "metrics.mlflow_experiment", "metrics.mlflow"));
+}
+
 static void cfg_check_batch(Config *c, CfgLoad *L) {
     int64_t per = (int64_t)c->micro_batch * c->seq_len;
     if (c->total_tokens % per)
@@ -756,6 +788,7 @@ static void cfg_finish(Config *c, CfgLoad *L) {
     cfg_check_parallel(c, L);
     cfg_check_precision(c, L);
     cfg_check_optim(c, L);
+    cfg_check_monitor(c, L);
     if (!c->run_dir[0]) {
         char dir[CFG_STR + 8];
         snprintf(dir, sizeof dir, "runs/%s", c->run_name);
@@ -944,4 +977,61 @@ void cfg_write_doc(FILE *f) {
     fputs("\n## derived\n\nComputed after loading, written as comments in the resolved `config.yaml`.\n\n"
           "| value | meaning |\n| --- | --- |\n", f);
     for (int d = 0; d < NDERIVED; d++) fprintf(f, "| `%s` | %s |\n", cfg_derived[d].key, cfg_derived[d].doc);
+}
+
+/* ---------- reading the resolved YAML back ---------- */
+
+/* A double-quoted scalar as cfg_write_quoted writes it, unescaped into out. */
+static void cfg_unquote(const char *s, char *out, size_t cap) {
+    size_t n = 0, len = strlen(s);
+    if (len < 2 || s[0] != '"' || s[len - 1] != '"') {
+        kiln_strlcpy(out, s, cap);
+        return;
+    }
+    for (size_t i = 1; i + 1 < len && n + 1 < cap; i++) {
+        char ch = s[i];
+        if (ch == '\\' && i + 2 < len) {
+            ch = s[++i];
+            if (ch == 'n') ch = '\n';
+            else if (ch == 't') ch = '\t';
+            else if (ch == 'x' && i + 2 < len) {
+                unsigned v = 0;
+                sscanf(s + i + 1, "%2x", &v);
+                ch = (char)v, i += 2;
+            }
+        }
+        out[n++] = ch;
+    }
+    out[n] = 0;
+}
+
+int cfg_flatten_yaml(const char *text, void (*fn)(const char *key, const char *value, void *ctx), void *ctx) {
+    char path[8][128]; /* the open sections, by depth (two spaces a level) */
+    int count = 0;
+    for (const char *l = text; l && *l;) {
+        const char *nl = strchr(l, '\n');
+        size_t len = nl ? (size_t)(nl - l) : strlen(l);
+        char line[CFG_STR * 4 + 256];
+        snprintf(line, sizeof line, "%.*s", (int)(len < sizeof line - 1 ? len : sizeof line - 1), l);
+        l = nl ? nl + 1 : NULL;
+        size_t indent = strspn(line, " ");
+        char *s = line + indent, *colon = strstr(s, ":");
+        int depth = (int)(indent / 2);
+        if (!*s || *s == '#' || !colon || depth >= 8) continue;
+        *colon = 0;
+        char *val = colon[1] == ' ' ? colon + 2 : colon + 1;
+        if (!*val) { /* "section:" opens a level */
+            kiln_strlcpy(path[depth], s, sizeof path[depth]);
+            for (int d = depth + 1; d < 8; d++) path[d][0] = 0;
+            continue;
+        }
+        char key[1200] = "", value[CFG_STR * 4];
+        size_t o = 0;
+        for (int d = 0; d < depth; d++) o += (size_t)snprintf(key + o, sizeof key - o, "%s.", path[d]);
+        snprintf(key + o, sizeof key - o, "%s", s);
+        cfg_unquote(val, value, sizeof value);
+        fn(key, value, ctx);
+        count++;
+    }
+    return count;
 }

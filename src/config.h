@@ -92,6 +92,9 @@ typedef struct Config {
     int log_every;
     int tensorboard;   /* bool: events.out.tfevents.* in the run directory */
     float peak_gflops; /* peak FLOP/s of one device for MFU, in GFLOP/s; 0 = table or measured */
+    char progress[8];  /* auto | bar | lines: the live bar or plain lines on stdout */
+    char mlflow[CFG_STR];            /* MLflow file store directory; "" = off */
+    char mlflow_experiment[CFG_STR]; /* experiment the run is filed under */
 
     /* monitor */
     int heartbeat;        /* bool: heartbeat/rank*.json every step */
@@ -99,6 +102,10 @@ typedef struct Config {
     float spike_factor;   /* warn when loss > spike_factor x its running mean; 0 = off */
     int flight_records;   /* flight recorder ring per rank (flight.h); 0 = off */
     int check_collectives; /* bool: agree on every collective before it runs (comm.h) */
+    char prometheus_file[CFG_STR]; /* node-exporter textfile written by rank 0; "" = off */
+    int prometheus_every;          /* steps between rewrites */
+    float straggler_factor; /* warn when a rank is this many times slower than the others' median; 0 = off */
+    int straggler_steps;    /* ... for this many logged steps in a row */
 
     /* init */
     char init_from[CFG_STR]; /* llm.c file, kiln checkpoint or HF directory to start from, "" = random */
@@ -120,6 +127,12 @@ void cfg_write_yaml(const Config *c, FILE *f);
 /* The same YAML as a malloc'd, NUL-terminated string (*len its length): the
  * text the hash, the run directory's config.yaml and checkpoints all use. */
 char *cfg_yaml_text(const Config *c, size_t *len);
+
+/* Call fn(key, value) for every key of a resolved YAML text (cfg_write_yaml's,
+ * from this or an earlier version): dotted key paths ("model.moe.top_k"),
+ * strings unquoted, other values as written ("[0.9, 0.95]", "auto").
+ * Returns how many keys it found. */
+int cfg_flatten_yaml(const char *text, void (*fn)(const char *key, const char *value, void *ctx), void *ctx);
 
 /* Write the markdown reference of every key (docs/config.md is this output). */
 void cfg_write_doc(FILE *f);

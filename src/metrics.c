@@ -1,11 +1,14 @@
 /* metrics: the progress line and bar, metrics.jsonl, TensorBoard events, the
- * per-rank log and warnings, the heartbeat file and the watchdog thread. Sees
- * only the numbers the step loop hands it; must never touch the model, the data
- * or device memory (the peak-rate measurement uses its own buffers). */
+ * per-rank log and warnings, the heartbeat file and the watchdog thread, and
+ * the run's other outlets (ranks.jsonl, summary.json, MLflow, Prometheus).
+ * Sees only the numbers the step loop hands it; must never touch the model,
+ * the data or device memory (the peak-rate measurement uses its own buffers).
+ * Talks to other ranks only through straggler.c, at logged steps. */
 #include "metrics.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -13,13 +16,22 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "backend.h"
 #include "flight.h"
+#include "comm.h"
+#include "mlflow.h"
+#include "prom.h"
+#include "report.h"
+#include "straggler.h"
 #include "util.h"
+
+_Static_assert(METRICS_COMM_GROUPS == STRAGGLER_GROUPS, "a step's groups are the straggler sample's");
+_Static_assert(PHASE_COUNT <= PROM_PHASES, "every phase fits a Prometheus snapshot");
 
 static const char *phase_names[PHASE_COUNT] = {"init",      "data", "forward", "backward",   "sync",
                                                "optimizer", "eval", "sample",  "checkpoint", "done"};
@@ -253,6 +265,37 @@ struct Metrics {
     double stall_timeout;
     pthread_t watchdog;
     int watchdog_running;
+
+    /* the run so far, for summary.json (carried over a resume from metrics.jsonl) */
+    char run_name[CFG_STR], ckpt_dir[CFG_STR + 16], commit[64];
+    double wall_open;             /* Unix time at open */
+    double final_loss, best_loss, best_val;
+    int best_loss_step, best_val_step, last_val_step, steps_seen;
+    int64_t tokens;               /* tokens seen, all ranks, at the last step */
+    double run_step_s, run_tokens; /* sums over this process's steps (throughput, MFU) */
+    int exit_code, ended;
+    char exit_reason[1024];
+
+    /* stragglers (world > 1): this rank's sums since the last logged step */
+    Straggler *strag;
+    FILE *ranks;                  /* rank 0: ranks.jsonl */
+    double acc_step, acc_data, acc_comm[METRICS_COMM_GROUPS], data_mark;
+    int acc_n, ngroups;
+    char groups[METRICS_COMM_GROUPS][16];
+    int slowest_rank;             /* at the last gather (-1 none) */
+    double slowest_factor;
+    int slow_rank, slow_ms, slow_step; /* test hook KILN_TEST_SLOW_RANK / _MS */
+    float straggler_factor;
+
+    Mlflow *mlflow;               /* rank 0, metrics.mlflow */
+    char mlflow_store[CFG_STR];
+
+    /* Prometheus (rank 0, monitor.prometheus_file): the last step's figures;
+     * the watchdog thread refreshes the file between steps (under lock) */
+    char prom_path[CFG_STR];
+    int prom_every;
+    double prom_last;             /* monotonic time of the last write */
+    double last_loss, last_tok_s, last_mfu, last_step_s;
 };
 
 static void fmt_duration(double s, char *buf, size_t cap) {
@@ -392,6 +435,475 @@ void metrics_phase(Metrics *m, MetricsPhase phase, int step) {
     }
     if (stall_at > 0 && step == stall_at && phase == PHASE_FORWARD)
         for (;;) sleep(1);
+    /* Test hook (docs/metrics.md): rank KILN_TEST_SLOW_RANK waits
+     * KILN_TEST_SLOW_MS on entering the forward phase of each step (once a
+     * step), a straggler for test/t_straggler.sh. */
+    if (m->slow_ms > 0 && m->rank == m->slow_rank && phase == PHASE_FORWARD && step != m->slow_step) {
+        m->slow_step = step;
+        struct timespec ts = {m->slow_ms / 1000, (long)(m->slow_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* What a resumed run carries over from the lines of metrics.jsonl it keeps. */
+typedef struct JsonlCarry {
+    double elapsed;     /* elapsed_s of the last line */
+    int skipped;        /* nonfinite_skipped of the last line */
+    double final_loss, best_loss, best_val, last_val;
+    int best_loss_step, best_val_step, last_val_step;
+} JsonlCarry;
+
+/* A number after "key": on a line (which ends at nl); NAN if absent or null. */
+static double line_num(const char *line, const char *nl, const char *key) {
+    char pat[48];
+    int n = snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = strstr(line, pat);
+    if (!p || p > nl || p[n] == 'n') return NAN;
+    return atof(p + n);
+}
+
+/* Resume: keep the lines of a jsonl file up to start_step (a run killed
+ * after its last checkpoint wrote lines the resumed run will write again)
+ * and, into *carry (may be NULL), what the summary needs of the lines kept. */
+static void jsonl_truncate(const char *path, int start_step, JsonlCarry *carry) {
+    size_t len = 0;
+    char *text = kiln_read_file(path, &len);
+    if (!text) return;
+    /* kept lines are compacted in place, then written through a temp file
+     * and renamed: a kill -9 here must not lose the file (test/t_ckpt_kill.sh) */
+    char *line = text, *end = text + len, *out = text;
+    while (line < end) {
+        char *nl = memchr(line, '\n', (size_t)(end - line));
+        if (!nl) break; /* a torn last line: drop it */
+        const char *s = strstr(line, "\"step\":");
+        int step = s && s < nl ? atoi(s + 7) : INT_MAX;
+        if (step <= start_step) {
+            if (carry) {
+                double e = line_num(line, nl, "elapsed_s"), k = line_num(line, nl, "nonfinite_skipped");
+                double loss = line_num(line, nl, "loss"), val = line_num(line, nl, "val_loss");
+                const char *sk = strstr(line, "\"skipped\":true");
+                if (isfinite(e)) carry->elapsed = e;
+                if (isfinite(k)) carry->skipped = (int)k;
+                if (isfinite(loss) && !(sk && sk < nl)) { /* as metrics_step: skipped steps left out */
+                    carry->final_loss = loss;
+                    if (!(loss >= carry->best_loss)) carry->best_loss = loss, carry->best_loss_step = step;
+                }
+                if (isfinite(val)) {
+                    carry->last_val = val, carry->last_val_step = step;
+                    if (!(val >= carry->best_val)) carry->best_val = val, carry->best_val_step = step;
+                }
+            }
+            memmove(out, line, (size_t)(nl - line + 1));
+            out += nl - line + 1;
+        }
+        line = nl + 1;
+    }
+    if (kiln_write_file_atomic(path, text, (size_t)(out - text)) != 0)
+        kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot rewrite for the resumed run", path);
+    free(text);
+}
+
+/* ---------- the run's other outlets: stragglers, summary, MLflow, Prometheus ---------- */
+
+/* A straggler must be this much slower per step too, beyond the factor:
+ * timer noise and scheduling jitter of tiny models on shared cores are
+ * milliseconds, and no news (test/t_straggler.sh slows a rank by 300 ms). */
+#define STRAGGLER_MIN_EXCESS_S 0.020
+/* How often the watchdog thread rewrites the Prometheus file when no step
+ * has (evaluation, checkpoint, a hang): its progress age keeps growing. */
+#define PROM_REFRESH_S 10.0
+
+static Metrics *fail_metrics; /* rank 0's, for the kiln_fail hook */
+
+/* metrics.progress: the bar on a terminal, unless a launcher started the
+ * run: Open MPI hands ranks a pseudo-terminal and srun --pty does the same,
+ * and what is written there ends up in log files. */
+static int progress_bar(const char *mode) {
+    if (!strcmp(mode, "bar")) return 1;
+    if (!strcmp(mode, "lines")) return 0;
+    static const char *const launcher_env[] = {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "SLURM_JOB_ID", "SLURM_PROCID"};
+    for (size_t i = 0; i < sizeof launcher_env / sizeof launcher_env[0]; i++)
+        if (getenv(launcher_env[i])) return 0;
+    return isatty(1) && comm_info()->source == COMM_SOURCE_SINGLE;
+}
+
+static void json_strval(FILE *f, const char *v) {
+    fputc('"', f);
+    for (const unsigned char *p = (const unsigned char *)v; *p; p++) {
+        if (*p == '"' || *p == '\\') fprintf(f, "\\%c", *p);
+        else if (*p < 0x20) fprintf(f, "\\u%04x", *p);
+        else fputc(*p, f);
+    }
+    fputc('"', f);
+}
+
+static void json_str(FILE *f, const char *key, const char *v) {
+    fprintf(f, ",\"%s\":", key);
+    json_strval(f, v);
+}
+
+/* The newest complete checkpoint: its step (-1: none) and when `latest`
+ * was written to name it (Unix seconds). */
+static int latest_checkpoint(const Metrics *m, char *name, size_t cap, double *when) {
+    char path[CFG_STR + 64];
+    snprintf(path, sizeof path, "%s/latest", m->ckpt_dir);
+    size_t len;
+    char *t = kiln_read_file(path, &len);
+    if (!t) return -1;
+    t[strcspn(t, "\r\n")] = 0;
+    kiln_strlcpy(name, t, cap);
+    free(t);
+    struct stat st;
+    if (stat(path, &st) != 0 || strncmp(name, "step_", 5) != 0) return -1;
+    *when = (double)st.st_mtim.tv_sec + st.st_mtim.tv_nsec * 1e-9;
+    return atoi(name + 5);
+}
+
+/* Caller holds m->lock (the watchdog thread writes it too). */
+static void prom_write_locked(Metrics *m, int running) {
+    if (!m->prom_path[0]) return;
+    double now = kiln_now(), wall = wall_now();
+    PromSnapshot ps = {.run = m->run_name, .running = running, .exit_code = m->exit_code, .step = m->last_step,
+                       .steps = m->steps, .tokens = (double)m->tokens, .loss = m->last_loss, .val_loss = m->last_val,
+                       .tok_per_s = m->last_tok_s, .mfu = m->last_mfu, .step_s = m->last_step_s,
+                       .start_unix = m->wall_open, .progress_unix = wall - (now - m->phase_since),
+                       .since_progress_s = now - m->phase_since, .nphase = PHASE_COUNT, .ckpt_age_s = NAN,
+                       .ckpt_step = -1, .world = m->world, .slowest_rank = m->slowest_rank,
+                       .slowest_factor = m->slowest_factor, .nonfinite_skipped = m->skipped};
+    for (int p = 0; p < PHASE_COUNT; p++) {
+        ps.phase_name[p] = phase_names[p];
+        ps.phase_s[p] = m->phase_total[p] + (p == (int)m->phase ? now - m->phase_since : 0.0);
+    }
+    char name[256];
+    double when;
+    ps.ckpt_step = latest_checkpoint(m, name, sizeof name, &when);
+    if (ps.ckpt_step >= 0) ps.ckpt_age_s = wall - when;
+    /* a monitoring file that cannot be written must not stop training: say it once */
+    if (prom_write(m->prom_path, &ps) != 0) {
+        kiln_warn("monitor.prometheus_file: %s: cannot write (%s); no more attempts", m->prom_path, strerror(errno));
+        m->prom_path[0] = 0;
+    }
+    m->prom_last = now;
+}
+
+/* RUN_DIR/summary.json, through a temporary file and a rename. */
+static void summary_write(Metrics *m) {
+    char *text = NULL, path[CFG_STR + 32];
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) return;
+    double now = wall_now();
+    char started[32], ended[32];
+    time_t t0 = (time_t)m->wall_open, t1 = (time_t)now;
+    strftime(started, sizeof started, "%Y-%m-%dT%H:%M:%SZ", gmtime(&t0));
+    strftime(ended, sizeof ended, "%Y-%m-%dT%H:%M:%SZ", gmtime(&t1));
+    const char *status = m->exit_code == 0 ? "completed" : m->exit_code == KILN_EXIT_RESUME ? "stopped" : "failed";
+    fputs("{\"run\":", f);
+    json_strval(f, m->run_name);
+    json_str(f, "run_dir", m->run_dir);
+    json_str(f, "status", status);
+    fprintf(f, ",\"exit_code\":%d", m->exit_code);
+    json_str(f, "exit_reason", m->exit_reason);
+    fprintf(f, ",\"steps\":%d,\"steps_planned\":%d,\"start_step\":%d,\"tokens\":%lld", m->last_step, m->steps,
+            m->start_step, (long long)m->tokens);
+    json_num(f, "elapsed_s", m->elapsed_base + (kiln_now() - m->t_open));
+    json_num(f, "process_s", kiln_now() - m->t_open);
+    json_num(f, "final_loss", m->final_loss);
+    json_num(f, "best_loss", m->best_loss);
+    if (isfinite(m->best_loss)) fprintf(f, ",\"best_loss_step\":%d", m->best_loss_step);
+    json_num(f, "final_val_loss", m->last_val);
+    if (isfinite(m->last_val)) fprintf(f, ",\"final_val_step\":%d", m->last_val_step);
+    json_num(f, "best_val_loss", m->best_val);
+    if (isfinite(m->best_val)) fprintf(f, ",\"best_val_step\":%d", m->best_val_step);
+    double tok_s = m->run_step_s > 0 ? m->run_tokens / m->run_step_s : NAN;
+    json_num(f, "tok_per_s", tok_s);
+    if (m->peak > 0) json_num(f, "mfu", m->fpt * tok_s / (m->peak * m->world));
+    json_num(f, "step_time_s", m->steps_seen ? m->run_step_s / m->steps_seen : NAN);
+    fprintf(f, ",\"nonfinite_skipped\":%d", m->skipped);
+    char name[256] = "";
+    double when = 0;
+    int ck = latest_checkpoint(m, name, sizeof name, &when);
+    fprintf(f, ",\"checkpoints\":{\"written\":%ld", m->phase_count[PHASE_CHECKPOINT]);
+    if (ck >= 0) {
+        json_str(f, "latest", name);
+        fprintf(f, ",\"latest_step\":%d", ck);
+    }
+    json_str(f, "dir", m->ckpt_dir);
+    fputc('}', f);
+    fprintf(f, ",\"world\":%d", m->world);
+    json_str(f, "host", m->host);
+    json_str(f, "commit", m->commit[0] ? m->commit : "unknown");
+    json_num(f, "peak_rss_mib", metrics_peak_rss_mib());
+    if (m->strag) {
+        const int *w;
+        int n = straggler_warned(m->strag, &w);
+        fputs(",\"stragglers\":[", f);
+        for (int i = 0; i < n; i++) {
+            fprintf(f, "%s{\"rank\":%d", i ? "," : "", w[i]);
+            json_str(f, "host", straggler_host(m->strag, w[i]));
+            fputc('}', f);
+        }
+        fputc(']', f);
+    }
+    if (m->mlflow) {
+        fputs(",\"mlflow\":{\"store\":", f);
+        json_strval(f, m->mlflow_store);
+        json_str(f, "experiment_id", mlflow_experiment_id(m->mlflow));
+        json_str(f, "run_id", mlflow_run_id(m->mlflow));
+        fputc('}', f);
+    }
+    json_str(f, "started", started);
+    json_str(f, "ended", ended);
+    fprintf(f, ",\"time\":%.3f}\n", now);
+    fclose(f);
+    snprintf(path, sizeof path, "%s/summary.json", m->run_dir);
+    if (kiln_write_file_atomic(path, text, len) != 0) kiln_warn("%s: cannot write (%s)", path, strerror(errno));
+    free(text);
+}
+
+/* The end of the run, once, on rank 0: summary.json, the last Prometheus
+ * snapshot (kiln_running 0), the MLflow run's artifacts and status. Called
+ * from metrics_close, the kiln_fail hook and the watchdog; caller holds
+ * m->lock. Writes that fail here warn: the run is ending anyway. */
+static void outlets_end_locked(Metrics *m, int code, const char *reason) {
+    if (m->rank != 0 || m->ended == 2) return;
+    m->ended = 2;
+    m->exit_code = code;
+    kiln_strlcpy(m->exit_reason, reason, sizeof m->exit_reason);
+    if (m->jsonl) fflush(m->jsonl);
+    summary_write(m);
+    prom_write_locked(m, 0);
+    if (m->mlflow) {
+        char path[CFG_STR + 32], s[16];
+        snprintf(s, sizeof s, "%d", code);
+        mlflow_tag(m->mlflow, "kiln.exit_code", s);
+        mlflow_tag(m->mlflow, "kiln.exit_reason", reason);
+        if (m->commit[0]) mlflow_tag(m->mlflow, "mlflow.source.git.commit", m->commit);
+        snprintf(path, sizeof path, "%s/summary.json", m->run_dir);
+        mlflow_artifact(m->mlflow, path, "summary.json");
+        const char *dir = m->run_dir;
+        if (report_write_html(&dir, 1, mlflow_artifact_path(m->mlflow, "report.html")) != 0)
+            kiln_warn("metrics.mlflow: the report artifact could not be written");
+        mlflow_end(m->mlflow, code);
+    }
+}
+
+static void on_fail(int code, const char *message) {
+    Metrics *m = fail_metrics;
+    /* ended == 2: the end is being written (a failure inside it, with the
+     * lock held by this very thread, must not wait for the lock) */
+    if (!m || m->ended == 2) return;
+    pthread_mutex_lock(&m->lock);
+    outlets_end_locked(m, code, message);
+    pthread_mutex_unlock(&m->lock);
+}
+
+/* Before the files open: the fields every outlet reads. */
+static void outlets_init(Metrics *m, const Config *c) {
+    kiln_strlcpy(m->run_name, c->run_name, sizeof m->run_name);
+    if (c->ckpt_dir[0]) kiln_strlcpy(m->ckpt_dir, c->ckpt_dir, sizeof m->ckpt_dir);
+    else snprintf(m->ckpt_dir, sizeof m->ckpt_dir, "%s/checkpoints", c->run_dir);
+    m->wall_open = wall_now();
+    m->final_loss = m->best_loss = m->best_val = NAN;
+    m->last_loss = m->last_tok_s = m->last_mfu = m->last_step_s = m->slowest_factor = NAN;
+    m->slowest_rank = -1;
+    m->tokens = m->tokens_per_step * m->start_step;
+    kiln_strlcpy(m->exit_reason, "completed", sizeof m->exit_reason);
+    const char *r = getenv("KILN_TEST_SLOW_RANK"), *ms = getenv("KILN_TEST_SLOW_MS");
+    m->slow_rank = r ? atoi(r) : -1, m->slow_ms = r && ms ? atoi(ms) : 0, m->slow_step = -1;
+    m->straggler_factor = c->straggler_factor;
+    if (m->rank == 0 && c->prometheus_file[0]) {
+        kiln_strlcpy(m->prom_path, c->prometheus_file, sizeof m->prom_path);
+        m->prom_every = c->prometheus_every;
+    }
+}
+
+/* After metrics.jsonl: ranks.json[l] (collective), MLflow, Prometheus, the fail hook. */
+static void outlets_open(Metrics *m, const Config *c, int start_step) {
+    char path[CFG_STR + 32];
+    if (m->world > 1 && comm_world()->size == m->world) {
+        m->strag = straggler_open(comm_world(), m->host, c->straggler_factor, STRAGGLER_MIN_EXCESS_S,
+                                  c->straggler_steps);
+        if (m->rank == 0) {
+            char *text = NULL;
+            size_t len = 0;
+            FILE *f = open_memstream(&text, &len);
+            fprintf(f, "{\"world\":%d,\"hosts\":[", m->world);
+            for (int r = 0; r < m->world; r++) {
+                if (r) fputc(',', f);
+                json_strval(f, straggler_host(m->strag, r));
+            }
+            fputs("]}\n", f);
+            fclose(f);
+            snprintf(path, sizeof path, "%s/ranks.json", c->run_dir);
+            if (kiln_write_file_atomic(path, text, len) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write", path);
+            free(text);
+            snprintf(path, sizeof path, "%s/ranks.jsonl", c->run_dir);
+            if (start_step > 0) jsonl_truncate(path, start_step, NULL);
+            m->ranks = fopen(path, start_step > 0 ? "a" : "w");
+            if (!m->ranks) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot open for writing", path);
+        }
+    }
+    if (m->rank == 0 && c->mlflow[0]) {
+        char *yaml = cfg_yaml_text(c, NULL);
+        MlflowOptions o = {.store = c->mlflow, .experiment = c->mlflow_experiment, .run_dir = c->run_dir,
+                           .run_name = c->run_name, .config_yaml = yaml, .host = m->host, .start_step = start_step};
+        m->mlflow = mlflow_open(&o);
+        kiln_strlcpy(m->mlflow_store, mlflow_store(m->mlflow), sizeof m->mlflow_store);
+        free(yaml);
+    }
+    if (m->rank == 0) {
+        fail_metrics = m;
+        kiln_set_fail_hook(on_fail);
+    }
+    pthread_mutex_lock(&m->lock);
+    prom_write_locked(m, 1);
+    pthread_mutex_unlock(&m->lock);
+}
+
+/* This rank's timings of the step into the sums since the last gather; at
+ * steps that are multiples of log_every (and the last) every rank's means
+ * go to rank 0 (collective). Returns rank 0's view at such steps, else NULL. */
+static const StragglerStats *ranks_gather(Metrics *m, const MetricsStep *s) {
+    if (!m->strag) return NULL;
+    pthread_mutex_lock(&m->lock);
+    double data = m->phase_total[PHASE_DATA] + (m->phase == PHASE_DATA ? kiln_now() - m->phase_since : 0.0);
+    pthread_mutex_unlock(&m->lock);
+    m->acc_data += data - m->data_mark;
+    m->data_mark = data;
+    m->acc_step += s->step_time_s;
+    for (int g = 0; g < METRICS_COMM_GROUPS && s->comm_group[g]; g++) {
+        m->acc_comm[g] += s->comm_s[g];
+        if (g >= m->ngroups) kiln_strlcpy(m->groups[g], s->comm_group[g], sizeof m->groups[g]), m->ngroups = g + 1;
+    }
+    m->acc_n++;
+    if (s->step % m->log_every != 0 && s->step < m->steps) return NULL;
+    StragglerSample mine = {m->acc_step / m->acc_n, m->acc_data / m->acc_n, {0}};
+    for (int g = 0; g < METRICS_COMM_GROUPS; g++) mine.comm_s[g] = m->acc_comm[g] / m->acc_n;
+    m->acc_step = m->acc_data = 0, m->acc_n = 0;
+    memset(m->acc_comm, 0, sizeof m->acc_comm);
+    const StragglerStats *st = straggler_gather(m->strag, &mine);
+    if (st) m->slowest_rank = st->slowest, m->slowest_factor = st->factor;
+    return st;
+}
+
+static void json_spread(FILE *f, const char *key, const StragglerSpread *x) {
+    fprintf(f, ",\"%s\":{\"min\":%.6g,\"median\":%.6g,\"max\":%.6g}", key, x->min, x->median, x->max);
+}
+
+/* "ranks" of a metrics.jsonl line: the spread of each timing over the ranks
+ * and the slowest rank. */
+static void json_ranks(FILE *f, const Metrics *m, const StragglerStats *st) {
+    fprintf(f, ",\"ranks\":{\"world\":%d", st->world);
+    json_spread(f, "step_s", &st->step);
+    json_spread(f, "data_s", &st->data);
+    json_spread(f, "compute_s", &st->compute_s);
+    for (int g = 0; g < m->ngroups; g++) {
+        char key[48];
+        snprintf(key, sizeof key, "comm_%s_s", m->groups[g]);
+        json_spread(f, key, &st->comm[g]);
+    }
+    json_spread(f, "busy_s", &st->busy_s);
+    fprintf(f, ",\"slowest_rank\":%d", st->slowest);
+    json_str(f, "slowest_host", straggler_host(m->strag, st->slowest));
+    json_num(f, "slowest_factor", st->factor);
+    fputc('}', f);
+}
+
+static void json_array(FILE *f, const char *key, const double *v, size_t stride, int n) {
+    fprintf(f, ",\"%s\":[", key);
+    for (int r = 0; r < n; r++) fprintf(f, "%s%.4g", r ? "," : "", *(const double *)((const char *)v + r * stride));
+    fputc(']', f);
+}
+
+/* ranks.jsonl: every rank's timings at a logged step. */
+static void ranks_line(Metrics *m, int step, const StragglerStats *st) {
+    FILE *f = m->ranks;
+    fprintf(f, "{\"step\":%d,\"time\":%.3f", step, wall_now());
+    size_t sz = sizeof(StragglerSample);
+    json_array(f, "step_s", &st->rank[0].step_s, sz, st->world);
+    json_array(f, "data_s", &st->rank[0].data_s, sz, st->world);
+    json_array(f, "compute_s", st->compute, sizeof(double), st->world);
+    for (int g = 0; g < m->ngroups; g++) {
+        char key[48];
+        snprintf(key, sizeof key, "comm_%s_s", m->groups[g]);
+        json_array(f, key, &st->rank[0].comm_s[g], sz, st->world);
+    }
+    json_array(f, "busy_s", st->busy, sizeof(double), st->world);
+    fprintf(f, ",\"slowest_rank\":%d", st->slowest);
+    json_num(f, "slowest_factor", st->factor);
+    fputs("}\n", f);
+    fflush(f);
+}
+
+/* TensorBoard ranks/...: each spread, the slowest rank, and (up to 64 ranks)
+ * every rank's busy time. */
+static void tb_ranks(Metrics *m, int step, const StragglerStats *st) {
+    int per_rank = st->world <= 64 ? st->world : 0, cap = 3 * (4 + m->ngroups) + 2 + per_rank;
+    const char **tags = xmalloc((size_t)cap * sizeof(char *));
+    char *names = xmalloc((size_t)cap * 48);
+    float *vals = xmalloc((size_t)cap * sizeof(float));
+    int n = 0;
+#define TBR(v, ...) \
+    snprintf(names + (size_t)n * 48, 48, __VA_ARGS__), tags[n] = names + (size_t)n * 48, vals[n++] = (float)(v)
+    const StragglerSpread *sp[4 + METRICS_COMM_GROUPS] = {&st->step, &st->data, &st->compute_s, &st->busy_s};
+    char what[4 + METRICS_COMM_GROUPS][24] = {"step_s", "data_s", "compute_s", "busy_s"};
+    for (int g = 0; g < m->ngroups; g++) sp[4 + g] = &st->comm[g], snprintf(what[4 + g], 24, "comm_%s_s", m->groups[g]);
+    for (int k = 0; k < 4 + m->ngroups; k++) {
+        TBR(sp[k]->min, "ranks/%.23s/min", what[k]);
+        TBR(sp[k]->median, "ranks/%.23s/median", what[k]);
+        TBR(sp[k]->max, "ranks/%.23s/max", what[k]);
+    }
+    TBR(st->slowest, "ranks/slowest_rank");
+    if (isfinite(st->factor)) TBR(st->factor, "ranks/slowest_factor");
+    for (int r = 0; r < per_rank; r++) TBR(st->busy[r], "ranks/busy_s/rank_%d", r);
+#undef TBR
+    size_t bcap = 64 + (size_t)n * 80;
+    uint8_t *buf = xmalloc(bcap);
+    size_t len = metrics_tb_encode(buf, bcap, wall_now(), step, NULL, n, tags, vals);
+    if (len) metrics_tb_write_record(m->tb, buf, len);
+    free(buf), free(vals), free(names), free(tags);
+}
+
+/* The straggler warning names the slow rank and its host; it is rank 0's
+ * judgement of every rank, so it carries no "rank 0:" of its own. */
+static void warn_straggler(Metrics *m, int step, const StragglerStats *st) {
+    int r = st->slowest;
+    double others = st->busy[r] / st->factor;
+    char line[1024];
+    snprintf(line, sizeof line,
+             "warning: step %d: straggler: rank %d (host %s) is %.1fx slower than the median of the other %d "
+             "ranks for %d logged steps in a row: busy %.0f ms per step against %.0f ms (data %.0f ms, compute "
+             "%.0f ms; monitor.straggler_factor %g); ./train status %s ranks them",
+             step, r, straggler_host(m->strag, r), st->factor, st->world - 1, st->streak, 1e3 * st->busy[r],
+             1e3 * others, 1e3 * st->rank[r].data_s, 1e3 * st->compute[r], (double)m->straggler_factor, m->run_dir);
+    metrics_bar_clear(m);
+    fflush(stdout);
+    fprintf(stderr, "kiln: %s\n", line);
+    fflush(stderr);
+    log_line(m, line);
+}
+
+/* One step into the MLflow run: the metrics.jsonl fields, under their names. */
+static void mlflow_step(Metrics *m, const MetricsStep *s, double tok_s, double mfu, double rss,
+                        const StragglerStats *st) {
+    Mlflow *ml = m->mlflow;
+    mlflow_log(ml, "loss", s->loss, s->step);
+    if (!isnan(s->val_loss)) mlflow_log(ml, "val_loss", s->val_loss, s->step);
+    mlflow_log(ml, "lr", s->lr, s->step);
+    mlflow_log(ml, "grad_norm", s->grad_norm, s->step);
+    mlflow_log(ml, "tok_per_s", tok_s, s->step);
+    if (m->peak > 0) mlflow_log(ml, "mfu", mfu, s->step);
+    mlflow_log(ml, "step_time_s", s->step_time_s, s->step);
+    mlflow_log(ml, "peak_rss_mib", rss, s->step);
+    if (s->device_mib > 0) mlflow_log(ml, "peak_device_mib", s->device_mib, s->step);
+    mlflow_log(ml, "nonfinite_skipped", m->skipped, s->step);
+    if (st) {
+        mlflow_log(ml, "ranks_busy_s_max", st->busy_s.max, s->step);
+        mlflow_log(ml, "ranks_busy_s_median", st->busy_s.median, s->step);
+        mlflow_log(ml, "ranks_slowest_factor", st->factor, s->step);
+    }
+    mlflow_flush(ml);
 }
 
 /* ---------- watchdog ---------- */
@@ -423,6 +935,10 @@ static void watchdog_fire(Metrics *m, double now) {
     }
     heartbeat_write_locked(m, 1);
     flight_dump(FLIGHT_STALL, -1);
+    char reason[512];
+    snprintf(reason, sizeof reason, "watchdog: rank %d made no progress for %.1f s in phase '%s' of step %d", m->rank,
+             now - m->phase_since, phase_names[m->phase], m->phase_step);
+    outlets_end_locked(m, KILN_EXIT_RUNTIME, reason);
     _exit(KILN_EXIT_RUNTIME); /* exit() would run atexit handlers against a live main thread */
 }
 
@@ -445,43 +961,15 @@ static void *watchdog_main(void *arg) {
         if (atomic_load(&m->stop)) break;
         double now = kiln_now();
         if (m->phase != PHASE_DONE && now - m->phase_since > m->stall_timeout) watchdog_fire(m, now);
+        /* between steps (a long evaluation, a checkpoint, a hang): the
+         * Prometheus file's progress age must still grow */
+        if (m->prom_path[0] && m->phase != PHASE_DONE && now - m->prom_last >= PROM_REFRESH_S) prom_write_locked(m, 1);
     }
     pthread_mutex_unlock(&m->lock);
     return NULL;
 }
 
 /* ---------- open / step / close ---------- */
-
-/* Resume: keep the lines of metrics.jsonl up to start_step (a run killed
- * after its last checkpoint wrote lines the resumed run will write again) and
- * return the elapsed_s and nonfinite_skipped of the last line kept. */
-static double jsonl_truncate(const char *path, int start_step, int *skipped) {
-    size_t len = 0;
-    char *text = kiln_read_file(path, &len);
-    if (!text) return 0.0;
-    /* kept lines are compacted in place, then written through a temp file
-     * and renamed: a kill -9 here must not lose the file (test/t_ckpt_kill.sh) */
-    double elapsed = 0.0;
-    char *line = text, *end = text + len, *out = text;
-    while (line < end) {
-        char *nl = memchr(line, '\n', (size_t)(end - line));
-        if (!nl) break; /* a torn last line: drop it */
-        const char *s = strstr(line, "\"step\":");
-        if (s && s < nl && atoi(s + 7) <= start_step) {
-            const char *e = strstr(line, "\"elapsed_s\":");
-            if (e && e < nl) elapsed = atof(e + 12);
-            const char *k = strstr(line, "\"nonfinite_skipped\":");
-            if (k && k < nl) *skipped = atoi(k + 20);
-            memmove(out, line, (size_t)(nl - line + 1));
-            out += nl - line + 1;
-        }
-        line = nl + 1;
-    }
-    if (kiln_write_file_atomic(path, text, (size_t)(out - text)) != 0)
-        kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot rewrite for the resumed run", path);
-    free(text);
-    return elapsed;
-}
 
 Metrics *metrics_open(const Config *c, int rank, int world, double flops_per_token, double peak_flops,
                       const char *peak_source, int start_step) {
@@ -495,7 +983,7 @@ Metrics *metrics_open(const Config *c, int rank, int world, double flops_per_tok
     m->fpt = flops_per_token;
     m->peak = peak_flops;
     m->spike_factor = c->spike_factor;
-    m->tty = rank == 0 && isatty(1);
+    m->tty = rank == 0 && progress_bar(c->progress);
     m->last_val = NAN;
     kiln_strlcpy(m->run_dir, c->run_dir, sizeof m->run_dir);
     if (gethostname(m->host, sizeof m->host - 1) != 0) kiln_strlcpy(m->host, "unknown", sizeof m->host);
@@ -520,9 +1008,17 @@ Metrics *metrics_open(const Config *c, int rank, int world, double flops_per_tok
             start_step > 0 ? " | resumed" : "");
     fflush(m->log);
 
+    outlets_init(m, c);
     if (rank == 0) {
         snprintf(path, sizeof path, "%s/metrics.jsonl", c->run_dir);
-        if (start_step > 0) m->elapsed_base = jsonl_truncate(path, start_step, &m->skipped);
+        if (start_step > 0) {
+            JsonlCarry carry = {0, 0, NAN, NAN, NAN, NAN, 0, 0, 0};
+            jsonl_truncate(path, start_step, &carry);
+            m->elapsed_base = carry.elapsed, m->skipped = carry.skipped;
+            m->final_loss = carry.final_loss, m->best_loss = carry.best_loss, m->best_loss_step = carry.best_loss_step;
+            m->best_val = carry.best_val, m->best_val_step = carry.best_val_step;
+            m->last_val = carry.last_val, m->last_val_step = carry.last_val_step;
+        }
         m->jsonl = fopen(path, start_step > 0 ? "a" : "w");
         if (!m->jsonl) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot open for writing", path);
         if (c->tensorboard) {
@@ -547,6 +1043,8 @@ Metrics *metrics_open(const Config *c, int rank, int world, double flops_per_tok
     metrics_phase(m, PHASE_INIT, start_step);
 
     kiln_strlcpy(m->peak_source, peak_source ? peak_source : "?", sizeof m->peak_source);
+
+    outlets_open(m, c, start_step);
 
     m->stall_timeout = c->stall_timeout_s;
     if (m->stall_timeout > 0) {
@@ -635,13 +1133,26 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
     double now = kiln_now();
     double elapsed = m->elapsed_base + (now - m->t_open);
     double tok_s = s->step_time_s > 0 ? (double)m->tokens_per_step / s->step_time_s : 0.0;
-    double mfu = m->peak > 0 ? m->fpt * tok_s / m->peak : NAN;
+    /* tok_s is all ranks' throughput, so the peak is all ranks' devices
+     * (one a rank): each rank's share against one device's peak */
+    double mfu = m->peak > 0 ? m->fpt * tok_s / (m->peak * m->world) : NAN;
     int done_here = s->step - m->start_step;
     double eta = done_here > 0 ? (now - m->t_open) / done_here * (m->steps - s->step) : NAN;
     double rss = metrics_peak_rss_mib();
     if (s->skipped) m->skipped++;
-    if (!isnan(s->val_loss)) m->last_val = s->val_loss;
+    if (!isnan(s->val_loss)) {
+        m->last_val = s->val_loss, m->last_val_step = s->step;
+        if (!(s->val_loss >= m->best_val)) m->best_val = s->val_loss, m->best_val_step = s->step;
+    }
+    if (isfinite(s->loss) && !s->skipped) {
+        m->final_loss = s->loss;
+        if (!(s->loss >= m->best_loss)) m->best_loss = s->loss, m->best_loss_step = s->step;
+    }
+    m->tokens = s->tokens, m->steps_seen++;
+    m->run_step_s += s->step_time_s, m->run_tokens += (double)m->tokens_per_step;
     check_warnings(m, s);
+    const StragglerStats *st = ranks_gather(m, s); /* collective at logged steps */
+    if (st && st->warn) warn_straggler(m, s->step, st);
 
     if (m->jsonl) {
         FILE *f = m->jsonl;
@@ -663,9 +1174,12 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         if (s->skipped) fputs(",\"skipped\":true", f);
         if (s->param_hash) fprintf(f, ",\"param_hash\":\"%016llx\"", (unsigned long long)s->param_hash);
         if (s->moe) json_moe(f, s->moe);
+        if (st) json_ranks(f, m, st);
         fputs("}\n", f);
         fflush(f);
     }
+    if (st && m->ranks) ranks_line(m, s->step, st);
+    if (m->mlflow) mlflow_step(m, s, tok_s, mfu, rss, st);
     if (m->tb) {
         const char *tags[10];
         float vals[10];
@@ -687,6 +1201,7 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         size_t len = metrics_tb_encode(buf, sizeof buf, wall_now(), s->step, NULL, n, tags, vals);
         metrics_tb_write_record(m->tb, buf, len);
         if (s->moe) tb_moe(m, s->step, s->moe);
+        if (st) tb_ranks(m, s->step, st);
         fflush(m->tb);
     }
 
@@ -730,8 +1245,21 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
 
     pthread_mutex_lock(&m->lock);
     m->last_step = s->step;
+    m->last_loss = s->loss, m->last_tok_s = tok_s, m->last_mfu = mfu, m->last_step_s = s->step_time_s;
     heartbeat_write_locked(m, 0);
+    if (m->prom_path[0] && (s->step % m->prom_every == 0 || last)) prom_write_locked(m, 1);
     pthread_mutex_unlock(&m->lock);
+}
+
+void metrics_end(Metrics *m, int exit_code, const char *reason) {
+    if (!m) return;
+    m->exit_code = exit_code;
+    kiln_strlcpy(m->exit_reason, reason, sizeof m->exit_reason);
+    m->ended = 1;
+}
+
+void metrics_set_commit(Metrics *m, const char *commit) {
+    if (m && commit) kiln_strlcpy(m->commit, commit, sizeof m->commit);
 }
 
 void metrics_close(Metrics *m) {
@@ -746,6 +1274,16 @@ void metrics_close(Metrics *m) {
     }
     pthread_cond_destroy(&m->wake);
     metrics_bar_clear(m);
+    pthread_mutex_lock(&m->lock);
+    outlets_end_locked(m, m->exit_code, m->exit_reason);
+    pthread_mutex_unlock(&m->lock);
+    if (fail_metrics == m) {
+        kiln_set_fail_hook(NULL);
+        fail_metrics = NULL;
+    }
+    mlflow_close(m->mlflow);
+    straggler_close(m->strag);
+    if (m->ranks) fclose(m->ranks);
     if (m->jsonl) fclose(m->jsonl);
     if (m->tb) fclose(m->tb);
     if (m->log) fclose(m->log);

@@ -30,6 +30,8 @@ typedef enum {
 
 const char *metrics_phase_name(MetricsPhase p);
 
+#define METRICS_COMM_GROUPS 4 /* process groups a step reports blocked time for */
+
 /* One optimizer step as the loop saw it. */
 typedef struct MetricsStep {
     int step;            /* 1-based, steps completed */
@@ -44,6 +46,10 @@ typedef struct MetricsStep {
     uint64_t param_hash; /* test hook only (0 = absent): FNV-1a of the parameters */
     double device_mib;   /* peak device memory since start, MiB (0 = the backend has none: CPU) */
     const struct MetricsMoe *moe; /* MoE models: the router's figures; NULL otherwise */
+    /* seconds this rank was blocked in each process group's collectives in
+     * the step ("dp": ddp_step_blocked_s); comm_group NULL past the last */
+    const char *comm_group[METRICS_COMM_GROUPS];
+    double comm_s[METRICS_COMM_GROUPS];
 } MetricsStep;
 
 /* One step of an MoE model: losses of the step's last micro-batch (summed
@@ -58,7 +64,8 @@ typedef struct MetricsMoe {
 
 typedef struct Metrics Metrics;
 
-/* Open the run's metric files under c->run_dir for `rank` (of `world`).
+/* Open the run's metric files under c->run_dir for `rank` (of `world`;
+ * collective over the world when world > 1: ranks share their host names).
  * flops_per_token: training FLOPs per token (arch_flops_per_token);
  * peak_flops: one device's peak FLOP/s (0 = MFU not reported); peak_source
  * says where it came from ("measured sgemm", "table: H100 SXM bf16", "config").
@@ -66,12 +73,24 @@ typedef struct Metrics Metrics;
  * is appended to. Starts the watchdog when monitor.stall_timeout_s > 0. */
 Metrics *metrics_open(const Config *c, int rank, int world, double flops_per_token, double peak_flops,
                       const char *peak_source, int start_step);
-/* Final line, flush, stop the watchdog, heartbeat phase "done". */
+/* Stop the watchdog, heartbeat phase "done"; rank 0 writes RUN_DIR/summary.json,
+ * the last Prometheus snapshot and ends the MLflow run (status from
+ * metrics_end, else "completed"); flush and close. */
 void metrics_close(Metrics *m);
+/* How the run ends, for summary.json, MLflow and Prometheus: exit code and a
+ * one-line reason ("completed", "stopped by SIGTERM after step 40 ..."). A
+ * kiln_fail after metrics_open records its own code and message. */
+void metrics_end(Metrics *m, int exit_code, const char *reason);
+/* The build's commit, for summary.json and the MLflow run's tags. */
+void metrics_set_commit(Metrics *m, const char *commit);
 
 /* Record one step: metrics.jsonl, TensorBoard, the progress line or bar (rank
  * 0; a full line every log_every steps, at evaluations and at the end),
- * warnings (loss spike, non-finite gradient norm, slow step), the heartbeat. */
+ * warnings (loss spike, non-finite gradient norm, slow step, straggler), the
+ * heartbeat, MLflow, Prometheus. Collective over the world when world > 1
+ * (every rank calls it for every step): at steps that are multiples of
+ * log_every, and the last, every rank's timings are gathered to rank 0
+ * (ranks.jsonl, docs/metrics.md "Stragglers"). */
 void metrics_step(Metrics *m, const MetricsStep *s);
 
 /* The rank enters `phase` of step `step` (1-based: the step being computed).

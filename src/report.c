@@ -12,176 +12,8 @@
 #include <sys/time.h>
 #include <time.h>
 
+#include "runs.h"
 #include "util.h"
-
-/* ---------- reading a run ---------- */
-
-enum { F_STEP, F_TOKENS, F_LOSS, F_VAL, F_LR, F_GN, F_TPS, F_MFU, F_STEPT, F_ELAPSED, F_ETA, F_TIME, F_RSS, F_SKIP, NF };
-static const char *field_names[NF] = {"step",      "tokens",      "loss",     "val_loss", "lr",
-                                      "grad_norm", "tok_per_s",   "mfu",      "step_time_s",
-                                      "elapsed_s", "eta_s",       "time",     "peak_rss_mib", "nonfinite_skipped"};
-
-typedef struct {
-    char dir[1024];
-    char name[256];
-    int steps_total;   /* train.steps from config.yaml; 0 if unknown */
-    char *config;      /* config.yaml text, or NULL */
-    int n, cap;
-    double *v[NF];     /* v[field][row]; NAN where absent or null */
-} Run;
-
-/* Value of "key": in a one-line flat JSON object; NAN if absent or null. The
- * leading quote keeps "loss" from matching inside "val_loss". */
-static double json_field(const char *line, const char *end, const char *key) {
-    char pat[64];
-    int n = snprintf(pat, sizeof pat, "\"%s\":", key);
-    for (const char *p = line; p < end && (p = strstr(p, pat)) != NULL && p < end; p++) {
-        const char *v = p + n;
-        if (*v == 'n') return NAN;
-        if (*v == 't') return 1.0; /* true */
-        if (*v == 'f') return 0.0;
-        char *e;
-        double x = strtod(v, &e);
-        return e == v ? NAN : x;
-    }
-    return NAN;
-}
-
-/* train.steps and run.name from the resolved config (written by
- * cfg_write_yaml: sections at column 0, keys indented by two). */
-static void scan_config(Run *r) {
-    if (!r->config) return;
-    char section[64] = "";
-    for (const char *l = r->config; *l;) {
-        const char *nl = strchr(l, '\n');
-        size_t len = nl ? (size_t)(nl - l) : strlen(l);
-        char line[512];
-        snprintf(line, sizeof line, "%.*s", (int)(len < 511 ? len : 511), l);
-        if (line[0] != ' ' && line[0] != '#' && strchr(line, ':')) sscanf(line, "%63[^:]", section);
-        if (strcmp(section, "train") == 0 && strncmp(line, "  steps:", 8) == 0) r->steps_total = atoi(line + 8);
-        if (strcmp(section, "run") == 0 && strncmp(line, "  name:", 7) == 0) {
-            char *s = line + 7;
-            while (*s == ' ' || *s == '"') s++;
-            char *e = s + strlen(s);
-            while (e > s && (e[-1] == '"' || e[-1] == ' ')) *--e = 0;
-            if (*s) kiln_strlcpy(r->name, s, sizeof r->name);
-        }
-        l = nl ? nl + 1 : l + len;
-    }
-}
-
-/* Load RUN_DIR; exits 2 naming the directory when it holds no run. */
-static void run_load(Run *r, const char *dir) {
-    memset(r, 0, sizeof *r);
-    kiln_strlcpy(r->dir, dir, sizeof r->dir);
-    const char *base = strrchr(dir, '/');
-    kiln_strlcpy(r->name, base && base[1] ? base + 1 : dir, sizeof r->name);
-    char path[1200];
-    size_t len = 0;
-    snprintf(path, sizeof path, "%s/config.yaml", dir);
-    r->config = kiln_read_file(path, &len);
-    scan_config(r);
-    snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
-    char *text = kiln_read_file(path, &len);
-    if (!text && !r->config) {
-        kiln_fail_hint(KILN_EXIT_USAGE, "a run directory holds config.yaml and metrics.jsonl (run.dir of the config)",
-                       "%s: not a run directory (no metrics.jsonl or config.yaml)", dir);
-    }
-    if (!text) return;
-    for (char *l = text, *end = text + len; l < end;) {
-        char *nl = memchr(l, '\n', (size_t)(end - l));
-        if (!nl) break; /* a line being written: skip it */
-        if (l[0] == '{') {
-            if (r->n == r->cap) {
-                r->cap = r->cap ? 2 * r->cap : 1024;
-                for (int f = 0; f < NF; f++) r->v[f] = xrealloc(r->v[f], (size_t)r->cap * sizeof(double));
-            }
-            for (int f = 0; f < NF; f++) r->v[f][r->n] = json_field(l, nl, field_names[f]);
-            if (!isnan(r->v[F_STEP][r->n])) r->n++;
-        }
-        l = nl + 1;
-    }
-    free(text);
-}
-
-/* Runs that share a run.name (a rerun, a sweep without names) would share a
- * legend label: such runs are labelled "name (dir)", the directory being the
- * shortest trailing part of the path that tells them apart. */
-static void label_runs(Run *runs, int n) {
-    int *clash = xcalloc((size_t)n, sizeof(int)); /* decided on the names as loaded */
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < n; j++) clash[i] |= j != i && strcmp(runs[i].name, runs[j].name) == 0;
-    for (int i = 0; i < n; i++) {
-        if (!clash[i]) continue;
-        /* grow the suffix of the directory path one component at a time */
-        const char *d = runs[i].dir, *suffix = d + strlen(d);
-        while (suffix > d && suffix[-1] == '/') suffix--;
-        size_t end = (size_t)(suffix - d);
-        for (;;) {
-            const char *p = suffix;
-            while (p > d && p[-1] == '/') p--;
-            while (p > d && p[-1] != '/') p--;
-            suffix = p;
-            int unique = 1;
-            for (int j = 0; j < n; j++) {
-                if (j == i) continue;
-                const char *o = runs[j].dir;
-                size_t ol = strlen(o), sl = end - (size_t)(suffix - d);
-                while (ol && o[ol - 1] == '/') ol--;
-                if (ol >= sl && strncmp(o + ol - sl, suffix, sl) == 0 && (ol == sl || o[ol - sl - 1] == '/')) unique = 0;
-            }
-            if (unique || suffix == d) break;
-        }
-        char label[sizeof runs[i].name];
-        snprintf(label, sizeof label, "%s (%.*s)", runs[i].name, (int)(end - (size_t)(suffix - d)), suffix);
-        kiln_strlcpy(runs[i].name, label, sizeof runs[i].name);
-    }
-    free(clash);
-}
-
-static void run_free(Run *r) {
-    for (int f = 0; f < NF; f++) free(r->v[f]);
-    free(r->config);
-}
-
-/* Last finite value of a field, and the row it is in (-1: none). */
-static int last_row(const Run *r, int f) {
-    for (int i = r->n - 1; i >= 0; i--)
-        if (isfinite(r->v[f][i])) return i;
-    return -1;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* Median of a field over its last half (past warm-up and start-up); NAN if none. */
-static double recent_median(const Run *r, int f) {
-    double *t = xmalloc((size_t)(r->n + 1) * sizeof(double));
-    int k = 0;
-    for (int i = r->n / 2; i < r->n; i++)
-        if (isfinite(r->v[f][i])) t[k++] = r->v[f][i];
-    double m = NAN;
-    if (k) {
-        qsort(t, (size_t)k, sizeof(double), cmp_double);
-        m = k % 2 ? t[k / 2] : 0.5 * (t[k / 2 - 1] + t[k / 2]);
-    }
-    free(t);
-    return m;
-}
-
-static void fmt_duration(double s, char *buf, size_t cap) {
-    if (!isfinite(s) || s < 0) {
-        snprintf(buf, cap, "-");
-        return;
-    }
-    long t = (long)(s + 0.5);
-    if (t >= 86400) snprintf(buf, cap, "%ldd %ldh %02ldm", t / 86400, t / 3600 % 24, t / 60 % 60);
-    else if (t >= 3600) snprintf(buf, cap, "%ldh %02ldm %02lds", t / 3600, t / 60 % 60, t % 60);
-    else if (t >= 60) snprintf(buf, cap, "%ldm %02lds", t / 60, t % 60);
-    else snprintf(buf, cap, "%lds", t);
-}
 
 static double wall_now(void) {
     struct timeval tv;
@@ -192,6 +24,51 @@ static double wall_now(void) {
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 /* ---------- ./train status ---------- */
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static const double *sort_key; /* for cmp_rank_desc */
+static int cmp_rank_desc(const void *a, const void *b) {
+    double x = sort_key[*(const int *)a], y = sort_key[*(const int *)b];
+    return (x < y) - (x > y);
+}
+
+/* Ranks by busy time per step, slowest first, from the last logged steps of
+ * ranks.jsonl: the rank the others wait for comes first. */
+static void status_ranks(const char *dir) {
+    RunRanks t;
+    if (!runs_ranks_load(&t, dir)) return;
+    enum { LAST = 10 };
+    int from = t.nlines - LAST, W = t.world;
+    double *busy = xmalloc((size_t)W * sizeof(double)), *data = xmalloc((size_t)W * sizeof(double));
+    double *comp = xmalloc((size_t)W * sizeof(double)), *comm = xcalloc((size_t)W * RUNS_GROUPS, sizeof(double));
+    int *order = xmalloc((size_t)W * sizeof(int));
+    runs_ranks_mean(&t, t.busy, from, busy);
+    runs_ranks_mean(&t, t.data, from, data);
+    runs_ranks_mean(&t, t.compute, from, comp);
+    for (int g = 0; g < t.ngroups; g++) runs_ranks_mean(&t, t.comm[g], from, comm + (size_t)g * W);
+    for (int i = 0; i < W; i++) order[i] = i;
+    sort_key = busy;
+    qsort(order, (size_t)W, sizeof(int), cmp_rank_desc);
+    double med = W % 2 ? busy[order[W / 2]] : 0.5 * (busy[order[W / 2 - 1]] + busy[order[W / 2]]);
+    printf("  ranks by busy time per step, slowest first (busy = step time minus time blocked in communication;\n"
+           "  mean of the last %d logged steps, to step %d):\n", t.nlines < LAST ? t.nlines : LAST,
+           t.step[t.nlines - 1]);
+    int show = W <= 16 ? W : 10;
+    for (int k = 0; k < show; k++) {
+        int r = order[k];
+        printf("    rank %-5d host %-16s busy %8.1f ms %6.2fx median | data %.1f ms, compute %.1f ms", r, t.host[r],
+               1e3 * busy[r], med > 0 ? busy[r] / med : NAN, 1e3 * data[r], 1e3 * comp[r]);
+        for (int g = 0; g < t.ngroups; g++) printf(", blocked in %s %.1f ms", t.group[g], 1e3 * comm[(size_t)g * W + r]);
+        printf("\n");
+    }
+    if (show < W) printf("    ... %d faster ranks (ranks.jsonl has them all)\n", W - show);
+    free(busy), free(data), free(comp), free(comm), free(order);
+    runs_ranks_free(&t);
+}
 
 static const char *status_usage = "usage: ./train status RUN_DIR [--stale-after SECONDS]\n";
 
@@ -218,35 +95,35 @@ int report_status_main(int argc, char **argv) {
         kiln_fail(KILN_EXIT_USAGE, "status: no run directory given");
     }
     Run r;
-    run_load(&r, dir);
+    runs_load(&r, dir);
     double now = wall_now();
     printf("run %s (%s)\n", r.name, r.dir);
     int li = r.n - 1;
     if (li < 0) printf("  no steps recorded yet\n");
     else {
-        int step = (int)r.v[F_STEP][li];
+        int step = (int)r.v[RUN_STEP][li];
         char ago[32], el[32], eta[32];
-        fmt_duration(now - r.v[F_TIME][li], ago, sizeof ago);
-        fmt_duration(r.v[F_ELAPSED][li], el, sizeof el);
-        fmt_duration(r.v[F_ETA][li], eta, sizeof eta);
+        runs_fmt_duration(now - r.v[RUN_TIME][li], ago, sizeof ago);
+        runs_fmt_duration(r.v[RUN_ELAPSED][li], el, sizeof el);
+        runs_fmt_duration(r.v[RUN_ETA][li], eta, sizeof eta);
         if (r.steps_total > 0)
             printf("  last step    %d of %d (%.1f%%), %s ago\n", step, r.steps_total, 100.0 * step / r.steps_total, ago);
         else printf("  last step    %d, %s ago\n", step, ago);
-        int lv = last_row(&r, F_VAL);
-        printf("  loss         %.4f", r.v[F_LOSS][li]);
-        if (lv >= 0) printf(" | val %.4f at step %d", r.v[F_VAL][lv], (int)r.v[F_STEP][lv]);
+        int lv = runs_last_row(&r, RUN_VAL);
+        printf("  loss         %.4f", r.v[RUN_LOSS][li]);
+        if (lv >= 0) printf(" | val %.4f at step %d", r.v[RUN_VAL][lv], (int)r.v[RUN_STEP][lv]);
         printf("\n");
-        printf("  tokens       %.4g seen | %.0f tokens/s", r.v[F_TOKENS][li], recent_median(&r, F_TPS));
-        double mfu = recent_median(&r, F_MFU);
+        printf("  tokens       %.4g seen | %.0f tokens/s", r.v[RUN_TOKENS][li], runs_recent_median(&r, RUN_TPS));
+        double mfu = runs_recent_median(&r, RUN_MFU);
         if (isfinite(mfu)) printf(" | MFU %.1f%%", 100 * mfu);
         printf(" (medians of the last half)\n");
         int done = r.steps_total > 0 && step >= r.steps_total;
         printf("  elapsed      %s | ETA %s\n", el, done ? "done" : eta);
-        double sk = r.v[F_SKIP][li];
+        double sk = r.v[RUN_SKIP][li];
         if (isfinite(sk) && sk > 0) printf("  skipped      %.0f step(s) with non-finite values\n", sk);
         if (stale_after <= 0) {
             /* a heartbeat is rewritten at least every step: three steps' silence is a stall */
-            double st = recent_median(&r, F_STEPT);
+            double st = runs_recent_median(&r, RUN_STEPT);
             stale_after = isfinite(st) && 3 * st > 60.0 ? 3 * st : 60.0;
         }
     }
@@ -303,8 +180,8 @@ int report_status_main(int argc, char **argv) {
             char *hb = kiln_read_file(hp, &len);
             if (!hb) continue;
             char *end = hb + len;
-            int rank = (int)json_field(hb, end, "rank"), step = (int)json_field(hb, end, "step");
-            double t = json_field(hb, end, "time");
+            int rank = (int)runs_json_field(hb, end, "rank"), step = (int)runs_json_field(hb, end, "step");
+            double t = runs_json_field(hb, end, "time");
             char phase[32] = "?", host[128] = "?";
             const char *p = strstr(hb, "\"phase\":\"");
             if (p) sscanf(p + 9, "%31[^\"]", phase);
@@ -312,10 +189,10 @@ int report_status_main(int argc, char **argv) {
             if (p) sscanf(p + 8, "%127[^\"]", host);
             int is_stale = strcmp(phase, "done") != 0 && now - t > stale_after;
             char ago[32];
-            fmt_duration(now - t, ago, sizeof ago);
+            runs_fmt_duration(now - t, ago, sizeof ago);
             printf("  rank %-7d step %d, phase %s, %s ago, host %s pid %.0f%s%s\n", rank, step, phase, ago, host,
-                   json_field(hb, end, "pid"), is_stale ? "  STALE" : "",
-                   json_field(hb, end, "stalled") == 1.0 ? " (watchdog fired)" : "");
+                   runs_json_field(hb, end, "pid"), is_stale ? "  STALE" : "",
+                   runs_json_field(hb, end, "stalled") == 1.0 ? " (watchdog fired)" : "");
             if (is_stale) {
                 size_t o = strlen(stale);
                 snprintf(stale + o, sizeof stale - o, "%s%d", nstale ? ", " : "", rank);
@@ -329,7 +206,8 @@ int report_status_main(int argc, char **argv) {
     if (!nr) printf("  ranks        no heartbeat files\n");
     else if (nstale) printf("  stale ranks  %s (no heartbeat for over %.0f s)\n", stale, stale_after);
     else printf("  stale ranks  none (threshold %.0f s)\n", stale_after);
-    run_free(&r);
+    status_ranks(dir);
+    runs_free(&r);
     return KILN_EXIT_OK;
 }
 
@@ -368,12 +246,12 @@ static void svg_chart(FILE *f, const Chart *ch, Run *runs, int nr, int id) {
     int any = 0;
     for (int r = 0; r < nr; r++) {
         const Run *R = &runs[r];
-        double smax = R->n ? R->v[F_STEP][R->n - 1] : 0, smin = R->n ? R->v[F_STEP][0] : 0;
+        double smax = R->n ? R->v[RUN_STEP][R->n - 1] : 0, smin = R->n ? R->v[RUN_STEP][0] : 0;
         for (int i = 0; i < R->n; i++) {
             for (int k = 0; k < 2; k++) {
                 int fld = k ? ch->dashed_field : ch->field;
                 if (fld < 0) continue;
-                double v = R->v[fld][i] * ch->scale, s = R->v[F_STEP][i];
+                double v = R->v[fld][i] * ch->scale, s = R->v[RUN_STEP][i];
                 if (!isfinite(v)) continue;
                 any = 1;
                 if (s < x0) x0 = s;
@@ -401,7 +279,7 @@ static void svg_chart(FILE *f, const Chart *ch, Run *runs, int nr, int id) {
     double ys = nice_step(y1 - y0, 5);
     y0 = floor(y0 / ys) * ys;
     y1 = ceil(y1 / ys) * ys;
-    if (ch->field != F_LOSS && y0 < 0 && y0 + ys > 0) y0 = 0;
+    if (ch->field != RUN_LOSS && y0 < 0 && y0 + ys > 0) y0 = 0;
     double pw = CW - ML - MR, ph = CH - MT - MB;
 #define PX(s) (ML + ((s) - x0) / (x1 - x0) * pw)
 #define PY(v) (MT + (y1 - (v)) / (y1 - y0) * ph)
@@ -441,7 +319,7 @@ static void svg_chart(FILE *f, const Chart *ch, Run *runs, int nr, int id) {
             for (int i = 0; i < R->n; i++) {
                 double v = R->v[fld][i] * ch->scale;
                 if (!isfinite(v)) continue;
-                sx += R->v[F_STEP][i], sy += v, in++;
+                sx += R->v[RUN_STEP][i], sy += v, in++;
                 if (in == bucket) {
                     fprintf(f, "%.1f,%.1f ", PX(sx / in), PY(sy / in));
                     sx = sy = 0, in = 0;
@@ -452,7 +330,7 @@ static void svg_chart(FILE *f, const Chart *ch, Run *runs, int nr, int id) {
             if (k && cnt <= 200) /* sparse evaluations: mark each one */
                 for (int i = 0; i < R->n; i++)
                     if (isfinite(R->v[fld][i]))
-                        fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>", PX(R->v[F_STEP][i]),
+                        fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>", PX(R->v[RUN_STEP][i]),
                                 PY(R->v[fld][i] * ch->scale), col);
         }
     }
@@ -460,7 +338,7 @@ static void svg_chart(FILE *f, const Chart *ch, Run *runs, int nr, int id) {
     /* legend, top right: one entry per run (and "val" when a dashed series shows) */
     int has_dashed = 0;
     if (ch->dashed_field >= 0)
-        for (int r = 0; r < nr; r++) has_dashed |= last_row(&runs[r], ch->dashed_field) >= 0;
+        for (int r = 0; r < nr; r++) has_dashed |= runs_last_row(&runs[r], ch->dashed_field) >= 0;
     int entries = nr * (has_dashed ? 2 : 1), row = 0;
     if (entries > 1)
         for (int r = 0; r < nr; r++)
@@ -475,6 +353,182 @@ static void svg_chart(FILE *f, const Chart *ch, Run *runs, int nr, int id) {
 #undef PX
 #undef PY
     fprintf(f, "</svg></div>\n");
+}
+
+/* ---------- per-rank charts (ranks.jsonl) ---------- */
+
+static const char *part_colors[] = {"#ff7f0e", "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2"};
+
+/* Axis frame, y grid and labels for [0, y1] (y1 rounded up to a nice step);
+ * returns the rounded y1. */
+static double svg_frame(FILE *f, const char *title, const char *ylabel, const char *xlabel, double y1, int id) {
+    fprintf(f, "<div class=\"chart\"><svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
+               "viewBox=\"0 0 %d %d\">\n<text x=\"%d\" y=\"18\" class=\"title\">", CW, CH, CW, CH, ML);
+    html_escape(f, title);
+    fprintf(f, "</text>\n");
+    if (!(y1 > 0) || !isfinite(y1)) y1 = 1;
+    double ys = nice_step(y1, 5);
+    y1 = ceil(y1 / ys) * ys;
+    double pw = CW - ML - MR, ph = CH - MT - MB;
+    fprintf(f, "<defs><clipPath id=\"c%d\"><rect x=\"%d\" y=\"%d\" width=\"%.0f\" height=\"%.0f\"/></clipPath></defs>\n",
+            id, ML, MT, pw, ph);
+    fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%.0f\" height=\"%.0f\" class=\"frame\"/>\n", ML, MT, pw, ph);
+    for (double y = 0; y <= y1 + ys * 1e-6; y += ys) {
+        double py = MT + (y1 - y) / y1 * ph;
+        fprintf(f, "<line x1=\"%d\" x2=\"%.1f\" y1=\"%.1f\" y2=\"%.1f\" class=\"grid\"/>", ML, ML + pw, py, py);
+        fprintf(f, "<text x=\"%d\" y=\"%.1f\" class=\"yt\">%.4g</text>\n", ML - 6, py + 4, y);
+    }
+    fprintf(f, "<text x=\"%.1f\" y=\"%d\" class=\"xl\">", ML + pw / 2, CH - 4);
+    html_escape(f, xlabel);
+    fprintf(f, "</text><text x=\"14\" y=\"%.1f\" class=\"yl\" transform=\"rotate(-90 14 %.1f)\">", MT + ph / 2,
+            MT + ph / 2);
+    html_escape(f, ylabel);
+    fprintf(f, "</text>\n");
+    return y1;
+}
+
+static void svg_legend(FILE *f, int n, const char *const *names, const char *const *colors) {
+    for (int k = 0; k < n; k++) {
+        double ly = MT + 14 + 15 * k, lx = CW - MR - 150;
+        fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"12\" height=\"10\" fill=\"%s\"/>", lx, ly - 9, colors[k]);
+        fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" class=\"lg\">", lx + 18, ly);
+        html_escape(f, names[k]);
+        fprintf(f, "</text>\n");
+    }
+}
+
+/* One stacked bar per rank: mean data wait, compute and time blocked in each
+ * group over the last half of the logged steps. In a synchronous job every
+ * bar is about one step long; who computes while the others wait shows. */
+static void svg_rank_bars(FILE *f, const RunRanks *t, int id) {
+    int W = t->world, from = t->nlines / 2, np = 2 + t->ngroups;
+    double *part = xcalloc((size_t)np * W, sizeof(double));
+    runs_ranks_mean(t, t->data, from, part);
+    runs_ranks_mean(t, t->compute, from, part + W);
+    for (int g = 0; g < t->ngroups; g++) runs_ranks_mean(t, t->comm[g], from, part + (size_t)(2 + g) * W);
+    double top = 0, worst = -1;
+    int slow = 0;
+    for (int r = 0; r < W; r++) {
+        double sum = 0;
+        for (int k = 0; k < np; k++) sum += isfinite(part[(size_t)k * W + r]) ? 1e3 * part[(size_t)k * W + r] : 0;
+        if (sum > top) top = sum;
+        double busy = part[r] + part[W + r];
+        if (busy > worst) worst = busy, slow = r;
+    }
+    char title[160];
+    snprintf(title, sizeof title, "Per rank: where a step goes (slowest: rank %d, %s)", slow, t->host[slow]);
+    /* headroom above the bars for the legend */
+    double y1 = svg_frame(f, title, "ms per step", W <= 32 ? "rank" : "rank (every rank a bar)", 1.35 * top, id);
+    double pw = CW - ML - MR, ph = CH - MT - MB, bw = pw / W;
+    fprintf(f, "<g clip-path=\"url(#c%d)\">\n", id);
+    for (int r = 0; r < W; r++) {
+        double y = 0;
+        for (int k = 0; k < np; k++) {
+            double v = 1e3 * part[(size_t)k * W + r];
+            if (!isfinite(v) || v <= 0) continue;
+            double py = MT + (y1 - y - v) / y1 * ph, h = v / y1 * ph;
+            fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\">", ML + r * bw + bw * 0.1,
+                    py, bw * 0.8 > 1 ? bw * 0.8 : 1, h, part_colors[k % 6]);
+            fprintf(f, "<title>rank %d (%s): %s %.2f ms</title></rect>\n", r, t->host[r],
+                    k == 0 ? "data" : k == 1 ? "compute" : t->group[k - 2], v);
+            y += v;
+        }
+    }
+    fprintf(f, "</g>\n");
+    int every = W <= 32 ? 1 : (W + 15) / 16;
+    for (int r = 0; r < W; r += every)
+        fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" class=\"xt\">%d</text>\n", ML + (r + 0.5) * bw, MT + ph + 16, r);
+    const char *names[2 + RUNS_GROUPS], *cols[2 + RUNS_GROUPS];
+    char gname[RUNS_GROUPS][40];
+    names[0] = "data wait", names[1] = "compute";
+    for (int g = 0; g < t->ngroups; g++) snprintf(gname[g], sizeof gname[g], "blocked in %s", t->group[g]), names[2 + g] = gname[g];
+    for (int k = 0; k < np; k++) cols[k] = part_colors[k % 6];
+    svg_legend(f, np, names, cols);
+    fprintf(f, "</svg></div>\n");
+    free(part);
+}
+
+/* Busy time per rank over the logged steps: one line a rank up to 8 ranks,
+ * else the min, median and max over the ranks. */
+static void svg_rank_lines(FILE *f, const RunRanks *t, int id) {
+    int W = t->world, N = t->nlines, nl = W <= 8 ? W : 3;
+    double *y = xmalloc((size_t)nl * N * sizeof(double)), *tmp = xmalloc((size_t)W * sizeof(double));
+    double top = 0;
+    for (int i = 0; i < N; i++) {
+        const double *b = t->busy + (size_t)i * W;
+        if (W <= 8)
+            for (int r = 0; r < W; r++) y[(size_t)r * N + i] = 1e3 * b[r];
+        else {
+            memcpy(tmp, b, (size_t)W * sizeof(double));
+            qsort(tmp, (size_t)W, sizeof(double), cmp_double);
+            y[i] = 1e3 * tmp[0], y[N + i] = 1e3 * tmp[W / 2], y[2 * N + i] = 1e3 * tmp[W - 1];
+        }
+    }
+    for (size_t k = 0; k < (size_t)nl * N; k++)
+        if (isfinite(y[k]) && y[k] > top) top = y[k];
+    double y1 = svg_frame(f, "Per rank: busy time per step (step minus time blocked)", "ms per step", "step",
+                          (1.0 + 0.1 * nl) * top, id);
+    double x0 = t->step[0], x1 = t->step[N - 1] > x0 ? t->step[N - 1] : x0 + 1;
+    double pw = CW - ML - MR, ph = CH - MT - MB, xs = nice_step(x1 - x0, 6);
+    for (double x = ceil(x0 / xs) * xs; x <= x1 + xs * 1e-6; x += xs)
+        fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" class=\"xt\">%.6g</text>\n", ML + (x - x0) / (x1 - x0) * pw,
+                MT + ph + 16, x);
+    fprintf(f, "<g clip-path=\"url(#c%d)\">\n", id);
+    int bucket = N > 600 ? (N + 599) / 600 : 1; /* at most ~600 points a line, each a bucket's mean */
+    for (int k = 0; k < nl; k++) {
+        fprintf(f, "<polyline class=\"ln\" stroke=\"%s\" points=\"", palette[k % NPAL]);
+        for (int i = 0; i < N; i += bucket) {
+            double sx = 0, sy = 0;
+            int c = 0;
+            for (int j = i; j < i + bucket && j < N; j++)
+                if (isfinite(y[(size_t)k * N + j])) sx += t->step[j], sy += y[(size_t)k * N + j], c++;
+            if (c) fprintf(f, "%.1f,%.1f ", ML + (sx / c - x0) / (x1 - x0) * pw, MT + (y1 - sy / c) / y1 * ph);
+        }
+        fprintf(f, "\"/>\n");
+    }
+    fprintf(f, "</g>\n");
+    const char *names[8], *cols[8];
+    char nm[8][96];
+    for (int k = 0; k < nl; k++) {
+        if (W <= 8) snprintf(nm[k], sizeof nm[k], "rank %d (%s)", k, t->host[k]);
+        else snprintf(nm[k], sizeof nm[k], "%s of %d ranks", k == 0 ? "min" : k == 1 ? "median" : "max", W);
+        names[k] = nm[k], cols[k] = palette[k % NPAL];
+    }
+    svg_legend(f, nl, names, cols);
+    fprintf(f, "</svg></div>\n");
+    free(y), free(tmp);
+}
+
+/* Config differences of several runs, one row per key that differs. */
+static void html_config_diff(FILE *f, Run *runs, int nd) {
+    RunsConfigDiff d;
+    runs_config_diff(runs, nd, &d);
+    fprintf(f, "<h2>Config differences</h2>\n");
+    if (d.nkeys == 0) fprintf(f, "<div class=\"sub\">The configs are the same (run.name and run.dir aside).</div>\n");
+    else {
+        fprintf(f, "<table><tr><th>key</th>");
+        for (int i = 0; i < nd; i++) {
+            fprintf(f, "<th><span class=\"sw\" style=\"background:%s\"></span>", palette[i % NPAL]);
+            html_escape(f, runs[i].name);
+            fprintf(f, "</th>");
+        }
+        fprintf(f, "</tr>\n");
+        for (int k = 0; k < d.nkeys; k++) {
+            fprintf(f, "<tr><td>");
+            html_escape(f, d.key[k]);
+            fprintf(f, "</td>");
+            for (int i = 0; i < nd; i++) {
+                const char *v = d.val[(size_t)k * nd + i];
+                fprintf(f, "<td>");
+                html_escape(f, !v ? "(absent)" : !*v ? "\"\"" : v);
+                fprintf(f, "</td>");
+            }
+            fprintf(f, "</tr>\n");
+        }
+        fprintf(f, "</table>\n<div class=\"sub\">run.name and run.dir are left out; (absent): a config.yaml "
+                   "written before the key existed.</div>\n");
+    }
+    runs_config_diff_free(&d);
 }
 
 static const char *report_usage = "usage: ./train report RUN_DIR [RUN_DIR...] [-o FILE]\n";
@@ -514,14 +568,21 @@ int report_html_main(int argc, char **argv) {
         fputs(report_usage, stderr);
         kiln_fail(KILN_EXIT_USAGE, "report: no run directory given");
     }
-    Run *runs = xcalloc((size_t)nd, sizeof(Run));
-    for (int i = 0; i < nd; i++) run_load(&runs[i], dirs[i]);
-    label_runs(runs, nd);
     char def[1200];
     if (!out) {
         snprintf(def, sizeof def, "%s/report.html", dirs[0]);
         out = def;
     }
+    if (report_write_html(dirs, nd, out) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write the report", out);
+    printf("report: %s (%d run%s)\n", out, nd, nd > 1 ? "s" : "");
+    free(dirs);
+    return KILN_EXIT_OK;
+}
+
+int report_write_html(const char *const *dirs, int nd, const char *out) {
+    Run *runs = xcalloc((size_t)nd, sizeof(Run));
+    for (int i = 0; i < nd; i++) runs_load(&runs[i], dirs[i]);
+    runs_label(runs, nd);
     char *html = NULL;
     size_t hlen = 0;
     FILE *f = open_memstream(&html, &hlen);
@@ -544,10 +605,10 @@ int report_html_main(int argc, char **argv) {
                "<th>elapsed</th><th>peak RSS</th><th>skipped</th></tr>\n");
     for (int i = 0; i < nd; i++) {
         Run *R = &runs[i];
-        int li = R->n - 1, lv = last_row(R, F_VAL), lo = last_row(R, F_LOSS);
+        int li = R->n - 1, lv = runs_last_row(R, RUN_VAL), lo = runs_last_row(R, RUN_LOSS);
         double best = INFINITY;
         for (int k = 0; k < R->n; k++)
-            if (isfinite(R->v[F_VAL][k]) && R->v[F_VAL][k] < best) best = R->v[F_VAL][k];
+            if (isfinite(R->v[RUN_VAL][k]) && R->v[RUN_VAL][k] < best) best = R->v[RUN_VAL][k];
         fprintf(f, "<tr><td><span class=\"sw\" style=\"background:%s\"></span>", palette[i % NPAL]);
         html_escape(f, R->name);
         fprintf(f, " <small>(");
@@ -558,33 +619,49 @@ int report_html_main(int argc, char **argv) {
             continue;
         }
         char el[32];
-        fmt_duration(R->v[F_ELAPSED][li], el, sizeof el);
-        double mfu = recent_median(R, F_MFU);
-        fprintf(f, "<td>%d", (int)R->v[F_STEP][li]);
+        runs_fmt_duration(R->v[RUN_ELAPSED][li], el, sizeof el);
+        double mfu = runs_recent_median(R, RUN_MFU);
+        fprintf(f, "<td>%d", (int)R->v[RUN_STEP][li]);
         if (R->steps_total) fprintf(f, " / %d", R->steps_total);
-        fprintf(f, "</td><td>%.4g</td><td>%.4f</td>", R->v[F_TOKENS][li], lo >= 0 ? R->v[F_LOSS][lo] : NAN);
-        if (lv >= 0) fprintf(f, "<td>%.4f (step %d)</td><td>%.4f</td>", R->v[F_VAL][lv], (int)R->v[F_STEP][lv], best);
+        fprintf(f, "</td><td>%.4g</td><td>%.4f</td>", R->v[RUN_TOKENS][li], lo >= 0 ? R->v[RUN_LOSS][lo] : NAN);
+        if (lv >= 0) fprintf(f, "<td>%.4f (step %d)</td><td>%.4f</td>", R->v[RUN_VAL][lv], (int)R->v[RUN_STEP][lv], best);
         else fprintf(f, "<td>-</td><td>-</td>");
-        fprintf(f, "<td>%.0f</td>", recent_median(R, F_TPS));
+        fprintf(f, "<td>%.0f</td>", runs_recent_median(R, RUN_TPS));
         if (isfinite(mfu)) fprintf(f, "<td>%.1f%%</td>", 100 * mfu);
         else fprintf(f, "<td>-</td>");
-        fprintf(f, "<td>%.0f ms</td><td>%s</td><td>%.0f MiB</td><td>%.0f</td></tr>\n", 1e3 * recent_median(R, F_STEPT),
-                el, R->v[F_RSS][li], isfinite(R->v[F_SKIP][li]) ? R->v[F_SKIP][li] : 0.0);
+        fprintf(f, "<td>%.0f ms</td><td>%s</td><td>%.0f MiB</td><td>%.0f</td></tr>\n", 1e3 * runs_recent_median(R, RUN_STEPT),
+                el, R->v[RUN_RSS][li], isfinite(R->v[RUN_SKIP][li]) ? R->v[RUN_SKIP][li] : 0.0);
     }
     fprintf(f, "</table>\n<div class=\"sub\">tokens/s, MFU and step time: medians over the last half of each "
                "run. Loss charts: solid = training, dashed with dots = validation.</div>\n");
 
     static const Chart charts[] = {
-        {"Loss", "loss (nats/token)", F_LOSS, F_VAL, 1, 1},
-        {"Learning rate", "learning rate", F_LR, -1, 1, 0},
-        {"Gradient norm (before clipping)", "global L2 norm", F_GN, -1, 1, 1},
-        {"Throughput", "tokens/s", F_TPS, -1, 1, 1},
-        {"Model FLOPs utilisation", "MFU (%)", F_MFU, -1, 100, 1},
-        {"Step time", "seconds", F_STEPT, -1, 1, 1},
+        {"Loss", "loss (nats/token)", RUN_LOSS, RUN_VAL, 1, 1},
+        {"Learning rate", "learning rate", RUN_LR, -1, 1, 0},
+        {"Gradient norm (before clipping)", "global L2 norm", RUN_GN, -1, 1, 1},
+        {"Throughput", "tokens/s", RUN_TPS, -1, 1, 1},
+        {"Model FLOPs utilisation", "MFU (%)", RUN_MFU, -1, 100, 1},
+        {"Step time", "seconds", RUN_STEPT, -1, 1, 1},
     };
     fprintf(f, "<h2>Charts</h2>\n<div class=\"charts\">\n");
     for (int c = 0; c < (int)(sizeof charts / sizeof charts[0]); c++) svg_chart(f, &charts[c], runs, nd, c);
-    fprintf(f, "</div>\n<h2>Configs</h2>\n");
+    fprintf(f, "</div>\n");
+    if (nd > 1) html_config_diff(f, runs, nd);
+    int id = (int)(sizeof charts / sizeof charts[0]);
+    for (int i = 0; i < nd; i++) {
+        RunRanks rk;
+        if (!runs_ranks_load(&rk, runs[i].dir)) continue;
+        fprintf(f, "<h2>Ranks: ");
+        html_escape(f, runs[i].name);
+        fprintf(f, " (%d ranks)</h2>\n<div class=\"charts\">\n", rk.world);
+        svg_rank_bars(f, &rk, id++);
+        svg_rank_lines(f, &rk, id++);
+        fprintf(f, "</div>\n<div class=\"sub\">From ranks.jsonl: every rank's timings at each logged step. Bars: "
+                   "means over the last half of the logged steps; busy = data wait + compute, the time a rank "
+                   "does not wait for the others.</div>\n");
+        runs_ranks_free(&rk);
+    }
+    fprintf(f, "<h2>Configs</h2>\n");
     for (int i = 0; i < nd; i++) {
         fprintf(f, "<details%s><summary><span class=\"sw\" style=\"background:%s\"></span>", nd == 1 ? " open" : "",
                 palette[i % NPAL]);
@@ -595,11 +672,9 @@ int report_html_main(int argc, char **argv) {
     }
     fprintf(f, "</body></html>\n");
     fclose(f);
-    if (kiln_write_file_atomic(out, html, hlen) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write the report", out);
-    printf("report: %s (%d run%s)\n", out, nd, nd > 1 ? "s" : "");
+    int rc = kiln_write_file_atomic(out, html, hlen);
     free(html);
-    for (int i = 0; i < nd; i++) run_free(&runs[i]);
+    for (int i = 0; i < nd; i++) runs_free(&runs[i]);
     free(runs);
-    free(dirs);
-    return KILN_EXIT_OK;
+    return rc;
 }

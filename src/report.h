@@ -8,5 +8,8 @@
 /* argv[0] is "status" / "report"; return an exit code. */
 int report_status_main(int argc, char **argv);
 int report_html_main(int argc, char **argv);
+/* The HTML report of runs dirs[0..n) into `out`; 0, or -1 if it cannot be
+ * written (a directory without a run exits 2, as the command does). */
+int report_write_html(const char *const *dirs, int n, const char *out);
 
 #endif

@@ -391,6 +391,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     int start_step = state_open(&rs, c, &smesh, topt->resume, topt->force, topt->commit, &model, &opt, train);
     model_params_changed(&model); /* a resume loaded them: the compute copy follows */
     Metrics *mx = metrics_open(c, rank, world, fpt, peak, peak_src, start_step);
+    metrics_set_commit(mx, topt->commit);
     rs.mx = mx;
     metrics_print(mx, "kiln %s | %s", KILN_VERSION, desc);
     char cdesc[256], mdesc[128];
@@ -503,7 +504,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         int last = step == c->steps - 1;
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
                           info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0,
-                          moe_ms.load ? &moe_ms : NULL};
+                          moe_ms.load ? &moe_ms : NULL, .comm_group = {"dp"}, .comm_s = {ddp_step_blocked_s(&ddp)}};
         if (param_host) {
             /* ZeRO-2/3: this rank's fp32 shard (rank 0's is the one logged;
              * ZeRO-2's whole arena is still being refreshed) */
@@ -551,9 +552,13 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     }
     int stop_reason = rs.stop_reason;
     state_close(&rs);
-    if (stopped)
-        metrics_print(mx, "stopped by %s after step %d; checkpoint written: resume with --resume auto (exit 75)",
-                      stop_reason > 0 ? strsignal(stop_reason) : "the Slurm time limit", steps_done);
+    if (stopped) {
+        char why[256];
+        snprintf(why, sizeof why, "stopped by %s after step %d; checkpoint written: resume with --resume auto",
+                 stop_reason > 0 ? strsignal(stop_reason) : "the Slurm time limit", steps_done);
+        metrics_print(mx, "%s (exit 75)", why);
+        metrics_end(mx, KILN_EXIT_RESUME, why);
+    }
     char vdone[64] = "";
     if (val && !isnan(val_loss)) snprintf(vdone, sizeof vdone, " | val loss %.4f", val_loss); /* not with eval_every 0 */
     char sdone[64] = "";

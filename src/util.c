@@ -15,13 +15,21 @@
 #include <time.h>
 #include <unistd.h>
 
-/* The one place errors are printed: the error line, an optional hint, exit. */
+static void (*fail_hook)(int code, const char *message);
+
+void kiln_set_fail_hook(void (*hook)(int code, const char *message)) { fail_hook = hook; }
+
+/* The one place errors are printed: the error line, an optional hint, the
+ * hook (once: a failure inside it exits without it), exit. */
 __attribute__((noreturn)) static void vfail(int code, const char *hint, const char *fmt, va_list ap) {
+    char msg[4096];
+    vsnprintf(msg, sizeof msg, fmt, ap);
     fflush(stdout);
-    fputs("kiln: error: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    fprintf(stderr, "kiln: error: %s\n", msg);
     if (hint) fprintf(stderr, "kiln: hint: %s\n", hint);
+    void (*hook)(int, const char *) = fail_hook;
+    fail_hook = NULL;
+    if (hook) hook(code, msg);
     exit(code);
 }
 

@@ -18,6 +18,9 @@ enum {
 
 /* Print "kiln: error: <message>" on stderr and exit with `code`. */
 void kiln_fail(int code, const char *fmt, ...) __attribute__((noreturn, format(printf, 2, 3)));
+/* Run `hook` (once) after the error line of kiln_fail and before it exits, so
+ * the run's summary can say why it ended (metrics.c); NULL removes it. */
+void kiln_set_fail_hook(void (*hook)(int code, const char *message));
 /* kiln_fail, with a "kiln: hint: <hint>" line after the error (hint may be NULL). */
 void kiln_fail_hint(int code, const char *hint, const char *fmt, ...) __attribute__((noreturn, format(printf, 3, 4)));
 /* Print "kiln: warning: <message>" on stderr. */

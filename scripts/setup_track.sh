@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Make .venv-track (or $KILN_TRACK_VENV): a venv with MLflow's client
+# (mlflow-skinny) and prometheus_client, pinned, for test/t_mlflow.sh and
+# test/t_prometheus.sh -- the tools' own readers of what kiln writes. Run by
+# `make test` and by those tests when the venv is missing. Idempotent and
+# quiet once made.
+# Exit 0: ready; 3: the package index cannot be reached (the checks skip);
+# 1: anything else (the checks fail: a broken pin must not pass as a skip).
+set -u
+cd "$(dirname "$0")/.."
+venv=${KILN_TRACK_VENV:-.venv-track}
+pins="mlflow-skinny==3.17.2 prometheus_client==0.26.0"
+ready() {
+    "$venv/bin/python" -c 'import mlflow, prometheus_client.parser
+assert mlflow.__version__ == "3.17.2", mlflow.__version__' 2>/dev/null
+}
+[ -x "$venv/bin/python" ] && ready && exit 0
+py=/usr/bin/python3
+[ -x "$py" ] || py=$(command -v python3)
+if [ ! -x "$venv/bin/python" ]; then
+    "$py" -m venv "$venv" 2>/dev/null || { echo "setup_track: $py -m venv $venv failed (apt-get install python3-venv)" >&2; exit 1; }
+fi
+if ! timeout 900 "$venv/bin/pip" install -q --disable-pip-version-check $pins >"$venv/pip.log" 2>&1; then
+    # reachable at all? pip's own index, so no host is written down here
+    if ! timeout 120 "$venv/bin/pip" download -q --no-deps --disable-pip-version-check -d "$venv/probe" \
+        prometheus_client==0.26.0 >/dev/null 2>&1; then
+        echo "setup_track: the package index cannot be reached: MLflow and Prometheus reader checks will skip" >&2
+        exit 3
+    fi
+    echo "setup_track: pip install $pins failed: $(tail -n 3 "$venv/pip.log" | tr '\n' ' ')" >&2
+    exit 1
+fi
+ready || { echo "setup_track: $venv has no working mlflow 3.17.2 / prometheus_client after install" >&2; exit 1; }
+echo "setup_track: $venv ready ($pins)"
