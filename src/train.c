@@ -504,7 +504,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         int last = step == c->steps - 1;
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
                           info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0,
-                          moe_ms.load ? &moe_ms : NULL, .comm_group = {"dp"}, .comm_s = {ddp_step_blocked_s(&ddp)}};
+                          moe_ms.load ? &moe_ms : NULL, .comm_group = {"dp", tp > 1 ? "tp" : NULL},
+                          .comm_s = {ddp_step_blocked_s(&ddp), tp_step_blocked_s(&tpx)}};
         if (param_host) {
             /* ZeRO-2/3: this rank's fp32 shard (rank 0's is the one logged;
              * ZeRO-2's whole arena is still being refreshed) */
