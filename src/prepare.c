@@ -3,7 +3,7 @@
  * writes DIR/train_NNNNNN.bin and DIR/val_NNNNNN.bin (.bin.zst with --zstd).
  * Owns that command line only; must never train or touch the model. */
 #include "prepare.h"
-#include "data.h"
+#include "shard.h"
 #include "tokenizer.h"
 #include "util.h"
 
@@ -130,7 +130,7 @@ static long prepare_write_split(const PrepareArgs *a, const char *split, const u
     for (size_t at = 0; at < n; at += (size_t)a->shard_tokens, k++) {
         size_t m = n - at < (size_t)a->shard_tokens ? n - at : (size_t)a->shard_tokens;
         prepare_shard_path(path, sizeof path, a->out, split, k, a->zstd);
-        data_write_shard(path, tokens + at, m, a->zstd);
+        shard_write(path, tokens + at, m, a->zstd);
         printf("wrote %s: %zu tokens\n", path, m);
     }
     for (long j = 0;; j++) {

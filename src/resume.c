@@ -29,7 +29,11 @@ static const struct {
     {"data.tokenizer*", KEY_NEVER, "token ids would mean different text"},
     {"run.seed", KEY_NEVER, "the data order of the current epoch is drawn from it"},
     {"optim.name", KEY_NEVER, "the optimizer state belongs to the saved optimizer"},
-    {"data.train", KEY_FORCE, "with --force the loader restarts at the start of the new data's order"},
+    {"data.train", KEY_FORCE,
+     "with --force each source still in data.train continues from its saved position (matched by name), a new one "
+     "starts at its beginning, and the blend restarts there with the new weights"},
+    {"data.prefetch", KEY_ALLOW, "the same batches, read ahead or not"},
+    {"data.max_open_shards", KEY_ALLOW, "the same batches, with more or fewer shards open"},
     {"batch.total_tokens", KEY_FORCE,
      "with --force the sample stream continues from the saved position in steps of the new size"},
     {"batch.micro_batch", KEY_NOTE, "the same samples per step, summed in a different grouping"},
@@ -139,7 +143,7 @@ int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char
                 snprintf(hint, sizeof hint, "--force accepts this change (%s)", why);
                 kiln_fail_hint(KILN_EXIT_USAGE, hint, "%s: cannot resume with a changed key %s", ckpt_dir, change);
             }
-            if (p == KEY_FORCE && !strcmp(key, "data.train")) flags |= RESUME_RESET_DATA;
+            if (p == KEY_FORCE && !strcmp(key, "data.train")) flags |= RESUME_DATA_CHANGED;
             if (quiet) continue;
             if (p == KEY_FORCE) {
                 kiln_warn("resume: --force: key %s (%s)", change, why);

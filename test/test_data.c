@@ -3,6 +3,7 @@
  * position, epoch wrap, and every bad-shard error (exit 2, file and offset named,
  * checked in a forked child). Writes only under $KILN_TEST_TMP. */
 #include "data.h"
+#include "shard.h"
 #include "test.h"
 #include "util.h"
 
@@ -27,7 +28,7 @@ static const char *tpath(const char *name) {
 static void write_ramp(const char *name, uint32_t base, size_t n, int zstd) {
     uint32_t *t = xmalloc(n * sizeof(uint32_t));
     for (size_t i = 0; i < n; i++) t[i] = base + (uint32_t)i;
-    data_write_shard(tpath(name), t, n, zstd);
+    shard_write(tpath(name), t, n, zstd);
     free(t);
 }
 
@@ -48,6 +49,15 @@ static unsigned char *read_raw(const char *name, size_t *len) {
     return b;
 }
 
+/* One plain glob, the loader's original form (and order). */
+static DataLoader *open1(const char *pattern, const char *what, int B, int T, int vocab, int shuffle, uint64_t seed,
+                         int rank, int world) {
+    DataSource src = {NULL, pattern, 1.0};
+    DataOptions o = {.what = what, .sources = &src, .n_sources = 1, .B = B, .T = T, .vocab_size = vocab,
+                     .shuffle = shuffle, .seed = seed, .rank = rank, .world = world};
+    return data_open(&o);
+}
+
 typedef struct OpenArgs {
     const char *pattern;
     int T, vocab;
@@ -55,12 +65,12 @@ typedef struct OpenArgs {
 
 static void open_in_child(void *arg) {
     const OpenArgs *a = arg;
-    DataLoader *dl = data_open(a->pattern, "data.train", 2, a->T, a->vocab, 1, 1, 0, 1);
+    DataLoader *dl = open1(a->pattern, "data.train", 2, a->T, a->vocab, 1, 1, 0, 1);
     int32_t in[2 * 64], tg[2 * 64];
     data_next_batch(dl, in, tg);
 }
 
-/* Run data_open(pattern...) + one batch in a child; expect exit 2 and every
+/* Run open1(pattern...) + one batch in a child; expect exit 2 and every
  * needle in its stderr. */
 static void expect_fail(const char *name, const char *pattern, int T, int vocab,
                         const char *needle1, const char *needle2) {
@@ -88,11 +98,11 @@ static void test_basic(void) {
     unsigned char *raw = read_raw("a_000000.bin", &len);
     int32_t h[3];
     memcpy(h, raw, sizeof h);
-    test_report(h[0] == DATA_MAGIC && h[1] == 1 && h[2] == NA && len == 1024 + 2 * NA,
+    test_report(h[0] == SHARD_MAGIC && h[1] == 1 && h[2] == NA && len == 1024 + 2 * NA,
                 "data_write_v1_header", "magic %d version %d count %d len %zu", h[0], h[1], h[2], len);
     free(raw);
 
-    DataLoader *dl = data_open(tpath("a_*.bin"), "data.train", 4, T, 2048, 0, 1, 0, 1);
+    DataLoader *dl = open1(tpath("a_*.bin"), "data.train", 4, T, 2048, 0, 1, 0, 1);
     test_report(data_num_shards(dl) == 2 && data_num_tokens(dl) == NA + NB &&
                     data_num_samples(dl) == NSAMP,
                 "data_open_counts", "shards %d tokens %llu samples %llu", data_num_shards(dl),
@@ -106,7 +116,7 @@ static void test_basic(void) {
 
     /* Sequential order runs through shard A's 62 samples, then B's, then wraps. */
     int32_t firsts[200];
-    DataLoader *d1 = data_open(tpath("a_*.bin"), "data.train", 1, T, 2048, 0, 1, 0, 1);
+    DataLoader *d1 = open1(tpath("a_*.bin"), "data.train", 1, T, 2048, 0, 1, 0, 1);
     for (int i = 0; i < NSAMP + 2; i++) {
         int32_t i1[T], t1[T];
         data_next_batch(d1, i1, t1);
@@ -143,18 +153,18 @@ static int epoch_is_permutation(DataLoader *dl, int32_t *order) {
 
 static void test_shuffle(void) {
     int32_t e0[NSAMP], e1[NSAMP], f0[NSAMP], g0[NSAMP];
-    DataLoader *a = data_open(tpath("a_*.bin"), "data.train", 1, T, 2048, 1, 7, 0, 1);
+    DataLoader *a = open1(tpath("a_*.bin"), "data.train", 1, T, 2048, 1, 7, 0, 1);
     int ok = epoch_is_permutation(a, e0) && epoch_is_permutation(a, e1);
     DataPos p = data_get_pos(a);
     test_report(ok && p.epoch == 2 && p.index == 0, "data_shuffle_epochs_are_permutations",
                 "ok %d pos {%llu,%llu}", ok, (unsigned long long)p.epoch, (unsigned long long)p.index);
     test_report(memcmp(e0, e1, sizeof e0) != 0, "data_shuffle_epochs_differ",
                 "epoch 0 and 1 have the same order");
-    DataLoader *b = data_open(tpath("a_*.bin"), "data.train", 1, T, 2048, 1, 7, 0, 1);
+    DataLoader *b = open1(tpath("a_*.bin"), "data.train", 1, T, 2048, 1, 7, 0, 1);
     epoch_is_permutation(b, f0);
     test_report(memcmp(e0, f0, sizeof e0) == 0, "data_shuffle_same_seed_same_order",
                 "two loaders with seed 7 disagree");
-    DataLoader *c = data_open(tpath("a_*.bin"), "data.train", 1, T, 2048, 1, 8, 0, 1);
+    DataLoader *c = open1(tpath("a_*.bin"), "data.train", 1, T, 2048, 1, 8, 0, 1);
     epoch_is_permutation(c, g0);
     test_report(memcmp(e0, g0, sizeof e0) != 0, "data_shuffle_other_seed_other_order",
                 "seeds 7 and 8 give the same order");
@@ -167,9 +177,9 @@ static void test_shuffle(void) {
  * boundary (NSAMP = 93 is not a multiple of 2B = 10). */
 static void test_ranks(void) {
     enum { B = 5, STEPS = 40 };
-    DataLoader *one = data_open(tpath("a_*.bin"), "data.train", 2 * B, T, 2048, 1, 3, 0, 1);
-    DataLoader *r0 = data_open(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 3, 0, 2);
-    DataLoader *r1 = data_open(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 3, 1, 2);
+    DataLoader *one = open1(tpath("a_*.bin"), "data.train", 2 * B, T, 2048, 1, 3, 0, 1);
+    DataLoader *r0 = open1(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 3, 0, 2);
+    DataLoader *r1 = open1(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 3, 1, 2);
     int ok = 1;
     for (int s = 0; s < STEPS && ok; s++) {
         int32_t bi[2 * B * T], bt[2 * B * T], i0[B * T], t0[B * T], i1[B * T], t1[B * T];
@@ -193,11 +203,11 @@ static void test_ranks(void) {
 /* Save the position after k batches; a fresh loader set there continues exactly. */
 static void test_resume(void) {
     enum { B = 4, K = 30, M = 20 };
-    DataLoader *a = data_open(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 11, 0, 1);
+    DataLoader *a = open1(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 11, 0, 1);
     int32_t in[B * T], tg[B * T];
     for (int i = 0; i < K; i++) data_next_batch(a, in, tg);
     DataPos p = data_get_pos(a);
-    DataLoader *b = data_open(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 11, 0, 1);
+    DataLoader *b = open1(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 11, 0, 1);
     data_set_pos(b, p);
     int ok = p.epoch == 1; /* K*B = 120 > 93 samples: the resume point is in epoch 1 */
     for (int i = 0; i < M && ok; i++) {
@@ -209,7 +219,7 @@ static void test_resume(void) {
     test_report(ok, "data_pos_resume_exact", "pos {%llu,%llu}", (unsigned long long)p.epoch,
                 (unsigned long long)p.index);
     data_set_pos(b, (DataPos){0, 0});
-    DataLoader *c = data_open(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 11, 0, 1);
+    DataLoader *c = open1(tpath("a_*.bin"), "data.train", B, T, 2048, 1, 11, 0, 1);
     data_next_batch(b, in, tg);
     int32_t i3[B * T], t3[B * T];
     data_next_batch(c, i3, t3);
@@ -229,7 +239,7 @@ static void test_v2_and_zstd(void) {
     free(raw);
     test_report(h[1] == 2 && len == 1024 + 4 * 300, "data_write_v2_header", "version %d len %zu",
                 h[1], len);
-    DataLoader *dl = data_open(tpath("w_*.bin"), "data.train", 2, T, 100000, 0, 1, 0, 1);
+    DataLoader *dl = open1(tpath("w_*.bin"), "data.train", 2, T, 100000, 0, 1, 0, 1);
     int32_t in[2 * T], tg[2 * T];
     data_next_batch(dl, in, tg);
     test_report(in[0] == 70000 && tg[T - 1] == 70000 + T && in[T] == 70000 + T,
@@ -243,8 +253,8 @@ static void test_v2_and_zstd(void) {
     free(raw);
     test_report(magic_ok && len < 1024 + 2 * NA, "data_write_zstd", "len %zu, zstd magic %d", len,
                 magic_ok);
-    DataLoader *z = data_open(tpath("z_*.bin.zst"), "data.train", 3, T, 2048, 1, 5, 0, 1);
-    DataLoader *u = data_open(tpath("a_000000.bin"), "data.train", 3, T, 2048, 1, 5, 0, 1);
+    DataLoader *z = open1(tpath("z_*.bin.zst"), "data.train", 3, T, 2048, 1, 5, 0, 1);
+    DataLoader *u = open1(tpath("a_000000.bin"), "data.train", 3, T, 2048, 1, 5, 0, 1);
     int ok = data_num_tokens(z) == NA;
     for (int i = 0; i < 30 && ok; i++) {
         int32_t zi[3 * T], zt[3 * T], ui[3 * T], ut[3 * T];
@@ -271,8 +281,8 @@ static void test_v2_and_zstd(void) {
          ZSTD_getFrameContentSize(zz, n1) == ZSTD_CONTENTSIZE_UNKNOWN;
     if (ok) {
         write_raw("two_000000.bin.zst", zz, n1 + n2);
-        DataLoader *t2 = data_open(tpath("two_*.bin.zst"), "data.train", 3, T, 2048, 1, 5, 0, 1);
-        u = data_open(tpath("a_000000.bin"), "data.train", 3, T, 2048, 1, 5, 0, 1);
+        DataLoader *t2 = open1(tpath("two_*.bin.zst"), "data.train", 3, T, 2048, 1, 5, 0, 1);
+        u = open1(tpath("a_000000.bin"), "data.train", 3, T, 2048, 1, 5, 0, 1);
         for (int i = 0; i < 30 && ok; i++) {
             int32_t zi[3 * T], zt[3 * T], ui[3 * T], ut[3 * T];
             data_next_batch(t2, zi, zt);
@@ -304,7 +314,7 @@ static void test_errors(void) {
     snprintf(needle, sizeof needle, "%s: bad magic 12345", tpath("magic_000000.bin"));
     expect_fail("data_error_bad_magic", tpath("magic_*.bin"), T, 2048, needle, NULL);
 
-    hdr[0] = DATA_MAGIC;
+    hdr[0] = SHARD_MAGIC;
     hdr[1] = 3;
     memcpy(file, hdr, 1024);
     write_raw("version_000000.bin", file, sizeof file);
@@ -327,23 +337,23 @@ static void test_errors(void) {
     uint32_t toks[200];
     for (int i = 0; i < 200; i++) toks[i] = (uint32_t)i % 256;
     toks[77] = 300;
-    data_write_shard(tpath("vocab_000000.bin"), toks, 200, 0);
+    shard_write(tpath("vocab_000000.bin"), toks, 200, 0);
     snprintf(needle, sizeof needle, "%s: token 300 at offset 77 is >= vocab_size 256",
              tpath("vocab_000000.bin"));
     expect_fail("data_error_token_out_of_vocab", tpath("vocab_*.bin"), T, 256, needle, NULL);
     /* The same check inside a compressed shard. */
-    data_write_shard(tpath("vocabz_000000.bin.zst"), toks, 200, 1);
+    shard_write(tpath("vocabz_000000.bin.zst"), toks, 200, 1);
     snprintf(needle, sizeof needle, "%s: token 300 at offset 77", tpath("vocabz_000000.bin.zst"));
     expect_fail("data_error_token_out_of_vocab_zstd", tpath("vocabz_*.bin.zst"), T, 256, needle, NULL);
 
-    data_write_shard(tpath("small_000000.bin"), toks, T, 0); /* T tokens: one short of a sample */
+    shard_write(tpath("small_000000.bin"), toks, T, 0); /* T tokens: one short of a sample */
     expect_fail("data_error_shard_too_small", tpath("small_*.bin"), T, 2048,
                 tpath("small_000000.bin"), "too few for one sample");
     /* A short shard beside a full one (the tail of a split) is skipped, not fatal. */
     toks[77] = 77;
-    data_write_shard(tpath("small_000001.bin"), toks, 200, 0);
+    shard_write(tpath("small_000001.bin"), toks, 200, 0);
     {
-        DataLoader *dl = data_open(tpath("small_*.bin"), "data.train", 2, T, 256, 0, 1, 0, 1);
+        DataLoader *dl = open1(tpath("small_*.bin"), "data.train", 2, T, 256, 0, 1, 0, 1);
         int ok = data_num_samples(dl) == (200 - 1) / T && data_num_shards(dl) == 2;
         test_report(ok, "data_short_shard_skipped", "%llu samples in %d shards",
                     (unsigned long long)data_num_samples(dl), data_num_shards(dl));
@@ -359,7 +369,7 @@ static void test_errors(void) {
     /* Corrupt zstd: flip bytes inside the compressed payload. */
     uint32_t *ramp = xmalloc(5000 * sizeof(uint32_t));
     for (int i = 0; i < 5000; i++) ramp[i] = (uint32_t)(i * 7919) % 2048;
-    data_write_shard(tpath("badz_000000.bin.zst"), ramp, 5000, 3);
+    shard_write(tpath("badz_000000.bin.zst"), ramp, 5000, 3);
     size_t len;
     unsigned char *z = read_raw("badz_000000.bin.zst", &len);
     for (size_t i = len / 3; i < len / 3 + 16 && i < len; i++) z[i] ^= 0x5a;
@@ -367,7 +377,7 @@ static void test_errors(void) {
     snprintf(needle, sizeof needle, "%s: ", tpath("badz_000000.bin.zst"));
     expect_fail("data_error_corrupt_zstd", tpath("badz_*.bin.zst"), T, 2048, needle, "zstd");
     /* Cut-short zstd. */
-    data_write_shard(tpath("cutz_000000.bin.zst"), ramp, 5000, 3);
+    shard_write(tpath("cutz_000000.bin.zst"), ramp, 5000, 3);
     free(z);
     z = read_raw("cutz_000000.bin.zst", &len);
     write_raw("cutz_000000.bin.zst", z, len / 2);

@@ -132,7 +132,7 @@ static void test_metrics_object(void) {
     Metrics *m = metrics_open(&c, 0, 1, 1e6, 1e12, "test", 0);
     for (int s = 1; s <= 40; s++) {
         metrics_phase(m, PHASE_FORWARD, s);
-        MetricsStep st = {s, 1000LL * s, 3.0f, s % 20 == 0 ? 2.9f : NAN, 1e-3f, 0.5, 1.0f, 0.01, 0, 0, 0, NULL};
+        MetricsStep st = {s, 1000LL * s, 3.0f, s % 20 == 0 ? 2.9f : NAN, 1e-3f, 0.5, 1.0f, 0.01, 0, 0, 0, NULL, NULL};
         if (s == 25) st.loss = 7.0f;                    /* 2.3x the mean: a spike */
         if (s == 30) st.step_time_s = 0.2;              /* 20x the median and 190 ms over: slow */
         if (s == 35) st.grad_norm = NAN, st.skipped = 1; /* non-finite, skipped */
@@ -180,7 +180,7 @@ static void test_metrics_object(void) {
     saved_out = dup(1);
     sink = fopen("/dev/null", "w");
     dup2(fileno(sink), 1);
-    MetricsStep st = {21, 21000, 3.0f, NAN, 1e-3f, 0.5, 1.0f, 0.01, 0, 0, 0, NULL};
+    MetricsStep st = {21, 21000, 3.0f, NAN, 1e-3f, 0.5, 1.0f, 0.01, 0, 0, 0, NULL, NULL};
     metrics_step(m, &st);
     metrics_close(m);
     fflush(stdout);
