@@ -16,10 +16,19 @@
 
 /* ---------- reading a run ---------- */
 
-enum { F_STEP, F_TOKENS, F_LOSS, F_VAL, F_LR, F_GN, F_TPS, F_MFU, F_STEPT, F_ELAPSED, F_ETA, F_TIME, F_RSS, F_SKIP, NF };
+enum { F_STEP, F_TOKENS, F_LOSS, F_VAL, F_LR, F_GN, F_TPS, F_MFU, F_STEPT, F_ELAPSED, F_ETA, F_TIME, F_RSS, F_SKIP,
+       F_WAIT, NF };
 static const char *field_names[NF] = {"step",      "tokens",      "loss",     "val_loss", "lr",
                                       "grad_norm", "tok_per_s",   "mfu",      "step_time_s",
-                                      "elapsed_s", "eta_s",       "time",     "peak_rss_mib", "nonfinite_skipped"};
+                                      "elapsed_s", "eta_s",       "time",     "peak_rss_mib", "nonfinite_skipped",
+                                      "data_wait_s"};
+/* Fields named by the run's config, found while reading: "val/<set>" of each
+ * named validation set and "tokens/<source>" of each "tokens_by_source"
+ * entry; field NF + k of every run is extra_names[k] (NAN where absent). */
+#define MAX_EXTRA 48
+static char extra_names[MAX_EXTRA][96];
+static int n_extra;
+#define NFX (NF + MAX_EXTRA)
 
 typedef struct {
     char dir[1024];
@@ -27,7 +36,7 @@ typedef struct {
     int steps_total;   /* train.steps from config.yaml; 0 if unknown */
     char *config;      /* config.yaml text, or NULL */
     int n, cap;
-    double *v[NF];     /* v[field][row]; NAN where absent or null */
+    double *v[NFX];    /* v[field][row]; NAN where absent or null */
 } Run;
 
 /* Value of "key": in a one-line flat JSON object; NAN if absent or null. The
@@ -45,6 +54,39 @@ static double json_field(const char *line, const char *end, const char *key) {
         return e == v ? NAN : x;
     }
     return NAN;
+}
+
+/* Index of extra field `name`, added if new; -1 when the table is full. */
+static int extra_field(const char *name, size_t len) {
+    for (int k = 0; k < n_extra; k++)
+        if (strlen(extra_names[k]) == len && !strncmp(extra_names[k], name, len)) return NF + k;
+    if (n_extra == MAX_EXTRA || len >= sizeof extra_names[0]) return -1;
+    snprintf(extra_names[n_extra], sizeof extra_names[0], "%.*s", (int)len, name);
+    return NF + n_extra++;
+}
+
+/* The extra fields of one metrics.jsonl line into row i: every "val/NAME":x,
+ * and "tokens_by_source":{"NAME":n,...} as tokens/NAME. */
+static void json_extras(Run *r, int i, const char *line, const char *end) {
+    for (const char *p = line; p < end && (p = strstr(p, "\"val/")) && p < end; p++) {
+        const char *q = memchr(p + 1, '"', (size_t)(end - p - 1));
+        if (!q || q[1] != ':') continue;
+        int f = extra_field(p + 1, (size_t)(q - p - 1));
+        if (f >= 0) r->v[f][i] = strtod(q + 2, NULL);
+    }
+    const char *t = strstr(line, "\"tokens_by_source\":{");
+    if (!t || t >= end) return;
+    for (const char *p = t + 20; p < end && *p == '"';) {
+        const char *q = memchr(p + 1, '"', (size_t)(end - p - 1));
+        if (!q || q[1] != ':') return;
+        char name[96];
+        snprintf(name, sizeof name, "tokens/%.*s", (int)(q - p - 1), p + 1);
+        int f = extra_field(name, strlen(name));
+        char *e;
+        double v = strtod(q + 2, &e);
+        if (f >= 0) r->v[f][i] = v;
+        p = *e == ',' ? e + 1 : e;
+    }
 }
 
 /* train.steps and run.name from the resolved config (written by
@@ -94,9 +136,11 @@ static void run_load(Run *r, const char *dir) {
         if (l[0] == '{') {
             if (r->n == r->cap) {
                 r->cap = r->cap ? 2 * r->cap : 1024;
-                for (int f = 0; f < NF; f++) r->v[f] = xrealloc(r->v[f], (size_t)r->cap * sizeof(double));
+                for (int f = 0; f < NFX; f++) r->v[f] = xrealloc(r->v[f], (size_t)r->cap * sizeof(double));
             }
             for (int f = 0; f < NF; f++) r->v[f][r->n] = json_field(l, nl, field_names[f]);
+            for (int f = NF; f < NFX; f++) r->v[f][r->n] = NAN;
+            json_extras(r, r->n, l, nl);
             if (!isnan(r->v[F_STEP][r->n])) r->n++;
         }
         l = nl + 1;
@@ -140,7 +184,7 @@ static void label_runs(Run *runs, int n) {
 }
 
 static void run_free(Run *r) {
-    for (int f = 0; f < NF; f++) free(r->v[f]);
+    for (int f = 0; f < NFX; f++) free(r->v[f]);
     free(r->config);
 }
 
@@ -477,6 +521,50 @@ static void svg_chart(FILE *f, const Chart *ch, Run *runs, int nr, int id) {
     fprintf(f, "</svg></div>\n");
 }
 
+/* More than one source of data.train among the runs: the tokens per source
+ * say something (one source's are the run's tokens). */
+static int report_mixed(void) {
+    int n = 0;
+    for (int k = 0; k < n_extra; k++) n += !strncmp(extra_names[k], "tokens/", 7);
+    return n > 1;
+}
+
+/* Each run's last tokens per source, as counts and shares, and its last loss
+ * on each named validation set. */
+static void report_data_table(FILE *f, Run *runs, int nd) {
+    int vals = 0;
+    for (int k = 0; k < n_extra; k++) vals += !strncmp(extra_names[k], "val/", 4);
+    if (!vals && !report_mixed()) return;
+    fprintf(f, "<h2>Data</h2>\n<table><tr><th>run</th><th>step</th>");
+    for (int k = 0; k < n_extra; k++) {
+        fputs("<th>", f);
+        html_escape(f, extra_names[k]);
+        fputs("</th>", f);
+    }
+    fputs("</tr>\n", f);
+    for (int i = 0; i < nd; i++) {
+        Run *R = &runs[i];
+        double total = 0;
+        for (int k = 0; k < n_extra; k++) {
+            int l = last_row(R, NF + k);
+            if (l >= 0 && strncmp(extra_names[k], "val/", 4)) total += R->v[NF + k][l];
+        }
+        fprintf(f, "<tr><td><span class=\"sw\" style=\"background:%s\"></span>", palette[i % NPAL]);
+        html_escape(f, R->name);
+        fprintf(f, "</td><td>%d</td>", R->n ? (int)R->v[F_STEP][R->n - 1] : 0);
+        for (int k = 0; k < n_extra; k++) {
+            int l = last_row(R, NF + k);
+            double v = l >= 0 ? R->v[NF + k][l] : NAN;
+            if (l < 0) fputs("<td>-</td>", f);
+            else if (!strncmp(extra_names[k], "val/", 4)) fprintf(f, "<td>%.4f</td>", v);
+            else fprintf(f, "<td>%.4g (%.1f%%)</td>", v, total > 0 ? 100 * v / total : 0.0);
+        }
+        fputs("</tr>\n", f);
+    }
+    fprintf(f, "</table>\n<div class=\"sub\">tokens/NAME: tokens drawn from each source of data.train so far (share of "
+               "all drawn); val/NAME: the last loss on each named validation set.</div>\n");
+}
+
 static const char *report_usage = "usage: ./train report RUN_DIR [RUN_DIR...] [-o FILE]\n";
 
 static const char *css =
@@ -583,8 +671,28 @@ int report_html_main(int argc, char **argv) {
         {"Step time", "seconds", F_STEPT, -1, 1, 1},
     };
     fprintf(f, "<h2>Charts</h2>\n<div class=\"charts\">\n");
-    for (int c = 0; c < (int)(sizeof charts / sizeof charts[0]); c++) svg_chart(f, &charts[c], runs, nd, c);
-    fprintf(f, "</div>\n<h2>Configs</h2>\n");
+    int nc = (int)(sizeof charts / sizeof charts[0]);
+    for (int c = 0; c < nc; c++) svg_chart(f, &charts[c], runs, nd, c);
+    /* data: the wait per step, then each named validation set and each source's tokens */
+    int any_wait = 0;
+    for (int i = 0; i < nd; i++) any_wait |= last_row(&runs[i], F_WAIT) >= 0;
+    if (any_wait) {
+        Chart w = {"Data wait per step", "milliseconds", F_WAIT, -1, 1000, 1};
+        svg_chart(f, &w, runs, nd, nc++);
+    }
+    for (int pass = 0; pass < 2; pass++)
+        for (int k = 0; k < n_extra; k++) {
+            const char *x = extra_names[k];
+            int is_val = !strncmp(x, "val/", 4);
+            if (is_val != (pass == 0) || (!is_val && !report_mixed())) continue;
+            char title[160];
+            snprintf(title, sizeof title, is_val ? "Validation loss: %s" : "Tokens seen: %s", strchr(x, '/') + 1);
+            Chart ch = {title, is_val ? "loss (nats/token)" : "tokens", NF + k, -1, 1, is_val};
+            svg_chart(f, &ch, runs, nd, nc++);
+        }
+    fprintf(f, "</div>\n");
+    report_data_table(f, runs, nd);
+    fprintf(f, "<h2>Configs</h2>\n");
     for (int i = 0; i < nd; i++) {
         fprintf(f, "<details%s><summary><span class=\"sw\" style=\"background:%s\"></span>", nd == 1 ? " open" : "",
                 palette[i % NPAL]);
