@@ -19,6 +19,8 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #define DATA_STATE_VERSION 1
 #define DATA_STATE_HEAD 4       /* version, sources, g, g0 */
@@ -63,6 +65,9 @@ struct DataLoader {
     DataCursor cur;      /* after the last batch handed out: what checkpoints save */
     uint64_t *noted;     /* (S) the epoch of each source last logged */
     double wait_s;
+    uint64_t batches;    /* handed out by data_next_batch */
+    long hook_batch;     /* test hook: wait before this batch (1-based) while hook_file exists; 0 = off */
+    char *hook_file;
     /* prefetch: a producer thread fills slots[tail % depth] from its own
      * cursor while data_next_batch takes slots[head % depth]; while it runs it
      * alone touches the shards, the cache and the permutations */
@@ -244,6 +249,8 @@ DataLoader *data_open(const DataOptions *o) {
     }
     cursor_init(&dl->cur, dl->S);
     dl->noted = xcalloc((size_t)dl->S, sizeof(uint64_t));
+    const char *hb = getenv("KILN_TEST_DATA_WAIT_AT_BATCH"), *hf = getenv("KILN_TEST_DATA_WAIT_FILE");
+    if (hb && hf && !strcmp(o->what, "data.train")) dl->hook_batch = atol(hb), dl->hook_file = xstrdup(hf);
     dl->depth = o->prefetch;
     if (dl->depth) {
         size_t n = (size_t)o->B * o->T;
@@ -280,6 +287,7 @@ void data_close(DataLoader *dl) {
     free(dl->src);
     free(dl->cur.k);
     free(dl->noted);
+    free(dl->hook_file);
     free(dl->what);
     free(dl);
 }
@@ -288,7 +296,20 @@ static void data_die(const ShardError *e) {
     kiln_fail_hint(e->code ? e->code : KILN_EXIT_USAGE, e->hint[0] ? e->hint : NULL, "%s", e->msg);
 }
 
+/* Test hook (docs/data.md): before batch KILN_TEST_DATA_WAIT_AT_BATCH of
+ * data.train, create KILN_TEST_DATA_WAIT_FILE and wait until a test removes
+ * it, having changed the shards under the running loader at a known point. */
+static void data_test_wait(const DataLoader *dl) {
+    FILE *f = fopen(dl->hook_file, "w");
+    if (!f) kiln_fail(KILN_EXIT_RUNTIME, "test hook: cannot create %s", dl->hook_file);
+    fclose(f);
+    struct timespec ts = {0, 10 * 1000 * 1000};
+    for (int i = 0; i < 6000 && access(dl->hook_file, F_OK) == 0; i++) nanosleep(&ts, NULL);
+    if (access(dl->hook_file, F_OK) == 0) kiln_fail(KILN_EXIT_RUNTIME, "test hook: %s still there after 60 s", dl->hook_file);
+}
+
 void data_next_batch(DataLoader *dl, int32_t *inputs, int32_t *targets) {
+    if (dl->hook_batch && (long)++dl->batches == dl->hook_batch) data_test_wait(dl);
     double t0 = kiln_now();
     if (!dl->depth) {
         ShardError e;
