@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# make bench: the data loader at 10,000 shards; GPT-2 124M shape on the CPU backend at context 64 and 256, a
-# Llama and an MoE point of the same size at 256; each
+# make bench: the data loader at 10,000 shards, then the GPT-2 124M shape on the CPU
+# backend at context 64 and 256, a Llama and an MoE point of the same size at 256; each
 # point prints whole-step GFLOP/s next to the sgemm rate measured in the same
 # process; a 2-rank data-parallel point comes first (when MPI is built in).
 # The last line is the context-64 point, the headline.
