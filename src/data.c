@@ -416,8 +416,10 @@ static void data_state_diff(const DataLoader *dl, const uint64_t *w, char *buf, 
 
 void data_set_state(DataLoader *dl, const uint64_t *w, size_t n, int force, char *note, size_t cap) {
     note[0] = 0;
-    if (n < DATA_STATE_HEAD || w[0] != DATA_STATE_VERSION || w[1] > (1u << 20) ||
-        n != DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * w[1])
+    int bad = n < DATA_STATE_HEAD || w[0] != DATA_STATE_VERSION || w[1] > (1u << 20) ||
+              n != DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * w[1];
+    for (uint64_t s = 0; !bad && s < w[1]; s++) bad = w[DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * s + 1] == 0;
+    if (bad)
         kiln_fail(KILN_EXIT_USAGE, "%s: the checkpoint's data state (%zu words, version %llu) is not one this kiln "
                   "reads (version %d): written by a newer kiln?", dl->what, n, n ? (unsigned long long)w[0] : 0ull,
                   DATA_STATE_VERSION);

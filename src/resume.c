@@ -169,7 +169,15 @@ static int try_one(const char *dir, const CkptTable *t, const char *new_yaml, in
     /* every rank checks (a refusal must stop every rank); rank 0 reports */
     *flags = resume_check_config(dir, saved, new_yaml, force, rank != 0);
     free(saved);
-    return ckpt_load(dir, t, info, err, cap);
+    if (ckpt_load(dir, t, info, err, cap) != 0) return -1;
+    /* read after loading, outside the table (its size follows the saved
+     * mixture; older checkpoints lack it): it must verify too, so that a
+     * damaged one is skipped like any other damage */
+    void *data_state = ckpt_read_blob(dir, "data.train.state", NULL, err, cap);
+    int damaged = !data_state && !strstr(err, "no entry");
+    free(data_state);
+    if (!damaged) err[0] = 0;
+    return damaged ? -1 : 0;
 }
 
 static int agree(const ResumeSync *sync, int failed) { return sync ? sync->agree(sync->ctx, failed) : failed; }

@@ -159,6 +159,17 @@ expect data_mix_resume_shards_changed_refused 2 "key 'data.train': the checkpoin
     ./train $Y --set run.dir=$T/grow --resume auto
 expect data_mix_resume_shards_changed_force 0 "'math' continues at epoch 0, sample" -- ./train $Y --set run.dir=$T/grow --resume auto --force
 rm -f $T/math/train_000001.bin
+# a damaged data.train.state: --resume DIR names it (exit 2); --resume auto
+# skips that checkpoint and still ends bit-identical
+cp -r $T/base40 $T/dmg
+C=$T/dmg/checkpoints/step_00000040
+off=$(sed -n 's/^entry name=data.train.state .* offset=\([0-9]*\) .*/\1/p' $C/manifest)
+python3 -c "import sys; p, o = sys.argv[1], int(sys.argv[2]) + 20; b = bytearray(open(p, 'rb').read()); b[o] ^= 0x40; open(p, 'wb').write(b)" $C/rank00000.bin "${off:-0}"
+expect data_mix_damaged_state_dir 2 "step_00000040.*data.train.state" -- ./train $Y --set run.dir=$T/dmg --resume $C
+./train $Y --set run.dir=$T/dmg --resume auto >$T/dmg.txt 2>&1
+if [ -n "$off" ] && grep -q "skipping .*step_00000040" $T/dmg.txt && grep -q "resumed from .*step_00000020" $T/dmg.txt \
+    && [ "$(losses $T/ref/metrics.jsonl)" = "$(losses $T/dmg/metrics.jsonl)" ]; then ok data_mix_damaged_state_skipped
+else fail data_mix_damaged_state_skipped "offset '$off': $(grep -E 'skipping|resumed|error' $T/dmg.txt | head -3)"; fi
 # a plain glob's checkpoint resumed by a mixture (--force): sources are matched by name, and
 # the glob's name (web_train) is not 'web', so every source starts at its beginning
 ./train $Y --set run.dir=$T/plain --set "data.train=$T/web/train_*.bin" --set train.steps=10 >/dev/null 2>&1
