@@ -56,6 +56,9 @@ struct ShardCache {
     uint64_t clock;
     unsigned char *scratch;  /* (scratch_cap) bytes: a sample's raw tokens, or a chunk of ids being checked */
     size_t scratch_cap;
+    ZSTD_DStream *ds;        /* one decompressor and its input buffer (zin_cap bytes), reused */
+    unsigned char *zin;
+    size_t zin_cap;
 };
 
 static int shard_ends_with(const char *s, const char *suffix) {
@@ -102,18 +105,15 @@ static ssize_t shard_read_full(int fd, void *buf, size_t n, off_t at) {
 
 /* Decompress a .zst from fd with the streaming API (frames written from a pipe
  * may not record their content size; a file may hold several frames) into
- * *out (grown, capacity *cap). want > 0: stop once want bytes are out (the
- * header at index time). Returns the bytes out, or -1 with e. */
-static ssize_t shard_unzstd(int fd, const char *path, size_t want, unsigned char **out, size_t *cap, ShardError *e) {
-    ZSTD_DStream *ds = ZSTD_createDStream();
-    if (!ds) {
-        shard_err(e, NULL, "%s: ZSTD_createDStream failed", path);
-        e->code = KILN_EXIT_RUNTIME;
-        return -1;
-    }
-    ZSTD_initDStream(ds);
-    size_t in_cap = ZSTD_DStreamInSize(), chunk = ZSTD_DStreamOutSize();
-    unsigned char *in_buf = xmalloc(in_cap);
+ * *out (grown, capacity *cap), through the cache's decompressor. want > 0:
+ * stop once want bytes are out (the header at index time). Returns the bytes
+ * out, or -1 with e. */
+static ssize_t shard_unzstd(ShardCache *c, int fd, const char *path, size_t want, unsigned char **out, size_t *cap,
+                            ShardError *e) {
+    ZSTD_DStream *ds = c->ds;
+    ZSTD_DCtx_reset(ds, ZSTD_reset_session_only);
+    size_t in_cap = c->zin_cap, chunk = ZSTD_DStreamOutSize();
+    unsigned char *in_buf = c->zin;
     ZSTD_inBuffer in = {in_buf, 0, 0};
     size_t n = 0, last = 1; /* last: 0 once a frame is complete; an empty file is not a frame */
     int eof = 0, out_full = 0, rc = 0;
@@ -146,8 +146,6 @@ static ssize_t shard_unzstd(int fd, const char *path, size_t want, unsigned char
         out_full = o.pos == o.size;
         last = ret;
     }
-    ZSTD_freeDStream(ds);
-    free(in_buf);
     if (rc) return -1;
     if ((!want || n < want) && last != 0)
         return shard_err(e, "the file is damaged or was cut short; re-create it",
@@ -199,7 +197,7 @@ static int shard_probe(Shard *s, ShardCache *c, ShardError *e) {
     if (fd < 0) return shard_err(e, SHARD_HINT_PREPARE, "%s: cannot open: %s", s->path, strerror(errno));
     int rc;
     if (s->zst) {
-        ssize_t n = shard_unzstd(fd, s->path, 12, &c->scratch, &c->scratch_cap, e);
+        ssize_t n = shard_unzstd(c, fd, s->path, 12, &c->scratch, &c->scratch_cap, e);
         rc = n < 0 ? -1 : (size_t)n < 12 ? shard_err(e, SHARD_HINT_PREPARE, "%s: %zd bytes, too short for the %d-byte "
                                                      "shard header", s->path, n, SHARD_HEADER_BYTES)
                                          : shard_check_header(s, c->scratch, SIZE_MAX, e);
@@ -222,6 +220,10 @@ ShardCache *shard_cache_new(int max_open) {
     for (int i = 0; i < max_open; i++) c->slots[i].fd = -1;
     c->scratch_cap = SHARD_SCRATCH;
     c->scratch = xmalloc(c->scratch_cap);
+    c->ds = ZSTD_createDStream();
+    if (!c->ds) kiln_fail(KILN_EXIT_RUNTIME, "ZSTD_createDStream failed");
+    c->zin_cap = ZSTD_DStreamInSize();
+    c->zin = xmalloc(c->zin_cap);
     return c;
 }
 
@@ -242,6 +244,8 @@ void shard_cache_free(ShardCache *c) {
     }
     free(c->slots);
     free(c->scratch);
+    ZSTD_freeDStream(c->ds);
+    free(c->zin);
     free(c);
 }
 
@@ -312,7 +316,7 @@ static int shard_load(ShardSet *set, int k, ShardError *e) {
         return -1;
     }
     if (s->zst) {
-        ssize_t n = shard_unzstd(fd, s->path, 0, &sl->buf, &sl->cap, e);
+        ssize_t n = shard_unzstd(c, fd, s->path, 0, &sl->buf, &sl->cap, e);
         Shard seen = *s;
         if (n < 0 || shard_check_header(&seen, sl->buf, (size_t)n, e) != 0) {
             close(fd);
