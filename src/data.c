@@ -1,15 +1,9 @@
 /* data: the global sample order over one or more sources of shards, this rank's
- * slice of it, the prefetch thread, and the position checkpoints save. Reading
- * a sample is shard.c's. Must never know the model, the backend or how many
- * ranks share a step beyond (rank, world).
- *
- * The order. Global sample g (all ranks) comes from the source whose share is
- * most behind its weight (Megatron's BlendedDataset, greedy, in exact integer
- * arithmetic, so every rank and machine agrees); within a source, its k-th
- * sample is index k % N of epoch k / N of its own permutation, drawn from
- * (run.seed, epoch, source). A global batch is the next B * world samples;
- * rank r takes r, r + world, ... The order is a function of g alone, never
- * of the rank count. */
+ * slice of it, the prefetch thread and the position checkpoints save; reading a
+ * sample is shard.c's. Never knows the model, the backend, or the ranks beyond
+ * (rank, world). Global sample g comes from the source most behind its weight
+ * (greedy, exact integer arithmetic); a source's k-th sample is index k % N of
+ * epoch k / N of its own seeded permutation (docs/data.md, "Mixtures"). */
 #include "data.h"
 #include "shard.h"
 #include "util.h"
@@ -65,7 +59,7 @@ struct DataLoader {
     DataCursor cur;      /* after the last batch handed out: what checkpoints save */
     uint64_t *noted;     /* (S) the epoch of each source last logged */
     double wait_s;
-    uint64_t batches;    /* handed out by data_next_batch */
+    uint64_t batches;    /* handed out by data_next_batch (counted for the test hook) */
     long hook_batch;     /* test hook: wait before this batch (1-based) while hook_file exists; 0 = off */
     char *hook_file;
     /* prefetch: a producer thread fills slots[tail % depth] from its own

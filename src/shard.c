@@ -249,8 +249,6 @@ void shard_cache_free(ShardCache *c) {
     free(c);
 }
 
-int shard_cache_open_count(const ShardCache *c) { return c->n_open; }
-
 /* The file behind an open shard is still the one indexed: a deleted or
  * replaced file has no links left (its old inode still reads, so nothing else
  * would notice), a truncated or rewritten one another size. */
@@ -423,7 +421,6 @@ void shard_set_free(ShardSet *s) {
 uint64_t shard_set_samples(const ShardSet *s) { return s->n_samples; }
 uint64_t shard_set_tokens(const ShardSet *s) { return s->n_tokens; }
 int shard_set_count(const ShardSet *s) { return s->n; }
-const char *shard_set_pattern(const ShardSet *s) { return s->pattern; }
 
 /* The shard holding sample i: the last with first <= i (short shards, which
  * hold none, share their first with the next one and lose the tie). */

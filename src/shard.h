@@ -27,7 +27,6 @@ typedef struct ShardError {
 typedef struct ShardCache ShardCache;
 ShardCache *shard_cache_new(int max_open);
 void shard_cache_free(ShardCache *c);
-int shard_cache_open_count(const ShardCache *c); /* shards open now */
 
 typedef struct ShardSet ShardSet;
 
@@ -43,7 +42,6 @@ void shard_set_free(ShardSet *s);
 uint64_t shard_set_samples(const ShardSet *s);
 uint64_t shard_set_tokens(const ShardSet *s);
 int shard_set_count(const ShardSet *s);
-const char *shard_set_pattern(const ShardSet *s);
 
 /* Sample i (< shard_set_samples) into in[T] (its first T tokens) and tg[T]
  * (its last T). The first read of a shard checks every id < vocab_size; every
