@@ -44,7 +44,7 @@ OBJ  := $(SRC:%.c=$(BUILD)/%.o)
 TEST_SRC := $(wildcard test/test_*.c)
 TEST_BIN := $(TEST_SRC:test/%.c=$(BUILD)/test/%)
 # Benchmarks built with the tests so they keep compiling, run by scripts only.
-BENCH_BIN := $(BUILD)/test/bench_attention
+BENCH_BIN := $(BUILD)/test/bench_attention $(BUILD)/test/bench_data
 # test/t_hf_interop.sh's kiln side (forward, parameter dump, export), built with the tests too
 BENCH_BIN += $(BUILD)/test/hf_tool
 # scripts/bench_flight.sh: the flight recorder's and monitor.check_collectives' cost per operation
@@ -217,7 +217,7 @@ test: deps
 	@bash test/run.sh
 
 bench: deps
-	@$(MAKE) --no-print-directory all
+	@$(MAKE) --no-print-directory all $(BUILD)/test/bench_data
 	@bash scripts/bench.sh
 
 clean:

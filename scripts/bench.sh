@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# make bench: GPT-2 124M shape on the CPU backend at context 64 and 256, a
-# Llama and an MoE point of the same size at 256; each
+# make bench: the data loader at 10,000 shards, then the GPT-2 124M shape on the CPU
+# backend at context 64 and 256, a Llama and an MoE point of the same size at 256; each
 # point prints whole-step GFLOP/s next to the sgemm rate measured in the same
 # process; 2-rank data-parallel and tensor-parallel points come first (when
 # MPI is built in).
@@ -8,6 +8,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${BENCH_STEPS:-5}
+# The data loader (test/bench_data.c): start-up time, memory and open files of
+# a glob of 10,000 small shards (.bin and .bin.zst), and the wait for data per
+# step with prefetch off and on when every batch must decompress shards.
+if [ -x build/test/bench_data ]; then
+    echo "== data loader: 10,000 shards x 2048 tokens; prefetch 0 and 4 on a 50 ms step =="
+    build/test/bench_data 10000 2048 | sed 's/ under .*//'
+fi
 # Data parallelism: the same shape on 2 ranks (one thread each) through
 # mpirun, real (byte-level) tokens: plain DP (25 MB gradient buckets
 # all-reduced during the backward pass) and ZeRO-2 (each layer's gradients

@@ -18,19 +18,20 @@
 #include <strings.h>
 #include <yaml.h>
 
-typedef enum { CT_INT, CT_INT64, CT_U64, CT_FLOAT, CT_BOOL, CT_STR, CT_ENUM, CT_PAIR } CfgType;
+typedef enum { CT_INT, CT_INT64, CT_U64, CT_FLOAT, CT_BOOL, CT_STR, CT_ENUM, CT_PAIR, CT_SOURCES } CfgType;
 
 enum {
     CF_HI_OPEN = 1, /* range is [lo, hi) rather than [lo, hi] */
     CF_AUTO = 2,    /* int key that also accepts `auto`, meaning 0 */
-    CF_LO_OPEN = 4  /* range is (lo, hi] rather than [lo, hi] */
+    CF_LO_OPEN = 4, /* range is (lo, hi] rather than [lo, hi] */
+    CF_WEIGHTS = 8  /* CT_SOURCES: entries take a weight (data.train) */
 };
 
 typedef struct {
     const char *key;     /* dotted path: "optim.lr"; no dot = top-level scalar */
     CfgType type;
     size_t off, size;    /* offsetof / sizeof the field in Config */
-    size_t off2;         /* CT_PAIR: the second float */
+    size_t off2;         /* CT_PAIR: the second float; CT_SOURCES: the CfgSources */
     const char *def;     /* default, as YAML text (parsed like user input) */
     double lo, hi;       /* range; hi = INFINITY: bounded only by the type */
     int flags;
@@ -50,6 +51,8 @@ typedef struct {
 #define KENUM(k, f, d, ch, doc) {k, CT_ENUM, FLD(f), 0, d, 0, 0, 0, ch, doc}
 #define KPAIR(k, f1, f2, d, lo, hi, fl, doc) \
     {k, CT_PAIR, FLD(f1), offsetof(Config, f2), d, lo, hi, fl, NULL, doc}
+/* A glob string (kept in `glob`) or a list of sources (all in `srcs`). */
+#define KSRC(k, glob, srcs, d, fl, doc) {k, CT_SOURCES, FLD(glob), offsetof(Config, srcs), d, 0, 0, fl, NULL, doc}
 #define INF INFINITY
 #define TWO62 4611686018427387904.0
 
@@ -108,10 +111,22 @@ static const CfgKey cfg_keys[] = {
     KFLT("model.moe.z_loss_coef", moe_z, "0.001", 0, 100, "router z-loss mean(logsumexp(logits)^2), per layer"),
     KFLT("model.moe.bias_update_rate", moe_bias_rate, "0", 0, 1,
          "DeepSeek-V3 auxiliary-loss-free balancing: per-expert selection bias moved by rate * sign(mean load - load) each step"),
-    KSTR("data.train", train_glob, "\"data/austen/train_*.bin\"", "glob of the training token shards"),
-    KSTR("data.val", val_glob, "\"data/austen/val_*.bin\"", "glob of the validation shards; `\"\"` = no validation"),
+    KSRC("data.train", train_glob, train, "\"data/austen/train_*.bin\"", CF_WEIGHTS,
+         "training token shards: a glob, or a mixture, a list of `{path: GLOB, weight: W, name: N}` (weight "
+         "default 1, shares are weight / sum; name default from the glob, as in metrics' `tokens_by_source`): "
+         "samples are blended so each source's share of the tokens follows its weight, each source reshuffled "
+         "every epoch of its own (docs/data.md)"),
+    KSRC("data.val", val_glob, val, "\"data/austen/val_*.bin\"", 0,
+         "validation shards: a glob (logged as `val_loss`), or a list of named sets `{name: N, path: GLOB}`, each "
+         "evaluated and logged as `val/<name>` (`val_loss` is then their mean); `\"\"` = no validation"),
     KENUM("data.tokenizer", tokenizer, "byte", "byte|gpt2", "tokenizer used to decode samples"),
     KSTR("data.tokenizer_file", tokenizer_file, "\"\"", "tiktoken-format rank file; required when `data.tokenizer` is `gpt2`"),
+    KINT("data.prefetch", prefetch, "4", 0, 64,
+         "batches of `data.train` a background thread reads (and decompresses) while the step runs; 0 = read in "
+         "the step; the batches are the same either way (metrics' `data_wait_s` shows the wait that is left)"),
+    KINT("data.max_open_shards", max_open_shards, "64", 1, 65536,
+         "shards each loader keeps open (file handles; an open `.bin.zst` also holds its decompressed tokens in "
+         "memory); the least recently read is closed first"),
     KINT("batch.micro_batch", micro_batch, "8", 1, 65536, "sequences per forward/backward pass"),
     KI64("batch.total_tokens", total_tokens, "16384", 1, TWO62,
          "tokens per optimizer step, all ranks; a multiple of `micro_batch*seq_len`"),
@@ -339,6 +354,10 @@ static void cfg_expect_text(const CfgKey *k, char *buf, size_t cap) {
     case CT_STR: snprintf(buf, cap, "a string (write \"\" for an empty one)"); break;
     case CT_ENUM: snprintf(buf, cap, "one of %s", r); break;
     case CT_PAIR: snprintf(buf, cap, "a list of 2 numbers, each in %s", r); break;
+    case CT_SOURCES:
+        snprintf(buf, cap, "a glob (a string) or a list of %s", (k->flags & CF_WEIGHTS) ? "sources {path: GLOB, "
+                 "weight: W, name: N}" : "named sets {name: N, path: GLOB}");
+        break;
     }
 }
 
@@ -520,6 +539,134 @@ static void cfg_set_pair(const CfgKey *k, const char *file, const char *where, y
     }
 }
 
+void cfg_source_name(const char *glob, char *buf, size_t cap) {
+    char pre[CFG_STR], dir[CFG_STR] = "", name[2 * CFG_STR];
+    size_t w = strcspn(glob, "*?[");
+    snprintf(pre, sizeof pre, "%.*s", (int)(w < sizeof pre ? w : sizeof pre - 1), glob);
+    char *slash = strrchr(pre, '/'), *file = slash ? slash + 1 : pre;
+    if (slash) {
+        *slash = 0;
+        char *d = strrchr(pre, '/');
+        kiln_strlcpy(dir, d ? d + 1 : pre, sizeof dir);
+        if (!strcmp(dir, ".") || !strcmp(dir, "..")) dir[0] = 0;
+    }
+    size_t n = strlen(file);
+    if (!glob[w]) { /* no wildcard: a file name, without its extensions */
+        if (n > 4 && !strcmp(file + n - 4, ".zst")) file[n -= 4] = 0;
+        if (n > 4 && !strcmp(file + n - 4, ".bin")) file[n -= 4] = 0;
+    }
+    while (n > 0 && !((file[n - 1] >= 'a' && file[n - 1] <= 'z') || (file[n - 1] >= 'A' && file[n - 1] <= 'Z') ||
+                      (file[n - 1] >= '0' && file[n - 1] <= '9')))
+        file[--n] = 0;
+    snprintf(name, sizeof name, "%s%s%s", dir, dir[0] && file[0] ? "_" : "", file);
+    if (!name[0]) snprintf(name, sizeof name, "source");
+    for (char *q = name; *q; q++)
+        if (!((*q >= 'a' && *q <= 'z') || (*q >= 'A' && *q <= 'Z') || (*q >= '0' && *q <= '9') || *q == '_' ||
+              *q == '-' || *q == '.'))
+            *q = '_';
+    kiln_strlcpy(buf, name, cap); /* a long name is cut, never an error */
+}
+
+/* A source's name: what metrics keys and TensorBoard tags are made of. */
+static int cfg_name_ok(const char *s) {
+    if (!*s) return 0;
+    for (; *s; s++)
+        if (!((*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z') || (*s >= '0' && *s <= '9') || *s == '_' ||
+              *s == '-' || *s == '.'))
+            return 0;
+    return 1;
+}
+
+/* One entry of a list-form data.train / data.val: a mapping of path, name
+ * (and weight where CF_WEIGHTS). `at` locates it for messages. */
+static void cfg_set_source(const CfgKey *k, const char *at, int i, yaml_document_t *doc, const yaml_node_t *n,
+                           CfgSource *out) {
+    int weights = (k->flags & CF_WEIGHTS) != 0;
+    const char *shape = weights ? "{path: GLOB, weight: W, name: N}" : "{name: N, path: GLOB}";
+    char got[128];
+    if (n->type != YAML_MAPPING_NODE) {
+        cfg_got_text(n, got, sizeof got);
+        kiln_fail(KILN_EXIT_USAGE, "%s: key '%s[%d]': expected a mapping %s, got %s", at, k->key, i, shape, got);
+    }
+    out->weight = 1;
+    int have_path = 0, have_name = 0, have_weight = 0;
+    for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
+        yaml_node_t *kn = yaml_document_get_node(doc, p->key), *vn = yaml_document_get_node(doc, p->value);
+        const char *name = kn->type == YAML_SCALAR_NODE ? (const char *)kn->data.scalar.value : "?";
+        int *seen = !strcmp(name, "path") ? &have_path : !strcmp(name, "name") ? &have_name
+                  : weights && !strcmp(name, "weight") ? &have_weight : NULL;
+        if (!seen)
+            kiln_fail(KILN_EXIT_USAGE, "%s: unknown key '%s[%d].%s': an entry has %s", at, k->key, i, name,
+                      weights ? "path, weight and name" : "name and path");
+        if (*seen) kiln_fail(KILN_EXIT_USAGE, "%s: duplicate key '%s[%d].%s'", at, k->key, i, name);
+        *seen = 1;
+        int is_str = vn->type == YAML_SCALAR_NODE && !cfg_is_null(vn) &&
+                     strlen((const char *)vn->data.scalar.value) == vn->data.scalar.length;
+        const char *v = is_str ? (const char *)vn->data.scalar.value : NULL;
+        cfg_got_text(vn, got, sizeof got);
+        if (seen == &have_weight) {
+            const char *pl = cfg_plain(vn);
+            char *end;
+            double w = pl ? strtod(pl, &end) : NAN;
+            if (!pl || end == pl || *end || !isfinite(w) || !(w > 0))
+                kiln_fail(KILN_EXIT_USAGE, "%s: key '%s[%d].weight': expected a number > 0, got %s", at, k->key, i, got);
+            out->weight = w;
+        } else if (seen == &have_path) {
+            if (!v || strlen(v) >= CFG_STR)
+                kiln_fail(KILN_EXIT_USAGE, "%s: key '%s[%d].path': expected a glob of token shards (a string of at "
+                          "most %d bytes), got %s", at, k->key, i, CFG_STR - 1, got);
+            kiln_strlcpy(out->path, v, sizeof out->path);
+        } else {
+            if (!v || strlen(v) >= CFG_NAME || !cfg_name_ok(v))
+                kiln_fail(KILN_EXIT_USAGE, "%s: key '%s[%d].name': expected a name of 1-%d letters, digits, '_', '-' or "
+                          "'.', got %s", at, k->key, i, CFG_NAME - 1, got);
+            kiln_strlcpy(out->name, v, sizeof out->name);
+        }
+    }
+    if (!have_path) kiln_fail(KILN_EXIT_USAGE, "%s: key '%s[%d].path': required (a glob of token shards)", at, k->key, i);
+    if (!have_name) cfg_source_name(out->path, out->name, sizeof out->name);
+    else if (!weights && !strcmp(out->name, "loss"))
+        kiln_fail(KILN_EXIT_USAGE, "%s: key '%s[%d].name': 'loss' is taken (val/loss is the mean over the sets); "
+                  "choose another", at, k->key, i);
+}
+
+/* data.train / data.val: a plain glob string (kept in the key's string
+ * field, one source of weight 1) or a list of entries. */
+static void cfg_set_sources(Config *c, const CfgKey *k, const char *file, const char *where, yaml_document_t *doc,
+                            const yaml_node_t *n) {
+    char *glob = (char *)c + k->off;
+    CfgSources *ss = (CfgSources *)((char *)c + k->off2);
+    memset(ss, 0, sizeof *ss); /* whole struct, so equal configs compare equal byte for byte */
+    memset(glob, 0, k->size);
+    if (n && n->type == YAML_SCALAR_NODE && !cfg_is_null(n)) {
+        cfg_set_string(k, where, n, glob);
+        if (glob[0]) {
+            ss->n = 1;
+            kiln_strlcpy(ss->s[0].path, glob, sizeof ss->s[0].path);
+            cfg_source_name(glob, ss->s[0].name, sizeof ss->s[0].name);
+            ss->s[0].weight = 1;
+        }
+        return;
+    }
+    if (!n || n->type != YAML_SEQUENCE_NODE) cfg_fail_expect(where, k->key, k, n);
+    int count = (int)(n->data.sequence.items.top - n->data.sequence.items.start);
+    if (count == 0 || count > CFG_MAX_SOURCES)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': expected 1 to %d entries, got %d", where, k->key, CFG_MAX_SOURCES, count);
+    ss->list = 1;
+    ss->n = count;
+    for (int i = 0; i < count; i++) {
+        yaml_node_t *item = yaml_document_get_node(doc, n->data.sequence.items.start[i]);
+        char at[CFG_STR + 32];
+        if (file) snprintf(at, sizeof at, "%s:%zu", file, item->start_mark.line + 1);
+        else snprintf(at, sizeof at, "%s", where);
+        cfg_set_source(k, at, i, doc, item, &ss->s[i]);
+        for (int j = 0; j < i; j++)
+            if (!strcmp(ss->s[j].name, ss->s[i].name))
+                kiln_fail(KILN_EXIT_USAGE, "%s: key '%s[%d].name': '%s' is also the name of %s[%d]; give each entry a "
+                          "name of its own (name: ...)", at, k->key, i, ss->s[i].name, k->key, j);
+    }
+}
+
 /* Store node `n` into key `k` of `c`, or exit 2 saying what was expected. */
 static void cfg_apply(Config *c, const CfgKey *k, const char *file, const char *where, yaml_document_t *doc,
                       const yaml_node_t *n) {
@@ -539,6 +686,7 @@ static void cfg_apply(Config *c, const CfgKey *k, const char *file, const char *
     case CT_STR:
     case CT_ENUM: cfg_set_string(k, where, n, dst); break;
     case CT_PAIR: cfg_set_pair(k, file, where, doc, n, base); break;
+    case CT_SOURCES: cfg_set_sources(c, k, file, where, doc, n); break;
     }
     if (!ok) cfg_fail_expect(where, k->key, k, n);
 }
@@ -778,6 +926,9 @@ static void cfg_finish(Config *c, CfgLoad *L) {
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'model.vocab_size': %d padded to a multiple of 64 overflows 32 bits",
                   cfg_where_of(L, "model.vocab_size", NULL), c->vocab_size);
     c->padded_vocab = (int)padded;
+    if (c->train.n == 0)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'data.train': expected a glob of token shards or a list of sources, got \"\"",
+                  cfg_where_of(L, "data.train", NULL));
     if (!strcmp(c->tokenizer, "gpt2") && !c->tokenizer_file[0])
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'data.tokenizer_file': expected a rank file path when data.tokenizer is gpt2, got \"\"",
                   cfg_where_of(L, "data.tokenizer_file", "data.tokenizer"));
@@ -865,6 +1016,33 @@ static void cfg_write_quoted(FILE *f, const char *s) {
     fputc('"', f);
 }
 
+/* Shortest decimal that reads back as the same double. */
+static void cfg_fmt_double(double v, char *buf, size_t cap) {
+    for (int p = 1; p <= 17; p++) {
+        snprintf(buf, cap, "%.*g", p, v);
+        if (strtod(buf, NULL) == v) return;
+    }
+}
+
+/* A list-form data.train / data.val on one line (the resume check reads the
+ * resolved YAML a line per key), names filled in. */
+static void cfg_write_sources(FILE *f, const CfgKey *k, const CfgSources *ss) {
+    fputc('[', f);
+    for (int i = 0; i < ss->n; i++) {
+        fputs(i ? ", {name: " : "{name: ", f);
+        cfg_write_quoted(f, ss->s[i].name);
+        fputs(", path: ", f);
+        cfg_write_quoted(f, ss->s[i].path);
+        if (k->flags & CF_WEIGHTS) {
+            char w[32];
+            cfg_fmt_double(ss->s[i].weight, w, sizeof w);
+            fprintf(f, ", weight: %s", w);
+        }
+        fputc('}', f);
+    }
+    fputc(']', f);
+}
+
 static void cfg_write_value(FILE *f, const CfgKey *k, const Config *c) {
     const char *p = (const char *)c + k->off;
     char a[32], b[32];
@@ -884,6 +1062,12 @@ static void cfg_write_value(FILE *f, const CfgKey *k, const Config *c) {
         cfg_fmt_float(*(const float *)((const char *)c + k->off2), b, sizeof b);
         fprintf(f, "[%s, %s]", a, b);
         break;
+    case CT_SOURCES: {
+        const CfgSources *ss = (const CfgSources *)((const char *)c + k->off2);
+        if (ss->list) cfg_write_sources(f, k, ss);
+        else cfg_write_quoted(f, p);
+        break;
+    }
     }
 }
 
@@ -928,7 +1112,8 @@ void cfg_write_yaml(const Config *c, FILE *f) {
 }
 
 static const char *cfg_type_name(const CfgKey *k) {
-    static const char *names[] = {"int", "int64", "uint64", "float", "bool", "string", "enum", "float pair"};
+    static const char *names[] = {"int", "int64", "uint64", "float", "bool", "string", "enum", "float pair",
+                                  "glob or list"};
     return (k->flags & CF_AUTO) ? "int or `auto`" : names[k->type];
 }
 

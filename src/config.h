@@ -9,6 +9,21 @@
 #include <stdio.h>
 
 #define CFG_STR 512
+#define CFG_NAME 64
+#define CFG_MAX_SOURCES 16
+
+/* One entry of data.train (a mixture source) or data.val (a named set). */
+typedef struct CfgSource {
+    char name[CFG_NAME]; /* metrics name, [A-Za-z0-9_.-]; derived from the glob when not given */
+    char path[CFG_STR];  /* glob of token shards */
+    double weight;       /* data.train: share of samples before normalising (1 when not given); data.val: 1 */
+} CfgSource;
+
+typedef struct CfgSources {
+    int n;    /* entries; 0 = none (data.val: "") */
+    int list; /* 1: written as a list; 0: one plain glob string (the original form) */
+    CfgSource s[CFG_MAX_SOURCES];
+} CfgSources;
 
 typedef struct Config {
     /* run */
@@ -34,8 +49,11 @@ typedef struct Config {
     char recompute[16]; /* none | gelu | norm_gelu: what the backward recomputes (model.h) */
 
     /* data */
-    char train_glob[CFG_STR];
-    char val_glob[CFG_STR];
+    char train_glob[CFG_STR]; /* data.train as a plain glob; "" when it is a list */
+    char val_glob[CFG_STR];   /* data.val as a plain glob; "" when it is a list or off */
+    CfgSources train, val;    /* either form, names and weights resolved */
+    int prefetch;             /* data.prefetch: batches read ahead by a thread; 0 = off */
+    int max_open_shards;      /* data.max_open_shards: open shards per loader */
     char tokenizer[16];            /* byte | gpt2 */
     char tokenizer_file[CFG_STR];  /* gpt2: tiktoken-format rank file */
 
@@ -133,6 +151,11 @@ char *cfg_yaml_text(const Config *c, size_t *len);
  * strings unquoted, other values as written ("[0.9, 0.95]", "auto").
  * Returns how many keys it found. */
 int cfg_flatten_yaml(const char *text, void (*fn)(const char *key, const char *value, void *ctx), void *ctx);
+/* The name a data source gets when the config gives none, from its glob:
+ * the last directory and the file name's part before the first wildcard
+ * (data/web/ + *.bin -> "web", data/austen/ + train_*.bin -> "austen_train"),
+ * characters other than [A-Za-z0-9_.-] as '_'. */
+void cfg_source_name(const char *glob, char *buf, size_t cap);
 
 /* Write the markdown reference of every key (docs/config.md is this output). */
 void cfg_write_doc(FILE *f);

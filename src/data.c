@@ -1,375 +1,524 @@
-/* data: token shards (llm.c .bin layout, optionally zstd) -> validated in-memory
- * token arrays -> (inputs, targets) batches in a seeded global order sliced by rank.
- * Owns shard reading/writing and the sample order; must never know the model,
- * the backend or how many ranks share a step beyond (rank, world). */
+/* data: the global sample order over one or more sources of shards, this rank's
+ * slice of it, the prefetch thread and the position checkpoints save; reading a
+ * sample is shard.c's. Never knows the model, the backend, or the ranks beyond
+ * (rank, world). Global sample g comes from the source most behind its weight
+ * (greedy, exact integer arithmetic); a source's k-th sample is index k % N of
+ * epoch k / N of its own seeded permutation (docs/data.md, "Mixtures"). */
 #include "data.h"
+#include "shard.h"
 #include "util.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <glob.h>
-#include <stdarg.h>
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
-#include <zstd.h>
 
-#define DATA_HEADER_BYTES (DATA_HEADER_INTS * 4)
+#define DATA_STATE_VERSION 1
+#define DATA_STATE_HEAD 4       /* version, sources, g, g0 */
+#define DATA_STATE_PER_SOURCE 6 /* name hash, samples, weight units, position, drawn, blended */
+#define DATA_WEIGHT_UNITS (1ull << 30)
+#define DATA_DEFAULT_OPEN 64
 
-typedef struct DataShard {
-    char *path;
-    void *map;              /* mmap of an uncompressed file, or NULL */
-    size_t map_len;
-    unsigned char *buf;     /* whole decompressed .zst file, or NULL */
-    const void *tokens;     /* (n_tokens) uint16 (version 1) or uint32 (version 2) */
-    int width;              /* bytes per token: 2 or 4 */
-    uint64_t n_tokens;
-    uint64_t n_samples;     /* (n_tokens - 1) / T */
-    uint64_t first_sample;  /* global index of this shard's sample 0 */
-} DataShard;
-
-struct DataLoader {
-    char *what;             /* config key for messages, e.g. "data.train" */
-    char *pattern;
-    int B, T, vocab_size, shuffle, rank, world;
-    uint64_t seed;
-    DataShard *shards;      /* (n_shards) sorted by path */
-    int n_shards;
-    uint64_t n_tokens, n_samples;
-    uint32_t *perm;         /* (n_samples) this epoch's order when shuffling */
+typedef struct DataSrc {
+    char *name, *path;
+    double weight;
+    uint64_t units;      /* weight as an integer share of DATA_WEIGHT_UNITS: the blend is exact */
+    uint64_t hash;       /* FNV-1a of the name: its identity in a checkpoint */
+    ShardSet *set;
+    uint64_t N;          /* samples */
+    uint32_t *perm;      /* (N) when shuffling: the order of epoch perm_epoch */
     uint64_t perm_epoch;
     int perm_valid;
-    DataPos pos;            /* next global batch starts at sample pos.index of pos.epoch */
+} DataSrc;
+
+/* Where the order stands: after the last batch handed out, or (the
+ * producer's own, and one per prefetched batch) after a batch made. */
+typedef struct DataCursor {
+    uint64_t g;      /* global samples drawn, all ranks */
+    uint64_t *k;     /* (S) each source's place in its own stream: epoch k / N, index k % N */
+    uint64_t *drawn; /* (S) samples drawn from each source: tokens seen = drawn * T */
+    uint64_t *c;     /* (S) samples each source got since the blend began at g0 */
+} DataCursor;
+
+typedef struct DataSlot {
+    int32_t *in, *tg;  /* (B,T) each: one prefetched batch */
+    DataCursor after;  /* the order after it */
+} DataSlot;
+
+struct DataLoader {
+    char *what;
+    int B, T, vocab_size, shuffle, rank, world, mixture, S;
+    uint64_t seed;
+    DataSrc *src;        /* (S) in config order */
+    uint64_t units;      /* sum of src[].units */
+    uint64_t g0;         /* global sample where the blend's counts c start (a forced change moves it) */
+    ShardCache *cache;
+    DataCursor cur;      /* after the last batch handed out: what checkpoints save */
+    uint64_t *noted;     /* (S) the epoch of each source last logged */
+    double wait_s;
+    uint64_t batches;    /* handed out by data_next_batch (counted for the test hook) */
+    long hook_batch;     /* test hook: wait before this batch (1-based) while hook_file exists; 0 = off */
+    char *hook_file;
+    /* prefetch: a producer thread fills slots[tail % depth] from its own
+     * cursor while data_next_batch takes slots[head % depth]; while it runs it
+     * alone touches the shards, the cache and the permutations */
+    int depth;
+    DataSlot *slots;     /* (depth) */
+    DataCursor prod;
+    pthread_t thread;
+    int running, stop, failed;
+    uint64_t head, tail;
+    ShardError err;      /* the producer's failure, reported when the consumer reaches it */
+    pthread_mutex_t mu;
+    pthread_cond_t filled, freed;
 };
 
-#define data_fail(hint, ...) kiln_fail_hint(KILN_EXIT_USAGE, (hint), __VA_ARGS__)
-
-#define DATA_HINT_PREPARE "make token shards with: ./train prepare --tokenizer byte|gpt2 --out DIR FILE..."
-
-static int data_ends_with(const char *s, const char *suffix) {
-    size_t n = strlen(s), m = strlen(suffix);
-    return n >= m && strcmp(s + n - m, suffix) == 0;
+static void cursor_init(DataCursor *x, int S) {
+    x->g = 0;
+    x->k = xcalloc((size_t)3 * S, sizeof(uint64_t));
+    x->drawn = x->k + S;
+    x->c = x->k + 2 * S;
 }
 
-/* ---- reading one shard ---------------------------------------------------- */
+static void cursor_copy(DataCursor *dst, const DataCursor *src, int S) {
+    dst->g = src->g;
+    memcpy(dst->k, src->k, (size_t)3 * S * sizeof(uint64_t));
+}
 
-/* Decompress a whole .zst file with the streaming API: shards written by other
- * tools (zstd CLI from a pipe) may not record the content size in the frame. */
-static unsigned char *data_read_zstd(const char *path, size_t *out_len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) data_fail(DATA_HINT_PREPARE, "%s: cannot open: %s", path, strerror(errno));
-    ZSTD_DStream *ds = ZSTD_createDStream();
-    if (!ds) kiln_fail(KILN_EXIT_RUNTIME, "%s: ZSTD_createDStream failed", path);
-    ZSTD_initDStream(ds);
-    size_t in_cap = ZSTD_DStreamInSize(), chunk = ZSTD_DStreamOutSize();
-    unsigned char *in_buf = xmalloc(in_cap);
-    size_t cap = 4 * chunk, n = 0;
-    unsigned char *out = xmalloc(cap);
-    ZSTD_inBuffer in = {in_buf, 0, 0};
-    size_t last = 1; /* 0 once a frame is complete; an empty file is not a frame */
-    int eof = 0, out_full = 0;
+/* ---- the order ------------------------------------------------------------ */
+
+/* Source of the next global sample: the largest deficit
+ * units_s * (n + 1) - c_s * units, n = samples blended so far; ties to the
+ * first. A source is picked only while behind (the deficits sum to a positive
+ * number), so none is ever a whole sample ahead of its share. */
+static int data_pick(const DataLoader *dl, const DataCursor *x) {
+    if (dl->S == 1) return 0;
+    __int128 n1 = (__int128)(x->g - dl->g0) + 1, best_d = 0;
+    int best = 0;
+    for (int s = 0; s < dl->S; s++) {
+        __int128 d = (__int128)dl->src[s].units * n1 - (__int128)x->c[s] * (__int128)dl->units;
+        if (s == 0 || d > best_d) best = s, best_d = d;
+    }
+    return best;
+}
+
+/* This epoch's order of one source: Fisher-Yates over an Rng seeded from
+ * (seed, epoch) for a plain glob, as kiln has always done, or (seed, epoch,
+ * name) for a source of a list, so that sources are shuffled independently. */
+static const uint32_t *data_perm(const DataLoader *dl, DataSrc *src, uint64_t epoch) {
+    if (src->perm_valid && src->perm_epoch == epoch) return src->perm;
+    uint64_t key[3] = {dl->seed, epoch, src->hash};
+    Rng r;
+    rng_seed(&r, kiln_fnv1a(key, dl->mixture ? sizeof key : 2 * sizeof key[0], KILN_FNV_INIT));
+    uint64_t n = src->N;
+    for (uint64_t i = 0; i < n; i++) src->perm[i] = (uint32_t)i;
+    for (uint64_t i = n - 1; i > 0; i--) {
+        uint64_t j = rng_below(&r, i + 1);
+        uint32_t tmp = src->perm[i];
+        src->perm[i] = src->perm[j];
+        src->perm[j] = tmp;
+    }
+    src->perm_epoch = epoch;
+    src->perm_valid = 1;
+    return src->perm;
+}
+
+/* The batch after cursor x (which it advances): all B * world samples of the
+ * global batch are blended, this rank's are read. */
+static int data_fill(DataLoader *dl, DataCursor *x, int32_t *in, int32_t *tg, ShardError *e) {
+    const uint64_t world = (uint64_t)dl->world, per = (uint64_t)dl->B * world, T = (uint64_t)dl->T;
+    for (uint64_t j = 0; j < per; j++) {
+        int s = data_pick(dl, x);
+        DataSrc *src = &dl->src[s];
+        uint64_t k = x->k[s]++;
+        x->drawn[s]++, x->c[s]++, x->g++;
+        if (j % world != (uint64_t)dl->rank) continue;
+        uint64_t epoch = k / src->N, idx = k % src->N;
+        uint64_t sample = dl->shuffle ? data_perm(dl, src, epoch)[idx] : idx;
+        size_t b = (size_t)(j / world);
+        if (shard_read_sample(src->set, sample, in + b * T, tg + b * T, e) != 0) return -1;
+    }
+    return 0;
+}
+
+/* ---- prefetch ------------------------------------------------------------- */
+
+static void *data_prefetch_main(void *arg) {
+    DataLoader *dl = arg;
+    pthread_mutex_lock(&dl->mu);
     for (;;) {
-        if (in.pos == in.size && !eof) {
-            size_t got = fread(in_buf, 1, in_cap, f);
-            if (got == 0) {
-                if (ferror(f)) data_fail(NULL, "%s: read error: %s", path, strerror(errno));
-                eof = 1;
-            }
-            in.src = in_buf;
-            in.size = got;
-            in.pos = 0;
+        while (!dl->stop && dl->tail - dl->head == (uint64_t)dl->depth) pthread_cond_wait(&dl->freed, &dl->mu);
+        if (dl->stop) break;
+        DataSlot *sl = &dl->slots[dl->tail % (uint64_t)dl->depth];
+        pthread_mutex_unlock(&dl->mu);
+        ShardError e;
+        int rc = data_fill(dl, &dl->prod, sl->in, sl->tg, &e);
+        if (rc == 0) cursor_copy(&sl->after, &dl->prod, dl->S);
+        pthread_mutex_lock(&dl->mu);
+        if (rc != 0) {
+            dl->err = e;
+            dl->failed = 1;
+            pthread_cond_signal(&dl->filled);
+            break;
         }
-        /* Once the input is gone, keep calling only while the last call filled the
-         * output: zstd may still hold decompressed bytes. */
-        if (in.pos == in.size && eof && !out_full) break;
-        if (cap - n < chunk) {
-            cap = cap * 2 > n + chunk ? cap * 2 : n + chunk;
-            out = xrealloc(out, cap);
-        }
-        ZSTD_outBuffer o = {out + n, cap - n, 0};
-        size_t ret = ZSTD_decompressStream(ds, &o, &in);
-        if (ZSTD_isError(ret))
-            data_fail("the file is damaged; re-create it (./train prepare ... --zstd LEVEL)",
-                      "%s: corrupt zstd data: %s", path, ZSTD_getErrorName(ret));
-        n += o.pos;
-        out_full = o.pos == o.size;
-        last = ret;
+        dl->tail++;
+        pthread_cond_signal(&dl->filled);
     }
-    fclose(f);
-    ZSTD_freeDStream(ds);
-    free(in_buf);
-    if (last != 0)
-        data_fail("the file is damaged or was cut short; re-create it",
-                  "%s: truncated zstd data (stream ends inside a frame)", path);
-    *out_len = n;
-    return out;
+    pthread_mutex_unlock(&dl->mu);
+    return NULL;
 }
 
-/* Map or decompress one shard and check its header against its size. */
-static void data_load_shard(DataShard *s) {
-    const unsigned char *file;
-    size_t len;
-    /* stat before open: opening a FIFO or a device would block or read forever */
-    struct stat pre;
-    if (stat(s->path, &pre) != 0) data_fail(DATA_HINT_PREPARE, "%s: cannot open: %s", s->path, strerror(errno));
-    if (!S_ISREG(pre.st_mode)) data_fail(DATA_HINT_PREPARE, "%s: not a regular file", s->path);
-    if (data_ends_with(s->path, ".zst")) {
-        s->buf = data_read_zstd(s->path, &len);
-        file = s->buf;
-    } else {
-        int fd = open(s->path, O_RDONLY);
-        if (fd < 0) data_fail(DATA_HINT_PREPARE, "%s: cannot open: %s", s->path, strerror(errno));
-        struct stat st;
-        if (fstat(fd, &st) != 0) data_fail(NULL, "%s: cannot stat: %s", s->path, strerror(errno));
-        if (!S_ISREG(st.st_mode)) data_fail(DATA_HINT_PREPARE, "%s: not a regular file", s->path);
-        len = (size_t)st.st_size;
-        if (len >= DATA_HEADER_BYTES) {
-            /* mmap keeps big datasets out of the heap; pages load on first touch. */
-            s->map = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0);
-            if (s->map == MAP_FAILED) data_fail(NULL, "%s: mmap failed: %s", s->path, strerror(errno));
-            s->map_len = len;
-        }
-        close(fd);
-        file = s->map;
-    }
-    if (len < DATA_HEADER_BYTES)
-        data_fail(DATA_HINT_PREPARE, "%s: %zu bytes, too short for the %d-byte shard header",
-                  s->path, len, DATA_HEADER_BYTES);
-    int32_t h[3];
-    memcpy(h, file, sizeof h);
-    if (h[0] != DATA_MAGIC)
-        data_fail(DATA_HINT_PREPARE, "%s: bad magic %d (expected %d): not a token shard", s->path,
-                  h[0], DATA_MAGIC);
-    if (h[1] != 1 && h[1] != 2)
-        data_fail(DATA_HINT_PREPARE, "%s: unsupported shard version %d (1 = uint16 tokens, 2 = uint32)",
-                  s->path, h[1]);
-    if (h[2] < 0) data_fail(DATA_HINT_PREPARE, "%s: negative token count %d in header", s->path, h[2]);
-    s->width = h[1] == 1 ? 2 : 4;
-    s->n_tokens = (uint64_t)h[2];
-    uint64_t holds = (len - DATA_HEADER_BYTES) / (uint64_t)s->width;
-    if (holds < s->n_tokens)
-        data_fail("the file was cut short (interrupted copy or write?); re-create it",
-                  "%s: truncated: header says %llu tokens, file holds %llu", s->path,
-                  (unsigned long long)s->n_tokens, (unsigned long long)holds);
-    if (len != DATA_HEADER_BYTES + s->n_tokens * (uint64_t)s->width)
-        data_fail(DATA_HINT_PREPARE, "%s: header says %llu tokens, but the file has %zu extra bytes",
-                  s->path, (unsigned long long)s->n_tokens,
-                  len - (size_t)(DATA_HEADER_BYTES + s->n_tokens * (uint64_t)s->width));
-    s->tokens = file + DATA_HEADER_BYTES;
+static void data_prefetch_start(DataLoader *dl) {
+    cursor_copy(&dl->prod, &dl->cur, dl->S);
+    dl->head = dl->tail = 0;
+    dl->stop = dl->failed = 0;
+    /* signals (stop.c's SIGTERM/SIGUSR1) go to the main thread, not this one */
+    sigset_t all, prev;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &prev);
+    int rc = pthread_create(&dl->thread, NULL, data_prefetch_main, dl);
+    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    if (rc != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot start the prefetch thread (error %d)", dl->what, rc);
+    dl->running = 1;
 }
 
-static inline uint32_t data_token(const DataShard *s, uint64_t i) {
-    return s->width == 2 ? ((const uint16_t *)s->tokens)[i] : ((const uint32_t *)s->tokens)[i];
-}
-
-/* Every id < vocab_size, so a bad shard stops here and not as an out-of-range
- * embedding row deep inside a step. */
-static void data_check_ids(const DataShard *s, int vocab_size, const char *what) {
-    uint32_t v = (uint32_t)vocab_size;
-    for (uint64_t i = 0; i < s->n_tokens; i++) {
-        uint32_t id = data_token(s, i);
-        if (id >= v) {
-            char hint[256];
-            snprintf(hint, sizeof hint,
-                     "the shards of %s were made with a larger vocabulary: raise model.vocab_size "
-                     "or re-prepare them", what);
-            data_fail(hint, "%s: token %u at offset %llu is >= vocab_size %d", s->path, id,
-                      (unsigned long long)i, vocab_size);
-        }
-    }
-}
-
-static void data_free_shard(DataShard *s) {
-    if (s->map) munmap(s->map, s->map_len);
-    free(s->buf);
-    free(s->path);
+/* Stop the producer; what it made ahead is dropped (the consumer's cursor
+ * says where the order stands). */
+static void data_prefetch_stop(DataLoader *dl) {
+    if (!dl->running) return;
+    pthread_mutex_lock(&dl->mu);
+    dl->stop = 1;
+    pthread_cond_signal(&dl->freed);
+    pthread_mutex_unlock(&dl->mu);
+    pthread_join(dl->thread, NULL);
+    dl->running = 0;
 }
 
 /* ---- the loader ----------------------------------------------------------- */
 
-static int data_cmp_str(const void *a, const void *b) {
-    return strcmp(*(char *const *)a, *(char *const *)b);
-}
-
-DataLoader *data_open(const char *pattern, const char *what, int B, int T, int vocab_size,
-                      int shuffle, uint64_t seed, int rank, int world) {
-    if (B <= 0 || T <= 0 || vocab_size <= 0 || world <= 0 || rank < 0 || rank >= world)
-        kiln_fail(KILN_EXIT_USAGE, "%s: bad loader arguments B=%d T=%d vocab_size=%d rank=%d world=%d",
-                  what, B, T, vocab_size, rank, world);
-    glob_t g;
-    int rc = glob(pattern, 0, NULL, &g);
-    if (rc != 0 || g.gl_pathc == 0) {
-        if (rc == 0) globfree(&g);
-        char hint[512];
-        snprintf(hint, sizeof hint, "check %s, or make shards first: ./train prepare ... --out DIR",
-                 what);
-        data_fail(hint, "%s: no files match '%s'", what, pattern);
-    }
+DataLoader *data_open(const DataOptions *o) {
+    if (o->B <= 0 || o->T <= 0 || o->vocab_size <= 0 || o->world <= 0 || o->rank < 0 || o->rank >= o->world ||
+        o->n_sources <= 0 || o->prefetch < 0)
+        kiln_fail(KILN_EXIT_USAGE, "%s: bad loader arguments B=%d T=%d vocab_size=%d rank=%d world=%d sources=%d",
+                  o->what, o->B, o->T, o->vocab_size, o->rank, o->world, o->n_sources);
     DataLoader *dl = xcalloc(1, sizeof *dl);
-    dl->what = xstrdup(what);
-    dl->pattern = xstrdup(pattern);
-    dl->B = B;
-    dl->T = T;
-    dl->vocab_size = vocab_size;
-    dl->shuffle = shuffle;
-    dl->seed = seed;
-    dl->rank = rank;
-    dl->world = world;
-    dl->n_shards = (int)g.gl_pathc;
-    /* Sort with strcmp: glob's own order follows the locale, the sample order must not. */
-    char **paths = xmalloc(g.gl_pathc * sizeof(char *));
-    for (size_t i = 0; i < g.gl_pathc; i++) paths[i] = xstrdup(g.gl_pathv[i]);
-    globfree(&g);
-    qsort(paths, (size_t)dl->n_shards, sizeof(char *), data_cmp_str);
-    dl->shards = xcalloc((size_t)dl->n_shards, sizeof(DataShard));
-    for (int i = 0; i < dl->n_shards; i++) {
-        DataShard *s = &dl->shards[i];
-        s->path = paths[i];
-        data_load_shard(s);
-        data_check_ids(s, vocab_size, what);
-        /* A short shard (the tail of a split, say) holds no sample; it is
-         * skipped, and only a glob with no sample at all is an error. */
-        s->n_samples = s->n_tokens > (uint64_t)T ? (s->n_tokens - 1) / (uint64_t)T : 0;
-        if (s->n_samples == 0)
-            kiln_warn("%s: %llu tokens, too few for one sample of seq_len + 1 = %d tokens: skipped", s->path,
-                      (unsigned long long)s->n_tokens, T + 1);
-        s->first_sample = dl->n_samples;
-        dl->n_samples += s->n_samples;
-        dl->n_tokens += s->n_tokens;
+    dl->what = xstrdup(o->what);
+    dl->B = o->B, dl->T = o->T, dl->vocab_size = o->vocab_size, dl->shuffle = o->shuffle;
+    dl->rank = o->rank, dl->world = o->world, dl->mixture = o->mixture, dl->seed = o->seed;
+    dl->S = o->n_sources;
+    dl->cache = shard_cache_new(o->max_open > 0 ? o->max_open : DATA_DEFAULT_OPEN);
+    dl->src = xcalloc((size_t)dl->S, sizeof(DataSrc));
+    double wsum = 0;
+    for (int s = 0; s < dl->S; s++) {
+        if (!(o->sources[s].weight > 0))
+            kiln_fail(KILN_EXIT_USAGE, "%s: source %d: weight %g must be > 0", o->what, s, o->sources[s].weight);
+        wsum += o->sources[s].weight;
     }
-    if (dl->n_samples == 0)
-        data_fail("use more text per shard or a shorter model.seq_len",
-                  "%s: no shard matching '%s' holds one sample of seq_len + 1 = %d tokens (%s: %llu tokens, too "
-                  "few for one sample)", what, pattern, T + 1, dl->shards[0].path,
-                  (unsigned long long)dl->shards[0].n_tokens);
-    free(paths);
-    if (shuffle) {
-        if (dl->n_samples > UINT32_MAX)
-            kiln_fail(KILN_EXIT_USAGE, "%s: %llu samples; the shuffled order holds at most 2^32",
-                      what, (unsigned long long)dl->n_samples);
-        dl->perm = xmalloc(dl->n_samples * sizeof(uint32_t));
+    for (int s = 0; s < dl->S; s++) {
+        const DataSource *ds = &o->sources[s];
+        DataSrc *src = &dl->src[s];
+        char name[32];
+        snprintf(name, sizeof name, "source%d", s);
+        src->name = xstrdup(ds->name ? ds->name : name);
+        src->path = xstrdup(ds->path);
+        src->weight = ds->weight;
+        long long u = llround(ds->weight / wsum * (double)DATA_WEIGHT_UNITS);
+        src->units = u > 0 ? (uint64_t)u : 1;
+        dl->units += src->units;
+        src->hash = kiln_fnv1a(src->name, strlen(src->name), KILN_FNV_INIT);
+        char what[256];
+        if (dl->mixture) snprintf(what, sizeof what, "%s source '%s'", o->what, src->name);
+        else snprintf(what, sizeof what, "%s", o->what);
+        src->set = shard_index(ds->path, what, o->T, o->vocab_size, dl->cache);
+        src->N = shard_set_samples(src->set);
+        if (o->shuffle) {
+            if (src->N > UINT32_MAX)
+                kiln_fail(KILN_EXIT_USAGE, "%s: %llu samples; one source's shuffled order holds at most 2^32 (split "
+                          "it into several sources)", what, (unsigned long long)src->N);
+            src->perm = xmalloc(src->N * sizeof(uint32_t));
+        }
+    }
+    cursor_init(&dl->cur, dl->S);
+    dl->noted = xcalloc((size_t)dl->S, sizeof(uint64_t));
+    const char *hb = getenv("KILN_TEST_DATA_WAIT_AT_BATCH"), *hf = getenv("KILN_TEST_DATA_WAIT_FILE");
+    if (hb && hf && !strcmp(o->what, "data.train")) dl->hook_batch = atol(hb), dl->hook_file = xstrdup(hf);
+    dl->depth = o->prefetch;
+    if (dl->depth) {
+        size_t n = (size_t)o->B * o->T;
+        dl->slots = xcalloc((size_t)dl->depth, sizeof(DataSlot));
+        for (int i = 0; i < dl->depth; i++) {
+            dl->slots[i].in = xmalloc(n * sizeof(int32_t));
+            dl->slots[i].tg = xmalloc(n * sizeof(int32_t));
+            cursor_init(&dl->slots[i].after, dl->S);
+        }
+        cursor_init(&dl->prod, dl->S);
+        pthread_mutex_init(&dl->mu, NULL);
+        pthread_cond_init(&dl->filled, NULL);
+        pthread_cond_init(&dl->freed, NULL);
     }
     return dl;
 }
 
 void data_close(DataLoader *dl) {
     if (!dl) return;
-    for (int i = 0; i < dl->n_shards; i++) data_free_shard(&dl->shards[i]);
-    free(dl->shards);
-    free(dl->perm);
-    free(dl->pattern);
+    data_prefetch_stop(dl);
+    if (dl->depth) {
+        for (int i = 0; i < dl->depth; i++) free(dl->slots[i].in), free(dl->slots[i].tg), free(dl->slots[i].after.k);
+        free(dl->slots);
+        free(dl->prod.k);
+        pthread_mutex_destroy(&dl->mu);
+        pthread_cond_destroy(&dl->filled);
+        pthread_cond_destroy(&dl->freed);
+    }
+    for (int s = 0; s < dl->S; s++) {
+        shard_set_free(dl->src[s].set);
+        free(dl->src[s].perm), free(dl->src[s].name), free(dl->src[s].path);
+    }
+    shard_cache_free(dl->cache);
+    free(dl->src);
+    free(dl->cur.k);
+    free(dl->noted);
+    free(dl->hook_file);
     free(dl->what);
     free(dl);
 }
 
-/* This epoch's order: Fisher-Yates over an Rng seeded from (seed, epoch) alone,
- * so every rank computes the same permutation without talking to the others. */
-static const uint32_t *data_perm(DataLoader *dl, uint64_t epoch) {
-    if (dl->perm_valid && dl->perm_epoch == epoch) return dl->perm;
-    uint64_t key[2] = {dl->seed, epoch};
-    Rng r;
-    rng_seed(&r, kiln_fnv1a(key, sizeof key, KILN_FNV_INIT));
-    uint64_t n = dl->n_samples;
-    for (uint64_t i = 0; i < n; i++) dl->perm[i] = (uint32_t)i;
-    for (uint64_t i = n - 1; i > 0; i--) {
-        uint64_t j = rng_below(&r, i + 1);
-        uint32_t tmp = dl->perm[i];
-        dl->perm[i] = dl->perm[j];
-        dl->perm[j] = tmp;
-    }
-    dl->perm_epoch = epoch;
-    dl->perm_valid = 1;
-    return dl->perm;
+static void data_die(const ShardError *e) {
+    kiln_fail_hint(e->code ? e->code : KILN_EXIT_USAGE, e->hint[0] ? e->hint : NULL, "%s", e->msg);
 }
 
-static const DataShard *data_find_shard(const DataLoader *dl, uint64_t sample) {
-    int lo = 0, hi = dl->n_shards - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (dl->shards[mid].first_sample <= sample) lo = mid;
-        else hi = mid - 1;
-    }
-    return &dl->shards[lo];
+/* Test hook (docs/data.md): before batch KILN_TEST_DATA_WAIT_AT_BATCH of
+ * data.train, create KILN_TEST_DATA_WAIT_FILE and wait until a test removes
+ * it, having changed the shards under the running loader at a known point. */
+static void data_test_wait(const DataLoader *dl) {
+    FILE *f = fopen(dl->hook_file, "w");
+    if (!f) kiln_fail(KILN_EXIT_RUNTIME, "test hook: cannot create %s", dl->hook_file);
+    fclose(f);
+    struct timespec ts = {0, 10 * 1000 * 1000};
+    for (int i = 0; i < 6000 && access(dl->hook_file, F_OK) == 0; i++) nanosleep(&ts, NULL);
+    if (access(dl->hook_file, F_OK) == 0) kiln_fail(KILN_EXIT_RUNTIME, "test hook: %s still there after 60 s", dl->hook_file);
 }
 
 void data_next_batch(DataLoader *dl, int32_t *inputs, int32_t *targets) {
-    const uint64_t N = dl->n_samples, T = (uint64_t)dl->T;
-    /* The global batch is samples pos.index .. pos.index + B*world - 1 of an endless
-     * stream of epochs; this rank takes rank, rank + world, ... of it. */
-    for (int b = 0; b < dl->B; b++) {
-        uint64_t at = dl->pos.index + (uint64_t)dl->rank + (uint64_t)dl->world * (uint64_t)b;
-        uint64_t epoch = dl->pos.epoch + at / N, idx = at % N;
-        uint64_t sample = dl->shuffle ? data_perm(dl, epoch)[idx] : idx;
-        const DataShard *s = data_find_shard(dl, sample);
-        uint64_t start = (sample - s->first_sample) * T;
-        int32_t *in = inputs + (size_t)b * T, *tg = targets + (size_t)b * T;
-        for (uint64_t t = 0; t < T; t++) {
-            in[t] = (int32_t)data_token(s, start + t);
-            tg[t] = (int32_t)data_token(s, start + t + 1);
+    if (dl->hook_batch && (long)++dl->batches == dl->hook_batch) data_test_wait(dl);
+    double t0 = kiln_now();
+    if (!dl->depth) {
+        ShardError e;
+        if (data_fill(dl, &dl->cur, inputs, targets, &e) != 0) data_die(&e);
+    } else {
+        if (!dl->running) data_prefetch_start(dl);
+        pthread_mutex_lock(&dl->mu);
+        while (dl->head == dl->tail && !dl->failed) pthread_cond_wait(&dl->filled, &dl->mu);
+        int have = dl->head != dl->tail;
+        pthread_mutex_unlock(&dl->mu);
+        if (!have) {
+            /* the producer stopped at a bad shard: every batch before it has
+             * been handed out, so the error comes at the same batch as without
+             * prefetch */
+            data_prefetch_stop(dl);
+            data_die(&dl->err);
         }
+        DataSlot *sl = &dl->slots[dl->head % (uint64_t)dl->depth];
+        size_t n = (size_t)dl->B * dl->T;
+        memcpy(inputs, sl->in, n * sizeof(int32_t));
+        memcpy(targets, sl->tg, n * sizeof(int32_t));
+        cursor_copy(&dl->cur, &sl->after, dl->S);
+        pthread_mutex_lock(&dl->mu);
+        dl->head++;
+        pthread_cond_signal(&dl->freed);
+        pthread_mutex_unlock(&dl->mu);
     }
-    uint64_t next = dl->pos.index + (uint64_t)dl->B * (uint64_t)dl->world;
-    dl->pos.epoch += next / N;
-    dl->pos.index = next % N;
+    dl->wait_s += kiln_now() - t0;
 }
 
-DataPos data_get_pos(const DataLoader *dl) { return dl->pos; }
+static void data_mark_noted(DataLoader *dl) {
+    for (int s = 0; s < dl->S; s++) dl->noted[s] = dl->cur.k[s] / dl->src[s].N;
+}
+
+void data_rewind(DataLoader *dl) {
+    data_prefetch_stop(dl);
+    dl->cur.g = 0;
+    memset(dl->cur.k, 0, (size_t)3 * dl->S * sizeof(uint64_t));
+    dl->g0 = 0;
+    data_mark_noted(dl);
+}
+
+DataPos data_get_pos(const DataLoader *dl) {
+    if (dl->S > 1) return (DataPos){0, dl->cur.g};
+    uint64_t k = dl->cur.k[0], N = dl->src[0].N;
+    return (DataPos){k / N, k % N};
+}
 
 void data_set_pos(DataLoader *dl, DataPos pos) {
-    if (pos.index >= dl->n_samples)
-        data_fail("the data changed since the checkpoint was written; resume with the same shards",
-                  "%s: saved data position %llu is past the %llu samples of '%s'", dl->what,
-                  (unsigned long long)pos.index, (unsigned long long)dl->n_samples, dl->pattern);
-    dl->pos = pos;
+    if (dl->S != 1)
+        kiln_fail(KILN_EXIT_RUNTIME, "%s: a one-source position set on a mixture of %d sources", dl->what, dl->S);
+    uint64_t N = dl->src[0].N;
+    if (pos.index >= N)
+        kiln_fail_hint(KILN_EXIT_USAGE, "the data changed since the checkpoint was written; resume with the same shards",
+                       "%s: saved data position %llu is past the %llu samples of '%s'", dl->what,
+                       (unsigned long long)pos.index, (unsigned long long)N, dl->src[0].path);
+    data_prefetch_stop(dl);
+    uint64_t k = pos.epoch * N + pos.index;
+    dl->cur.g = dl->cur.k[0] = dl->cur.drawn[0] = dl->cur.c[0] = k;
+    dl->g0 = 0;
+    data_mark_noted(dl);
 }
 
-uint64_t data_num_tokens(const DataLoader *dl) { return dl->n_tokens; }
-uint64_t data_num_samples(const DataLoader *dl) { return dl->n_samples; }
-int data_num_shards(const DataLoader *dl) { return dl->n_shards; }
+/* ---- checkpoint state ----------------------------------------------------- */
 
-/* ---- writing -------------------------------------------------------------- */
+size_t data_state_words(const DataLoader *dl) { return DATA_STATE_HEAD + (size_t)DATA_STATE_PER_SOURCE * dl->S; }
 
-int data_write_shard(const char *path, const uint32_t *tokens, size_t n, int zstd_level) {
-    if (n > (size_t)INT32_MAX)
-        kiln_fail(KILN_EXIT_USAGE, "%s: %zu tokens; the int32 header holds at most %d per shard",
-                  path, n, INT32_MAX);
-    int wide = 0;
-    for (size_t i = 0; i < n && !wide; i++) wide = tokens[i] > 0xffff;
-    int width = wide ? 4 : 2;
-    size_t len = DATA_HEADER_BYTES + n * (size_t)width;
-    unsigned char *file = xcalloc(1, len);
-    int32_t h[3] = {DATA_MAGIC, wide ? 2 : 1, (int32_t)n};
-    memcpy(file, h, sizeof h);
-    if (wide) {
-        memcpy(file + DATA_HEADER_BYTES, tokens, n * sizeof(uint32_t));
-    } else {
-        uint16_t *t16 = (uint16_t *)(file + DATA_HEADER_BYTES);
-        for (size_t i = 0; i < n; i++) t16[i] = (uint16_t)tokens[i];
+void data_get_state(const DataLoader *dl, uint64_t *w) {
+    w[0] = DATA_STATE_VERSION, w[1] = (uint64_t)dl->S, w[2] = dl->cur.g, w[3] = dl->g0;
+    for (int s = 0; s < dl->S; s++) {
+        uint64_t *p = w + DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * s;
+        p[0] = dl->src[s].hash, p[1] = dl->src[s].N, p[2] = dl->src[s].units;
+        p[3] = dl->cur.k[s], p[4] = dl->cur.drawn[s], p[5] = dl->cur.c[s];
     }
-    const void *out = file;
-    size_t out_len = len;
-    unsigned char *z = NULL;
-    if (zstd_level > 0) {
-        size_t cap = ZSTD_compressBound(len);
-        z = xmalloc(cap);
-        ZSTD_CCtx *cc = ZSTD_createCCtx();
-        if (!cc) kiln_fail(KILN_EXIT_RUNTIME, "%s: ZSTD_createCCtx failed", path);
-        /* A frame checksum lets the reader tell a damaged shard from a valid one;
-         * without it a flipped bit decodes to plausible garbage. */
-        ZSTD_CCtx_setParameter(cc, ZSTD_c_compressionLevel, zstd_level);
-        ZSTD_CCtx_setParameter(cc, ZSTD_c_checksumFlag, 1);
-        size_t zn = ZSTD_compress2(cc, z, cap, file, len);
-        ZSTD_freeCCtx(cc);
-        if (ZSTD_isError(zn))
-            kiln_fail(KILN_EXIT_RUNTIME, "%s: zstd compression failed: %s", path, ZSTD_getErrorName(zn));
-        out = z;
-        out_len = zn;
+}
+
+/* The saved source with this name hash, or NULL. */
+static const uint64_t *data_saved_source(const uint64_t *w, uint64_t hash) {
+    for (uint64_t s = 0; s < w[1]; s++) {
+        const uint64_t *p = w + DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * s;
+        if (p[0] == hash) return p;
     }
-    if (kiln_write_file_atomic(path, out, out_len) != 0)
-        kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write shard: %s", path, strerror(errno));
-    free(z);
-    free(file);
+    return NULL;
+}
+
+/* What differs between the saved mixture and this one, in words; "" if nothing. */
+static void data_state_diff(const DataLoader *dl, const uint64_t *w, char *buf, size_t cap) {
+    buf[0] = 0;
+    for (int s = 0; s < dl->S; s++) {
+        const DataSrc *src = &dl->src[s];
+        const uint64_t *p = data_saved_source(w, src->hash);
+        if (!p) snprintf(buf, cap, "source '%s' is new", src->name);
+        else if (p[1] != src->N)
+            snprintf(buf, cap, "source '%s' ('%s') holds %llu samples now, %llu when the checkpoint was written (its "
+                     "shards changed)", src->name, src->path, (unsigned long long)src->N, (unsigned long long)p[1]);
+        else if (p[2] != src->units) snprintf(buf, cap, "the weight of source '%s' changed", src->name);
+        else if (p != w + DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * s)
+            snprintf(buf, cap, "the sources are in another order (source '%s')", src->name);
+        if (buf[0]) return;
+    }
+    if (w[1] != (uint64_t)dl->S)
+        snprintf(buf, cap, "%llu source(s) of the checkpoint are no longer in it", (unsigned long long)w[1] - (uint64_t)dl->S);
+}
+
+void data_set_state(DataLoader *dl, const uint64_t *w, size_t n, int force, char *note, size_t cap) {
+    note[0] = 0;
+    int bad = n < DATA_STATE_HEAD || w[0] != DATA_STATE_VERSION || w[1] > (1u << 20) ||
+              n != DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * w[1];
+    for (uint64_t s = 0; !bad && s < w[1]; s++) bad = w[DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * s + 1] == 0;
+    if (bad)
+        kiln_fail(KILN_EXIT_USAGE, "%s: the checkpoint's data state (%zu words, version %llu) is not one this kiln "
+                  "reads (version %d): written by a newer kiln?", dl->what, n, n ? (unsigned long long)w[0] : 0ull,
+                  DATA_STATE_VERSION);
+    data_prefetch_stop(dl);
+    char diff[600];
+    data_state_diff(dl, w, diff, sizeof diff);
+    if (!diff[0]) { /* the same mixture: exactly where it was */
+        dl->cur.g = w[2], dl->g0 = w[3];
+        for (int s = 0; s < dl->S; s++) {
+            const uint64_t *p = w + DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * s;
+            dl->cur.k[s] = p[3], dl->cur.drawn[s] = p[4], dl->cur.c[s] = p[5];
+        }
+        data_mark_noted(dl);
+        return;
+    }
+    if (!force)
+        kiln_fail_hint(KILN_EXIT_USAGE, "resume with the data of the checkpoint, or pass --force to continue each source "
+                       "from its saved position", "key '%s': the checkpoint's mixture differs from this run's: %s",
+                       dl->what, diff);
+    /* --force: each source still present keeps its epoch and index (the next
+     * epoch if the index is past its samples now), a new one starts at its
+     * beginning, and the blend starts over here with the new weights */
+    size_t o = (size_t)snprintf(note, cap, "data: --force: %s; the blend restarts at global sample %llu with this "
+                                "run's weights;", diff, (unsigned long long)w[2]);
+    dl->cur.g = dl->g0 = w[2];
+    for (int s = 0; s < dl->S; s++) {
+        DataSrc *src = &dl->src[s];
+        const uint64_t *p = data_saved_source(w, src->hash);
+        uint64_t epoch = 0, idx = 0;
+        if (p) {
+            epoch = p[3] / p[1], idx = p[3] % p[1];
+            if (idx >= src->N) epoch++, idx = 0;
+        }
+        dl->cur.k[s] = epoch * src->N + idx;
+        dl->cur.drawn[s] = p ? p[4] : 0;
+        dl->cur.c[s] = 0;
+        if (o < cap) {
+            if (p)
+                o += (size_t)snprintf(note + o, cap - o, " '%s' continues at epoch %llu, sample %llu of %llu;",
+                                      src->name, (unsigned long long)epoch, (unsigned long long)idx,
+                                      (unsigned long long)src->N);
+            else o += (size_t)snprintf(note + o, cap - o, " '%s' starts at its beginning;", src->name);
+        }
+    }
+    if (o < cap && o > 0 && note[o - 1] == ';') note[o - 1] = 0;
+    data_mark_noted(dl);
+}
+
+/* ---- counts and messages -------------------------------------------------- */
+
+uint64_t data_num_tokens(const DataLoader *dl) {
+    uint64_t n = 0;
+    for (int s = 0; s < dl->S; s++) n += shard_set_tokens(dl->src[s].set);
+    return n;
+}
+
+uint64_t data_num_samples(const DataLoader *dl) {
+    uint64_t n = 0;
+    for (int s = 0; s < dl->S; s++) n += dl->src[s].N;
+    return n;
+}
+
+int data_num_shards(const DataLoader *dl) {
+    int n = 0;
+    for (int s = 0; s < dl->S; s++) n += shard_set_count(dl->src[s].set);
+    return n;
+}
+
+int data_num_sources(const DataLoader *dl) { return dl->S; }
+const char *data_source_name(const DataLoader *dl, int i) { return dl->src[i].name; }
+uint64_t data_source_tokens(const DataLoader *dl, int i) { return dl->cur.drawn[i] * (uint64_t)dl->T; }
+
+double data_take_wait_s(DataLoader *dl) {
+    double w = dl->wait_s;
+    dl->wait_s = 0;
+    return w;
+}
+
+int data_take_note(DataLoader *dl, char *buf, size_t cap) {
+    for (int s = 0; s < dl->S; s++) {
+        const DataSrc *src = &dl->src[s];
+        uint64_t epoch = dl->cur.k[s] / src->N;
+        if (epoch <= dl->noted[s]) continue;
+        dl->noted[s] = epoch;
+        if (dl->mixture)
+            snprintf(buf, cap, "data: source '%s' of %s starts epoch %llu (%llu samples an epoch, reshuffled; global "
+                     "sample %llu)", src->name, dl->what, (unsigned long long)epoch, (unsigned long long)src->N,
+                     (unsigned long long)dl->cur.g);
+        else
+            snprintf(buf, cap, "data: %s starts epoch %llu (%llu samples an epoch%s)", dl->what,
+                     (unsigned long long)epoch, (unsigned long long)src->N, dl->shuffle ? ", reshuffled" : "");
+        return 1;
+    }
     return 0;
+}
+
+void data_describe(const DataLoader *dl, char *buf, size_t cap) {
+    size_t o = 0;
+    double wsum = 0;
+    for (int s = 0; s < dl->S; s++) wsum += dl->src[s].weight;
+    for (int s = 0; s < dl->S && o < cap; s++) {
+        const DataSrc *src = &dl->src[s];
+        char share[48] = "";
+        if (dl->mixture) snprintf(share, sizeof share, "%s: %.1f%%, ", src->name, 100.0 * src->weight / wsum);
+        o += (size_t)snprintf(buf + o, cap - o, "%s%s%llu tokens in %d shard(s)", s ? "; " : "", share,
+                              (unsigned long long)shard_set_tokens(src->set), shard_set_count(src->set));
+    }
 }

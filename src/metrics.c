@@ -1129,6 +1129,45 @@ static void tb_moe(Metrics *m, int step, const MetricsMoe *e) {
     free(buf), free(vals), free(names), free(tags);
 }
 
+/* Data fields of a metrics.jsonl record: the wait, "tokens_by_source", and
+ * "val/<name>" of each named set evaluated at this step. */
+static void json_data(FILE *f, const MetricsData *d) {
+    json_num(f, "data_wait_s", d->wait_s);
+    fputs(",\"tokens_by_source\":{", f);
+    for (int i = 0; i < d->n_sources; i++)
+        fprintf(f, "%s\"%s\":%llu", i ? "," : "", d->source_names[i], (unsigned long long)d->source_tokens[i]);
+    fputc('}', f);
+    for (int i = 0; i < d->n_val; i++) {
+        char key[96];
+        snprintf(key, sizeof key, "val/%s", d->val_names[i]);
+        if (!isnan(d->val_losses[i])) json_num(f, key, d->val_losses[i]);
+    }
+}
+
+/* TensorBoard: perf/data_wait_s, data/tokens/<source>, val/<set>; one record
+ * (names are the config's: they do not fit the step's fixed buffer). */
+static void tb_data(Metrics *m, int step, const MetricsData *d) {
+    int n = 1 + d->n_sources + d->n_val, k = 0;
+    const char **tags = xmalloc((size_t)n * sizeof(char *));
+    char *names = xmalloc((size_t)n * 96);
+    float *vals = xmalloc((size_t)n * sizeof(float));
+    tags[k] = "perf/data_wait_s", vals[k++] = (float)d->wait_s;
+    for (int i = 0; i < d->n_sources; i++, k++) {
+        snprintf(names + (size_t)k * 96, 96, "data/tokens/%s", d->source_names[i]);
+        tags[k] = names + (size_t)k * 96, vals[k] = (float)d->source_tokens[i];
+    }
+    for (int i = 0; i < d->n_val; i++) {
+        if (isnan(d->val_losses[i])) continue;
+        snprintf(names + (size_t)k * 96, 96, "val/%s", d->val_names[i]);
+        tags[k] = names + (size_t)k * 96, vals[k++] = d->val_losses[i];
+    }
+    size_t cap = 64 + (size_t)k * (96 + 16);
+    uint8_t *buf = xmalloc(cap);
+    size_t len = metrics_tb_encode(buf, cap, wall_now(), step, NULL, k, tags, vals);
+    if (len) metrics_tb_write_record(m->tb, buf, len);
+    free(buf), free(vals), free(names), free(tags);
+}
+
 void metrics_step(Metrics *m, const MetricsStep *s) {
     double now = kiln_now();
     double elapsed = m->elapsed_base + (now - m->t_open);
@@ -1175,6 +1214,7 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         if (s->param_hash) fprintf(f, ",\"param_hash\":\"%016llx\"", (unsigned long long)s->param_hash);
         if (s->moe) json_moe(f, s->moe);
         if (st) json_ranks(f, m, st);
+        if (s->data) json_data(f, s->data);
         fputs("}\n", f);
         fflush(f);
     }
@@ -1202,6 +1242,7 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         metrics_tb_write_record(m->tb, buf, len);
         if (s->moe) tb_moe(m, s->step, s->moe);
         if (st) tb_ranks(m, s->step, st);
+        if (s->data) tb_data(m, s->step, s->data);
         fflush(m->tb);
     }
 
@@ -1217,9 +1258,15 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
     fmt_duration(elapsed, el, sizeof el);
     fmt_duration(last ? 0.0 : eta, et, sizeof et);
     if (s->step % m->log_every == 0 || last || evaluated || s->skipped) {
-        char line[640], mf[32] = "", val[32] = "", moe[128] = "";
+        char line[1024], mf[32] = "", val[320] = "", moe[128] = "";
         if (m->peak > 0) snprintf(mf, sizeof mf, " | MFU %4.1f%%", 100.0 * mfu);
-        if (evaluated) snprintf(val, sizeof val, " | val %.4f", s->val_loss);
+        if (evaluated) {
+            size_t o = (size_t)snprintf(val, sizeof val, " | val %.4f", s->val_loss);
+            for (int i = 0; s->data && i < s->data->n_val && o < sizeof val; i++)
+                o += (size_t)snprintf(val + o, sizeof val - o, "%s%s %.4f", i ? ", " : " (", s->data->val_names[i],
+                                      s->data->val_losses[i]);
+            if (s->data && s->data->n_val && o < sizeof val) snprintf(val + o, sizeof val - o, ")");
+        }
         if (s->moe)
             snprintf(moe, sizeof moe, " | moe aux %.3f z %.3f load %.0f..%.0f cv %.3f drop %.2f%%", s->moe->aux,
                      s->moe->z, s->moe->load_min, s->moe->load_max, s->moe->load_cv, 100.0 * s->moe->dropped);

@@ -50,7 +50,20 @@ typedef struct MetricsStep {
      * the step ("dp": ddp_step_blocked_s); comm_group NULL past the last */
     const char *comm_group[METRICS_COMM_GROUPS];
     double comm_s[METRICS_COMM_GROUPS];
+    const struct MetricsData *data; /* the step's data figures; NULL: none */
 } MetricsStep;
+
+/* A step's data: the wait for batches, tokens drawn from each source of
+ * data.train so far, and each named validation set's loss. */
+typedef struct MetricsData {
+    double wait_s;                   /* seconds this rank waited for batches in the step */
+    int n_sources;
+    const char *const *source_names; /* (n_sources) */
+    const uint64_t *source_tokens;   /* (n_sources) all ranks */
+    int n_val;                       /* named sets (data.val a list); 0 for a plain glob (val_loss alone) */
+    const char *const *val_names;    /* (n_val) */
+    const float *val_losses;         /* (n_val) NAN when not evaluated at this step */
+} MetricsData;
 
 /* One step of an MoE model: losses of the step's last micro-batch (summed
  * over layers), slots dropped by capacity, and the loads (slots routed to

@@ -531,6 +531,50 @@ static void html_config_diff(FILE *f, Run *runs, int nd) {
     runs_config_diff_free(&d);
 }
 
+/* More than one source of data.train among the runs: the tokens per source
+ * say something (one source's are the run's tokens). */
+static int report_mixed(void) {
+    int n = 0;
+    for (int k = 0; k < runs_n_extra(); k++) n += !strncmp(runs_extra_name(k), "tokens/", 7);
+    return n > 1;
+}
+
+/* Each run's last tokens per source, as counts and shares, and its last loss
+ * on each named validation set. */
+static void report_data_table(FILE *f, Run *runs, int nd) {
+    int vals = 0;
+    for (int k = 0; k < runs_n_extra(); k++) vals += !strncmp(runs_extra_name(k), "val/", 4);
+    if (!vals && !report_mixed()) return;
+    fprintf(f, "<h2>Data</h2>\n<table><tr><th>run</th><th>step</th>");
+    for (int k = 0; k < runs_n_extra(); k++) {
+        fputs("<th>", f);
+        html_escape(f, runs_extra_name(k));
+        fputs("</th>", f);
+    }
+    fputs("</tr>\n", f);
+    for (int i = 0; i < nd; i++) {
+        Run *R = &runs[i];
+        double total = 0;
+        for (int k = 0; k < runs_n_extra(); k++) {
+            int l = runs_last_row(R, RUN_NF + k);
+            if (l >= 0 && strncmp(runs_extra_name(k), "val/", 4)) total += R->v[RUN_NF + k][l];
+        }
+        fprintf(f, "<tr><td><span class=\"sw\" style=\"background:%s\"></span>", palette[i % NPAL]);
+        html_escape(f, R->name);
+        fprintf(f, "</td><td>%d</td>", R->n ? (int)R->v[RUN_STEP][R->n - 1] : 0);
+        for (int k = 0; k < runs_n_extra(); k++) {
+            int l = runs_last_row(R, RUN_NF + k);
+            double v = l >= 0 ? R->v[RUN_NF + k][l] : NAN;
+            if (l < 0) fputs("<td>-</td>", f);
+            else if (!strncmp(runs_extra_name(k), "val/", 4)) fprintf(f, "<td>%.4f</td>", v);
+            else fprintf(f, "<td>%.4g (%.1f%%)</td>", v, total > 0 ? 100 * v / total : 0.0);
+        }
+        fputs("</tr>\n", f);
+    }
+    fprintf(f, "</table>\n<div class=\"sub\">tokens/NAME: tokens drawn from each source of data.train so far (share of "
+               "all drawn); val/NAME: the last loss on each named validation set.</div>\n");
+}
+
 static const char *report_usage = "usage: ./train report RUN_DIR [RUN_DIR...] [-o FILE]\n";
 
 static const char *css =
@@ -644,10 +688,29 @@ int report_write_html(const char *const *dirs, int nd, const char *out) {
         {"Step time", "seconds", RUN_STEPT, -1, 1, 1},
     };
     fprintf(f, "<h2>Charts</h2>\n<div class=\"charts\">\n");
-    for (int c = 0; c < (int)(sizeof charts / sizeof charts[0]); c++) svg_chart(f, &charts[c], runs, nd, c);
+    int nc = (int)(sizeof charts / sizeof charts[0]);
+    for (int c = 0; c < nc; c++) svg_chart(f, &charts[c], runs, nd, c);
+    /* data: the wait per step, then each named validation set and each source's tokens */
+    int any_wait = 0;
+    for (int i = 0; i < nd; i++) any_wait |= runs_last_row(&runs[i], RUN_WAIT) >= 0;
+    if (any_wait) {
+        Chart w = {"Data wait per step", "milliseconds", RUN_WAIT, -1, 1000, 1};
+        svg_chart(f, &w, runs, nd, nc++);
+    }
+    for (int pass = 0; pass < 2; pass++)
+        for (int k = 0; k < runs_n_extra(); k++) {
+            const char *x = runs_extra_name(k);
+            int is_val = !strncmp(x, "val/", 4);
+            if (is_val != (pass == 0) || (!is_val && !report_mixed())) continue;
+            char title[160];
+            snprintf(title, sizeof title, is_val ? "Validation loss: %s" : "Tokens seen: %s", strchr(x, '/') + 1);
+            Chart ch = {title, is_val ? "loss (nats/token)" : "tokens", RUN_NF + k, -1, 1, is_val};
+            svg_chart(f, &ch, runs, nd, nc++);
+        }
     fprintf(f, "</div>\n");
+    report_data_table(f, runs, nd);
     if (nd > 1) html_config_diff(f, runs, nd);
-    int id = (int)(sizeof charts / sizeof charts[0]);
+    int id = nc;
     for (int i = 0; i < nd; i++) {
         RunRanks rk;
         if (!runs_ranks_load(&rk, runs[i].dir)) continue;

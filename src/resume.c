@@ -29,7 +29,11 @@ static const struct {
     {"data.tokenizer*", KEY_NEVER, "token ids would mean different text"},
     {"run.seed", KEY_NEVER, "the data order of the current epoch is drawn from it"},
     {"optim.name", KEY_NEVER, "the optimizer state belongs to the saved optimizer"},
-    {"data.train", KEY_FORCE, "with --force the loader restarts at the start of the new data's order"},
+    {"data.train", KEY_FORCE,
+     "with --force each source still in data.train continues from its saved position (matched by name), a new one "
+     "starts at its beginning, and the blend restarts there with the new weights"},
+    {"data.prefetch", KEY_ALLOW, "the same batches, read ahead or not"},
+    {"data.max_open_shards", KEY_ALLOW, "the same batches, with more or fewer shards open"},
     {"batch.total_tokens", KEY_FORCE,
      "with --force the sample stream continues from the saved position in steps of the new size"},
     {"batch.micro_batch", KEY_NOTE, "the same samples per step, summed in a different grouping"},
@@ -139,7 +143,7 @@ int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char
                 snprintf(hint, sizeof hint, "--force accepts this change (%s)", why);
                 kiln_fail_hint(KILN_EXIT_USAGE, hint, "%s: cannot resume with a changed key %s", ckpt_dir, change);
             }
-            if (p == KEY_FORCE && !strcmp(key, "data.train")) flags |= RESUME_RESET_DATA;
+            if (p == KEY_FORCE && !strcmp(key, "data.train")) flags |= RESUME_DATA_CHANGED;
             if (quiet) continue;
             if (p == KEY_FORCE) {
                 kiln_warn("resume: --force: key %s (%s)", change, why);
@@ -165,7 +169,15 @@ static int try_one(const char *dir, const CkptTable *t, const char *new_yaml, in
     /* every rank checks (a refusal must stop every rank); rank 0 reports */
     *flags = resume_check_config(dir, saved, new_yaml, force, rank != 0);
     free(saved);
-    return ckpt_load(dir, t, info, err, cap);
+    if (ckpt_load(dir, t, info, err, cap) != 0) return -1;
+    /* read after loading, outside the table (its size follows the saved
+     * mixture; older checkpoints lack it): it must verify too, so that a
+     * damaged one is skipped like any other damage */
+    void *data_state = ckpt_read_blob(dir, "data.train.state", NULL, err, cap);
+    int damaged = !data_state && !strstr(err, "no entry");
+    free(data_state);
+    if (!damaged) err[0] = 0;
+    return damaged ? -1 : 0;
 }
 
 static int agree(const ResumeSync *sync, int failed) { return sync ? sync->agree(sync->ctx, failed) : failed; }

@@ -9,7 +9,7 @@
 #include "ckpt.h"
 
 enum {
-    RESUME_RESET_DATA = 1, /* data.train changed under --force: restart the order */
+    RESUME_DATA_CHANGED = 1, /* data.train changed under --force: each source continues from its own position */
     RESUME_DIRTY = 2       /* a corrupt checkpoint was partly loaded before being skipped */
 };
 

@@ -13,7 +13,49 @@
 
 static const char *field_names[RUN_NF] = {"step",      "tokens",      "loss",     "val_loss", "lr",
                                       "grad_norm", "tok_per_s",   "mfu",      "step_time_s",
-                                      "elapsed_s", "eta_s",       "time",     "peak_rss_mib", "nonfinite_skipped"};
+                                      "elapsed_s", "eta_s",       "time",     "peak_rss_mib", "nonfinite_skipped",
+                                      "data_wait_s"};
+
+static char extra_names[RUNS_MAX_EXTRA][96];
+static int n_extra;
+
+int runs_n_extra(void) { return n_extra; }
+const char *runs_extra_name(int k) { return k >= 0 && k < n_extra ? extra_names[k] : ""; }
+
+/* Index of extra field `name`, added if new; -1 when the table is full. */
+static int extra_field(const char *name, size_t len) {
+    for (int k = 0; k < n_extra; k++)
+        if (strlen(extra_names[k]) == len && !strncmp(extra_names[k], name, len)) return RUN_NF + k;
+    if (n_extra == RUNS_MAX_EXTRA || len >= sizeof extra_names[0]) return -1;
+    snprintf(extra_names[n_extra], sizeof extra_names[0], "%.*s", (int)len, name);
+    return RUN_NF + n_extra++;
+}
+
+/* The extra fields of one metrics.jsonl line into row i: every "val/NAME":x,
+ * and "tokens_by_source":{"NAME":n,...} as tokens/NAME. */
+static void json_extras(Run *r, int i, const char *line, const char *end) {
+    for (const char *p = line; p < end && (p = strstr(p, "\"val/")) && p < end; p++) {
+        const char *q = memchr(p + 1, '"', (size_t)(end - p - 1));
+        if (!q || q[1] != ':') continue;
+        int f = extra_field(p + 1, (size_t)(q - p - 1));
+        char *e;
+        double v = strtod(q + 2, &e);
+        if (f >= 0 && e != q + 2) r->v[f][i] = v;
+    }
+    const char *t = strstr(line, "\"tokens_by_source\":{");
+    if (!t || t >= end) return;
+    for (const char *p = t + 20; p < end && *p == '"';) {
+        const char *q = memchr(p + 1, '"', (size_t)(end - p - 1));
+        if (!q || q[1] != ':') return;
+        char name[96];
+        snprintf(name, sizeof name, "tokens/%.*s", (int)(q - p - 1), p + 1);
+        int f = extra_field(name, strlen(name));
+        char *e;
+        double v = strtod(q + 2, &e);
+        if (f >= 0) r->v[f][i] = v;
+        p = *e == ',' ? e + 1 : e;
+    }
+}
 
 
 
@@ -81,9 +123,11 @@ void runs_load(Run *r, const char *dir) {
         if (l[0] == '{') {
             if (r->n == r->cap) {
                 r->cap = r->cap ? 2 * r->cap : 1024;
-                for (int f = 0; f < RUN_NF; f++) r->v[f] = xrealloc(r->v[f], (size_t)r->cap * sizeof(double));
+                for (int f = 0; f < RUN_NFX; f++) r->v[f] = xrealloc(r->v[f], (size_t)r->cap * sizeof(double));
             }
             for (int f = 0; f < RUN_NF; f++) r->v[f][r->n] = runs_json_field(l, nl, field_names[f]);
+            for (int f = RUN_NF; f < RUN_NFX; f++) r->v[f][r->n] = NAN;
+            json_extras(r, r->n, l, nl);
             if (!isnan(r->v[RUN_STEP][r->n])) r->n++;
         }
         l = nl + 1;
@@ -127,7 +171,7 @@ void runs_label(Run *runs, int n) {
 }
 
 void runs_free(Run *r) {
-    for (int f = 0; f < RUN_NF; f++) free(r->v[f]);
+    for (int f = 0; f < RUN_NFX; f++) free(r->v[f]);
     free(r->config);
 }
 

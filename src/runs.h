@@ -8,7 +8,15 @@
 
 /* The metrics.jsonl fields a Run holds, one array each. */
 enum { RUN_STEP, RUN_TOKENS, RUN_LOSS, RUN_VAL, RUN_LR, RUN_GN, RUN_TPS, RUN_MFU, RUN_STEPT, RUN_ELAPSED, RUN_ETA,
-       RUN_TIME, RUN_RSS, RUN_SKIP, RUN_NF };
+       RUN_TIME, RUN_RSS, RUN_SKIP, RUN_WAIT, RUN_NF };
+/* Fields named by the runs' data, found while reading: "val/<set>" of each
+ * named validation set and "tokens/<source>" of each "tokens_by_source"
+ * entry; field RUN_NF + k of every run loaded so far is runs_extra_name(k)
+ * (NAN where a run lacks it). */
+#define RUNS_MAX_EXTRA 48
+#define RUN_NFX (RUN_NF + RUNS_MAX_EXTRA)
+int runs_n_extra(void);
+const char *runs_extra_name(int k);
 
 typedef struct Run {
     char dir[1024];
@@ -16,7 +24,7 @@ typedef struct Run {
     int steps_total;      /* train.steps from config.yaml; 0 if unknown */
     char *config;         /* config.yaml text, or NULL */
     int n, cap;
-    double *v[RUN_NF];    /* v[field][row]; NAN where absent or null */
+    double *v[RUN_NFX];   /* v[field][row]; NAN where absent or null */
 } Run;
 
 /* Load RUN_DIR; exits 2 naming the directory when it holds no run. */

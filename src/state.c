@@ -2,7 +2,7 @@
  * Names in the table: parameters by their model names ("wte", "h.0.ln_1.weight"),
  * AdamW moments as "optim.m/<name>" and "optim.v/<name>" (Lion: its m alone), and blobs
  * "optim.step", "train.step", "train.tokens", "train.elapsed_s",
- * "data.train.pos", "rng.train" (rank 0; rank r > 0: "rng.train/rank<r>"),
+ * "data.train.pos", "data.train.state", "rng.train" (rank 0; rank r > 0: "rng.train/rank<r>"),
  * "config.yaml". docs/formats.md.
  *
  * Several ranks: replicated state (parameters, blobs; optimizer state without
@@ -169,8 +169,7 @@ static void state_fresh(RunState *s, int dirty) {
         s->o->be->zero(s->o->m, (s->o->hi - s->o->lo) * s->o->state_bytes);
         if (s->o->v) s->o->be->zero(s->o->v, (s->o->hi - s->o->lo) * s->o->state_bytes);
         s->o->t = 0;
-        DataPos zero = {0, 0};
-        data_set_pos(s->train, zero);
+        data_rewind(s->train);
     }
     /* nothing draws from this stream yet; it is saved and restored so that
      * stochastic ops (dropout, ...) inherit exact resumption for free */
@@ -186,6 +185,38 @@ static void drop_replicated(CkptTable *w) {
     for (int i = 0; i < w->n; i++)
         if (w->e[i].kind != CKPT_TENSOR || w->e[i].r1) w->e[k++] = w->e[i];
     w->n = k;
+}
+
+/* The loader's position: "data.train.state" (written since mixtures), or the
+ * one glob's "data.train.pos" of an older checkpoint. Not in the loaded table:
+ * its size follows the checkpoint's sources, and older checkpoints lack it. */
+static void state_restore_data(RunState *s, const char *path, int flags, int force) {
+    char err[1400];
+    size_t len = 0;
+    uint64_t *blob = ckpt_read_blob(path, "data.train.state", &len, err, sizeof err);
+    if (blob) {
+        data_set_state(s->train, blob, len / sizeof(uint64_t), force, s->data_note, sizeof s->data_note);
+        free(blob);
+        return;
+    }
+    if (!strstr(err, "no entry")) kiln_fail(KILN_EXIT_USAGE, "--resume %s: %s", path, err);
+    DataPos pos = {s->data_pos[0], s->data_pos[1]};
+    if (!(flags & RESUME_DATA_CHANGED)) {
+        data_set_pos(s->train, pos);
+        return;
+    }
+    /* --force with another data.train: the old position continues a single
+     * new glob (the next epoch if past its samples); a mixture starts over */
+    if (data_num_sources(s->train) == 1) {
+        if (pos.index >= data_num_samples(s->train)) pos = (DataPos){pos.epoch + 1, 0};
+        data_set_pos(s->train, pos);
+        snprintf(s->data_note, sizeof s->data_note, "data: --force: data.train continues at epoch %llu, sample %llu",
+                 (unsigned long long)pos.epoch, (unsigned long long)pos.index);
+    } else {
+        data_rewind(s->train);
+        snprintf(s->data_note, sizeof s->data_note, "data: --force: the checkpoint holds one position in one glob (it "
+                 "predates mixtures): the mixture starts at its beginning");
+    }
 }
 
 /* Collectives for ckpt and resume (ctx = the world group). */
@@ -206,6 +237,8 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     int rank = s->mesh.rank, multi = s->mesh.g != NULL;
     s->last_saved = -1;
     s->config_text = cfg_yaml_text(c, NULL);
+    s->data_words = data_state_words(train);
+    s->data_state = xcalloc(s->data_words, sizeof(uint64_t));
     char rng_name[CKPT_NAME];
     snprintf(rng_name, sizeof rng_name, rank == 0 ? "rng.train" : "rng.train/rank%d", rank);
     /* what this rank loads: the whole parameters, its optimizer range, the
@@ -251,6 +284,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         ckpt_add_blob(w, "train.tokens", CKPT_I64, 1, 1, &s->tokens);
         ckpt_add_blob(w, "train.elapsed_s", CKPT_F64, 1, 1, &s->elapsed_s);
         ckpt_add_blob(w, "data.train.pos", CKPT_U64, 2, 0, s->data_pos);
+        ckpt_add_blob(w, "data.train.state", CKPT_U64, s->data_words, 0, s->data_state);
     }
     ckpt_add_blob(w, rng_name, CKPT_U64, 4, 0, s->rng.s);
     if (s->mesh.tp_rank > 0) drop_replicated(w);
@@ -287,9 +321,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
                         multi ? &sync : NULL)) {
             o->t = (int)s->optim_t;
             if (s->mesh.units) ddp_params_loaded(s->mesh.units);
-            DataPos pos = {s->data_pos[0], s->data_pos[1]};
-            if (flags & RESUME_RESET_DATA) pos.epoch = pos.index = 0;
-            data_set_pos(train, pos);
+            state_restore_data(s, path, flags, force);
             s->elapsed_base = s->elapsed_s;
             s->last_saved = info.step;
             if (rank > 0) {
@@ -345,6 +377,7 @@ static void state_save(RunState *s) {
     s->optim_t = s->o->t;
     DataPos pos = data_get_pos(s->train);
     s->data_pos[0] = pos.epoch, s->data_pos[1] = pos.index;
+    data_get_state(s->train, s->data_state);
     s->elapsed_s = s->elapsed_base + (kiln_now() - s->t_start);
     CkptMeta meta = {s->step, s->c->hash, KILN_VERSION, s->commit,
                      {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1,
@@ -395,5 +428,6 @@ void state_close(RunState *s) {
     ckpt_table_free(&s->table);
     ckpt_table_free(&s->save_table);
     free(s->config_text);
+    free(s->data_state);
     memset(s, 0, sizeof *s);
 }

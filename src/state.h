@@ -47,9 +47,12 @@ typedef struct RunState {
     /* blobs, refreshed before each save */
     int64_t step, tokens, optim_t;
     double elapsed_s;
-    uint64_t data_pos[2]; /* epoch, index */
+    uint64_t data_pos[2]; /* epoch, index: "data.train.pos", as kiln saved it before mixtures */
+    uint64_t *data_state; /* (data_words) "data.train.state": the loader's whole position (data.h) */
+    size_t data_words;
     Rng rng;              /* "rng.train" (rank 0), "rng.train/rankN": the loop's own stream (see state.c) */
     char resumed_msg[1600]; /* "resumed from ..." for the caller to print, "" if fresh */
+    char data_note[1600];   /* what a forced resume did with the data (data_set_state), "" if nothing */
     double elapsed_base, t_start; /* seconds before this process; kiln_now() at open */
     int64_t last_saved;   /* step of the newest checkpoint on disk, -1 none */
     int stop_reason;      /* signal number, or -1 for the Slurm deadline */

@@ -95,12 +95,24 @@ static void print_plan(const Config *c, const ArchSpec *s) {
     printf("  FLOPs in total         %.4g\n", fpt * (double)tokens_per_step * c->steps);
 }
 
+/* Entries [first, first + count) of data.train or data.val as one loader
+ * (data.train: all of them, a mixture; data.val: one set each). */
+static DataLoader *open_data(const Config *c, const CfgSources *ss, int first, int count, const char *what, int shuffle,
+                             int prefetch, int rank, int world) {
+    DataSource src[CFG_MAX_SOURCES];
+    for (int i = 0; i < count; i++)
+        src[i] = (DataSource){ss->s[first + i].name, ss->s[first + i].path, ss->s[first + i].weight};
+    DataOptions o = {.what = what, .sources = src, .n_sources = count, .mixture = ss->list, .B = c->micro_batch,
+                     .T = c->seq_len, .vocab_size = c->vocab_size, .shuffle = shuffle, .seed = c->seed, .rank = rank,
+                     .world = world, .prefetch = prefetch, .max_open = c->max_open_shards};
+    return data_open(&o);
+}
+
 /* Mean loss over `batches` validation batches, always from the start of the
  * validation order so every evaluation sees the same tokens. */
 static float evaluate(Model *m, DataLoader *val, int batches, int B, int T, int32_t *inp, int32_t *tgt, Ddp *d,
                       int split) {
-    DataPos start = {0, 0};
-    data_set_pos(val, start);
+    data_rewind(val);
     double sum = 0.0;
     /* split: the dp ranks share the batches (the loader slices each global
      * batch by rank), so together they see the same samples as one rank */
@@ -317,11 +329,15 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
 
     int B = c->micro_batch, T = c->seq_len;
     /* each dp rank takes its slice of every global batch of the one global order */
-    DataLoader *train = data_open(c->train_glob, "data.train", B, T, c->vocab_size, 1, c->seed, dp_rank, dp);
-    int val_split = c->eval_batches % dp == 0;
-    DataLoader *val = c->val_glob[0] ? data_open(c->val_glob, "data.val", B, T, c->vocab_size, 0, c->seed,
-                                                 val_split ? dp_rank : 0, val_split ? dp : 1)
-                                     : NULL;
+    DataLoader *train = open_data(c, &c->train, 0, c->train.n, "data.train", 1, c->prefetch, dp_rank, dp);
+    int val_split = c->eval_batches % dp == 0, n_val = c->val.n;
+    DataLoader *vals[CFG_MAX_SOURCES] = {0}; /* one per validation set */
+    for (int i = 0; i < n_val; i++) {
+        char what[CFG_NAME + 16];
+        snprintf(what, sizeof what, c->val.list ? "data.val '%s'" : "data.val", c->val.s[i].name);
+        vals[i] = open_data(c, &c->val, i, 1, what, 0, 0, val_split ? dp_rank : 0, val_split ? dp : 1);
+    }
+    DataLoader *val = vals[0];
 
     Model model;
     /* precision.master bf16: no fp32 arena (exit 2 unless act is bf16) */
@@ -402,6 +418,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     if (ddp_describe_layout(&ddp, ddesc, sizeof ddesc)) metrics_print(mx, "%s", ddesc);
     if (ddp_describe_memory(&ddp, ddesc, sizeof ddesc)) metrics_print(mx, "%s", ddesc);
     if (rs.resumed_msg[0]) metrics_print(mx, "%s", rs.resumed_msg);
+    if (rs.data_note[0]) metrics_print(mx, "%s", rs.data_note);
     metrics_print(mx, "run %s -> %s", c->run_name, c->run_dir);
     metrics_print(mx, "model %s (%s MLP): %zu parameters (%.2fM), %.3g FLOPs/token", c->arch,
                   arch_mlp_name(shape.mlp), arch_num_params(&shape), arch_num_params(&shape) / 1e6, fpt);
@@ -424,9 +441,22 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                   : fused ? "on: fc product and GeLU fused (forward and backward) by the backend"
                           : "not offered by this backend: fc product and GeLU separate");
     char vtok[64] = "";
-    if (val) snprintf(vtok, sizeof vtok, ", %llu val tokens", (unsigned long long)data_num_tokens(val));
-    metrics_print(mx, "data: %llu train tokens in %d shard(s)%s", (unsigned long long)data_num_tokens(train),
-                  data_num_shards(train), vtok);
+    uint64_t val_tokens = 0;
+    for (int i = 0; i < n_val; i++) val_tokens += data_num_tokens(vals[i]);
+    if (val) snprintf(vtok, sizeof vtok, ", %llu val tokens in %d set(s)", (unsigned long long)val_tokens, n_val);
+    metrics_print(mx, "data: %llu train tokens in %d shard(s)%s; prefetch %d batch(es)",
+                  (unsigned long long)data_num_tokens(train), data_num_shards(train), vtok, c->prefetch);
+    if (c->train.list) {
+        char mix[2048];
+        data_describe(train, mix, sizeof mix);
+        metrics_print(mx, "data: mixture of %d source(s): %s", c->train.n, mix);
+    }
+    /* metrics: tokens drawn from each source, each validation set's loss */
+    const char *src_names[CFG_MAX_SOURCES], *val_names[CFG_MAX_SOURCES];
+    uint64_t src_tokens[CFG_MAX_SOURCES];
+    float val_losses[CFG_MAX_SOURCES];
+    for (int i = 0; i < data_num_sources(train); i++) src_names[i] = data_source_name(train, i);
+    for (int i = 0; i < n_val; i++) val_names[i] = c->val.s[i].name;
     metrics_print(mx, "batch: %d x %d tokens x %d accumulation x %d rank(s) = %lld tokens/step, %d steps", B, T,
                   accum, dp, (long long)c->total_tokens, c->steps);
 
@@ -502,10 +532,14 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         step_time_sum += dt, blocked_sum += ddp_step_blocked_s(&ddp), tp_blocked_sum += tp_step_blocked_s(&tpx);
         if (!bad) last_loss = loss;
         int last = step == c->steps - 1;
+        for (int i = 0; i < data_num_sources(train); i++) src_tokens[i] = data_source_tokens(train, i);
+        MetricsData md = {.wait_s = data_take_wait_s(train), .n_sources = data_num_sources(train),
+                          .source_names = src_names, .source_tokens = src_tokens, .n_val = c->val.list ? n_val : 0,
+                          .val_names = val_names, .val_losses = val_losses};
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
                           info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0,
                           moe_ms.load ? &moe_ms : NULL, .comm_group = {"dp", tp > 1 ? "tp" : NULL},
-                          .comm_s = {ddp_step_blocked_s(&ddp), tp_step_blocked_s(&tpx)}};
+                          .comm_s = {ddp_step_blocked_s(&ddp), tp_step_blocked_s(&tpx)}, .data = &md};
         if (param_host) {
             /* ZeRO-2/3: this rank's fp32 shard (rank 0's is the one logged;
              * ZeRO-2's whole arena is still being refreshed) */
@@ -532,10 +566,16 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         }
         if (val && c->eval_every > 0 && ((step + 1) % c->eval_every == 0 || last)) {
             metrics_phase(mx, PHASE_EVAL, step + 1);
-            val_loss = evaluate(&model, val, c->eval_batches, B, T, inp, tgt, &ddp, val_split);
-            ms.val_loss = val_loss;
+            double sum = 0;
+            for (int i = 0; i < n_val; i++)
+                sum += val_losses[i] = evaluate(&model, vals[i], c->eval_batches, B, T, inp, tgt, &ddp, val_split);
+            ms.val_loss = val_loss = (float)(sum / n_val); /* each set: the same number of tokens */
+        } else {
+            for (int i = 0; i < n_val; i++) val_losses[i] = NAN;
         }
         metrics_step(mx, &ms);
+        char note[512];
+        while (data_take_note(train, note, sizeof note)) metrics_print(mx, "%s", note);
         /* ZeRO-3: every rank runs the same generation; rank 0 prints it */
         if ((rank == 0 || sample_all) && c->sample_every > 0 && ((step + 1) % c->sample_every == 0 || last)) {
             metrics_phase(mx, PHASE_SAMPLE, step + 1);
@@ -589,7 +629,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     free(moe_buf.sums);
     model_free(&model);
     data_close(train);
-    if (val) data_close(val);
+    for (int i = 0; i < n_val; i++) data_close(vals[i]);
     tok_free(tok);
     if (be->shutdown) be->shutdown();
     mesh_free(&mesh);

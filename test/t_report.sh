@@ -27,7 +27,7 @@ EOF
 ./train report "$T/base" "$T/fast" -o "$T/report.html" >"$T/out.txt" 2>&1
 rc=$?
 H="$T/report.html"
-if [ $rc -eq 0 ] && [ -s "$H" ] && [ "$(grep -o '<svg' "$H" | wc -l)" -eq 6 ] && grep -q 'Loss' "$H" \
+if [ $rc -eq 0 ] && [ -s "$H" ] && [ "$(grep -o '<svg' "$H" | wc -l)" -eq 7 ] && grep -q 'Loss' "$H" && grep -q 'Data wait per step' "$H" \
     && grep -q 'Learning rate' "$H" && grep -q 'Gradient norm' "$H" && grep -q 'Throughput' "$H" \
     && grep -q 'Model FLOPs utilisation' "$H" && grep -q '>base' "$H" && grep -q '>fast' "$H" \
     && grep -q 'lr: 0.003' "$H" && grep -q 'class="val"' "$H"; then
