@@ -51,6 +51,9 @@ static struct {
     uint64_t *answer_req;       /* [world]: MPI_Request of each answer */
     int check;                  /* monitor.check_collectives */
     struct CheckCall *check_all; /* [world]: every member's call, gathered before each collective */
+    int *v_ints;                /* [4 v_cap]: all_to_allv's int counts and displacements (MPI), grown
+                                   to the largest group once */
+    size_t v_cap;
 } C;
 
 /* A rank's answer to "where are you?". */
@@ -172,6 +175,9 @@ typedef enum {
 /* n: elements per rank's block where the operation has blocks; peer: the
  * root of a broadcast or the other side of a send/recv. */
 static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, size_t n, int peer);
+/* comm_all_to_allv in device mode: one group of ncclSend/ncclRecv, counts in elements of esz bytes. */
+static void nccl_post_alltoallv(CommRequest *req, const void *send, const size_t *send_counts, void *recv,
+                                const size_t *recv_counts, size_t esz);
 static int nccl_test(CommRequest *req);
 static void nccl_wait(CommRequest *req);
 static void nccl_describe(char *buf, size_t n);
@@ -684,6 +690,7 @@ void comm_finalize(void) {
     free(C.answers);
     free(C.answer_req);
     free(C.check_all);
+    free(C.v_ints);
     memset(&C, 0, sizeof C);
 }
 
@@ -1012,6 +1019,54 @@ void comm_all_to_all(CommGroup *g, const float *send, float *recv, size_t block)
     MPI_CHECK(g, MPI_Ialltoall(send, cnt, t, recv, cnt, t, mcomm(g), &r));
     wait_mpi(g, &r, "all_to_all", g->seq, t0);
     big_type_free(t, MPI_FLOAT, g);
+    flight_done(fr);
+#endif
+}
+
+/* all_to_allv's flight record and agreement carry count 0: each rank sends
+ * its own counts, so the only thing the members agree on is the call. */
+void comm_all_to_allv(CommGroup *g, const void *send, const size_t *send_counts, void *recv,
+                      const size_t *recv_counts, size_t elem_bytes) {
+    if (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: all_to_allv on group '%s': elements of %zu bytes (1, 2 or 4 only)",
+                  C.info.rank, g->name, elem_bytes);
+    if (g->dev) {
+        CommRequest r;
+        req_start(&r, g, "all_to_allv");
+        nccl_post_alltoallv(&r, send, send_counts, recv, recv_counts, elem_bytes);
+        if (r.active) nccl_wait(&r);
+        return;
+    }
+    g->seq++;
+    if (!group_uses_mpi(g)) {
+        if (send_counts[0] != recv_counts[0])
+            kiln_fail(KILN_EXIT_RUNTIME, "all_to_allv on group '%s' (1 rank): sends %zu elements to itself but "
+                      "receives %zu", g->name, send_counts[0], recv_counts[0]);
+        if (send != recv && send_counts[0]) memmove(recv, send, send_counts[0] * elem_bytes);
+        return;
+    }
+    need_mpi(g, "all_to_allv");
+#ifdef KILN_MPI
+    if ((size_t)g->size > C.v_cap) {
+        C.v_cap = (size_t)g->size;
+        C.v_ints = xrealloc(C.v_ints, 4 * C.v_cap * sizeof(int));
+    }
+    int *sc = C.v_ints, *sd = sc + g->size, *rc = sd + g->size, *rd = rc + g->size;
+    size_t so = 0, ro = 0;
+    for (int i = 0; i < g->size; i++) {
+        if (so + send_counts[i] > INT_MAX || ro + recv_counts[i] > INT_MAX)
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: all_to_allv on group '%s': more than %d elements in all (MPI "
+                      "counts and displacements are int)", C.info.rank, g->name, INT_MAX);
+        sc[i] = (int)send_counts[i], sd[i] = (int)so, rc[i] = (int)recv_counts[i], rd[i] = (int)ro;
+        so += send_counts[i], ro += recv_counts[i];
+    }
+    MPI_Datatype t = elem_bytes == 4 ? MPI_FLOAT : elem_bytes == 2 ? MPI_UINT16_T : MPI_BYTE;
+    FlightDtype fd = elem_bytes == 4 ? FLIGHT_F32 : elem_bytes == 2 ? FLIGHT_BF16 : FLIGHT_BYTES;
+    uint64_t fr = op_begin(g, "all_to_allv", fd, 0, -1, 0, 1);
+    MPI_Request r;
+    double t0 = kiln_now();
+    MPI_CHECK(g, MPI_Ialltoallv(send, sc, sd, t, recv, rc, rd, t, mcomm(g), &r));
+    wait_mpi(g, &r, "all_to_allv", g->seq, t0);
     flight_done(fr);
 #endif
 }
@@ -1481,19 +1536,38 @@ void comm_nccl_device_mode(CommGroup *g, void *compute_stream) {
     dev_pool_grow(g); /* now, not at the first collective */
 }
 
+/* Before an NCCL operation: the group's comm stream waits for everything
+ * already on the compute stream (an event), so the operation reads what
+ * earlier ops wrote. Returns the comm stream. */
+static cudaStream_t nccl_enter(CommGroup *g) {
+    NcclDev *d = g->dev;
+    CUDA_CHECK_G(g, cudaEventRecord(d->ready, d->compute));
+    CUDA_CHECK_G(g, cudaStreamWaitEvent(d->stream, d->ready, 0));
+    return d->stream;
+}
+
+/* After it is enqueued: its completion event goes into req. */
+static void nccl_leave(CommRequest *req) {
+    CommGroup *g = req->g;
+    NcclDev *d = g->dev;
+    /* the operation must be on the stream before its completion event is */
+    nccl_settle(g, req->op);
+    req->event = dev_event_take(g);
+    CUDA_CHECK_G(g, cudaEventRecord(d->events[req->event], d->stream));
+    req->device = 1;
+    req->active = 1;
+}
+
 /* Enqueue one NCCL operation after everything already on the compute stream,
  * and give its completion event to req (req_start has filled it). */
 static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, size_t n, int peer) {
     CommGroup *g = req->g;
-    NcclDev *d = g->dev;
     if (n == 0) return; /* nothing to move; the sequence number still counts it */
     int p2p = k == NCCL_OP_SEND || k == NCCL_OP_RECV;
     FlightDtype dt = k == NCCL_OP_SUM_BF16 || k == NCCL_OP_REDUCE_SCATTER_BF16 ? FLIGHT_BF16 : FLIGHT_F32;
     req->flight = op_begin(g, req->op, dt, n, p2p || k == NCCL_OP_BROADCAST ? peer : -1, p2p, 0);
     ncclComm_t c = ncomm(g);
-    cudaStream_t s = d->stream;
-    CUDA_CHECK_G(g, cudaEventRecord(d->ready, d->compute));
-    CUDA_CHECK_G(g, cudaStreamWaitEvent(s, d->ready, 0));
+    cudaStream_t s = nccl_enter(g);
     switch (k) {
     case NCCL_OP_SUM:
     case NCCL_OP_AVG:
@@ -1531,12 +1605,30 @@ static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, 
         NCCL_CHECK(g, N.GroupEnd());
         break;
     }
-    /* the operation must be on the stream before its completion event is */
-    nccl_settle(g, req->op);
-    req->event = dev_event_take(g);
-    CUDA_CHECK_G(g, cudaEventRecord(d->events[req->event], s));
-    req->device = 1;
-    req->active = 1;
+    nccl_leave(req);
+}
+
+/* comm_all_to_allv on the device: NCCL has no v-form, so (as for the
+ * fixed-size all-to-all) one group of a send and a receive per peer with a
+ * count, peers with nothing to move skipped. Every member records the call,
+ * even one that moves nothing: the collective counters stay in step. */
+static void nccl_post_alltoallv(CommRequest *req, const void *send, const size_t *send_counts, void *recv,
+                                const size_t *recv_counts, size_t esz) {
+    CommGroup *g = req->g;
+    FlightDtype fd = esz == 4 ? FLIGHT_F32 : esz == 2 ? FLIGHT_BF16 : FLIGHT_BYTES;
+    ncclDataType_t t = esz == 4 ? ncclFloat32 : esz == 2 ? ncclBfloat16 : ncclUint8;
+    req->flight = op_begin(g, req->op, fd, 0, -1, 0, 0);
+    ncclComm_t c = ncomm(g);
+    cudaStream_t s = nccl_enter(g);
+    size_t so = 0, ro = 0;
+    NCCL_CHECK(g, N.GroupStart());
+    for (int p = 0; p < g->size; p++) {
+        if (send_counts[p]) NCCL_CHECK(g, N.Send((const char *)send + so * esz, send_counts[p], t, p, c, s));
+        if (recv_counts[p]) NCCL_CHECK(g, N.Recv((char *)recv + ro * esz, recv_counts[p], t, p, c, s));
+        so += send_counts[p], ro += recv_counts[p];
+    }
+    NCCL_CHECK(g, N.GroupEnd());
+    nccl_leave(req);
 }
 
 /* One look at a device request: 1 when done. A failure NCCL noticed (a peer's
@@ -1701,6 +1793,10 @@ static int nccl_run_ordered(CommGroup *g, const char *op, NcclOp k, const void *
     return 0;
 }
 static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, size_t n, int peer) {
+    no_nccl(req->g, req->op);
+}
+static void nccl_post_alltoallv(CommRequest *req, const void *send, const size_t *send_counts, void *recv,
+                                const size_t *recv_counts, size_t esz) {
     no_nccl(req->g, req->op);
 }
 static int nccl_test(CommRequest *req) { no_nccl(req->g, req->op); }

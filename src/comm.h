@@ -118,6 +118,16 @@ void comm_recv(CommGroup *g, float *buf, size_t n, int peer, int tag);
 /* send: (size * block) floats, block i goes to rank i; recv: (size * block),
  * block i came from rank i. */
 void comm_all_to_all(CommGroup *g, const float *send, float *recv, size_t block);
+/* The variable-count form (expert parallelism's token rows): send holds, in
+ * rank order and back to back, send_counts[i] elements for rank i; recv gets
+ * recv_counts[i] elements from rank i, back to back in rank order. Elements
+ * are elem_bytes each (4, 2 or 1: moved, never added). Rank j's
+ * send_counts[i] must be rank i's recv_counts[j]: exchange the counts first
+ * (comm_all_to_all). MPI: MPI_Ialltoallv, at most INT_MAX elements sent and
+ * received in all. Device mode: grouped ncclSend/ncclRecv, peers with
+ * nothing to move skipped. Blocking, with the deadline. */
+void comm_all_to_allv(CommGroup *g, const void *send, const size_t *send_counts, void *recv,
+                      const size_t *recv_counts, size_t elem_bytes);
 void comm_barrier(CommGroup *g);
 
 /* Non-blocking forms, for overlapping gradient sync with the backward pass.
@@ -170,8 +180,8 @@ int comm_dead_peers(const CommGroup *g, int *out, int max);
  *     }
  *
  * From then on comm_all_reduce_sum, comm_all_reduce_mean, comm_reduce_scatter,
- * comm_all_gather, comm_broadcast, comm_send, comm_recv, comm_all_to_all and
- * the non-blocking comm_iall_reduce_sum, comm_ireduce_scatter and
+ * comm_all_gather, comm_broadcast, comm_send, comm_recv, comm_all_to_all,
+ * comm_all_to_allv and the non-blocking comm_iall_reduce_sum, comm_ireduce_scatter and
  * comm_iall_gather on g take DEVICE pointers (from be->alloc) and run as NCCL
  * operations. Everything else stays on MPI and host memory: the double
  * collectives (comm_all_reduce_sum_f64 / _max_f64), the byte collectives,
