@@ -288,6 +288,14 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     arch_tp_local(s, m->tp, m->tp_rank, &m->shape);
     s = &m->shape; /* from here on: what this rank computes */
     m->sp = m->tp > 1 && o->sequence_parallel;
+    int E_all = s->mlp == MLP_MOE ? s->moe.n_experts : 0;
+    m->ep = o->ep > 1 ? o->ep : 1;
+    m->ep_rank = m->ep > 1 ? o->ep_rank : 0;
+    if (m->ep > 1 && (s->mlp != MLP_MOE || E_all % m->ep || m->ep_rank < 0 || m->ep_rank >= m->ep))
+        kiln_fail(KILN_EXIT_USAGE, "keys 'parallel.ep', 'model.moe.n_experts': ep %d (rank %d) needs an MoE model "
+                  "whose experts it divides (n_experts %d)", m->ep, m->ep_rank, E_all);
+    m->n_experts_here = E_all / m->ep;
+    m->expert_lo = m->ep_rank * m->n_experts_here;
     m->vocab_lo = m->tp_rank * m->shape.padded_vocab;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
@@ -310,8 +318,11 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     ArchTensor *t = arch_tensors(s, o->decay_embeddings, &all), *keep = t;
     ArchTensor *gt = arch_tensors(&m->gshape, o->decay_embeddings, &gall), *gkeep = gt; /* same rows, global shapes */
     int n = 0;
-    for (int i = 0; i < all; i++)
-        if (arch_tensor_in_stage(s, &t[i], m->layer_lo, m->layer_hi)) keep[n] = t[i], gkeep[n++] = gt[i]; /* in place */
+    for (int i = 0; i < all; i++) {
+        int mine = t[i].expert < 0 || (t[i].expert >= m->expert_lo && t[i].expert < m->expert_lo + m->n_experts_here);
+        if (mine && arch_tensor_in_stage(s, &t[i], m->layer_lo, m->layer_hi))
+            keep[n] = t[i], gkeep[n++] = gt[i]; /* in place */
+    }
     m->num_tensors = n;
     m->params = xcalloc((size_t)n, sizeof(ParamInfo));
     size_t nslot = (size_t)(L + 1) * ROLE_LAYER_COUNT + (size_t)L * E * ROLE_EXPERT_COUNT;
@@ -341,12 +352,26 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     free(gt);
 
     /* Arena placement: decayed tensors first, in listing order, then the
-     * rest, so AdamW runs as two contiguous updates. */
+     * rest, so AdamW runs as two contiguous updates. Expert parallelism:
+     * this rank's experts (all decayed) before the other decayed tensors,
+     * one range whose gradients reduce over the EDP group. */
     size_t off = 0;
+    if (m->ep > 1) {
+        int prev = -1;
+        for (int i = 0; i < n; i++) {
+            if (m->params[i].expert < 0) continue;
+            if (!m->params[i].decay)
+                kiln_fail(KILN_EXIT_RUNTIME, "model: expert tensor '%s' is not weight-decayed; the expert-parallel "
+                          "layout keeps experts in the decayed range", m->params[i].name);
+            off = place(m, i, prev, off);
+            prev = i;
+        }
+        m->expert_len = off;
+    }
     for (int pass = 1; pass >= 0; pass--) {
         int prev = -1;
         for (int i = 0; i < n; i++) {
-            if (m->params[i].decay != pass) continue;
+            if (m->params[i].decay != pass || (m->ep > 1 && m->params[i].expert >= 0)) continue;
             off = place(m, i, prev, off);
             prev = i;
         }
@@ -377,6 +402,32 @@ void model_set_hooks(Model *m, const ModelHooks *h) {
 void model_set_tp(Model *m, const ModelTp *t) {
     if (t) m->tpc = *t;
     else memset(&m->tpc, 0, sizeof m->tpc);
+}
+
+void model_set_ep(Model *m, const ModelEp *e) {
+    if (e) m->epc = *e;
+    else memset(&m->epc, 0, sizeof m->epc);
+}
+
+void model_pad_experts(Model *m, size_t n) {
+    if (m->ep <= 1 || n <= m->expert_len) return;
+    need_master(m, "ZeRO's expert blocks");
+    const Backend *be = m->be;
+    size_t d = n - m->expert_len, len = m->arena_len + d, x = m->expert_len;
+    float *p = be->alloc(len * sizeof(float)), *g = be->alloc(len * sizeof(float));
+    be->copy(p, m->param_mem, x * sizeof(float));
+    be->copy(p + n, m->param_mem + x, (m->arena_len - x) * sizeof(float));
+    be->copy(g, m->grad_mem, x * sizeof(float));
+    be->copy(g + n, m->grad_mem + x, (m->arena_len - x) * sizeof(float));
+    be->free(m->param_mem);
+    be->free(m->grad_mem);
+    for (int i = 0; i < m->num_tensors; i++)
+        if (m->params[i].expert < 0) m->params[i].offset += d;
+    m->param_mem = p, m->grad_mem = g;
+    m->arena_len = len, m->num_params += d, m->num_decay += d, m->expert_len = n;
+    bind_views(m, m->param_mem, m->pview);
+    bind_views(m, m->grad_mem, m->gview);
+    compute_reset(m);
 }
 
 int model_tp_boxes(const Model *m, int i, ModelBox box[MODEL_MAX_BOXES]) {
@@ -559,7 +610,7 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
  * What `r` recomputes gets one buffer that every layer's view points at,
  * after the layers. MoE activations are always kept. */
 static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, int lo, int hi, int tp,
-                         Model *m) {
+                         int ep, Model *m) {
     size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float), I = sizeof(int32_t);
     size_t Q = (size_t)arch_q_width(s), QKVW = (size_t)arch_qkv_width(s), FF = (size_t)s->ffn_hidden;
     size_t FCW = (size_t)arch_fc_width(s), QK = (size_t)(s->n_head + s->n_kv_head) * s->head_dim;
@@ -614,8 +665,10 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
             TAKE(a->offsets, E + 1, I);
             TAKE(a->counts, (size_t)B * E, I);
             TAKE(a->xp, R * C, ab);
-            TAKE(a->hp, R * 2 * Fe, ab);
-            TAKE(a->hp_act, R * Fe, ab);
+            if (ep <= 1) { /* expert parallelism: the expert side's activations are ep.c's */
+                TAKE(a->hp, R * 2 * Fe, ab);
+                TAKE(a->hp_act, R * Fe, ab);
+            }
             TAKE(a->yp, R * C, ab);
             if (S) {
                 TAKE(a->sh, N * 2 * S, ab);
@@ -660,13 +713,13 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
 }
 
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r) {
-    return plan_bytes(s, B, T, act_bytes, r, 0, s->n_layer, 1, NULL);
+    return plan_bytes(s, B, T, act_bytes, r, 0, s->n_layer, 1, 1, NULL);
 }
 
 size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r) {
     ArchSpec l;
     arch_tp_local(s, tp, 0, &l); /* rank 0 holds the most vocabulary rows */
-    return plan_bytes(&l, B, T, act_bytes, r, 0, s->n_layer, tp, NULL);
+    return plan_bytes(&l, B, T, act_bytes, r, 0, s->n_layer, tp, 1, NULL);
 }
 
 void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
@@ -685,9 +738,9 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     m->T = T;
     m->recompute = r;
     m->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
-    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, NULL);
+    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m->ep, NULL);
     m->act_mem = m->be->alloc(m->act_size);
-    plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m);
+    plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m->ep, m);
     if (m->shape.mlp == MLP_MOE) {
         size_t E = (size_t)m->shape.moe.n_experts;
         for (int l = m->layer_lo; l < m->layer_hi; l++) m->acts[l].offsets_host = xcalloc(E + 1, sizeof(int32_t));
@@ -830,25 +883,38 @@ static void mlp_activation(const Model *m, const LayerActs *a, int N) {
     else m->be->gelu_forward(a->fch_gelu, a->fch, (size_t)N * s->ffn_hidden);
 }
 
-/* Routed experts on the permuted rows: expert e owns rows [off[e], off[e+1])
- * of xp; its gate and up weights follow each other, so one product. */
-static void experts_forward(Model *m, int l, LayerActs *a) {
+/* The rows layer l's routed experts run on here: with expert parallelism
+ * what the ep group sent (ModelEp.dispatch), else the layer's own. */
+static void expert_rows(Model *m, int l, ModelExpertRows *r) {
+    LayerActs *a = &m->acts[l];
+    if (m->epc.dispatch) {
+        m->epc.dispatch(m->epc.ctx, l, a->xp, a->offsets_host, r);
+        return;
+    }
+    *r = (ModelExpertRows){.e0 = 0, .n = m->shape.moe.n_experts, .off = a->offsets_host, .x = a->xp, .h = a->hp,
+                           .h_act = a->hp_act, .y = a->yp};
+}
+
+/* Routed experts on their rows: local expert j owns rows [off[j], off[j+1])
+ * of r->x (a grouped product: one per expert); its gate and up weights
+ * follow each other, so one product. */
+static void experts_forward(Model *m, int l, const ModelExpertRows *r) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
-    int C = s->n_embd, E = s->moe.n_experts, Fe = s->moe.expert_hidden;
-    const int32_t *off = a->offsets_host;
-    for (int e = 0; e < E; e++) {
-        int n = off[e + 1] - off[e];
+    int C = s->n_embd, Fe = s->moe.expert_hidden;
+    const int32_t *off = r->off;
+    for (int j = 0; j < r->n; j++) {
+        int n = off[j + 1] - off[j];
         if (n > 0)
-            be->matmul_forward(act_at(m, a->hp, off[e], 2 * Fe), act_at(m, a->xp, off[e], C),
-                               WX(m, l, ROLE_EXPERT_GATE_W, e), NULL, n, C, 2 * Fe);
+            be->matmul_forward(act_at(m, r->h, off[j], 2 * Fe), act_at(m, r->x, off[j], C),
+                               WX(m, l, ROLE_EXPERT_GATE_W, r->e0 + j), NULL, n, C, 2 * Fe);
     }
-    be->swiglu_forward(a->hp_act, a->hp, off[E], Fe);
-    for (int e = 0; e < E; e++) {
-        int n = off[e + 1] - off[e];
+    if (off[r->n] > 0) be->swiglu_forward(r->h_act, r->h, off[r->n], Fe);
+    for (int j = 0; j < r->n; j++) {
+        int n = off[j + 1] - off[j];
         if (n > 0)
-            be->matmul_forward(act_at(m, a->yp, off[e], C), act_at(m, a->hp_act, off[e], Fe),
-                               WX(m, l, ROLE_EXPERT_DOWN_W, e), NULL, n, Fe, C);
+            be->matmul_forward(act_at(m, r->y, off[j], C), act_at(m, r->h_act, off[j], Fe),
+                               WX(m, l, ROLE_EXPERT_DOWN_W, r->e0 + j), NULL, n, Fe, C);
     }
 }
 
@@ -871,7 +937,10 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     tp_drain(m);
     be->to_host(a->offsets_host, a->offsets, (size_t)(E + 1) * sizeof(int32_t));
     be->moe_gather(a->xp, a->ln2, a->src, a->offsets_host[E], C);
-    experts_forward(m, l, a);
+    ModelExpertRows rows;
+    expert_rows(m, l, &rows);
+    experts_forward(m, l, &rows);
+    if (m->epc.combine) m->epc.combine(m->epc.ctx, l, a->yp); /* the outputs back to their rows' ranks */
     /* Under tp every rank runs the whole layer on all N rows (experts are
      * replicated over tp) and adds its own residual rows. */
     size_t n = (size_t)res_rows(m, N) * C;
@@ -987,6 +1056,10 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         mlp_forward(m, l, N, T, fuse_fwd, dloss, train);
         x = m->acts[l].res3;
     }
+    if (train && s->mlp == MLP_MOE) {
+        m->moe.aux_sum += m->moe.aux, m->moe.z_sum += m->moe.z;
+        m->moe.forwards++;
+    }
     m->live_B = B;
     m->live_T = T;
     m->live_dloss = dloss;
@@ -1061,7 +1134,7 @@ static BackScratch back_scratch(const Model *m, int N) {
 }
 
 /* An expert with no rows this micro-batch: its gradients are zero (written
- * when this backward overwrites rather than adds). */
+ * when this backward overwrites rather than adds). e: global expert. */
 static void expert_zero_grads(const Model *m, int l, int e, int acc) {
     if (acc) return;
     const ArchSpec *s = &m->shape;
@@ -1078,7 +1151,6 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
     const ArchMoe *mo = &s->moe;
     const LayerActs *a = &m->acts[l];
     int C = s->n_embd, E = mo->n_experts, K = mo->top_k, Fe = mo->expert_hidden;
-    const int32_t *off = a->offsets_host;
     if (mo->n_shared > 0) {
         int S = mo->n_shared * Fe;
         be->matmul_backward(b->dbuf, G(m, l, ROLE_SHARED_DOWN_W), NULL, dtop, a->sh_act,
@@ -1090,24 +1162,35 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
         be->zero(b->dln, (size_t)N * C * m->act_bytes);
     }
     be->moe_combine_backward(b->dyp, b->dgates, dtop, a->yp, a->gates, a->row_of, N, K, C);
-    for (int e = 0; e < E; e++) {
-        int n = off[e + 1] - off[e];
+    /* the experts' rows: here, or (expert parallelism) dyp's rows sent to
+     * the experts' ranks and this rank's experts' rows received */
+    ModelExpertRows r;
+    if (m->epc.dispatch_grad) {
+        m->epc.dispatch_grad(m->epc.ctx, l, b->dyp, &r);
+    } else {
+        r = (ModelExpertRows){.e0 = 0, .n = E, .off = a->offsets_host, .x = a->xp, .h = a->hp, .h_act = a->hp_act,
+                              .y = a->yp, .dy = b->dyp, .dh_act = b->dhp_act, .dh = b->dhp, .dx = b->dxp};
+    }
+    const int32_t *off = r.off;
+    for (int j = 0; j < r.n; j++) {
+        int n = off[j + 1] - off[j], e = r.e0 + j;
         if (n == 0) continue;
-        be->matmul_backward(act_at(m, b->dhp_act, off[e], Fe), GX(m, l, ROLE_EXPERT_DOWN_W, e), NULL,
-                            act_at(m, b->dyp, off[e], C), act_at(m, a->hp_act, off[e], Fe),
+        be->matmul_backward(act_at(m, r.dh_act, off[j], Fe), GX(m, l, ROLE_EXPERT_DOWN_W, e), NULL,
+                            act_at(m, r.dy, off[j], C), act_at(m, r.h_act, off[j], Fe),
                             WX(m, l, ROLE_EXPERT_DOWN_W, e), n, Fe, C, acc);
     }
-    be->swiglu_backward(b->dhp, b->dhp_act, a->hp, off[E], Fe);
-    for (int e = 0; e < E; e++) {
-        int n = off[e + 1] - off[e];
+    if (off[r.n] > 0) be->swiglu_backward(r.dh, r.dh_act, r.h, off[r.n], Fe);
+    for (int j = 0; j < r.n; j++) {
+        int n = off[j + 1] - off[j], e = r.e0 + j;
         if (n == 0) {
             expert_zero_grads(m, l, e, acc);
             continue;
         }
-        be->matmul_backward(act_at(m, b->dxp, off[e], C), GX(m, l, ROLE_EXPERT_GATE_W, e), NULL,
-                            act_at(m, b->dhp, off[e], 2 * Fe), act_at(m, a->xp, off[e], C),
+        be->matmul_backward(act_at(m, r.dx, off[j], C), GX(m, l, ROLE_EXPERT_GATE_W, e), NULL,
+                            act_at(m, r.dh, off[j], 2 * Fe), act_at(m, r.x, off[j], C),
                             WX(m, l, ROLE_EXPERT_GATE_W, e), n, C, 2 * Fe, acc);
     }
+    if (m->epc.combine_grad) m->epc.combine_grad(m->epc.ctx, l, b->dxp); /* the inputs' gradient back */
     be->moe_gather_backward(b->dln, b->dxp, a->row_of, N, K, C);
     /* the router: its gates' gradient plus the aux and z losses' */
     be->moe_route_backward(b->dlogits, b->dgates, a->probs, a->topk, a->gates, a->router,
@@ -1245,6 +1328,8 @@ void model_moe_reset(Model *m) {
     if (!m->moe.load) return;
     memset(m->moe.load, 0, (size_t)m->shape.n_layer * m->shape.moe.n_experts * sizeof(int64_t));
     m->moe.routed = m->moe.drops = 0;
+    m->moe.aux_sum = m->moe.z_sum = 0;
+    m->moe.forwards = 0;
 }
 
 void model_moe_update_bias(Model *m, const int64_t *load) {

@@ -23,7 +23,9 @@
  * by (layer, role, expert), never by name or index arithmetic. In memory the
  * arena holds the weight-decayed tensors first, then the rest, so the
  * optimizer updates two contiguous ranges (ZeRO-2 and -3 lay it out layer by
- * layer instead: model_layout_by_unit); a tensor marked `follows` sits right
+ * layer instead: model_layout_by_unit; expert parallelism puts this rank's
+ * experts, all decayed, before the other decayed tensors, so that they
+ * reduce as one range over their own group); a tensor marked `follows` sits right
  * after the one before it, so the two are read as one product (Llama's q, k,
  * v; SwiGLU's gate and up). The block graph and its formulas:
  * docs/architectures.md. */
@@ -133,6 +135,8 @@ typedef struct LayerActs {
  * (aux, z) or over layers and micro-batches since model_moe_reset (loads). */
 typedef struct ModelMoeStats {
     double aux, z;         /* last forward: sum over layers of the aux and z losses */
+    double aux_sum, z_sum; /* since reset: aux and z of every training forward, added up */
+    int64_t forwards;      /* since reset: training forwards (micro-batches) */
     int64_t *load;         /* (n_layer, E) since reset: slots routed to each expert */
     int64_t routed, drops; /* since reset: slots routed, and dropped by capacity */
 } ModelMoeStats;
@@ -180,6 +184,39 @@ typedef struct ModelTp {
     void (*drain)(void *ctx);
 } ModelTp;
 
+/* The rows one rank's routed experts run on in an MoE layer: without expert
+ * parallelism the layer's own permuted rows for all E experts; with it, the
+ * rows the ep group sent to this rank's experts (ModelEp). Local expert j,
+ * global expert e0 + j, owns rows [off[j], off[j+1]); R = off[n]. */
+typedef struct ModelExpertRows {
+    int e0, n;                   /* first global expert, experts here */
+    const int32_t *off;          /* (n+1) host */
+    void *x, *h, *h_act;         /* (R,C) (R,2Fe) (R,Fe) act: inputs and the forward's saved activations */
+    void *y;                     /* (R,C) act: the forward's outputs */
+    void *dy, *dh_act, *dh, *dx; /* backward: (R,C) the outputs' gradient; scratch (R,Fe) (R,2Fe); (R,C)
+                                    the inputs' gradient */
+} ModelExpertRows;
+
+/* Expert parallelism (ep.c fills it; model.c itself never communicates):
+ * the all-to-all exchanges of an MoE layer, over the ep group. NULL table
+ * (ep 1): the layer runs every expert on its own rows.
+ *  dispatch: xp (R,C) act holds layer l's permuted rows, expert e's at
+ *   [offsets[e], offsets[e+1]) (offsets (E+1) host, global experts, so the
+ *   rows for each rank are contiguous): each goes to its expert's rank;
+ *   *rows gets the rows this rank's experts run on (x, h, h_act, y, off).
+ *  combine: rows->y of the last dispatch of layer l back to where each row
+ *   came from: yp (R,C) gets its rows' expert outputs, in xp's order.
+ *  dispatch_grad: the backward's dispatch: dyp (R,C), yp's gradient, to the
+ *   experts' ranks; *rows as dispatch gave, with dy filled and the scratch.
+ *  combine_grad: rows->dx back into dxp (R,C), xp's gradient. */
+typedef struct ModelEp {
+    void *ctx;
+    void (*dispatch)(void *ctx, int layer, const void *xp, const int32_t *offsets, ModelExpertRows *rows);
+    void (*combine)(void *ctx, int layer, void *yp);
+    void (*dispatch_grad)(void *ctx, int layer, const void *dyp, ModelExpertRows *rows);
+    void (*combine_grad)(void *ctx, int layer, void *dxp);
+} ModelEp;
+
 /* model_init's options. */
 typedef struct ModelOptions {
     int decay_embeddings; /* optim.decay_embeddings */
@@ -190,6 +227,8 @@ typedef struct ModelOptions {
     int tp, tp_rank;      /* tensor parallelism: this rank's part of a model split over tp ranks
                              (0, 0: one rank); the spec must pass arch_tp_check */
     int sequence_parallel;/* tp > 1: norms and residuals on N/tp-row shards of the tokens */
+    int ep, ep_rank;      /* expert parallelism: this rank holds experts [ep_rank E/ep, (ep_rank+1) E/ep)
+                             of every MoE layer, the first in its arena (0, 0: all; ep divides E) */
 } ModelOptions;
 
 
@@ -201,6 +240,11 @@ typedef struct Model {
     int live_sp;        /* the last forward ran sequence-parallel (sp, and B*T divides by tp) */
     int vocab_lo;       /* first global vocabulary row of this rank's embedding and head */
     ModelTp tpc;        /* the tp collectives (model_set_tp); all NULL: tp 1 */
+    int ep, ep_rank;    /* expert parallelism: ranks and this one's place (ep 1: none) */
+    int expert_lo, n_experts_here; /* the routed experts this rank holds: [lo, lo + n) of each MoE layer */
+    size_t expert_len;  /* ep > 1: the arena's [0, expert_len) holds them (and padding), every other
+                           tensor after it (decayed first); 0 with ep 1 */
+    ModelEp epc;        /* the ep exchanges (model_set_ep); all NULL: ep 1 */
     const Backend *be;
     int layer_lo, layer_hi;   /* the layers this model runs: [lo, hi) of shape.n_layer */
     int has_embed, has_head;  /* lo == 0: embeds tokens; hi == n_layer: the final norm, head and loss */
@@ -278,6 +322,13 @@ void model_set_hooks(Model *m, const ModelHooks *h);
 /* Install the tensor-parallel collectives (see ModelTp); needed before a
  * forward when tp > 1. */
 void model_set_tp(Model *m, const ModelTp *t);
+/* Install the expert-parallel exchanges (see ModelEp); needed before a
+ * forward when ep > 1. */
+void model_set_ep(Model *m, const ModelEp *e);
+/* Grow the arena's expert region to n >= expert_len floats (zeros at its
+ * end), moving every other tensor up by the difference, so it splits into
+ * equal ZeRO blocks over the EDP group. Keeps the parameter values. */
+void model_pad_experts(Model *m, size_t n);
 /* Tensor i's boxes in its global tensor (ModelBox); returns how many. */
 int model_tp_boxes(const Model *m, int i, ModelBox box[MODEL_MAX_BOXES]);
 /* Table row of (layer, role, expert) (layer -1 for non-layer roles, expert
