@@ -177,7 +177,9 @@ static const CfgKey cfg_keys[] = {
           "products); `auto` is on when tp > 1"),
     KINT("parallel.pp", pp, "1", 1, INF, "pipeline stages (this build: 1)"),
     KINT("parallel.cp", cp, "1", 1, INF, "context-parallel ranks (this build: 1)"),
-    KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (this build: 1)"),
+    KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (MoE): each of ep consecutive dp ranks holds "
+         "n_experts / ep whole experts, tokens travel to them by all-to-all; must divide `model.moe.n_experts` and "
+         "dp; ZeRO 0 or 1"),
     KFLT("parallel.timeout_s", timeout_s, "300", 0.1, 1e7, "seconds any collective may wait before the run stops naming the missing rank (env KILN_COMM_TIMEOUT_S overrides)"),
     KENUM("precision.compute", compute, "bf16", "bf16|fp32", "activation dtype on GPU: `bf16` stores activations, their gradients and the weights' compute copy in bf16 (half the memory; fp32 math and accumulation, matrix products on tensor cores), `fp32` is strict fp32; the CPU backend is always fp32"),
     KENUM("precision.attention", attention, "auto", "auto|cudnn|tensor_cores|simt",
@@ -823,6 +825,34 @@ static void cfg_check_moe(const Config *c, const ArchSpec *s, CfgLoad *L) {
                   "bias_update_rate: 0", cfg_where_of(L, "model.moe.bias_update_rate", "parallel.zero"), c->zero);
 }
 
+/* Expert parallelism (docs/parallel.md "Expert parallelism"): whole experts
+ * per rank, so ep divides the experts (and, with an explicit dp, dp: the ep
+ * groups are consecutive dp ranks; dp auto is checked at launch by
+ * mesh_plan); the expert tensors reduce over EDP, a second ZeRO-1 domain,
+ * which ZeRO-2/3's per-layer units over dp do not have. Every rank loads the
+ * config, so every rank says it, before anything is allocated. */
+static void cfg_check_ep(const Config *c, const ArchSpec *s, CfgLoad *L) {
+    if (c->ep <= 1) return;
+    const char *w = cfg_where_of(L, "parallel.ep", NULL);
+    if (s->mlp != MLP_MOE)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.ep': %d spreads MoE experts over ranks, but model.mlp is %s; "
+                  "use model.mlp: moe or parallel.ep: 1", w, c->ep, arch_mlp_name(s->mlp));
+    if (s->moe.n_experts % c->ep)
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'model.moe.n_experts': ep %d must divide the %d experts "
+                  "(each rank holds n_experts / ep whole experts)", w, c->ep, s->moe.n_experts);
+    if (c->dp > 0 && c->dp % c->ep)
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'parallel.dp': ep %d must divide dp %d (expert groups are "
+                  "ep consecutive dp ranks)", w, c->ep, c->dp);
+    if (c->zero >= 2)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': expert parallelism runs with ZeRO 0 or 1 (its expert "
+                  "tensors shard over the EDP group, ZeRO-%d's layer units over dp), got %d",
+                  cfg_where_of(L, "parallel.zero", "parallel.ep"), c->zero, c->zero);
+    if (strcmp(c->optim_name, "muon") == 0)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'optim.name': muon with parallel.ep > 1 is not supported (its matrices "
+                  "are planned over one whole arena); use optim.name adamw or lion, or parallel.ep: 1",
+                  cfg_where_of(L, "optim.name", "parallel.ep"));
+}
+
 /* Lion's and Muon's ops keep fp32 state and update fp32 parameters only;
  * Muon needs whole matrices, which only ZeRO 0 has on every rank (the
  * owner-based distributed scheme is not written yet: docs/optimizers.md). */
@@ -845,7 +875,6 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
     static const struct { const char *key; size_t off; int lo, hi; } limits[] = {
         {"parallel.pp", offsetof(Config, pp), 1, 1},
         {"parallel.cp", offsetof(Config, cp), 1, 1},
-        {"parallel.ep", offsetof(Config, ep), 1, 1},
     };
     for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++) {
         int v = *(const int *)((const char *)c + limits[i].off);
@@ -935,6 +964,7 @@ static void cfg_finish(Config *c, CfgLoad *L) {
     ArchSpec spec;
     arch_from_config(c, &spec); /* every architecture constraint, naming the key */
     cfg_check_moe(c, &spec, L);
+    cfg_check_ep(c, &spec, L);
     cfg_check_batch(c, L);
     cfg_check_parallel(c, L);
     cfg_check_precision(c, L);

@@ -86,7 +86,7 @@ typedef struct Config {
     float min_lr_ratio;
     float decay_ratio; /* wsd: fraction of steps spent in the final decay */
 
-    /* parallel: dp, ZeRO 0-3 and tp are implemented; pp/cp/ep are reserved (1) */
+    /* parallel: dp, ZeRO 0-3, tp and ep are implemented; pp/cp are reserved (1) */
     int dp; /* 0 = auto */
     int zero, tp, pp, cp, ep;
     char sequence_parallel[8]; /* auto | true | false: auto is on when tp > 1 */

@@ -17,13 +17,23 @@
 #include "model.h"
 #include "optim.h"
 
-/* A bucket: up to two contiguous ranges of the gradient arena (one in the
- * weight-decayed group, one in the other), all of whose tensors are complete
- * once the backward pass has finished layer `layer` (-1: the embeddings). */
+/* A bucket: up to three contiguous ranges of the gradient arena (one in the
+ * weight-decayed group, one in the other, one among an expert-parallel
+ * model's experts, which reduce over their own group), all of whose tensors
+ * are complete once the backward pass has finished layer `layer` (-1: the
+ * embeddings). */
+#define DDP_GROUPS 3
 typedef struct DdpBucket {
     int layer;
-    size_t off[2], len[2]; /* floats; len 0 = no range in that group */
+    size_t off[DDP_GROUPS], len[DDP_GROUPS]; /* floats; len 0 = no range in that group */
 } DdpBucket;
+
+/* Expert parallelism (a model with ep > 1): its expert tensors' gradients
+ * reduce over edp (the ranks that hold the same experts: EDP), and their
+ * squares join the gradient norm over ep (the ranks holding the others). */
+typedef struct DdpExperts {
+    CommGroup *edp, *ep;
+} DdpExperts;
 
 /* Declared here so callers can hold one by value; its fields are ddp.c's own
  * (other modules ask through the calls at the end of this file). */
@@ -34,7 +44,7 @@ typedef struct Ddp {
     ShardRange shard;    /* zero 1: this rank's block of the padded arena */
     DdpBucket *b;        /* [nb], in posting order (last layer first) */
     int nb, posted;
-    CommRequest *req;    /* [2 * nb] */
+    CommRequest *req;    /* [DDP_GROUPS * nb] */
     int overlap;         /* 1: buckets are posted from the backward hook */
     int armed;           /* the hook posts buckets (between ddp_arm and ddp_reduce_grads) */
     /* Unit-sharded mode (units: ZeRO 2 or 3 over more than one rank). The
@@ -85,6 +95,18 @@ typedef struct Ddp {
     CommGroup *tp;
     size_t *run_lo, *run_hi;
     int *run_split, nrun;
+    /* Expert parallelism (DdpExperts): the arena's [0, dense0) holds this
+     * rank's experts (model.h expert_len), the tensors that reduce over dp
+     * lie after it. eg: EDP (NULL when of size 1: an expert's gradient is
+     * whole on its one holder); epg: the ep group. ZeRO-1 shards the dense
+     * range over dp (shard, relative to dense0) and the expert range over
+     * EDP (xshard); the optimizer's state then holds the two blocks back to
+     * back (zseg: its segments; ddp_shard_piece: its pieces). */
+    CommGroup *eg, *epg;
+    size_t dense0;
+    ShardRange xshard;
+    OptimSegment *zseg;
+    int nzseg;
     /* time this rank spent blocked in communication, and step count, since
      * ddp_init: the part of communication not hidden behind computation */
     double blocked_s, step_blocked_s;
@@ -95,8 +117,9 @@ typedef struct Ddp {
  * the shard layout, keeping values); for zero 2-3 over more than one rank lay
  * the model's arena out by unit and plan the unit shards (before weights are
  * initialised or loaded; then ddp_shard_params). g may be NULL for one rank;
- * ZeRO 2 and 3 on one rank are plain training (zero becomes 0). */
-void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes);
+ * ZeRO 2 and 3 on one rank are plain training (zero becomes 0). ex: the
+ * expert groups of a model with ep > 1 (ZeRO 0 or 1 only), else NULL. */
+void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes, const DdpExperts *ex);
 void ddp_free(Ddp *d);
 /* The shard of the optimizer state this rank owns: [lo, hi) of the arena
  * (the whole arena for zero 0). */
@@ -167,13 +190,19 @@ float *ddp_optim_grads(const Ddp *d);
 
 /* ZeRO-2/3: one unit's block on this rank. Blocks lie back to back in the
  * parameter shard and in the optimizer moments; at is where this one
- * starts there, [lo, hi) its real elements in the model's arena (floats). */
+ * starts there, [lo, hi) its real elements in the model's arena (floats).
+ * ZeRO-1 under expert parallelism: the dense block and the expert block,
+ * back to back in the moments only (the parameters stay in the arena). */
 typedef struct DdpPiece {
     size_t at, lo, hi;
 } DdpPiece;
 /* Piece i of this rank's shard into *p; 0 past the last (at once for
- * stages other than ZeRO-2/3). */
+ * stages other than ZeRO-2/3 and ZeRO-1 under expert parallelism). */
 int ddp_shard_piece(const Ddp *d, int i, DdpPiece *p);
+/* 1 when the optimizer's state is laid out by ddp_shard_piece's pieces
+ * (ZeRO-2/3, and ZeRO-1 under expert parallelism) rather than as arena
+ * range [lo, hi) of ddp_optim_range. */
+int ddp_optim_pieces(const Ddp *d);
 
 /* Seconds this rank spent blocked in communication in the current step
  * (reset as it begins): after ddp_optim_step, the whole step's. */

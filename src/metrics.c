@@ -1106,6 +1106,19 @@ static void json_moe(FILE *f, const MetricsMoe *e) {
     fputc(']', f);
 }
 
+/* Expert-parallel fields of a metrics.jsonl record: per-rank row counts
+ * (whole numbers) and the imbalance. */
+static void json_ep(FILE *f, const MetricsEp *e) {
+    const char *keys[3] = {"ep_sent", "ep_recv", "ep_rows"};
+    const double *v[3] = {e->sent, e->recv, e->rows};
+    for (int k = 0; k < 3; k++) {
+        fprintf(f, ",\"%s\":[", keys[k]);
+        for (int r = 0; r < e->world; r++) fprintf(f, "%s%.0f", r ? "," : "", v[k][r]);
+        fputc(']', f);
+    }
+    json_num(f, "ep_imbalance", e->imbalance);
+}
+
 /* TensorBoard: moe/{aux,z,dropped,load_cv} and moe/load/layer_L/expert_E,
  * one record (the tags of a big MoE do not fit the step's fixed buffer). */
 static void tb_moe(Metrics *m, int step, const MetricsMoe *e) {
@@ -1213,6 +1226,7 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         if (s->skipped) fputs(",\"skipped\":true", f);
         if (s->param_hash) fprintf(f, ",\"param_hash\":\"%016llx\"", (unsigned long long)s->param_hash);
         if (s->moe) json_moe(f, s->moe);
+        if (s->ep) json_ep(f, s->ep);
         if (st) json_ranks(f, m, st);
         if (s->data) json_data(f, s->data);
         fputs("}\n", f);
@@ -1221,8 +1235,8 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
     if (st && m->ranks) ranks_line(m, s->step, st);
     if (m->mlflow) mlflow_step(m, s, tok_s, mfu, rss, st);
     if (m->tb) {
-        const char *tags[10];
-        float vals[10];
+        const char *tags[12];
+        float vals[12];
         int n = 0;
 #define TB(t, v) \
     if (isfinite(v)) tags[n] = t, vals[n++] = (float)(v)
@@ -1236,6 +1250,7 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         TB("perf/peak_rss_mib", rss);
         if (s->device_mib > 0) TB("perf/peak_device_mib", s->device_mib);
         TB("train/nonfinite_skipped", (double)m->skipped);
+        if (s->ep) TB("ep/imbalance", s->ep->imbalance);
 #undef TB
         uint8_t buf[1024];
         size_t len = metrics_tb_encode(buf, sizeof buf, wall_now(), s->step, NULL, n, tags, vals);

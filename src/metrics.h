@@ -51,7 +51,19 @@ typedef struct MetricsStep {
     const char *comm_group[METRICS_COMM_GROUPS];
     double comm_s[METRICS_COMM_GROUPS];
     const struct MetricsData *data; /* the step's data figures; NULL: none */
+    const struct MetricsEp *ep;     /* expert parallelism's figures; NULL: ep 1 */
 } MetricsStep;
+
+/* Expert parallelism (parallel.ep > 1), the step's exchanges of routed token
+ * rows summed over MoE layers and micro-batches, per world rank: rows sent
+ * to other ranks' experts, received from other ranks, and run by the rank's
+ * own experts (its load); and the load imbalance over the ranks, the
+ * largest load over the mean. */
+typedef struct MetricsEp {
+    int world;
+    const double *sent, *recv, *rows; /* (world) */
+    double imbalance;
+} MetricsEp;
 
 /* A step's data: the wait for batches, tokens drawn from each source of
  * data.train so far, and each named validation set's loss. */

@@ -201,8 +201,8 @@ OptimStepInfo optim_step_segments(AdamW *o, void *params, const float *grads, co
     OptimStepInfo info = step_begin(o, grad_norm);
     if (info.nonfinite) return info;
     for (int i = 0; i < nseg; i++) {
-        size_t k = seg[i].off;
-        update_range(o, (char *)params + k * o->param_bytes, grads + k, k, seg[i].n, lr,
+        size_t k = seg[i].off, at = seg[i].at;
+        update_range(o, (char *)params + at * o->param_bytes, grads + at, k, seg[i].n, lr,
                      seg[i].decay ? o->weight_decay : 0.0f,
                      info.grad_scale);
     }

@@ -115,10 +115,15 @@ OptimStepInfo optim_step(AdamW *o, void *params, const float *grads, float lr);
 OptimStepInfo optim_step_norm(AdamW *o, void *params, const float *grads, float lr, double grad_norm);
 
 /* ZeRO-2/3: a run of `n` elements at `off` of the shard buffers (params, grads,
- * m and v alike), all weight-decayed or all not. */
+ * m and v alike), all weight-decayed or all not. `at`: where the run's
+ * params and grads are, from the pointers optim_step_segments gets (ZeRO-2/3:
+ * the shard buffers, at = off; ZeRO-1 under expert parallelism: the model's
+ * arena, whose dense and expert blocks sit apart while their state lies
+ * back to back). */
 typedef struct OptimSegment {
     size_t off, n;
     int decay;
+    size_t at;
 } OptimSegment;
 /* One step over the segments (the optimizer state holds the whole shard:
  * optim_init_shard(..., 0, shard_len)), with the caller's global norm. */

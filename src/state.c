@@ -116,6 +116,17 @@ static void add_model_params(CkptTable *t, Model *m) {
     else add_params(t, m, m->param_mem, "");
 }
 
+/* What a rank writes of an arena-wide buffer (the parameters, ZeRO-0's
+ * moments) at base, esz bytes an element: under expert parallelism the
+ * arena's [0, expert_len) are this rank's experts (when `experts`), the rest
+ * the tensors every dp rank holds alike (when `dense`); without it all of it
+ * is dense. */
+static void add_arena(CkptTable *t, Model *m, void *base, size_t esz, int dense, int experts, const char *prefix) {
+    size_t x = m->expert_len;
+    if (experts && x) add_range(t, m, base, esz, 0, x, prefix);
+    if (dense) add_range(t, m, (char *)base + x * esz, esz, x, m->num_params, prefix);
+}
+
 void state_table_add(CkptTable *t, Model *m, AdamW *o) {
     state_be = m->be;
     add_model_params(t, m);
@@ -151,6 +162,9 @@ void state_load_init_from(Model *m, const char *path, int say) {
     if (m->tp > 1)
         kiln_fail(KILN_EXIT_USAGE, "key 'init.from': %s is not a kiln checkpoint; HuggingFace and llm.c weights load "
                   "with parallel.tp: 1 (import there, save a checkpoint, and start this run from it)", path);
+    if (m->ep > 1)
+        kiln_fail(KILN_EXIT_USAGE, "key 'init.from': %s is not a kiln checkpoint; HuggingFace and llm.c weights load "
+                  "with parallel.ep: 1 (import there, save a checkpoint, and start this run from it)", path);
     if (!hf_init_from(m, path, say)) model_load_llmc(m, path);
 }
 
@@ -253,6 +267,11 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         else add_unit_blocks(t, m, us, ddp_param_shard(us, NULL), 4, "");
         add_unit_blocks(t, m, us, o->m, o->state_bytes, "optim.m/");
         if (o->v) add_unit_blocks(t, m, us, o->v, o->state_bytes, "optim.v/");
+    } else if (s->mesh.pieces) {
+        /* ZeRO-1 under expert parallelism: the moments by piece */
+        add_model_params(t, m);
+        add_unit_blocks(t, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/");
+        if (o->v) add_unit_blocks(t, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/");
     } else {
         state_table_add(t, m, o);
     }
@@ -273,10 +292,22 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         add_unit_blocks(w, m, us, ddp_param_shard(us, NULL), 4, "");
         add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/");
         if (o->v) add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/");
-    } else if (s->mesh.dp_rank == 0) add_model_params(w, m);
-    if (!us && (s->mesh.dp_rank == 0 || opt_sharded)) {
-        add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
-        if (o->v) add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
+    } else {
+        /* replicated over dp: dp rank 0's; an expert-parallel rank's experts:
+         * the EDP rank 0 of their holders' */
+        int dense = s->mesh.dp_rank == 0, experts = s->mesh.edp_rank == 0;
+        void *params = m->master_bf16 ? (void *)m->param16 : (void *)m->param_mem;
+        add_arena(w, m, params, m->master_bf16 ? 2 : 4, dense, experts, "");
+        if (s->mesh.pieces) {
+            add_unit_blocks(w, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/");
+            if (o->v) add_unit_blocks(w, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/");
+        } else if (opt_sharded) {
+            add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
+            if (o->v) add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
+        } else {
+            add_arena(w, m, o->m, o->state_bytes, dense, experts, "optim.m/");
+            if (o->v) add_arena(w, m, o->v, o->state_bytes, dense, experts, "optim.v/");
+        }
     }
     if (rank == 0) {
         ckpt_add_blob(w, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
@@ -341,13 +372,14 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
                           "this run passes their steps (--resume auto and keep_last follow 'latest' and ignore them)",
                           op->root, (long long)steps[0]);
             if (rank == 0) ckpt_list_free(paths, steps, n);
-            char mesh_note[160] = "";
-            int saved_tp = info.mesh.tp > 0 ? info.mesh.tp : 1;
-            if (info.mesh.world > 0 &&
-                (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp || saved_tp != s->mesh.tp))
-                snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (dp %d x tp %d) to %d (dp %d x "
-                         "tp %d, ZeRO %d)", info.mesh.world, info.mesh.dp, saved_tp, s->mesh.world, s->mesh.dp,
-                         s->mesh.tp, s->mesh.zero);
+            char mesh_note[200] = "";
+            int saved_tp = info.mesh.tp > 0 ? info.mesh.tp : 1, saved_ep = info.mesh.ep > 0 ? info.mesh.ep : 1;
+            int ep = s->mesh.ep > 0 ? s->mesh.ep : 1;
+            if (info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp ||
+                                        saved_tp != s->mesh.tp || saved_ep != ep))
+                snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (dp %d x tp %d, ep %d) to %d (dp "
+                         "%d x tp %d, ep %d, ZeRO %d)", info.mesh.world, info.mesh.dp, saved_tp, saved_ep,
+                         s->mesh.world, s->mesh.dp, s->mesh.tp, ep, s->mesh.zero);
             snprintf(s->resumed_msg, sizeof s->resumed_msg,
                      "resumed from %s at step %lld (%lld tokens, %.1f s of training before)%s", path,
                      (long long)s->step, (long long)s->tokens, s->elapsed_s, mesh_note);
@@ -381,7 +413,7 @@ static void state_save(RunState *s) {
     s->elapsed_s = s->elapsed_base + (kiln_now() - s->t_start);
     CkptMeta meta = {s->step, s->c->hash, KILN_VERSION, s->commit,
                      {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1,
-                      s->mesh.tp > 0 ? s->mesh.tp : 1, 1, 1, 1}};
+                      s->mesh.tp > 0 ? s->mesh.tp : 1, 1, 1, s->mesh.ep > 0 ? s->mesh.ep : 1}};
     double t0 = kiln_now();
     if (ckpt_save(s->writer, &meta) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",

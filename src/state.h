@@ -22,7 +22,12 @@ typedef struct StateMesh {
     int rank, world, dp, zero;
     int dp_rank, tp, tp_rank; /* tensor parallelism: each tp rank of dp rank 0 writes its parts of
                                  the split tensors; the replicated ones come from tp rank 0 */
+    int ep, edp_rank;  /* expert parallelism: the ep ranks' experts differ; the EDP rank 0 of each
+                          writes them (edp_rank = dp_rank without it) */
     CommGroup *g;
+    const struct Ddp *pieces; /* the optimizer state is laid out by this Ddp's pieces
+                                 (ddp_optim_pieces: ZeRO-2/3, ZeRO-1 under expert
+                                 parallelism); NULL: as the arena range [lo, hi) */
     struct Ddp *units; /* ZeRO-2/3 over several ranks: the fp32 parameters and the
                           optimizer state live in its shard buffers, unit by
                           unit (ZeRO-2 also keeps the whole parameters in the

@@ -11,6 +11,7 @@
 #include "comm.h"
 #include "data.h"
 #include "ddp.h"
+#include "ep.h"
 #include "flight.h"
 #include "mesh.h"
 #include "tp.h"
@@ -37,11 +38,15 @@ static void moe_after_step(Model *m, Ddp *d, MetricsMoe *out, MoeStepBuf *buf) {
     const ArchSpec *s = &m->shape;
     if (s->mlp != MLP_MOE) return;
     size_t n = (size_t)s->n_layer * s->moe.n_experts;
-    if (!buf->load) buf->load = xmalloc(n * sizeof(int64_t)), buf->sums = xmalloc((n + 2) * sizeof(double));
+    if (!buf->load) buf->load = xmalloc(n * sizeof(int64_t)), buf->sums = xmalloc((n + 5) * sizeof(double));
     double *sums = buf->sums;
     for (size_t i = 0; i < n; i++) sums[i] = (double)m->moe.load[i];
     sums[n] = (double)m->moe.drops, sums[n + 1] = (double)m->moe.routed;
-    ddp_sum_n(d, sums, n + 2); /* integers below 2^53: exact in any order */
+    sums[n + 2] = m->moe.aux_sum, sums[n + 3] = m->moe.z_sum, sums[n + 4] = (double)m->moe.forwards;
+    /* the dp ranks route different sequences (expert parallelism's ep
+     * ranks among them; tp ranks route the same ones): their loads add up.
+     * Loads: integers below 2^53, exact in any order. */
+    ddp_sum_n(d, sums, n + 5);
     int64_t *load = buf->load;
     double lo = INFINITY, hi = 0, sum = 0, sq = 0;
     for (size_t i = 0; i < n; i++) {
@@ -52,7 +57,10 @@ static void moe_after_step(Model *m, Ddp *d, MetricsMoe *out, MoeStepBuf *buf) {
     model_moe_update_bias(m, load);
     double mean = sum / (double)n, cv = mean > 0 ? sqrt(fmax(sq / (double)n - mean * mean, 0)) / mean : 0;
     double drops = sums[n], routed = sums[n + 1];
-    *out = (MetricsMoe){.aux = m->moe.aux, .z = m->moe.z, .dropped = routed > 0 ? drops / routed : 0.0,
+    /* the aux and z losses: their mean over the step's micro-batches on
+     * every rank, the same figure on any layout */
+    double fw = sums[n + 4] > 0 ? sums[n + 4] : 1;
+    *out = (MetricsMoe){.aux = sums[n + 2] / fw, .z = sums[n + 3] / fw, .dropped = routed > 0 ? drops / routed : 0.0,
                         .load_min = lo, .load_max = hi, .load_cv = cv, .n_layer = s->n_layer,
                         .n_experts = s->moe.n_experts, .load = load};
 }
@@ -305,7 +313,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     int accum;
     setup_parallel(c, topt, &mesh, &accum);
     CommGroup *dpg = mesh_group(&mesh, MESH_GROUP_DP), *tpg = mesh_group(&mesh, MESH_GROUP_TP);
-    int rank = mesh.rank, world = mesh.world, dp = dpg->size, dp_rank = dpg->rank;
+    CommGroup *epg = mesh_group(&mesh, MESH_GROUP_EP), *edpg = mesh_group(&mesh, MESH_GROUP_EDP);
+    int rank = mesh.rank, world = mesh.world, dp = dpg->size, dp_rank = dpg->rank, ep = epg->size;
     int tp = tpg->size, sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
     char tp_err[512];
     if (arch_tp_check(&shape, tp, tp_err, sizeof tp_err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", tp_err);
@@ -343,7 +352,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     /* precision.master bf16: no fp32 arena (exit 2 unless act is bf16) */
     model_init(&model, be, &shape,
                &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16"),
-                               .tp = tp, .tp_rank = tpg->rank, .sequence_parallel = sp});
+                               .tp = tp, .tp_rank = tpg->rank, .sequence_parallel = sp, .ep = ep,
+                               .ep_rank = mesh.ep_rank});
     model.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
      * per-message latency is small, small enough to overlap with backward.
@@ -355,7 +365,17 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         comm_nccl_init(dpg, c->run_dir);
         comm_nccl_device_mode(dpg, be->stream());
     }
-    ddp_init(&ddp, &model, dpg, c->zero, (size_t)25 << 20);
+    /* expert parallelism: the ep group's all-to-alls and the EDP group's
+     * expert-gradient sums, on the GPU through NCCL as dp's */
+    if (ep > 1 && be->stream) {
+        comm_nccl_init(epg, c->run_dir);
+        comm_nccl_device_mode(epg, be->stream());
+        if (edpg->size > 1) {
+            comm_nccl_init(edpg, c->run_dir);
+            comm_nccl_device_mode(edpg, be->stream());
+        }
+    }
+    ddp_init(&ddp, &model, dpg, c->zero, (size_t)25 << 20, ep > 1 ? &(DdpExperts){edpg, epg} : NULL);
     /* tensor parallelism: the layers' collectives over the tp group (tp.c);
      * the gradient norm sums over it too */
     if (tp > 1 && be->stream) {
@@ -371,6 +391,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     else model_init_weights(&model, c->seed);
     ddp_shard_params(&ddp); /* ZeRO-2/3: take this rank's shard (ZeRO-3: drop the whole arena) */
     model_plan_activations(&model, B, T, model_recompute_parse(c->recompute));
+    Ep epx; /* expert parallelism: the MoE layers' all-to-alls over the ep group (ep.c) */
+    ep_init(&epx, &model, epg);
 
     AdamW opt;
     size_t opt_lo, opt_hi;
@@ -403,7 +425,9 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     RunState rs;
     size_t shard_n;
     float *param_shard = ddp_param_shard(&ddp, &shard_n); /* ZeRO-2/3: what checkpoints and hashes read */
-    StateMesh smesh = {rank, world, dp, c->zero, dp_rank, tp, tpg->rank, comm_world(), param_shard ? &ddp : NULL};
+    StateMesh smesh = {.rank = rank, .world = world, .dp = dp, .zero = c->zero, .dp_rank = dp_rank, .tp = tp,
+                       .tp_rank = tpg->rank, .ep = ep, .edp_rank = mesh.edp_rank, .g = comm_world(),
+                       .pieces = ddp_optim_pieces(&ddp) ? &ddp : NULL, .units = param_shard ? &ddp : NULL};
     int start_step = state_open(&rs, c, &smesh, topt->resume, topt->force, topt->commit, &model, &opt, train);
     model_params_changed(&model); /* a resume loaded them: the compute copy follows */
     Metrics *mx = metrics_open(c, rank, world, fpt, peak, peak_src, start_step);
@@ -417,6 +441,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     char ddesc[512];
     if (ddp_describe_layout(&ddp, ddesc, sizeof ddesc)) metrics_print(mx, "%s", ddesc);
     if (ddp_describe_memory(&ddp, ddesc, sizeof ddesc)) metrics_print(mx, "%s", ddesc);
+    if (ep_describe(&epx, ddesc, sizeof ddesc)) metrics_print(mx, "%s", ddesc);
     if (rs.resumed_msg[0]) metrics_print(mx, "%s", rs.resumed_msg);
     if (rs.data_note[0]) metrics_print(mx, "%s", rs.data_note);
     metrics_print(mx, "run %s -> %s", c->run_name, c->run_dir);
@@ -478,7 +503,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     int skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0, skips_in_a_row = 0;
     /* ZeRO-3: every rank samples (each forward gathers layers collectively);
      * ZeRO-2's forward only waits for refreshes every rank has posted */
-    int sample_all = !ddp_whole_params(&ddp) || tp > 1; /* tp: every rank computes its part */
+    /* tp: every rank computes its part; ep: every forward is an all-to-all */
+    int sample_all = !ddp_whole_params(&ddp) || tp > 1 || ep > 1;
     FILE *devnull = sample_all && rank > 0 ? fopen("/dev/null", "w") : NULL;
     if (sample_all && rank > 0 && !devnull) kiln_fail(KILN_EXIT_RUNTIME, "/dev/null: cannot open (samples of rank %d)", rank);
     size_t N = (size_t)B * T;
@@ -487,7 +513,10 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     int32_t *ctx = xmalloc((size_t)2 * T * sizeof(int32_t) + 8);
     /* the mean over the global batch: every rank's gradients are summed */
     float dloss = 1.0f / (float)(N * (size_t)accum * (size_t)dp);
-    double step_time_sum = 0.0, blocked_sum = 0.0, tp_blocked_sum = 0.0;
+    double step_time_sum = 0.0, blocked_sum = 0.0, tp_blocked_sum = 0.0, ep_blocked_sum = 0.0;
+    /* expert parallelism: every rank's rows per step, for metrics.jsonl */
+    double *ep_fig = ep > 1 ? xcalloc((size_t)3 * world, sizeof(double)) : NULL;
+    EpFigures epf = {ep_fig, ep_fig ? ep_fig + world : NULL, ep_fig ? ep_fig + 2 * world : NULL, 0};
     double t_start = kiln_now();
     float val_loss = NAN, last_loss = NAN;
 
@@ -498,6 +527,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         float lr = optim_lr(&sched, step);
         double loss_sum = 0.0;
         model_moe_reset(&model);
+        ep_step_begin(&epx);
         for (int micro = 0; micro < accum; micro++) {
             metrics_phase(mx, PHASE_DATA, step + 1);
             data_next_batch(train, inp, tgt);
@@ -510,6 +540,12 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
             model_backward(&model, micro > 0);
         }
         tp_drain(&tpx); /* the backward's last tp collectives, with the deadline */
+        if (ep > 1) {
+            ep_step_figures(&epx, comm_world(), &epf); /* before evaluation: training rows only */
+            if (epx.grown_to)
+                metrics_print(mx, "expert parallel: step %d: a layer received more rows than its buffers held; "
+                              "grown to %zu rows (dropless)", step + 1, epx.grown_to);
+        }
         if (inject_nan_step > 0 && (step + 1 == inject_nan_step || (inject_nan_after && step + 1 > inject_nan_step))) {
             float poison = NAN;
             /* ZeRO-2/3: the gradient shard (there is no whole arena) */
@@ -530,6 +566,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         int bad = !isfinite(loss) || info.nonfinite;
         double dt = kiln_now() - t0;
         step_time_sum += dt, blocked_sum += ddp_step_blocked_s(&ddp), tp_blocked_sum += tp_step_blocked_s(&tpx);
+        ep_blocked_sum += ep_step_blocked_s(&epx);
         if (!bad) last_loss = loss;
         int last = step == c->steps - 1;
         for (int i = 0; i < data_num_sources(train); i++) src_tokens[i] = data_source_tokens(train, i);
@@ -538,8 +575,13 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                           .val_names = val_names, .val_losses = val_losses};
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
                           info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0,
-                          moe_ms.load ? &moe_ms : NULL, .comm_group = {"dp", tp > 1 ? "tp" : NULL},
-                          .comm_s = {ddp_step_blocked_s(&ddp), tp_step_blocked_s(&tpx)}, .data = &md};
+                          moe_ms.load ? &moe_ms : NULL, .comm_group = {"dp"}, .comm_s = {ddp_step_blocked_s(&ddp)},
+                          .data = &md};
+        int ng = 1; /* the groups this layout communicates in, each with its blocked time */
+        if (tp > 1) ms.comm_group[ng] = "tp", ms.comm_s[ng++] = tp_step_blocked_s(&tpx);
+        if (ep > 1) ms.comm_group[ng] = "ep", ms.comm_s[ng++] = ep_step_blocked_s(&epx);
+        MetricsEp mep = {world, epf.sent, epf.recv, epf.rows, epf.imbalance};
+        if (ep > 1) ms.ep = &mep;
         if (param_host) {
             /* ZeRO-2/3: this rank's fp32 shard (rank 0's is the one logged;
              * ZeRO-2's whole arena is still being refreshed) */
@@ -614,6 +656,10 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         metrics_print(mx, "tensor parallel: %.1f%% of step time blocked in tp communication (activations and "
                           "partial gradients): %.3f of %.3f s", 100.0 * tp_blocked_sum / step_time_sum,
                       tp_blocked_sum, step_time_sum);
+    if (ep > 1 && step_time_sum > 0)
+        metrics_print(mx, "expert parallel: %.1f%% of step time blocked in the all-to-all (token rows and their "
+                          "counts, forward and backward): %.3f of %.3f s", 100.0 * ep_blocked_sum / step_time_sum,
+                      ep_blocked_sum, step_time_sum);
     metrics_print(mx, "run directory: %s", c->run_dir);
     metrics_close(mx);
     free(param_host);
@@ -625,6 +671,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     optim_free(&opt);
     ddp_free(&ddp);
     tp_free(&tpx);
+    ep_free(&epx);
+    free(ep_fig);
     free(moe_buf.load);
     free(moe_buf.sums);
     model_free(&model);
