@@ -179,6 +179,23 @@ static void ep_combine_grad(void *ctx, int layer, void *dxp) {
     exchange_rows(e, e->wire, L->recv_cnt, dxp, L->send_cnt);
 }
 
+size_t ep_plan_rows(const ArchSpec *s, int ep, int B, int T) {
+    /* R slots a rank sends at most; capacity: each rank sends each expert at
+     * most cap rows of each of its B sequences */
+    size_t R = (size_t)B * T * s->moe.top_k, worst = (size_t)ep * R, El = (size_t)(s->moe.n_experts / ep);
+    int cap = arch_moe_capacity(s, T);
+    if (cap <= 0) return 2 * R < worst ? 2 * R : worst;
+    size_t c = (size_t)ep * B * El * (size_t)cap;
+    return c < worst ? c : worst;
+}
+
+size_t ep_buffer_bytes(const ArchSpec *s, int ep, int B, int T, size_t act_bytes) {
+    if (ep <= 1 || s->mlp != MLP_MOE) return 0;
+    size_t rows = ep_plan_rows(s, ep, B, T), C = (size_t)s->n_embd, Fe = (size_t)s->moe.expert_hidden;
+    size_t layer = rows * ((C + 3 * Fe) * act_bytes + 2 * sizeof(int32_t));
+    return (size_t)s->n_layer * layer + rows * (3 * C + 3 * Fe) * act_bytes;
+}
+
 void ep_init(Ep *e, Model *m, CommGroup *g) {
     memset(e, 0, sizeof *e);
     e->m = m;
@@ -191,13 +208,8 @@ void ep_init(Ep *e, Model *m, CommGroup *g) {
     if (!m->act_mem) kiln_fail(KILN_EXIT_RUNTIME, "ep_init: plan the model's activations first");
     const ArchSpec *s = &m->shape;
     e->ep = g->size, e->rank = g->rank, e->El = m->n_experts_here;
-    /* R slots a rank sends at most; capacity: each rank sends each expert at
-     * most cap rows of each of its B sequences */
-    size_t R = (size_t)m->B * m->T * s->moe.top_k, worst = (size_t)e->ep * R;
-    int cap = arch_moe_capacity(s, m->T);
-    e->dropless = cap <= 0;
-    if (!e->dropless && (size_t)e->ep * m->B * e->El * (size_t)cap < worst) worst = (size_t)e->ep * m->B * e->El * cap;
-    size_t rows = e->dropless && 2 * R < worst ? 2 * R : worst;
+    e->dropless = arch_moe_capacity(s, m->T) <= 0;
+    size_t rows = ep_plan_rows(s, e->ep, m->B, m->T);
     if (rows > (1u << 24))
         kiln_fail(KILN_EXIT_USAGE, "key 'parallel.ep': %zu rows per layer would reach this rank, past the 2^24 the "
                   "counts exchange carries exactly; use a smaller micro-batch", rows);

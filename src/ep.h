@@ -51,6 +51,13 @@ typedef struct Ep {
     size_t grown_to;       /* dropless: the rows a layer's buffers grew to since ep_step_begin (0: none) */
 } Ep;
 
+/* Rows each layer's buffers hold at start on an ep rank, for micro-batches
+ * of B x T tokens (ep_init's sizing; see below), and the bytes of the
+ * expert side's buffers (every layer's and the shared ones), act_bytes
+ * per activation: what ./train plan counts. Arithmetic only. */
+size_t ep_plan_rows(const ArchSpec *s, int ep, int B, int T);
+size_t ep_buffer_bytes(const ArchSpec *s, int ep, int B, int T, size_t act_bytes);
+
 /* Install the model's ep exchanges over g (model_set_ep) and allocate the
  * expert side's buffers for the planned micro-batch: after
  * model_plan_activations. m must have been built with ModelOptions.ep =

@@ -716,10 +716,10 @@ size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes,
     return plan_bytes(s, B, T, act_bytes, r, 0, s->n_layer, 1, 1, NULL);
 }
 
-size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r) {
+size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int ep, int B, int T, size_t act_bytes, ModelRecompute r) {
     ArchSpec l;
     arch_tp_local(s, tp, 0, &l); /* rank 0 holds the most vocabulary rows */
-    return plan_bytes(&l, B, T, act_bytes, r, 0, s->n_layer, tp, 1, NULL);
+    return plan_bytes(&l, B, T, act_bytes, r, 0, s->n_layer, tp, ep, NULL);
 }
 
 void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {

@@ -442,8 +442,9 @@ size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes,
 /* The same for one rank of a model split over tp ranks (ModelOptions.tp):
  * its local widths, all N rows of every buffer (sequence parallelism keeps
  * the whole-sequence buffers that the column-parallel products read), and
- * tp's own buffers. */
-size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r);
+ * tp's own buffers; with ep > 1 without the expert side's buffers, which
+ * are ep.c's (ep_buffer_bytes). */
+size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int ep, int B, int T, size_t act_bytes, ModelRecompute r);
 
 /* MoE: zero the loads and drop counts (the start of an optimizer step). */
 void model_moe_reset(Model *m);

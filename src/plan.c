@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "config.h"
+#include "ep.h"
 #include "mesh.h"
 #include "optim.h"
 #include "util.h"
@@ -47,15 +48,25 @@ static double plan_layer_params(const ArchSpec *s) {
 
 size_t plan_param_bytes(const char *master) { return strcmp(master, "bf16") == 0 ? 2 : 4; }
 
-PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int micro_batch, ModelRecompute recompute,
-                                size_t moment_bytes, size_t param_bytes) {
+/* Routed-expert parameters of the whole model (tp does not split them). */
+static double plan_expert_params(const ArchSpec *s) {
+    if (s->mlp != MLP_MOE) return 0;
+    return (double)s->n_layer * s->moe.n_experts * 3.0 * s->moe.expert_hidden * s->n_embd;
+}
+
+PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int ep, int zero, int micro_batch,
+                                ModelRecompute recompute, size_t moment_bytes, size_t param_bytes) {
     PlanMemory m = {0};
     ArchSpec local;
     arch_tp_local(g, tp, 0, &local); /* tp 1: the spec itself */
     const ArchSpec *s = &local;
     m.param_bytes = param_bytes;
-    double L = s->n_layer, params = (double)plan_num_params(s);
-    double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
+    if (ep < 1 || s->mlp != MLP_MOE) ep = 1;
+    /* expert parallelism: the experts not held here leave the count; their
+     * ZeRO-1 state splits over dp / ep holders, so the shard stays 1/dp */
+    double all = (double)plan_num_params(s), experts = plan_expert_params(s);
+    double L = s->n_layer, params = all - experts + experts / ep;
+    double shard = (double)(((size_t)all + (size_t)dp - 1) / (size_t)dp);
     double layer = plan_layer_params(s), rest = params - L * layer;
     if (zero >= 2 && dp > 1) {
         /* ZeRO 2 and 3 (ddp.c, unit-sharded): a 1/dp shard of the gradients
@@ -91,8 +102,9 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int
     /* fp32 activations: the upper bound (bf16 halves them, see plan_usage) */
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
         for (int k = 0; k < 2; k++)
-            m.act_by_mode[r][k] = (double)model_activation_bytes_tp(g, tp, micro_batch, s->seq_len,
-                                                                   k ? 2 : sizeof(float), (ModelRecompute)r);
+            m.act_by_mode[r][k] = (double)(model_activation_bytes_tp(g, tp, ep, micro_batch, s->seq_len,
+                                                                    k ? 2 : sizeof(float), (ModelRecompute)r) +
+                                           ep_buffer_bytes(s, ep, micro_batch, s->seq_len, k ? 2 : sizeof(float)));
     m.recompute = recompute;
     m.activations = m.act_by_mode[recompute][0];
     m.activations_bf16 = m.act_by_mode[recompute][1];
@@ -102,9 +114,10 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int
     return m;
 }
 
-PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int zero, int micro_batch, int micro,
+PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int ep, int zero, int micro_batch, int micro,
                             size_t act_bytes) {
     PlanComm c = {0};
+    if (ep < 1 || s->mlp != MLP_MOE) ep = 1;
     double N = (double)micro_batch * s->seq_len, NC = N * s->n_embd * (double)act_bytes;
     if (tp > 1) {
         double k = tp, ag = (k - 1) / k, ar = 2 * ag; /* per byte of the whole buffer */
@@ -131,18 +144,23 @@ PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int zero,
     if (dp > 1) {
         ArchSpec l;
         arch_tp_local(s, tp, 0, &l);
-        double P = (double)arch_num_params(&l) * 4, k = dp, ag = (k - 1) / k;
+        double X = plan_expert_params(&l) * 4, P = (double)arch_num_params(&l) * 4 - X, k = dp, ag = (k - 1) / k;
+        double ke = (double)dp / ep, age = (ke - 1) / ke;
         /* ZeRO 0/1: one all-reduce (ZeRO-1: reduce-scatter + all-gather, the
          * same bytes); ZeRO 2: reduce-scatters + the parameters' all-gather;
          * ZeRO 3: + the forward's and backward's gathers of every layer,
-         * every micro-batch */
-        c.dp = 2 * ag * P;
-        if (zero == 3) c.dp += 2.0 * micro * ag * P - ag * P;
+         * every micro-batch; the experts over EDP (whole with ep 1) */
+        c.dp = 2 * ag * P + 2 * age * X / ep;
+        if (zero == 3) c.dp += (2.0 * micro - 1) * ag * (P + X);
+    }
+    if (ep > 1) {
+        double rows = (double)micro_batch * s->seq_len * s->moe.top_k;
+        c.ep = 4.0 * s->n_layer * micro * (ep - 1.0) / ep * rows * s->n_embd * (double)act_bytes;
     }
     return c;
 }
 
-void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int zero, int micro_batch, int micro) {
+void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int ep, int zero, int micro_batch, int micro) {
     if (tp <= 1 && dp <= 1) return;
     if (tp > 1) {
         ArchSpec l;
@@ -153,12 +171,19 @@ void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int zero, int micr
                l.padded_vocab, s->vocab_size, l.padded_vocab, tp,
                s->mlp == MLP_MOE ? "; MoE layers replicated over tp" : "");
     }
-    PlanComm c32 = plan_comm_per_step(s, tp, sp, dp, zero, micro_batch, micro, 4);
-    PlanComm c16 = plan_comm_per_step(s, tp, sp, dp, zero, micro_batch, micro, 2);
+    if (ep > 1 && s->mlp == MLP_MOE)
+        printf("  expert parallel        ep %d: per rank %d of %d experts per layer, up to %zu rows received per "
+               "layer (%s)\n", ep, s->moe.n_experts / ep, s->moe.n_experts, ep_plan_rows(s, ep, micro_batch, s->seq_len),
+               arch_moe_capacity(s, s->seq_len) > 0 ? "the capacity's worst case" : "dropless: grown when needed");
+    PlanComm c32 = plan_comm_per_step(s, tp, sp, dp, ep, zero, micro_batch, micro, 4);
+    PlanComm c16 = plan_comm_per_step(s, tp, sp, dp, ep, zero, micro_batch, micro, 2);
     if (tp > 1)
         printf("  comm per step, tp      %.4g GB sent per rank (%.4g GB with bf16 activations), %d collectives per "
                "micro-batch\n", c32.tp / 1e9, c16.tp / 1e9, c32.tp_collectives);
     if (dp > 1) printf("  comm per step, dp      %.4g GB sent per rank (fp32 gradients, ZeRO %d)\n", c32.dp / 1e9, zero);
+    if (ep > 1 && s->mlp == MLP_MOE)
+        printf("  comm per step, ep      %.4g GB sent per rank (%.4g GB with bf16 activations; an even load), 4 "
+               "all-to-alls per MoE layer and micro-batch\n", c32.ep / 1e9, c16.ep / 1e9);
 }
 
 void plan_print_bytes(const char *what, double bytes) {
@@ -277,7 +302,7 @@ int plan_main(int argc, char **argv) {
                   gpus, nodes);
 
     Config c;
-    cfg_load(&c, config_path, sets, nsets); /* pp/cp/ep != 1 exit 2 here: not implemented */
+    cfg_load(&c, config_path, sets, nsets); /* pp/cp != 1 exit 2 here: not implemented */
     free(sets);
     ArchSpec s;
     arch_from_config(&c, &s);
@@ -314,7 +339,7 @@ int plan_main(int argc, char **argv) {
 
     ModelRecompute recompute = model_recompute_parse(c.recompute);
     size_t sb = optim_state_bytes(c.optim_state), pb = plan_param_bytes(c.master); /* bytes per element */
-    PlanMemory m = plan_memory_per_rank(&s, tp, dp, c.zero, c.micro_batch, recompute, sb, pb);
+    PlanMemory m = plan_memory_per_rank(&s, tp, dp, c.ep, c.zero, c.micro_batch, recompute, sb, pb);
     size_t params = plan_num_params(&s);
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d): %zu parameters "
            "(%.2fM)\n", c.run_name, c.arch, s.n_layer, s.n_head, s.n_embd, s.seq_len, s.vocab_size, s.padded_vocab,
@@ -323,9 +348,9 @@ int plan_main(int argc, char **argv) {
            gpus / nodes, gpu_gib, gpu_mem_given ? "" : " (default; --gpu-mem GB)");
     printf("  layout                 dp %d x tp %d x pp %d x cp %d (ep %d), ZeRO %d%s\n", dp, c.tp, c.pp, c.cp, c.ep,
            c.zero, c.dp > 0 ? "" : " (parallel.dp: auto)");
-    printf("                         pp, cp and ep are 1: data and tensor parallelism are implemented in this "
-           "build\n");
-    if (!problem[0]) plan_print_tp(&s, tp, sp, dp, c.zero, c.micro_batch, c.grad_accum / dp);
+    printf("                         pp and cp are 1: data, tensor and expert parallelism are implemented in "
+           "this build\n");
+    if (!problem[0]) plan_print_tp(&s, tp, sp, dp, c.ep, c.zero, c.micro_batch, c.grad_accum / dp);
     if (!problem[0])
         printf("  batch                  %lld tokens = %d ranks x %d accumulation steps x micro-batch %d x %d tokens\n",
                (long long)c.total_tokens, dp, c.grad_accum / dp, c.micro_batch, c.seq_len);
@@ -352,16 +377,16 @@ int plan_main(int argc, char **argv) {
         int div[128];
         int nd = plan_divisors(rank_samples, div, 128);
         /* precision.master bf16 is ZeRO 0 only (its parameters are not sharded) */
-        int max_zero = pb == 2 ? 0 : 3;
+        int max_zero = pb == 2 ? 0 : c.ep > 1 ? 1 : 3; /* and expert parallelism ZeRO 0 or 1 */
         for (int z = 0; z <= max_zero && best_zero < 0; z++) {
             for (int j = 0; j < nd; j++) {
-                PlanMemory t = plan_memory_per_rank(&s, tp, dp, z, div[j], recompute, sb, pb);
+                PlanMemory t = plan_memory_per_rank(&s, tp, dp, c.ep, z, div[j], recompute, sb, pb);
                 if (t.total <= cap) {
                     best_zero = z, best_mb = div[j], best = t;
                     break;
                 }
             }
-            PlanMemory t1 = plan_memory_per_rank(&s, tp, dp, z, 1, recompute, sb, pb);
+            PlanMemory t1 = plan_memory_per_rank(&s, tp, dp, c.ep, z, 1, recompute, sb, pb);
             if (least_zero < 0 || t1.total < least.total) least = t1, least_zero = z;
         }
     }

@@ -44,24 +44,31 @@ size_t plan_num_params(const ArchSpec *s);
 /* moment_bytes: AdamW's m and v per element, 4 (fp32) or 2 (precision.optim_state bf16);
  * param_bytes: the parameters', 4 (fp32 master) or 2 (precision.master bf16, ZeRO 0 only). */
 /* tp > 1: one rank's part of a model split over tp ranks (its local
- * tensors, rank 0's: the most vocabulary rows). */
-PlanMemory plan_memory_per_rank(const ArchSpec *s, int tp, int dp, int zero, int micro_batch, ModelRecompute recompute,
-                                size_t moment_bytes, size_t param_bytes);
+ * tensors, rank 0's: the most vocabulary rows). ep > 1 (ZeRO 0 or 1): the
+ * rank holds n_experts / ep of each layer's experts, whose ZeRO-1 state is
+ * split over the dp / ep ranks holding the same ones, and the expert side's
+ * receive buffers (ep_buffer_bytes) replace the model's own. */
+PlanMemory plan_memory_per_rank(const ArchSpec *s, int tp, int dp, int ep, int zero, int micro_batch,
+                                ModelRecompute recompute, size_t moment_bytes, size_t param_bytes);
 
 /* Bytes one rank sends per optimizer step, by group (ring algorithms: an
  * all-reduce of B bytes sends 2 (k-1)/k B, an all-gather or a
  * reduce-scatter (k-1)/k B): tp's activations (act_bytes each) and partial
  * gradients for `micro` micro-batches of micro_batch x seq_len tokens, and
  * dp's gradients (and ZeRO's parameter gathers) of the rank's tensors. */
+/* ep > 1: the all-to-alls of routed rows (four per MoE layer and
+ * micro-batch: dispatch and combine, forward and backward, an even load
+ * assumed: (ep-1)/ep of a rank's N top_k rows leave it each time), and dp's
+ * expert gradients over EDP (dp / ep ranks). */
 typedef struct PlanComm {
-    double tp, dp;
+    double tp, dp, ep;
     int tp_collectives; /* tp collectives per micro-batch (forward and backward) */
 } PlanComm;
-PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int zero, int micro_batch, int micro,
+PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int ep, int zero, int micro_batch, int micro,
                             size_t act_bytes);
-/* The tensor-parallel lines of --dry-run and ./train plan: the split per
- * rank and the communication per step. */
-void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int zero, int micro_batch, int micro);
+/* The tensor- and expert-parallel lines of --dry-run and ./train plan: the
+ * split per rank and the communication per step. */
+void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int ep, int zero, int micro_batch, int micro);
 /* "fp32" -> 4, "bf16" -> 2 (precision.master). */
 size_t plan_param_bytes(const char *master);
 

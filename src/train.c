@@ -83,17 +83,18 @@ static void print_plan(const Config *c, const ArchSpec *s) {
     printf("  FLOPs per token        %.4g (training: forward + backward)\n", fpt);
     /* per rank: dp auto resolves to the world size at launch; without a
      * launcher the plan shows one rank unless parallel.dp says how many */
-    int dp = c->dp > 0 ? c->dp : 1, tp = c->tp, sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
+    int dp = c->dp > 0 ? c->dp : c->ep, tp = c->tp, sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
     char err[512];
     if (arch_tp_check(s, tp, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
-    printf("  memory per rank        dp %d%s x tp %d, ZeRO %d\n", dp,
-           c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)", tp, c->zero);
+    printf("  memory per rank        dp %d%s x tp %d (ep %d), ZeRO %d\n", dp,
+           c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)", tp, c->ep, c->zero);
     /* the same accounting `./train plan` uses (src/plan.c) */
-    PlanMemory mem = plan_memory_per_rank(s, tp, dp, c->zero, c->micro_batch, model_recompute_parse(c->recompute),
-                                          optim_state_bytes(c->optim_state), plan_param_bytes(c->master));
+    PlanMemory mem = plan_memory_per_rank(s, tp, dp, c->ep, c->zero, c->micro_batch,
+                                          model_recompute_parse(c->recompute), optim_state_bytes(c->optim_state),
+                                          plan_param_bytes(c->master));
     plan_print_state(&mem, dp, c->zero);
     plan_print_activations(&mem);
-    plan_print_tp(s, tp, sp, dp, c->zero, c->micro_batch, c->grad_accum / dp);
+    plan_print_tp(s, tp, sp, dp, c->ep, c->zero, c->micro_batch, c->grad_accum / dp);
     printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps x %d ranks)\n",
            (long long)tokens_per_step, c->micro_batch, c->seq_len, c->grad_accum / dp, dp);
     printf("  micro-batches per step %d (%d per rank)\n", c->grad_accum, c->grad_accum / dp);

@@ -31,8 +31,8 @@ for np in 2 4; do
     rc=$?
     grep -E '^(ok|FAIL|skip) ' "$T/np$np.out"
     n=$(grep -c '^ok ' "$T/np$np.out")
-    # 23 checks: describe, 5 mesh, 2 shard, placement, 11 collectives, split, mesh groups, consistency
-    if [ $rc -eq 0 ] && [ "$n" -ge 23 ]; then ok "mpi${np}_run_complete"
+    # 24 checks: describe, 5 mesh, 2 shard, placement, 12 collectives, split, mesh groups, consistency
+    if [ $rc -eq 0 ] && [ "$n" -ge 24 ]; then ok "mpi${np}_run_complete"
     else fail "mpi${np}_run_complete" "exit $rc, $n ok lines; stderr: $(tail -c 400 "$T/np$np.err")"; fi
     echo "mpi${np}: $(elapsed "$t0") s" >>"$T/timings"
 done

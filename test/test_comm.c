@@ -255,6 +255,24 @@ static void test_collectives(void) {
             if (recv[j * b2 + i] != (float)(j * 100 + r * 10 + (int)i)) ok = 0;
     check("all_to_all", ok, "block j came from rank j and is its block r");
 
+    /* The variable-count form: rank r sends (r + 2j) % 3 elements to rank j
+     * (some pairs nothing, itself included), as floats and as 2-byte
+     * elements (bf16 rows move as such). */
+    size_t sc[64], rc[64], so = 0, ro = 0;
+    for (int j = 0; j < w && j < 64; j++) sc[j] = (size_t)((r + 2 * j) % 3), rc[j] = (size_t)((j + 2 * r) % 3);
+    for (int j = 0; j < w; j++)
+        for (size_t i = 0; i < sc[j]; i++) send[so++] = (float)(r * 100 + j * 10 + (int)i);
+    comm_all_to_allv(g, send, sc, recv, rc, sizeof(float));
+    uint16_t s16[3 * 64], r16[3 * 64];
+    for (size_t i = 0; i < so; i++) s16[i] = (uint16_t)send[i];
+    comm_all_to_allv(g, s16, sc, r16, rc, 2);
+    ok = w <= 64;
+    for (int j = 0; j < w && ok; j++)
+        for (size_t i = 0; i < rc[j]; i++, ro++)
+            if (recv[ro] != (float)(j * 100 + r * 10 + (int)i) || r16[ro] != (uint16_t)(j * 100 + r * 10 + (int)i))
+                ok = 0;
+    check("all_to_allv", ok, "rank j's elements for rank r, in rank order, 4- and 2-byte");
+
     comm_barrier(g);
     check("barrier", 1, "");
 

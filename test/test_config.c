@@ -207,6 +207,19 @@ static void test_cross_errors(void) {
                      "parallel.dp = 3", NULL);
     expect_yaml_fail("config_parallel_zero4", "parallel:\n  zero: 4\n", "key 'parallel.zero'",
                      "[0, 3]", NULL);
+    /* expert parallelism: an MoE model whose experts and dp it divides, ZeRO 0 or 1, not Muon */
+#define MOE4 "model:\n  arch: llama\n  mlp: moe\n  moe:\n    n_experts: 4\n    top_k: 2\n"
+    expect_yaml_fail("config_parallel_ep_dense", "parallel:\n  ep: 2\n", "bad.yaml:2:", "key 'parallel.ep'",
+                     "model.mlp is gelu");
+    expect_yaml_fail("config_parallel_ep_experts", MOE4 "parallel:\n  ep: 3\n", "bad.yaml:8:",
+                     "ep 3 must divide the 4 experts", NULL);
+    expect_yaml_fail("config_parallel_ep_dp", MOE4 "parallel:\n  ep: 2\n  dp: 3\n", "'parallel.dp'",
+                     "ep 2 must divide dp 3", NULL);
+    expect_yaml_fail("config_parallel_ep_zero2", MOE4 "parallel:\n  ep: 2\n  zero: 2\n", "bad.yaml:9:",
+                     "key 'parallel.zero'", "ZeRO 0 or 1");
+    expect_yaml_fail("config_parallel_ep_muon", MOE4 "parallel:\n  ep: 2\noptim:\n  name: muon\n",
+                     "key 'optim.name'", "parallel.ep > 1", NULL);
+#undef MOE4
 }
 
 static void test_sets(void) {
