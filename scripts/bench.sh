@@ -2,7 +2,7 @@
 # make bench: the data loader at 10,000 shards, then the GPT-2 124M shape on the CPU
 # backend at context 64 and 256, a Llama and an MoE point of the same size at 256; each
 # point prints whole-step GFLOP/s next to the sgemm rate measured in the same
-# process; 2-rank data-parallel and tensor-parallel points come first (when
+# process; 2-rank data-, tensor- and expert-parallel points come first (when
 # MPI is built in).
 # The last line is the context-64 point, the headline.
 set -euo pipefail
@@ -53,10 +53,29 @@ if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
     mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 ./train configs/bench-cpu.yaml "${TPS[@]}" \
         --set parallel.tp=2 --set run.dir="$dir/tp2" 2>&1 | grep -E '^step|^done|tensor parallel: [0-9.]*%' \
         | sed 's/ | MFU[^|]*//'
+    # Expert parallelism: configs/moe-tiny.yaml's shape made wider (256
+    # channels, 8 experts of width 512, top 2, one shared expert), a global
+    # batch of 2 micro-batches of 8 x 128: one rank with one thread runs both;
+    # 2 ranks with ep 2 run one each, every rank holding 4 of the 8 experts
+    # and sending the rows for the other 4 by all-to-all. Reported: step
+    # times, and the fraction of step time blocked in the ep group's
+    # all-to-alls (the rows and their counts, forward and backward; it
+    # includes waiting for the rank whose experts got more rows).
+    EPS=(--set data.tokenizer=byte --set "data.train=$dir/data/train_*.bin" --set 'data.val=""' --set run.threads=1
+         --set model.n_embd=256 --set model.moe.expert_hidden=512 --set batch.micro_batch=8
+         --set batch.total_tokens=2048 --set train.steps="$steps" --set train.sample_every=0 --set train.eval_every=0
+         --set checkpoint.every=0 --set checkpoint.final=false --set metrics.peak_gflops=1 --set metrics.log_every=1)
+    echo "== MoE (moe-tiny, 256 wide, 8 experts x 512), 1 rank x 1 thread, 2 micro-batches of 8 x 128 (the ep point's reference) =="
+    ./train configs/moe-tiny.yaml "${EPS[@]}" --set run.dir="$dir/ep1" 2>&1 | grep -E '^step|^done' \
+        | sed 's/ | MFU[^|]*//; s/ | moe .*//'
+    echo "== the same MoE, 2 ranks x 1 thread, expert parallel ep 2 (4 experts per rank), 1 micro-batch each =="
+    mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 ./train configs/moe-tiny.yaml "${EPS[@]}" \
+        --set parallel.ep=2 --set run.dir="$dir/ep2" 2>&1 | grep -E '^step|^done|expert parallel: [0-9.]*%' \
+        | sed 's/ | MFU[^|]*//; s/ | moe .*//'
     # what the flight recorder and monitor.check_collectives cost per step (docs/parallel.md)
     bash scripts/bench_flight.sh 2 1000 5
 else
-    echo "== data- and tensor-parallel points skipped: mpirun or an MPI build of ./train not found =="
+    echo "== data-, tensor- and expert-parallel points skipped: mpirun or an MPI build of ./train not found =="
 fi
 # Llama at about GPT-2 124M's size (12 x 768, GQA 12 heads / 4 kv heads,
 # SwiGLU 2048, RoPE, untied head) and an MoE of the same trunk (8 experts of

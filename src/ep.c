@@ -275,10 +275,7 @@ double ep_step_blocked_s(const Ep *e) { return e->blocked_s; }
 int ep_describe(const Ep *e, char *buf, size_t len) {
     if (e->ep <= 1) return 0;
     const Model *m = e->m;
-    size_t per_row = (ep_C(e) + 3 * ep_Fe(e)) * m->act_bytes;
-    size_t layers = (size_t)(m->layer_hi - m->layer_lo);
-    double mib = (double)(layers * e->layer[m->layer_lo].cap * (per_row + 2 * sizeof(int32_t)) +
-                          e->wcap * (3 * ep_C(e) + 3 * ep_Fe(e)) * m->act_bytes) / 1048576.0;
+    double mib = (double)ep_buffer_bytes(&m->shape, e->ep, m->B, m->T, m->act_bytes) / 1048576.0;
     snprintf(buf, len, "expert parallel: %d ranks, experts %d..%d of %d here per layer; tokens by all-to-all; "
              "receive buffers %zu rows per layer (%s), %.2f MiB", e->ep, m->expert_lo,
              m->expert_lo + e->El - 1, m->shape.moe.n_experts, e->layer[m->layer_lo].cap,

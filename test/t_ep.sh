@@ -76,12 +76,13 @@ if len(a) != len(b) or not a or "moe_load" not in a[0]:
 PY
 }
 
-# equiv NAME MODEL NP EP TP ZERO: the run against the model's one-rank reference
+# equiv NAME MODEL NP EP TP ZERO [ARGS...]: the run against the model's one-rank reference
 equiv() {
     local name=$1 model=$2 np=$3 ep=$4 tp=$5 z=$6
+    shift 6
     local D=$T/$name
     "${MPIRUN[@]}" -np $np ./train $Y $S ${!model} --set parallel.ep=$ep --set parallel.tp=$tp --set parallel.zero=$z \
-        --set run.dir=$D >$D.txt 2>&1
+        --set run.dir=$D "$@" >$D.txt 2>&1
     local rc=$? why moe diff drc=1
     why=$(close_losses $T/ref_$model/metrics.jsonl $D/metrics.jsonl 2>&1)
     moe=$(moe_same $T/ref_$model/metrics.jsonl $D/metrics.jsonl 2>&1)
@@ -105,6 +106,27 @@ equiv dropless_bias_ep2 FREE 2 2 1 0
 equiv dropless_bias_ep4 FREE 4 4 1 0
 equiv dropless_bias_ep2_dp2_zero1 FREE 4 2 1 1
 equiv dropless_bias_ep2_tp2 FREE 4 2 2 0
+equiv dropless_bias_ep2_tp2_zero1 FREE 4 2 2 1
+# every collective agreed on before it runs (monitor.check_collectives): the
+# all-to-alls' per-rank counts differ, the calls must not
+equiv capacity_ep2_dp2_checked MOE 4 2 1 1 --set monitor.check_collectives=true
+
+# Generation under ep: every rank runs the forwards (each MoE layer an
+# all-to-all) and draws the same tokens: the text of one rank.
+G="--set train.sample_every=6 --set train.sample_tokens=40"
+./train $Y $S $MOE $G --set run.dir=$T/gen1 2>&1 | sed -n '/--- sample/,/^---$/p' >$T/gen1.txt
+"${MPIRUN[@]}" -np 2 ./train $Y $S $MOE $G --set parallel.ep=2 --set run.dir=$T/gen2 2>&1 \
+    | sed -n '/--- sample/,/^---$/p' >$T/gen2.txt
+[ -s $T/gen1.txt ] && cmp -s $T/gen1.txt $T/gen2.txt && ok ep_generation_same_text \
+    || fail ep_generation_same_text "$(head -c 200 $T/gen1.txt) vs $(head -c 200 $T/gen2.txt)"
+
+# ./train plan: the experts per rank and the all-to-alls' bytes; ZeRO 2 refused
+out=$(./train plan configs/moe-tiny.yaml --gpus 2 --set parallel.ep=2 2>&1); rc=$?
+[ $rc -eq 0 ] && printf '%s\n' "$out" | grep -q 'expert parallel        ep 2: per rank 4 of 8 experts' &&
+    printf '%s\n' "$out" | grep -q 'comm per step, ep' && ok ep_plan_lines || fail ep_plan_lines "rc $rc: $out"
+out=$(./train plan configs/moe-tiny.yaml --gpus 2 --set parallel.ep=2 --set parallel.zero=3 2>&1); rc=$?
+[ $rc -eq 2 ] && printf '%s\n' "$out" | grep -q 'ZeRO 0 or 1' && ok ep_plan_refuses_zero3 \
+    || fail ep_plan_refuses_zero3 "rc $rc: $out"
 
 # The balancing bias moved in the reference (rate 0.001 a step, by the sign
 # of each expert's distance from the mean load), so the comparisons above

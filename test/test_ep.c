@@ -177,6 +177,13 @@ static void scenario(const char *name, float cf, Route how) {
             snprintf(n, sizeof n, "%s_other_ranks_receive_nothing", name);
             check(n, R == 0 ? here > 0 : here == 0, why);
         }
+        if (how == ROUTE_RANK0 && !tagged && e.dropless && W == 4) {
+            /* rank 0 receives every rank's rows, 4 N K: past the 2 N K a
+             * dropless rank starts with, so its buffers grew (and say so) */
+            snprintf(why, sizeof why, "rank %d ran %lld rows, grew to %zu", R, (long long)here, e.grown_to);
+            snprintf(n, sizeof n, "%s_buffers_grew", name);
+            check(n, R == 0 ? e.grown_to >= (size_t)here && here == 4 * B * T * K : e.grown_to == 0, why);
+        }
         if (how == ROUTE_SKIP && !tagged) {
             int El = E / W;
             const int32_t *off = W > 1 ? e.layer[0].off : m.acts[0].offsets_host;
