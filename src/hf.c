@@ -337,6 +337,17 @@ int hf_export_main(int argc, char **argv) {
         hf_write_dir(&s, t, n, host, out, !strcmp(dt, "bf16") ? ST_BF16 : ST_F32, shard_bytes);
         printf("export: %s (step %lld) -> %s: model safetensors, config.json (%s, %d tensors, %s)\n", dir,
                (long long)info.step, out, hf_model_type(&s, why, sizeof why), n, dt);
+        /* the run's tokenizer, where HF has it: GPT-2's BPE (the byte tokenizer has no HF class) */
+        struct stat sb;
+        if (!strcmp(c.tokenizer, "gpt2") && stat(c.tokenizer_file, &sb) == 0) {
+            hf_write_gpt2_tokenizer(out, c.tokenizer_file, s.seq_len);
+            printf("export: GPT-2 tokenizer from %s -> vocab.json, merges.txt, tokenizer_config.json\n",
+                   c.tokenizer_file);
+        } else if (!strcmp(c.tokenizer, "gpt2")) {
+            printf("export: no tokenizer files: the run's data.tokenizer_file %s is not here\n", c.tokenizer_file);
+        } else {
+            printf("export: no tokenizer files: data.tokenizer %s has no HuggingFace counterpart\n", c.tokenizer);
+        }
     }
     for (int i = 0; i < n; i++) free(host[i]);
     free(host), free(t);

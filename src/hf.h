@@ -27,6 +27,12 @@ void hf_tensor_name(const ArchSpec *s, const char *kiln_name, int role, char *ou
 void hf_write_dir(const ArchSpec *s, const ArchTensor *t, int n, float *const *host, const char *dir, StDtype dtype,
                   uint64_t shard_bytes);
 
+/* GPT-2's BPE ranks (a tiktoken file) as HF's tokenizer files in dir:
+ * vocab.json, merges.txt, tokenizer_config.json (model_max_length max_len),
+ * special_tokens_map.json. Returns the vocabulary size; exits 2 on a rank
+ * file that is not GPT-2-style BPE, 1 on I/O failure. */
+int hf_write_gpt2_tokenizer(const char *dir, const char *rank_file, int max_len);
+
 /* init.from naming an HF directory (model.safetensors) or a .safetensors
  * file: load it into m's parameters (names mapped back, GPT-2 transposed
  * back, padded rows zero) and say so when `say`. Returns 0 if path is

@@ -119,3 +119,40 @@ if [ -d "$T/llama_hf32" ]; then
     expect hf_import_checks_config_json 2 "config.json: key 'rope_theta' is 500000, the config's model.rope_theta is 10000" -- \
         build/test/hf_tool "$T/llama/config.yaml" "$T/llama_badcfg" --dump "$T/x2.safetensors"
 fi
+
+# GPT-2's tokenizer files: a GPT-2 run on the BPE tokenizer exports vocab.json
+# and merges.txt made from kiln's tiktoken ranks; HF's GPT2Tokenizer (and the
+# fast one) encode 200 KB of Austen and a text of awkward cases (contractions,
+# digits, whitespace runs, accents, emoji) to exactly the ids kiln's
+# prepare wrote.
+if [ -f data/cache/gpt2.tiktoken ]; then
+    mkdir -p "$T/tok"
+    head -c 200000 data/austen.txt > "$T/tok/a.txt"
+    printf "It's 2,048 tokens...   don't\n\n\tcafé naïve – “quoted” 日本語 😀 x\r\ny'all 3.14159  \n" > "$T/tok/b.txt"
+    ok_all=1
+    for f in a b; do
+        ./train prepare --tokenizer gpt2 --no-eot --val-fraction 0 --out "$T/tok/$f" "$T/tok/$f.txt" >/dev/null 2>&1 || ok_all=0
+    done
+    # shellcheck disable=SC2086
+    ./train configs/tiny.yaml "${common[@]}" --set model.vocab_size=50257 --set data.tokenizer=gpt2 \
+        --set data.tokenizer_file=data/cache/gpt2.tiktoken --set "data.train=$T/tok/a/train_*.bin" --set 'data.val=""' \
+        --set train.steps=1 --set "run.dir=$T/tok/run" >"$T/tok/train.txt" 2>&1 || ok_all=0
+    ./train export "$T/tok/run" --format hf --out "$T/tok/hf" >"$T/tok/export.txt" 2>&1 || ok_all=0
+    if [ $ok_all -eq 1 ] && "$py" - "$T/tok" <<'PY'; then ok hf_gpt2_tokenizer_files
+import sys
+import numpy as np
+from transformers import AutoTokenizer
+d = sys.argv[1]
+for f in ("a", "b"):
+    raw = open(f"{d}/{f}/train_000000.bin", "rb").read()
+    kiln = np.frombuffer(raw[1024:], dtype=np.uint16).tolist()
+    text = open(f"{d}/{f}.txt", encoding="utf-8", newline="").read()  # keep \r\n as written
+    for fast in (False, True):
+        tok = AutoTokenizer.from_pretrained(f"{d}/hf", use_fast=fast)
+        ids = tok.encode(text)
+        if ids != kiln:
+            i = next((k for k, (x, y) in enumerate(zip(ids, kiln)) if x != y), min(len(ids), len(kiln)))
+            sys.exit(f"{f}.txt, fast={fast}: first difference at token {i} of {len(kiln)}")
+PY
+    else fail hf_gpt2_tokenizer_files "$(tail -n 2 "$T/tok/export.txt")"; fi
+fi
