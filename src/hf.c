@@ -615,10 +615,23 @@ int hf_init_from(Model *m, const char *path, int say) {
         if (all) memcpy(all + p->offset, v, p->numel * sizeof(float));
         else m->be->to_device(m->pview[i], v, p->numel * sizeof(float));
     }
+    /* a pipeline stage takes its layers (and the embeddings or the head it
+     * holds): the rest of a whole model's tensors belong to other stages */
+    int stage = m->layer_lo > 0 || m->layer_hi < s->n_layer;
+    int nall = 0;
+    ArchTensor *whole = stage ? arch_tensors(&m->gshape, 0, &nall) : NULL;
     for (int k = 0; k < h.n; k++)
         for (int j = 0; j < h.f[k].n; j++) {
             const StTensor *t = &h.f[k].t[j];
             if (used[k][j] || hf_ignorable(t->name)) continue;
+            int other_stage = 0;
+            for (int w = 0; w < nall && !other_stage; w++) {
+                char hn[128];
+                int tr;
+                hf_tensor_name(s, whole[w].name, whole[w].role, hn, sizeof hn, &tr);
+                other_stage = !strcmp(hn, t->name);
+            }
+            if (other_stage) continue;
             if (!strcmp(t->name, "lm_head.weight") && s->tie_embeddings && hf_tied_copy(&h, k, t, s)) continue;
             kiln_fail(KILN_EXIT_USAGE, "init.from %s: tensor '%s' has no place in the config's model (%s, %d layers%s)",
                       h.path[k], t->name, arch_family_name(s->family), s->n_layer,
@@ -630,6 +643,7 @@ int hf_init_from(Model *m, const char *path, int say) {
         printf("init.from: HuggingFace weights of %s (%d tensors%s); optimizer, data position and step start fresh\n",
                file, m->num_tensors, h.n > 1 ? ", sharded" : "");
     for (int k = 0; k < h.n; k++) free(used[k]);
+    free(whole);
     free(all), free(a), free(b), free(used);
     hf_set_free(&h);
     return 1;

@@ -8,7 +8,9 @@
  *                            sequence again, as HF's generate without a cache computes it):
  *                            one line per token, "id gap" with gap the distance from the
  *                            best logit to the second (a near tie may go either way)
- * usage: hf_tool CONFIG.yaml INIT_FROM (--logits OUT TOK... | --dump OUT | --export DIR) */
+ * With --stage LO HI first (before the mode) the model is the pipeline stage
+ * of layers [LO, HI) (--dump then writes that stage's tensors).
+ * usage: hf_tool CONFIG.yaml INIT_FROM [--stage LO HI] (--logits OUT TOK... | --dump OUT | --export DIR | --greedy ...) */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,8 +31,14 @@ int main(int argc, char **argv) {
     cfg_load(&c, argv[1], NULL, 0);
     ArchSpec s;
     arch_from_config(&c, &s);
+    ModelOptions o = {0};
+    if (argc > 6 && !strcmp(argv[3], "--stage")) {
+        o.layer_lo = atoi(argv[4]), o.layer_hi = atoi(argv[5]);
+        memmove(argv + 3, argv + 6, (size_t)(argc - 6 + 1) * sizeof *argv); /* the mode's arguments move up */
+        argc -= 3;
+    }
     Model m;
-    model_init(&m, backend_get("cpu"), &s, NULL);
+    model_init(&m, backend_get("cpu"), &s, &o);
     state_load_init_from(&m, argv[2], 0);
     const char *mode = argv[3], *out = argv[4];
     float *all = xmalloc(m.num_params * sizeof(float));

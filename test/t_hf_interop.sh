@@ -156,3 +156,19 @@ for f in ("a", "b"):
 PY
     else fail hf_gpt2_tokenizer_files "$(tail -n 2 "$T/tok/export.txt")"; fi
 fi
+
+# A pipeline stage (layers [1, 2) of 2, with the final norm and head) loads its
+# part of a whole HF model: every tensor it holds is the whole model's.
+if [ -d "$T/llama_hf32" ]; then
+    if build/test/hf_tool "$T/llama/config.yaml" "$T/llama_hf32" --dump "$T/whole.safetensors" &&
+        build/test/hf_tool "$T/llama/config.yaml" "$T/llama_hf32" --stage 1 2 --dump "$T/stage.safetensors" &&
+        "$py" - "$T/whole.safetensors" "$T/stage.safetensors" <<'PY'; then ok hf_import_into_stage
+import sys
+from safetensors.numpy import load_file
+w, s = load_file(sys.argv[1]), load_file(sys.argv[2])
+assert s and set(s) < set(w), sorted(set(s) - set(w))
+assert all(k.startswith("layers.1.") or not k.startswith("layers.") for k in s), "another layer in the stage"
+assert all(s[k].tobytes() == w[k].tobytes() for k in s), "a tensor differs"
+PY
+    else fail hf_import_into_stage "the stage's tensors differ from the whole model's"; fi
+fi
