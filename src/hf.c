@@ -575,7 +575,7 @@ int hf_init_from(Model *m, const char *path, int say) {
     HfSet h;
     if (!hf_open_set(path, &h)) return 0;
     const char *file = h.n == 1 ? h.path[0] : path;
-    const ArchSpec *s = &m->shape;
+    const ArchSpec *s = &m->gshape; /* the whole model's: tensor parallelism keeps each rank's part below */
     char why[400];
     const char *type = hf_model_type(s, why, sizeof why);
     if (!type) kiln_fail(KILN_EXIT_USAGE, "init.from %s: %s", file, why);
@@ -583,8 +583,13 @@ int hf_init_from(Model *m, const char *path, int say) {
     char **used = xcalloc((size_t)h.n, sizeof *used);
     for (int k = 0; k < h.n; k++) used[k] = xcalloc((size_t)h.f[k].n + 1, 1);
     size_t maxn = 0;
-    for (int i = 0; i < m->num_tensors; i++) maxn = m->params[i].numel > maxn ? m->params[i].numel : maxn;
+    for (int i = 0; i < m->num_tensors; i++) {
+        const ParamInfo *p = &m->params[i];
+        size_t g = (size_t)p->gshape[0] * (p->ndim == 2 ? (size_t)p->gshape[1] : 1);
+        maxn = g > maxn ? g : maxn;
+    }
     float *a = xmalloc(maxn * sizeof(float)), *b = xmalloc(maxn * sizeof(float));
+    float *part = m->tp > 1 ? xmalloc(maxn * sizeof(float)) : NULL; /* a tp rank's boxes of the whole tensor */
     float *all = m->master_bf16 ? xmalloc(m->num_params * sizeof(float)) : NULL;
     if (all) model_params_to_host(m, all);
     for (int i = 0; i < m->num_tensors; i++) {
@@ -593,7 +598,8 @@ int hf_init_from(Model *m, const char *path, int say) {
         int tr;
         int64_t want[2];
         hf_tensor_name(s, p->name, p->role, name, sizeof name, &tr);
-        hf_shape(s, p->role, p->ndim, p->shape, tr, want);
+        hf_shape(s, p->role, p->ndim, p->gshape, tr, want);
+        size_t gnumel = (size_t)p->gshape[0] * (p->ndim == 2 ? (size_t)p->gshape[1] : 1);
         int k;
         const StTensor *t = hf_find(&h, name, &k);
         if (!t) kiln_fail(KILN_EXIT_USAGE, "init.from %s: tensor '%s' (kiln '%s') is missing", file, name, p->name);
@@ -606,12 +612,23 @@ int hf_init_from(Model *m, const char *path, int say) {
         st_to_f32(&h.f[k], t, a);
         float *v = a;
         if (tr) { /* HF (K, R) -> kiln (R, K) */
-            int R = p->shape[0], K = p->shape[1];
+            int R = p->gshape[0], K = p->gshape[1];
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < K; c++) b[(size_t)r * K + c] = a[(size_t)c * R + r];
             v = b;
         }
-        if (t->numel < p->numel) memset(v + t->numel, 0, (p->numel - t->numel) * sizeof(float)); /* padded rows */
+        if (t->numel < gnumel) memset(v + t->numel, 0, (gnumel - t->numel) * sizeof(float)); /* padded rows */
+        if (part) { /* this tp rank's boxes, local padding rows zero */
+            ModelBox bx[MODEL_MAX_BOXES];
+            int nb = model_tp_boxes(m, i, bx);
+            size_t g1 = p->ndim == 2 ? (size_t)p->gshape[1] : 1;
+            memset(part, 0, p->numel * sizeof(float));
+            for (int q = 0; q < nb; q++)
+                for (size_t r = bx[q].r0; r < bx[q].r1; r++)
+                    memcpy(part + bx[q].at + (r - bx[q].r0) * (bx[q].c1 - bx[q].c0), v + r * g1 + bx[q].c0,
+                           (bx[q].c1 - bx[q].c0) * sizeof(float));
+            v = part;
+        }
         if (all) memcpy(all + p->offset, v, p->numel * sizeof(float));
         else m->be->to_device(m->pview[i], v, p->numel * sizeof(float));
     }
@@ -643,7 +660,7 @@ int hf_init_from(Model *m, const char *path, int say) {
         printf("init.from: HuggingFace weights of %s (%d tensors%s); optimizer, data position and step start fresh\n",
                file, m->num_tensors, h.n > 1 ? ", sharded" : "");
     for (int k = 0; k < h.n; k++) free(used[k]);
-    free(whole);
+    free(whole), free(part);
     free(all), free(a), free(b), free(used);
     hf_set_free(&h);
     return 1;

@@ -108,6 +108,21 @@ if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
             cmp -s "$T/${name}_mr_a.safetensors" "$T/${name}_mr_b.safetensors"; then ok "hf_${name}_multirank_round_trip"
         else fail "hf_${name}_multirank_round_trip" "$(grep -m2 -E 'error' "$T/${name}_mr.txt")"; fi
     done
+    # init.from an HF directory under tp 2: each rank takes its part, and the
+    # run trains as the one-rank run from the same weights (losses within
+    # 1e-5 relative: t_tp.sh says why)
+    if [ -d "$T/llama_hf32" ]; then
+        . test/ckpt_lib.sh
+        I=(--set "init.from=$T/llama_hf32" --set train.steps=3 --set run.threads=1)
+        # shellcheck disable=SC2086
+        ./train ${cfgs[llama]} "${common[@]}" "${I[@]}" --set "run.dir=$T/tp_init1" >"$T/tp_init1.txt" 2>&1
+        # shellcheck disable=SC2086
+        "${MPIRUN[@]}" ./train ${cfgs[llama]} "${common[@]}" "${I[@]}" --set parallel.tp=2 --set "run.dir=$T/tp_init2" \
+            >"$T/tp_init2.txt" 2>&1
+        why=$(close_losses "$T/tp_init1/metrics.jsonl" "$T/tp_init2/metrics.jsonl" 2>&1)
+        [ -z "$why" ] && grep -q 'init.from: HuggingFace weights' "$T/tp_init2.txt" && ok hf_import_under_tp2 \
+            || fail hf_import_under_tp2 "$why $(grep -m2 error "$T/tp_init2.txt")"
+    fi
 fi
 
 # config.json that disagrees with the config's model in a field the shapes
