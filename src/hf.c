@@ -435,32 +435,28 @@ static void hf_open_index(HfSet *h, const char *idx) {
     json_free(root);
 }
 
+/* A set of one file. */
+static int hf_open_one(HfSet *h, const char *file) {
+    h->f = xcalloc(1, sizeof *h->f);
+    h->path = xcalloc(1, sizeof *h->path);
+    kiln_strlcpy(h->path[0], file, sizeof h->path[0]);
+    st_open(&h->f[0], file);
+    h->n = 1;
+    return 1;
+}
+
 /* The HF checkpoint init.from names, opened; 0 if it is not one. */
 static int hf_open_set(const char *path, HfSet *h) {
     memset(h, 0, sizeof *h);
     struct stat sb;
     size_t n = strlen(path);
     if (stat(path, &sb) != 0) return 0;
-    if (S_ISREG(sb.st_mode) && n > 12 && !strcmp(path + n - 12, ".safetensors")) {
-        h->f = xcalloc(1, sizeof *h->f);
-        h->path = xcalloc(1, sizeof *h->path);
-        kiln_strlcpy(h->path[0], path, sizeof h->path[0]);
-        st_open(&h->f[0], path);
-        h->n = 1;
-        return 1;
-    }
+    if (S_ISREG(sb.st_mode) && n > 12 && !strcmp(path + n - 12, ".safetensors")) return hf_open_one(h, path);
     if (!S_ISDIR(sb.st_mode)) return 0;
     kiln_strlcpy(h->dir, path, sizeof h->dir);
     char file[1200];
     snprintf(file, sizeof file, "%s/model.safetensors", path);
-    if (stat(file, &sb) == 0) {
-        h->f = xcalloc(1, sizeof *h->f);
-        h->path = xcalloc(1, sizeof *h->path);
-        kiln_strlcpy(h->path[0], file, sizeof h->path[0]);
-        st_open(&h->f[0], file);
-        h->n = 1;
-        return 1;
-    }
+    if (stat(file, &sb) == 0) return hf_open_one(h, file);
     snprintf(file, sizeof file, "%s/model.safetensors.index.json", path);
     if (stat(file, &sb) != 0) return 0;
     hf_open_index(h, file);

@@ -61,6 +61,16 @@ static int64_t map_get(const RankMap *m, const unsigned char *s, size_t n) {
     return -1;
 }
 
+/* dir/name = text; nonzero on failure. */
+static int write_small(const char *dir, const char *name, const char *text) {
+    char path[1300];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    if (!f) return 1;
+    int bad = fputs(text, f) < 0;
+    return fclose(f) != 0 || bad;
+}
+
 int hf_write_gpt2_tokenizer(const char *dir, const char *rank_file, int max_len) {
     Tokenizer *t = tok_open("gpt2", rank_file);
     int V = tok_vocab_size(t), eot = tok_eot(t), n = eot; /* mergeable tokens: ids 0 .. eot-1 */
@@ -118,23 +128,14 @@ int hf_write_gpt2_tokenizer(const char *dir, const char *rank_file, int max_len)
     fprintf(fv, ",\"<|endoftext|>\":%d}", eot);
     int bad = fclose(fv) != 0;
     bad |= fclose(fm) != 0;
-    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    FILE *fc = fopen(path, "w");
-    if (!fc) bad = 1;
-    else {
-        fprintf(fc, "{\n  \"tokenizer_class\": \"GPT2Tokenizer\",\n  \"model_max_length\": %d,\n"
-                    "  \"add_prefix_space\": false,\n  \"bos_token\": \"<|endoftext|>\",\n"
-                    "  \"eos_token\": \"<|endoftext|>\",\n  \"unk_token\": \"<|endoftext|>\"\n}\n", max_len);
-        bad |= fclose(fc) != 0;
-    }
-    snprintf(path, sizeof path, "%s/special_tokens_map.json", dir);
-    FILE *fs = fopen(path, "w");
-    if (!fs) bad = 1;
-    else {
-        fprintf(fs, "{\n  \"bos_token\": \"<|endoftext|>\",\n  \"eos_token\": \"<|endoftext|>\",\n"
-                    "  \"unk_token\": \"<|endoftext|>\"\n}\n");
-        bad |= fclose(fs) != 0;
-    }
+    const char *special = "\"bos_token\": \"<|endoftext|>\",\n  \"eos_token\": \"<|endoftext|>\",\n"
+                          "  \"unk_token\": \"<|endoftext|>\"";
+    char text[512];
+    snprintf(text, sizeof text, "{\n  \"tokenizer_class\": \"GPT2Tokenizer\",\n  \"model_max_length\": %d,\n"
+             "  \"add_prefix_space\": false,\n  %s\n}\n", max_len, special);
+    bad |= write_small(dir, "tokenizer_config.json", text);
+    snprintf(text, sizeof text, "{\n  %s\n}\n", special);
+    bad |= write_small(dir, "special_tokens_map.json", text);
     if (bad) kiln_fail(KILN_EXIT_RUNTIME, "%s: writing the tokenizer files failed: %s", dir, strerror(errno));
     for (int id = 0; id < n; id++) free(bytes[id]);
     free(bytes), free(len), free(part), free(m.key), free(m.len), free(m.rank);
