@@ -339,6 +339,8 @@ static double grad_sumsq(const Ddp *d, const float *g, size_t lo, size_t hi) {
     return sq;
 }
 
+void ddp_test_poison(Ddp *d) { d->poison = 1; }
+
 void ddp_set_tp(Ddp *d, CommGroup *g) {
     Model *m = d->m;
     if (!g || g->size <= 1) return;
@@ -369,9 +371,17 @@ void ddp_set_tp(Ddp *d, CommGroup *g) {
 }
 
 /* The global gradient norm from every rank's shard (padding is zero). */
+static void poison_if_asked(Ddp *d, float *g) {
+    if (!d->poison) return;
+    float nan = NAN;
+    d->m->be->to_device(g, &nan, sizeof nan);
+    d->poison = 0;
+}
+
 static double unit_norm(Ddp *d) {
     double t0 = kiln_now();
     double sq = 0;
+    poison_if_asked(d, d->gshard);
     if (!d->tp) {
         sq = d->m->be->sumsq(d->gshard, d->shard_len);
     } else {
@@ -531,6 +541,7 @@ double ddp_reduce_grads(Ddp *d) {
             if (d->req[i].active) comm_wait(&d->req[i]);
         blocked(d, t0);
     }
+    poison_if_asked(d, m->grad_mem);
     double sq = grad_sumsq(d, m->grad_mem + d->dense0, d->dense0, m->num_params);
     if (m->ep > 1) {
         /* each expert once: the ep ranks hold different experts, the EDP

@@ -547,11 +547,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                 metrics_print(mx, "expert parallel: step %d: a layer received more rows than its buffers held; "
                               "grown to %zu rows (dropless)", step + 1, epx.grown_to);
         }
-        if (inject_nan_step > 0 && (step + 1 == inject_nan_step || (inject_nan_after && step + 1 > inject_nan_step))) {
-            float poison = NAN;
-            /* ZeRO-2/3: the gradient shard (there is no whole arena) */
-            be->to_device(ddp_optim_grads(&ddp), &poison, sizeof poison);
-        }
+        if (inject_nan_step > 0 && (step + 1 == inject_nan_step || (inject_nan_after && step + 1 > inject_nan_step)))
+            ddp_test_poison(&ddp); /* every rank: ZeRO 0/1 ranks each take the norm of their own copy */
         metrics_phase(mx, PHASE_SYNC, step + 1);
         double grad_norm = ddp_reduce_grads(&ddp);
         if (tp_grads_file && step == start_step) dump_replicated_grads(&model, tp_grads_file, rank);

@@ -178,6 +178,26 @@ if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ] && grep -q 
    grep -q 'ep 1) to 4 (dp 4 x tp 1, ep 2' $T/rs3.txt; then ok ep_reshard_ep4_ep1_ep2dp2
 else fail ep_reshard_ep4_ep1_ep2dp2 "rc $rc: $why $moe $diff $(grep -m2 -h -e error -e resumed $T/rs[123].txt)"; fi
 
+# HuggingFace interop: init.from an HF directory under ep 2 (each rank takes
+# its experts from the whole files) trains as one rank from it does, and the
+# ep run's checkpoint (experts from both ranks) exports whole. OLMoE's layout:
+# no shared experts, softmax router, QK-norm over the whole projection.
+OLMOE="$LLAMA --set model.qk_norm=full --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2"
+OLMOE="$OLMOE --set model.moe.expert_hidden=32"
+H="$S $OLMOE --set train.steps=3"
+./train $Y $H --set run.dir=$T/hf_src >$T/hf_src.txt 2>&1 &&
+    ./train export $T/hf_src/checkpoints/step_00000003 --format hf --out $T/hf_dir >$T/hf_export.txt 2>&1
+./train $Y $H --set "init.from=$T/hf_dir" --set run.dir=$T/hf_one >$T/hf_one.txt 2>&1
+"${MPIRUN[@]}" -np 2 ./train $Y $H --set "init.from=$T/hf_dir" --set parallel.ep=2 --set run.dir=$T/hf_ep2 >$T/hf_ep2.txt 2>&1
+rc=$?
+why=$(close_losses $T/hf_one/metrics.jsonl $T/hf_ep2/metrics.jsonl 2>&1)
+diff=$(./train ckpt-diff $T/hf_one/checkpoints/step_00000003 $T/hf_ep2/checkpoints/step_00000003 --quiet --tol 1e-5 2>&1)
+drc=$?
+if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && grep -q 'init.from: HuggingFace weights' $T/hf_ep2.txt &&
+   ./train export $T/hf_ep2/checkpoints/step_00000003 --format hf --out $T/hf_ep2_dir >$T/hf_export2.txt 2>&1
+then ok ep_hf_init_from_and_export
+else fail ep_hf_init_from_and_export "rc $rc: $why $diff $(grep -m2 -h error $T/hf_*.txt)"; fi
+
 # Layouts refused: one line, exit 2, on every rank, before any allocation.
 refuse() {
     local name=$1 np=$2 want=$3; shift 3
