@@ -1028,6 +1028,8 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     int N = B * T, C = s->n_embd;
     if (m->tp > 1 && !m->tpc.all_reduce)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a tensor-parallel model without its collectives (model_set_tp)");
+    if (m->ep > 1 && !m->epc.dispatch)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_forward: an expert-parallel model without its exchanges (model_set_ep)");
     /* sequence parallelism needs rows that split evenly; other forwards
      * (generation) run with every rank holding all rows: the same function */
     m->live_sp = m->sp && N % m->tp == 0;
