@@ -1,13 +1,10 @@
-/* ep: the all-to-all dispatch and combine of expert parallelism (see ep.h).
- * Rows travel in the model's act dtype; counts as floats (exact integers).
- * Order of one MoE layer on one rank, forward:
- *   route, permute by expert (model.c: xp, rows for rank d's experts
- *   contiguous because experts are assigned in blocks)
- *   -> all-to-all of the counts -> all-to-all of the rows (rank-major)
- *   -> gather into expert-major order -> the local experts' products
- *   -> gather back into rank-major order -> all-to-all back -> combine.
- * The backward runs the same exchanges on the gradients. Never computes
- * anything but the two permutations' indices (the backend gathers). */
+/* ep: the all-to-all dispatch and combine (see ep.h). One MoE layer,
+ * forward: model.c's permuted rows (each rank's experts' rows contiguous) ->
+ * all-to-all of the counts -> of the rows (rank-major) -> gather into
+ * expert-major order -> the experts' products (model.c) -> gather back ->
+ * all-to-all back; the backward the same on the gradients. Rows in the act
+ * dtype, counts as floats (exact integers). Computes nothing but the
+ * permutations' indices: the backend gathers. */
 #include "ep.h"
 
 #include <stdio.h>
@@ -249,7 +246,6 @@ void ep_free(Ep *e) {
 }
 
 void ep_step_begin(Ep *e) {
-    e->total_s += e->blocked_s;
     e->blocked_s = 0;
     e->sent = e->recv = e->rows = 0;
     e->grown_to = 0;

@@ -1,11 +1,8 @@
-/* ep: expert parallelism's communication. Each rank of the ep group holds
- * n_experts / ep whole experts of every MoE layer (model.h ModelOptions.ep);
- * this module moves an MoE layer's routed token rows to the ranks of their
- * experts and the results back (all-to-all over the ep group: the counts,
- * then the rows), for the forward and in reverse for the backward, and owns
- * the expert side's buffers. Never knows the optimizer, the data or the dp
- * group (ddp.c reduces expert gradients over EDP). docs/parallel.md "Expert
- * parallelism". */
+/* ep: expert parallelism's exchanges: an MoE layer's routed token rows to
+ * the ranks holding their experts and back, by all-to-all over the ep group,
+ * forward and backward; owns the expert side's buffers. Never knows the
+ * optimizer, the data or the dp group (ddp.c reduces expert gradients over
+ * EDP). docs/parallel.md "Expert parallelism". */
 #ifndef KILN_EP_H
 #define KILN_EP_H
 
@@ -47,7 +44,7 @@ typedef struct Ep {
     double *gathered;      /* host (3 world): ep_step_figures' all-gather, made at its first call */
     /* figures since ep_step_begin (training forwards' dispatches) */
     int64_t sent, recv, rows; /* rows to other ranks, from other ranks, run by this rank's experts */
-    double blocked_s, total_s; /* seconds in the ep group's collectives: since ep_step_begin, since init */
+    double blocked_s;      /* seconds in the ep group's collectives since ep_step_begin */
     size_t grown_to;       /* dropless: the rows a layer's buffers grew to since ep_step_begin (0: none) */
 } Ep;
 
