@@ -178,6 +178,20 @@ if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ] && grep -q 
    grep -q 'ep 1) to 4 (dp 4 x tp 1, ep 2' $T/rs3.txt; then ok ep_reshard_ep4_ep1_ep2dp2
 else fail ep_reshard_ep4_ep1_ep2dp2 "rc $rc: $why $moe $diff $(grep -m2 -h -e error -e resumed $T/rs[123].txt)"; fi
 
+# The same layout resumed is the same run, bit for bit (DESIGN.md: nothing
+# is lost): ep 2 x dp 2, ZeRO 1, dropless with the bias, 3 steps + 3 resumed
+# against 6 straight (constant schedule: the shorter run has the same rates).
+B="$S $FREE --set schedule.kind=constant --set parallel.ep=2 --set parallel.zero=1"
+"${MPIRUN[@]}" -np 4 ./train $Y $B --set run.dir=$T/bit_full >$T/bit_full.txt 2>&1
+"${MPIRUN[@]}" -np 4 ./train $Y $B --set run.dir=$T/bit_res --set train.steps=3 >$T/bit_res1.txt 2>&1
+"${MPIRUN[@]}" -np 4 ./train $Y $B --set run.dir=$T/bit_res --resume auto >$T/bit_res2.txt 2>&1
+rc=$?
+diff=$(./train ckpt-diff $T/bit_full/checkpoints/step_00000006 $T/bit_res/checkpoints/step_00000006 --quiet --tol 0 2>&1)
+drc=$?
+if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ "$(losses $T/bit_full/metrics.jsonl)" = "$(losses $T/bit_res/metrics.jsonl)" ] &&
+   grep -q 'resumed from' $T/bit_res2.txt; then ok ep_resume_bit_identical
+else fail ep_resume_bit_identical "rc $rc: $diff $(grep -m2 -h error $T/bit_*.txt)"; fi
+
 # HuggingFace interop: init.from an HF directory under ep 2 (each rank takes
 # its experts from the whole files) trains as one rank from it does, and the
 # ep run's checkpoint (experts from both ranks) exports whole. OLMoE's layout:
