@@ -859,11 +859,11 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
             kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.tp': optim.name muon orthogonalises whole matrices, which "
                       "tensor parallelism splits; use parallel.tp: 1 or optim.name adamw / lion",
                       cfg_where_of(L, "parallel.tp", "optim.name"));
-        if (strcmp(c->sequence_parallel, "false") != 0 && ((long long)c->micro_batch * c->seq_len) % c->tp)
-            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'batch.micro_batch': a micro-batch "
-                      "of %d x %d tokens does not split over tp = %d ranks; make micro_batch * seq_len a multiple of "
-                      "tp, or set parallel.sequence_parallel: false",
-                      cfg_where_of(L, "parallel.sequence_parallel", "parallel.tp"), c->micro_batch, c->seq_len, c->tp);
+        if (strcmp(c->sequence_parallel, "false") != 0 && c->seq_len % c->tp)
+            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'model.seq_len': sequence parallelism "
+                      "splits the tokens over tp = %d ranks, and seq_len %d does not divide by it; make seq_len a "
+                      "multiple of tp, or set parallel.sequence_parallel: false",
+                      cfg_where_of(L, "parallel.sequence_parallel", "parallel.tp"), c->tp, c->seq_len);
     }
     /* the global batch splits evenly over the dp ranks (auto is checked at launch) */
     if (c->dp > 0 && c->grad_accum % c->dp)

@@ -484,6 +484,7 @@ void model_free(Model *m) {
     free(m->row_host);
     free(m->tok_host);
     free(m->tgt_host);
+    free(m->pad_host);
     for (int l = 0; m->acts && l < m->shape.n_layer; l++) free(m->acts[l].offsets_host);
     free(m->acts);
     free(m->losses_host);
@@ -559,8 +560,12 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
  * What `r` recomputes gets one buffer that every layer's view points at,
  * after the layers. MoE activations are always kept. */
 static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, int lo, int hi, int tp,
-                         Model *m) {
+                         int seq_par, Model *m) {
     size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float), I = sizeof(int32_t);
+    /* the residual stream's rows: under sequence parallelism a rank's N/tp
+     * (every forward splits: model_forward pads one sequence to a multiple
+     * of tp) */
+    size_t Nres = tp > 1 && seq_par ? (N + (size_t)tp - 1) / (size_t)tp : N;
     size_t Q = (size_t)arch_q_width(s), QKVW = (size_t)arch_qkv_width(s), FF = (size_t)s->ffn_hidden;
     size_t FCW = (size_t)arch_fc_width(s), QK = (size_t)(s->n_head + s->n_kv_head) * s->head_dim;
     size_t G = s->qk_norm == QKNORM_HEAD ? (size_t)(s->n_head + s->n_kv_head) : 2;
@@ -576,6 +581,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         memset(&sink, 0, sizeof sink);
         m = &sink;
     }
+    if (assign) m->res_rows = Nres;
     int keep_gelu = r < MODEL_RECOMPUTE_GELU || moe, keep_norm = r < MODEL_RECOMPUTE_NORM_GELU;
 #define TAKE(ptr, count, esize)                                 \
     do {                                                        \
@@ -583,7 +589,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         off += ((size_t)(count) * (esize) + 63) / 64 * 64;      \
     } while (0)
     int head = hi == s->n_layer;
-    TAKE(m->encoded, N * C, ab);
+    TAKE(m->encoded, Nres * C, ab);
     for (int l = lo; l < hi; l++) {
         LayerActs *a = assign ? &m->acts[l] : &sink_layer;
         if (keep_norm) TAKE(a->ln1, N * C, ab);
@@ -596,7 +602,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         }
         TAKE(a->atty, N * Q, ab);
         TAKE(a->att_lse, N * NH, F);
-        TAKE(a->res2, N * C, ab);
+        TAKE(a->res2, Nres * C, ab);
         if (keep_norm) TAKE(a->ln2, N * C, ab);
         TAKE(a->ln2_mean, N, F);
         TAKE(a->ln2_rstd, N, F);
@@ -622,7 +628,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
                 TAKE(a->sh_act, N * S, ab);
             }
         }
-        TAKE(a->res3, N * C, ab);
+        TAKE(a->res3, Nres * C, ab);
     }
     void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
     if (!keep_gelu) TAKE(gelu_shared, N * FF, ab);
@@ -660,13 +666,14 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
 }
 
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r) {
-    return plan_bytes(s, B, T, act_bytes, r, 0, s->n_layer, 1, NULL);
+    return plan_bytes(s, B, T, act_bytes, r, 0, s->n_layer, 1, 0, NULL);
 }
 
-size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r) {
+size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int sp, int B, int T, size_t act_bytes,
+                                 ModelRecompute r) {
     ArchSpec l;
     arch_tp_local(s, tp, 0, &l); /* rank 0 holds the most vocabulary rows */
-    return plan_bytes(&l, B, T, act_bytes, r, 0, s->n_layer, tp, NULL);
+    return plan_bytes(&l, B, T, act_bytes, r, 0, s->n_layer, tp, sp, NULL);
 }
 
 void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
@@ -685,9 +692,9 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     m->T = T;
     m->recompute = r;
     m->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
-    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, NULL);
+    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m->sp, NULL);
     m->act_mem = m->be->alloc(m->act_size);
-    plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m);
+    plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m->sp, m);
     if (m->shape.mlp == MLP_MOE) {
         size_t E = (size_t)m->shape.moe.n_experts;
         for (int l = m->layer_lo; l < m->layer_hi; l++) m->acts[l].offsets_host = xcalloc(E + 1, sizeof(int32_t));
@@ -700,6 +707,7 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     m->losses_host = xcalloc((size_t)B * T, sizeof(float));
     m->row_host = xcalloc((size_t)m->tp * m->shape.padded_vocab, m->act_bytes);
     if (m->tp > 1) {
+        m->pad_host = xrealloc(m->pad_host, (size_t)T * sizeof(int32_t));
         m->tok_host = xrealloc(m->tok_host, (size_t)B * T * sizeof(int32_t));
         m->tgt_host = xrealloc(m->tgt_host, (size_t)B * T * sizeof(int32_t));
     }
@@ -959,15 +967,26 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     int N = B * T, C = s->n_embd;
     if (m->tp > 1 && !m->tpc.all_reduce)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a tensor-parallel model without its collectives (model_set_tp)");
-    /* sequence parallelism needs rows that split evenly; other forwards
-     * (generation) run with every rank holding all rows: the same function */
-    m->live_sp = m->sp && N % m->tp == 0;
+    if (m->sp && N % m->tp != 0) {
+        /* Sequence parallelism needs rows that split evenly. One sequence
+         * without targets (generation) is padded with its last token to a
+         * multiple of tp: attention is causal, so the padding changes no
+         * real position's logits (seq_len divides by tp: it fits). */
+        int Tp = (T + m->tp - 1) / m->tp * m->tp;
+        if (B != 1 || targets || dloss != 0.0f || Tp > m->T)
+            kiln_fail(KILN_EXIT_RUNTIME, "model_forward: %d x %d tokens do not split over the %d tp ranks (sequence "
+                      "parallelism pads only one sequence without targets)", B, T, m->tp);
+        memcpy(m->pad_host, tokens, (size_t)T * sizeof(int32_t));
+        for (int t = T; t < Tp; t++) m->pad_host[t] = tokens[T - 1];
+        return model_forward(m, m->pad_host, NULL, 1, Tp, 0.0f);
+    }
+    m->live_sp = m->sp;
+    if ((size_t)(m->live_sp ? N / m->tp : N) > m->res_rows)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_forward: %d x %d tokens exceed the residual stream's %zu rows", B, T,
+                  m->res_rows);
     be->to_device(m->tokens_dev, local_ids(m, m->tok_host, tokens, N), (size_t)N * sizeof(int32_t));
     int fuse_fwd = model_gelu_fused(m, 0);
     int train = dloss != 0.0f && (targets || !m->has_head);
-    if (train && m->sp && !m->live_sp)
-        kiln_fail(KILN_EXIT_USAGE, "keys 'parallel.sequence_parallel', 'batch.micro_batch': a training micro-batch of "
-                  "%d x %d tokens does not split over the %d tp ranks", B, T, m->tp);
     m->moe.aux = m->moe.z = 0;
 
     use_layer(m, -1, 0);

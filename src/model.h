@@ -199,6 +199,7 @@ typedef struct Model {
     int tp, tp_rank;    /* tensor parallelism: ranks and this one's place (tp 1: none) */
     int sp;             /* sequence parallelism (tp > 1): the residual stream is row-sharded */
     int live_sp;        /* the last forward ran sequence-parallel (sp, and B*T divides by tp) */
+    size_t res_rows;    /* rows the residual stream's buffers hold (N, or N/tp under sp) */
     int vocab_lo;       /* first global vocabulary row of this rank's embedding and head */
     ModelTp tpc;        /* the tp collectives (model_set_tp); all NULL: tp 1 */
     const Backend *be;
@@ -263,6 +264,7 @@ typedef struct Model {
     void *row_host;     /* (tp Vp) act: one logits row on its way to the host */
     /* tensor parallelism (tp > 1) */
     int32_t *tok_host, *tgt_host; /* (N) host: token and target ids as local vocabulary rows, -1 elsewhere */
+    int32_t *pad_host;  /* (T) host: one sequence padded to a multiple of tp (sequence parallelism) */
     float *xent_stats;  /* device (N,3) this rank's cross-entropy statistics, then (tp,N,3) all */
     void *row_dev;      /* device (tp Vp) act: one logits row gathered over the tp ranks */
     int have_targets;   /* last forward had targets (backward allowed) */
@@ -389,10 +391,11 @@ size_t model_num_nonembedding_params(const Model *m);
  * (L-1) X smaller than NONE (L kept, one shared), NORM_GELU (2L-1) Y more. */
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r);
 /* The same for one rank of a model split over tp ranks (ModelOptions.tp):
- * its local widths, all N rows of every buffer (sequence parallelism keeps
- * the whole-sequence buffers that the column-parallel products read), and
- * tp's own buffers. */
-size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r);
+ * its local widths, tp's own buffers, and with sequence parallelism (sp) the
+ * residual stream's buffers at N/tp rows; the norms' outputs, which the
+ * column-parallel products read, keep all N rows. */
+size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int sp, int B, int T, size_t act_bytes,
+                                 ModelRecompute r);
 
 /* MoE: zero the loads and drop counts (the start of an optimizer step). */
 void model_moe_reset(Model *m);

@@ -47,8 +47,8 @@ static double plan_layer_params(const ArchSpec *s) {
 
 size_t plan_param_bytes(const char *master) { return strcmp(master, "bf16") == 0 ? 2 : 4; }
 
-PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int micro_batch, ModelRecompute recompute,
-                                size_t moment_bytes, size_t param_bytes) {
+PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int dp, int zero, int micro_batch,
+                                ModelRecompute recompute, size_t moment_bytes, size_t param_bytes) {
     PlanMemory m = {0};
     ArchSpec local;
     arch_tp_local(g, tp, 0, &local); /* tp 1: the spec itself */
@@ -91,7 +91,7 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int
     /* fp32 activations: the upper bound (bf16 halves them, see plan_usage) */
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
         for (int k = 0; k < 2; k++)
-            m.act_by_mode[r][k] = (double)model_activation_bytes_tp(g, tp, micro_batch, s->seq_len,
+            m.act_by_mode[r][k] = (double)model_activation_bytes_tp(g, tp, sp, micro_batch, s->seq_len,
                                                                    k ? 2 : sizeof(float), (ModelRecompute)r);
     m.recompute = recompute;
     m.activations = m.act_by_mode[recompute][0];
@@ -314,7 +314,7 @@ int plan_main(int argc, char **argv) {
 
     ModelRecompute recompute = model_recompute_parse(c.recompute);
     size_t sb = optim_state_bytes(c.optim_state), pb = plan_param_bytes(c.master); /* bytes per element */
-    PlanMemory m = plan_memory_per_rank(&s, tp, dp, c.zero, c.micro_batch, recompute, sb, pb);
+    PlanMemory m = plan_memory_per_rank(&s, tp, sp, dp, c.zero, c.micro_batch, recompute, sb, pb);
     size_t params = plan_num_params(&s);
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d): %zu parameters "
            "(%.2fM)\n", c.run_name, c.arch, s.n_layer, s.n_head, s.n_embd, s.seq_len, s.vocab_size, s.padded_vocab,
@@ -355,13 +355,13 @@ int plan_main(int argc, char **argv) {
         int max_zero = pb == 2 ? 0 : 3;
         for (int z = 0; z <= max_zero && best_zero < 0; z++) {
             for (int j = 0; j < nd; j++) {
-                PlanMemory t = plan_memory_per_rank(&s, tp, dp, z, div[j], recompute, sb, pb);
+                PlanMemory t = plan_memory_per_rank(&s, tp, sp, dp, z, div[j], recompute, sb, pb);
                 if (t.total <= cap) {
                     best_zero = z, best_mb = div[j], best = t;
                     break;
                 }
             }
-            PlanMemory t1 = plan_memory_per_rank(&s, tp, dp, z, 1, recompute, sb, pb);
+            PlanMemory t1 = plan_memory_per_rank(&s, tp, sp, dp, z, 1, recompute, sb, pb);
             if (least_zero < 0 || t1.total < least.total) least = t1, least_zero = z;
         }
     }

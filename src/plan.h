@@ -44,9 +44,10 @@ size_t plan_num_params(const ArchSpec *s);
 /* moment_bytes: AdamW's m and v per element, 4 (fp32) or 2 (precision.optim_state bf16);
  * param_bytes: the parameters', 4 (fp32 master) or 2 (precision.master bf16, ZeRO 0 only). */
 /* tp > 1: one rank's part of a model split over tp ranks (its local
- * tensors, rank 0's: the most vocabulary rows). */
-PlanMemory plan_memory_per_rank(const ArchSpec *s, int tp, int dp, int zero, int micro_batch, ModelRecompute recompute,
-                                size_t moment_bytes, size_t param_bytes);
+ * tensors, rank 0's: the most vocabulary rows); sp: sequence parallelism
+ * (the residual stream's activations over tp). */
+PlanMemory plan_memory_per_rank(const ArchSpec *s, int tp, int sp, int dp, int zero, int micro_batch,
+                                ModelRecompute recompute, size_t moment_bytes, size_t param_bytes);
 
 /* Bytes one rank sends per optimizer step, by group (ring algorithms: an
  * all-reduce of B bytes sends 2 (k-1)/k B, an all-gather or a

@@ -81,7 +81,7 @@ static void print_plan(const Config *c, const ArchSpec *s) {
     printf("  memory per rank        dp %d%s x tp %d, ZeRO %d\n", dp,
            c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)", tp, c->zero);
     /* the same accounting `./train plan` uses (src/plan.c) */
-    PlanMemory mem = plan_memory_per_rank(s, tp, dp, c->zero, c->micro_batch, model_recompute_parse(c->recompute),
+    PlanMemory mem = plan_memory_per_rank(s, tp, sp, dp, c->zero, c->micro_batch, model_recompute_parse(c->recompute),
                                           optim_state_bytes(c->optim_state), plan_param_bytes(c->master));
     plan_print_state(&mem, dp, c->zero);
     plan_print_activations(&mem);
