@@ -179,8 +179,8 @@ void plan_print_bytes(const char *what, double bytes) {
 
 void plan_print_activations(const PlanMemory *m) {
     plan_print_bytes("activations", m->activations);
-    plan_print_bytes("activations, bf16", m->activations_bf16);
     if (m->cp_buffers > 0) plan_print_bytes("  of which cp K/V", m->cp_buffers);
+    plan_print_bytes("activations, bf16", m->activations_bf16);
     const double(*by)[2] = m->act_by_mode;
     if (m->recompute == MODEL_RECOMPUTE_NONE)
         printf("  recompute              none (model.recompute: gelu would take %.2f GiB less in fp32, norm_gelu "
