@@ -24,8 +24,8 @@ CpMode cp_mode_parse(const char *name) {
 }
 const char *cp_mode_name(CpMode m) { return cp_mode_names[m == CP_RING]; }
 
-/* Floats of one rank's packed k | v rows (act: bytes / 4; both act sizes
- * give whole floats, S being even) and of their fp32 gradient. */
+/* One rank's packed k | v rows (N, S) act as a count of floats for comm:
+ * bytes / 4, whole for both act sizes since S is even. */
 static size_t kv_floats(const Cp *c, size_t N, int S) { return N * (size_t)S * c->ab / sizeof(float); }
 
 size_t cp_buffer_bytes(const AttnShape *s, int cp, CpMode mode, size_t ab) {

@@ -113,7 +113,7 @@ typedef struct LayerActs {
     void *qk_in;                /* (N,(NH+NKV)HD) q, k before QK-norm; NULL without it */
     float *qk_rstd;             /* (N,G) QK-norm statistics */
     void *atty;                 /* (N,NH HD) */
-    float *att_lse;             /* (B,NH,T) */
+    float *att_lse;             /* (B,NH,T); cp: (2,B,NH,Tc), one per local chunk (cp.h) */
     void *res2;                 /* (N,C) residual after attention */
     void *ln2;                  /* (N,C) */
     float *ln2_mean, *ln2_rstd; /* (N) */
@@ -292,7 +292,7 @@ typedef struct Model {
     /* tensor parallelism (tp > 1) */
     int32_t *tok_host, *tgt_host; /* (N) host: token and target ids as local vocabulary rows, -1 elsewhere */
     float *xent_stats;  /* device (N,3) this rank's cross-entropy statistics, then (tp,N,3) all */
-    void *row_dev;      /* device (tp Vp) act: one logits row gathered over the tp ranks */
+    void *row_dev;      /* device (tp Vp) act: one logits row gathered over the tp ranks (and broadcast over cp) */
     int have_targets;   /* last forward had targets (backward allowed) */
     float live_dloss;   /* its dloss: the aux and z losses' gradient scale */
 } Model;

@@ -4,7 +4,7 @@
 # positions at model level (build/test/test_cp); whole models (a tiny GPT-2
 # with learned positions and a tiny Llama with RoPE and grouped-query
 # attention) at cp 2 and cp 4 against one rank, cp 2 x tp 2 and cp 2 x dp 2
-# (ZeRO 1 and 3); generation; a checkpoint resumed cp 2 -> cp 1 -> cp 4;
+# (ZeRO 1, 2 and 3); generation; a checkpoint resumed cp 2 -> cp 1 -> cp 4;
 # layouts that do not split refused on every rank; ./train plan's activation
 # memory per rank falling with cp. One line per check.
 #
@@ -72,6 +72,7 @@ equiv llama_gqa_cp2_tp2_sp_ring LLAMA 4 --set parallel.cp=2 --set parallel.tp=2 
 equiv gpt2_cp2_tp2_nosp GPT2 4 --set parallel.cp=2 --set parallel.tp=2 --set parallel.sequence_parallel=false
 equiv llama_gqa_cp2_dp2_zero1 LLAMA 4 --set parallel.cp=2 --set parallel.zero=1
 equiv gpt2_cp2_dp2_zero3_ring GPT2 4 --set parallel.cp=2 --set parallel.zero=3 --set parallel.cp_attention=ring
+equiv llama_gqa_cp2_dp2_zero2_ring LLAMA 4 --set parallel.cp=2 --set parallel.zero=2 --set parallel.cp_attention=ring
 
 grep -q 'context parallel: 2 ranks, ring attention; each sequence of 32 tokens is 4 chunks of 8, this rank holds chunks 0 and 3' \
     $T/llama_gqa_cp2_ring.txt && ok cp_start_up_line || fail cp_start_up_line "$(grep -m2 'context parallel' $T/llama_gqa_cp2_ring.txt)"
