@@ -86,10 +86,11 @@ typedef struct Config {
     float min_lr_ratio;
     float decay_ratio; /* wsd: fraction of steps spent in the final decay */
 
-    /* parallel: dp, ZeRO 0-3, tp and ep are implemented; pp/cp are reserved (1) */
+    /* parallel: dp, ZeRO 0-3, tp, cp and ep are implemented; pp is reserved (1) */
     int dp; /* 0 = auto */
     int zero, tp, pp, cp, ep;
     char sequence_parallel[8]; /* auto | true | false: auto is on when tp > 1 */
+    char cp_attention[12]; /* allgather | ring: how cp > 1 exchanges K and V */
     float timeout_s; /* parallel.timeout_s: deadline of every collective */
 
     /* precision */

@@ -296,6 +296,11 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
                   "whose experts it divides (n_experts %d)", m->ep, m->ep_rank, E_all);
     m->n_experts_here = E_all / m->ep;
     m->expert_lo = m->ep_rank * m->n_experts_here;
+    m->cp = o->cp > 1 ? o->cp : 1;
+    m->cp_rank = m->cp > 1 ? o->cp_rank : 0;
+    if (m->cp > 1 && s->mlp == MLP_MOE)
+        kiln_fail(KILN_EXIT_USAGE, "key 'parallel.cp': MoE layers balance and cap their experts per whole sequence, "
+                  "which context parallelism splits over ranks; use parallel.cp: 1 with model.mlp: moe");
     m->vocab_lo = m->tp_rank * m->shape.padded_vocab;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
@@ -430,6 +435,11 @@ void model_pad_experts(Model *m, size_t n) {
     compute_reset(m);
 }
 
+void model_set_cp(Model *m, const ModelCp *c) {
+    if (c) m->cpc = *c;
+    else memset(&m->cpc, 0, sizeof m->cpc);
+}
+
 int model_tp_boxes(const Model *m, int i, ModelBox box[MODEL_MAX_BOXES]) {
     const ParamInfo *p = &m->params[i];
     size_t g0 = (size_t)p->gshape[0], g1 = p->ndim == 2 ? (size_t)p->gshape[1] : 1;
@@ -535,6 +545,9 @@ void model_free(Model *m) {
     free(m->row_host);
     free(m->tok_host);
     free(m->tgt_host);
+    free(m->pad_host);
+    free(m->cp_tok);
+    free(m->cp_tgt);
     for (int l = 0; m->acts && l < m->shape.n_layer; l++) free(m->acts[l].offsets_host);
     free(m->acts);
     free(m->losses_host);
@@ -609,9 +622,13 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
  * --dry-run through model_activation_bytes, so the two can never disagree.
  * What `r` recomputes gets one buffer that every layer's view points at,
  * after the layers. MoE activations are always kept. */
-static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, int lo, int hi, int tp,
-                         int ep, Model *m) {
+static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, int lo, int hi, int tp, int cp,
+                         int seq_par, int ep, Model *m) {
     size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float), I = sizeof(int32_t);
+    /* the residual stream's rows: under sequence parallelism a rank's N/tp
+     * (every forward splits: model_forward pads one sequence to a multiple
+     * of tp) */
+    size_t Nres = tp > 1 && seq_par && cp == 1 ? (N + (size_t)tp - 1) / (size_t)tp : N;
     size_t Q = (size_t)arch_q_width(s), QKVW = (size_t)arch_qkv_width(s), FF = (size_t)s->ffn_hidden;
     size_t FCW = (size_t)arch_fc_width(s), QK = (size_t)(s->n_head + s->n_kv_head) * s->head_dim;
     size_t G = s->qk_norm == QKNORM_HEAD ? (size_t)(s->n_head + s->n_kv_head) : 2;
@@ -627,6 +644,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         memset(&sink, 0, sizeof sink);
         m = &sink;
     }
+    if (assign) m->res_rows = Nres;
     int keep_gelu = r < MODEL_RECOMPUTE_GELU || moe, keep_norm = r < MODEL_RECOMPUTE_NORM_GELU;
 #define TAKE(ptr, count, esize)                                 \
     do {                                                        \
@@ -634,7 +652,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         off += ((size_t)(count) * (esize) + 63) / 64 * 64;      \
     } while (0)
     int head = hi == s->n_layer;
-    TAKE(m->encoded, N * C, ab);
+    TAKE(m->encoded, Nres * C, ab);
     for (int l = lo; l < hi; l++) {
         LayerActs *a = assign ? &m->acts[l] : &sink_layer;
         if (keep_norm) TAKE(a->ln1, N * C, ab);
@@ -647,7 +665,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         }
         TAKE(a->atty, N * Q, ab);
         TAKE(a->att_lse, N * NH, F);
-        TAKE(a->res2, N * C, ab);
+        TAKE(a->res2, Nres * C, ab);
         if (keep_norm) TAKE(a->ln2, N * C, ab);
         TAKE(a->ln2_mean, N, F);
         TAKE(a->ln2_rstd, N, F);
@@ -675,7 +693,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
                 TAKE(a->sh_act, N * S, ab);
             }
         }
-        TAKE(a->res3, N * C, ab);
+        TAKE(a->res3, Nres * C, ab);
     }
     void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
     if (!keep_gelu) TAKE(gelu_shared, N * FF, ab);
@@ -694,10 +712,8 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         TAKE(m->stage_dout, N * C, ab);
     }
     if (moe) TAKE(m->aux, (size_t)B * E * s->n_layer, F);
-    if (tp > 1) {
-        TAKE(m->xent_stats, (size_t)tp * N * 3, F);
-        TAKE(m->row_dev, (size_t)tp * s->padded_vocab, ab);
-    }
+    if (tp > 1) TAKE(m->xent_stats, (size_t)tp * N * 3, F);
+    if (tp > 1 || cp > 1) TAKE(m->row_dev, (size_t)tp * s->padded_vocab, ab);
     /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf (N,
      * the widest of NH HD, F, S, C), dbuf2 (N, the widest of the first MLP
      * product and 2S), dqkv (N,QKVW), dln (N,C); MoE: dyp and dxp (R,C),
@@ -713,18 +729,23 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
 }
 
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r) {
-    return plan_bytes(s, B, T, act_bytes, r, 0, s->n_layer, 1, 1, NULL);
+    return plan_bytes(s, B, T, act_bytes, r, 0, s->n_layer, 1, 1, 0, 1, NULL);
 }
 
-size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int ep, int B, int T, size_t act_bytes, ModelRecompute r) {
+size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, int sp, int B, int T, size_t act_bytes,
+                                   ModelRecompute r) {
     ArchSpec l;
     arch_tp_local(s, tp, 0, &l); /* rank 0 holds the most vocabulary rows */
-    return plan_bytes(&l, B, T, act_bytes, r, 0, s->n_layer, tp, ep, NULL);
+    return plan_bytes(&l, B, T / cp, act_bytes, r, 0, s->n_layer, tp, cp, sp, ep, NULL);
 }
 
 void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
     if (T > m->shape.seq_len)
         kiln_fail(KILN_EXIT_USAGE, "micro-batch length %d exceeds model.seq_len = %d", T, m->shape.seq_len);
+    if (T % (2 * m->cp))
+        kiln_fail(KILN_EXIT_USAGE, "keys 'model.seq_len', 'parallel.cp': a sequence of %d tokens does not split into "
+                  "2 x cp = %d chunks; make seq_len a multiple of %d", T, 2 * m->cp, 2 * m->cp);
+    int Tl = T / m->cp; /* the rows of each sequence this rank holds */
     if (m->act_mem) {
         m->be->free(m->act_mem);
         m->be->free(m->tokens_dev);
@@ -733,14 +754,17 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
         free(m->acts);
         free(m->losses_host);
         free(m->row_host);
+        free(m->cp_tok);
+        free(m->cp_tgt);
     }
     m->B = B;
     m->T = T;
     m->recompute = r;
     m->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
-    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m->ep, NULL);
+    m->act_size = plan_bytes(&m->shape, B, Tl, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m->cp, m->sp, m->ep,
+                             NULL);
     m->act_mem = m->be->alloc(m->act_size);
-    plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m->ep, m);
+    plan_bytes(&m->shape, B, Tl, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m->cp, m->sp, m->ep, m);
     if (m->shape.mlp == MLP_MOE) {
         size_t E = (size_t)m->shape.moe.n_experts;
         for (int l = m->layer_lo; l < m->layer_hi; l++) m->acts[l].offsets_host = xcalloc(E + 1, sizeof(int32_t));
@@ -748,14 +772,17 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
         m->auxg_host = xrealloc(m->auxg_host, (size_t)B * E * sizeof(float));
         m->counts_host = xrealloc(m->counts_host, (size_t)B * E * sizeof(int32_t));
     }
-    m->tokens_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
-    m->targets_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
-    m->losses_host = xcalloc((size_t)B * T, sizeof(float));
+    m->tokens_dev = m->be->alloc((size_t)B * Tl * sizeof(int32_t));
+    m->targets_dev = m->be->alloc((size_t)B * Tl * sizeof(int32_t));
+    m->losses_host = xcalloc((size_t)B * Tl, sizeof(float));
     m->row_host = xcalloc((size_t)m->tp * m->shape.padded_vocab, m->act_bytes);
     if (m->tp > 1) {
-        m->tok_host = xrealloc(m->tok_host, (size_t)B * T * sizeof(int32_t));
-        m->tgt_host = xrealloc(m->tgt_host, (size_t)B * T * sizeof(int32_t));
+        m->pad_host = xrealloc(m->pad_host, (size_t)T * sizeof(int32_t));
+        m->tok_host = xrealloc(m->tok_host, (size_t)B * Tl * sizeof(int32_t));
+        m->tgt_host = xrealloc(m->tgt_host, (size_t)B * Tl * sizeof(int32_t));
     }
+    m->cp_tok = m->cp > 1 ? xcalloc((size_t)B * Tl, sizeof(int32_t)) : NULL;
+    m->cp_tgt = m->cp > 1 ? xcalloc((size_t)B * Tl, sizeof(int32_t)) : NULL;
 }
 
 void *model_stage_input(const Model *m) { return m->encoded; }
@@ -856,6 +883,69 @@ static void tp_drain(const Model *m) {
  * rows, is complete on every rank. */
 static const void *row_bias(const Model *m, int l, int role) { return m->tp_rank == 0 ? W(m, l, role) : NULL; }
 
+/* ---------------------------------------------------------------------------
+ * Context parallelism (model.h ModelCp): the rows are this rank's two chunks
+ * of every sequence, chunk-major; what depends on positions runs per chunk. */
+
+/* First position of local chunk c, for chunks of Tc tokens. */
+static int cp_pos(const Model *m, int c, int Tc) { return model_cp_chunk(m->cp, m->cp_rank, c) * Tc; }
+
+/* This rank's chunks of the (B, T) host ids into buf (B, 2 Tc) chunk-major;
+ * positions past T (a generation's padding) read token 0. */
+static const int32_t *cp_take(const Model *m, int32_t *buf, const int32_t *ids, int B, int T, int Tc) {
+    for (int c = 0; c < 2; c++)
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < Tc; i++) {
+                int t = cp_pos(m, c, Tc) + i;
+                buf[((size_t)c * B + b) * Tc + i] = t < T ? ids[(size_t)b * T + t] : 0;
+            }
+    return buf;
+}
+
+/* Embeddings of the N = B T rows (T local) into e: wte[tokens] + wpe at each
+ * row's global position (wpe NULL: none, or another tp rank adds them). */
+static void embed_rows(const Model *m, void *e, int B, int T) {
+    const void *wte = W(m, -1, ROLE_TOK_EMB), *wpe = row_bias(m, -1, ROLE_POS_EMB);
+    int C = m->shape.n_embd;
+    if (m->cp == 1) {
+        m->be->embed_forward(e, m->tokens_dev, wte, wpe, B, T, C);
+        return;
+    }
+    int Tc = T / 2;
+    for (int c = 0; c < 2; c++)
+        m->be->embed_forward(act_at(m, e, (size_t)c * B * Tc, C), m->tokens_dev + (size_t)c * B * Tc, wte,
+                             wpe ? act_at(m, wpe, cp_pos(m, c, Tc), C) : NULL, B, Tc, C);
+}
+
+/* Their backward from dtop (N,C): dwte +=, dwpe per `acc` (under cp only this
+ * rank's positions get a gradient; the rest are zero until the sum over cp). */
+static void embed_rows_backward(const Model *m, const void *dtop, int B, int T, int acc) {
+    float *dwte = G(m, -1, ROLE_TOK_EMB), *dwpe = G(m, -1, ROLE_POS_EMB);
+    int C = m->shape.n_embd;
+    if (m->cp == 1) {
+        m->be->embed_backward(dwte, dwpe, dtop, m->tokens_dev, B, T, C, acc);
+        return;
+    }
+    int Tc = T / 2;
+    if (dwpe && !acc) m->be->zero(dwpe, (size_t)m->shape.seq_len * C * sizeof(float));
+    for (int c = 0; c < 2; c++)
+        m->be->embed_backward(dwte, dwpe ? dwpe + (size_t)cp_pos(m, c, Tc) * C : NULL,
+                              act_at(m, dtop, (size_t)c * B * Tc, C), m->tokens_dev + (size_t)c * B * Tc, B, Tc, C, 1);
+}
+
+/* RoPE on qkv (N, QKVW) at each row's global position, or its inverse. */
+static void rope_rows(const Model *m, void *qkv, const AttnShape *sh, int backward) {
+    void (*op)(void *, const float *, const AttnShape *, int) = backward ? m->be->rope_backward : m->be->rope_forward;
+    if (m->cp == 1) {
+        op(qkv, m->rope, sh, 0);
+        return;
+    }
+    AttnShape c = *sh;
+    c.T = sh->T / 2;
+    for (int k = 0; k < 2; k++)
+        op(act_at(m, qkv, (size_t)k * sh->B * c.T, (size_t)attn_qkv_width(sh)), m->rope, &c, cp_pos(m, k, c.T));
+}
+
 /* res2 = x + o_proj(attention(rope(qknorm(qkv_proj(norm1(x)))))) */
 static void attn_forward(Model *m, int l, const void *x, int B, int T) {
     const Backend *be = m->be;
@@ -869,8 +959,9 @@ static void attn_forward(Model *m, int l, const void *x, int B, int T) {
     if (s->qk_norm != QKNORM_NONE)
         be->qknorm_forward(a->qkv, a->qk_in, a->qk_rstd, W(m, l, ROLE_Q_NORM), W(m, l, ROLE_K_NORM), &sh,
                            s->qk_norm == QKNORM_HEAD, s->norm_eps);
-    if (s->pos == POS_ROPE) be->rope_forward(a->qkv, m->rope, &sh, 0);
-    be->attention_forward(a->atty, a->att_lse, a->qkv, &sh);
+    if (s->pos == POS_ROPE) rope_rows(m, a->qkv, &sh, 0);
+    if (m->cp > 1) m->cpc.attention_forward(m->cpc.ctx, a->atty, a->att_lse, a->qkv, &sh);
+    else be->attention_forward(a->atty, a->att_lse, a->qkv, &sh);
     be->matmul_forward(proj, a->atty, W(m, l, ROLE_O_W), row_bias(m, l, ROLE_O_B), N, Q, C);
     const void *out = row_reduce(m, proj, act_at(m, proj, N, C), N);
     be->residual_forward(a->res2, x, out, (size_t)res_rows(m, N) * C);
@@ -1025,20 +1116,45 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     const ArchSpec *s = &m->shape;
     if (B > m->B || T > m->T || B * T > m->B * m->T)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: batch %dx%d exceeds the planned %dx%d", B, T, m->B, m->T);
-    int N = B * T, C = s->n_embd;
     if (m->tp > 1 && !m->tpc.all_reduce)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a tensor-parallel model without its collectives (model_set_tp)");
     if (m->ep > 1 && !m->epc.dispatch)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: an expert-parallel model without its exchanges (model_set_ep)");
-    /* sequence parallelism needs rows that split evenly; other forwards
-     * (generation) run with every rank holding all rows: the same function */
+    if (m->cp > 1) {
+        /* from here on T is this rank's rows per sequence: its two chunks
+         * of the sequence, padded at the end to 2 cp chunks (generation) */
+        if (!m->cpc.attention_forward)
+            kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a context-parallel model without its hooks (model_set_cp)");
+        if (targets && T % (2 * m->cp))
+            kiln_fail(KILN_EXIT_USAGE, "model_forward: %d tokens do not split into 2 x cp = %d chunks", T, 2 * m->cp);
+        int Tc = (T + 2 * m->cp - 1) / (2 * m->cp);
+        tokens = cp_take(m, m->cp_tok, tokens, B, T, Tc);
+        if (targets) targets = cp_take(m, m->cp_tgt, targets, B, T, Tc);
+        T = 2 * Tc;
+    }
+    int N = B * T, C = s->n_embd;
+    if (m->sp && m->cp == 1 && N % m->tp != 0) {
+        /* Sequence parallelism needs rows that split evenly. One sequence
+         * without targets (generation) is padded with its last token to a
+         * multiple of tp: attention is causal, so the padding changes no
+         * real position's logits (seq_len divides by tp: it fits). */
+        int Tp = (T + m->tp - 1) / m->tp * m->tp;
+        if (B != 1 || targets || dloss != 0.0f || Tp > m->T)
+            kiln_fail(KILN_EXIT_RUNTIME, "model_forward: %d x %d tokens do not split over the %d tp ranks (sequence "
+                      "parallelism pads only one sequence without targets)", B, T, m->tp);
+        memcpy(m->pad_host, tokens, (size_t)T * sizeof(int32_t));
+        for (int t = T; t < Tp; t++) m->pad_host[t] = tokens[T - 1];
+        return model_forward(m, m->pad_host, NULL, 1, Tp, 0.0f);
+    }
+    /* under cp a rank's rows that do not split over tp (generation) run
+     * with every tp rank holding them all: the same function */
     m->live_sp = m->sp && N % m->tp == 0;
+    if ((size_t)(m->live_sp ? N / m->tp : N) > m->res_rows)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_forward: %d x %d tokens exceed the residual stream's %zu rows", B, T,
+                  m->res_rows);
     be->to_device(m->tokens_dev, local_ids(m, m->tok_host, tokens, N), (size_t)N * sizeof(int32_t));
     int fuse_fwd = model_gelu_fused(m, 0);
     int train = dloss != 0.0f && (targets || !m->has_head);
-    if (train && m->sp && !m->live_sp)
-        kiln_fail(KILN_EXIT_USAGE, "keys 'parallel.sequence_parallel', 'batch.micro_batch': a training micro-batch of "
-                  "%d x %d tokens does not split over the %d tp ranks", B, T, m->tp);
     m->moe.aux = m->moe.z = 0;
 
     use_layer(m, -1, 0);
@@ -1047,7 +1163,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
          * zero rows), rank 0 adds the positions, and the sum goes to the
          * residual rows */
         void *e = m->live_sp ? m->scratch : m->encoded;
-        be->embed_forward(e, m->tokens_dev, W(m, -1, ROLE_TOK_EMB), row_bias(m, -1, ROLE_POS_EMB), B, T, C);
+        embed_rows(m, e, B, T);
         const void *enc = row_reduce(m, e, m->encoded, N);
         if (enc != m->encoded) be->copy(m->encoded, enc, (size_t)N * C * m->act_bytes);
     }
@@ -1259,8 +1375,9 @@ static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const
     const void *dtop = grad_gather(m, b->dres, b->dfull, N); /* tp: all N rows */
     be->matmul_backward(b->dbuf, G(m, l, ROLE_O_W), G(m, l, ROLE_O_B), dtop, a->atty, W(m, l, ROLE_O_W), N, Q, C,
                         acc);
-    be->attention_backward(b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
-    if (s->pos == POS_ROPE) be->rope_backward(b->dqkv, m->rope, &sh, 0);
+    if (m->cp > 1) m->cpc.attention_backward(m->cpc.ctx, b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
+    else be->attention_backward(b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
+    if (s->pos == POS_ROPE) rope_rows(m, b->dqkv, &sh, 1);
     if (s->qk_norm != QKNORM_NONE)
         be->qknorm_backward(b->dqkv, G(m, l, ROLE_Q_NORM), G(m, l, ROLE_K_NORM), a->qk_in, W(m, l, ROLE_Q_NORM),
                             W(m, l, ROLE_K_NORM), a->qk_rstd, &sh, s->qk_norm == QKNORM_HEAD, acc);
@@ -1319,7 +1436,7 @@ void model_backward(Model *m, int accumulate) {
         /* tp: every rank scatters the gradient of all N rows into its own
          * vocabulary rows; each computes the whole position gradient */
         const void *dtop = grad_gather(m, b.dres, b.dfull, N);
-        be->embed_backward(dwte, G(m, -1, ROLE_POS_EMB), dtop, m->tokens_dev, B, T, C, accumulate);
+        embed_rows_backward(m, dtop, B, T, accumulate);
     }
     if (m->tpc.grads_done) m->tpc.grads_done(m->tpc.ctx, -1);
     if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, -1);
@@ -1357,6 +1474,12 @@ void model_moe_update_bias(Model *m, const int64_t *load) {
 
 void model_logits_row(const Model *m, int b, int t, float *out) {
     size_t row = (size_t)b * m->live_T + (size_t)t, Vp = (size_t)m->shape.padded_vocab;
+    int root = 0; /* cp: the rank holding position t */
+    if (m->cp > 1) {
+        int Tc = m->live_T / 2, g = t / Tc, c = g >= m->cp;
+        root = c ? 2 * m->cp - 1 - g : g;
+        row = ((size_t)c * m->live_B + b) * Tc + (size_t)(t % Tc);
+    }
     const char *src = (const char *)m->logits + row * Vp * m->act_bytes;
     if (m->tp > 1) { /* every rank's columns, in rank order: the global vocabulary */
         m->be->copy((char *)m->row_dev + (size_t)m->tp_rank * Vp * m->act_bytes, src, Vp * m->act_bytes);
@@ -1364,6 +1487,11 @@ void model_logits_row(const Model *m, int b, int t, float *out) {
         src = m->row_dev;
     }
     size_t n = (size_t)m->gshape.padded_vocab;
+    if (m->cp > 1) { /* the other cp ranks computed another chunk's rows: root's row to all */
+        if (src != m->row_dev) m->be->copy(m->row_dev, src, n * m->act_bytes);
+        m->cpc.broadcast(m->cpc.ctx, m->row_dev, n, root);
+        src = m->row_dev;
+    }
     tp_drain(m);
     m->be->to_host(m->row_host, src, n * m->act_bytes);
     backend_act_to_f32(out, m->row_host, n, m->act_bytes);

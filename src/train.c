@@ -9,6 +9,7 @@
 
 #include "backend.h"
 #include "comm.h"
+#include "cp.h"
 #include "data.h"
 #include "ddp.h"
 #include "ep.h"
@@ -83,16 +84,17 @@ static void print_plan(const Config *c, const ArchSpec *s) {
     printf("  FLOPs per token        %.4g (training: forward + backward)\n", fpt);
     /* per rank: dp auto resolves to the world size at launch; without a
      * launcher the plan shows one rank unless parallel.dp says how many */
-    int dp = c->dp > 0 ? c->dp : c->ep, tp = c->tp, sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
+    /* ep > 1 needs dp >= ep: the smallest such layout when dp is auto */
+    int dp = c->dp > 0 ? c->dp : c->ep, tp = c->tp, cp = c->cp, sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
     char err[512];
     if (arch_tp_check(s, tp, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
-    printf("  memory per rank        dp %d%s x tp %d (ep %d), ZeRO %d\n", dp,
-           c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)", tp, c->ep, c->zero);
+    printf("  memory per rank        dp %d%s x tp %d x cp %d (ep %d), ZeRO %d\n", dp,
+           c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)", tp, cp, c->ep, c->zero);
     /* the same accounting `./train plan` uses (src/plan.c) */
-    PlanMemory mem = plan_memory_per_rank(s, tp, dp, c->ep, c->zero, c->micro_batch,
-                                          model_recompute_parse(c->recompute), optim_state_bytes(c->optim_state),
-                                          plan_param_bytes(c->master));
-    plan_print_state(&mem, dp, c->zero);
+    PlanMemory mem = plan_memory_per_rank(s, tp, sp, cp, cp_mode_parse(c->cp_attention), dp, c->ep, c->zero,
+                                          c->micro_batch, model_recompute_parse(c->recompute),
+                                          optim_state_bytes(c->optim_state), plan_param_bytes(c->master));
+    plan_print_state(&mem, dp * cp, c->zero);
     plan_print_activations(&mem);
     plan_print_tp(s, tp, sp, dp, c->ep, c->zero, c->micro_batch, c->grad_accum / dp);
     printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps x %d ranks)\n",
@@ -120,17 +122,21 @@ static DataLoader *open_data(const Config *c, const CfgSources *ss, int first, i
 /* Mean loss over `batches` validation batches, always from the start of the
  * validation order so every evaluation sees the same tokens. */
 static float evaluate(Model *m, DataLoader *val, int batches, int B, int T, int32_t *inp, int32_t *tgt, Ddp *d,
-                      int split) {
+                      int dp, int split) {
     data_rewind(val);
     double sum = 0.0;
     /* split: the dp ranks share the batches (the loader slices each global
      * batch by rank), so together they see the same samples as one rank */
-    int mine = split ? batches / ddp_ranks(d) : batches;
+    int mine = split ? batches / dp : batches;
     for (int i = 0; i < mine; i++) {
         data_next_batch(val, inp, tgt);
         sum += model_forward(m, inp, tgt, B, T, 0.0f);
     }
-    if (split) sum = ddp_sum(d, sum);
+    /* cp: each rank's mean is of its chunks, the same number of tokens on
+     * every cp rank; ddp sums over dp x cp */
+    int cp = ddp_ranks(d) / dp;
+    if (split) sum = ddp_sum(d, sum) / cp;
+    else if (cp > 1) sum = ddp_sum(d, sum) / (cp * dp);
     return (float)(sum / batches);
 }
 
@@ -314,8 +320,13 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     int accum;
     setup_parallel(c, topt, &mesh, &accum);
     CommGroup *dpg = mesh_group(&mesh, MESH_GROUP_DP), *tpg = mesh_group(&mesh, MESH_GROUP_TP);
+    CommGroup *cpg = mesh_group(&mesh, MESH_GROUP_CP);
+    /* replicated parameters' gradients sum over every rank that computed
+     * other tokens: dp, and under context parallelism dp x cp */
+    CommGroup *rg = cpg->size > 1 ? mesh_group(&mesh, MESH_GROUP_DPCP) : dpg;
+    int rank = mesh.rank, world = mesh.world, dp = dpg->size, dp_rank = dpg->rank, cp = cpg->size;
     CommGroup *epg = mesh_group(&mesh, MESH_GROUP_EP), *edpg = mesh_group(&mesh, MESH_GROUP_EDP);
-    int rank = mesh.rank, world = mesh.world, dp = dpg->size, dp_rank = dpg->rank, ep = epg->size;
+    int ep = epg->size;
     int tp = tpg->size, sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
     char tp_err[512];
     if (arch_tp_check(&shape, tp, tp_err, sizeof tp_err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", tp_err);
@@ -353,18 +364,18 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     /* precision.master bf16: no fp32 arena (exit 2 unless act is bf16) */
     model_init(&model, be, &shape,
                &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16"),
-                               .tp = tp, .tp_rank = tpg->rank, .sequence_parallel = sp, .ep = ep,
-                               .ep_rank = mesh.ep_rank});
+                               .tp = tp, .tp_rank = tpg->rank, .sequence_parallel = sp, .cp = cp,
+                               .cp_rank = cpg->rank, .ep = ep, .ep_rank = mesh.ep_rank});
     model.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
      * per-message latency is small, small enough to overlap with backward.
      * Before the weights: ZeRO-2/3 lay the arena out by layer. */
     Ddp ddp;
-    if (dp > 1 && be->stream) {
+    if (rg->size > 1 && be->stream) {
         /* device memory: the dp group's float collectives run through NCCL on
          * the backend's stream (comm.h, "NCCL"); doubles and bytes stay on MPI */
-        comm_nccl_init(dpg, c->run_dir);
-        comm_nccl_device_mode(dpg, be->stream());
+        comm_nccl_init(rg, c->run_dir);
+        comm_nccl_device_mode(rg, be->stream());
     }
     /* expert parallelism: the ep group's all-to-alls and the EDP group's
      * expert-gradient sums, on the GPU through NCCL as dp's */
@@ -376,7 +387,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
             comm_nccl_device_mode(edpg, be->stream());
         }
     }
-    ddp_init(&ddp, &model, dpg, c->zero, (size_t)25 << 20, ep > 1 ? &(DdpExperts){edpg, epg} : NULL);
+    ddp_init(&ddp, &model, rg, c->zero, (size_t)25 << 20, ep > 1 ? &(DdpExperts){edpg, epg} : NULL);
     /* tensor parallelism: the layers' collectives over the tp group (tp.c);
      * the gradient norm sums over it too */
     if (tp > 1 && be->stream) {
@@ -392,6 +403,18 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     else model_init_weights(&model, c->seed);
     ddp_shard_params(&ddp); /* ZeRO-2/3: take this rank's shard (ZeRO-3: drop the whole arena) */
     model_plan_activations(&model, B, T, model_recompute_parse(c->recompute));
+    /* context parallelism: attention over the cp group (cp.c), K/V buffers
+     * for this rank's B x T / cp rows and heads */
+    Cp cpx = {0};
+    if (cp > 1) {
+        if (be->stream) {
+            comm_nccl_init(cpg, c->run_dir);
+            comm_nccl_device_mode(cpg, be->stream());
+        }
+        AttnShape cap = {B, T / cp, model.shape.n_head, model.shape.n_kv_head, model.shape.head_dim};
+        cp_init(&cpx, be, cpg, cp_mode_parse(c->cp_attention), &cap);
+        cp_attach(&cpx, &model);
+    }
     Ep epx; /* expert parallelism: the MoE layers' all-to-alls over the ep group (ep.c) */
     ep_init(&epx, &model, epg);
 
@@ -426,7 +449,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     RunState rs;
     size_t shard_n;
     float *param_shard = ddp_param_shard(&ddp, &shard_n); /* ZeRO-2/3: what checkpoints and hashes read */
-    StateMesh smesh = {.rank = rank, .world = world, .dp = dp, .zero = c->zero, .dp_rank = dp_rank, .tp = tp,
+    /* checkpoints: the ranks of ddp's group (dp x cp under cp) share the writes */
+    StateMesh smesh = {.rank = rank, .world = world, .dp = rg->size, .zero = c->zero, .dp_rank = rg->rank, .tp = tp,
                        .tp_rank = tpg->rank, .ep = ep, .edp_rank = mesh.edp_rank, .g = comm_world(),
                        .pieces = ddp_optim_pieces(&ddp) ? &ddp : NULL, .units = param_shard ? &ddp : NULL};
     int start_step = state_open(&rs, c, &smesh, topt->resume, topt->force, topt->commit, &model, &opt, train);
@@ -454,6 +478,11 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                       model.shape.n_head, shape.n_head, model.shape.n_kv_head, shape.n_kv_head,
                       shape.mlp == MLP_MOE ? shape.ffn_hidden : model.shape.ffn_hidden, shape.ffn_hidden,
                       model.shape.padded_vocab, sp ? "on" : "off");
+    if (cp > 1)
+        metrics_print(mx, "context parallel: %d ranks, %s attention; each sequence of %d tokens is %d chunks of %d, "
+                      "this rank holds chunks %d and %d (%d rows of every micro-batch); gradients sum over dp x cp = %d",
+                      cp, cp_mode_name(cpx.mode), T, 2 * cp, T / (2 * cp), model_cp_chunk(cp, cpg->rank, 0),
+                      model_cp_chunk(cp, cpg->rank, 1), B * T / cp, rg->size);
     int fused = model_gelu_fused(&model, 0) || model_gelu_fused(&model, 1);
     metrics_print(mx, "activations: %.2f MiB for a %d x %d micro-batch, %zu-byte activations, recompute %s%s",
                   model.act_size / 1048576.0, B, T, model.act_bytes, model_recompute_name(model.recompute),
@@ -504,8 +533,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     int skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0, skips_in_a_row = 0;
     /* ZeRO-3: every rank samples (each forward gathers layers collectively);
      * ZeRO-2's forward only waits for refreshes every rank has posted */
-    /* tp: every rank computes its part; ep: every forward is an all-to-all */
-    int sample_all = !ddp_whole_params(&ddp) || tp > 1 || ep > 1;
+    /* tp, cp: every rank computes its part; ep: every forward is an all-to-all */
+    int sample_all = !ddp_whole_params(&ddp) || tp > 1 || cp > 1 || ep > 1;
     FILE *devnull = sample_all && rank > 0 ? fopen("/dev/null", "w") : NULL;
     if (sample_all && rank > 0 && !devnull) kiln_fail(KILN_EXIT_RUNTIME, "/dev/null: cannot open (samples of rank %d)", rank);
     size_t N = (size_t)B * T;
@@ -514,7 +543,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     int32_t *ctx = xmalloc((size_t)2 * T * sizeof(int32_t) + 8);
     /* the mean over the global batch: every rank's gradients are summed */
     float dloss = 1.0f / (float)(N * (size_t)accum * (size_t)dp);
-    double step_time_sum = 0.0, blocked_sum = 0.0, tp_blocked_sum = 0.0, ep_blocked_sum = 0.0;
+    double step_time_sum = 0.0, blocked_sum = 0.0, tp_blocked_sum = 0.0, cp_blocked_sum = 0.0;
+    double ep_blocked_sum = 0.0;
     /* expert parallelism: every rank's rows per step, for metrics.jsonl */
     double *ep_fig = ep > 1 ? xcalloc((size_t)3 * world, sizeof(double)) : NULL;
     EpFigures epf = {ep_fig, ep_fig ? ep_fig + world : NULL, ep_fig ? ep_fig + 2 * world : NULL, 0};
@@ -536,6 +566,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
             /* on the last micro-batch: post gradient buckets as layers finish */
             ddp_micro_begin(&ddp, micro == 0, micro == accum - 1);
             tp_micro_begin(&tpx, micro == 0, micro == accum - 1);
+            cp_micro_begin(&cpx, micro == 0);
             loss_sum += model_forward(&model, inp, tgt, B, T, dloss);
             metrics_phase(mx, PHASE_BACKWARD, step + 1);
             model_backward(&model, micro > 0);
@@ -552,7 +583,9 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         metrics_phase(mx, PHASE_SYNC, step + 1);
         double grad_norm = ddp_reduce_grads(&ddp);
         if (tp_grads_file && step == start_step) dump_replicated_grads(&model, tp_grads_file, rank);
-        float loss = (float)(ddp_sum(&ddp, loss_sum) / (accum * dp));
+        /* the mean over every rank's micro-batches; under cp each rank's loss
+         * is the mean of its chunks (the same token count on every cp rank) */
+        float loss = (float)(ddp_sum(&ddp, loss_sum) / (accum * ddp_ranks(&ddp)));
         metrics_phase(mx, PHASE_OPTIMIZER, step + 1);
         /* a non-finite loss skips the update even if its gradients look finite */
         OptimStepInfo info = {grad_norm, 1.0f, 1};
@@ -564,6 +597,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         int bad = !isfinite(loss) || info.nonfinite;
         double dt = kiln_now() - t0;
         step_time_sum += dt, blocked_sum += ddp_step_blocked_s(&ddp), tp_blocked_sum += tp_step_blocked_s(&tpx);
+        cp_blocked_sum += cp_step_blocked_s(&cpx);
         ep_blocked_sum += ep_step_blocked_s(&epx);
         if (!bad) last_loss = loss;
         int last = step == c->steps - 1;
@@ -573,10 +607,11 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                           .val_names = val_names, .val_losses = val_losses};
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
                           info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0,
-                          moe_ms.load ? &moe_ms : NULL, .comm_group = {"dp"}, .comm_s = {ddp_step_blocked_s(&ddp)},
-                          .data = &md};
+                          moe_ms.load ? &moe_ms : NULL, .comm_group = {cp > 1 ? "dpcp" : "dp"},
+                          .comm_s = {ddp_step_blocked_s(&ddp)}, .data = &md};
         int ng = 1; /* the groups this layout communicates in, each with its blocked time */
         if (tp > 1) ms.comm_group[ng] = "tp", ms.comm_s[ng++] = tp_step_blocked_s(&tpx);
+        if (cp > 1) ms.comm_group[ng] = "cp", ms.comm_s[ng++] = cp_step_blocked_s(&cpx);
         if (ep > 1) ms.comm_group[ng] = "ep", ms.comm_s[ng++] = ep_step_blocked_s(&epx);
         MetricsEp mep = {world, epf.sent, epf.recv, epf.rows, epf.imbalance};
         if (ep > 1) ms.ep = &mep;
@@ -608,7 +643,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
             metrics_phase(mx, PHASE_EVAL, step + 1);
             double sum = 0;
             for (int i = 0; i < n_val; i++)
-                sum += val_losses[i] = evaluate(&model, vals[i], c->eval_batches, B, T, inp, tgt, &ddp, val_split);
+                sum += val_losses[i] = evaluate(&model, vals[i], c->eval_batches, B, T, inp, tgt, &ddp, dp, val_split);
             ms.val_loss = val_loss = (float)(sum / n_val); /* each set: the same number of tokens */
         } else {
             for (int i = 0; i < n_val; i++) val_losses[i] = NAN;
@@ -646,7 +681,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     if (metrics_skipped(mx)) snprintf(sdone, sizeof sdone, " | %d step(s) skipped", metrics_skipped(mx));
     metrics_print(mx, "done: %d steps in %.1f s | final loss %.4f%s%s", steps_done, kiln_now() - t_start, last_loss,
                   vdone, sdone);
-    if (dp > 1 && step_time_sum > 0)
+    if (rg->size > 1 && step_time_sum > 0)
         metrics_print(mx, "data parallel: %.1f%% of step time blocked in gradient/parameter communication "
                           "(not overlapped with compute): %.3f of %.3f s",
                       100.0 * blocked_sum / step_time_sum, blocked_sum, step_time_sum);
@@ -654,6 +689,10 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         metrics_print(mx, "tensor parallel: %.1f%% of step time blocked in tp communication (activations and "
                           "partial gradients): %.3f of %.3f s", 100.0 * tp_blocked_sum / step_time_sum,
                       tp_blocked_sum, step_time_sum);
+    if (cp > 1 && step_time_sum > 0)
+        metrics_print(mx, "context parallel: %.1f%% of step time blocked waiting for K/V and dK/dV (%s; not overlapped "
+                          "with attention): %.3f of %.3f s", 100.0 * cp_blocked_sum / step_time_sum,
+                      cp_mode_name(cpx.mode), cp_blocked_sum, step_time_sum);
     if (ep > 1 && step_time_sum > 0)
         metrics_print(mx, "expert parallel: %.1f%% of step time blocked in the all-to-all (token rows and their "
                           "counts, forward and backward): %.3f of %.3f s", 100.0 * ep_blocked_sum / step_time_sum,
@@ -669,6 +708,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     optim_free(&opt);
     ddp_free(&ddp);
     tp_free(&tpx);
+    cp_free(&cpx);
     ep_free(&epx);
     free(ep_fig);
     free(moe_buf.load);

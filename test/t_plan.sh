@@ -20,7 +20,7 @@ expect plan_bad_gpus 2 "--gpus: expected a count" -- ./train plan $CFG --gpus ei
 expect plan_bad_gpu_mem 2 "--gpu-mem: expected GiB" -- ./train plan $CFG --gpus 8 --gpu-mem -3
 expect plan_nodes_indivisible 2 '--gpus 6 do not split evenly over --nodes 4' -- ./train plan $CFG --gpus 6 --nodes 4
 expect plan_unknown_flag 2 "unknown flag '--bogus'" -- ./train plan $CFG --gpus 8 --bogus
-# pp/cp/ep > 1 are refused by the config itself (not implemented yet)
+# pp/ep > 1 are refused by the config itself (not implemented yet; cp: test/t_cp.sh)
 expect plan_pp_refused 2 "parallel.pp.*not implemented" -- ./train plan $CFG --gpus 8 --set parallel.pp=2
 # tp: the split per rank and the communication; a tp that does not divide the heads: invalid, exit 2
 expect plan_tp_lines 0 "tensor parallel        tp 2, sequence parallel on: per rank 6 of 12 heads" -- \
