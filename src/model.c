@@ -834,6 +834,11 @@ const void *model_slot_output(const Model *m, int chunk, int k) {
 void *model_slot_output_grad(const Model *m, int chunk, int k) { return slot_view(m, chunk, k).stage_dout; }
 const void *model_slot_input_grad(const Model *m, int chunk, int k) { return slot_view(m, chunk, k).stage_din; }
 
+int model_stage_rows(const Model *m, int B, int T) {
+    int N = B * T;
+    return m->sp && N % m->tp == 0 ? N / m->tp : N;
+}
+
 void *model_stage_input(const Model *m) { return m->encoded; }
 const void *model_stage_output(const Model *m) { return m->acts[m->layer_hi - 1].res3; }
 void *model_stage_output_grad(const Model *m) { return m->stage_dout; }

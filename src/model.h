@@ -432,6 +432,10 @@ const void *model_stage_output(const Model *m);
 void *model_stage_output_grad(const Model *m);
 const void *model_stage_input_grad(const Model *m);
 
+/* Rows of the residual stream a stage holds and sends for a B x T batch:
+ * its own B T / tp under sequence parallelism, else all B T. */
+int model_stage_rows(const Model *m, int B, int T);
+
 /* Host copy of logits row (b, t) after a forward without targets:
  * gshape.padded_vocab floats (converted from the activation dtype). Under tp
  * a collective: every tp rank calls it, and the row is gathered. */

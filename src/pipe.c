@@ -354,7 +354,7 @@ void pipe_build(PipeSchedule *s, PipeKind k, int pp, int v, int micro) {
     free(o);
 }
 
-void pipe_free(PipeSchedule *s) {
+void pipe_schedule_free(PipeSchedule *s) {
     for (int r = 0; s->a && r < s->pp; r++) free(s->a[r]);
     free(s->a), free(s->n), free(s->slots);
     memset(s, 0, sizeof *s);

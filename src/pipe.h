@@ -72,7 +72,7 @@ int pipe_check_shape(PipeKind k, int pp, int v, int micro, char *err, size_t err
 /* Build every rank's list (pipe_check_shape first: exits 2 on a refused
  * shape). Pure: the same inputs give the same lists. */
 void pipe_build(PipeSchedule *s, PipeKind k, int pp, int v, int micro);
-void pipe_free(PipeSchedule *s);
+void pipe_schedule_free(PipeSchedule *s);
 
 /* Simulate all ranks' lists together. Posts never block; a FWD (BWD) waits
  * for its activation (gradient) to arrive, i.e. for the peer's SEND; a
@@ -103,5 +103,78 @@ double pipe_formula_bubble(PipeKind k, int pp, int v, int micro);
  * "B3" its input part and "W3" its weight part; "." idle; interleaved cells
  * carry the chunk as a letter, "F3a" chunk 0). Returns the malloc'd text. */
 char *pipe_timeline(const PipeSchedule *s);
+
+/* ---------------------------------------------------------------- the executor (pipe_exec.c) */
+
+#include "comm.h"
+#include "model.h"
+
+/* What the step loop does around each compute of a schedule: first, the
+ * step's first compute; last_of_chunk, a backward (whole or weight part)
+ * of its chunk's last micro-batch, whose grads_done hooks complete the
+ * chunk's gradients; last_of_rank, the rank's last such backward. train.c
+ * points ddp and tp at these (ddp_micro_begin, tp_micro_begin). */
+typedef struct PipeHooks {
+    void *ctx;
+    void (*compute_begin)(void *ctx, int first, int last_of_chunk, int last_of_rank);
+} PipeHooks;
+
+/* One rank's pipeline: its schedule, model and channels. The channels are
+ * two-rank groups split from the pp group, one per direction and kind of
+ * data (activations to the next stage, gradients to the previous), so that
+ * NCCL, which serialises a communicator's operations, sees each channel's
+ * messages in the one order the checker verified. */
+typedef struct Pipe {
+    PipeSchedule sched;
+    Model *m;
+    CommGroup *pp;           /* the pp group: losses, evaluation's forward, the sampled token */
+    CommGroup act_out, act_in, grad_out, grad_in; /* channels (size 0: none at this end) */
+    CommGroup embed;         /* tied embeddings: the first and the last stage (size 0 elsewhere) */
+    int stage, p, v, micro;  /* this rank's place, pp, chunks per rank, micro-batches per step */
+    int B, T;
+    int cut[PIPE_MAX_STAGES + 1]; /* layers of virtual stage s: [cut[s], cut[s+1]) */
+    int32_t *tok, *tgt;      /* (micro, B T) host: the step's micro-batches (pipe_batch) */
+    CommRequest *act_in_req, *grad_in_req, *act_out_req, *grad_out_req; /* [model slots]: the latest on each slot */
+    int last_backward;       /* index in this rank's list of its last backward (whole or weight part) */
+    int tie;                 /* the embedding gradient is summed with the other end's */
+    double idle_s;           /* this step: seconds waiting for a neighbour (receives, sends, the drain) */
+    double theory;           /* the schedule's own bubble (pipe_theory_bubble) */
+} Pipe;
+
+/* Build and check the schedule (exit 1 naming rank and action if the
+ * checker rejects it: a builder bug), split the channels (collective over
+ * pp; each put in NCCL device mode when the backend has a stream) and plan
+ * the model's activation slots for micro-batches of B x T with
+ * recomputation r. The model was built with this rank's chunks
+ * (pipe_model_options). */
+void pipe_init(Pipe *p, Model *m, CommGroup *pp, PipeKind k, int v, int micro, const int *cut, int B, int T,
+               ModelRecompute r, const char *run_dir);
+void pipe_free(Pipe *p);
+/* ModelOptions.chunks / layer ranges of pipeline rank `stage` of p, v
+ * chunks each, for the cuts. */
+void pipe_model_options(int stage, int p, int v, const int *cut, ModelOptions *o);
+/* Host buffers for micro-batch `micro`'s tokens and targets (B T each),
+ * filled by the caller before pipe_step. */
+int32_t *pipe_batch_tokens(Pipe *p, int micro);
+int32_t *pipe_batch_targets(Pipe *p, int micro);
+/* One step's schedule: every forward and backward of this rank, the
+ * messages posted as the list says and waited for at first use. Returns
+ * the sum of the micro-batches' losses over the step, the same on every
+ * rank of the pp group (the last stage computes it); p->idle_s is the
+ * time this rank spent waiting for its neighbours, the final drain
+ * included. */
+double pipe_step(Pipe *p, float dloss, const PipeHooks *h);
+/* Tied embeddings: the first and the last stage's token-embedding
+ * gradients summed, in place on both (after the dp reduction has finished
+ * with the buffer: ddp_wait_grads). Nothing elsewhere. */
+void pipe_tie_grads(Pipe *p);
+/* A forward of one batch through every stage (evaluation, generation;
+ * between steps). Returns the loss on the last stage with targets, else 0;
+ * the last stage's model then holds the logits. Collective over pp. */
+float pipe_forward(Pipe *p, const int32_t *tokens, const int32_t *targets, int B, int T);
+/* The last stage's value x on every rank of the pp group (the sampled token). */
+int pipe_share_from_last(Pipe *p, int x);
+/* x summed over the pp group, in place (double). */
+void pipe_sum(Pipe *p, double *x, size_t n);
 
 #endif

@@ -17,6 +17,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "optim.h"
+#include "pipe.h"
 #include "plan.h"
 #include "state.h"
 #include "stop.h"
@@ -33,15 +34,20 @@ typedef struct MoeStepBuf {
     double *sums;  /* (n_layer E + 2): the loads, drops, routed slots on their way through the reduction */
 } MoeStepBuf;
 
-static void moe_after_step(Model *m, Ddp *d, MetricsMoe *out, MoeStepBuf *buf) {
+static void moe_after_step(Model *m, Ddp *d, Pipe *pipe, MetricsMoe *out, MoeStepBuf *buf) {
     const ArchSpec *s = &m->shape;
     if (s->mlp != MLP_MOE) return;
     size_t n = (size_t)s->n_layer * s->moe.n_experts;
-    if (!buf->load) buf->load = xmalloc(n * sizeof(int64_t)), buf->sums = xmalloc((n + 2) * sizeof(double));
+    if (!buf->load) buf->load = xmalloc(n * sizeof(int64_t)), buf->sums = xmalloc((n + 4) * sizeof(double));
     double *sums = buf->sums;
     for (size_t i = 0; i < n; i++) sums[i] = (double)m->moe.load[i];
     sums[n] = (double)m->moe.drops, sums[n + 1] = (double)m->moe.routed;
     ddp_sum_n(d, sums, n + 2); /* integers below 2^53: exact in any order */
+    double aux_z[2] = {m->moe.aux, m->moe.z};
+    if (pipe) { /* each stage has its own layers' loads, aux and z losses */
+        pipe_sum(pipe, sums, n + 2);
+        pipe_sum(pipe, aux_z, 2);
+    }
     int64_t *load = buf->load;
     double lo = INFINITY, hi = 0, sum = 0, sq = 0;
     for (size_t i = 0; i < n; i++) {
@@ -52,7 +58,7 @@ static void moe_after_step(Model *m, Ddp *d, MetricsMoe *out, MoeStepBuf *buf) {
     model_moe_update_bias(m, load);
     double mean = sum / (double)n, cv = mean > 0 ? sqrt(fmax(sq / (double)n - mean * mean, 0)) / mean : 0;
     double drops = sums[n], routed = sums[n + 1];
-    *out = (MetricsMoe){.aux = m->moe.aux, .z = m->moe.z, .dropped = routed > 0 ? drops / routed : 0.0,
+    *out = (MetricsMoe){.aux = aux_z[0], .z = aux_z[1], .dropped = routed > 0 ? drops / routed : 0.0,
                         .load_min = lo, .load_max = hi, .load_cv = cv, .n_layer = s->n_layer,
                         .n_experts = s->moe.n_experts, .load = load};
 }
@@ -110,8 +116,8 @@ static DataLoader *open_data(const Config *c, const CfgSources *ss, int first, i
 
 /* Mean loss over `batches` validation batches, always from the start of the
  * validation order so every evaluation sees the same tokens. */
-static float evaluate(Model *m, DataLoader *val, int batches, int B, int T, int32_t *inp, int32_t *tgt, Ddp *d,
-                      int split) {
+static float evaluate(Model *m, Pipe *pipe, DataLoader *val, int batches, int B, int T, int32_t *inp, int32_t *tgt,
+                      Ddp *d, int split) {
     data_rewind(val);
     double sum = 0.0;
     /* split: the dp ranks share the batches (the loader slices each global
@@ -119,8 +125,10 @@ static float evaluate(Model *m, DataLoader *val, int batches, int B, int T, int3
     int mine = split ? batches / ddp_ranks(d) : batches;
     for (int i = 0; i < mine; i++) {
         data_next_batch(val, inp, tgt);
-        sum += model_forward(m, inp, tgt, B, T, 0.0f);
+        /* pipeline: through every stage; the last has the loss */
+        sum += pipe ? pipe_forward(pipe, inp, tgt, B, T) : model_forward(m, inp, tgt, B, T, 0.0f);
     }
+    if (pipe) pipe_sum(pipe, &sum, 1);
     if (split) sum = ddp_sum(d, sum);
     return (float)(sum / batches);
 }
@@ -168,7 +176,8 @@ static int sample_token(const float *logits, int V, float temperature, int top_k
 /* Generate c->sample_tokens tokens after a start token and print them. The
  * model recomputes the whole window each token (no KV cache): sampling is
  * occasional and small next to training. */
-static void generate(Model *m, const Config *c, const Tokenizer *tok, uint64_t seed, int32_t *ctx, FILE *out) {
+static void generate(Model *m, Pipe *pipe, const Config *c, const Tokenizer *tok, uint64_t seed, int32_t *ctx,
+                     FILE *out) {
     const ArchSpec *s = &m->gshape; /* the whole vocabulary, also under tp */
     int V = s->vocab_size, Tmax = m->T;
     float *logits = xmalloc((size_t)s->padded_vocab * sizeof(float));
@@ -184,9 +193,16 @@ static void generate(Model *m, const Config *c, const Tokenizer *tok, uint64_t s
         /* keep the last Tmax tokens as the window */
         int off = n > Tmax ? n - Tmax : 0;
         int len = n - off;
-        model_forward(m, ctx + off, NULL, 1, len, 0.0f);
-        model_logits_row(m, 0, len - 1, logits);
-        int next = sample_token(logits, V, c->sample_temperature, c->sample_top_k, &rng, probs);
+        int next = 0;
+        /* pipeline: the forward through every stage; the last draws the
+         * token, every stage appends it */
+        if (pipe) pipe_forward(pipe, ctx + off, NULL, 1, len);
+        else model_forward(m, ctx + off, NULL, 1, len, 0.0f);
+        if (!pipe || pipe->stage == pipe->p - 1) {
+            model_logits_row(m, 0, len - 1, logits);
+            next = sample_token(logits, V, c->sample_temperature, c->sample_top_k, &rng, probs);
+        }
+        if (pipe) next = pipe_share_from_last(pipe, next);
         if (next == eot) break;
         if (n == 2 * Tmax) { /* slide the buffer instead of growing it */
             memmove(ctx, ctx + Tmax, (size_t)Tmax * sizeof(int32_t));
@@ -299,8 +315,8 @@ typedef struct TrainRun {
     const TrainOptions *topt;
     ArchSpec shape;                  /* the whole model's spec */
     Mesh mesh;
-    CommGroup *dpg, *tpg;
-    int rank, world, dp, dp_rank, tp, sp;
+    CommGroup *dpg, *tpg, *ppg;
+    int rank, world, dp, dp_rank, tp, sp, pp;
     int accum;                       /* micro-batches per rank and step */
     const Backend *be;
     const char *desc;                /* the backend's description line */
@@ -313,6 +329,8 @@ typedef struct TrainRun {
     Model model;
     Ddp ddp;
     Tp tpx;
+    Pipe pipe;                       /* pp > 1: this rank's stage, schedule and channels */
+    int cut[PIPE_MAX_STAGES + 1];    /* pp > 1: layers of each virtual stage */
     AdamW opt;
     Schedule sched;
     double fpt;                      /* training FLOPs per token */
@@ -343,7 +361,9 @@ typedef struct TrainStep {
     float loss, lr;
     OptimStepInfo info;
     MetricsMoe moe;
-    double dt; /* seconds: micro-batches, reduction and update */
+    double dt;     /* seconds: micro-batches, reduction and update */
+    double idle;   /* pp > 1: seconds this rank waited for its pipeline neighbours */
+    double bubble; /* pp > 1: the stages' idle time over their step time (NAN without pp) */
 } TrainStep;
 
 /* Backend, tokenizer, run directory, data, model, ddp/tp, optimizer,
@@ -355,6 +375,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     const ArchSpec *shape = &r->shape;
     setup_parallel(c, topt, &r->mesh, &r->accum);
     r->dpg = mesh_group(&r->mesh, MESH_GROUP_DP), r->tpg = mesh_group(&r->mesh, MESH_GROUP_TP);
+    r->ppg = mesh_group(&r->mesh, MESH_GROUP_PP), r->pp = r->ppg->size;
     r->rank = r->mesh.rank, r->world = r->mesh.world, r->dp = r->dpg->size, r->dp_rank = r->dpg->rank;
     r->tp = r->tpg->size, r->sp = r->tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
     int rank = r->rank, dp = r->dp, dp_rank = r->dp_rank, tp = r->tp;
@@ -392,9 +413,18 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
 
     Model *model = &r->model;
     /* precision.master bf16: no fp32 arena (exit 2 unless act is bf16) */
-    model_init(model, be, shape,
-               &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16"),
-                               .tp = tp, .tp_rank = tpg->rank, .sequence_parallel = r->sp});
+    ModelOptions mo = {.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16"), .tp = tp,
+                       .tp_rank = tpg->rank, .sequence_parallel = r->sp};
+    PipeKind pk = (PipeKind)pipe_kind_parse(c->pp_schedule);
+    if (r->pp > 1) {
+        /* pipeline: this rank's stage (its chunks of layers), before any allocation */
+        char err[512];
+        if (pipe_check_shape(pk, r->pp, c->pp_virtual, r->accum, err, sizeof err) != 0 ||
+            pipe_plan_stages(shape, r->pp, c->pp_virtual, c->pp_layers, c->n_pp_layers, r->cut, err, sizeof err) != 0)
+            kiln_fail(KILN_EXIT_USAGE, "%s", err);
+        pipe_model_options(r->ppg->rank, r->pp, c->pp_virtual, r->cut, &mo);
+    }
+    model_init(model, be, shape, &mo);
     model->gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
      * per-message latency is small, small enough to overlap with backward.
@@ -414,12 +444,21 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     }
     tp_init(&r->tpx, model, tpg);
     ddp_set_tp(&r->ddp, tpg);
+    /* the norm over every stage; a tied embedding's second copy (the last
+     * stage's) is the first stage's, counted there */
+    int last_stage = r->pp > 1 && r->ppg->rank == r->pp - 1;
+    ddp_set_pp(&r->ddp, r->ppg,
+               last_stage && shape->tie_embeddings ? model_tensor_index(model, -1, ROLE_TOK_EMB, -1) : -1);
     if (c->init_from[0]) {
         state_load_init_from(model, c->init_from, rank == 0);
     }
     else model_init_weights(model, c->seed);
     ddp_shard_params(&r->ddp); /* ZeRO-2/3: take this rank's shard (ZeRO-3: drop the whole arena) */
-    model_plan_activations(model, B, T, model_recompute_parse(c->recompute));
+    if (r->pp > 1) /* the schedule's activation slots, its channels (collective over pp) */
+        pipe_init(&r->pipe, model, r->ppg, pk, c->pp_virtual, r->accum, r->cut, B, T,
+                  model_recompute_parse(c->recompute), c->run_dir);
+    else
+        model_plan_activations(model, B, T, model_recompute_parse(c->recompute));
 
     size_t opt_lo, opt_hi;
     ddp_optim_range(&r->ddp, &opt_lo, &opt_hi);
@@ -450,7 +489,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     /* checkpoints: collect the state table, resume, plan the writer (state.c) */
     r->param_shard = ddp_param_shard(&r->ddp, &r->shard_n); /* ZeRO-2/3: what checkpoints and hashes read */
     StateMesh smesh = {rank,      r->world, dp, c->zero, dp_rank, tp, tpg->rank, comm_world(),
-                       r->param_shard ? &r->ddp : NULL};
+                       r->param_shard ? &r->ddp : NULL, .pp = r->pp, .pp_rank = r->ppg->rank};
     r->start_step = state_open(&r->rs, c, &smesh, topt->resume, topt->force, topt->commit, model, &r->opt, r->train);
     model_params_changed(model); /* a resume loaded them: the compute copy follows */
     r->mx = metrics_open(c, rank, r->world, r->fpt, peak, peak_src, r->start_step);
@@ -476,7 +515,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     r->skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0;
     /* ZeRO-3: every rank samples (each forward gathers layers collectively);
      * ZeRO-2's forward only waits for refreshes every rank has posted */
-    r->sample_all = !ddp_whole_params(&r->ddp) || tp > 1; /* tp: every rank computes its part */
+    r->sample_all = !ddp_whole_params(&r->ddp) || tp > 1 || r->pp > 1; /* tp, pp: every rank computes its part */
     r->devnull = r->sample_all && rank > 0 ? fopen("/dev/null", "w") : NULL;
     if (r->sample_all && rank > 0 && !r->devnull)
         kiln_fail(KILN_EXIT_RUNTIME, "/dev/null: cannot open (samples of rank %d)", rank);
@@ -516,9 +555,24 @@ static void train_describe(TrainRun *r) {
                       model->shape.n_head, shape->n_head, model->shape.n_kv_head, shape->n_kv_head,
                       shape->mlp == MLP_MOE ? shape->ffn_hidden : model->shape.ffn_hidden, shape->ffn_hidden,
                       model->shape.padded_vocab, r->sp ? "on" : "off");
+    if (r->pp > 1) {
+        const Pipe *p = &r->pipe;
+        char here[256];
+        size_t o = 0;
+        for (int k = 0; k < model->n_chunks && o < sizeof here; k++)
+            o += (size_t)snprintf(here + o, sizeof here - o, "%s%d..%d", k ? ", " : "", model->chunk_lo[k],
+                                  model->chunk_hi[k] - 1);
+        metrics_print(mx, "pipeline parallel: %d stages, %s%s, %d micro-batches per step; layers %s here (%zu "
+                      "parameters), %d activation slot(s); bubble of the schedule %.1f%% of the step ((p-1)/%s = "
+                      "%.1f%% of the compute)", r->pp, c->pp_schedule, c->pp_virtual > 1 ? " with virtual chunks" : "",
+                      r->accum, here, model_num_params(model), model->n_slots, 100.0 * p->theory,
+                      p->sched.kind == PIPE_INTERLEAVED ? "(v m)" : p->sched.kind == PIPE_ZB_H1 ? "(3m)" : "m",
+                      100.0 * pipe_formula_bubble(p->sched.kind, r->pp, c->pp_virtual, r->accum));
+    }
     int fused = model_gelu_fused(model, 0) || model_gelu_fused(model, 1);
-    metrics_print(mx, "activations: %.2f MiB for a %d x %d micro-batch, %zu-byte activations, recompute %s%s",
-                  model->act_size / 1048576.0, r->B, r->T, model->act_bytes, model_recompute_name(model->recompute),
+    metrics_print(mx, "activations: %.2f MiB for %s%d x %d micro-batch, %zu-byte activations, recompute %s%s",
+                  model->act_size / 1048576.0, model->n_slots > 1 ? "the slots of a " : "a ", r->B, r->T,
+                  model->act_bytes, model_recompute_name(model->recompute),
                   model->recompute == MODEL_RECOMPUTE_NONE ? ""
                   : fused ? " (the backward recomputes them; the GeLU's last bits may differ from the fused forward's)"
                           : " (the backward recomputes them: bit-identical)");
@@ -562,6 +616,26 @@ static double train_micro_batches(TrainRun *r, int step) {
     return loss_sum;
 }
 
+/* A pipeline schedule's compute points ddp and tp at where the gradients
+ * stand (PipeHooks). */
+static void pipe_compute_begin(void *ctx, int first, int last_of_chunk, int last_of_rank) {
+    TrainRun *r = ctx;
+    ddp_micro_begin(&r->ddp, first, last_of_rank); /* the last backward posts the buckets as layers finish */
+    tp_micro_begin(&r->tpx, first, last_of_chunk);
+}
+
+/* The pipeline's micro-batches: every stage reads the step's batches (the
+ * first needs the tokens, the last the targets, and every stage's loader
+ * stays at the same position), then runs its schedule. Returns the sum of
+ * the losses, every stage's. */
+static double train_pipeline(TrainRun *r, int step) {
+    metrics_phase(r->mx, PHASE_DATA, step + 1);
+    for (int micro = 0; micro < r->accum; micro++)
+        data_next_batch(r->train, pipe_batch_tokens(&r->pipe, micro), pipe_batch_targets(&r->pipe, micro));
+    metrics_phase(r->mx, PHASE_FORWARD, step + 1);
+    return pipe_step(&r->pipe, r->dloss, &(PipeHooks){r, pipe_compute_begin});
+}
+
 /* One optimizer step: the micro-batches, the gradient reduction, the global
  * norm, clipping and the update. */
 static TrainStep train_step(TrainRun *r, int step) {
@@ -572,7 +646,7 @@ static TrainStep train_step(TrainRun *r, int step) {
     double t0 = kiln_now();
     out.lr = optim_lr(&r->sched, step);
     model_moe_reset(model);
-    double loss_sum = train_micro_batches(r, step);
+    double loss_sum = r->pp > 1 ? train_pipeline(r, step) : train_micro_batches(r, step);
     tp_drain(&r->tpx); /* the backward's last tp collectives, with the deadline */
     if (r->inject_nan_step > 0 &&
         (step + 1 == r->inject_nan_step || (r->inject_nan_after && step + 1 > r->inject_nan_step))) {
@@ -581,6 +655,10 @@ static TrainStep train_step(TrainRun *r, int step) {
         be->to_device(ddp_optim_grads(&r->ddp), &poison, sizeof poison);
     }
     metrics_phase(mx, PHASE_SYNC, step + 1);
+    if (r->pp > 1) { /* the tie holds: both copies of the embedding get the sum of their gradients */
+        ddp_wait_grads(&r->ddp);
+        pipe_tie_grads(&r->pipe);
+    }
     double grad_norm = ddp_reduce_grads(&r->ddp);
     if (r->tp_grads_file && step == r->start_step) dump_replicated_grads(model, r->tp_grads_file, r->rank);
     out.loss = (float)(ddp_sum(&r->ddp, loss_sum) / (r->accum * r->dp));
@@ -588,10 +666,16 @@ static TrainStep train_step(TrainRun *r, int step) {
     /* a non-finite loss skips the update even if its gradients look finite */
     out.info = (OptimStepInfo){grad_norm, 1.0f, 1};
     if (isfinite(out.loss)) out.info = ddp_optim_step(&r->ddp, &r->opt, out.lr, grad_norm);
-    if (isfinite(out.loss)) moe_after_step(model, &r->ddp, &out.moe, &r->moe_buf);
+    if (isfinite(out.loss)) moe_after_step(model, &r->ddp, r->pp > 1 ? &r->pipe : NULL, &out.moe, &r->moe_buf);
     model_params_changed(model); /* the next forward casts the compute copy again */
     be->sync();
     out.dt = kiln_now() - t0;
+    out.bubble = NAN;
+    if (r->pp > 1) { /* the stages' idle time over their step time, all stages */
+        double t[2] = {out.idle = r->pipe.idle_s, out.dt};
+        pipe_sum(&r->pipe, t, 2);
+        out.bubble = t[1] > 0 ? t[0] / t[1] : 0;
+    }
     return out;
 }
 
@@ -604,7 +688,7 @@ static int train_loop(TrainRun *r) {
     Model *model = &r->model;
     Metrics *mx = r->mx;
     int rank = r->rank, tp = r->tp, dp = r->dp;
-    double step_time_sum = 0.0, blocked_sum = 0.0, tp_blocked_sum = 0.0;
+    double step_time_sum = 0.0, blocked_sum = 0.0, tp_blocked_sum = 0.0, pp_idle_sum = 0.0;
     double t_start = kiln_now();
     float val_loss = NAN, last_loss = NAN;
     int skips_in_a_row = 0;
@@ -618,6 +702,7 @@ static int train_loop(TrainRun *r) {
         int bad = !isfinite(loss) || info.nonfinite;
         double dt = st.dt;
         step_time_sum += dt, blocked_sum += ddp_step_blocked_s(&r->ddp), tp_blocked_sum += tp_step_blocked_s(&r->tpx);
+        pp_idle_sum += st.idle;
         if (!bad) last_loss = loss;
         int last = step == c->steps - 1;
         for (int i = 0; i < data_num_sources(r->train); i++) r->src_tokens[i] = data_source_tokens(r->train, i);
@@ -628,7 +713,12 @@ static int train_loop(TrainRun *r) {
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
                           info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0,
                           moe_ms.load ? &moe_ms : NULL, .comm_group = {"dp", tp > 1 ? "tp" : NULL},
-                          .comm_s = {ddp_step_blocked_s(&r->ddp), tp_step_blocked_s(&r->tpx)}, .data = &md};
+                          .comm_s = {ddp_step_blocked_s(&r->ddp), tp_step_blocked_s(&r->tpx)}, .data = &md,
+                          .pp_bubble = st.bubble, .pp_bubble_theory = r->pp > 1 ? r->pipe.theory : NAN};
+        if (r->pp > 1) { /* the pp group's blocked time: waiting for the neighbours */
+            int g = tp > 1 ? 2 : 1;
+            ms.comm_group[g] = "pp", ms.comm_s[g] = st.idle;
+        }
         if (r->param_host) {
             /* ZeRO-2/3: this rank's fp32 shard (rank 0's is the one logged;
              * ZeRO-2's whole arena is still being refreshed) */
@@ -658,7 +748,8 @@ static int train_loop(TrainRun *r) {
             double sum = 0;
             for (int i = 0; i < r->n_val; i++)
                 sum += r->val_losses[i] =
-                    evaluate(model, r->vals[i], c->eval_batches, r->B, r->T, r->inp, r->tgt, &r->ddp, r->val_split);
+                    evaluate(model, r->pp > 1 ? &r->pipe : NULL, r->vals[i], c->eval_batches, r->B, r->T, r->inp,
+                             r->tgt, &r->ddp, r->val_split);
             ms.val_loss = val_loss = (float)(sum / r->n_val); /* each set: the same number of tokens */
         } else {
             for (int i = 0; i < r->n_val; i++) r->val_losses[i] = NAN;
@@ -673,8 +764,8 @@ static int train_loop(TrainRun *r) {
                 metrics_bar_clear(mx);
                 printf("--- sample at step %d ---\n", step + 1);
             }
-            generate(model, c, r->tok, c->seed ^ (0x9e3779b97f4a7c15ULL * (uint64_t)(step + 1)), r->ctx,
-                     rank == 0 ? stdout : r->devnull);
+            generate(model, r->pp > 1 ? &r->pipe : NULL, c, r->tok,
+                     c->seed ^ (0x9e3779b97f4a7c15ULL * (uint64_t)(step + 1)), r->ctx, rank == 0 ? stdout : r->devnull);
             if (rank == 0) printf("---\n");
         }
         if (step + 1 == r->pause_at_step) stop_test_wait_signal();
@@ -704,6 +795,10 @@ static int train_loop(TrainRun *r) {
         metrics_print(mx, "tensor parallel: %.1f%% of step time blocked in tp communication (activations and "
                           "partial gradients): %.3f of %.3f s", 100.0 * tp_blocked_sum / step_time_sum,
                       tp_blocked_sum, step_time_sum);
+    if (r->pp > 1 && step_time_sum > 0)
+        metrics_print(mx, "pipeline parallel: %.1f%% of step time idle waiting for a neighbour stage on this rank: "
+                          "%.3f of %.3f s (the %s schedule's own bubble: %.1f%%)", 100.0 * pp_idle_sum / step_time_sum,
+                      pp_idle_sum, step_time_sum, c->pp_schedule, 100.0 * r->pipe.theory);
     metrics_print(mx, "run directory: %s", c->run_dir);
     return stopped;
 }
@@ -716,6 +811,7 @@ static void train_teardown(TrainRun *r) {
     free(r->tgt);
     free(r->ctx);
     optim_free(&r->opt);
+    if (r->pp > 1) pipe_free(&r->pipe);
     ddp_free(&r->ddp);
     tp_free(&r->tpx);
     free(r->moe_buf.load);

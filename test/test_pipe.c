@@ -63,7 +63,7 @@ static int grid_case(PipeKind k, int p, int v, int m, char *why, size_t n) {
             rc = -1;
         }
     }
-    pipe_free(&s);
+    pipe_schedule_free(&s);
     return rc;
 }
 
@@ -145,7 +145,7 @@ static void expect_reject(const char *name, PipeKind k, int pp, int m, int K, co
     int rc = pipe_check(&s, err, sizeof err);
     test_report(rc != 0 && strstr(err, want1) && (!want2 || strstr(err, want2)), name, "rc %d: '%s' (wanted '%s'%s%s)",
                 rc, err, want1, want2 ? " and '" : "", want2 ? want2 : "");
-    pipe_free(&s);
+    pipe_schedule_free(&s);
 }
 
 static void test_broken(void) {
@@ -155,7 +155,7 @@ static void test_broken(void) {
     hand(&s, PIPE_1F1B, 2, 2, 2, good);
     char err[1024] = "";
     test_report(pipe_check(&s, err, sizeof err) == 0, "pipe_hand_schedule_valid", "%s", err);
-    pipe_free(&s);
+    pipe_schedule_free(&s);
     /* rank 0 sends micro-batch 1's activation before 0's; rank 1 receives 0 first */
     const char *swapped[] = {"F0 F1 >a1 >a0 <g0 <g1 B0 B1", "<a0 <a1 F0 B0 >g0 F1 B1 >g1"};
     expect_reject("pipe_rejects_swapped_send_recv", PIPE_1F1B, 2, 2, 2, swapped, "rank 0, action 2 (send act m1",
@@ -214,7 +214,7 @@ static void test_timeline(void) {
                        "rank 1 | .  F0 B0 B0 F1 B1 B1 F2 B2 B2 .  .  \n";
     test_report(!strcmp(t, want), "pipe_timeline_1f1b", "got\n%s", t);
     free(t);
-    pipe_free(&s);
+    pipe_schedule_free(&s);
     pipe_build(&s, PIPE_ZB_H1, 2, 1, 3);
     t = pipe_timeline(&s);
     /* input part 1, weight part 1: the W's fill the bubbles, 10 units against 1F1B's 12 */
@@ -222,7 +222,7 @@ static void test_timeline(void) {
                      "rank 1 | .  F0 B0 F1 B1 W0 F2 B2 W1 W2 \n";
     test_report(!strcmp(t, zb), "pipe_timeline_zb_h1", "got\n%s", t);
     free(t);
-    pipe_free(&s);
+    pipe_schedule_free(&s);
 }
 
 int main(void) {
