@@ -716,6 +716,16 @@ size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t
     return plan_bytes(&l, B, T, act_bytes, r, &p, tp, NULL);
 }
 
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r,
+                                    int chunks, const int *lo, const int *hi, const int *slots, int split) {
+    ArchSpec l;
+    arch_tp_local(s, tp, 0, &l);
+    ActPlan p = {.chunks = chunks, .split = split};
+    if (chunks < 1 || chunks > MODEL_MAX_CHUNKS) return 0;
+    for (int c = 0; c < chunks; c++) p.lo[c] = lo[c], p.hi[c] = hi[c], p.slots[c] = slots[c];
+    return plan_bytes(&l, B, T, act_bytes, r, &p, tp, NULL);
+}
+
 /* The active set's fields, to and from its ModelSlot. */
 static void slot_save(Model *m, ModelSlot *sl) {
     sl->acts = m->acts, sl->encoded = m->encoded, sl->stage_dout = m->stage_dout, sl->stage_din = m->stage_din;

@@ -457,6 +457,13 @@ size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes,
  * tp's own buffers. */
 size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r);
 
+/* The same for a pipeline rank (tp 1: the spec itself): its chunks, chunk
+ * c the layers [lo[c], hi[c]) in slots[c] activation sets, with the kept
+ * output gradients of a split backward when split: exactly what
+ * model_plan_slots allocates. */
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r,
+                                    int chunks, const int *lo, const int *hi, const int *slots, int split);
+
 /* MoE: zero the loads and drop counts (the start of an optimizer step). */
 void model_moe_reset(Model *m);
 /* MoE with moe.bias_update_rate > 0 (DeepSeek-V3's auxiliary-loss-free

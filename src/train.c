@@ -92,6 +92,11 @@ static void print_plan(const Config *c, const ArchSpec *s) {
     plan_print_state(&mem, dp, c->zero);
     plan_print_activations(&mem);
     plan_print_tp(s, tp, sp, dp, c->zero, c->micro_batch, c->grad_accum / dp);
+    if (c->pp > 1) { /* each stage (./train plan --show-schedule draws the schedule) */
+        PlanMemory worst;
+        if (plan_print_pp(s, c, tp, dp, c->grad_accum / dp, 0, &worst, err, sizeof err) != 0)
+            kiln_fail(KILN_EXIT_USAGE, "%s", err);
+    }
     printf("  tokens per step        %lld (micro-batch %d x %d tokens x %d accumulation steps x %d ranks)\n",
            (long long)tokens_per_step, c->micro_batch, c->seq_len, c->grad_accum / dp, dp);
     printf("  micro-batches per step %d (%d per rank)\n", c->grad_accum, c->grad_accum / dp);
