@@ -135,6 +135,7 @@ typedef struct Pipe {
     int cut[PIPE_MAX_STAGES + 1]; /* layers of virtual stage s: [cut[s], cut[s+1]) */
     int32_t *tok, *tgt;      /* (micro, B T) host: the step's micro-batches (pipe_batch) */
     CommRequest *act_in_req, *grad_in_req, *act_out_req, *grad_out_req; /* [model slots]: the latest on each slot */
+    int *act_in_micro, *grad_in_micro; /* [model slots]: micro-batch of the step's latest receive into each, -1 none */
     int last_backward;       /* index in this rank's list of its last backward (whole or weight part) */
     int tie;                 /* the embedding gradient is summed with the other end's */
     double idle_s;           /* this step: seconds waiting for a neighbour (receives, sends, the drain) */

@@ -111,6 +111,8 @@ void pipe_init(Pipe *p, Model *m, CommGroup *pp, PipeKind k, int v, int micro, c
     p->grad_in_req = xcalloc((size_t)n, sizeof(CommRequest));
     p->act_out_req = xcalloc((size_t)n, sizeof(CommRequest));
     p->grad_out_req = xcalloc((size_t)n, sizeof(CommRequest));
+    p->act_in_micro = xcalloc((size_t)n, sizeof(int));
+    p->grad_in_micro = xcalloc((size_t)n, sizeof(int));
     p->tok = xcalloc((size_t)micro * B * T, sizeof(int32_t));
     p->tgt = xcalloc((size_t)micro * B * T, sizeof(int32_t));
 }
@@ -121,6 +123,7 @@ void pipe_free(Pipe *p) {
         if (gs[i]->size) comm_group_free(gs[i]);
     pipe_schedule_free(&p->sched);
     free(p->act_in_req), free(p->grad_in_req), free(p->act_out_req), free(p->grad_out_req);
+    free(p->act_in_micro), free(p->grad_in_micro);
     free(p->tok), free(p->tgt);
     memset(p, 0, sizeof *p);
 }
@@ -138,9 +141,10 @@ static void idle_wait(Pipe *p, CommRequest *q) {
     p->idle_s += kiln_now() - t0;
 }
 
-/* The checker ran on these lists, so a missing receive here is a bug. */
-static CommRequest *posted(Pipe *p, CommRequest *q, const PipeAction *a, const char *what) {
-    if (!q->active && q->seq == 0)
+/* The receive into slot s for action a's micro-batch; the checker ran on
+ * these lists, so one that was not posted is a bug. */
+static CommRequest *posted(Pipe *p, CommRequest *q, const int *micro, int s, const PipeAction *a, const char *what) {
+    if (micro[s] != a->micro)
         kiln_fail(KILN_EXIT_RUNTIME, "rank %d: pipeline micro-batch %d chunk %d: its %s was never received",
                   comm_info()->rank, a->micro, a->chunk, what);
     return q;
@@ -154,7 +158,7 @@ double pipe_step(Pipe *p, float dloss, const PipeHooks *h) {
     int seen_b[MODEL_MAX_CHUNKS] = {0}, seen_w[MODEL_MAX_CHUNKS] = {0}, first = 1;
     double loss = 0;
     p->idle_s = 0;
-    for (int i = 0; i < m->n_slots; i++) p->act_in_req[i].seq = p->grad_in_req[i].seq = 0;
+    for (int i = 0; i < m->n_slots; i++) p->act_in_micro[i] = p->grad_in_micro[i] = -1;
     for (int i = 0; i < n; i++) {
         const PipeAction *a = &list[i];
         int vs = a->chunk * p->p + p->stage, s = m->chunk_slot0[a->chunk] + a->slot;
@@ -163,10 +167,10 @@ double pipe_step(Pipe *p, float dloss, const PipeHooks *h) {
         case PIPE_RECV:
             if (a->data == PIPE_ACT)
                 comm_irecv(&p->act_in, model_slot_input(m, a->chunk, a->slot), count, peer(&p->act_in),
-                           tag_of(PIPE_ACT, a->chunk), &p->act_in_req[s]);
+                           tag_of(PIPE_ACT, a->chunk), &p->act_in_req[s]), p->act_in_micro[s] = a->micro;
             else
                 comm_irecv(&p->grad_in, model_slot_output_grad(m, a->chunk, a->slot), count, peer(&p->grad_in),
-                           tag_of(PIPE_GRAD, a->chunk), &p->grad_in_req[s]);
+                           tag_of(PIPE_GRAD, a->chunk), &p->grad_in_req[s]), p->grad_in_micro[s] = a->micro;
             break;
         case PIPE_SEND:
             /* the chunk the data goes to on the peer names the tag */
@@ -178,7 +182,7 @@ double pipe_step(Pipe *p, float dloss, const PipeHooks *h) {
                            tag_of(PIPE_GRAD, (vs - 1) / p->p), &p->grad_out_req[s]);
             break;
         case PIPE_FWD:
-            if (vs > 0) idle_wait(p, posted(p, &p->act_in_req[s], a, "input activation"));
+            if (vs > 0) idle_wait(p, posted(p, &p->act_in_req[s], p->act_in_micro, s, a, "input activation"));
             idle_wait(p, &p->act_out_req[s]); /* the slot's last output, sent from the buffer this overwrites */
             model_use_slot(m, a->chunk, a->slot);
             if (h && h->compute_begin) h->compute_begin(h->ctx, first, 0, 0);
@@ -186,7 +190,7 @@ double pipe_step(Pipe *p, float dloss, const PipeHooks *h) {
             break;
         case PIPE_BWD:
         case PIPE_BWD_IN:
-            if (vs < V - 1) idle_wait(p, posted(p, &p->grad_in_req[s], a, "output gradient"));
+            if (vs < V - 1) idle_wait(p, posted(p, &p->grad_in_req[s], p->grad_in_micro, s, a, "output gradient"));
             idle_wait(p, &p->grad_out_req[s]);
             idle_wait(p, &p->act_out_req[s]); /* received by now; the input part writes into its buffer */
             model_use_slot(m, a->chunk, a->slot);
