@@ -63,6 +63,18 @@ static void moe_after_step(Model *m, Ddp *d, Pipe *pipe, MetricsMoe *out, MoeSte
                         .n_experts = s->moe.n_experts, .load = load};
 }
 
+/* Pipeline stages with a tied embedding hold two copies that must stay
+ * equal; stochastic rounding draws each element's bits by its place in the
+ * rank's arena, which differs between the first and the last stage. */
+static void pipe_check_precision(const Config *c, const ArchSpec *s, int pp) {
+    int sr_state = optim_state_bytes(c->optim_state) == 2, sr_master = !strcmp(c->master, "bf16");
+    if (pp > 1 && s->tie_embeddings && (sr_state || sr_master))
+        kiln_fail(KILN_EXIT_USAGE, "key '%s': bf16 %s are rounded stochastically by arena position, so the first and last "
+                  "pipeline stages' copies of the tied embedding would drift apart; use %s: fp32, or "
+                  "model.tie_embeddings: false", sr_state ? "precision.optim_state" : "precision.master",
+                  sr_state ? "moments" : "parameters", sr_state ? "precision.optim_state" : "precision.master");
+}
+
 /* --dry-run: the plan, without data or training. */
 static void print_plan(const Config *c, const ArchSpec *s) {
     /* Counting needs the table, not the memory: a model on the CPU backend
@@ -93,6 +105,7 @@ static void print_plan(const Config *c, const ArchSpec *s) {
     plan_print_activations(&mem);
     plan_print_tp(s, tp, sp, dp, c->zero, c->micro_batch, c->grad_accum / dp);
     if (c->pp > 1) { /* each stage (./train plan --show-schedule draws the schedule) */
+        pipe_check_precision(c, s, c->pp);
         PlanMemory worst;
         if (plan_print_pp(s, c, tp, dp, c->grad_accum / dp, 0, &worst, err, sizeof err) != 0)
             kiln_fail(KILN_EXIT_USAGE, "%s", err);
@@ -421,6 +434,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     ModelOptions mo = {.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16"), .tp = tp,
                        .tp_rank = tpg->rank, .sequence_parallel = r->sp};
     PipeKind pk = (PipeKind)pipe_kind_parse(c->pp_schedule);
+    pipe_check_precision(c, shape, r->pp);
     if (r->pp > 1) {
         /* pipeline: this rank's stage (its chunks of layers), before any allocation */
         char err[512];

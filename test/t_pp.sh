@@ -78,6 +78,10 @@ equiv gpt2_pp2_odd_1f1b ref_gpt2_odd 2 $GPT2 $ODD --set parallel.pp=2
 equiv gpt2_pp4_odd_zb_h1 ref_gpt2_odd 4 $GPT2 $ODD --set parallel.pp=4 --set parallel.pp_schedule=zb_h1
 equiv gpt2_pp2_stages_by_hand ref_gpt2 2 $GPT2 --set parallel.pp=2 --set parallel.pp_layers=[3,1]
 equiv gpt2_pp2_dp2 ref_gpt2 4 $GPT2 --set parallel.pp=2 --set parallel.dp=2
+# interleaved over dp: the buckets are posted from the rank's last backward
+# only, when every chunk's gradients are complete; every collective agreed on
+equiv gpt2_pp2_dp2_interleaved_checked ref_gpt2 4 $GPT2 --set parallel.pp=2 --set parallel.dp=2 $IL \
+    --set monitor.check_collectives=true
 equiv llama_pp2_dp2_zero1_zb_h1 ref_llama 4 $LLAMA --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=1 \
     --set parallel.pp_schedule=zb_h1
 equiv gpt2_pp2_tp2 ref_gpt2 4 $GPT2 --set parallel.pp=2 --set parallel.tp=2
@@ -185,6 +189,9 @@ refuse too_few_layers 4 "need at least one layer each" $GPT2 --set parallel.pp=4
 refuse stage_sum 2 "add up to 5 layers" $GPT2 --set parallel.pp=2 --set parallel.pp_layers=[3,2]
 out=$(./train $Y $S --set parallel.pp=2 --set parallel.zero=2 --set run.dir=$T/z2 2>&1); rc=$?
 [ $rc -eq 2 ] && printf '%s\n' "$out" | grep -q "pipeline stages" && ok pp_refuses_zero2 || fail pp_refuses_zero2 "rc $rc: $out"
+out=$(./train $Y $S $GPT2 --set parallel.pp=2 --set precision.optim_state=bf16 --dry-run 2>&1); rc=$?
+[ $rc -eq 2 ] && printf '%s\n' "$out" | grep -q "tied embedding would drift" && ok pp_refuses_tied_stochastic_rounding \
+    || fail pp_refuses_tied_stochastic_rounding "rc $rc: $out"
 # the plan shows every stage, the bubble and the schedule's timeline
 out=$(./train plan $Y $S --set parallel.pp=2 --set parallel.pp_schedule=zb_h1 --gpus 2 --show-schedule 2>&1); rc=$?
 if [ $rc -eq 0 ] && printf '%s\n' "$out" | grep -q 'bubble 7.7% of the step ((p-1)/(3m) = 8.3%' &&
