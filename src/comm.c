@@ -1108,7 +1108,8 @@ static void p2p_post(CommGroup *g, int send, const float *sbuf, float *rbuf, siz
     req_start(req, g, op);
     req->p2p = 1;
     check_peer(g, peer, op);
-    if (tag < 0) kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s': tag %d is negative", C.info.rank, op, g->name, tag);
+    if (tag < 0)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s': tag %d is negative", C.info.rank, op, g->name, tag);
     if (g->dev) {
         nccl_post(req, send ? NCCL_OP_SEND : NCCL_OP_RECV, sbuf, rbuf, n, peer);
         return;

@@ -220,10 +220,13 @@ static void order_zb_h1(Order *o, int p, int M) {
             if (op[r] < 0 && nw[r] < nb[r]) op[r] = PIPE_BWD_W;
         }
         for (int r = 0; r < p; r++) {
-            if (op[r] == PIPE_FWD) fdone[(size_t)r * M + nf[r]] = t + 1, order_push(&o[r], PIPE_FWD, nf[r]++, 0), next[r]++;
-            else if (op[r] == PIPE_BWD_IN)
-                bdone[(size_t)r * M + nb[r]] = t + 1, order_push(&o[r], PIPE_BWD_IN, nb[r]++, 0), next[r]++;
-            else if (op[r] == PIPE_BWD_W) {
+            if (op[r] == PIPE_FWD) {
+                fdone[(size_t)r * M + nf[r]] = t + 1;
+                order_push(&o[r], PIPE_FWD, nf[r]++, 0), next[r]++;
+            } else if (op[r] == PIPE_BWD_IN) {
+                bdone[(size_t)r * M + nb[r]] = t + 1;
+                order_push(&o[r], PIPE_BWD_IN, nb[r]++, 0), next[r]++;
+            } else if (op[r] == PIPE_BWD_W) {
                 order_push(&o[r], PIPE_BWD_W, nw[r]++, 0);
                 if (nw[r] == M) left--;
             }
@@ -296,8 +299,10 @@ static void place_comm(PipeSchedule *s, Order *o) {
                 }
                 if (at < last_at) at = last_at;
                 last_at = at;
-                if (np[dst] == cap[dst])
-                    cap[dst] = cap[dst] ? 2 * cap[dst] : 64, posts[dst] = xrealloc(posts[dst], (size_t)cap[dst] * sizeof(Post));
+                if (np[dst] == cap[dst]) {
+                    cap[dst] = cap[dst] ? 2 * cap[dst] : 64;
+                    posts[dst] = xrealloc(posts[dst], (size_t)cap[dst] * sizeof(Post));
+                }
                 posts[dst][np[dst]++] = (Post){{.op = PIPE_RECV, .data = (PipeData)d, .micro = m, .chunk = c,
                                                 .peer = src, .slot = m % K},
                                                at, (src * 2 + d) * (M * v + 1) + seq++};
@@ -472,7 +477,8 @@ static int check_rank(Sim *sim, int r) {
                 return fail_at(sim, r, i, "%s splits the backward %s", pipe_kind_name(s->kind),
                                split ? "into its input and weight parts" : "into none: one whole backward");
             if (k->fwd[x] < 0) return fail_at(sim, r, i, "a backward before its forward");
-            if (k->bwd_in[x] >= 0) return fail_at(sim, r, i, "a second backward (the first is action %d)", k->bwd_in[x]);
+            if (k->bwd_in[x] >= 0)
+                return fail_at(sim, r, i, "a second backward (the first is action %d)", k->bwd_in[x]);
             if (!last && k->recv_grad[x] < 0)
                 return fail_at(sim, r, i, "uses its output gradient before any receive of it is posted");
             if (*occ != a->micro) return fail_at(sim, r, i, "slot %d does not hold this micro-batch", a->slot);
@@ -482,7 +488,8 @@ static int check_rank(Sim *sim, int r) {
         case PIPE_BWD_W:
             if (!split) return fail_at(sim, r, i, "%s has no separate weight-gradient pass", pipe_kind_name(s->kind));
             if (k->bwd_in[x] < 0) return fail_at(sim, r, i, "a weight gradient before its input gradient");
-            if (k->bwd_w[x] >= 0) return fail_at(sim, r, i, "a second weight pass (the first is action %d)", k->bwd_w[x]);
+            if (k->bwd_w[x] >= 0)
+                return fail_at(sim, r, i, "a second weight pass (the first is action %d)", k->bwd_w[x]);
             if (*occ != a->micro) return fail_at(sim, r, i, "slot %d does not hold this micro-batch", a->slot);
             k->bwd_w[x] = i;
             *occ = -1;
@@ -506,7 +513,8 @@ static int check_rank(Sim *sim, int r) {
             if (from < 0 || from >= V)
                 return fail_at(sim, r, i, "virtual stage %d has no %s stage to receive from", vs,
                                a->data == PIPE_ACT ? "previous" : "next");
-            if (a->peer != from % p) return fail_at(sim, r, i, "stage %d is on rank %d, not %d", from, from % p, a->peer);
+            if (a->peer != from % p)
+                return fail_at(sim, r, i, "stage %d is on rank %d, not %d", from, from % p, a->peer);
             int *got = a->data == PIPE_ACT ? &k->recv_act[x] : &k->recv_grad[x];
             if (*got >= 0) return fail_at(sim, r, i, "a second receive of it (the first is action %d)", *got);
             if (a->data == PIPE_ACT) {
@@ -516,7 +524,8 @@ static int check_rank(Sim *sim, int r) {
                                    a->slot, *occ);
                 *occ = a->micro;
             } else {
-                if (k->bwd_in[x] >= 0) return fail_at(sim, r, i, "receives the gradient of a backward that already ran");
+                if (k->bwd_in[x] >= 0)
+                    return fail_at(sim, r, i, "receives the gradient of a backward that already ran");
                 if (*occ != a->micro) return fail_at(sim, r, i, "slot %d does not hold this micro-batch", a->slot);
             }
             *got = i;
@@ -691,7 +700,8 @@ static int simulate(Sim *sim, double *makespan) {
                 char why[160], what[96];
                 sim_ready(sim, r, &at, why, sizeof why);
                 pipe_action_text(&s->a[r][k->pc], what, sizeof what);
-                o += (size_t)snprintf(sim->err + o, sim->errn - o, " rank %d at action %d (%s) %s;", r, k->pc, what, why);
+                o += (size_t)snprintf(sim->err + o, sim->errn - o, " rank %d at action %d (%s) %s;", r, k->pc, what,
+                                      why);
             }
             if (o < sim->errn && o > 0) sim->err[o - 1] = 0;
             return -1;
@@ -780,7 +790,8 @@ char *pipe_timeline(const PipeSchedule *s) {
     sim.grid = xcalloc((size_t)s->pp, sizeof(char *));
     for (int r = 0; r < s->pp; r++) {
         sim.grid[r] = xmalloc(row);
-        for (int c = 0; c < sim.cells; c++) snprintf(sim.grid[r] + (size_t)c * sim.cw, (size_t)sim.cw + 1, "%-*s", sim.cw, ".");
+        for (int c = 0; c < sim.cells; c++)
+            snprintf(sim.grid[r] + (size_t)c * sim.cw, (size_t)sim.cw + 1, "%-*s", sim.cw, ".");
     }
     check_all(&sim, &end);
     size_t total = (row + 16) * s->pp + 1, o = 0;

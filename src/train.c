@@ -69,8 +69,8 @@ static void moe_after_step(Model *m, Ddp *d, Pipe *pipe, MetricsMoe *out, MoeSte
 static void pipe_check_precision(const Config *c, const ArchSpec *s, int pp) {
     int sr_state = optim_state_bytes(c->optim_state) == 2, sr_master = !strcmp(c->master, "bf16");
     if (pp > 1 && s->tie_embeddings && (sr_state || sr_master))
-        kiln_fail(KILN_EXIT_USAGE, "key '%s': bf16 %s are rounded stochastically by arena position, so the first and last "
-                  "pipeline stages' copies of the tied embedding would drift apart; use %s: fp32, or "
+        kiln_fail(KILN_EXIT_USAGE, "key '%s': bf16 %s are rounded stochastically by arena position, so the first "
+                  "and last pipeline stages' copies of the tied embedding would drift apart; use %s: fp32, or "
                   "model.tie_embeddings: false", sr_state ? "precision.optim_state" : "precision.master",
                   sr_state ? "moments" : "parameters", sr_state ? "precision.optim_state" : "precision.master");
 }

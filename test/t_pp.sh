@@ -44,13 +44,25 @@ MOE="$MOE --set model.moe.n_shared=1 --set model.moe.aux_loss_coef=0.01"
 # three micro-batches a step: not a multiple of pp 2 or 4
 ODD="--set batch.total_tokens=384"
 
+# close_vals A B: the validation losses (evaluated through every stage) of two
+# metrics.jsonl files, within relative 1e-5 as the training losses
+close_vals() {
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+a = [json.loads(l).get("val_loss") for l in open(sys.argv[1])]
+b = [json.loads(l).get("val_loss") for l in open(sys.argv[2])]
+if len(a) != len(b) or any((x is None) != (y is None) or (x is not None and abs(x - y) > 1e-5 * abs(x))
+                           for x, y in zip(a, b)):
+    print("val losses differ: %r vs %r" % ([x for x in a if x], [y for y in b if y])); sys.exit(1)
+PY
+}
 # equiv NAME REF NP ARGS...: the run against reference REF (a one-rank run)
 equiv() {
     local name=$1 ref=$2 np=$3; shift 3
     local D=$T/$name
     "${MPIRUN[@]}" -np $np ./train $Y $S "$@" --set run.dir=$D >$D.txt 2>&1
     local rc=$? why diff drc=1
-    why=$(close_losses $T/$ref/metrics.jsonl $D/metrics.jsonl 2>&1)
+    why=$(close_losses $T/$ref/metrics.jsonl $D/metrics.jsonl 2>&1; close_vals $T/$ref/metrics.jsonl $D/metrics.jsonl 2>&1)
     diff=$(./train ckpt-diff $T/$ref/checkpoints/step_00000006 $D/checkpoints/step_00000006 --quiet --tol 1e-5 \
         2>&1) && drc=0
     if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ]; then ok pp_equiv_$name
@@ -95,8 +107,8 @@ equiv gpt2_pp2_zb_h1_recompute ref_gpt2 2 $GPT2 --set parallel.pp=2 --set parall
 equiv llama_pp2_interleaved_recompute ref_llama 2 $LLAMA --set parallel.pp=2 $IL --set model.recompute=gelu
 equiv moe_pp2_1f1b ref_moe 2 $MOE --set parallel.pp=2
 
-# the validation loss (through every stage) is in the equivalence above; the
-# bubble: the measured figure and the schedule's beside it, every step
+# the validation loss (through every stage) is compared in the equivalence
+# above; the bubble: the measured figure and the schedule's beside it, every step
 D=$T/gpt2_pp2_zb_h1
 if grep -q '"pp_bubble":[0-9.e-]*,"pp_bubble_theory":0.07692' $D/metrics.jsonl && grep -q 'val_loss' $D/metrics.jsonl &&
     grep -q 'bubble [0-9.]*% (schedule 7.7%)' $D.txt; then ok pp_bubble_reported
