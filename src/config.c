@@ -190,7 +190,15 @@ static const CfgKey cfg_keys[] = {
     KINTS("parallel.pp_layers", pp_layers, n_pp_layers, "[]", 1, INF,
           "layers of each of the pp x pp_virtual virtual stages, in order (they add up to model.n_layer); `[]` = "
           "cut by cost: each layer's FLOPs, the last stage also the head's"),
-    KINT("parallel.cp", cp, "1", 1, INF, "context-parallel ranks (this build: 1)"),
+    KINT("parallel.cp", cp, "1", 1, INF, "context-parallel ranks: each sequence is cut into 2 cp chunks and rank r "
+         "holds chunks r and 2cp-1-r (every rank the same causal attention work); everything per token runs on "
+         "the chunks, attention exchanges K and V over the cp ranks (`cp_attention`); `model.seq_len` must be a "
+         "multiple of 2 cp; replicated gradients sum over dp x cp, and ZeRO shards over dp x cp; not with "
+         "`model.mlp: moe`"),
+    KENUM("parallel.cp_attention", cp_attention, "allgather", "allgather|ring",
+          "cp > 1: `allgather` gathers every rank's K and V before attention and reduce-scatters their gradients "
+          "(simple; memory cp x the local K/V), `ring` passes K/V blocks around the cp ranks while attention runs "
+          "on the current one, merging by log-sum-exp, and dK/dV after them (memory 2 blocks)"),
     KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (this build: 1)"),
     KFLT("parallel.timeout_s", timeout_s, "300", 0.1, 1e7, "seconds any collective may wait before the run stops naming the missing rank (env KILN_COMM_TIMEOUT_S overrides)"),
     KENUM("precision.compute", compute, "bf16", "bf16|fp32", "activation dtype on GPU: `bf16` stores activations, their gradients and the weights' compute copy in bf16 (half the memory; fp32 math and accumulation, matrix products on tensor cores), `fp32` is strict fp32; the CPU backend is always fp32"),
@@ -882,7 +890,6 @@ static void cfg_check_optim(const Config *c, CfgLoad *L) {
 
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {
     static const struct { const char *key; size_t off; int lo, hi; } limits[] = {
-        {"parallel.cp", offsetof(Config, cp), 1, 1},
         {"parallel.ep", offsetof(Config, ep), 1, 1},
     };
     for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++) {
@@ -895,6 +902,9 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
     if (c->pp > 1 && c->zero >= 2)
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': ZeRO-%d shards whole models by layer; pipeline stages "
                   "(parallel.pp %d) run ZeRO 0 or 1", cfg_where_of(L, "parallel.zero", "parallel.pp"), c->zero, c->pp);
+    if (c->pp > 1 && c->cp > 1)
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.pp', 'parallel.cp': pipeline and context parallelism together "
+                  "are not supported yet (untested); use one of them", cfg_where_of(L, "parallel.cp", "parallel.pp"));
     if (c->pp == 1 && (c->pp_virtual > 1 || c->n_pp_layers > 0))
         kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': chunks and stage layers need parallel.pp > 1",
                   cfg_where_of(L, c->pp_virtual > 1 ? "parallel.pp_virtual" : "parallel.pp_layers", "parallel.pp"),
@@ -904,11 +914,27 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
             kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.tp': optim.name muon orthogonalises whole matrices, which "
                       "tensor parallelism splits; use parallel.tp: 1 or optim.name adamw / lion",
                       cfg_where_of(L, "parallel.tp", "optim.name"));
-        if (strcmp(c->sequence_parallel, "false") != 0 && ((long long)c->micro_batch * c->seq_len) % c->tp)
-            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'batch.micro_batch': a micro-batch "
-                      "of %d x %d tokens does not split over tp = %d ranks; make micro_batch * seq_len a multiple of "
-                      "tp, or set parallel.sequence_parallel: false",
-                      cfg_where_of(L, "parallel.sequence_parallel", "parallel.tp"), c->micro_batch, c->seq_len, c->tp);
+        if (strcmp(c->sequence_parallel, "false") != 0 && c->seq_len % c->tp)
+            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'model.seq_len': sequence parallelism "
+                      "splits the tokens over tp = %d ranks, and seq_len %d does not divide by it; make seq_len a "
+                      "multiple of tp, or set parallel.sequence_parallel: false",
+                      cfg_where_of(L, "parallel.sequence_parallel", "parallel.tp"), c->tp, c->seq_len);
+    }
+    if (c->cp > 1) {
+        if (c->seq_len % (2 * c->cp))
+            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'model.seq_len', 'parallel.cp': a sequence of %d tokens does not split "
+                      "into 2 x cp = %d chunks; make seq_len a multiple of %d", cfg_where_of(L, "parallel.cp",
+                      "model.seq_len"), c->seq_len, 2 * c->cp, 2 * c->cp);
+        if (strcmp(c->mlp, "moe") == 0)
+            kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.cp': MoE layers balance and cap their experts per whole "
+                      "sequence, which context parallelism splits over ranks; use parallel.cp: 1 with model.mlp: moe",
+                      cfg_where_of(L, "parallel.cp", "model.mlp"));
+        if (c->tp > 1 && strcmp(c->sequence_parallel, "false") != 0 && ((long long)c->micro_batch * c->seq_len /
+                                                                        c->cp) % c->tp)
+            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'parallel.cp': a rank's %d x %d tokens "
+                      "of a micro-batch do not split over tp = %d ranks; make micro_batch * seq_len / cp a multiple of "
+                      "tp, or set parallel.sequence_parallel: false", cfg_where_of(L, "parallel.sequence_parallel",
+                      "parallel.cp"), c->micro_batch, c->seq_len / c->cp, c->tp);
     }
     /* the global batch splits evenly over the dp ranks (auto is checked at launch) */
     if (c->dp > 0 && c->grad_accum % c->dp)

@@ -331,6 +331,8 @@ static double grad_sumsq(const Ddp *d, const float *g, size_t lo, size_t hi) {
     return sq;
 }
 
+void ddp_test_poison(Ddp *d) { d->poison = 1; }
+
 void ddp_set_tp(Ddp *d, CommGroup *g) {
     Model *m = d->m;
     if (!g || g->size <= 1) return;
@@ -361,9 +363,17 @@ void ddp_set_tp(Ddp *d, CommGroup *g) {
 }
 
 /* The global gradient norm from every rank's shard (padding is zero). */
+static void poison_if_asked(Ddp *d, float *g) {
+    if (!d->poison) return;
+    float nan = NAN;
+    d->m->be->to_device(g, &nan, sizeof nan);
+    d->poison = 0;
+}
+
 static double unit_norm(Ddp *d) {
     double t0 = kiln_now();
     double sq = 0;
+    poison_if_asked(d, d->gshard);
     if (!d->tp) {
         sq = d->m->be->sumsq(d->gshard, d->shard_len);
     } else {
@@ -481,6 +491,7 @@ double ddp_reduce_grads(Ddp *d) {
     Model *m = d->m;
     if (d->units) return unit_norm(d);
     ddp_wait_grads(d);
+    poison_if_asked(d, m->grad_mem);
     /* pipeline: all but the skipped range, in the two runs around it */
     size_t n = m->num_params, a = d->skip_lo < n ? d->skip_lo : n, b = d->skip_hi < n ? d->skip_hi : n;
     double sq = grad_sumsq(d, m->grad_mem, 0, a);

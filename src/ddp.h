@@ -82,6 +82,7 @@ typedef struct Ddp {
      * parts of the tp-split tensors and, on tp rank 0 only, the replicated
      * ones, then sums over tp. runs: arena ranges [lo, hi) of tensors that
      * are split (split 1) or replicated (0), in arena order. */
+    int poison;          /* ddp_test_poison: the next ddp_reduce_grads poisons its gradients */
     CommGroup *tp;
     size_t *run_lo, *run_hi;
     int *run_split, nrun;
@@ -159,6 +160,12 @@ void ddp_set_tp(Ddp *d, CommGroup *g);
  * tied embedding, which the first stage counts). After ddp_init and
  * ddp_set_tp. g NULL or size 1: nothing. */
 void ddp_set_pp(Ddp *d, CommGroup *g, int skip);
+
+/* Test hook (KILN_TEST_INJECT_NAN_STEP): the next ddp_reduce_grads writes a
+ * NaN into the first gradient element on this rank once the reduction is
+ * complete, before the norm: no collective is in flight on the buffer then
+ * (poisoning it earlier raced with ZeRO 0/1's overlapped all-reduces). */
+void ddp_test_poison(Ddp *d);
 
 /* Sum of x over the dp group (losses for logging), in double. */
 double ddp_sum(Ddp *d, double x);

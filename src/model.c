@@ -288,6 +288,11 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     arch_tp_local(s, m->tp, m->tp_rank, &m->shape);
     s = &m->shape; /* from here on: what this rank computes */
     m->sp = m->tp > 1 && o->sequence_parallel;
+    m->cp = o->cp > 1 ? o->cp : 1;
+    m->cp_rank = m->cp > 1 ? o->cp_rank : 0;
+    if (m->cp > 1 && s->mlp == MLP_MOE)
+        kiln_fail(KILN_EXIT_USAGE, "key 'parallel.cp': MoE layers balance and cap their experts per whole sequence, "
+                  "which context parallelism splits over ranks; use parallel.cp: 1 with model.mlp: moe");
     m->vocab_lo = m->tp_rank * m->shape.padded_vocab;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
@@ -387,6 +392,11 @@ void model_set_hooks(Model *m, const ModelHooks *h) {
 void model_set_tp(Model *m, const ModelTp *t) {
     if (t) m->tpc = *t;
     else memset(&m->tpc, 0, sizeof m->tpc);
+}
+
+void model_set_cp(Model *m, const ModelCp *c) {
+    if (c) m->cpc = *c;
+    else memset(&m->cpc, 0, sizeof m->cpc);
 }
 
 int model_tp_boxes(const Model *m, int i, ModelBox box[MODEL_MAX_BOXES]) {
@@ -494,6 +504,9 @@ void model_free(Model *m) {
     free(m->row_host);
     free(m->tok_host);
     free(m->tgt_host);
+    free(m->pad_host);
+    free(m->cp_tok);
+    free(m->cp_tgt);
     slots_free(m);
     free(m->losses_host);
     free(m->unit_off);
@@ -578,8 +591,12 @@ typedef struct ActPlan {
  * cross-entropy statistics, the logits row and the scratch. MoE activations
  * are always kept. */
 static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, const ActPlan *pl, int tp,
-                         Model *m) {
+                         int cp, int seq_par, Model *m) {
     size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float), I = sizeof(int32_t);
+    /* the residual stream's rows: under sequence parallelism a rank's N/tp
+     * (every forward splits: model_forward pads one sequence to a multiple
+     * of tp) */
+    size_t Nres = tp > 1 && seq_par && cp == 1 ? (N + (size_t)tp - 1) / (size_t)tp : N;
     size_t Q = (size_t)arch_q_width(s), QKVW = (size_t)arch_qkv_width(s), FF = (size_t)s->ffn_hidden;
     size_t FCW = (size_t)arch_fc_width(s), QK = (size_t)(s->n_head + s->n_kv_head) * s->head_dim;
     size_t G = s->qk_norm == QKNORM_HEAD ? (size_t)(s->n_head + s->n_kv_head) : 2;
@@ -596,6 +613,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         memset(&sink, 0, sizeof sink);
         m = &sink;
     }
+    if (assign) m->res_rows = Nres;
     int keep_gelu = r < MODEL_RECOMPUTE_GELU || moe, keep_norm = r < MODEL_RECOMPUTE_NORM_GELU;
 #define TAKE(ptr, count, esize)                                 \
     do {                                                        \
@@ -607,7 +625,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         for (int k = 0; k < pl->slots[c]; k++, set++) {
             ModelSlot *sl = assign ? &m->slots[set] : &sink_slot;
             int lo = pl->lo[c], hi = pl->hi[c];
-            TAKE(sl->encoded, N * C, ab);
+            TAKE(sl->encoded, Nres * C, ab);
             for (int l = lo; l < hi; l++) {
                 LayerActs *a = assign ? &sl->acts[l] : &sink_layer;
                 if (keep_norm) TAKE(a->ln1, N * C, ab);
@@ -620,7 +638,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
                 }
                 TAKE(a->atty, N * Q, ab);
                 TAKE(a->att_lse, N * NH, F);
-                TAKE(a->res2, N * C, ab);
+                TAKE(a->res2, Nres * C, ab);
                 if (keep_norm) TAKE(a->ln2, N * C, ab);
                 TAKE(a->ln2_mean, N, F);
                 TAKE(a->ln2_rstd, N, F);
@@ -646,18 +664,21 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
                         TAKE(a->sh_act, N * S, ab);
                     }
                 }
-                TAKE(a->res3, N * C, ab);
+                TAKE(a->res3, Nres * C, ab);
                 if (pl->split) {
                     /* the input part is done with qkv, res2, fch and res3 (a
                      * layer's output, read by the layer above, whose backward
                      * ran first); recomputation still reads fch (the MLP
-                     * activation) and res2, res3 (the norms' inputs) */
+                     * activation) and res2, res3 (the norms' inputs); and the
+                     * residual's N/tp rows under sequence parallelism are too
+                     * few for the gradients of all N */
+                    int own_res = !keep_norm || Nres < N;
                     a->d_qkv = a->qkv;
-                    if (!keep_norm) TAKE(a->d_o, N * C, ab);
+                    if (own_res) TAKE(a->d_o, N * C, ab);
                     else a->d_o = a->res2;
                     if (!moe && !keep_gelu) TAKE(a->d_fc, N * FCW, ab);
                     else a->d_fc = moe ? NULL : a->fch;
-                    if (!moe && !keep_norm) TAKE(a->d_down, N * C, ab);
+                    if (!moe && own_res) TAKE(a->d_down, N * C, ab);
                     else a->d_down = moe ? NULL : a->res3;
                 }
             }
@@ -681,10 +702,8 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
             if (!keep_gelu) m->slots[i].acts[l].fch_gelu = gelu_shared;
             if (!keep_norm) m->slots[i].acts[l].ln1 = m->slots[i].acts[l].ln2 = ln_shared;
         }
-    if (tp > 1) {
-        TAKE(m->xent_stats, (size_t)tp * N * 3, F);
-        TAKE(m->row_dev, (size_t)tp * s->padded_vocab, ab);
-    }
+    if (tp > 1) TAKE(m->xent_stats, (size_t)tp * N * 3, F);
+    if (tp > 1 || cp > 1) TAKE(m->row_dev, (size_t)tp * s->padded_vocab, ab);
     /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf (N,
      * the widest of NH HD, F, S, C), dbuf2 (N, the widest of the first MLP
      * product and 2S), dqkv (N,QKVW), dln (N,C); MoE: dyp and dxp (R,C),
@@ -706,24 +725,26 @@ static ActPlan whole_plan(const ArchSpec *s) {
 
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r) {
     ActPlan p = whole_plan(s);
-    return plan_bytes(s, B, T, act_bytes, r, &p, 1, NULL);
+    return plan_bytes(s, B, T, act_bytes, r, &p, 1, 1, 0, NULL);
 }
 
-size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r) {
+size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int sp, int B, int T, size_t act_bytes,
+                                   ModelRecompute r) {
     ArchSpec l;
     arch_tp_local(s, tp, 0, &l); /* rank 0 holds the most vocabulary rows */
     ActPlan p = whole_plan(s);
-    return plan_bytes(&l, B, T, act_bytes, r, &p, tp, NULL);
+    return plan_bytes(&l, B, T / cp, act_bytes, r, &p, tp, cp, sp, NULL);
 }
 
-size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r,
-                                    int chunks, const int *lo, const int *hi, const int *slots, int split) {
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int B, int T, size_t act_bytes,
+                                    ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
+                                    int split) {
     ArchSpec l;
     arch_tp_local(s, tp, 0, &l);
     ActPlan p = {.chunks = chunks, .split = split};
     if (chunks < 1 || chunks > MODEL_MAX_CHUNKS) return 0;
     for (int c = 0; c < chunks; c++) p.lo[c] = lo[c], p.hi[c] = hi[c], p.slots[c] = slots[c];
-    return plan_bytes(&l, B, T, act_bytes, r, &p, tp, NULL);
+    return plan_bytes(&l, B, T, act_bytes, r, &p, tp, 1, sp, NULL);
 }
 
 /* The active set's fields, to and from its ModelSlot. */
@@ -764,11 +785,17 @@ void model_plan_activations(Model *m, int B, int T, ModelRecompute r) { model_pl
 void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots, int split) {
     if (T > m->shape.seq_len)
         kiln_fail(KILN_EXIT_USAGE, "micro-batch length %d exceeds model.seq_len = %d", T, m->shape.seq_len);
+    if (T % (2 * m->cp))
+        kiln_fail(KILN_EXIT_USAGE, "keys 'model.seq_len', 'parallel.cp': a sequence of %d tokens does not split into "
+                  "2 x cp = %d chunks; make seq_len a multiple of %d", T, 2 * m->cp, 2 * m->cp);
+    int Tl = T / m->cp; /* the rows of each sequence this rank holds */
     if (m->act_mem) {
         m->be->free(m->act_mem);
         slots_free(m);
         free(m->losses_host);
         free(m->row_host);
+        free(m->cp_tok);
+        free(m->cp_tgt);
     }
     m->B = B;
     m->T = T;
@@ -782,7 +809,7 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
         m->n_slots += pl.slots[c];
     }
     m->slots = xcalloc((size_t)m->n_slots, sizeof(ModelSlot));
-    size_t N = (size_t)B * T;
+    size_t N = (size_t)B * Tl;
     for (int c = 0; c < m->n_chunks; c++)
         for (int k = 0; k < pl.slots[c]; k++) {
             ModelSlot *sl = &m->slots[m->chunk_slot0[c] + k];
@@ -794,9 +821,9 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
                 for (int l = pl.lo[c]; l < pl.hi[c]; l++)
                     sl->acts[l].offsets_host = xcalloc((size_t)m->shape.moe.n_experts + 1, sizeof(int32_t));
         }
-    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, &pl, m->tp, NULL);
+    m->act_size = plan_bytes(&m->shape, B, Tl, m->act_bytes, r, &pl, m->tp, m->cp, m->sp, NULL);
     m->act_mem = m->be->alloc(m->act_size);
-    plan_bytes(&m->shape, B, T, m->act_bytes, r, &pl, m->tp, m);
+    plan_bytes(&m->shape, B, Tl, m->act_bytes, r, &pl, m->tp, m->cp, m->sp, m);
     m->cur_slot = 0;
     slot_load(m, &m->slots[0]);
     if (m->shape.mlp == MLP_MOE) {
@@ -808,9 +835,12 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
     m->losses_host = xcalloc(N, sizeof(float));
     m->row_host = xcalloc((size_t)m->tp * m->shape.padded_vocab, m->act_bytes);
     if (m->tp > 1) {
+        m->pad_host = xrealloc(m->pad_host, (size_t)T * sizeof(int32_t));
         m->tok_host = xrealloc(m->tok_host, N * sizeof(int32_t));
         m->tgt_host = xrealloc(m->tgt_host, N * sizeof(int32_t));
     }
+    m->cp_tok = m->cp > 1 ? xcalloc((size_t)B * Tl, sizeof(int32_t)) : NULL;
+    m->cp_tgt = m->cp > 1 ? xcalloc((size_t)B * Tl, sizeof(int32_t)) : NULL;
 }
 
 /* Set k of chunk c; exits 1 naming both when there is none. */
@@ -845,7 +875,10 @@ void *model_slot_output_grad(const Model *m, int chunk, int k) { return slot_vie
 const void *model_slot_input_grad(const Model *m, int chunk, int k) { return slot_view(m, chunk, k).stage_din; }
 
 int model_stage_rows(const Model *m, int B, int T) {
+    if (m->cp > 1) T = 2 * ((T + 2 * m->cp - 1) / (2 * m->cp)); /* this rank's rows of each sequence */
     int N = B * T;
+    /* sequence parallelism: model_forward pads one sequence to a multiple of tp */
+    if (m->sp && m->cp == 1 && N % m->tp) N = (N + m->tp - 1) / m->tp * m->tp;
     return m->sp && N % m->tp == 0 ? N / m->tp : N;
 }
 
@@ -947,6 +980,69 @@ static void tp_drain(const Model *m) {
  * rows, is complete on every rank. */
 static const void *row_bias(const Model *m, int l, int role) { return m->tp_rank == 0 ? W(m, l, role) : NULL; }
 
+/* ---------------------------------------------------------------------------
+ * Context parallelism (model.h ModelCp): the rows are this rank's two chunks
+ * of every sequence, chunk-major; what depends on positions runs per chunk. */
+
+/* First position of local chunk c, for chunks of Tc tokens. */
+static int cp_pos(const Model *m, int c, int Tc) { return model_cp_chunk(m->cp, m->cp_rank, c) * Tc; }
+
+/* This rank's chunks of the (B, T) host ids into buf (B, 2 Tc) chunk-major;
+ * positions past T (a generation's padding) read token 0. */
+static const int32_t *cp_take(const Model *m, int32_t *buf, const int32_t *ids, int B, int T, int Tc) {
+    for (int c = 0; c < 2; c++)
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < Tc; i++) {
+                int t = cp_pos(m, c, Tc) + i;
+                buf[((size_t)c * B + b) * Tc + i] = t < T ? ids[(size_t)b * T + t] : 0;
+            }
+    return buf;
+}
+
+/* Embeddings of the N = B T rows (T local) into e: wte[tokens] + wpe at each
+ * row's global position (wpe NULL: none, or another tp rank adds them). */
+static void embed_rows(const Model *m, void *e, int B, int T) {
+    const void *wte = W(m, -1, ROLE_TOK_EMB), *wpe = row_bias(m, -1, ROLE_POS_EMB);
+    int C = m->shape.n_embd;
+    if (m->cp == 1) {
+        m->be->embed_forward(e, m->tokens_dev, wte, wpe, B, T, C);
+        return;
+    }
+    int Tc = T / 2;
+    for (int c = 0; c < 2; c++)
+        m->be->embed_forward(act_at(m, e, (size_t)c * B * Tc, C), m->tokens_dev + (size_t)c * B * Tc, wte,
+                             wpe ? act_at(m, wpe, cp_pos(m, c, Tc), C) : NULL, B, Tc, C);
+}
+
+/* Their backward from dtop (N,C): dwte +=, dwpe per `acc` (under cp only this
+ * rank's positions get a gradient; the rest are zero until the sum over cp). */
+static void embed_rows_backward(const Model *m, const void *dtop, int B, int T, int acc) {
+    float *dwte = G(m, -1, ROLE_TOK_EMB), *dwpe = G(m, -1, ROLE_POS_EMB);
+    int C = m->shape.n_embd;
+    if (m->cp == 1) {
+        m->be->embed_backward(dwte, dwpe, dtop, m->tokens_dev, B, T, C, acc);
+        return;
+    }
+    int Tc = T / 2;
+    if (dwpe && !acc) m->be->zero(dwpe, (size_t)m->shape.seq_len * C * sizeof(float));
+    for (int c = 0; c < 2; c++)
+        m->be->embed_backward(dwte, dwpe ? dwpe + (size_t)cp_pos(m, c, Tc) * C : NULL,
+                              act_at(m, dtop, (size_t)c * B * Tc, C), m->tokens_dev + (size_t)c * B * Tc, B, Tc, C, 1);
+}
+
+/* RoPE on qkv (N, QKVW) at each row's global position, or its inverse. */
+static void rope_rows(const Model *m, void *qkv, const AttnShape *sh, int backward) {
+    void (*op)(void *, const float *, const AttnShape *, int) = backward ? m->be->rope_backward : m->be->rope_forward;
+    if (m->cp == 1) {
+        op(qkv, m->rope, sh, 0);
+        return;
+    }
+    AttnShape c = *sh;
+    c.T = sh->T / 2;
+    for (int k = 0; k < 2; k++)
+        op(act_at(m, qkv, (size_t)k * sh->B * c.T, (size_t)attn_qkv_width(sh)), m->rope, &c, cp_pos(m, k, c.T));
+}
+
 /* res2 = x + o_proj(attention(rope(qknorm(qkv_proj(norm1(x)))))) */
 static void attn_forward(Model *m, int l, const void *x, int B, int T) {
     const Backend *be = m->be;
@@ -960,8 +1056,9 @@ static void attn_forward(Model *m, int l, const void *x, int B, int T) {
     if (s->qk_norm != QKNORM_NONE)
         be->qknorm_forward(a->qkv, a->qk_in, a->qk_rstd, W(m, l, ROLE_Q_NORM), W(m, l, ROLE_K_NORM), &sh,
                            s->qk_norm == QKNORM_HEAD, s->norm_eps);
-    if (s->pos == POS_ROPE) be->rope_forward(a->qkv, m->rope, &sh, 0);
-    be->attention_forward(a->atty, a->att_lse, a->qkv, &sh);
+    if (s->pos == POS_ROPE) rope_rows(m, a->qkv, &sh, 0);
+    if (m->cp > 1) m->cpc.attention_forward(m->cpc.ctx, a->atty, a->att_lse, a->qkv, &sh);
+    else be->attention_forward(a->atty, a->att_lse, a->qkv, &sh);
     be->matmul_forward(proj, a->atty, W(m, l, ROLE_O_W), row_bias(m, l, ROLE_O_B), N, Q, C);
     const void *out = row_reduce(m, proj, act_at(m, proj, N, C), N);
     be->residual_forward(a->res2, x, out, (size_t)res_rows(m, N) * C);
@@ -1100,20 +1197,45 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     const ArchSpec *s = &m->shape;
     if (B > m->B || T > m->T || B * T > m->B * m->T)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: batch %dx%d exceeds the planned %dx%d", B, T, m->B, m->T);
-    int N = B * T, C = s->n_embd;
     if (m->weight_pending)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: this slot's weight part of its last backward has not run");
     if (m->tp > 1 && !m->tpc.all_reduce)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a tensor-parallel model without its collectives (model_set_tp)");
-    /* sequence parallelism needs rows that split evenly; other forwards
-     * (generation) run with every rank holding all rows: the same function */
+    if (m->cp > 1) {
+        /* from here on T is this rank's rows per sequence: its two chunks
+         * of the sequence, padded at the end to 2 cp chunks (generation) */
+        if (!m->cpc.attention_forward)
+            kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a context-parallel model without its hooks (model_set_cp)");
+        if (targets && T % (2 * m->cp))
+            kiln_fail(KILN_EXIT_USAGE, "model_forward: %d tokens do not split into 2 x cp = %d chunks", T, 2 * m->cp);
+        int Tc = (T + 2 * m->cp - 1) / (2 * m->cp);
+        tokens = cp_take(m, m->cp_tok, tokens, B, T, Tc);
+        if (targets) targets = cp_take(m, m->cp_tgt, targets, B, T, Tc);
+        T = 2 * Tc;
+    }
+    int N = B * T, C = s->n_embd;
+    if (m->sp && m->cp == 1 && N % m->tp != 0) {
+        /* Sequence parallelism needs rows that split evenly. One sequence
+         * without targets (generation) is padded with its last token to a
+         * multiple of tp: attention is causal, so the padding changes no
+         * real position's logits (seq_len divides by tp: it fits). */
+        int Tp = (T + m->tp - 1) / m->tp * m->tp;
+        if (B != 1 || targets || dloss != 0.0f || Tp > m->T)
+            kiln_fail(KILN_EXIT_RUNTIME, "model_forward: %d x %d tokens do not split over the %d tp ranks (sequence "
+                      "parallelism pads only one sequence without targets)", B, T, m->tp);
+        memcpy(m->pad_host, tokens, (size_t)T * sizeof(int32_t));
+        for (int t = T; t < Tp; t++) m->pad_host[t] = tokens[T - 1];
+        return model_forward(m, m->pad_host, NULL, 1, Tp, 0.0f);
+    }
+    /* under cp a rank's rows that do not split over tp (generation) run
+     * with every tp rank holding them all: the same function */
     m->live_sp = m->sp && N % m->tp == 0;
+    if ((size_t)(m->live_sp ? N / m->tp : N) > m->res_rows)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_forward: %d x %d tokens exceed the residual stream's %zu rows", B, T,
+                  m->res_rows);
     be->to_device(m->tokens_dev, local_ids(m, m->tok_host, tokens, N), (size_t)N * sizeof(int32_t));
     int fuse_fwd = model_gelu_fused(m, 0);
     int train = dloss != 0.0f && (targets || !m->has_head);
-    if (train && m->sp && !m->live_sp)
-        kiln_fail(KILN_EXIT_USAGE, "keys 'parallel.sequence_parallel', 'batch.micro_batch': a training micro-batch of "
-                  "%d x %d tokens does not split over the %d tp ranks", B, T, m->tp);
     m->moe.aux = m->moe.z = 0;
 
     use_layer(m, -1, 0);
@@ -1122,7 +1244,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
          * zero rows), rank 0 adds the positions, and the sum goes to the
          * residual rows */
         void *e = m->live_sp ? m->scratch : m->encoded;
-        be->embed_forward(e, m->tokens_dev, W(m, -1, ROLE_TOK_EMB), row_bias(m, -1, ROLE_POS_EMB), B, T, C);
+        embed_rows(m, e, B, T);
         const void *enc = row_reduce(m, e, m->encoded, N);
         if (enc != m->encoded) be->copy(m->encoded, enc, (size_t)N * C * m->act_bytes);
     }
@@ -1343,8 +1465,9 @@ static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const
     keep_grad(m, a->d_o, dtop, N, (size_t)C, part);
     be->matmul_backward(b->dbuf, GW(m, l, ROLE_O_W, part), GW(m, l, ROLE_O_B, part), dtop, a->atty,
                         W(m, l, ROLE_O_W), N, Q, C, acc);
-    be->attention_backward(b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
-    if (s->pos == POS_ROPE) be->rope_backward(b->dqkv, m->rope, &sh, 0);
+    if (m->cp > 1) m->cpc.attention_backward(m->cpc.ctx, b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
+    else be->attention_backward(b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
+    if (s->pos == POS_ROPE) rope_rows(m, b->dqkv, &sh, 1);
     if (s->qk_norm != QKNORM_NONE)
         be->qknorm_backward(b->dqkv, G(m, l, ROLE_Q_NORM), G(m, l, ROLE_K_NORM), a->qk_in, W(m, l, ROLE_Q_NORM),
                             W(m, l, ROLE_K_NORM), a->qk_rstd, &sh, s->qk_norm == QKNORM_HEAD, acc);
@@ -1411,7 +1534,7 @@ static void backward_run(Model *m, int accumulate, BackPart part) {
         /* tp: every rank scatters the gradient of all N rows into its own
          * vocabulary rows; each computes the whole position gradient */
         const void *dtop = grad_gather(m, b.dres, b.dfull, N);
-        be->embed_backward(dwte, G(m, -1, ROLE_POS_EMB), dtop, m->tokens_dev, B, T, C, accumulate);
+        embed_rows_backward(m, dtop, B, T, accumulate);
     } else if (m->stage_din) {
         /* the input's gradient, this rank's rows of it, for the previous stage */
         be->copy(m->stage_din, b.dres, (size_t)res_rows(m, N) * C * m->act_bytes);
@@ -1507,6 +1630,12 @@ void model_moe_update_bias(Model *m, const int64_t *load) {
 
 void model_logits_row(const Model *m, int b, int t, float *out) {
     size_t row = (size_t)b * m->live_T + (size_t)t, Vp = (size_t)m->shape.padded_vocab;
+    int root = 0; /* cp: the rank holding position t */
+    if (m->cp > 1) {
+        int Tc = m->live_T / 2, g = t / Tc, c = g >= m->cp;
+        root = c ? 2 * m->cp - 1 - g : g;
+        row = ((size_t)c * m->live_B + b) * Tc + (size_t)(t % Tc);
+    }
     const char *src = (const char *)m->logits + row * Vp * m->act_bytes;
     if (m->tp > 1) { /* every rank's columns, in rank order: the global vocabulary */
         m->be->copy((char *)m->row_dev + (size_t)m->tp_rank * Vp * m->act_bytes, src, Vp * m->act_bytes);
@@ -1514,6 +1643,11 @@ void model_logits_row(const Model *m, int b, int t, float *out) {
         src = m->row_dev;
     }
     size_t n = (size_t)m->gshape.padded_vocab;
+    if (m->cp > 1) { /* the other cp ranks computed another chunk's rows: root's row to all */
+        if (src != m->row_dev) m->be->copy(m->row_dev, src, n * m->act_bytes);
+        m->cpc.broadcast(m->cpc.ctx, m->row_dev, n, root);
+        src = m->row_dev;
+    }
     tp_drain(m);
     m->be->to_host(m->row_host, src, n * m->act_bytes);
     backend_act_to_f32(out, m->row_host, n, m->act_bytes);

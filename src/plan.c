@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "config.h"
+#include "cp.h"
 #include "mesh.h"
 #include "optim.h"
 #include "pipe.h"
@@ -52,12 +53,13 @@ static double plan_layer_params(const ArchSpec *s) {
 
 size_t plan_param_bytes(const char *master) { return strcmp(master, "bf16") == 0 ? 2 : 4; }
 
-PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int micro_batch, ModelRecompute recompute,
-                                size_t moment_bytes, size_t param_bytes) {
+PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int cp_mode, int dp, int zero, int micro_batch,
+                                ModelRecompute recompute, size_t moment_bytes, size_t param_bytes) {
     PlanMemory m = {0};
     ArchSpec local;
     arch_tp_local(g, tp, 0, &local); /* tp 1: the spec itself */
     const ArchSpec *s = &local;
+    dp *= cp; /* ZeRO shards over every rank holding the same parameters: dp x cp */
     m.param_bytes = param_bytes;
     double L = s->n_layer, params = (double)plan_num_params(s);
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
@@ -94,10 +96,15 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int
     }
     m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
     /* fp32 activations: the upper bound (bf16 halves them, see plan_usage) */
+    AttnShape cps = {micro_batch, s->seq_len / cp, s->n_head, s->n_kv_head, s->head_dim};
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
-        for (int k = 0; k < 2; k++)
-            m.act_by_mode[r][k] = (double)model_activation_bytes_tp(g, tp, micro_batch, s->seq_len,
-                                                                   k ? 2 : sizeof(float), (ModelRecompute)r);
+        for (int k = 0; k < 2; k++) {
+            size_t ab = k ? 2 : sizeof(float);
+            m.act_by_mode[r][k] = (double)model_activation_bytes_rank(g, tp, cp, sp, micro_batch, s->seq_len, ab,
+                                                                      (ModelRecompute)r);
+            if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
+        }
+    m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, sizeof(float)) : 0;
     m.recompute = recompute;
     m.activations = m.act_by_mode[recompute][0];
     m.activations_bf16 = m.act_by_mode[recompute][1];
@@ -108,9 +115,9 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int
 }
 
 /* One pipeline rank: its chunks' tensors and activation slots (ZeRO 0-1). */
-static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int dp, int zero, int micro_batch, ModelRecompute rec,
-                                    size_t moment_bytes, size_t param_bytes, int chunks, const int *lo, const int *hi,
-                                    const int *slots, int split) {
+static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int dp, int zero, int micro_batch,
+                                    ModelRecompute rec, size_t moment_bytes, size_t param_bytes, int chunks,
+                                    const int *lo, const int *hi, const int *slots, int split) {
     PlanMemory m = {0};
     ArchSpec local;
     arch_tp_local(g, tp, 0, &local);
@@ -131,7 +138,7 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int dp, int zero,
     m.state = m.params + m.grads + m.optim;
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
         for (int k = 0; k < 2; k++)
-            m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, micro_batch, g->seq_len,
+            m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, sp, micro_batch, g->seq_len,
                                                                        k ? 2 : sizeof(float), (ModelRecompute)r,
                                                                        chunks, lo, hi, slots, split);
     m.recompute = rec;
@@ -172,7 +179,8 @@ int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro,
             if (o < sizeof layers)
                 o += (size_t)snprintf(layers + o, sizeof layers - o, "%s%d..%d", ch ? ", " : "", lo[ch], hi[ch] - 1);
         }
-        PlanMemory m = plan_memory_stage(s, tp, dp, c->zero, c->micro_batch, rec, sb, pb, v, lo, hi, slots,
+        int sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
+        PlanMemory m = plan_memory_stage(s, tp, sp, dp, c->zero, c->micro_batch, rec, sb, pb, v, lo, hi, slots,
                                          k == PIPE_ZB_H1);
         printf("  stage %-16d layers %s%s%s: %.2fM parameters, %d activation slot(s) %.2f MiB; %.2f GiB per rank\n",
                r, layers, r == 0 ? " + embeddings" : "", r == p - 1 ? " + head" : "",
@@ -260,6 +268,7 @@ void plan_print_bytes(const char *what, double bytes) {
 
 void plan_print_activations(const PlanMemory *m) {
     plan_print_bytes("activations", m->activations);
+    if (m->cp_buffers > 0) plan_print_bytes("  of which cp K/V", m->cp_buffers);
     plan_print_bytes("activations, bf16", m->activations_bf16);
     const double(*by)[2] = m->act_by_mode;
     if (m->recompute == MODEL_RECOMPUTE_NONE)
@@ -367,7 +376,7 @@ int plan_main(int argc, char **argv) {
                   gpus, nodes);
 
     Config c;
-    cfg_load(&c, config_path, sets, nsets); /* cp/ep != 1 exit 2 here: not implemented */
+    cfg_load(&c, config_path, sets, nsets); /* ep != 1 exits 2 here: not implemented */
     free(sets);
     ArchSpec s;
     arch_from_config(&c, &s);
@@ -404,7 +413,8 @@ int plan_main(int argc, char **argv) {
 
     ModelRecompute recompute = model_recompute_parse(c.recompute);
     size_t sb = optim_state_bytes(c.optim_state), pb = plan_param_bytes(c.master); /* bytes per element */
-    PlanMemory m = plan_memory_per_rank(&s, tp, dp, c.zero, c.micro_batch, recompute, sb, pb);
+    int cpm = cp_mode_parse(c.cp_attention);
+    PlanMemory m = plan_memory_per_rank(&s, tp, sp, c.cp, cpm, dp, c.zero, c.micro_batch, recompute, sb, pb);
     if (c.pp > 1) rank_samples = 0; /* no suggestion yet: the stages above say what each rank holds */
     size_t params = plan_num_params(&s);
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d): %zu parameters "
@@ -414,8 +424,11 @@ int plan_main(int argc, char **argv) {
            gpus / nodes, gpu_gib, gpu_mem_given ? "" : " (default; --gpu-mem GB)");
     printf("  layout                 dp %d x tp %d x pp %d x cp %d (ep %d), ZeRO %d%s\n", dp, c.tp, c.pp, c.cp, c.ep,
            c.zero, c.dp > 0 ? "" : " (parallel.dp: auto)");
-    printf("                         cp and ep are 1: data, tensor and pipeline parallelism are implemented in this "
-           "build\n");
+    printf("                         ep is 1: data, tensor, context and pipeline parallelism are implemented "
+           "in this build\n");
+    if (c.cp > 1)
+        printf("  context parallel       cp %d (%s): each rank holds 2 of %d chunks of %d tokens, %d of every "
+               "sequence's %d\n", c.cp, c.cp_attention, 2 * c.cp, c.seq_len / (2 * c.cp), c.seq_len / c.cp, c.seq_len);
     if (!problem[0]) plan_print_tp(&s, tp, sp, dp, c.zero, c.micro_batch, c.grad_accum / dp);
     if (!problem[0] && c.pp > 1) { /* each stage; the costliest decides */
         PlanMemory worst = {0};
@@ -431,7 +444,7 @@ int plan_main(int argc, char **argv) {
     printf("  memory per rank        fp32 storage (%sgradients%s; activations counted in fp32)\n",
            plan_param_bytes(c.master) == 2 ? "bf16 parameters without a master; " : "parameters, ",
            optim_state_bytes(c.optim_state) == 2 ? "; AdamW m and v in bf16" : ", AdamW m and v");
-    plan_print_state(&m, dp, c.zero);
+    plan_print_state(&m, dp * c.cp, c.zero);
     plan_print_activations(&m);
     plan_print_bytes("overhead", m.overhead);
     printf("                         (32 MiB cuBLAS workspace + 5%% margin for the allocator and the uncounted)\n");
@@ -451,13 +464,13 @@ int plan_main(int argc, char **argv) {
         int max_zero = pb == 2 ? 0 : 3;
         for (int z = 0; z <= max_zero && best_zero < 0; z++) {
             for (int j = 0; j < nd; j++) {
-                PlanMemory t = plan_memory_per_rank(&s, tp, dp, z, div[j], recompute, sb, pb);
+                PlanMemory t = plan_memory_per_rank(&s, tp, sp, c.cp, cpm, dp, z, div[j], recompute, sb, pb);
                 if (t.total <= cap) {
                     best_zero = z, best_mb = div[j], best = t;
                     break;
                 }
             }
-            PlanMemory t1 = plan_memory_per_rank(&s, tp, dp, z, 1, recompute, sb, pb);
+            PlanMemory t1 = plan_memory_per_rank(&s, tp, sp, c.cp, cpm, dp, z, 1, recompute, sb, pb);
             if (least_zero < 0 || t1.total < least.total) least = t1, least_zero = z;
         }
     }

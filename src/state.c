@@ -148,11 +148,11 @@ int state_init_from(Model *m, const char *dir, int say) {
 
 void state_load_init_from(Model *m, const char *path, int say) {
     if (state_init_from(m, path, say)) return;
-    if (m->tp > 1 || m->n_chunks > 1 || !m->has_embed || !m->has_head)
-        kiln_fail(KILN_EXIT_USAGE, "key 'init.from': %s is not a kiln checkpoint; HuggingFace and llm.c weights load "
-                  "with parallel.tp: 1 and parallel.pp: 1 (import there, save a checkpoint, and start this run from "
-                  "it)", path);
-    if (!hf_init_from(m, path, say)) model_load_llmc(m, path);
+    if (hf_init_from(m, path, say)) return; /* under tp each rank takes its part */
+    if (m->tp > 1)
+        kiln_fail(KILN_EXIT_USAGE, "key 'init.from': %s: llm.c weights load with parallel.tp: 1 (import there, save a "
+                  "checkpoint, and start this run from it)", path);
+    model_load_llmc(m, path);
 }
 
 /* Start-up state when nothing is resumed, or after a corrupt checkpoint was

@@ -9,6 +9,7 @@
 
 #include "backend.h"
 #include "comm.h"
+#include "cp.h"
 #include "data.h"
 #include "ddp.h"
 #include "flight.h"
@@ -93,15 +94,17 @@ static void print_plan(const Config *c, const ArchSpec *s) {
     printf("  FLOPs per token        %.4g (training: forward + backward)\n", fpt);
     /* per rank: dp auto resolves to the world size at launch; without a
      * launcher the plan shows one rank unless parallel.dp says how many */
-    int dp = c->dp > 0 ? c->dp : 1, tp = c->tp, sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
+    int dp = c->dp > 0 ? c->dp : 1, tp = c->tp, cp = c->cp, sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
     char err[512];
     if (arch_tp_check(s, tp, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
-    printf("  memory per rank        dp %d%s x tp %d, ZeRO %d\n", dp,
-           c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)", tp, c->zero);
+    printf("  memory per rank        dp %d%s x tp %d x cp %d%s, ZeRO %d\n", dp,
+           c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)", tp, cp,
+           c->pp > 1 ? " (the whole model; pipeline stages below)" : "", c->zero);
     /* the same accounting `./train plan` uses (src/plan.c) */
-    PlanMemory mem = plan_memory_per_rank(s, tp, dp, c->zero, c->micro_batch, model_recompute_parse(c->recompute),
-                                          optim_state_bytes(c->optim_state), plan_param_bytes(c->master));
-    plan_print_state(&mem, dp, c->zero);
+    PlanMemory mem = plan_memory_per_rank(s, tp, sp, cp, cp_mode_parse(c->cp_attention), dp, c->zero, c->micro_batch,
+                                          model_recompute_parse(c->recompute), optim_state_bytes(c->optim_state),
+                                          plan_param_bytes(c->master));
+    plan_print_state(&mem, dp * cp, c->zero);
     plan_print_activations(&mem);
     plan_print_tp(s, tp, sp, dp, c->zero, c->micro_batch, c->grad_accum / dp);
     if (c->pp > 1) { /* each stage (./train plan --show-schedule draws the schedule) */
@@ -135,19 +138,23 @@ static DataLoader *open_data(const Config *c, const CfgSources *ss, int first, i
 /* Mean loss over `batches` validation batches, always from the start of the
  * validation order so every evaluation sees the same tokens. */
 static float evaluate(Model *m, Pipe *pipe, DataLoader *val, int batches, int B, int T, int32_t *inp, int32_t *tgt,
-                      Ddp *d, int split) {
+                      Ddp *d, int dp, int split) {
     data_rewind(val);
     double sum = 0.0;
     /* split: the dp ranks share the batches (the loader slices each global
      * batch by rank), so together they see the same samples as one rank */
-    int mine = split ? batches / ddp_ranks(d) : batches;
+    int mine = split ? batches / dp : batches;
     for (int i = 0; i < mine; i++) {
         data_next_batch(val, inp, tgt);
         /* pipeline: through every stage; the last has the loss */
         sum += pipe ? pipe_forward(pipe, inp, tgt, B, T) : model_forward(m, inp, tgt, B, T, 0.0f);
     }
     if (pipe) pipe_sum(pipe, &sum, 1);
-    if (split) sum = ddp_sum(d, sum);
+    /* cp: each rank's mean is of its chunks, the same number of tokens on
+     * every cp rank; ddp sums over dp x cp */
+    int cp = ddp_ranks(d) / dp;
+    if (split) sum = ddp_sum(d, sum) / cp;
+    else if (cp > 1) sum = ddp_sum(d, sum) / (cp * dp);
     return (float)(sum / batches);
 }
 
@@ -333,8 +340,9 @@ typedef struct TrainRun {
     const TrainOptions *topt;
     ArchSpec shape;                  /* the whole model's spec */
     Mesh mesh;
-    CommGroup *dpg, *tpg, *ppg;
-    int rank, world, dp, dp_rank, tp, sp, pp;
+    CommGroup *dpg, *tpg, *ppg, *cpg;
+    CommGroup *rg;                   /* replicated parameters' gradients sum over it: dp, or dp x cp */
+    int rank, world, dp, dp_rank, tp, sp, pp, cp;
     int accum;                       /* micro-batches per rank and step */
     const Backend *be;
     const char *desc;                /* the backend's description line */
@@ -347,6 +355,7 @@ typedef struct TrainRun {
     Model model;
     Ddp ddp;
     Tp tpx;
+    Cp cpx;                          /* cp > 1: attention over the cp group */
     Pipe pipe;                       /* pp > 1: this rank's stage, schedule and channels */
     int cut[PIPE_MAX_STAGES + 1];    /* pp > 1: layers of each virtual stage */
     AdamW opt;
@@ -394,10 +403,14 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     setup_parallel(c, topt, &r->mesh, &r->accum);
     r->dpg = mesh_group(&r->mesh, MESH_GROUP_DP), r->tpg = mesh_group(&r->mesh, MESH_GROUP_TP);
     r->ppg = mesh_group(&r->mesh, MESH_GROUP_PP), r->pp = r->ppg->size;
+    r->cpg = mesh_group(&r->mesh, MESH_GROUP_CP), r->cp = r->cpg->size;
+    /* replicated parameters' gradients sum over every rank that computed
+     * other tokens: dp, and under context parallelism dp x cp */
+    r->rg = r->cp > 1 ? mesh_group(&r->mesh, MESH_GROUP_DPCP) : r->dpg;
     r->rank = r->mesh.rank, r->world = r->mesh.world, r->dp = r->dpg->size, r->dp_rank = r->dpg->rank;
     r->tp = r->tpg->size, r->sp = r->tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
-    int rank = r->rank, dp = r->dp, dp_rank = r->dp_rank, tp = r->tp;
-    CommGroup *dpg = r->dpg, *tpg = r->tpg;
+    int rank = r->rank, dp = r->dp, dp_rank = r->dp_rank, tp = r->tp, cp = r->cp;
+    CommGroup *tpg = r->tpg, *cpg = r->cpg, *rg = r->rg;
     char tp_err[512];
     if (arch_tp_check(shape, tp, tp_err, sizeof tp_err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", tp_err);
 
@@ -432,7 +445,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     Model *model = &r->model;
     /* precision.master bf16: no fp32 arena (exit 2 unless act is bf16) */
     ModelOptions mo = {.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16"), .tp = tp,
-                       .tp_rank = tpg->rank, .sequence_parallel = r->sp};
+                       .tp_rank = tpg->rank, .sequence_parallel = r->sp, .cp = cp, .cp_rank = cpg->rank};
     PipeKind pk = (PipeKind)pipe_kind_parse(c->pp_schedule);
     pipe_check_precision(c, shape, r->pp);
     if (r->pp > 1) {
@@ -448,13 +461,13 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
      * per-message latency is small, small enough to overlap with backward.
      * Before the weights: ZeRO-2/3 lay the arena out by layer. */
-    if (dp > 1 && be->stream) {
+    if (rg->size > 1 && be->stream) {
         /* device memory: the dp group's float collectives run through NCCL on
          * the backend's stream (comm.h, "NCCL"); doubles and bytes stay on MPI */
-        comm_nccl_init(dpg, c->run_dir);
-        comm_nccl_device_mode(dpg, be->stream());
+        comm_nccl_init(rg, c->run_dir);
+        comm_nccl_device_mode(rg, be->stream());
     }
-    ddp_init(&r->ddp, model, dpg, c->zero, (size_t)25 << 20);
+    ddp_init(&r->ddp, model, rg, c->zero, (size_t)25 << 20);
     /* tensor parallelism: the layers' collectives over the tp group (tp.c);
      * the gradient norm sums over it too */
     if (tp > 1 && be->stream) {
@@ -478,6 +491,17 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
                   model_recompute_parse(c->recompute), c->run_dir);
     else
         model_plan_activations(model, B, T, model_recompute_parse(c->recompute));
+    /* context parallelism: attention over the cp group (cp.c), K/V buffers
+     * for this rank's B x T / cp rows and heads */
+    if (cp > 1) {
+        if (be->stream) {
+            comm_nccl_init(cpg, c->run_dir);
+            comm_nccl_device_mode(cpg, be->stream());
+        }
+        AttnShape cap = {B, T / cp, model->shape.n_head, model->shape.n_kv_head, model->shape.head_dim};
+        cp_init(&r->cpx, be, cpg, cp_mode_parse(c->cp_attention), &cap);
+        cp_attach(&r->cpx, model);
+    }
 
     size_t opt_lo, opt_hi;
     ddp_optim_range(&r->ddp, &opt_lo, &opt_hi);
@@ -507,7 +531,8 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     }
     /* checkpoints: collect the state table, resume, plan the writer (state.c) */
     r->param_shard = ddp_param_shard(&r->ddp, &r->shard_n); /* ZeRO-2/3: what checkpoints and hashes read */
-    StateMesh smesh = {rank,      r->world, dp, c->zero, dp_rank, tp, tpg->rank, comm_world(),
+    /* checkpoints: the ranks of ddp's group (dp x cp under cp) share the writes */
+    StateMesh smesh = {rank,      r->world, rg->size, c->zero, rg->rank, tp, tpg->rank, comm_world(),
                        r->param_shard ? &r->ddp : NULL, .pp = r->pp, .pp_rank = r->ppg->rank};
     r->start_step = state_open(&r->rs, c, &smesh, topt->resume, topt->force, topt->commit, model, &r->opt, r->train);
     model_params_changed(model); /* a resume loaded them: the compute copy follows */
@@ -534,7 +559,8 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     r->skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0;
     /* ZeRO-3: every rank samples (each forward gathers layers collectively);
      * ZeRO-2's forward only waits for refreshes every rank has posted */
-    r->sample_all = !ddp_whole_params(&r->ddp) || tp > 1 || r->pp > 1; /* tp, pp: every rank computes its part */
+    /* tp, cp, pp: every rank computes its part */
+    r->sample_all = !ddp_whole_params(&r->ddp) || tp > 1 || cp > 1 || r->pp > 1;
     r->devnull = r->sample_all && rank > 0 ? fopen("/dev/null", "w") : NULL;
     if (r->sample_all && rank > 0 && !r->devnull)
         kiln_fail(KILN_EXIT_RUNTIME, "/dev/null: cannot open (samples of rank %d)", rank);
@@ -574,6 +600,12 @@ static void train_describe(TrainRun *r) {
                       model->shape.n_head, shape->n_head, model->shape.n_kv_head, shape->n_kv_head,
                       shape->mlp == MLP_MOE ? shape->ffn_hidden : model->shape.ffn_hidden, shape->ffn_hidden,
                       model->shape.padded_vocab, r->sp ? "on" : "off");
+    if (r->cp > 1)
+        metrics_print(mx, "context parallel: %d ranks, %s attention; each sequence of %d tokens is %d chunks of %d, "
+                      "this rank holds chunks %d and %d (%d rows of every micro-batch); gradients sum over dp x cp = %d",
+                      r->cp, cp_mode_name(r->cpx.mode), r->T, 2 * r->cp, r->T / (2 * r->cp),
+                      model_cp_chunk(r->cp, r->cpg->rank, 0), model_cp_chunk(r->cp, r->cpg->rank, 1),
+                      r->B * r->T / r->cp, r->rg->size);
     if (r->pp > 1) {
         const Pipe *p = &r->pipe;
         char here[256];
@@ -628,6 +660,7 @@ static double train_micro_batches(TrainRun *r, int step) {
         /* on the last micro-batch: post gradient buckets as layers finish */
         ddp_micro_begin(&r->ddp, micro == 0, micro == r->accum - 1);
         tp_micro_begin(&r->tpx, micro == 0, micro == r->accum - 1);
+        cp_micro_begin(&r->cpx, micro == 0);
         loss_sum += model_forward(model, r->inp, r->tgt, r->B, r->T, r->dloss);
         metrics_phase(r->mx, PHASE_BACKWARD, step + 1);
         model_backward(model, micro > 0);
@@ -668,11 +701,8 @@ static TrainStep train_step(TrainRun *r, int step) {
     double loss_sum = r->pp > 1 ? train_pipeline(r, step) : train_micro_batches(r, step);
     tp_drain(&r->tpx); /* the backward's last tp collectives, with the deadline */
     if (r->inject_nan_step > 0 &&
-        (step + 1 == r->inject_nan_step || (r->inject_nan_after && step + 1 > r->inject_nan_step))) {
-        float poison = NAN;
-        /* ZeRO-2/3: the gradient shard (there is no whole arena) */
-        be->to_device(ddp_optim_grads(&r->ddp), &poison, sizeof poison);
-    }
+        (step + 1 == r->inject_nan_step || (r->inject_nan_after && step + 1 > r->inject_nan_step)))
+        ddp_test_poison(&r->ddp); /* every rank: ZeRO 0/1 ranks each take the norm of their own copy */
     metrics_phase(mx, PHASE_SYNC, step + 1);
     if (r->pp > 1) { /* the tie holds: both copies of the embedding get the sum of their gradients */
         ddp_wait_grads(&r->ddp);
@@ -680,7 +710,9 @@ static TrainStep train_step(TrainRun *r, int step) {
     }
     double grad_norm = ddp_reduce_grads(&r->ddp);
     if (r->tp_grads_file && step == r->start_step) dump_replicated_grads(model, r->tp_grads_file, r->rank);
-    out.loss = (float)(ddp_sum(&r->ddp, loss_sum) / (r->accum * r->dp));
+    /* the mean over every rank's micro-batches; under cp each rank's loss
+     * is the mean of its chunks (the same token count on every cp rank) */
+    out.loss = (float)(ddp_sum(&r->ddp, loss_sum) / (r->accum * ddp_ranks(&r->ddp)));
     metrics_phase(mx, PHASE_OPTIMIZER, step + 1);
     /* a non-finite loss skips the update even if its gradients look finite */
     out.info = (OptimStepInfo){grad_norm, 1.0f, 1};
@@ -706,8 +738,8 @@ static int train_loop(TrainRun *r) {
     const Backend *be = r->be;
     Model *model = &r->model;
     Metrics *mx = r->mx;
-    int rank = r->rank, tp = r->tp, dp = r->dp;
-    double step_time_sum = 0.0, blocked_sum = 0.0, tp_blocked_sum = 0.0, pp_idle_sum = 0.0;
+    int rank = r->rank, tp = r->tp, cp = r->cp;
+    double step_time_sum = 0.0, blocked_sum = 0.0, tp_blocked_sum = 0.0, pp_idle_sum = 0.0, cp_blocked_sum = 0.0;
     double t_start = kiln_now();
     float val_loss = NAN, last_loss = NAN;
     int skips_in_a_row = 0;
@@ -721,7 +753,7 @@ static int train_loop(TrainRun *r) {
         int bad = !isfinite(loss) || info.nonfinite;
         double dt = st.dt;
         step_time_sum += dt, blocked_sum += ddp_step_blocked_s(&r->ddp), tp_blocked_sum += tp_step_blocked_s(&r->tpx);
-        pp_idle_sum += st.idle;
+        pp_idle_sum += st.idle, cp_blocked_sum += cp_step_blocked_s(&r->cpx);
         if (!bad) last_loss = loss;
         int last = step == c->steps - 1;
         for (int i = 0; i < data_num_sources(r->train); i++) r->src_tokens[i] = data_source_tokens(r->train, i);
@@ -731,13 +763,12 @@ static int train_loop(TrainRun *r) {
                           .val_losses = r->val_losses};
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
                           info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0,
-                          moe_ms.load ? &moe_ms : NULL, .comm_group = {"dp", tp > 1 ? "tp" : NULL},
+                          moe_ms.load ? &moe_ms : NULL, .comm_group = {cp > 1 ? "dpcp" : "dp", tp > 1 ? "tp" : NULL},
                           .comm_s = {ddp_step_blocked_s(&r->ddp), tp_step_blocked_s(&r->tpx)}, .data = &md,
                           .pp_bubble = st.bubble, .pp_bubble_theory = r->pp > 1 ? r->pipe.theory : NAN};
-        if (r->pp > 1) { /* the pp group's blocked time: waiting for the neighbours */
-            int g = tp > 1 ? 2 : 1;
-            ms.comm_group[g] = "pp", ms.comm_s[g] = st.idle;
-        }
+        int g = tp > 1 ? 2 : 1; /* the next groups after dp's and tp's */
+        if (cp > 1) ms.comm_group[g] = "cp", ms.comm_s[g++] = cp_step_blocked_s(&r->cpx);
+        if (r->pp > 1) ms.comm_group[g] = "pp", ms.comm_s[g] = st.idle; /* waiting for the neighbours */
         if (r->param_host) {
             /* ZeRO-2/3: this rank's fp32 shard (rank 0's is the one logged;
              * ZeRO-2's whole arena is still being refreshed) */
@@ -768,7 +799,7 @@ static int train_loop(TrainRun *r) {
             for (int i = 0; i < r->n_val; i++)
                 sum += r->val_losses[i] =
                     evaluate(model, r->pp > 1 ? &r->pipe : NULL, r->vals[i], c->eval_batches, r->B, r->T, r->inp,
-                             r->tgt, &r->ddp, r->val_split);
+                             r->tgt, &r->ddp, r->dp, r->val_split);
             ms.val_loss = val_loss = (float)(sum / r->n_val); /* each set: the same number of tokens */
         } else {
             for (int i = 0; i < r->n_val; i++) r->val_losses[i] = NAN;
@@ -806,7 +837,7 @@ static int train_loop(TrainRun *r) {
     if (metrics_skipped(mx)) snprintf(sdone, sizeof sdone, " | %d step(s) skipped", metrics_skipped(mx));
     metrics_print(mx, "done: %d steps in %.1f s | final loss %.4f%s%s", steps_done, kiln_now() - t_start, last_loss,
                   vdone, sdone);
-    if (dp > 1 && step_time_sum > 0)
+    if (r->rg->size > 1 && step_time_sum > 0)
         metrics_print(mx, "data parallel: %.1f%% of step time blocked in gradient/parameter communication "
                           "(not overlapped with compute): %.3f of %.3f s",
                       100.0 * blocked_sum / step_time_sum, blocked_sum, step_time_sum);
@@ -814,6 +845,10 @@ static int train_loop(TrainRun *r) {
         metrics_print(mx, "tensor parallel: %.1f%% of step time blocked in tp communication (activations and "
                           "partial gradients): %.3f of %.3f s", 100.0 * tp_blocked_sum / step_time_sum,
                       tp_blocked_sum, step_time_sum);
+    if (cp > 1 && step_time_sum > 0)
+        metrics_print(mx, "context parallel: %.1f%% of step time blocked waiting for K/V and dK/dV (%s; not overlapped "
+                          "with attention): %.3f of %.3f s", 100.0 * cp_blocked_sum / step_time_sum,
+                      cp_mode_name(r->cpx.mode), cp_blocked_sum, step_time_sum);
     if (r->pp > 1 && step_time_sum > 0)
         metrics_print(mx, "pipeline parallel: %.1f%% of step time idle waiting for a neighbour stage on this rank: "
                           "%.3f of %.3f s (the %s schedule's own bubble: %.1f%%)", 100.0 * pp_idle_sum / step_time_sum,
@@ -833,6 +868,7 @@ static void train_teardown(TrainRun *r) {
     if (r->pp > 1) pipe_free(&r->pipe);
     ddp_free(&r->ddp);
     tp_free(&r->tpx);
+    cp_free(&r->cpx);
     free(r->moe_buf.load);
     free(r->moe_buf.sums);
     model_free(&r->model);

@@ -205,6 +205,10 @@ static void test_cross_errors(void) {
                      "key 'parallel.pp_layers[1]'", "an integer");
     expect_yaml_fail("config_parallel_pp_schedule", "parallel:\n  pp: 2\n  pp_schedule: 2f2b\n", "bad.yaml:3:",
                      "key 'parallel.pp_schedule'", "zb_h1");
+    expect_yaml_fail("config_parallel_cp_chunks", "parallel:\n  cp: 3\n", "bad.yaml:2:", "'model.seq_len', 'parallel.cp'",
+                     "does not split into 2 x cp = 6 chunks");
+    expect_yaml_fail("config_parallel_cp_mode", "parallel:\n  cp: 2\n  cp_attention: tree\n", "bad.yaml:3:",
+                     "key 'parallel.cp_attention'", NULL);
     expect_yaml_fail("config_parallel_sp_value", "parallel:\n  tp: 2\n  sequence_parallel: sometimes\n",
                      "bad.yaml:3:", "key 'parallel.sequence_parallel'", NULL);
     expect_yaml_fail("config_parallel_tp_muon", "parallel:\n  tp: 2\noptim:\n  name: muon\n",
