@@ -691,7 +691,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
             } else {
                 TAKE(sl->stage_dout, N * C, ab);
             }
-            if (lo > 0) TAKE(sl->stage_din, N * C, ab);
+            if (lo > 0) TAKE(sl->stage_din, Nres * C, ab); /* the residual rows this rank holds */
             if (moe) TAKE(sl->aux, (size_t)B * E * s->n_layer, F);
         }
     void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
