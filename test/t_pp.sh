@@ -77,6 +77,9 @@ reference ref_gpt2 $GPT2
 reference ref_llama $LLAMA
 reference ref_gpt2_odd $GPT2 $ODD
 reference ref_moe $MOE
+# 6 layers and 3 micro-batches for pp 3 with 2 chunks each: an odd pipeline
+# whose wrap-around link (stage 2 -> 0) has a channel split of its own
+reference ref_gpt2_6 $GPT2 $ODD --set model.n_layer=6
 for sched in gpipe 1f1b zb_h1; do
     equiv gpt2_pp2_$sched ref_gpt2 2 $GPT2 --set parallel.pp=2 --set parallel.pp_schedule=$sched
     equiv llama_pp4_$sched ref_llama 4 $LLAMA --set parallel.pp=4 --set parallel.pp_schedule=$sched
@@ -86,6 +89,7 @@ equiv llama_pp2_zb_h1 ref_llama 2 $LLAMA --set parallel.pp=2 --set parallel.pp_s
 IL="--set parallel.pp_schedule=interleaved_1f1b --set parallel.pp_virtual=2"
 equiv gpt2_pp2_interleaved_v2 ref_gpt2 2 $GPT2 --set parallel.pp=2 $IL
 equiv llama_pp2_interleaved_v2 ref_llama 2 $LLAMA --set parallel.pp=2 $IL
+equiv gpt2_pp3_interleaved_v2 ref_gpt2_6 3 $GPT2 $ODD --set model.n_layer=6 --set parallel.pp=3 $IL
 equiv gpt2_pp2_odd_1f1b ref_gpt2_odd 2 $GPT2 $ODD --set parallel.pp=2
 equiv gpt2_pp4_odd_zb_h1 ref_gpt2_odd 4 $GPT2 $ODD --set parallel.pp=4 --set parallel.pp_schedule=zb_h1
 equiv gpt2_pp2_stages_by_hand ref_gpt2 2 $GPT2 --set parallel.pp=2 --set parallel.pp_layers=[3,1]
