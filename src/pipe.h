@@ -109,14 +109,15 @@ char *pipe_timeline(const PipeSchedule *s);
 #include "comm.h"
 #include "model.h"
 
-/* What the step loop does around each compute of a schedule: first, the
- * step's first compute; last_of_chunk, a backward (whole or weight part)
- * of its chunk's last micro-batch, whose grads_done hooks complete the
- * chunk's gradients; last_of_rank, the rank's last such backward. train.c
- * points ddp and tp at these (ddp_micro_begin, tp_micro_begin). */
+/* What the step loop does before each compute of a schedule: backward, a
+ * backward or a part of one (else a forward); first, the step's first
+ * compute; last_of_chunk, a backward (whole or weight part) of its chunk's
+ * last micro-batch, whose grads_done hooks complete the chunk's gradients;
+ * last_of_rank, the rank's last such backward. train.c points the
+ * heartbeat's phase, ddp and tp at these (ddp_micro_begin, tp_micro_begin). */
 typedef struct PipeHooks {
     void *ctx;
-    void (*compute_begin)(void *ctx, int first, int last_of_chunk, int last_of_rank);
+    void (*compute_begin)(void *ctx, int backward, int first, int last_of_chunk, int last_of_rank);
 } PipeHooks;
 
 /* One rank's pipeline: its schedule, model and channels. The channels are

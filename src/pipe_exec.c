@@ -185,7 +185,7 @@ double pipe_step(Pipe *p, float dloss, const PipeHooks *h) {
             if (vs > 0) idle_wait(p, posted(p, &p->act_in_req[s], p->act_in_micro, s, a, "input activation"));
             idle_wait(p, &p->act_out_req[s]); /* the slot's last output, sent from the buffer this overwrites */
             model_use_slot(m, a->chunk, a->slot);
-            if (h && h->compute_begin) h->compute_begin(h->ctx, first, 0, 0);
+            if (h && h->compute_begin) h->compute_begin(h->ctx, 0, first, 0, 0);
             loss += model_forward(m, tok, vs == V - 1 ? tgt : NULL, p->B, p->T, dloss);
             break;
         case PIPE_BWD:
@@ -195,16 +195,18 @@ double pipe_step(Pipe *p, float dloss, const PipeHooks *h) {
             idle_wait(p, &p->act_out_req[s]); /* received by now; the input part writes into its buffer */
             model_use_slot(m, a->chunk, a->slot);
             if (a->op == PIPE_BWD) {
-                if (h && h->compute_begin) h->compute_begin(h->ctx, first, a->micro == M - 1, i == p->last_backward);
+                if (h && h->compute_begin)
+                    h->compute_begin(h->ctx, 1, first, a->micro == M - 1, i == p->last_backward);
                 model_backward(m, seen_b[a->chunk]++ > 0);
             } else {
-                if (h && h->compute_begin) h->compute_begin(h->ctx, first, 0, 0);
+                if (h && h->compute_begin) h->compute_begin(h->ctx, 1, first, 0, 0);
                 model_backward_input(m, seen_b[a->chunk]++ > 0);
             }
             break;
         case PIPE_BWD_W:
             model_use_slot(m, a->chunk, a->slot);
-            if (h && h->compute_begin) h->compute_begin(h->ctx, first, a->micro == M - 1, i == p->last_backward);
+            if (h && h->compute_begin)
+                h->compute_begin(h->ctx, 1, first, a->micro == M - 1, i == p->last_backward);
             model_backward_weight(m, seen_w[a->chunk]++ > 0);
             break;
         }

@@ -381,6 +381,7 @@ typedef struct TrainRun {
     int32_t *ctx;                    /* (2T + 2) host: the generation window */
     float dloss;                     /* the mean over the global batch: every rank's gradients are summed */
     MoeStepBuf moe_buf;              /* MoE: the step's loads, all ranks (moe_after_step) */
+    int step;                        /* the step being computed (0-based) */
 } TrainRun;
 
 /* One optimizer step as train_step saw it. */
@@ -670,8 +671,9 @@ static double train_micro_batches(TrainRun *r, int step) {
 
 /* A pipeline schedule's compute points ddp and tp at where the gradients
  * stand (PipeHooks). */
-static void pipe_compute_begin(void *ctx, int first, int last_of_chunk, int last_of_rank) {
+static void pipe_compute_begin(void *ctx, int backward, int first, int last_of_chunk, int last_of_rank) {
     TrainRun *r = ctx;
+    metrics_phase(r->mx, backward ? PHASE_BACKWARD : PHASE_FORWARD, r->step + 1);
     ddp_micro_begin(&r->ddp, first, last_of_rank); /* the last backward posts the buckets as layers finish */
     tp_micro_begin(&r->tpx, first, last_of_chunk);
 }
@@ -685,6 +687,7 @@ static double train_pipeline(TrainRun *r, int step) {
     for (int micro = 0; micro < r->accum; micro++)
         data_next_batch(r->train, pipe_batch_tokens(&r->pipe, micro), pipe_batch_targets(&r->pipe, micro));
     metrics_phase(r->mx, PHASE_FORWARD, step + 1);
+    r->step = step;
     return pipe_step(&r->pipe, r->dloss, &(PipeHooks){r, pipe_compute_begin});
 }
 
