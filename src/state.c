@@ -188,6 +188,18 @@ static void drop_replicated(CkptTable *w) {
     w->n = k;
 }
 
+/* Pipeline parallelism, the last stage of a tied model: its token embedding
+ * (parameters and moments) is a copy of the first stage's, which writes it. */
+static void drop_tensor(CkptTable *w, const char *name) {
+    int k = 0;
+    for (int i = 0; i < w->n; i++) {
+        const char *n = w->e[i].name, *slash = strrchr(n, '/');
+        int match = w->e[i].kind == CKPT_TENSOR && !strcmp(slash ? slash + 1 : n, name);
+        if (!match) w->e[k++] = w->e[i];
+    }
+    w->n = k;
+}
+
 /* The loader's position: "data.train.state" (written since mixtures), or the
  * one glob's "data.train.pos" of an older checkpoint. Not in the loaded table:
  * its size follows the checkpoint's sources, and older checkpoints lack it. */
@@ -289,6 +301,9 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     }
     ckpt_add_blob(w, rng_name, CKPT_U64, 4, 0, s->rng.s);
     if (s->mesh.tp_rank > 0) drop_replicated(w);
+    int wte = model_tensor_index(m, -1, ROLE_TOK_EMB, -1);
+    if (s->mesh.pp > 1 && s->mesh.pp_rank == s->mesh.pp - 1 && m->shape.tie_embeddings && wte >= 0)
+        drop_tensor(w, m->params[wte].name);
 
     CkptOptions *op = &s->opts;
     memset(op, 0, sizeof *op);
@@ -342,13 +357,14 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
                           "this run passes their steps (--resume auto and keep_last follow 'latest' and ignore them)",
                           op->root, (long long)steps[0]);
             if (rank == 0) ckpt_list_free(paths, steps, n);
-            char mesh_note[160] = "";
-            int saved_tp = info.mesh.tp > 0 ? info.mesh.tp : 1;
-            if (info.mesh.world > 0 &&
-                (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp || saved_tp != s->mesh.tp))
-                snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (dp %d x tp %d) to %d (dp %d x "
-                         "tp %d, ZeRO %d)", info.mesh.world, info.mesh.dp, saved_tp, s->mesh.world, s->mesh.dp,
-                         s->mesh.tp, s->mesh.zero);
+            char mesh_note[200] = "";
+            int saved_tp = info.mesh.tp > 0 ? info.mesh.tp : 1, saved_pp = info.mesh.pp > 0 ? info.mesh.pp : 1;
+            int pp = s->mesh.pp > 0 ? s->mesh.pp : 1;
+            if (info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp ||
+                                        saved_tp != s->mesh.tp || saved_pp != pp))
+                snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (pp %d x dp %d x tp %d) to %d (pp "
+                         "%d x dp %d x tp %d, ZeRO %d)", info.mesh.world, saved_pp, info.mesh.dp, saved_tp,
+                         s->mesh.world, pp, s->mesh.dp, s->mesh.tp, s->mesh.zero);
             snprintf(s->resumed_msg, sizeof s->resumed_msg,
                      "resumed from %s at step %lld (%lld tokens, %.1f s of training before)%s", path,
                      (long long)s->step, (long long)s->tokens, s->elapsed_s, mesh_note);
@@ -382,7 +398,7 @@ static void state_save(RunState *s) {
     s->elapsed_s = s->elapsed_base + (kiln_now() - s->t_start);
     CkptMeta meta = {s->step, s->c->hash, KILN_VERSION, s->commit,
                      {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1,
-                      s->mesh.tp > 0 ? s->mesh.tp : 1, 1, 1, 1}};
+                      s->mesh.tp > 0 ? s->mesh.tp : 1, s->mesh.pp > 0 ? s->mesh.pp : 1, 1, 1}};
     double t0 = kiln_now();
     if (ckpt_save(s->writer, &meta) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
