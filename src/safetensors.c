@@ -306,6 +306,7 @@ int st_parse(const unsigned char *buf, size_t len, StFile *f, char *err, size_t 
     f->data_len = len - 8 - hl;
     if (jheader(&j, f) || st_check(f, err, cap)) {
         st_free(f);
+        kiln_one_line(err); /* names and characters quoted from the header */
         return -1;
     }
     return 0;

@@ -23,6 +23,9 @@ void kiln_fail(int code, const char *fmt, ...) __attribute__((noreturn, format(p
 void kiln_set_fail_hook(void (*hook)(int code, const char *message));
 /* kiln_fail, with a "kiln: hint: <hint>" line after the error (hint may be NULL). */
 void kiln_fail_hint(int code, const char *hint, const char *fmt, ...) __attribute__((noreturn, format(printf, 3, 4)));
+/* Replace every control byte of s (a newline, a terminal escape) with '?':
+ * an error line that quotes a file stays one line. kiln_fail does it. */
+void kiln_one_line(char *s);
 /* Print "kiln: warning: <message>" on stderr. */
 void kiln_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Print "kiln: hint: <message>" on stderr (what the user should do next). */
