@@ -285,7 +285,20 @@ fuzz: deps fuzz-build
 fuzz-seeds: $(BUILD)/test/fuzz/seeds
 	$(BUILD)/test/fuzz/seeds test/fuzz/corpus
 
+# ---- make valgrind: memcheck over a tiny training run and its resume ----------------
+# Its own build (build-vg/): AVX2 rather than this CPU (valgrind 3.19 decodes no
+# AVX-512), -O1 -g for exact lines, CUDA=0 and no MPI (a one-rank run; Open
+# MPI's singleton start-up would be most of the noise; -Wno-format-truncation as in
+# SAN_FLAGS). test/valgrind.sh.
+VG_DIR := build-vg
+.PHONY: valgrind
+valgrind: deps
+	@$(MAKE) --no-print-directory CUDA=0 KILN_NO_MPI=1 BUILD=$(VG_DIR) ARCH=-march=x86-64-v3 \
+	    OPT="-O1 -g -Wno-format-truncation" \
+	    TRAIN=$(VG_DIR)/train $(VG_DIR)/train
+	@bash test/valgrind.sh
+
 clean:
-	rm -rf $(BUILD) $(SAN_DIR) $(FUZZ_DIR) train
+	rm -rf $(BUILD) $(SAN_DIR) $(FUZZ_DIR) $(VG_DIR) train
 
 -include $(OBJ:.o=.d) $(BUILD)/main.d
