@@ -1416,7 +1416,7 @@ static void nccl_id_by_file(CommGroup *g, const char *run_dir, ncclUniqueId *id)
     double t0 = kiln_now();
     for (;;) {
         size_t len = 0;
-        char *buf = kiln_read_file(path, &len);
+        char *buf = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
         if (buf && len == sizeof *id) {
             memcpy(id, buf, sizeof *id);
             free(buf);

@@ -740,9 +740,40 @@ static void cfg_apply(Config *c, const CfgKey *k, const char *file, const char *
 
 /* ---------- YAML documents ---------- */
 
+/* Exit 2 if text nests deeper than CFG_MAX_DEPTH (see config.h), before the
+ * loader spends quadratic time on it. */
+static void cfg_check_depth(const char *text, size_t len, const char *where, int add_line) {
+    yaml_parser_t p;
+    if (!yaml_parser_initialize(&p)) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot initialize libyaml", where);
+    yaml_parser_set_input_string(&p, (const unsigned char *)text, len);
+    /* the events, nothing built: a syntax error ends the walk and is the
+     * loader's to report */
+    int depth = 0;
+    yaml_event_t ev;
+    while (yaml_parser_parse(&p, &ev)) {
+        yaml_event_type_t t = ev.type;
+        size_t line = ev.start_mark.line + 1;
+        yaml_event_delete(&ev);
+        if (t == YAML_STREAM_END_EVENT) break;
+        if (t == YAML_SEQUENCE_END_EVENT || t == YAML_MAPPING_END_EVENT) depth--;
+        if ((t == YAML_SEQUENCE_START_EVENT || t == YAML_MAPPING_START_EVENT) && ++depth > CFG_MAX_DEPTH) {
+            yaml_parser_delete(&p);
+            char loc[CFG_STR + 32];
+            if (add_line) snprintf(loc, sizeof loc, "%s:%zu", where, line);
+            else snprintf(loc, sizeof loc, "%s", where);
+            kiln_fail(KILN_EXIT_USAGE, "%s: YAML nested deeper than %d levels; no key of a kiln config nests "
+                      "more than a few", loc, CFG_MAX_DEPTH);
+        }
+    }
+    yaml_parser_delete(&p);
+}
+
 /* Parse `text` into `doc`. On a syntax error exits 2 with libyaml's problem and
  * the line; `where` is the file name (lines are appended) or "--set ...". */
 static void cfg_parse_text(const char *text, size_t len, const char *where, int add_line, yaml_document_t *doc) {
+    if (len > CFG_MAX_BYTES)
+        kiln_fail(KILN_EXIT_USAGE, "%s: %zu bytes of YAML; a config holds at most %zu", where, len, CFG_MAX_BYTES);
+    cfg_check_depth(text, len, where, add_line);
     yaml_parser_t p;
     if (!yaml_parser_initialize(&p)) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot initialize libyaml", where);
     yaml_parser_set_input_string(&p, (const unsigned char *)text, len);
@@ -812,11 +843,11 @@ static void cfg_walk(Config *c, CfgLoad *L, yaml_document_t *doc, yaml_node_t *m
 
 static void cfg_load_file(Config *c, CfgLoad *L, const char *path) {
     size_t len;
-    char *text = kiln_read_file(path, &len);
+    char *text = kiln_read_file_max(path, CFG_MAX_BYTES, &len);
     if (!text) {
         int e = errno;
         kiln_fail_hint(KILN_EXIT_USAGE, "pass a YAML config, e.g. ./train configs/tiny.yaml (docs/config.md lists every key)",
-                       "%s: cannot read config: %s", path, strerror(e));
+                       "%s: cannot read config: %s", path, kiln_strerror(e));
     }
     yaml_document_t doc;
     cfg_parse_text(text, len, path, 1, &doc);

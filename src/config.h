@@ -12,6 +12,11 @@
 #define CFG_NAME 64
 #define CFG_MAX_SOURCES 16
 #define CFG_MAX_INTS 256 /* entries of an int list (parallel.pp_layers: one per virtual stage) */
+/* Bounds checked before libyaml sees a config (a file, or one --set value):
+ * its scanner is quadratic in nesting (200,000 '[' took a minute), and no key
+ * of kiln's nests more than a few levels. */
+#define CFG_MAX_BYTES ((size_t)1 << 20)
+#define CFG_MAX_DEPTH 32
 
 /* One entry of data.train (a mixture source) or data.val (a named set). */
 typedef struct CfgSource {

@@ -299,7 +299,7 @@ struct Metrics {
 };
 
 static void fmt_duration(double s, char *buf, size_t cap) {
-    if (!isfinite(s) || s < 0) {
+    if (!isfinite(s) || s < 0 || s > 1e15) { /* past 30 million years: (long) would overflow not far above */
         snprintf(buf, cap, "?");
         return;
     }
@@ -548,7 +548,7 @@ static int latest_checkpoint(const Metrics *m, char *name, size_t cap, double *w
     char path[CFG_STR + 64];
     snprintf(path, sizeof path, "%s/latest", m->ckpt_dir);
     size_t len;
-    char *t = kiln_read_file(path, &len);
+    char *t = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
     if (!t) return -1;
     t[strcspn(t, "\r\n")] = 0;
     kiln_strlcpy(name, t, cap);
@@ -707,7 +707,7 @@ static void outlets_init(Metrics *m, const Config *c) {
     m->final_loss = m->best_loss = m->best_val = NAN;
     m->last_loss = m->last_tok_s = m->last_mfu = m->last_step_s = m->slowest_factor = NAN;
     m->slowest_rank = -1;
-    m->tokens = m->tokens_per_step * m->start_step;
+    if (__builtin_mul_overflow(m->tokens_per_step, (int64_t)m->start_step, &m->tokens)) m->tokens = INT64_MAX;
     kiln_strlcpy(m->exit_reason, "completed", sizeof m->exit_reason);
     const char *r = getenv("KILN_TEST_SLOW_RANK"), *ms = getenv("KILN_TEST_SLOW_MS");
     m->slow_rank = r ? atoi(r) : -1, m->slow_ms = r && ms ? atoi(ms) : 0, m->slow_step = -1;
@@ -1175,8 +1175,8 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
     /* tok_s is all ranks' throughput, so the peak is all ranks' devices
      * (one a rank): each rank's share against one device's peak */
     double mfu = m->peak > 0 ? m->fpt * tok_s / (m->peak * m->world) : NAN;
-    int done_here = s->step - m->start_step;
-    double eta = done_here > 0 ? (now - m->t_open) / done_here * (m->steps - s->step) : NAN;
+    double done_here = (double)s->step - m->start_step; /* in double: a step near INT_MAX less a start */
+    double eta = done_here > 0 ? (now - m->t_open) / done_here * ((double)m->steps - s->step) : NAN;
     double rss = metrics_peak_rss_mib();
     if (s->skipped) m->skipped++;
     if (!isnan(s->val_loss)) {

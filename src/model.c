@@ -6,6 +6,7 @@
  * (parallel code runs through ModelHooks). */
 #include "model.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1684,10 +1685,12 @@ void model_load_llmc(Model *m, const char *path) {
         s->head_dim * s->n_head != s->n_embd)
         kiln_fail(KILN_EXIT_USAGE, "%s: an llm.c checkpoint is a GPT-2 (model.arch: gpt2 with its defaults); the "
                   "config's model differs (key 'init.from')", path);
-    FILE *f = fopen(path, "rb");
+    uint64_t fsize;
+    int fd = kiln_open_read(path, 0, &fsize);
+    FILE *f = fd >= 0 ? fdopen(fd, "rb") : NULL;
     if (!f) {
         kiln_fail_hint(KILN_EXIT_USAGE, "init.from names an llm.c GPT-2 checkpoint such as gpt2_124M.bin",
-                       "%s: cannot open llm.c checkpoint (key 'init.from')", path);
+                       "%s: cannot open llm.c checkpoint (key 'init.from'): %s", path, kiln_strerror(errno));
     }
     int32_t h[256];
     if (fread(h, sizeof(int32_t), 256, f) != 256) {
@@ -1721,12 +1724,10 @@ void model_load_llmc(Model *m, const char *path) {
     size_t per_layer_sizes[12] = {Cz, Cz, 3 * Cz * Cz, 3 * Cz, Cz * Cz, Cz, Cz, Cz, 4 * Cz * Cz, 4 * Cz, 4 * Cz * Cz, Cz};
     size_t total = (size_t)Vp * Cz + (size_t)maxT * Cz + 2 * Cz;
     for (int k = 0; k < 12; k++) total += Lz * per_layer_sizes[k];
-    fseek(f, 0, SEEK_END);
-    long fsize = ftell(f);
-    if (fsize < 0 || (size_t)fsize != 1024 + total * sizeof(float)) {
+    if (fsize != 1024 + total * sizeof(float)) {
         fclose(f);
-        kiln_fail(KILN_EXIT_USAGE, "%s: file holds %ld bytes but its header implies %zu (truncated or not fp32)", path,
-                  fsize, 1024 + total * sizeof(float));
+        kiln_fail(KILN_EXIT_USAGE, "%s: file holds %llu bytes but its header implies %zu (truncated or not fp32)", path,
+                  (unsigned long long)fsize, 1024 + total * sizeof(float));
     }
     fseek(f, 1024, SEEK_SET);
     float *src = xmalloc(total * sizeof(float));

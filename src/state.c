@@ -16,6 +16,7 @@
 #endif
 #include "state.h"
 
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -232,6 +233,32 @@ static void state_restore_data(RunState *s, const char *path, int flags, int for
     }
 }
 
+/* The loaded numbers (a ResumeCheck): a checksum proves them the ones written,
+ * not that they are a state; a checkpoint whose step does not fit the loop's
+ * int, or whose counts no run reaches, is refused like damage. */
+static int state_check_loaded(void *ctx, const char *dir, const uint64_t *data_state, size_t words, char *err,
+                              size_t cap) {
+    const RunState *s = ctx;
+    char why[512] = "";
+    const char *entry = NULL;
+    if (s->step < 0 || s->step > INT_MAX)
+        entry = "train.step", snprintf(why, sizeof why, "holds %lld; a step is 0 to 2^31 - 1", (long long)s->step);
+    else if (s->optim_t < 0 || s->optim_t > s->step)
+        entry = "optim.step", snprintf(why, sizeof why, "holds %lld, but the optimizer steps at most once a step (%lld)",
+                                       (long long)s->optim_t, (long long)s->step);
+    else if (s->tokens < 0 || s->tokens > (int64_t)1 << 62)
+        entry = "train.tokens", snprintf(why, sizeof why, "holds %lld; a token count is 0 to 2^62", (long long)s->tokens);
+    else if (!(s->elapsed_s >= 0 && s->elapsed_s < 1e12))
+        entry = "train.elapsed_s", snprintf(why, sizeof why, "holds %g; seconds of training are 0 or more", s->elapsed_s);
+    else if (data_pos_check((DataPos){s->data_pos[0], s->data_pos[1]}, why, sizeof why) != 0)
+        entry = "data.train.pos";
+    else if (data_state && data_state_check(data_state, words, why, sizeof why) != 0)
+        entry = "data.train.state";
+    if (!entry) return 0;
+    snprintf(err, cap, "%s: entry '%s' %s", dir, entry, why);
+    return -1;
+}
+
 /* Collectives for ckpt and resume (ctx = the world group). */
 static int state_agree(void *ctx, int failed) {
     double f = failed ? 1 : 0;
@@ -332,9 +359,10 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         char path[1200];
         int flags = 0;
         ResumeSync sync = {rank, state_agree, state_bcast, s->mesh.g};
+        ResumeCheck check = {state_check_loaded, s};
         /* the saved config is not part of the loaded table: it is compared, never restored */
         if (resume_load(resume, op->root, t, s->config_text, force, &info, path, sizeof path, &flags,
-                        multi ? &sync : NULL)) {
+                        multi ? &sync : NULL, &check)) {
             o->t = (int)s->optim_t;
             if (s->mesh.units) ddp_params_loaded(s->mesh.units);
             state_restore_data(s, path, flags, force);
@@ -411,7 +439,7 @@ static void state_save(RunState *s) {
 
 int state_after_step(RunState *s, int done, int last) {
     s->step = done;
-    s->tokens += s->c->total_tokens;
+    if (__builtin_add_overflow(s->tokens, s->c->total_tokens, &s->tokens)) s->tokens = INT64_MAX; /* 2^62 a step */
     int sig = stop_signal(), deadline = stop_deadline_reached();
     if (s->mesh.g) {
         /* every rank stops at the same step: the first signal or deadline

@@ -117,8 +117,10 @@ static void print_plan(const Config *c, const ArchSpec *s) {
            (long long)tokens_per_step, c->micro_batch, c->seq_len, c->grad_accum / dp, dp);
     printf("  micro-batches per step %d (%d per rank)\n", c->grad_accum, c->grad_accum / dp);
     printf("  steps                  %d\n", c->steps);
-    printf("  tokens in total        %lld (%.3g)\n", (long long)tokens_per_step * c->steps,
-           (double)tokens_per_step * c->steps);
+    long long total; /* batch.total_tokens goes to 2^62: the product may not fit */
+    if (__builtin_mul_overflow((long long)tokens_per_step, (long long)c->steps, &total))
+        printf("  tokens in total        %.3g (over 2^63)\n", (double)tokens_per_step * c->steps);
+    else printf("  tokens in total        %lld (%.3g)\n", total, (double)total);
     printf("  FLOPs in total         %.4g\n", fpt * (double)tokens_per_step * c->steps);
 }
 
