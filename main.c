@@ -32,7 +32,7 @@ static const char *usage =
     "  ./train bench CONFIG.yaml [--steps N] [--set ...]\n"
     "                              time whole training steps on random tokens next to\n"
     "                              the backend's matmul rate at the model's shapes\n"
-    "  ./train plan CONFIG.yaml --gpus N [--gpu-mem GB] [--nodes K] [--set ...]\n"
+    "  ./train plan CONFIG.yaml --gpus N [--gpu-mem GB] [--nodes K] [--show-schedule] [--set ...]\n"
     "                              check the parallel layout on N GPUs (ranks and batch divide,\n"
     "                              memory per rank fits) and suggest parallel.zero and\n"
     "                              batch.micro_batch; exit 2 if it does not fit\n"

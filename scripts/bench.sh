@@ -2,8 +2,8 @@
 # make bench: the data loader at 10,000 shards, then the GPT-2 124M shape on the CPU
 # backend at context 64 and 256, a Llama and an MoE point of the same size at 256; each
 # point prints whole-step GFLOP/s next to the sgemm rate measured in the same
-# process; 2-rank data-, tensor-, context- and expert-parallel points come first (when
-# MPI is built in).
+# process; 2-rank data-, tensor-, context-parallel, pipeline and expert-parallel
+# points come first (when MPI is built in).
 # The last line is the context-64 point, the headline.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +70,26 @@ if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
     mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 ./train configs/llama-tiny-32k.yaml "${CPS[@]}" \
         --set parallel.cp=2 --set run.dir="$dir/cp2" 2>&1 | grep -E '^step|^done|context parallel: [0-9.]*%' \
         | sed 's/ | MFU[^|]*//'
+    # Pipeline parallelism: the same shape cut into 2 stages (by cost: 9
+    # layers, then 3 and the head) on 2 ranks x 1 thread, 8 micro-batches of
+    # 1 x 64 a step, 1f1b and zb_h1, next to one rank with one thread running
+    # the same 8 micro-batches. Reported: step times, the measured bubble
+    # (time a stage waits for its neighbour over the step, mean of the
+    # stages) beside the schedule's (unit costs: (p-1)/(m+p-1) of the step for
+    # 1F1B, a third of its idle time for zb_h1).
+    PPS=(--set data.tokenizer=byte --set "data.train=$dir/data/train_*.bin" --set 'data.val=""' --set run.threads=1
+         --set batch.micro_batch=1 --set batch.total_tokens=512 --set train.steps="$steps" --set train.sample_every=0
+         --set train.eval_every=0 --set checkpoint.every=0 --set checkpoint.final=false --set metrics.peak_gflops=1
+         --set metrics.log_every=1)
+    echo "== GPT-2 124M shape, 1 rank x 1 thread, 8 micro-batches of 1 x 64 (the pp point's reference) =="
+    ./train configs/bench-cpu.yaml "${PPS[@]}" --set run.dir="$dir/pp1" 2>&1 | grep -E '^step|^done' \
+        | sed 's/ | MFU[^|]*//'
+    for sched in 1f1b zb_h1; do
+        echo "== GPT-2 124M shape, 2 ranks x 1 thread, pipeline pp 2, $sched, 8 micro-batches of 1 x 64 =="
+        mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 ./train configs/bench-cpu.yaml "${PPS[@]}" \
+            --set parallel.pp=2 --set parallel.pp_schedule=$sched --set run.dir="$dir/pp2$sched" 2>&1 \
+            | grep -E '^step|^done|^pipeline parallel' | sed 's/ | MFU[^|]*//'
+    done
     # Expert parallelism: configs/moe-tiny.yaml's shape made wider (256
     # channels, 8 experts of width 512, top 2, one shared expert), a global
     # batch of 2 micro-batches of 8 x 128: one rank with one thread runs both;
@@ -92,7 +112,7 @@ if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
     # what the flight recorder and monitor.check_collectives cost per step (docs/parallel.md)
     bash scripts/bench_flight.sh 2 1000 5
 else
-    echo "== data-, tensor-, context- and expert-parallel points skipped: mpirun or an MPI build of ./train not found =="
+    echo "== data-, tensor-, context-parallel, pipeline and expert-parallel points skipped: mpirun or an MPI build of ./train not found =="
 fi
 # Llama at about GPT-2 124M's size (12 x 768, GQA 12 heads / 4 kv heads,
 # SwiGLU 2048, RoPE, untied head) and an MoE of the same trunk (8 experts of

@@ -127,8 +127,10 @@ typedef struct Backend {
     /* out(N,OC) act = inp(N,C) @ w(OC,C)^T + bias(OC), all act; bias may be NULL. */
     void (*matmul_forward)(void *out, const void *inp, const void *w, const void *bias,
                            int N, int C, int OC);
-    /* dinp(N,C) act = dout @ w (skipped if NULL); dw(OC,C), dbias(OC) fp32 per
-     * `accumulate` (dbias may be NULL); dout (N,OC), inp (N,C), w (OC,C) act. */
+    /* dinp(N,C) act = dout @ w; dw(OC,C), dbias(OC) fp32 per `accumulate`;
+     * each of the three skipped if NULL (a pipeline's split backward computes
+     * dinp in one call and dw, dbias in a later one); dout (N,OC), inp (N,C),
+     * w (OC,C) act. */
     void (*matmul_backward)(void *dinp, float *dw, float *dbias, const void *dout,
                             const void *inp, const void *w, int N, int C, int OC,
                             int accumulate);
@@ -274,7 +276,7 @@ typedef struct Backend {
                                 int N, int C, int OC);
     /* The backward of a product whose input was gelu(pre): as matmul_backward
      * (inp(N,C) = gelu(pre) act, the forward's input; dw(OC,C), dbias(OC)
-     * fp32 per `accumulate`, dbias may be NULL; dout(N,OC), w(OC,C) act), but
+     * fp32 per `accumulate`, either may be NULL; dout(N,OC), w(OC,C) act), but
      * dinp(N,C) act = (dout @ w) * gelu'(pre(N,C) act), the gradient of pre,
      * not of gelu(pre). Composition: matmul_backward(tmp, dw, dbias, dout,
      * inp, w, ...) then gelu_backward(dinp, pre, tmp, N*C). */

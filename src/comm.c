@@ -1159,6 +1159,30 @@ void comm_iall_gather(CommGroup *g, const float *send, float *recv, size_t block
 #endif
 }
 
+/* A point-to-point post; MPI for host buffers, NCCL in device mode. */
+static void p2p_post(CommGroup *g, int send, const float *sbuf, float *rbuf, size_t n, int peer, int tag,
+                     CommRequest *req) {
+    const char *op = send ? "send" : "recv";
+    req_start(req, g, op);
+    req->p2p = 1;
+    check_peer(g, peer, op);
+    if (tag < 0)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s': tag %d is negative", C.info.rank, op, g->name, tag);
+    if (g->dev) {
+        nccl_post(req, send ? NCCL_OP_SEND : NCCL_OP_RECV, sbuf, rbuf, n, peer);
+        return;
+    }
+    if (n == 0) return;
+    need_mpi(g, op);
+    check_int_count(g, n, op);
+#ifdef KILN_MPI
+    req->flight = op_begin(g, op, FLIGHT_F32, n, peer, 1, 0);
+    if (send) MPI_CHECK(g, MPI_Isend(sbuf, (int)n, MPI_FLOAT, peer, tag, mcomm(g), mreq(req)));
+    else MPI_CHECK(g, MPI_Irecv(rbuf, (int)n, MPI_FLOAT, peer, tag, mcomm(g), mreq(req)));
+    req->active = 1;
+#endif
+}
+
 void comm_isendrecv(CommGroup *g, const float *send, float *recv, size_t n, int to, int from, int tag,
                     CommRequest *req) {
     req_start(req, g, "sendrecv");
@@ -1180,6 +1204,14 @@ void comm_isendrecv(CommGroup *g, const float *send, float *recv, size_t n, int 
 #endif
 }
 
+void comm_isend(CommGroup *g, const float *buf, size_t n, int peer, int tag, CommRequest *req) {
+    p2p_post(g, 1, buf, NULL, n, peer, tag, req);
+}
+
+void comm_irecv(CommGroup *g, float *buf, size_t n, int peer, int tag, CommRequest *req) {
+    p2p_post(g, 0, NULL, buf, n, peer, tag, req);
+}
+
 int comm_test(CommRequest *req) {
     if (!req->active) return 1;
     if (req->device) return nccl_test(req);
@@ -1190,7 +1222,7 @@ int comm_test(CommRequest *req) {
     MPI_CHECK(req->g, MPI_Test(mreq(req), &done, MPI_STATUS_IGNORE));
     done = done && got;
     if (done) req->active = 0, flight_done(req->flight);
-    else if (kiln_now() - req->t_start > C.info.timeout_s)
+    else if (!req->p2p && kiln_now() - req->t_start > C.info.timeout_s)
         comm_timeout(req->g, req->op, req->seq, kiln_now() - req->t_start);
     return done;
 #else
@@ -1200,6 +1232,7 @@ int comm_test(CommRequest *req) {
 
 void comm_wait(CommRequest *req) {
     if (!req->active) return;
+    if (req->p2p && !req->waiting) req->waiting = 1, req->t_start = kiln_now(); /* the deadline starts now */
     if (req->device) {
         nccl_wait(req);
         return;
@@ -1438,7 +1471,7 @@ static void nccl_id_by_file(CommGroup *g, const char *run_dir, ncclUniqueId *id)
     double t0 = kiln_now();
     for (;;) {
         size_t len = 0;
-        char *buf = kiln_read_file(path, &len);
+        char *buf = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
         if (buf && len == sizeof *id) {
             memcpy(id, buf, sizeof *id);
             free(buf);
@@ -1694,7 +1727,7 @@ static int nccl_poll(CommRequest *req) {
                   (unsigned long long)req->seq, g->name, N.GetErrorString(st), nccl_detail(g), dead);
     }
     double waited = kiln_now() - req->t_start;
-    if (waited > C.info.timeout_s) {
+    if (waited > C.info.timeout_s && (!req->p2p || req->waiting)) { /* a p2p post times out only in comm_wait */
         N.CommAbort(ncomm(g)); /* the process ends next: nothing to check */
         g->nccl = NULL;
         comm_timeout(g, req->op, req->seq, waited);

@@ -54,6 +54,8 @@ typedef struct CommRequest {
     int device;        /* 1: an NCCL operation in device mode, tracked by an event */
     int event;         /* device mode: slot of its completion event in the group's pool */
     uint64_t flight;   /* its flight recorder id (flight.h); 0 = not recorded */
+    int p2p;           /* comm_isend / comm_irecv: the deadline counts from comm_wait */
+    int waiting;       /* p2p: comm_wait has begun (t_start is then when it began) */
 } CommRequest;
 
 /* Process-wide facts, valid after comm_init. */
@@ -140,6 +142,14 @@ void comm_barrier(CommGroup *g);
 void comm_iall_reduce_sum(CommGroup *g, float *buf, size_t n, CommRequest *req);
 void comm_ireduce_scatter(CommGroup *g, const float *send, float *recv, size_t block, CommRequest *req);
 void comm_iall_gather(CommGroup *g, const float *send, float *recv, size_t block, CommRequest *req);
+/* Non-blocking point to point (pipeline stages): n floats to / from group
+ * rank `peer`, tag >= 0 (MPI matches by tag; NCCL has none and matches each
+ * pair's messages in order, so both sides must post them in the same order).
+ * Device pointers in device mode. The deadline counts from comm_wait, not
+ * from the post: a receive posted early may wait as long as its schedule
+ * says; comm_test never times them out. n is at most INT_MAX on MPI. */
+void comm_isend(CommGroup *g, const float *buf, size_t n, int peer, int tag, CommRequest *req);
+void comm_irecv(CommGroup *g, float *buf, size_t n, int peer, int tag, CommRequest *req);
 /* A ring step (context parallelism): send (n) floats to group rank `to` and
  * receive (n) floats from group rank `from` into recv, both in flight under
  * one request (in device mode one NCCL group, so a ring of these cannot

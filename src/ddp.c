@@ -529,10 +529,8 @@ void ddp_arm(Ddp *d) {
     d->armed = d->overlap;
 }
 
-double ddp_reduce_grads(Ddp *d) {
-    Model *m = d->m;
-    const Backend *be = m->be;
-    if (d->units) return unit_norm(d);
+void ddp_wait_grads(Ddp *d) {
+    if (d->units) return;
     d->armed = 0;
     if (d->g) {
         double t0 = kiln_now();
@@ -541,8 +539,27 @@ double ddp_reduce_grads(Ddp *d) {
             if (d->req[i].active) comm_wait(&d->req[i]);
         blocked(d, t0);
     }
+}
+
+void ddp_set_pp(Ddp *d, CommGroup *g, int skip) {
+    if (!g || g->size <= 1) return;
+    d->pp = g;
+    if (skip >= 0) d->skip_lo = d->m->params[skip].offset, d->skip_hi = d->skip_lo + d->m->params[skip].numel;
+}
+
+double ddp_reduce_grads(Ddp *d) {
+    Model *m = d->m;
+    if (d->units) return unit_norm(d);
+    ddp_wait_grads(d);
     poison_if_asked(d, m->grad_mem);
-    double sq = grad_sumsq(d, m->grad_mem + d->dense0, d->dense0, m->num_params);
+    /* pipeline: all but the skipped range, in the two runs around it (a
+     * tied embedding's copy: never in the expert range); expert
+     * parallelism: the dense range here, the experts' below */
+    size_t n = m->num_params, a = d->skip_lo < n ? d->skip_lo : n, b = d->skip_hi < n ? d->skip_hi : n;
+    if (a < d->dense0) a = d->dense0;
+    if (b < a) b = a;
+    double sq = grad_sumsq(d, m->grad_mem + d->dense0, d->dense0, a);
+    if (b < n) sq += grad_sumsq(d, m->grad_mem + b, b, n);
     if (m->ep > 1) {
         /* each expert once: the ep ranks hold different experts, the EDP
          * ranks (after the reduction) the same */
@@ -552,7 +569,7 @@ double ddp_reduce_grads(Ddp *d) {
         sq += sx;
     }
     if (d->tp) comm_all_reduce_sum_f64(d->tp, &sq, 1);
-    (void)be;
+    if (d->pp) comm_all_reduce_sum_f64(d->pp, &sq, 1);
     return sqrt(sq);
 }
 

@@ -108,6 +108,11 @@ typedef struct Ddp {
     ShardRange xshard;
     OptimSegment *zseg;
     int nzseg;
+    /* Pipeline parallelism (ddp_set_pp): the norm also sums over the pp
+     * group, leaving out arena range [skip_lo, skip_hi) (a tied embedding's
+     * second copy, on the last stage) */
+    CommGroup *pp;
+    size_t skip_lo, skip_hi;
     /* time this rank spent blocked in communication, and step count, since
      * ddp_init: the part of communication not hidden behind computation */
     double blocked_s, step_blocked_s;
@@ -151,6 +156,10 @@ void ddp_params_ready(Ddp *d);
  * buckets or the last reduce-scatters) and return the global gradient norm
  * (L2, before clipping) of the summed gradients. */
 double ddp_reduce_grads(Ddp *d);
+/* ZeRO 0-1: the first half of ddp_reduce_grads alone, every bucket posted
+ * and waited for (the gradient arena is reduced and free to touch); the
+ * call after it then only computes the norm. */
+void ddp_wait_grads(Ddp *d);
 /* AdamW over this rank's part with the global norm, then the all-gather that
  * gives every rank the updated parameters (ZeRO-1: blocking; ZeRO-2: posted
  * per unit and waited for in the next forward; ZeRO-3: none, the next forward
@@ -167,6 +176,13 @@ size_t ddp_grad_floats(const Ddp *d);
  * the global gradient norm then also sums over the tp group g, counting each
  * replicated tensor once. After ddp_init. g NULL or size 1: nothing. */
 void ddp_set_tp(Ddp *d, CommGroup *g);
+
+/* Pipeline parallelism: the model is one stage of pp; the global gradient
+ * norm also sums over the pp group g, counting every parameter once: tensor
+ * `skip` (a table index, or -1) is left out here (the last stage's copy of a
+ * tied embedding, which the first stage counts). After ddp_init and
+ * ddp_set_tp. g NULL or size 1: nothing. */
+void ddp_set_pp(Ddp *d, CommGroup *g, int skip);
 
 /* Test hook (KILN_TEST_INJECT_NAN_STEP): the next ddp_reduce_grads writes a
  * NaN into the first gradient element on this rank once the reduction is

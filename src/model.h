@@ -129,6 +129,11 @@ typedef struct LayerActs {
     int32_t *offsets_host;      /* (E+1) host copy: the experts' row ranges */
     void *xp, *hp, *hp_act, *yp; /* (R,C) (R,2Fe) (R,Fe) (R,C) */
     void *sh, *sh_act;          /* (N,2S) (N,S) shared experts */
+    /* A split backward (model_backward_input, then model_backward_weight):
+     * the output gradients of the four products, kept from the input part for
+     * the weight part, in buffers the input part no longer needs (qkv, res2,
+     * fch, res3) or, where recomputation still reads those, their own. */
+    void *d_qkv, *d_o, *d_fc, *d_down; /* (N,QKVW) (N,C) (N,FCW) (N,C); dense MLP only for d_fc, d_down */
 } LayerActs;
 
 /* Per-step MoE figures of the last training forward, summed over MoE layers
@@ -136,7 +141,6 @@ typedef struct LayerActs {
 typedef struct ModelMoeStats {
     double aux, z;         /* last forward: sum over layers of the aux and z losses */
     double aux_sum, z_sum; /* since reset: aux and z of every training forward, added up */
-    int64_t forwards;      /* since reset: training forwards (micro-batches) */
     int64_t *load;         /* (n_layer, E) since reset: slots routed to each expert */
     int64_t routed, drops; /* since reset: slots routed, and dropped by capacity */
 } ModelMoeStats;
@@ -183,6 +187,8 @@ typedef struct ModelTp {
      * deadline (on a GPU they are ordered on the device, not on the host) */
     void (*drain)(void *ctx);
 } ModelTp;
+
+#define MODEL_MAX_CHUNKS 16
 
 /* The rows one rank's routed experts run on in an MoE layer: without expert
  * parallelism the layer's own permuted rows for all E experts; with it, the
@@ -245,6 +251,9 @@ typedef struct ModelOptions {
     int decay_embeddings; /* optim.decay_embeddings */
     int layer_lo, layer_hi; /* a pipeline stage: layers [lo, hi) (0, 0: all); the embeddings come with
                                layer 0, the final norm and head with the last (arch_tensor_in_stage) */
+    int chunks;           /* > 1: an interleaved pipeline rank's chunks instead, chunk c the layers
+                             [chunk_lo[c], chunk_hi[c]) (ascending, disjoint); the tensors of all */
+    int chunk_lo[MODEL_MAX_CHUNKS], chunk_hi[MODEL_MAX_CHUNKS];
     int master_bf16;      /* precision.master bf16 (see the top): the backend must have bf16
                              activations and adamw_update_p16, else exit 2 naming the key */
     int tp, tp_rank;      /* tensor parallelism: this rank's part of a model split over tp ranks
@@ -256,6 +265,22 @@ typedef struct ModelOptions {
                              0, 0: whole sequences) */
 } ModelOptions;
 
+
+/* One activation set (model_plan_slots): what one micro-batch in flight
+ * keeps from its forward to its backward on one chunk of layers. The
+ * active set's fields are the Model's own (encoded, acts, lnf, ...; the
+ * forward and backward read those); model_use_slot swaps them. */
+typedef struct ModelSlot {
+    int chunk;
+    LayerActs *acts;               /* [n_layer]: the chunk's layers */
+    void *encoded;                 /* (N,C) */
+    void *stage_dout, *stage_din;  /* (N,C): a chunk without the head / without the embeddings, else NULL */
+    void *lnf, *logits;            /* (N,C) (N,Vp): the chunk with the head */
+    float *lnf_mean, *lnf_rstd, *losses, *aux;
+    int32_t *tokens_dev, *targets_dev; /* (N) */
+    int live_B, live_T, live_sp, have_targets, weight_pending;
+    float live_dloss;
+} ModelSlot;
 
 typedef struct Model {
     ArchSpec shape;     /* what this rank computes: the spec, or under tp its local part (arch_tp_local) */
@@ -274,8 +299,10 @@ typedef struct Model {
     int cp, cp_rank;    /* context parallelism: ranks and this one's place (cp 1: none) */
     ModelCp cpc;        /* the cp hooks (model_set_cp); all NULL: cp 1 */
     const Backend *be;
-    int layer_lo, layer_hi;   /* the layers this model runs: [lo, hi) of shape.n_layer */
+    int layer_lo, layer_hi;   /* the layers this model runs: [lo, hi) of shape.n_layer (the active chunk's) */
     int has_embed, has_head;  /* lo == 0: embeds tokens; hi == n_layer: the final norm, head and loss */
+    int n_chunks;             /* pipeline chunks (1 but for interleaved schedules) */
+    int chunk_lo[MODEL_MAX_CHUNKS], chunk_hi[MODEL_MAX_CHUNKS];
 
     int num_tensors;
     ParamInfo *params; /* [num_tensors], listing order */
@@ -321,6 +348,7 @@ typedef struct Model {
     size_t act_size;  /* bytes */
     void *encoded;    /* (N,C) the embeddings, or a later stage's input (model_stage_input) */
     void *stage_dout; /* (N,C) a stage without the head: the gradient of its output (model_stage_output_grad) */
+    void *stage_din;  /* (N,C) a stage without the embeddings: the gradient of its input (model_stage_input_grad) */
     LayerActs *acts;  /* [n_layer] */
     void *lnf;        /* (N,C) */
     float *aux;       /* (n_layer, B, E) device: the aux loss's gradient per sequence and expert */
@@ -340,7 +368,13 @@ typedef struct Model {
     float *xent_stats;  /* device (N,3) this rank's cross-entropy statistics, then (tp,N,3) all */
     void *row_dev;      /* device (tp Vp) act: one logits row gathered over the tp ranks (and broadcast over cp) */
     int have_targets;   /* last forward had targets (backward allowed) */
+    int weight_pending; /* model_backward_input ran, model_backward_weight not yet */
     float live_dloss;   /* its dloss: the aux and z losses' gradient scale */
+    /* activation sets (model_plan_slots): slots[chunk_slot0[c] + k] is slot k of chunk c */
+    ModelSlot *slots;
+    int n_slots, cur_slot;
+    int chunk_slot0[MODEL_MAX_CHUNKS], chunk_slots[MODEL_MAX_CHUNKS];
+    int split_backward; /* planned for model_backward_input / _weight */
 } Model;
 
 /* Build the parameter table of the resolved spec `s` (arch_resolve) and
@@ -417,9 +451,26 @@ void model_init_weights(Model *m, uint64_t seed);
 
 /* Plan and allocate activations for micro-batches up to B x T (T <= seq_len),
  * keeping or recomputing per `r`. The only activation allocation: forward
- * and backward allocate nothing. Under cp, T is the whole sequence (a
- * multiple of 2 cp) and the buffers hold this rank's B x T / cp rows. */
+ * and backward allocate nothing. One set per chunk (model_plan_slots).
+ * Under cp, T is the whole sequence (a multiple of 2 cp) and the buffers
+ * hold this rank's B x T / cp rows. */
 void model_plan_activations(Model *m, int B, int T, ModelRecompute r);
+/* The same with slots[c] activation sets for chunk c (a pipeline schedule's
+ * micro-batches in flight; slots NULL: one each), and with split 1 the
+ * buffers a split backward keeps (LayerActs.d_*). Each set holds its own
+ * input, per-layer activations, head outputs, output and input gradients
+ * and token ids; recomputation's shared buffers and the scratch are shared
+ * by all. */
+void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots, int split);
+/* Make slot k of chunk c the active set: the forward and backward that
+ * follow run chunk c's layers on its buffers. */
+void model_use_slot(Model *m, int chunk, int k);
+/* A set's stage buffers (as model_stage_* below, for set (chunk, k) whether
+ * active or not): its input, output, output gradient, input gradient. */
+void *model_slot_input(const Model *m, int chunk, int k);
+const void *model_slot_output(const Model *m, int chunk, int k);
+void *model_slot_output_grad(const Model *m, int chunk, int k);
+const void *model_slot_input_grad(const Model *m, int chunk, int k);
 
 /* Whether the forward (backward = 0) or the backward (1) runs the fc product
  * and its GeLU as one fused op (backend.h: matmul_gelu_forward,
@@ -448,6 +499,14 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
  * on the stage with the head). accumulate = 0 on the first micro-batch of a
  * step (gradients overwritten). */
 void model_backward(Model *m, int accumulate);
+/* The same backward in two parts (zero-bubble schedules; planned with
+ * split): the input part computes every input gradient, the norm, QK-norm,
+ * embedding and MoE gradients, and keeps the products' output gradients;
+ * the weight part, later, the products' weight and bias gradients from them
+ * (recomputing what model.recompute dropped), then the grads_done hooks.
+ * Together they give model_backward's gradients to the bit. */
+void model_backward_input(Model *m, int accumulate);
+void model_backward_weight(Model *m, int accumulate);
 
 /* Pipeline stages (ModelOptions.layer_lo/hi). A stage without the embeddings
  * reads its input (N,C) act from model_stage_input, which the caller fills
@@ -463,6 +522,12 @@ void *model_stage_input(const Model *m);
 const void *model_stage_output(const Model *m);
 void *model_stage_output_grad(const Model *m);
 const void *model_stage_input_grad(const Model *m);
+
+/* Rows of the residual stream a stage holds and sends for a B x T batch:
+ * its own B T / tp under sequence parallelism (one sequence padded to a
+ * multiple of tp first, as model_forward does), else all B T (of this
+ * rank's rows under cp). */
+int model_stage_rows(const Model *m, int B, int T);
 
 /* Host copy of logits row (b, t) after a forward without targets:
  * gshape.padded_vocab floats (converted from the activation dtype). Under tp
@@ -489,6 +554,14 @@ size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes,
  * are the expert side's, which are ep.c's (ep_buffer_bytes). */
 size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, int sp, int B, int T, size_t act_bytes,
                                    ModelRecompute r);
+
+/* The same for a pipeline rank (tp 1: the spec itself; sp its sequence
+ * parallelism): its chunks, chunk c the layers [lo[c], hi[c]) in slots[c]
+ * activation sets, with the kept output gradients of a split backward when
+ * split: exactly what model_plan_slots allocates (cp 1). */
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int B, int T, size_t act_bytes,
+                                    ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
+                                    int split);
 
 /* MoE: zero the loads and drop counts (the start of an optimizer step). */
 void model_moe_reset(Model *m);

@@ -89,6 +89,16 @@ void plan_print_state(const PlanMemory *m, int dp, int zero);
  * model.recompute and what it saves (none: what the other modes would take). */
 void plan_print_activations(const PlanMemory *m);
 
+/* Pipeline parallelism (pp > 1): the schedule (its bubble, the textbook
+ * formula, with show_timeline its text timeline) and each stage's layers,
+ * parameters, activation slots and memory per rank (ZeRO 0-1, as the run
+ * allocates them), for micro micro-batches per data-parallel rank. *worst:
+ * the costliest stage's memory, for the verdict. Returns 0, or -1 with the
+ * reason in err (a schedule or stage cut that cannot run). */
+struct Config;
+int plan_print_pp(const ArchSpec *s, const struct Config *c, int tp, int dp, int micro, int show_timeline,
+                  PlanMemory *worst, char *err, size_t errn);
+
 /* `./train plan CONFIG [--set k=v]... --gpus N [--gpu-mem GB] [--nodes K]`;
  * argv[0] is "plan". Returns 0 (valid, fits) or 2 (does not; one line says
  * what to change); bad usage exits 2. */

@@ -197,8 +197,14 @@ static void test_cross_errors(void) {
                      "key 'batch.total_tokens'", "multiple of micro_batch*seq_len = 2048");
     expect_yaml_fail("config_gpt2_needs_tokenizer_file", "data:\n  tokenizer: gpt2\n", "data.tokenizer_file",
                      "gpt2", NULL);
-    expect_yaml_fail("config_parallel_pp", "parallel:\n  pp: 2\n", "bad.yaml:2:", "key 'parallel.pp'",
-                     "only 1 is supported in this build");
+    expect_yaml_fail("config_parallel_pp_zero3", "parallel:\n  pp: 2\n  zero: 3\n", "key 'parallel.zero'",
+                     "pipeline stages", "ZeRO 0 or 1");
+    expect_yaml_fail("config_parallel_pp_virtual_needs_pp", "parallel:\n  pp_virtual: 2\n", "bad.yaml:2:",
+                     "key 'parallel.pp_virtual'", "parallel.pp > 1");
+    expect_yaml_fail("config_parallel_pp_layers_entry", "parallel:\n  pp: 2\n  pp_layers: [2, x]\n", "bad.yaml:3:",
+                     "key 'parallel.pp_layers[1]'", "an integer");
+    expect_yaml_fail("config_parallel_pp_schedule", "parallel:\n  pp: 2\n  pp_schedule: 2f2b\n", "bad.yaml:3:",
+                     "key 'parallel.pp_schedule'", "zb_h1");
     expect_yaml_fail("config_parallel_cp_chunks", "parallel:\n  cp: 3\n", "bad.yaml:2:", "'model.seq_len', 'parallel.cp'",
                      "does not split into 2 x cp = 6 chunks");
     expect_yaml_fail("config_parallel_cp_mode", "parallel:\n  cp: 2\n  cp_attention: tree\n", "bad.yaml:3:",
@@ -221,6 +227,8 @@ static void test_cross_errors(void) {
                      "ep 2 must divide dp 3", NULL);
     expect_yaml_fail("config_parallel_ep_zero2", MOE4 "parallel:\n  ep: 2\n  zero: 2\n", "bad.yaml:9:",
                      "key 'parallel.zero'", "ZeRO 0 or 1");
+    expect_yaml_fail("config_parallel_ep_pp", MOE4 "parallel:\n  ep: 2\n  pp: 2\n", "bad.yaml:8:",
+                     "expert and pipeline parallelism together", NULL);
     expect_yaml_fail("config_parallel_ep_muon", MOE4 "parallel:\n  ep: 2\noptim:\n  name: muon\n",
                      "key 'optim.name'", "parallel.ep > 1", NULL);
 #undef MOE4

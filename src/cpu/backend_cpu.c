@@ -470,15 +470,16 @@ static void cpu_matmul_forward(void *out_, const void *inp_, const void *w_, con
 static void cpu_matmul_backward(void *dinp_, float *dw, float *dbias, const void *dout_,
                                 const void *inp_, const void *w_, int N, int C, int OC,
                                 int accumulate) {
-    /* dinp (N,C) or NULL, dw (OC,C), dbias (OC) or NULL, dout (N,OC), inp (N,C), w (OC,C) */
+    /* dinp (N,C) or NULL, dw (OC,C) or NULL, dbias (OC) or NULL, dout (N,OC), inp (N,C), w (OC,C) */
     float *dinp = dinp_;
     const float *dout = dout_, *inp = inp_, *w = w_;
     if (dinp)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, w, C,
                     0.0f, dinp, C);
     /* beta = 0 ignores what dw held (even NaN), per the BLAS definition. */
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C,
-                accumulate ? 1.0f : 0.0f, dw, C);
+    if (dw)
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C,
+                    accumulate ? 1.0f : 0.0f, dw, C);
     if (dbias) {
         /* Column sums by channel range: rows in order, vectorised across columns. */
         #pragma omp parallel
