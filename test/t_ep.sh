@@ -175,7 +175,7 @@ moe=$(moe_same $T/cref/metrics.jsonl $T/rs/metrics.jsonl 2>&1)
 diff=$(./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rs/checkpoints/step_00000020 --quiet --tol 1e-5 2>&1)
 drc=$?
 if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ] && grep -q 'ep 4) to 1' $T/rs2.txt &&
-   grep -q 'ep 1) to 4 (dp 4 x tp 1, ep 2' $T/rs3.txt; then ok ep_reshard_ep4_ep1_ep2dp2
+   grep -q 'ep 1) to 4 (pp 1 x dp 4 x tp 1, ep 2' $T/rs3.txt; then ok ep_reshard_ep4_ep1_ep2dp2
 else fail ep_reshard_ep4_ep1_ep2dp2 "rc $rc: $why $moe $diff $(grep -m2 -h -e error -e resumed $T/rs[123].txt)"; fi
 
 # The same layout resumed is the same run, bit for bit (DESIGN.md: nothing
@@ -225,3 +225,4 @@ refuse experts_ep3 3 "ep 3 must divide the 4 experts" $MOE --set parallel.ep=3 -
 refuse dense_model 2 "spreads MoE experts over ranks" $LLAMA --set parallel.ep=2
 refuse zero2 2 "expert parallelism runs with ZeRO 0 or 1" $MOE --set parallel.ep=2 --set parallel.zero=2
 refuse dp_not_multiple 2 "must divide dp x cp" $MOE --set parallel.ep=4 --set model.moe.n_experts=8
+refuse with_pp 4 "expert and pipeline parallelism together" $MOE --set parallel.ep=2 --set parallel.pp=2
