@@ -823,9 +823,7 @@ static void cfg_check_moe(const Config *c, const ArchSpec *s, CfgLoad *L) {
                   "bias_update_rate: 0", cfg_where_of(L, "model.moe.bias_update_rate", "parallel.zero"), c->zero);
 }
 
-/* Lion's and Muon's ops keep fp32 state and update fp32 parameters only;
- * Muon needs whole matrices, which only ZeRO 0 has on every rank (the
- * owner-based distributed scheme is not written yet: docs/optimizers.md). */
+/* Lion's and Muon's ops keep fp32 state and update fp32 parameters only. */
 static void cfg_check_optim(const Config *c, CfgLoad *L) {
     if (strcmp(c->optim_name, "adamw") == 0) return;
     const char *n = c->optim_name;
@@ -835,10 +833,6 @@ static void cfg_check_optim(const Config *c, CfgLoad *L) {
     if (strcmp(c->master, "fp32") != 0)
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.master': optim.name %s updates an fp32 master; use "
                   "precision.master: fp32", cfg_where_of(L, "precision.master", "optim.name"), n);
-    if (strcmp(n, "muon") == 0 && c->zero != 0)
-        kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': optim.name muon runs with parallel.zero 0 only (each "
-                  "rank orthogonalises every whole matrix), got %d", cfg_where_of(L, "parallel.zero", "optim.name"),
-                  c->zero);
 }
 
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "muon.h"
 #include "util.h"
 
 /* Before a collective reads what the backend wrote. Host memory (MPI): the
@@ -115,7 +116,7 @@ static void unit_init(Ddp *d) {
         size_t lo = m->unit_off[u] + d->us[u].lo, hi = m->unit_off[u] + d->us[u].hi;
         size_t a = p->offset > lo ? p->offset : lo, b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
         if (a >= b) continue;
-        d->seg[d->nseg++] = (OptimSegment){d->at[u] + (a - lo), b - a, p->decay};
+        d->seg[d->nseg++] = (OptimSegment){d->at[u] + (a - lo), b - a, p->decay, a};
     }
     d->pshard = m->be->alloc((d->shard_len + 1) * sizeof(float));
     d->held[0] = d->held[1] = d->rlayer[0] = d->rlayer[1] = -1;
@@ -477,10 +478,21 @@ double ddp_reduce_grads(Ddp *d) {
     return sqrt(sq);
 }
 
+/* Muon's matrices (muon.c), after the elementwise part: params is this
+ * rank's optimizer part, grads the whole gradient arena (ZeRO 0-1) or the
+ * shard (ZeRO 2-3). Its exchanges count as time blocked. */
+static void muon_after(Ddp *d, AdamW *o, float *params, const float *grads, float lr, float grad_scale) {
+    double comm_s = muon_dist_step(d->muon, o, params, grads, lr, grad_scale);
+    d->blocked_s += comm_s, d->step_blocked_s += comm_s;
+}
+
+void ddp_set_muon(Ddp *d, struct MuonDist *md) { d->muon = md; }
+
 OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
     Model *m = d->m;
     if (d->units) {
         OptimStepInfo info = optim_step_segments(o, d->pshard, d->gshard, d->seg, d->nseg, lr, grad_norm);
+        if (d->muon && !info.nonfinite) muon_after(d, o, d->pshard, d->gshard, lr, info.grad_scale);
         if (!d->whole_params) {
             /* the gathered copies are stale now: the next forward gathers again */
             d->held[0] = d->held[1] = -1, d->rest_held = 0;
@@ -489,8 +501,13 @@ OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
         }
         return info;
     }
-    if (d->zero == 0) return optim_step_norm(o, model_param_arena(m), m->grad_mem, lr, grad_norm);
+    if (d->zero == 0) {
+        OptimStepInfo info = optim_step_norm(o, model_param_arena(m), m->grad_mem, lr, grad_norm);
+        if (d->muon && !info.nonfinite) muon_after(d, o, m->param_mem, m->grad_mem, lr, info.grad_scale);
+        return info;
+    }
     OptimStepInfo info = optim_step_norm(o, m->param_mem + d->shard.lo, m->grad_mem + d->shard.lo, lr, grad_norm);
+    if (d->muon && !info.nonfinite) muon_after(d, o, m->param_mem + d->shard.lo, m->grad_mem, lr, info.grad_scale);
     if (info.nonfinite || !d->g) return info; /* every rank skipped: the norm is global */
     host_comm_fence(d);
     double t0 = kiln_now();
@@ -526,6 +543,29 @@ int ddp_shard_piece(const Ddp *d, int i, DdpPiece *p) {
     *p = (DdpPiece){.at = d->at[i], .lo = off + d->us[i].lo, .hi = off + d->us[i].hi};
     return 1;
 }
+
+int ddp_rank_piece(const Ddp *d, int rank, int i, DdpPiece *p) {
+    const Model *m = d->m;
+    if (!d->units) {
+        if (i > 0) return 0;
+        ShardRange s = mesh_shard_range(m->num_params, d->dp, rank, 64);
+        if (d->zero == 0) s.lo = 0, s.hi = m->num_params;
+        *p = (DdpPiece){.at = 0, .lo = s.lo, .hi = s.hi};
+        return 1;
+    }
+    if (i >= d->nu) return 0;
+    size_t at = 0;
+    for (int u = 0; u < i; u++) at += d->us[u].block; /* every rank's blocks of a unit are the same size */
+    ShardRange s = mesh_shard_range(m->unit_len[i], d->dp, rank, 64);
+    *p = (DdpPiece){.at = at, .lo = m->unit_off[i] + s.lo, .hi = m->unit_off[i] + s.hi};
+    return 1;
+}
+
+int ddp_zero(const Ddp *d) { return d->zero; }
+
+CommGroup *ddp_group(const Ddp *d) { return d->g; }
+
+int ddp_rank(const Ddp *d) { return d->rank; }
 
 double ddp_step_blocked_s(const Ddp *d) { return d->step_blocked_s; }
 

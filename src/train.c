@@ -16,6 +16,7 @@
 #include "tp.h"
 #include "metrics.h"
 #include "model.h"
+#include "muon.h"
 #include "optim.h"
 #include "plan.h"
 #include "state.h"
@@ -224,7 +225,8 @@ static void train_set_muon(AdamW *o, const Model *m, const Config *c, int say) {
         int rows = p->shape[0] / parts, cols = p->shape[1];
         for (int k = 0; k < parts; k++)
             mats[n++] = (OptimMatrix){.off = p->offset + (size_t)k * rows * cols, .rows = rows, .cols = cols,
-                                      .scale = optim_muon_scale(c->muon_scale, rows, cols), .decay = p->decay};
+                                      .scale = optim_muon_scale(c->muon_scale, rows, cols), .decay = p->decay,
+                                      .tensor = i, .toff = (size_t)k * rows * cols};
         muon_params += p->numel;
     }
     optim_set_muon(o, mats, n, c->momentum, c->ns_steps);
@@ -380,7 +382,11 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
                            optim_round_seed(c->seed));
     if (model.master_bf16) optim_set_params_bf16(&opt); /* the same seed: other bits of each element's hash */
     if (optim_kind(c->optim_name) == OPTIM_LION) optim_set_lion(&opt, c->lion_beta1, c->lion_beta2);
-    if (optim_kind(c->optim_name) == OPTIM_MUON) train_set_muon(&opt, &model, c, rank == 0);
+    MuonDist muon = {0};
+    if (optim_kind(c->optim_name) == OPTIM_MUON) {
+        train_set_muon(&opt, &model, c, rank == 0);
+        muon_dist_init(&muon, &opt, &ddp, rank == 0); /* owners over the dp ranks; ddp runs its step */
+    }
     Schedule sched = {(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps, c->min_lr_ratio,
                       c->decay_ratio};
 
@@ -623,6 +629,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     free(tgt);
     free(ctx);
     optim_free(&opt);
+    muon_dist_free(&muon);
     ddp_free(&ddp);
     tp_free(&tpx);
     free(moe_buf.load);

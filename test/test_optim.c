@@ -427,7 +427,9 @@ static void test_muon_vs_double(void) {
         }
     }
     be->to_host(hp, p, sizeof hp);
-    be->to_host(hm, o.m, sizeof hm);
+    be->to_host(hm, o.m, sizeof hm); /* AdamW's m; Muon's momentum is in mm, each matrix at its mom */
+    for (int k = 0; k < 2; k++)
+        be->to_host(hm + o.mats[k].off, o.mm + o.mats[k].mom, (size_t)o.mats[k].rows * o.mats[k].cols * sizeof(float));
     double ep = 0.0, em = 0.0, mmax = 0.0;
     for (size_t i = 0; i < N; i++) {
         ep = fmax(ep, fabs(hp[i] - rp[i]));

@@ -1,0 +1,66 @@
+/* muon: Muon distributed over the dp group, layer-wise (Megatron's and
+ * torchtitan's scheme): each matrix has one owner rank, chosen to balance
+ * Newton-Schulz cost; after the gradient reduction the owner gets the
+ * matrix's gradient (ZeRO 2/3: gathered from the ranks holding its shards),
+ * updates its momentum (kept there only), orthogonalises the look-ahead, and
+ * sends the update to the ranks that hold the matrix's parameters (ZeRO 0:
+ * every rank). Knows comm, the optimizer's matrices and ddp's shard pieces;
+ * never the model's architecture or the checkpoint. docs/optimizers.md. */
+#ifndef KILN_MUON_H
+#define KILN_MUON_H
+
+#include <stddef.h>
+
+#include "comm.h"
+#include "ddp.h"
+#include "optim.h"
+
+/* A run of one matrix's elements that travels between a holder (a rank
+ * whose optimizer part holds them) and the matrix's owner. */
+typedef struct MuonPiece {
+    int mat;      /* optim's matrix index */
+    int peer;     /* the other side: the owner for a piece held here, the holder for one owned here */
+    size_t shard; /* holder: where the run lies in its optimizer buffers (params, and grads under ZeRO 2/3) */
+    size_t xfer;  /* its place in the exchange buffers (peer * block + k); unused when peer is this rank */
+    size_t own;   /* owner: where the run lies in obuf (the matrix at its momentum offset) */
+    size_t n;
+} MuonPiece;
+
+typedef struct MuonDist {
+    const Backend *be;
+    CommGroup *g;       /* the dp group; NULL: one rank, no communication */
+    int dp, rank, zero; /* zero: the stage in effect (ddp_zero) */
+    int nmat;
+    int *owner;         /* [nmat] */
+    double *cost;       /* [dp] Newton-Schulz FLOPs per step of each owner */
+    MuonPiece *held;    /* [nheld] runs of matrices in this rank's optimizer part, by matrix */
+    MuonPiece *owned;   /* [nowned] runs of this rank's matrices held by other ranks, by matrix */
+    int nheld, nowned;
+    size_t block;       /* floats per rank pair in the all-to-alls (ZeRO 1-3), padding included;
+                           ZeRO 0: each rank's block of the all-gather (its matrices, padded) */
+    size_t moved;       /* floats each rank receives in one exchange, padding included */
+    size_t pad_total;   /* floats of padding in one exchange, all ranks together */
+    float *obuf;        /* device (the owned matrices back to back, or block): gradients, then updates */
+    float *sbuf, *rbuf; /* device (dp block): exchange buffers (ZeRO 0: rbuf only) */
+    double ns_s, comm_s;/* seconds in the owners' work (momentum and Newton-Schulz) and blocked in exchanges */
+} MuonDist;
+
+/* Plan it for optimizer o (after optim_set_muon) over d's dp group: owners by
+ * Newton-Schulz cost (longest first, each to the least loaded rank: the same
+ * on every rank), the runs each rank sends and receives, the buffers; the
+ * optimizer keeps only this rank's momentum (optim_muon_own) and ddp runs the
+ * step (ddp_set_muon). say: print the assignment and the traffic. */
+void muon_dist_init(MuonDist *md, AdamW *o, Ddp *d, int say);
+void muon_dist_free(MuonDist *md);
+/* Muon's matrices for one step: gradients to owners (ZeRO 2/3), momentum and
+ * Newton-Schulz there, updates to the holders, each holder's step. params:
+ * this rank's optimizer part; grads: the whole gradient arena (ZeRO 0-1) or
+ * the gradient shard (ZeRO 2-3). Returns the seconds blocked in exchanges. */
+double muon_dist_step(MuonDist *md, AdamW *o, float *params, const float *grads, float lr, float grad_scale);
+/* Newton-Schulz FLOPs of a rows x cols matrix, ns steps (the owner's cost). */
+double muon_ns_flops(int rows, int cols, int ns);
+/* One line, the assignment: matrices and Newton-Schulz GFLOP per owner and
+ * their imbalance, and the traffic per step beside AdamW's. */
+void muon_dist_describe(const MuonDist *md, const AdamW *o, char *buf, size_t n);
+
+#endif
