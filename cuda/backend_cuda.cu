@@ -128,6 +128,10 @@ static void cuda_to_host(void *dst, const void *src, size_t bytes) {
 static void cuda_copy(void *dst, const void *src, size_t bytes) {
     if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
 }
+static void cuda_copy_2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height) {
+    if (width && height)
+        CUDA_CHECK(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice, 0));
+}
 static void cuda_zero(void *dst, size_t bytes) {
     if (bytes) CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, 0));
 }
@@ -275,6 +279,7 @@ extern "C" const Backend backend_cuda = {
     .to_device = cuda_to_device,
     .to_host = cuda_to_host,
     .copy = cuda_copy,
+    .copy_2d = cuda_copy_2d,
     .zero = cuda_zero,
     .sync = cuda_sync,
     .act_bytes = cuda_act_bytes,

@@ -62,6 +62,10 @@ typedef struct Backend {
     void (*to_device)(void *dst, const void *src, size_t bytes);
     void (*to_host)(void *dst, const void *src, size_t bytes);
     void (*copy)(void *dst, const void *src, size_t bytes); /* device to device */
+    /* device to device, `height` rows of `width` bytes, rows `dpitch` and
+     * `spitch` bytes apart (cudaMemcpy2D): a column block of a row-major
+     * matrix (muon.c assembles tensor-parallel parts) */
+    void (*copy_2d)(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height);
     void (*zero)(void *dst, size_t bytes);
     void (*sync)(void);
 

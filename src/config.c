@@ -849,10 +849,6 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
         }
     }
     if (c->tp > 1) {
-        if (strcmp(c->optim_name, "muon") == 0)
-            kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.tp': optim.name muon orthogonalises whole matrices, which "
-                      "tensor parallelism splits; use parallel.tp: 1 or optim.name adamw / lion",
-                      cfg_where_of(L, "parallel.tp", "optim.name"));
         if (strcmp(c->sequence_parallel, "false") != 0 && ((long long)c->micro_batch * c->seq_len) % c->tp)
             kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'batch.micro_batch': a micro-batch "
                       "of %d x %d tokens does not split over tp = %d ranks; make micro_batch * seq_len a multiple of "

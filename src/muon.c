@@ -119,7 +119,132 @@ static void plan_replicated(MuonDist *md, const AdamW *o) {
     free(len);
 }
 
-void muon_dist_init(MuonDist *md, AdamW *o, Ddp *d, int say) {
+/* ---------------------------------------------------- tensor parallelism */
+
+/* Where tp rank r's part of matrix x lies in the whole (grows x gcols)
+ * matrix: rows [r0, r1) x columns [c0, c1), stored row-major in the part from
+ * element `at`. One box, or one per block of a matrix in tp_parts blocks
+ * (GPT-2's fused q|k|v kept whole: 3); the whole matrix when not split. */
+typedef struct MuonBox {
+    size_t r0, r1, c0, c1, at;
+} MuonBox;
+
+static int tp_boxes(const MuonDist *md, const OptimMatrix *x, int r, MuonBox b[3]) {
+    size_t rows = (size_t)x->rows, cols = (size_t)x->cols, gr = (size_t)x->grows, gc = (size_t)x->gcols;
+    if (md->tp <= 1 || x->tp_dim < 0) {
+        b[0] = (MuonBox){0, gr, 0, gc, 0};
+        return 1;
+    }
+    if (x->tp_dim == 1) {
+        b[0] = (MuonBox){0, gr, (size_t)r * cols, (size_t)(r + 1) * cols, 0};
+        return 1;
+    }
+    size_t parts = (size_t)x->tp_parts, lp = rows / parts, gp = gr / parts;
+    for (size_t k = 0; k < parts; k++) b[k] = (MuonBox){k * gp + (size_t)r * lp, k * gp + (size_t)(r + 1) * lp, 0, gc,
+                                                        k * lp * cols};
+    return (int)parts;
+}
+
+/* Rank r's part (row-major, its layout in the arena) into the whole matrix g
+ * (to_whole) or back out of it; a column block row by row (copy_2d). */
+static void tp_move(const MuonDist *md, const OptimMatrix *x, int r, float *g, float *part, int to_whole) {
+    MuonBox b[3];
+    int nb = tp_boxes(md, x, r, b);
+    size_t gc = (size_t)x->gcols, F = sizeof(float);
+    for (int k = 0; k < nb; k++) {
+        size_t w = b[k].c1 - b[k].c0, h = b[k].r1 - b[k].r0;
+        float *gp = g + b[k].r0 * gc + b[k].c0, *pp = part + b[k].at;
+        if (w == gc) md->be->copy(to_whole ? gp : pp, to_whole ? pp : gp, h * w * F);
+        else if (to_whole) md->be->copy_2d(gp, gc * F, pp, w * F, w * F, h);
+        else md->be->copy_2d(pp, w * F, gp, gc * F, w * F, h);
+    }
+}
+
+/* Within each dp owner's tp group: its matrices to tp ranks by cost (as the
+ * owners: longest first to the least loaded); then the runs of the two tp
+ * exchanges for this rank. A split matrix's part travels to its tp owner
+ * (the gather) and back (the scatter); a matrix not split (the same on every
+ * tp rank, MoE experts) only back. Positions as in plan_runs. */
+static void plan_tp(MuonDist *md, const AdamW *o) {
+    int n = o->nmat, tp = md->tp;
+    md->towner = xmalloc((size_t)(n + 1) * sizeof(int));
+    md->gpos = xcalloc((size_t)(n + 1), sizeof(size_t));
+    md->tcost = xcalloc((size_t)md->dp * tp, sizeof(double));
+    for (int d = 0; d < md->dp; d++) {
+        double *load = md->tcost + (size_t)d * tp;
+        int *order = xmalloc((size_t)(n + 1) * sizeof(int)), m = 0;
+        for (int i = 0; i < n; i++)
+            if (md->owner[i] == d) order[m++] = i;
+        double *c = xmalloc((size_t)(n + 1) * sizeof(double));
+        for (int i = 0; i < n; i++) c[i] = muon_ns_flops(o->mats[i].grows, o->mats[i].gcols, o->ns_steps);
+        for (int i = 1; i < m; i++)
+            for (int j = i; j > 0 && (c[order[j]] > c[order[j - 1]] ||
+                                      (c[order[j]] == c[order[j - 1]] && order[j] < order[j - 1])); j--) {
+                int t = order[j];
+                order[j] = order[j - 1], order[j - 1] = t;
+            }
+        for (int k = 0; k < m; k++) {
+            int best = 0;
+            for (int r = 1; r < tp; r++)
+                if (load[r] < load[best]) best = r;
+            if (d == md->rank) md->towner[order[k]] = best;
+            load[best] += c[order[k]];
+        }
+        free(order);
+        free(c);
+    }
+    for (int i = 0; i < n; i++)
+        if (md->owner[i] != md->rank) md->towner[i] = -1;
+    size_t *gpair = xcalloc((size_t)tp * tp, sizeof(size_t)), *spair = xcalloc((size_t)tp * tp, sizeof(size_t));
+    md->tsend = xmalloc((size_t)(2 * n * tp + 1) * sizeof(MuonPiece));
+    md->trecv = xmalloc((size_t)(2 * n * tp + 1) * sizeof(MuonPiece));
+    for (int pass = 0; pass < 2; pass++) {
+        memset(gpair, 0, (size_t)tp * tp * sizeof(size_t));
+        memset(spair, 0, (size_t)tp * tp * sizeof(size_t));
+        md->ntsend = md->ntrecv = 0;
+        size_t gl = 0;
+        for (int i = 0; i < n; i++) {
+            const OptimMatrix *x = &o->mats[i];
+            int t = md->towner[i];
+            if (t < 0) continue;
+            if (t == md->tpr) md->gpos[i] = gl, gl += (size_t)x->grows * x->gcols;
+            size_t part = (size_t)x->rows * x->cols;
+            for (int r = 0; r < tp; r++) {
+                if (r == t) continue;
+                size_t *g = &gpair[(size_t)r * tp + t], *s = &spair[(size_t)t * tp + r];
+                if (pass == 1 && x->tp_dim >= 0 && r == md->tpr)
+                    md->tsend[md->ntsend++] = (MuonPiece){.mat = i, .peer = t, .own = 1, .n = part,
+                                                          .xfer = (size_t)t * md->tblock + *g};
+                if (pass == 1 && x->tp_dim >= 0 && t == md->tpr)
+                    md->trecv[md->ntrecv++] = (MuonPiece){.mat = i, .peer = r, .own = 1, .n = part,
+                                                          .xfer = (size_t)r * md->tblock + *g};
+                if (pass == 1 && t == md->tpr)
+                    md->tsend[md->ntsend++] = (MuonPiece){.mat = i, .peer = r, .own = 0, .n = part,
+                                                          .xfer = (size_t)r * md->tblock + *s};
+                if (pass == 1 && r == md->tpr)
+                    md->trecv[md->ntrecv++] = (MuonPiece){.mat = i, .peer = t, .own = 0, .n = part,
+                                                          .xfer = (size_t)t * md->tblock + *s};
+                if (x->tp_dim >= 0) *g += part;
+                *s += part;
+            }
+        }
+        if (pass == 0) {
+            md->tblock = 0;
+            for (size_t k = 0; k < (size_t)tp * tp; k++) {
+                md->tblock = gpair[k] > md->tblock ? gpair[k] : md->tblock;
+                md->tblock = spair[k] > md->tblock ? spair[k] : md->tblock;
+            }
+            md->gbuf = md->be->alloc((gl + 1) * sizeof(float));
+        }
+    }
+    md->tmoved = (size_t)(tp - 1) * md->tblock;
+    md->tsbuf = md->be->alloc(((size_t)tp * md->tblock + 1) * sizeof(float));
+    md->trbuf = md->be->alloc(((size_t)tp * md->tblock + 1) * sizeof(float));
+    free(gpair);
+    free(spair);
+}
+
+void muon_dist_init(MuonDist *md, AdamW *o, Ddp *d, CommGroup *tp, int say) {
     memset(md, 0, sizeof *md);
     md->be = o->be;
     md->g = ddp_group(d);
@@ -127,12 +252,16 @@ void muon_dist_init(MuonDist *md, AdamW *o, Ddp *d, int say) {
     md->rank = ddp_rank(d);
     md->zero = ddp_zero(d);
     md->nmat = o->nmat;
+    md->tpg = tp && tp->size > 1 ? tp : NULL;
+    md->tp = md->tpg ? tp->size : 1;
+    md->tpr = md->tpg ? tp->rank : 0;
     md->owner = xcalloc((size_t)(o->nmat + 1), sizeof(int));
     md->cost = xcalloc((size_t)md->dp, sizeof(double));
     assign_owners(md, o);
     optim_muon_own(o, md->owner, md->rank);
     if (md->zero == 0) plan_replicated(md, o);
     else plan_runs(md, o, d);
+    if (md->tpg) plan_tp(md, o);
     size_t obuf = o->mm_len > md->block ? o->mm_len : md->block;
     md->obuf = md->be->alloc((obuf + 1) * sizeof(float));
     if (md->g) {
@@ -152,35 +281,44 @@ void muon_dist_free(MuonDist *md) {
         md->be->free(md->obuf);
         if (md->sbuf) md->be->free(md->sbuf);
         if (md->rbuf) md->be->free(md->rbuf);
+        if (md->gbuf) md->be->free(md->gbuf), md->be->free(md->tsbuf), md->be->free(md->trbuf);
     }
     free(md->owner), free(md->cost), free(md->held), free(md->owned);
+    free(md->towner), free(md->tcost), free(md->gpos), free(md->tsend), free(md->trecv);
     memset(md, 0, sizeof *md);
 }
 
 void muon_dist_describe(const MuonDist *md, const AdamW *o, char *buf, size_t n) {
     int *count = xcalloc((size_t)md->dp, sizeof(int));
     for (int i = 0; i < md->nmat; i++) count[md->owner[i]]++;
+    /* the cost per rank: per dp owner, or under tp per (dp, tp) rank, dp-major */
+    int slots = md->dp * md->tp;
+    const double *cost = md->tpg ? md->tcost : md->cost;
     double most = 0, sum = 0;
-    for (int r = 0; r < md->dp; r++) most = md->cost[r] > most ? md->cost[r] : most, sum += md->cost[r];
-    size_t k = (size_t)snprintf(buf, n, "optim: muon owners over %d dp rank(s): matrices", md->dp);
+    for (int r = 0; r < slots; r++) most = cost[r] > most ? cost[r] : most, sum += cost[r];
+    size_t k = (size_t)snprintf(buf, n, "optim: muon owners over %d dp rank(s)", md->dp);
+    if (md->tpg && k < n) k += (size_t)snprintf(buf + k, n - k, " x %d tp", md->tp);
+    if (k < n) k += (size_t)snprintf(buf + k, n - k, ": matrices");
     for (int r = 0; r < md->dp && k < n; r++) k += (size_t)snprintf(buf + k, n - k, "%s%d", r ? "/" : " ", count[r]);
-    if (k < n) k += (size_t)snprintf(buf + k, n - k, ", Newton-Schulz GFLOP per step");
-    for (int r = 0; r < md->dp && k < n; r++)
-        k += (size_t)snprintf(buf + k, n - k, "%s%.4g", r ? "/" : " ", md->cost[r] / 1e9);
-    if (k < n)
-        k += (size_t)snprintf(buf + k, n - k, " (max/mean %.3f)", sum > 0 ? most / (sum / md->dp) : 1.0);
+    if (k < n) k += (size_t)snprintf(buf + k, n - k, ", Newton-Schulz GFLOP per step%s", md->tpg ? " per dp x tp rank" : "");
+    for (int r = 0; r < slots && k < n; r++) k += (size_t)snprintf(buf + k, n - k, "%s%.4g", r ? "/" : " ", cost[r] / 1e9);
+    if (k < n) k += (size_t)snprintf(buf + k, n - k, " (max/mean %.3f)", sum > 0 ? most / (sum / slots) : 1.0);
     if (md->dp > 1 && k < n) {
         const char *how = md->zero == 0   ? "an all-gather of the updates"
                           : md->zero == 1 ? "an all-to-all of the updates to their holders"
                                           : "all-to-alls of the gradients to their owners and the updates back";
         int rounds = md->zero >= 2 ? 2 : 1;
-        double slots = md->zero == 0 ? (double)md->block * md->dp : (double)md->block * md->dp * (md->dp - 1);
+        double pad = md->zero == 0 ? (double)md->block * md->dp : (double)md->block * md->dp * (md->dp - 1);
         /* AdamW's gradient reduction: a ring all-reduce (ZeRO 0-1) sends 2 (dp - 1) / dp of the
          * arena per rank, a reduce-scatter and an all-gather (ZeRO 2) the same */
         double adamw = 2.0 * (md->dp - 1) / md->dp * (double)o->n * 4.0 / 1e6;
-        snprintf(buf + k, n - k, "; per step each rank receives %.4g MB beyond AdamW's %.4g MB (%s, %.1f%% padding)",
-                 rounds * (double)md->moved * 4.0 / 1e6, adamw, how, slots > 0 ? 100.0 * md->pad_total / slots : 0.0);
+        k += (size_t)snprintf(buf + k, n - k, "; per step each rank receives %.4g MB beyond AdamW's %.4g MB (%s, "
+                              "%.1f%% padding)", rounds * (double)md->moved * 4.0 / 1e6, adamw, how,
+                              pad > 0 ? 100.0 * md->pad_total / pad : 0.0);
     }
+    if (md->tpg && k < n)
+        snprintf(buf + k, n - k, "; tp: %.4g MB received per step (the parts to each matrix's tp owner and back)",
+                 2.0 * (double)md->tmoved * 4.0 / 1e6);
     free(count);
 }
 
@@ -195,6 +333,46 @@ static void all_to_all(MuonDist *md) {
     fence(md);
     comm_all_to_all(md->g, md->sbuf, md->rbuf, md->block);
     md->comm_s += kiln_now() - t0;
+}
+
+/* One tp all-to-all of the runs of one direction (gather: .own 1). */
+static void tp_exchange(MuonDist *md, const AdamW *o, int gather) {
+    const size_t F = sizeof(float);
+    for (int k = 0; k < md->ntsend; k++) {
+        const MuonPiece *r = &md->tsend[k];
+        const OptimMatrix *x = &o->mats[r->mat];
+        if ((int)r->own != gather) continue;
+        if (gather) md->be->copy(md->tsbuf + r->xfer, md->obuf + x->mom, r->n * F);
+        else tp_move(md, x, r->peer, md->gbuf + md->gpos[r->mat], md->tsbuf + r->xfer, 0);
+    }
+    if (md->tblock > 0) {
+        double t0 = kiln_now();
+        fence(md);
+        comm_all_to_all(md->tpg, md->tsbuf, md->trbuf, md->tblock);
+        md->comm_s += kiln_now() - t0;
+    }
+    for (int k = 0; k < md->ntrecv; k++) {
+        const MuonPiece *r = &md->trecv[k];
+        const OptimMatrix *x = &o->mats[r->mat];
+        if ((int)r->own != gather) continue;
+        if (gather) tp_move(md, x, r->peer, md->gbuf + md->gpos[r->mat], md->trbuf + r->xfer, 1);
+        else md->be->copy(md->obuf + x->mom, md->trbuf + r->xfer, r->n * F);
+    }
+}
+
+/* Under tp, after the look-aheads: every tp owner gathers its matrices'
+ * parts, orthogonalises the whole matrices and sends the parts back. */
+static void tp_orthogonalise(MuonDist *md, AdamW *o) {
+    tp_exchange(md, o, 1);
+    for (int i = 0; i < o->nmat; i++) {
+        const OptimMatrix *x = &o->mats[i];
+        if (md->towner[i] != md->tpr) continue;
+        float *g = md->gbuf + md->gpos[i];
+        tp_move(md, x, md->tpr, g, md->obuf + x->mom, 1); /* this rank's own part (or all of it) */
+        optim_muon_orthogonalise(o, g, x->grows, x->gcols);
+        tp_move(md, x, md->tpr, g, md->obuf + x->mom, 0);
+    }
+    tp_exchange(md, o, 0);
 }
 
 double muon_dist_step(MuonDist *md, AdamW *o, float *params, const float *grads, float lr, float grad_scale) {
@@ -213,15 +391,17 @@ double muon_dist_step(MuonDist *md, AdamW *o, float *params, const float *grads,
         for (int k = 0; k < md->nowned; k++)
             be->copy(md->obuf + md->owned[k].own, md->rbuf + md->owned[k].xfer, md->owned[k].n * F);
     }
-    /* the owner's work: momentum and look-ahead into obuf, orthogonalised there */
+    /* the owner's work: momentum and look-ahead into obuf, orthogonalised there
+     * (under tp: on the whole matrix, at its tp owner) */
     double t0 = kiln_now();
     for (int i = 0; i < o->nmat; i++) {
         const OptimMatrix *x = &o->mats[i];
         if (md->owner[i] != md->rank) continue;
         float *u = md->obuf + x->mom;
         optim_muon_momentum(o, i, md->zero >= 2 ? u : grads + x->off, grad_scale, u);
-        optim_muon_orthogonalise(o, u, x->rows, x->cols);
+        if (!md->tpg) optim_muon_orthogonalise(o, u, x->rows, x->cols);
     }
+    if (md->tpg) tp_orthogonalise(md, o);
     be->sync(); /* so the time is the work's, not the exchange's */
     md->ns_s += kiln_now() - t0;
     /* the updates to the holders, and each holder's step */

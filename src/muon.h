@@ -4,8 +4,12 @@
  * matrix's gradient (ZeRO 2/3: gathered from the ranks holding its shards),
  * updates its momentum (kept there only), orthogonalises the look-ahead, and
  * sends the update to the ranks that hold the matrix's parameters (ZeRO 0:
- * every rank). Knows comm, the optimizer's matrices and ddp's shard pieces;
- * never the model's architecture or the checkpoint. docs/optimizers.md. */
+ * every rank). Under tensor parallelism every tp rank of the owner's tp
+ * group keeps the momentum of its part, and one of them (the tp owner)
+ * gathers the parts' look-aheads into the whole matrix, orthogonalises it
+ * and sends each part back. Knows comm, the optimizer's matrices and ddp's
+ * shard pieces; never the model's architecture or the checkpoint.
+ * docs/optimizers.md. */
 #ifndef KILN_MUON_H
 #define KILN_MUON_H
 
@@ -42,6 +46,19 @@ typedef struct MuonDist {
     size_t pad_total;   /* floats of padding in one exchange, all ranks together */
     float *obuf;        /* device (the owned matrices back to back, or block): gradients, then updates */
     float *sbuf, *rbuf; /* device (dp block): exchange buffers (ZeRO 0: rbuf only) */
+    /* Tensor parallelism (tp > 1): the tp group of this rank (its members
+     * share its dp place, so they own the same matrices). */
+    CommGroup *tpg;
+    int tp, tpr;
+    int *towner;        /* [nmat] the tp rank that orthogonalises each matrix of this dp owner (-1: another's) */
+    double *tcost;      /* [dp tp] Newton-Schulz FLOPs per step of each (dp, tp) rank */
+    size_t *gpos;       /* [nmat] on its tp owner: where the whole matrix lies in gbuf */
+    MuonPiece *tsend, *trecv; /* [ntsend] [ntrecv] runs of the tp exchanges: parts to the tp owner
+                                 (.own 1 in the gather) and back, xfer their place in the buffers */
+    int ntsend, ntrecv;
+    size_t tblock, tmoved; /* floats per tp pair, padding included; received per exchange */
+    float *gbuf;        /* device: the whole matrices this rank orthogonalises, back to back */
+    float *tsbuf, *trbuf; /* device (tp tblock) */
     double ns_s, comm_s;/* seconds in the owners' work (momentum and Newton-Schulz) and blocked in exchanges */
 } MuonDist;
 
@@ -49,8 +66,10 @@ typedef struct MuonDist {
  * Newton-Schulz cost (longest first, each to the least loaded rank: the same
  * on every rank), the runs each rank sends and receives, the buffers; the
  * optimizer keeps only this rank's momentum (optim_muon_own) and ddp runs the
- * step (ddp_set_muon). say: print the assignment and the traffic. */
-void muon_dist_init(MuonDist *md, AdamW *o, Ddp *d, int say);
+ * step (ddp_set_muon). tp: the tensor-parallel group (NULL or size 1: none);
+ * the matrices are this rank's parts (OptimMatrix.tp_dim). say: print the
+ * assignment and the traffic. */
+void muon_dist_init(MuonDist *md, AdamW *o, Ddp *d, CommGroup *tp, int say);
 void muon_dist_free(MuonDist *md);
 /* Muon's matrices for one step: gradients to owners (ZeRO 2/3), momentum and
  * Newton-Schulz there, updates to the holders, each holder's step. params:

@@ -139,7 +139,7 @@ void optim_set_muon(AdamW *o, const OptimMatrix *mats, int nmat, float momentum,
     size_t most = 1, work = 1;
     for (int i = 0; i < nmat; i++) {
         OptimMatrix *x = &o->mats[i];
-        if (!x->grows) x->grows = x->rows, x->gcols = x->cols;
+        if (!x->grows) x->grows = x->rows, x->gcols = x->cols, x->tp_dim = -1; /* no tp: the part is all */
         x->owner = 0;
         size_t r = (size_t)x->grows, c = (size_t)x->gcols, a = r < c ? r : c;
         if (r * c > most) most = r * c;

@@ -37,6 +37,8 @@ typedef struct OptimMatrix {
     size_t off;
     int rows, cols;
     int grows, gcols;
+    int tp_dim;   /* how the global matrix splits over tp ranks: -1 not (each holds all of it), */
+    int tp_parts; /* 0 rows, 1 columns; in tp_parts equal blocks, each split over the ranks */
     float scale;  /* optim.muon_scale's factor for the global shape */
     int decay;    /* weight decay applies */
     int tensor;   /* the caller's tag: its row of the model's tensor table (checkpoint names) */

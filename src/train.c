@@ -222,10 +222,14 @@ static void train_set_muon(AdamW *o, const Model *m, const Config *c, int say) {
         if (!block || p->ndim != 2 || !p->trained) continue;
         int fused = r == ROLE_QKV_W && (i + 1 >= m->num_tensors || m->params[i + 1].role != ROLE_K_W);
         int parts = fused && c->muon_split_qkv && p->shape[0] % 3 == 0 ? 3 : 1;
-        int rows = p->shape[0] / parts, cols = p->shape[1];
+        /* under tp the arena holds this rank's part (shape) of the global matrix (gshape); a third of a
+         * split c_attn is one row block of its global third */
+        int rows = p->shape[0] / parts, cols = p->shape[1], grows = p->gshape[0] / parts, gcols = p->gshape[1];
         for (int k = 0; k < parts; k++)
             mats[n++] = (OptimMatrix){.off = p->offset + (size_t)k * rows * cols, .rows = rows, .cols = cols,
-                                      .scale = optim_muon_scale(c->muon_scale, rows, cols), .decay = p->decay,
+                                      .grows = grows, .gcols = gcols, .tp_dim = p->split.dim,
+                                      .tp_parts = parts == 3 ? 1 : p->split.parts,
+                                      .scale = optim_muon_scale(c->muon_scale, grows, gcols), .decay = p->decay,
                                       .tensor = i, .toff = (size_t)k * rows * cols};
         muon_params += p->numel;
     }
@@ -385,7 +389,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     MuonDist muon = {0};
     if (optim_kind(c->optim_name) == OPTIM_MUON) {
         train_set_muon(&opt, &model, c, rank == 0);
-        muon_dist_init(&muon, &opt, &ddp, rank == 0); /* owners over the dp ranks; ddp runs its step */
+        muon_dist_init(&muon, &opt, &ddp, tpg, rank == 0); /* owners over the dp (x tp) ranks; ddp runs its step */
     }
     Schedule sched = {(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps, c->min_lr_ratio,
                       c->decay_ratio};

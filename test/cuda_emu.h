@@ -302,6 +302,17 @@ static inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, 
                                           cudaStream_t = 0) {
     return cudaMemcpy(dst, src, n, kind);
 }
+/* cudaMemcpy2D: each row checked as its own copy */
+static inline cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
+                                            size_t height, cudaMemcpyKind kind, cudaStream_t = 0) {
+    if (width > dpitch || width > spitch)
+        return emu_error(cudaErrorInvalidValue, "cudaMemcpy2D: width is larger than a pitch");
+    for (size_t r = 0; r < height; r++) {
+        cudaError_t e = cudaMemcpy((char *)dst + r * dpitch, (const char *)src + r * spitch, width, kind);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
 static inline cudaError_t cudaMemset(void *p, int v, size_t n) {
     if (n && !emu_is_device(p, n)) return emu_error(cudaErrorInvalidValue, "cudaMemset of non-device memory");
     memset(p, v, n);

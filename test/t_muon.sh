@@ -3,7 +3,9 @@
 # bit-identical; changing optim.name on resume is refused; distributed Muon
 # (src/muon.c: each matrix owned by one dp rank) on 2 and 4 ranks under ZeRO
 # 0-3 against one rank, the owners balanced (printed), resume onto other
-# layouts. One line per check.
+# layouts; under tensor parallelism (tp 2, tp 4, tp 2 x dp 2 ZeRO 1-3; GPT-2
+# with q|k|v thirds and whole, Llama with grouped kv heads, MoE) against one
+# rank, and a tp checkpoint resharded. One line per check.
 # Tolerances. Ten steps: as test/t_dp.sh, losses within relative 1e-5 and
 # parameters within 1e-5 (several ranks sum the gradients in another order,
 # ulps apart). One step's update of every Muon matrix within 1e-5 relative
@@ -112,3 +114,53 @@ if [ $rc -eq 0 ] && grep -q 'resharded from 1 rank' $D.txt && [ -z "$why" ] \
     && ./train ckpt-diff $T/ref/checkpoints/step_00000010 $D/checkpoints/step_00000010 --quiet --tol 1e-5 >/dev/null; then
     ok muon_resume_np1_to_zero2_np4
 else fail muon_resume_np1_to_zero2_np4 "rc $rc: $why $(grep -m2 -iE 'error|resum' $D.txt)"; fi
+
+# Tensor parallelism: the tp owner of a split matrix gathers its parts (row
+# blocks, or column blocks through copy_2d), orthogonalises the whole and
+# sends each part back; matrices not split (MoE experts) go from the tp owner
+# to every tp rank. Six steps against one rank, tolerances as above.
+TS="$M --set train.steps=6 --set checkpoint.every=3"
+GPT2="--set model.n_head=4"
+WHOLE="$GPT2 --set optim.muon_split_qkv=false"
+LLAMA="--set model.arch=llama --set model.n_head=8 --set model.n_kv_head=4 --set model.n_embd=64 --set model.ffn_hidden=96"
+MOE="$LLAMA --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
+MOE="$MOE --set model.moe.n_shared=1 --set model.moe.capacity_factor=1.25 --set model.moe.aux_loss_coef=0.01"
+for model in GPT2 WHOLE LLAMA MOE; do
+    ./train $Y $TS ${!model} --set run.dir=$T/tref_$model >$T/tref_$model.txt 2>&1 \
+        || fail muon_tp_reference_$model "$(tail -n 3 $T/tref_$model.txt)"
+done
+# tp_equiv NAME MODEL NP TP ZERO
+tp_equiv() {
+    local name=$1 model=$2 np=$3 tp=$4 z=$5 D=$T/tp_$1
+    timeout 120 mpirun --allow-run-as-root --oversubscribe -np $np ./train $Y $TS ${!model} --set parallel.tp=$tp \
+        --set parallel.zero=$z --set run.dir=$D >$D.txt 2>&1
+    local rc=$? why diff drc=1
+    why=$(close_losses $T/tref_$model/metrics.jsonl $D/metrics.jsonl 2>&1)
+    diff=$(./train ckpt-diff $T/tref_$model/checkpoints/step_00000006 $D/checkpoints/step_00000006 --quiet \
+        --tol 1e-5 2>&1) && drc=0
+    if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && grep -q "muon owners over .* x $tp tp" $D.txt; then
+        ok muon_tp_equiv_$name
+    else fail muon_tp_equiv_$name "rc $rc: $why $diff $(grep -m2 -i error $D.txt)"; fi
+}
+tp_equiv gpt2_tp2 GPT2 2 2 0
+tp_equiv gpt2_tp4 GPT2 4 4 0
+tp_equiv gpt2_tp2_dp2_zero1 GPT2 4 2 1
+tp_equiv gpt2_tp2_dp2_zero3 GPT2 4 2 3
+tp_equiv gpt2_whole_qkv_tp2_dp2_zero2 WHOLE 4 2 2
+tp_equiv llama_gqa_tp2 LLAMA 2 2 0
+tp_equiv llama_gqa_tp2_dp2_zero3 LLAMA 4 2 3
+tp_equiv moe_tp2_dp2_zero1 MOE 4 2 1
+grep -h 'muon owners' $T/tp_gpt2_tp2_dp2_zero3.txt | sed 's/^/# /'
+# a tp checkpoint's momentum is boxes of the logical tensors: tp 2 to step 3,
+# then tp 2 x dp 2 under ZeRO 3 to step 6, against one rank
+D=$T/tp_reshard
+timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 ./train $Y $TS $GPT2 --set parallel.tp=2 --set train.steps=3 \
+    --set run.dir=$D >/dev/null 2>&1
+timeout 120 mpirun --allow-run-as-root --oversubscribe -np 4 ./train $Y $TS $GPT2 --set parallel.tp=2 --set parallel.zero=3 \
+    --set run.dir=$D --resume auto >$D.txt 2>&1
+rc=$?
+why=$(close_losses $T/tref_GPT2/metrics.jsonl $D/metrics.jsonl 2>&1)
+if [ $rc -eq 0 ] && grep -q 'resharded from 2 rank(s) (dp 1 x tp 2) to 4' $D.txt && [ -z "$why" ] \
+    && ./train ckpt-diff $T/tref_GPT2/checkpoints/step_00000006 $D/checkpoints/step_00000006 --quiet --tol 1e-5 >/dev/null
+then ok muon_tp_reshard_tp2_to_tp2_dp2_zero3
+else fail muon_tp_reshard_tp2_to_tp2_dp2_zero3 "rc $rc: $why $(grep -m2 -iE 'error|resum' $D.txt)"; fi

@@ -116,6 +116,10 @@ static void cpu_memcpy(void *dst, const void *src, size_t bytes) {
     if (bytes) memmove(dst, src, bytes);
 }
 
+static void cpu_copy_2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height) {
+    for (size_t r = 0; r < height; r++) memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+}
+
 static void cpu_zero(void *dst, size_t bytes) {
     if (bytes) memset(dst, 0, bytes);
 }
@@ -1215,6 +1219,7 @@ const Backend backend_cpu = {
     .to_device = cpu_memcpy,
     .to_host = cpu_memcpy,
     .copy = cpu_memcpy,
+    .copy_2d = cpu_copy_2d,
     .zero = cpu_zero,
     .sync = cpu_sync,
     .act_bytes = cpu_act_bytes,
