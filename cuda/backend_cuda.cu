@@ -320,10 +320,9 @@ extern "C" const Backend backend_cuda = {
     .adamw_update_bf16 = cuda_adamw_update_bf16,
     .adamw_update_p16 = cuda_adamw_update_p16,
     .lion_update = cuda_lion_update,
-    /* Muon runs on the CPU only so far: optim.c refuses it on a backend without these */
-    .muon_momentum = NULL,
-    .newton_schulz = NULL,
-    .muon_apply = NULL,
+    .muon_momentum = cuda_muon_momentum,
+    .newton_schulz = cuda_newton_schulz,
+    .muon_apply = cuda_muon_apply,
     .sumsq = cuda_sumsq,
     .set_precision = cuda_set_precision,
     .set_attention = cuda_set_attention,

@@ -1,5 +1,6 @@
 /* pointwise: GeLU, the adds, the fp32 -> activation-dtype cast, fused
- * softmax + cross-entropy, AdamW and the sum of squares. Activations in either
+ * softmax + cross-entropy, AdamW, Lion and Muon's elementwise steps (and
+ * Newton-Schulz's ends), and the sum of squares. Activations in either
  * dtype (templates on T_), arithmetic in fp32; AdamW and sumsq are fp32 only (AdamW's moments, and with precision.master bf16 its parameters, may be bf16). Each mirrors the CPU backend's formula in the same order; AdamW is
  * written with explicitly rounded intrinsics (no FMA contraction) so its
  * update is the CPU's bit for bit. Reductions run in a fixed tree: the same
@@ -457,4 +458,93 @@ double cuda_sumsq(const float *x, size_t n) {
     double s = 0.0;
     CUDA_CHECK(cudaMemcpy(&s, part + SUMSQ_BLOCKS, sizeof s, cudaMemcpyDeviceToHost));
     return s;
+}
+
+/* ---------------------------------------------------------------------------
+ * Muon (backend.h muon_momentum, muon_apply): the CPU backend's expressions
+ * with each operation rounded on its own, so both give the same bits. u may
+ * be grads (each element is read before it is written). */
+__global__ void muon_momentum_kernel(float *u, float *m, const float *grads, size_t n, float mu, float grad_scale) {
+    const float mc = 1.0f - mu;
+    GRID_STRIDE(i, n) {
+        float g = __fmul_rn(grads[i], grad_scale);
+        float mi = __fadd_rn(__fmul_rn(mu, m[i]), __fmul_rn(mc, g));
+        m[i] = mi;
+        u[i] = __fadd_rn(__fmul_rn(mc, g), __fmul_rn(mu, mi));
+    }
+}
+
+void cuda_muon_momentum(float *u, float *m, const float *grads, size_t n, float momentum, float grad_scale) {
+    if (!n) return;
+    KLAUNCH(muon_momentum_kernel, grid_for(n, 256), 256, 0, u, m, grads, n, momentum, grad_scale);
+    CUDA_CHECK_LAUNCH();
+}
+
+__global__ void muon_apply_kernel(float *params, const float *o, size_t n, float lr, float scale, float wd) {
+    GRID_STRIDE(i, n) {
+        float p = params[i];
+        params[i] = __fsub_rn(p, __fmul_rn(lr, __fadd_rn(__fmul_rn(scale, o[i]), __fmul_rn(wd, p))));
+    }
+}
+
+void cuda_muon_apply(float *params, const float *o, size_t n, float lr, float scale, float weight_decay) {
+    if (!n) return;
+    KLAUNCH(muon_apply_kernel, grid_for(n, 256), 256, 0, params, o, n, lr, scale, weight_decay);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* Newton-Schulz's ends (matmul.cu runs the products). The Frobenius norm
+ * stays on the device: the sumsq partials, then 1 / (sqrt(sum) + 1e-7) as a
+ * float, read by the kernel that scales x (rows, cols) fp32 into X (a, b)
+ * act, transposed when tr; cuda_ns_finish writes X back into x's layout. */
+__global__ void ns_inv_norm_kernel(float *inv, const double *part) {
+    __shared__ double red[32];
+    double s = block_sum_d(part[threadIdx.x], red); /* blockDim.x == SUMSQ_BLOCKS */
+    if (threadIdx.x == 0) *inv = (float)(1.0 / (sqrt(s) + 1e-7));
+}
+
+template <typename T_>
+__global__ void ns_prepare_kernel(T_ *X, const float *x, const float *inv, int rows, int cols, int tr) {
+    size_t n = (size_t)rows * cols, b = tr ? (size_t)rows : (size_t)cols;
+    float s = *inv;
+    GRID_STRIDE(e, n) { /* e indexes X (a, b): row p, column q */
+        size_t p = e / b, q = e % b;
+        X[e] = act_from<T_>(__fmul_rn(x[tr ? q * cols + p : p * cols + q], s));
+    }
+}
+
+template <typename T_>
+static void ns_prepare_run(void *X, const float *x, const float *inv, int rows, int cols, int tr) {
+    KLAUNCH(ns_prepare_kernel<T_>, grid_for((size_t)rows * cols, 256), 256, 0, (T_ *)X, x, inv, rows, cols, tr);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_ns_prepare(void *X, const float *x, int rows, int cols) {
+    size_t n = (size_t)rows * cols;
+    double *part = (double *)cuda_scratch(SCRATCH_NS, (SUMSQ_BLOCKS + 1) * sizeof(double));
+    float *inv = (float *)(part + SUMSQ_BLOCKS);
+    KLAUNCH(sumsq_partial_kernel, SUMSQ_BLOCKS, SUMSQ_THREADS, 0, part, x, n);
+    CUDA_CHECK_LAUNCH();
+    KLAUNCH(ns_inv_norm_kernel, 1, SUMSQ_BLOCKS, 0, inv, part);
+    CUDA_CHECK_LAUNCH();
+    ACT_DISPATCH(ns_prepare_run, X, x, inv, rows, cols, rows > cols);
+}
+
+template <typename T_>
+__global__ void ns_finish_kernel(float *x, const T_ *X, int rows, int cols, int tr) {
+    size_t n = (size_t)rows * cols, b = tr ? (size_t)rows : (size_t)cols;
+    GRID_STRIDE(e, n) {
+        size_t p = e / b, q = e % b;
+        x[tr ? q * cols + p : p * cols + q] = act_f(X[e]);
+    }
+}
+
+template <typename T_>
+static void ns_finish_run(float *x, const void *X, int rows, int cols, int tr) {
+    KLAUNCH(ns_finish_kernel<T_>, grid_for((size_t)rows * cols, 256), 256, 0, x, (const T_ *)X, rows, cols, tr);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_ns_finish(float *x, const void *X, int rows, int cols) {
+    ACT_DISPATCH(ns_finish_run, x, X, rows, cols, rows > cols);
 }

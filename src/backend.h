@@ -309,16 +309,18 @@ typedef struct Backend {
     void (*lion_update)(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
                         float weight_decay, float grad_scale);
 
-    /* Muon (docs/optimizers.md) on one matrix, fp32; a backend without them
+    /* Muon (docs/optimizers.md) on one matrix; a backend without them
      * leaves all three NULL and optim.name muon is refused on it.
-     * muon_momentum: g = grad * grad_scale, m = mu m + (1 - mu) g, and the
-     * Nesterov look-ahead u = (1 - mu) g + mu m; u, m, grads (n). */
+     * muon_momentum, fp32: g = grad * grad_scale, m = mu m + (1 - mu) g, and
+     * the Nesterov look-ahead u = (1 - mu) g + mu m; u, m, grads (n); u may
+     * be grads (in place). Every backend gives the same bits. */
     void (*muon_momentum)(float *u, float *m, const float *grads, size_t n, float momentum, float grad_scale);
-    /* x (rows, cols) in place: X = x / (||x||_F + 1e-7), transposed to
+    /* x (rows, cols) fp32 in place: X = x / (||x||_F + 1e-7), transposed to
      * (cols, rows) when rows > cols, then `steps` quintic iterations
      * A = X X^T, X = 3.4445 X + (-4.7750 A + 2.0315 A A) X, products by the
-     * backend's matmul; the result back in x's layout. work: 2 rows cols +
-     * 2 min(rows, cols)^2 floats. */
+     * backend's matmul in the activation dtype (each stored in it: bf16 on
+     * CUDA, fp32 on the CPU); the result back in x's layout, fp32. work:
+     * 2 rows cols + 2 min(rows, cols)^2 + 256 floats. */
     void (*newton_schulz)(float *x, int rows, int cols, int steps, float *work);
     /* p -= lr * (scale * o + wd * p); params, o (n). */
     void (*muon_apply)(float *params, const float *o, size_t n, float lr, float scale, float weight_decay);

@@ -143,7 +143,7 @@ void optim_set_muon(AdamW *o, const OptimMatrix *mats, int nmat, float momentum,
         x->owner = 0;
         size_t r = (size_t)x->grows, c = (size_t)x->gcols, a = r < c ? r : c;
         if (r * c > most) most = r * c;
-        if (2 * r * c + 2 * a * a > work) work = 2 * r * c + 2 * a * a;
+        if (2 * r * c + 2 * a * a + 256 > work) work = 2 * r * c + 2 * a * a + 256; /* backend.h newton_schulz */
     }
     muon_place_momentum(o, 0);
     o->u = be->alloc(most * sizeof(float));

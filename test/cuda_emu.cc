@@ -53,6 +53,8 @@ void cuda_matmul_backward_dgelu(void *, float *, float *, const void *, const vo
                                 int, int) {
     emu_fail("matmul called");
 }
+/* its products are cuBLASLt's: test/matmul_emu.cc tests it */
+void cuda_newton_schulz(float *, int, int, int, float *) { emu_fail("matmul called"); }
 
 #define TOL_F32 1e-5
 #define TOL_BF16 1e-2
@@ -487,6 +489,49 @@ static void test_lion(size_t n) {
     check_exact("lion_params_n" + std::to_string(n), get_f32(dp, n), p);
     check_exact("lion_m_n" + std::to_string(n), get_f32(dm, n), m);
     cudaFree(dp), cudaFree(dm);
+}
+
+/* Muon's elementwise ops: the CPU's bits, the momentum in place (u = grads)
+ * as muon.c runs it under ZeRO 2/3 and apart; two steps. */
+static void test_muon_ops(size_t n) {
+    Vec p = rnd(n, 1.0f), m = rnd(n, 0.01f), u(n);
+    float *dp = dev_f32(p), *dm = dev_f32(m), *du = dev_f32(u);
+    for (int t = 1; t <= 2; t++) {
+        Vec g = rnd(n, 1.0f), o = rnd(n, 0.05f);
+        float *dg = dev_f32(g), *dgo = dev_f32(o);
+        if (t == 1) {
+            cpu->muon_momentum(u.data(), m.data(), g.data(), n, 0.95f, 0.5f);
+            gpu->muon_momentum(du, dm, dg, n, 0.95f, 0.5f);
+        } else { /* in place */
+            cpu->muon_momentum(g.data(), m.data(), g.data(), n, 0.95f, 0.5f);
+            gpu->muon_momentum(dg, dm, dg, n, 0.95f, 0.5f);
+            u = g;
+            CUDA_CHECK(cudaMemcpy(du, dg, n * sizeof(float), cudaMemcpyDeviceToDevice));
+        }
+        cpu->muon_apply(p.data(), o.data(), n, 0.02f, 1.7f, 0.1f);
+        gpu->muon_apply(dp, dgo, n, 0.02f, 1.7f, 0.1f);
+        cudaFree(dg), cudaFree(dgo);
+    }
+    check_exact("muon_momentum_m_n" + std::to_string(n), get_f32(dm, n), m);
+    check_exact("muon_momentum_u_n" + std::to_string(n), get_f32(du, n), u);
+    check_exact("muon_apply_params_n" + std::to_string(n), get_f32(dp, n), p);
+    cudaFree(dp), cudaFree(dm), cudaFree(du);
+}
+
+/* copy_2d: a column block of a row-major matrix out and back (muon.c's tp
+ * parts), every other element untouched. */
+static void test_copy_2d(void) {
+    const size_t R = 13, C = 20, c0 = 7, w = 5;
+    Vec g = rnd(R * C, 1.0f), part(R * w, 0.0f);
+    float *dg = dev_f32(g), *dpart = dev_f32(part), *dback = dev_f32(Vec(R * C, 0.0f));
+    gpu->copy_2d(dpart, w * 4, dg + c0, C * 4, w * 4, R);
+    cpu->copy_2d(part.data(), w * 4, g.data() + c0, C * 4, w * 4, R);
+    check_exact("copy_2d_out", get_f32(dpart, R * w), part);
+    Vec back(R * C, 0.0f);
+    gpu->copy_2d(dback + c0, C * 4, dpart, w * 4, w * 4, R);
+    cpu->copy_2d(back.data() + c0, C * 4, part.data(), w * 4, w * 4, R);
+    check_exact("copy_2d_back", get_f32(dback, R * C), back);
+    cudaFree(dg), cudaFree(dpart), cudaFree(dback);
 }
 
 /* bf16 moments (precision.optim_state bf16): the kernel must give the CPU's
@@ -990,6 +1035,8 @@ int main(void) {
         test_adamw_p16(1003, 0);
         test_adamw_p16(1003, 1);
         test_lion(1003);
+        test_muon_ops(1003);
+        test_copy_2d();
         test_sumsq(4099);
         test_sumsq(100);                  /* fewer elements than partial blocks */
         test_sumsq(0);
