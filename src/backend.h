@@ -325,6 +325,31 @@ typedef struct Backend {
     /* p -= lr * (scale * o + wd * p); params, o (n). */
     void (*muon_apply)(float *params, const float *o, size_t n, float lr, float scale, float weight_decay);
 
+    /* Adafactor (Shazeer & Stern 2018; docs/optimizers.md), fp32, on a run
+     * of n elements of one tensor, element k being the tensor's element
+     * e = e0 + k, row e / cols and column e % cols of a factored (2-D)
+     * tensor; g = grad * grad_scale.
+     * adafactor_stats: rows[e / cols] += and cols[e % cols] += g^2 + eps1,
+     * each row's and column's terms summed in double in element order. */
+    void (*adafactor_stats)(float *rows, float *cols, const float *grads, size_t e0, size_t n, int cols_n,
+                            float grad_scale, float eps1);
+    /* state(n) = beta2 state + (1 - beta2) scale sums(n): the factored
+     * statistics' moving averages (scale: 1 / the count they sum). */
+    void (*adafactor_ema)(float *state, const float *sums, size_t n, float beta2, float scale);
+    /* not factored: v(n) = beta2 v + (1 - beta2) (g^2 + eps1) */
+    void (*adafactor_second)(float *v, const float *grads, size_t n, float grad_scale, float beta2, float eps1);
+    /* The unclipped update u = g / sqrt(r[row] / rmean) / sqrt(c[col]) for a
+     * factored tensor (r, c its row and column averages, rmean the mean of
+     * all its r), else u = g / sqrt(v[k]); adafactor_usq writes the sum of
+     * u^2 over the run, in double, to *out (device memory). adafactor_apply:
+     * u *= inv_clip; with m (n, else NULL) m = beta1 m + (1 - beta1) u and
+     * u = m; params -= lr (u + wd params). r, c NULL: v is used. */
+    void (*adafactor_usq)(double *out, const float *grads, const float *v, const float *r, const float *c,
+                          float rmean, size_t e0, size_t n, int cols_n, float grad_scale);
+    void (*adafactor_apply)(float *params, const float *grads, float *m, const float *v, const float *r,
+                            const float *c, float rmean, size_t e0, size_t n, int cols_n, float grad_scale,
+                            float inv_clip, float lr, float beta1, float weight_decay);
+
     /* Sum of squares of fp32 x, in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);
 

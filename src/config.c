@@ -142,11 +142,12 @@ static const CfgKey cfg_keys[] = {
     KINT("train.max_consecutive_skips", max_consecutive_skips, "10", 0, INF,
          "with `on_nonfinite: skip`, stop (exit 1) after this many skipped steps in a row: a run that "
          "stays non-finite is diverging, not unlucky; 0 = never stop"),
-    KENUM("optim.name", optim_name, "adamw", "adamw|lion|muon",
+    KENUM("optim.name", optim_name, "adamw", "adamw|lion|muon|adafactor",
           "optimizer (docs/optimizers.md): `adamw`; `lion` (sign of the interpolated momentum, one state "
           "buffer; takes `optim.lion_betas`, `lr`, `weight_decay` and `grad_clip`, not `betas` or `eps`); `muon` "
-          "(the blocks' 2-D matrices orthogonalised by Newton-Schulz; embeddings, head, gains, biases and the "
-          "router keep AdamW with `betas`, `eps`; CPU backend and `parallel.zero: 0` only)"),
+          "(the blocks' 2-D matrices orthogonalised by Newton-Schulz, each on one dp rank; embeddings, head, "
+          "gains, biases and the router keep AdamW with `betas`, `eps`); `adafactor` (factored second moments "
+          "of every 2-D tensor, update clipping, relative step off: `optim.adafactor_*`, `lr`, `weight_decay`)"),
     KFLT("optim.lr", lr, "6.0e-4", 0, 10, "peak learning rate"),
     KPAIR("optim.betas", beta1, beta2, "[0.9, 0.95]", 0, 1, CF_HI_OPEN, "AdamW `[beta1, beta2]`"),
     /* eps = 0 divides 0 by 0 wherever a gradient is always zero (the padded
@@ -163,6 +164,14 @@ static const CfgKey cfg_keys[] = {
           "sqrt(max(rows, cols)), an update RMS like AdamW's so its lr and weight_decay carry over"),
     KBOOL("optim.muon_split_qkv", muon_split_qkv, "true",
           "Muon orthogonalises GPT-2's fused c_attn as its q, k and v thirds (false: as one matrix)"),
+    KFLTF("optim.adafactor_decay", adafactor_decay, "0.8", 0, 1, CF_LO_OPEN,
+          "Adafactor's second-moment decay: beta2 at step t is 1 - t^-decay (0.8, the paper's)"),
+    KFLT("optim.adafactor_clip", adafactor_clip, "1.0", 0, 1e9,
+         "Adafactor's update clipping: each tensor's update is cut to this RMS; 0 = off"),
+    KFLTF("optim.adafactor_eps", adafactor_eps, "1.0e-30", 0, 1, CF_LO_OPEN,
+          "Adafactor's epsilon, added to g^2 before the moments average it"),
+    KFLT("optim.adafactor_beta1", adafactor_beta1, "0", 0, 0.999999,
+         "Adafactor's first moment of the clipped update (0 = none, the paper's: no m, the factored state alone)"),
     KBOOL("optim.decay_embeddings", decay_embeddings, "true", "apply weight decay to the embedding tables too"),
     KENUM("schedule.kind", sched_kind, "cosine", "cosine|linear|constant|wsd", "learning-rate shape after warmup"),
     KINT("schedule.warmup_steps", warmup_steps, "100", 0, INF, "steps of linear warmup from 0"),

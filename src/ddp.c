@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "adafactor.h"
 #include "muon.h"
 #include "util.h"
 
@@ -488,10 +489,14 @@ static void muon_after(Ddp *d, AdamW *o, float *params, const float *grads, floa
 
 void ddp_set_muon(Ddp *d, struct MuonDist *md) { d->muon = md; }
 
+void ddp_set_adafactor(Ddp *d, struct Adafactor *a) { d->adafactor = a; }
+
 OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
     Model *m = d->m;
     if (d->units) {
-        OptimStepInfo info = optim_step_segments(o, d->pshard, d->gshard, d->seg, d->nseg, lr, grad_norm);
+        OptimStepInfo info = d->adafactor ? adafactor_step(d->adafactor, o, d->pshard, d->gshard, lr, grad_norm)
+                                          : optim_step_segments(o, d->pshard, d->gshard, d->seg, d->nseg, lr,
+                                                                grad_norm);
         if (d->muon && !info.nonfinite) muon_after(d, o, d->pshard, d->gshard, lr, info.grad_scale);
         if (!d->whole_params) {
             /* the gathered copies are stale now: the next forward gathers again */
@@ -502,11 +507,15 @@ OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
         return info;
     }
     if (d->zero == 0) {
-        OptimStepInfo info = optim_step_norm(o, model_param_arena(m), m->grad_mem, lr, grad_norm);
+        OptimStepInfo info = d->adafactor ? adafactor_step(d->adafactor, o, m->param_mem, m->grad_mem, lr, grad_norm)
+                                          : optim_step_norm(o, model_param_arena(m), m->grad_mem, lr, grad_norm);
         if (d->muon && !info.nonfinite) muon_after(d, o, m->param_mem, m->grad_mem, lr, info.grad_scale);
         return info;
     }
-    OptimStepInfo info = optim_step_norm(o, m->param_mem + d->shard.lo, m->grad_mem + d->shard.lo, lr, grad_norm);
+    OptimStepInfo info = d->adafactor ? adafactor_step(d->adafactor, o, m->param_mem + d->shard.lo,
+                                                       m->grad_mem + d->shard.lo, lr, grad_norm)
+                                      : optim_step_norm(o, m->param_mem + d->shard.lo, m->grad_mem + d->shard.lo, lr,
+                                                        grad_norm);
     if (d->muon && !info.nonfinite) muon_after(d, o, m->param_mem + d->shard.lo, m->grad_mem, lr, info.grad_scale);
     if (info.nonfinite || !d->g) return info; /* every rank skipped: the norm is global */
     host_comm_fence(d);

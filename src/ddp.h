@@ -86,6 +86,7 @@ typedef struct Ddp {
     size_t *run_lo, *run_hi;
     int *run_split, nrun;
     struct MuonDist *muon;    /* optim.name muon: its distributed step (ddp_set_muon), else NULL */
+    struct Adafactor *adafactor; /* optim.name adafactor: its step (ddp_set_adafactor), else NULL */
     /* time this rank spent blocked in communication, and step count, since
      * ddp_init: the part of communication not hidden behind computation */
     double blocked_s, step_blocked_s;
@@ -191,6 +192,10 @@ int ddp_rank(const Ddp *d);
  * step after the elementwise part, before the parameters travel. */
 struct MuonDist;
 void ddp_set_muon(Ddp *d, struct MuonDist *md);
+/* Adafactor (adafactor.c): ddp_optim_step runs its step instead of the
+ * elementwise optimizer's. */
+struct Adafactor;
+void ddp_set_adafactor(Ddp *d, struct Adafactor *a);
 
 /* Seconds this rank spent blocked in communication in the current step
  * (reset as it begins): after ddp_optim_step, the whole step's. */

@@ -90,6 +90,7 @@ int optim_kind(const char *name) {
     if (strcmp(name, "adamw") == 0) return OPTIM_ADAMW;
     if (strcmp(name, "lion") == 0) return OPTIM_LION;
     if (strcmp(name, "muon") == 0) return OPTIM_MUON;
+    if (strcmp(name, "adafactor") == 0) return OPTIM_ADAFACTOR;
     return -1;
 }
 
@@ -185,10 +186,25 @@ int optim_muon_covers(const AdamW *o, size_t off) {
 }
 
 void optim_zero_state(AdamW *o) {
-    o->be->zero(o->m, (o->hi - o->lo) * o->state_bytes);
+    if (o->m) o->be->zero(o->m, (o->hi - o->lo) * o->state_bytes);
     if (o->v) o->be->zero(o->v, (o->hi - o->lo) * o->state_bytes);
     if (o->mm) o->be->zero(o->mm, o->mm_len * sizeof(float));
     o->t = 0;
+}
+
+void optim_set_adafactor(AdamW *o, float beta1) {
+    const Backend *be = o->be;
+    if (!be->adafactor_stats || !be->adafactor_ema || !be->adafactor_second || !be->adafactor_usq ||
+        !be->adafactor_apply)
+        kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': adafactor: the %s backend has no Adafactor ops", be->name);
+    if (o->state_bytes != 4 || o->param_bytes != 4)
+        kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': adafactor keeps fp32 state and parameters; use "
+                  "precision.optim_state: fp32 and precision.master: fp32");
+    o->kind = OPTIM_ADAFACTOR;
+    o->beta1 = beta1;
+    be->free(o->v);
+    o->v = NULL;
+    if (beta1 <= 0.0f) be->free(o->m), o->m = NULL;
 }
 
 void optim_set_lion(AdamW *o, float beta1, float beta2) {
@@ -204,7 +220,7 @@ void optim_set_lion(AdamW *o, float beta1, float beta2) {
 
 void optim_free(AdamW *o) {
     if (o->be) {
-        o->be->free(o->m);
+        if (o->m) o->be->free(o->m);
         if (o->v) o->be->free(o->v);
         if (o->u) o->be->free(o->u), o->be->free(o->ns_work);
         if (o->mm) o->be->free(o->mm);
@@ -219,7 +235,7 @@ OptimStepInfo optim_step(AdamW *o, void *params, const float *grads, float lr) {
 }
 
 /* The norm check and clipping factor shared by the step functions. */
-static OptimStepInfo step_begin(AdamW *o, double grad_norm) {
+OptimStepInfo optim_step_begin(AdamW *o, double grad_norm) {
     OptimStepInfo info = {0};
     info.grad_norm = grad_norm;
     info.grad_scale = 1.0f;
@@ -260,9 +276,10 @@ static void update_range(AdamW *o, void *params, const float *grads, size_t k, s
 
 OptimStepInfo optim_step_segments(AdamW *o, void *params, const float *grads, const OptimSegment *seg, int nseg,
                                   float lr, double grad_norm) {
-    if (o->kind == OPTIM_MUON && !o->muon_dist)
-        kiln_fail(KILN_EXIT_RUNTIME, "optim: muon over sharded segments needs muon.c (muon_dist_init)");
-    OptimStepInfo info = step_begin(o, grad_norm);
+    if ((o->kind == OPTIM_MUON && !o->muon_dist) || o->kind == OPTIM_ADAFACTOR)
+        kiln_fail(KILN_EXIT_RUNTIME, "optim: %s over sharded segments needs its own module (muon.c, adafactor.c)",
+                  o->kind == OPTIM_MUON ? "muon" : "adafactor");
+    OptimStepInfo info = optim_step_begin(o, grad_norm);
     if (info.nonfinite) return info;
     for (int i = 0; i < nseg; i++) {
         size_t k = seg[i].off;
@@ -305,7 +322,9 @@ static void muon_step(AdamW *o, float *params, const float *grads, float lr, flo
 }
 
 OptimStepInfo optim_step_norm(AdamW *o, void *params, const float *grads, float lr, double grad_norm) {
-    OptimStepInfo info = step_begin(o, grad_norm);
+    if (o->kind == OPTIM_ADAFACTOR)
+        kiln_fail(KILN_EXIT_RUNTIME, "optim: adafactor's step is adafactor.c's (adafactor_step)");
+    OptimStepInfo info = optim_step_begin(o, grad_norm);
     if (info.nonfinite) return info;
     if (o->kind == OPTIM_MUON) {
         muon_step(o, params, grads, lr, info.grad_scale);

@@ -28,7 +28,7 @@ int optim_sched_kind(const char *name);
 float optim_lr(const Schedule *s, int step);
 
 /* optim.name */
-typedef enum { OPTIM_ADAMW, OPTIM_LION, OPTIM_MUON } OptimKind;
+typedef enum { OPTIM_ADAMW, OPTIM_LION, OPTIM_MUON, OPTIM_ADAFACTOR } OptimKind;
 
 /* Muon: one logical matrix of the arena, row-major at element `off`. Under
  * tensor parallelism rows x cols is this rank's part of a grows x gcols
@@ -104,6 +104,13 @@ static inline uint64_t optim_round_seed(uint64_t run_seed) { return run_seed ^ 0
 /* Lion instead of AdamW, with its own betas (optim.lion_betas); before the
  * first step, fp32 state and parameters only. Frees v: Lion keeps m alone. */
 void optim_set_lion(AdamW *o, float beta1, float beta2);
+/* Adafactor instead of AdamW (adafactor.c runs its step): beta1 > 0 keeps
+ * a first moment in m, else m is freed too; v is freed (adafactor.c keeps
+ * the second moments). Before the first step, fp32 state and parameters. */
+void optim_set_adafactor(AdamW *o, float beta1);
+/* The start of a step that adafactor.c (or another caller) runs itself:
+ * the norm check, clipping's factor and the step count. */
+OptimStepInfo optim_step_begin(AdamW *o, double grad_norm);
 /* Muon on `mats` (copied; disjoint, inside [0, n)), AdamW with the
  * settings given at init on the rest; before the first step, fp32 state and
  * parameters. Every matrix is owned here (owner 0) with its momentum in mm,
@@ -133,7 +140,7 @@ void optim_zero_state(AdamW *o);
 /* optim.muon_scale for a (rows, cols) matrix: "spectral" sqrt(max(1,
  * rows/cols)), "match_adamw" 0.2 sqrt(max(rows, cols)); -1 if unknown. */
 float optim_muon_scale(const char *kind, int rows, int cols);
-/* "adamw" | "lion" | "muon" -> kind; -1 if unknown. */
+/* "adamw" | "lion" | "muon" | "adafactor" -> kind; -1 if unknown. */
 int optim_kind(const char *name);
 void optim_free(AdamW *o);
 /* "fp32" -> 4, "bf16" -> 2 (precision.optim_state); 0 if unknown. */

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "adafactor.h"
 #include "ddp.h"
 #include "hf.h"
 #include "metrics.h"
@@ -146,9 +147,35 @@ static void add_muon(CkptTable *t, Model *m, const AdamW *o) {
 
 /* The optimizer state over arena range [lo, hi) at o's buffers, and Muon's. */
 static void add_optim(CkptTable *t, Model *m, const AdamW *o) {
-    add_range(t, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/", o);
+    if (o->m) add_range(t, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/", o);
     if (o->v) add_range(t, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/", o);
     add_muon(t, m, o);
+}
+
+/* Adafactor's second moments: each factored tensor's row and column
+ * averages, 1-D tensors of its global rows and columns (this tp rank's
+ * blocks of a split dimension as boxes), and the elementwise moments of this
+ * rank's runs of the other tensors, as the AdamW moments. save: what this
+ * rank writes (the averages are the same on every dp rank: dp rank 0's;
+ * ZeRO 0's runs too), else what it loads (everything it holds). */
+static void add_adafactor(CkptTable *t, Model *m, const Adafactor *a, int save, const StateMesh *mesh) {
+    if (!a) return;
+    AdafactorState s;
+    for (int k = 0; adafactor_state(a, k, &s); k++) {
+        if (save && mesh->dp_rank > 0 && (s.vector || mesh->zero == 0)) continue;
+        char name[CKPT_NAME];
+        snprintf(name, sizeof name, "%s%s", s.prefix, m->params[s.tensor].name);
+        if (!s.vector) {
+            add_piece(t, m, s.tensor, name, s.ptr, 4, s.toff, s.toff + s.len, m->be->to_host, m->be->to_device);
+            continue;
+        }
+        int64_t shape[1] = {(int64_t)s.glen};
+        for (int j = 0; j < s.nbox; j++) {
+            CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, 1, shape, 0, s.n[j], s.ptr + s.at[j], m->be->to_host,
+                                           m->be->to_device);
+            if (s.part) ckpt_entry_set_box(e, s.g0[j], s.g0[j] + s.n[j], 0, 1);
+        }
+    }
 }
 
 void state_table_add(CkptTable *t, Model *m, AdamW *o) {
@@ -203,6 +230,7 @@ static void state_fresh(RunState *s, int dirty) {
         else state_load_init_from(s->m, c->init_from, s->mesh.rank == 0);
         if (u) ddp_params_loaded(u);
         optim_zero_state(s->o);
+        if (s->mesh.adafactor) adafactor_zero(s->mesh.adafactor);
         data_rewind(s->train);
     }
     /* nothing draws from this stream yet; it is saved and restored so that
@@ -285,12 +313,13 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
          * ddp_params_loaded); ZeRO-3 only its blocks */
         if (ddp_whole_params(us)) add_params(t, m, m->param_mem, "");
         else add_unit_blocks(t, m, us, ddp_param_shard(us, NULL), 4, "", NULL);
-        add_unit_blocks(t, m, us, o->m, o->state_bytes, "optim.m/", o);
+        if (o->m) add_unit_blocks(t, m, us, o->m, o->state_bytes, "optim.m/", o);
         if (o->v) add_unit_blocks(t, m, us, o->v, o->state_bytes, "optim.v/", o);
         add_muon(t, m, o);
     } else {
         state_table_add(t, m, o);
     }
+    add_adafactor(t, m, s->mesh.adafactor, 0, &s->mesh);
     ckpt_add_blob(t, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
     ckpt_add_blob(t, "train.step", CKPT_I64, 1, 1, &s->step);
     ckpt_add_blob(t, "train.tokens", CKPT_I64, 1, 1, &s->tokens);
@@ -306,14 +335,15 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
          * no rank writes the whole, and the whole arena of ZeRO-2 may be in
          * the middle of its refresh */
         add_unit_blocks(w, m, us, ddp_param_shard(us, NULL), 4, "", NULL);
-        add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/", o);
+        if (o->m) add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/", o);
         if (o->v) add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/", o);
     } else if (s->mesh.dp_rank == 0) add_model_params(w, m);
     if (!us && (s->mesh.dp_rank == 0 || opt_sharded)) {
-        add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/", o);
+        if (o->m) add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/", o);
         if (o->v) add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/", o);
     }
     add_muon(w, m, o); /* every owner its own, in every layout */
+    add_adafactor(w, m, s->mesh.adafactor, 1, &s->mesh);
     if (rank == 0) {
         ckpt_add_blob(w, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
         ckpt_add_blob(w, "train.step", CKPT_I64, 1, 1, &s->step);

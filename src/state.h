@@ -27,6 +27,7 @@ typedef struct StateMesh {
                           optimizer state live in its shard buffers, unit by
                           unit (ZeRO-2 also keeps the whole parameters in the
                           model's arena); NULL otherwise */
+    struct Adafactor *adafactor; /* optim.name adafactor: its second moments (adafactor_state) */
 } StateMesh;
 
 struct Metrics;

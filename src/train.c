@@ -15,6 +15,7 @@
 #include "mesh.h"
 #include "tp.h"
 #include "metrics.h"
+#include "adafactor.h"
 #include "model.h"
 #include "muon.h"
 #include "optim.h"
@@ -273,6 +274,54 @@ static void dump_replicated_grads(const Model *m, const char *path, int rank) {
     fclose(f);
 }
 
+/* KILN_TEST_OPTIM_DUMP=DIR (one rank, ZeRO 0, no tp; docs/optimizers.md):
+ * what an optimizer reference needs to replay the run's steps. At start,
+ * DIR/tensors.txt (a line "tensor NAME OFFSET NUMEL NDIM ROWS COLS DECAY"
+ * per tensor, "muon OFF ROWS COLS SCALE DECAY" per Muon matrix) and
+ * DIR/params_0.f32; per step k, DIR/grads_<k>.f32 (the summed gradients,
+ * before clipping), DIR/params_<k>.f32 (after the update) and a line
+ * "step K LR" in DIR/steps.txt. Raw fp32, the arena's num_params elements. */
+static void dump_arena(const char *dir, const char *what, int step, const float *dev, size_t n, const Backend *be) {
+    char path[1200];
+    snprintf(path, sizeof path, "%s/%s_%d.f32", dir, what, step);
+    float *h = xmalloc(n * sizeof(float));
+    be->to_host(h, dev, n * sizeof(float));
+    if (kiln_write_file_atomic(path, h, n * sizeof(float)) != 0)
+        kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
+    free(h);
+}
+
+static void dump_optim_start(const char *dir, const Model *m, const AdamW *o, int ranks) {
+    if (ranks != 1 || !m->param_mem || m->n_units)
+        kiln_fail(KILN_EXIT_USAGE, "KILN_TEST_OPTIM_DUMP needs one rank, parallel.zero 0 and precision.master fp32");
+    if (kiln_mkdirs(dir) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot create (KILN_TEST_OPTIM_DUMP)", dir);
+    char path[1200];
+    snprintf(path, sizeof path, "%s/tensors.txt", dir);
+    FILE *f = fopen(path, "w");
+    if (!f) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
+    for (int i = 0; i < m->num_tensors; i++) {
+        const ParamInfo *p = &m->params[i];
+        fprintf(f, "tensor %s %zu %zu %d %d %d %d\n", p->name, p->offset, p->numel, p->ndim, p->shape[0],
+                p->ndim == 2 ? p->shape[1] : 1, p->decay);
+    }
+    for (int i = 0; i < (o->kind == OPTIM_MUON ? o->nmat : 0); i++)
+        fprintf(f, "muon %zu %d %d %.9g %d\n", o->mats[i].off, o->mats[i].rows, o->mats[i].cols, o->mats[i].scale,
+                o->mats[i].decay);
+    if (fclose(f) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
+    snprintf(path, sizeof path, "%s/steps.txt", dir);
+    if (kiln_write_file_atomic(path, "", 0) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write", path);
+    dump_arena(dir, "params", 0, m->param_mem, m->num_params, m->be);
+}
+
+static void dump_optim_step(const char *dir, const Model *m, int step, float lr) {
+    char path[1200];
+    snprintf(path, sizeof path, "%s/steps.txt", dir);
+    FILE *f = fopen(path, "a");
+    if (!f || fprintf(f, "step %d %.9g\n", step, lr) < 0 || fclose(f) != 0)
+        kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
+    dump_arena(dir, "params", step, m->param_mem, m->num_params, m->be);
+}
+
 /* Ranks, the mesh, the consistency check. Exits 2 on a layout that does not
  * fit the world or the batch. */
 static void setup_parallel(const Config *c, const TrainOptions *topt, Mesh *mesh, int *accum) {
@@ -391,6 +440,15 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         train_set_muon(&opt, &model, c, rank == 0);
         muon_dist_init(&muon, &opt, &ddp, tpg, rank == 0); /* owners over the dp (x tp) ranks; ddp runs its step */
     }
+    Adafactor adafactor = {0};
+    if (optim_kind(c->optim_name) == OPTIM_ADAFACTOR) {
+        optim_set_adafactor(&opt, c->adafactor_beta1);
+        adafactor_init(&adafactor, &opt, &model, &ddp, tpg, c->adafactor_decay, c->adafactor_clip, c->adafactor_eps);
+        if (rank == 0)
+            printf("optim: adafactor, %d tensor(s) factored (%zu statistics), %zu elementwise second moments here, "
+                   "%s\n", adafactor.nf, adafactor.nstat, adafactor.nv,
+                   c->adafactor_beta1 > 0 ? "first moment m" : "no first moment");
+    }
     Schedule sched = {(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps, c->min_lr_ratio,
                       c->decay_ratio};
 
@@ -413,7 +471,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     RunState rs;
     size_t shard_n;
     float *param_shard = ddp_param_shard(&ddp, &shard_n); /* ZeRO-2/3: what checkpoints and hashes read */
-    StateMesh smesh = {rank, world, dp, c->zero, dp_rank, tp, tpg->rank, comm_world(), param_shard ? &ddp : NULL};
+    StateMesh smesh = {rank, world, dp, c->zero, dp_rank, tp, tpg->rank, comm_world(), param_shard ? &ddp : NULL,
+                       adafactor.be ? &adafactor : NULL};
     int start_step = state_open(&rs, c, &smesh, topt->resume, topt->force, topt->commit, &model, &opt, train);
     model_params_changed(&model); /* a resume loaded them: the compute copy follows */
     Metrics *mx = metrics_open(c, rank, world, fpt, peak, peak_src, start_step);
@@ -482,6 +541,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
      * fingerprint every replicated tensor's gradient into FILE.rank<R>, so a
      * test can see that every tp rank holds the same */
     const char *tp_grads_file = ddp_whole_params(&ddp) && !param_shard ? getenv("KILN_TEST_TP_GRADS") : NULL;
+    const char *optim_dump = getenv("KILN_TEST_OPTIM_DUMP");
+    if (optim_dump) dump_optim_start(optim_dump, &model, &opt, world);
     const char *pause_env = getenv("KILN_TEST_PAUSE_AT_STEP");
     int pause_at_step = pause_env ? atoi(pause_env) : 0;
     float *param_host = inject_nan_step > 0 ? xmalloc((param_shard ? shard_n : model.num_params) * sizeof(float)) : NULL;
@@ -528,11 +589,13 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         metrics_phase(mx, PHASE_SYNC, step + 1);
         double grad_norm = ddp_reduce_grads(&ddp);
         if (tp_grads_file && step == start_step) dump_replicated_grads(&model, tp_grads_file, rank);
+        if (optim_dump) dump_arena(optim_dump, "grads", step + 1, model.grad_mem, model.num_params, be);
         float loss = (float)(ddp_sum(&ddp, loss_sum) / (accum * dp));
         metrics_phase(mx, PHASE_OPTIMIZER, step + 1);
         /* a non-finite loss skips the update even if its gradients look finite */
         OptimStepInfo info = {grad_norm, 1.0f, 1};
         if (isfinite(loss)) info = ddp_optim_step(&ddp, &opt, lr, grad_norm);
+        if (optim_dump) dump_optim_step(optim_dump, &model, step + 1, lr);
         MetricsMoe moe_ms = {0};
         if (isfinite(loss)) moe_after_step(&model, &ddp, &moe_ms, &moe_buf);
         model_params_changed(&model); /* the next forward casts the compute copy again */
@@ -634,6 +697,7 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     free(ctx);
     optim_free(&opt);
     muon_dist_free(&muon);
+    adafactor_free(&adafactor);
     ddp_free(&ddp);
     tp_free(&tpx);
     free(moe_buf.load);

@@ -518,6 +518,61 @@ static void test_muon_ops(size_t n) {
     cudaFree(dp), cudaFree(dm), cudaFree(du);
 }
 
+/* Adafactor's ops on a (37, 29) tensor's run from mid-row 5 to 11 short of
+ * the end (ZeRO cuts tensors anywhere) and on an unfactored run. The row
+ * and column sums are double sums in another order stored in fp32: 1e-6 of
+ * the largest (a few fp32 ulps; a lost or doubled row or column errs by
+ * 1/29 or more); the sum of squares as sumsq (1e-12 relative); everything
+ * elementwise, and the step given the same statistics, the CPU's bits. */
+static void test_adafactor(void) {
+    const size_t R = 37, C = 29, e0 = 5, n = R * C - 16;
+    Vec g = rnd(n, 0.01f), p = rnd(n, 1.0f), m = rnd(n, 0.001f), rows(R, 0.5f), cols(C, 0.25f);
+    float *dg = dev_f32(g), *dp = dev_f32(p), *dm = dev_f32(m), *drows = dev_f32(rows), *dcols = dev_f32(cols);
+    cpu->adafactor_stats(rows.data(), cols.data(), g.data(), e0, n, (int)C, 0.5f, 1e-30f);
+    gpu->adafactor_stats(drows, dcols, dg, e0, n, (int)C, 0.5f, 1e-30f);
+    Vec grow = get_f32(drows, R), gcol = get_f32(dcols, C);
+    check("adafactor_stats_rows", grow, rows, 1e-6);
+    check("adafactor_stats_cols", gcol, cols, 1e-6);
+    /* from here on both sides read the CPU's statistics */
+    /* second moments are positive: |N(0, 1e-5)| + 1e-6 */
+    auto pos = [](Vec x) { for (auto &e : x) e = fabsf(e) + 1e-6f; return x; };
+    Vec r = pos(rnd(R, 1e-5f)), c = pos(rnd(C, 1e-5f)), sums = pos(rnd(R, 1e-4f));
+    float *dr = dev_f32(r), *dc = dev_f32(c), *dsums = dev_f32(sums);
+    cpu->adafactor_ema(r.data(), sums.data(), R, 0.42f, 1.0f / 29);
+    gpu->adafactor_ema(dr, dsums, R, 0.42f, 1.0f / 29);
+    check_exact("adafactor_ema", get_f32(dr, R), r);
+    CUDA_CHECK(cudaMemcpy(dr, r.data(), R * 4, cudaMemcpyHostToDevice));
+    double *dq;
+    CUDA_CHECK(cudaMalloc((void **)&dq, sizeof(double)));
+    double want, got;
+    cpu->adafactor_usq(&want, g.data(), NULL, r.data(), c.data(), 2.1e-5f, e0, n, (int)C, 0.5f);
+    gpu->adafactor_usq(dq, dg, NULL, dr, dc, 2.1e-5f, e0, n, (int)C, 0.5f);
+    CUDA_CHECK(cudaMemcpy(&got, dq, sizeof got, cudaMemcpyDeviceToHost));
+    report("adafactor_usq_factored", fabs(got - want) <= TOL_SUMSQ * want, "rel err %.2e (tol %.0e)",
+           fabs(got - want) / want, TOL_SUMSQ);
+    cpu->adafactor_apply(p.data(), g.data(), m.data(), NULL, r.data(), c.data(), 2.1e-5f, e0, n, (int)C, 0.5f, 0.7f,
+                         0.01f, 0.9f, 0.1f);
+    gpu->adafactor_apply(dp, dg, dm, NULL, dr, dc, 2.1e-5f, e0, n, (int)C, 0.5f, 0.7f, 0.01f, 0.9f, 0.1f);
+    check_exact("adafactor_apply_factored_params", get_f32(dp, n), p);
+    check_exact("adafactor_apply_factored_m", get_f32(dm, n), m);
+    /* not factored: v, then the step without m */
+    Vec v = pos(rnd(n, 1e-5f));
+    float *dv = dev_f32(v);
+    cpu->adafactor_second(v.data(), g.data(), n, 0.5f, 0.42f, 1e-30f);
+    gpu->adafactor_second(dv, dg, n, 0.5f, 0.42f, 1e-30f);
+    check_exact("adafactor_second", get_f32(dv, n), v);
+    cpu->adafactor_usq(&want, g.data(), v.data(), NULL, NULL, 1.0f, 0, n, 1, 0.5f);
+    gpu->adafactor_usq(dq, dg, dv, NULL, NULL, 1.0f, 0, n, 1, 0.5f);
+    CUDA_CHECK(cudaMemcpy(&got, dq, sizeof got, cudaMemcpyDeviceToHost));
+    report("adafactor_usq_elementwise", fabs(got - want) <= TOL_SUMSQ * want, "rel err %.2e (tol %.0e)",
+           fabs(got - want) / want, TOL_SUMSQ);
+    cpu->adafactor_apply(p.data(), g.data(), NULL, v.data(), NULL, NULL, 1.0f, 0, n, 1, 0.5f, 1.0f, 0.01f, 0.0f, 0.0f);
+    gpu->adafactor_apply(dp, dg, NULL, dv, NULL, NULL, 1.0f, 0, n, 1, 0.5f, 1.0f, 0.01f, 0.0f, 0.0f);
+    check_exact("adafactor_apply_elementwise", get_f32(dp, n), p);
+    cudaFree(dg), cudaFree(dp), cudaFree(dm), cudaFree(drows), cudaFree(dcols), cudaFree(dr), cudaFree(dc);
+    cudaFree(dsums), cudaFree(dq), cudaFree(dv);
+}
+
 /* copy_2d: a column block of a row-major matrix out and back (muon.c's tp
  * parts), every other element untouched. */
 static void test_copy_2d(void) {
@@ -1037,6 +1092,7 @@ int main(void) {
         test_lion(1003);
         test_muon_ops(1003);
         test_copy_2d();
+        test_adafactor();
         test_sumsq(4099);
         test_sumsq(100);                  /* fewer elements than partial blocks */
         test_sumsq(0);
