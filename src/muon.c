@@ -393,7 +393,7 @@ double muon_dist_step(MuonDist *md, AdamW *o, float *params, const float *grads,
     }
     /* the owner's work: momentum and look-ahead into obuf, orthogonalised there
      * (under tp: on the whole matrix, at its tp owner) */
-    double t0 = kiln_now();
+    double t0 = kiln_now(), comm1 = md->comm_s;
     for (int i = 0; i < o->nmat; i++) {
         const OptimMatrix *x = &o->mats[i];
         if (md->owner[i] != md->rank) continue;
@@ -402,8 +402,9 @@ double muon_dist_step(MuonDist *md, AdamW *o, float *params, const float *grads,
         if (!md->tpg) optim_muon_orthogonalise(o, u, x->rows, x->cols);
     }
     if (md->tpg) tp_orthogonalise(md, o);
+    if (md->tpg) comm_drain(md->tpg); /* tp's collectives may be stream-ordered: with the deadline first */
     be->sync(); /* so the time is the work's, not the exchange's */
-    md->ns_s += kiln_now() - t0;
+    md->ns_s += kiln_now() - t0 - (md->comm_s - comm1); /* tp's exchanges are comm_s's */
     /* the updates to the holders, and each holder's step */
     if (md->zero == 0) {
         if (comm) {

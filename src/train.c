@@ -683,6 +683,10 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         metrics_print(mx, "data parallel: %.1f%% of step time blocked in gradient/parameter communication "
                           "(not overlapped with compute): %.3f of %.3f s",
                       100.0 * blocked_sum / step_time_sum, blocked_sum, step_time_sum);
+    if (muon.be && step_time_sum > 0)
+        metrics_print(mx, "muon: %.1f%% of step time in the owners' momentum and Newton-Schulz (%.3f of %.3f s), "
+                      "%.1f%% blocked in its exchanges", 100.0 * muon.ns_s / step_time_sum, muon.ns_s, step_time_sum,
+                      100.0 * muon.comm_s / step_time_sum);
     if (tp > 1 && step_time_sum > 0)
         metrics_print(mx, "tensor parallel: %.1f%% of step time blocked in tp communication (activations and "
                           "partial gradients): %.3f of %.3f s", 100.0 * tp_blocked_sum / step_time_sum,
