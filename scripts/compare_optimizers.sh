@@ -6,9 +6,12 @@
 #   scripts/compare_optimizers.sh [--out DIR] [--steps N] [--sweep] [--sweep-steps N] [--threads N]
 #
 # --sweep first tries three learning rates per optimizer and model for
-# --sweep-steps steps (cosine to the same floor) and keeps the one with the
-# lowest validation loss; without it the rates this script found on
-# 2026-12-01 (docs/optimizers.md, "Comparison") are used. Every run: the
+# --sweep-steps steps (cosine to the same floor), then doubles (or halves)
+# past the best while it is the grid's edge, at most twice, and keeps the one
+# with the lowest validation loss; without it the rates this script found on
+# 2026-12-01 (docs/optimizers.md, "Comparison") are used. A run whose
+# directory already holds its completed summary (same steps, same rate) is
+# not run again, so an interrupted comparison continues. Every run: the
 # config's batch (4096 tokens a step), cosine schedule with 30 warmup steps,
 # --steps steps (default 300), validation every 50 steps on the same 10
 # batches, one thread (a loaded machine's OpenMP barriers otherwise dominate),
@@ -58,6 +61,12 @@ extra() { [ "$1" = muon ] && echo "--set optim.muon_scale=match_adamw" || true; 
 # run MODEL OPTIM LR STEPS DIR
 run() {
     local model=$1 opt=$2 lr=$3 steps=$4 dir=$5
+    if [ -f "$dir/summary.json" ] && python3 -c "
+import json, sys; s = json.load(open(sys.argv[1] + '/summary.json')); c = open(sys.argv[1] + '/config.yaml').read()
+sys.exit(not (s['status'] == 'completed' and s['steps'] == int(sys.argv[2]) and '  lr: ' + sys.argv[3] + '\n' in c))" \
+        "$dir" "$steps" "$(python3 -c "import sys; print('%g' % float(sys.argv[1]))" "$lr")" 2>/dev/null; then
+        return 0
+    fi
     rm -rf "$dir"
     # shellcheck disable=SC2046
     ./train configs/$model.yaml --set run.name="$model-$opt" --set run.dir="$dir" --set run.threads=$THREADS \
@@ -72,15 +81,25 @@ for model in $MODELS; do
     for opt in $OPTIMS; do
         lr=$(tuned $model $opt)
         if [ $SWEEP = 1 ]; then
-            best=""
-            for cand in $(grid $opt); do
-                d=$OUT/sweep/$model-$opt-$cand
-                mkdir -p "$OUT/sweep"
-                run $model $opt $cand $SWEEP_STEPS "$d"
-                v=$(val_loss "$d")
-                echo "sweep $model $opt lr $cand: val loss $v"
-                if [ -z "$best" ] || python3 -c "import sys; sys.exit(not float(sys.argv[1]) < float(sys.argv[2]))" "$v" "$bestv"
-                then best=$cand bestv=$v; fi
+            cands=$(grid $opt) best="" tried=""
+            for round in 0 1 2; do
+                for cand in $cands; do
+                    case " $tried " in *" $cand "*) continue ;; esac
+                    tried="$tried $cand"
+                    d=$OUT/sweep/$model-$opt-$cand
+                    mkdir -p "$OUT/sweep"
+                    run $model $opt $cand $SWEEP_STEPS "$d"
+                    v=$(val_loss "$d")
+                    echo "sweep $model $opt lr $cand: val loss $v"
+                    if [ -z "$best" ] || python3 -c "import sys; sys.exit(not float(sys.argv[1]) < float(sys.argv[2]))" \
+                        "$v" "$bestv"; then best=$cand bestv=$v; fi
+                done
+                # the best at an edge of what was tried: one step further out
+                lo=$(printf '%s\n' $tried | sort -g | head -1) hi=$(printf '%s\n' $tried | sort -g | tail -1)
+                if [ "$best" = "$hi" ]; then cands=$(python3 -c "import sys; print('%g' % (2 * float(sys.argv[1])))" $hi)
+                elif [ "$best" = "$lo" ]; then cands=$(python3 -c "import sys; print('%g' % (float(sys.argv[1]) / 2))" $lo)
+                else break; fi
+                [ $round -lt 2 ] || break
             done
             lr=$best
         fi

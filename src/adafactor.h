@@ -1,14 +1,9 @@
 /* adafactor: Adafactor (Shazeer & Stern 2018) over this rank's optimizer
- * part, with relative steps off (the schedule's lr), no parameter scaling,
- * update clipping, optional first moment: each 2-D tensor's second moment is
- * factored into moving averages of its row and column means of g^2 + eps1,
- * every other tensor keeps an elementwise one. The row and column sums of
- * each rank's runs are summed over the dp group (ZeRO 1-3: the runs are
- * shards) and, for tensors split by tensor parallelism, over the tp group in
- * the dimension the split cuts; so are the update's sums of squares that
- * clipping needs. Knows the model's tensor table, ddp's pieces, comm and the
- * optimizer's step count and moments; never the data or the checkpoint
- * (state.c asks adafactor_state). docs/optimizers.md. */
+ * part: factored second moments of each 2-D tensor (row and column averages,
+ * their sums over dp and, where tp splits, over tp), elementwise ones for the
+ * rest, update clipping, relative step off. Knows the tensor table, ddp's
+ * pieces and comm; never the data or the checkpoint (state.c asks
+ * adafactor_state). docs/optimizers.md. */
 #ifndef KILN_ADAFACTOR_H
 #define KILN_ADAFACTOR_H
 

@@ -563,10 +563,9 @@ int ddp_rank_piece(const Ddp *d, int rank, int i, DdpPiece *p) {
         return 1;
     }
     if (i >= d->nu) return 0;
-    size_t at = 0;
-    for (int u = 0; u < i; u++) at += d->us[u].block; /* every rank's blocks of a unit are the same size */
+    /* every rank's block of a unit has the same size, so the same place in its shard buffers */
     ShardRange s = mesh_shard_range(m->unit_len[i], d->dp, rank, 64);
-    *p = (DdpPiece){.at = at, .lo = m->unit_off[i] + s.lo, .hi = m->unit_off[i] + s.hi};
+    *p = (DdpPiece){.at = d->at[i], .lo = m->unit_off[i] + s.lo, .hi = m->unit_off[i] + s.hi};
     return 1;
 }
 

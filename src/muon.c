@@ -196,8 +196,8 @@ static void plan_tp(MuonDist *md, const AdamW *o) {
     for (int i = 0; i < n; i++)
         if (md->owner[i] != md->rank) md->towner[i] = -1;
     size_t *gpair = xcalloc((size_t)tp * tp, sizeof(size_t)), *spair = xcalloc((size_t)tp * tp, sizeof(size_t));
-    md->tsend = xmalloc((size_t)(2 * n * tp + 1) * sizeof(MuonPiece));
-    md->trecv = xmalloc((size_t)(2 * n * tp + 1) * sizeof(MuonPiece));
+    md->tsend = xmalloc((size_t)(2 * n * tp + 1) * sizeof(MuonTpRun));
+    md->trecv = xmalloc((size_t)(2 * n * tp + 1) * sizeof(MuonTpRun));
     for (int pass = 0; pass < 2; pass++) {
         memset(gpair, 0, (size_t)tp * tp * sizeof(size_t));
         memset(spair, 0, (size_t)tp * tp * sizeof(size_t));
@@ -213,17 +213,13 @@ static void plan_tp(MuonDist *md, const AdamW *o) {
                 if (r == t) continue;
                 size_t *g = &gpair[(size_t)r * tp + t], *s = &spair[(size_t)t * tp + r];
                 if (pass == 1 && x->tp_dim >= 0 && r == md->tpr)
-                    md->tsend[md->ntsend++] = (MuonPiece){.mat = i, .peer = t, .own = 1, .n = part,
-                                                          .xfer = (size_t)t * md->tblock + *g};
+                    md->tsend[md->ntsend++] = (MuonTpRun){i, t, 1, (size_t)t * md->tblock + *g, part};
                 if (pass == 1 && x->tp_dim >= 0 && t == md->tpr)
-                    md->trecv[md->ntrecv++] = (MuonPiece){.mat = i, .peer = r, .own = 1, .n = part,
-                                                          .xfer = (size_t)r * md->tblock + *g};
+                    md->trecv[md->ntrecv++] = (MuonTpRun){i, r, 1, (size_t)r * md->tblock + *g, part};
                 if (pass == 1 && t == md->tpr)
-                    md->tsend[md->ntsend++] = (MuonPiece){.mat = i, .peer = r, .own = 0, .n = part,
-                                                          .xfer = (size_t)r * md->tblock + *s};
+                    md->tsend[md->ntsend++] = (MuonTpRun){i, r, 0, (size_t)r * md->tblock + *s, part};
                 if (pass == 1 && r == md->tpr)
-                    md->trecv[md->ntrecv++] = (MuonPiece){.mat = i, .peer = t, .own = 0, .n = part,
-                                                          .xfer = (size_t)t * md->tblock + *s};
+                    md->trecv[md->ntrecv++] = (MuonTpRun){i, t, 0, (size_t)t * md->tblock + *s, part};
                 if (x->tp_dim >= 0) *g += part;
                 *s += part;
             }
@@ -335,13 +331,13 @@ static void all_to_all(MuonDist *md) {
     md->comm_s += kiln_now() - t0;
 }
 
-/* One tp all-to-all of the runs of one direction (gather: .own 1). */
+/* One tp all-to-all: the parts to their tp owners (gather) or back. */
 static void tp_exchange(MuonDist *md, const AdamW *o, int gather) {
     const size_t F = sizeof(float);
     for (int k = 0; k < md->ntsend; k++) {
-        const MuonPiece *r = &md->tsend[k];
+        const MuonTpRun *r = &md->tsend[k];
         const OptimMatrix *x = &o->mats[r->mat];
-        if ((int)r->own != gather) continue;
+        if (r->gather != gather) continue;
         if (gather) md->be->copy(md->tsbuf + r->xfer, md->obuf + x->mom, r->n * F);
         else tp_move(md, x, r->peer, md->gbuf + md->gpos[r->mat], md->tsbuf + r->xfer, 0);
     }
@@ -352,9 +348,9 @@ static void tp_exchange(MuonDist *md, const AdamW *o, int gather) {
         md->comm_s += kiln_now() - t0;
     }
     for (int k = 0; k < md->ntrecv; k++) {
-        const MuonPiece *r = &md->trecv[k];
+        const MuonTpRun *r = &md->trecv[k];
         const OptimMatrix *x = &o->mats[r->mat];
-        if ((int)r->own != gather) continue;
+        if (r->gather != gather) continue;
         if (gather) tp_move(md, x, r->peer, md->gbuf + md->gpos[r->mat], md->trbuf + r->xfer, 1);
         else md->be->copy(md->obuf + x->mom, md->trbuf + r->xfer, r->n * F);
     }

@@ -1,15 +1,9 @@
-/* muon: Muon distributed over the dp group, layer-wise (Megatron's and
- * torchtitan's scheme): each matrix has one owner rank, chosen to balance
- * Newton-Schulz cost; after the gradient reduction the owner gets the
- * matrix's gradient (ZeRO 2/3: gathered from the ranks holding its shards),
- * updates its momentum (kept there only), orthogonalises the look-ahead, and
- * sends the update to the ranks that hold the matrix's parameters (ZeRO 0:
- * every rank). Under tensor parallelism every tp rank of the owner's tp
- * group keeps the momentum of its part, and one of them (the tp owner)
- * gathers the parts' look-aheads into the whole matrix, orthogonalises it
- * and sends each part back. Knows comm, the optimizer's matrices and ddp's
- * shard pieces; never the model's architecture or the checkpoint.
- * docs/optimizers.md. */
+/* muon: Muon distributed layer-wise (Megatron's and torchtitan's scheme):
+ * each matrix has one dp owner, balanced by Newton-Schulz cost, that gets its
+ * gradient, keeps its momentum, orthogonalises it and sends the update to the
+ * ranks holding its parameters; under tp one rank of the owner's tp group
+ * orthogonalises the gathered parts. Knows comm, the optimizer's matrices and
+ * ddp's pieces; never the architecture or the checkpoint. docs/optimizers.md. */
 #ifndef KILN_MUON_H
 #define KILN_MUON_H
 
@@ -29,6 +23,13 @@ typedef struct MuonPiece {
     size_t own;   /* owner: where the run lies in obuf (the matrix at its momentum offset) */
     size_t n;
 } MuonPiece;
+
+/* A matrix part in one of the tp exchanges: to the matrix's tp owner
+ * (gather 1) or back from it (gather 0), at xfer in the exchange buffers. */
+typedef struct MuonTpRun {
+    int mat, peer, gather;
+    size_t xfer, n;
+} MuonTpRun;
 
 typedef struct MuonDist {
     const Backend *be;
@@ -53,8 +54,7 @@ typedef struct MuonDist {
     int *towner;        /* [nmat] the tp rank that orthogonalises each matrix of this dp owner (-1: another's) */
     double *tcost;      /* [dp tp] Newton-Schulz FLOPs per step of each (dp, tp) rank */
     size_t *gpos;       /* [nmat] on its tp owner: where the whole matrix lies in gbuf */
-    MuonPiece *tsend, *trecv; /* [ntsend] [ntrecv] runs of the tp exchanges: parts to the tp owner
-                                 (.own 1 in the gather) and back, xfer their place in the buffers */
+    MuonTpRun *tsend, *trecv; /* [ntsend] [ntrecv] the parts this rank sends and receives over tp */
     int ntsend, ntrecv;
     size_t tblock, tmoved; /* floats per tp pair, padding included; received per exchange */
     float *gbuf;        /* device: the whole matrices this rank orthogonalises, back to back */
