@@ -4,6 +4,7 @@
 # its tuned learning rate, and one ./train report page overlaying every run.
 #
 #   scripts/compare_optimizers.sh [--out DIR] [--steps N] [--sweep] [--sweep-steps N] [--threads N]
+#                                 [--time-rounds N]
 #
 # --sweep first tries three learning rates per optimizer and model for
 # --sweep-steps steps (cosine to the same floor), then doubles (or halves)
@@ -17,13 +18,18 @@
 # batches, one thread (a loaded machine's OpenMP barriers otherwise dominate),
 # no checkpoints or samples. Muon runs with optim.muon_scale match_adamw, so
 # one optim.lr serves its matrices and the AdamW part alike; Adafactor with
-# its defaults (no first moment). Writes DIR/<model>-<optimizer>/ run
-# directories, DIR/report.html, DIR/summary.md (final validation loss, step
-# time, and Muon's Newton-Schulz share measured inside its runs) and, with
+# its defaults (no first moment). Step times: a machine shared with other
+# work changes speed from minute to minute, so after the runs every
+# optimizer is timed again in --time-rounds (3) rounds of 20 steps,
+# interleaved (round 1: every model and optimizer, then round 2, ...), each
+# run's median step over steps 6-20, the median of the rounds reported; and
+# Muon's runs measure their own Newton-Schulz share of the step. Writes
+# DIR/<model>-<optimizer>/ run directories, DIR/report.html, DIR/summary.md
+# (final validation loss, step time, Muon's Newton-Schulz share) and, with
 # chromium, DIR/report.png. Needs data/austen (make data).
 set -eu
 cd "$(dirname "$0")/.."
-OUT=runs/compare_optimizers STEPS=300 SWEEP=0 SWEEP_STEPS=100 THREADS=1
+OUT=runs/compare_optimizers STEPS=300 SWEEP=0 SWEEP_STEPS=100 THREADS=1 ROUNDS=3
 while [ $# -gt 0 ]; do
     case $1 in
         --out) OUT=$2; shift 2 ;;
@@ -31,6 +37,7 @@ while [ $# -gt 0 ]; do
         --sweep) SWEEP=1; shift ;;
         --sweep-steps) SWEEP_STEPS=$2; shift 2 ;;
         --threads) THREADS=$2; shift 2 ;;
+        --time-rounds) ROUNDS=$2; shift 2 ;;
         *) echo "compare_optimizers.sh: unknown argument '$1' (see the comment at the top)" >&2; exit 2 ;;
     esac
 done
@@ -49,18 +56,19 @@ grid() {
         adafactor) echo "3e-3 1e-2 3e-2" ;;
     esac
 }
-tuned() { # MODEL OPTIM
+tuned() { # MODEL OPTIM: what --sweep chose on 2026-12-01 (docs/optimizers.md)
     case $1-$2 in
-        tiny-adamw) echo 6e-3 ;; tiny-muon) echo 1.2e-2 ;; tiny-lion) echo 1.2e-3 ;; tiny-adafactor) echo 1e-2 ;;
-        llama-tiny-adamw) echo 6e-3 ;; llama-tiny-muon) echo 1.2e-2 ;; llama-tiny-lion) echo 1.2e-3 ;;
-        llama-tiny-adafactor) echo 1e-2 ;;
+        tiny-adamw) echo 3e-3 ;; tiny-muon) echo 0.024 ;; tiny-lion) echo 1.2e-3 ;; tiny-adafactor) echo 0.0015 ;;
+        llama-tiny-adamw) echo 6e-3 ;; llama-tiny-muon) echo 0.024 ;; llama-tiny-lion) echo 0.0024 ;;
+        llama-tiny-adafactor) echo 3e-3 ;;
     esac
 }
 extra() { [ "$1" = muon ] && echo "--set optim.muon_scale=match_adamw" || true; }
 
-# run MODEL OPTIM LR STEPS DIR
+# run MODEL OPTIM LR STEPS DIR [--set ...]
 run() {
     local model=$1 opt=$2 lr=$3 steps=$4 dir=$5
+    shift 5
     if [ -f "$dir/summary.json" ] && python3 -c "
 import json, sys; s = json.load(open(sys.argv[1] + '/summary.json')); c = open(sys.argv[1] + '/config.yaml').read()
 sys.exit(not (s['status'] == 'completed' and s['steps'] == int(sys.argv[2]) and '  lr: ' + sys.argv[3] + '\n' in c))" \
@@ -72,7 +80,7 @@ sys.exit(not (s['status'] == 'completed' and s['steps'] == int(sys.argv[2]) and 
     ./train configs/$model.yaml --set run.name="$model-$opt" --set run.dir="$dir" --set run.threads=$THREADS \
         --set optim.name=$opt --set optim.lr=$lr $(extra $opt) --set train.steps=$steps \
         --set train.eval_every=50 --set train.sample_every=0 --set checkpoint.every=0 \
-        --set checkpoint.final=false --set metrics.tensorboard=false >"$dir.txt" 2>&1 \
+        --set checkpoint.final=false --set metrics.tensorboard=false "$@" >"$dir.txt" 2>&1 \
         || { echo "compare_optimizers.sh: $model $opt lr $lr failed: $(tail -n 2 "$dir.txt")" >&2; exit 1; }
 }
 val_loss() { python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['final_val_loss'])" "$1/summary.json"; }
@@ -109,27 +117,50 @@ for model in $MODELS; do
     done
 done
 
+# the interleaved timing runs (no evaluation, every step logged)
+for round in $(seq 1 "$ROUNDS"); do
+    mkdir -p "$OUT/timing"
+    for model in $MODELS; do
+        for opt in $OPTIMS; do
+            echo "timing round $round: $model $opt"
+            run $model $opt "$(cat "$OUT/$model-$opt.lr")" 20 "$OUT/timing/$model-$opt-$round" \
+                --set train.eval_every=0 --set metrics.log_every=1
+        done
+    done
+done
+
 dirs=()
 for model in $MODELS; do for opt in $OPTIMS; do dirs+=("$OUT/$model-$opt"); done; done
 ./train report "${dirs[@]}" -o "$OUT/report.html" >/dev/null
-python3 - "$OUT" $MODELS -- $OPTIMS >"$OUT/summary.md" <<'PY'
-import json, re, sys
-out = sys.argv[1]
+python3 - "$OUT" "$ROUNDS" $MODELS -- $OPTIMS >"$OUT/summary.md" <<'PY'
+import glob, json, re, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
 k = sys.argv.index("--")
-models, optims = sys.argv[2:k], sys.argv[k + 1:]
-print("| model | optimizer | lr | val loss | step time (s) | Newton-Schulz share |")
-print("| --- | --- | --- | --- | --- | --- |")
+models, optims = sys.argv[3:k], sys.argv[k + 1:]
+def step_time(d):  # the median step over steps 6..20 of a timing run
+    t = [json.loads(l)["step_time_s"] for l in open(d + "/metrics.jsonl")]
+    return statistics.median(t[5:])
+def ns_share(d):
+    for line in open(d + "/log/rank0.txt"):
+        g = re.search(r"muon: ([0-9.]+)% of step time in the owners' momentum and Newton-Schulz", line)
+        if g:
+            return float(g.group(1))
+    return None
+print("| model | optimizer | lr | val loss | step time (s) | vs AdamW | Newton-Schulz share |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
 for m in models:
+    base = None
     for o in optims:
         d = "%s/%s-%s" % (out, m, o)
         s = json.load(open(d + "/summary.json"))
         lr = open(d + ".lr").read().strip()
-        ns = "-"
-        for line in open(d + "/log/rank0.txt"):
-            g = re.search(r"muon: ([0-9.]+)% of step time in the owners' momentum and Newton-Schulz", line)
-            if g:
-                ns = g.group(1) + "%"
-        print("| %s | %s | %s | %.4f | %.3f | %s |" % (m, o, lr, s["final_val_loss"], s["step_time_s"], ns))
+        runs = ["%s/timing/%s-%s-%d" % (out, m, o, r) for r in range(1, rounds + 1)]
+        st = statistics.median(step_time(r) for r in runs)
+        base = st if o == "adamw" else base
+        shares = [x for x in (ns_share(r) for r in runs + [d]) if x is not None]
+        ns = "%.1f%%" % statistics.median(shares) if shares else "-"
+        rel = "%.2fx" % (st / base) if base else "-"
+        print("| %s | %s | %s | %.4f | %.3f | %s | %s |" % (m, o, lr, s["final_val_loss"], st, rel, ns))
 PY
 cat "$OUT/summary.md"
 CHROME=$(command -v chromium || command -v chromium-browser || true)
