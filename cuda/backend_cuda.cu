@@ -1,6 +1,7 @@
 /* backend_cuda: the CUDA backend's start-up, memory and the Backend table; the
  * ops live in embed_norm.cu, matmul.cu, attention.cu (+ attention_tc.cu,
- * attention_cudnn.cu), llama.cu, moe.cu and pointwise.cu. The
+ * attention_cudnn.cu; attention_block.cu for context parallelism), llama.cu, moe.cu
+ * and pointwise.cu. The
  * activation dtype (backend.h) is precision.compute: bf16 (activations, their
  * gradients and the parameters' compute copy stored in bf16, matrix products
  * on bf16 tensor cores, fp32 math and accumulation) or fp32 (everything fp32,
@@ -128,9 +129,9 @@ static void cuda_to_host(void *dst, const void *src, size_t bytes) {
 static void cuda_copy(void *dst, const void *src, size_t bytes) {
     if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
 }
-static void cuda_copy_2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height) {
-    if (width && height)
-        CUDA_CHECK(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice, 0));
+static void cuda_copy_2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t rows) {
+    if (width && rows)
+        CUDA_CHECK(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, cudaMemcpyDeviceToDevice, 0));
 }
 static void cuda_zero(void *dst, size_t bytes) {
     if (bytes) CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, 0));
@@ -294,6 +295,8 @@ extern "C" const Backend backend_cuda = {
     .matmul_backward = cuda_matmul_backward,
     .attention_forward = cuda_attention_forward,
     .attention_backward = cuda_attention_backward,
+    .attention_block_forward = cuda_attention_block_forward,
+    .attention_block_backward = cuda_attention_block_backward,
     .rope_forward = cuda_rope_forward,
     .rope_backward = cuda_rope_backward,
     .qknorm_forward = cuda_qknorm_forward,

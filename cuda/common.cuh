@@ -193,6 +193,11 @@ void cuda_attention_set_mode(const char *mode);
 void cuda_attention_precision_changed(void);
 const char *cuda_attention_describe(void);
 void cuda_attention_reset(void);
+/* attention_block.cu: context parallelism's block attention (backend.h's AttnBlock), SIMT, any dtype. */
+void cuda_attention_block_forward(void *out, float *lse, const void *q, const void *k, const void *v,
+                                  const AttnBlock *s, int merge);
+void cuda_attention_block_backward(float *dq, float *dk, float *dv, const void *dout, const void *q, const void *k,
+                                   const void *v, const void *out, const float *lse, const AttnBlock *s);
 /* attention_tc.cu: bf16 act only; fits says whether the head size is
  * supported and its shared memory fits this GPU; qkv and dout 16-byte aligned. */
 int cuda_attention_tc_fits(int C, int NH);

@@ -275,17 +275,18 @@ void cuda_matmul_forward(void *out, const void *inp, const void *w, const void *
 
 void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                           const void *w, int N, int C, int OC, int accumulate) {
-    /* dinp (N,C) act or NULL, dw (OC,C) fp32, dbias (OC) fp32 or NULL, dout (N,OC), inp (N,C),
+    /* dinp (N,C) act or NULL, dw (OC,C) fp32 or NULL, dbias (OC) fp32 or NULL, dout (N,OC), inp (N,C),
      * w (OC,C) act */
     if (N == 0) { /* a sum over no rows: dw and dbias are 0 or kept, per accumulate; no dinp rows */
-        if (!accumulate) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)OC * C * sizeof(float), 0));
+        if (!accumulate && dw) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)OC * C * sizeof(float), 0));
         if (dbias) cuda_colsum(dbias, dout, N, OC, accumulate);
         return;
     }
     if (dinp) mm_gemm(dinp, w, dout, C, N, OC, 0, 0, C, OC, C, 0.0f, 0, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0);
     /* beta 0 does not read dw (BLAS semantics): garbage, even NaN, is overwritten. */
-    mm_gemm(dw, inp, dout, C, OC, N, 0, 1, C, OC, C, accumulate ? 1.0f : 0.0f, 1, CUBLASLT_EPILOGUE_DEFAULT, NULL,
-            NULL, 0);
+    if (dw)
+        mm_gemm(dw, inp, dout, C, OC, N, 0, 1, C, OC, C, accumulate ? 1.0f : 0.0f, 1, CUBLASLT_EPILOGUE_DEFAULT,
+                NULL, NULL, 0);
     if (dbias) cuda_colsum(dbias, dout, N, OC, accumulate);
 }
 

@@ -167,10 +167,13 @@ typedef enum {
     NCCL_OP_RECV,
     NCCL_OP_ALL_TO_ALL,
     NCCL_OP_SUM_BF16,           /* bf16 activations (tensor parallelism) */
-    NCCL_OP_REDUCE_SCATTER_BF16
+    NCCL_OP_REDUCE_SCATTER_BF16,
+    NCCL_OP_SENDRECV            /* a ring step (context parallelism): send to one peer, receive from another */
 } NcclOp;
 /* n: elements per rank's block where the operation has blocks; peer: the
- * root of a broadcast or the other side of a send/recv. */
+ * root of a broadcast or the other side of a send/recv; for SENDRECV the
+ * rank sent to plus (the rank received from) << 16 (NCCL_PAIR). */
+#define NCCL_PAIR(to, from) ((to) | (from) << 16)
 static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, size_t n, int peer);
 static int nccl_test(CommRequest *req);
 static void nccl_wait(CommRequest *req);
@@ -1101,14 +1104,70 @@ void comm_iall_gather(CommGroup *g, const float *send, float *recv, size_t block
 #endif
 }
 
+/* A point-to-point post; MPI for host buffers, NCCL in device mode. */
+static void p2p_post(CommGroup *g, int send, const float *sbuf, float *rbuf, size_t n, int peer, int tag,
+                     CommRequest *req) {
+    const char *op = send ? "send" : "recv";
+    req_start(req, g, op);
+    req->p2p = 1;
+    check_peer(g, peer, op);
+    if (tag < 0)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s': tag %d is negative", C.info.rank, op, g->name, tag);
+    if (g->dev) {
+        nccl_post(req, send ? NCCL_OP_SEND : NCCL_OP_RECV, sbuf, rbuf, n, peer);
+        return;
+    }
+    if (n == 0) return;
+    need_mpi(g, op);
+    check_int_count(g, n, op);
+#ifdef KILN_MPI
+    req->flight = op_begin(g, op, FLIGHT_F32, n, peer, 1, 0);
+    if (send) MPI_CHECK(g, MPI_Isend(sbuf, (int)n, MPI_FLOAT, peer, tag, mcomm(g), mreq(req)));
+    else MPI_CHECK(g, MPI_Irecv(rbuf, (int)n, MPI_FLOAT, peer, tag, mcomm(g), mreq(req)));
+    req->active = 1;
+#endif
+}
+
+void comm_isendrecv(CommGroup *g, const float *send, float *recv, size_t n, int to, int from, int tag,
+                    CommRequest *req) {
+    req_start(req, g, "sendrecv");
+    check_peer(g, to, "sendrecv");
+    check_peer(g, from, "sendrecv");
+    if (g->dev) { /* NCCL has no tags: messages between two ranks match in order */
+        nccl_post(req, NCCL_OP_SENDRECV, send, recv, n, NCCL_PAIR(to, from));
+        return;
+    }
+    if (n == 0) return;
+    need_mpi(g, "sendrecv");
+    check_int_count(g, n, "sendrecv");
+#ifdef KILN_MPI
+    req->flight = op_begin(g, "sendrecv", FLIGHT_F32, n, to, 1, 0);
+    MPI_CHECK(g, MPI_Irecv(recv, (int)n, MPI_FLOAT, from, tag, mcomm(g), (MPI_Request *)(void *)&req->mpi_recv));
+    MPI_CHECK(g, MPI_Isend(send, (int)n, MPI_FLOAT, to, tag, mcomm(g), mreq(req)));
+    req->pair = 1;
+    req->active = 1;
+#endif
+}
+
+void comm_isend(CommGroup *g, const float *buf, size_t n, int peer, int tag, CommRequest *req) {
+    p2p_post(g, 1, buf, NULL, n, peer, tag, req);
+}
+
+void comm_irecv(CommGroup *g, float *buf, size_t n, int peer, int tag, CommRequest *req) {
+    p2p_post(g, 0, NULL, buf, n, peer, tag, req);
+}
+
 int comm_test(CommRequest *req) {
     if (!req->active) return 1;
     if (req->device) return nccl_test(req);
 #ifdef KILN_MPI
-    int done = 0;
+    int done = 0, got = 1;
+    /* a finished request becomes MPI_REQUEST_NULL, which tests as done */
+    if (req->pair) MPI_CHECK(req->g, MPI_Test((MPI_Request *)(void *)&req->mpi_recv, &got, MPI_STATUS_IGNORE));
     MPI_CHECK(req->g, MPI_Test(mreq(req), &done, MPI_STATUS_IGNORE));
+    done = done && got;
     if (done) req->active = 0, flight_done(req->flight);
-    else if (kiln_now() - req->t_start > C.info.timeout_s)
+    else if (!req->p2p && kiln_now() - req->t_start > C.info.timeout_s)
         comm_timeout(req->g, req->op, req->seq, kiln_now() - req->t_start);
     return done;
 #else
@@ -1118,6 +1177,7 @@ int comm_test(CommRequest *req) {
 
 void comm_wait(CommRequest *req) {
     if (!req->active) return;
+    if (req->p2p && !req->waiting) req->waiting = 1, req->t_start = kiln_now(); /* the deadline starts now */
     if (req->device) {
         nccl_wait(req);
         return;
@@ -1125,6 +1185,7 @@ void comm_wait(CommRequest *req) {
 #ifdef KILN_MPI
     flight_wait(req->flight);
     wait_mpi(req->g, mreq(req), req->op, req->seq, req->t_start);
+    if (req->pair) wait_mpi(req->g, (MPI_Request *)(void *)&req->mpi_recv, req->op, req->seq, req->t_start);
     req->active = 0;
     flight_done(req->flight);
 #endif
@@ -1355,7 +1416,7 @@ static void nccl_id_by_file(CommGroup *g, const char *run_dir, ncclUniqueId *id)
     double t0 = kiln_now();
     for (;;) {
         size_t len = 0;
-        char *buf = kiln_read_file(path, &len);
+        char *buf = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
         if (buf && len == sizeof *id) {
             memcpy(id, buf, sizeof *id);
             free(buf);
@@ -1487,9 +1548,10 @@ static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, 
     CommGroup *g = req->g;
     NcclDev *d = g->dev;
     if (n == 0) return; /* nothing to move; the sequence number still counts it */
-    int p2p = k == NCCL_OP_SEND || k == NCCL_OP_RECV;
+    int p2p = k == NCCL_OP_SEND || k == NCCL_OP_RECV || k == NCCL_OP_SENDRECV;
     FlightDtype dt = k == NCCL_OP_SUM_BF16 || k == NCCL_OP_REDUCE_SCATTER_BF16 ? FLIGHT_BF16 : FLIGHT_F32;
-    req->flight = op_begin(g, req->op, dt, n, p2p || k == NCCL_OP_BROADCAST ? peer : -1, p2p, 0);
+    int to = k == NCCL_OP_SENDRECV ? peer & 0xffff : peer;
+    req->flight = op_begin(g, req->op, dt, n, p2p || k == NCCL_OP_BROADCAST ? to : -1, p2p, 0);
     ncclComm_t c = ncomm(g);
     cudaStream_t s = d->stream;
     CUDA_CHECK_G(g, cudaEventRecord(d->ready, d->compute));
@@ -1519,6 +1581,14 @@ static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, 
         break;
     case NCCL_OP_RECV:
         NCCL_CHECK(g, N.Recv(recv, n, ncclFloat32, peer, c, s));
+        break;
+    case NCCL_OP_SENDRECV:
+        /* one group: every rank of a ring sends and receives at once, so no
+         * send waits behind its own receive */
+        NCCL_CHECK(g, N.GroupStart());
+        NCCL_CHECK(g, N.Send(send, n, ncclFloat32, to, c, s));
+        NCCL_CHECK(g, N.Recv(recv, n, ncclFloat32, peer >> 16, c, s));
+        NCCL_CHECK(g, N.GroupEnd());
         break;
     case NCCL_OP_ALL_TO_ALL:
         /* NCCL before 2.28 has no all-to-all: a group of sends and receives
@@ -1565,7 +1635,7 @@ static int nccl_poll(CommRequest *req) {
                   (unsigned long long)req->seq, g->name, N.GetErrorString(st), nccl_detail(g), dead);
     }
     double waited = kiln_now() - req->t_start;
-    if (waited > C.info.timeout_s) {
+    if (waited > C.info.timeout_s && (!req->p2p || req->waiting)) { /* a p2p post times out only in comm_wait */
         N.CommAbort(ncomm(g)); /* the process ends next: nothing to check */
         g->nccl = NULL;
         comm_timeout(g, req->op, req->seq, waited);

@@ -11,6 +11,12 @@
 #define CFG_STR 512
 #define CFG_NAME 64
 #define CFG_MAX_SOURCES 16
+#define CFG_MAX_INTS 256 /* entries of an int list (parallel.pp_layers: one per virtual stage) */
+/* Bounds checked before libyaml sees a config (a file, or one --set value):
+ * its scanner is quadratic in nesting (200,000 '[' took a minute), and no key
+ * of kiln's nests more than a few levels. */
+#define CFG_MAX_BYTES ((size_t)1 << 20)
+#define CFG_MAX_DEPTH 32
 
 /* One entry of data.train (a mixture source) or data.val (a named set). */
 typedef struct CfgSource {
@@ -87,10 +93,14 @@ typedef struct Config {
     float min_lr_ratio;
     float decay_ratio; /* wsd: fraction of steps spent in the final decay */
 
-    /* parallel: dp, ZeRO 0-3 and tp are implemented; pp/cp/ep are reserved (1) */
+    /* parallel: dp, ZeRO 0-3, tp, cp and pp are implemented; ep is reserved (1) */
     int dp; /* 0 = auto */
     int zero, tp, pp, cp, ep;
+    char pp_schedule[24]; /* gpipe | 1f1b | interleaved_1f1b | zb_h1 */
+    int pp_virtual;       /* chunks per pipeline rank (interleaved_1f1b) */
+    int pp_layers[CFG_MAX_INTS], n_pp_layers; /* layers per virtual stage; 0 entries = balanced */
     char sequence_parallel[8]; /* auto | true | false: auto is on when tp > 1 */
+    char cp_attention[12]; /* allgather | ring: how cp > 1 exchanges K and V */
     float timeout_s; /* parallel.timeout_s: deadline of every collective */
 
     /* precision */

@@ -333,6 +333,8 @@ static double grad_sumsq(const Ddp *d, const float *g, size_t lo, size_t hi) {
     return sq;
 }
 
+void ddp_test_poison(Ddp *d) { d->poison = 1; }
+
 void ddp_set_tp(Ddp *d, CommGroup *g) {
     Model *m = d->m;
     if (!g || g->size <= 1) return;
@@ -363,9 +365,17 @@ void ddp_set_tp(Ddp *d, CommGroup *g) {
 }
 
 /* The global gradient norm from every rank's shard (padding is zero). */
+static void poison_if_asked(Ddp *d, float *g) {
+    if (!d->poison) return;
+    float nan = NAN;
+    d->m->be->to_device(g, &nan, sizeof nan);
+    d->poison = 0;
+}
+
 static double unit_norm(Ddp *d) {
     double t0 = kiln_now();
     double sq = 0;
+    poison_if_asked(d, d->gshard);
     if (!d->tp) {
         sq = d->m->be->sumsq(d->gshard, d->shard_len);
     } else {
@@ -461,10 +471,8 @@ void ddp_arm(Ddp *d) {
     d->armed = d->overlap;
 }
 
-double ddp_reduce_grads(Ddp *d) {
-    Model *m = d->m;
-    const Backend *be = m->be;
-    if (d->units) return unit_norm(d);
+void ddp_wait_grads(Ddp *d) {
+    if (d->units) return;
     d->armed = 0;
     if (d->g) {
         double t0 = kiln_now();
@@ -473,9 +481,25 @@ double ddp_reduce_grads(Ddp *d) {
             if (d->req[i].active) comm_wait(&d->req[i]);
         blocked(d, t0);
     }
-    double sq = grad_sumsq(d, m->grad_mem, 0, m->num_params);
+}
+
+void ddp_set_pp(Ddp *d, CommGroup *g, int skip) {
+    if (!g || g->size <= 1) return;
+    d->pp = g;
+    if (skip >= 0) d->skip_lo = d->m->params[skip].offset, d->skip_hi = d->skip_lo + d->m->params[skip].numel;
+}
+
+double ddp_reduce_grads(Ddp *d) {
+    Model *m = d->m;
+    if (d->units) return unit_norm(d);
+    ddp_wait_grads(d);
+    poison_if_asked(d, m->grad_mem);
+    /* pipeline: all but the skipped range, in the two runs around it */
+    size_t n = m->num_params, a = d->skip_lo < n ? d->skip_lo : n, b = d->skip_hi < n ? d->skip_hi : n;
+    double sq = grad_sumsq(d, m->grad_mem, 0, a);
+    if (b < n) sq += grad_sumsq(d, m->grad_mem + b, b, n);
     if (d->tp) comm_all_reduce_sum_f64(d->tp, &sq, 1);
-    (void)be;
+    if (d->pp) comm_all_reduce_sum_f64(d->pp, &sq, 1);
     return sqrt(sq);
 }
 

@@ -82,9 +82,15 @@ typedef struct Ddp {
      * parts of the tp-split tensors and, on tp rank 0 only, the replicated
      * ones, then sums over tp. runs: arena ranges [lo, hi) of tensors that
      * are split (split 1) or replicated (0), in arena order. */
+    int poison;          /* ddp_test_poison: the next ddp_reduce_grads poisons its gradients */
     CommGroup *tp;
     size_t *run_lo, *run_hi;
     int *run_split, nrun;
+    /* Pipeline parallelism (ddp_set_pp): the norm also sums over the pp
+     * group, leaving out arena range [skip_lo, skip_hi) (a tied embedding's
+     * second copy, on the last stage) */
+    CommGroup *pp;
+    size_t skip_lo, skip_hi;
     struct MuonDist *muon;    /* optim.name muon: its distributed step (ddp_set_muon), else NULL */
     struct Adafactor *adafactor; /* optim.name adafactor: its step (ddp_set_adafactor), else NULL */
     /* time this rank spent blocked in communication, and step count, since
@@ -129,6 +135,10 @@ void ddp_params_ready(Ddp *d);
  * buckets or the last reduce-scatters) and return the global gradient norm
  * (L2, before clipping) of the summed gradients. */
 double ddp_reduce_grads(Ddp *d);
+/* ZeRO 0-1: the first half of ddp_reduce_grads alone, every bucket posted
+ * and waited for (the gradient arena is reduced and free to touch); the
+ * call after it then only computes the norm. */
+void ddp_wait_grads(Ddp *d);
 /* AdamW over this rank's part with the global norm, then the all-gather that
  * gives every rank the updated parameters (ZeRO-1: blocking; ZeRO-2: posted
  * per unit and waited for in the next forward; ZeRO-3: none, the next forward
@@ -145,6 +155,19 @@ size_t ddp_grad_floats(const Ddp *d);
  * the global gradient norm then also sums over the tp group g, counting each
  * replicated tensor once. After ddp_init. g NULL or size 1: nothing. */
 void ddp_set_tp(Ddp *d, CommGroup *g);
+
+/* Pipeline parallelism: the model is one stage of pp; the global gradient
+ * norm also sums over the pp group g, counting every parameter once: tensor
+ * `skip` (a table index, or -1) is left out here (the last stage's copy of a
+ * tied embedding, which the first stage counts). After ddp_init and
+ * ddp_set_tp. g NULL or size 1: nothing. */
+void ddp_set_pp(Ddp *d, CommGroup *g, int skip);
+
+/* Test hook (KILN_TEST_INJECT_NAN_STEP): the next ddp_reduce_grads writes a
+ * NaN into the first gradient element on this rank once the reduction is
+ * complete, before the norm: no collective is in flight on the buffer then
+ * (poisoning it earlier raced with ZeRO 0/1's overlapped all-reduces). */
+void ddp_test_poison(Ddp *d);
 
 /* Sum of x over the dp group (losses for logging), in double. */
 double ddp_sum(Ddp *d, double x);

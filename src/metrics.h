@@ -51,6 +51,9 @@ typedef struct MetricsStep {
     const char *comm_group[METRICS_COMM_GROUPS];
     double comm_s[METRICS_COMM_GROUPS];
     const struct MetricsData *data; /* the step's data figures; NULL: none */
+    /* pipeline parallelism (0 or NAN without): the stages' time idle waiting
+     * for a neighbour over their step time, and the schedule's own bubble */
+    double pp_bubble, pp_bubble_theory;
 } MetricsStep;
 
 /* A step's data: the wait for batches, tokens drawn from each source of

@@ -26,7 +26,8 @@ typedef struct PlanMemory {
                                (+ two 1/dp reduce-scatter targets); else 0 */
     double optim;           /* AdamW m and v: whole, or 1/dp (ZeRO >= 1) */
     double state;           /* params + grads + optim (+ shard, gathered, unreduced) */
-    double activations;     /* model_activation_bytes for one micro-batch, fp32, with `recompute` */
+    double activations;     /* model_activation_bytes for one micro-batch, fp32, with `recompute` (+ cp's buffers) */
+    double cp_buffers;      /* of which context parallelism's K/V and dK/dV buffers (cp_buffer_bytes), fp32 */
     double activations_bf16; /* the same in bf16 (the GPU's default), for the report; not in total */
     double act_by_mode[3][2]; /* the same for each ModelRecompute, [0] fp32 [1] bf16 */
     ModelRecompute recompute; /* model.recompute */
@@ -44,9 +45,12 @@ size_t plan_num_params(const ArchSpec *s);
 /* moment_bytes: AdamW's m and v per element, 4 (fp32) or 2 (precision.optim_state bf16);
  * param_bytes: the parameters', 4 (fp32 master) or 2 (precision.master bf16, ZeRO 0 only). */
 /* tp > 1: one rank's part of a model split over tp ranks (its local
- * tensors, rank 0's: the most vocabulary rows). */
-PlanMemory plan_memory_per_rank(const ArchSpec *s, int tp, int dp, int zero, int micro_batch, ModelRecompute recompute,
-                                size_t moment_bytes, size_t param_bytes);
+ * tensors, rank 0's: the most vocabulary rows); sp: sequence parallelism
+ * (the residual stream's activations over tp). cp > 1: its B x T / cp
+ * rows of activations plus cp.c's K/V buffers for cp_mode (a CpMode), and
+ * ZeRO's shards over dp x cp ranks. */
+PlanMemory plan_memory_per_rank(const ArchSpec *s, int tp, int sp, int cp, int cp_mode, int dp, int zero, int micro_batch,
+                                ModelRecompute recompute, size_t moment_bytes, size_t param_bytes);
 
 /* Bytes one rank sends per optimizer step, by group (ring algorithms: an
  * all-reduce of B bytes sends 2 (k-1)/k B, an all-gather or a
@@ -77,6 +81,16 @@ void plan_print_state(const PlanMemory *m, int dp, int zero);
  * counted in the total), "activations, bf16", and a "recompute" line naming
  * model.recompute and what it saves (none: what the other modes would take). */
 void plan_print_activations(const PlanMemory *m);
+
+/* Pipeline parallelism (pp > 1): the schedule (its bubble, the textbook
+ * formula, with show_timeline its text timeline) and each stage's layers,
+ * parameters, activation slots and memory per rank (ZeRO 0-1, as the run
+ * allocates them), for micro micro-batches per data-parallel rank. *worst:
+ * the costliest stage's memory, for the verdict. Returns 0, or -1 with the
+ * reason in err (a schedule or stage cut that cannot run). */
+struct Config;
+int plan_print_pp(const ArchSpec *s, const struct Config *c, int tp, int dp, int micro, int show_timeline,
+                  PlanMemory *worst, char *err, size_t errn);
 
 /* `./train plan CONFIG [--set k=v]... --gpus N [--gpu-mem GB] [--nodes K]`;
  * argv[0] is "plan". Returns 0 (valid, fits) or 2 (does not; one line says

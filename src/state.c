@@ -16,6 +16,7 @@
 #endif
 #include "state.h"
 
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -211,10 +212,11 @@ int state_init_from(Model *m, const char *dir, int say) {
 
 void state_load_init_from(Model *m, const char *path, int say) {
     if (state_init_from(m, path, say)) return;
+    if (hf_init_from(m, path, say)) return; /* under tp each rank takes its part */
     if (m->tp > 1)
-        kiln_fail(KILN_EXIT_USAGE, "key 'init.from': %s is not a kiln checkpoint; HuggingFace and llm.c weights load "
-                  "with parallel.tp: 1 (import there, save a checkpoint, and start this run from it)", path);
-    if (!hf_init_from(m, path, say)) model_load_llmc(m, path);
+        kiln_fail(KILN_EXIT_USAGE, "key 'init.from': %s: llm.c weights load with parallel.tp: 1 (import there, save a "
+                  "checkpoint, and start this run from it)", path);
+    model_load_llmc(m, path);
 }
 
 /* Start-up state when nothing is resumed, or after a corrupt checkpoint was
@@ -249,6 +251,18 @@ static void drop_replicated(CkptTable *w) {
     w->n = k;
 }
 
+/* Pipeline parallelism, the last stage of a tied model: its token embedding
+ * (parameters and moments) is a copy of the first stage's, which writes it. */
+static void drop_tensor(CkptTable *w, const char *name) {
+    int k = 0;
+    for (int i = 0; i < w->n; i++) {
+        const char *n = w->e[i].name, *slash = strrchr(n, '/');
+        int match = w->e[i].kind == CKPT_TENSOR && !strcmp(slash ? slash + 1 : n, name);
+        if (!match) w->e[k++] = w->e[i];
+    }
+    w->n = k;
+}
+
 /* The loader's position: "data.train.state" (written since mixtures), or the
  * one glob's "data.train.pos" of an older checkpoint. Not in the loaded table:
  * its size follows the checkpoint's sources, and older checkpoints lack it. */
@@ -279,6 +293,32 @@ static void state_restore_data(RunState *s, const char *path, int flags, int for
         snprintf(s->data_note, sizeof s->data_note, "data: --force: the checkpoint holds one position in one glob (it "
                  "predates mixtures): the mixture starts at its beginning");
     }
+}
+
+/* The loaded numbers (a ResumeCheck): a checksum proves them the ones written,
+ * not that they are a state; a checkpoint whose step does not fit the loop's
+ * int, or whose counts no run reaches, is refused like damage. */
+static int state_check_loaded(void *ctx, const char *dir, const uint64_t *data_state, size_t words, char *err,
+                              size_t cap) {
+    const RunState *s = ctx;
+    char why[512] = "";
+    const char *entry = NULL;
+    if (s->step < 0 || s->step > INT_MAX)
+        entry = "train.step", snprintf(why, sizeof why, "holds %lld; a step is 0 to 2^31 - 1", (long long)s->step);
+    else if (s->optim_t < 0 || s->optim_t > s->step)
+        entry = "optim.step", snprintf(why, sizeof why, "holds %lld, but the optimizer steps at most once a step (%lld)",
+                                       (long long)s->optim_t, (long long)s->step);
+    else if (s->tokens < 0 || s->tokens > (int64_t)1 << 62)
+        entry = "train.tokens", snprintf(why, sizeof why, "holds %lld; a token count is 0 to 2^62", (long long)s->tokens);
+    else if (!(s->elapsed_s >= 0 && s->elapsed_s < 1e12))
+        entry = "train.elapsed_s", snprintf(why, sizeof why, "holds %g; seconds of training are 0 or more", s->elapsed_s);
+    else if (data_pos_check((DataPos){s->data_pos[0], s->data_pos[1]}, why, sizeof why) != 0)
+        entry = "data.train.pos";
+    else if (data_state && data_state_check(data_state, words, why, sizeof why) != 0)
+        entry = "data.train.state";
+    if (!entry) return 0;
+    snprintf(err, cap, "%s: entry '%s' %s", dir, entry, why);
+    return -1;
 }
 
 /* Collectives for ckpt and resume (ctx = the world group). */
@@ -354,6 +394,9 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     }
     ckpt_add_blob(w, rng_name, CKPT_U64, 4, 0, s->rng.s);
     if (s->mesh.tp_rank > 0) drop_replicated(w);
+    int wte = model_tensor_index(m, -1, ROLE_TOK_EMB, -1);
+    if (s->mesh.pp > 1 && s->mesh.pp_rank == s->mesh.pp - 1 && m->shape.tie_embeddings && wte >= 0)
+        drop_tensor(w, m->params[wte].name);
 
     CkptOptions *op = &s->opts;
     memset(op, 0, sizeof *op);
@@ -382,9 +425,10 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         char path[1200];
         int flags = 0;
         ResumeSync sync = {rank, state_agree, state_bcast, s->mesh.g};
+        ResumeCheck check = {state_check_loaded, s};
         /* the saved config is not part of the loaded table: it is compared, never restored */
         if (resume_load(resume, op->root, t, s->config_text, force, &info, path, sizeof path, &flags,
-                        multi ? &sync : NULL)) {
+                        multi ? &sync : NULL, &check)) {
             o->t = (int)s->optim_t;
             if (s->mesh.units) ddp_params_loaded(s->mesh.units);
             state_restore_data(s, path, flags, force);
@@ -407,13 +451,14 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
                           "this run passes their steps (--resume auto and keep_last follow 'latest' and ignore them)",
                           op->root, (long long)steps[0]);
             if (rank == 0) ckpt_list_free(paths, steps, n);
-            char mesh_note[160] = "";
-            int saved_tp = info.mesh.tp > 0 ? info.mesh.tp : 1;
-            if (info.mesh.world > 0 &&
-                (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp || saved_tp != s->mesh.tp))
-                snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (dp %d x tp %d) to %d (dp %d x "
-                         "tp %d, ZeRO %d)", info.mesh.world, info.mesh.dp, saved_tp, s->mesh.world, s->mesh.dp,
-                         s->mesh.tp, s->mesh.zero);
+            char mesh_note[200] = "";
+            int saved_tp = info.mesh.tp > 0 ? info.mesh.tp : 1, saved_pp = info.mesh.pp > 0 ? info.mesh.pp : 1;
+            int pp = s->mesh.pp > 0 ? s->mesh.pp : 1;
+            if (info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp ||
+                                        saved_tp != s->mesh.tp || saved_pp != pp))
+                snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (pp %d x dp %d x tp %d) to %d (pp "
+                         "%d x dp %d x tp %d, ZeRO %d)", info.mesh.world, saved_pp, info.mesh.dp, saved_tp,
+                         s->mesh.world, pp, s->mesh.dp, s->mesh.tp, s->mesh.zero);
             snprintf(s->resumed_msg, sizeof s->resumed_msg,
                      "resumed from %s at step %lld (%lld tokens, %.1f s of training before)%s", path,
                      (long long)s->step, (long long)s->tokens, s->elapsed_s, mesh_note);
@@ -447,7 +492,7 @@ static void state_save(RunState *s) {
     s->elapsed_s = s->elapsed_base + (kiln_now() - s->t_start);
     CkptMeta meta = {s->step, s->c->hash, KILN_VERSION, s->commit,
                      {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1,
-                      s->mesh.tp > 0 ? s->mesh.tp : 1, 1, 1, 1}};
+                      s->mesh.tp > 0 ? s->mesh.tp : 1, s->mesh.pp > 0 ? s->mesh.pp : 1, 1, 1}};
     double t0 = kiln_now();
     if (ckpt_save(s->writer, &meta) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
@@ -460,7 +505,7 @@ static void state_save(RunState *s) {
 
 int state_after_step(RunState *s, int done, int last) {
     s->step = done;
-    s->tokens += s->c->total_tokens;
+    if (__builtin_add_overflow(s->tokens, s->c->total_tokens, &s->tokens)) s->tokens = INT64_MAX; /* 2^62 a step */
     int sig = stop_signal(), deadline = stop_deadline_reached();
     if (s->mesh.g) {
         /* every rank stops at the same step: the first signal or deadline

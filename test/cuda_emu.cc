@@ -1,5 +1,5 @@
 /* cuda_emu: the CUDA backend's SIMT kernels with their host wrappers
- * (cuda/embed_norm.cu, pointwise.cu, attention.cu), compiled for the CPU
+ * (cuda/embed_norm.cu, pointwise.cu, attention.cu, attention_block.cu), compiled for the CPU
  * against test/cuda_emu.h and compared op by op with the CPU backend on the
  * same random inputs, in both activation dtypes, at shapes that are not
  * multiples of any block size. Built and run by test/t_cuda_emu.sh; one
@@ -33,6 +33,7 @@
 #include "../cuda/moe.cu"
 #include "../cuda/attention.cu"
 #include "../cuda/attention_tc.cu"
+#include "../cuda/attention_block.cu"
 #include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */
 #include "../cuda/backend_cuda.cu"
 
@@ -573,22 +574,6 @@ static void test_adafactor(void) {
     cudaFree(dsums), cudaFree(dq), cudaFree(dv);
 }
 
-/* copy_2d: a column block of a row-major matrix out and back (muon.c's tp
- * parts), every other element untouched. */
-static void test_copy_2d(void) {
-    const size_t R = 13, C = 20, c0 = 7, w = 5;
-    Vec g = rnd(R * C, 1.0f), part(R * w, 0.0f);
-    float *dg = dev_f32(g), *dpart = dev_f32(part), *dback = dev_f32(Vec(R * C, 0.0f));
-    gpu->copy_2d(dpart, w * 4, dg + c0, C * 4, w * 4, R);
-    cpu->copy_2d(part.data(), w * 4, g.data() + c0, C * 4, w * 4, R);
-    check_exact("copy_2d_out", get_f32(dpart, R * w), part);
-    Vec back(R * C, 0.0f);
-    gpu->copy_2d(dback + c0, C * 4, dpart, w * 4, w * 4, R);
-    cpu->copy_2d(back.data() + c0, C * 4, part.data(), w * 4, w * 4, R);
-    check_exact("copy_2d_back", get_f32(dback, R * C), back);
-    cudaFree(dg), cudaFree(dpart), cudaFree(dback);
-}
-
 /* bf16 moments (precision.optim_state bf16): the kernel must give the CPU's
  * bits, the stochastic rounding's included (both call sround.h with the same
  * (seed, t, idx0 + i)); idx0 nonzero as for a ZeRO-1 shard. Moments are
@@ -726,6 +711,80 @@ static void test_attention(int B, int T, int NH, int NKV, int HD, int tc) {
     else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, &ash);
     check_exact(std::string("attention_backward_deterministic") + sh, get_act(ddq, n3), got);
     cudaFree(dq), cudaFree(dg), cudaFree(dout), cudaFree(ddq), cudaFree(dlse), cudaFree(dout2);
+}
+
+/* lse with -inf rows (queries that see no key): the same rows -inf on both
+ * sides (else a NaN, which fails), the rest compared as check does. */
+static void check_lse(const std::string &name, Vec got, Vec ref) {
+    for (size_t i = 0; i < ref.size(); i++)
+        if (ref[i] == -INFINITY) {
+            got[i] = got[i] == -INFINITY ? 0.0f : NAN;
+            ref[i] = 0.0f;
+        }
+    check(name, got, ref, TOL_F32);
+}
+
+/* Block attention (attention_block.cu): q out of qkv-wide rows, k | v packed,
+ * causal at global positions (q_pos, k_pos); the forward of one block, then
+ * a second block at k_pos2 merged into it; the backward of the first adds
+ * into dq, dk, dv fp32 that start from the same random values on both sides. */
+static void test_attention_block(int B, int Tq, int Tk, int NH, int NKV, int HD, int q_pos, int k_pos, int k_pos2) {
+    char sh[96];
+    snprintf(sh, sizeof sh, "_B%d_Tq%d_Tk%d_NH%d_NKV%d_HD%d_q%d_k%d", B, Tq, Tk, NH, NKV, HD, q_pos, k_pos);
+    AttnBlock s = {B, NH, NKV, HD, Tq, Tk, q_pos, k_pos, (NH + 2 * NKV) * HD, 2 * NKV * HD};
+    size_t nq = (size_t)B * Tq * s.q_ld, nk = (size_t)B * Tk * s.kv_ld, no = (size_t)B * Tq * NH * HD;
+    size_t nl = (size_t)B * NH * Tq, kvo = (size_t)NKV * HD;
+    Vec q = rnd_act(nq, 1.0f), kv = rnd_act(nk, 1.0f), kv2 = rnd_act(nk, 1.0f), g = rnd_act(no, 1.0f);
+    Vec out(no), lse(nl);
+    cpu->attention_block_forward(out.data(), lse.data(), q.data(), kv.data(), kv.data() + kvo, &s, 0);
+    void *dq = dev_act(q), *dkv = dev_act(kv), *dkv2 = dev_act(kv2), *dg = dev_act(g), *dout;
+    float *dlse;
+    CUDA_CHECK(cudaMalloc(&dout, no * AB));
+    CUDA_CHECK(cudaMalloc(&dlse, nl * sizeof(float)));
+    gpu->attention_block_forward(dout, dlse, dq, dkv, (char *)dkv + kvo * AB, &s, 0);
+    check(std::string("attention_block_forward_out") + sh, get_act(dout, no), out, tol_act());
+    check_lse(std::string("attention_block_forward_lse") + sh, get_f32(dlse, nl), lse);
+    /* both sides merge the second block into the same (act-rounded) first */
+    out = act_round(out);
+    void *dout1 = dev_act(out);
+    CUDA_CHECK(cudaMemcpy(dlse, lse.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
+    AttnBlock s2 = s;
+    s2.k_pos = k_pos2;
+    cpu->attention_block_forward(out.data(), lse.data(), q.data(), kv2.data(), kv2.data() + kvo, &s2, 1);
+    gpu->attention_block_forward(dout1, dlse, dq, dkv2, (char *)dkv2 + kvo * AB, &s2, 1);
+    check(std::string("attention_block_merge_out") + sh, get_act(dout1, no), out, tol_act());
+    check_lse(std::string("attention_block_merge_lse") + sh, get_f32(dlse, nl), lse);
+    /* the backward of the first block against the merged out, lse (the CPU's, in act) */
+    out = act_round(out);
+    void *dout2 = dev_act(out);
+    CUDA_CHECK(cudaMemcpy(dlse, lse.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
+    Vec gq = rnd(nq, 1.0f), gkv = rnd(nk, 1.0f);
+    float *ddq = dev_f32(gq), *ddkv = dev_f32(gkv);
+    cpu->attention_block_backward(gq.data(), gkv.data(), gkv.data() + kvo, g.data(), q.data(), kv.data(),
+                                  kv.data() + kvo, out.data(), lse.data(), &s);
+    gpu->attention_block_backward(ddq, ddkv, ddkv + kvo, dg, dq, dkv, (char *)dkv + kvo * AB, dout2, dlse, &s);
+    check(std::string("attention_block_backward_dq") + sh, get_f32(ddq, nq), gq, TOL_F32);
+    check(std::string("attention_block_backward_dkv") + sh, get_f32(ddkv, nk), gkv, TOL_F32);
+    cudaFree(dq), cudaFree(dkv), cudaFree(dkv2), cudaFree(dg), cudaFree(dout), cudaFree(dlse), cudaFree(dout1);
+    cudaFree(dout2), cudaFree(ddq), cudaFree(ddkv);
+}
+
+/* copy_2d: k | v columns out of qkv rows, and back into wider rows. */
+static void test_copy_2d(void) {
+    const size_t rows = 37, w = 100, sp = 164, dpitch = 120;
+    std::vector<unsigned char> src(rows * sp), ref(rows * dpitch, 0xab);
+    for (size_t i = 0; i < src.size(); i++) src[i] = (unsigned char)(i * 7 + 3);
+    unsigned char *ds, *dd;
+    CUDA_CHECK(cudaMalloc(&ds, src.size()));
+    CUDA_CHECK(cudaMalloc(&dd, ref.size()));
+    CUDA_CHECK(cudaMemcpy(ds, src.data(), src.size(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dd, ref.data(), ref.size(), cudaMemcpyHostToDevice));
+    std::vector<unsigned char> want = ref, got(ref.size());
+    cpu->copy_2d(want.data(), dpitch, src.data() + 24, sp, w, rows);
+    gpu->copy_2d(dd, dpitch, ds + 24, sp, w, rows);
+    CUDA_CHECK(cudaMemcpy(got.data(), dd, got.size(), cudaMemcpyDeviceToHost));
+    report_s("copy_2d", got == want, got == want ? "the cpu backend's bytes" : "bytes differ from the cpu backend's");
+    cudaFree(ds), cudaFree(dd);
 }
 
 /* precision.attention auto with bf16 at a new shape: the first usable path
@@ -1091,7 +1150,6 @@ int main(void) {
         test_adamw_p16(1003, 1);
         test_lion(1003);
         test_muon_ops(1003);
-        test_copy_2d();
         test_adafactor();
         test_sumsq(4099);
         test_sumsq(100);                  /* fewer elements than partial blocks */
@@ -1114,6 +1172,15 @@ int main(void) {
             if (tc) gpu->set_attention("auto");
         }
         if (bf) test_attention_auto();
+        /* block attention (context parallelism): partial, diagonal, past and
+         * empty-row blocks; grouped heads, 2, 4 and 8 threads per row; more
+         * rows than a 64-row block and keys than a 32-key tile */
+        test_attention_block(2, 7, 9, 4, 2, 6, 10, 5, 0);
+        test_attention_block(1, 13, 13, 6, 2, 10, 0, 0, 13);
+        test_attention_block(2, 5, 11, 3, 1, 40, 20, 0, 11);
+        test_attention_block(1, 8, 6, 2, 2, 100, 0, 3, 100);
+        test_attention_block(1, 70, 67, 2, 1, 16, 30, 0, 31);
+        test_copy_2d();
         test_rmsnorm(37, 70);
         test_rmsnorm(37, 48); /* whole 16-byte packs */
         const AttnShape a18 = {1, 37, 6, 2, 18}, a10 = {2, 37, 6, 1, 10};

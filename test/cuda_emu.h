@@ -302,12 +302,13 @@ static inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, 
                                           cudaStream_t = 0) {
     return cudaMemcpy(dst, src, n, kind);
 }
-/* cudaMemcpy2D: each row checked as its own copy */
+/* Rows of `width` bytes, each checked as cudaMemcpy checks one copy; pitches
+ * below the width are the CUDA runtime's cudaErrorInvalidPitchValue. */
 static inline cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
-                                            size_t height, cudaMemcpyKind kind, cudaStream_t = 0) {
-    if (width > dpitch || width > spitch)
-        return emu_error(cudaErrorInvalidValue, "cudaMemcpy2D: width is larger than a pitch");
-    for (size_t r = 0; r < height; r++) {
+                                            size_t rows, cudaMemcpyKind kind, cudaStream_t = 0) {
+    if (rows > 1 && (dpitch < width || spitch < width))
+        return emu_error(cudaErrorInvalidValue, "cudaMemcpy2DAsync: a pitch below the width");
+    for (size_t r = 0; r < rows; r++) {
         cudaError_t e = cudaMemcpy((char *)dst + r * dpitch, (const char *)src + r * spitch, width, kind);
         if (e != cudaSuccess) return e;
     }

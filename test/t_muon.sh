@@ -160,7 +160,40 @@ timeout 120 mpirun --allow-run-as-root --oversubscribe -np 4 ./train $Y $TS $GPT
     --set run.dir=$D --resume auto >$D.txt 2>&1
 rc=$?
 why=$(close_losses $T/tref_GPT2/metrics.jsonl $D/metrics.jsonl 2>&1)
-if [ $rc -eq 0 ] && grep -q 'resharded from 2 rank(s) (dp 1 x tp 2) to 4' $D.txt && [ -z "$why" ] \
+if [ $rc -eq 0 ] && grep -q 'resharded from 2 rank(s) (.*dp 1 x tp 2) to 4' $D.txt && [ -z "$why" ] \
     && ./train ckpt-diff $T/tref_GPT2/checkpoints/step_00000006 $D/checkpoints/step_00000006 --quiet --tol 1e-5 >/dev/null
 then ok muon_tp_reshard_tp2_to_tp2_dp2_zero3
 else fail muon_tp_reshard_tp2_to_tp2_dp2_zero3 "rc $rc: $why $(grep -m2 -iE 'error|resum' $D.txt)"; fi
+
+# Pipeline and context parallelism: each stage's dp group owns its own
+# layers' matrices (a stage's tensor table is its layers); under cp the owners
+# are ddp's dp x cp ranks, which hold the same parameters. Six steps of a
+# 4-layer GPT-2 (tied: the last stage's copy of wte is AdamW's, as the first
+# stage's) against one rank; a pp 2 checkpoint resumed on one rank.
+PC="$TS $GPT2 --set model.n_layer=4"
+./train $Y $PC --set run.dir=$T/pref >/dev/null 2>&1
+tp_equiv_pc() { # NAME NP SETTINGS...
+    local name=$1 np=$2 D=$T/pc_$1
+    shift 2
+    timeout 120 mpirun --allow-run-as-root --oversubscribe -np $np ./train $Y $PC "$@" --set run.dir=$D >$D.txt 2>&1
+    local rc=$? why diff drc=1
+    why=$(close_losses $T/pref/metrics.jsonl $D/metrics.jsonl 2>&1)
+    diff=$(./train ckpt-diff $T/pref/checkpoints/step_00000006 $D/checkpoints/step_00000006 --quiet --tol 1e-5 \
+        2>&1) && drc=0
+    if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ]; then ok muon_equiv_$name
+    else fail muon_equiv_$name "rc $rc: $why $diff $(grep -m2 -i error $D.txt)"; fi
+}
+tp_equiv_pc pp2 2 --set parallel.pp=2
+tp_equiv_pc pp2_dp2_zero1 4 --set parallel.pp=2 --set parallel.zero=1
+tp_equiv_pc cp2_dp2_zero3 4 --set parallel.cp=2 --set parallel.zero=3
+tp_equiv_pc cp2_tp2 4 --set parallel.cp=2 --set parallel.tp=2
+D=$T/pp_reshard
+timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 ./train $Y $PC --set parallel.pp=2 --set train.steps=3 \
+    --set run.dir=$D >/dev/null 2>&1
+./train $Y $PC --set run.dir=$D --resume auto >$D.txt 2>&1
+rc=$?
+why=$(close_losses $T/pref/metrics.jsonl $D/metrics.jsonl 2>&1)
+if [ $rc -eq 0 ] && grep -q 'resharded from 2 rank(s) (pp 2' $D.txt && [ -z "$why" ] \
+    && ./train ckpt-diff $T/pref/checkpoints/step_00000006 $D/checkpoints/step_00000006 --quiet --tol 1e-5 >/dev/null
+then ok muon_resume_pp2_to_np1
+else fail muon_resume_pp2_to_np1 "rc $rc: $why $(grep -m2 -iE 'error|resum' $D.txt)"; fi

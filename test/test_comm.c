@@ -243,6 +243,20 @@ static void test_collectives(void) {
         for (size_t i = 0; i < block; i++)
             if (recv[i] != (float)(prev * 10000 + (int)i)) ok = 0;
         check("send_recv_ring", ok, "each rank receives its predecessor's values");
+        /* Non-blocking (pipeline stages): every rank posts both receives
+         * first, then both sends, two tags apart; the waits finish in any
+         * order and each message lands by its tag. */
+        CommRequest rq[4];
+        float *r2 = recv + block;
+        comm_irecv(g, r2, block, next, 9, &rq[0]);
+        comm_irecv(g, recv, block, prev, 8, &rq[1]);
+        comm_isend(g, send, block, next, 8, &rq[2]);
+        comm_isend(g, send, block, prev, 9, &rq[3]);
+        for (int k = 3; k >= 0; k--) comm_wait(&rq[k]);
+        ok = 1;
+        for (size_t i = 0; i < block; i++)
+            if (recv[i] != (float)(prev * 10000 + (int)i) || r2[i] != (float)(next * 10000 + (int)i)) ok = 0;
+        check("isend_irecv_posted_early", ok, "each rank receives both neighbours' values by tag");
     }
 
     size_t b2 = 5;

@@ -197,8 +197,18 @@ static void test_cross_errors(void) {
                      "key 'batch.total_tokens'", "multiple of micro_batch*seq_len = 2048");
     expect_yaml_fail("config_gpt2_needs_tokenizer_file", "data:\n  tokenizer: gpt2\n", "data.tokenizer_file",
                      "gpt2", NULL);
-    expect_yaml_fail("config_parallel_pp", "parallel:\n  pp: 2\n", "bad.yaml:2:", "key 'parallel.pp'",
-                     "only 1 is supported in this build");
+    expect_yaml_fail("config_parallel_pp_zero3", "parallel:\n  pp: 2\n  zero: 3\n", "key 'parallel.zero'",
+                     "pipeline stages", "ZeRO 0 or 1");
+    expect_yaml_fail("config_parallel_pp_virtual_needs_pp", "parallel:\n  pp_virtual: 2\n", "bad.yaml:2:",
+                     "key 'parallel.pp_virtual'", "parallel.pp > 1");
+    expect_yaml_fail("config_parallel_pp_layers_entry", "parallel:\n  pp: 2\n  pp_layers: [2, x]\n", "bad.yaml:3:",
+                     "key 'parallel.pp_layers[1]'", "an integer");
+    expect_yaml_fail("config_parallel_pp_schedule", "parallel:\n  pp: 2\n  pp_schedule: 2f2b\n", "bad.yaml:3:",
+                     "key 'parallel.pp_schedule'", "zb_h1");
+    expect_yaml_fail("config_parallel_cp_chunks", "parallel:\n  cp: 3\n", "bad.yaml:2:", "'model.seq_len', 'parallel.cp'",
+                     "does not split into 2 x cp = 6 chunks");
+    expect_yaml_fail("config_parallel_cp_mode", "parallel:\n  cp: 2\n  cp_attention: tree\n", "bad.yaml:3:",
+                     "key 'parallel.cp_attention'", NULL);
     expect_yaml_fail("config_parallel_sp_value", "parallel:\n  tp: 2\n  sequence_parallel: sometimes\n",
                      "bad.yaml:3:", "key 'parallel.sequence_parallel'", NULL);
     /* Muon composes with every ZeRO stage and tensor parallelism (src/muon.c): no refusal */
