@@ -79,7 +79,8 @@ typedef struct Backend {
     void (*to_host)(void *dst, const void *src, size_t bytes);
     void (*copy)(void *dst, const void *src, size_t bytes); /* device to device */
     /* rows of `width` bytes, device to device, the starts `dpitch` and
-     * `spitch` bytes apart (cudaMemcpy2D): packs k | v columns out of qkv rows */
+     * `spitch` bytes apart (cudaMemcpy2D): packs k | v columns out of qkv rows, places a tp part's column block in its matrix
+     * (muon.c) */
     void (*copy_2d)(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t rows);
     void (*zero)(void *dst, size_t bytes);
     void (*sync)(void);
@@ -345,19 +346,46 @@ typedef struct Backend {
     void (*lion_update)(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
                         float weight_decay, float grad_scale);
 
-    /* Muon (docs/optimizers.md) on one matrix, fp32; a backend without them
+    /* Muon (docs/optimizers.md) on one matrix; a backend without them
      * leaves all three NULL and optim.name muon is refused on it.
-     * muon_momentum: g = grad * grad_scale, m = mu m + (1 - mu) g, and the
-     * Nesterov look-ahead u = (1 - mu) g + mu m; u, m, grads (n). */
+     * muon_momentum, fp32: g = grad * grad_scale, m = mu m + (1 - mu) g, and
+     * the Nesterov look-ahead u = (1 - mu) g + mu m; u, m, grads (n); u may
+     * be grads (in place). Every backend gives the same bits. */
     void (*muon_momentum)(float *u, float *m, const float *grads, size_t n, float momentum, float grad_scale);
-    /* x (rows, cols) in place: X = x / (||x||_F + 1e-7), transposed to
+    /* x (rows, cols) fp32 in place: X = x / (||x||_F + 1e-7), transposed to
      * (cols, rows) when rows > cols, then `steps` quintic iterations
      * A = X X^T, X = 3.4445 X + (-4.7750 A + 2.0315 A A) X, products by the
-     * backend's matmul; the result back in x's layout. work: 2 rows cols +
-     * 2 min(rows, cols)^2 floats. */
+     * backend's matmul in the activation dtype (each stored in it: bf16 on
+     * CUDA, fp32 on the CPU); the result back in x's layout, fp32. work:
+     * 2 rows cols + 2 min(rows, cols)^2 + 256 floats. */
     void (*newton_schulz)(float *x, int rows, int cols, int steps, float *work);
     /* p -= lr * (scale * o + wd * p); params, o (n). */
     void (*muon_apply)(float *params, const float *o, size_t n, float lr, float scale, float weight_decay);
+
+    /* Adafactor (Shazeer & Stern 2018; docs/optimizers.md), fp32, on a run
+     * of n elements of one tensor, element k being the tensor's element
+     * e = e0 + k, row e / cols and column e % cols of a factored (2-D)
+     * tensor; g = grad * grad_scale.
+     * adafactor_stats: rows[e / cols] += and cols[e % cols] += g^2 + eps1,
+     * each row's and column's terms summed in double in element order. */
+    void (*adafactor_stats)(float *rows, float *cols, const float *grads, size_t e0, size_t n, int cols_n,
+                            float grad_scale, float eps1);
+    /* state(n) = beta2 state + (1 - beta2) scale sums(n): the factored
+     * statistics' moving averages (scale: 1 / the count they sum). */
+    void (*adafactor_ema)(float *state, const float *sums, size_t n, float beta2, float scale);
+    /* not factored: v(n) = beta2 v + (1 - beta2) (g^2 + eps1) */
+    void (*adafactor_second)(float *v, const float *grads, size_t n, float grad_scale, float beta2, float eps1);
+    /* The unclipped update u = g / sqrt(r[row] / rmean) / sqrt(c[col]) for a
+     * factored tensor (r, c its row and column averages, rmean the mean of
+     * all its r), else u = g / sqrt(v[k]); adafactor_usq writes the sum of
+     * u^2 over the run, in double, to *out (device memory). adafactor_apply:
+     * u *= inv_clip; with m (n, else NULL) m = beta1 m + (1 - beta1) u and
+     * u = m; params -= lr (u + wd params). r, c NULL: v is used. */
+    void (*adafactor_usq)(double *out, const float *grads, const float *v, const float *r, const float *c,
+                          float rmean, size_t e0, size_t n, int cols_n, float grad_scale);
+    void (*adafactor_apply)(float *params, const float *grads, float *m, const float *v, const float *r,
+                            const float *c, float rmean, size_t e0, size_t n, int cols_n, float grad_scale,
+                            float inv_clip, float lr, float beta1, float weight_decay);
 
     /* Sum of squares of fp32 x, in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);

@@ -144,11 +144,12 @@ static const CfgKey cfg_keys[] = {
     KINT("train.max_consecutive_skips", max_consecutive_skips, "10", 0, INF,
          "with `on_nonfinite: skip`, stop (exit 1) after this many skipped steps in a row: a run that "
          "stays non-finite is diverging, not unlucky; 0 = never stop"),
-    KENUM("optim.name", optim_name, "adamw", "adamw|lion|muon",
+    KENUM("optim.name", optim_name, "adamw", "adamw|lion|muon|adafactor",
           "optimizer (docs/optimizers.md): `adamw`; `lion` (sign of the interpolated momentum, one state "
           "buffer; takes `optim.lion_betas`, `lr`, `weight_decay` and `grad_clip`, not `betas` or `eps`); `muon` "
-          "(the blocks' 2-D matrices orthogonalised by Newton-Schulz; embeddings, head, gains, biases and the "
-          "router keep AdamW with `betas`, `eps`; CPU backend and `parallel.zero: 0` only)"),
+          "(the blocks' 2-D matrices orthogonalised by Newton-Schulz, each on one dp rank; embeddings, head, "
+          "gains, biases and the router keep AdamW with `betas`, `eps`); `adafactor` (factored second moments "
+          "of every 2-D tensor, update clipping, relative step off: `optim.adafactor_*`, `lr`, `weight_decay`)"),
     KFLT("optim.lr", lr, "6.0e-4", 0, 10, "peak learning rate"),
     KPAIR("optim.betas", beta1, beta2, "[0.9, 0.95]", 0, 1, CF_HI_OPEN, "AdamW `[beta1, beta2]`"),
     /* eps = 0 divides 0 by 0 wherever a gradient is always zero (the padded
@@ -165,6 +166,14 @@ static const CfgKey cfg_keys[] = {
           "sqrt(max(rows, cols)), an update RMS like AdamW's so its lr and weight_decay carry over"),
     KBOOL("optim.muon_split_qkv", muon_split_qkv, "true",
           "Muon orthogonalises GPT-2's fused c_attn as its q, k and v thirds (false: as one matrix)"),
+    KFLTF("optim.adafactor_decay", adafactor_decay, "0.8", 0, 1, CF_LO_OPEN,
+          "Adafactor's second-moment decay: beta2 at step t is 1 - t^-decay (0.8, the paper's)"),
+    KFLT("optim.adafactor_clip", adafactor_clip, "1.0", 0, 1e9,
+         "Adafactor's update clipping: each tensor's update is cut to this RMS; 0 = off"),
+    KFLTF("optim.adafactor_eps", adafactor_eps, "1.0e-30", 0, 1, CF_LO_OPEN,
+          "Adafactor's epsilon, added to g^2 before the moments average it"),
+    KFLT("optim.adafactor_beta1", adafactor_beta1, "0", 0, 0.999999,
+         "Adafactor's first moment of the clipped update (0 = none, the paper's: no m, the factored state alone)"),
     KBOOL("optim.decay_embeddings", decay_embeddings, "true", "apply weight decay to the embedding tables too"),
     KENUM("schedule.kind", sched_kind, "cosine", "cosine|linear|constant|wsd", "learning-rate shape after warmup"),
     KINT("schedule.warmup_steps", warmup_steps, "100", 0, INF, "steps of linear warmup from 0"),
@@ -929,15 +938,14 @@ static void cfg_check_ep(const Config *c, const ArchSpec *s, CfgLoad *L) {
         kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'parallel.pp': expert and pipeline parallelism together "
                   "are not supported yet (the expert side keeps one micro-batch per layer, a pipeline schedule several "
                   "in flight); use one of them", w);
-    if (strcmp(c->optim_name, "muon") == 0)
-        kiln_fail(KILN_EXIT_USAGE, "%s: key 'optim.name': muon with parallel.ep > 1 is not supported (its matrices "
-                  "are planned over one whole arena); use optim.name adamw or lion, or parallel.ep: 1",
-                  cfg_where_of(L, "optim.name", "parallel.ep"));
+    if (strcmp(c->optim_name, "muon") == 0 || strcmp(c->optim_name, "adafactor") == 0)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'optim.name': %s with parallel.ep > 1 is not supported (its matrices "
+                  "and factored moments are planned over one arena shared by the dp group, not over EDP's expert "
+                  "blocks); use optim.name adamw or lion, or parallel.ep: 1",
+                  cfg_where_of(L, "optim.name", "parallel.ep"), c->optim_name);
 }
 
-/* Lion's and Muon's ops keep fp32 state and update fp32 parameters only;
- * Muon needs whole matrices, which only ZeRO 0 has on every rank (the
- * owner-based distributed scheme is not written yet: docs/optimizers.md). */
+/* Lion's and Muon's ops keep fp32 state and update fp32 parameters only. */
 static void cfg_check_optim(const Config *c, CfgLoad *L) {
     if (strcmp(c->optim_name, "adamw") == 0) return;
     const char *n = c->optim_name;
@@ -947,10 +955,6 @@ static void cfg_check_optim(const Config *c, CfgLoad *L) {
     if (strcmp(c->master, "fp32") != 0)
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.master': optim.name %s updates an fp32 master; use "
                   "precision.master: fp32", cfg_where_of(L, "precision.master", "optim.name"), n);
-    if (strcmp(n, "muon") == 0 && c->zero != 0)
-        kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': optim.name muon runs with parallel.zero 0 only (each "
-                  "rank orthogonalises every whole matrix), got %d", cfg_where_of(L, "parallel.zero", "optim.name"),
-                  c->zero);
 }
 
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {
@@ -965,10 +969,6 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
                   cfg_where_of(L, c->pp_virtual > 1 ? "parallel.pp_virtual" : "parallel.pp_layers", "parallel.pp"),
                   c->pp_virtual > 1 ? "parallel.pp_virtual" : "parallel.pp_layers");
     if (c->tp > 1) {
-        if (strcmp(c->optim_name, "muon") == 0)
-            kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.tp': optim.name muon orthogonalises whole matrices, which "
-                      "tensor parallelism splits; use parallel.tp: 1 or optim.name adamw / lion",
-                      cfg_where_of(L, "parallel.tp", "optim.name"));
         if (strcmp(c->sequence_parallel, "false") != 0 && c->seq_len % c->tp)
             kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'model.seq_len': sequence parallelism "
                       "splits the tokens over tp = %d ranks, and seq_len %d does not divide by it; make seq_len a "

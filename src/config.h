@@ -77,13 +77,14 @@ typedef struct Config {
     int max_consecutive_skips; /* skip: stop after this many in a row; 0 = never */
 
     /* optim */
-    char optim_name[16]; /* adamw | lion | muon */
+    char optim_name[16]; /* adamw | lion | muon | adafactor */
     float lr, beta1, beta2, eps, weight_decay, grad_clip;
     float lion_beta1, lion_beta2; /* optim.lion_betas: Lion's interpolation and momentum betas */
     float momentum;       /* optim.momentum: Muon's Nesterov momentum */
     int ns_steps;         /* optim.ns_steps: Muon's Newton-Schulz iterations */
     char muon_scale[16];  /* optim.muon_scale: spectral | match_adamw */
     int muon_split_qkv;   /* optim.muon_split_qkv: a fused q|k|v orthogonalised per third */
+    float adafactor_decay, adafactor_clip, adafactor_eps, adafactor_beta1; /* optim.adafactor_* */
     int decay_embeddings; /* bool */
 
     /* schedule */

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "adafactor.h"
+#include "muon.h"
 #include "util.h"
 
 /* Before a collective reads what the backend wrote. Host memory (MPI): the
@@ -123,7 +125,7 @@ static void unit_init(Ddp *d) {
         size_t a = p->offset > lo ? p->offset : lo, b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
         if (a >= b) continue;
         size_t k = d->at[u] + (a - lo);
-        d->seg[d->nseg++] = (OptimSegment){.off = k, .n = b - a, .decay = p->decay, .at = k};
+        d->seg[d->nseg++] = (OptimSegment){.off = k, .n = b - a, .decay = p->decay, .at = k, .arena = a};
     }
     d->pshard = m->be->alloc((d->shard_len + 1) * sizeof(float));
     d->held[0] = d->held[1] = d->rlayer[0] = d->rlayer[1] = -1;
@@ -439,11 +441,11 @@ static void experts_segments(Ddp *d) {
     d->zseg = xcalloc(3, sizeof(OptimSegment));
     size_t a = d->dense0 + d->shard.lo, b = d->dense0 + d->shard.hi, k = 0, nd = m->num_decay;
     size_t mid = a > nd ? a : b < nd ? b : nd;
-    if (mid > a) d->zseg[d->nzseg++] = (OptimSegment){.off = k, .n = mid - a, .decay = 1, .at = a}, k += mid - a;
-    if (b > mid) d->zseg[d->nzseg++] = (OptimSegment){.off = k, .n = b - mid, .decay = 0, .at = mid}, k += b - mid;
+    if (mid > a) d->zseg[d->nzseg++] = (OptimSegment){.off = k, .n = mid - a, .decay = 1, .at = a, .arena = a}, k += mid - a;
+    if (b > mid) d->zseg[d->nzseg++] = (OptimSegment){.off = k, .n = b - mid, .decay = 0, .at = mid, .arena = mid}, k += b - mid;
     if (d->xshard.hi > d->xshard.lo)
         d->zseg[d->nzseg++] = (OptimSegment){.off = k, .n = d->xshard.hi - d->xshard.lo, .decay = 1,
-                                             .at = d->xshard.lo};
+                                             .at = d->xshard.lo, .arena = d->xshard.lo};
 }
 
 void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes, const DdpExperts *ex) {
@@ -573,10 +575,25 @@ double ddp_reduce_grads(Ddp *d) {
     return sqrt(sq);
 }
 
+/* Muon's matrices (muon.c), after the elementwise part: params is this
+ * rank's optimizer part, grads the whole gradient arena (ZeRO 0-1) or the
+ * shard (ZeRO 2-3). Its exchanges count as time blocked. */
+static void muon_after(Ddp *d, AdamW *o, float *params, const float *grads, float lr, float grad_scale) {
+    double comm_s = muon_dist_step(d->muon, o, params, grads, lr, grad_scale);
+    d->blocked_s += comm_s, d->step_blocked_s += comm_s;
+}
+
+void ddp_set_muon(Ddp *d, struct MuonDist *md) { d->muon = md; }
+
+void ddp_set_adafactor(Ddp *d, struct Adafactor *a) { d->adafactor = a; }
+
 OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
     Model *m = d->m;
     if (d->units) {
-        OptimStepInfo info = optim_step_segments(o, d->pshard, d->gshard, d->seg, d->nseg, lr, grad_norm);
+        OptimStepInfo info = d->adafactor ? adafactor_step(d->adafactor, o, d->pshard, d->gshard, lr, grad_norm)
+                                          : optim_step_segments(o, d->pshard, d->gshard, d->seg, d->nseg, lr,
+                                                                grad_norm);
+        if (d->muon && !info.nonfinite) muon_after(d, o, d->pshard, d->gshard, lr, info.grad_scale);
         if (!d->whole_params) {
             /* the gathered copies are stale now: the next forward gathers again */
             d->held[0] = d->held[1] = -1, d->rest_held = 0;
@@ -585,9 +602,15 @@ OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
         }
         return info;
     }
-    if (d->zero == 0) return optim_step_norm(o, model_param_arena(m), m->grad_mem, lr, grad_norm);
+    if (d->zero == 0) {
+        OptimStepInfo info = d->adafactor ? adafactor_step(d->adafactor, o, m->param_mem, m->grad_mem, lr, grad_norm)
+                                          : optim_step_norm(o, model_param_arena(m), m->grad_mem, lr, grad_norm);
+        if (d->muon && !info.nonfinite) muon_after(d, o, m->param_mem, m->grad_mem, lr, info.grad_scale);
+        return info;
+    }
     if (d->zseg) {
-        /* ZeRO-1 under expert parallelism: this rank's dense block and expert
+        /* ZeRO-1 under expert parallelism (AdamW and Lion: config.c refuses
+         * Muon and Adafactor with ep): this rank's dense block and expert
          * block, then each gathered over its own group */
         OptimStepInfo info = optim_step_segments(o, m->param_mem, m->grad_mem, d->zseg, d->nzseg, lr, grad_norm);
         if (info.nonfinite) return info;
@@ -599,7 +622,11 @@ OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
         blocked(d, t0);
         return info;
     }
-    OptimStepInfo info = optim_step_norm(o, m->param_mem + d->shard.lo, m->grad_mem + d->shard.lo, lr, grad_norm);
+    OptimStepInfo info = d->adafactor ? adafactor_step(d->adafactor, o, m->param_mem + d->shard.lo,
+                                                       m->grad_mem + d->shard.lo, lr, grad_norm)
+                                      : optim_step_norm(o, m->param_mem + d->shard.lo, m->grad_mem + d->shard.lo, lr,
+                                                        grad_norm);
+    if (d->muon && !info.nonfinite) muon_after(d, o, m->param_mem + d->shard.lo, m->grad_mem, lr, info.grad_scale);
     if (info.nonfinite || !d->g) return info; /* every rank skipped: the norm is global */
     host_comm_fence(d);
     double t0 = kiln_now();
@@ -643,6 +670,28 @@ int ddp_shard_piece(const Ddp *d, int i, DdpPiece *p) {
 }
 
 int ddp_optim_pieces(const Ddp *d) { return d->units || d->zseg; }
+
+int ddp_rank_piece(const Ddp *d, int rank, int i, DdpPiece *p) {
+    const Model *m = d->m;
+    if (!d->units) {
+        if (i > 0) return 0;
+        ShardRange s = mesh_shard_range(m->num_params, d->dp, rank, 64);
+        if (d->zero == 0) s.lo = 0, s.hi = m->num_params;
+        *p = (DdpPiece){.at = 0, .lo = s.lo, .hi = s.hi};
+        return 1;
+    }
+    if (i >= d->nu) return 0;
+    /* every rank's block of a unit has the same size, so the same place in its shard buffers */
+    ShardRange s = mesh_shard_range(m->unit_len[i], d->dp, rank, 64);
+    *p = (DdpPiece){.at = d->at[i], .lo = m->unit_off[i] + s.lo, .hi = m->unit_off[i] + s.hi};
+    return 1;
+}
+
+int ddp_zero(const Ddp *d) { return d->zero; }
+
+CommGroup *ddp_group(const Ddp *d) { return d->g; }
+
+int ddp_rank(const Ddp *d) { return d->rank; }
 
 double ddp_step_blocked_s(const Ddp *d) { return d->step_blocked_s; }
 

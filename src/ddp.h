@@ -113,6 +113,8 @@ typedef struct Ddp {
      * second copy, on the last stage) */
     CommGroup *pp;
     size_t skip_lo, skip_hi;
+    struct MuonDist *muon;    /* optim.name muon: its distributed step (ddp_set_muon), else NULL */
+    struct Adafactor *adafactor; /* optim.name adafactor: its step (ddp_set_adafactor), else NULL */
     /* time this rank spent blocked in communication, and step count, since
      * ddp_init: the part of communication not hidden behind computation */
     double blocked_s, step_blocked_s;
@@ -226,6 +228,26 @@ int ddp_shard_piece(const Ddp *d, int i, DdpPiece *p);
  * (ZeRO-2/3, and ZeRO-1 under expert parallelism) rather than as arena
  * range [lo, hi) of ddp_optim_range. */
 int ddp_optim_pieces(const Ddp *d);
+
+/* Piece i of rank `rank`'s optimizer part: arena elements [lo, hi) stored
+ * at `at` in that rank's optimizer buffers (the params and grads that
+ * ddp_optim_step hands the optimizer): ZeRO 0 the whole arena, ZeRO 1 its
+ * block of the padded arena (at 0, i = 0 only), ZeRO 2/3 its block of unit
+ * i. 0 past the last. What muon.c plans its exchanges with. */
+int ddp_rank_piece(const Ddp *d, int rank, int i, DdpPiece *p);
+/* The ZeRO stage in effect (0 on one rank for any parallel.zero), the dp
+ * group (NULL for one rank) and this rank's place in it. */
+int ddp_zero(const Ddp *d);
+CommGroup *ddp_group(const Ddp *d);
+int ddp_rank(const Ddp *d);
+/* Muon distributed over the dp group (muon.c): ddp_optim_step runs its
+ * step after the elementwise part, before the parameters travel. */
+struct MuonDist;
+void ddp_set_muon(Ddp *d, struct MuonDist *md);
+/* Adafactor (adafactor.c): ddp_optim_step runs its step instead of the
+ * elementwise optimizer's. */
+struct Adafactor;
+void ddp_set_adafactor(Ddp *d, struct Adafactor *a);
 
 /* Seconds this rank spent blocked in communication in the current step
  * (reset as it begins): after ddp_optim_step, the whole step's. */

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "adafactor.h"
 #include "ddp.h"
 #include "hf.h"
 #include "metrics.h"
@@ -94,13 +95,16 @@ static void bf16_to_device(void *dst, const void *src, size_t bytes) {
 /* The part of every tensor inside arena range [lo, hi), stored at base
  * (which holds arena elements from lo on, esz bytes each: 4 fp32, 2 bf16
  * moments): one fp32 entry per tensor that overlaps, with its tensor-local
- * flat range. */
-static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo, size_t hi, const char *prefix) {
+ * flat range. skip: leave out the tensors Muon updates (their AdamW moments
+ * are unused; the momentum is the owner's: add_muon). */
+static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo, size_t hi, const char *prefix,
+                      const AdamW *skip) {
     const Backend *be = m->be;
     CkptCopyFn to_host = esz == 2 ? bf16_to_host : be->to_host;
     CkptCopyFn to_device = esz == 2 ? bf16_to_device : be->to_device;
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
+        if (skip && skip->kind == OPTIM_MUON && optim_muon_covers(skip, p->offset)) continue;
         size_t a = p->offset > lo ? p->offset : lo, b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
         if (a >= b) continue;
         char name[CKPT_NAME];
@@ -113,7 +117,7 @@ static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo,
 /* The whole parameters: the fp32 master, or with precision.master bf16 the
  * bf16 parameters as fp32 entries (the same names, shapes and format). */
 static void add_model_params(CkptTable *t, Model *m) {
-    if (m->master_bf16) add_range(t, m, m->param16, 2, 0, m->num_params, "");
+    if (m->master_bf16) add_range(t, m, m->param16, 2, 0, m->num_params, "", NULL);
     else add_params(t, m, m->param_mem, "");
 }
 
@@ -121,26 +125,86 @@ static void add_model_params(CkptTable *t, Model *m) {
  * moments) at base, esz bytes an element: under expert parallelism the
  * arena's [0, expert_len) are this rank's experts (when `experts`), the rest
  * the tensors every dp rank holds alike (when `dense`); without it all of it
- * is dense. */
-static void add_arena(CkptTable *t, Model *m, void *base, size_t esz, int dense, int experts, const char *prefix) {
+ * is dense. skip: as add_range's. */
+static void add_arena(CkptTable *t, Model *m, void *base, size_t esz, int dense, int experts, const char *prefix,
+                      const AdamW *skip) {
     size_t x = m->expert_len;
-    if (experts && x) add_range(t, m, base, esz, 0, x, prefix);
-    if (dense) add_range(t, m, (char *)base + x * esz, esz, x, m->num_params, prefix);
+    if (experts && x) add_range(t, m, base, esz, 0, x, prefix, skip);
+    if (dense) add_range(t, m, (char *)base + x * esz, esz, x, m->num_params, prefix, skip);
+}
+
+/* Muon: the momentum of the matrices this rank owns (every layout: the
+ * owner's alone), each its tensor's range (a third of GPT-2's c_attn). */
+static void add_muon(CkptTable *t, Model *m, const AdamW *o) {
+    if (o->kind != OPTIM_MUON) return;
+    for (int i = 0; i < o->nmat; i++) {
+        const OptimMatrix *x = &o->mats[i];
+        if (!optim_muon_owned(o, i)) continue;
+        const ParamInfo *p = &m->params[x->tensor];
+        size_t n = (size_t)x->rows * x->cols;
+        char name[CKPT_NAME];
+        snprintf(name, sizeof name, "optim.m/%s", p->name);
+        if (p->split.dim >= 0 || n == p->numel) {
+            add_piece(t, m, x->tensor, name, o->mm + x->mom, 4, x->toff, x->toff + n, m->be->to_host,
+                      m->be->to_device);
+            continue;
+        }
+        /* a third of a replicated fused q|k|v: its rows, a box (one flat range per name and rank) */
+        int64_t shape[2] = {p->gshape[0], p->gshape[1]};
+        CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, 2, shape, 0, n, o->mm + x->mom, m->be->to_host,
+                                       m->be->to_device);
+        size_t r0 = x->toff / (size_t)x->cols;
+        ckpt_entry_set_box(e, r0, r0 + (size_t)x->rows, 0, (size_t)x->cols);
+    }
+}
+
+/* The optimizer state over arena range [lo, hi) at o's buffers, and Muon's. */
+static void add_optim(CkptTable *t, Model *m, const AdamW *o) {
+    if (o->m) add_range(t, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/", o);
+    if (o->v) add_range(t, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/", o);
+    add_muon(t, m, o);
+}
+
+/* Adafactor's second moments: each factored tensor's row and column
+ * averages, 1-D tensors of its global rows and columns (this tp rank's
+ * blocks of a split dimension as boxes), and the elementwise moments of this
+ * rank's runs of the other tensors, as the AdamW moments. save: what this
+ * rank writes (the averages are the same on every dp rank: dp rank 0's;
+ * ZeRO 0's runs too), else what it loads (everything it holds). */
+static void add_adafactor(CkptTable *t, Model *m, const Adafactor *a, int save, const StateMesh *mesh) {
+    if (!a) return;
+    AdafactorState s;
+    for (int k = 0; adafactor_state(a, k, &s); k++) {
+        if (save && mesh->dp_rank > 0 && (s.vector || mesh->zero == 0)) continue;
+        char name[CKPT_NAME];
+        snprintf(name, sizeof name, "%s%s", s.prefix, m->params[s.tensor].name);
+        if (!s.vector) {
+            add_piece(t, m, s.tensor, name, s.ptr, 4, s.toff, s.toff + s.len, m->be->to_host, m->be->to_device);
+            continue;
+        }
+        int64_t shape[1] = {(int64_t)s.glen};
+        for (int j = 0; j < s.nbox; j++) {
+            CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, 1, shape, 0, s.n[j], s.ptr + s.at[j], m->be->to_host,
+                                           m->be->to_device);
+            if (s.part) ckpt_entry_set_box(e, s.g0[j], s.g0[j] + s.n[j], 0, 1);
+        }
+    }
 }
 
 void state_table_add(CkptTable *t, Model *m, AdamW *o) {
     state_be = m->be;
     add_model_params(t, m);
     if (!o) return;
-    add_range(t, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
-    if (o->v) add_range(t, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
+    add_optim(t, m, o);
 }
 
 /* ZeRO-2/3: this rank's block of every unit, stored back to back at base
  * (ddp_shard_piece): the fp32 parameter shard or an optimizer moment. */
-static void add_unit_blocks(CkptTable *t, Model *m, const Ddp *d, void *base, size_t esz, const char *prefix) {
+static void add_unit_blocks(CkptTable *t, Model *m, const Ddp *d, void *base, size_t esz, const char *prefix,
+                            const AdamW *skip) {
     DdpPiece p;
-    for (int i = 0; ddp_shard_piece(d, i, &p); i++) add_range(t, m, (char *)base + p.at * esz, esz, p.lo, p.hi, prefix);
+    for (int i = 0; ddp_shard_piece(d, i, &p); i++)
+        add_range(t, m, (char *)base + p.at * esz, esz, p.lo, p.hi, prefix, skip);
 }
 
 int state_init_from(Model *m, const char *dir, int say) {
@@ -179,9 +243,8 @@ static void state_fresh(RunState *s, int dirty) {
         if (!c->init_from[0]) model_init_weights(s->m, c->seed);
         else state_load_init_from(s->m, c->init_from, s->mesh.rank == 0);
         if (u) ddp_params_loaded(u);
-        s->o->be->zero(s->o->m, (s->o->hi - s->o->lo) * s->o->state_bytes);
-        if (s->o->v) s->o->be->zero(s->o->v, (s->o->hi - s->o->lo) * s->o->state_bytes);
-        s->o->t = 0;
+        optim_zero_state(s->o);
+        if (s->mesh.adafactor) adafactor_zero(s->mesh.adafactor);
         data_rewind(s->train);
     }
     /* nothing draws from this stream yet; it is saved and restored so that
@@ -301,17 +364,19 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         /* ZeRO-2 loads the whole parameters (then takes its blocks:
          * ddp_params_loaded); ZeRO-3 only its blocks */
         if (ddp_whole_params(us)) add_params(t, m, m->param_mem, "");
-        else add_unit_blocks(t, m, us, ddp_param_shard(us, NULL), 4, "");
-        add_unit_blocks(t, m, us, o->m, o->state_bytes, "optim.m/");
-        if (o->v) add_unit_blocks(t, m, us, o->v, o->state_bytes, "optim.v/");
+        else add_unit_blocks(t, m, us, ddp_param_shard(us, NULL), 4, "", NULL);
+        if (o->m) add_unit_blocks(t, m, us, o->m, o->state_bytes, "optim.m/", o);
+        if (o->v) add_unit_blocks(t, m, us, o->v, o->state_bytes, "optim.v/", o);
+        add_muon(t, m, o);
     } else if (s->mesh.pieces) {
         /* ZeRO-1 under expert parallelism: the moments by piece */
         add_model_params(t, m);
-        add_unit_blocks(t, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/");
-        if (o->v) add_unit_blocks(t, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/");
+        if (o->m) add_unit_blocks(t, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/", o);
+        if (o->v) add_unit_blocks(t, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/", o);
     } else {
         state_table_add(t, m, o);
     }
+    add_adafactor(t, m, s->mesh.adafactor, 0, &s->mesh);
     ckpt_add_blob(t, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
     ckpt_add_blob(t, "train.step", CKPT_I64, 1, 1, &s->step);
     ckpt_add_blob(t, "train.tokens", CKPT_I64, 1, 1, &s->tokens);
@@ -326,26 +391,28 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         /* every rank writes its blocks of the (fp32) parameters and moments:
          * no rank writes the whole, and the whole arena of ZeRO-2 may be in
          * the middle of its refresh */
-        add_unit_blocks(w, m, us, ddp_param_shard(us, NULL), 4, "");
-        add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/");
-        if (o->v) add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/");
+        add_unit_blocks(w, m, us, ddp_param_shard(us, NULL), 4, "", NULL);
+        if (o->m) add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/", o);
+        if (o->v) add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/", o);
     } else {
         /* replicated over dp: dp rank 0's; an expert-parallel rank's experts:
          * the EDP rank 0 of their holders' */
         int dense = s->mesh.dp_rank == 0, experts = s->mesh.edp_rank == 0;
         void *params = m->master_bf16 ? (void *)m->param16 : (void *)m->param_mem;
-        add_arena(w, m, params, m->master_bf16 ? 2 : 4, dense, experts, "");
+        add_arena(w, m, params, m->master_bf16 ? 2 : 4, dense, experts, "", NULL);
         if (s->mesh.pieces) {
-            add_unit_blocks(w, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/");
-            if (o->v) add_unit_blocks(w, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/");
+            if (o->m) add_unit_blocks(w, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/", o);
+            if (o->v) add_unit_blocks(w, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/", o);
         } else if (opt_sharded) {
-            add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
-            if (o->v) add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
+            if (o->m) add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/", o);
+            if (o->v) add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/", o);
         } else {
-            add_arena(w, m, o->m, o->state_bytes, dense, experts, "optim.m/");
-            if (o->v) add_arena(w, m, o->v, o->state_bytes, dense, experts, "optim.v/");
+            if (o->m) add_arena(w, m, o->m, o->state_bytes, dense, experts, "optim.m/", o);
+            if (o->v) add_arena(w, m, o->v, o->state_bytes, dense, experts, "optim.v/", o);
         }
     }
+    add_muon(w, m, o); /* every owner its own, in every layout */
+    add_adafactor(w, m, s->mesh.adafactor, 1, &s->mesh);
     if (rank == 0) {
         ckpt_add_blob(w, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
         ckpt_add_blob(w, "train.step", CKPT_I64, 1, 1, &s->step);

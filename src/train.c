@@ -17,7 +17,9 @@
 #include "mesh.h"
 #include "tp.h"
 #include "metrics.h"
+#include "adafactor.h"
 #include "model.h"
+#include "muon.h"
 #include "optim.h"
 #include "pipe.h"
 #include "plan.h"
@@ -270,10 +272,15 @@ static void train_set_muon(AdamW *o, const Model *m, const Config *c, int say) {
         if (!block || p->ndim != 2 || !p->trained) continue;
         int fused = r == ROLE_QKV_W && (i + 1 >= m->num_tensors || m->params[i + 1].role != ROLE_K_W);
         int parts = fused && c->muon_split_qkv && p->shape[0] % 3 == 0 ? 3 : 1;
-        int rows = p->shape[0] / parts, cols = p->shape[1];
+        /* under tp the arena holds this rank's part (shape) of the global matrix (gshape); a third of a
+         * split c_attn is one row block of its global third */
+        int rows = p->shape[0] / parts, cols = p->shape[1], grows = p->gshape[0] / parts, gcols = p->gshape[1];
         for (int k = 0; k < parts; k++)
             mats[n++] = (OptimMatrix){.off = p->offset + (size_t)k * rows * cols, .rows = rows, .cols = cols,
-                                      .scale = optim_muon_scale(c->muon_scale, rows, cols), .decay = p->decay};
+                                      .grows = grows, .gcols = gcols, .tp_dim = p->split.dim,
+                                      .tp_parts = parts == 3 ? 1 : p->split.parts,
+                                      .scale = optim_muon_scale(c->muon_scale, grows, gcols), .decay = p->decay,
+                                      .tensor = i, .toff = (size_t)k * rows * cols};
         muon_params += p->numel;
     }
     optim_set_muon(o, mats, n, c->momentum, c->ns_steps);
@@ -314,6 +321,54 @@ static void dump_replicated_grads(const Model *m, const char *path, int rank) {
         free(g);
     }
     fclose(f);
+}
+
+/* KILN_TEST_OPTIM_DUMP=DIR (one rank, ZeRO 0, no tp; docs/optimizers.md):
+ * what an optimizer reference needs to replay the run's steps. At start,
+ * DIR/tensors.txt (a line "tensor NAME OFFSET NUMEL NDIM ROWS COLS DECAY"
+ * per tensor, "muon OFF ROWS COLS SCALE DECAY" per Muon matrix) and
+ * DIR/params_0.f32; per step k, DIR/grads_<k>.f32 (the summed gradients,
+ * before clipping), DIR/params_<k>.f32 (after the update) and a line
+ * "step K LR" in DIR/steps.txt. Raw fp32, the arena's num_params elements. */
+static void dump_arena(const char *dir, const char *what, int step, const float *dev, size_t n, const Backend *be) {
+    char path[1200];
+    snprintf(path, sizeof path, "%s/%s_%d.f32", dir, what, step);
+    float *h = xmalloc(n * sizeof(float));
+    be->to_host(h, dev, n * sizeof(float));
+    if (kiln_write_file_atomic(path, h, n * sizeof(float)) != 0)
+        kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
+    free(h);
+}
+
+static void dump_optim_start(const char *dir, const Model *m, const AdamW *o, int ranks) {
+    if (ranks != 1 || !m->param_mem || m->n_units)
+        kiln_fail(KILN_EXIT_USAGE, "KILN_TEST_OPTIM_DUMP needs one rank, parallel.zero 0 and precision.master fp32");
+    if (kiln_mkdirs(dir) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot create (KILN_TEST_OPTIM_DUMP)", dir);
+    char path[1200];
+    snprintf(path, sizeof path, "%s/tensors.txt", dir);
+    FILE *f = fopen(path, "w");
+    if (!f) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
+    for (int i = 0; i < m->num_tensors; i++) {
+        const ParamInfo *p = &m->params[i];
+        fprintf(f, "tensor %s %zu %zu %d %d %d %d\n", p->name, p->offset, p->numel, p->ndim, p->shape[0],
+                p->ndim == 2 ? p->shape[1] : 1, p->decay);
+    }
+    for (int i = 0; i < (o->kind == OPTIM_MUON ? o->nmat : 0); i++)
+        fprintf(f, "muon %zu %d %d %.9g %d\n", o->mats[i].off, o->mats[i].rows, o->mats[i].cols, o->mats[i].scale,
+                o->mats[i].decay);
+    if (fclose(f) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
+    snprintf(path, sizeof path, "%s/steps.txt", dir);
+    if (kiln_write_file_atomic(path, "", 0) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write", path);
+    dump_arena(dir, "params", 0, m->param_mem, m->num_params, m->be);
+}
+
+static void dump_optim_step(const char *dir, const Model *m, int step, float lr) {
+    char path[1200];
+    snprintf(path, sizeof path, "%s/steps.txt", dir);
+    FILE *f = fopen(path, "a");
+    if (!f || fprintf(f, "step %d %.9g\n", step, lr) < 0 || fclose(f) != 0)
+        kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
+    dump_arena(dir, "params", step, m->param_mem, m->num_params, m->be);
 }
 
 /* Ranks, the mesh, the consistency check. Exits 2 on a layout that does not
@@ -371,6 +426,8 @@ typedef struct TrainRun {
     Pipe pipe;                       /* pp > 1: this rank's stage, schedule and channels */
     int cut[PIPE_MAX_STAGES + 1];    /* pp > 1: layers of each virtual stage */
     AdamW opt;
+    MuonDist muon;                   /* optim.name muon: owners over ddp's group (x tp); be NULL: none */
+    Adafactor adafactor;             /* optim.name adafactor; be NULL: none */
     Schedule sched;
     double fpt;                      /* training FLOPs per token */
     RunState rs;
@@ -385,6 +442,7 @@ typedef struct TrainRun {
     /* test hooks (docs/metrics.md, docs/parallel.md) */
     int inject_nan_step, inject_nan_after, pause_at_step;
     const char *tp_grads_file;
+    const char *optim_dump;          /* KILN_TEST_OPTIM_DUMP's directory, or NULL */
     float *param_host;               /* (num_params or shard_n) host: the parameter fingerprint */
     int skip_nonfinite;
     int sample_all;                  /* every rank runs the generation (rank 0 prints) */
@@ -539,7 +597,19 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
                            optim_round_seed(c->seed));
     if (model->master_bf16) optim_set_params_bf16(&r->opt); /* the same seed: other bits of each element's hash */
     if (optim_kind(c->optim_name) == OPTIM_LION) optim_set_lion(&r->opt, c->lion_beta1, c->lion_beta2);
-    if (optim_kind(c->optim_name) == OPTIM_MUON) train_set_muon(&r->opt, model, c, rank == 0);
+    if (optim_kind(c->optim_name) == OPTIM_MUON) {
+        train_set_muon(&r->opt, model, c, rank == 0);
+        /* owners over ddp's group (dp, or dp x cp) and tp; ddp runs its step */
+        muon_dist_init(&r->muon, &r->opt, &r->ddp, tpg, rank == 0);
+    }
+    if (optim_kind(c->optim_name) == OPTIM_ADAFACTOR) {
+        Adafactor *a = &r->adafactor;
+        optim_set_adafactor(&r->opt, c->adafactor_beta1);
+        adafactor_init(a, &r->opt, model, &r->ddp, tpg, c->adafactor_decay, c->adafactor_clip, c->adafactor_eps);
+        if (rank == 0)
+            printf("optim: adafactor, %d tensor(s) factored (%zu statistics), %zu elementwise second moments here, "
+                   "%s\n", a->nf, a->nstat, a->nv, c->adafactor_beta1 > 0 ? "first moment m" : "no first moment");
+    }
     r->sched = (Schedule){(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps,
                           c->min_lr_ratio, c->decay_ratio};
 
@@ -564,7 +634,8 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     StateMesh smesh = {.rank = rank, .world = r->world, .dp = rg->size, .zero = c->zero, .dp_rank = rg->rank,
                        .tp = tp, .tp_rank = tpg->rank, .ep = r->ep, .edp_rank = r->mesh.edp_rank, .g = comm_world(),
                        .pieces = ddp_optim_pieces(&r->ddp) ? &r->ddp : NULL,
-                       .units = r->param_shard ? &r->ddp : NULL, .pp = r->pp, .pp_rank = r->ppg->rank};
+                       .units = r->param_shard ? &r->ddp : NULL, .adafactor = r->adafactor.be ? &r->adafactor : NULL,
+                       .pp = r->pp, .pp_rank = r->ppg->rank};
     r->start_step = state_open(&r->rs, c, &smesh, topt->resume, topt->force, topt->commit, model, &r->opt, r->train);
     model_params_changed(model); /* a resume loaded them: the compute copy follows */
     r->mx = metrics_open(c, rank, r->world, r->fpt, peak, peak_src, r->start_step);
@@ -583,6 +654,8 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
      * fingerprint every replicated tensor's gradient into FILE.rank<R>, so a
      * test can see that every tp rank holds the same */
     r->tp_grads_file = ddp_whole_params(&r->ddp) && !r->param_shard ? getenv("KILN_TEST_TP_GRADS") : NULL;
+    r->optim_dump = getenv("KILN_TEST_OPTIM_DUMP");
+    if (r->optim_dump) dump_optim_start(r->optim_dump, model, &r->opt, r->world);
     const char *pause_env = getenv("KILN_TEST_PAUSE_AT_STEP");
     r->pause_at_step = pause_env ? atoi(pause_env) : 0;
     r->param_host = r->inject_nan_step > 0
@@ -751,6 +824,7 @@ static TrainStep train_step(TrainRun *r, int step) {
     }
     double grad_norm = ddp_reduce_grads(&r->ddp);
     if (r->tp_grads_file && step == r->start_step) dump_replicated_grads(model, r->tp_grads_file, r->rank);
+    if (r->optim_dump) dump_arena(r->optim_dump, "grads", step + 1, model->grad_mem, model->num_params, be);
     /* the mean over every rank's micro-batches; under cp each rank's loss
      * is the mean of its chunks (the same token count on every cp rank) */
     out.loss = (float)(ddp_sum(&r->ddp, loss_sum) / (r->accum * ddp_ranks(&r->ddp)));
@@ -758,6 +832,7 @@ static TrainStep train_step(TrainRun *r, int step) {
     /* a non-finite loss skips the update even if its gradients look finite */
     out.info = (OptimStepInfo){grad_norm, 1.0f, 1};
     if (isfinite(out.loss)) out.info = ddp_optim_step(&r->ddp, &r->opt, out.lr, grad_norm);
+    if (r->optim_dump) dump_optim_step(r->optim_dump, model, step + 1, out.lr);
     if (isfinite(out.loss))
         moe_after_step(model, &r->ddp, r->pp > 1 ? &r->pipe : NULL, r->accum, &out.moe, &r->moe_buf);
     model_params_changed(model); /* the next forward casts the compute copy again */
@@ -887,6 +962,10 @@ static int train_loop(TrainRun *r) {
         metrics_print(mx, "data parallel: %.1f%% of step time blocked in gradient/parameter communication "
                           "(not overlapped with compute): %.3f of %.3f s",
                       100.0 * blocked_sum / step_time_sum, blocked_sum, step_time_sum);
+    if (r->muon.be && step_time_sum > 0)
+        metrics_print(mx, "muon: %.1f%% of step time in the owners' momentum and Newton-Schulz (%.3f of %.3f s), "
+                      "%.1f%% blocked in its exchanges", 100.0 * r->muon.ns_s / step_time_sum, r->muon.ns_s,
+                      step_time_sum, 100.0 * r->muon.comm_s / step_time_sum);
     if (tp > 1 && step_time_sum > 0)
         metrics_print(mx, "tensor parallel: %.1f%% of step time blocked in tp communication (activations and "
                           "partial gradients): %.3f of %.3f s", 100.0 * tp_blocked_sum / step_time_sum,
@@ -915,6 +994,8 @@ static void train_teardown(TrainRun *r) {
     free(r->tgt);
     free(r->ctx);
     optim_free(&r->opt);
+    muon_dist_free(&r->muon);
+    adafactor_free(&r->adafactor);
     if (r->pp > 1) pipe_free(&r->pipe);
     ddp_free(&r->ddp);
     tp_free(&r->tpx);

@@ -54,6 +54,8 @@ void cuda_matmul_backward_dgelu(void *, float *, float *, const void *, const vo
                                 int, int) {
     emu_fail("matmul called");
 }
+/* its products are cuBLASLt's: test/matmul_emu.cc tests it */
+void cuda_newton_schulz(float *, int, int, int, float *) { emu_fail("matmul called"); }
 
 #define TOL_F32 1e-5
 #define TOL_BF16 1e-2
@@ -488,6 +490,88 @@ static void test_lion(size_t n) {
     check_exact("lion_params_n" + std::to_string(n), get_f32(dp, n), p);
     check_exact("lion_m_n" + std::to_string(n), get_f32(dm, n), m);
     cudaFree(dp), cudaFree(dm);
+}
+
+/* Muon's elementwise ops: the CPU's bits, the momentum in place (u = grads)
+ * as muon.c runs it under ZeRO 2/3 and apart; two steps. */
+static void test_muon_ops(size_t n) {
+    Vec p = rnd(n, 1.0f), m = rnd(n, 0.01f), u(n);
+    float *dp = dev_f32(p), *dm = dev_f32(m), *du = dev_f32(u);
+    for (int t = 1; t <= 2; t++) {
+        Vec g = rnd(n, 1.0f), o = rnd(n, 0.05f);
+        float *dg = dev_f32(g), *dgo = dev_f32(o);
+        if (t == 1) {
+            cpu->muon_momentum(u.data(), m.data(), g.data(), n, 0.95f, 0.5f);
+            gpu->muon_momentum(du, dm, dg, n, 0.95f, 0.5f);
+        } else { /* in place */
+            cpu->muon_momentum(g.data(), m.data(), g.data(), n, 0.95f, 0.5f);
+            gpu->muon_momentum(dg, dm, dg, n, 0.95f, 0.5f);
+            u = g;
+            CUDA_CHECK(cudaMemcpy(du, dg, n * sizeof(float), cudaMemcpyDeviceToDevice));
+        }
+        cpu->muon_apply(p.data(), o.data(), n, 0.02f, 1.7f, 0.1f);
+        gpu->muon_apply(dp, dgo, n, 0.02f, 1.7f, 0.1f);
+        cudaFree(dg), cudaFree(dgo);
+    }
+    check_exact("muon_momentum_m_n" + std::to_string(n), get_f32(dm, n), m);
+    check_exact("muon_momentum_u_n" + std::to_string(n), get_f32(du, n), u);
+    check_exact("muon_apply_params_n" + std::to_string(n), get_f32(dp, n), p);
+    cudaFree(dp), cudaFree(dm), cudaFree(du);
+}
+
+/* Adafactor's ops on a (37, 29) tensor's run from mid-row 5 to 11 short of
+ * the end (ZeRO cuts tensors anywhere) and on an unfactored run. The row
+ * and column sums are double sums in another order stored in fp32: 1e-6 of
+ * the largest (a few fp32 ulps; a lost or doubled row or column errs by
+ * 1/29 or more); the sum of squares as sumsq (1e-12 relative); everything
+ * elementwise, and the step given the same statistics, the CPU's bits. */
+static void test_adafactor(void) {
+    const size_t R = 37, C = 29, e0 = 5, n = R * C - 16;
+    Vec g = rnd(n, 0.01f), p = rnd(n, 1.0f), m = rnd(n, 0.001f), rows(R, 0.5f), cols(C, 0.25f);
+    float *dg = dev_f32(g), *dp = dev_f32(p), *dm = dev_f32(m), *drows = dev_f32(rows), *dcols = dev_f32(cols);
+    cpu->adafactor_stats(rows.data(), cols.data(), g.data(), e0, n, (int)C, 0.5f, 1e-30f);
+    gpu->adafactor_stats(drows, dcols, dg, e0, n, (int)C, 0.5f, 1e-30f);
+    Vec grow = get_f32(drows, R), gcol = get_f32(dcols, C);
+    check("adafactor_stats_rows", grow, rows, 1e-6);
+    check("adafactor_stats_cols", gcol, cols, 1e-6);
+    /* from here on both sides read the CPU's statistics */
+    /* second moments are positive: |N(0, 1e-5)| + 1e-6 */
+    auto pos = [](Vec x) { for (auto &e : x) e = fabsf(e) + 1e-6f; return x; };
+    Vec r = pos(rnd(R, 1e-5f)), c = pos(rnd(C, 1e-5f)), sums = pos(rnd(R, 1e-4f));
+    float *dr = dev_f32(r), *dc = dev_f32(c), *dsums = dev_f32(sums);
+    cpu->adafactor_ema(r.data(), sums.data(), R, 0.42f, 1.0f / 29);
+    gpu->adafactor_ema(dr, dsums, R, 0.42f, 1.0f / 29);
+    check_exact("adafactor_ema", get_f32(dr, R), r);
+    CUDA_CHECK(cudaMemcpy(dr, r.data(), R * 4, cudaMemcpyHostToDevice));
+    double *dq;
+    CUDA_CHECK(cudaMalloc((void **)&dq, sizeof(double)));
+    double want, got;
+    cpu->adafactor_usq(&want, g.data(), NULL, r.data(), c.data(), 2.1e-5f, e0, n, (int)C, 0.5f);
+    gpu->adafactor_usq(dq, dg, NULL, dr, dc, 2.1e-5f, e0, n, (int)C, 0.5f);
+    CUDA_CHECK(cudaMemcpy(&got, dq, sizeof got, cudaMemcpyDeviceToHost));
+    report("adafactor_usq_factored", fabs(got - want) <= TOL_SUMSQ * want, "rel err %.2e (tol %.0e)",
+           fabs(got - want) / want, TOL_SUMSQ);
+    cpu->adafactor_apply(p.data(), g.data(), m.data(), NULL, r.data(), c.data(), 2.1e-5f, e0, n, (int)C, 0.5f, 0.7f,
+                         0.01f, 0.9f, 0.1f);
+    gpu->adafactor_apply(dp, dg, dm, NULL, dr, dc, 2.1e-5f, e0, n, (int)C, 0.5f, 0.7f, 0.01f, 0.9f, 0.1f);
+    check_exact("adafactor_apply_factored_params", get_f32(dp, n), p);
+    check_exact("adafactor_apply_factored_m", get_f32(dm, n), m);
+    /* not factored: v, then the step without m */
+    Vec v = pos(rnd(n, 1e-5f));
+    float *dv = dev_f32(v);
+    cpu->adafactor_second(v.data(), g.data(), n, 0.5f, 0.42f, 1e-30f);
+    gpu->adafactor_second(dv, dg, n, 0.5f, 0.42f, 1e-30f);
+    check_exact("adafactor_second", get_f32(dv, n), v);
+    cpu->adafactor_usq(&want, g.data(), v.data(), NULL, NULL, 1.0f, 0, n, 1, 0.5f);
+    gpu->adafactor_usq(dq, dg, dv, NULL, NULL, 1.0f, 0, n, 1, 0.5f);
+    CUDA_CHECK(cudaMemcpy(&got, dq, sizeof got, cudaMemcpyDeviceToHost));
+    report("adafactor_usq_elementwise", fabs(got - want) <= TOL_SUMSQ * want, "rel err %.2e (tol %.0e)",
+           fabs(got - want) / want, TOL_SUMSQ);
+    cpu->adafactor_apply(p.data(), g.data(), NULL, v.data(), NULL, NULL, 1.0f, 0, n, 1, 0.5f, 1.0f, 0.01f, 0.0f, 0.0f);
+    gpu->adafactor_apply(dp, dg, NULL, dv, NULL, NULL, 1.0f, 0, n, 1, 0.5f, 1.0f, 0.01f, 0.0f, 0.0f);
+    check_exact("adafactor_apply_elementwise", get_f32(dp, n), p);
+    cudaFree(dg), cudaFree(dp), cudaFree(dm), cudaFree(drows), cudaFree(dcols), cudaFree(dr), cudaFree(dc);
+    cudaFree(dsums), cudaFree(dq), cudaFree(dv);
 }
 
 /* bf16 moments (precision.optim_state bf16): the kernel must give the CPU's
@@ -1065,6 +1149,8 @@ int main(void) {
         test_adamw_p16(1003, 0);
         test_adamw_p16(1003, 1);
         test_lion(1003);
+        test_muon_ops(1003);
+        test_adafactor();
         test_sumsq(4099);
         test_sumsq(100);                  /* fewer elements than partial blocks */
         test_sumsq(0);

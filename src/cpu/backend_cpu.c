@@ -1330,6 +1330,95 @@ static void cpu_adamw_update_p16(uint16_t *params, const float *grads, void *m, 
  * order: the same bits for any number of threads. */
 #define CPU_SUMSQ_CHUNKS 256
 
+/* Adafactor (backend.h adafactor_*). The statistics: each row's terms in
+ * element order (threads own rows), each column's over the run's rows in
+ * row order (threads own columns), in double. The updates: scalar per
+ * element, each operation rounded on its own, as the CUDA kernels. */
+static void cpu_adafactor_stats(float *rows, float *cols, const float *grads, size_t e0, size_t n, int cols_n,
+                                float grad_scale, float eps1) {
+    /* rows (tensor rows), cols (cols_n) accumulated; grads (n) */
+    if (!n) return;
+    size_t C = (size_t)cols_n, r0 = e0 / C, r1 = (e0 + n - 1) / C + 1;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = r0; i < r1; i++) {
+        size_t a = i * C > e0 ? i * C : e0, b = (i + 1) * C < e0 + n ? (i + 1) * C : e0 + n;
+        double s = 0.0;
+        for (size_t e = a; e < b; e++) {
+            float g = grads[e - e0] * grad_scale;
+            s += (double)(g * g + eps1);
+        }
+        rows[i] += (float)s;
+    }
+    #pragma omp parallel for schedule(static)
+    for (size_t j = 0; j < C; j++) {
+        double s = 0.0;
+        int any = 0;
+        for (size_t i = r0; i < r1; i++) {
+            size_t e = i * C + j;
+            if (e < e0 || e >= e0 + n) continue;
+            float g = grads[e - e0] * grad_scale;
+            s += (double)(g * g + eps1), any = 1;
+        }
+        if (any) cols[j] += (float)s;
+    }
+}
+
+static void cpu_adafactor_ema(float *state, const float *sums, size_t n, float beta2, float scale) {
+    /* state, sums (n) */
+    const float b2c = 1.0f - beta2;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) state[i] = beta2 * state[i] + b2c * (scale * sums[i]);
+}
+
+static void cpu_adafactor_second(float *v, const float *grads, size_t n, float grad_scale, float beta2, float eps1) {
+    /* v, grads (n) */
+    const float b2c = 1.0f - beta2;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float g = grads[i] * grad_scale;
+        v[i] = beta2 * v[i] + b2c * (g * g + eps1);
+    }
+}
+
+/* The unclipped update of element k (backend.h adafactor_usq). */
+static inline float cpu_adafactor_u(const float *grads, const float *v, const float *r, const float *c, float rmean,
+                                    size_t e0, size_t k, size_t C, float grad_scale) {
+    float g = grads[k] * grad_scale;
+    if (!r) return g / sqrtf(v[k]);
+    size_t e = e0 + k;
+    return g / sqrtf(r[e / C] / rmean) / sqrtf(c[e % C]);
+}
+
+static void cpu_adafactor_usq(double *out, const float *grads, const float *v, const float *r, const float *c,
+                              float rmean, size_t e0, size_t n, int cols_n, float grad_scale) {
+    /* grads, v (n); r (rows), c (cols_n) */
+    double s = 0.0;
+    #pragma omp parallel for schedule(static) reduction(+ : s)
+    for (size_t k = 0; k < n; k++) {
+        float u = cpu_adafactor_u(grads, v, r, c, rmean, e0, k, (size_t)cols_n, grad_scale);
+        s += (double)u * u;
+    }
+    *out = s;
+}
+
+static void cpu_adafactor_apply(float *params, const float *grads, float *m, const float *v, const float *r,
+                                const float *c, float rmean, size_t e0, size_t n, int cols_n, float grad_scale,
+                                float inv_clip, float lr, float beta1, float weight_decay) {
+    /* params, grads, m, v (n); r (rows), c (cols_n) */
+    const float b1c = 1.0f - beta1;
+    #pragma omp parallel for schedule(static)
+    for (size_t k = 0; k < n; k++) {
+        float u = cpu_adafactor_u(grads, v, r, c, rmean, e0, k, (size_t)cols_n, grad_scale) * inv_clip;
+        if (m) {
+            float mk = beta1 * m[k] + b1c * u;
+            m[k] = mk;
+            u = mk;
+        }
+        float p = params[k];
+        params[k] = p - lr * (u + weight_decay * p);
+    }
+}
+
 static double cpu_sumsq(const float *x, size_t n) {
     /* x (n) */
     double part[CPU_SUMSQ_CHUNKS];
@@ -1408,5 +1497,10 @@ const Backend backend_cpu = {
     .muon_momentum = cpu_muon_momentum,
     .newton_schulz = cpu_newton_schulz,
     .muon_apply = cpu_muon_apply,
+    .adafactor_stats = cpu_adafactor_stats,
+    .adafactor_ema = cpu_adafactor_ema,
+    .adafactor_second = cpu_adafactor_second,
+    .adafactor_usq = cpu_adafactor_usq,
+    .adafactor_apply = cpu_adafactor_apply,
     .sumsq = cpu_sumsq,
 };
