@@ -212,15 +212,8 @@ if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && grep -q 'init.from: Huggi
 then ok ep_hf_init_from_and_export
 else fail ep_hf_init_from_and_export "rc $rc: $why $diff $(grep -m2 -h error $T/hf_*.txt)"; fi
 
-# Layouts refused: one line, exit 2, on every rank, before any allocation.
-refuse() {
-    local name=$1 np=$2 want=$3; shift 3
-    local out rc lines
-    out=$("${MPIRUN[@]}" -np $np ./train $Y $S "$@" --set run.dir=$T/$name 2>&1); rc=$?
-    lines=$(printf '%s\n' "$out" | grep -o "$want" | wc -l) # ranks share stderr: count the messages
-    if [ $rc -eq 2 ] && [ "$lines" -eq $np ]; then ok ep_refuses_$name
-    else fail ep_refuses_$name "rc $rc, $lines of $np ranks said '$want': $(printf '%s\n' "$out" | grep -m2 kiln)"; fi
-}
+# Layouts refused: one line, exit 2, before any allocation (test/lib.sh mpi_refuse).
+refuse() { mpi_refuse ep "$@"; }
 refuse experts_ep3 3 "ep 3 must divide the 4 experts" $MOE --set parallel.ep=3 --set batch.total_tokens=384
 refuse dense_model 2 "spreads MoE experts over ranks" $LLAMA --set parallel.ep=2
 refuse zero2 2 "expert parallelism runs with ZeRO 0 or 1" $MOE --set parallel.ep=2 --set parallel.zero=2

@@ -123,16 +123,8 @@ else fail tp_reshard_tp2_tp1_tp2dp2 "rc $rc: $why $diff $(grep -m2 -h error $T/r
 n=$(./train ckpt-info $T/rs/checkpoints/step_00000008 | grep -c ' rank 1 ')
 [ "$n" -gt 0 ] && ok tp_checkpoint_parts_per_rank || fail tp_checkpoint_parts_per_rank "no pieces from rank 1"
 
-# Layouts that do not split: one line, exit 2, on every rank, before any allocation.
-refuse() {
-    local name=$1 np=$2 want=$3; shift 3
-    local out rc
-    out=$("${MPIRUN[@]}" -np $np ./train $Y $S "$@" --set run.dir=$T/$name 2>&1); rc=$?
-    local lines # ranks share stderr: lines may interleave, so count the messages
-    lines=$(printf '%s\n' "$out" | grep -o "$want" | wc -l)
-    if [ $rc -eq 2 ] && [ "$lines" -eq $np ]; then ok tp_refuses_$name
-    else fail tp_refuses_$name "rc $rc, $lines of $np ranks said '$want': $(printf '%s\n' "$out" | grep -m2 kiln)"; fi
-}
+# Layouts that do not split: one line, exit 2, before any allocation (test/lib.sh mpi_refuse).
+refuse() { mpi_refuse tp "$@"; }
 refuse heads_tp3 3 "tp 3 must divide the 4 attention heads" $GPT2 --set parallel.tp=3 \
     --set parallel.sequence_parallel=false
 refuse kv_heads_tp4 4 "tp 4 must divide the 2 kv heads" $LLAMA --set model.n_kv_head=2 --set parallel.tp=4
