@@ -147,9 +147,10 @@ static const CfgKey cfg_keys[] = {
     KENUM("optim.name", optim_name, "adamw", "adamw|lion|muon|adafactor",
           "optimizer (docs/optimizers.md): `adamw`; `lion` (sign of the interpolated momentum, one state "
           "buffer; takes `optim.lion_betas`, `lr`, `weight_decay` and `grad_clip`, not `betas` or `eps`); `muon` "
-          "(the blocks' 2-D matrices orthogonalised by Newton-Schulz, each on one dp rank; embeddings, head, "
-          "gains, biases and the router keep AdamW with `betas`, `eps`); `adafactor` (factored second moments "
-          "of every 2-D tensor, update clipping, relative step off: `optim.adafactor_*`, `lr`, `weight_decay`)"),
+          "(the blocks' 2-D matrices orthogonalised by Newton-Schulz, each on one dp rank, an expert's on one "
+          "rank of its EDP group; embeddings, head, gains, biases and the router keep AdamW with `betas`, "
+          "`eps`); `adafactor` (factored second moments of every 2-D tensor, update clipping, relative step "
+          "off: `optim.adafactor_*`, `lr`, `weight_decay`)"),
     KFLT("optim.lr", lr, "6.0e-4", 0, 10, "peak learning rate"),
     KPAIR("optim.betas", beta1, beta2, "[0.9, 0.95]", 0, 1, CF_HI_OPEN, "AdamW `[beta1, beta2]`"),
     /* eps = 0 divides 0 by 0 wherever a gradient is always zero (the padded
