@@ -60,6 +60,12 @@ MOE="$MOE --set model.moe.z_loss_coef=0.001"
 # as t_muon.sh's and t_adafactor.sh's
 MUON="$MOE --set optim.name=muon --set optim.lr=0.02 --set schedule.kind=constant"
 ADAF="$MOE --set optim.name=adafactor --set optim.lr=0.01 --set schedule.kind=constant"
+# one expert per ep rank over 3 layers: 9 equal expert tensors, so ZeRO-1's
+# two EDP blocks cut the fifth in half (with 12 every tensor stays whole in
+# one block, and a sum left out of the EDP reduction would go unseen)
+CUT="--set model.n_layer=3 --set model.moe.n_experts=2 --set model.moe.top_k=1"
+MUON_CUT="$MUON $CUT"
+ADAF_CUT="$ADAF $CUT"
 # dropless, sigmoid router, DeepSeek-V3's balancing bias
 FREE="$LLAMA --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
 FREE="$FREE --set model.moe.router=sigmoid --set model.moe.capacity_factor=0 --set model.moe.bias_update_rate=0.001"
@@ -98,7 +104,7 @@ equiv() {
     else fail ep_equiv_$name "rc $rc: $why $moe $diff $(grep -m2 error $D.txt)"; fi
 }
 
-for model in MOE FREE MUON ADAF; do
+for model in MOE FREE MUON ADAF MUON_CUT ADAF_CUT; do
     ./train $Y $S ${!model} --set run.dir=$T/ref_$model >$T/ref_$model.txt 2>&1 \
         || fail ep_reference_$model "$(tail -n 3 $T/ref_$model.txt)"
 done
@@ -124,6 +130,41 @@ equiv capacity_ep2_dp2_checked MOE 4 2 1 1 --set monitor.check_collectives=true
 # tensor, lm_head), moments within 1e-8; Adafactor within 2.4e-7. ZeRO 0 and
 # 1, EDP of 1 (ep 2) and 2 (ep 2 x dp 2), and ep 2 x tp 2 (the experts,
 # replicated over tp, orthogonalised by their tp owner).
+# The optimizer state is also compared relative to the reference's, entry by
+# entry (test/ckpt_update.py --state): Adafactor's averages are of g^2
+# (~1e-7 here), which ckpt-diff's absolute 1e-5 cannot tell from zero.
+# Measured 1.1e-6 to 2.5e-6 (the gradients' reassociation through six
+# steps); a statistic summed over the wrong group is off by its whole size
+# (relative ~1: half a tensor's sums, or another expert's), so 1e-4.
+state_close() { # NAME MODEL
+    local why
+    why=$(python3 test/ckpt_update.py --state $T/ref_$2/checkpoints/step_00000006 $T/$1/checkpoints/step_00000006 \
+        --tol 1e-4 2>&1) && ok ep_state_$1 || fail ep_state_$1 "$why"
+    echo "# $1: $why"
+}
+# Muon on the cut model (top 1 of 2 experts, lr 0.02 on its AdamW part too)
+# is touchier: the same model on 4 dp ranks without ep (main's code) ends
+# 7.9e-5 from one rank in lm_head, ep 2 x dp 2 8.2e-5, past 1e-5 absolute.
+# So its parameters are compared as six steps' updates from the start, |dB -
+# dA| / |dA| per tensor (test/ckpt_update.py): measured 1.6e-5 without ep
+# and 1.7e-5 with; an expert's update lost or applied to another's holder is
+# off by ~1, so 1e-4.
+./train $Y $S $MUON_CUT --set optim.lr=0 --set train.steps=1 --set checkpoint.every=1 --set run.dir=$T/start_MUON_CUT \
+    >$T/start_MUON_CUT.txt 2>&1
+equiv_update() { # NAME MODEL NP EP TP ZERO
+    local name=$1 model=$2 D=$T/$1 rc why moe upd
+    "${MPIRUN[@]}" -np $3 ./train $Y $S ${!model} --set parallel.ep=$4 --set parallel.tp=$5 --set parallel.zero=$6 \
+        --set run.dir=$D >$D.txt 2>&1
+    rc=$?
+    why=$(close_losses $T/ref_$model/metrics.jsonl $D/metrics.jsonl 2>&1)
+    moe=$(moe_same $T/ref_$model/metrics.jsonl $D/metrics.jsonl 2>&1)
+    local urc=1
+    upd=$(python3 test/ckpt_update.py $T/start_$model/checkpoints/step_00000001 $T/ref_$model/checkpoints/step_00000006 \
+        $D/checkpoints/step_00000006 --tol 1e-4 2>&1) && urc=0
+    if [ $rc -eq 0 ] && [ $urc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ]; then ok ep_equiv_$name
+    else fail ep_equiv_$name "rc $rc: $why $moe $upd $(grep -m2 error $D.txt)"; fi
+    echo "# $name: $upd"
+}
 for opt in MUON ADAF; do
     o=$(printf '%s' $opt | tr A-Z a-z)
     equiv ${o}_ep2 $opt 2 2 1 0
@@ -131,6 +172,11 @@ for opt in MUON ADAF; do
     equiv ${o}_ep2_dp2 $opt 4 2 1 0
     equiv ${o}_ep2_dp2_zero1 $opt 4 2 1 1
     equiv ${o}_ep2_tp2_zero1 $opt 4 2 2 1
+    [ $opt = ADAF ] && equiv ${o}_cut_ep2_dp2_zero1 ${opt}_CUT 4 2 1 1
+    [ $opt = MUON ] && equiv_update ${o}_cut_ep2_dp2_zero1 ${opt}_CUT 4 2 1 1
+    state_close ${o}_ep2_dp2 $opt
+    state_close ${o}_ep2_dp2_zero1 $opt
+    state_close ${o}_cut_ep2_dp2_zero1 ${opt}_CUT
 done
 # the experts' owners: over the 2 EDP ranks of each ep rank, the dense matrices over dp
 grep -q 'muon owners over 4 dp rank(s) (the 12 expert matrices here over the 2 edp rank(s) holding them)' \
