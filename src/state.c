@@ -170,12 +170,15 @@ static void add_optim(CkptTable *t, Model *m, const AdamW *o) {
  * blocks of a split dimension as boxes), and the elementwise moments of this
  * rank's runs of the other tensors, as the AdamW moments. save: what this
  * rank writes (the averages are the same on every dp rank: dp rank 0's;
- * ZeRO 0's runs too), else what it loads (everything it holds). */
+ * ZeRO 0's runs too; an expert's: EDP rank 0's), else what it loads
+ * (everything it holds). */
 static void add_adafactor(CkptTable *t, Model *m, const Adafactor *a, int save, const StateMesh *mesh) {
     if (!a) return;
     AdafactorState s;
     for (int k = 0; adafactor_state(a, k, &s); k++) {
-        if (save && mesh->dp_rank > 0 && (s.vector || mesh->zero == 0)) continue;
+        /* an expert-parallel rank's experts: the same on every rank of its EDP group */
+        int rank = m->params[s.tensor].offset < m->expert_len ? mesh->edp_rank : mesh->dp_rank;
+        if (save && rank > 0 && (s.vector || mesh->zero == 0)) continue;
         char name[CKPT_NAME];
         snprintf(name, sizeof name, "%s%s", s.prefix, m->params[s.tensor].name);
         if (!s.vector) {
@@ -373,6 +376,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         add_model_params(t, m);
         if (o->m) add_unit_blocks(t, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/", o);
         if (o->v) add_unit_blocks(t, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/", o);
+        add_muon(t, m, o);
     } else {
         state_table_add(t, m, o);
     }
