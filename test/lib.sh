@@ -22,3 +22,21 @@ small_corpus() {
     ./train prepare --tokenizer byte --out "$dir" --val-fraction 0.1 "$dir.txt" >/dev/null 2>"$dir.err" \
         || { fail prepare_small_corpus "$(cat "$dir.err")"; return 1; }
 }
+# jget FILE EXPR: EXPR (Python, over the parsed JSON as d) of a JSON file such
+# as RUN_DIR/summary.json; prints nothing if the file or the key is missing.
+# Behaviour checks read these machine files rather than the log's wording.
+jget() {
+    python3 - "$1" "$2" <<'PY' 2>/dev/null
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+    v = eval(sys.argv[2], {"d": d})
+except Exception:
+    sys.exit(0)
+print(str(v).lower() if isinstance(v, bool) else v)
+PY
+}
+# resumed DIR: "STEP WORLD RESHARDED" of the last session of run directory
+# DIR (summary.json's "resumed": the step it resumed at, the world that wrote
+# the checkpoint, true/false); empty for a fresh start.
+resumed() { jget "$1/summary.json" "'%d %d %s' % (d['resumed']['step'], d['resumed']['from']['world'], str(d['resumed']['resharded']).lower())"; }
