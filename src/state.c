@@ -488,8 +488,11 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
             int saved_tp = info.mesh.tp > 0 ? info.mesh.tp : 1, saved_pp = info.mesh.pp > 0 ? info.mesh.pp : 1;
             int saved_ep = info.mesh.ep > 0 ? info.mesh.ep : 1;
             int pp = s->mesh.pp > 0 ? s->mesh.pp : 1, ep = s->mesh.ep > 0 ? s->mesh.ep : 1;
-            if (info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp ||
-                                        saved_tp != s->mesh.tp || saved_pp != pp || saved_ep != ep))
+            s->resharded = info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp ||
+                                                   saved_tp != s->mesh.tp || saved_pp != pp || saved_ep != ep);
+            s->resumed_mesh = info.mesh;
+            kiln_strlcpy(s->resumed_path, path, sizeof s->resumed_path);
+            if (s->resharded)
                 snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (pp %d x dp %d x tp %d, ep %d) to "
                          "%d (pp %d x dp %d x tp %d, ep %d, ZeRO %d)", info.mesh.world, saved_pp, info.mesh.dp, saved_tp,
                          saved_ep, s->mesh.world, pp, s->mesh.dp, s->mesh.tp, ep, s->mesh.zero);

@@ -35,3 +35,21 @@ mpi_refuse() {
     if [ $rc -eq 2 ] && [ "$lines" -ge 1 ]; then ok ${prefix}_refuses_$name
     else fail ${prefix}_refuses_$name "rc $rc, $lines of $np ranks said '$want': $(printf '%s\n' "$out" | grep -m2 kiln)"; fi
 }
+# jget FILE EXPR: EXPR (Python, over the parsed JSON as d) of a JSON file such
+# as RUN_DIR/summary.json; prints nothing if the file or the key is missing.
+# Behaviour checks read these machine files rather than the log's wording.
+jget() {
+    python3 - "$1" "$2" <<'PY' 2>/dev/null
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+    v = eval(sys.argv[2], {"d": d})
+except Exception:
+    sys.exit(0)
+print(str(v).lower() if isinstance(v, bool) else v)
+PY
+}
+# resumed DIR: "STEP WORLD RESHARDED" of the last session of run directory
+# DIR (summary.json's "resumed": the step it resumed at, the world that wrote
+# the checkpoint, true/false); empty for a fresh start.
+resumed() { jget "$1/summary.json" "'%d %d %s' % (d['resumed']['step'], d['resumed']['from']['world'], str(d['resumed']['resharded']).lower())"; }
