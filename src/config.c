@@ -958,12 +958,6 @@ static void cfg_check_optim(const Config *c, CfgLoad *L) {
 }
 
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {
-    if (c->pp > 1 && c->zero >= 2)
-        kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': ZeRO-%d shards whole models by layer; pipeline stages "
-                  "(parallel.pp %d) run ZeRO 0 or 1", cfg_where_of(L, "parallel.zero", "parallel.pp"), c->zero, c->pp);
-    if (c->pp > 1 && c->cp > 1)
-        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.pp', 'parallel.cp': pipeline and context parallelism together "
-                  "are not supported yet (untested); use one of them", cfg_where_of(L, "parallel.cp", "parallel.pp"));
     if (c->pp == 1 && (c->pp_virtual > 1 || c->n_pp_layers > 0))
         kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': chunks and stage layers need parallel.pp > 1",
                   cfg_where_of(L, c->pp_virtual > 1 ? "parallel.pp_virtual" : "parallel.pp_layers", "parallel.pp"),

@@ -163,7 +163,7 @@ static void compute_refresh(Model *m, int u) {
         cb->stale = 0;
         return;
     }
-    if (!m->unit_stale[u]) return;
+    if (!m->unit_stale[u] || !m->unit_len[u]) return; /* empty: a pipeline stage's units of other stages */
     int first = 0;
     while (model_unit_of(m, first) != u) first++;
     const float *base = m->pview[first] - (m->params[first].offset - m->unit_off[u]);
@@ -196,9 +196,6 @@ static void need_master(const Model *m, const char *what) {
 
 void model_layout_by_unit(Model *m, size_t unit_align) {
     need_master(m, "ZeRO-2/3's layout");
-    if (!m->has_embed || !m->has_head)
-        kiln_fail(KILN_EXIT_USAGE, "key 'parallel.zero': ZeRO-2/3 shard whole models by layer; a pipeline stage "
-                  "(layers %d..%d) has no unit layout yet", m->layer_lo, m->layer_hi - 1);
     int L = m->shape.n_layer;
     if (unit_align < 1) unit_align = 1;
     m->n_units = L + 1;

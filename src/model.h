@@ -330,7 +330,8 @@ typedef struct Model {
     /* ZeRO-2/3 (model_layout_by_unit): the arena is laid out unit by unit
      * (unit l < n_layer: layer l's tensors; unit n_layer: the embeddings, final norm and head),
      * each unit's tensors in listing order, and the views may point into
-     * per-unit buffers (model_bind_unit). n_units = 0: decayed-first layout. */
+     * per-unit buffers (model_bind_unit). n_units = 0: decayed-first layout.
+     * A pipeline stage's units of the other stages' layers are empty (length 0). */
     int n_units;
     size_t *unit_off, *unit_len; /* [n_units] arena range of each unit */
     int layer_grads_fresh;       /* 1: layer gradients are overwritten by every

@@ -778,8 +778,11 @@ static double train_micro_batches(TrainRun *r, int step) {
 static void pipe_compute_begin(void *ctx, int backward, int first, int last_of_chunk, int last_of_rank) {
     TrainRun *r = ctx;
     metrics_phase(r->mx, backward ? PHASE_BACKWARD : PHASE_FORWARD, r->step + 1);
-    ddp_micro_begin(&r->ddp, first, last_of_rank); /* the last backward posts the buckets as layers finish */
+    /* ZeRO 0-1: the rank's last backward posts the buckets as layers finish;
+     * ZeRO 2-3: each chunk's last one reduce-scatters its layers */
+    ddp_pipe_begin(&r->ddp, first, last_of_chunk, last_of_rank);
     tp_micro_begin(&r->tpx, first, last_of_chunk);
+    cp_micro_begin(&r->cpx, first);
 }
 
 /* The pipeline's micro-batches: every stage reads the step's batches (the
