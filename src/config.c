@@ -180,7 +180,7 @@ static const CfgKey cfg_keys[] = {
     KFLT("schedule.min_lr_ratio", min_lr_ratio, "0.1", 0, 1, "final learning rate as a fraction of `optim.lr`"),
     KFLT("schedule.decay_ratio", decay_ratio, "0.2", 0, 1, "`wsd`: fraction of the steps spent in the final decay"),
     KINTA("parallel.dp", dp, "auto", 0, INF, "data-parallel ranks; `auto` (or 0) = world size / (tp x pp x cp)"),
-    KINT("parallel.zero", zero, "0", 0, 3, "ZeRO stage over the dp group: 0 replicates everything, 1 shards optimizer state, 2 + gradients, 3 + parameters (FSDP: layers gathered for forward and backward)"),
+    KINT("parallel.zero", zero, "0", 0, 3, "ZeRO stage over the dp group: 0 replicates everything, 1 shards optimizer state, 2 + gradients, 3 + parameters (FSDP: layers gathered for forward and backward); with pp > 1 each stage's dp group shards that stage's layers"),
     KINT("parallel.tp", tp, "1", 1, INF, "tensor-parallel ranks (Megatron's split of heads, MLP width and vocabulary; "
          "consecutive ranks, so keep it within a node); must divide n_head, n_kv_head and ffn_hidden"),
     KENUM("parallel.sequence_parallel", sequence_parallel, "auto", "auto|true|false",
