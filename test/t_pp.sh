@@ -86,6 +86,7 @@ reference ref_gpt2 $GPT2
 reference ref_llama $LLAMA
 reference ref_gpt2_odd $GPT2 $ODD
 reference ref_moe $MOE
+reference ref_gpt2_muon $GPT2 --set optim.name=muon
 # six micro-batches: three per dp rank, not a multiple of pp 2
 ODD_DP="--set batch.total_tokens=768"
 reference ref_llama_odd_dp $LLAMA $ODD_DP
@@ -130,6 +131,8 @@ equiv llama_pp2_cp2_ring_zb_h1 ref_llama 4 $LLAMA --set parallel.pp=2 --set para
     --set parallel.cp_attention=ring --set parallel.pp_schedule=zb_h1
 equiv llama_pp2_cp2_zero3_interleaved ref_llama 4 $LLAMA --set parallel.pp=2 --set parallel.cp=2 \
     --set parallel.zero=3 $IL
+# Muon's owners plan over the stage's units (ddp_rank_piece: other stages' empty)
+equiv gpt2_pp2_dp2_zero3_muon ref_gpt2_muon 4 $GPT2 $Z3 --set optim.name=muon
 equiv gpt2_pp2_tp2 ref_gpt2 4 $GPT2 --set parallel.pp=2 --set parallel.tp=2
 equiv llama_pp2_tp2_nosp_interleaved ref_llama 4 $LLAMA --set parallel.pp=2 --set parallel.tp=2 $IL \
     --set parallel.sequence_parallel=false
@@ -166,8 +169,15 @@ G="--set train.sample_every=6 --set train.sample_tokens=40"
     | sed -n '/--- sample/,/^---$/p' >$T/gen2.txt
 "${MPIRUN[@]}" -np 4 ./train $Y $S $LLAMA $G --set parallel.pp=2 --set parallel.tp=2 --set run.dir=$T/gen4 2>&1 \
     | sed -n '/--- sample/,/^---$/p' >$T/gen4.txt
-[ -s $T/gen1.txt ] && cmp -s $T/gen1.txt $T/gen2.txt && cmp -s $T/gen1.txt $T/gen4.txt && ok pp_generation_same_text \
-    || fail pp_generation_same_text "$(head -c 200 $T/gen1.txt) vs $(head -c 200 $T/gen2.txt)"
+# ZeRO-3 inside the stages (each stage gathers its layers for the
+# generation's forwards) and cp inside them (the last position's cp rank
+# broadcasts its logits row)
+"${MPIRUN[@]}" -np 4 ./train $Y $S $LLAMA $G $Z3 --set run.dir=$T/genz 2>&1 | sed -n '/--- sample/,/^---$/p' >$T/genz.txt
+"${MPIRUN[@]}" -np 4 ./train $Y $S $LLAMA $G --set parallel.pp=2 --set parallel.cp=2 --set run.dir=$T/genc 2>&1 \
+    | sed -n '/--- sample/,/^---$/p' >$T/genc.txt
+[ -s $T/gen1.txt ] && cmp -s $T/gen1.txt $T/gen2.txt && cmp -s $T/gen1.txt $T/gen4.txt && cmp -s $T/gen1.txt $T/genz.txt \
+    && cmp -s $T/gen1.txt $T/genc.txt && ok pp_generation_same_text \
+    || fail pp_generation_same_text "$(head -c 200 $T/gen1.txt) vs $(head -c 200 $T/gen2.txt) $(head -c 200 $T/genz.txt) $(head -c 200 $T/genc.txt)"
 
 # Resharding: pp 2 for 8 steps -> one rank to 14 -> pp 4 to 20, against 20
 # steps on one rank (constant schedule: a shorter run has the same learning
@@ -212,6 +222,21 @@ drc=$?
 if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && grep -q 'resharded from 4 rank(s) (pp 2 x' $T/rz2.txt &&
     grep -q 'resumed from' $T/rz3.txt; then ok pp_reshard_pp2dp2zero3_pp1_pp2dp2zero2
 else fail pp_reshard_pp2dp2zero3_pp1_pp2dp2zero2 "rc $rc: $why $diff $(grep -m2 -h -E 'error|resumed' $T/rz[123].txt)"; fi
+
+# The same layout resumed: pp 2 x dp 2 ZeRO 3 (zb_h1) stopped at step 3 and
+# continued with --resume auto gives an uninterrupted run's losses and
+# checkpoint to the bit (each rank reloads its blocks of its stage's units;
+# a constant schedule: the shorter first run has the same learning rates).
+B="$S $GPT2 $Z3 --set parallel.pp_schedule=zb_h1 --set checkpoint.every=3 --set schedule.kind=constant"
+"${MPIRUN[@]}" -np 4 ./train $Y $B --set run.dir=$T/zref >$T/zref.txt 2>&1
+"${MPIRUN[@]}" -np 4 ./train $Y $B --set run.dir=$T/zres --set train.steps=3 >$T/zres1.txt 2>&1
+"${MPIRUN[@]}" -np 4 ./train $Y $B --set run.dir=$T/zres --resume auto >$T/zres2.txt 2>&1
+rc=$?
+if [ $rc -eq 0 ] && [ -n "$(losses $T/zref/metrics.jsonl)" ] \
+    && [ "$(losses $T/zref/metrics.jsonl)" = "$(losses $T/zres/metrics.jsonl)" ] \
+    && [ "$(sums $T/zref/checkpoints/step_00000006)" = "$(sums $T/zres/checkpoints/step_00000006)" ] \
+    && grep -q 'resumed from' $T/zres2.txt; then ok pp_dp2_zero3_resume_bit_identical
+else fail pp_dp2_zero3_resume_bit_identical "rc $rc: $(grep -m2 -h -E 'resumed|error' $T/zres2.txt)"; fi
 
 # A stage killed mid-step. mpirun --enable-recovery leaves the other stage
 # waiting for its neighbour (as a scheduler that does not kill the step
