@@ -153,6 +153,7 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int cp, i
     dp *= cp;
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
     m.param_bytes = param_bytes;
+    m.count = params;
     if (zero >= 2 && dp > 1) {
         m.grads = shard * 4;
         m.grads_unreduced = params * 4;
@@ -218,7 +219,7 @@ int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro,
                                          c->micro_batch, rec, sb, pb, v, lo, hi, slots, k == PIPE_ZB_H1);
         printf("  stage %-16d layers %s%s%s: %.2fM parameters, %d activation slot(s) %.2f MiB; %.2f GiB per rank\n",
                r, layers, r == 0 ? " + embeddings" : "", r == p - 1 ? " + head" : "",
-               (m.params / (double)m.param_bytes) / 1e6, held, m.activations / 1048576.0, m.total / (1024.0 * 1024 * 1024));
+               m.count / 1e6, held, m.activations / 1048576.0, m.total / (1024.0 * 1024 * 1024));
         if (r == 0 || m.total > worst->total) *worst = m;
     }
     if (show_timeline) {

@@ -138,6 +138,8 @@ equiv llama_pp2_tp2_nosp_interleaved ref_llama 4 $LLAMA --set parallel.pp=2 --se
     --set parallel.sequence_parallel=false
 equiv gpt2_pp2_tp2_dp2_zero1 ref_gpt2 8 $GPT2 --set parallel.pp=2 --set parallel.tp=2 --set parallel.dp=2 \
     --set parallel.zero=1 --set parallel.pp_schedule=zb_h1
+equiv gpt2_pp2_tp2_dp2_zero3_interleaved ref_gpt2 8 $GPT2 $Z3 --set parallel.tp=2 $IL
+equiv llama_pp2_cp2_tp2 ref_llama 8 $LLAMA --set parallel.pp=2 --set parallel.cp=2 --set parallel.tp=2
 # recomputation: the one-rank reference keeps everything (bit-identical on the CPU)
 equiv gpt2_pp2_zb_h1_recompute ref_gpt2 2 $GPT2 --set parallel.pp=2 --set parallel.pp_schedule=zb_h1 \
     --set model.recompute=norm_gelu
