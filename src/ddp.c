@@ -289,6 +289,12 @@ static void unit_post_rs(Ddp *d, int u) {
     if (d->rs_posted[u]) return;
     d->rs_posted[u] = 1;
     if (!d->us[u].block) return;
+    if (u == d->nu - 1 && d->rest_reduced) { /* all-reduced whole (ddp_wait_grads): this rank's block of it */
+        d->m->be->copy(d->gshard + d->at[u], d->gacc + d->m->unit_off[u] + d->us[u].start,
+                       d->us[u].block * sizeof(float));
+        d->rest_reduced = 0;
+        return;
+    }
     host_comm_fence(d);
     comm_ireduce_scatter(d->g, d->gacc + d->m->unit_off[u], d->gshard + d->at[u], d->us[u].block, &d->ureq[u]);
     if (d->g->dev) return;
@@ -597,6 +603,15 @@ void ddp_arm(Ddp *d) {
 }
 
 void ddp_wait_grads(Ddp *d) {
+    if (d->accum_grads && d->tied && !d->rest_reduced) {
+        Model *m = d->m;
+        int L = m->shape.n_layer;
+        double t0 = kiln_now();
+        host_comm_fence(d);
+        comm_all_reduce_sum(d->g, d->gacc + m->unit_off[L], m->unit_len[L]);
+        blocked(d, t0);
+        d->rest_reduced = 1;
+    }
     if (d->units) return;
     d->armed = 0;
     if (d->g) {
@@ -608,10 +623,11 @@ void ddp_wait_grads(Ddp *d) {
     }
 }
 
-void ddp_set_pp(Ddp *d, CommGroup *g, int skip) {
+void ddp_set_pp(Ddp *d, CommGroup *g, int skip, int tied) {
     if (!g || g->size <= 1) return;
     d->pp = g;
     d->accum_grads = d->units;
+    d->tied = tied;
     if (skip >= 0) d->skip_lo = d->m->params[skip].offset, d->skip_hi = d->skip_lo + d->m->params[skip].numel;
 }
 

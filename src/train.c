@@ -563,8 +563,9 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     /* the norm over every stage; a tied embedding's second copy (the last
      * stage's) is the first stage's, counted there */
     int last_stage = r->pp > 1 && r->ppg->rank == r->pp - 1;
+    int tied_copy = r->pp > 1 && shape->tie_embeddings && (r->ppg->rank == 0 || last_stage);
     ddp_set_pp(&r->ddp, r->ppg,
-               last_stage && shape->tie_embeddings ? model_tensor_index(model, -1, ROLE_TOK_EMB, -1) : -1);
+               last_stage && shape->tie_embeddings ? model_tensor_index(model, -1, ROLE_TOK_EMB, -1) : -1, tied_copy);
     if (c->init_from[0]) {
         state_load_init_from(model, c->init_from, rank == 0);
     }
