@@ -155,6 +155,7 @@ equiv gpt2_pp2_zb_h1_recompute ref_gpt2 2 $GPT2 --set parallel.pp=2 --set parall
     --set model.recompute=norm_gelu
 equiv llama_pp2_interleaved_recompute ref_llama 2 $LLAMA --set parallel.pp=2 $IL --set model.recompute=gelu
 equiv moe_pp2_1f1b ref_moe 2 $MOE --set parallel.pp=2
+equiv moe_pp2_dp2_zero3_zb_h1 ref_moe 4 $MOE $Z3 --set parallel.pp_schedule=zb_h1
 
 # the validation loss (through every stage) is compared in the equivalence
 # above; the bubble: the measured figure and the schedule's beside it, every step
