@@ -181,7 +181,7 @@ static const CfgKey cfg_keys[] = {
     KFLT("schedule.min_lr_ratio", min_lr_ratio, "0.1", 0, 1, "final learning rate as a fraction of `optim.lr`"),
     KFLT("schedule.decay_ratio", decay_ratio, "0.2", 0, 1, "`wsd`: fraction of the steps spent in the final decay"),
     KINTA("parallel.dp", dp, "auto", 0, INF, "data-parallel ranks; `auto` (or 0) = world size / (tp x pp x cp)"),
-    KINT("parallel.zero", zero, "0", 0, 3, "ZeRO stage over the dp group: 0 replicates everything, 1 shards optimizer state, 2 + gradients, 3 + parameters (FSDP: layers gathered for forward and backward)"),
+    KINT("parallel.zero", zero, "0", 0, 3, "ZeRO stage over the dp group: 0 replicates everything, 1 shards optimizer state, 2 + gradients, 3 + parameters (FSDP: layers gathered for forward and backward); with pp > 1 each stage's dp group shards that stage's layers"),
     KINT("parallel.tp", tp, "1", 1, INF, "tensor-parallel ranks (Megatron's split of heads, MLP width and vocabulary; "
          "consecutive ranks, so keep it within a node); must divide n_head, n_kv_head and ffn_hidden"),
     KENUM("parallel.sequence_parallel", sequence_parallel, "auto", "auto|true|false",
@@ -954,12 +954,6 @@ static void cfg_check_optim(const Config *c, CfgLoad *L) {
 }
 
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {
-    if (c->pp > 1 && c->zero >= 2)
-        kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': ZeRO-%d shards whole models by layer; pipeline stages "
-                  "(parallel.pp %d) run ZeRO 0 or 1", cfg_where_of(L, "parallel.zero", "parallel.pp"), c->zero, c->pp);
-    if (c->pp > 1 && c->cp > 1)
-        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.pp', 'parallel.cp': pipeline and context parallelism together "
-                  "are not supported yet (untested); use one of them", cfg_where_of(L, "parallel.cp", "parallel.pp"));
     if (c->pp == 1 && (c->pp_virtual > 1 || c->n_pp_layers > 0))
         kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': chunks and stage layers need parallel.pp > 1",
                   cfg_where_of(L, c->pp_virtual > 1 ? "parallel.pp_virtual" : "parallel.pp_layers", "parallel.pp"),

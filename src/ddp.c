@@ -146,12 +146,24 @@ static void unit_alloc(Ddp *d) {
     d->gshard = be->alloc((d->shard_len + 1) * sizeof(float));
     size_t layer_block = d->slot_len / (size_t)d->dp;
     for (int s = 0; s < 2; s++) {
-        d->gbuf[s] = be->alloc((d->slot_len + 1) * sizeof(float));
-        d->rs_tmp[s] = be->alloc((layer_block + 1) * sizeof(float));
+        if (!d->accum_grads) {
+            d->gbuf[s] = be->alloc((d->slot_len + 1) * sizeof(float));
+            d->rs_tmp[s] = be->alloc((layer_block + 1) * sizeof(float));
+        }
         if (!d->whole_params) d->pbuf[s] = be->alloc((d->slot_len + 1) * sizeof(float));
     }
+    if (!d->whole_params) d->prest = be->alloc((m->unit_len[L] + 1) * sizeof(float));
+    if (d->accum_grads) {
+        /* pipeline: the stage's whole gradients, zero between tensors (the norm reads the padding) */
+        d->gacc = be->alloc((m->arena_len + 1) * sizeof(float));
+        be->zero(d->gacc, (m->arena_len + 1) * sizeof(float));
+        d->ureq = xcalloc((size_t)d->nu, sizeof(CommRequest));
+        d->rs_posted = xcalloc((size_t)d->nu, sizeof(int));
+        for (int u = 0; u <= L; u++) model_bind_unit(m, u, u < L ? d->pbuf[u % 2] : d->prest, d->gacc + m->unit_off[u]);
+        m->layer_grads_fresh = 0; /* the model accumulates over the micro-batches */
+        return;
+    }
     d->grest = be->alloc(m->unit_len[L] * sizeof(float));
-    if (!d->whole_params) d->prest = be->alloc(m->unit_len[L] * sizeof(float));
     for (int l = 0; l < L; l++) model_bind_unit(m, l, d->pbuf[l % 2], d->gbuf[l % 2]);
     model_bind_unit(m, L, d->prest, d->grest);
     m->layer_grads_fresh = 1;
@@ -230,6 +242,7 @@ static void z2_post_refresh(Ddp *d) {
     host_comm_fence(d); /* the shard is updated before MPI reads it */
     for (int k = 0; k <= L; k++) {
         int u = k == 0 ? L : k - 1;
+        if (!d->us[u].block) continue; /* a pipeline stage's units of other stages' layers are empty */
         comm_iall_gather(d->g, d->pshard + d->at[u], m->param_mem + m->unit_off[u], d->us[u].block, &d->preq[u]);
         d->refreshed[u] = 1;
     }
@@ -238,7 +251,7 @@ static void z2_post_refresh(Ddp *d) {
 /* ZeRO-3: post the all-gather of layer l's parameters into its slot (prefetch). */
 static void z3_post_gather(Ddp *d, int l) {
     int s = l % 2;
-    if (l < 0 || l >= d->m->shape.n_layer || d->held[s] == l) return;
+    if (l < 0 || l >= d->m->shape.n_layer || d->held[s] == l || !d->us[l].block) return; /* empty: another stage's */
     if (d->greq[s].active) comm_wait(&d->greq[s]); /* never expected: the slot's last layer is done */
     comm_iall_gather(d->g, d->pshard + d->at[l], d->pbuf[s], d->us[l].block, &d->greq[s]);
     d->held[s] = l;
@@ -269,6 +282,38 @@ static void unit_finish_rs(Ddp *d, int s) {
     d->rlayer[s] = -1;
 }
 
+/* Pipeline (accum_grads): post unit u's reduce-scatter from the stage's
+ * gradients straight into its shard, once a step; the others in flight get
+ * a turn of MPI's progress. */
+static void unit_post_rs(Ddp *d, int u) {
+    if (d->rs_posted[u]) return;
+    d->rs_posted[u] = 1;
+    if (!d->us[u].block) return;
+    if (u == d->nu - 1 && d->rest_reduced) { /* all-reduced whole (ddp_wait_grads): this rank's block of it */
+        d->m->be->copy(d->gshard + d->at[u], d->gacc + d->m->unit_off[u] + d->us[u].start,
+                       d->us[u].block * sizeof(float));
+        d->rest_reduced = 0;
+        return;
+    }
+    host_comm_fence(d);
+    comm_ireduce_scatter(d->g, d->gacc + d->m->unit_off[u], d->gshard + d->at[u], d->us[u].block, &d->ureq[u]);
+    if (d->g->dev) return;
+    for (int v = 0; v < d->nu; v++)
+        if (d->ureq[v].active) comm_test(&d->ureq[v]);
+}
+
+/* Pipeline (accum_grads), after the last backward and the tied embedding's
+ * sum: every unit's reduce-scatter posted (wte/wpe/ln_f's now) and done. */
+static void unit_finish_accum(Ddp *d) {
+    double t0 = kiln_now();
+    for (int u = d->nu - 1; u >= 0; u--) unit_post_rs(d, u);
+    for (int u = 0; u < d->nu; u++) {
+        if (d->ureq[u].active) comm_wait(&d->ureq[u]);
+        d->rs_posted[u] = 0;
+    }
+    blocked(d, t0);
+}
+
 /* Returns 1 when the unit's parameter values may differ from its last use
  * (the model then casts its compute copy again): ZeRO-2, the first use after
  * a refresh was posted; ZeRO-3, always (the slot held another layer). */
@@ -281,16 +326,16 @@ static int unit_pre_hook(void *ctx, int layer, int backward) {
             return z2_changed(d, L);
         }
         int fresh = !d->rest_held; /* wte/wpe/ln_f stay gathered until the optimizer step */
-        if (fresh) {
+        if (fresh && d->us[L].block) { /* a middle pipeline stage has none */
             double t0 = kiln_now();
             comm_all_gather(d->g, d->pshard + d->at[L], d->prest, d->us[L].block);
             blocked(d, t0);
-            d->rest_held = 1;
         }
-        z3_post_gather(d, 0);
+        d->rest_held = 1;
+        z3_post_gather(d, d->m->layer_lo); /* the first layer of the stage (or chunk) being run */
         return fresh;
     }
-    if (backward) unit_finish_rs(d, layer % 2); /* gbuf[slot] is about to be overwritten */
+    if (backward && !d->accum_grads) unit_finish_rs(d, layer % 2); /* gbuf[slot] is about to be overwritten */
     if (d->whole_params) {
         if (!backward) z2_need(d, layer);
         return z2_changed(d, layer);
@@ -306,6 +351,10 @@ static int unit_pre_hook(void *ctx, int layer, int backward) {
 static void unit_post_hook(void *ctx, int layer) {
     Ddp *d = ctx;
     Model *m = d->m;
+    if (d->accum_grads) {
+        if (layer >= 0 && d->last) unit_post_rs(d, layer);
+        return; /* wte/wpe/ln_f: ddp_reduce_grads, after the tied embedding's sum */
+    }
     if (layer >= 0) {
         int s = layer % 2;
         host_comm_fence(d);
@@ -380,18 +429,30 @@ static void poison_if_asked(Ddp *d, float *g) {
     d->poison = 0;
 }
 
+/* grad_sumsq of arena elements [lo, hi) at g, leaving out the pipeline's
+ * skipped range (a tied embedding's second copy). */
+static double piece_sumsq(const Ddp *d, const float *g, size_t lo, size_t hi) {
+    size_t a = d->skip_lo < lo ? lo : d->skip_lo > hi ? hi : d->skip_lo;
+    size_t b = d->skip_hi < a ? a : d->skip_hi > hi ? hi : d->skip_hi;
+    double sq = a > lo ? grad_sumsq(d, g, lo, a) : 0;
+    if (hi > b) sq += grad_sumsq(d, g + (b - lo), b, hi);
+    return sq;
+}
+
 static double unit_norm(Ddp *d) {
+    if (d->accum_grads) unit_finish_accum(d);
     double t0 = kiln_now();
     double sq = 0;
     poison_if_asked(d, d->gshard);
-    if (!d->tp) {
+    if (!d->tp && !d->pp) {
         sq = d->m->be->sumsq(d->gshard, d->shard_len);
     } else {
         DdpPiece p;
-        for (int i = 0; ddp_shard_piece(d, i, &p); i++) sq += grad_sumsq(d, d->gshard + p.at, p.lo, p.hi);
+        for (int i = 0; ddp_shard_piece(d, i, &p); i++) sq += piece_sumsq(d, d->gshard + p.at, p.lo, p.hi);
     }
     comm_all_reduce_sum_f64(d->g, &sq, 1);
     if (d->tp) comm_all_reduce_sum_f64(d->tp, &sq, 1);
+    if (d->pp) comm_all_reduce_sum_f64(d->pp, &sq, 1);
     blocked(d, t0);
     return sqrt(sq);
 }
@@ -400,6 +461,10 @@ void ddp_micro_begin(Ddp *d, int first, int last) {
     d->first = first, d->last = last;
     if (first) d->step_blocked_s = 0;
     if (!d->units && last) ddp_arm(d);
+}
+
+void ddp_pipe_begin(Ddp *d, int first, int last_of_chunk, int last_of_rank) {
+    ddp_micro_begin(d, first, d->units ? last_of_chunk : last_of_rank);
 }
 
 /* A group whose float collectives take the backend's buffers: host memory
@@ -478,13 +543,18 @@ void ddp_free(Ddp *d) {
     if (d->units) {
         ddp_params_ready(d); /* no request may outlive its buffers */
         be->free(d->pshard);
-        if (d->gshard) be->free(d->gshard), be->free(d->grest);
+        if (d->gshard) be->free(d->gshard);
+        if (d->grest) be->free(d->grest);
         if (d->prest) be->free(d->prest);
+        if (d->gacc) be->free(d->gacc);
         for (int s = 0; s < 2; s++) {
             if (d->gbuf[s]) be->free(d->gbuf[s]), be->free(d->rs_tmp[s]);
             if (d->pbuf[s]) be->free(d->pbuf[s]);
         }
-        free(d->us), free(d->at), free(d->seg), free(d->preq), free(d->refreshed);
+        if (d->ureq)
+            for (int u = 0; u < d->nu; u++)
+                if (d->ureq[u].active) comm_wait(&d->ureq[u]);
+        free(d->us), free(d->at), free(d->seg), free(d->preq), free(d->refreshed), free(d->ureq), free(d->rs_posted);
     }
     free(d->zseg);
     free(d->b);
@@ -502,6 +572,7 @@ void ddp_optim_range(const Ddp *d, size_t *lo, size_t *hi) {
 
 size_t ddp_grad_floats(const Ddp *d) {
     if (!d->units) return d->m->arena_len;
+    if (d->accum_grads) return d->shard_len + d->m->arena_len;
     return d->shard_len + 2 * d->slot_len + 2 * (d->slot_len / (size_t)d->dp) + d->m->unit_len[d->nu - 1];
 }
 
@@ -533,6 +604,15 @@ void ddp_arm(Ddp *d) {
 }
 
 void ddp_wait_grads(Ddp *d) {
+    if (d->accum_grads && d->tied && !d->rest_reduced) {
+        Model *m = d->m;
+        int L = m->shape.n_layer;
+        double t0 = kiln_now();
+        host_comm_fence(d);
+        comm_all_reduce_sum(d->g, d->gacc + m->unit_off[L], m->unit_len[L]);
+        blocked(d, t0);
+        d->rest_reduced = 1;
+    }
     if (d->units) return;
     d->armed = 0;
     if (d->g) {
@@ -544,9 +624,11 @@ void ddp_wait_grads(Ddp *d) {
     }
 }
 
-void ddp_set_pp(Ddp *d, CommGroup *g, int skip) {
+void ddp_set_pp(Ddp *d, CommGroup *g, int skip, int tied) {
     if (!g || g->size <= 1) return;
     d->pp = g;
+    d->accum_grads = d->units;
+    d->tied = tied;
     if (skip >= 0) d->skip_lo = d->m->params[skip].offset, d->skip_hi = d->skip_lo + d->m->params[skip].numel;
 }
 
@@ -724,12 +806,15 @@ int ddp_describe_layout(const Ddp *d, char *buf, size_t len) {
     if (d->units && !d->whole_params)
         snprintf(buf, len, "data parallel: %d ranks, ZeRO-3: parameters, gradients and optimizer state sharded by "
                            "layer (%zu of %zu elements here), layers gathered one ahead, gradients reduce-scattered "
-                           "after each layer's backward", d->dp, d->shard_len, np);
+                           "%s", d->dp, d->shard_len, np,
+                 d->accum_grads ? "once a step, each layer after its last micro-batch's backward (pipeline)"
+                                : "after each layer's backward");
     else if (d->units)
         snprintf(buf, len, "data parallel: %d ranks, ZeRO-2: parameters whole; gradients reduce-scattered layer by "
-                           "layer during the backward into a shard, optimizer state and fp32 parameters sharded "
+                           "layer during the %sbackward into a shard, optimizer state and fp32 parameters sharded "
                            "(%zu of %zu elements here); parameters all-gathered per layer after the optimizer step, "
-                           "waited for at first use", d->dp, d->shard_len, np);
+                           "waited for at first use", d->dp, d->accum_grads ? "last micro-batch's " : "",
+                 d->shard_len, np);
     else {
         ddp_optim_range(d, &lo, &hi);
         int k = snprintf(buf, len, "data parallel: %d ranks, %d gradient bucket(s) all-reduced during backward; "
@@ -746,8 +831,11 @@ int ddp_describe_layout(const Ddp *d, char *buf, size_t len) {
 
 int ddp_describe_memory(const Ddp *d, char *buf, size_t len) {
     if (d->dp == 1) return 0;
+    const char *what = d->accum_grads ? " (1/dp shard and the stage's whole gradients, accumulated over the "
+                                        "step's micro-batches and reduce-scattered once)"
+                       : d->units ? " (1/dp shard, two layer slots and their reduce-scatter targets, "
+                                    "wte/wpe/ln_f's whole gradients)" : "";
     snprintf(buf, len, "data parallel: gradient buffers here %zu floats, parameters %zu%s", ddp_grad_floats(d),
-             d->m->num_params, d->units ? " (1/dp shard, two layer slots and their reduce-scatter targets, "
-                                          "wte/wpe/ln_f's whole gradients)" : "");
+             d->m->num_params, what);
     return 1;
 }

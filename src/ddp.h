@@ -87,7 +87,25 @@ typedef struct Ddp {
                                  from the optimizer step until the unit's next use */
     int *refreshed;           /* [nu] ZeRO-2: a refresh was posted since the unit was last used
                                  (its compute copy must be cast again) */
-    int first, last;          /* the micro-batch being computed is the step's first / last */
+    int first, last;          /* the micro-batch being computed is the step's first / last (a
+                                 pipeline: last, the backward that completes its chunk's gradients) */
+    /* Pipeline parallelism (ddp_set_pp before ddp_shard_params): a stage's
+     * micro-batches interleave forwards and backwards (and zb_h1 splits a
+     * backward in two), so a layer's gradients do not fit two slots. They
+     * accumulate whole over the step in gacc instead (the stage's gradients,
+     * unit by unit at unit_off), and each unit is reduce-scattered once,
+     * straight into its shard: a layer's after its chunk's last backward,
+     * wte/wpe/ln_f's in ddp_reduce_grads. A stage holding a tied embedding's
+     * copy (tied) all-reduces that unit whole in ddp_wait_grads instead, as
+     * ZeRO 0-1 do, before the copies are summed (pipe_tie_grads), then takes
+     * its block: both copies then get the same bits, whatever order the dp
+     * collective adds in (a reduce-scatter's blocks of the two stages' units
+     * lie differently). */
+    int accum_grads, tied;
+    int rest_reduced;         /* tied: unit n_layer is all-reduced in gacc this step */
+    float *gacc;              /* device (arena_len): the stage's gradients, accumulate_grads only */
+    CommRequest *ureq;        /* [nu] reduce-scatter of unit u from gacc into the shard */
+    int *rs_posted;           /* [nu] this step's reduce-scatter of unit u was posted */
     /* Tensor parallelism (ddp_set_tp): the gradient norm adds this rank's
      * parts of the tp-split tensors and, on tp rank 0 only, the replicated
      * ones, then sums over tp. runs: arena ranges [lo, hi) of tensors that
@@ -141,6 +159,12 @@ void ddp_arm(Ddp *d);
  * bucket hook on the last (ddp_arm); ZeRO-2/3 keep their hooks installed and
  * need to know where gradients go (overwrite, add, reduce-scatter). */
 void ddp_micro_begin(Ddp *d, int first, int last);
+/* Pipeline parallelism, before each compute of a schedule: first, the step's
+ * first compute; last_of_chunk, a backward (whole or weight part) that
+ * completes its chunk's gradients (ZeRO-2/3 then reduce-scatter each layer
+ * as it finishes); last_of_rank, the rank's last one (ZeRO 0-1 post their
+ * buckets from it, when every chunk is complete). */
+void ddp_pipe_begin(Ddp *d, int first, int last_of_chunk, int last_of_rank);
 /* ZeRO-2/3, after the weights are initialised or loaded into the model's
  * whole arena: copy this rank's blocks into the fp32 parameter shard (ZeRO-3
  * then frees the whole arena), allocate the gradient shard and slots (and
@@ -161,7 +185,9 @@ void ddp_params_ready(Ddp *d);
 double ddp_reduce_grads(Ddp *d);
 /* ZeRO 0-1: the first half of ddp_reduce_grads alone, every bucket posted
  * and waited for (the gradient arena is reduced and free to touch); the
- * call after it then only computes the norm. */
+ * call after it then only computes the norm. ZeRO 2-3 in a pipeline stage
+ * with a tied embedding's copy: its wte/wpe/ln_f unit all-reduced, whole
+ * (the other units are ddp_reduce_grads'). */
 void ddp_wait_grads(Ddp *d);
 /* AdamW over this rank's part with the global norm, then the all-gather that
  * gives every rank the updated parameters (ZeRO-1: blocking; ZeRO-2: posted
@@ -183,9 +209,11 @@ void ddp_set_tp(Ddp *d, CommGroup *g);
 /* Pipeline parallelism: the model is one stage of pp; the global gradient
  * norm also sums over the pp group g, counting every parameter once: tensor
  * `skip` (a table index, or -1) is left out here (the last stage's copy of a
- * tied embedding, which the first stage counts). After ddp_init and
- * ddp_set_tp. g NULL or size 1: nothing. */
-void ddp_set_pp(Ddp *d, CommGroup *g, int skip);
+ * tied embedding, which the first stage counts). tied: this stage holds a
+ * copy of a tied embedding (the first or the last). ZeRO-2/3 accumulate the
+ * stage's gradients over the step (Ddp.accum_grads). After ddp_init and
+ * ddp_set_tp, before ddp_shard_params. g NULL or size 1: nothing. */
+void ddp_set_pp(Ddp *d, CommGroup *g, int skip, int tied);
 
 /* Test hook (KILN_TEST_INJECT_NAN_STEP): the next ddp_reduce_grads writes a
  * NaN into the first gradient element on this rank once the reduction is

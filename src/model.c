@@ -163,7 +163,7 @@ static void compute_refresh(Model *m, int u) {
         cb->stale = 0;
         return;
     }
-    if (!m->unit_stale[u]) return;
+    if (!m->unit_stale[u] || !m->unit_len[u]) return; /* empty: a pipeline stage's units of other stages */
     int first = 0;
     while (model_unit_of(m, first) != u) first++;
     const float *base = m->pview[first] - (m->params[first].offset - m->unit_off[u]);
@@ -196,9 +196,6 @@ static void need_master(const Model *m, const char *what) {
 
 void model_layout_by_unit(Model *m, size_t unit_align) {
     need_master(m, "ZeRO-2/3's layout");
-    if (!m->has_embed || !m->has_head)
-        kiln_fail(KILN_EXIT_USAGE, "key 'parallel.zero': ZeRO-2/3 shard whole models by layer; a pipeline stage "
-                  "(layers %d..%d) has no unit layout yet", m->layer_lo, m->layer_hi - 1);
     int L = m->shape.n_layer;
     if (unit_align < 1) unit_align = 1;
     m->n_units = L + 1;
@@ -787,7 +784,7 @@ size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, in
     return plan_bytes(&l, B, T / cp, act_bytes, r, &p, tp, cp, sp, ep, NULL);
 }
 
-size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int B, int T, size_t act_bytes,
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, int B, int T, size_t act_bytes,
                                     ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
                                     int split) {
     ArchSpec l;
@@ -795,7 +792,8 @@ size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int B, in
     ActPlan p = {.chunks = chunks, .split = split};
     if (chunks < 1 || chunks > MODEL_MAX_CHUNKS) return 0;
     for (int c = 0; c < chunks; c++) p.lo[c] = lo[c], p.hi[c] = hi[c], p.slots[c] = slots[c];
-    return plan_bytes(&l, B, T, act_bytes, r, &p, tp, 1, sp, 1, NULL); /* pipeline stages: ep 1 (config.c) */
+    if (cp < 1) cp = 1;
+    return plan_bytes(&l, B, T / cp, act_bytes, r, &p, tp, cp, sp, 1, NULL); /* pipeline stages: ep 1 (config.c) */
 }
 
 /* The active set's fields, to and from its ModelSlot. */

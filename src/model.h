@@ -330,7 +330,8 @@ typedef struct Model {
     /* ZeRO-2/3 (model_layout_by_unit): the arena is laid out unit by unit
      * (unit l < n_layer: layer l's tensors; unit n_layer: the embeddings, final norm and head),
      * each unit's tensors in listing order, and the views may point into
-     * per-unit buffers (model_bind_unit). n_units = 0: decayed-first layout. */
+     * per-unit buffers (model_bind_unit). n_units = 0: decayed-first layout.
+     * A pipeline stage's units of the other stages' layers are empty (length 0). */
     int n_units;
     size_t *unit_off, *unit_len; /* [n_units] arena range of each unit */
     int layer_grads_fresh;       /* 1: layer gradients are overwritten by every
@@ -556,10 +557,10 @@ size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, in
                                    ModelRecompute r);
 
 /* The same for a pipeline rank (tp 1: the spec itself; sp its sequence
- * parallelism): its chunks, chunk c the layers [lo[c], hi[c]) in slots[c]
- * activation sets, with the kept output gradients of a split backward when
- * split: exactly what model_plan_slots allocates (cp 1). */
-size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int B, int T, size_t act_bytes,
+ * parallelism; cp: its B x T / cp rows): its chunks, chunk c the layers
+ * [lo[c], hi[c]) in slots[c] activation sets, with the kept output gradients
+ * of a split backward when split: exactly what model_plan_slots allocates. */
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, int B, int T, size_t act_bytes,
                                     ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
                                     int split);
 

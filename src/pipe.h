@@ -111,10 +111,10 @@ char *pipe_timeline(const PipeSchedule *s);
 
 /* What the step loop does before each compute of a schedule: backward, a
  * backward or a part of one (else a forward); first, the step's first
- * compute; last_of_chunk, a backward (whole or weight part) of its chunk's
- * last micro-batch, whose grads_done hooks complete the chunk's gradients;
+ * compute; last_of_chunk, its chunk's last backward (whole or weight part)
+ * in the list, whose grads_done hooks complete the chunk's gradients;
  * last_of_rank, the rank's last such backward. train.c points the
- * heartbeat's phase, ddp and tp at these (ddp_micro_begin, tp_micro_begin). */
+ * heartbeat's phase, ddp, tp and cp at these (ddp_pipe_begin, tp_micro_begin). */
 typedef struct PipeHooks {
     void *ctx;
     void (*compute_begin)(void *ctx, int backward, int first, int last_of_chunk, int last_of_rank);
@@ -138,6 +138,7 @@ typedef struct Pipe {
     CommRequest *act_in_req, *grad_in_req, *act_out_req, *grad_out_req; /* [model slots]: the latest on each slot */
     int *act_in_micro, *grad_in_micro; /* [model slots]: micro-batch of the step's latest receive into each, -1 none */
     int last_backward;       /* index in this rank's list of its last backward (whole or weight part) */
+    int last_backward_of[MODEL_MAX_CHUNKS]; /* the same for each chunk: its gradients are complete after it */
     int tie;                 /* the embedding gradient is summed with the other end's */
     double idle_s;           /* this step: seconds waiting for a neighbour (receives, sends, the drain) */
     double theory;           /* the schedule's own bubble (pipe_theory_bubble) */

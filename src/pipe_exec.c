@@ -83,8 +83,9 @@ void pipe_init(Pipe *p, Model *m, CommGroup *pp, PipeKind k, int v, int micro, c
     p->theory = pipe_theory_bubble(&p->sched);
     const PipeAction *a = p->sched.a[p->stage];
     p->last_backward = -1;
+    for (int c = 0; c < MODEL_MAX_CHUNKS; c++) p->last_backward_of[c] = -1;
     for (int i = 0; i < p->sched.n[p->stage]; i++)
-        if (a[i].op == PIPE_BWD || a[i].op == PIPE_BWD_W) p->last_backward = i;
+        if (a[i].op == PIPE_BWD || a[i].op == PIPE_BWD_W) p->last_backward = p->last_backward_of[a[i].chunk] = i;
     split_channels(p, PIPE_ACT, run_dir);
     split_channels(p, PIPE_GRAD, run_dir);
     /* Megatron's embedding group: the two copies of a tied embedding */
@@ -153,7 +154,7 @@ static CommRequest *posted(Pipe *p, CommRequest *q, const int *micro, int s, con
 double pipe_step(Pipe *p, float dloss, const PipeHooks *h) {
     Model *m = p->m;
     const PipeAction *list = p->sched.a[p->stage];
-    int n = p->sched.n[p->stage], V = p->p * p->v, M = p->micro;
+    int n = p->sched.n[p->stage], V = p->p * p->v;
     size_t count = msg_floats(p, p->B, p->T);
     int seen_b[MODEL_MAX_CHUNKS] = {0}, seen_w[MODEL_MAX_CHUNKS] = {0}, first = 1;
     double loss = 0;
@@ -196,7 +197,7 @@ double pipe_step(Pipe *p, float dloss, const PipeHooks *h) {
             model_use_slot(m, a->chunk, a->slot);
             if (a->op == PIPE_BWD) {
                 if (h && h->compute_begin)
-                    h->compute_begin(h->ctx, 1, first, a->micro == M - 1, i == p->last_backward);
+                    h->compute_begin(h->ctx, 1, first, i == p->last_backward_of[a->chunk], i == p->last_backward);
                 model_backward(m, seen_b[a->chunk]++ > 0);
             } else {
                 if (h && h->compute_begin) h->compute_begin(h->ctx, 1, first, 0, 0);
@@ -206,7 +207,7 @@ double pipe_step(Pipe *p, float dloss, const PipeHooks *h) {
         case PIPE_BWD_W:
             model_use_slot(m, a->chunk, a->slot);
             if (h && h->compute_begin)
-                h->compute_begin(h->ctx, 1, first, a->micro == M - 1, i == p->last_backward);
+                h->compute_begin(h->ctx, 1, first, i == p->last_backward_of[a->chunk], i == p->last_backward);
             model_backward_weight(m, seen_w[a->chunk]++ > 0);
             break;
         }

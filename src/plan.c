@@ -126,33 +126,56 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int c
     return m;
 }
 
-/* One pipeline rank: its chunks' tensors and activation slots (ZeRO 0-1). */
-static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int dp, int zero, int micro_batch,
-                                    ModelRecompute rec, size_t moment_bytes, size_t param_bytes, int chunks,
-                                    const int *lo, const int *hi, const int *slots, int split) {
+/* One pipeline rank: its chunks' tensors and activation slots. ZeRO shards
+ * over the stage's dp x cp ranks; ZeRO-2/3 hold the stage's whole gradients
+ * (accumulated over the step, reduce-scattered once: ddp.c accum_grads). */
+static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int cp, int cp_mode, int dp, int zero,
+                                    int micro_batch, ModelRecompute rec, size_t moment_bytes, size_t param_bytes,
+                                    int chunks, const int *lo, const int *hi, const int *slots, int split) {
     PlanMemory m = {0};
     ArchSpec local;
     arch_tp_local(g, tp, 0, &local);
     int n;
     ArchTensor *t = arch_tensors(&local, 0, &n);
-    double params = 0;
+    double params = 0, layer = 0, rest = 0; /* the stage's, its largest layer's, its non-layer tensors' */
+    double *per_layer = xcalloc((size_t)local.n_layer + 1, sizeof(double));
     for (int i = 0; i < n; i++) {
         int in = 0;
         for (int k = 0; k < chunks; k++) in = in || arch_tensor_in_stage(&local, &t[i], lo[k], hi[k]);
-        if (in) params += (double)t[i].numel;
+        if (!in) continue;
+        params += (double)t[i].numel;
+        if (t[i].layer >= 0) per_layer[t[i].layer] += (double)t[i].numel;
+        else rest += (double)t[i].numel;
     }
+    for (int l = 0; l < local.n_layer; l++) layer = per_layer[l] > layer ? per_layer[l] : layer;
+    free(per_layer);
     free(t);
+    dp *= cp;
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
     m.param_bytes = param_bytes;
-    m.params = params * (double)param_bytes;
-    m.grads = params * 4;
-    m.optim = (zero == 1 ? shard : params) * 2 * moment_bytes;
-    m.state = m.params + m.grads + m.optim;
+    m.count = params;
+    if (zero >= 2 && dp > 1) {
+        m.grads = shard * 4;
+        m.grads_unreduced = params * 4;
+        m.optim = shard * 2 * moment_bytes;
+        if (zero == 3) m.params = shard * 4, m.params_gathered = (2 * layer + rest) * 4;
+        else m.params = params * 4, m.params_shard = shard * 4;
+    } else {
+        m.params = params * (double)param_bytes;
+        m.grads = params * 4;
+        m.optim = (zero == 1 ? shard : params) * 2 * moment_bytes;
+    }
+    m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
+    AttnShape cps = {micro_batch, local.seq_len / cp, local.n_head, local.n_kv_head, local.head_dim};
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
-        for (int k = 0; k < 2; k++)
-            m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, sp, micro_batch, g->seq_len,
-                                                                       k ? 2 : sizeof(float), (ModelRecompute)r,
-                                                                       chunks, lo, hi, slots, split);
+        for (int k = 0; k < 2; k++) {
+            size_t ab = k ? 2 : sizeof(float);
+            m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, cp, sp, micro_batch, g->seq_len, ab,
+                                                                       (ModelRecompute)r, chunks, lo, hi, slots,
+                                                                       split);
+            if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
+        }
+    m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, sizeof(float)) : 0;
     m.recompute = rec;
     m.activations = m.act_by_mode[rec][0];
     m.activations_bf16 = m.act_by_mode[rec][1];
@@ -192,11 +215,11 @@ int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro,
                 o += (size_t)snprintf(layers + o, sizeof layers - o, "%s%d..%d", ch ? ", " : "", lo[ch], hi[ch] - 1);
         }
         int sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
-        PlanMemory m = plan_memory_stage(s, tp, sp, dp, c->zero, c->micro_batch, rec, sb, pb, v, lo, hi, slots,
-                                         k == PIPE_ZB_H1);
+        PlanMemory m = plan_memory_stage(s, tp, sp, c->cp, cp_mode_parse(c->cp_attention), dp, c->zero,
+                                         c->micro_batch, rec, sb, pb, v, lo, hi, slots, k == PIPE_ZB_H1);
         printf("  stage %-16d layers %s%s%s: %.2fM parameters, %d activation slot(s) %.2f MiB; %.2f GiB per rank\n",
                r, layers, r == 0 ? " + embeddings" : "", r == p - 1 ? " + head" : "",
-               (m.params / (double)m.param_bytes) / 1e6, held, m.activations / 1048576.0, m.total / (1024.0 * 1024 * 1024));
+               m.count / 1e6, held, m.activations / 1048576.0, m.total / (1024.0 * 1024 * 1024));
         if (r == 0 || m.total > worst->total) *worst = m;
     }
     if (show_timeline) {
@@ -510,7 +533,7 @@ int plan_main(int argc, char **argv) {
                "rank; use more GPUs (ZeRO-3 divides the state by dp) or GPUs with more memory\n",
                gpu_gib, least_zero, least.total / GIB);
     } else if (c.pp > 1) {
-        printf("suggest: none for pipeline layouts yet (the stages above: ZeRO 0 or 1, the configured micro-batch)\n");
+        printf("suggest: none for pipeline layouts yet (the stages above: the configured ZeRO stage and micro-batch)\n");
     } else {
         printf("suggest: none until batch.total_tokens is a multiple of seq_len*dp = %lld\n", (long long)per_sample);
     }

@@ -23,7 +23,9 @@ typedef struct PlanMemory {
     double params_gathered; /* ZeRO-3: two layers + wte/wpe/ln_f gathered; else 0 */
     double grads;           /* whole gradient arena (ZeRO 0-1), or the 1/dp shard (ZeRO 2-3) */
     double grads_unreduced; /* ZeRO 2-3: two layers' + the embeddings' whole gradients
-                               (+ two 1/dp reduce-scatter targets); else 0 */
+                               (+ two 1/dp reduce-scatter targets); a pipeline stage: its whole
+                               gradients (accumulated over the step); else 0 */
+    double count;           /* parameters counted (elements; a pipeline stage's own) */
     double optim;           /* AdamW m and v: whole, or 1/dp (ZeRO >= 1) */
     double state;           /* params + grads + optim (+ shard, gathered, unreduced) */
     double activations;     /* model_activation_bytes for one micro-batch, fp32, with `recompute` (+ cp's buffers) */

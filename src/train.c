@@ -563,8 +563,9 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     /* the norm over every stage; a tied embedding's second copy (the last
      * stage's) is the first stage's, counted there */
     int last_stage = r->pp > 1 && r->ppg->rank == r->pp - 1;
+    int tied_copy = r->pp > 1 && shape->tie_embeddings && (r->ppg->rank == 0 || last_stage);
     ddp_set_pp(&r->ddp, r->ppg,
-               last_stage && shape->tie_embeddings ? model_tensor_index(model, -1, ROLE_TOK_EMB, -1) : -1);
+               last_stage && shape->tie_embeddings ? model_tensor_index(model, -1, ROLE_TOK_EMB, -1) : -1, tied_copy);
     if (c->init_from[0]) {
         state_load_init_from(model, c->init_from, rank == 0);
     }
@@ -790,8 +791,11 @@ static double train_micro_batches(TrainRun *r, int step) {
 static void pipe_compute_begin(void *ctx, int backward, int first, int last_of_chunk, int last_of_rank) {
     TrainRun *r = ctx;
     metrics_phase(r->mx, backward ? PHASE_BACKWARD : PHASE_FORWARD, r->step + 1);
-    ddp_micro_begin(&r->ddp, first, last_of_rank); /* the last backward posts the buckets as layers finish */
+    /* ZeRO 0-1: the rank's last backward posts the buckets as layers finish;
+     * ZeRO 2-3: each chunk's last one reduce-scatters its layers */
+    ddp_pipe_begin(&r->ddp, first, last_of_chunk, last_of_rank);
     tp_micro_begin(&r->tpx, first, last_of_chunk);
+    cp_micro_begin(&r->cpx, first);
 }
 
 /* The pipeline's micro-batches: every stage reads the step's batches (the

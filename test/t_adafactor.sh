@@ -118,12 +118,14 @@ else fail adafactor_resume_tp2_dp2_to_np1 "rc $rc: $why $(grep -m2 -iE 'error|re
 
 # Pipeline and context parallelism: a stage's statistics are its layers'
 # (the last stage's copy of the tied wte is computed alike and written by the
-# first stage); under cp the runs' sums reduce over dp x cp. Six steps of a
-# 4-layer GPT-2 against one rank; a pp 2 checkpoint resumed on one rank.
+# first stage; ZeRO-3 inside the stages: over their units' blocks); under
+# cp the runs' sums reduce over dp x cp. Six steps of a 4-layer GPT-2
+# against one rank; a pp 2 checkpoint resumed on one rank.
 PC="$GPT2 --set model.n_layer=4"
 ./train $Y $PC --set run.dir=$T/pref >/dev/null 2>&1
 equiv pp2 $T/pref step_00000006 2 $PC --set parallel.pp=2
 equiv pp2_dp2_zero1 $T/pref step_00000006 4 $PC --set parallel.pp=2 --set parallel.zero=1
+equiv pp2_dp2_zero3 $T/pref step_00000006 4 $PC --set parallel.pp=2 --set parallel.zero=3
 equiv cp2_dp2_zero3 $T/pref step_00000006 4 $PC --set parallel.cp=2 --set parallel.zero=3
 equiv cp2_tp2 $T/pref step_00000006 4 $PC --set parallel.cp=2 --set parallel.tp=2
 D=$T/pp_reshard

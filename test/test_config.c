@@ -197,8 +197,13 @@ static void test_cross_errors(void) {
                      "key 'batch.total_tokens'", "multiple of micro_batch*seq_len = 2048");
     expect_yaml_fail("config_gpt2_needs_tokenizer_file", "data:\n  tokenizer: gpt2\n", "data.tokenizer_file",
                      "gpt2", NULL);
-    expect_yaml_fail("config_parallel_pp_zero3", "parallel:\n  pp: 2\n  zero: 3\n", "key 'parallel.zero'",
-                     "pipeline stages", "ZeRO 0 or 1");
+    {
+        /* ZeRO 2/3 run inside each pipeline stage, and pp composes with cp (t_pp.sh) */
+        Config c;
+        cfg_load(&c, write_yaml("ppz.yaml", "parallel:\n  pp: 2\n  zero: 3\n  cp: 2\n"), NULL, 0);
+        test_report(c.pp == 2 && c.zero == 3 && c.cp == 2, "config_parallel_pp_zero3_cp_accepted",
+                    "pp %d zero %d cp %d", c.pp, c.zero, c.cp);
+    }
     expect_yaml_fail("config_parallel_pp_virtual_needs_pp", "parallel:\n  pp_virtual: 2\n", "bad.yaml:2:",
                      "key 'parallel.pp_virtual'", "parallel.pp > 1");
     expect_yaml_fail("config_parallel_pp_layers_entry", "parallel:\n  pp: 2\n  pp_layers: [2, x]\n", "bad.yaml:3:",

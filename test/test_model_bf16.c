@@ -220,6 +220,79 @@ static void test_zero3_rebinding(ModelRecompute r) {
     free(g.prest), free(grest), free(g.whole), free(ga);
 }
 
+/* ZeRO-3 inside a pipeline stage (layers [lo, hi) of 4): the units of the
+ * other stages' layers are empty, and so is the non-layer unit of a middle
+ * stage; binding, gathering and casting skip them, and the stage computes
+ * to the bit what it computes laid out whole. The stage's input (and,
+ * without the head, its output's gradient) are the same bf16 values for
+ * both; ddp.c then keeps the stage's gradients whole (one buffer). */
+static void fill_act(void *dst, size_t n, uint64_t seed) {
+    float *f = xmalloc(n * sizeof(float));
+    Rng r;
+    rng_seed(&r, seed);
+    for (size_t i = 0; i < n; i++) f[i] = (float)rng_below(&r, 2001) / 1000.0f - 1.0f;
+    backend_f32_to_act(dst, f, n, 2);
+    free(f);
+}
+
+static void test_zero3_stage(int lo, int hi) {
+    char name[96];
+    snprintf(name, sizeof name, "model_bf16_zero3_stage_layers_%d_%d", lo, hi - 1);
+    ArchSpec s = shape0;
+    arch_resolve(&s);
+    Model a, z;
+    ModelOptions o = {.layer_lo = lo, .layer_hi = hi};
+    model_init(&a, &emu, &s, &o);
+    model_init(&z, &emu, &s, &o);
+    model_layout_by_unit(&a, 1);
+    model_layout_by_unit(&z, 1);
+    float *ga = bind_whole_grads(&a);
+    model_init_weights(&a, 9);
+    model_init_weights(&z, 9);
+    distinct_layers(&a);
+    distinct_layers(&z);
+    model_plan_activations(&a, B, T, MODEL_RECOMPUTE_NONE);
+    model_plan_activations(&z, B, T, MODEL_RECOMPUTE_NONE);
+    int L = z.shape.n_layer, empty = 0;
+    size_t layer_len = 0;
+    for (int u = 0; u <= L; u++) {
+        if (u < L && z.unit_len[u] > layer_len) layer_len = z.unit_len[u];
+        empty += z.unit_len[u] == 0;
+    }
+    Gather g = {&z, xmalloc(z.arena_len * sizeof(float)), {0}, NULL};
+    memcpy(g.whole, z.param_mem, z.arena_len * sizeof(float));
+    for (int k = 0; k < 2; k++) g.pbuf[k] = xcalloc(layer_len, sizeof(float));
+    g.prest = xcalloc(z.unit_len[L] + 1, sizeof(float));
+    float *gz = bind_whole_grads(&z);
+    free(z.param_mem);
+    z.param_mem = NULL;
+    for (int l = 0; l < L; l++) model_bind_unit(&z, l, g.pbuf[l % 2], NULL);
+    model_bind_unit(&z, L, g.prest, NULL);
+    model_set_hooks(&z, &(ModelHooks){.ctx = &g, .layer_begin = gather_hook});
+
+    int32_t inp[B * T], tgt[B * T];
+    batch(inp, tgt, 5);
+    size_t nc = (size_t)B * T * s.n_embd;
+    if (lo > 0) fill_act(model_stage_input(&a), nc, 11), fill_act(model_stage_input(&z), nc, 11);
+    float la = model_forward(&a, inp, tgt, B, T, 1.0f / (B * T));
+    float lz = model_forward(&z, inp, tgt, B, T, 1.0f / (B * T));
+    int same_fwd = la == lz && (hi == L || !memcmp(model_stage_output(&a), model_stage_output(&z), nc * 2));
+    if (hi < L) fill_act(model_stage_output_grad(&a), nc, 12), fill_act(model_stage_output_grad(&z), nc, 12);
+    model_backward(&a, 0);
+    model_backward(&z, 0);
+    int same_bwd = !memcmp(ga, gz, a.arena_len * sizeof(float)) &&
+                   (lo == 0 || !memcmp(model_stage_input_grad(&a), model_stage_input_grad(&z), nc * 2));
+    /* units outside [lo, hi) are empty, and a middle stage's non-layer unit too */
+    int want_empty = L - (hi - lo) + (lo > 0 && hi < L);
+    test_report(same_fwd && same_bwd && empty == want_empty, name,
+                "forward %s (loss %.9g / %.9g), backward %s, %d empty units (want %d)", same_fwd ? "equal" : "differs",
+                lz, la, same_bwd ? "equal" : "differs", empty, want_empty);
+    model_free(&a);
+    model_free(&z);
+    for (int k = 0; k < 2; k++) free(g.pbuf[k]);
+    free(g.prest), free(g.whole), free(ga), free(gz);
+}
+
 /* ZeRO-2 as ddp.c runs it: the parameters stay in the whole arena (one
  * compute buffer over it), and after an optimizer step each unit's new
  * values land (an all-gather) at its first use in the next forward, when
@@ -287,6 +360,9 @@ int main(void) {
     test_training_tracks_fp32();
     test_zero3_rebinding(MODEL_RECOMPUTE_NONE);
     test_zero3_rebinding(MODEL_RECOMPUTE_NORM_GELU);
+    test_zero3_stage(1, 3); /* a middle stage: no embeddings, no head */
+    test_zero3_stage(2, 4); /* the last: the tied embedding as the head */
+    test_zero3_stage(0, 2);
     test_zero2_refresh(MODEL_RECOMPUTE_NONE);
     test_zero2_refresh(MODEL_RECOMPUTE_NORM_GELU);
     emu.shutdown();

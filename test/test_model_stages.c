@@ -7,8 +7,9 @@
  * what a pipeline schedule needs: two micro-batches in flight in two
  * activation slots, ranks holding several chunks (interleaved), the
  * backward split into its input and weight parts (zero-bubble), with and
- * without recomputation: the gradients of the whole model's accumulation.
- * Never communicates; the copies stand in for a pipeline's send and receive. */
+ * without recomputation: the gradients of the whole model's accumulation;
+ * and that the plan's count of a stage's activations (with cp) is what the
+ * model allocates. Never communicates; the copies stand in for a pipeline's send and receive. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -191,6 +192,28 @@ static void run_pipeline(const char *name, ArchSpec s, const int *cuts, int p, i
     model_free(&whole);
 }
 
+/* What ./train plan counts for a pipeline rank (model_activation_bytes_stage)
+ * is what the model allocates for it (model_plan_slots), under context
+ * parallelism too (a stage's B x T / cp rows), for chunks, slots and the
+ * split backward. */
+static void test_plan_bytes(const char *name, ArchSpec s, int cp, int chunks, const int *lo, const int *hi,
+                            int split) {
+    arch_resolve(&s);
+    ModelOptions o = {.cp = cp, .cp_rank = cp - 1, .chunks = chunks > 1 ? chunks : 0};
+    int slots[MODEL_MAX_CHUNKS];
+    for (int c = 0; c < chunks; c++) o.chunk_lo[c] = lo[c], o.chunk_hi[c] = hi[c], slots[c] = 2 + c;
+    if (chunks == 1) o.layer_lo = lo[0], o.layer_hi = hi[0];
+    Model m;
+    model_init(&m, &backend_cpu, &s, &o);
+    model_plan_slots(&m, B, T, MODEL_RECOMPUTE_NONE, slots, split);
+    size_t want = model_activation_bytes_stage(&s, 1, cp, 0, B, T, 4, MODEL_RECOMPUTE_NONE, chunks, lo, hi, slots,
+                                               split);
+    char what[96];
+    snprintf(what, sizeof what, "stages_plan_bytes_%s", name);
+    test_report(m.act_size == want, what, "the model allocates %zu bytes, the plan counts %zu", m.act_size, want);
+    model_free(&m);
+}
+
 int main(void) {
     backend_cpu.init(0);
     Rng rng;
@@ -221,6 +244,10 @@ int main(void) {
     run_pipeline("split_moe", moe, (int[]){0, 1, 4}, 2, 1, 1, MODEL_RECOMPUTE_NORM_GELU);
     run_pipeline("chunks_gpt2", gpt2, (int[]){0, 1, 2, 3, 4}, 2, 2, 0, MODEL_RECOMPUTE_NONE);
     run_pipeline("chunks_llama_recompute", qkn, (int[]){0, 1, 2, 3, 4}, 2, 2, 0, MODEL_RECOMPUTE_NORM_GELU);
+    test_plan_bytes("gpt2_last", gpt2, 1, 1, (int[]){2}, (int[]){4}, 1);
+    test_plan_bytes("gpt2_middle_cp2", gpt2, 2, 1, (int[]){1}, (int[]){3}, 0);
+    test_plan_bytes("llama_chunks_cp2_split", llama, 2, 2, (int[]){0, 2}, (int[]){1, 4}, 1);
+    test_plan_bytes("gpt2_first_cp4", gpt2, 4, 1, (int[]){0}, (int[]){2}, 0);
     backend_cpu.shutdown();
     return 0;
 }
