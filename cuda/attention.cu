@@ -518,7 +518,7 @@ static void att_selfcheck(int p) {
     CUDA_CHECK(cudaMemcpy(dout, hd, nc * sizeof(bf16), cudaMemcpyHostToDevice));
     free(hq), free(hd);
 
-    const AttnShape ash = {B, T, NH, NH, hs};
+    const AttnShape ash = {B, T, NH, NH, hs, NULL};
     cuda_attention_simt_forward(out_s, lse_s, qkv, &ash);
     att_fwd[p](out_t, lse_t, qkv, &ash);
     cuda_attention_simt_backward(dq_s, dout, qkv, out_s, lse_s, &ash);

@@ -947,7 +947,7 @@ int model_gelu_fused(const Model *m, int backward) {
  * The block graph. Row counts: N = B*T tokens; widths from the spec. */
 
 static AttnShape attn_shape(const ArchSpec *s, int B, int T) {
-    return (AttnShape){B, T, s->n_head, s->n_kv_head, s->head_dim};
+    return (AttnShape){B, T, s->n_head, s->n_kv_head, s->head_dim, NULL};
 }
 
 /* Bytes offset of `rows` rows of `width` act elements. */

@@ -582,7 +582,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
             comm_nccl_init(cpg, c->run_dir);
             comm_nccl_device_mode(cpg, be->stream());
         }
-        AttnShape cap = {B, T / cp, model->shape.n_head, model->shape.n_kv_head, model->shape.head_dim};
+        AttnShape cap = {B, T / cp, model->shape.n_head, model->shape.n_kv_head, model->shape.head_dim, NULL};
         cp_init(&r->cpx, be, cpg, cp_mode_parse(c->cp_attention), &cap);
         cp_attach(&r->cpx, model);
     }

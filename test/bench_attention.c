@@ -48,8 +48,8 @@ static double best_time(int which, void *out, float *lse, void *qkv, void *dout,
     for (int r = 0; r <= REPS; r++) {
         be->sync();
         double t0 = kiln_now();
-        if (which == 0) be->attention_forward(out, lse, qkv, &(AttnShape){B, T, NH, NH, C / NH});
-        else be->attention_backward(dqkv, dout, qkv, out, lse, &(AttnShape){B, T, NH, NH, C / NH});
+        if (which == 0) be->attention_forward(out, lse, qkv, &(AttnShape){B, T, NH, NH, C / NH, NULL});
+        else be->attention_backward(dqkv, dout, qkv, out, lse, &(AttnShape){B, T, NH, NH, C / NH, NULL});
         be->sync();
         double dt = kiln_now() - t0;
         if (r > 0 && dt < best) best = dt; /* r = 0: warm-up */

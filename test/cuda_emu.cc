@@ -684,7 +684,7 @@ static void test_sumsq(size_t n) {
 static void test_attention(int B, int T, int NH, int NKV, int HD, int tc) {
     char sh[80];
     snprintf(sh, sizeof sh, "%s_B%d_T%d_NH%d_NKV%d_HD%d", tc ? "_tc" : "_simt", B, T, NH, NKV, HD);
-    const AttnShape ash = {B, T, NH, NKV, HD};
+    const AttnShape ash = {B, T, NH, NKV, HD, NULL};
     size_t n3 = (size_t)B * T * attn_qkv_width(&ash), nc = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
     Vec qkv = rnd_act(n3, 1.0f), g = rnd_act(nc, 1.0f), out(nc), lse(nl), dqkv(n3);
     cpu->attention_forward(out.data(), lse.data(), qkv.data(), &ash);
@@ -792,7 +792,7 @@ static void test_copy_2d(void) {
  * emulation, so the tensor cores must: the backend's output has their bits. */
 static void test_attention_auto(void) {
     const int B = 1, T = 70, C = 96, NH = 2;
-    const AttnShape ash = {B, T, NH, NH, C / NH};
+    const AttnShape ash = {B, T, NH, NH, C / NH, NULL};
     size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
     Vec qkv = rnd_act(n3, 1.0f);
     void *dq = dev_act(qkv), *o1, *o2;
@@ -1040,7 +1040,7 @@ static void test_moe(int N, int S, int E, int K, int C, int sigmoid, int norm_to
  * CPU's exactly. Outputs with no rows are never read. */
 static void test_zero_rows(void) {
     const int C = 40, F = 24, E = 4, K = 2, T = 7;
-    const AttnShape a0 = {0, T, 6, 2, 10};
+    const AttnShape a0 = {0, T, 6, 2, 10, NULL};
     Vec w = rnd_act(C, 1.0f, 1.0f), wq = rnd_act(a0.HD, 1.0f, 1.0f), wk = rnd_act(a0.HD, 1.0f, 1.0f);
     void *dw = dev_act(w), *dwq = dev_act(wq), *dwk = dev_act(wk), *dnone;
     CUDA_CHECK(cudaMalloc(&dnone, 64)); /* the (0, .) tensors: never read or written */
@@ -1183,7 +1183,7 @@ int main(void) {
         test_copy_2d();
         test_rmsnorm(37, 70);
         test_rmsnorm(37, 48); /* whole 16-byte packs */
-        const AttnShape a18 = {1, 37, 6, 2, 18}, a10 = {2, 37, 6, 1, 10};
+        const AttnShape a18 = {1, 37, 6, 2, 18, NULL}, a10 = {2, 37, 6, 1, 10, NULL};
         test_rope(a18, 0);
         test_rope(a10, 5);
         for (int ph = 0; ph <= 1; ph++) {

@@ -186,7 +186,7 @@ static void cross_attention_gqa(AttnShape sh, const char *impl) {
 }
 
 static void cross_attention(int B, int T, int C, int NH, const char *impl) {
-    cross_attention_gqa((AttnShape){B, T, NH, NH, C / NH}, impl);
+    cross_attention_gqa((AttnShape){B, T, NH, NH, C / NH, NULL}, impl);
 }
 
 static void cross_matmul(int N, int C, int OC, const char *tag) {
@@ -536,8 +536,8 @@ static void cross_all(const char *compute) {
         cross_attention(3, 17, 768, 12, impl);  /* hs 64, T under one tile */
         cross_attention(1, 200, 768, 6, impl);  /* hs 128, T not a multiple of any tile */
         /* grouped K/V heads (SIMT on every path): Llama 3's group of 4 at hs 128, multi-query at hs 64 */
-        cross_attention_gqa((AttnShape){2, 256, 8, 2, 128}, impl);
-        cross_attention_gqa((AttnShape){1, 200, 12, 1, 64}, impl);
+        cross_attention_gqa((AttnShape){2, 256, 8, 2, 128, NULL}, impl);
+        cross_attention_gqa((AttnShape){1, 200, 12, 1, 64, NULL}, impl);
     }
     if (both) dev->set_attention("auto");
     cross_matmul(512, 768, 2304, "matmul");

@@ -74,7 +74,7 @@ static float *take_rows(const float *x, int B, int T, int w, int cp, int rank) {
 
 static void run(int B, int Tc, int NH, int NKV, int HD) {
     int cp = W, T = 2 * cp * Tc;
-    AttnShape g = {B, T, NH, NKV, HD}, l = {B, 2 * Tc, NH, NKV, HD};
+    AttnShape g = {B, T, NH, NKV, HD, NULL}, l = {B, 2 * Tc, NH, NKV, HD, NULL};
     int QKVW = attn_qkv_width(&g), Q = NH * HD;
     size_t NG = (size_t)B * T, NL = (size_t)B * 2 * Tc;
     Rng rng;
@@ -156,7 +156,7 @@ static void positions(const char *what, ArchSpec s, int zero_wte, CpMode mode) {
     model_plan_activations(&m, B, T, MODEL_RECOMPUTE_NONE);
     Cp c = {0};
     if (cp > 1) {
-        AttnShape cap = {B, 2 * Tc, m.shape.n_head, m.shape.n_kv_head, m.shape.head_dim};
+        AttnShape cap = {B, 2 * Tc, m.shape.n_head, m.shape.n_kv_head, m.shape.head_dim, NULL};
         cp_init(&c, be, comm_world(), mode, &cap);
         cp_attach(&c, &m);
     }
