@@ -186,7 +186,9 @@ typedef struct Backend {
      * position p its HD/2 cosines then its HD/2 sines (per position, so the op
      * needs no Tmax: row r reads position p = pos0 + r % T; pos0 = 0 for a
      * whole sequence, the shard's first position under context parallelism).
-     * v is untouched. rope_backward applies the inverse rotation (angle -a):
+     * With s->doc (data.doc_positions reset) positions restart at each
+     * document: row r's is pos0 + r % T - doc[r] (doc holds global
+     * positions, as for attention). v is untouched. rope_backward applies the inverse rotation (angle -a):
      * on dqkv it turns gradients of rotated q, k into gradients of the
      * unrotated ones, in place. */
     void (*rope_forward)(void *qkv, const float *rope, const AttnShape *s, int pos0);

@@ -519,7 +519,12 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     /* precision.master bf16: no fp32 arena (exit 2 unless act is bf16) */
     ModelOptions mo = {.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16"), .tp = tp,
                        .tp_rank = tpg->rank, .sequence_parallel = r->sp, .cp = cp, .cp_rank = cpg->rank,
-                       .ep = r->ep, .ep_rank = r->mesh.ep_rank};
+                       .ep = r->ep, .ep_rank = r->mesh.ep_rank, .doc_masking = c->doc_masking,
+                       .doc_reset = !strcmp(c->doc_positions, "reset"),
+                       .doc_eot = c->eot_id >= 0 ? c->eot_id : tok_eot(r->tok)};
+    if ((mo.doc_masking || mo.doc_reset) && mo.doc_eot < 0) /* config.c refuses the byte tokenizer's */
+        kiln_fail(KILN_EXIT_USAGE, "key 'data.eot_id': the %s tokenizer has no end-of-text id; set data.eot_id",
+                  c->tokenizer);
     PipeKind pk = (PipeKind)pipe_kind_parse(c->pp_schedule);
     pipe_check_precision(c, shape, r->pp);
     if (r->pp > 1) {

@@ -1188,7 +1188,8 @@ static void rope_ref(RopeRef *r) {
     int N = r->s.B * r->s.T, ld = attn_qkv_width(&r->s), HD = r->s.HD, H2 = HD / 2;
     memcpy(r->out, r->qkv, (size_t)N * ld * sizeof(double));
     for (int i = 0; i < N; i++) {
-        const float *cs = r->tab + (size_t)(r->pos0 + i % r->s.T) * HD, *sn = cs + H2;
+        int p = r->pos0 + i % r->s.T - (r->s.doc ? r->s.doc[i] : 0); /* doc: positions restart per document */
+        const float *cs = r->tab + (size_t)p * HD, *sn = cs + H2;
         for (int h = 0; h < r->s.NH + r->s.NKV; h++) {
             const double *x = r->qkv + (size_t)i * ld + h * HD;
             double *o = r->out + (size_t)i * ld + h * HD;
@@ -1206,7 +1207,11 @@ static double rope_loss(void *ctx) {
 }
 
 /* pos0 (t->V) > 0: a context-parallel shard's positions; the table is longer
- * than pos0 + T, so a wrong Tmax-based stride would read the wrong rows. */
+ * than pos0 + T, so a wrong Tmax-based stride would read the wrong rows.
+ * opt 1: positions reset per document (AttnShape.doc, global starts: the
+ * rows' own positions pos0 + i, documents from pos0 - 2 on, every 3rd
+ * row, so a row's position in its document is 0, 1 or 2; the first ones
+ * start before the shard as under context parallelism). */
 static void test_rope(const OpTest *t) {
     AttnShape sh = {t->B, t->T, t->NH, t->NKV, t->HD, NULL};
     int N = sh.B * sh.T, ld = attn_qkv_width(&sh), pos0 = t->V, vcol = (sh.NH + sh.NKV) * sh.HD;
@@ -1214,10 +1219,20 @@ static void test_rope(const OpTest *t) {
     const float *tab = rope_table(pos0 + sh.T + 5, sh.HD);
     float *d_tab = df(tab, (size_t)(pos0 + sh.T + 5) * sh.HD);
     float *qkv = quant(randn(NW, 1.0f, 0.0f), NW), *R = quant(randn(NW, 1.0f, 0.0f), NW);
+    AttnShape dsh = sh; /* what the op gets: doc on the device */
+    if (t->opt) {
+        int32_t *doc = hbuf((size_t)N * sizeof(int32_t));
+        for (int i = 0; i < N; i++) {
+            int g = pos0 + i % sh.T, d = pos0 - 2 + (g - pos0 + 2) / 3 * 3;
+            doc[i] = d < 0 ? 0 : d;
+        }
+        sh.doc = doc;
+        dsh.doc = dbuf(doc, (size_t)N * sizeof(int32_t));
+    }
     RopeRef r = {sh, pos0, tab, to_d(qkv, NW), to_d(R, NW), hd(NW)};
     void *d_qkv = da(qkv, NW);
     float *out = hf(NW);
-    be->rope_forward(d_qkv, d_tab, &sh, pos0);
+    be->rope_forward(d_qkv, d_tab, &dsh, pos0);
     down_a(out, d_qkv, NW);
     rope_ref(&r);
     check(t->name, "forward", err_rel(out, r.out, NW), TOL_FWD);
@@ -1230,7 +1245,7 @@ static void test_rope(const OpTest *t) {
     fd_grad(rope_loss, &r, r.qkv, NW, g);
     void *d_R = da(R, NW);
     float *dq = hf(NW);
-    be->rope_backward(d_R, d_tab, &sh, pos0);
+    be->rope_backward(d_R, d_tab, &dsh, pos0);
     down_a(dq, d_R, NW);
     check(t->name, "backward", err_rel(dq, g, NW), TOL_BWD);
 }
@@ -1839,6 +1854,8 @@ static const OpTest op_tests[] = {
     {"rmsnorm",          test_rmsnorm,     1, 37, 70, 0,   0,    0, 0, 0, 0, 0},
     {"rope",             test_rope,        2, 9,  0,  3,   0,    0, 0,        1, 18, 0},
     {"rope_pos0",        test_rope,        1, 7,  0,  6,  13,    0, 0,        2, 10, 0},
+    {"rope_doc",         test_rope,        2, 9,  0,  3,   0,    0, 0,        1, 18, 1},
+    {"rope_doc_pos0",    test_rope,        1, 7,  0,  6,  13,    0, 0,        2, 10, 1},
     {"qknorm_head",      test_qknorm,      2, 5,  0,  3,   0,    0, 0,        1, 18, 1},
     {"qknorm_full",      test_qknorm,      2, 5,  0,  6,   0,    0, 0,        2, 10, 0},
     {"swiglu",           test_swiglu,      1, 37, 45, 0,   0,    0, 0, 0, 0, 0},

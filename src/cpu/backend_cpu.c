@@ -338,7 +338,7 @@ static void cpu_rope_apply(float *qkv, const float *rope, const AttnShape *sh, i
     int ld = attn_qkv_width(sh);
     #pragma omp parallel for schedule(static)
     for (int r = 0; r < N; r++) {
-        const float *cs = rope + (size_t)(pos0 + r % sh->T) * 2 * H2, *sn = cs + H2;
+        const float *cs = rope + (size_t)(pos0 + r % sh->T - (sh->doc ? sh->doc[r] : 0)) * 2 * H2, *sn = cs + H2;
         float *row = qkv + (size_t)r * ld;
         for (int h = 0; h < heads; h++) {
             float *x = row + (size_t)h * HD;
