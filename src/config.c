@@ -137,7 +137,7 @@ static const CfgKey cfg_keys[] = {
           "position in the sequence"),
     KINT("data.eot_id", eot_id, "-1", -1, INT_MAX,
          "the token id that ends a document for `data.doc_masking` / `data.doc_positions`; -1 = the tokenizer's "
-         "end-of-text id (gpt2: `<|endoftext|>`; the byte tokenizer has none, so set it, e.g. 10 for lines)"),
+         "end-of-text id (gpt2: the rank file's, 50256 for GPT-2's; the byte tokenizer has none, so set it, e.g. 10 for lines)"),
     KINT("batch.micro_batch", micro_batch, "8", 1, 65536, "sequences per forward/backward pass"),
     KI64("batch.total_tokens", total_tokens, "16384", 1, TWO62,
          "tokens per optimizer step, all ranks; a multiple of `micro_batch*seq_len`"),

@@ -32,6 +32,10 @@ static const struct {
     {"data.train", KEY_FORCE,
      "with --force each source still in data.train continues from its saved position (matched by name), a new one "
      "starts at its beginning, and the blend restarts there with the new weights"},
+    {"data.doc_*", KEY_FORCE,
+     "the same batches, but another function of them (attention across documents, positions); with --force the "
+     "run continues under the new setting"},
+    {"data.eot_id", KEY_FORCE, "documents end at another id; with --force the run continues with it"},
     {"data.prefetch", KEY_ALLOW, "the same batches, read ahead or not"},
     {"data.max_open_shards", KEY_ALLOW, "the same batches, with more or fewer shards open"},
     {"batch.total_tokens", KEY_FORCE,
