@@ -485,11 +485,11 @@ typedef void (*AttForward)(void *out, float *lse, const void *qkv, const AttnSha
 typedef void (*AttBackward)(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                             const AttnShape *s);
 static void att_tc_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
-    cuda_attention_tc_forward(out, lse, qkv, s->B, s->T, s->NH * s->HD, s->NH);
+    cuda_attention_tc_forward(out, lse, qkv, s->doc, s->B, s->T, s->NH * s->HD, s->NH);
 }
 static void att_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                             const AttnShape *s) {
-    cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, s->B, s->T, s->NH * s->HD, s->NH);
+    cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, s->doc, s->B, s->T, s->NH * s->HD, s->NH);
 }
 static void att_cudnn_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
     cuda_attention_cudnn_forward(out, lse, qkv, s->B, s->T, s->NH * s->HD, s->NH);
@@ -751,27 +751,34 @@ static int att_path(int B, int T, int C, int NH) {
 /* Grouped K/V heads (NKV < NH) run the SIMT kernels, which index k and v
  * per group; the tensor-core kernels and kiln's cuDNN graphs assume
  * NKV = NH (q, k, v at C and 2C of a 3C row), so they never see such a shape.
- * Document masking (s->doc) runs the SIMT kernels too: the tensor-core
- * kernels and the cuDNN graphs know only the causal mask. */
+ * Document masking (s->doc) runs where cuDNN would the tensor-core kernels
+ * if they are usable for the shape, else SIMT: kiln's cuDNN graphs know only
+ * the causal mask. */
+static int att_doc_path(int p, int C, int NH) {
+    if (p != PATH_CUDNN) return p;
+    return att_usable[PATH_TC] && cuda_attention_tc_fits(C, NH) ? PATH_TC : PATH_SIMT;
+}
 void cuda_attention_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
-    if (s->NKV != s->NH || s->doc) {
+    if (s->NKV != s->NH) {
         cuda_attention_simt_forward(out, lse, qkv, s);
         return;
     }
     int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
     int p = att_path(B, T, C, NH);
+    if (s->doc) p = att_doc_path(p, C, NH);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(out) || !att_path_fits(p, C, NH))) p = PATH_SIMT;
     att_fwd[p](out, lse, qkv, s);
 }
 
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                              const AttnShape *s) {
-    if (s->NKV != s->NH || s->doc) {
+    if (s->NKV != s->NH) {
         cuda_attention_simt_backward(dqkv, dout, qkv, out, lse, s);
         return;
     }
     int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
     int p = att_path(B, T, C, NH);
+    if (s->doc) p = att_doc_path(p, C, NH);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(dout) || !att_aligned(out) || !att_aligned(dqkv) ||
                            !att_path_fits(p, C, NH)))
         p = PATH_SIMT;

@@ -703,8 +703,9 @@ static std::vector<int32_t> doc_rows(int B, int n, int pos0, const std::vector<i
 }
 
 /* doc 1: document masking, documents starting inside and across the 32-key
- * tiles and 64-row blocks (a one-token document among them); tc then goes
- * through the backend's dispatch, which must take the SIMT kernels. */
+ * tiles and 64-row blocks (a one-token document among them); tc through the
+ * backend's dispatch: the tensor cores where they take the shape (NKV = NH,
+ * head size a multiple of 16, bf16), else SIMT. */
 static void test_attention(int B, int T, int NH, int NKV, int HD, int tc, int doc = 0) {
     char sh[80];
     snprintf(sh, sizeof sh, "%s%s_B%d_T%d_NH%d_NKV%d_HD%d", tc ? "_tc" : "_simt", doc ? "_doc" : "", B, T, NH, NKV, HD);
@@ -841,7 +842,7 @@ static void test_attention_auto(void) {
     CUDA_CHECK(cudaMalloc(&l1, nl * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&l2, nl * sizeof(float)));
     gpu->attention_forward(o1, l1, dq, &ash);
-    cuda_attention_tc_forward(o2, l2, dq, B, T, C, NH);
+    cuda_attention_tc_forward(o2, l2, dq, NULL, B, T, C, NH);
     Vec a = get_act(o1, nc), b = get_act(o2, nc);
     int same = memcmp(a.data(), b.data(), nc * sizeof(float)) == 0;
     report_s("attention_auto_picks_tensor_cores", same, same ? "same bits as the tensor cores" : "auto's output differs from the tensor cores'");

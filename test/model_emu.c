@@ -246,7 +246,7 @@ static ArchCase arch_cases[] = {
     {"llama_gqa_tp2_rank0", {LLAMA_BASE, .n_head = 4, .n_kv_head = 2, .mlp = MLP_SWIGLU}, 2, 0, 0},
     {"gpt2_tp3_rank1", ARCH_GPT2_SHAPE(2, 3, 48, 48, 70), 3, 1, 0},
     /* document masking with positions reset: GQA and RoPE (the SIMT attention's masks, RoPE per document);
-     * GPT-2's learned positions per document (embeddings run by run), head size 16 (no tensor cores) */
+     * GPT-2's learned positions per document (embeddings run by run), head size 16 (bf16: the tensor cores' masks) */
     {"llama_gqa_docs", {LLAMA_BASE, .n_head = 4, .n_kv_head = 2, .mlp = MLP_SWIGLU}, 0, 0, 1},
     {"gpt2_docs", ARCH_GPT2_SHAPE(2, 3, 48, 48, 70), 0, 0, 1},
 };

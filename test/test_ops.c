@@ -1840,8 +1840,8 @@ static const OpTest op_tests[] = {
      * CPU's 64-row query blocks, none a multiple of any block size. */
     {"attention_doc",    test_attention_doc, 2, 37, 0, 4,  0,    0, 0,        2, 6, 0},
     {"attention_doc_blocks", test_attention_doc, 2, 70, 0, 2, 0, 0, 0,        1, 4, 0},
-    /* hs 16, NKV = NH: a shape the CUDA dispatcher would give the tensor
-     * cores or cuDNN, which it must not with a mask */
+    /* hs 16, NKV = NH: on CUDA with bf16 the tensor cores (never cuDNN,
+     * whose graphs know only the causal mask) */
     {"attention_doc_hs16", test_attention_doc, 1, 70, 0, 1, 0, 0, 0,          1, 16, 0},
     {"attention_block",  test_attention_block, 2, 7, 9, 4, 10,   5, 0,        2, 6, 0},
     {"attention_block_diag", test_attention_block, 1, 13, 13, 6, 0, 0, 0,     2, 10, 0},
