@@ -1094,10 +1094,11 @@ static void doc_rows(Model *m, const int32_t *tokens, int B, int T, int Tl) {
     m->be->to_device(m->doc_dev, m->doc_host, (size_t)B * Tl * sizeof(int32_t));
 }
 
-/* Runs of rows in one document (documents with learned positions): for
- * each local chunk (cp: 2, else the whole sequence) and sequence, the rows
- * [row, row + len) of tokens_dev whose positions are p0 .. p0 + len - 1
- * counted from their document's start. Returns the number of runs. */
+/* Runs of rows in one document (documents with learned positions): within
+ * each local chunk (cp: 2, else the whole sequence) of each sequence, the
+ * rows [row, row + len) of tokens_dev whose positions are p0 .. p0 + len - 1
+ * counted from their document's start. Fills the run at *it and moves *it
+ * past it; 0 when the rows are done. */
 typedef struct DocRun {
     size_t row;
     int len, p0;
