@@ -65,6 +65,22 @@ static const struct {
     {"init.from", KEY_ALLOW, "ignored on resume: the checkpoint's weights are loaded"},
 };
 
+/* Keys added after checkpoints were written, with the value that gives
+ * those checkpoints' runs: a checkpoint without the key resumes under that
+ * value as if unchanged. */
+static const struct {
+    const char *key, *before;
+} resume_absent[] = {
+    {"data.doc_masking", "false"},
+    {"data.doc_positions", "continue"},
+    {"data.eot_id", "-1"},
+};
+static int absent_as(const char *key, const char *now) {
+    for (size_t i = 0; i < sizeof resume_absent / sizeof resume_absent[0]; i++)
+        if (!strcmp(resume_absent[i].key, key)) return now && !strcmp(resume_absent[i].before, now);
+    return 0;
+}
+
 static int rule_of(const char *key) {
     int n = (int)(sizeof resume_rules / sizeof resume_rules[0]);
     for (int i = 0; i < n; i++) {
@@ -130,6 +146,7 @@ int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char
             const char *old = pass ? v[i].val : kv_get(va, na, key), *now = pass ? kv_get(vb, nb, key) : v[i].val;
             if (pass && now) continue;
             if (old && now && !strcmp(old, now)) continue;
+            if (!old && absent_as(key, now)) continue; /* the key is newer than the checkpoint */
             int r = rule_of(key);
             KeyPolicy p = r >= 0 ? resume_rules[r].p : KEY_FORCE;
             const char *why = r >= 0 ? resume_rules[r].why : "no resume rule for this key";

@@ -101,3 +101,14 @@ G="--set train.sample_every=6 --set train.sample_tokens=40"
     | sed -n '/--- sample/,/^---$/p' >$T/gen2.txt
 [ -s $T/gen1.txt ] && cmp -s $T/gen1.txt $T/gen2.txt && ok docmask_cp2_generation_same_text \
     || fail docmask_cp2_generation_same_text "$(head -c 200 $T/gen1.txt) vs $(head -c 200 $T/gen2.txt)"
+
+# resume: switching documents on is refused (the same batches, another
+# function of them), --force continues with them
+R="$S --set train.steps=4 --set checkpoint.every=2"
+./train $Y $R --set train.steps=2 --set run.dir=$T/rs >$T/rs1.txt 2>&1
+out=$(./train $Y $R $D --set run.dir=$T/rs --resume auto 2>&1); rc=$?
+if [ $rc -eq 2 ] && printf '%s\n' "$out" | grep -q "changed key 'data.doc_masking': false -> true"; then
+    ok docmask_resume_refuses_switching_on
+else fail docmask_resume_refuses_switching_on "rc $rc: $(printf '%s\n' "$out" | grep -m2 kiln)"; fi
+./train $Y $R $D --set run.dir=$T/rs --resume auto --force >$T/rs2.txt 2>&1 && grep -q '"step":4' $T/rs/metrics.jsonl \
+    && ok docmask_resume_force_continues || fail docmask_resume_force_continues "$(grep -m2 kiln $T/rs2.txt)"

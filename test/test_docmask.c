@@ -26,6 +26,7 @@
 
 #include "backend.h"
 #include "model.h"
+#include "resume.h"
 #include "test.h"
 #include "util.h"
 
@@ -150,6 +151,11 @@ int main(void) {
     int32_t row[8] = {1, 9, 2, 3, 9, 9, 4, 9}, doc[8], want[8] = {0, 0, 2, 2, 2, 5, 6, 6};
     model_doc_starts(row, 1, 8, 9, doc);
     test_report(!memcmp(doc, want, sizeof doc), "docmask_doc_starts", "starts differ from 0 0 2 2 2 5 6 6");
+    /* a checkpoint from before the keys existed resumes with them off (a
+     * refusal would exit 2 here, so the line below would never print) */
+    resume_check_config("ckpt", "data:\n  prefetch: 4\n",
+                        "data:\n  prefetch: 4\n  doc_masking: false\n  doc_positions: continue\n  eot_id: -1\n", 0, 1);
+    test_report(1, "docmask_resume_checkpoint_without_the_keys", "refused");
     make_batch();
     ArchSpec gpt2 = ARCH_GPT2_SHAPE(2, 2, 32, T, V);
     run_case("gpt2", gpt2);
