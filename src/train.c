@@ -754,6 +754,10 @@ static void train_describe(TrainRun *r) {
         data_describe(r->train, mix, sizeof mix);
         metrics_print(mx, "data: mixture of %d source(s): %s", c->train.n, mix);
     }
+    if (model->doc_mask || model->doc_reset) /* docs/data.md, "Documents" */
+        metrics_print(mx, "data: documents end at token %d (data.eot_id); attention %s; positions %s", model->doc_eot,
+                      model->doc_mask ? "stops at them (data.doc_masking)" : "reads across them",
+                      model->doc_reset ? "restart per document (data.doc_positions: reset)" : "count from the sequence's start");
     metrics_print(mx, "batch: %d x %d tokens x %d accumulation x %d rank(s) = %lld tokens/step, %d steps", r->B, r->T,
                   r->accum, r->dp, (long long)c->total_tokens, c->steps);
 }

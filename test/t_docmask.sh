@@ -53,6 +53,9 @@ for model in GPT2 LLAMA MOE; do
         || fail docmask_reference_$model "$(tail -n 3 $T/ref_$model.txt)"
 done
 
+grep -q 'data: documents end at token 32 (data.eot_id); attention stops at them (data.doc_masking); positions restart per document' \
+    $T/ref_GPT2.txt && ok docmask_start_up_line || fail docmask_start_up_line "$(grep -m2 'data:' $T/ref_GPT2.txt)"
+
 # the documents matter: without them the losses move by far more than 1e-5
 for model in GPT2 LLAMA; do
     ./train $Y $S ${!model} --set data.doc_masking=false --set data.doc_positions=continue \
