@@ -238,7 +238,7 @@ SAN_DIR   := build-san
 # -O3 does not (each into a buffer whose truncation is meant)
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -static-libubsan \
              -Wno-format-truncation
-SAN_TESTS := test_ckpt test_ckpt_hostile test_comm test_config test_data test_flight test_metrics test_model_arch_ref \
+SAN_TESTS := test_ckpt test_ckpt_hostile test_comm test_config test_data test_docmask test_flight test_metrics test_model_arch_ref \
              test_model_ref test_model_stages test_ops test_optim test_safetensors test_straggler test_tokenizer
 ifeq ($(SAN),1)
 CFLAGS  += $(SAN_FLAGS)

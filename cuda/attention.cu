@@ -60,6 +60,7 @@ struct AttDims {
     int T, NH, NKV, hs;
     size_t ld;  /* qkv row */
     size_t ldo; /* out, dout row */
+    const int32_t *doc; /* (B, T) first position of each row's document, or NULL (backend.h) */
 };
 
 static AttDims att_dims(const AttnShape *s) {
@@ -67,7 +68,15 @@ static AttDims att_dims(const AttnShape *s) {
     d.T = s->T, d.NH = s->NH, d.NKV = s->NKV, d.hs = s->HD;
     d.ld = (size_t)attn_qkv_width(s);
     d.ldo = (size_t)s->NH * s->HD;
+    d.doc = s->doc;
     return d;
+}
+
+/* The first key row t of sequence b sees: its document's start, or 0. doc
+ * is nondecreasing along a sequence, so a block's first row gives the first
+ * key any of its rows sees, and the key tiles before it are skipped. */
+__device__ __forceinline__ int att_first(const AttDims &a, int b, int t) {
+    return a.doc && t < a.T ? a.doc[(size_t)b * a.T + t] : 0;
 }
 
 /* Column of query head h's k (v: + NKV hs) in a qkv row. */
@@ -97,8 +106,9 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
         o[i] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    int kend = min(T, r0 + ATT_BR); /* the block's rows see keys [0, kend) */
-    for (int k0 = 0; k0 < kend; k0 += ATT_BC) {
+    int kend = min(T, r0 + ATT_BR); /* the block's rows see keys [kbeg, kend) */
+    int kbeg = att_first(a, b, r0), first = att_first(a, b, row);
+    for (int k0 = kbeg; k0 < kend; k0 += ATT_BC) {
         __syncthreads();
         att_load_tile(Ks, K, ld, k0, ATT_BC, T, hs);
         att_load_tile(Vs, V, ld, k0, ATT_BC, T, hs);
@@ -116,14 +126,17 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
             /* causal mask: key k0 + j is visible to rows >= it. A masked key
              * adds exactly nothing below (exp(-inf) = 0), so changing a future
              * k or v leaves an output's bits unchanged. */
-            float sj = k0 + j <= row ? dot * scale : -INFINITY;
+            float sj = k0 + j <= row && k0 + j >= first ? dot * scale : -INFINITY;
             if (sub == 0) S[j] = sj;
             mt = fmaxf(mt, sj);
         }
         __syncwarp(); /* the group's scores, written by its sub 0, are visible */
-        /* Key 0 is visible to every row, so m is finite after the first tile
-         * and m_new is never -inf: no exp(-inf - -inf). */
-        float m_new = fmaxf(m, mt), alpha = expf(m - m_new);
+        /* Without documents key 0 is visible to every row, so m is finite
+         * after the first tile; with them a row may see none of a tile
+         * before its document's: skip it, no exp(-inf - -inf). */
+        float m_new = fmaxf(m, mt);
+        if (m_new == -INFINITY) continue;
+        float alpha = expf(m - m_new);
         l *= alpha;
 #pragma unroll
         for (int i = 0; i < ATT_D; i++) o[i] *= alpha;
@@ -180,8 +193,8 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
     float Dt = group_sum<TPK>(part);
     float lt = row < T ? lse[(size_t)bh * T + row] : 0.0f;
     if (row < T && sub == 0) Dbuf[(size_t)bh * T + row] = Dt;
-    int kend = min(T, r0 + ATT_BR);
-    for (int k0 = 0; k0 < kend; k0 += ATT_BC) {
+    int kend = min(T, r0 + ATT_BR), kbeg = att_first(a, b, r0), first = att_first(a, b, row);
+    for (int k0 = kbeg; k0 < kend; k0 += ATT_BC) {
         __syncthreads();
         att_load_tile(Ks, K, ld, k0, ATT_BC, T, hs);
         att_load_tile(Vs, V, ld, k0, ATT_BC, T, hs);
@@ -198,7 +211,7 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
                 }
             }
             float s = group_sum<TPK>(ps), dp = group_sum<TPK>(pp);
-            if (k0 + j <= row) {
+            if (k0 + j <= row && k0 + j >= first) {
                 float p = expf(s * scale - lt);
                 float ds = p * (dp - Dt) * scale;
 #pragma unroll
@@ -231,6 +244,7 @@ __global__ void __launch_bounds__(ATT_BK *TPK)
     int T = a.T, hs = a.hs, bkv = blockIdx.x, b = bkv / a.NKV, kvh = bkv % a.NKV, G = a.NH / a.NKV;
     float *Qs = smem, *dOs = smem + ATT_BQ * hs; /* (ATT_BQ, hs) each */
     float *Ls = dOs + ATT_BQ * hs, *Ds = Ls + ATT_BQ; /* (ATT_BQ) each */
+    int *Fs = (int *)(Ds + ATT_BQ);                   /* (ATT_BQ) first key of each query */
     int k0 = blockIdx.y * ATT_BK, key = k0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
     size_t ld = a.ld, ldo = a.ldo;
     const T_ *K = qkv + (size_t)b * T * ld + (size_t)a.NH * hs + (size_t)kvh * hs, *V = K + (size_t)a.NKV * hs;
@@ -246,15 +260,21 @@ __global__ void __launch_bounds__(ATT_BK *TPK)
     for (int h = kvh * G; h < (kvh + 1) * G; h++) {
         const T_ *Q = qkv + (size_t)b * T * ld + h * hs, *dO = dout + (size_t)b * T * ldo + h * hs;
         const float *L = lse + ((size_t)b * a.NH + h) * T, *D = Dbuf + ((size_t)b * a.NH + h) * T;
-        for (int i0 = k0; i0 < T; i0 += ATT_BQ) { /* queries before k0 see none of these keys */
+        /* queries before k0 see none of these keys, nor (documents) those
+         * whose document starts after the block's last key: the first such
+         * query ends the loop, as documents only start later further on */
+        int klast = min(T, k0 + ATT_BK) - 1;
+        for (int i0 = k0; i0 < T; i0 += ATT_BQ) {
             __syncthreads();
             att_load_tile(Qs, Q, ld, i0, ATT_BQ, T, hs);
             att_load_tile(dOs, dO, ldo, i0, ATT_BQ, T, hs);
             for (int r = threadIdx.x; r < ATT_BQ; r += blockDim.x) {
                 Ls[r] = i0 + r < T ? L[i0 + r] : 0.0f;
                 Ds[r] = i0 + r < T ? D[i0 + r] : 0.0f;
+                Fs[r] = att_first(a, b, i0 + r);
             }
             __syncthreads();
+            if (att_first(a, b, i0) > klast) break; /* the same for every thread: no sync is skipped */
 #pragma unroll 1
             for (int r = 0; r < ATT_BQ; r++) {
                 float ps = 0.0f, pp = 0.0f;
@@ -268,7 +288,7 @@ __global__ void __launch_bounds__(ATT_BK *TPK)
                 }
                 float s = group_sum<TPK>(ps), dp = group_sum<TPK>(pp);
                 int qi = i0 + r;
-                if (qi < T && qi >= key) {
+                if (qi < T && qi >= key && key >= Fs[r]) {
                     float p = expf(s * scale - Ls[r]);
                     float ds = p * (dp - Ds[r]) * scale;
 #pragma unroll
@@ -343,7 +363,7 @@ static void att_backward_run(void *dqkv_, const void *dout_, const void *qkv_, c
     float *Dbuf = (float *)cuda_scratch(SCRATCH_ATTENTION, (size_t)B * s->NH * T * sizeof(float));
     dim3 gq(B * s->NH, (T + ATT_BR - 1) / ATT_BR), gk(B * s->NKV, (T + ATT_BK - 1) / ATT_BK);
     size_t shq = (size_t)2 * ATT_BC * hs * sizeof(float);
-    size_t shk = ((size_t)2 * ATT_BQ * hs + 2 * ATT_BQ) * sizeof(float);
+    size_t shk = ((size_t)2 * ATT_BQ * hs + 2 * ATT_BQ) * sizeof(float) + ATT_BQ * sizeof(int);
     T_ *dqkv = (T_ *)dqkv_;
     const T_ *dout = (const T_ *)dout_, *qkv = (const T_ *)qkv_, *out = (const T_ *)out_;
     /* dQ first: it also writes D, which the dK/dV kernel reads (same stream). */
@@ -465,11 +485,11 @@ typedef void (*AttForward)(void *out, float *lse, const void *qkv, const AttnSha
 typedef void (*AttBackward)(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                             const AttnShape *s);
 static void att_tc_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
-    cuda_attention_tc_forward(out, lse, qkv, s->B, s->T, s->NH * s->HD, s->NH);
+    cuda_attention_tc_forward(out, lse, qkv, s->doc, s->B, s->T, s->NH * s->HD, s->NH);
 }
 static void att_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                             const AttnShape *s) {
-    cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, s->B, s->T, s->NH * s->HD, s->NH);
+    cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, s->doc, s->B, s->T, s->NH * s->HD, s->NH);
 }
 static void att_cudnn_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
     cuda_attention_cudnn_forward(out, lse, qkv, s->B, s->T, s->NH * s->HD, s->NH);
@@ -518,7 +538,7 @@ static void att_selfcheck(int p) {
     CUDA_CHECK(cudaMemcpy(dout, hd, nc * sizeof(bf16), cudaMemcpyHostToDevice));
     free(hq), free(hd);
 
-    const AttnShape ash = {B, T, NH, NH, hs};
+    const AttnShape ash = {B, T, NH, NH, hs, NULL};
     cuda_attention_simt_forward(out_s, lse_s, qkv, &ash);
     att_fwd[p](out_t, lse_t, qkv, &ash);
     cuda_attention_simt_backward(dq_s, dout, qkv, out_s, lse_s, &ash);
@@ -730,7 +750,14 @@ static int att_path(int B, int T, int C, int NH) {
 
 /* Grouped K/V heads (NKV < NH) run the SIMT kernels, which index k and v
  * per group; the tensor-core kernels and kiln's cuDNN graphs assume
- * NKV = NH (q, k, v at C and 2C of a 3C row), so they never see such a shape. */
+ * NKV = NH (q, k, v at C and 2C of a 3C row), so they never see such a shape.
+ * Document masking (s->doc) runs where cuDNN would the tensor-core kernels
+ * if they are usable for the shape, else SIMT: kiln's cuDNN graphs know only
+ * the causal mask. */
+static int att_doc_path(int p, int C, int NH) {
+    if (p != PATH_CUDNN) return p;
+    return att_usable[PATH_TC] && cuda_attention_tc_fits(C, NH) ? PATH_TC : PATH_SIMT;
+}
 void cuda_attention_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
     if (s->NKV != s->NH) {
         cuda_attention_simt_forward(out, lse, qkv, s);
@@ -738,6 +765,7 @@ void cuda_attention_forward(void *out, float *lse, const void *qkv, const AttnSh
     }
     int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
     int p = att_path(B, T, C, NH);
+    if (s->doc) p = att_doc_path(p, C, NH);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(out) || !att_path_fits(p, C, NH))) p = PATH_SIMT;
     att_fwd[p](out, lse, qkv, s);
 }
@@ -750,6 +778,7 @@ void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, cons
     }
     int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
     int p = att_path(B, T, C, NH);
+    if (s->doc) p = att_doc_path(p, C, NH);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(dout) || !att_aligned(out) || !att_aligned(dqkv) ||
                            !att_path_fits(p, C, NH)))
         p = PATH_SIMT;

@@ -36,6 +36,16 @@ __device__ __forceinline__ int attb_nv(const AttnBlock &s, int i) {
     return v < 0 ? 0 : v > s.Tk ? s.Tk : v;
 }
 
+/* The first key of the block query row i of sequence b sees: its document's
+ * start (AttnBlock.q_doc) relative to the block, or 0. Rows see
+ * [attb_first, attb_nv); both ends are nondecreasing in i, so a block's
+ * first row gives the first key any of its rows sees. */
+__device__ __forceinline__ int attb_first(const AttnBlock &s, int b, int i) {
+    if (!s.q_doc || i >= s.Tq) return 0;
+    int f = s.q_doc[(size_t)b * s.Tq + i] - s.k_pos;
+    return f < 0 ? 0 : f > s.Tk ? s.Tk : f;
+}
+
 /* Rows [r0, r0 + rows) of one head (ld apart) into a shared (rows, hs) tile;
  * rows past n read as zero. */
 template <typename T_>
@@ -68,9 +78,10 @@ __global__ void __launch_bounds__(ATTB_BR *TPK)
         qr[i] = row < s.Tq && d < hs ? act_f(Q[(size_t)row * qld + d]) : 0.0f;
         o[i] = 0.0f;
     }
-    int nv = attb_nv(s, row), kend = attb_nv(s, min(s.Tq, r0 + ATTB_BR) - 1); /* the block sees keys [0, kend) */
+    int nv = attb_nv(s, row), kend = attb_nv(s, min(s.Tq, r0 + ATTB_BR) - 1); /* the block sees keys [kbeg, kend) */
+    int first = attb_first(s, b, row), kbeg = attb_first(s, b, r0);
     float m = -INFINITY, l = 0.0f;
-    for (int k0 = 0; k0 < kend; k0 += ATTB_BC) {
+    for (int k0 = kbeg; k0 < kend; k0 += ATTB_BC) {
         __syncthreads();
         attb_load_tile(Ks, K, kld, k0, ATTB_BC, s.Tk, hs);
         attb_load_tile(Vs, V, kld, k0, ATTB_BC, s.Tk, hs);
@@ -85,7 +96,7 @@ __global__ void __launch_bounds__(ATTB_BR *TPK)
                 if (d < hs) part += qr[i] * Ks[j * hs + d];
             }
             float dot = attb_group_sum<TPK>(part);
-            float sj = k0 + j < nv ? dot * scale : -INFINITY; /* masked: adds exactly nothing */
+            float sj = k0 + j < nv && k0 + j >= first ? dot * scale : -INFINITY; /* masked: adds exactly nothing */
             if (sub == 0) S[j] = sj;
             mt = fmaxf(mt, sj);
         }
@@ -160,7 +171,8 @@ __global__ void __launch_bounds__(ATTB_BR *TPK)
     float lt = row < s.Tq ? lse[(size_t)bh * s.Tq + row] : 0.0f;
     if (row < s.Tq && sub == 0) Dbuf[(size_t)bh * s.Tq + row] = Dt;
     int nv = attb_nv(s, row), kend = attb_nv(s, min(s.Tq, r0 + ATTB_BR) - 1);
-    for (int k0 = 0; k0 < kend; k0 += ATTB_BC) {
+    int first = attb_first(s, b, row), kbeg = attb_first(s, b, r0);
+    for (int k0 = kbeg; k0 < kend; k0 += ATTB_BC) {
         __syncthreads();
         attb_load_tile(Ks, K, kld, k0, ATTB_BC, s.Tk, hs);
         attb_load_tile(Vs, V, kld, k0, ATTB_BC, s.Tk, hs);
@@ -177,7 +189,7 @@ __global__ void __launch_bounds__(ATTB_BR *TPK)
                 }
             }
             float sc = attb_group_sum<TPK>(ps), dp = attb_group_sum<TPK>(pp);
-            if (k0 + j < nv) {
+            if (k0 + j < nv && k0 + j >= first) {
                 float p = expf(sc * scale - lt);
                 float ds = p * (dp - Dt) * scale;
 #pragma unroll
@@ -209,6 +221,7 @@ __global__ void __launch_bounds__(ATTB_BK *TPK)
     int hs = s.HD, NH = s.NH, bkv = blockIdx.x, b = bkv / s.NKV, kvh = bkv % s.NKV, G = NH / s.NKV;
     float *Qs = smem, *dOs = smem + ATTB_BQ * hs;      /* (ATTB_BQ, hs) each */
     float *Ls = dOs + ATTB_BQ * hs, *Ds = Ls + ATTB_BQ; /* (ATTB_BQ) each */
+    int *Fs = (int *)(Ds + ATTB_BQ);                     /* (ATTB_BQ) first key of each query */
     int k0 = blockIdx.y * ATTB_BK, key = k0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
     size_t qld = s.q_ld, kld = s.kv_ld, ldo = (size_t)NH * hs;
     const T_ *K = k + (size_t)b * s.Tk * kld + (size_t)kvh * hs, *V = v + (size_t)b * s.Tk * kld + (size_t)kvh * hs;
@@ -222,7 +235,7 @@ __global__ void __launch_bounds__(ATTB_BK *TPK)
         dkr[i] = dvr[i] = 0.0f;
     }
     /* the first query that sees key k0, the block's earliest: queries before it see none of these keys */
-    int qstart = max(0, s.k_pos + k0 - s.q_pos);
+    int qstart = max(0, s.k_pos + k0 - s.q_pos), klast = min(s.Tk, k0 + ATTB_BK) - 1;
     for (int h = kvh * G; h < (kvh + 1) * G; h++) {
         const T_ *Q = q + (size_t)b * s.Tq * qld + h * hs, *dO = dout + (size_t)b * s.Tq * ldo + h * hs;
         const float *L = lse + ((size_t)b * NH + h) * s.Tq, *D = Dbuf + ((size_t)b * NH + h) * s.Tq;
@@ -233,8 +246,13 @@ __global__ void __launch_bounds__(ATTB_BK *TPK)
             for (int r = threadIdx.x; r < ATTB_BQ; r += blockDim.x) {
                 Ls[r] = i0 + r < s.Tq ? L[i0 + r] : 0.0f;
                 Ds[r] = i0 + r < s.Tq ? D[i0 + r] : 0.0f;
+                Fs[r] = attb_first(s, b, i0 + r);
             }
             __syncthreads();
+            /* documents: from the first query whose document starts after
+             * the block's last key on, no query sees these keys (the same
+             * for every thread: no sync is skipped) */
+            if (attb_first(s, b, i0) > klast) break;
 #pragma unroll 1
             for (int r = 0; r < ATTB_BQ; r++) {
                 float ps = 0.0f, pp = 0.0f;
@@ -248,7 +266,7 @@ __global__ void __launch_bounds__(ATTB_BK *TPK)
                 }
                 float sc = attb_group_sum<TPK>(ps), dp = attb_group_sum<TPK>(pp);
                 int qi = i0 + r;
-                if (qi < s.Tq && key < s.Tk && s.k_pos + key <= s.q_pos + qi) {
+                if (qi < s.Tq && key < s.Tk && s.k_pos + key <= s.q_pos + qi && key >= Fs[r]) {
                     float p = expf(sc * scale - Ls[r]);
                     float ds = p * (dp - Ds[r]) * scale;
 #pragma unroll
@@ -320,7 +338,7 @@ static void attb_backward_run(float *dq, float *dk, float *dv, const void *dout_
     float *Dbuf = (float *)cuda_scratch(SCRATCH_ATTENTION, (size_t)s->B * s->NH * s->Tq * sizeof(float));
     dim3 gq(s->B * s->NH, (s->Tq + ATTB_BR - 1) / ATTB_BR), gk(s->B * s->NKV, (s->Tk + ATTB_BK - 1) / ATTB_BK);
     size_t shq = (size_t)2 * ATTB_BC * hs * sizeof(float);
-    size_t shk = ((size_t)2 * ATTB_BQ * hs + 2 * ATTB_BQ) * sizeof(float);
+    size_t shk = ((size_t)2 * ATTB_BQ * hs + 2 * ATTB_BQ) * sizeof(float) + ATTB_BQ * sizeof(int);
     const T_ *dout = (const T_ *)dout_, *q = (const T_ *)q_, *k = (const T_ *)k_, *v = (const T_ *)v_;
     const T_ *out = (const T_ *)out_;
     /* dq first: it also writes D, which the dk/dv kernel reads (same stream) */

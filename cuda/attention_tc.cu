@@ -43,6 +43,14 @@
  * multiples of 16, and attention.cu's dispatch checks qkv's and dout's
  * alignment (every kiln buffer is 64-byte aligned).
  *
+ * Documents (backend.h's AttnShape.doc, data.doc_masking): doc (B, T), the
+ * first position of each row's document, or NULL. A query sees keys from
+ * its document's start on as well; the forward and dQ start at the key tile
+ * of the block's first row's document (doc is nondecreasing along a
+ * sequence), dK/dV stop at the first query tile whose first query's
+ * document starts after the block's keys. A row may then see none of a
+ * tile: its softmax update is skipped (no exp2(-inf - -inf)).
+ *
  * Determinism: no atomics; every sum (fragment products, the pair's
  * butterfly, the tile loops) runs in a fixed order, so the same inputs give
  * the same bits. Math is fp32 with fp32 accumulation; only the tensor-core
@@ -147,7 +155,7 @@ __device__ __forceinline__ void tc_store_rows(bf16 *dst, size_t ld, const float 
  * Forward. Grid (B*NH, ceil(T/64)); block y runs query tiles from the last
  * (the longest: most key tiles) down, so the short ones fill the tail. */
 __global__ void __launch_bounds__(TC_THREADS)
-    tc_forward_kernel(bf16 *out, float *lse, const bf16 *qkv, int T, int C, int NH, float sl2) {
+    tc_forward_kernel(bf16 *out, float *lse, const bf16 *qkv, const int32_t *doc, int T, int C, int NH, float sl2) {
     KILN_DYN_SHARED(__align__(128) unsigned char, tc_smem_buf);
     int hs = C / NH, nd = hs / 16, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     int q0 = (gridDim.y - 1 - blockIdx.y) * TC_B;
@@ -167,7 +175,9 @@ __global__ void __launch_bounds__(TC_THREADS)
     tc_load_tile(Qs, ldh, Q, ld, q0, T, hs);
     for (int d = half; d < hs; d += 2) Orow[d] = 0.0f;
     float m = -INFINITY, l = 0.0f; /* row r's running max (log2 units) and sum */
-    for (int k0 = 0; k0 <= q0; k0 += TC_B) { /* key tiles up to the diagonal one */
+    const int32_t *Dc = doc ? doc + (size_t)b * T : NULL;
+    int first = Dc && row < T ? Dc[row] : 0, kbeg = Dc ? Dc[q0] / TC_B * TC_B : 0;
+    for (int k0 = kbeg; k0 <= q0; k0 += TC_B) { /* key tiles up to the diagonal one */
         __syncthreads(); /* every warp is done with the previous K, V */
         tc_load_tile(Ks, ldh, K, ld, k0, T, hs);
         tc_load_tile(Vs, ldh, V, ld, k0, T, hs);
@@ -175,21 +185,23 @@ __global__ void __launch_bounds__(TC_THREADS)
         tc_warp_abt(Ss, Qs, Ks, ldh, nd, wr); /* S = Q K^T, the warp's 16 rows x 64 keys */
         __syncwarp();
         /* Online softmax of row r over columns half, half + 2, ...: scores in
-         * log2 units (sl2 = log2(e) / sqrt(hs)). Key k0 is visible to every
-         * row of the block (k0 <= q0), so mt and m_new are finite: no
-         * exp2(-inf - -inf). A masked key gives p = exp2(-inf) = 0 exactly. */
+         * log2 units (sl2 = log2(e) / sqrt(hs)). Without documents key k0
+         * is visible to every row of the block (k0 <= q0), so mt and m_new
+         * are finite; with them a row may have seen no key yet (mn -inf):
+         * p = 0 and alpha = 1 on its zero O and l. A masked key gives p =
+         * exp2(-inf) = 0 exactly. */
         float mt = -INFINITY;
         for (int jj = 0; jj < TC_B / 2; jj++) {
             int j = 2 * jj + half;
-            float s = k0 + j <= row ? Srow[j] * sl2 : -INFINITY;
+            float s = k0 + j <= row && k0 + j >= first ? Srow[j] * sl2 : -INFINITY;
             Srow[j] = s;
             mt = fmaxf(mt, s);
         }
         mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
-        float mn = fmaxf(m, mt), alpha = exp2f(m - mn), ps = 0.0f;
+        float mn = fmaxf(m, mt), alpha = mn == -INFINITY ? 1.0f : exp2f(m - mn), ps = 0.0f;
         for (int jj = 0; jj < TC_B / 2; jj++) {
             int j = 2 * jj + half;
-            float p = exp2f(Srow[j] - mn);
+            float p = mn == -INFINITY ? 0.0f : exp2f(Srow[j] - mn);
             ps += p;
             Prow[j] = __float2bfloat16_rn(p);
         }
@@ -248,7 +260,7 @@ __global__ void tc_backward_d_kernel(float *Dbuf, const bf16 *dout, const bf16 *
 template <int MAXD>
 __global__ void __launch_bounds__(TC_THREADS)
     tc_backward_dkv_kernel(bf16 *dqkv, const float *Dbuf, const bf16 *dout, const bf16 *qkv, const float *lse,
-                           int T, int C, int NH, float scale, float sl2) {
+                           const int32_t *doc, int T, int C, int NH, float scale, float sl2) {
     KILN_DYN_SHARED(__align__(128) unsigned char, tc_smem_buf);
     int hs = C / NH, nd = hs / 16, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     int k0 = blockIdx.y * TC_B;
@@ -273,7 +285,9 @@ __global__ void __launch_bounds__(TC_THREADS)
     FragC dk[MAXD], dv[MAXD];
 #pragma unroll
     for (int t = 0; t < MAXD; t++) wmma::fill_fragment(dk[t], 0.0f), wmma::fill_fragment(dv[t], 0.0f);
+    const int32_t *Dc = doc ? doc + (size_t)b * T : NULL;
     for (int i0 = k0; i0 < T; i0 += TC_B) { /* queries before k0 see none of these keys */
+        if (Dc && Dc[i0] >= k0 + TC_B) break; /* nor (documents) any query from here on: the same for every thread */
         __syncthreads(); /* every warp is done with the previous Q, dO, Lq, Dq */
         tc_load_tile(Qs, ldh, Q, ld, i0, T, hs);
         tc_load_tile(dOs, ldh, dO, C, i0, T, hs);
@@ -290,7 +304,7 @@ __global__ void __launch_bounds__(TC_THREADS)
          * sees the key iff key <= i0 + j < T. */
         for (int jj = 0; jj < TC_B / 2; jj++) {
             int j = 2 * jj + half, qi = i0 + j;
-            float p = qi >= key && qi < T ? exp2f(Strow[j] * sl2 - Lq[j]) : 0.0f;
+            float p = qi >= key && qi < T && (!Dc || Dc[qi] <= key) ? exp2f(Strow[j] * sl2 - Lq[j]) : 0.0f;
             Ptrow[j] = __float2bfloat16_rn(p);
             dStrow[j] = __float2bfloat16_rn(p * (dPtrow[j] - Dq[j]) * scale);
         }
@@ -338,7 +352,7 @@ __global__ void __launch_bounds__(TC_THREADS)
 template <int MAXD>
 __global__ void __launch_bounds__(TC_THREADS)
     tc_backward_dq_kernel(bf16 *dqkv, const float *Dbuf, const bf16 *dout, const bf16 *qkv, const float *lse,
-                          int T, int C, int NH, float scale, float sl2) {
+                          const int32_t *doc, int T, int C, int NH, float scale, float sl2) {
     KILN_DYN_SHARED(__align__(128) unsigned char, tc_smem_buf);
     int hs = C / NH, nd = hs / 16, bh = blockIdx.x, b = bh / NH, h = bh % NH;
     int q0 = (gridDim.y - 1 - blockIdx.y) * TC_B;
@@ -366,7 +380,9 @@ __global__ void __launch_bounds__(TC_THREADS)
     FragC dq[MAXD];
 #pragma unroll
     for (int t = 0; t < MAXD; t++) wmma::fill_fragment(dq[t], 0.0f);
-    for (int k0 = 0; k0 <= q0; k0 += TC_B) { /* key tiles up to the diagonal one */
+    const int32_t *Dc = doc ? doc + (size_t)b * T : NULL;
+    int first = Dc && row < T ? Dc[row] : 0, kbeg = Dc ? Dc[q0] / TC_B * TC_B : 0;
+    for (int k0 = kbeg; k0 <= q0; k0 += TC_B) { /* key tiles up to the diagonal one */
         __syncthreads(); /* the previous K, V are no longer read (first time: Q, dO, Lq, Dq are in) */
         tc_load_tile(Ks, ldh, K, ld, k0, T, hs);
         tc_load_tile(Vs, ldh, V, ld, k0, T, hs);
@@ -380,7 +396,7 @@ __global__ void __launch_bounds__(TC_THREADS)
         float l2 = Lq[wr + r], Dr = Dq[wr + r];
         for (int jj = 0; jj < TC_B / 2; jj++) {
             int j = 2 * jj + half;
-            float p = k0 + j <= row && row < T ? exp2f(Srow[j] * sl2 - l2) : 0.0f;
+            float p = k0 + j <= row && k0 + j >= first && row < T ? exp2f(Srow[j] * sl2 - l2) : 0.0f;
             dSrow[j] = __float2bfloat16_rn(p * (dProw[j] - Dr) * scale);
         }
         __syncwarp();
@@ -442,20 +458,21 @@ static void tc_allow_smem(F kernel, size_t bytes, size_t *allowed) {
     *allowed = bytes;
 }
 
-void cuda_attention_tc_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
+void cuda_attention_tc_forward(void *out, float *lse, const void *qkv, const int32_t *doc, int B, int T, int C,
+                               int NH) {
     static size_t allowed;
     int hs = C / NH;
     size_t sh = tc_smem(hs, 0).total;
     tc_allow_smem(tc_forward_kernel, sh, &allowed);
     float sl2 = TC_LOG2E / sqrtf((float)hs);
     dim3 grid(B * NH, (T + TC_B - 1) / TC_B);
-    KLAUNCH(tc_forward_kernel, grid, TC_THREADS, sh, (bf16 *)out, lse, (const bf16 *)qkv, T, C, NH, sl2);
+    KLAUNCH(tc_forward_kernel, grid, TC_THREADS, sh, (bf16 *)out, lse, (const bf16 *)qkv, doc, T, C, NH, sl2);
     CUDA_CHECK_LAUNCH();
 }
 
 template <int MAXD>
-static void tc_backward_run(bf16 *dqkv, const float *Dbuf, const bf16 *dout, const bf16 *qkv, const float *lse, int B,
-                            int T, int C, int NH) {
+static void tc_backward_run(bf16 *dqkv, const float *Dbuf, const bf16 *dout, const bf16 *qkv, const float *lse,
+                            const int32_t *doc, int B, int T, int C, int NH) {
     static size_t allowed_kv, allowed_q;
     int hs = C / NH;
     size_t sh = tc_smem(hs, 1).total;
@@ -463,14 +480,14 @@ static void tc_backward_run(bf16 *dqkv, const float *Dbuf, const bf16 *dout, con
     tc_allow_smem(tc_backward_dq_kernel<MAXD>, sh, &allowed_q);
     float scale = 1.0f / sqrtf((float)hs), sl2 = TC_LOG2E * scale;
     dim3 grid(B * NH, (T + TC_B - 1) / TC_B);
-    KLAUNCH(tc_backward_dkv_kernel<MAXD>, grid, TC_THREADS, sh, dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale, sl2);
+    KLAUNCH(tc_backward_dkv_kernel<MAXD>, grid, TC_THREADS, sh, dqkv, Dbuf, dout, qkv, lse, doc, T, C, NH, scale, sl2);
     CUDA_CHECK_LAUNCH();
-    KLAUNCH(tc_backward_dq_kernel<MAXD>, grid, TC_THREADS, sh, dqkv, Dbuf, dout, qkv, lse, T, C, NH, scale, sl2);
+    KLAUNCH(tc_backward_dq_kernel<MAXD>, grid, TC_THREADS, sh, dqkv, Dbuf, dout, qkv, lse, doc, T, C, NH, scale, sl2);
     CUDA_CHECK_LAUNCH();
 }
 
 void cuda_attention_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                                int B, int T, int C, int NH) {
+                                const int32_t *doc, int B, int T, int C, int NH) {
     float *Dbuf = (float *)cuda_scratch(SCRATCH_ATTENTION, (size_t)B * NH * T * sizeof(float));
     size_t rows = (size_t)B * NH * T;
     KLAUNCH(tc_backward_d_kernel, cuda_blocks(rows * CUDA_WARP, 256), 256, 0, Dbuf, (const bf16 *)dout, (const bf16 *)out, B,
@@ -479,8 +496,8 @@ void cuda_attention_tc_backward(void *dqkv, const void *dout, const void *qkv, c
     /* D is read by both kernels below (same stream, in order); they write
      * disjoint columns of dqkv (k, v and q), so their order does not matter. */
     if (C / NH <= 64)
-        tc_backward_run<4>((bf16 *)dqkv, Dbuf, (const bf16 *)dout, (const bf16 *)qkv, lse, B, T, C, NH);
+        tc_backward_run<4>((bf16 *)dqkv, Dbuf, (const bf16 *)dout, (const bf16 *)qkv, lse, doc, B, T, C, NH);
     else
-        tc_backward_run<8>((bf16 *)dqkv, Dbuf, (const bf16 *)dout, (const bf16 *)qkv, lse, B, T, C, NH);
+        tc_backward_run<8>((bf16 *)dqkv, Dbuf, (const bf16 *)dout, (const bf16 *)qkv, lse, doc, B, T, C, NH);
 }
 #endif /* KILN_TC_KERNELS_ONLY */

@@ -201,9 +201,10 @@ void cuda_attention_block_backward(float *dq, float *dk, float *dv, const void *
 /* attention_tc.cu: bf16 act only; fits says whether the head size is
  * supported and its shared memory fits this GPU; qkv and dout 16-byte aligned. */
 int cuda_attention_tc_fits(int C, int NH);
-void cuda_attention_tc_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
-void cuda_attention_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
-                                const float *lse, int B, int T, int C, int NH);
+void cuda_attention_tc_forward(void *out, float *lse, const void *qkv, const int32_t *doc, int B, int T, int C,
+                               int NH);
+void cuda_attention_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                                const int32_t *doc, int B, int T, int C, int NH);
 /* attention_cudnn.cu: bf16 act only, cuDNN opened at run time. load: 1 when
  * libcudnn_graph.so.9 (or libcudnn.so.9) is loaded, else 0 with why; library:
  * its version and path; fits: head sizes the graphs support; plan: 1 when

@@ -10,10 +10,11 @@
  * RoPE, rotate-half, in place on the NH + NKV q and k heads of each qkv row.
  * One thread per (row, head, i < HD/2) pair; rope (Tmax, 2, HD/2) fp32 holds
  * each position's cos then sin, as the CPU backend reads it. sign -1 is the
- * inverse rotation (the backward: the rotation's transpose). */
+ * inverse rotation (the backward: the rotation's transpose). doc (N) or
+ * NULL: positions restart at each row's document start (backend.h). */
 template <typename T_>
 __global__ void rope_kernel(T_ *qkv, const float *rope, int N, int T, int heads, int HD, int ld, int pos0,
-                            float sign) {
+                            const int32_t *doc, float sign) {
     /* qkv (N, ld) in place */
     int H2 = HD / 2;
     size_t total = (size_t)N * heads * H2;
@@ -21,7 +22,7 @@ __global__ void rope_kernel(T_ *qkv, const float *rope, int N, int T, int heads,
         int i = (int)(e % H2);
         size_t rh = e / H2;
         int h = (int)(rh % heads), r = (int)(rh / heads);
-        const float *cs = rope + (size_t)(pos0 + r % T) * 2 * H2;
+        const float *cs = rope + (size_t)(pos0 + r % T - (doc ? doc[r] : 0)) * 2 * H2;
         float c = cs[i], s = sign * cs[H2 + i];
         T_ *x = qkv + (size_t)r * ld + (size_t)h * HD;
         float a = act_f(x[i]), b = act_f(x[i + H2]);
@@ -35,7 +36,7 @@ static void rope_run(void *qkv, const float *rope, const AttnShape *s, int pos0,
     int N = s->B * s->T, heads = s->NH + s->NKV;
     unsigned blocks = cuda_blocks((size_t)N * heads * (s->HD / 2), 256);
     if (blocks > 65536) blocks = 65536;
-    KLAUNCH(rope_kernel<T_>, blocks, 256, 0, (T_ *)qkv, rope, N, s->T, heads, s->HD, attn_qkv_width(s), pos0, sign);
+    KLAUNCH(rope_kernel<T_>, blocks, 256, 0, (T_ *)qkv, rope, N, s->T, heads, s->HD, attn_qkv_width(s), pos0, s->doc, sign);
     CUDA_CHECK_LAUNCH();
 }
 

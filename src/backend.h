@@ -37,9 +37,15 @@
 
 /* The shape of one attention call: B sequences of T tokens, NH query heads
  * and NKV key/value heads (NKV divides NH: NKV = NH is multi-head, 1
- * multi-query), HD dims per head. */
+ * multi-query), HD dims per head. doc (document masking, data.doc_masking):
+ * NULL is plain causal attention; else int32 (B, T) device memory, the
+ * position where each row's document starts, nondecreasing along a
+ * sequence: row (b, i) sees keys j with doc[b T + i] <= j <= i (a
+ * block-diagonal causal mask). Under context parallelism the rows are the
+ * rank's chunks and doc holds global positions (cp.c reads it). */
 typedef struct AttnShape {
     int B, T, NH, NKV, HD;
+    const int32_t *doc;
 } AttnShape;
 
 /* Row width of the qkv buffer: (NH + 2 NKV) HD. */
@@ -59,6 +65,10 @@ typedef struct AttnBlock {
     int Tq, Tk;       /* queries and keys per sequence */
     int q_pos, k_pos; /* global positions of the first query and the first key */
     int q_ld, kv_ld;  /* row strides (elements) of q, and of k and v */
+    /* NULL, or int32 (B, Tq) device: the global position where each query's
+     * document starts (nondecreasing along a sequence); query i then sees
+     * the keys at global positions in [q_doc[b Tq + i], q_pos + i]. */
+    const int32_t *q_doc;
 } AttnBlock;
 
 typedef struct Backend {
@@ -176,7 +186,9 @@ typedef struct Backend {
      * position p its HD/2 cosines then its HD/2 sines (per position, so the op
      * needs no Tmax: row r reads position p = pos0 + r % T; pos0 = 0 for a
      * whole sequence, the shard's first position under context parallelism).
-     * v is untouched. rope_backward applies the inverse rotation (angle -a):
+     * With s->doc (data.doc_positions reset) positions restart at each
+     * document: row r's is pos0 + r % T - doc[r] (doc holds global
+     * positions, as for attention). v is untouched. rope_backward applies the inverse rotation (angle -a):
      * on dqkv it turns gradients of rotated q, k into gradients of the
      * unrotated ones, in place. */
     void (*rope_forward)(void *qkv, const float *rope, const AttnShape *s, int pos0);

@@ -129,6 +129,15 @@ static const CfgKey cfg_keys[] = {
     KINT("data.max_open_shards", max_open_shards, "64", 1, 65536,
          "shards each loader keeps open (file handles; an open `.bin.zst` also holds its decompressed tokens in "
          "memory); the least recently read is closed first"),
+    KBOOL("data.doc_masking", doc_masking, "false",
+          "attention stops at document boundaries inside a sequence (a block-diagonal causal mask): a token "
+          "after a `data.eot_id` token starts a new document, the end-of-text token ends its own (docs/data.md)"),
+    KENUM("data.doc_positions", doc_positions, "continue", "continue|reset",
+          "`reset`: positions (RoPE or learned) restart at 0 at each document's first token; `continue`: the "
+          "position in the sequence"),
+    KINT("data.eot_id", eot_id, "-1", -1, INT_MAX,
+         "the token id that ends a document for `data.doc_masking` / `data.doc_positions`; -1 = the tokenizer's "
+         "end-of-text id (gpt2: the rank file's, 50256 for GPT-2's; the byte tokenizer has none, so set it, e.g. 10 for lines)"),
     KINT("batch.micro_batch", micro_batch, "8", 1, 65536, "sequences per forward/backward pass"),
     KI64("batch.total_tokens", total_tokens, "16384", 1, TWO62,
          "tokens per optimizer step, all ranks; a multiple of `micro_batch*seq_len`"),
@@ -1048,6 +1057,13 @@ static void cfg_finish(Config *c, CfgLoad *L) {
     if (!strcmp(c->tokenizer, "gpt2") && !c->tokenizer_file[0])
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'data.tokenizer_file': expected a rank file path when data.tokenizer is gpt2, got \"\"",
                   cfg_where_of(L, "data.tokenizer_file", "data.tokenizer"));
+    if (c->eot_id >= c->vocab_size)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'data.eot_id': %d is not an id of the vocabulary (model.vocab_size = %d)",
+                  cfg_where_of(L, "data.eot_id", NULL), c->eot_id, c->vocab_size);
+    if ((c->doc_masking || !strcmp(c->doc_positions, "reset")) && c->eot_id < 0 && !strcmp(c->tokenizer, "byte"))
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'data.eot_id': documents (data.doc_masking / data.doc_positions) need an "
+                  "end-of-text id and the byte tokenizer has none; set data.eot_id (e.g. 10: one document per line)",
+                  cfg_where_of(L, "data.eot_id", c->doc_masking ? "data.doc_masking" : "data.doc_positions"));
     ArchSpec spec;
     arch_from_config(c, &spec); /* every architecture constraint, naming the key */
     cfg_check_moe(c, &spec, L);

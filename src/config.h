@@ -62,6 +62,9 @@ typedef struct Config {
     int max_open_shards;      /* data.max_open_shards: open shards per loader */
     char tokenizer[16];            /* byte | gpt2 */
     char tokenizer_file[CFG_STR];  /* gpt2: tiktoken-format rank file */
+    int doc_masking;          /* data.doc_masking: attention stops at document boundaries */
+    char doc_positions[16];   /* data.doc_positions: continue | reset (per document) */
+    int eot_id;               /* data.eot_id: the id that ends a document; -1 = the tokenizer's */
 
     /* batch */
     int micro_batch;

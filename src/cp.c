@@ -86,18 +86,22 @@ static void cp_poke(CommRequest *r) {
  * Tc rows per chunk; local chunk q against chunk d of rank `src`. */
 typedef struct CpGeo {
     int B, Tc, NH, NKV, HD, QKVW, S;
+    const int32_t *doc; /* (2, B, Tc) document starts of the local rows (global positions), or NULL */
 } CpGeo;
 
 static CpGeo cp_geo(const AttnShape *s) {
-    return (CpGeo){s->B, s->T / 2, s->NH, s->NKV, s->HD, attn_qkv_width(s), 2 * s->NKV * s->HD};
+    return (CpGeo){s->B, s->T / 2, s->NH, s->NKV, s->HD, attn_qkv_width(s), 2 * s->NKV * s->HD, s->doc};
 }
 
-/* The block of local query chunk q against key chunk d of rank src; 0 when it is fully masked. */
+/* The block of local query chunk q against key chunk d of rank src; 0 when
+ * it is fully masked by causality (documents mask within the ops: q_doc is
+ * the query chunk's document starts, global as the blocks' positions). */
 static int cp_block(const Cp *c, const CpGeo *g, int q, int src, int d, AttnBlock *b) {
     int gq = model_cp_chunk(c->cp, c->rank, q), gk = model_cp_chunk(c->cp, src, d);
     if (gk > gq) return 0;
     *b = (AttnBlock){.B = g->B, .NH = g->NH, .NKV = g->NKV, .HD = g->HD, .Tq = g->Tc, .Tk = g->Tc,
-                     .q_pos = gq * g->Tc, .k_pos = gk * g->Tc, .q_ld = g->QKVW, .kv_ld = g->S};
+                     .q_pos = gq * g->Tc, .k_pos = gk * g->Tc, .q_ld = g->QKVW, .kv_ld = g->S,
+                     .q_doc = g->doc ? g->doc + (size_t)q * g->B * g->Tc : NULL};
     return 1;
 }
 

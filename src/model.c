@@ -296,6 +296,7 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     m->expert_lo = m->ep_rank * m->n_experts_here;
     m->cp = o->cp > 1 ? o->cp : 1;
     m->cp_rank = m->cp > 1 ? o->cp_rank : 0;
+    m->doc_mask = o->doc_masking, m->doc_reset = o->doc_reset, m->doc_eot = o->doc_eot;
     if (m->cp > 1 && s->mlp == MLP_MOE)
         kiln_fail(KILN_EXIT_USAGE, "key 'parallel.cp': MoE layers balance and cap their experts per whole sequence, "
                   "which context parallelism splits over ranks; use parallel.cp: 1 with model.mlp: moe");
@@ -553,6 +554,7 @@ void model_free(Model *m) {
     free(m->pad_host);
     free(m->cp_tok);
     free(m->cp_tgt);
+    free(m->doc_full);
     slots_free(m);
     free(m->losses_host);
     free(m->unit_off);
@@ -801,6 +803,7 @@ static void slot_save(Model *m, ModelSlot *sl) {
     sl->acts = m->acts, sl->encoded = m->encoded, sl->stage_dout = m->stage_dout, sl->stage_din = m->stage_din;
     sl->lnf = m->lnf, sl->logits = m->logits, sl->lnf_mean = m->lnf_mean, sl->lnf_rstd = m->lnf_rstd;
     sl->losses = m->losses, sl->aux = m->aux, sl->tokens_dev = m->tokens_dev, sl->targets_dev = m->targets_dev;
+    sl->doc_dev = m->doc_dev, sl->doc_host = m->doc_host;
     sl->live_B = m->live_B, sl->live_T = m->live_T, sl->live_sp = m->live_sp, sl->have_targets = m->have_targets;
     sl->weight_pending = m->weight_pending, sl->live_dloss = m->live_dloss;
 }
@@ -809,6 +812,7 @@ static void slot_load(Model *m, const ModelSlot *sl) {
     m->acts = sl->acts, m->encoded = sl->encoded, m->stage_dout = sl->stage_dout, m->stage_din = sl->stage_din;
     m->lnf = sl->lnf, m->logits = sl->logits, m->lnf_mean = sl->lnf_mean, m->lnf_rstd = sl->lnf_rstd;
     m->losses = sl->losses, m->aux = sl->aux, m->tokens_dev = sl->tokens_dev, m->targets_dev = sl->targets_dev;
+    m->doc_dev = sl->doc_dev, m->doc_host = sl->doc_host;
     m->live_B = sl->live_B, m->live_T = sl->live_T, m->live_sp = sl->live_sp, m->have_targets = sl->have_targets;
     m->weight_pending = sl->weight_pending, m->live_dloss = sl->live_dloss;
     m->layer_lo = m->chunk_lo[sl->chunk], m->layer_hi = m->chunk_hi[sl->chunk];
@@ -823,6 +827,8 @@ static void slots_free(Model *m) {
         for (int l = 0; sl->acts && l < m->shape.n_layer; l++) free(sl->acts[l].offsets_host);
         free(sl->acts);
         if (m->be) m->be->free(sl->tokens_dev), m->be->free(sl->targets_dev);
+        if (m->be && sl->doc_dev) m->be->free(sl->doc_dev);
+        free(sl->doc_host);
     }
     free(m->slots);
     m->slots = NULL, m->n_slots = m->cur_slot = 0;
@@ -866,6 +872,10 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
             sl->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
             sl->tokens_dev = m->be->alloc(N * sizeof(int32_t));
             sl->targets_dev = m->be->alloc(N * sizeof(int32_t));
+            if (m->doc_mask || m->doc_reset) {
+                sl->doc_dev = m->be->alloc(N * sizeof(int32_t));
+                sl->doc_host = xcalloc(N, sizeof(int32_t));
+            }
             if (m->shape.mlp == MLP_MOE)
                 for (int l = pl.lo[c]; l < pl.hi[c]; l++)
                     sl->acts[l].offsets_host = xcalloc((size_t)m->shape.moe.n_experts + 1, sizeof(int32_t));
@@ -890,6 +900,7 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
     }
     m->cp_tok = m->cp > 1 ? xcalloc((size_t)B * Tl, sizeof(int32_t)) : NULL;
     m->cp_tgt = m->cp > 1 ? xcalloc((size_t)B * Tl, sizeof(int32_t)) : NULL;
+    if (m->doc_mask || m->doc_reset) m->doc_full = xrealloc(m->doc_full, (size_t)B * T * sizeof(int32_t));
 }
 
 /* Set k of chunk c; exits 1 naming both when there is none. */
@@ -945,7 +956,7 @@ int model_gelu_fused(const Model *m, int backward) {
  * The block graph. Row counts: N = B*T tokens; widths from the spec. */
 
 static AttnShape attn_shape(const ArchSpec *s, int B, int T) {
-    return (AttnShape){B, T, s->n_head, s->n_kv_head, s->head_dim};
+    return (AttnShape){B, T, s->n_head, s->n_kv_head, s->head_dim, NULL};
 }
 
 /* Bytes offset of `rows` rows of `width` act elements. */
@@ -1048,11 +1059,75 @@ static const int32_t *cp_take(const Model *m, int32_t *buf, const int32_t *ids, 
     return buf;
 }
 
+/* ---------------------------------------------------------------------------
+ * Documents (ModelOptions.doc_*, docs/data.md "Documents") */
+
+void model_doc_starts(const int32_t *tokens, int B, int T, int eot, int32_t *doc) {
+    for (int b = 0; b < B; b++) {
+        int start = 0;
+        for (int i = 0; i < T; i++) {
+            doc[(size_t)b * T + i] = start;
+            if (tokens[(size_t)b * T + i] == eot) start = i + 1;
+        }
+    }
+}
+
+/* The documents of this forward's rows: from the (B, T) host ids (whole
+ * sequences) into doc_host, rows as tokens_dev (under cp this rank's chunks,
+ * chunk-major, global positions; rows past T, a generation's padding, stay
+ * in the last document), and on to doc_dev. */
+static void doc_rows(Model *m, const int32_t *tokens, int B, int T, int Tl) {
+    model_doc_starts(tokens, B, T, m->doc_eot, m->doc_full);
+    if (m->cp == 1) {
+        memcpy(m->doc_host, m->doc_full, (size_t)B * T * sizeof(int32_t));
+    } else {
+        int Tc = Tl / 2;
+        for (int c = 0; c < 2; c++)
+            for (int b = 0; b < B; b++)
+                for (int i = 0; i < Tc; i++) {
+                    int t = cp_pos(m, c, Tc) + i;
+                    m->doc_host[((size_t)c * B + b) * Tc + i] = m->doc_full[(size_t)b * T + (t < T ? t : T - 1)];
+                }
+    }
+    m->be->to_device(m->doc_dev, m->doc_host, (size_t)B * Tl * sizeof(int32_t));
+}
+
+/* Runs of rows in one document (documents with learned positions): within
+ * each local chunk (cp: 2, else the whole sequence) of each sequence, the
+ * rows [row, row + len) of tokens_dev whose positions are p0 .. p0 + len - 1
+ * counted from their document's start. Fills the run at *it and moves *it
+ * past it; 0 when the rows are done. */
+typedef struct DocRun {
+    size_t row;
+    int len, p0;
+} DocRun;
+static int doc_next_run(const Model *m, int B, int T, int *it, DocRun *r) {
+    /* *it walks the N rows; a run ends where the document changes or a
+     * sequence (chunk) ends */
+    int chunks = m->cp > 1 ? 2 : 1, Tc = T / chunks, N = B * T;
+    if (*it >= N) return 0;
+    int i0 = *it, seg = i0 / Tc, c = m->cp > 1 ? seg / B : 0, i = i0 % Tc;
+    int g0 = (m->cp > 1 ? cp_pos(m, c, Tc) : 0) + i, d = m->doc_host[i0], i1 = i0 + 1;
+    while (i1 < (seg + 1) * Tc && m->doc_host[i1] == d) i1++;
+    *r = (DocRun){(size_t)i0, i1 - i0, g0 - d};
+    *it = i1;
+    return 1;
+}
+
 /* Embeddings of the N = B T rows (T local) into e: wte[tokens] + wpe at each
- * row's global position (wpe NULL: none, or another tp rank adds them). */
+ * row's global position (wpe NULL: none, or another tp rank adds them);
+ * with data.doc_positions reset at its position in its document, one run
+ * of rows at a time. */
 static void embed_rows(const Model *m, void *e, int B, int T) {
     const void *wte = W(m, -1, ROLE_TOK_EMB), *wpe = row_bias(m, -1, ROLE_POS_EMB);
     int C = m->shape.n_embd;
+    if (wpe && m->doc_reset) {
+        DocRun r;
+        for (int it = 0; doc_next_run(m, B, T, &it, &r);)
+            m->be->embed_forward(act_at(m, e, r.row, C), m->tokens_dev + r.row, wte, act_at(m, wpe, r.p0, C), 1,
+                                 r.len, C);
+        return;
+    }
     if (m->cp == 1) {
         m->be->embed_forward(e, m->tokens_dev, wte, wpe, B, T, C);
         return;
@@ -1068,6 +1143,14 @@ static void embed_rows(const Model *m, void *e, int B, int T) {
 static void embed_rows_backward(const Model *m, const void *dtop, int B, int T, int acc) {
     float *dwte = G(m, -1, ROLE_TOK_EMB), *dwpe = G(m, -1, ROLE_POS_EMB);
     int C = m->shape.n_embd;
+    if (dwpe && m->doc_reset) {
+        if (!acc) m->be->zero(dwpe, (size_t)m->shape.seq_len * C * sizeof(float));
+        DocRun r;
+        for (int it = 0; doc_next_run(m, B, T, &it, &r);)
+            m->be->embed_backward(dwte, dwpe + (size_t)r.p0 * C, act_at(m, dtop, r.row, C), m->tokens_dev + r.row, 1,
+                                  r.len, C, 1);
+        return;
+    }
     if (m->cp == 1) {
         m->be->embed_backward(dwte, dwpe, dtop, m->tokens_dev, B, T, C, acc);
         return;
@@ -1079,17 +1162,23 @@ static void embed_rows_backward(const Model *m, const void *dtop, int B, int T, 
                               act_at(m, dtop, (size_t)c * B * Tc, C), m->tokens_dev + (size_t)c * B * Tc, B, Tc, C, 1);
 }
 
-/* RoPE on qkv (N, QKVW) at each row's global position, or its inverse. */
+/* RoPE on qkv (N, QKVW) at each row's global position, or its inverse;
+ * with data.doc_positions reset at its position in its document (the op
+ * subtracts doc, backend.h). */
 static void rope_rows(const Model *m, void *qkv, const AttnShape *sh, int backward) {
     void (*op)(void *, const float *, const AttnShape *, int) = backward ? m->be->rope_backward : m->be->rope_forward;
+    AttnShape c = *sh;
+    c.doc = m->doc_reset ? m->doc_dev : NULL;
     if (m->cp == 1) {
-        op(qkv, m->rope, sh, 0);
+        op(qkv, m->rope, &c, 0);
         return;
     }
-    AttnShape c = *sh;
     c.T = sh->T / 2;
-    for (int k = 0; k < 2; k++)
-        op(act_at(m, qkv, (size_t)k * sh->B * c.T, (size_t)attn_qkv_width(sh)), m->rope, &c, cp_pos(m, k, c.T));
+    for (int k = 0; k < 2; k++) {
+        AttnShape ck = c;
+        if (c.doc) ck.doc = c.doc + (size_t)k * sh->B * c.T;
+        op(act_at(m, qkv, (size_t)k * sh->B * c.T, (size_t)attn_qkv_width(sh)), m->rope, &ck, cp_pos(m, k, c.T));
+    }
 }
 
 /* res2 = x + o_proj(attention(rope(qknorm(qkv_proj(norm1(x)))))) */
@@ -1099,6 +1188,7 @@ static void attn_forward(Model *m, int l, const void *x, int B, int T) {
     LayerActs *a = &m->acts[l];
     int N = B * T, C = s->n_embd, Q = arch_q_width(s);
     AttnShape sh = attn_shape(s, B, T);
+    sh.doc = m->doc_mask ? m->doc_dev : NULL; /* data.doc_masking */
     void *proj = m->scratch; /* (N,C) lives only until the residual add consumes it */
     norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, x, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B), N);
     be->matmul_forward(a->qkv, a->ln1, W(m, l, ROLE_QKV_W), W(m, l, ROLE_QKV_B), N, C, arch_qkv_width(s));
@@ -1268,6 +1358,8 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a tensor-parallel model without its collectives (model_set_tp)");
     if (m->ep > 1 && !m->epc.dispatch)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: an expert-parallel model without its exchanges (model_set_ep)");
+    const int32_t *seq_tokens = tokens; /* (B, T) whole sequences, for the documents */
+    int seq_T = T;
     if (m->cp > 1) {
         /* from here on T is this rank's rows per sequence: its two chunks
          * of the sequence, padded at the end to 2 cp chunks (generation) */
@@ -1301,6 +1393,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: %d x %d tokens exceed the residual stream's %zu rows", B, T,
                   m->res_rows);
     be->to_device(m->tokens_dev, local_ids(m, m->tok_host, tokens, N), (size_t)N * sizeof(int32_t));
+    if (m->doc_mask || m->doc_reset) doc_rows(m, seq_tokens, B, seq_T, T);
     int fuse_fwd = model_gelu_fused(m, 0);
     int train = dloss != 0.0f && (targets || !m->has_head);
     m->moe.aux = m->moe.z = 0;
@@ -1538,6 +1631,7 @@ static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const
     const LayerActs *a = &m->acts[l];
     int N = B * T, C = s->n_embd, Q = arch_q_width(s);
     AttnShape sh = attn_shape(s, B, T);
+    sh.doc = m->doc_mask ? m->doc_dev : NULL; /* data.doc_masking */
     rec_norm = rec_norm && part != PART_INPUT; /* norm1's output is read by qkv's weight gradient only */
     const void *dtop = grad_gather(m, b->dres, b->dfull, N); /* tp: all N rows */
     keep_grad(m, a->d_o, dtop, N, (size_t)C, part);

@@ -263,6 +263,9 @@ typedef struct ModelOptions {
                              of every MoE layer, the first in its arena (0, 0: all; ep divides E) */
     int cp, cp_rank;      /* context parallelism: this rank's two chunks of every sequence (ModelCp;
                              0, 0: whole sequences) */
+    int doc_masking;      /* data.doc_masking: attention stops at documents (model_doc_starts) */
+    int doc_reset;        /* data.doc_positions reset: positions (RoPE, learned) restart per document */
+    int doc_eot;          /* the end-of-text id that ends a document (with either of the two above) */
 } ModelOptions;
 
 
@@ -278,6 +281,7 @@ typedef struct ModelSlot {
     void *lnf, *logits;            /* (N,C) (N,Vp): the chunk with the head */
     float *lnf_mean, *lnf_rstd, *losses, *aux;
     int32_t *tokens_dev, *targets_dev; /* (N) */
+    int32_t *doc_dev, *doc_host;       /* (N) device and host: documents (Model's), or NULL */
     int live_B, live_T, live_sp, have_targets, weight_pending;
     float live_dloss;
 } ModelSlot;
@@ -361,6 +365,12 @@ typedef struct Model {
     void *scratch;    /* forward: projection outputs; backward: gradient buffers */
     int32_t *tokens_dev, *targets_dev; /* (N) */
     int32_t *cp_tok, *cp_tgt;          /* cp > 1: (N) host, this rank's chunks of the tokens and targets */
+    /* documents (ModelOptions.doc_*): the global position where each of
+     * this rank's rows' document starts (rows as tokens_dev), on the device
+     * for attention and RoPE and on the host for learned positions; doc_full
+     * (B, T) host: the same for whole sequences, before cp takes its chunks */
+    int doc_mask, doc_reset, doc_eot;
+    int32_t *doc_dev, *doc_host, *doc_full;
     float *losses_host; /* (N) */
     void *row_host;     /* (tp Vp) act: one logits row on its way to the host */
     /* tensor parallelism (tp > 1) */
@@ -493,6 +503,11 @@ int model_gelu_fused(const Model *m, int backward);
  * tokens (the caller averages over the cp ranks; dloss stays 1 / (B T
  * accum ...) of the whole sequence). T must divide by 2 cp for training; a
  * forward without targets (generation) pads the sequence at its end. */
+/* Documents in (B, T) token ids: doc[b T + i] = the position where token i's
+ * document starts. A token after `eot` starts a new document, so the eot
+ * belongs to the document it ends (Megatron's reset_attention_mask). */
+void model_doc_starts(const int32_t *tokens, int B, int T, int eot, int32_t *doc);
+
 float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T,
                     float dloss);
 

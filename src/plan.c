@@ -107,7 +107,7 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int c
     }
     m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
     /* fp32 activations: the upper bound (bf16 halves them, see plan_usage) */
-    AttnShape cps = {micro_batch, s->seq_len / cp, s->n_head, s->n_kv_head, s->head_dim};
+    AttnShape cps = {micro_batch, s->seq_len / cp, s->n_head, s->n_kv_head, s->head_dim, NULL};
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
         for (int k = 0; k < 2; k++) {
             size_t ab = k ? 2 : sizeof(float);

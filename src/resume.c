@@ -32,6 +32,10 @@ static const struct {
     {"data.train", KEY_FORCE,
      "with --force each source still in data.train continues from its saved position (matched by name), a new one "
      "starts at its beginning, and the blend restarts there with the new weights"},
+    {"data.doc_*", KEY_FORCE,
+     "the same batches, but another function of them (attention across documents, positions); with --force the "
+     "run continues under the new setting"},
+    {"data.eot_id", KEY_FORCE, "documents end at another id; with --force the run continues with it"},
     {"data.prefetch", KEY_ALLOW, "the same batches, read ahead or not"},
     {"data.max_open_shards", KEY_ALLOW, "the same batches, with more or fewer shards open"},
     {"batch.total_tokens", KEY_FORCE,
@@ -60,6 +64,22 @@ static const struct {
     {"monitor.*", KEY_ALLOW, NULL},
     {"init.from", KEY_ALLOW, "ignored on resume: the checkpoint's weights are loaded"},
 };
+
+/* Keys added after checkpoints were written, with the value that gives
+ * those checkpoints' runs: a checkpoint without the key resumes under that
+ * value as if unchanged. */
+static const struct {
+    const char *key, *before;
+} resume_absent[] = {
+    {"data.doc_masking", "false"},
+    {"data.doc_positions", "continue"},
+    {"data.eot_id", "-1"},
+};
+static int absent_as(const char *key, const char *now) {
+    for (size_t i = 0; i < sizeof resume_absent / sizeof resume_absent[0]; i++)
+        if (!strcmp(resume_absent[i].key, key)) return now && !strcmp(resume_absent[i].before, now);
+    return 0;
+}
 
 static int rule_of(const char *key) {
     int n = (int)(sizeof resume_rules / sizeof resume_rules[0]);
@@ -126,6 +146,7 @@ int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char
             const char *old = pass ? v[i].val : kv_get(va, na, key), *now = pass ? kv_get(vb, nb, key) : v[i].val;
             if (pass && now) continue;
             if (old && now && !strcmp(old, now)) continue;
+            if (!old && absent_as(key, now)) continue; /* the key is newer than the checkpoint */
             int r = rule_of(key);
             KeyPolicy p = r >= 0 ? resume_rules[r].p : KEY_FORCE;
             const char *why = r >= 0 ? resume_rules[r].why : "no resume rule for this key";

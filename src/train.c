@@ -519,7 +519,12 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     /* precision.master bf16: no fp32 arena (exit 2 unless act is bf16) */
     ModelOptions mo = {.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16"), .tp = tp,
                        .tp_rank = tpg->rank, .sequence_parallel = r->sp, .cp = cp, .cp_rank = cpg->rank,
-                       .ep = r->ep, .ep_rank = r->mesh.ep_rank};
+                       .ep = r->ep, .ep_rank = r->mesh.ep_rank, .doc_masking = c->doc_masking,
+                       .doc_reset = !strcmp(c->doc_positions, "reset"),
+                       .doc_eot = c->eot_id >= 0 ? c->eot_id : tok_eot(r->tok)};
+    if ((mo.doc_masking || mo.doc_reset) && mo.doc_eot < 0) /* config.c refuses the byte tokenizer's */
+        kiln_fail(KILN_EXIT_USAGE, "key 'data.eot_id': the %s tokenizer has no end-of-text id; set data.eot_id",
+                  c->tokenizer);
     PipeKind pk = (PipeKind)pipe_kind_parse(c->pp_schedule);
     pipe_check_precision(c, shape, r->pp);
     if (r->pp > 1) {
@@ -583,7 +588,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
             comm_nccl_init(cpg, c->run_dir);
             comm_nccl_device_mode(cpg, be->stream());
         }
-        AttnShape cap = {B, T / cp, model->shape.n_head, model->shape.n_kv_head, model->shape.head_dim};
+        AttnShape cap = {B, T / cp, model->shape.n_head, model->shape.n_kv_head, model->shape.head_dim, NULL};
         cp_init(&r->cpx, be, cpg, cp_mode_parse(c->cp_attention), &cap);
         cp_attach(&r->cpx, model);
     }
@@ -762,6 +767,10 @@ static void train_describe(TrainRun *r) {
         data_describe(r->train, mix, sizeof mix);
         metrics_print(mx, "data: mixture of %d source(s): %s", c->train.n, mix);
     }
+    if (model->doc_mask || model->doc_reset) /* docs/data.md, "Documents" */
+        metrics_print(mx, "data: documents end at token %d (data.eot_id); attention %s; positions %s", model->doc_eot,
+                      model->doc_mask ? "stops at them (data.doc_masking)" : "reads across them",
+                      model->doc_reset ? "restart per document (data.doc_positions: reset)" : "count from the sequence's start");
     metrics_print(mx, "batch: %d x %d tokens x %d accumulation x %d rank(s) = %lld tokens/step, %d steps", r->B, r->T,
                   r->accum, r->dp, (long long)c->total_tokens, c->steps);
 }

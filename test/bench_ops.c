@@ -103,8 +103,8 @@ int main(int argc, char **argv) {
         t_emb_b, t_adam, t_sumsq;
     TIME(t_ln_f, reps, be->layernorm_forward(y, mean, rstd, x, lnw, lnb, N, C, 1e-5f));
     TIME(t_ln_b, reps, be->layernorm_backward(y, dw, dbias, x, x, lnw, mean, rstd, N, C, 1));
-    TIME(t_att_f, reps, be->attention_forward(y, lse, qkv, &(AttnShape){B, T, NH, NH, C / NH}));
-    TIME(t_att_b, reps, be->attention_backward(dqkv, x, qkv, y, lse, &(AttnShape){B, T, NH, NH, C / NH}));
+    TIME(t_att_f, reps, be->attention_forward(y, lse, qkv, &(AttnShape){B, T, NH, NH, C / NH, NULL}));
+    TIME(t_att_b, reps, be->attention_backward(dqkv, x, qkv, y, lse, &(AttnShape){B, T, NH, NH, C / NH, NULL}));
     TIME(t_gelu_f, reps, be->gelu_forward(y4, x4, (size_t)N * 4 * C));
     TIME(t_gelu_b, reps, be->gelu_backward(y4, x4, y4, (size_t)N * 4 * C));
     TIME(t_add, reps, be->residual_forward(y, x, y, (size_t)N * C));

@@ -681,10 +681,39 @@ static void test_sumsq(size_t n) {
 /* Grouped K/V heads: NKV divides NH (NKV = NH is multi-head). tc: through
  * the backend's dispatch (tensor cores forced where they take the shape;
  * grouped shapes go to SIMT there), else the SIMT entry points directly. */
-static void test_attention(int B, int T, int NH, int NKV, int HD, int tc) {
+static int32_t *dev_i32(const std::vector<int32_t> &h) {
+    int32_t *d;
+    CUDA_CHECK(cudaMalloc(&d, h.size() * sizeof(int32_t) + 4));
+    CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    return d;
+}
+
+/* Document starts (backend.h's AttnShape.doc, AttnBlock.q_doc) for rows at
+ * positions pos0 .. pos0 + n - 1 of B sequences: sequence b's documents
+ * start at 0 and at starts[b % 2] (ascending), so the two patterns differ. */
+static std::vector<int32_t> doc_rows(int B, int n, int pos0, const std::vector<int> starts[2]) {
+    std::vector<int32_t> d((size_t)B * n);
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < n; i++) {
+            int f = 0;
+            for (int v : starts[b % 2]) f = v <= pos0 + i ? v : f;
+            d[(size_t)b * n + i] = f;
+        }
+    return d;
+}
+
+/* doc 1: document masking, documents starting inside and across the 32-key
+ * tiles and 64-row blocks (a one-token document among them); tc through the
+ * backend's dispatch: the tensor cores where they take the shape (NKV = NH,
+ * head size a multiple of 16, bf16), else SIMT. */
+static void test_attention(int B, int T, int NH, int NKV, int HD, int tc, int doc = 0) {
     char sh[80];
-    snprintf(sh, sizeof sh, "%s_B%d_T%d_NH%d_NKV%d_HD%d", tc ? "_tc" : "_simt", B, T, NH, NKV, HD);
-    const AttnShape ash = {B, T, NH, NKV, HD};
+    snprintf(sh, sizeof sh, "%s%s_B%d_T%d_NH%d_NKV%d_HD%d", tc ? "_tc" : "_simt", doc ? "_doc" : "", B, T, NH, NKV, HD);
+    const std::vector<int> starts[2] = {{T / 4, T / 4 + 1, T / 2 + 3, T - 2}, {2, 33, 70, 130}};
+    std::vector<int32_t> hdoc = doc_rows(B, T, 0, starts);
+    int32_t *ddoc = doc ? dev_i32(hdoc) : NULL;
+    AttnShape ash = {B, T, NH, NKV, HD, doc ? hdoc.data() : NULL}, gsh = ash; /* the CPU's host doc, the GPU's device one */
+    gsh.doc = ddoc;
     size_t n3 = (size_t)B * T * attn_qkv_width(&ash), nc = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
     Vec qkv = rnd_act(n3, 1.0f), g = rnd_act(nc, 1.0f), out(nc), lse(nl), dqkv(n3);
     cpu->attention_forward(out.data(), lse.data(), qkv.data(), &ash);
@@ -693,8 +722,8 @@ static void test_attention(int B, int T, int NH, int NKV, int HD, int tc) {
     CUDA_CHECK(cudaMalloc(&dout, nc * AB));
     CUDA_CHECK(cudaMalloc(&ddq, n3 * AB));
     CUDA_CHECK(cudaMalloc(&dlse, nl * sizeof(float)));
-    if (tc) gpu->attention_forward(dout, dlse, dq, &ash);
-    else cuda_attention_simt_forward(dout, dlse, dq, &ash);
+    if (tc) gpu->attention_forward(dout, dlse, dq, &gsh);
+    else cuda_attention_simt_forward(dout, dlse, dq, &gsh);
     check(std::string("attention_forward_out") + sh, get_act(dout, nc), out, tol_act());
     check(std::string("attention_forward_lse") + sh, get_f32(dlse, nl), lse, TOL_F32);
     /* the backward of both reads the CPU's out (in act) and lse */
@@ -702,15 +731,16 @@ static void test_attention(int B, int T, int NH, int NKV, int HD, int tc) {
     cpu->attention_backward(dqkv.data(), g.data(), qkv.data(), out.data(), lse.data(), &ash);
     void *dout2 = dev_act(out);
     CUDA_CHECK(cudaMemcpy(dlse, lse.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
-    if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, &ash);
-    else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, &ash);
+    if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, &gsh);
+    else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, &gsh);
     Vec got = get_act(ddq, n3);
     check(std::string("attention_backward_dqkv") + sh, got, dqkv, tol_act());
     /* run again: the group's dK/dV sums are the same bits */
-    if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, &ash);
-    else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, &ash);
+    if (tc) gpu->attention_backward(ddq, dg, dq, dout2, dlse, &gsh);
+    else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, &gsh);
     check_exact(std::string("attention_backward_deterministic") + sh, get_act(ddq, n3), got);
     cudaFree(dq), cudaFree(dg), cudaFree(dout), cudaFree(ddq), cudaFree(dlse), cudaFree(dout2);
+    if (ddoc) cudaFree(ddoc);
 }
 
 /* lse with -inf rows (queries that see no key): the same rows -inf on both
@@ -728,10 +758,19 @@ static void check_lse(const std::string &name, Vec got, Vec ref) {
  * causal at global positions (q_pos, k_pos); the forward of one block, then
  * a second block at k_pos2 merged into it; the backward of the first adds
  * into dq, dk, dv fp32 that start from the same random values on both sides. */
-static void test_attention_block(int B, int Tq, int Tk, int NH, int NKV, int HD, int q_pos, int k_pos, int k_pos2) {
+static void test_attention_block(int B, int Tq, int Tk, int NH, int NKV, int HD, int q_pos, int k_pos, int k_pos2,
+                                 int doc = 0) {
     char sh[96];
-    snprintf(sh, sizeof sh, "_B%d_Tq%d_Tk%d_NH%d_NKV%d_HD%d_q%d_k%d", B, Tq, Tk, NH, NKV, HD, q_pos, k_pos);
-    AttnBlock s = {B, NH, NKV, HD, Tq, Tk, q_pos, k_pos, (NH + 2 * NKV) * HD, 2 * NKV * HD};
+    snprintf(sh, sizeof sh, "%s_B%d_Tq%d_Tk%d_NH%d_NKV%d_HD%d_q%d_k%d", doc ? "_doc" : "", B, Tq, Tk, NH, NKV, HD, q_pos,
+             k_pos);
+    /* doc 1: documents at global positions inside the first block's keys
+     * (one of a single token) and inside the queries */
+    const std::vector<int> starts[2] = {{k_pos + Tk / 3, k_pos + Tk / 3 + 1, q_pos + Tq / 2}, {k_pos + 1, q_pos + 1}};
+    std::vector<int32_t> hdoc = doc_rows(B, Tq, q_pos, starts);
+    int32_t *ddoc = doc ? dev_i32(hdoc) : NULL;
+    AttnBlock s = {B, NH, NKV, HD, Tq, Tk, q_pos, k_pos, (NH + 2 * NKV) * HD, 2 * NKV * HD, doc ? hdoc.data() : NULL};
+    AttnBlock gs = s; /* the GPU's, with the device copy of q_doc */
+    gs.q_doc = ddoc;
     size_t nq = (size_t)B * Tq * s.q_ld, nk = (size_t)B * Tk * s.kv_ld, no = (size_t)B * Tq * NH * HD;
     size_t nl = (size_t)B * NH * Tq, kvo = (size_t)NKV * HD;
     Vec q = rnd_act(nq, 1.0f), kv = rnd_act(nk, 1.0f), kv2 = rnd_act(nk, 1.0f), g = rnd_act(no, 1.0f);
@@ -741,17 +780,17 @@ static void test_attention_block(int B, int Tq, int Tk, int NH, int NKV, int HD,
     float *dlse;
     CUDA_CHECK(cudaMalloc(&dout, no * AB));
     CUDA_CHECK(cudaMalloc(&dlse, nl * sizeof(float)));
-    gpu->attention_block_forward(dout, dlse, dq, dkv, (char *)dkv + kvo * AB, &s, 0);
+    gpu->attention_block_forward(dout, dlse, dq, dkv, (char *)dkv + kvo * AB, &gs, 0);
     check(std::string("attention_block_forward_out") + sh, get_act(dout, no), out, tol_act());
     check_lse(std::string("attention_block_forward_lse") + sh, get_f32(dlse, nl), lse);
     /* both sides merge the second block into the same (act-rounded) first */
     out = act_round(out);
     void *dout1 = dev_act(out);
     CUDA_CHECK(cudaMemcpy(dlse, lse.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
-    AttnBlock s2 = s;
-    s2.k_pos = k_pos2;
+    AttnBlock s2 = s, gs2 = gs;
+    s2.k_pos = gs2.k_pos = k_pos2;
     cpu->attention_block_forward(out.data(), lse.data(), q.data(), kv2.data(), kv2.data() + kvo, &s2, 1);
-    gpu->attention_block_forward(dout1, dlse, dq, dkv2, (char *)dkv2 + kvo * AB, &s2, 1);
+    gpu->attention_block_forward(dout1, dlse, dq, dkv2, (char *)dkv2 + kvo * AB, &gs2, 1);
     check(std::string("attention_block_merge_out") + sh, get_act(dout1, no), out, tol_act());
     check_lse(std::string("attention_block_merge_lse") + sh, get_f32(dlse, nl), lse);
     /* the backward of the first block against the merged out, lse (the CPU's, in act) */
@@ -762,11 +801,12 @@ static void test_attention_block(int B, int Tq, int Tk, int NH, int NKV, int HD,
     float *ddq = dev_f32(gq), *ddkv = dev_f32(gkv);
     cpu->attention_block_backward(gq.data(), gkv.data(), gkv.data() + kvo, g.data(), q.data(), kv.data(),
                                   kv.data() + kvo, out.data(), lse.data(), &s);
-    gpu->attention_block_backward(ddq, ddkv, ddkv + kvo, dg, dq, dkv, (char *)dkv + kvo * AB, dout2, dlse, &s);
+    gpu->attention_block_backward(ddq, ddkv, ddkv + kvo, dg, dq, dkv, (char *)dkv + kvo * AB, dout2, dlse, &gs);
     check(std::string("attention_block_backward_dq") + sh, get_f32(ddq, nq), gq, TOL_F32);
     check(std::string("attention_block_backward_dkv") + sh, get_f32(ddkv, nk), gkv, TOL_F32);
     cudaFree(dq), cudaFree(dkv), cudaFree(dkv2), cudaFree(dg), cudaFree(dout), cudaFree(dlse), cudaFree(dout1);
     cudaFree(dout2), cudaFree(ddq), cudaFree(ddkv);
+    if (ddoc) cudaFree(ddoc);
 }
 
 /* copy_2d: k | v columns out of qkv rows, and back into wider rows. */
@@ -792,7 +832,7 @@ static void test_copy_2d(void) {
  * emulation, so the tensor cores must: the backend's output has their bits. */
 static void test_attention_auto(void) {
     const int B = 1, T = 70, C = 96, NH = 2;
-    const AttnShape ash = {B, T, NH, NH, C / NH};
+    const AttnShape ash = {B, T, NH, NH, C / NH, NULL};
     size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
     Vec qkv = rnd_act(n3, 1.0f);
     void *dq = dev_act(qkv), *o1, *o2;
@@ -802,7 +842,7 @@ static void test_attention_auto(void) {
     CUDA_CHECK(cudaMalloc(&l1, nl * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&l2, nl * sizeof(float)));
     gpu->attention_forward(o1, l1, dq, &ash);
-    cuda_attention_tc_forward(o2, l2, dq, B, T, C, NH);
+    cuda_attention_tc_forward(o2, l2, dq, NULL, B, T, C, NH);
     Vec a = get_act(o1, nc), b = get_act(o2, nc);
     int same = memcmp(a.data(), b.data(), nc * sizeof(float)) == 0;
     report_s("attention_auto_picks_tensor_cores", same, same ? "same bits as the tensor cores" : "auto's output differs from the tensor cores'");
@@ -821,12 +861,6 @@ static Vec dev_i32_get(const int32_t *d, size_t n) {
     Vec v(n);
     for (size_t i = 0; i < n; i++) v[i] = (float)h[i]; /* small ints: exact in fp32 */
     return v;
-}
-static int32_t *dev_i32(const std::vector<int32_t> &h) {
-    int32_t *d;
-    CUDA_CHECK(cudaMalloc(&d, h.size() * sizeof(int32_t) + 4));
-    CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-    return d;
 }
 static Vec i32_vec(const std::vector<int32_t> &h) { return Vec(h.begin(), h.end()); }
 
@@ -864,8 +898,15 @@ static std::string ash_name(const AttnShape &a) {
 }
 
 /* rope: the table at positions pos0 .. pos0 + T - 1 of a longer one. */
-static void test_rope(const AttnShape &a, int pos0) {
-    std::string sh = ash_name(a) + "_pos" + std::to_string(pos0);
+/* doc 1: positions reset per document (AttnShape.doc, global starts: a
+ * document every 5 positions from pos0 - 2 on). */
+static void test_rope(const AttnShape &a0, int pos0, int doc = 0) {
+    std::string sh = ash_name(a0) + "_pos" + std::to_string(pos0) + (doc ? "_doc" : "");
+    AttnShape a = a0, ga = a0;
+    std::vector<int32_t> hdoc((size_t)a.B * a.T);
+    for (int i = 0; i < a.B * a.T; i++) hdoc[i] = std::max(0, pos0 - 2 + (i % a.T + 2) / 5 * 5);
+    int32_t *ddoc = doc ? dev_i32(hdoc) : NULL;
+    if (doc) a.doc = hdoc.data(), ga.doc = ddoc;
     int H2 = a.HD / 2, Tmax = pos0 + a.T + 3;
     size_t n = (size_t)a.B * a.T * attn_qkv_width(&a);
     Vec ang = rnd((size_t)Tmax * H2, 2.0f), tab((size_t)Tmax * 2 * H2);
@@ -879,11 +920,12 @@ static void test_rope(const AttnShape &a, int pos0) {
         Vec x = rnd_act(n, 1.0f), ref = x;
         (bwd ? cpu->rope_backward : cpu->rope_forward)(ref.data(), tab.data(), &a, pos0);
         void *dx = dev_act(x);
-        (bwd ? gpu->rope_backward : gpu->rope_forward)(dx, dtab, &a, pos0);
+        (bwd ? gpu->rope_backward : gpu->rope_forward)(dx, dtab, &ga, pos0);
         check(std::string(bwd ? "rope_backward" : "rope_forward") + sh, get_act(dx, n), ref, tol_act());
         cudaFree(dx);
     }
     cudaFree(dtab);
+    if (ddoc) cudaFree(ddoc);
 }
 
 static void test_qknorm(const AttnShape &a, int per_head) {
@@ -1040,7 +1082,7 @@ static void test_moe(int N, int S, int E, int K, int C, int sigmoid, int norm_to
  * CPU's exactly. Outputs with no rows are never read. */
 static void test_zero_rows(void) {
     const int C = 40, F = 24, E = 4, K = 2, T = 7;
-    const AttnShape a0 = {0, T, 6, 2, 10};
+    const AttnShape a0 = {0, T, 6, 2, 10, NULL};
     Vec w = rnd_act(C, 1.0f, 1.0f), wq = rnd_act(a0.HD, 1.0f, 1.0f), wk = rnd_act(a0.HD, 1.0f, 1.0f);
     void *dw = dev_act(w), *dwq = dev_act(wq), *dwk = dev_act(wk), *dnone;
     CUDA_CHECK(cudaMalloc(&dnone, 64)); /* the (0, .) tensors: never read or written */
@@ -1169,6 +1211,11 @@ int main(void) {
             test_attention(1, 37, 6, 2, 64, tc);
             test_attention(1, 70, 6, 1, 64, tc);
             test_attention(1, 70, 6, 2, 18, tc);
+            /* document masking: tiles and 64-row blocks skipped before a
+             * document's start, rows that see none of a tile */
+            test_attention(2, 150, 2, 2, 16, tc, 1);
+            test_attention(2, 37, 6, 2, 10, tc, 1);
+            test_attention(1, 70, 2, 2, 48, tc, 1);
             if (tc) gpu->set_attention("auto");
         }
         if (bf) test_attention_auto();
@@ -1180,12 +1227,19 @@ int main(void) {
         test_attention_block(2, 5, 11, 3, 1, 40, 20, 0, 11);
         test_attention_block(1, 8, 6, 2, 2, 100, 0, 3, 100);
         test_attention_block(1, 70, 67, 2, 1, 16, 30, 0, 31);
+        /* with documents: rows that see none, part or all of a block */
+        test_attention_block(2, 7, 9, 4, 2, 6, 10, 5, 0, 1);
+        test_attention_block(2, 13, 13, 6, 2, 10, 0, 0, 13, 1);
+        test_attention_block(1, 70, 67, 2, 1, 16, 30, 0, 31, 1);
+        test_attention_block(2, 150, 130, 2, 2, 16, 140, 0, 130, 1);
         test_copy_2d();
         test_rmsnorm(37, 70);
         test_rmsnorm(37, 48); /* whole 16-byte packs */
-        const AttnShape a18 = {1, 37, 6, 2, 18}, a10 = {2, 37, 6, 1, 10};
+        const AttnShape a18 = {1, 37, 6, 2, 18, NULL}, a10 = {2, 37, 6, 1, 10, NULL};
         test_rope(a18, 0);
         test_rope(a10, 5);
+        test_rope(a18, 0, 1);
+        test_rope(a10, 5, 1);
         for (int ph = 0; ph <= 1; ph++) {
             test_qknorm(a18, ph);
             test_qknorm(a10, ph);

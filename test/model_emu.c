@@ -223,27 +223,32 @@ typedef struct {
     const char *name;
     ArchSpec spec;
     int tp, tp_rank; /* tp > 1: one rank's part (model_trace.h's one-process collectives) */
+    int docs;        /* TraceOpts.docs: document masking, positions reset */
 } ArchCase;
 static ArchCase arch_cases[] = {
     /* GQA (4 query heads on 2 kv heads; q width 64 != n_embd 48), RoPE, SwiGLU, untied head */
-    {"llama_gqa", {LLAMA_BASE, .n_head = 4, .n_kv_head = 2, .mlp = MLP_SWIGLU}, 0, 0},
+    {"llama_gqa", {LLAMA_BASE, .n_head = 4, .n_kv_head = 2, .mlp = MLP_SWIGLU}, 0, 0, 0},
     /* MQA (3 on 1), per-head QK-norm, the head tied to the token embedding */
     {"llama_qknorm_tied", {LLAMA_BASE, .n_head = 3, .n_kv_head = 1, .qk_norm = QKNORM_HEAD, .mlp = MLP_SWIGLU,
-                           .tie_embeddings = 1}, 0, 0},
+                           .tie_embeddings = 1}, 0, 0, 0},
     /* softmax router, 4 experts top-2 renormalised, one shared expert, aux and z losses */
     {"moe_softmax_shared", {LLAMA_BASE, .n_head = 4, .n_kv_head = 2, .mlp = MLP_MOE,
                             .moe = {.n_experts = 4, .top_k = 2, .n_shared = 1, .expert_hidden = 32, .norm_topk = 1,
-                                    .aux_loss_coef = 0.01f, .z_loss_coef = 1e-3f}}, 0, 0},
+                                    .aux_loss_coef = 0.01f, .z_loss_coef = 1e-3f}}, 0, 0, 0},
     /* sigmoid router, capacity factor 1: cap = ceil(80 * 2 / 4) = 40 slots per expert, so slots drop */
     {"moe_sigmoid_capacity", {LLAMA_BASE, .n_head = 4, .n_kv_head = 2, .mlp = MLP_MOE,
                               .moe = {.n_experts = 4, .top_k = 2, .expert_hidden = 32, .sigmoid = 1,
-                                      .capacity_factor = 1.0f, .aux_loss_coef = 0.01f, .z_loss_coef = 1e-3f}}, 0, 0},
+                                      .capacity_factor = 1.0f, .aux_loss_coef = 0.01f, .z_loss_coef = 1e-3f}}, 0, 0, 0},
     /* tensor-parallel steps on one rank's local shapes: GQA with 2 of 4 heads and 1 of 2 kv heads, 32 of 64
      * MLP rows, vocabulary rows 0-63 (rank 0: the trace's ids are all below 64); GPT-2 over tp 3, rank 1: one
      * head, c_attn's q | k | v parts, vocabulary rows 64-127 of which 6 are real, so every id is another
      * rank's (a zero row, plus the position) */
-    {"llama_gqa_tp2_rank0", {LLAMA_BASE, .n_head = 4, .n_kv_head = 2, .mlp = MLP_SWIGLU}, 2, 0},
-    {"gpt2_tp3_rank1", ARCH_GPT2_SHAPE(2, 3, 48, 48, 70), 3, 1},
+    {"llama_gqa_tp2_rank0", {LLAMA_BASE, .n_head = 4, .n_kv_head = 2, .mlp = MLP_SWIGLU}, 2, 0, 0},
+    {"gpt2_tp3_rank1", ARCH_GPT2_SHAPE(2, 3, 48, 48, 70), 3, 1, 0},
+    /* document masking with positions reset: GQA and RoPE (the SIMT attention's masks, RoPE per document);
+     * GPT-2's learned positions per document (embeddings run by run), head size 16 (bf16: the tensor cores' masks) */
+    {"llama_gqa_docs", {LLAMA_BASE, .n_head = 4, .n_kv_head = 2, .mlp = MLP_SWIGLU}, 0, 0, 1},
+    {"gpt2_docs", ARCH_GPT2_SHAPE(2, 3, 48, 48, 70), 0, 0, 1},
 };
 enum { N_ARCH = sizeof arch_cases / sizeof arch_cases[0] };
 static Model arch_layout[N_ARCH]; /* each case's parameter table and initial values, on the CPU */
@@ -260,7 +265,7 @@ static int64_t moved_slots(const Trace *a, const Trace *b) {
 }
 
 static void arch_refs(void) {
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0};
+    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0, 0};
     for (int i = 0; i < N_ARCH; i++) {
         ArchCase *c = &arch_cases[i];
         arch_resolve(&c->spec);
@@ -268,7 +273,7 @@ static void arch_refs(void) {
         model_init(&arch_layout[i], &backend_cpu, &c->spec, &(ModelOptions){.tp = c->tp, .tp_rank = c->tp_rank});
         model_init_weights(&arch_layout[i], 11);
         TraceOpts o = plain;
-        o.tp = c->tp, o.tp_rank = c->tp_rank;
+        o.tp = c->tp, o.tp_rank = c->tp_rank, o.docs = c->docs;
         trace_train_opts(&backend_cpu, c->spec, o, r);
         /* Not "learns": every micro-batch is a new batch of random targets, so
          * 6 losses near ln 70 = 4.25 need not fall; finite and moving is what
@@ -294,7 +299,7 @@ static void arch_refs(void) {
  * MoE losses, grad norms and how many slots moved (the comment at the top). */
 static void arch_run_all(const char *prec) {
     int bf16 = strcmp(prec, "bf16") == 0;
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0};
+    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0, 0};
     for (int i = 0; i < N_ARCH; i++) {
         const ArchCase *c = &arch_cases[i];
         const Trace *ref = &arch_ref[i];
@@ -303,7 +308,7 @@ static void arch_run_all(const char *prec) {
         snprintf(tag, sizeof tag, "%s_%s", prec, c->name);
         Trace t;
         TraceOpts o = plain;
-        o.tp = c->tp, o.tp_rank = c->tp_rank;
+        o.tp = c->tp, o.tp_rank = c->tp_rank, o.docs = c->docs;
         trace_train_opts(gpu, c->spec, o, &t);
         compare_lay(tag, &t, ref, bf16 ? (moe ? TOL_BF16_MOE : c->tp > 1 ? TOL_BF16_TP : TOL_BF16_LLAMA) : TOL_FP32_ARCH,
                     &arch_layout[i],
@@ -389,7 +394,7 @@ int main(void) {
 
     /* the references, on the CPU: fp32 moments, bf16 moments, and bf16
      * parameters on the bf16 emulation */
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0}, state16 = plain, master16 = plain, muon = plain;
+    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0, 0}, state16 = plain, master16 = plain, muon = plain;
     state16.state16 = 1;
     master16.master16 = 1;
     muon.muon = 1;

@@ -170,10 +170,14 @@ static void cross_attention_gqa(AttnShape sh, const char *impl) {
     void *d_qkv = upa(qkv, n3), *d_dout = upa(dout, nc), *d_outq = upa(outq, nc);
     void *d_out = dev->alloc(nc * ab), *d_dqkv = dev->alloc(n3 * ab);
     float *d_lse = dev->alloc(nl * 4), *d_lse_cpu = up(lse, nl);
-    dev->attention_forward(d_out, d_lse, d_qkv, &sh);
-    dev->attention_backward(d_dqkv, d_dout, d_qkv, d_outq, d_lse_cpu, &sh);
-    char what[80], kv[24] = "";
+    AttnShape dsh = sh; /* document masking: the starts on the device */
+    void *d_doc = dev->alloc(N * sizeof(int32_t));
+    if (sh.doc) dev->to_device(d_doc, sh.doc, N * sizeof(int32_t)), dsh.doc = d_doc;
+    dev->attention_forward(d_out, d_lse, d_qkv, &dsh);
+    dev->attention_backward(d_dqkv, d_dout, d_qkv, d_outq, d_lse_cpu, &dsh);
+    char what[80], kv[32] = "";
     if (sh.NKV != NH) snprintf(kv, sizeof kv, "nh%d_nkv%d_", NH, sh.NKV);
+    if (sh.doc) strcat(kv, "doc_");
     snprintf(what, sizeof what, "attention_%s%shs%d_T%d_forward", impl, kv, HD, T);
     report(what, xerr_a(d_out, out, nc), tol_act(TOL_X));
     snprintf(what, sizeof what, "attention_%s%shs%d_T%d_forward_lse", impl, kv, HD, T);
@@ -181,12 +185,12 @@ static void cross_attention_gqa(AttnShape sh, const char *impl) {
     snprintf(what, sizeof what, "attention_%s%shs%d_T%d_backward", impl, kv, HD, T);
     report(what, xerr_a(d_dqkv, dqkv, n3), tol_act(TOL_X_SUM));
     free(qkv), free(dout), free(out), free(outq), free(lse), free(dqkv);
-    void *dptr[] = {d_qkv, d_dout, d_outq, d_out, d_dqkv, d_lse, d_lse_cpu};
+    void *dptr[] = {d_qkv, d_dout, d_outq, d_out, d_dqkv, d_lse, d_lse_cpu, d_doc};
     for (size_t i = 0; i < sizeof dptr / sizeof dptr[0]; i++) dev->free(dptr[i]);
 }
 
 static void cross_attention(int B, int T, int C, int NH, const char *impl) {
-    cross_attention_gqa((AttnShape){B, T, NH, NH, C / NH}, impl);
+    cross_attention_gqa((AttnShape){B, T, NH, NH, C / NH, NULL}, impl);
 }
 
 static void cross_matmul(int N, int C, int OC, const char *tag) {
@@ -536,8 +540,16 @@ static void cross_all(const char *compute) {
         cross_attention(3, 17, 768, 12, impl);  /* hs 64, T under one tile */
         cross_attention(1, 200, 768, 6, impl);  /* hs 128, T not a multiple of any tile */
         /* grouped K/V heads (SIMT on every path): Llama 3's group of 4 at hs 128, multi-query at hs 64 */
-        cross_attention_gqa((AttnShape){2, 256, 8, 2, 128}, impl);
-        cross_attention_gqa((AttnShape){1, 200, 12, 1, 64}, impl);
+        cross_attention_gqa((AttnShape){2, 256, 8, 2, 128, NULL}, impl);
+        cross_attention_gqa((AttnShape){1, 200, 12, 1, 64, NULL}, impl);
+        /* document masking (data.doc_masking): documents from 0, 100, 101 (one token) and 200 */
+        static int32_t doc[2 * 256];
+        for (int i = 0; i < 2 * 256; i++) {
+            int t = i % 256;
+            doc[i] = t >= 200 ? 200 : t >= 101 ? 101 : t >= 100 ? 100 : 0;
+        }
+        cross_attention_gqa((AttnShape){2, 256, 12, 12, 64, doc}, impl);
+        cross_attention_gqa((AttnShape){2, 256, 8, 2, 128, doc}, impl);
     }
     if (both) dev->set_attention("auto");
     cross_matmul(512, 768, 2304, "matmul");

@@ -72,9 +72,29 @@ static float *take_rows(const float *x, int B, int T, int w, int cp, int rank) {
     return out;
 }
 
-static void run(int B, int Tc, int NH, int NKV, int HD) {
+/* doc 1: document masking (data.doc_masking), documents starting at global
+ * positions 0, T/3, T/3 + 1 (one token) and 3T/4 + 1 in sequence 0 and at
+ * 0, 2, T/2 in sequence 1: the reference gets their starts on the whole
+ * sequence, each rank its rows' (global positions, chunk-major). */
+static void run_doc(int B, int Tc, int NH, int NKV, int HD, int doc) {
     int cp = W, T = 2 * cp * Tc;
-    AttnShape g = {B, T, NH, NKV, HD}, l = {B, 2 * Tc, NH, NKV, HD};
+    AttnShape g = {B, T, NH, NKV, HD, NULL}, l = {B, 2 * Tc, NH, NKV, HD, NULL};
+    int32_t *gdoc = NULL, *ldoc = NULL;
+    if (doc) {
+        gdoc = xmalloc((size_t)B * T * sizeof(int32_t)), ldoc = xmalloc((size_t)B * 2 * Tc * sizeof(int32_t));
+        int st[2][3] = {{T / 3, T / 3 + 1, 3 * T / 4 + 1}, {2, T / 2, T / 2}};
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < T; i++) {
+                int f = 0;
+                for (int k = 0; k < 3; k++) f = st[b % 2][k] <= i ? st[b % 2][k] : f;
+                gdoc[(size_t)b * T + i] = f;
+            }
+        for (int c = 0; c < 2; c++)
+            for (int b = 0; b < B; b++)
+                memcpy(ldoc + ((size_t)c * B + b) * Tc, gdoc + (size_t)b * T + model_cp_chunk(cp, R, c) * Tc,
+                       (size_t)Tc * sizeof(int32_t));
+        g.doc = gdoc, l.doc = ldoc;
+    }
     int QKVW = attn_qkv_width(&g), Q = NH * HD;
     size_t NG = (size_t)B * T, NL = (size_t)B * 2 * Tc;
     Rng rng;
@@ -103,7 +123,7 @@ static void run(int B, int Tc, int NH, int NKV, int HD) {
         cp_attention_forward(&c, o[mode], L, lq, &l);
         cp_attention_backward(&c, d, ld, lq, o[mode], L, &l);
         const char *mn = cp_mode_name((CpMode)mode);
-        snprintf(name, sizeof name, "cp%d_%s_B%d_T%d_NH%d_NKV%d_HD%d", cp, mn, B, T, NH, NKV, HD);
+        snprintf(name, sizeof name, "cp%d_%s%s_B%d_T%d_NH%d_NKV%d_HD%d", cp, mn, doc ? "_doc" : "", B, T, NH, NKV, HD);
         char full[200];
         double e = max_rel(o[mode], ro, NL * Q);
         snprintf(full, sizeof full, "%s_forward_out", name);
@@ -117,11 +137,12 @@ static void run(int B, int Tc, int NH, int NKV, int HD) {
         cp_free(&c);
     }
     int same = memcmp(o[0], o[1], NL * Q * sizeof(float)) == 0;
-    snprintf(name, sizeof name, "cp%d_ring_forward_same_bits_as_allgather_T%d_NKV%d", cp, T, NKV);
+    snprintf(name, sizeof name, "cp%d_ring_forward_same_bits_as_allgather%s_T%d_NKV%d", cp, doc ? "_doc" : "", T, NKV);
     check(name, same, "same bits (1) or not (0)", same);
     free(o[0]), free(o[1]), free(L), free(d), free(rl), free(lq), free(ld), free(ro), free(rd);
-    free(qkv), free(dout), free(out), free(lse), free(dqkv);
+    free(qkv), free(dout), free(out), free(lse), free(dqkv), free(gdoc), free(ldoc);
 }
+static void run(int B, int Tc, int NH, int NKV, int HD) { run_doc(B, Tc, NH, NKV, HD, 0); }
 
 /* The logits (B 2 Tc, Vp) of this rank's rows from a forward without
  * targets of model `s` under cp (cp_attach over the world), and the one-rank
@@ -156,7 +177,7 @@ static void positions(const char *what, ArchSpec s, int zero_wte, CpMode mode) {
     model_plan_activations(&m, B, T, MODEL_RECOMPUTE_NONE);
     Cp c = {0};
     if (cp > 1) {
-        AttnShape cap = {B, 2 * Tc, m.shape.n_head, m.shape.n_kv_head, m.shape.head_dim};
+        AttnShape cap = {B, 2 * Tc, m.shape.n_head, m.shape.n_kv_head, m.shape.head_dim, NULL};
         cp_init(&c, be, comm_world(), mode, &cap);
         cp_attach(&c, &m);
     }
@@ -208,6 +229,9 @@ int main(void) {
     run(2, 7, 6, 2, 10);  /* GQA: groups of 3 */
     run(1, 37, 4, 4, 8);  /* multi-head */
     run(1, 70, 6, 1, 10); /* multi-query */
+    /* document masking: documents inside chunks and across them */
+    run_doc(2, 7, 6, 2, 10, 1);
+    run_doc(2, 70, 6, 1, 10, 1);
     /* positions: sequences of 2 cp x 6 tokens (every rank's second chunk is
      * past the first 2 Tc positions) */
     int T = 12 * W;

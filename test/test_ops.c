@@ -447,14 +447,15 @@ static void att_ref(AttRef *a) {
                 const double *k0 = a->qkv + (size_t)b * T * ld + OC + (h / group) * hs;
                 const double *v0 = k0 + a->s.NKV * hs;
                 double mx = -INFINITY, sum = 0.0;
-                for (int j = 0; j <= t; j++) {
+                int j0 = a->s.doc ? a->s.doc[(size_t)b * T + t] : 0; /* its document's first key */
+                for (int j = j0; j <= t; j++) {
                     s[j] = dot_d(q, k0 + (size_t)j * ld, hs) / sqrt(hs);
                     mx = s[j] > mx ? s[j] : mx;
                 }
-                for (int j = 0; j <= t; j++) s[j] = exp(s[j] - mx), sum += s[j];
+                for (int j = j0; j <= t; j++) s[j] = exp(s[j] - mx), sum += s[j];
                 double *o = a->out + ((size_t)b * T + t) * OC + h * hs;
                 for (int c = 0; c < hs; c++) o[c] = 0.0;
-                for (int j = 0; j <= t; j++) {
+                for (int j = j0; j <= t; j++) {
                     const double *v = v0 + (size_t)j * ld, pj = s[j] / sum;
                     for (int c = 0; c < hs; c++) o[c] += pj * v[c];
                 }
@@ -471,11 +472,11 @@ static void test_attention(const OpTest *t) {
     int B = t->B, T = t->T, C = t->C, NH = t->NH, N = B * T;
     size_t N3 = (size_t)N * 3 * C, NC = (size_t)N * C, NL = (size_t)B * NH * T;
     float *qkv = quant(randn(N3, 1.0f, 0.0f), N3), *R = quant(randn(NC, 1.0f, 0.0f), NC);
-    AttRef a = {{B, T, NH, NH, C / NH}, to_d(qkv, N3), to_d(R, NC), hd(NC), hd(NL)};
+    AttRef a = {{B, T, NH, NH, C / NH, NULL}, to_d(qkv, N3), to_d(R, NC), hd(NC), hd(NL)};
     void *d_qkv = da(qkv, N3), *d_out = da(NULL, NC);
     float *d_lse = df(NULL, NL);
     float *out = hf(NC), *lse = hf(NL);
-    be->attention_forward(d_out, d_lse, d_qkv, &(AttnShape){B, T, NH, NH, C / NH});
+    be->attention_forward(d_out, d_lse, d_qkv, &(AttnShape){B, T, NH, NH, C / NH, NULL});
     down_a(out, d_out, NC);
     down(lse, d_lse, NL);
     att_ref(&a);
@@ -486,12 +487,12 @@ static void test_attention(const OpTest *t) {
     fd_grad(att_loss, &a, a.qkv, N3, g);
     void *d_dqkv = da(filled(N3, NAN), N3), *d_R = da(R, NC);
     float *dqkv = hf(N3), *dqkv2 = hf(N3);
-    be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, &(AttnShape){B, T, NH, NH, C / NH});
+    be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, &(AttnShape){B, T, NH, NH, C / NH, NULL});
     down_a(dqkv, d_dqkv, N3);
     check(t->name, "backward", err_rel(dqkv, g, N3), TOL_BWD);
 
     /* Same inputs, same bits: no races, no order-dependent sums (exact). */
-    be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, &(AttnShape){B, T, NH, NH, C / NH});
+    be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, &(AttnShape){B, T, NH, NH, C / NH, NULL});
     down_a(dqkv2, d_dqkv, N3);
     check_exact(t->name, "deterministic", memcmp(dqkv, dqkv2, N3 * sizeof(float)) == 0,
                 "two identical backward calls differ");
@@ -503,7 +504,7 @@ static void test_attention(const OpTest *t) {
     quant(qkv, N3);
     void *d_qkv2 = da(qkv, N3);
     float *out2 = hf(NC), *lse2 = hf(NL);
-    be->attention_forward(d_out, d_lse, d_qkv2, &(AttnShape){B, T, NH, NH, C / NH});
+    be->attention_forward(d_out, d_lse, d_qkv2, &(AttnShape){B, T, NH, NH, C / NH, NULL});
     down_a(out2, d_out, NC);
     down(lse2, d_lse, NL);
     int same = 1, moved = 0;
@@ -530,7 +531,7 @@ static void test_attention(const OpTest *t) {
     void *d_qkv3 = da(qkv, N3);
     a.qkv = to_d(qkv, N3);
     att_ref(&a);
-    be->attention_forward(d_out, d_lse, d_qkv3, &(AttnShape){B, T, NH, NH, C / NH});
+    be->attention_forward(d_out, d_lse, d_qkv3, &(AttnShape){B, T, NH, NH, C / NH, NULL});
     down_a(out, d_out, NC);
     down(lse, d_lse, NL);
     check(t->name, "large_scores", maxd(err_rel(out, a.out, NC), err_rel(lse, a.lse, NL)), TOL_LARGE);
@@ -540,7 +541,7 @@ static void test_attention(const OpTest *t) {
  * width HD (t->HD) independent of any C. Forward, lse and backward against
  * finite differences, as above; a kv head's gradient sums over its group. */
 static void test_attention_gqa(const OpTest *t) {
-    AttnShape sh = {t->B, t->T, t->NH, t->NKV, t->HD};
+    AttnShape sh = {t->B, t->T, t->NH, t->NKV, t->HD, NULL};
     int N = sh.B * sh.T;
     size_t NW = (size_t)N * attn_qkv_width(&sh), NO = (size_t)N * sh.NH * sh.HD, NL = (size_t)sh.B * sh.NH * sh.T;
     float *qkv = quant(randn(NW, 1.0f, 0.0f), NW), *R = quant(randn(NO, 1.0f, 0.0f), NO);
@@ -563,6 +564,89 @@ static void test_attention_gqa(const OpTest *t) {
     check(t->name, "backward", err_rel(dqkv, g, NW), TOL_BWD);
 }
 
+/* Document masking (AttnShape.doc): each sequence of T tokens holds
+ * documents starting at the positions a table gives (sequence b: its own
+ * pattern, with a one-token document and a document across CPU blocks of 64
+ * rows at T = 70). Forward, lse and backward against the reference and
+ * finite differences, as above; then every document's rows run alone
+ * through the unmasked op (B = 1, T = its length) must give the same out,
+ * lse and dqkv: a masked batch is its documents run separately. Same
+ * tolerance, as both sides are fp32 kernels against one double truth. */
+static void test_attention_doc(const OpTest *t) {
+    AttnShape sh = {t->B, t->T, t->NH, t->NKV, t->HD, NULL};
+    int B = sh.B, T = sh.T, W = attn_qkv_width(&sh), OC = sh.NH * sh.HD, N = B * T;
+    size_t NW = (size_t)N * W, NO = (size_t)N * OC, NL = (size_t)B * sh.NH * T;
+    int32_t *doc = hbuf((size_t)N * sizeof(int32_t));
+    for (int b = 0; b < B; b++) {
+        /* starts: b 0 at 0, T/4, T/4 + 1, T - 3; b 1 at 0, 2, T/2 (and so on, by b % 2) */
+        int st[4] = {0, T / 4, T / 4 + 1, T - 3}, st1[4] = {0, 2, T / 2, T / 2};
+        for (int i = 0; i < T; i++) {
+            int d = 0;
+            for (int k = 0; k < 4; k++) {
+                int v = b % 2 ? st1[k] : st[k];
+                d = v <= i && v > d ? v : d;
+            }
+            doc[(size_t)b * T + i] = d;
+        }
+    }
+    float *qkv = quant(randn(NW, 1.0f, 0.0f), NW), *R = quant(randn(NO, 1.0f, 0.0f), NO);
+    AttnShape hs_ = sh, ds = sh; /* the reference reads doc on the host, the op on the device */
+    hs_.doc = doc;
+    ds.doc = dbuf(doc, (size_t)N * sizeof(int32_t));
+    AttRef a = {hs_, to_d(qkv, NW), to_d(R, NO), hd(NO), hd(NL)};
+    void *d_qkv = da(qkv, NW), *d_out = da(NULL, NO);
+    float *d_lse = df(NULL, NL), *out = hf(NO), *lse = hf(NL);
+    be->attention_forward(d_out, d_lse, d_qkv, &ds);
+    down_a(out, d_out, NO);
+    down(lse, d_lse, NL);
+    att_ref(&a);
+    check(t->name, "forward", err_rel(out, a.out, NO), TOL_FWD);
+    check(t->name, "forward_lse", err_rel(lse, a.lse, NL), TOL_FWD);
+
+    double *g = hd(NW);
+    fd_grad(att_loss, &a, a.qkv, NW, g);
+    void *d_dqkv = da(filled(NW, NAN), NW), *d_R = da(R, NO);
+    float *dqkv = hf(NW);
+    be->attention_backward(d_dqkv, d_R, d_qkv, d_out, d_lse, &ds);
+    down_a(dqkv, d_dqkv, NW);
+    check(t->name, "backward", err_rel(dqkv, g, NW), TOL_BWD);
+
+    /* each document alone, unmasked, its results placed where the masked
+     * op put its rows (so_, sl_, sd_ as out, lse, dqkv) */
+    float *so_ = hf(NO), *sl_ = hf(NL), *sd_ = hf(NW), *f = hf(NW);
+    void *h = hbuf(NW * ab);
+    void *d_sq = da(NULL, NW), *d_sr = da(NULL, NO), *d_so = da(NULL, NO), *d_sd = da(NULL, NW);
+    float *d_sl = df(NULL, NL);
+    for (int b = 0; b < B; b++)
+        for (int i0 = 0; i0 < T;) {
+            int i1 = i0 + 1, NHl;
+            while (i1 < T && doc[(size_t)b * T + i1] == i0) i1++;
+            int len = i1 - i0;
+            size_t r0 = (size_t)b * T + i0;
+            AttnShape one = {1, len, sh.NH, sh.NKV, sh.HD, NULL};
+            backend_f32_to_act(h, qkv + r0 * W, (size_t)len * W, ab);
+            be->to_device(d_sq, h, (size_t)len * W * ab);
+            backend_f32_to_act(h, R + r0 * OC, (size_t)len * OC, ab);
+            be->to_device(d_sr, h, (size_t)len * OC * ab);
+            be->attention_forward(d_so, d_sl, d_sq, &one);
+            be->attention_backward(d_sd, d_sr, d_sq, d_so, d_sl, &one);
+            be->sync();
+            be->to_host(h, d_so, (size_t)len * OC * ab);
+            backend_act_to_f32(so_ + r0 * OC, h, (size_t)len * OC, ab);
+            be->to_host(h, d_sd, (size_t)len * W * ab);
+            backend_act_to_f32(sd_ + r0 * W, h, (size_t)len * W, ab);
+            NHl = sh.NH * len;
+            be->to_host(f, d_sl, (size_t)NHl * sizeof(float));
+            for (int hh = 0; hh < sh.NH; hh++)
+                memcpy(sl_ + ((size_t)b * sh.NH + hh) * T + i0, f + (size_t)hh * len, (size_t)len * sizeof(float));
+            i0 = i1;
+        }
+    double e_out = err_rel(so_, to_d(out, NO), NO), e_lse = err_rel(sl_, to_d(lse, NL), NL);
+    double e_dqkv = err_rel(sd_, to_d(dqkv, NW), NW);
+    check(t->name, "separate_forward", maxd(e_out, e_lse), TOL_FWD);
+    check(t->name, "separate_backward", e_dqkv, TOL_BWD);
+}
+
 /* ---- block attention (context parallelism) -------------------------------- */
 
 /* The reference: queries q (B Tq, QW) (heads in the first NH HD columns of
@@ -583,19 +667,20 @@ static void blk_ref(BlkRef *a) {
             for (int i = 0; i < s->Tq; i++) {
                 const double *q = a->q + ((size_t)b * s->Tq + i) * s->q_ld + h * hs;
                 double *o = a->out + ((size_t)b * s->Tq + i) * OC + h * hs, mx = -INFINITY, sum = 0.0;
-                int nv = s->q_pos + i - s->k_pos + 1;
+                int nv = s->q_pos + i - s->k_pos + 1, j0 = s->q_doc ? s->q_doc[(size_t)b * s->Tq + i] - s->k_pos : 0;
                 nv = nv < 0 ? 0 : nv > s->Tk ? s->Tk : nv;
-                for (int j = 0; j < nv; j++) {
+                j0 = j0 < 0 ? 0 : j0 > nv ? nv : j0; /* keys [j0, nv): its document's, up to itself */
+                for (int j = j0; j < nv; j++) {
                     sc[j] = dot_d(q, a->kv + ((size_t)b * s->Tk + j) * s->kv_ld + (h / group) * hs, hs) / sqrt(hs);
                     mx = sc[j] > mx ? sc[j] : mx;
                 }
-                for (int j = 0; j < nv; j++) sc[j] = exp(sc[j] - mx), sum += sc[j];
+                for (int j = j0; j < nv; j++) sc[j] = exp(sc[j] - mx), sum += sc[j];
                 for (int c = 0; c < hs; c++) o[c] = 0.0;
-                for (int j = 0; j < nv; j++) {
+                for (int j = j0; j < nv; j++) {
                     const double *v = a->kv + ((size_t)b * s->Tk + j) * s->kv_ld + (s->NKV + h / group) * hs;
                     for (int c = 0; c < hs; c++) o[c] += sc[j] / sum * v[c];
                 }
-                a->lse[((size_t)b * NH + h) * s->Tq + i] = nv ? mx + log(sum) : -INFINITY;
+                a->lse[((size_t)b * NH + h) * s->Tq + i] = nv > j0 ? mx + log(sum) : -INFINITY;
             }
 }
 static double blk_loss(void *ctx) {
@@ -634,6 +719,23 @@ static void test_attention_block(const OpTest *t) {
     AttnBlock s = {.B = t->B, .NH = t->NH, .NKV = t->NKV, .HD = t->HD, .Tq = t->T, .Tk = t->C, .q_pos = t->V,
                    .k_pos = t->Vp};
     s.q_ld = (s.NH + 2 * s.NKV) * s.HD, s.kv_ld = 2 * s.NKV * s.HD;
+    AttnBlock sd = s; /* what the op gets: q_doc on the device */
+    if (t->opt) {
+        /* document masking: documents start at global 0, a third into the
+         * keys, one token later (a one-token document) and half-way through
+         * the queries, so the halves below hold rows that see none, some or
+         * all of their keys */
+        int starts[] = {s.k_pos + s.Tk / 3, s.k_pos + s.Tk / 3 + 1, s.q_pos + s.Tq / 2};
+        int32_t *doc = hbuf((size_t)s.B * s.Tq * sizeof(int32_t));
+        for (int b = 0; b < s.B; b++)
+            for (int i = 0; i < s.Tq; i++) {
+                int g = s.q_pos + i, d = 0;
+                for (int k = 0; k < 3; k++) d = starts[k] <= g && starts[k] > d ? starts[k] : d;
+                doc[(size_t)b * s.Tq + i] = d;
+            }
+        s.q_doc = doc;
+        sd.q_doc = dbuf(doc, (size_t)s.B * s.Tq * sizeof(int32_t));
+    }
     size_t NQ = (size_t)s.B * s.Tq * s.q_ld, NK = (size_t)s.B * s.Tk * s.kv_ld;
     size_t NO = (size_t)s.B * s.Tq * s.NH * s.HD, NL = (size_t)s.B * s.NH * s.Tq;
     float *q = quant(randn(NQ, 1.0f, 0.0f), NQ), *kv = quant(randn(NK, 1.0f, 0.0f), NK);
@@ -643,14 +745,14 @@ static void test_attention_block(const OpTest *t) {
     void *d_q = da(q, NQ), *d_kv = da(kv, NK), *d_out = da(filled(NO, NAN), NO);
     float *d_lse = df(filled(NL, NAN), NL), *out = hf(NO), *lse = hf(NL);
     size_t kvo = (size_t)s.NKV * s.HD * ab; /* v's columns after k's, in bytes */
-    be->attention_block_forward(d_out, d_lse, d_q, d_kv, (char *)d_kv + kvo, &s, 0);
+    be->attention_block_forward(d_out, d_lse, d_q, d_kv, (char *)d_kv + kvo, &sd, 0);
     down_a(out, d_out, NO);
     down(lse, d_lse, NL);
     check(t->name, "forward", err_rel(out, a.out, NO), TOL_FWD);
     check(t->name, "forward_lse", lse_err(lse, a.lse, NL), TOL_FWD);
 
     int h = s.Tk / 2;
-    AttnBlock s1 = s, s2 = s;
+    AttnBlock s1 = sd, s2 = sd;
     s1.Tk = h, s2.Tk = s.Tk - h, s2.k_pos = s.k_pos + h;
     void *d_k1 = da(blk_keys(kv, &s, 0, h), (size_t)s.B * h * s.kv_ld);
     void *d_k2 = da(blk_keys(kv, &s, h, s.Tk), (size_t)s.B * (s.Tk - h) * s.kv_ld);
@@ -1086,7 +1188,8 @@ static void rope_ref(RopeRef *r) {
     int N = r->s.B * r->s.T, ld = attn_qkv_width(&r->s), HD = r->s.HD, H2 = HD / 2;
     memcpy(r->out, r->qkv, (size_t)N * ld * sizeof(double));
     for (int i = 0; i < N; i++) {
-        const float *cs = r->tab + (size_t)(r->pos0 + i % r->s.T) * HD, *sn = cs + H2;
+        int p = r->pos0 + i % r->s.T - (r->s.doc ? r->s.doc[i] : 0); /* doc: positions restart per document */
+        const float *cs = r->tab + (size_t)p * HD, *sn = cs + H2;
         for (int h = 0; h < r->s.NH + r->s.NKV; h++) {
             const double *x = r->qkv + (size_t)i * ld + h * HD;
             double *o = r->out + (size_t)i * ld + h * HD;
@@ -1104,18 +1207,32 @@ static double rope_loss(void *ctx) {
 }
 
 /* pos0 (t->V) > 0: a context-parallel shard's positions; the table is longer
- * than pos0 + T, so a wrong Tmax-based stride would read the wrong rows. */
+ * than pos0 + T, so a wrong Tmax-based stride would read the wrong rows.
+ * opt 1: positions reset per document (AttnShape.doc, global starts: the
+ * rows' own positions pos0 + i, documents from pos0 - 2 on, every 3rd
+ * row, so a row's position in its document is 0, 1 or 2; the first ones
+ * start before the shard as under context parallelism). */
 static void test_rope(const OpTest *t) {
-    AttnShape sh = {t->B, t->T, t->NH, t->NKV, t->HD};
+    AttnShape sh = {t->B, t->T, t->NH, t->NKV, t->HD, NULL};
     int N = sh.B * sh.T, ld = attn_qkv_width(&sh), pos0 = t->V, vcol = (sh.NH + sh.NKV) * sh.HD;
     size_t NW = (size_t)N * ld;
     const float *tab = rope_table(pos0 + sh.T + 5, sh.HD);
     float *d_tab = df(tab, (size_t)(pos0 + sh.T + 5) * sh.HD);
     float *qkv = quant(randn(NW, 1.0f, 0.0f), NW), *R = quant(randn(NW, 1.0f, 0.0f), NW);
+    AttnShape dsh = sh; /* what the op gets: doc on the device */
+    if (t->opt) {
+        int32_t *doc = hbuf((size_t)N * sizeof(int32_t));
+        for (int i = 0; i < N; i++) {
+            int g = pos0 + i % sh.T, d = pos0 - 2 + (g - pos0 + 2) / 3 * 3;
+            doc[i] = d < 0 ? 0 : d;
+        }
+        sh.doc = doc;
+        dsh.doc = dbuf(doc, (size_t)N * sizeof(int32_t));
+    }
     RopeRef r = {sh, pos0, tab, to_d(qkv, NW), to_d(R, NW), hd(NW)};
     void *d_qkv = da(qkv, NW);
     float *out = hf(NW);
-    be->rope_forward(d_qkv, d_tab, &sh, pos0);
+    be->rope_forward(d_qkv, d_tab, &dsh, pos0);
     down_a(out, d_qkv, NW);
     rope_ref(&r);
     check(t->name, "forward", err_rel(out, r.out, NW), TOL_FWD);
@@ -1128,7 +1245,7 @@ static void test_rope(const OpTest *t) {
     fd_grad(rope_loss, &r, r.qkv, NW, g);
     void *d_R = da(R, NW);
     float *dq = hf(NW);
-    be->rope_backward(d_R, d_tab, &sh, pos0);
+    be->rope_backward(d_R, d_tab, &dsh, pos0);
     down_a(dq, d_R, NW);
     check(t->name, "backward", err_rel(dq, g, NW), TOL_BWD);
 }
@@ -1166,7 +1283,7 @@ static double qk_loss(void *ctx) {
 /* t->opt: per_head. dqkv enters as R for the whole row: its v part must come
  * back unchanged (exact), its q, k parts as the gradient before the norm. */
 static void test_qknorm(const OpTest *t) {
-    AttnShape sh = {t->B, t->T, t->NH, t->NKV, t->HD};
+    AttnShape sh = {t->B, t->T, t->NH, t->NKV, t->HD, NULL};
     int per_head = t->opt, N = sh.B * sh.T, ld = attn_qkv_width(&sh), QK = (sh.NH + sh.NKV) * sh.HD;
     int G = per_head ? sh.NH + sh.NKV : 2, WQ = per_head ? sh.HD : sh.NH * sh.HD, WK = per_head ? sh.HD : sh.NKV * sh.HD;
     size_t NW = (size_t)N * ld;
@@ -1721,14 +1838,24 @@ static const OpTest op_tests[] = {
      * a diagonal one (the chunk against itself); one wholly in the past; one
      * whose first queries see nothing (out 0, lse -inf); and one over the
      * CPU's 64-row query blocks, none a multiple of any block size. */
+    {"attention_doc",    test_attention_doc, 2, 37, 0, 4,  0,    0, 0,        2, 6, 0},
+    {"attention_doc_blocks", test_attention_doc, 2, 70, 0, 2, 0, 0, 0,        1, 4, 0},
+    /* hs 16, NKV = NH: on CUDA with bf16 the tensor cores (never cuDNN,
+     * whose graphs know only the causal mask) */
+    {"attention_doc_hs16", test_attention_doc, 1, 70, 0, 1, 0, 0, 0,          1, 16, 0},
     {"attention_block",  test_attention_block, 2, 7, 9, 4, 10,   5, 0,        2, 6, 0},
     {"attention_block_diag", test_attention_block, 1, 13, 13, 6, 0, 0, 0,     2, 10, 0},
     {"attention_block_past", test_attention_block, 2, 5, 11, 3, 20, 0, 0,     1, 8, 0},
     {"attention_block_empty_rows", test_attention_block, 1, 8, 6, 2, 0, 3, 0, 2, 6, 0},
     {"attention_block_rows70", test_attention_block, 1, 70, 67, 2, 30, 0, 0,  1, 4, 0},
+    {"attention_block_doc", test_attention_block, 2, 7, 9, 4, 10,   5, 0,     2, 6, 1},
+    {"attention_block_doc_diag", test_attention_block, 1, 13, 13, 6, 0, 0, 0, 2, 10, 1},
+    {"attention_block_doc_rows70", test_attention_block, 1, 70, 67, 2, 30, 0, 0, 1, 4, 1},
     {"rmsnorm",          test_rmsnorm,     1, 37, 70, 0,   0,    0, 0, 0, 0, 0},
     {"rope",             test_rope,        2, 9,  0,  3,   0,    0, 0,        1, 18, 0},
     {"rope_pos0",        test_rope,        1, 7,  0,  6,  13,    0, 0,        2, 10, 0},
+    {"rope_doc",         test_rope,        2, 9,  0,  3,   0,    0, 0,        1, 18, 1},
+    {"rope_doc_pos0",    test_rope,        1, 7,  0,  6,  13,    0, 0,        2, 10, 1},
     {"qknorm_head",      test_qknorm,      2, 5,  0,  3,   0,    0, 0,        1, 18, 1},
     {"qknorm_full",      test_qknorm,      2, 5,  0,  6,   0,    0, 0,        2, 10, 0},
     {"swiglu",           test_swiglu,      1, 37, 45, 0,   0,    0, 0, 0, 0, 0},

@@ -338,7 +338,7 @@ static void cpu_rope_apply(float *qkv, const float *rope, const AttnShape *sh, i
     int ld = attn_qkv_width(sh);
     #pragma omp parallel for schedule(static)
     for (int r = 0; r < N; r++) {
-        const float *cs = rope + (size_t)(pos0 + r % sh->T) * 2 * H2, *sn = cs + H2;
+        const float *cs = rope + (size_t)(pos0 + r % sh->T - (sh->doc ? sh->doc[r] : 0)) * 2 * H2, *sn = cs + H2;
         float *row = qkv + (size_t)r * ld;
         for (int h = 0; h < heads; h++) {
             float *x = row + (size_t)h * HD;
@@ -527,8 +527,16 @@ static inline float cpu_dot(const float *a, const float *b, int n) {
     return s;
 }
 
+/* The first key row t of sequence b sees: its document's start (backend.h's
+ * AttnShape.doc), or 0. doc is nondecreasing along a sequence, so a block
+ * of rows r0.. sees no key before first_key(r0): the keys before it are
+ * skipped whole. */
+static inline int att_first_key(const int32_t *doc, int b, int T, int t) {
+    return doc ? doc[(size_t)b * T + t] : 0;
+}
+
 static void cpu_attention_forward(void *out_, float *lse, const void *qkv_, const AttnShape *sh) {
-    /* out (B*T, NH*HD), lse (B,NH,T), qkv (B*T, (NH+2NKV)*HD) */
+    /* out (B*T, NH*HD), lse (B,NH,T), qkv (B*T, (NH+2NKV)*HD), doc (B,T) or NULL */
     float *out = out_;
     const float *qkv = qkv_;
     int B = sh->B, T = sh->T, NH = sh->NH, hs = sh->HD, group = sh->NH / sh->NKV;
@@ -544,27 +552,29 @@ static void cpu_attention_forward(void *out_, float *lse, const void *qkv_, cons
             float *O = out + (size_t)b * T * OC + h * hs;
             float *L = lse + ((size_t)b * NH + h) * T;
             for (int r0 = 0; r0 < T; r0 += TB) {
-                int nb = T - r0 < TB ? T - r0 : TB, r1 = r0 + nb; /* rows see keys [0, r1) */
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, r1, hs, scale,
-                            Q + (size_t)r0 * ld, ld, K, ld, 0.0f, S, r1);
+                int nb = T - r0 < TB ? T - r0 : TB, r1 = r0 + nb; /* rows see keys [k0, r1) */
+                int k0 = att_first_key(sh->doc, b, T, r0), w = r1 - k0;
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, w, hs, scale,
+                            Q + (size_t)r0 * ld, ld, K + (size_t)k0 * ld, ld, 0.0f, S, w);
                 for (int i = 0; i < nb; i++) {
-                    float *p = S + (size_t)i * r1;
-                    int t = r0 + i;
+                    float *p = S + (size_t)i * w;
+                    int t = r0 + i, lo = att_first_key(sh->doc, b, T, t) - k0, hi = t - k0; /* keys [lo, hi] */
                     float mx = -INFINITY, sum = 0.0f;
                     #pragma omp simd reduction(max : mx)
-                    for (int j = 0; j <= t; j++) mx = p[j] > mx ? p[j] : mx;
+                    for (int j = lo; j <= hi; j++) mx = p[j] > mx ? p[j] : mx;
                     #pragma omp simd reduction(+ : sum)
-                    for (int j = 0; j <= t; j++) {
+                    for (int j = lo; j <= hi; j++) {
                         p[j] = cpu_expf(p[j] - mx);
                         sum += p[j];
                     }
                     float inv = 1.0f / sum;
-                    for (int j = 0; j <= t; j++) p[j] *= inv;
-                    for (int j = t + 1; j < r1; j++) p[j] = 0.0f; /* causal mask */
+                    for (int j = lo; j <= hi; j++) p[j] *= inv;
+                    for (int j = 0; j < lo; j++) p[j] = 0.0f;      /* another document */
+                    for (int j = hi + 1; j < w; j++) p[j] = 0.0f;  /* causal mask */
                     L[t] = mx + logf(sum);
                 }
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, r1, 1.0f, S, r1, V,
-                            ld, 0.0f, O + (size_t)r0 * OC, OC);
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, w, 1.0f, S, w,
+                            V + (size_t)k0 * ld, ld, 0.0f, O + (size_t)r0 * OC, OC);
             }
         }
 }
@@ -572,7 +582,7 @@ static void cpu_attention_forward(void *out_, float *lse, const void *qkv_, cons
 static void cpu_attention_backward(void *dqkv_, const void *dout_, const void *qkv_,
                                    const void *out_, const float *lse, const AttnShape *sh) {
     /* dqkv (B*T, (NH+2NKV)*HD) overwritten, dout (B*T, NH*HD), qkv (B*T, (NH+2NKV)*HD),
-     * out (B*T, NH*HD), lse (B,NH,T) */
+     * out (B*T, NH*HD), lse (B,NH,T), doc (B,T) or NULL */
     float *dqkv = dqkv_;
     const float *dout = dout_, *qkv = qkv_, *out = out_;
     int B = sh->B, T = sh->T, NH = sh->NH, NKV = sh->NKV, hs = sh->HD, group = NH / NKV;
@@ -602,32 +612,35 @@ static void cpu_attention_backward(void *dqkv_, const void *dout_, const void *q
                 const float *L = lse + ((size_t)b * NH + h) * T;
                 for (int r0 = 0; r0 < T; r0 += TB) {
                     int nb = T - r0 < TB ? T - r0 : TB, r1 = r0 + nb;
+                    int k0 = att_first_key(sh->doc, b, T, r0), w = r1 - k0; /* keys [k0, r1) */
                     const float *Qb = Q + (size_t)r0 * ld, *dOb = dO + (size_t)r0 * OC;
+                    const float *Kb = K + (size_t)k0 * ld, *Vb = V + (size_t)k0 * ld;
                     /* P = softmax(scale Q K^T) from lse; dS = dO V^T for now. */
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, r1, hs, scale, Qb, ld, K,
-                                ld, 0.0f, P, r1);
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, r1, hs, 1.0f, dOb, OC, V,
-                                ld, 0.0f, dS, r1);
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, w, hs, scale, Qb, ld, Kb,
+                                ld, 0.0f, P, w);
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, w, hs, 1.0f, dOb, OC, Vb,
+                                ld, 0.0f, dS, w);
                     for (int i = 0; i < nb; i++) {
-                        int t = r0 + i;
-                        float *p = P + (size_t)i * r1, *ds = dS + (size_t)i * r1;
+                        int t = r0 + i, lo = att_first_key(sh->doc, b, T, t) - k0, hi = t - k0;
+                        float *p = P + (size_t)i * w, *ds = dS + (size_t)i * w;
                         float D = cpu_dot(dO + (size_t)t * OC, O + (size_t)t * OC, hs);
                         float lt = L[t];
                         /* ds = p (dp - D), with the 1/sqrt(hs) of both dq and dk folded in. */
                         #pragma omp simd
-                        for (int j = 0; j <= t; j++) {
+                        for (int j = lo; j <= hi; j++) {
                             p[j] = cpu_expf(p[j] - lt);
                             ds[j] = p[j] * (ds[j] - D) * scale;
                         }
-                        for (int j = t + 1; j < r1; j++) p[j] = ds[j] = 0.0f; /* causal mask */
+                        for (int j = 0; j < lo; j++) p[j] = ds[j] = 0.0f;      /* another document */
+                        for (int j = hi + 1; j < w; j++) p[j] = ds[j] = 0.0f;  /* causal mask */
                     }
                     /* dQ_b = dS K;  dK += dS^T Q_b;  dV += P^T dO_b */
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, r1, 1.0f, dS, r1, K,
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, w, 1.0f, dS, w, Kb,
                                 ld, 0.0f, dQ + (size_t)r0 * ld, ld);
-                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, nb, 1.0f, dS, r1, Qb,
-                                ld, 1.0f, dK, ld);
-                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1, hs, nb, 1.0f, P, r1, dOb, OC,
-                                1.0f, dV, ld);
+                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, w, hs, nb, 1.0f, dS, w, Qb,
+                                ld, 1.0f, dK + (size_t)k0 * ld, ld);
+                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, w, hs, nb, 1.0f, P, w, dOb, OC,
+                                1.0f, dV + (size_t)k0 * ld, ld);
                 }
             }
         }
@@ -642,6 +655,15 @@ static void cpu_attention_backward(void *dqkv_, const void *dout_, const void *q
 static inline int att_visible(const AttnBlock *s, int i) {
     long v = (long)s->q_pos + i - s->k_pos + 1;
     return v < 0 ? 0 : v > s->Tk ? s->Tk : (int)v;
+}
+
+/* The first key of the block that query i of sequence b may see: its
+ * document's start (AttnBlock.q_doc) relative to the block, or 0. Queries
+ * see [att_first(i), att_visible(i)); both ends are nondecreasing in i. */
+static inline int att_first(const AttnBlock *s, int b, int i) {
+    if (!s->q_doc) return 0;
+    long f = (long)s->q_doc[(size_t)b * s->Tq + i] - s->k_pos;
+    return f < 0 ? 0 : f > s->Tk ? s->Tk : (int)f;
 }
 
 /* out, lse of one row merged with a block's (ob, lb): backend.h's formula;
@@ -662,7 +684,7 @@ static void att_merge_row(float *o, float *l, const float *ob, float lb, int hs)
 
 static void cpu_attention_block_forward(void *out_, float *lse, const void *q_, const void *k_, const void *v_,
                                         const AttnBlock *s, int merge) {
-    /* out (B Tq, NH HD), lse (B, NH, Tq), q (B Tq rows, ld q_ld), k, v (B Tk rows, ld kv_ld) */
+    /* out (B Tq, NH HD), lse (B, NH, Tq), q (B Tq rows, ld q_ld), k, v (B Tk rows, ld kv_ld), q_doc (B, Tq) or NULL */
     float *out = out_;
     const float *q = q_, *k = k_, *v = v_;
     int Tq = s->Tq, Tk = s->Tk, NH = s->NH, hs = s->HD, group = NH / s->NKV, OC = NH * hs;
@@ -678,40 +700,43 @@ static void cpu_attention_block_forward(void *out_, float *lse, const void *q_, 
             const float *V = v + (size_t)b * Tk * kld + (h / group) * hs;
             float *O = out + (size_t)b * Tq * OC + h * hs, *L = lse + ((size_t)b * NH + h) * Tq;
             for (int r0 = 0; r0 < Tq; r0 += TB) {
-                int nb = Tq - r0 < TB ? Tq - r0 : TB, kn = att_visible(s, r0 + nb - 1); /* the block sees keys [0, kn) */
-                if (kn == 0) {
+                /* the block's rows see keys [k0, kn) */
+                int nb = Tq - r0 < TB ? Tq - r0 : TB, kn = att_visible(s, r0 + nb - 1), k0 = att_first(s, b, r0);
+                if (kn <= k0) {
                     for (int i = 0; i < nb && !merge; i++) {
                         memset(O + (size_t)(r0 + i) * OC, 0, (size_t)hs * sizeof(float));
                         L[r0 + i] = -INFINITY;
                     }
                     continue;
                 }
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, kn, hs, scale, Q + (size_t)r0 * qld, (int)qld,
-                            K, (int)kld, 0.0f, S, kn);
+                int w = kn - k0;
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, w, hs, scale, Q + (size_t)r0 * qld, (int)qld,
+                            K + (size_t)k0 * kld, (int)kld, 0.0f, S, w);
                 float lb[CPU_ATT_BLOCK];
                 for (int i = 0; i < nb; i++) {
-                    float *p = S + (size_t)i * kn;
-                    int nv = att_visible(s, r0 + i);
+                    float *p = S + (size_t)i * w;
+                    int lo = att_first(s, b, r0 + i) - k0, nv = att_visible(s, r0 + i) - k0; /* keys [lo, nv) */
                     float mx = -INFINITY, sum = 0.0f;
-                    for (int j = 0; j < nv; j++) mx = p[j] > mx ? p[j] : mx;
+                    for (int j = lo; j < nv; j++) mx = p[j] > mx ? p[j] : mx;
                     #pragma omp simd reduction(+ : sum)
-                    for (int j = 0; j < nv; j++) {
+                    for (int j = lo; j < nv; j++) {
                         p[j] = cpu_expf(p[j] - mx);
                         sum += p[j];
                     }
-                    float inv = nv ? 1.0f / sum : 0.0f;
-                    for (int j = 0; j < nv; j++) p[j] *= inv;
-                    for (int j = nv; j < kn; j++) p[j] = 0.0f; /* causal mask */
-                    lb[i] = nv ? mx + logf(sum) : -INFINITY;
+                    float inv = nv > lo ? 1.0f / sum : 0.0f;
+                    for (int j = lo; j < nv; j++) p[j] *= inv;
+                    for (int j = 0; j < lo && j < w; j++) p[j] = 0.0f;      /* another document */
+                    for (int j = nv > lo ? nv : lo; j < w; j++) p[j] = 0.0f; /* causal mask */
+                    lb[i] = nv > lo ? mx + logf(sum) : -INFINITY;
                 }
                 if (!merge) {
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, kn, 1.0f, S, kn, V, (int)kld, 0.0f,
-                                O + (size_t)r0 * OC, OC);
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, w, 1.0f, S, w, V + (size_t)k0 * kld,
+                                (int)kld, 0.0f, O + (size_t)r0 * OC, OC);
                     memcpy(L + r0, lb, (size_t)nb * sizeof(float));
                     continue;
                 }
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, kn, 1.0f, S, kn, V, (int)kld, 0.0f, Ob,
-                            hs);
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, w, 1.0f, S, w, V + (size_t)k0 * kld,
+                            (int)kld, 0.0f, Ob, hs);
                 for (int i = 0; i < nb; i++)
                     att_merge_row(O + (size_t)(r0 + i) * OC, L + r0 + i, Ob + (size_t)i * hs, lb[i], hs);
             }
@@ -721,7 +746,7 @@ static void cpu_attention_block_forward(void *out_, float *lse, const void *q_, 
 static void cpu_attention_block_backward(float *dq, float *dk, float *dv, const void *dout_, const void *q_,
                                          const void *k_, const void *v_, const void *out_, const float *lse,
                                          const AttnBlock *s) {
-    /* dq += (rows as q), dk, dv += (rows as k); dout, out (B Tq, NH HD); lse (B, NH, Tq) */
+    /* dq += (rows as q), dk, dv += (rows as k); dout, out (B Tq, NH HD); lse (B, NH, Tq); q_doc (B, Tq) or NULL */
     const float *dout = dout_, *q = q_, *k = k_, *v = v_, *out = out_;
     int Tq = s->Tq, Tk = s->Tk, NH = s->NH, NKV = s->NKV, hs = s->HD, group = NH / NKV, OC = NH * hs;
     int TB = Tq < CPU_ATT_BLOCK ? Tq : CPU_ATT_BLOCK;
@@ -742,31 +767,34 @@ static void cpu_attention_block_backward(float *dq, float *dk, float *dv, const 
                 const float *O = out + (size_t)b * Tq * OC + h * hs, *L = lse + ((size_t)b * NH + h) * Tq;
                 float *dQ = dq + (size_t)b * Tq * qld + h * hs;
                 for (int r0 = 0; r0 < Tq; r0 += TB) {
-                    int nb = Tq - r0 < TB ? Tq - r0 : TB, kn = att_visible(s, r0 + nb - 1);
-                    if (kn == 0) continue; /* these queries see none of the block */
+                    int nb = Tq - r0 < TB ? Tq - r0 : TB, kn = att_visible(s, r0 + nb - 1), k0 = att_first(s, b, r0);
+                    if (kn <= k0) continue; /* these queries see none of the block */
+                    int w = kn - k0;
                     const float *Qb = Q + (size_t)r0 * qld, *dOb = dO + (size_t)r0 * OC;
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, kn, hs, scale, Qb, (int)qld, K, (int)kld,
-                                0.0f, P, kn);
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, kn, hs, 1.0f, dOb, OC, V, (int)kld, 0.0f,
-                                dS, kn);
+                    const float *Kb = K + (size_t)k0 * kld, *Vb = V + (size_t)k0 * kld;
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, w, hs, scale, Qb, (int)qld, Kb, (int)kld,
+                                0.0f, P, w);
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, w, hs, 1.0f, dOb, OC, Vb, (int)kld, 0.0f,
+                                dS, w);
                     for (int i = 0; i < nb; i++) {
-                        int t = r0 + i, nv = att_visible(s, t);
-                        float *p = P + (size_t)i * kn, *ds = dS + (size_t)i * kn;
+                        int t = r0 + i, lo = att_first(s, b, t) - k0, nv = att_visible(s, t) - k0;
+                        float *p = P + (size_t)i * w, *ds = dS + (size_t)i * w;
                         float D = cpu_dot(dO + (size_t)t * OC, O + (size_t)t * OC, hs), lt = L[t];
                         #pragma omp simd
-                        for (int j = 0; j < nv; j++) {
+                        for (int j = lo; j < nv; j++) {
                             p[j] = cpu_expf(p[j] - lt);
                             ds[j] = p[j] * (ds[j] - D) * scale;
                         }
-                        for (int j = nv; j < kn; j++) p[j] = ds[j] = 0.0f; /* causal mask */
+                        for (int j = 0; j < lo && j < w; j++) p[j] = ds[j] = 0.0f;      /* another document */
+                        for (int j = nv > lo ? nv : lo; j < w; j++) p[j] = ds[j] = 0.0f; /* causal mask */
                     }
                     /* dQ_b += dS K;  dK += dS^T Q_b;  dV += P^T dO_b */
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, kn, 1.0f, dS, kn, K, (int)kld, 1.0f,
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, w, 1.0f, dS, w, Kb, (int)kld, 1.0f,
                                 dQ + (size_t)r0 * qld, (int)qld);
-                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kn, hs, nb, 1.0f, dS, kn, Qb, (int)qld, 1.0f,
-                                dK, (int)kld);
-                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kn, hs, nb, 1.0f, P, kn, dOb, OC, 1.0f, dV,
-                                (int)kld);
+                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, w, hs, nb, 1.0f, dS, w, Qb, (int)qld, 1.0f,
+                                dK + (size_t)k0 * kld, (int)kld);
+                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, w, hs, nb, 1.0f, P, w, dOb, OC, 1.0f,
+                                dV + (size_t)k0 * kld, (int)kld);
                 }
             }
         }
