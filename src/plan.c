@@ -166,7 +166,7 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int cp, i
         m.optim = (zero == 1 ? shard : params) * 2 * moment_bytes;
     }
     m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
-    AttnShape cps = {micro_batch, local.seq_len / cp, local.n_head, local.n_kv_head, local.head_dim};
+    AttnShape cps = {micro_batch, local.seq_len / cp, local.n_head, local.n_kv_head, local.head_dim, NULL};
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
         for (int k = 0; k < 2; k++) {
             size_t ab = k ? 2 : sizeof(float);
