@@ -387,6 +387,20 @@ typedef struct Backend {
                             const float *c, float rmean, size_t e0, size_t n, int cols_n, float grad_scale,
                             float inv_clip, float lr, float beta1, float weight_decay);
 
+    /* fp8 products (precision.fp8; src/fp8.h has the formats and the host
+     * reference, docs/precision.md the rules). NULL where a backend has
+     * none (precision.fp8 is then refused). fp8_amax: amax (fp8_amax_len)
+     * fp32 = max |x| of x (rows, cols) act along axis (Fp8Axis: the whole
+     * tensor, each row, each column; NaN ignored). fp8_qdq: y (rows, cols)
+     * act = x quantised onto the grid of fmt (Fp8Format) and back, with the
+     * scale s = fp8_scale(a, fmt, pow2) of a = the max over the P rows of
+     * amax (P, fp8_amax_len) fp32 (the tp ranks' amaxes, or a delayed-
+     * scaling history): y = round_fp8(x s) / s, saturating; y may be x. A
+     * product of such operands in fp32 is the fp8 product's numerics. */
+    void (*fp8_amax)(float *amax, const void *x, int rows, int cols, int axis);
+    void (*fp8_qdq)(void *y, const void *x, const float *amax, int P, int rows, int cols, int axis, int fmt,
+                    int pow2);
+
     /* Sum of squares of fp32 x, in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);
 

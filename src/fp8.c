@@ -4,29 +4,42 @@
 
 #include <string.h>
 
+/* A max is exact in any order, so threads may split the rows freely. */
 void fp8_amax_f32(float *amax, const float *x, int rows, int cols, int axis) {
-    int n = fp8_amax_len(rows, cols, axis);
-    for (int j = 0; j < n; j++) amax[j] = 0.0f;
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < cols; j++) {
-            float *a = &amax[axis == FP8_AXIS_TENSOR ? 0 : axis == FP8_AXIS_ROW ? i : j];
-            *a = fmaxf(*a, fabsf(x[(size_t)i * cols + j]));
-        }
+    if (axis == FP8_AXIS_COL) {
+        for (int j = 0; j < cols; j++) amax[j] = 0.0f;
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < cols; j++) amax[j] = fmaxf(amax[j], fabsf(x[(size_t)i * cols + j]));
+        return;
+    }
+    float t = 0.0f;
+    #pragma omp parallel for reduction(max : t)
+    for (int i = 0; i < rows; i++) {
+        float r = 0.0f;
+        for (int j = 0; j < cols; j++) r = fmaxf(r, fabsf(x[(size_t)i * cols + j]));
+        if (axis == FP8_AXIS_ROW) amax[i] = r;
+        t = fmaxf(t, r);
+    }
+    if (axis == FP8_AXIS_TENSOR) amax[0] = t;
 }
 
 void fp8_qdq_f32(float *y, const float *x, const float *amax, int P, int rows, int cols, int axis, Fp8Format f,
                  int pow2) {
     int n = fp8_amax_len(rows, cols, axis);
     #pragma omp parallel for
-    for (int i = 0; i < rows; i++)
+    for (int i = 0; i < rows; i++) {
+        float s = 1.0f;
         for (int j = 0; j < cols; j++) {
-            int k = axis == FP8_AXIS_TENSOR ? 0 : axis == FP8_AXIS_ROW ? i : j;
-            float a = 0.0f;
-            for (int p = 0; p < P; p++) a = fmaxf(a, amax[(size_t)p * n + k]);
-            float s = fp8_scale(a, f, pow2);
+            if (j == 0 || axis == FP8_AXIS_COL) { /* the scale changes per column only along COL */
+                int k = axis == FP8_AXIS_TENSOR ? 0 : axis == FP8_AXIS_ROW ? i : j;
+                float a = 0.0f;
+                for (int p = 0; p < P; p++) a = fmaxf(a, amax[(size_t)p * n + k]);
+                s = fp8_scale(a, f, pow2);
+            }
             size_t e = (size_t)i * cols + j;
-            y[e] = fp8_round(x[e] * s, f) / s;
+            y[e] = fp8_round_fast(x[e] * s, f) / s;
         }
+    }
 }
 
 int fp8_mode_parse(const char *s) {

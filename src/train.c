@@ -12,6 +12,7 @@
 #include "cp.h"
 #include "data.h"
 #include "ddp.h"
+#include "fp8.h"
 #include "ep.h"
 #include "flight.h"
 #include "mesh.h"
@@ -519,7 +520,10 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     /* precision.master bf16: no fp32 arena (exit 2 unless act is bf16) */
     ModelOptions mo = {.decay_embeddings = c->decay_embeddings, .master_bf16 = !strcmp(c->master, "bf16"), .tp = tp,
                        .tp_rank = tpg->rank, .sequence_parallel = r->sp, .cp = cp, .cp_rank = cpg->rank,
-                       .ep = r->ep, .ep_rank = r->mesh.ep_rank};
+                       .ep = r->ep, .ep_rank = r->mesh.ep_rank,
+                       .fp8 = {.mode = fp8_mode_parse(c->fp8), .grad_fmt = fp8_format_parse(c->fp8_grad),
+                               .wgrad = !strcmp(c->fp8_wgrad, "fp8"), .history = c->fp8_amax_history,
+                               .pow2 = c->fp8_pow2_scales, .head = c->fp8_head}};
     PipeKind pk = (PipeKind)pipe_kind_parse(c->pp_schedule);
     pipe_check_precision(c, shape, r->pp);
     if (r->pp > 1) {

@@ -230,7 +230,39 @@ static void test_amax_rows(void) {
     test_report(ok && out == 320.0f, "fp8_amax_axes_and_history_max", "axes %d, qdq %g (want 320)", ok, out);
 }
 
+/* fp8_round_fast (the CPU ops' path) equals the code-level fp8_round on
+ * every grid value, every midpoint and its neighbours, and random floats of
+ * every magnitude (bit patterns drawn uniformly). */
+static void test_fast_round(void) {
+    int bad = 0;
+    char why[128] = "";
+    for (int f = 0; f < 2; f++) {
+        for (int c = 0; c < 256; c++) {
+            float a = fp8_to_f32((uint8_t)c, (Fp8Format)f), b = fp8_to_f32((uint8_t)(c + 1), (Fp8Format)f);
+            float vals[5] = {a, (a + b) * 0.5f, nextafterf((a + b) * 0.5f, INFINITY),
+                             nextafterf((a + b) * 0.5f, -INFINITY), a * 1.5f};
+            for (int k = 0; k < 5; k++) {
+                float r = fp8_round(vals[k], (Fp8Format)f), q = fp8_round_fast(vals[k], (Fp8Format)f);
+                if (!(r == q && signbit(r) == signbit(q)) && !(isnan(r) && isnan(q))) {
+                    if (!bad) snprintf(why, sizeof why, "%s %g: %g vs %g", fname[f], vals[k], r, q);
+                    bad++;
+                }
+            }
+        }
+        for (int i = 0; i < 200000; i++) {
+            union { uint32_t u; float x; } v = {(uint32_t)(uniform() * 4294967296.0)};
+            float r = fp8_round(v.x, (Fp8Format)f), q = fp8_round_fast(v.x, (Fp8Format)f);
+            if (!(r == q && signbit(r) == signbit(q)) && !(isnan(r) && isnan(q))) {
+                if (!bad) snprintf(why, sizeof why, "%s %g: %g vs %g", fname[f], v.x, r, q);
+                bad++;
+            }
+        }
+    }
+    test_report(!bad, "fp8_fast_round_equals_codes", "%d differ: %s", bad, why);
+}
+
 int main(void) {
+    test_fast_round();
     for (int f = 0; f < 2; f++) {
         test_round_trip((Fp8Format)f);
         test_midpoints((Fp8Format)f);
