@@ -14,6 +14,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The inline functions serve the CUDA kernels too (cuda/fp8.cu), so that
+ * both backends round the same way to the bit. */
+#ifdef __CUDACC__
+#define FP8_FN static inline __host__ __device__
+#else
+#define FP8_FN static inline
+#endif
+
 typedef enum { FP8_E4M3 = 0, FP8_E5M2 = 1 } Fp8Format;
 
 /* precision.fp8's scaling granularity (Fp8Axis below says along which axis). */
@@ -26,7 +34,7 @@ typedef enum { FP8_OFF = 0, FP8_TENSORWISE = 1, FP8_ROWWISE = 2 } Fp8Mode;
 #define FP8_E4M3_MAX 448.0f
 #define FP8_E5M2_MAX 57344.0f
 
-static inline float fp8_max(Fp8Format f) { return f == FP8_E4M3 ? FP8_E4M3_MAX : FP8_E5M2_MAX; }
+FP8_FN float fp8_max(Fp8Format f) { return f == FP8_E4M3 ? FP8_E4M3_MAX : FP8_E5M2_MAX; }
 
 /* Round-to-nearest-even saturating cast. The value a is written as r q, q the
  * grid's step at a's binade (2^(e - mbits), or the subnormal step below the
@@ -34,7 +42,7 @@ static inline float fp8_max(Fp8Format f) { return f == FP8_E4M3 ? FP8_E4M3_MAX :
  * the code is (e + bias) << mbits plus r's mantissa, so a carry into the next
  * binade (r = 2^(mbits+1)) and the subnormal-to-normal step land on the right
  * code without a special case. */
-static inline uint8_t fp8_from_f32(float x, Fp8Format f) {
+FP8_FN uint8_t fp8_from_f32(float x, Fp8Format f) {
     const int mbits = f == FP8_E4M3 ? 3 : 2, bias = f == FP8_E4M3 ? 7 : 15;
     const int maxcode = f == FP8_E4M3 ? 0x7E : 0x7B; /* 448 = 1.110b 2^8; 57344 = 1.11b 2^15 */
     uint8_t sign = signbit(x) ? 0x80 : 0;
@@ -53,7 +61,7 @@ static inline uint8_t fp8_from_f32(float x, Fp8Format f) {
     return (uint8_t)(sign | code);
 }
 
-static inline float fp8_to_f32(uint8_t c, Fp8Format f) {
+FP8_FN float fp8_to_f32(uint8_t c, Fp8Format f) {
     const int mbits = f == FP8_E4M3 ? 3 : 2, bias = f == FP8_E4M3 ? 7 : 15;
     const int emask = f == FP8_E4M3 ? 0xF : 0x1F;
     float s = (c & 0x80) ? -1.0f : 1.0f;
@@ -65,7 +73,7 @@ static inline float fp8_to_f32(uint8_t c, Fp8Format f) {
 }
 
 /* x rounded onto the format's grid (cast and back). */
-static inline float fp8_round(float x, Fp8Format f) { return fp8_to_f32(fp8_from_f32(x, f), f); }
+FP8_FN float fp8_round(float x, Fp8Format f) { return fp8_to_f32(fp8_from_f32(x, f), f); }
 
 /* The same value without the codes (the CPU backend's quantise-dequantise
  * runs it on every operand element): in the normal range the fp32 bits are
@@ -73,7 +81,7 @@ static inline float fp8_round(float x, Fp8Format f) { return fp8_to_f32(fp8_from
  * into the exponent is the next binade); below the smallest normal, a / q
  * for the subnormal step q is exact and rintf rounds to even. test_fp8
  * checks it equals fp8_round on every midpoint and on random floats. */
-static inline float fp8_round_fast(float x, Fp8Format f) {
+FP8_FN float fp8_round_fast(float x, Fp8Format f) {
     const int mbits = f == FP8_E4M3 ? 3 : 2;
     const float mx = fp8_max(f), min_normal = f == FP8_E4M3 ? 0x1p-6f : 0x1p-14f;
     float a = fabsf(x);
@@ -97,7 +105,7 @@ static inline float fp8_round_fast(float x, Fp8Format f) {
  * (so scaling and unscaling are exact). A non-finite amax (a NaN or Inf in
  * the tensor) gives s = 1: the cast then saturates and keeps the NaN, so the
  * loss shows it instead of a zero scale hiding it. */
-static inline float fp8_scale(float amax, Fp8Format f, int pow2) {
+FP8_FN float fp8_scale(float amax, Fp8Format f, int pow2) {
     if (!isfinite(amax)) return 1.0f;
     float s = fp8_max(f) / fmaxf(amax, FP8_AMAX_FLOOR);
     if (pow2) {
@@ -116,7 +124,7 @@ static inline float fp8_scale(float amax, Fp8Format f, int pow2) {
 typedef enum { FP8_AXIS_TENSOR = -1, FP8_AXIS_ROW = 0, FP8_AXIS_COL = 1 } Fp8Axis;
 
 /* Number of amax values of a (rows, cols) matrix along `axis`. */
-static inline int fp8_amax_len(int rows, int cols, int axis) {
+FP8_FN int fp8_amax_len(int rows, int cols, int axis) {
     return axis == FP8_AXIS_TENSOR ? 1 : axis == FP8_AXIS_ROW ? rows : cols;
 }
 
@@ -126,6 +134,9 @@ static inline int fp8_amax_len(int rows, int cols, int axis) {
  * over the P rows of amax (P, n) of entry j (P > 1: the amaxes of several
  * tp ranks or of a delayed-scaling history) and s = fp8_scale(a_j), y =
  * fp8_round(x s) / s; y may be x. */
+#ifdef __cplusplus
+extern "C" {
+#endif
 void fp8_amax_f32(float *amax, const float *x, int rows, int cols, int axis);
 void fp8_qdq_f32(float *y, const float *x, const float *amax, int P, int rows, int cols, int axis, Fp8Format f,
                  int pow2);
@@ -135,5 +146,8 @@ int fp8_mode_parse(const char *s);
 int fp8_format_parse(const char *s);
 const char *fp8_mode_name(Fp8Mode m);
 const char *fp8_format_name(Fp8Format f);
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -34,6 +34,7 @@
 #include "../cuda/attention.cu"
 #include "../cuda/attention_tc.cu"
 #include "../cuda/attention_block.cu"
+#include "../cuda/fp8.cu"
 #include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */
 #include "../cuda/backend_cuda.cu"
 
@@ -675,6 +676,47 @@ static void test_sumsq(size_t n) {
     cudaFree(dx);
 }
 
+/* fp8_amax along each axis and fp8_qdq (both formats, plain and power-of-two
+ * scales, P = 2 rows of amaxes as two tp ranks give) against the CPU
+ * backend's host reference: the same src/fp8.h rounding, so the same bits
+ * (bf16: the CPU's fp32 result rounded once to bf16, as the kernel stores
+ * it). Rows of different scales, an outlier, zeros and a NaN among the inputs. */
+static void test_fp8(int rows, int cols) {
+    std::string sh = "_" + std::to_string(rows) + "x" + std::to_string(cols);
+    Vec x = rnd_act((size_t)rows * cols, 1.0f);
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) x[(size_t)i * cols + j] *= (float)(1 + i % 5) * 0.25f;
+    x = act_round(x);
+    x[7 % x.size()] = 300.0f;
+    x[11 % x.size()] = 0.0f;
+    void *dx = dev_act(x);
+    const char *axes[3] = {"tensor", "row", "col"};
+    for (int axis = -1; axis <= 1; axis++) {
+        int n = fp8_amax_len(rows, cols, axis);
+        Vec ref(2 * (size_t)n);
+        fp8_amax_f32(ref.data(), x.data(), rows, cols, axis);
+        for (int k = 0; k < n; k++) ref[(size_t)n + k] = ref[k] * (k % 2 ? 1.5f : 0.5f); /* the other rank's */
+        float *da = dev_f32(ref);
+        gpu->fp8_amax(da, dx, rows, cols, axis);
+        check_exact(std::string("fp8_amax_") + axes[axis + 1] + sh, get_f32(da, n), Vec(ref.begin(), ref.begin() + n));
+        CUDA_CHECK(cudaMemcpy(da, ref.data(), ref.size() * sizeof(float), cudaMemcpyHostToDevice));
+        for (int fmt = 0; fmt < 2; fmt++)
+            for (int pow2 = 0; pow2 < 2; pow2++) {
+                Vec want(x.size());
+                fp8_qdq_f32(want.data(), x.data(), ref.data(), 2, rows, cols, axis, (Fp8Format)fmt, pow2);
+                void *dy;
+                CUDA_CHECK(cudaMalloc(&dy, x.size() * AB));
+                gpu->fp8_qdq(dy, dx, da, 2, rows, cols, axis, fmt, pow2);
+                check_exact(std::string("fp8_qdq_") + fp8_format_name((Fp8Format)fmt) + "_" + axes[axis + 1] +
+                                (pow2 ? "_pow2" : "") + sh,
+                            get_act(dy, x.size()), act_round(want));
+                cudaFree(dy);
+            }
+        cudaFree(da);
+    }
+    cudaFree(dx);
+}
+
 /* impl "simt": attention.cu's kernels; "tc": the backend's choice (the
  * tensor-core kernels where the head size allows, with bf16 after a passed
  * self-check). */
@@ -1125,6 +1167,8 @@ int main(void) {
         printf("%s cuda_emu_%s_attention_choice%s%s\n", want_tc == got_tc ? "ok" : "FAIL", DT,
                want_tc == got_tc ? " # " : ": ", desc);
         failures += want_tc != got_tc;
+        test_fp8(37, 48);
+        test_fp8(5, 1100); /* rows longer than a block's threads */
         test_cast(1001, 0);
         test_cast(1001, 1);
         test_cast(5, 0);

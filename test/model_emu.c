@@ -260,7 +260,7 @@ static int64_t moved_slots(const Trace *a, const Trace *b) {
 }
 
 static void arch_refs(void) {
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0};
+    TraceOpts plain = {.r = MODEL_RECOMPUTE_NONE, .gelu_fusion = 1};
     for (int i = 0; i < N_ARCH; i++) {
         ArchCase *c = &arch_cases[i];
         arch_resolve(&c->spec);
@@ -294,7 +294,7 @@ static void arch_refs(void) {
  * MoE losses, grad norms and how many slots moved (the comment at the top). */
 static void arch_run_all(const char *prec) {
     int bf16 = strcmp(prec, "bf16") == 0;
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0};
+    TraceOpts plain = {.r = MODEL_RECOMPUTE_NONE, .gelu_fusion = 1};
     for (int i = 0; i < N_ARCH; i++) {
         const ArchCase *c = &arch_cases[i];
         const Trace *ref = &arch_ref[i];
@@ -389,7 +389,7 @@ int main(void) {
 
     /* the references, on the CPU: fp32 moments, bf16 moments, and bf16
      * parameters on the bf16 emulation */
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0}, state16 = plain, master16 = plain, muon = plain;
+    TraceOpts plain = {.r = MODEL_RECOMPUTE_NONE, .gelu_fusion = 1}, state16 = plain, master16 = plain, muon = plain;
     state16.state16 = 1;
     master16.master16 = 1;
     muon.muon = 1;
@@ -432,6 +432,18 @@ int main(void) {
     run_case("bf16_optim_state_bf16", state16, &ref_s16, TOL_BF16);
     run_case("bf16_master_bf16", master16, &ref_m16, TOL_BF16);
     run_case("bf16_muon", muon, &ref_muon, TOL_BF16);
+    /* fp8 products (model_fp8.c on cuda/fp8.cu's ops) against the CPU ops
+     * behind bf16 storage with the same fp8 quantisation: both round the
+     * same bf16 values onto the same grid (test/cuda_emu.cc checks the ops
+     * to the bit), so what differs is what differs in bf16, plus an operand
+     * near a grid midpoint going the other way; bf16's tolerances */
+    for (int mode = 1; mode <= 2; mode++) {
+        TraceOpts f8 = plain;
+        f8.fp8 = mode;
+        trace_train_opts(&emu, shape0, f8, &t);
+        run_case(mode == 1 ? "bf16_fp8_tensorwise" : "bf16_fp8_rowwise", f8, &t, TOL_BF16);
+        trace_free(&t);
+    }
     check_eval("bf16", row16, 1e-2);
     arch_run_all("bf16");
     gpu_stop("bf16_tensor_cores");
