@@ -111,3 +111,37 @@ void cuda_fp8_qdq(void *y, const void *x, const float *amax, int P, int rows, in
     if ((size_t)rows * cols == 0) return;
     ACT_DISPATCH(fp8_qdq_launch, y, x, amax, P, rows, cols, axis, fmt, pow2);
 }
+
+/* q = the fp8 codes of x s, row-major (rows, cols) or transposed (cols,
+ * rows), s from the max over amax (P) (tensorwise); inv_scale[0] = 1 / s,
+ * what cuBLASLt multiplies the product by. The transposed write is not
+ * coalesced (a tiled transpose through shared memory would be: not yet). */
+template <typename T>
+__global__ void fp8_cast_kernel(uint8_t *q, float *inv_scale, const T *x, const float *amax, int P, int rows, int cols,
+                                int fmt, int pow2, int transpose) {
+    float a = 0.0f;
+    for (int p = 0; p < P; p++) a = fmaxf(a, amax[p]);
+    float s = fp8_scale(a, (Fp8Format)fmt, pow2);
+    if (blockIdx.x == 0 && threadIdx.x == 0) inv_scale[0] = 1.0f / s;
+    size_t total = (size_t)rows * cols;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
+        size_t i = e / cols, j = e % cols;
+        q[transpose ? j * rows + i : e] = fp8_from_f32(act_f(x[e]) * s, (Fp8Format)fmt);
+    }
+}
+
+template <typename T>
+static void fp8_cast_launch(uint8_t *q, float *inv_scale, const void *x, const float *amax, int P, int rows, int cols,
+                            int fmt, int pow2, int transpose) {
+    unsigned blocks = cuda_blocks((size_t)rows * cols, FP8_THREADS);
+    if (blocks > 65535u) blocks = 65535u;
+    KLAUNCH(fp8_cast_kernel<T>, blocks, FP8_THREADS, 0, q, inv_scale, (const T *)x, amax, P, rows, cols, fmt, pow2,
+            transpose);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_fp8_cast(uint8_t *q, float *inv_scale, const void *x, const float *amax, int P, int rows, int cols, int fmt,
+                   int pow2, int transpose) {
+    fp8_check_device();
+    ACT_DISPATCH(fp8_cast_launch, q, inv_scale, x, amax, P, rows, cols, fmt, pow2, transpose);
+}

@@ -391,6 +391,7 @@ typedef struct Model {
     ModelFp8 fp8;
     void *fp8_qx, *fp8_qw, *fp8_qd; /* act: (N, in) (out, in) (N, out) at the largest product's sizes */
     float *fp8_amax;    /* device (tp, fp8_amax_n): one product operand's amaxes, every tp rank's */
+    float *fp8_inv;     /* device (4): the real fp8 product's inverse scales (x, w; dout, w^T) */
     size_t fp8_amax_n;  /* the most amaxes of one operand: max(N, widths) */
     float *fp8_hist;    /* device (fp8_slots, MM_OPERANDS, history, tp) amax histories; NULL: current scaling */
     int64_t *fp8_count; /* (fp8_slots, MM_OPERANDS) host: casts so far of each operand (its history row) */

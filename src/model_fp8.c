@@ -122,6 +122,7 @@ void model_fp8_plan(Model *m, int N) {
     m->fp8_amax_n = n;
     m->fp8_local_amax = getenv("KILN_TEST_FP8_LOCAL_AMAX") != NULL;
     m->fp8_amax = m->be->alloc((size_t)m->tp * n * sizeof(float));
+    m->fp8_inv = m->be->alloc(4 * sizeof(float));
     size_t h = (size_t)m->fp8_slots * MM_OPERANDS;
     if (m->fp8.history > 0) {
         m->fp8_hist = m->be->alloc(h * m->fp8.history * m->tp * sizeof(float));
@@ -130,7 +131,8 @@ void model_fp8_plan(Model *m, int N) {
 }
 
 void model_fp8_free(Model *m) {
-    void **bufs[] = {&m->fp8_qx, &m->fp8_qw, &m->fp8_qd, (void **)&m->fp8_amax, (void **)&m->fp8_hist};
+    void **bufs[] = {&m->fp8_qx, &m->fp8_qw, &m->fp8_qd, (void **)&m->fp8_amax, (void **)&m->fp8_hist,
+                     (void **)&m->fp8_inv};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
         if (*bufs[i]) m->be->free(*bufs[i]);
         *bufs[i] = NULL;
@@ -169,6 +171,33 @@ static const void *fp8_cast(Model *m, void *dst, const void *src, int rows, int 
     return dst;
 }
 
+/* The real fp8 product (backend.h fp8_cast, fp8_matmul: fp8 tensor cores)
+ * where the backend has one, for tensorwise scales and shapes it takes
+ * (rows a multiple of 16 too: a generation forward's may not be); fp8
+ * weight gradients stay on the quantise-dequantise path. */
+static int mm_real(const Model *m, int N) {
+    return m->be->fp8_matmul && m->fp8.mode == FP8_TENSORWISE && N % 16 == 0;
+}
+
+/* As fp8_cast above, into codes: q (rows, cols) or transposed; inv (1) = 1 / scale. */
+static void fp8_cast_codes(Model *m, uint8_t *q, float *inv, const void *src, int rows, int cols, int fmt, int split,
+                           int slot, int operand, int transpose) {
+    const Backend *be = m->be;
+    int G = split && !m->fp8_local_amax ? m->tp : 1, g = G > 1 ? m->tp_rank : 0, P = G;
+    float *ring = m->fp8_amax, *row = ring;
+    if (m->fp8_hist) {
+        int H = m->fp8.history;
+        size_t k = (size_t)slot * MM_OPERANDS + operand;
+        ring = m->fp8_hist + k * H * m->tp;
+        row = ring + (size_t)(m->fp8_count[k] % H) * G;
+        m->fp8_count[k]++;
+        P = H * G;
+    }
+    be->fp8_amax(row + g, src, rows, cols, FP8_AXIS_TENSOR);
+    if (G > 1) m->tpc.all_gather_f32(m->tpc.ctx, row + g, row, 1);
+    be->fp8_cast(q, inv, src, ring, P, rows, cols, fmt, m->fp8.pow2, transpose);
+}
+
 void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *inp, const void *w, const void *bias,
                       int N, int C, int OC) {
     if (!mm_is_fp8(m, kind)) {
@@ -176,6 +205,12 @@ void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *i
         return;
     }
     int split = mm_split(m, kind), slot = mm_history_slot(m, l, kind, e);
+    if (mm_real(m, N)) {
+        fp8_cast_codes(m, m->fp8_qx, m->fp8_inv, inp, N, C, FP8_E4M3, split == SPLIT_IN, slot, MM_X, 0);
+        fp8_cast_codes(m, m->fp8_qw, m->fp8_inv + 1, w, OC, C, FP8_E4M3, split != SPLIT_NONE, slot, MM_W, 0);
+        m->be->fp8_matmul(out, m->fp8_qw, m->fp8_qx, m->fp8_inv + 1, m->fp8_inv, FP8_E4M3, FP8_E4M3, bias, N, C, OC);
+        return;
+    }
     int axis = m->fp8.mode == FP8_ROWWISE ? FP8_AXIS_ROW : FP8_AXIS_TENSOR; /* both along C, the contraction */
     const void *qx = fp8_cast(m, m->fp8_qx, inp, N, C, axis, FP8_E4M3, 0, split == SPLIT_IN, slot, MM_X);
     const void *qw = fp8_cast(m, m->fp8_qw, w, OC, C, axis, FP8_E4M3, split == SPLIT_OUT, split == SPLIT_IN, slot,
@@ -197,6 +232,13 @@ void model_mm_backward(Model *m, int l, int kind, int e, void *dinp, float *dw, 
     int rowwise = m->fp8.mode == FP8_ROWWISE;
     int in_s = split == SPLIT_IN, out_s = split == SPLIT_OUT;
     const void *qd = NULL;
+    if (dinp && mm_real(m, N) && !m->fp8.wgrad) {
+        /* dinp (N,C) = dout (N,OC) @ w: TN with a = w^T (C, OC), b = dout (N, OC) */
+        fp8_cast_codes(m, m->fp8_qd, m->fp8_inv + 2, dout, N, OC, g, out_s, slot, MM_D, 0);
+        fp8_cast_codes(m, m->fp8_qw, m->fp8_inv + 3, w, OC, C, FP8_E4M3, split != SPLIT_NONE, slot, MM_WB, 1);
+        be->fp8_matmul(dinp, m->fp8_qw, m->fp8_qd, m->fp8_inv + 3, m->fp8_inv + 2, FP8_E4M3, g, NULL, N, OC, C);
+        dinp = NULL;
+    }
     if (dinp) {
         qd = fp8_cast(m, m->fp8_qd, dout, N, OC, rowwise ? FP8_AXIS_ROW : FP8_AXIS_TENSOR, g, 0, out_s, slot, MM_D);
         const void *qw = fp8_cast(m, m->fp8_qw, w, OC, C, rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR, FP8_E4M3, out_s,

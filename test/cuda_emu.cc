@@ -55,6 +55,10 @@ void cuda_matmul_backward_dgelu(void *, float *, float *, const void *, const vo
                                 int, int) {
     emu_fail("matmul called");
 }
+void cuda_fp8_matmul(void *, const uint8_t *, const uint8_t *, const float *, const float *, int, int, const void *, int,
+                     int, int) {
+    emu_fail("matmul called");
+}
 /* its products are cuBLASLt's: test/matmul_emu.cc tests it */
 void cuda_newton_schulz(float *, int, int, int, float *) { emu_fail("matmul called"); }
 
