@@ -4,7 +4,9 @@
 # one rank with fp8 (tensorwise and rowwise, current and delayed scaling, fp8
 # weight gradients), which needs every split operand's amax reduced over the
 # tp ranks, and the same check fails when the reduction is skipped (the
-# known bug, through a test hook); refusals name their keys or tensor.
+# known bug, through a test hook); MoE experts, the fp8 head, pipelines
+# (1f1b, zero-bubble's split backward), recomputation and resume; refusals
+# name their keys or tensor.
 #
 # Tolerance of tp 2 vs tp 1: with the same scales, tp changes only the
 # association of fp32 sums (~1e-7 relative, t_tp.sh), but a quantised value
@@ -81,11 +83,21 @@ else
     tpeq rowwise_wgrad_e4m3 2 --set precision.fp8=rowwise --set precision.fp8_wgrad=fp8 --set precision.fp8_grad=e4m3
     tpeq tensorwise_dp2_zero3 4 --set precision.fp8=tensorwise --set parallel.zero=3
     tpeq gpt2_tensorwise_dp2_zero1 4 --set precision.fp8=tensorwise --set model.arch=gpt2 --set model.n_kv_head=8 --set parallel.zero=1
+    MOE="--set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
+    MOE="$MOE --set model.moe.n_shared=1"
+    tpeq moe_experts_tensorwise 2 --set precision.fp8=tensorwise $MOE
+    tpeq head_rowwise 2 --set precision.fp8=rowwise --set precision.fp8_head=true
     # a pipeline's stages quantise their own layers' products as one rank does
     "${MPIRUN[@]}" -np 2 ./train $Y $S --set precision.fp8=rowwise --set parallel.pp=2 --set run.dir=$T/pp2 \
         >$T/pp2.txt 2>&1
     g=$(gaps $T/rowwise.1/metrics.jsonl $T/pp2/metrics.jsonl) && ok "fp8_pp2_equals_one_rank_rowwise ($g)" \
         || fail fp8_pp2_equals_one_rank_rowwise "$g: $(grep -m1 error $T/pp2.txt)"
+    # zero-bubble: the backward split into input and weight parts (dinp and dW casts in separate calls)
+    "${MPIRUN[@]}" -np 2 ./train $Y $S --set precision.fp8=tensorwise --set precision.fp8_wgrad=fp8 \
+        --set parallel.pp=2 --set parallel.pp_schedule=zb_h1 --set run.dir=$T/zb >$T/zb.txt 2>&1
+    [ -f $T/wg.1/metrics.jsonl ] || run1 wg.1 --set precision.fp8=tensorwise --set precision.fp8_wgrad=fp8
+    g=$(gaps $T/wg.1/metrics.jsonl $T/zb/metrics.jsonl) && ok "fp8_pp2_zb_h1_equals_one_rank_wgrad_fp8 ($g)" \
+        || fail fp8_pp2_zb_h1_equals_one_rank_wgrad_fp8 "$g: $(grep -m1 error $T/zb.txt)"
     # the known bug: amaxes of split tensors not reduced over tp -> the check must fail
     KILN_TEST_FP8_LOCAL_AMAX=1 "${MPIRUN[@]}" -np 2 ./train $Y $S --set precision.fp8=tensorwise --set parallel.tp=2 \
         --set run.dir=$T/bug >$T/bug.txt 2>&1
@@ -93,6 +105,20 @@ else
         && fail fp8_tp2_local_amax_detected "$g within tolerance: the check cannot see the wrong group" \
         || ok "fp8_tp2_local_amax_detected ($g)"
 fi
+
+# recomputation re-runs the forward's ops on the same inputs: the same casts, the same bits
+run1 rec --set precision.fp8=rowwise --set model.recompute=norm_gelu
+[ -n "$(losses $T/rec/metrics.jsonl)" ] && [ "$(losses $T/rec/metrics.jsonl)" = "$(losses $T/rowwise.1/metrics.jsonl)" ] \
+    && ok fp8_recompute_bit_identical || fail fp8_recompute_bit_identical "losses differ from recompute none"
+# current scaling keeps no state: a resumed run continues bit-identically (3 steps, then 3 more; a
+# constant schedule, so the 3-step run's learning rates are the 6-step one's)
+R="--set precision.fp8=rowwise --set checkpoint.every=3 --set checkpoint.async=false --set schedule.kind=constant"
+run1 resref $R
+./train $Y $S $R --set train.steps=3 --set run.dir=$T/res >/dev/null 2>&1
+./train $Y $S $R --set run.dir=$T/res --resume auto >$T/res.txt 2>&1
+[ -n "$(losses $T/res/metrics.jsonl)" ] && [ "$(losses $T/res/metrics.jsonl)" = "$(losses $T/resref/metrics.jsonl)" ] \
+    && ok fp8_resume_bit_identical \
+    || fail fp8_resume_bit_identical "$(grep -m2 -E 'resum|error' $T/res.txt)"
 
 expect fp8_refuses_shape 2 "tensor 'layers.0.mlp.down_proj.weight'.*multiples of 16" -- \
     ./train $Y $S --set model.ffn_hidden=88 --set precision.fp8=tensorwise --set run.dir=$T/bad
