@@ -189,7 +189,9 @@ static inline cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmul
  * both A and B fp8, not both E5M2; "TN" (A transposed, B not); C and D
  * bf16 or fp32, the same; compute and scale 32F; m, n, k and the leading
  * dimensions of A and B multiples of 16; no GeLU epilogue (kiln uses
- * DEFAULT and BIAS). Missing scale pointers are refused at cublasLtMatmul,
+ * DEFAULT and BIAS); at cublasLtMatmul, A, B and D 16-byte aligned (n too
+ * a multiple of 16 is stricter than the library asks, which needs only the
+ * leading dimensions so). Missing scale pointers are refused at cublasLtMatmul,
  * which is stricter than the library (it reads a NULL scale as 1.0): kiln's
  * fp8 codes mean nothing unscaled, so a forgotten scale must not pass. */
 static inline int emu_lt_fp8(int t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
@@ -290,6 +292,8 @@ static inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDe
     if (ws_bytes && !emu_is_device(ws, ws_bytes)) emu_fail("cublasLtMatmul: the workspace is not device memory");
     float al, be;
     memcpy(&al, alpha, 4), memcpy(&be, beta, 4);
+    if (emu_lt_fp8(A->type) && (emu_lt_align(a) < 16 || emu_lt_align(b) < 16 || emu_lt_align(dd) < 16))
+        return CUBLAS_STATUS_NOT_SUPPORTED; /* fp8: every matrix pointer 16-byte aligned */
     if (emu_lt_fp8(A->type)) { /* fp8: alpha times both operands' scales */
         if (!d->scale_a || !d->scale_b || !emu_is_device(d->scale_a, 4) || !emu_is_device(d->scale_b, 4))
             return CUBLAS_STATUS_INVALID_VALUE;

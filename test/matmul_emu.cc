@@ -317,10 +317,19 @@ static void test_fp8_refusals(void) {
     float one = 1.0f, zero = 0.0f;
     int scales = cublasLtMatmul(mm_handle, &d, &one, a, &A, bb, &B, &zero, dd, &D, dd, &D, &algo, NULL, 0, 0) ==
                  CUBLAS_STATUS_INVALID_VALUE;
-    char msg[200];
-    snprintf(msg, sizeof msg, "TN accepted %d; refused: NN %d, E5M2 x E5M2 %d, k 24 %d, ld 72 %d, fp8 x bf16 %d, "
-             "GELU_AUX %d, no scales %d", ok, layout, both_e5m2, k16, ld16, mixed, epi, scales);
-    report("fp8_cublaslt_refusals", ok && layout && both_e5m2 && k16 && ld16 && mixed && epi && scales, msg);
+    float *sc = (float *)dev_out(1, 4);
+    CUDA_CHECK(cudaMemcpy(sc, &one, 4, cudaMemcpyHostToDevice));
+    d.scale_a = d.scale_b = sc;
+    int runs = cublasLtMatmul(mm_handle, &d, &one, a, &A, bb, &B, &zero, dd, &D, dd, &D, &algo, NULL, 0, 0) ==
+               CUBLAS_STATUS_SUCCESS;
+    int misaligned = cublasLtMatmul(mm_handle, &d, &one, (char *)a + 8, &A, bb, &B, &zero, dd, &D, dd, &D, &algo,
+                                    NULL, 0, 0) == CUBLAS_STATUS_NOT_SUPPORTED;
+    char msg[240];
+    snprintf(msg, sizeof msg, "TN accepted %d, runs with scales %d; refused: NN %d, E5M2 x E5M2 %d, k 24 %d, ld 72 %d, "
+             "fp8 x bf16 %d, GELU_AUX %d, no scales %d, A 8-byte aligned %d", ok, runs, layout, both_e5m2, k16, ld16,
+             mixed, epi, scales, misaligned);
+    report("fp8_cublaslt_refusals",
+           ok && runs && layout && both_e5m2 && k16 && ld16 && mixed && epi && scales && misaligned, msg);
 }
 
 int main(void) {
