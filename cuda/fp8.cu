@@ -12,9 +12,9 @@ extern "C" {
 #define FP8_THREADS 256
 
 /* fp8 needs the tensor cores of Ada and Hopper (sm_89+): checked once. */
+static int fp8_device_checked;
 static void fp8_check_device(void) {
-    static int checked;
-    if (checked) return;
+    if (fp8_device_checked) return;
     int dev;
     cudaDeviceProp p;
     CUDA_CHECK(cudaGetDevice(&dev));
@@ -22,7 +22,7 @@ static void fp8_check_device(void) {
     if (p.major * 10 + p.minor < 89)
         kiln_fail(KILN_EXIT_USAGE, "key 'precision.fp8': %s is sm_%d%d, fp8 tensor cores need sm_89 or later; set "
                   "precision.fp8: off", p.name, p.major, p.minor);
-    checked = 1;
+    fp8_device_checked = 1;
 }
 
 /* one block per row: out[row] = max |x| over its cols */

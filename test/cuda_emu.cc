@@ -38,6 +38,8 @@
 #include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */
 #include "../cuda/backend_cuda.cu"
 
+#include <sys/wait.h>
+
 #include <random>
 #include <string>
 
@@ -721,6 +723,35 @@ static void test_fp8(int rows, int cols) {
     cudaFree(dx);
 }
 
+/* A GPU before sm_89 (here the emulation reporting sm_86) refuses the
+ * first fp8 op: exit 2, one line naming the key and the device's sm. */
+static void test_fp8_old_gpu(void) {
+    char path[] = "/tmp/kiln_fp8_smXXXXXX";
+    int fd = mkstemp(path);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd, 2);
+        emu_sm_major = 8, emu_sm_minor = 6, fp8_device_checked = 0;
+        float *a;
+        CUDA_CHECK(cudaMalloc(&a, 16));
+        gpu->fp8_amax(a, a, 1, 1, FP8_AXIS_TENSOR);
+        _exit(0);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    char err[512] = "";
+    ssize_t n = pread(fd, err, sizeof err - 1, 0);
+    err[n > 0 ? n : 0] = '\0';
+    close(fd), unlink(path);
+    int lines = 0;
+    for (char *c = err; *c; c++) lines += *c == '\n';
+    if (lines && err[strlen(err) - 1] == '\n') err[strlen(err) - 1] = '\0';
+    int ok = WIFEXITED(st) && WEXITSTATUS(st) == 2 && lines == 1 && strstr(err, "key 'precision.fp8'") &&
+             strstr(err, "sm_86");
+    report_s("fp8_refuses_before_sm89", ok, err[0] ? err : "no message");
+}
+
 /* impl "simt": attention.cu's kernels; "tc": the backend's choice (the
  * tensor-core kernels where the head size allows, with bf16 after a passed
  * self-check). */
@@ -1172,6 +1203,7 @@ int main(void) {
                want_tc == got_tc ? " # " : ": ", desc);
         failures += want_tc != got_tc;
         test_fp8(37, 48);
+        if (!bf) test_fp8_old_gpu();
         test_fp8(5, 1100); /* rows longer than a block's threads */
         test_cast(1001, 0);
         test_cast(1001, 1);

@@ -93,6 +93,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "backend.h"
 #include "emu_bf16.h"
@@ -337,6 +339,35 @@ static void arch_run_all(const char *prec) {
     }
 }
 
+/* precision.fp8 with fp32 activations on the GPU backend: model_init
+ * refuses (exit 2, one line naming both keys), in a child process. */
+static void check_fp8_refuses_fp32(void) {
+    char path[] = "/tmp/kiln_fp8_f32XXXXXX";
+    int fd = mkstemp(path);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd, 2);
+        Model m;
+        ArchSpec s = shape0;
+        arch_resolve(&s);
+        model_init(&m, gpu, &s, &(ModelOptions){.fp8 = {.mode = 1}});
+        _exit(0);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    char err[512] = "";
+    ssize_t n = pread(fd, err, sizeof err - 1, 0);
+    err[n > 0 ? n : 0] = '\0';
+    close(fd), unlink(path);
+    int lines = 0;
+    for (char *c = err; *c; c++) lines += *c == '\n';
+    if (lines && err[strlen(err) - 1] == '\n') err[strlen(err) - 1] = '\0';
+    report(WIFEXITED(st) && WEXITSTATUS(st) == 2 && lines == 1 &&
+               strstr(err, "keys 'precision.fp8', 'precision.compute'") != NULL,
+           "fp32_fp8_refused", "%s", err[0] ? err : "no message");
+}
+
 static void gpu_start(const char *compute, const char *att) {
     const char *desc = gpu->init(0);
     gpu->set_attention(att);
@@ -421,6 +452,7 @@ int main(void) {
     run_case("fp32_optim_state_bf16", state16, &ref_s16, TOL_FP32_STATE16);
     run_case("fp32_muon", muon, &ref_muon, TOL_FP32);
     check_eval("fp32", row32, 1e-5);
+    check_fp8_refuses_fp32();
     arch_run_all("fp32");
     gpu_stop("fp32");
 
