@@ -138,6 +138,7 @@ enum {
     SCRATCH_MOE_LSE,   /* moe_route's per-row lse^2 for the z-loss statistic */
     SCRATCH_NS,        /* Newton-Schulz's norm: sumsq partials and 1 / norm */
     SCRATCH_ADAFACTOR, /* Adafactor's update sum-of-squares partials */
+    SCRATCH_FP8,       /* fp8_amax's per-row partials of a tensorwise amax */
     SCRATCH_COUNT
 };
 void *cuda_scratch(int slot, size_t bytes);
@@ -175,6 +176,14 @@ void cuda_matmul_gelu_forward(void *out_gelu, void *pre, const void *inp, const 
                               int C, int OC);
 void cuda_matmul_backward_dgelu(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                                 const void *w, const void *pre, int N, int C, int OC, int accumulate);
+/* fp8.cu: backend.h's fp8_amax, fp8_qdq and fp8_cast (src/fp8.h's rounding, to the bit). */
+void cuda_fp8_amax(float *amax, const void *x, int rows, int cols, int axis);
+void cuda_fp8_qdq(void *y, const void *x, const float *amax, int P, int rows, int cols, int axis, int fmt, int pow2);
+void cuda_fp8_cast(uint8_t *q, float *inv_scale, const void *x, const float *amax, int P, int rows, int cols, int fmt,
+                   int pow2, int transpose);
+/* matmul.cu: backend.h's fp8_matmul through cuBLASLt's fp8 kernels. */
+void cuda_fp8_matmul(void *out, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb, int fmt_a,
+                     int fmt_b, const void *bias, int N, int K, int M);
 /* attention.cu: the backend's attention ops choose between the SIMT kernels
  * (any dtype and head size up to 128), the tensor-core ones of
  * attention_tc.cu and cuDNN's fused attention (attention_cudnn.cu); set_mode

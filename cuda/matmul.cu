@@ -43,6 +43,7 @@ typedef struct {
     int epi;                                  /* cublasLtEpilogue_t */
     int ldaux;                                /* GELU_AUX*, DGELU: the aux matrix's leading dimension */
     int ab_bf16, d_bf16; /* A/B, C/D element types: bf16 (1) or fp32 (0) */
+    int fp8_a, fp8_b;    /* fp8 operands (cuda_fp8_matmul): 1 + Fp8Format; 0: ab_bf16 says */
 } MmKey;
 
 /* A plan is kept whether or not cuBLASLt has an algorithm for it (usable 0),
@@ -85,6 +86,8 @@ void cuda_matmul_shutdown(void) {
     if (mm_handle) cublasLtDestroy(mm_handle);
     mm_handle = NULL;
 }
+
+static const char *fp8_fmt_name(int f) { return f ? "e5m2" : "e4m3"; }
 
 static int mm_align(const void *p) {
     uintptr_t a = (uintptr_t)p;
@@ -150,6 +153,8 @@ static MmPlan *mm_plan(const MmKey *key, const void *aux, const void *bias) {
     }
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cudaDataType_t tab = key->ab_bf16 ? CUDA_R_16BF : CUDA_R_32F, td = key->d_bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    cudaDataType_t fp8t[3] = {tab, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2};
+    cudaDataType_t ta_t = fp8t[key->fp8_a], tb_t = fp8t[key->fp8_b];
     cublasOperation_t ta = key->ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = key->tb ? CUBLAS_OP_T : CUBLAS_OP_N;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
@@ -165,9 +170,9 @@ static MmPlan *mm_plan(const MmKey *key, const void *aux, const void *bias) {
     if (bias)
         CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
     /* op(A) is m x k, op(B) is k x n, D is m x n, all column-major. */
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, tab, key->ta ? key->k : key->m,
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, ta_t, key->ta ? key->k : key->m,
                                             key->ta ? key->m : key->k, key->lda));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, tab, key->tb ? key->n : key->k,
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->lb, tb_t, key->tb ? key->n : key->k,
                                             key->tb ? key->k : key->n, key->ldb));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->ld, td, key->m, key->n, key->ldd));
     cublasLtMatmulPreference_t pref;
@@ -288,6 +293,41 @@ void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout,
         mm_gemm(dw, inp, dout, C, OC, N, 0, 1, C, OC, C, accumulate ? 1.0f : 0.0f, 1, CUBLASLT_EPILOGUE_DEFAULT,
                 NULL, NULL, 0);
     if (dbias) cuda_colsum(dbias, dout, N, OC, accumulate);
+}
+
+/* ---------------------------------------------------------------------------
+ * fp8 products (backend.h fp8_matmul): out(N,M) act = (b codes * sb) @ (a
+ * codes * sa)^T (+ bias(M)), a (M,K) and b (N,K) fp8 codes (cuda_fp8_cast),
+ * sa, sb device floats (the casts' 1/scale). In cuBLASLt's view D^T(M,N) =
+ * op(A) op(B) with A = a, transposed, and B = b, not: the "TN" layout that
+ * Hopper's fp8 kernels take (and the only one), which is why the casts can
+ * write a transposed copy; fp32 accumulation, scales applied to the
+ * accumulator (A_SCALE_POINTER, B_SCALE_POINTER), bf16 D. */
+void cuda_fp8_matmul(void *out, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb, int fmt_a,
+                     int fmt_b, const void *bias, int N, int K, int M) {
+    if (N == 0) return;
+    MmKey key;
+    memset(&key, 0, sizeof key);
+    key.m = M, key.n = N, key.k = K, key.ta = 1, key.tb = 0, key.lda = K, key.ldb = K, key.ldd = M;
+    key.align_a = mm_align(a), key.align_b = mm_align(b), key.align_d = mm_align(out);
+    const void *epi_bias = bias && mm_align(bias) >= 16 ? bias : NULL;
+    key.epi = epi_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    if (epi_bias) key.align_bias = mm_align(epi_bias);
+    key.ab_bf16 = 1, key.d_bf16 = cuda_act_bf16;
+    key.fp8_a = 1 + fmt_a, key.fp8_b = 1 + fmt_b;
+    MmPlan *p = mm_plan(&key, NULL, epi_bias);
+    if (!p->usable)
+        kiln_fail(KILN_EXIT_RUNTIME, "cublasLt: no fp8 algorithm for a %dx%dx%d product (%s x %s, alignments %d/%d/%d)",
+                  M, N, K, fp8_fmt_name(fmt_a), fp8_fmt_name(fmt_b), key.align_a, key.align_b, key.align_d);
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof sa));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof sb));
+    if (epi_bias)
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &epi_bias,
+                                                    sizeof epi_bias));
+    float alpha = 1.0f, beta = 0.0f;
+    CUBLAS_CHECK(cublasLtMatmul(mm_handle, p->desc, &alpha, a, p->la, b, p->lb, &beta, out, p->ld, out, p->ld,
+                                &p->algo, mm_workspace, MM_WORKSPACE_BYTES, 0));
+    if (bias && !epi_bias) ACT_DISPATCH(add_bias_run, out, bias, N, M);
 }
 
 /* ---------------------------------------------------------------------------

@@ -445,6 +445,19 @@ bench 124m_fp32 5 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 preci
 bench 1558m_bf16_master16 5 $GPT2_1558M batch.micro_batch=8 batch.total_tokens=8192 precision.compute=bf16 \
     precision.master=bf16
 
+# fp8 products (docs/precision.md): tensorwise through cuBLASLt's fp8
+# kernels, rowwise as quantised operands with bf16 products; the fp8 vs
+# bf16 step-time ratio is tok/s against 124m_bf16's and 1558m_bf16's rows
+# shellcheck disable=SC2086
+bench 124m_fp8_tensorwise 10 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=bf16 \
+    precision.fp8=tensorwise
+# shellcheck disable=SC2086
+bench 124m_fp8_rowwise 10 $GPT2_124M batch.micro_batch=16 batch.total_tokens=16384 precision.compute=bf16 \
+    precision.fp8=rowwise
+# shellcheck disable=SC2086
+bench 1558m_fp8_tensorwise 5 $GPT2_1558M batch.micro_batch=8 batch.total_tokens=8192 precision.compute=bf16 \
+    precision.fp8=tensorwise
+
 # --- Summary -------------------------------------------------------------------
 echo
 echo "=== summary ($(elapsed) s; log $LOG) ==="

@@ -399,6 +399,33 @@ typedef struct Backend {
                             const float *c, float rmean, size_t e0, size_t n, int cols_n, float grad_scale,
                             float inv_clip, float lr, float beta1, float weight_decay);
 
+    /* fp8 products (precision.fp8; src/fp8.h has the formats and the host
+     * reference, docs/precision.md the rules). NULL where a backend has
+     * none (precision.fp8 is then refused). fp8_amax: amax (fp8_amax_len)
+     * fp32 = max |x| of x (rows, cols) act along axis (Fp8Axis: the whole
+     * tensor, each row, each column; NaN ignored). fp8_qdq: y (rows, cols)
+     * act = x quantised onto the grid of fmt (Fp8Format) and back, with the
+     * scale s = fp8_scale(a, fmt, pow2) of a = the max over the P rows of
+     * amax (P, fp8_amax_len) fp32 (the tp ranks' amaxes, or a delayed-
+     * scaling history): y = round_fp8(x s) / s, saturating; y may be x. A
+     * product of such operands in fp32 is the fp8 product's numerics. */
+    void (*fp8_amax)(float *amax, const void *x, int rows, int cols, int axis);
+    void (*fp8_qdq)(void *y, const void *x, const float *amax, int P, int rows, int cols, int axis, int fmt,
+                    int pow2);
+    /* Optional, NULL where the backend has no fp8 tensor cores (the CPU):
+     * the real fp8 product, for tensorwise scales, used by host code when
+     * present (else fp8_qdq and the matmul ops). fp8_cast: q (rows, cols)
+     * uint8 fp8 codes of fmt, or its transpose (cols, rows) with
+     * transpose, = encode(x s), s as fp8_qdq's from amax (P, 1) fp32;
+     * inv_scale (1) fp32 device = 1 / s. fp8_matmul: out (N,M) act = (b
+     * (N,K) codes * sb[0]) @ (a (M,K) codes * sa[0])^T + bias (M) act or
+     * NULL, fp32 accumulation; N, K, M multiples of 16, not both formats
+     * E5M2. */
+    void (*fp8_cast)(uint8_t *q, float *inv_scale, const void *x, const float *amax, int P, int rows, int cols,
+                     int fmt, int pow2, int transpose);
+    void (*fp8_matmul)(void *out, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb, int fmt_a,
+                       int fmt_b, const void *bias, int N, int K, int M);
+
     /* Sum of squares of fp32 x, in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);
 

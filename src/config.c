@@ -245,6 +245,27 @@ static const CfgKey cfg_keys[] = {
           "rounding (unbiased; random bits hashed from `run.seed`, the step and the element, so runs are "
           "deterministic and CPU and CUDA agree to the bit); checkpoints hold fp32 moments either way, so a run "
           "may resume with the other setting"),
+    KENUM("precision.fp8", fp8, "off", "off|tensorwise|rowwise",
+          "fp8 matrix products for the block's linear layers (q/k/v, attention output, MLP, experts; "
+          "docs/precision.md): activations and weights cast to E4M3 with a scale from their amax, output "
+          "gradients to `fp8_grad`; `tensorwise` one scale per tensor, `rowwise` one per row along the "
+          "product's contraction dimension; the CPU backend quantises and multiplies in fp32 (an exact "
+          "emulation of the numerics, for validation); every product's dimensions must be multiples of 16 "
+          "(else exit 2 naming the tensor); not with `compute: fp32` on CUDA, `parallel.cp` or `parallel.ep` > 1"),
+    KENUM("precision.fp8_grad", fp8_grad, "e5m2", "e5m2|e4m3",
+          "fp8: format of the output gradients in the backward (E5M2: range; E4M3: precision)"),
+    KENUM("precision.fp8_wgrad", fp8_wgrad, "bf16", "bf16|fp8",
+          "fp8: the weight-gradient product dW = dout^T x in the activation dtype (`bf16`; fp32 on the CPU) or "
+          "with both operands in fp8 (`fp8`)"),
+    KINT("precision.fp8_amax_history", fp8_amax_history, "0", 0, 1024,
+         "fp8: 0 = current scaling (each cast's scale from the tensor's own amax); N = delayed scaling from the "
+         "largest of the last N amaxes of the same operand, the current one included; `tensorwise` only; the "
+         "histories are not checkpointed (a resumed run starts them afresh)"),
+    KBOOL("precision.fp8_pow2_scales", fp8_pow2_scales, "false",
+          "fp8: round every scale down to a power of two (scaling then loses no bits)"),
+    KBOOL("precision.fp8_head", fp8_head, "false",
+          "fp8: the output head's product in fp8 too (off by default: the logits feed the softmax directly, "
+          "and the head's large vocabulary dimension holds most of a small model's outliers)"),
     KINT("checkpoint.every", ckpt_every, "500", 0, INF, "steps between checkpoints; 0 = off (a final one is still written, see `checkpoint.final`)"),
     KINT("checkpoint.keep_last", ckpt_keep_last, "3", 0, INF,
          "keep the newest this many checkpoints, deleting older ones once a newer one is complete; 0 = keep all"),
@@ -999,11 +1020,33 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
                   c->micro_batch, c->seq_len, c->dp, (long long)c->micro_batch * c->seq_len * c->dp);
 }
 
+/* fp8 combinations not (yet) supported: context parallelism would need the
+ * activations' amax reduced over the cp group, expert parallelism the
+ * experts' inputs over the ep group (docs/precision.md); a per-row history
+ * means nothing for activations, whose rows are other tokens each step. */
+static void cfg_check_fp8(const Config *c, CfgLoad *L) {
+    if (!strcmp(c->fp8, "off")) return;
+    if (c->cp > 1)
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'precision.fp8', 'parallel.cp': fp8 products under context "
+                  "parallelism are not supported (the activations' amax would need a cp reduction); set "
+                  "precision.fp8: off or parallel.cp: 1", cfg_where_of(L, "precision.fp8", "parallel.cp"));
+    if (c->ep > 1)
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'precision.fp8', 'parallel.ep': fp8 products under expert "
+                  "parallelism are not supported yet; set precision.fp8: off or parallel.ep: 1",
+                  cfg_where_of(L, "precision.fp8", "parallel.ep"));
+    if (c->fp8_amax_history > 0 && !strcmp(c->fp8, "rowwise"))
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.fp8_amax_history': delayed scaling is tensorwise only "
+                  "(an activation's rows are other tokens each step), got %d with precision.fp8: rowwise; set it "
+                  "to 0 or precision.fp8: tensorwise", cfg_where_of(L, "precision.fp8_amax_history", "precision.fp8"),
+                  c->fp8_amax_history);
+}
+
 /* precision.master bf16 makes the bf16 compute copy the parameters: it
  * needs bf16 activations (CUDA; a CPU run found by device: auto is refused
  * at start-up, when the backend is known) and whole parameters on every rank
  * (ZeRO shards and gathers an fp32 master). */
 static void cfg_check_precision(const Config *c, CfgLoad *L) {
+    cfg_check_fp8(c, L);
     if (strcmp(c->master, "bf16") != 0) return;
     if (!strcmp(c->compute, "fp32") || !strcmp(c->device, "cpu"))
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.master': bf16 needs bf16 activations (device: cuda with "

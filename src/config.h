@@ -112,6 +112,12 @@ typedef struct Config {
     char gelu_fusion[8]; /* auto | off: the fc product and its GeLU as one fused op where the backend has one */
     char master[8];  /* fp32 | bf16: parameters' dtype (bf16: no fp32 master; needs compute bf16, zero 0) */
     char optim_state[8]; /* fp32 | bf16: dtype of AdamW's m and v (bf16: stochastically rounded) */
+    char fp8[12];        /* off | tensorwise | rowwise: the block's linear layers in fp8 (docs/precision.md) */
+    char fp8_grad[8];    /* e5m2 | e4m3: format of the output gradients in the backward */
+    char fp8_wgrad[8];   /* bf16 | fp8: the weight-gradient product's operands */
+    int fp8_amax_history; /* 0 = current scaling; N: scale from the max of the last N amaxes */
+    int fp8_pow2_scales; /* bool: scales rounded down to a power of two */
+    int fp8_head;        /* bool: the output head in fp8 too */
 
     /* checkpoint */
     int ckpt_every, ckpt_keep_last, ckpt_keep_every; /* 0 = off / keep all / none */

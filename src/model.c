@@ -304,6 +304,7 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
     m->act_bytes = be->act_bytes();
+    m->fp8 = o->fp8;
     if (o->master_bf16 && (m->act_bytes != 2 || !be->adamw_update_p16))
         kiln_fail(KILN_EXIT_USAGE, "key 'precision.master': bf16 needs bf16 activations (device: cuda with "
                   "precision.compute: bf16), but the %s backend computes in %s; use precision.master: fp32",
@@ -403,6 +404,7 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     if (E) {
         m->moe.load = xcalloc((size_t)L * E, sizeof(int64_t));
     }
+    model_fp8_check(m); /* names the tensors: after the table */
 }
 
 void model_set_hooks(Model *m, const ModelHooks *h) {
@@ -534,6 +536,7 @@ void model_free(Model *m) {
         m->be->free(m->grad_mem);
         if (m->act_mem) m->be->free(m->act_mem);
         cbuf_free_all(m);
+        model_fp8_free(m);
     }
     free(m->params);
     free(m->pview);
@@ -892,6 +895,7 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
         m->counts_host = xrealloc(m->counts_host, (size_t)B * E * sizeof(int32_t));
     }
     m->losses_host = xcalloc(N, sizeof(float));
+    model_fp8_plan(m, (int)N);
     m->row_host = xcalloc((size_t)m->tp * m->shape.padded_vocab, m->act_bytes);
     if (m->tp > 1) {
         m->pad_host = xrealloc(m->pad_host, (size_t)T * sizeof(int32_t));
@@ -948,7 +952,7 @@ void *model_stage_output_grad(const Model *m) { return m->stage_dout; }
 const void *model_stage_input_grad(const Model *m) { return m->stage_din ? m->stage_din : m->scratch; }
 
 int model_gelu_fused(const Model *m, int backward) {
-    if (!m->gelu_fusion || m->shape.mlp != MLP_GELU) return 0;
+    if (!m->gelu_fusion || m->shape.mlp != MLP_GELU || m->fp8.mode) return 0; /* fp8: quantised operands */
     return backward ? m->be->matmul_backward_dgelu != NULL : m->be->matmul_gelu_forward != NULL;
 }
 
@@ -1191,14 +1195,14 @@ static void attn_forward(Model *m, int l, const void *x, int B, int T) {
     sh.doc = m->doc_mask ? m->doc_dev : NULL; /* data.doc_masking */
     void *proj = m->scratch; /* (N,C) lives only until the residual add consumes it */
     norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, x, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B), N);
-    be->matmul_forward(a->qkv, a->ln1, W(m, l, ROLE_QKV_W), W(m, l, ROLE_QKV_B), N, C, arch_qkv_width(s));
+    model_mm_forward(m, l, MM_QKV, -1, a->qkv, a->ln1, W(m, l, ROLE_QKV_W), W(m, l, ROLE_QKV_B), N, C, arch_qkv_width(s));
     if (s->qk_norm != QKNORM_NONE)
         be->qknorm_forward(a->qkv, a->qk_in, a->qk_rstd, W(m, l, ROLE_Q_NORM), W(m, l, ROLE_K_NORM), &sh,
                            s->qk_norm == QKNORM_HEAD, s->norm_eps);
     if (s->pos == POS_ROPE) rope_rows(m, a->qkv, &sh, 0);
     if (m->cp > 1) m->cpc.attention_forward(m->cpc.ctx, a->atty, a->att_lse, a->qkv, &sh);
     else be->attention_forward(a->atty, a->att_lse, a->qkv, &sh);
-    be->matmul_forward(proj, a->atty, W(m, l, ROLE_O_W), row_bias(m, l, ROLE_O_B), N, Q, C);
+    model_mm_forward(m, l, MM_O, -1, proj, a->atty, W(m, l, ROLE_O_W), row_bias(m, l, ROLE_O_B), N, Q, C);
     const void *out = row_reduce(m, proj, act_at(m, proj, N, C), N);
     be->residual_forward(a->res2, x, out, (size_t)res_rows(m, N) * C);
 }
@@ -1233,15 +1237,15 @@ static void experts_forward(Model *m, int l, const ModelExpertRows *r) {
     for (int j = 0; j < r->n; j++) {
         int n = off[j + 1] - off[j];
         if (n > 0)
-            be->matmul_forward(act_at(m, r->h, off[j], 2 * Fe), act_at(m, r->x, off[j], C),
-                               WX(m, l, ROLE_EXPERT_GATE_W, r->e0 + j), NULL, n, C, 2 * Fe);
+            model_mm_forward(m, l, MM_EXPERT_GATE, r->e0 + j, act_at(m, r->h, off[j], 2 * Fe),
+                             act_at(m, r->x, off[j], C), WX(m, l, ROLE_EXPERT_GATE_W, r->e0 + j), NULL, n, C, 2 * Fe);
     }
     if (off[r->n] > 0) be->swiglu_forward(r->h_act, r->h, off[r->n], Fe);
     for (int j = 0; j < r->n; j++) {
         int n = off[j + 1] - off[j];
         if (n > 0)
-            be->matmul_forward(act_at(m, r->y, off[j], C), act_at(m, r->h_act, off[j], Fe),
-                               WX(m, l, ROLE_EXPERT_DOWN_W, r->e0 + j), NULL, n, Fe, C);
+            model_mm_forward(m, l, MM_EXPERT_DOWN, r->e0 + j, act_at(m, r->y, off[j], C),
+                             act_at(m, r->h_act, off[j], Fe), WX(m, l, ROLE_EXPERT_DOWN_W, r->e0 + j), NULL, n, Fe, C);
     }
 }
 
@@ -1276,9 +1280,9 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     be->residual_forward(a->res3, a->res2, mine, n);
     if (mo->n_shared > 0) {
         int S = mo->n_shared * mo->expert_hidden;
-        be->matmul_forward(a->sh, a->ln2, W(m, l, ROLE_SHARED_GATE_W), NULL, N, C, 2 * S);
+        model_mm_forward(m, l, MM_SHARED_GATE, -1, a->sh, a->ln2, W(m, l, ROLE_SHARED_GATE_W), NULL, N, C, 2 * S);
         be->swiglu_forward(a->sh_act, a->sh, N, S);
-        be->matmul_forward(proj, a->sh_act, W(m, l, ROLE_SHARED_DOWN_W), NULL, N, S, C);
+        model_mm_forward(m, l, MM_SHARED_DOWN, -1, proj, a->sh_act, W(m, l, ROLE_SHARED_DOWN_W), NULL, N, S, C);
         be->residual_forward(a->res3, a->res3, mine, n);
     }
     /* Losses per sequence b of T tokens, averaged over the B sequences:
@@ -1325,10 +1329,10 @@ static void mlp_forward(Model *m, int l, int N, int T, int fuse, float dloss, in
     if (fuse) {
         be->matmul_gelu_forward(a->fch_gelu, a->fch, a->ln2, W(m, l, ROLE_FC_W), W(m, l, ROLE_FC_B), N, C, F);
     } else {
-        be->matmul_forward(a->fch, a->ln2, W(m, l, ROLE_FC_W), W(m, l, ROLE_FC_B), N, C, arch_fc_width(s));
+        model_mm_forward(m, l, MM_FC, -1, a->fch, a->ln2, W(m, l, ROLE_FC_W), W(m, l, ROLE_FC_B), N, C, arch_fc_width(s));
         mlp_activation(m, a, N);
     }
-    be->matmul_forward(proj, a->fch_gelu, W(m, l, ROLE_DOWN_W), row_bias(m, l, ROLE_DOWN_B), N, F, C);
+    model_mm_forward(m, l, MM_DOWN, -1, proj, a->fch_gelu, W(m, l, ROLE_DOWN_W), row_bias(m, l, ROLE_DOWN_B), N, F, C);
     const void *out = row_reduce(m, proj, act_at(m, proj, N, C), N);
     be->residual_forward(a->res3, a->res2, out, (size_t)res_rows(m, N) * C);
 }
@@ -1425,7 +1429,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     }
     norm_in(m, m->lnf, m->lnf_mean, m->lnf_rstd, x, W(m, -1, ROLE_FINAL_NORM_W), W(m, -1, ROLE_FINAL_NORM_B), N);
     /* logits (N,Vp) = lnf @ head^T: under tp this rank's vocabulary columns */
-    be->matmul_forward(m->logits, m->lnf, m->wview[head_index(m)], NULL, N, C, s->padded_vocab);
+    model_mm_forward(m, -1, MM_HEAD, -1, m->logits, m->lnf, m->wview[head_index(m)], NULL, N, C, s->padded_vocab);
 
     m->live_B = B;
     m->live_T = T;
@@ -1509,10 +1513,10 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
     int C = s->n_embd, E = mo->n_experts, K = mo->top_k, Fe = mo->expert_hidden;
     if (mo->n_shared > 0) {
         int S = mo->n_shared * Fe;
-        be->matmul_backward(b->dbuf, G(m, l, ROLE_SHARED_DOWN_W), NULL, dtop, a->sh_act,
+        model_mm_backward(m, l, MM_SHARED_DOWN, -1, b->dbuf, G(m, l, ROLE_SHARED_DOWN_W), NULL, dtop, a->sh_act,
                             W(m, l, ROLE_SHARED_DOWN_W), N, S, C, acc);
         be->swiglu_backward(b->dbuf2, b->dbuf, a->sh, N, S);
-        be->matmul_backward(b->dln, G(m, l, ROLE_SHARED_GATE_W), NULL, b->dbuf2, a->ln2, W(m, l, ROLE_SHARED_GATE_W),
+        model_mm_backward(m, l, MM_SHARED_GATE, -1, b->dln, G(m, l, ROLE_SHARED_GATE_W), NULL, b->dbuf2, a->ln2, W(m, l, ROLE_SHARED_GATE_W),
                             N, C, 2 * S, acc);
     } else {
         be->zero(b->dln, (size_t)N * C * m->act_bytes);
@@ -1531,7 +1535,7 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
     for (int j = 0; j < r.n; j++) {
         int n = off[j + 1] - off[j], e = r.e0 + j;
         if (n == 0) continue;
-        be->matmul_backward(act_at(m, r.dh_act, off[j], Fe), GX(m, l, ROLE_EXPERT_DOWN_W, e), NULL,
+        model_mm_backward(m, l, MM_EXPERT_DOWN, e, act_at(m, r.dh_act, off[j], Fe), GX(m, l, ROLE_EXPERT_DOWN_W, e), NULL,
                             act_at(m, r.dy, off[j], C), act_at(m, r.h_act, off[j], Fe),
                             WX(m, l, ROLE_EXPERT_DOWN_W, e), n, Fe, C, acc);
     }
@@ -1542,7 +1546,7 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
             expert_zero_grads(m, l, e, acc);
             continue;
         }
-        be->matmul_backward(act_at(m, r.dx, off[j], C), GX(m, l, ROLE_EXPERT_GATE_W, e), NULL,
+        model_mm_backward(m, l, MM_EXPERT_GATE, e, act_at(m, r.dx, off[j], C), GX(m, l, ROLE_EXPERT_GATE_W, e), NULL,
                             act_at(m, r.dh, off[j], 2 * Fe), act_at(m, r.x, off[j], C),
                             WX(m, l, ROLE_EXPERT_GATE_W, e), n, C, 2 * Fe, acc);
     }
@@ -1609,13 +1613,13 @@ static void mlp_backward(Model *m, int l, int N, const BackScratch *b, int acc, 
             be->matmul_backward_dgelu(b->dbuf2, GW(m, l, ROLE_DOWN_W, part), GW(m, l, ROLE_DOWN_B, part), dtop,
                                       a->fch_gelu, W(m, l, ROLE_DOWN_W), a->fch, N, F, C, acc);
         } else {
-            be->matmul_backward(b->dbuf, GW(m, l, ROLE_DOWN_W, part), GW(m, l, ROLE_DOWN_B, part), dtop, a->fch_gelu,
+            model_mm_backward(m, l, MM_DOWN, -1, b->dbuf, GW(m, l, ROLE_DOWN_W, part), GW(m, l, ROLE_DOWN_B, part), dtop, a->fch_gelu,
                                 W(m, l, ROLE_DOWN_W), N, F, C, acc);
             if (s->mlp == MLP_SWIGLU) be->swiglu_backward(b->dbuf2, b->dbuf, a->fch, N, F);
             else be->gelu_backward(b->dbuf2, a->fch, b->dbuf, (size_t)N * F);
         }
         keep_grad(m, a->d_fc, b->dbuf2, N, (size_t)arch_fc_width(s), part); /* fch is read: after the GeLU's backward */
-        be->matmul_backward(b->dln, GW(m, l, ROLE_FC_W, part), GW(m, l, ROLE_FC_B, part), b->dbuf2, a->ln2,
+        model_mm_backward(m, l, MM_FC, -1, b->dln, GW(m, l, ROLE_FC_W, part), GW(m, l, ROLE_FC_B, part), b->dbuf2, a->ln2,
                             W(m, l, ROLE_FC_W), N, C, arch_fc_width(s), acc);
         dnorm = col_grad_reduce(m, b->dln, b->dfull, N);
     }
@@ -1635,7 +1639,7 @@ static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const
     rec_norm = rec_norm && part != PART_INPUT; /* norm1's output is read by qkv's weight gradient only */
     const void *dtop = grad_gather(m, b->dres, b->dfull, N); /* tp: all N rows */
     keep_grad(m, a->d_o, dtop, N, (size_t)C, part);
-    be->matmul_backward(b->dbuf, GW(m, l, ROLE_O_W, part), GW(m, l, ROLE_O_B, part), dtop, a->atty,
+    model_mm_backward(m, l, MM_O, -1, b->dbuf, GW(m, l, ROLE_O_W, part), GW(m, l, ROLE_O_B, part), dtop, a->atty,
                         W(m, l, ROLE_O_W), N, Q, C, acc);
     if (m->cp > 1) m->cpc.attention_backward(m->cpc.ctx, b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
     else be->attention_backward(b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
@@ -1646,7 +1650,7 @@ static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const
     if (rec_norm)
         norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, x_in, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B), N);
     keep_grad(m, a->d_qkv, b->dqkv, N, (size_t)arch_qkv_width(s), part); /* attention has read qkv */
-    be->matmul_backward(b->dln, GW(m, l, ROLE_QKV_W, part), GW(m, l, ROLE_QKV_B, part), b->dqkv, a->ln1,
+    model_mm_backward(m, l, MM_QKV, -1, b->dln, GW(m, l, ROLE_QKV_W, part), GW(m, l, ROLE_QKV_B, part), b->dqkv, a->ln1,
                         W(m, l, ROLE_QKV_W), N, C, arch_qkv_width(s), acc);
     const void *dnorm = col_grad_reduce(m, b->dln, b->dfull, N);
     norm_backward(m, b->dres, G(m, l, ROLE_ATTN_NORM_W), G(m, l, ROLE_ATTN_NORM_B), dnorm, x_in,
@@ -1673,7 +1677,7 @@ static void backward_run(Model *m, int accumulate, BackPart part) {
         const void *x_last = m->acts[m->layer_hi - 1].res3;
         compute_refresh(m, L);
         /* the input part keeps dlogits where they are, in the slot's logits */
-        be->matmul_backward(b.dln, part == PART_INPUT ? NULL : m->gview[head], NULL, m->logits, m->lnf,
+        model_mm_backward(m, -1, MM_HEAD, -1, b.dln, part == PART_INPUT ? NULL : m->gview[head], NULL, m->logits, m->lnf,
                             m->wview[head], N, C, s->padded_vocab, accumulate);
         const void *dnorm = col_grad_reduce(m, b.dln, b.dfull, N); /* tp: the head is column-parallel */
         be->zero(b.dres, (size_t)N * C * m->act_bytes);
@@ -1725,7 +1729,6 @@ void model_backward(Model *m, int accumulate) { backward_run(m, accumulate, PART
 void model_backward_input(Model *m, int accumulate) { backward_run(m, accumulate, PART_INPUT); }
 
 void model_backward_weight(Model *m, int accumulate) {
-    const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
     if (!m->weight_pending)
         kiln_fail(KILN_EXIT_RUNTIME, "model_backward_weight: no input part of a backward ran on this slot before");
@@ -1734,7 +1737,7 @@ void model_backward_weight(Model *m, int accumulate) {
     if (m->has_head) { /* dlogits (N,Vp) are still in the slot's logits */
         int head = head_index(m);
         compute_refresh(m, L);
-        be->matmul_backward(NULL, m->gview[head], NULL, m->logits, m->lnf, m->wview[head], N, C, s->padded_vocab,
+        model_mm_backward(m, -1, MM_HEAD, -1, NULL, m->gview[head], NULL, m->logits, m->lnf, m->wview[head], N, C, s->padded_vocab,
                             accumulate);
     }
     int acc = accumulate && !m->layer_grads_fresh;
@@ -1752,17 +1755,17 @@ void model_backward_weight(Model *m, int accumulate) {
                 norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W),
                         W(m, l, ROLE_MLP_NORM_B), N);
             if (rec_act) mlp_activation(m, a, N);
-            be->matmul_backward(NULL, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), a->d_down, a->fch_gelu,
+            model_mm_backward(m, l, MM_DOWN, -1, NULL, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), a->d_down, a->fch_gelu,
                                 W(m, l, ROLE_DOWN_W), N, F, C, acc);
-            be->matmul_backward(NULL, G(m, l, ROLE_FC_W), G(m, l, ROLE_FC_B), a->d_fc, a->ln2, W(m, l, ROLE_FC_W), N,
+            model_mm_backward(m, l, MM_FC, -1, NULL, G(m, l, ROLE_FC_W), G(m, l, ROLE_FC_B), a->d_fc, a->ln2, W(m, l, ROLE_FC_W), N,
                                 C, arch_fc_width(s), acc);
         }
-        be->matmul_backward(NULL, G(m, l, ROLE_O_W), G(m, l, ROLE_O_B), a->d_o, a->atty, W(m, l, ROLE_O_W), N, Q, C,
+        model_mm_backward(m, l, MM_O, -1, NULL, G(m, l, ROLE_O_W), G(m, l, ROLE_O_B), a->d_o, a->atty, W(m, l, ROLE_O_W), N, Q, C,
                             acc);
         if (rec_norm)
             norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, x_in, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B),
                     N);
-        be->matmul_backward(NULL, G(m, l, ROLE_QKV_W), G(m, l, ROLE_QKV_B), a->d_qkv, a->ln1, W(m, l, ROLE_QKV_W),
+        model_mm_backward(m, l, MM_QKV, -1, NULL, G(m, l, ROLE_QKV_W), G(m, l, ROLE_QKV_B), a->d_qkv, a->ln1, W(m, l, ROLE_QKV_W),
                             N, C, arch_qkv_width(s), acc);
         if (m->tpc.grads_done) m->tpc.grads_done(m->tpc.ctx, l);
         if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, l);

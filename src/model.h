@@ -246,6 +246,16 @@ typedef struct ModelCp {
 /* Global chunk index of local chunk c (0, 1) on cp rank `rank` of cp. */
 static inline int model_cp_chunk(int cp, int rank, int c) { return c ? 2 * cp - 1 - rank : rank; }
 
+/* fp8 products (precision.fp8 keys; docs/precision.md, model_fp8.c). */
+typedef struct ModelFp8 {
+    int mode;     /* Fp8Mode: FP8_OFF (none), FP8_TENSORWISE, FP8_ROWWISE */
+    int grad_fmt; /* Fp8Format of the output gradients in the backward */
+    int wgrad;    /* 1: the weight-gradient product's operands in fp8 too */
+    int history;  /* 0: current scaling; N: delayed, the max of the last N amaxes (tensorwise) */
+    int pow2;     /* scales rounded down to powers of two */
+    int head;     /* the output head's product too */
+} ModelFp8;
+
 /* model_init's options. */
 typedef struct ModelOptions {
     int decay_embeddings; /* optim.decay_embeddings */
@@ -266,6 +276,7 @@ typedef struct ModelOptions {
     int doc_masking;      /* data.doc_masking: attention stops at documents (model_doc_starts) */
     int doc_reset;        /* data.doc_positions reset: positions (RoPE, learned) restart per document */
     int doc_eot;          /* the end-of-text id that ends a document (with either of the two above) */
+    ModelFp8 fp8;         /* fp8 products; mode 0: none */
 } ModelOptions;
 
 
@@ -386,6 +397,17 @@ typedef struct Model {
     int n_slots, cur_slot;
     int chunk_slot0[MODEL_MAX_CHUNKS], chunk_slots[MODEL_MAX_CHUNKS];
     int split_backward; /* planned for model_backward_input / _weight */
+    /* fp8 (model_fp8.c): the quantised operands of one product at a time,
+     * amax scratch and delayed-scaling histories */
+    ModelFp8 fp8;
+    void *fp8_qx, *fp8_qw, *fp8_qd; /* act: (N, in) (out, in) (N, out) at the largest product's sizes */
+    float *fp8_amax;    /* device (tp, fp8_amax_n): one product operand's amaxes, every tp rank's */
+    float *fp8_inv;     /* device (4): the real fp8 product's inverse scales (x, w; dout, w^T) */
+    size_t fp8_amax_n;  /* the most amaxes of one operand: max(N, widths) */
+    float *fp8_hist;    /* device (fp8_slots, MM_OPERANDS, history, tp) amax histories; NULL: current scaling */
+    int64_t *fp8_count; /* (fp8_slots, MM_OPERANDS) host: casts so far of each operand (its history row) */
+    int fp8_slots;      /* products with histories: n_layer (MM_KINDS + 2 E) + 1 (the head) */
+    int fp8_local_amax; /* test hook KILN_TEST_FP8_LOCAL_AMAX: no tp reduction of amaxes (wrong on purpose) */
 } Model;
 
 /* Build the parameter table of the resolved spec `s` (arch_resolve) and
@@ -587,6 +609,30 @@ void model_moe_reset(Model *m);
  * loads of the whole step, all micro-batches and (summed by the caller) all
  * ranks. Not a gradient step: the bias only steers selection. */
 void model_moe_update_bias(Model *m, const int64_t *load);
+
+/* fp8 products (model_fp8.c). The block's products by kind; an expert's
+ * two are MM_EXPERT_GATE/DOWN with its index. */
+enum { MM_QKV, MM_O, MM_FC, MM_DOWN, MM_SHARED_GATE, MM_SHARED_DOWN, MM_KINDS, MM_EXPERT_GATE = MM_KINDS,
+       MM_EXPERT_DOWN, MM_HEAD };
+/* The quantised operands a product's scales belong to: forward input and
+ * weight, output gradient, and the backward's own casts of input and weight
+ * (rowwise scales run along another axis there). */
+enum { MM_X, MM_W, MM_D, MM_XB, MM_WB, MM_OPERANDS };
+/* model_init: every fp8 product's dimensions multiples of 16 (else exit 2
+ * naming the tensor), the backend's ops present, the dtype allowed. */
+void model_fp8_check(Model *m);
+/* model_plan_slots: the operand buffers for N rows; model_free: their release. */
+void model_fp8_plan(Model *m, int N);
+void model_fp8_free(Model *m);
+/* out (N,OC) = inp (N,C) @ w (OC,C)^T + bias, and its backward, as
+ * backend.h's matmul_forward / matmul_backward, for product `kind` of layer
+ * l (expert e, else -1; the head: l -1, MM_HEAD): with fp8 on, the operands
+ * quantised first (E4M3 forward; the output gradient in grad_fmt), their
+ * amaxes reduced over the tp ranks where tp splits the range they cover. */
+void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *inp, const void *w, const void *bias,
+                      int N, int C, int OC);
+void model_mm_backward(Model *m, int l, int kind, int e, void *dinp, float *dw, float *dbias, const void *dout,
+                       const void *inp, const void *w, int N, int C, int OC, int accumulate);
 
 /* Find a tensor by name; NULL if absent. */
 const ParamInfo *model_find_param(const Model *m, const char *name);

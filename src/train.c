@@ -12,6 +12,7 @@
 #include "cp.h"
 #include "data.h"
 #include "ddp.h"
+#include "fp8.h"
 #include "ep.h"
 #include "flight.h"
 #include "mesh.h"
@@ -521,7 +522,10 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
                        .tp_rank = tpg->rank, .sequence_parallel = r->sp, .cp = cp, .cp_rank = cpg->rank,
                        .ep = r->ep, .ep_rank = r->mesh.ep_rank, .doc_masking = c->doc_masking,
                        .doc_reset = !strcmp(c->doc_positions, "reset"),
-                       .doc_eot = c->eot_id >= 0 ? c->eot_id : tok_eot(r->tok)};
+                       .doc_eot = c->eot_id >= 0 ? c->eot_id : tok_eot(r->tok),
+                       .fp8 = {.mode = fp8_mode_parse(c->fp8), .grad_fmt = fp8_format_parse(c->fp8_grad),
+                               .wgrad = !strcmp(c->fp8_wgrad, "fp8"), .history = c->fp8_amax_history,
+                               .pow2 = c->fp8_pow2_scales, .head = c->fp8_head}};
     if ((mo.doc_masking || mo.doc_reset) && mo.doc_eot < 0) /* config.c refuses the byte tokenizer's */
         kiln_fail(KILN_EXIT_USAGE, "key 'data.eot_id': the %s tokenizer has no end-of-text id; set data.eot_id",
                   c->tokenizer);
@@ -753,6 +757,13 @@ static void train_describe(TrainRun *r) {
     if (model->master_bf16)
         metrics_print(mx, "parameters: bf16 (precision.master), no fp32 master (%.2f MiB saved); AdamW rounds each "
                           "update stochastically; gradients fp32", model->num_params * 4.0 / 1048576.0);
+    if (model->fp8.mode != FP8_OFF)
+        metrics_print(mx, "fp8 products (precision.fp8): %s scales%s%s, E4M3 forward, %s output gradients, weight "
+                      "gradients %s, head %s; %s (docs/precision.md)", fp8_mode_name((Fp8Mode)model->fp8.mode),
+                      model->fp8.pow2 ? " (powers of two)" : "", model->fp8.history ? ", delayed" : ", current",
+                      fp8_format_name((Fp8Format)model->fp8.grad_fmt), model->fp8.wgrad ? "fp8" : "unquantised",
+                      model->fp8.head ? "fp8" : "unquantised", model->be->fp8_matmul && model->fp8.mode == FP8_TENSORWISE
+                      ? "fp8 tensor-core products" : "quantised operands, products in the activation dtype");
     metrics_print(mx, "gelu fusion: %s", !model->gelu_fusion ? "off (precision.gelu_fusion), fc product and GeLU separate"
                   : fused ? "on: fc product and GeLU fused (forward and backward) by the backend"
                           : "not offered by this backend: fc product and GeLU separate");

@@ -34,8 +34,11 @@
 #include "../cuda/attention.cu"
 #include "../cuda/attention_tc.cu"
 #include "../cuda/attention_block.cu"
+#include "../cuda/fp8.cu"
 #include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */
 #include "../cuda/backend_cuda.cu"
+
+#include <sys/wait.h>
 
 #include <random>
 #include <string>
@@ -52,6 +55,10 @@ void cuda_matmul_gelu_forward(void *, void *, const void *, const void *, const 
 }
 void cuda_matmul_backward_dgelu(void *, float *, float *, const void *, const void *, const void *, const void *, int, int,
                                 int, int) {
+    emu_fail("matmul called");
+}
+void cuda_fp8_matmul(void *, const uint8_t *, const uint8_t *, const float *, const float *, int, int, const void *, int,
+                     int, int) {
     emu_fail("matmul called");
 }
 /* its products are cuBLASLt's: test/matmul_emu.cc tests it */
@@ -675,6 +682,76 @@ static void test_sumsq(size_t n) {
     cudaFree(dx);
 }
 
+/* fp8_amax along each axis and fp8_qdq (both formats, plain and power-of-two
+ * scales, P = 2 rows of amaxes as two tp ranks give) against the CPU
+ * backend's host reference: the same src/fp8.h rounding, so the same bits
+ * (bf16: the CPU's fp32 result rounded once to bf16, as the kernel stores
+ * it). Rows of different scales, an outlier, zeros and a NaN among the inputs. */
+static void test_fp8(int rows, int cols) {
+    std::string sh = "_" + std::to_string(rows) + "x" + std::to_string(cols);
+    Vec x = rnd_act((size_t)rows * cols, 1.0f);
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) x[(size_t)i * cols + j] *= (float)(1 + i % 5) * 0.25f;
+    x = act_round(x);
+    x[7 % x.size()] = 300.0f;
+    x[11 % x.size()] = 0.0f;
+    void *dx = dev_act(x);
+    const char *axes[3] = {"tensor", "row", "col"};
+    for (int axis = -1; axis <= 1; axis++) {
+        int n = fp8_amax_len(rows, cols, axis);
+        Vec ref(2 * (size_t)n);
+        fp8_amax_f32(ref.data(), x.data(), rows, cols, axis);
+        for (int k = 0; k < n; k++) ref[(size_t)n + k] = ref[k] * (k % 2 ? 1.5f : 0.5f); /* the other rank's */
+        float *da = dev_f32(ref);
+        gpu->fp8_amax(da, dx, rows, cols, axis);
+        check_exact(std::string("fp8_amax_") + axes[axis + 1] + sh, get_f32(da, n), Vec(ref.begin(), ref.begin() + n));
+        CUDA_CHECK(cudaMemcpy(da, ref.data(), ref.size() * sizeof(float), cudaMemcpyHostToDevice));
+        for (int fmt = 0; fmt < 2; fmt++)
+            for (int pow2 = 0; pow2 < 2; pow2++) {
+                Vec want(x.size());
+                fp8_qdq_f32(want.data(), x.data(), ref.data(), 2, rows, cols, axis, (Fp8Format)fmt, pow2);
+                void *dy;
+                CUDA_CHECK(cudaMalloc(&dy, x.size() * AB));
+                gpu->fp8_qdq(dy, dx, da, 2, rows, cols, axis, fmt, pow2);
+                check_exact(std::string("fp8_qdq_") + fp8_format_name((Fp8Format)fmt) + "_" + axes[axis + 1] +
+                                (pow2 ? "_pow2" : "") + sh,
+                            get_act(dy, x.size()), act_round(want));
+                cudaFree(dy);
+            }
+        cudaFree(da);
+    }
+    cudaFree(dx);
+}
+
+/* A GPU before sm_89 (here the emulation reporting sm_86) refuses the
+ * first fp8 op: exit 2, one line naming the key and the device's sm. */
+static void test_fp8_old_gpu(void) {
+    char path[] = "/tmp/kiln_fp8_smXXXXXX";
+    int fd = mkstemp(path);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd, 2);
+        emu_sm_major = 8, emu_sm_minor = 6, fp8_device_checked = 0;
+        float *a;
+        CUDA_CHECK(cudaMalloc(&a, 16));
+        gpu->fp8_amax(a, a, 1, 1, FP8_AXIS_TENSOR);
+        _exit(0);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    char err[512] = "";
+    ssize_t n = pread(fd, err, sizeof err - 1, 0);
+    err[n > 0 ? n : 0] = '\0';
+    close(fd), unlink(path);
+    int lines = 0;
+    for (char *c = err; *c; c++) lines += *c == '\n';
+    if (lines && err[strlen(err) - 1] == '\n') err[strlen(err) - 1] = '\0';
+    int ok = WIFEXITED(st) && WEXITSTATUS(st) == 2 && lines == 1 && strstr(err, "key 'precision.fp8'") &&
+             strstr(err, "sm_86");
+    report_s("fp8_refuses_before_sm89", ok, err[0] ? err : "no message");
+}
+
 /* impl "simt": attention.cu's kernels; "tc": the backend's choice (the
  * tensor-core kernels where the head size allows, with bf16 after a passed
  * self-check). */
@@ -1167,6 +1244,9 @@ int main(void) {
         printf("%s cuda_emu_%s_attention_choice%s%s\n", want_tc == got_tc ? "ok" : "FAIL", DT,
                want_tc == got_tc ? " # " : ": ", desc);
         failures += want_tc != got_tc;
+        test_fp8(37, 48);
+        if (!bf) test_fp8_old_gpu();
+        test_fp8(5, 1100); /* rows longer than a block's threads */
         test_cast(1001, 0);
         test_cast(1001, 1);
         test_cast(5, 0);

@@ -330,10 +330,12 @@ typedef struct EmuEvent *cudaEvent_t;
 #define cudaEventDisableTiming 2
 static inline cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return cudaSuccess; }
 static inline cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+/* the compute capability the emulated device reports (a test may lower it) */
+static int emu_sm_major = 9, emu_sm_minor = 0;
 static inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int) {
     memset(p, 0, sizeof *p);
     snprintf(p->name, sizeof p->name, "CPU emulation (test/cuda_emu.h)");
-    p->major = 9, p->minor = 0, p->multiProcessorCount = 1, p->totalGlobalMem = (size_t)1 << 30;
+    p->major = emu_sm_major, p->minor = emu_sm_minor, p->multiProcessorCount = 1, p->totalGlobalMem = (size_t)1 << 30;
     return cudaSuccess;
 }
 static inline cudaError_t cudaRuntimeGetVersion(int *v) { *v = CUDART_VERSION; return cudaSuccess; }

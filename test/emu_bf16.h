@@ -287,6 +287,20 @@ static void emu_moe_route_backward(void *dlogits, const float *dgates, const flo
 }
 
 /* The CPU backend's table with the act ops above; memory, fp32 ops as is. */
+/* fp8: the CPU's host reference on the widened values, the result rounded
+ * once to bf16 (cuda/fp8.cu's contract). */
+static void emu_fp8_amax(float *amax, const void *x, int rows, int cols, int axis) {
+    float *f = emu_wide(x, (size_t)rows * cols);
+    backend_cpu.fp8_amax(amax, f, rows, cols, axis);
+    free(f);
+}
+static void emu_fp8_qdq(void *y, const void *x, const float *amax, int P, int rows, int cols, int axis, int fmt,
+                        int pow2) {
+    float *f = emu_wide(x, (size_t)rows * cols);
+    backend_cpu.fp8_qdq(f, f, amax, P, rows, cols, axis, fmt, pow2);
+    emu_store(y, f, (size_t)rows * cols);
+}
+
 static Backend emu_bf16_backend(void) {
     Backend b = backend_cpu;
     b.name = "emu_bf16";
@@ -298,6 +312,8 @@ static Backend emu_bf16_backend(void) {
     b.layernorm_backward = emu_layernorm_backward;
     b.matmul_forward = emu_matmul_forward;
     b.matmul_backward = emu_matmul_backward;
+    b.fp8_amax = emu_fp8_amax;
+    b.fp8_qdq = emu_fp8_qdq;
     b.attention_forward = emu_attention_forward;
     b.attention_backward = emu_attention_backward;
     b.attention_block_forward = emu_attention_block_forward;

@@ -28,6 +28,7 @@
 #include "../cuda/attention.cu"
 #include "../cuda/attention_tc.cu"
 #include "../cuda/attention_block.cu"
+#include "../cuda/fp8.cu"
 #include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */
 #include "../cuda/matmul.cu"
 #include "../cuda/backend_cuda.cu"
@@ -243,6 +244,94 @@ static void test_newton_schulz(double *lo, double *hi, int *left_out) {
     }
 }
 
+/* fp8 products (bf16 round): fp8_cast's codes and inverse scales into
+ * cuda_fp8_matmul's TN cuBLASLt product, forward (x, w as they are) and the
+ * input gradient (dout in E5M2, w cast transposed), against the CPU
+ * backend's fp8 emulation (the same quantisation, fp32 product of the
+ * dequantised operands), rounded to bf16. Both products sum the same exact
+ * fp8 values in fp32 in other orders and apply the scales once (here) or
+ * per element (the CPU): a few fp32 ulps, under the bf16 store's 2^-9, so
+ * bf16's 1e-2. Then the stand-in's fp8 refusals, each as cublasLt.h
+ * documents it (or stricter: a missing scale). */
+static void test_fp8_matmul(int N, int C, int OC) {
+    std::string s = "N" + std::to_string(N) + "_C" + std::to_string(C) + "_OC" + std::to_string(OC);
+    Vec x = rnd_act((size_t)N * C, 1.0f), w = rnd_act((size_t)OC * C, 0.05f), b = rnd_act(OC, 0.5f);
+    Vec dout = rnd_act((size_t)N * OC, 1e-3f);
+    void *gx = dev_put(x, 0, AB), *gw = dev_put(w, 0, AB), *gb = dev_put(b, 16, AB), *gd = dev_put(dout, 0, AB);
+    uint8_t *qx = (uint8_t *)dev_out((size_t)N * C, 1), *qw = (uint8_t *)dev_out((size_t)OC * C, 1);
+    uint8_t *qd = (uint8_t *)dev_out((size_t)N * OC, 1);
+    float *amax = (float *)dev_out(4, 4), *inv = (float *)dev_out(4, 4);
+    /* host reference: amaxes, quantised operands, fp32 products */
+    float ax, aw, ad;
+    fp8_amax_f32(&ax, x.data(), N, C, FP8_AXIS_TENSOR);
+    fp8_amax_f32(&aw, w.data(), OC, C, FP8_AXIS_TENSOR);
+    fp8_amax_f32(&ad, dout.data(), N, OC, FP8_AXIS_TENSOR);
+    Vec qxh(x.size()), qwh(w.size()), qdh(dout.size()), ref((size_t)N * OC), rdinp((size_t)N * C);
+    fp8_qdq_f32(qxh.data(), x.data(), &ax, 1, N, C, FP8_AXIS_TENSOR, FP8_E4M3, 0);
+    fp8_qdq_f32(qwh.data(), w.data(), &aw, 1, OC, C, FP8_AXIS_TENSOR, FP8_E4M3, 0);
+    fp8_qdq_f32(qdh.data(), dout.data(), &ad, 1, N, OC, FP8_AXIS_TENSOR, FP8_E5M2, 0);
+    cpu->matmul_forward(ref.data(), qxh.data(), qwh.data(), b.data(), N, C, OC);
+    cpu->matmul_backward(rdinp.data(), NULL, NULL, qdh.data(), NULL, qwh.data(), N, C, OC, 0);
+    gpu->fp8_amax(amax, gx, N, C, FP8_AXIS_TENSOR);
+    gpu->fp8_amax(amax + 1, gw, OC, C, FP8_AXIS_TENSOR);
+    gpu->fp8_amax(amax + 2, gd, N, OC, FP8_AXIS_TENSOR);
+    gpu->fp8_cast(qx, inv, gx, amax, 1, N, C, FP8_E4M3, 0, 0);
+    gpu->fp8_cast(qw, inv + 1, gw, amax + 1, 1, OC, C, FP8_E4M3, 0, 0);
+    void *out = dev_out((size_t)N * OC, AB);
+    gpu->fp8_matmul(out, qw, qx, inv + 1, inv, FP8_E4M3, FP8_E4M3, gb, N, C, OC);
+    check("fp8_forward_bias_" + s, get(out, (size_t)N * OC, AB), act_round(ref), 1e-2);
+    gpu->fp8_cast(qd, inv + 2, gd, amax + 2, 1, N, OC, FP8_E5M2, 0, 0);
+    gpu->fp8_cast(qw, inv + 3, gw, amax + 1, 1, OC, C, FP8_E4M3, 0, 1); /* w^T (C, OC) */
+    void *dinp = dev_out((size_t)N * C, AB);
+    gpu->fp8_matmul(dinp, qw, qd, inv + 3, inv + 2, FP8_E4M3, FP8_E5M2, NULL, N, OC, C);
+    check("fp8_dinp_e5m2_" + s, get(dinp, (size_t)N * C, AB), act_round(rdinp), 1e-2);
+}
+
+static void test_fp8_refusals(void) {
+    EmuLtDesc d = {CUBLAS_COMPUTE_32F, CUDA_R_32F, CUBLAS_OP_T, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0,
+                   NULL, NULL};
+    /* m 32, n 48, k 64: A (k, m) transposed, B (k, n), D (m, n) */
+    EmuLtLayout A = {CUDA_R_8F_E4M3, 64, 32, 64}, B = {CUDA_R_8F_E5M2, 64, 48, 64}, D = {CUDA_R_16BF, 32, 48, 32};
+    int ok = emu_lt_validate(&d, &A, &B, &D, &D) == CUBLAS_STATUS_SUCCESS;
+    EmuLtDesc nn = d;
+    nn.ta = CUBLAS_OP_N;
+    EmuLtLayout An = {CUDA_R_8F_E4M3, 32, 64, 32};
+    int layout = emu_lt_validate(&nn, &An, &B, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    EmuLtLayout B55 = B, Ak = {CUDA_R_8F_E4M3, 24, 32, 24}, Bk = {CUDA_R_8F_E5M2, 24, 48, 24};
+    EmuLtLayout A55 = A;
+    A55.type = B55.type = CUDA_R_8F_E5M2;
+    int both_e5m2 = emu_lt_validate(&d, &A55, &B55, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    int k16 = emu_lt_validate(&d, &Ak, &Bk, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    EmuLtLayout Ald = {CUDA_R_8F_E4M3, 64, 32, 72}; /* ld 72: not a multiple of 16 */
+    int ld16 = emu_lt_validate(&d, &Ald, &B, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    EmuLtLayout Bbf = {CUDA_R_16BF, 64, 48, 64};
+    int mixed = emu_lt_validate(&d, &A, &Bbf, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    EmuLtDesc gelu = d;
+    gelu.epi = CUBLASLT_EPILOGUE_GELU_AUX;
+    int epi = emu_lt_validate(&gelu, &A, &B, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    /* no scales: cublasLtMatmul refuses */
+    cublasLtMatmulAlgo_t algo;
+    memset(&algo, 0, sizeof algo);
+    algo.valid = 1;
+    void *a = dev_out(64 * 32, 1), *bb = dev_out(64 * 48, 1), *dd = dev_out(32 * 48, 2);
+    float one = 1.0f, zero = 0.0f;
+    int scales = cublasLtMatmul(mm_handle, &d, &one, a, &A, bb, &B, &zero, dd, &D, dd, &D, &algo, NULL, 0, 0) ==
+                 CUBLAS_STATUS_INVALID_VALUE;
+    float *sc = (float *)dev_out(1, 4);
+    CUDA_CHECK(cudaMemcpy(sc, &one, 4, cudaMemcpyHostToDevice));
+    d.scale_a = d.scale_b = sc;
+    int runs = cublasLtMatmul(mm_handle, &d, &one, a, &A, bb, &B, &zero, dd, &D, dd, &D, &algo, NULL, 0, 0) ==
+               CUBLAS_STATUS_SUCCESS;
+    int misaligned = cublasLtMatmul(mm_handle, &d, &one, (char *)a + 8, &A, bb, &B, &zero, dd, &D, dd, &D, &algo,
+                                    NULL, 0, 0) == CUBLAS_STATUS_NOT_SUPPORTED;
+    char msg[240];
+    snprintf(msg, sizeof msg, "TN accepted %d, runs with scales %d; refused: NN %d, E5M2 x E5M2 %d, k 24 %d, ld 72 %d, "
+             "fp8 x bf16 %d, GELU_AUX %d, no scales %d, A 8-byte aligned %d", ok, runs, layout, both_e5m2, k16, ld16,
+             mixed, epi, scales, misaligned);
+    report("fp8_cublaslt_refusals",
+           ok && runs && layout && both_e5m2 && k16 && ld16 && mixed && epi && scales && misaligned, msg);
+}
+
 int main(void) {
     cpu->init(1);
     for (int bf = 0; bf <= 1; bf++) {
@@ -259,6 +348,11 @@ int main(void) {
         test_gelu(37, 24, 40, 16, 1);
         test_gelu(37, 20, 36, 16, 0); /* aux ld 36 and 20: not multiples of 8, the separate ops */
         test_plan_eviction();
+        if (bf) {
+            test_fp8_matmul(48, 64, 32);
+            test_fp8_matmul(16, 32, 80);
+            test_fp8_refusals();
+        }
         double lo = 1e9, hi = 0;
         int left_out = 0;
         test_newton_schulz(&lo, &hi, &left_out);

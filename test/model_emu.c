@@ -93,6 +93,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "backend.h"
 #include "emu_bf16.h"
@@ -140,6 +142,16 @@ static const Tol TOL_BF16_LLAMA = {1e-3, 1e-2, 0.2, 0.2};
  * a whole model is [1.7e-3, 1.2e-2, 0.15, 0.17]: about 2-5x that. */
 static const Tol TOL_BF16_TP = {1e-2, 5e-2, 0.3, 0.4};
 static const Tol TOL_BF16_MOE = {1e-3, 1e-2, 0, 0}; /* losses and grad norms only */
+/* fp8 products against the CPU's fp8 emulation behind bf16 storage: an
+ * operand that the two sides hold a bf16 ulp apart near a midpoint of the
+ * fp8 grid rounds to neighbours a whole grid step apart (2^-4 relative for
+ * E4M3, 2^-3 for E5M2), so the bf16 differences come out about 2-3x larger
+ * [measured, qdq path: losses 2.7e-4, grad norms 9.3e-3, grads 0.116 (a norm
+ * gain), params 0.136]: 2e-3, 5e-2, 0.3, 0.4 (TOL_BF16_TP's). These check
+ * the plumbing (the model's fp8 path runs on the GPU backend and lands
+ * near the CPU's); the ops themselves are checked to the bit in
+ * cuda_emu.cc and the fp8 product in matmul_emu.cc. */
+static const Tol TOL_BF16_FP8 = {2e-3, 5e-2, 0.3, 0.4};
 static const double TOL_BF16_MOVED = 0.05;           /* of the routed slots */
 
 /* ||a - r|| / ||r|| over n elements; NaN stays NaN (and fails every test). */
@@ -265,7 +277,7 @@ static int64_t moved_slots(const Trace *a, const Trace *b) {
 }
 
 static void arch_refs(void) {
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0, 0};
+    TraceOpts plain = {.r = MODEL_RECOMPUTE_NONE, .gelu_fusion = 1};
     for (int i = 0; i < N_ARCH; i++) {
         ArchCase *c = &arch_cases[i];
         arch_resolve(&c->spec);
@@ -299,7 +311,7 @@ static void arch_refs(void) {
  * MoE losses, grad norms and how many slots moved (the comment at the top). */
 static void arch_run_all(const char *prec) {
     int bf16 = strcmp(prec, "bf16") == 0;
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0, 0};
+    TraceOpts plain = {.r = MODEL_RECOMPUTE_NONE, .gelu_fusion = 1};
     for (int i = 0; i < N_ARCH; i++) {
         const ArchCase *c = &arch_cases[i];
         const Trace *ref = &arch_ref[i];
@@ -330,6 +342,35 @@ static void arch_run_all(const char *prec) {
         }
         trace_free(&t);
     }
+}
+
+/* precision.fp8 with fp32 activations on the GPU backend: model_init
+ * refuses (exit 2, one line naming both keys), in a child process. */
+static void check_fp8_refuses_fp32(void) {
+    char path[] = "/tmp/kiln_fp8_f32XXXXXX";
+    int fd = mkstemp(path);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd, 2);
+        Model m;
+        ArchSpec s = shape0;
+        arch_resolve(&s);
+        model_init(&m, gpu, &s, &(ModelOptions){.fp8 = {.mode = 1}});
+        _exit(0);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    char err[512] = "";
+    ssize_t n = pread(fd, err, sizeof err - 1, 0);
+    err[n > 0 ? n : 0] = '\0';
+    close(fd), unlink(path);
+    int lines = 0;
+    for (char *c = err; *c; c++) lines += *c == '\n';
+    if (lines && err[strlen(err) - 1] == '\n') err[strlen(err) - 1] = '\0';
+    report(WIFEXITED(st) && WEXITSTATUS(st) == 2 && lines == 1 &&
+               strstr(err, "keys 'precision.fp8', 'precision.compute'") != NULL,
+           "fp32_fp8_refused", "%s", err[0] ? err : "no message");
 }
 
 static void gpu_start(const char *compute, const char *att) {
@@ -394,7 +435,7 @@ int main(void) {
 
     /* the references, on the CPU: fp32 moments, bf16 moments, and bf16
      * parameters on the bf16 emulation */
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0, 0}, state16 = plain, master16 = plain, muon = plain;
+    TraceOpts plain = {.r = MODEL_RECOMPUTE_NONE, .gelu_fusion = 1}, state16 = plain, master16 = plain, muon = plain;
     state16.state16 = 1;
     master16.master16 = 1;
     muon.muon = 1;
@@ -416,6 +457,7 @@ int main(void) {
     run_case("fp32_optim_state_bf16", state16, &ref_s16, TOL_FP32_STATE16);
     run_case("fp32_muon", muon, &ref_muon, TOL_FP32);
     check_eval("fp32", row32, 1e-5);
+    check_fp8_refuses_fp32();
     arch_run_all("fp32");
     gpu_stop("fp32");
 
@@ -437,6 +479,17 @@ int main(void) {
     run_case("bf16_optim_state_bf16", state16, &ref_s16, TOL_BF16);
     run_case("bf16_master_bf16", master16, &ref_m16, TOL_BF16);
     run_case("bf16_muon", muon, &ref_muon, TOL_BF16);
+    /* fp8 products (model_fp8.c on cuda/fp8.cu's ops: tensorwise through
+     * cuBLASLt's fp8 product, rowwise quantise-dequantise and bf16
+     * products) against the CPU ops behind bf16 storage with the same fp8
+     * quantisation (TOL_BF16_FP8 says why those tolerances) */
+    for (int mode = 1; mode <= 2; mode++) {
+        TraceOpts f8 = plain;
+        f8.fp8 = mode;
+        trace_train_opts(&emu, shape0, f8, &t);
+        run_case(mode == 1 ? "bf16_fp8_tensorwise_cublaslt_fp8" : "bf16_fp8_rowwise_qdq", f8, &t, TOL_BF16_FP8);
+        trace_free(&t);
+    }
     check_eval("bf16", row16, 1e-2);
     arch_run_all("bf16");
     gpu_stop("bf16_tensor_cores");

@@ -48,6 +48,7 @@ typedef struct {
     int tp, tp_rank; /* tp > 1: rank tp_rank's part of the model, on trace_tp's one-process collectives */
     int muon;        /* optim.name muon on the blocks' 2-D weights (trace_set_muon), lr 0.02 */
     int docs;        /* data.doc_masking and doc_positions reset, documents ending at id TRACE_EOT */
+    int fp8;         /* precision.fp8 (Fp8Mode: 1 tensorwise, 2 rowwise), E5M2 gradients, bf16 wgrad */
 } TraceOpts;
 #define TRACE_EOT 5 /* ~1 token in 64 of trace_batch's: a document or two per sequence */
 
@@ -98,7 +99,8 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
     Model m;
     arch_resolve(&s);
     model_init(&m, be, &s, &(ModelOptions){.master_bf16 = op.master16, .tp = op.tp, .tp_rank = op.tp_rank,
-                                           .doc_masking = op.docs, .doc_reset = op.docs, .doc_eot = TRACE_EOT});
+                                           .doc_masking = op.docs, .doc_reset = op.docs, .doc_eot = TRACE_EOT,
+                                           .fp8 = {.mode = op.fp8, .grad_fmt = 1 /* FP8_E5M2 */}});
     ModelTp loop = {&m, trace_tp_sum, trace_tp_gather, trace_tp_scatter, trace_tp_gather_f32, NULL, NULL};
     if (op.tp > 1) model_set_tp(&m, &loop);
     m.gelu_fusion = op.gelu_fusion;
@@ -140,7 +142,7 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
 
 /* Model.recompute r and gelu_fusion, fp32 master and moments. */
 static inline void trace_train(const Backend *be, ArchSpec s, ModelRecompute r, int gelu_fusion, Trace *t) {
-    TraceOpts op = {r, gelu_fusion, 0, 0, 0, 0, 0, 0};
+    TraceOpts op = {.r = r, .gelu_fusion = gelu_fusion};
     trace_train_opts(be, s, op, t);
 }
 

@@ -8,8 +8,8 @@ set -u
 cd "$(dirname "$0")/.."
 . test/emu_lib.sh
 emu_setup matmul_emu
-emu_host_objs src/cpu/backend_cpu.c src/backend.c src/util.c
+emu_host_objs src/cpu/backend_cpu.c src/fp8.c src/backend.c src/util.c
 # shellcheck disable=SC2086
-"$CXX" $EMU_CXXFLAGS -o "$tmp/emu" test/matmul_emu.cc "$tmp"/backend_cpu.o "$tmp"/backend.o "$tmp"/util.o \
+"$CXX" $EMU_CXXFLAGS -o "$tmp/emu" test/matmul_emu.cc "$tmp"/backend_cpu.o "$tmp"/fp8.o "$tmp"/backend.o "$tmp"/util.o \
     $EMU_LIBS >"$tmp/build.log" 2>&1 || emu_build_failed
 emu_run

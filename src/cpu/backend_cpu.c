@@ -4,6 +4,7 @@
  * static schedules only, no float atomics, reductions combined in a fixed order.
  * Must never allocate inside an op in steady state, nor know about models. */
 #include "backend.h"
+#include "fp8.h"
 #include "sround.h"
 #include "util.h"
 
@@ -494,6 +495,16 @@ static void cpu_matmul_backward(void *dinp_, float *dw, float *dbias, const void
             }
         }
     }
+}
+
+/* fp8 (backend.h): the host reference itself, on fp32 activations. */
+static void cpu_fp8_amax(float *amax, const void *x, int rows, int cols, int axis) {
+    fp8_amax_f32(amax, x, rows, cols, axis);
+}
+
+static void cpu_fp8_qdq(void *y, const void *x, const float *amax, int P, int rows, int cols, int axis, int fmt,
+                        int pow2) {
+    fp8_qdq_f32(y, x, amax, P, rows, cols, axis, (Fp8Format)fmt, pow2);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1487,6 +1498,8 @@ const Backend backend_cpu = {
     .layernorm_backward = cpu_layernorm_backward,
     .matmul_forward = cpu_matmul_forward,
     .matmul_backward = cpu_matmul_backward,
+    .fp8_amax = cpu_fp8_amax,
+    .fp8_qdq = cpu_fp8_qdq,
     .attention_forward = cpu_attention_forward,
     .attention_backward = cpu_attention_backward,
     .attention_block_forward = cpu_attention_block_forward,

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# fp8 products (precision.fp8) on the CPU backend: the emulation changes the
+# numbers (fp8 is not fp32) but trains; tensor parallelism with fp8 equals
+# one rank with fp8 (tensorwise and rowwise, current and delayed scaling, fp8
+# weight gradients), which needs every split operand's amax reduced over the
+# tp ranks, and the same check fails when the reduction is skipped (the
+# known bug, through a test hook); MoE experts, the fp8 head, pipelines
+# (1f1b, zero-bubble's split backward), recomputation and resume; refusals
+# name their keys or tensor.
+#
+# Tolerance of tp 2 vs tp 1: with the same scales, tp changes only the
+# association of fp32 sums (~1e-7 relative, t_tp.sh), but a quantised value
+# is discontinuous: an input within 1e-7 of a midpoint between two fp8 grid
+# values may round the other way, moving that element by one grid step
+# (2^-4 relative for E4M3), and training carries such flips on. So the check
+# is in two parts: the first step's loss (one forward on the same weights)
+# to the 6 digits metrics.jsonl prints (relative 2e-6), every later one
+# within relative 5e-5. Measured: first steps equal to the digit, later gaps
+# at most 1.7e-5 (rowwise, E4M3 gradients, fp8 weight gradients); 0 with
+# power-of-two scales. Scaling with each rank's own amax (the bug, through
+# the test hook) misses the first step by 6e-5, 30x the tolerance.
+set -u
+cd "$(dirname "$0")/.."
+T=${KILN_TEST_TMP:-$(mktemp -d)}/t_fp8
+rm -rf "$T"
+. test/ckpt_lib.sh
+ckpt_setup
+Y=$T/tiny.yaml
+S="--set batch.total_tokens=512 --set train.steps=6 --set checkpoint.every=0 --set checkpoint.final=false"
+S="$S --set train.eval_every=0 --set model.arch=llama --set model.n_head=8 --set model.n_kv_head=4"
+S="$S --set model.n_embd=64 --set model.ffn_hidden=96"
+
+# gaps A B: relative loss gaps of two metrics.jsonl, "FIRST MAX"; exits 1
+# unless FIRST <= 2e-6 and MAX <= 5e-5 (see the top)
+gaps() {
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+if [x["step"] for x in a] != [x["step"] for x in b] or not a:
+    print("steps differ: %d vs %d lines" % (len(a), len(b))); sys.exit(1)
+g = [abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)]
+print("first %.1e max %.1e" % (g[0], max(g)))
+sys.exit(0 if g[0] <= 2e-6 and max(g) <= 5e-5 else 1)
+PY
+}
+run1() { local d=$T/$1; shift; ./train $Y $S "$@" --set run.dir=$d >$d.txt 2>&1 || fail fp8_run_$(basename $d) "$(grep -m1 error $d.txt)"; }
+
+run1 fp32
+run1 tw --set precision.fp8=tensorwise
+# fp8 must change the losses (the products are really quantised) but not ruin them
+g=$(python3 - $T/fp32/metrics.jsonl $T/tw/metrics.jsonl <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:])
+g = max(abs(x - y) / x for x, y in zip(a, b)) if len(a) == len(b) == 6 else -1
+print("%.1e" % g); sys.exit(0 if 1e-5 < g < 1e-2 else 1)
+PY
+) && ok "fp8_tensorwise_vs_fp32_differs_a_little (max gap $g)" || fail fp8_tensorwise_vs_fp32 "max relative gap $g"
+
+if ! command -v mpirun >/dev/null 2>&1 || ! ldd ./train | grep -q libmpi; then
+    skip fp8_tp "no MPI build or mpirun"
+else
+    MPIRUN=(timeout 300 mpirun --allow-run-as-root --oversubscribe)
+    # tpeq NAME NP SETTINGS...: tp 2 (sequence parallel) x dp NP/2 against tp 1 x dp NP/2 (one rank for
+    # NP 2), same settings. Against dp, not one rank: with dynamic scaling an activation's scale is of
+    # its micro-batch, and dp ranks group the step's sequences into micro-batches otherwise than one
+    # rank does (measured: 3e-5 at the first step), so fp8 under dp equals dp, and tp must not change it.
+    tpeq() {
+        local name=$1 np=$2; shift 2
+        if [ $np -eq 2 ]; then [ -f $T/$name.1/metrics.jsonl ] || run1 $name.1 "$@"
+        else "${MPIRUN[@]}" -np $((np / 2)) ./train $Y $S "$@" --set run.dir=$T/$name.1 >$T/$name.1.txt 2>&1; fi
+        "${MPIRUN[@]}" -np $np ./train $Y $S "$@" --set parallel.tp=2 --set run.dir=$T/$name.2 >$T/$name.2.txt 2>&1
+        local rc=$? g grc
+        g=$(gaps $T/$name.1/metrics.jsonl $T/$name.2/metrics.jsonl); grc=$?
+        if [ $rc -eq 0 ] && [ $grc -eq 0 ]; then ok "fp8_tp2_equals_tp1_$name ($g)"
+        else fail fp8_tp2_equals_tp1_$name "rc $rc, $g: $(grep -m1 error $T/$name.2.txt)"; fi
+    }
+    cp -r $T/tw $T/tensorwise.1
+    tpeq tensorwise 2 --set precision.fp8=tensorwise
+    tpeq rowwise 2 --set precision.fp8=rowwise
+    tpeq delayed_wgrad_pow2 2 --set precision.fp8=tensorwise --set precision.fp8_amax_history=4 \
+        --set precision.fp8_wgrad=fp8 --set precision.fp8_pow2_scales=true
+    tpeq rowwise_wgrad_e4m3 2 --set precision.fp8=rowwise --set precision.fp8_wgrad=fp8 --set precision.fp8_grad=e4m3
+    tpeq tensorwise_dp2_zero3 4 --set precision.fp8=tensorwise --set parallel.zero=3
+    tpeq gpt2_tensorwise_dp2_zero1 4 --set precision.fp8=tensorwise --set model.arch=gpt2 --set model.n_kv_head=8 --set parallel.zero=1
+    MOE="--set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
+    MOE="$MOE --set model.moe.n_shared=1"
+    tpeq moe_experts_tensorwise 2 --set precision.fp8=tensorwise $MOE
+    tpeq head_rowwise 2 --set precision.fp8=rowwise --set precision.fp8_head=true
+    # a pipeline's stages quantise their own layers' products as one rank does
+    "${MPIRUN[@]}" -np 2 ./train $Y $S --set precision.fp8=rowwise --set parallel.pp=2 --set run.dir=$T/pp2 \
+        >$T/pp2.txt 2>&1
+    g=$(gaps $T/rowwise.1/metrics.jsonl $T/pp2/metrics.jsonl) && ok "fp8_pp2_equals_one_rank_rowwise ($g)" \
+        || fail fp8_pp2_equals_one_rank_rowwise "$g: $(grep -m1 error $T/pp2.txt)"
+    # zero-bubble: the backward split into input and weight parts (dinp and dW casts in separate calls)
+    "${MPIRUN[@]}" -np 2 ./train $Y $S --set precision.fp8=tensorwise --set precision.fp8_wgrad=fp8 \
+        --set parallel.pp=2 --set parallel.pp_schedule=zb_h1 --set run.dir=$T/zb >$T/zb.txt 2>&1
+    [ -f $T/wg.1/metrics.jsonl ] || run1 wg.1 --set precision.fp8=tensorwise --set precision.fp8_wgrad=fp8
+    g=$(gaps $T/wg.1/metrics.jsonl $T/zb/metrics.jsonl) && ok "fp8_pp2_zb_h1_equals_one_rank_wgrad_fp8 ($g)" \
+        || fail fp8_pp2_zb_h1_equals_one_rank_wgrad_fp8 "$g: $(grep -m1 error $T/zb.txt)"
+    # the known bug: amaxes of split tensors not reduced over tp -> the check must fail
+    KILN_TEST_FP8_LOCAL_AMAX=1 "${MPIRUN[@]}" -np 2 ./train $Y $S --set precision.fp8=tensorwise --set parallel.tp=2 \
+        --set run.dir=$T/bug >$T/bug.txt 2>&1
+    g=$(gaps $T/tw/metrics.jsonl $T/bug/metrics.jsonl) \
+        && fail fp8_tp2_local_amax_detected "$g within tolerance: the check cannot see the wrong group" \
+        || ok "fp8_tp2_local_amax_detected ($g)"
+fi
+
+# recomputation re-runs the forward's ops on the same inputs: the same casts, the same bits
+run1 rec --set precision.fp8=rowwise --set model.recompute=norm_gelu
+[ -n "$(losses $T/rec/metrics.jsonl)" ] && [ "$(losses $T/rec/metrics.jsonl)" = "$(losses $T/rowwise.1/metrics.jsonl)" ] \
+    && ok fp8_recompute_bit_identical || fail fp8_recompute_bit_identical "losses differ from recompute none"
+# current scaling keeps no state: a resumed run continues bit-identically (3 steps, then 3 more; a
+# constant schedule, so the 3-step run's learning rates are the 6-step one's)
+R="--set precision.fp8=rowwise --set checkpoint.every=3 --set checkpoint.async=false --set schedule.kind=constant"
+run1 resref $R
+./train $Y $S $R --set train.steps=3 --set run.dir=$T/res >/dev/null 2>&1
+./train $Y $S $R --set run.dir=$T/res --resume auto >$T/res.txt 2>&1
+[ -n "$(losses $T/res/metrics.jsonl)" ] && [ "$(losses $T/res/metrics.jsonl)" = "$(losses $T/resref/metrics.jsonl)" ] \
+    && ok fp8_resume_bit_identical \
+    || fail fp8_resume_bit_identical "$(grep -m2 -E 'resum|error' $T/res.txt)"
+
+expect fp8_refuses_shape 2 "tensor 'layers.0.mlp.down_proj.weight'.*multiples of 16" -- \
+    ./train $Y $S --set model.ffn_hidden=88 --set precision.fp8=tensorwise --set run.dir=$T/bad
+expect fp8_refuses_cp 2 "keys 'precision.fp8', 'parallel.cp'" -- \
+    ./train $Y $S --set parallel.cp=2 --set precision.fp8=rowwise --set run.dir=$T/bad
+expect fp8_refuses_ep 2 "keys 'precision.fp8', 'parallel.ep'" -- \
+    ./train $Y $S --set parallel.ep=2 --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 \
+    --set model.moe.expert_hidden=32 --set precision.fp8=rowwise --set run.dir=$T/bad
+expect fp8_refuses_rowwise_history 2 "key 'precision.fp8_amax_history'" -- \
+    ./train $Y $S --set precision.fp8=rowwise --set precision.fp8_amax_history=8 --set run.dir=$T/bad
+expect fp8_refuses_bad_value 2 "precision.fp8" -- \
+    ./train $Y $S --set precision.fp8=on --set run.dir=$T/bad
