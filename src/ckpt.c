@@ -26,49 +26,12 @@
 #include <time.h>
 #include <unistd.h>
 #include <zstd.h>
-#ifdef __SSE4_2__
-#include <nmmintrin.h>
-#endif
 
+#include "ckpt_io.h"
 #include "util.h"
 
-#define CKPT_CHUNK ((size_t)16 << 20) /* bounce buffer of a synchronous write */
 #define CKPT_MANIFEST "manifest"
-
-/* ---------- CRC32C ---------- */
-
-static uint32_t crc_table[256];
-static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
-static void crc_init(void) {
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-        crc_table[i] = c;
-    }
-}
-
-uint32_t ckpt_crc32c(uint32_t crc, const void *data, size_t n) {
-    const unsigned char *p = data;
-    crc = ~crc;
-#ifdef __SSE4_2__
-    /* the crc32 instruction computes exactly this polynomial, 8 bytes a cycle-ish */
-    uint64_t c = crc;
-    while (n >= 8) {
-        uint64_t v;
-        memcpy(&v, p, 8);
-        c = _mm_crc32_u64(c, v);
-        p += 8, n -= 8;
-    }
-    crc = (uint32_t)c;
-    while (n--) crc = _mm_crc32_u8(crc, *p++);
-#else
-    pthread_once(&crc_once, crc_init);
-    while (n--) crc = crc_table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
-#endif
-    (void)crc_once;
-    (void)crc_init;
-    return ~crc;
-}
+#define CKPT_CRC_BLOCK ((size_t)512 << 10) /* copied, then checksummed while it is in the cache */
 
 /* ---------- the table ---------- */
 
@@ -264,12 +227,12 @@ typedef struct {
 struct CkptWriter {
     CkptTable t;          /* copy of the entries (pointers into live state) */
     CkptOptions o;
-    unsigned char *stage; /* async: every entry's bytes, back to back */
+    unsigned char *stage; /* async: every entry's bytes, back to back in table order: uncompressed,
+                             the rank file's image (CKPT_IO_ALIGN-aligned, padded to a block) */
     size_t *stage_off;    /* (t.n) */
-    unsigned char *bounce;/* sync: CKPT_CHUNK for device -> host */
-    unsigned char *zbuf;  /* compressed output */
-    size_t zcap;
+    unsigned char *bounce;/* zstd: CKPT_IO_CHUNK of device -> host copies; else one element */
     ZSTD_CCtx *zc;
+    CkptSink *sink;       /* the rank file's writer: aligned chunks from a thread */
     PieceRec *rec;        /* (t.n) */
     CkptMeta meta;
     char version[64], commit[64];
@@ -280,12 +243,13 @@ struct CkptWriter {
     char *mtext;          /* this rank's manifest text, between write and complete */
     size_t mlen;
     char err[1536];
-    /* the file being written */
+    /* small files (manifests) */
     int fd;
-    uint64_t pos;
-    const char *fname;
+    uint64_t pos;         /* bytes of the rank file */
     uint64_t fault_after; /* KILN_FAULT_ENOSPC_AFTER: fail a write past this many bytes (tests) */
     uint64_t fault_total;
+    CkptStats cur, last;  /* the save in progress, the last one completed */
+    double t_write;       /* kiln_now() when this rank's write began */
 };
 
 static void werr(CkptWriter *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -309,26 +273,37 @@ CkptWriter *ckpt_writer_new(const CkptTable *t, const CkptOptions *o) {
         size_t total = 0;
         w->stage_off = xmalloc((size_t)(t->n ? t->n : 1) * sizeof(size_t));
         for (int i = 0; i < t->n; i++) w->stage_off[i] = total, total += ckpt_entry_bytes(&t->e[i]);
+        /* aligned and padded: the sink writes the file straight from it */
+        size_t cap = (total + CKPT_IO_ALIGN) / CKPT_IO_ALIGN * CKPT_IO_ALIGN;
+        void *p = NULL;
+        if (posix_memalign(&p, CKPT_IO_ALIGN, cap) != 0)
+            kiln_fail(KILN_EXIT_RUNTIME, "out of memory for the checkpoint staging buffer (%zu MiB)", cap >> 20);
+        w->stage = p;
         /* touched now, so the first save does not pay for page faults */
-        w->stage = xmalloc(total ? total : 1);
-        memset(w->stage, 0, total);
-    } else {
-        w->bounce = xmalloc(CKPT_CHUNK);
+        memset(w->stage, 0, cap);
     }
+    w->bounce = xmalloc(o->compress > 0 ? CKPT_IO_CHUNK : 16);
     if (o->compress > 0) {
-        w->zcap = ZSTD_CStreamOutSize() * 8;
-        w->zbuf = xmalloc(w->zcap);
         w->zc = ZSTD_createCCtx();
         if (!w->zc) kiln_fail(KILN_EXIT_RUNTIME, "ZSTD_createCCtx failed");
+        ZSTD_CCtx_setParameter(w->zc, ZSTD_c_compressionLevel, o->compress);
+        /* several workers compress each large entry's frame in parallel;
+         * a libzstd built without threads refuses and compresses on this one */
+        if (o->threads > 1 && ZSTD_isError(ZSTD_CCtx_setParameter(w->zc, ZSTD_c_nbWorkers, o->threads)))
+            ZSTD_CCtx_setParameter(w->zc, ZSTD_c_nbWorkers, 0);
     }
+    w->sink = ckpt_sink_new(4, !o->buffered);
     const char *f = getenv("KILN_FAULT_ENOSPC_AFTER");
     if (f && *f) w->fault_after = strtoull(f, NULL, 10) + 1;
     w->fd = -1;
+    w->last.step = -1;
     return w;
 }
 
 const char *ckpt_writer_error(const CkptWriter *w) { return w->err; }
+CkptStats ckpt_writer_stats(const CkptWriter *w) { return w->last; }
 
+/* Small files: plain writes, counted against the fault budget. */
 static int w_write(CkptWriter *w, const void *buf, size_t n) {
     const char *p = buf;
     while (n > 0) {
@@ -342,56 +317,107 @@ static int w_write(CkptWriter *w, const void *buf, size_t n) {
             if (errno == EINTR) continue;
             return -1;
         }
-        p += r, n -= (size_t)r, w->pos += (uint64_t)r, w->fault_total += (uint64_t)r;
+        p += r, n -= (size_t)r, w->fault_total += (uint64_t)r;
     }
     return 0;
 }
 
-/* Bytes of entry i, chunk at byte `off` of length `len`, as a host pointer. */
-static const unsigned char *w_source(CkptWriter *w, int i, size_t off, size_t len) {
-    const CkptEntry *e = &w->t.e[i];
-    if (w->stage) return w->stage + w->stage_off[i] + off;
-    if (!e->to_host) return (const unsigned char *)e->ptr + off;
-    /* off counts checkpoint bytes; memory may hold fewer per element */
+/* Bytes [off, off + len) of entry i's checkpoint side into dst: through
+ * to_host (which may convert: off and len are then whole elements), or
+ * from host memory. */
+static void w_copy(const CkptEntry *e, unsigned char *dst, size_t off, size_t len) {
     size_t mem_off = e->mem_size ? off / dtype_sizes[e->dtype] * e->mem_size : off;
-    e->to_host(w->bounce, (const unsigned char *)e->ptr + mem_off, len);
-    return w->bounce;
+    const unsigned char *src = (const unsigned char *)e->ptr + mem_off;
+    if (e->to_host) e->to_host(dst, src, len);
+    else memcpy(dst, src, len);
 }
 
-static int w_entry(CkptWriter *w, int i) {
-    size_t bytes = ckpt_entry_bytes(&w->t.e[i]), chunk = w->stage ? (bytes ? bytes : 1) : CKPT_CHUNK;
-    PieceRec *r = &w->rec[i];
-    r->offset = w->pos;
-    r->crc = 0;
-    if (w->zc) {
-        ZSTD_CCtx_reset(w->zc, ZSTD_reset_session_only);
-        ZSTD_CCtx_setParameter(w->zc, ZSTD_c_compressionLevel, w->o.compress);
-        ZSTD_CCtx_setPledgedSrcSize(w->zc, bytes);
+/* w_copy, checksummed block by block while each block is in the cache. */
+static uint32_t w_copy_crc(const CkptEntry *e, unsigned char *dst, size_t off, size_t len, uint32_t crc) {
+    size_t block = CKPT_CRC_BLOCK - CKPT_CRC_BLOCK % dtype_sizes[e->dtype];
+    for (size_t k = 0; k < len; k += block) {
+        size_t n = len - k < block ? len - k : block;
+        w_copy(e, dst + k, off + k, n);
+        crc = ckpt_crc32c(crc, dst + k, n);
     }
-    size_t off = 0;
+    return crc;
+}
+
+/* An entry's frame: its bytes (staged, or copied through the bounce
+ * buffer) compressed straight into the sink's buffers. */
+static int w_entry_zstd(CkptWriter *w, int i) {
+    const CkptEntry *e = &w->t.e[i];
+    PieceRec *r = &w->rec[i];
+    size_t bytes = ckpt_entry_bytes(e), off = 0;
+    ZSTD_CCtx_reset(w->zc, ZSTD_reset_session_only);
+    ZSTD_CCtx_setPledgedSrcSize(w->zc, bytes);
     do {
-        size_t len = bytes - off < chunk ? bytes - off : chunk;
-        const unsigned char *src = w_source(w, i, off, len);
+        size_t len = bytes - off < CKPT_IO_CHUNK ? bytes - off : CKPT_IO_CHUNK; /* whole elements */
+        const unsigned char *src;
+        if (w->stage) src = w->stage + w->stage_off[i] + off;
+        else if (!e->to_host) src = (const unsigned char *)e->ptr + off;
+        else w_copy(e, w->bounce, off, len), src = w->bounce;
         r->crc = ckpt_crc32c(r->crc, src, len);
         off += len;
-        if (!w->zc) {
-            if (w_write(w, src, len) != 0) return -1;
-            continue;
-        }
         ZSTD_inBuffer in = {src, len, 0};
         ZSTD_EndDirective mode = off == bytes ? ZSTD_e_end : ZSTD_e_continue;
         for (;;) {
-            ZSTD_outBuffer out = {w->zbuf, w->zcap, 0};
+            size_t avail;
+            unsigned char *dst = ckpt_sink_space(w->sink, &avail);
+            if (!dst) return -1;
+            ZSTD_outBuffer out = {dst, avail, 0};
             size_t left = ZSTD_compressStream2(w->zc, &out, &in, mode);
             if (ZSTD_isError(left)) {
                 errno = EIO;
                 return -1;
             }
-            if (w_write(w, w->zbuf, out.pos) != 0) return -1;
+            if (ckpt_sink_commit(w->sink, out.pos) != 0) return -1;
             if (mode == ZSTD_e_end ? left == 0 : in.pos == in.size) break;
         }
     } while (off < bytes);
-    r->stored = w->pos - r->offset;
+    return 0;
+}
+
+/* Entry i into the rank file, its CRC32C and place recorded. Uncompressed
+ * and staged, the stage is the file: checksum it and let the sink write it
+ * in place; else the bytes are copied into the sink's buffers. */
+static int w_entry(CkptWriter *w, int i) {
+    const CkptEntry *e = &w->t.e[i];
+    size_t bytes = ckpt_entry_bytes(e), es = dtype_sizes[e->dtype];
+    PieceRec *r = &w->rec[i];
+    r->offset = ckpt_sink_pos(w->sink);
+    r->crc = 0;
+    if (w->zc) {
+        if (w_entry_zstd(w, i) != 0) return -1;
+    } else if (w->stage) {
+        const unsigned char *p = w->stage + w->stage_off[i];
+        for (size_t off = 0; off < bytes;) {
+            size_t len = bytes - off < CKPT_IO_CHUNK ? bytes - off : CKPT_IO_CHUNK;
+            r->crc = ckpt_crc32c(r->crc, p + off, len);
+            off += len;
+            if (ckpt_sink_image_ready(w->sink, r->offset + off) != 0) return -1;
+        }
+    } else {
+        for (size_t off = 0; off < bytes;) {
+            size_t avail;
+            unsigned char *dst = ckpt_sink_space(w->sink, &avail);
+            if (!dst) return -1;
+            size_t len = bytes - off < avail ? bytes - off : avail;
+            if (e->mem_size) len -= len % es; /* a converting copy takes whole elements */
+            if (len == 0) {
+                /* one element across the buffer's end */
+                w_copy(e, w->bounce, off, es);
+                r->crc = ckpt_crc32c(r->crc, w->bounce, es);
+                if (ckpt_sink_put(w->sink, w->bounce, es) != 0) return -1;
+                off += es;
+                continue;
+            }
+            r->crc = w_copy_crc(e, dst, off, len, r->crc);
+            if (ckpt_sink_commit(w->sink, len) != 0) return -1;
+            off += len;
+        }
+    }
+    r->stored = ckpt_sink_pos(w->sink) - r->offset;
     return 0;
 }
 
@@ -514,6 +540,7 @@ static int w_rank(const CkptWriter *w) { return w->o.agree ? w->meta.mesh.rank :
 static int w_multi(const CkptWriter *w) { return w->meta.mesh.world > 1 && w->o.agree; }
 
 static void w_abort(CkptWriter *w, const char *tmp) {
+    ckpt_sink_abort(w->sink);
     if (w->fd >= 0) close(w->fd);
     w->fd = -1;
     if (w_rank(w) == 0) rm_rf(tmp);
@@ -544,6 +571,22 @@ static int w_begin(CkptWriter *w) {
     return 0;
 }
 
+/* A failed write of the rank file, named by the entry whose bytes it held:
+ * entries [0, n) were written or being written; in_close: the failure came
+ * from ckpt_sink_close (the last writes, the fsync or the close). */
+static void w_write_failed(CkptWriter *w, const char *path, int n, int in_close, int e) {
+    uint64_t at = ckpt_sink_failed_at(w->sink);
+    if (at == UINT64_MAX && in_close) {
+        werr(w, "%s: fsync/close: %s", path, strerror(e));
+        return;
+    }
+    int k = n - 1;
+    if (at != UINT64_MAX)
+        for (int j = 0; j < n; j++)
+            if (w->rec[j].offset <= at) k = j;
+    werr(w, "%s: writing entry '%s': %s", path, k >= 0 ? w->t.e[k].name : "-", strerror(e));
+}
+
 /* This rank's data file, fsynced before any manifest names it, and its part
  * of the manifest (the whole manifest text for one rank, in w->mtext). No
  * collectives: runs in the writer thread. Failure is left in w->status. */
@@ -552,24 +595,34 @@ static void w_write_rank(CkptWriter *w) {
     w_names(w, name, tmp, fin, old);
     snprintf(file, sizeof file, "rank%05d.bin", w->meta.mesh.rank);
     snprintf(path, sizeof path, "%s/%s", tmp, file);
-    w->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    w->t_write = kiln_now();
     w->pos = 0;
-    if (w->fd < 0) {
+    /* the fault budget left (w_write's: a write past fault_after - 1 bytes in all fails) */
+    uint64_t limit = w->fault_after - 1, left = !w->fault_after ? UINT64_MAX
+                                                : limit > w->fault_total ? limit - w->fault_total : 0;
+    const unsigned char *image = w->stage && !w->zc ? w->stage : NULL;
+    if (ckpt_sink_open(w->sink, path, image, left) != 0) {
         werr(w, "%s: cannot create: %s", path, strerror(errno));
         return;
     }
-    for (int i = 0; i < w->t.n; i++)
+    uint64_t bytes = 0;
+    for (int i = 0; i < w->t.n; i++) {
         if (w_entry(w, i) != 0) {
-            werr(w, "%s: writing entry '%s': %s", path, w->t.e[i].name, strerror(errno));
+            int e = errno;
+            ckpt_sink_abort(w->sink);
+            w_write_failed(w, path, i + 1, 0, e);
             return;
         }
-    int rc = fsync(w->fd);
-    if (close(w->fd) != 0) rc = -1;
-    w->fd = -1;
+        bytes += ckpt_entry_bytes(&w->t.e[i]);
+    }
+    int rc = ckpt_sink_close(w->sink);
+    w->fault_total += ckpt_sink_written(w->sink);
     if (rc != 0) {
-        werr(w, "%s: fsync/close: %s", path, strerror(errno));
+        w_write_failed(w, path, w->t.n, 1, errno);
         return;
     }
+    w->pos = ckpt_sink_pos(w->sink);
+    w->cur.bytes = bytes, w->cur.stored = w->pos, w->cur.direct = ckpt_sink_was_direct(w->sink);
     free(w->mtext);
     w->mtext = NULL, w->mlen = 0;
     FILE *mf = open_memstream(&w->mtext, &w->mlen);
@@ -585,6 +638,7 @@ static void w_write_rank(CkptWriter *w) {
         snprintf(path, sizeof path, "%s/manifest.rank%05d", tmp, w_rank(w));
         w_small_file(w, path, w->mtext, w->mlen, NULL);
     }
+    w->cur.write_s = kiln_now() - w->t_write;
 }
 
 static int w_complete(CkptWriter *w) {
@@ -666,10 +720,21 @@ static int w_complete(CkptWriter *w) {
     return 0;
 }
 
+/* The figures of a save that completed (status 0). */
+static void w_done(CkptWriter *w, double t_complete) {
+    if (w->status) return;
+    w->cur.write_s += kiln_now() - t_complete;
+    w->cur.step = w->meta.step;
+    w->last = w->cur;
+}
+
 static int w_job(CkptWriter *w) {
     if (w_begin(w) != 0) return -1;
     w_write_rank(w);
-    return w_complete(w);
+    double t = kiln_now();
+    int rc = w_complete(w);
+    if (rc == 0) w_done(w, t);
+    return rc;
 }
 
 /* The writer thread: the whole save for one rank; several ranks: the write
@@ -689,7 +754,13 @@ int ckpt_wait(CkptWriter *w) {
     if (w->in_flight) {
         if (!w->no_thread) pthread_join(w->thread, NULL);
         w->in_flight = 0;
-        if (w_multi(w)) return w_complete(w); /* collective: every rank waits at the same point */
+        if (w_multi(w)) {
+            /* collective: every rank waits at the same point */
+            double t = kiln_now();
+            int rc = w_complete(w);
+            if (rc == 0) w_done(w, t);
+            return rc;
+        }
     }
     return w->status;
 }
@@ -699,8 +770,10 @@ int ckpt_save(CkptWriter *w, const CkptMeta *meta) {
     w->meta = *meta;
     kiln_strlcpy(w->version, meta->version ? meta->version : "unknown", sizeof w->version);
     kiln_strlcpy(w->commit, meta->commit ? meta->commit : "unknown", sizeof w->commit);
+    memset(&w->cur, 0, sizeof w->cur);
     if (!w->o.async) return w_job(w);
     if (w_multi(w) && w_begin(w) != 0) return -1;
+    /* the step loop's pause: this copy (every entry is this rank's own) */
     for (int i = 0; i < w->t.n; i++) {
         const CkptEntry *e = &w->t.e[i];
         size_t n = ckpt_entry_bytes(e);
@@ -734,11 +807,11 @@ int ckpt_save(CkptWriter *w, const CkptMeta *meta) {
 void ckpt_writer_free(CkptWriter *w) {
     if (!w) return;
     ckpt_wait(w);
+    ckpt_sink_free(w->sink);
     free(w->t.e);
     free(w->stage);
     free(w->stage_off);
     free(w->bounce);
-    free(w->zbuf);
     if (w->zc) ZSTD_freeCCtx(w->zc);
     free(w->rec);
     free(w->mtext);
@@ -1071,30 +1144,293 @@ static uint64_t range_meet(const BoxRange *e, const BoxRange *p, uint64_t cols, 
     return (uint64_t)n;
 }
 
+/* The bytes of saved range p at piece bytes [s0, s0 + n) (at src) that range
+ * e holds, copied to dst (e's elements from e->lo, es bytes each): the
+ * streaming form of range_meet. Byte offsets, since a read may end inside an
+ * element. */
+static void copy_run(unsigned char *dst, uint64_t pb, uint64_t len, const unsigned char *src, uint64_t s0,
+                     uint64_t s1) {
+    /* the run is piece bytes [pb, pb + len), going to dst[0, len) */
+    uint64_t a = pb > s0 ? pb : s0, b = pb + len < s1 ? pb + len : s1;
+    if (a < b) memcpy(dst + (a - pb), src + (a - s0), (size_t)(b - a));
+}
+
+static void range_copy_span(const BoxRange *e, const BoxRange *p, uint64_t cols, size_t es, unsigned char *dst,
+                            const unsigned char *src, uint64_t s0, uint64_t n) {
+    uint64_t s1 = s0 + n;
+    if (e->c0 == 0 && e->c1 == cols && p->c0 == 0 && p->c1 == cols) {
+        uint64_t e0 = e->r0 * cols + e->lo, e1 = e->r0 * cols + e->hi, p0 = p->r0 * cols + p->lo,
+                 p1 = p->r0 * cols + p->hi;
+        uint64_t a = e0 > p0 ? e0 : p0, b = e1 < p1 ? e1 : p1;
+        if (a < b) copy_run(dst + (a - e0) * es, (a - p0) * es, (b - a) * es, src, s0, s1);
+        return;
+    }
+    /* the box rows of p whose elements the span touches (piece element k is
+     * element p->lo + k of p's box), within e's rows */
+    int64_t ew = (int64_t)(e->c1 - e->c0), pw = (int64_t)(p->c1 - p->c0);
+    uint64_t k0 = s0 / es, k1 = (s1 + es - 1) / es;
+    int64_t r0 = max64((int64_t)e->r0, (int64_t)(p->r0 + (p->lo + k0) / (uint64_t)pw));
+    int64_t r1 = min64((int64_t)e->r1, (int64_t)(p->r0 + (p->lo + k1 - 1) / (uint64_t)pw + 1));
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t eb = (r - (int64_t)e->r0) * ew - (int64_t)e->c0, pb = (r - (int64_t)p->r0) * pw - (int64_t)p->c0;
+        int64_t c0 = max64(max64((int64_t)e->c0, (int64_t)p->c0), max64((int64_t)e->lo - eb, (int64_t)p->lo - pb));
+        int64_t c1 = min64(min64((int64_t)e->c1, (int64_t)p->c1), min64((int64_t)e->hi - eb, (int64_t)p->hi - pb));
+        if (c0 >= c1) continue;
+        copy_run(dst + (size_t)(eb + c0 - (int64_t)e->lo) * es, (uint64_t)(pb + c0 - (int64_t)p->lo) * es,
+                 (uint64_t)(c1 - c0) * es, src, s0, s1);
+    }
+}
+
+/* ---------- streaming reads ----------
+ * A load or a verify reads each rank file once, front to back, in
+ * CKPT_IO_CHUNK reads (adjacent pieces share a read; the kernel's read-ahead,
+ * asked for with FADV_SEQUENTIAL, keeps the disk busy while the bytes are
+ * checksummed and copied), and every piece's bytes pass once through
+ * CRC32C and on to whatever entries need them. */
+
+typedef struct {
+    int j;     /* manifest piece */
+    int entry; /* table entry it fills, -1: only verified */
+} RdNeed;
+
+typedef struct {
+    const Manifest *m;
+    const CkptTable *t; /* NULL: verify only */
+    int fd;
+    const char *file;   /* the open file's name */
+    char path[1400];
+    unsigned char *buf; /* (CKPT_IO_CHUNK) file bytes [wlo, whi) */
+    uint64_t wlo, whi;
+    ZSTD_DCtx *dz;
+    unsigned char *zout; /* (CKPT_IO_CHUNK) decompressed bytes */
+    unsigned char **host; /* (t->n) where each entry's bytes are assembled: its memory, or a
+                             scratch buffer (to_device) allocated when first needed */
+    BoxRange *er;       /* (t->n) */
+    uint64_t bytes;     /* read, for the caller's figures */
+} Rd;
+
+static int need_by_place(const void *a, const void *b, void *m_) {
+    const Manifest *m = m_;
+    const RdNeed *x = a, *y = b;
+    const MEntry *p = &m->e[x->j], *q = &m->e[y->j];
+    int c = strcmp(p->file, q->file);
+    if (!c) c = cmp_u64(p->offset, q->offset);
+    if (!c) c = x->j - y->j;
+    return c ? c : x->entry - y->entry;
+}
+
+/* File bytes [off, off + len) through the window: a pointer and *got (1..len)
+ * of them; refills with one read up to `ahead` (the end of the adjacent
+ * pieces being read). NULL at the end of the file (*got = where it ends) or
+ * on an error (errno set, *got = 0). */
+static const unsigned char *rd_get(Rd *r, uint64_t off, uint64_t len, uint64_t ahead, uint64_t *got) {
+    if (off < r->wlo || off >= r->whi) {
+        uint64_t want = ahead > off ? ahead - off : len;
+        if (want < len) want = len;
+        if (want > CKPT_IO_CHUNK) want = CKPT_IO_CHUNK;
+        uint64_t n = 0;
+        while (n < want) {
+            ssize_t k = pread(r->fd, r->buf + n, (size_t)(want - n), (off_t)(off + n));
+            if (k < 0 && errno == EINTR) continue;
+            if (k < 0) {
+                *got = 0;
+                return NULL;
+            }
+            if (k == 0) break;
+            n += (uint64_t)k;
+        }
+        r->wlo = off, r->whi = off + n;
+        if (n == 0) {
+            *got = off;
+            errno = 0;
+            return NULL;
+        }
+    }
+    uint64_t have = r->whi - off;
+    *got = have < len ? have : len;
+    return r->buf + (off - r->wlo);
+}
+
+/* Uncompressed piece bytes [s0, s0 + n) at q: to every entry of needs[0, nn). */
+static void rd_scatter(Rd *r, const MEntry *p, const RdNeed *needs, int nn, const unsigned char *q, uint64_t s0,
+                       uint64_t n) {
+    BoxRange pr = {p->r0, p->r1, p->c0, p->c1, p->lo, p->hi};
+    for (int k = 0; k < nn; k++) {
+        int i = needs[k].entry;
+        if (i < 0) continue;
+        const CkptEntry *e = &r->t->e[i];
+        uint64_t rows, cols;
+        tensor_rc(e->ndim, e->shape, &rows, &cols);
+        range_copy_span(&r->er[i], &pr, cols, dtype_sizes[e->dtype], r->host[i], q, s0, n);
+    }
+}
+
+/* Piece needs[0].j, every byte in order: checksummed and scattered. */
+static int rd_piece(Rd *r, const RdNeed *needs, int nn, uint64_t ahead, char *err, size_t cap) {
+    const MEntry *p = &r->m->e[needs[0].j];
+    uint32_t crc = 0;
+    uint64_t got, produced = 0;
+    if (!p->zstd) {
+        for (uint64_t off = 0; off < p->bytes; off += got) {
+            const unsigned char *q = rd_get(r, p->offset + off, p->bytes - off, ahead, &got);
+            if (!q && !got) return rerr(err, cap, "%s: read: %s", r->path, strerror(errno));
+            if (!q)
+                return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64
+                            ", file ends at %" PRIu64, r->path, p->name, p->offset, p->offset + p->stored, got);
+            crc = ckpt_crc32c(crc, q, (size_t)got);
+            rd_scatter(r, p, needs, nn, q, off, got);
+        }
+        produced = p->bytes;
+    } else {
+        if (!r->dz) r->dz = ZSTD_createDCtx(), r->zout = xmalloc(CKPT_IO_CHUNK);
+        if (!r->dz) kiln_fail(KILN_EXIT_RUNTIME, "ZSTD_createDCtx failed");
+        ZSTD_DCtx_reset(r->dz, ZSTD_reset_session_only);
+        ZSTD_inBuffer in = {NULL, 0, 0};
+        uint64_t in_off = 0;
+        size_t ret = 1;
+        while (ret != 0) {
+            if (in.pos == in.size) {
+                if (in_off == p->stored) break; /* the frame is not complete */
+                const unsigned char *q = rd_get(r, p->offset + in_off, p->stored - in_off, ahead, &got);
+                if (!q && !got) return rerr(err, cap, "%s: read: %s", r->path, strerror(errno));
+                if (!q)
+                    return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64
+                                ", file ends at %" PRIu64, r->path, p->name, p->offset, p->offset + p->stored, got);
+                in = (ZSTD_inBuffer){q, (size_t)got, 0};
+                in_off += got;
+            }
+            ZSTD_outBuffer out = {r->zout, CKPT_IO_CHUNK, 0};
+            ret = ZSTD_decompressStream(r->dz, &out, &in);
+            if (ZSTD_isError(ret))
+                return rerr(err, cap, "%s: entry '%s': corrupt zstd data (%s)", r->path, p->name,
+                            ZSTD_getErrorName(ret));
+            if (produced + out.pos > p->bytes) break;
+            crc = ckpt_crc32c(crc, r->zout, out.pos);
+            rd_scatter(r, p, needs, nn, r->zout, produced, out.pos);
+            produced += out.pos;
+        }
+        if (ret != 0 || produced != p->bytes || in_off != p->stored || in.pos != in.size)
+            return rerr(err, cap, "%s: entry '%s': corrupt zstd data (wrong size)", r->path, p->name);
+    }
+    r->bytes += p->stored;
+    if (crc != p->crc)
+        return rerr(err, cap, "%s: entry '%s': checksum mismatch (crc32c %08x in the manifest, %08x read)", r->path,
+                    p->name, p->crc, crc);
+    return 0;
+}
+
+/* Read every piece of needs[0, n) (sorted in place by file and offset),
+ * each once, whatever number of entries it fills. left[i]: needs of entry i
+ * not yet read; an entry with a to_device copy is sent once its last
+ * piece is in. */
+static int rd_run(Rd *r, RdNeed *needs, int n, uint64_t *left, char *err, size_t cap) {
+    qsort_r(needs, (size_t)n, sizeof *needs, need_by_place, (void *)r->m);
+    /* ahead[k]: the end of the run of adjacent pieces from needs[k]'s on */
+    uint64_t *ahead = xmalloc((size_t)(n ? n : 1) * sizeof *ahead);
+    for (int k = n - 1; k >= 0; k--) {
+        const MEntry *p = &r->m->e[needs[k].j];
+        ahead[k] = p->offset + p->stored;
+        for (int l = k + 1; l < n; l++) {
+            const MEntry *q = &r->m->e[needs[l].j];
+            if (strcmp(q->file, p->file) || (needs[l].j != needs[k].j && q->offset != ahead[k])) break;
+            if (needs[l].j != needs[k].j) {
+                ahead[k] = ahead[l];
+                break;
+            }
+        }
+    }
+    int rc = 0;
+    r->fd = -1;
+    for (int k = 0; k < n && rc == 0;) {
+        const MEntry *p = &r->m->e[needs[k].j];
+        int nn = 1;
+        while (k + nn < n && needs[k + nn].j == needs[k].j) nn++;
+        if (!r->file || strcmp(r->file, p->file)) {
+            if (r->fd >= 0) close(r->fd);
+            r->file = p->file;
+            snprintf(r->path, sizeof r->path, "%s/%s", r->m->dir, p->file);
+            r->fd = open(r->path, O_RDONLY);
+            r->wlo = r->whi = 0;
+            if (r->fd < 0) {
+                rc = rerr(err, cap, "%s: cannot open: %s", r->path, strerror(errno));
+                break;
+            }
+            posix_fadvise(r->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+        }
+        for (int l = k; l < k + nn; l++) {
+            int i = needs[l].entry;
+            if (i >= 0 && r->t->e[i].to_device && !r->host[i]) r->host[i] = xmalloc(ckpt_entry_bytes(&r->t->e[i]) + 1);
+        }
+        rc = rd_piece(r, needs + k, nn, ahead[k], err, cap);
+        for (int l = k; l < k + nn && rc == 0; l++) {
+            int i = needs[l].entry;
+            if (i < 0 || --left[i] > 0) continue;
+            const CkptEntry *e = &r->t->e[i];
+            if (e->to_device) {
+                e->to_device(e->ptr, r->host[i], ckpt_entry_bytes(e));
+                free(r->host[i]);
+                r->host[i] = NULL;
+            }
+        }
+        k += nn;
+    }
+    if (r->fd >= 0) close(r->fd);
+    r->fd = -1;
+    free(ahead);
+    return rc;
+}
+
+static void rd_free(Rd *r) {
+    if (r->host)
+        for (int i = 0; i < r->t->n; i++)
+            if (r->t->e[i].to_device) free(r->host[i]);
+    free(r->host);
+    free(r->er);
+    free(r->buf);
+    free(r->zout);
+    if (r->dz) ZSTD_freeDCtx(r->dz);
+}
+
+static int mentry_by_name_index(const void *a, const void *b, void *m_) {
+    const Manifest *m = m_;
+    int x = *(const int *)a, y = *(const int *)b;
+    int c = strcmp(m->e[x].name, m->e[y].name);
+    return c ? c : x - y;
+}
+
 int ckpt_load(const char *dir, const CkptTable *t, CkptInfo *info, char *err, size_t cap) {
     Manifest m;
     if (man_read(dir, &m, err, cap) != 0) return -1;
     if (info) *info = m.info;
-    int rc = -1;
-    unsigned char *piece = NULL, *host = NULL;
-    size_t piece_cap = 0, host_cap = 0;
+    int rc = -1, nneed = 0, need_cap = 0;
+    RdNeed *needs = NULL;
+    uint64_t *left = xcalloc((size_t)(t->n ? t->n : 1), sizeof *left);
+    Rd r = {.m = &m, .t = t, .fd = -1};
+    r.host = xcalloc((size_t)(t->n ? t->n : 1), sizeof *r.host);
+    r.er = xmalloc((size_t)(t->n ? t->n : 1) * sizeof *r.er);
+    /* the pieces of each name, in manifest order */
+    int *byname = xmalloc((size_t)(m.n ? m.n : 1) * sizeof *byname);
+    for (int j = 0; j < m.n; j++) byname[j] = j;
+    qsort_r(byname, (size_t)m.n, sizeof *byname, mentry_by_name_index, &m);
+    /* plan: which pieces fill which entries; every refusal comes before any read */
     for (int i = 0; i < t->n; i++) {
         const CkptEntry *e = &t->e[i];
-        size_t es = dtype_sizes[e->dtype], need = ckpt_entry_bytes(e);
-        /* assemble [lo, hi) on the host from every overlapping saved piece */
-        unsigned char *dst;
-        if (e->to_device) {
-            if (need > host_cap) host_cap = need, host = xrealloc(host, host_cap ? host_cap : 1);
-            dst = host;
-        } else {
-            dst = e->ptr;
+        int lo = 0, hi = m.n;
+        while (lo < hi) {
+            int mid = (lo + hi) / 2;
+            if (strcmp(m.e[byname[mid]].name, e->name) < 0) lo = mid + 1;
+            else hi = mid;
         }
-        uint64_t covered = 0;
-        int found = 0;
-        for (int j = 0; j < m.n; j++) {
-            const MEntry *p = &m.e[j];
-            if (strcmp(p->name, e->name)) continue;
-            found = 1;
+        if (lo == m.n || strcmp(m.e[byname[lo]].name, e->name)) {
+            rerr(err, cap, "%s: no entry '%s' in the checkpoint", dir, e->name);
+            goto out;
+        }
+        r.er[i] = entry_range(e);
+        if (!e->to_device) r.host[i] = e->ptr;
+        uint64_t rows, cols, covered = 0;
+        tensor_rc(e->ndim, e->shape, &rows, &cols);
+        for (int k = lo; k < m.n && !strcmp(m.e[byname[k]].name, e->name); k++) {
+            const MEntry *p = &m.e[byname[k]];
             char a[128], b[128];
             shape_text(p->ndim, p->shape, a, sizeof a);
             shape_text(e->ndim, e->shape, b, sizeof b);
@@ -1106,31 +1442,27 @@ int ckpt_load(const char *dir, const CkptTable *t, CkptInfo *info, char *err, si
             /* a blob is written once (per-rank state has per-rank names): the
              * first piece of the name is it */
             if (e->kind == CKPT_BLOB && covered > 0) continue;
-            BoxRange er = entry_range(e), pr = {p->r0, p->r1, p->c0, p->c1, p->lo, p->hi};
-            uint64_t rows, cols;
-            tensor_rc(e->ndim, e->shape, &rows, &cols);
-            uint64_t n = range_meet(&er, &pr, cols, NULL, NULL, es);
+            BoxRange pr = {p->r0, p->r1, p->c0, p->c1, p->lo, p->hi};
+            uint64_t n = range_meet(&r.er[i], &pr, cols, NULL, NULL, dtype_sizes[e->dtype]);
             if (n == 0 && !(e->lo == e->hi && p->lo == p->hi)) continue;
-            if (p->bytes > piece_cap) piece_cap = p->bytes, piece = xrealloc(piece, piece_cap);
-            if (piece_read(&m, p, piece ? piece : (unsigned char *)"", err, cap) != 0) goto out;
-            if (n) range_meet(&er, &pr, cols, dst, piece, es);
+            if (nneed == need_cap) need_cap = need_cap ? 2 * need_cap : 256, needs = xrealloc(needs, (size_t)need_cap * sizeof *needs);
+            needs[nneed++] = (RdNeed){byname[k], i};
+            left[i]++;
             covered += n;
-        }
-        if (!found) {
-            rerr(err, cap, "%s: no entry '%s' in the checkpoint", dir, e->name);
-            goto out;
         }
         if (covered != e->hi - e->lo) {
             rerr(err, cap, "%s: entry '%s': the saved pieces cover %" PRIu64 " of the %" PRIu64 " elements needed", dir,
                  e->name, covered, e->hi - e->lo);
             goto out;
         }
-        if (e->to_device) e->to_device(e->ptr, host, need);
     }
-    rc = 0;
+    r.buf = xmalloc(CKPT_IO_CHUNK);
+    rc = rd_run(&r, needs, nneed, left, err, cap);
 out:
-    free(piece);
-    free(host);
+    free(byname);
+    free(needs);
+    free(left);
+    rd_free(&r);
     man_free(&m);
     return rc;
 }
@@ -1139,12 +1471,12 @@ int ckpt_verify(const char *dir, CkptInfo *info, char *err, size_t cap) {
     Manifest m;
     if (man_read(dir, &m, err, cap) != 0) return -1;
     if (info) *info = m.info;
-    int rc = 0;
-    for (int j = 0; j < m.n && rc == 0; j++) {
-        unsigned char *buf = xmalloc(m.e[j].bytes ? m.e[j].bytes : 1);
-        rc = piece_read(&m, &m.e[j], buf, err, cap);
-        free(buf);
-    }
+    RdNeed *needs = xmalloc((size_t)(m.n ? m.n : 1) * sizeof *needs);
+    for (int j = 0; j < m.n; j++) needs[j] = (RdNeed){j, -1};
+    Rd r = {.m = &m, .fd = -1, .buf = xmalloc(CKPT_IO_CHUNK)};
+    int rc = rd_run(&r, needs, m.n, NULL, err, cap);
+    free(needs);
+    rd_free(&r);
     man_free(&m);
     return rc;
 }

@@ -63,6 +63,9 @@ typedef struct CkptOptions {
     int keep_every;   /* milestones: step % keep_every == 0 never deleted; 0 = none */
     int async;        /* stage into a host buffer, write from a thread */
     int compress;     /* zstd level, 0 = none */
+    int threads;      /* zstd workers per entry's frame; 0 or 1 = the writer's own thread */
+    int buffered;     /* 1: write through the page cache; 0 (default): O_DIRECT where the
+                         file system takes it (docs/formats.md, "Writing") */
     /* Several ranks writing one checkpoint (meta->mesh.world > 1):
      * agree(ctx, failed) is a collective over every rank that returns nonzero
      * if any rank passed failed != 0. ckpt stays free of comm; state.c passes
@@ -110,6 +113,17 @@ int ckpt_pending(const CkptWriter *w);
 /* 1 from an async save until the ckpt_wait that ends it. */
 int ckpt_in_flight(const CkptWriter *w);
 const char *ckpt_writer_error(const CkptWriter *w);
+/* The last save that completed on this rank: what it wrote and how long
+ * that took. Read it after ckpt_save (sync) or ckpt_wait (async). */
+typedef struct CkptStats {
+    int64_t step;     /* -1: none yet */
+    double write_s;   /* this rank's file, written and fsynced, and the checkpoint completed
+                         (merge, rename, `latest`: rank 0); the staging copy is not in it */
+    uint64_t bytes;   /* this rank's entries, uncompressed */
+    uint64_t stored;  /* the rank file's size */
+    int direct;       /* written with O_DIRECT */
+} CkptStats;
+CkptStats ckpt_writer_stats(const CkptWriter *w);
 /* Wait, then free. */
 void ckpt_writer_free(CkptWriter *w);
 
