@@ -12,6 +12,7 @@
 #define CKPT_FORMAT_VERSION 1
 #define CKPT_MAX_DIM 4
 #define CKPT_NAME 96
+#define CKPT_MANIFEST_NAME "manifest" /* in every checkpoint directory */
 
 typedef enum { CKPT_TENSOR, CKPT_BLOB } CkptKind;
 typedef enum { CKPT_F32, CKPT_F64, CKPT_I64, CKPT_U64, CKPT_U8 } CkptDtype;
@@ -92,6 +93,10 @@ void ckpt_entry_set_box(CkptEntry *e, uint64_t r0, uint64_t r1, uint64_t c0, uin
 CkptEntry *ckpt_add_blob(CkptTable *t, const char *name, CkptDtype dtype, size_t count, int scalar, void *ptr);
 size_t ckpt_entry_bytes(const CkptEntry *e);
 size_t ckpt_dtype_size(CkptDtype d);
+const char *ckpt_dtype_name(CkptDtype d); /* "f32", ... as the manifest writes it */
+/* Rows and columns of a tensor viewed as (shape[0], the rest), the frame of
+ * boxes; a scalar is 1 x 1. */
+void ckpt_tensor_rc(int ndim, const int64_t *shape, uint64_t *rows, uint64_t *cols);
 
 /* ---- writing ---- */
 typedef struct CkptWriter CkptWriter;
