@@ -51,7 +51,17 @@ typedef struct MetricsStep {
     const char *comm_group[METRICS_COMM_GROUPS];
     double comm_s[METRICS_COMM_GROUPS];
     const struct MetricsData *data; /* the step's data figures; NULL: none */
+    const struct MetricsCkpt *ckpt; /* a checkpoint whose write completed since the last line; NULL: none */
+    double resume_s;     /* the first step of a resumed run: seconds from process start to its start; 0 otherwise */
 } MetricsStep;
+
+/* A checkpoint, once its write is done: this rank's figures. */
+typedef struct MetricsCkpt {
+    int64_t step;   /* the step it holds */
+    double pause_s; /* the step loop's pause for it (async: the staging copy, after any wait for the write before) */
+    double write_s; /* its write: this rank's file on disk and the checkpoint complete */
+    double gb;      /* bytes of this rank's file, 1e9 */
+} MetricsCkpt;
 
 /* A step's data: the wait for batches, tokens drawn from each source of
  * data.train so far, and each named validation set's loss. */

@@ -16,10 +16,12 @@
 #endif
 #include "state.h"
 
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ddp.h"
 #include "hf.h"
@@ -53,13 +55,18 @@ static void add_piece(CkptTable *t, const Model *m, int i, const char *name, voi
     }
 }
 
+/* The copies of fp32 entries: none where the backend's memory is the host's
+ * (the CPU backend), so ckpt reads and fills it in place. */
+static CkptCopyFn copy_to_host(const Backend *be) { return be->host_mem ? NULL : be->to_host; }
+static CkptCopyFn copy_to_device(const Backend *be) { return be->host_mem ? NULL : be->to_device; }
+
 static void add_params(CkptTable *t, Model *m, float *base, const char *prefix) {
     const Backend *be = m->be;
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
         char name[CKPT_NAME];
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
-        add_piece(t, m, i, name, base + p->offset, 4, 0, p->numel, be->to_host, be->to_device);
+        add_piece(t, m, i, name, base + p->offset, 4, 0, p->numel, copy_to_host(be), copy_to_device(be));
     }
 }
 
@@ -96,8 +103,8 @@ static void bf16_to_device(void *dst, const void *src, size_t bytes) {
  * flat range. */
 static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo, size_t hi, const char *prefix) {
     const Backend *be = m->be;
-    CkptCopyFn to_host = esz == 2 ? bf16_to_host : be->to_host;
-    CkptCopyFn to_device = esz == 2 ? bf16_to_device : be->to_device;
+    CkptCopyFn to_host = esz == 2 ? bf16_to_host : copy_to_host(be);
+    CkptCopyFn to_device = esz == 2 ? bf16_to_device : copy_to_device(be);
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
         size_t a = p->offset > lo ? p->offset : lo, b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
@@ -109,16 +116,17 @@ static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo,
     }
 }
 
-/* The whole parameters: the fp32 master, or with precision.master bf16 the
- * bf16 parameters as fp32 entries (the same names, shapes and format). */
-static void add_model_params(CkptTable *t, Model *m) {
-    if (m->master_bf16) add_range(t, m, m->param16, 2, 0, m->num_params, "");
-    else add_params(t, m, m->param_mem, "");
+/* The parameters of arena range [lo, hi): the fp32 master, or with
+ * precision.master bf16 the bf16 parameters as fp32 entries (the same names,
+ * shapes and format). */
+static void add_model_params(CkptTable *t, Model *m, size_t lo, size_t hi) {
+    if (m->master_bf16) add_range(t, m, (char *)m->param16 + lo * 2, 2, lo, hi, "");
+    else add_range(t, m, m->param_mem + lo, 4, lo, hi, "");
 }
 
 void state_table_add(CkptTable *t, Model *m, AdamW *o) {
     state_be = m->be;
-    add_model_params(t, m);
+    add_model_params(t, m, 0, m->num_params);
     if (!o) return;
     add_range(t, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
     if (o->v) add_range(t, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
@@ -231,6 +239,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
                Model *m, AdamW *o, DataLoader *train) {
     memset(s, 0, sizeof *s);
     s->c = c, s->m = m, s->o = o, s->train = train, s->commit = commit;
+    s->save_step = s->done_step = -1;
     state_be = o->be;
     s->mesh = *mesh;
     if (s->mesh.world <= 1) s->mesh.g = NULL;
@@ -273,10 +282,16 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         add_unit_blocks(w, m, us, ddp_param_shard(us, NULL), 4, "");
         add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/");
         if (o->v) add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/");
-    } else if (s->mesh.dp_rank == 0) add_model_params(w, m);
-    if (!us && (s->mesh.dp_rank == 0 || opt_sharded)) {
-        add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
-        if (o->v) add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
+    } else {
+        /* ZeRO 0 and 1: the parameters (and ZeRO 0's moments) are the same
+         * on every dp rank, so each writes one share of the arena, the range
+         * its ZeRO-1 optimizer owns or one dp-th: every rank stages and
+         * writes only its own share, in parallel */
+        size_t n = m->num_params, dp = s->mesh.dp > 0 ? (size_t)s->mesh.dp : 1, r = (size_t)s->mesh.dp_rank;
+        size_t lo = opt_sharded ? o->lo : n * r / dp, hi = opt_sharded ? o->hi : n * (r + 1) / dp;
+        add_model_params(w, m, lo, hi);
+        add_range(w, m, (char *)o->m + (lo - o->lo) * o->state_bytes, o->state_bytes, lo, hi, "optim.m/");
+        if (o->v) add_range(w, m, (char *)o->v + (lo - o->lo) * o->state_bytes, o->state_bytes, lo, hi, "optim.v/");
     }
     if (rank == 0) {
         ckpt_add_blob(w, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
@@ -297,6 +312,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     op->keep_every = c->ckpt_keep_every;
     op->async = c->ckpt_async;
     op->compress = c->ckpt_compress;
+    op->threads = c->threads > 0 ? c->threads : (int)sysconf(_SC_NPROCESSORS_ONLN); /* zstd workers */
     op->agree = multi ? state_agree : NULL;
     op->agree_ctx = s->mesh.g;
 
@@ -316,9 +332,12 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         char path[1200];
         int flags = 0;
         ResumeSync sync = {rank, state_agree, state_bcast, s->mesh.g};
+        double t_load = kiln_now();
         /* the saved config is not part of the loaded table: it is compared, never restored */
         if (resume_load(resume, op->root, t, s->config_text, force, &info, path, sizeof path, &flags,
                         multi ? &sync : NULL)) {
+            s->resume_load_s = kiln_now() - t_load;
+            for (int i = 0; i < t->n; i++) s->resume_gb += ckpt_entry_bytes(&t->e[i]) / 1e9;
             o->t = (int)s->optim_t;
             if (s->mesh.units) ddp_params_loaded(s->mesh.units);
             state_restore_data(s, path, flags, force);
@@ -355,7 +374,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
                 kiln_fail(KILN_EXIT_USAGE, "%s: manifest says step %lld but train.step holds %lld", path,
                           (long long)info.step, (long long)s->step);
         } else {
-            state_fresh(s, flags & RESUME_DIRTY);
+            state_fresh(s, (flags & RESUME_DIRTY) || s->mesh.weights_unset);
         }
     }
     /* the config blob is written but never loaded into the table */
@@ -369,8 +388,41 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     return (int)s->step;
 }
 
+static void state_fail_write(RunState *s) {
+    kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
+              (long long)s->last_saved, ckpt_writer_error(s->writer));
+}
+
+/* A save whose write has completed since the last look: one line, and its
+ * figures kept for the next metrics.jsonl line. */
+static void state_checkpoint_done(RunState *s) {
+    CkptStats st = ckpt_writer_stats(s->writer);
+    if (st.step < 0 || st.step == s->done_step) return;
+    s->done_step = st.step;
+    double pause = st.step == s->save_step ? s->save_pause_s : NAN;
+    s->report = (MetricsCkpt){st.step, pause, st.write_s, st.stored / 1e9};
+    s->report_ready = 1;
+    char size[32];
+    if (s->mx && s->opts.async) /* a sync save's line says it all */
+        metrics_print(s->mx, "checkpoint: step %lld written in %.2f s (%s here, %.2f GB/s%s) behind the step "
+                      "loop's %.3f s pause", (long long)st.step, st.write_s, kiln_fmt_bytes((double)st.stored, size,
+                      sizeof size), st.write_s > 0 ? st.stored / 1e9 / st.write_s : 0, st.direct ? ", O_DIRECT" : "",
+                      pause);
+}
+
+const MetricsCkpt *state_checkpoint_report(RunState *s) {
+    if (!s->report_ready) return NULL;
+    s->report_ready = 0;
+    return &s->report;
+}
+
 static void state_save(RunState *s) {
     if (s->mx) metrics_phase(s->mx, PHASE_CHECKPOINT, (int)s->step);
+    /* the step loop's pause counts from here: a write still in flight is
+     * waited for first (every rank saves at the same step: a collective) */
+    double t0 = kiln_now();
+    if (ckpt_in_flight(s->writer) && ckpt_wait(s->writer) != 0) state_fail_write(s);
+    state_checkpoint_done(s);
     /* ZeRO-2's parameter refreshes are bounded by parallel.timeout_s from when
      * they were posted: finish them before a save that may take longer */
     if (s->mesh.units) ddp_params_ready(s->mesh.units);
@@ -382,14 +434,22 @@ static void state_save(RunState *s) {
     CkptMeta meta = {s->step, s->c->hash, KILN_VERSION, s->commit,
                      {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1,
                       s->mesh.tp > 0 ? s->mesh.tp : 1, 1, 1, 1}};
-    double t0 = kiln_now();
     if (ckpt_save(s->writer, &meta) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
                   (long long)s->step, ckpt_writer_error(s->writer));
     s->last_saved = s->step;
-    if (s->mx)
-        metrics_print(s->mx, "checkpoint: step %lld %s %s in %.3f s", (long long)s->step,
-                      s->opts.async ? "staged for" : "written to", s->opts.root, kiln_now() - t0);
+    s->save_step = s->step, s->save_pause_s = kiln_now() - t0;
+    if (!s->opts.async) state_checkpoint_done(s);
+    CkptStats st = ckpt_writer_stats(s->writer);
+    char size[32];
+    if (s->mx && s->opts.async)
+        metrics_print(s->mx, "checkpoint: step %lld staged for %s in %.3f s", (long long)s->step, s->opts.root,
+                      s->save_pause_s);
+    else if (s->mx)
+        metrics_print(s->mx, "checkpoint: step %lld written to %s in %.3f s (%s here, %.2f GB/s%s)",
+                      (long long)s->step, s->opts.root, s->save_pause_s, kiln_fmt_bytes((double)st.stored, size,
+                      sizeof size),
+                      st.write_s > 0 ? st.stored / 1e9 / st.write_s : 0, st.direct ? ", O_DIRECT" : "");
 }
 
 int state_after_step(RunState *s, int done, int last) {
@@ -404,10 +464,11 @@ int state_after_step(RunState *s, int done, int last) {
         double f[3] = {sig, deadline, ckpt_pending(s->writer)};
         comm_all_reduce_max_f64(s->mesh.g, f, 3);
         sig = (int)f[0], deadline = (int)f[1];
-        if (f[2] == 0 && ckpt_in_flight(s->writer) && ckpt_wait(s->writer) != 0)
-            kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
-                      (long long)s->last_saved, ckpt_writer_error(s->writer));
+        if (f[2] == 0 && ckpt_in_flight(s->writer) && ckpt_wait(s->writer) != 0) state_fail_write(s);
+    } else if (ckpt_in_flight(s->writer) && !ckpt_pending(s->writer) && ckpt_wait(s->writer) != 0) {
+        state_fail_write(s); /* one rank: the thread has finished the whole checkpoint */
     }
+    state_checkpoint_done(s);
     int every = s->c->ckpt_every > 0 && done % s->c->ckpt_every == 0;
     if (every || (last && s->c->ckpt_final) || sig || deadline) state_save(s);
     if ((sig || deadline) && !last) {
@@ -419,11 +480,10 @@ int state_after_step(RunState *s, int done, int last) {
 
 void state_close(RunState *s) {
     double t0 = kiln_now();
-    if (ckpt_wait(s->writer) != 0)
-        kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
-                  (long long)s->last_saved, ckpt_writer_error(s->writer));
+    if (ckpt_wait(s->writer) != 0) state_fail_write(s);
     if (s->opts.async && s->last_saved >= 0 && kiln_now() - t0 > 0.01 && s->mx)
         metrics_print(s->mx, "checkpoint: waited %.2f s for the last write", kiln_now() - t0);
+    state_checkpoint_done(s);
     ckpt_writer_free(s->writer);
     ckpt_table_free(&s->table);
     ckpt_table_free(&s->save_table);

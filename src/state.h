@@ -11,6 +11,7 @@
 #include "comm.h"
 #include "config.h"
 #include "data.h"
+#include "metrics.h"
 #include "model.h"
 #include "optim.h"
 #include "util.h"
@@ -27,9 +28,9 @@ typedef struct StateMesh {
                           optimizer state live in its shard buffers, unit by
                           unit (ZeRO-2 also keeps the whole parameters in the
                           model's arena); NULL otherwise */
+    int weights_unset; /* 1: the model's weights were not drawn (a resume fills them;
+                          state_open draws them if it loads nothing) */
 } StateMesh;
-
-struct Metrics;
 
 typedef struct RunState {
     const Config *c;
@@ -56,6 +57,14 @@ typedef struct RunState {
     double elapsed_base, t_start; /* seconds before this process; kiln_now() at open */
     int64_t last_saved;   /* step of the newest checkpoint on disk, -1 none */
     int stop_reason;      /* signal number, or -1 for the Slurm deadline */
+    /* the saves' figures, for metrics.jsonl (state_checkpoint_report) */
+    double save_pause_s;  /* the step loop's pause for the newest save */
+    int64_t save_step;    /* its step */
+    int64_t done_step;    /* the newest save whose write was seen complete, -1 none */
+    MetricsCkpt report;   /* its figures, until a line takes them */
+    int report_ready;
+    double resume_load_s; /* seconds the resume took to load and verify its checkpoint (0: fresh) */
+    double resume_gb;     /* the bytes this rank loaded, 1e9 */
 } RunState;
 
 /* Collect the table, resume per `resume` (NULL = fresh, "auto", or a
@@ -71,6 +80,9 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
 int state_after_step(RunState *s, int done, int last);
 /* Wait for a write in flight (exit 1 if it failed), free. */
 void state_close(RunState *s);
+/* The figures of a save whose write completed since the last call (for
+ * the next metrics.jsonl line), or NULL. */
+const MetricsCkpt *state_checkpoint_report(RunState *s);
 /* init.from naming a kiln checkpoint directory: load its parameters only
  * (and say so when `say`: rank 0). Returns 0 if `dir` is not a kiln
  * checkpoint (the caller tries llm.c). */

@@ -365,10 +365,14 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     Tp tpx;
     tp_init(&tpx, &model, tpg);
     ddp_set_tp(&ddp, tpg);
+    /* a resume overwrites the weights, so they are not drawn first (state_open
+     * draws them if it loads nothing); ZeRO-3 shards them here and keeps no
+     * whole copy to draw into later */
+    int weights_unset = topt->resume && !c->init_from[0] && ddp_whole_params(&ddp);
     if (c->init_from[0]) {
         state_load_init_from(&model, c->init_from, rank == 0);
     }
-    else model_init_weights(&model, c->seed);
+    else if (!weights_unset) model_init_weights(&model, c->seed);
     ddp_shard_params(&ddp); /* ZeRO-2/3: take this rank's shard (ZeRO-3: drop the whole arena) */
     model_plan_activations(&model, B, T, model_recompute_parse(c->recompute));
 
@@ -403,7 +407,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     RunState rs;
     size_t shard_n;
     float *param_shard = ddp_param_shard(&ddp, &shard_n); /* ZeRO-2/3: what checkpoints and hashes read */
-    StateMesh smesh = {rank, world, dp, c->zero, dp_rank, tp, tpg->rank, comm_world(), param_shard ? &ddp : NULL};
+    StateMesh smesh = {rank, world, dp, c->zero, dp_rank, tp, tpg->rank, comm_world(), param_shard ? &ddp : NULL,
+                       weights_unset};
     int start_step = state_open(&rs, c, &smesh, topt->resume, topt->force, topt->commit, &model, &opt, train);
     model_params_changed(&model); /* a resume loaded them: the compute copy follows */
     Metrics *mx = metrics_open(c, rank, world, fpt, peak, peak_src, start_step);
@@ -488,6 +493,13 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     /* the mean over the global batch: every rank's gradients are summed */
     float dloss = 1.0f / (float)(N * (size_t)accum * (size_t)dp);
     double step_time_sum = 0.0, blocked_sum = 0.0, tp_blocked_sum = 0.0;
+    /* a resumed run: how long the restart took, to the first step */
+    double resume_s = rs.resumed_msg[0] ? kiln_process_age() : 0;
+    char rsize[32];
+    if (resume_s > 0)
+        metrics_print(mx, "resume: %.2f s from process start to the first step (the checkpoint: %s loaded and "
+                      "verified here in %.2f s, %.2f GB/s)", resume_s, kiln_fmt_bytes(rs.resume_gb * 1e9, rsize,
+                      sizeof rsize), rs.resume_load_s, rs.resume_load_s > 0 ? rs.resume_gb / rs.resume_load_s : 0);
     double t_start = kiln_now();
     float val_loss = NAN, last_loss = NAN;
 
@@ -539,7 +551,8 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
         MetricsStep ms = {step + 1, (int64_t)c->total_tokens * (step + 1), loss, NAN, lr, info.grad_norm,
                           info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0,
                           moe_ms.load ? &moe_ms : NULL, .comm_group = {"dp", tp > 1 ? "tp" : NULL},
-                          .comm_s = {ddp_step_blocked_s(&ddp), tp_step_blocked_s(&tpx)}, .data = &md};
+                          .comm_s = {ddp_step_blocked_s(&ddp), tp_step_blocked_s(&tpx)}, .data = &md,
+                          .ckpt = state_checkpoint_report(&rs), .resume_s = step == start_step ? resume_s : 0};
         if (param_host) {
             /* ZeRO-2/3: this rank's fp32 shard (rank 0's is the one logged;
              * ZeRO-2's whole arena is still being refreshed) */
