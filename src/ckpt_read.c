@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zstd.h>
 
@@ -368,6 +369,7 @@ static void copy_run(unsigned char *dst, uint64_t pb, uint64_t len, const unsign
 static void range_copy_span(const BoxRange *e, const BoxRange *p, uint64_t cols, size_t es, unsigned char *dst,
                             const unsigned char *src, uint64_t s0, uint64_t n) {
     uint64_t s1 = s0 + n;
+    if (n == 0) return;
     if (e->c0 == 0 && e->c1 == cols && p->c0 == 0 && p->c1 == cols) {
         uint64_t e0 = e->r0 * cols + e->lo, e1 = e->r0 * cols + e->hi, p0 = p->r0 * cols + p->lo,
                  p1 = p->r0 * cols + p->hi;
@@ -391,6 +393,19 @@ static void range_copy_span(const BoxRange *e, const BoxRange *p, uint64_t cols,
     }
 }
 
+/* 1 if saved range p lies inside range e as one run, *at bytes into e's
+ * memory: flat ranges of full-width boxes, or ranges of the same box. */
+static int range_inside(const BoxRange *e, const BoxRange *p, uint64_t cols, size_t es, uint64_t *at) {
+    uint64_t e0, e1, p0, p1;
+    if (e->c0 == 0 && e->c1 == cols && p->c0 == 0 && p->c1 == cols)
+        e0 = e->r0 * cols + e->lo, e1 = e->r0 * cols + e->hi, p0 = p->r0 * cols + p->lo, p1 = p->r0 * cols + p->hi;
+    else if (e->r0 == p->r0 && e->r1 == p->r1 && e->c0 == p->c0 && e->c1 == p->c1)
+        e0 = e->lo, e1 = e->hi, p0 = p->lo, p1 = p->hi;
+    else return 0;
+    *at = (p0 - e0) * es;
+    return p0 >= e0 && p1 <= e1;
+}
+
 /* ---------- streaming reads ----------
  * A load or a verify reads each rank file once, front to back, in
  * CKPT_IO_CHUNK reads (adjacent pieces share a read; the kernel's read-ahead,
@@ -401,7 +416,14 @@ static void range_copy_span(const BoxRange *e, const BoxRange *p, uint64_t cols,
 typedef struct {
     int j;     /* manifest piece */
     int entry; /* table entry it fills, -1: only verified */
+    int direct;        /* the piece is read straight into the entry's memory (one run, large) */
+    uint64_t at;       /* where in it (bytes) */
 } RdNeed;
+
+/* Pieces at least this large that fill one entry as one run bypass the
+ * window: read into place, no copy after the kernel's. */
+#define RD_DIRECT_MIN ((uint64_t)1 << 20)
+#define RD_DIRECT_STEP ((size_t)2 << 20) /* read, then checksummed while in the cache */
 
 typedef struct {
     const Manifest *m;
@@ -485,7 +507,8 @@ static const unsigned char *rd_get(Rd *r, uint64_t off, uint64_t len, uint64_t a
         }
         r->wlo = off, r->whi = off + n;
         if (n == 0) {
-            *got = off;
+            struct stat st;
+            *got = fstat(r->fd, &st) == 0 && (uint64_t)st.st_size < off ? (uint64_t)st.st_size : off;
             errno = 0;
             return NULL;
         }
@@ -514,7 +537,27 @@ static int rd_piece(Rd *r, const RdNeed *needs, int nn, uint64_t ahead, char *er
     const MEntry *p = &r->m->e[needs[0].j];
     uint32_t crc = 0;
     uint64_t got, produced = 0;
-    if (!p->zstd) {
+    if (!p->zstd && needs[0].direct) {
+        unsigned char *dst = r->host[needs[0].entry] + needs[0].at;
+        for (uint64_t off = 0; off < p->bytes; off += got) {
+            size_t want = p->bytes - off < RD_DIRECT_STEP ? (size_t)(p->bytes - off) : RD_DIRECT_STEP;
+            ssize_t k = pread(r->fd, dst + off, want, (off_t)(p->offset + off));
+            if (k < 0 && errno == EINTR) {
+                got = 0;
+                continue;
+            }
+            if (k < 0) return rerr(err, cap, "%s: read: %s", r->path, strerror(errno));
+            if (k == 0) {
+                struct stat st;
+                uint64_t end = fstat(r->fd, &st) == 0 ? (uint64_t)st.st_size : p->offset + off;
+                return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64
+                            ", file ends at %" PRIu64, r->path, p->name, p->offset, p->offset + p->stored, end);
+            }
+            got = (uint64_t)k;
+            crc = ckpt_crc32c(crc, dst + off, (size_t)got);
+        }
+        produced = p->bytes;
+    } else if (!p->zstd) {
         for (uint64_t off = 0; off < p->bytes; off += got) {
             const unsigned char *q = rd_get(r, p->offset + off, p->bytes - off, ahead, &got);
             if (!q && !got) return rerr(err, cap, "%s: read: %s", r->path, strerror(errno));
@@ -549,6 +592,7 @@ static int rd_piece(Rd *r, const RdNeed *needs, int nn, uint64_t ahead, char *er
                 return rerr(err, cap, "%s: entry '%s': corrupt zstd data (%s)", r->path, p->name,
                             ZSTD_getErrorName(ret));
             if (produced + out.pos > p->bytes) break;
+            if (!out.pos) continue;
             crc = ckpt_crc32c(crc, r->zout, out.pos);
             rd_scatter(r, p, needs, nn, r->zout, produced, out.pos);
             produced += out.pos;
@@ -569,14 +613,27 @@ static int rd_piece(Rd *r, const RdNeed *needs, int nn, uint64_t ahead, char *er
  * piece is in. */
 static int rd_run(Rd *r, RdNeed *needs, int n, uint64_t *left, char *err, size_t cap) {
     qsort_r(needs, (size_t)n, sizeof *needs, need_by_place, (void *)r->m);
-    /* ahead[k]: the end of the run of adjacent pieces from needs[k]'s on */
+    for (int k = 0; k < n; k++) {
+        const MEntry *p = &r->m->e[needs[k].j];
+        int i = needs[k].entry, alone = (k == 0 || needs[k - 1].j != needs[k].j) && (k + 1 == n || needs[k + 1].j != needs[k].j);
+        needs[k].direct = 0;
+        if (i < 0 || !alone || p->zstd || p->bytes < RD_DIRECT_MIN) continue;
+        const CkptEntry *e = &r->t->e[i];
+        uint64_t rows, cols;
+        ckpt_tensor_rc(e->ndim, e->shape, &rows, &cols);
+        BoxRange pr = {p->r0, p->r1, p->c0, p->c1, p->lo, p->hi};
+        needs[k].direct = range_inside(&r->er[i], &pr, cols, ckpt_dtype_size(e->dtype), &needs[k].at);
+    }
+    /* ahead[k]: the end of the run of adjacent pieces from needs[k]'s on,
+     * read through the window together (a direct piece ends a run) */
     uint64_t *ahead = xmalloc((size_t)(n ? n : 1) * sizeof *ahead);
     for (int k = n - 1; k >= 0; k--) {
         const MEntry *p = &r->m->e[needs[k].j];
         ahead[k] = p->offset + p->stored;
-        for (int l = k + 1; l < n; l++) {
+        for (int l = k + 1; l < n && !needs[k].direct; l++) {
             const MEntry *q = &r->m->e[needs[l].j];
-            if (strcmp(q->file, p->file) || (needs[l].j != needs[k].j && q->offset != ahead[k])) break;
+            if (strcmp(q->file, p->file) || needs[l].direct || (needs[l].j != needs[k].j && q->offset != ahead[k]))
+                break;
             if (needs[l].j != needs[k].j) {
                 ahead[k] = ahead[l];
                 break;
@@ -694,7 +751,7 @@ int ckpt_load(const char *dir, const CkptTable *t, CkptInfo *info, char *err, si
             uint64_t n = range_meet(&r.er[i], &pr, cols, NULL, NULL, ckpt_dtype_size(e->dtype));
             if (n == 0 && !(e->lo == e->hi && p->lo == p->hi)) continue;
             if (nneed == need_cap) need_cap = need_cap ? 2 * need_cap : 256, needs = xrealloc(needs, (size_t)need_cap * sizeof *needs);
-            needs[nneed++] = (RdNeed){byname[k], i};
+            needs[nneed++] = (RdNeed){.j = byname[k], .entry = i};
             left[i]++;
             covered += n;
         }
@@ -720,7 +777,7 @@ int ckpt_verify(const char *dir, CkptInfo *info, char *err, size_t cap) {
     if (man_read(dir, &m, err, cap) != 0) return -1;
     if (info) *info = m.info;
     RdNeed *needs = xmalloc((size_t)(m.n ? m.n : 1) * sizeof *needs);
-    for (int j = 0; j < m.n; j++) needs[j] = (RdNeed){j, -1};
+    for (int j = 0; j < m.n; j++) needs[j] = (RdNeed){.j = j, .entry = -1};
     Rd r = {.m = &m, .fd = -1, .buf = xmalloc(CKPT_IO_CHUNK)};
     int rc = rd_run(&r, needs, m.n, NULL, err, cap);
     free(needs);

@@ -220,6 +220,24 @@ static void test_box_stream(void) {
     test_report(rc0 == 0 && ok, "ckpt_boxes_stream_to_other_boxes", "rc %d: %s", rc0, err);
     for (int b = 0; b < 3; b++) free(col[b]);
     ckpt_table_free(&u);
+    /* the same boxes (this layout resuming itself): pieces read into place */
+    ckpt_table_init(&u);
+    float *same[4];
+    for (int b = 0; b < 4; b++) {
+        uint64_t r0 = rc[0][b / 2], r1 = rc[0][b / 2 + 1], c0 = rc[1][b % 2], c1 = rc[1][b % 2 + 1];
+        same[b] = xcalloc((r1 - r0) * (c1 - c0), 4);
+        CkptEntry *e = ckpt_add_tensor(&u, "w", CKPT_F32, 2, shape, 0, (r1 - r0) * (c1 - c0), same[b], NULL, NULL);
+        ckpt_entry_set_box(e, r0, r1, c0, c1);
+    }
+    rc0 = ckpt_load(dir, &u, NULL, err, sizeof err);
+    ok = rc0 == 0;
+    for (int b = 0; b < 4 && ok; b++) {
+        uint64_t r0 = rc[0][b / 2], r1 = rc[0][b / 2 + 1], c0 = rc[1][b % 2], c1 = rc[1][b % 2 + 1];
+        ok = !memcmp(same[b], parts[b], (r1 - r0) * (c1 - c0) * 4);
+    }
+    test_report(ok, "ckpt_boxes_stream_to_same_boxes", "rc %d: %s", rc0, err);
+    for (int b = 0; b < 4; b++) free(same[b]);
+    ckpt_table_free(&u);
     /* a flat range crossing the row cut and every column box */
     ckpt_table_init(&u);
     uint64_t lo = 699 * (uint64_t)C + 17, hi = 702 * (uint64_t)C + 3;
@@ -229,6 +247,36 @@ static void test_box_stream(void) {
     test_report(rc0 == 0 && !memcmp(got, w + lo, (hi - lo) * 4), "ckpt_boxes_stream_to_flat_range", "rc %d: %s", rc0,
                 err);
     ckpt_table_free(&u);
+    /* cut short inside a piece read into place (box 1's second, bytes 4.39 to
+     * 5.88 MB), and inside one read through the window (box 3's first, from
+     * 7.96 MB): each named, with where the file ends */
+    const char *cut[2] = {"5000000", "8000000"};
+    for (int k = 0; k < 2; k++) {
+        char cmd[2400], name[64];
+        snprintf(cmd, sizeof cmd, "truncate -s %s '%s/rank00000.bin'", cut[k], dir);
+        if (k == 0) {
+            /* a copy first: the second cut is of the whole file */
+            snprintf(cmd, sizeof cmd, "cp '%s/rank00000.bin' '%s/whole.bin' && truncate -s %s '%s/rank00000.bin'", dir,
+                     root, cut[k], dir);
+        } else {
+            snprintf(cmd, sizeof cmd, "cp '%s/whole.bin' '%s/rank00000.bin' && truncate -s %s '%s/rank00000.bin'",
+                     root, dir, cut[k], dir);
+        }
+        run(cmd);
+        ckpt_table_init(&u);
+        for (int b = 0; b < 4; b++) {
+            uint64_t r0 = rc[0][b / 2], r1 = rc[0][b / 2 + 1], c0 = rc[1][b % 2], c1 = rc[1][b % 2 + 1];
+            CkptEntry *e = ckpt_add_tensor(&u, "w", CKPT_F32, 2, shape, 0, (r1 - r0) * (c1 - c0), got, NULL, NULL);
+            ckpt_entry_set_box(e, r0, r1, c0, c1);
+        }
+        rc0 = ckpt_load(dir, &u, NULL, err, sizeof err);
+        char end[64];
+        snprintf(end, sizeof end, "file ends at %s", cut[k]);
+        snprintf(name, sizeof name, "ckpt_truncated_piece_named_%s", k ? "window" : "in_place");
+        test_report(rc0 != 0 && strstr(err, "truncated: entry 'w' needs bytes") && strstr(err, end), name,
+                    "rc %d: %s", rc0, err);
+        ckpt_table_free(&u);
+    }
     ckpt_table_free(&t);
     for (int b = 0; b < 4; b++) free(parts[b]);
     free(got), free(w);
