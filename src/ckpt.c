@@ -304,7 +304,7 @@ CkptWriter *ckpt_writer_new(const CkptTable *t, const CkptOptions *o) {
         if (o->threads > 1 && ZSTD_isError(ZSTD_CCtx_setParameter(w->zc, ZSTD_c_nbWorkers, o->threads)))
             ZSTD_CCtx_setParameter(w->zc, ZSTD_c_nbWorkers, 0);
     }
-    w->sink = ckpt_sink_new(4, !o->buffered);
+    w->sink = ckpt_sink_new(4);
     const char *f = getenv("KILN_FAULT_ENOSPC_AFTER");
     if (f && *f) w->fault_after = strtoull(f, NULL, 10) + 1;
     w->fd = -1;

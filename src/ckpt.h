@@ -64,9 +64,8 @@ typedef struct CkptOptions {
     int keep_every;   /* milestones: step % keep_every == 0 never deleted; 0 = none */
     int async;        /* stage into a host buffer, write from a thread */
     int compress;     /* zstd level, 0 = none */
-    int threads;      /* zstd workers per entry's frame; 0 or 1 = the writer's own thread */
-    int buffered;     /* 1: write through the page cache; 0 (default): O_DIRECT where the
-                         file system takes it (docs/formats.md, "Writing") */
+    int threads;      /* zstd workers per entry's frame; 0 or 1 = the writer's own thread
+                         (O_DIRECT or not: ckpt_set_direct_io, ckpt_io.h) */
     /* Several ranks writing one checkpoint (meta->mesh.world > 1):
      * agree(ctx, failed) is a collective over every rank that returns nonzero
      * if any rank passed failed != 0. ckpt stays free of comm; state.c passes

@@ -191,6 +191,7 @@ enum { RAW_W, CK_W, RAW_RB, RAW_RD, CK_V, CK_L, NT };
 
 int ckpt_bench_run(const Config *c, const CkptBenchOptions *o) {
     comm_init(c->timeout_s);
+    ckpt_set_direct_io(c->ckpt_direct_io);
     const CommInfo *ci = comm_info();
     int rank = ci->rank, world = ci->world, reps = o->reps > 0 ? o->reps : 3;
     CommGroup *g = world > 1 ? comm_world() : NULL;
@@ -226,7 +227,7 @@ int ckpt_bench_run(const Config *c, const CkptBenchOptions *o) {
     for (int r = 0; r < reps; r++) {
         /* raw and checkpoint back to back, in the same folder */
         sync_ranks(g);
-        t[RAW_W][r] = slowest(g, raw_write(raw, &b, !co.buffered));
+        t[RAW_W][r] = slowest(g, raw_write(raw, &b, ckpt_direct_io()));
         sync_ranks(g);
         double t0 = kiln_now();
         CkptMeta meta = {r + 1, 0, KILN_VERSION, "bench", {world, rank, world, 1, 1, 1, 1}};

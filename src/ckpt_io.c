@@ -1,10 +1,12 @@
-/* ckpt_io: CRC32C and the checkpoint file sink. The sink turns a stream of
- * bytes into CKPT_IO_CHUNK-sized writes at aligned offsets, issued by a thread
- * of its own so that the producer (copying, checksumming, compressing) runs
- * while the disk writes. O_DIRECT keeps a checkpoint out of the page cache;
- * on this project's machines the page-cache path also writes a new file at a
- * fifth of the disk's rate (docs/benchmarks.md). Never decides what a file
- * holds: ckpt.c does. */
+/* ckpt_io: CRC32C, the checkpoint file sink and source. The sink turns a
+ * stream of bytes into CKPT_IO_CHUNK-sized writes at aligned offsets, issued
+ * by a thread of its own so that the producer (copying, checksumming,
+ * compressing) runs while the disk writes; the source reads a file's ranges
+ * ahead on two threads while the caller checksums the chunk before. O_DIRECT
+ * keeps checkpoints out of the page cache; on this project's machines the
+ * page-cache path also writes a new file at a fifth of the disk's rate and
+ * reads at a quarter of it at times (docs/benchmarks.md). Never decides what
+ * a file holds: ckpt.c and ckpt_read.c do. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -16,6 +18,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "ckpt.h"
@@ -191,6 +194,28 @@ const char *ckpt_crc32c_impl(void) {
     return crc_name;
 }
 
+static int io_direct = 1;
+void ckpt_set_direct_io(int on) { io_direct = on != 0; }
+int ckpt_direct_io(void) { return io_direct; }
+
+/* Threads of this file take no signals: they belong to the step loop's handler. */
+static int start_thread(pthread_t *t, void *(*fn)(void *), void *arg) {
+    sigset_t all, prev;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &prev);
+    int rc = pthread_create(t, NULL, fn, arg);
+    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    return rc;
+}
+
+static unsigned char *aligned_buffer(size_t n, const char *what) {
+    void *p = NULL;
+    if (posix_memalign(&p, CKPT_IO_ALIGN, n) != 0)
+        kiln_fail(KILN_EXIT_RUNTIME, "out of memory for the checkpoint %s buffers (%zu MiB)", what, n >> 20);
+    memset(p, 0, n); /* faulted in now, not during a save or a load */
+    return p;
+}
+
 /* ---------- the sink ---------- */
 
 #define SINK_QUEUE 64 /* write requests in flight at most (image mode hands over many) */
@@ -223,20 +248,13 @@ struct CkptSink {
     uint64_t failed_at;
 };
 
-CkptSink *ckpt_sink_new(int nbuf, int direct) {
+CkptSink *ckpt_sink_new(int nbuf) {
     CkptSink *s = xcalloc(1, sizeof *s);
     s->nbuf = nbuf < 2 ? 2 : nbuf;
-    s->want_direct = direct;
+    s->want_direct = io_direct;
     s->buf = xcalloc((size_t)s->nbuf, sizeof *s->buf);
     s->buf_req = xcalloc((size_t)s->nbuf, sizeof *s->buf_req);
-    for (int i = 0; i < s->nbuf; i++) {
-        void *p = NULL;
-        if (posix_memalign(&p, CKPT_IO_ALIGN, CKPT_IO_CHUNK) != 0)
-            kiln_fail(KILN_EXIT_RUNTIME, "out of memory for the checkpoint write buffers (%d x %zu MiB)", s->nbuf,
-                      CKPT_IO_CHUNK >> 20);
-        memset(p, 0, CKPT_IO_CHUNK);
-        s->buf[i] = p;
-    }
+    for (int i = 0; i < s->nbuf; i++) s->buf[i] = aligned_buffer(CKPT_IO_CHUNK, "write");
     s->fd = -1;
     s->failed_at = UINT64_MAX;
     pthread_mutex_init(&s->mu, NULL);
@@ -360,12 +378,7 @@ int ckpt_sink_open(CkptSink *s, const char *path, const unsigned char *image, ui
     s->q_head = s->q_done = 0;
     s->stop = 0, s->err = 0, s->failed_at = UINT64_MAX;
     s->fault_left = fault_left, s->written = 0;
-    /* the thread takes no signals: they belong to the step loop's handler */
-    sigset_t all, prev;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &prev);
-    s->threaded = pthread_create(&s->thread, NULL, sink_thread, s) == 0; /* else writes run inline */
-    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    s->threaded = start_thread(&s->thread, sink_thread, s) == 0; /* else writes run inline */
     return 0;
 }
 
@@ -464,3 +477,221 @@ void ckpt_sink_abort(CkptSink *s) {
     if (s->fd >= 0) close(s->fd);
     s->fd = -1;
 }
+
+/* ---------- the source ---------- */
+
+#define SOURCE_RING 4                  /* chunks in memory: the one being read from, and ahead */
+#define SOURCE_THREADS 2               /* O_DIRECT reads in flight (docs/benchmarks.md, "Checkpoints") */
+#define SOURCE_GAP ((uint64_t)1 << 20) /* ranges closer than this are read as one */
+
+typedef struct {
+    uint64_t off, len, got; /* aligned file range; bytes read (short at the end of the file) */
+    int done, err;
+} SrcChunk;
+
+struct CkptSource {
+    unsigned char *ring[SOURCE_RING]; /* CKPT_IO_CHUNK each, aligned; chunk k reads into ring[k % SOURCE_RING] */
+    int fd, direct;
+    uint64_t size;                    /* the file's, at open */
+    /* O_DIRECT: the file's chunks, handed to the threads in order */
+    SrcChunk *ch;
+    int nch, cap_ch, next, cur;       /* next: the next chunk a thread takes; cur: the caller's */
+    pthread_t th[SOURCE_THREADS];
+    int nth, stop;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    /* the page cache: the ranges, and file bytes [wlo, whi) in ring[0] */
+    uint64_t *rlo, *rhi;
+    int nr, cap_r, rcur;
+    uint64_t wlo, whi;
+};
+
+CkptSource *ckpt_source_new(void) {
+    CkptSource *s = xcalloc(1, sizeof *s);
+    for (int i = 0; i < SOURCE_RING; i++) s->ring[i] = aligned_buffer(CKPT_IO_CHUNK, "read");
+    s->fd = -1;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    return s;
+}
+
+void ckpt_source_free(CkptSource *s) {
+    if (!s) return;
+    ckpt_source_close(s);
+    for (int i = 0; i < SOURCE_RING; i++) free(s->ring[i]);
+    free(s->ch);
+    free(s->rlo);
+    free(s->rhi);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+}
+
+/* Read chunk after chunk, at most SOURCE_RING ahead of the caller's. */
+static void *source_thread(void *arg) {
+    CkptSource *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->stop && s->next < s->nch && s->next >= s->cur + SOURCE_RING) pthread_cond_wait(&s->cv, &s->mu);
+        if (s->stop || s->next >= s->nch) break;
+        int k = s->next++;
+        SrcChunk c = s->ch[k];
+        unsigned char *buf = s->ring[k % SOURCE_RING];
+        pthread_mutex_unlock(&s->mu);
+        uint64_t got = 0;
+        int e = 0;
+        while (got < c.len) {
+            ssize_t n = pread(s->fd, buf + got, (size_t)(c.len - got), (off_t)(c.off + got));
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0) e = errno;
+            if (n <= 0) break;
+            got += (uint64_t)n;
+        }
+        pthread_mutex_lock(&s->mu);
+        s->ch[k].got = got, s->ch[k].err = e, s->ch[k].done = 1;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static void source_chunk(CkptSource *s, uint64_t off, uint64_t len) {
+    if (s->nch == s->cap_ch) s->cap_ch = s->cap_ch ? 2 * s->cap_ch : 64, s->ch = xrealloc(s->ch, (size_t)s->cap_ch * sizeof *s->ch);
+    s->ch[s->nch++] = (SrcChunk){off, len, 0, 0, 0};
+}
+
+int ckpt_source_open(CkptSource *s, const char *path, const uint64_t *lo, const uint64_t *hi, int n) {
+    ckpt_source_close(s);
+    s->direct = 0;
+    s->fd = io_direct ? open(path, O_RDONLY | O_DIRECT) : -1;
+    if (s->fd >= 0) s->direct = 1;
+    else if (io_direct && errno != EINVAL) return -1; /* EINVAL: this file system has no O_DIRECT */
+    if (s->fd < 0) s->fd = open(path, O_RDONLY);
+    if (s->fd < 0) return -1;
+    struct stat st;
+    s->size = fstat(s->fd, &st) == 0 ? (uint64_t)st.st_size : UINT64_MAX;
+    /* the ranges, near ones merged: what is read */
+    s->nr = s->rcur = 0;
+    for (int k = 0; k < n; k++) {
+        if (s->nr && lo[k] <= s->rhi[s->nr - 1] + SOURCE_GAP) {
+            if (hi[k] > s->rhi[s->nr - 1]) s->rhi[s->nr - 1] = hi[k];
+            continue;
+        }
+        if (s->nr == s->cap_r) {
+            s->cap_r = s->cap_r ? 2 * s->cap_r : 64;
+            s->rlo = xrealloc(s->rlo, (size_t)s->cap_r * sizeof *s->rlo);
+            s->rhi = xrealloc(s->rhi, (size_t)s->cap_r * sizeof *s->rhi);
+        }
+        s->rlo[s->nr] = lo[k], s->rhi[s->nr++] = hi[k];
+    }
+    s->wlo = s->whi = 0;
+    s->nch = s->next = s->cur = 0;
+    s->stop = 0;
+    if (!s->direct) {
+        posix_fadvise(s->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+        return 0;
+    }
+    /* O_DIRECT: the ranges as aligned chunks, none read twice */
+    uint64_t end = 0, fend = (s->size + CKPT_IO_ALIGN - 1) / CKPT_IO_ALIGN * CKPT_IO_ALIGN;
+    for (int k = 0; k < s->nr; k++) {
+        uint64_t a = s->rlo[k] / CKPT_IO_ALIGN * CKPT_IO_ALIGN, b = (s->rhi[k] + CKPT_IO_ALIGN - 1) / CKPT_IO_ALIGN * CKPT_IO_ALIGN;
+        if (a < end) a = end;
+        if (b > fend) b = fend;
+        for (; a < b; a += CKPT_IO_CHUNK) source_chunk(s, a, b - a < CKPT_IO_CHUNK ? b - a : CKPT_IO_CHUNK);
+        if (b > end) end = b;
+    }
+    s->nth = 0;
+    for (int t = 0; t < SOURCE_THREADS && t < s->nch; t++)
+        if (start_thread(&s->th[s->nth], source_thread, s) == 0) s->nth++;
+    return 0;
+}
+
+/* O_DIRECT: the chunk holding off, once read. */
+static const unsigned char *source_get_direct(CkptSource *s, uint64_t off, uint64_t len, uint64_t *got) {
+    pthread_mutex_lock(&s->mu);
+    while (s->cur < s->nch && s->ch[s->cur].off + s->ch[s->cur].len <= off) s->cur++, pthread_cond_broadcast(&s->cv);
+    if (s->cur == s->nch || s->ch[s->cur].off > off) {
+        pthread_mutex_unlock(&s->mu);
+        *got = off >= s->size ? s->size : 0;
+        errno = off >= s->size ? 0 : EINVAL; /* past the file, or bytes no range asked for */
+        return NULL;
+    }
+    if (!s->nth && !s->ch[s->cur].done) {
+        /* no thread could start: read here */
+        pthread_mutex_unlock(&s->mu);
+        SrcChunk *c = &s->ch[s->cur];
+        while (c->got < c->len) {
+            ssize_t n = pread(s->fd, s->ring[s->cur % SOURCE_RING] + c->got, (size_t)(c->len - c->got),
+                              (off_t)(c->off + c->got));
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0) c->err = errno;
+            if (n <= 0) break;
+            c->got += (uint64_t)n;
+        }
+        c->done = 1;
+        pthread_mutex_lock(&s->mu);
+    }
+    while (!s->ch[s->cur].done) pthread_cond_wait(&s->cv, &s->mu);
+    SrcChunk c = s->ch[s->cur];
+    const unsigned char *buf = s->ring[s->cur % SOURCE_RING];
+    pthread_mutex_unlock(&s->mu);
+    if (c.err) {
+        errno = c.err;
+        *got = 0;
+        return NULL;
+    }
+    if (off >= c.off + c.got) { /* the file ends before */
+        *got = c.off + c.got;
+        errno = 0;
+        return NULL;
+    }
+    uint64_t have = c.off + c.got - off;
+    *got = have < len ? have : len;
+    return buf + (off - c.off);
+}
+
+const unsigned char *ckpt_source_get(CkptSource *s, uint64_t off, uint64_t len, uint64_t *got) {
+    if (s->direct) return source_get_direct(s, off, len, got);
+    if (off < s->wlo || off >= s->whi) {
+        /* one read up to the end of the range (or the buffer) */
+        while (s->rcur < s->nr && s->rhi[s->rcur] <= off) s->rcur++;
+        uint64_t want = s->rcur < s->nr && s->rhi[s->rcur] > off ? s->rhi[s->rcur] - off : len;
+        if (want < len) want = len;
+        if (want > CKPT_IO_CHUNK) want = CKPT_IO_CHUNK;
+        uint64_t n = 0;
+        while (n < want) {
+            ssize_t k = pread(s->fd, s->ring[0] + n, (size_t)(want - n), (off_t)(off + n));
+            if (k < 0 && errno == EINTR) continue;
+            if (k < 0) {
+                *got = 0;
+                return NULL;
+            }
+            if (k == 0) break;
+            n += (uint64_t)k;
+        }
+        s->wlo = off, s->whi = off + n;
+        if (n == 0) {
+            *got = s->size < off ? s->size : off;
+            errno = 0;
+            return NULL;
+        }
+    }
+    uint64_t have = s->whi - off;
+    *got = have < len ? have : len;
+    return s->ring[0] + (off - s->wlo);
+}
+
+void ckpt_source_close(CkptSource *s) {
+    if (s->nth) {
+        pthread_mutex_lock(&s->mu);
+        s->stop = 1;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        for (int t = 0; t < s->nth; t++) pthread_join(s->th[t], NULL);
+        s->nth = 0;
+    }
+    if (s->fd >= 0) close(s->fd);
+    s->fd = -1;
+}
+
+int ckpt_source_direct(const CkptSource *s) { return s->direct; }

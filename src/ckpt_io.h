@@ -1,8 +1,9 @@
 /* ckpt_io: the byte-moving half of checkpoints — CRC32C (the CPU's crc32
  * instruction where present, a slicing-by-8 table elsewhere, identical
- * results) and the sink that writes one file in large aligned chunks from a
- * thread of its own (O_DIRECT where the file system takes it). Knows nothing
- * of entries, manifests or directories: ckpt.c does. */
+ * results), the sink that writes one file in large aligned chunks from a
+ * thread of its own, and the source that reads one back ahead of its caller
+ * (O_DIRECT where the file system takes it). Knows nothing of entries,
+ * manifests or directories: ckpt.c and ckpt_read.c do. */
 #ifndef KILN_CKPT_IO_H
 #define KILN_CKPT_IO_H
 
@@ -23,12 +24,18 @@ uint32_t ckpt_crc32c_table(uint32_t crc, const void *data, size_t n);
 /* The implementation ckpt_crc32c dispatches to: "sse4.2", "armv8-crc" or "table". */
 const char *ckpt_crc32c_impl(void);
 
+/* Checkpoint files are read and written with O_DIRECT where the file system
+ * takes it (1, the default), or always through the page cache (0):
+ * checkpoint.direct_io. Applies to sinks and sources made afterwards. */
+void ckpt_set_direct_io(int on);
+int ckpt_direct_io(void);
+
 /* ---- the sink ---- */
 typedef struct CkptSink CkptSink;
 
 /* A sink with `nbuf` aligned buffers of CKPT_IO_CHUNK bytes, touched now (a
- * save never page-faults them in); `direct` 0 never asks for O_DIRECT. */
-CkptSink *ckpt_sink_new(int nbuf, int direct);
+ * save never page-faults them in). */
+CkptSink *ckpt_sink_new(int nbuf);
 void ckpt_sink_free(CkptSink *s);
 
 /* Create `path` (truncated) and start the sink's writer thread. image != NULL:
@@ -64,5 +71,26 @@ uint64_t ckpt_sink_failed_at(const CkptSink *s);
 uint64_t ckpt_sink_written(const CkptSink *s);
 /* 1 if the last open wrote with O_DIRECT. */
 int ckpt_sink_was_direct(const CkptSink *s);
+
+
+/* ---- the source: one file read front to back ----
+ * With O_DIRECT, two threads read aligned CKPT_IO_CHUNK chunks ahead into a
+ * ring of buffers while the caller checksums and copies the one before;
+ * through the page cache, one read at a time with FADV_SEQUENTIAL (the
+ * kernel reads ahead). */
+typedef struct CkptSource CkptSource;
+CkptSource *ckpt_source_new(void);
+void ckpt_source_free(CkptSource *s);
+/* Open path to read byte ranges [lo[k], hi[k]) (sorted by lo, k < n) in that
+ * order. 0, or -1 with errno. */
+int ckpt_source_open(CkptSource *s, const char *path, const uint64_t *lo, const uint64_t *hi, int n);
+/* File bytes at off (inside a range, and never before an earlier call's):
+ * a pointer to *got of them, 1 <= *got <= len, valid until the next call;
+ * NULL at the end of the file (*got = its size) or on an error (errno set,
+ * *got = 0). */
+const unsigned char *ckpt_source_get(CkptSource *s, uint64_t off, uint64_t len, uint64_t *got);
+void ckpt_source_close(CkptSource *s);
+/* 1 if the open file reads with O_DIRECT. */
+int ckpt_source_direct(const CkptSource *s);
 
 #endif

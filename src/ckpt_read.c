@@ -393,46 +393,25 @@ static void range_copy_span(const BoxRange *e, const BoxRange *p, uint64_t cols,
     }
 }
 
-/* 1 if saved range p lies inside range e as one run, *at bytes into e's
- * memory: flat ranges of full-width boxes, or ranges of the same box. */
-static int range_inside(const BoxRange *e, const BoxRange *p, uint64_t cols, size_t es, uint64_t *at) {
-    uint64_t e0, e1, p0, p1;
-    if (e->c0 == 0 && e->c1 == cols && p->c0 == 0 && p->c1 == cols)
-        e0 = e->r0 * cols + e->lo, e1 = e->r0 * cols + e->hi, p0 = p->r0 * cols + p->lo, p1 = p->r0 * cols + p->hi;
-    else if (e->r0 == p->r0 && e->r1 == p->r1 && e->c0 == p->c0 && e->c1 == p->c1)
-        e0 = e->lo, e1 = e->hi, p0 = p->lo, p1 = p->hi;
-    else return 0;
-    *at = (p0 - e0) * es;
-    return p0 >= e0 && p1 <= e1;
-}
-
 /* ---------- streaming reads ----------
- * A load or a verify reads each rank file once, front to back, in
- * CKPT_IO_CHUNK reads (adjacent pieces share a read; the kernel's read-ahead,
- * asked for with FADV_SEQUENTIAL, keeps the disk busy while the bytes are
- * checksummed and copied), and every piece's bytes pass once through
- * CRC32C and on to whatever entries need them. */
+ * A load or a verify reads each rank file it needs once, front to back
+ * (ckpt_io's source: O_DIRECT chunks read ahead by two threads, or the page
+ * cache's read-ahead; adjacent pieces share a read, pieces no entry needs
+ * are skipped), and every piece's bytes pass once through CRC32C and on to
+ * whatever entries need them. */
 
 typedef struct {
     int j;     /* manifest piece */
     int entry; /* table entry it fills, -1: only verified */
-    int direct;        /* the piece is read straight into the entry's memory (one run, large) */
-    uint64_t at;       /* where in it (bytes) */
 } RdNeed;
-
-/* Pieces at least this large that fill one entry as one run bypass the
- * window: read into place, no copy after the kernel's. */
-#define RD_DIRECT_MIN ((uint64_t)1 << 20)
-#define RD_DIRECT_STEP ((size_t)2 << 20) /* read, then checksummed while in the cache */
 
 typedef struct {
     const Manifest *m;
     const CkptTable *t; /* NULL: verify only */
-    int fd;
+    CkptSource *src;
     const char *file;   /* the open file's name */
     char path[1400];
-    unsigned char *buf; /* (CKPT_IO_CHUNK) file bytes [wlo, whi) */
-    uint64_t wlo, whi;
+    uint64_t *lo, *hi;  /* (pieces) the open file's ranges */
     ZSTD_DCtx *dz;
     unsigned char *zout; /* (CKPT_IO_CHUNK) decompressed bytes */
     unsigned char **host; /* (t->n) where each entry's bytes are assembled: its memory, or a
@@ -485,37 +464,10 @@ static int need_by_place(const void *a, const void *b, void *m_) {
     return c ? c : x->entry - y->entry;
 }
 
-/* File bytes [off, off + len) through the window: a pointer and *got (1..len)
- * of them; refills with one read up to `ahead` (the end of the adjacent
- * pieces being read). NULL at the end of the file (*got = where it ends) or
- * on an error (errno set, *got = 0). */
-static const unsigned char *rd_get(Rd *r, uint64_t off, uint64_t len, uint64_t ahead, uint64_t *got) {
-    if (off < r->wlo || off >= r->whi) {
-        uint64_t want = ahead > off ? ahead - off : len;
-        if (want < len) want = len;
-        if (want > CKPT_IO_CHUNK) want = CKPT_IO_CHUNK;
-        uint64_t n = 0;
-        while (n < want) {
-            ssize_t k = pread(r->fd, r->buf + n, (size_t)(want - n), (off_t)(off + n));
-            if (k < 0 && errno == EINTR) continue;
-            if (k < 0) {
-                *got = 0;
-                return NULL;
-            }
-            if (k == 0) break;
-            n += (uint64_t)k;
-        }
-        r->wlo = off, r->whi = off + n;
-        if (n == 0) {
-            struct stat st;
-            *got = fstat(r->fd, &st) == 0 && (uint64_t)st.st_size < off ? (uint64_t)st.st_size : off;
-            errno = 0;
-            return NULL;
-        }
-    }
-    uint64_t have = r->whi - off;
-    *got = have < len ? have : len;
-    return r->buf + (off - r->wlo);
+/* File bytes [off, off + len): a pointer and *got of them; NULL at the end
+ * of the file (*got = where it ends) or on an error (*got = 0, errno). */
+static const unsigned char *rd_get(Rd *r, uint64_t off, uint64_t len, uint64_t *got) {
+    return ckpt_source_get(r->src, off, len, got);
 }
 
 /* Uncompressed piece bytes [s0, s0 + n) at q: to every entry of needs[0, nn). */
@@ -533,33 +485,13 @@ static void rd_scatter(Rd *r, const MEntry *p, const RdNeed *needs, int nn, cons
 }
 
 /* Piece needs[0].j, every byte in order: checksummed and scattered. */
-static int rd_piece(Rd *r, const RdNeed *needs, int nn, uint64_t ahead, char *err, size_t cap) {
+static int rd_piece(Rd *r, const RdNeed *needs, int nn, char *err, size_t cap) {
     const MEntry *p = &r->m->e[needs[0].j];
     uint32_t crc = 0;
     uint64_t got, produced = 0;
-    if (!p->zstd && needs[0].direct) {
-        unsigned char *dst = r->host[needs[0].entry] + needs[0].at;
+    if (!p->zstd) {
         for (uint64_t off = 0; off < p->bytes; off += got) {
-            size_t want = p->bytes - off < RD_DIRECT_STEP ? (size_t)(p->bytes - off) : RD_DIRECT_STEP;
-            ssize_t k = pread(r->fd, dst + off, want, (off_t)(p->offset + off));
-            if (k < 0 && errno == EINTR) {
-                got = 0;
-                continue;
-            }
-            if (k < 0) return rerr(err, cap, "%s: read: %s", r->path, strerror(errno));
-            if (k == 0) {
-                struct stat st;
-                uint64_t end = fstat(r->fd, &st) == 0 ? (uint64_t)st.st_size : p->offset + off;
-                return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64
-                            ", file ends at %" PRIu64, r->path, p->name, p->offset, p->offset + p->stored, end);
-            }
-            got = (uint64_t)k;
-            crc = ckpt_crc32c(crc, dst + off, (size_t)got);
-        }
-        produced = p->bytes;
-    } else if (!p->zstd) {
-        for (uint64_t off = 0; off < p->bytes; off += got) {
-            const unsigned char *q = rd_get(r, p->offset + off, p->bytes - off, ahead, &got);
+            const unsigned char *q = rd_get(r, p->offset + off, p->bytes - off, &got);
             if (!q && !got) return rerr(err, cap, "%s: read: %s", r->path, strerror(errno));
             if (!q)
                 return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64
@@ -578,7 +510,7 @@ static int rd_piece(Rd *r, const RdNeed *needs, int nn, uint64_t ahead, char *er
         while (ret != 0) {
             if (in.pos == in.size) {
                 if (in_off == p->stored) break; /* the frame is not complete */
-                const unsigned char *q = rd_get(r, p->offset + in_off, p->stored - in_off, ahead, &got);
+                const unsigned char *q = rd_get(r, p->offset + in_off, p->stored - in_off, &got);
                 if (!q && !got) return rerr(err, cap, "%s: read: %s", r->path, strerror(errno));
                 if (!q)
                     return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64
@@ -613,57 +545,34 @@ static int rd_piece(Rd *r, const RdNeed *needs, int nn, uint64_t ahead, char *er
  * piece is in. */
 static int rd_run(Rd *r, RdNeed *needs, int n, uint64_t *left, char *err, size_t cap) {
     qsort_r(needs, (size_t)n, sizeof *needs, need_by_place, (void *)r->m);
-    for (int k = 0; k < n; k++) {
-        const MEntry *p = &r->m->e[needs[k].j];
-        int i = needs[k].entry, alone = (k == 0 || needs[k - 1].j != needs[k].j) && (k + 1 == n || needs[k + 1].j != needs[k].j);
-        needs[k].direct = 0;
-        if (i < 0 || !alone || p->zstd || p->bytes < RD_DIRECT_MIN) continue;
-        const CkptEntry *e = &r->t->e[i];
-        uint64_t rows, cols;
-        ckpt_tensor_rc(e->ndim, e->shape, &rows, &cols);
-        BoxRange pr = {p->r0, p->r1, p->c0, p->c1, p->lo, p->hi};
-        needs[k].direct = range_inside(&r->er[i], &pr, cols, ckpt_dtype_size(e->dtype), &needs[k].at);
-    }
-    /* ahead[k]: the end of the run of adjacent pieces from needs[k]'s on,
-     * read through the window together (a direct piece ends a run) */
-    uint64_t *ahead = xmalloc((size_t)(n ? n : 1) * sizeof *ahead);
-    for (int k = n - 1; k >= 0; k--) {
-        const MEntry *p = &r->m->e[needs[k].j];
-        ahead[k] = p->offset + p->stored;
-        for (int l = k + 1; l < n && !needs[k].direct; l++) {
-            const MEntry *q = &r->m->e[needs[l].j];
-            if (strcmp(q->file, p->file) || needs[l].direct || (needs[l].j != needs[k].j && q->offset != ahead[k]))
-                break;
-            if (needs[l].j != needs[k].j) {
-                ahead[k] = ahead[l];
-                break;
-            }
-        }
-    }
+    r->lo = xmalloc((size_t)(n ? n : 1) * sizeof *r->lo);
+    r->hi = xmalloc((size_t)(n ? n : 1) * sizeof *r->hi);
     int rc = 0;
-    r->fd = -1;
     for (int k = 0; k < n && rc == 0;) {
         const MEntry *p = &r->m->e[needs[k].j];
         int nn = 1;
         while (k + nn < n && needs[k + nn].j == needs[k].j) nn++;
         if (!r->file || strcmp(r->file, p->file)) {
-            if (r->fd >= 0) close(r->fd);
+            /* the next file: the ranges of its pieces, in order */
+            int nr = 0;
+            for (int l = k; l < n && !strcmp(r->m->e[needs[l].j].file, p->file); l++) {
+                const MEntry *q = &r->m->e[needs[l].j];
+                if (l > k && needs[l].j == needs[l - 1].j) continue;
+                r->lo[nr] = q->offset, r->hi[nr++] = q->offset + q->stored;
+            }
             r->file = p->file;
             snprintf(r->path, sizeof r->path, "%s/%s", r->m->dir, p->file);
-            r->fd = open(r->path, O_RDONLY);
-            r->wlo = r->whi = 0;
-            if (r->fd < 0) {
+            if (ckpt_source_open(r->src, r->path, r->lo, r->hi, nr) != 0) {
                 rc = rerr(err, cap, "%s: cannot open: %s", r->path, strerror(errno));
                 break;
             }
-            posix_fadvise(r->fd, 0, 0, POSIX_FADV_SEQUENTIAL);
         }
         for (int l = k; l < k + nn; l++) {
             int i = needs[l].entry;
             if (i >= 0 && r->t->e[i].to_device && !r->host[i])
                 r->host[i] = rd_scratch(r, ckpt_entry_bytes(&r->t->e[i]), &r->host_cap[i]);
         }
-        rc = rd_piece(r, needs + k, nn, ahead[k], err, cap);
+        rc = rd_piece(r, needs + k, nn, err, cap);
         for (int l = k; l < k + nn && rc == 0; l++) {
             int i = needs[l].entry;
             if (i < 0 || --left[i] > 0) continue;
@@ -676,13 +585,14 @@ static int rd_run(Rd *r, RdNeed *needs, int n, uint64_t *left, char *err, size_t
         }
         k += nn;
     }
-    if (r->fd >= 0) close(r->fd);
-    r->fd = -1;
-    free(ahead);
+    ckpt_source_close(r->src);
     return rc;
 }
 
 static void rd_free(Rd *r) {
+    ckpt_source_free(r->src);
+    free(r->lo);
+    free(r->hi);
     if (r->host)
         for (int i = 0; i < r->t->n; i++)
             if (r->t->e[i].to_device) free(r->host[i]);
@@ -690,7 +600,6 @@ static void rd_free(Rd *r) {
     free(r->host);
     free(r->host_cap);
     free(r->er);
-    free(r->buf);
     free(r->zout);
     if (r->dz) ZSTD_freeDCtx(r->dz);
 }
@@ -709,7 +618,7 @@ int ckpt_load(const char *dir, const CkptTable *t, CkptInfo *info, char *err, si
     int rc = -1, nneed = 0, need_cap = 0;
     RdNeed *needs = NULL;
     uint64_t *left = xcalloc((size_t)(t->n ? t->n : 1), sizeof *left);
-    Rd r = {.m = &m, .t = t, .fd = -1};
+    Rd r = {.m = &m, .t = t};
     r.host = xcalloc((size_t)(t->n ? t->n : 1), sizeof *r.host);
     r.host_cap = xcalloc((size_t)(t->n ? t->n : 1), sizeof *r.host_cap);
     r.er = xmalloc((size_t)(t->n ? t->n : 1) * sizeof *r.er);
@@ -761,7 +670,7 @@ int ckpt_load(const char *dir, const CkptTable *t, CkptInfo *info, char *err, si
             goto out;
         }
     }
-    r.buf = xmalloc(CKPT_IO_CHUNK);
+    r.src = ckpt_source_new();
     rc = rd_run(&r, needs, nneed, left, err, cap);
 out:
     free(byname);
@@ -778,7 +687,7 @@ int ckpt_verify(const char *dir, CkptInfo *info, char *err, size_t cap) {
     if (info) *info = m.info;
     RdNeed *needs = xmalloc((size_t)(m.n ? m.n : 1) * sizeof *needs);
     for (int j = 0; j < m.n; j++) needs[j] = (RdNeed){.j = j, .entry = -1};
-    Rd r = {.m = &m, .fd = -1, .buf = xmalloc(CKPT_IO_CHUNK)};
+    Rd r = {.m = &m, .src = ckpt_source_new()};
     int rc = rd_run(&r, needs, m.n, NULL, err, cap);
     free(needs);
     rd_free(&r);

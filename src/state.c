@@ -23,6 +23,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ckpt_io.h"
 #include "ddp.h"
 #include "hf.h"
 #include "metrics.h"
@@ -311,6 +312,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     op->keep_last = c->ckpt_keep_last;
     op->keep_every = c->ckpt_keep_every;
     op->async = c->ckpt_async;
+    ckpt_set_direct_io(c->ckpt_direct_io); /* before the loads and the writer */
     op->compress = c->ckpt_compress;
     op->threads = c->threads > 0 ? c->threads : (int)sysconf(_SC_NPROCESSORS_ONLN); /* zstd workers */
     op->agree = multi ? state_agree : NULL;
