@@ -249,9 +249,9 @@ static void test_box_stream(void) {
     test_report(rc0 == 0 && !memcmp(got, w + lo, (hi - lo) * 4), "ckpt_boxes_stream_to_flat_range", "rc %d: %s", rc0,
                 err);
     ckpt_table_free(&u);
-    /* cut short inside a piece read into place (box 1's second, bytes 4.39 to
-     * 5.88 MB), and inside one read through the window (box 3's first, from
-     * 7.96 MB): each named, with where the file ends */
+    /* cut short inside box 1's second piece (bytes 4.39 to 5.88 MB), read with
+     * O_DIRECT, and inside box 3's first (from 7.96 MB), read through the page
+     * cache: each named, with where the file ends */
     const char *cut[2] = {"5000000", "8000000"};
     for (int k = 0; k < 2; k++) {
         char cmd[2400], name[64];
@@ -271,10 +271,12 @@ static void test_box_stream(void) {
             CkptEntry *e = ckpt_add_tensor(&u, "w", CKPT_F32, 2, shape, 0, (r1 - r0) * (c1 - c0), got, NULL, NULL);
             ckpt_entry_set_box(e, r0, r1, c0, c1);
         }
+        ckpt_set_direct_io(k == 0);
         rc0 = ckpt_load(dir, &u, NULL, err, sizeof err);
+        ckpt_set_direct_io(1);
         char end[64];
         snprintf(end, sizeof end, "file ends at %s", cut[k]);
-        snprintf(name, sizeof name, "ckpt_truncated_piece_named_%s", k ? "window" : "in_place");
+        snprintf(name, sizeof name, "ckpt_truncated_piece_named_%s", k ? "page_cache" : "direct");
         test_report(rc0 != 0 && strstr(err, "truncated: entry 'w' needs bytes") && strstr(err, end), name,
                     "rc %d: %s", rc0, err);
         ckpt_table_free(&u);
