@@ -208,11 +208,13 @@ static int start_thread(pthread_t *t, void *(*fn)(void *), void *arg) {
     return rc;
 }
 
-static unsigned char *aligned_buffer(size_t n, const char *what) {
+/* touch: fault the pages in now (a writer's buffers, used for every save);
+ * a load's are faulted in by its reader threads as they first fill them */
+static unsigned char *aligned_buffer(size_t n, const char *what, int touch) {
     void *p = NULL;
     if (posix_memalign(&p, CKPT_IO_ALIGN, n) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "out of memory for the checkpoint %s buffers (%zu MiB)", what, n >> 20);
-    memset(p, 0, n); /* faulted in now, not during a save or a load */
+    if (touch) memset(p, 0, n);
     return p;
 }
 
@@ -254,7 +256,7 @@ CkptSink *ckpt_sink_new(int nbuf) {
     s->want_direct = io_direct;
     s->buf = xcalloc((size_t)s->nbuf, sizeof *s->buf);
     s->buf_req = xcalloc((size_t)s->nbuf, sizeof *s->buf_req);
-    for (int i = 0; i < s->nbuf; i++) s->buf[i] = aligned_buffer(CKPT_IO_CHUNK, "write");
+    for (int i = 0; i < s->nbuf; i++) s->buf[i] = aligned_buffer(CKPT_IO_CHUNK, "write", 1);
     s->fd = -1;
     s->failed_at = UINT64_MAX;
     pthread_mutex_init(&s->mu, NULL);
@@ -480,7 +482,7 @@ void ckpt_sink_abort(CkptSink *s) {
 
 /* ---------- the source ---------- */
 
-#define SOURCE_RING 4                  /* chunks in memory: the one being read from, and ahead */
+#define SOURCE_RING 6                  /* chunks in memory: the one being read from, and ahead */
 #define SOURCE_THREADS 2               /* O_DIRECT reads in flight (docs/benchmarks.md, "Checkpoints") */
 #define SOURCE_GAP ((uint64_t)1 << 20) /* ranges closer than this are read as one */
 
@@ -508,7 +510,7 @@ struct CkptSource {
 
 CkptSource *ckpt_source_new(void) {
     CkptSource *s = xcalloc(1, sizeof *s);
-    for (int i = 0; i < SOURCE_RING; i++) s->ring[i] = aligned_buffer(CKPT_IO_CHUNK, "read");
+    for (int i = 0; i < SOURCE_RING; i++) s->ring[i] = aligned_buffer(CKPT_IO_CHUNK, "read", 0);
     s->fd = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
