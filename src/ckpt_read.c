@@ -484,6 +484,19 @@ static void rd_scatter(Rd *r, const MEntry *p, const RdNeed *needs, int nn, cons
     }
 }
 
+/* Bytes [s0, s0 + n) of the piece at q: checksummed and scattered block by
+ * block, each copied out while the checksum has it in the cache. */
+static uint32_t rd_consume(Rd *r, const MEntry *p, const RdNeed *needs, int nn, const unsigned char *q, uint64_t s0,
+                           uint64_t n, uint32_t crc) {
+    const uint64_t block = 256 << 10;
+    for (uint64_t k = 0; k < n; k += block) {
+        uint64_t len = n - k < block ? n - k : block;
+        crc = ckpt_crc32c(crc, q + k, (size_t)len);
+        rd_scatter(r, p, needs, nn, q + k, s0 + k, len);
+    }
+    return crc;
+}
+
 /* Piece needs[0].j, every byte in order: checksummed and scattered. */
 static int rd_piece(Rd *r, const RdNeed *needs, int nn, char *err, size_t cap) {
     const MEntry *p = &r->m->e[needs[0].j];
@@ -496,8 +509,7 @@ static int rd_piece(Rd *r, const RdNeed *needs, int nn, char *err, size_t cap) {
             if (!q)
                 return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64
                             ", file ends at %" PRIu64, r->path, p->name, p->offset, p->offset + p->stored, got);
-            crc = ckpt_crc32c(crc, q, (size_t)got);
-            rd_scatter(r, p, needs, nn, q, off, got);
+            crc = rd_consume(r, p, needs, nn, q, off, got, crc);
         }
         produced = p->bytes;
     } else {
@@ -525,8 +537,7 @@ static int rd_piece(Rd *r, const RdNeed *needs, int nn, char *err, size_t cap) {
                             ZSTD_getErrorName(ret));
             if (produced + out.pos > p->bytes) break;
             if (!out.pos) continue;
-            crc = ckpt_crc32c(crc, r->zout, out.pos);
-            rd_scatter(r, p, needs, nn, r->zout, produced, out.pos);
+            crc = rd_consume(r, p, needs, nn, r->zout, produced, out.pos, crc);
             produced += out.pos;
         }
         if (ret != 0 || produced != p->bytes || in_off != p->stored || in.pos != in.size)
