@@ -5,12 +5,12 @@
  * "data.train.pos", "data.train.state", "rng.train" (rank 0; rank r > 0: "rng.train/rank<r>"),
  * "config.yaml". docs/formats.md.
  *
- * Several ranks: replicated state (parameters, blobs; optimizer state without
- * ZeRO) is written by rank 0 only; a ZeRO-sharded optimizer state is written
- * by every rank for the arena range it owns, cut at tensor boundaries into
- * per-tensor ranges (ZeRO-2/3: its block of every unit, for the fp32
- * parameters too). On resume every rank asks for the ranges it needs, so the
- * checkpoint loads on any number of ranks and any ZeRO stage. */
+ * Several ranks: each dp rank writes its own share of the parameters and
+ * the optimizer state, cut at tensor boundaries into per-tensor ranges: the
+ * arena range its ZeRO-1 optimizer owns, one dp-th of it without ZeRO, its
+ * block of every unit under ZeRO-2/3; the blobs come from rank 0. On resume
+ * every rank asks for the ranges it needs, so the checkpoint loads on any
+ * number of ranks and any ZeRO stage. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
