@@ -36,8 +36,11 @@ LDLIBS  += $(shell $(MPICC) --showme:link 2>/dev/null)
 endif
 
 DEB_PKGS := libyaml-dev libzstd-dev libopenblas-openmp-dev zstd python3-numpy python3-torch python3-venv \
-            openmpi-bin libopenmpi-dev libpmix-dev slurmctld slurmd slurm-client munge chromium
+            openmpi-bin libopenmpi-dev libpmix-dev slurmctld slurmd slurm-client munge chromium \
+            clang libclang-rt-dev valgrind
 BUILD := build
+# The binary: ./train, or build-san/train for `make sanitize` (below).
+TRAIN ?= train
 
 SRC  := $(wildcard src/*.c src/cpu/*.c)
 OBJ  := $(SRC:%.c=$(BUILD)/%.o)
@@ -149,7 +152,7 @@ gpu-bundle:
 # ------------------------------------------------------------------ end CUDA block
 
 .PHONY: all deps run test bench clean found FORCE
-all: found train
+all: found $(TRAIN)
 
 found:
 	@if [ -f $(BLAS_INC)/cblas.h ]; then echo "✓ OpenBLAS (OpenMP) $(BLAS_DIR)"; else echo "✗ OpenBLAS (OpenMP) not found: make deps"; fi
@@ -166,7 +169,7 @@ found:
 	 else echo "✗ cuDNN not found (no cudnn_graph.h): attention on kiln's own kernels"; fi
 	@if [ -n "$(NVCC_PATH)" ]; then echo "✓ nvcc $$($(NVCC) --version | sed -n 's/.*release \([0-9.]*\).*/\1/p') $(CUDA_HOME) (CUDA backend: $(if $(filter 1,$(CUDA)),built$(COMMA) $(CUDA_ARCH),left out: CUDA=0))"; else echo "✗ nvcc not found: CPU backend only"; fi
 
-train: $(OBJ) $(BUILD)/main.o
+$(TRAIN): $(OBJ) $(BUILD)/main.o
 	$(CC) $(CFLAGS) -o $@ $^ $(LDLIBS)
 
 # The commit is baked into main.o only; the stamp changes only when the commit
@@ -211,6 +214,8 @@ run: deps
 # them the GPT-2 tokenizer checks print skip lines rather than fail.
 test: deps
 	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BENCH_BIN)
+	@if [ "$(FUZZ_OK)" = 1 ]; then $(MAKE) --no-print-directory fuzz-build; \
+	 else echo "✗ $(FUZZ_CC) with libFuzzer not found: the fuzz regression checks will skip (make deps installs it)"; fi
 	@bash scripts/fetch_gpt2_vocab.sh || echo "✗ GPT-2 vocabulary not fetched: its checks will skip"
 	@bash scripts/setup_hf.sh || echo "✗ transformers not installed: the HuggingFace checks will skip"
 	@bash scripts/setup_track.sh || echo "✗ mlflow-skinny / prometheus_client not installed: their reader checks skip or fail"
@@ -220,7 +225,80 @@ bench: deps
 	@$(MAKE) --no-print-directory all $(BUILD)/test/bench_data
 	@bash scripts/bench.sh
 
+# ---- make sanitize: AddressSanitizer + UndefinedBehaviorSanitizer --------------
+# The CPU binary and the C tests of the fast part of the suite, built by gcc
+# with both sanitizers into build-san/ (CUDA=0 there: nvcc's objects carry no
+# instrumentation; -O1 keeps stack traces whole), then test/sanitize.sh runs
+# that part of the suite against them (docs/testing.md, "Sanitizers"). A
+# report of either sanitizer, or a leak at the exit of any process, fails it.
+SAN_DIR   := build-san
+# -static-libubsan: with gcc's shared runtimes UBSan ignores log_path and reports on
+# stderr, where a test that captures stderr would hide it; its static copy honours it
+# -Wno-format-truncation: at -O1 gcc's range analysis flags snprintf truncations that
+# -O3 does not (each into a buffer whose truncation is meant)
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -static-libubsan \
+             -Wno-format-truncation
+SAN_TESTS := test_ckpt test_ckpt_hostile test_comm test_config test_data test_flight test_metrics test_model_arch_ref \
+             test_model_ref test_model_stages test_ops test_optim test_safetensors test_straggler test_tokenizer
+ifeq ($(SAN),1)
+CFLAGS  += $(SAN_FLAGS)
+endif
+.PHONY: sanitize
+sanitize: deps
+	@$(MAKE) --no-print-directory SAN=1 CUDA=0 BUILD=$(SAN_DIR) OPT=-O1 TRAIN=$(SAN_DIR)/train \
+	    $(SAN_DIR)/train $(SAN_TESTS:%=$(SAN_DIR)/test/%)
+	@bash scripts/fetch_gpt2_vocab.sh || echo "✗ GPT-2 vocabulary not fetched: its checks will skip"
+	@bash test/sanitize.sh
+
+# ---- make fuzz: libFuzzer targets (test/fuzz/, clang) ----------------------------
+# One target per parser of outside input, built with clang, libFuzzer,
+# AddressSanitizer and UBSan into build-fuzz/ (CUDA=0, no MPI). `make fuzz
+# FUZZ_SECONDS=N` runs each for N seconds from its committed seeds
+# (test/fuzz/corpus/TARGET) into build-fuzz/corpus/TARGET; `make test` runs
+# each for a few seconds as a regression check (test/t_fuzz.sh), and says skip
+# where clang's libFuzzer is missing. docs/testing.md, "Fuzzing".
+FUZZ_DIR     := build-fuzz
+FUZZ_CC      ?= clang
+FUZZ_TARGETS := config shard manifest tiktoken pretok llmc safetensors
+FUZZ_SECONDS ?= 60
+# -Wno-pass-failed: at -O1 clang cannot honour the CPU backend's `omp simd` loops and says so per loop
+FUZZ_FLAGS   := -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g \
+                -Wno-pass-failed
+FUZZ_OK       = $(shell printf 'int LLVMFuzzerTestOneInput(const char *d, long n) { return 0; }' | \
+                  $(FUZZ_CC) -fsanitize=fuzzer,address -x c - -o /dev/null 2>/dev/null && echo 1)
+ifeq ($(FUZZ),1)
+CFLAGS  += $(FUZZ_FLAGS)
+endif
+$(FUZZ_DIR)/fuzz_sec.o: test/fuzz/fuzz_sec.c
+	@mkdir -p $(dir $@)
+	$(CC) -O1 -c -o $@ $<
+$(FUZZ_DIR)/fuzz_%: test/fuzz/fuzz_%.c test/fuzz/fuzz.h $(FUZZ_DIR)/fuzz_sec.o $(OBJ)
+	$(CC) $(CFLAGS) -fsanitize=fuzzer -Itest/fuzz -o $@ $< $(FUZZ_DIR)/fuzz_sec.o $(OBJ) $(LDLIBS)
+.PHONY: fuzz fuzz-build fuzz-seeds
+fuzz-build:
+	@if [ "$(FUZZ_OK)" != 1 ]; then echo "✗ $(FUZZ_CC) with libFuzzer not found: make deps installs clang"; exit 1; fi
+	@$(MAKE) --no-print-directory FUZZ=1 CC=$(FUZZ_CC) CUDA=0 KILN_NO_MPI=1 BUILD=$(FUZZ_DIR) OPT=-O1 \
+	    $(FUZZ_TARGETS:%=$(FUZZ_DIR)/fuzz_%)
+fuzz: deps fuzz-build
+	@bash scripts/fuzz.sh $(FUZZ_SECONDS) $(FUZZ_TARGETS)
+# Rewrite the committed seed corpora from the repo's files (test/fuzz/seeds.c).
+fuzz-seeds: $(BUILD)/test/fuzz/seeds
+	$(BUILD)/test/fuzz/seeds test/fuzz/corpus
+
+# ---- make valgrind: memcheck over a tiny training run and its resume ----------------
+# Its own build (build-vg/): AVX2 rather than this CPU (valgrind 3.19 decodes no
+# AVX-512), -O1 -g for exact lines, CUDA=0 and no MPI (a one-rank run; Open
+# MPI's singleton start-up would be most of the noise; -Wno-format-truncation as in
+# SAN_FLAGS). test/valgrind.sh.
+VG_DIR := build-vg
+.PHONY: valgrind
+valgrind: deps
+	@$(MAKE) --no-print-directory CUDA=0 KILN_NO_MPI=1 BUILD=$(VG_DIR) ARCH=-march=x86-64-v3 \
+	    OPT="-O1 -g -Wno-format-truncation" \
+	    TRAIN=$(VG_DIR)/train $(VG_DIR)/train
+	@bash test/valgrind.sh
+
 clean:
-	rm -rf $(BUILD) train
+	rm -rf $(BUILD) $(SAN_DIR) $(FUZZ_DIR) $(VG_DIR) train
 
 -include $(OBJ:.o=.d) $(BUILD)/main.d

@@ -1,6 +1,7 @@
 /* backend_cuda: the CUDA backend's start-up, memory and the Backend table; the
  * ops live in embed_norm.cu, matmul.cu, attention.cu (+ attention_tc.cu,
- * attention_cudnn.cu), llama.cu, moe.cu and pointwise.cu. The
+ * attention_cudnn.cu; attention_block.cu for context parallelism), llama.cu, moe.cu
+ * and pointwise.cu. The
  * activation dtype (backend.h) is precision.compute: bf16 (activations, their
  * gradients and the parameters' compute copy stored in bf16, matrix products
  * on bf16 tensor cores, fp32 math and accumulation) or fp32 (everything fp32,
@@ -127,6 +128,10 @@ static void cuda_to_host(void *dst, const void *src, size_t bytes) {
 }
 static void cuda_copy(void *dst, const void *src, size_t bytes) {
     if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
+}
+static void cuda_copy_2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t rows) {
+    if (width && rows)
+        CUDA_CHECK(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, cudaMemcpyDeviceToDevice, 0));
 }
 static void cuda_zero(void *dst, size_t bytes) {
     if (bytes) CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, 0));
@@ -275,6 +280,7 @@ extern "C" const Backend backend_cuda = {
     .to_device = cuda_to_device,
     .to_host = cuda_to_host,
     .copy = cuda_copy,
+    .copy_2d = cuda_copy_2d,
     .zero = cuda_zero,
     .sync = cuda_sync,
     .act_bytes = cuda_act_bytes,
@@ -289,6 +295,8 @@ extern "C" const Backend backend_cuda = {
     .matmul_backward = cuda_matmul_backward,
     .attention_forward = cuda_attention_forward,
     .attention_backward = cuda_attention_backward,
+    .attention_block_forward = cuda_attention_block_forward,
+    .attention_block_backward = cuda_attention_block_backward,
     .rope_forward = cuda_rope_forward,
     .rope_backward = cuda_rope_backward,
     .qknorm_forward = cuda_qknorm_forward,
@@ -315,10 +323,14 @@ extern "C" const Backend backend_cuda = {
     .adamw_update_bf16 = cuda_adamw_update_bf16,
     .adamw_update_p16 = cuda_adamw_update_p16,
     .lion_update = cuda_lion_update,
-    /* Muon runs on the CPU only so far: optim.c refuses it on a backend without these */
-    .muon_momentum = NULL,
-    .newton_schulz = NULL,
-    .muon_apply = NULL,
+    .muon_momentum = cuda_muon_momentum,
+    .newton_schulz = cuda_newton_schulz,
+    .muon_apply = cuda_muon_apply,
+    .adafactor_stats = cuda_adafactor_stats,
+    .adafactor_ema = cuda_adafactor_ema,
+    .adafactor_second = cuda_adafactor_second,
+    .adafactor_usq = cuda_adafactor_usq,
+    .adafactor_apply = cuda_adafactor_apply,
     .sumsq = cuda_sumsq,
     .set_precision = cuda_set_precision,
     .set_attention = cuda_set_attention,

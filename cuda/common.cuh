@@ -136,6 +136,8 @@ enum {
     SCRATCH_MOE,       /* moe_dispatch's per-tile expert counters and per-sequence bases */
     SCRATCH_MOE_GRAD,  /* moe_route_backward's fp32 dL/dprobs rows */
     SCRATCH_MOE_LSE,   /* moe_route's per-row lse^2 for the z-loss statistic */
+    SCRATCH_NS,        /* Newton-Schulz's norm: sumsq partials and 1 / norm */
+    SCRATCH_ADAFACTOR, /* Adafactor's update sum-of-squares partials */
     SCRATCH_COUNT
 };
 void *cuda_scratch(int slot, size_t bytes);
@@ -191,6 +193,11 @@ void cuda_attention_set_mode(const char *mode);
 void cuda_attention_precision_changed(void);
 const char *cuda_attention_describe(void);
 void cuda_attention_reset(void);
+/* attention_block.cu: context parallelism's block attention (backend.h's AttnBlock), SIMT, any dtype. */
+void cuda_attention_block_forward(void *out, float *lse, const void *q, const void *k, const void *v,
+                                  const AttnBlock *s, int merge);
+void cuda_attention_block_backward(float *dq, float *dk, float *dv, const void *dout, const void *q, const void *k,
+                                   const void *v, const void *out, const float *lse, const AttnBlock *s);
 /* attention_tc.cu: bf16 act only; fits says whether the head size is
  * supported and its shared memory fits this GPU; qkv and dout 16-byte aligned. */
 int cuda_attention_tc_fits(int C, int NH);
@@ -256,5 +263,22 @@ void cuda_adamw_update_p16(uint16_t *params, const float *grads, void *m, void *
                            float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
                            uint64_t seed, uint64_t idx0);
 double cuda_sumsq(const float *x, size_t n);
+void cuda_muon_momentum(float *u, float *m, const float *grads, size_t n, float momentum, float grad_scale);
+void cuda_muon_apply(float *params, const float *o, size_t n, float lr, float scale, float weight_decay);
+/* Newton-Schulz's ends: x (rows, cols) fp32 over its Frobenius norm (+ 1e-7)
+ * into X (a, b) act, a = min(rows, cols), transposed when rows > cols; and X
+ * back into x's layout (pointwise.cu). The iteration: matmul.cu. */
+void cuda_adafactor_stats(float *rows, float *cols, const float *grads, size_t e0, size_t n, int cols_n,
+                          float grad_scale, float eps1);
+void cuda_adafactor_ema(float *state, const float *sums, size_t n, float beta2, float scale);
+void cuda_adafactor_second(float *v, const float *grads, size_t n, float grad_scale, float beta2, float eps1);
+void cuda_adafactor_usq(double *out, const float *grads, const float *v, const float *r, const float *c, float rmean,
+                        size_t e0, size_t n, int cols_n, float grad_scale);
+void cuda_adafactor_apply(float *params, const float *grads, float *m, const float *v, const float *r, const float *c,
+                          float rmean, size_t e0, size_t n, int cols_n, float grad_scale, float inv_clip, float lr,
+                          float beta1, float weight_decay);
+void cuda_ns_prepare(void *X, const float *x, int rows, int cols);
+void cuda_ns_finish(float *x, const void *X, int rows, int cols);
+void cuda_newton_schulz(float *x, int rows, int cols, int steps, float *work);
 
 #endif

@@ -194,15 +194,15 @@ static MmPlan *mm_plan(const MmKey *key, const void *aux, const void *bias) {
     return p;
 }
 
-/* D(m,n) = epilogue(op(A) op(B) (+ bias(m))) + beta D, column-major; A, B of
+/* D(m,n) = epilogue(alpha op(A) op(B) (+ bias(m))) + beta D, column-major; A, B of
  * the activation dtype, D too or fp32 (d_f32). epi is a cublasLtEpilogue_t;
  * aux (ld ldaux) is the GELU epilogues' pre-activation, written by GELU_AUX*
  * and read by DGELU. Returns 0, having done nothing, if cuBLASLt takes no
  * such epilogue for this shape (the caller does its part separately); the
  * plain product (DEFAULT) has no fallback and fails the run instead. */
-static int mm_gemm(void *D, const void *A, const void *B, int m, int n, int k, int ta, int tb, int lda,
-                   int ldb, int ldd, float beta, int d_f32, int epi, const void *bias, const void *aux,
-                   int ldaux) {
+static int mm_gemm_scaled(void *D, const void *A, const void *B, int m, int n, int k, int ta, int tb, int lda,
+                          int ldb, int ldd, float alpha, float beta, int d_f32, int epi, const void *bias,
+                          const void *aux, int ldaux) {
     MmKey key;
     memset(&key, 0, sizeof key); /* padding too: keys are compared with memcmp */
     key.m = m, key.n = n, key.k = k, key.ta = ta, key.tb = tb;
@@ -223,7 +223,6 @@ static int mm_gemm(void *D, const void *A, const void *B, int m, int n, int k, i
         CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
     if (mm_epi_has_aux(epi))
         CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux));
-    const float alpha = 1.0f;
     cublasStatus_t st = cublasLtMatmul(mm_handle, p->desc, &alpha, A, p->la, B, p->lb, &beta, D, p->ld, D, p->ld,
                                        &p->algo, mm_workspace, MM_WORKSPACE_BYTES, 0);
     /* An epilogue the heuristic offered but the call refuses (checked on the
@@ -237,6 +236,12 @@ static int mm_gemm(void *D, const void *A, const void *B, int m, int n, int k, i
     }
     CUBLAS_CHECK(st);
     return 1;
+}
+
+/* alpha 1: every product but Newton-Schulz's */
+static int mm_gemm(void *D, const void *A, const void *B, int m, int n, int k, int ta, int tb, int lda, int ldb,
+                   int ldd, float beta, int d_f32, int epi, const void *bias, const void *aux, int ldaux) {
+    return mm_gemm_scaled(D, A, B, m, n, k, ta, tb, lda, ldb, ldd, 1.0f, beta, d_f32, epi, bias, aux, ldaux);
 }
 
 template <typename T_>
@@ -270,17 +275,18 @@ void cuda_matmul_forward(void *out, const void *inp, const void *w, const void *
 
 void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                           const void *w, int N, int C, int OC, int accumulate) {
-    /* dinp (N,C) act or NULL, dw (OC,C) fp32, dbias (OC) fp32 or NULL, dout (N,OC), inp (N,C),
+    /* dinp (N,C) act or NULL, dw (OC,C) fp32 or NULL, dbias (OC) fp32 or NULL, dout (N,OC), inp (N,C),
      * w (OC,C) act */
     if (N == 0) { /* a sum over no rows: dw and dbias are 0 or kept, per accumulate; no dinp rows */
-        if (!accumulate) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)OC * C * sizeof(float), 0));
+        if (!accumulate && dw) CUDA_CHECK(cudaMemsetAsync(dw, 0, (size_t)OC * C * sizeof(float), 0));
         if (dbias) cuda_colsum(dbias, dout, N, OC, accumulate);
         return;
     }
     if (dinp) mm_gemm(dinp, w, dout, C, N, OC, 0, 0, C, OC, C, 0.0f, 0, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0);
     /* beta 0 does not read dw (BLAS semantics): garbage, even NaN, is overwritten. */
-    mm_gemm(dw, inp, dout, C, OC, N, 0, 1, C, OC, C, accumulate ? 1.0f : 0.0f, 1, CUBLASLT_EPILOGUE_DEFAULT, NULL,
-            NULL, 0);
+    if (dw)
+        mm_gemm(dw, inp, dout, C, OC, N, 0, 1, C, OC, C, accumulate ? 1.0f : 0.0f, 1, CUBLASLT_EPILOGUE_DEFAULT,
+                NULL, NULL, 0);
     if (dbias) cuda_colsum(dbias, dout, N, OC, accumulate);
 }
 
@@ -326,4 +332,35 @@ void cuda_matmul_backward_dgelu(void *dinp, float *dw, float *dbias, const void 
      * dout before writing the same element of dinp */
     cuda_matmul_backward(dinp, dw, dbias, dout, inp, w, N, C, OC, accumulate);
     cuda_gelu_backward(dinp, pre, dinp, (size_t)N * C);
+}
+
+/* ---------------------------------------------------------------------------
+ * Newton-Schulz (backend.h newton_schulz): the quintic iteration with its
+ * products through cuBLASLt in the activation dtype (bf16 tensor cores with
+ * fp32 accumulation, each product stored in bf16, as Keller Jordan's
+ * reference runs it; fp32 under precision.compute fp32). X (a, b) row-major
+ * is column-major X^T (b, a), ld b, so in cuBLASLt's view:
+ *   A = X X^T          (a, a): op(X^T)^T X^T, ta = 1, k = b (A is symmetric, either layout)
+ *   B = c A A + b A    (a, a): B holds A first, beta = b, alpha = c
+ *   Y = B X + a X      Y^T (b, a) = X^T B (B symmetric), Y holds X first, beta = a
+ * work holds X, Y, A, B, each from a 256-byte boundary. */
+void cuda_newton_schulz(float *x, int rows, int cols, int steps, float *work) {
+    /* x (rows, cols) fp32; work >= 2 rows cols + 2 min(rows, cols)^2 + 256 floats */
+    const float ca = 3.4445f, cb = -4.7750f, cc = 2.0315f;
+    int a = rows < cols ? rows : cols, b = rows < cols ? cols : rows;
+    size_t es = cuda_act_bf16 ? 2 : 4, ab = (size_t)a * b * es, aa = (size_t)a * a * es;
+    ab = (ab + 255) / 256 * 256, aa = (aa + 255) / 256 * 256;
+    char *w = (char *)work;
+    void *X = w, *Y = w + ab, *A = w + 2 * ab, *B = w + 2 * ab + aa;
+    cuda_ns_prepare(X, x, rows, cols);
+    for (int k = 0; k < steps; k++) {
+        mm_gemm(A, X, X, a, a, b, 1, 0, b, b, a, 0.0f, 0, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0);
+        CUDA_CHECK(cudaMemcpyAsync(B, A, (size_t)a * a * es, cudaMemcpyDeviceToDevice, 0));
+        mm_gemm_scaled(B, A, A, a, a, a, 0, 0, a, a, a, cc, cb, 0, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0);
+        CUDA_CHECK(cudaMemcpyAsync(Y, X, (size_t)a * b * es, cudaMemcpyDeviceToDevice, 0));
+        mm_gemm_scaled(Y, X, B, b, a, a, 0, 0, b, a, b, 1.0f, ca, 0, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0);
+        void *t = X;
+        X = Y, Y = t;
+    }
+    cuda_ns_finish(x, X, rows, cols);
 }

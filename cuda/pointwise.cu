@@ -1,5 +1,6 @@
 /* pointwise: GeLU, the adds, the fp32 -> activation-dtype cast, fused
- * softmax + cross-entropy, AdamW and the sum of squares. Activations in either
+ * softmax + cross-entropy, AdamW, Lion, Muon's elementwise steps (and
+ * Newton-Schulz's ends), Adafactor's, and the sum of squares. Activations in either
  * dtype (templates on T_), arithmetic in fp32; AdamW and sumsq are fp32 only (AdamW's moments, and with precision.master bf16 its parameters, may be bf16). Each mirrors the CPU backend's formula in the same order; AdamW is
  * written with explicitly rounded intrinsics (no FMA contraction) so its
  * update is the CPU's bit for bit. Reductions run in a fixed tree: the same
@@ -457,4 +458,230 @@ double cuda_sumsq(const float *x, size_t n) {
     double s = 0.0;
     CUDA_CHECK(cudaMemcpy(&s, part + SUMSQ_BLOCKS, sizeof s, cudaMemcpyDeviceToHost));
     return s;
+}
+
+/* ---------------------------------------------------------------------------
+ * Muon (backend.h muon_momentum, muon_apply): the CPU backend's expressions
+ * with each operation rounded on its own, so both give the same bits. u may
+ * be grads (each element is read before it is written). */
+__global__ void muon_momentum_kernel(float *u, float *m, const float *grads, size_t n, float mu, float grad_scale) {
+    const float mc = 1.0f - mu;
+    GRID_STRIDE(i, n) {
+        float g = __fmul_rn(grads[i], grad_scale);
+        float mi = __fadd_rn(__fmul_rn(mu, m[i]), __fmul_rn(mc, g));
+        m[i] = mi;
+        u[i] = __fadd_rn(__fmul_rn(mc, g), __fmul_rn(mu, mi));
+    }
+}
+
+void cuda_muon_momentum(float *u, float *m, const float *grads, size_t n, float momentum, float grad_scale) {
+    if (!n) return;
+    KLAUNCH(muon_momentum_kernel, grid_for(n, 256), 256, 0, u, m, grads, n, momentum, grad_scale);
+    CUDA_CHECK_LAUNCH();
+}
+
+__global__ void muon_apply_kernel(float *params, const float *o, size_t n, float lr, float scale, float wd) {
+    GRID_STRIDE(i, n) {
+        float p = params[i];
+        params[i] = __fsub_rn(p, __fmul_rn(lr, __fadd_rn(__fmul_rn(scale, o[i]), __fmul_rn(wd, p))));
+    }
+}
+
+void cuda_muon_apply(float *params, const float *o, size_t n, float lr, float scale, float weight_decay) {
+    if (!n) return;
+    KLAUNCH(muon_apply_kernel, grid_for(n, 256), 256, 0, params, o, n, lr, scale, weight_decay);
+    CUDA_CHECK_LAUNCH();
+}
+
+/* Newton-Schulz's ends (matmul.cu runs the products). The Frobenius norm
+ * stays on the device: the sumsq partials, then 1 / (sqrt(sum) + 1e-7) as a
+ * float, read by the kernel that scales x (rows, cols) fp32 into X (a, b)
+ * act, transposed when tr; cuda_ns_finish writes X back into x's layout. */
+__global__ void ns_inv_norm_kernel(float *inv, const double *part) {
+    __shared__ double red[32];
+    double s = block_sum_d(part[threadIdx.x], red); /* blockDim.x == SUMSQ_BLOCKS */
+    if (threadIdx.x == 0) *inv = (float)(1.0 / (sqrt(s) + 1e-7));
+}
+
+template <typename T_>
+__global__ void ns_prepare_kernel(T_ *X, const float *x, const float *inv, int rows, int cols, int tr) {
+    size_t n = (size_t)rows * cols, b = tr ? (size_t)rows : (size_t)cols;
+    float s = *inv;
+    GRID_STRIDE(e, n) { /* e indexes X (a, b): row p, column q */
+        size_t p = e / b, q = e % b;
+        X[e] = act_from<T_>(__fmul_rn(x[tr ? q * cols + p : p * cols + q], s));
+    }
+}
+
+template <typename T_>
+static void ns_prepare_run(void *X, const float *x, const float *inv, int rows, int cols, int tr) {
+    KLAUNCH(ns_prepare_kernel<T_>, grid_for((size_t)rows * cols, 256), 256, 0, (T_ *)X, x, inv, rows, cols, tr);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_ns_prepare(void *X, const float *x, int rows, int cols) {
+    size_t n = (size_t)rows * cols;
+    double *part = (double *)cuda_scratch(SCRATCH_NS, (SUMSQ_BLOCKS + 1) * sizeof(double));
+    float *inv = (float *)(part + SUMSQ_BLOCKS);
+    KLAUNCH(sumsq_partial_kernel, SUMSQ_BLOCKS, SUMSQ_THREADS, 0, part, x, n);
+    CUDA_CHECK_LAUNCH();
+    KLAUNCH(ns_inv_norm_kernel, 1, SUMSQ_BLOCKS, 0, inv, part);
+    CUDA_CHECK_LAUNCH();
+    ACT_DISPATCH(ns_prepare_run, X, x, inv, rows, cols, rows > cols);
+}
+
+template <typename T_>
+__global__ void ns_finish_kernel(float *x, const T_ *X, int rows, int cols, int tr) {
+    size_t n = (size_t)rows * cols, b = tr ? (size_t)rows : (size_t)cols;
+    GRID_STRIDE(e, n) {
+        size_t p = e / b, q = e % b;
+        x[tr ? q * cols + p : p * cols + q] = act_f(X[e]);
+    }
+}
+
+template <typename T_>
+static void ns_finish_run(float *x, const void *X, int rows, int cols, int tr) {
+    KLAUNCH(ns_finish_kernel<T_>, grid_for((size_t)rows * cols, 256), 256, 0, x, (const T_ *)X, rows, cols, tr);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_ns_finish(float *x, const void *X, int rows, int cols) {
+    ACT_DISPATCH(ns_finish_run, x, X, rows, cols, rows > cols);
+}
+
+/* ---------------------------------------------------------------------------
+ * Adafactor (backend.h adafactor_*). The elementwise steps are the CPU
+ * backend's expressions with each operation rounded on its own (the same
+ * bits); the statistics and the update's sum of squares are sums in double
+ * in a fixed tree (the same bits every run, the CPU's to a few ulps). */
+__global__ void adafactor_rows_kernel(float *rows, const float *grads, size_t e0, size_t n, size_t C, size_t r0,
+                                      size_t r1, float grad_scale, float eps1) {
+    __shared__ double red[32];
+    for (size_t i = r0 + blockIdx.x; i < r1; i += gridDim.x) {
+        size_t a = i * C > e0 ? i * C : e0, b = (i + 1) * C < e0 + n ? (i + 1) * C : e0 + n;
+        double s = 0.0;
+        for (size_t e = a + threadIdx.x; e < b; e += blockDim.x) {
+            float g = __fmul_rn(grads[e - e0], grad_scale);
+            s += (double)__fadd_rn(__fmul_rn(g, g), eps1);
+        }
+        s = block_sum_d(s, red);
+        if (threadIdx.x == 0) rows[i] = __fadd_rn(rows[i], (float)s);
+        __syncthreads(); /* red is reused by the next row */
+    }
+}
+
+__global__ void adafactor_cols_kernel(float *cols, const float *grads, size_t e0, size_t n, size_t C, size_t r0,
+                                      size_t r1, float grad_scale, float eps1) {
+    GRID_STRIDE(j, C) {
+        double s = 0.0;
+        int any = 0;
+        for (size_t i = r0; i < r1; i++) {
+            size_t e = i * C + j;
+            if (e < e0 || e >= e0 + n) continue;
+            float g = __fmul_rn(grads[e - e0], grad_scale);
+            s += (double)__fadd_rn(__fmul_rn(g, g), eps1), any = 1;
+        }
+        if (any) cols[j] = __fadd_rn(cols[j], (float)s);
+    }
+}
+
+void cuda_adafactor_stats(float *rows, float *cols, const float *grads, size_t e0, size_t n, int cols_n,
+                          float grad_scale, float eps1) {
+    if (!n) return;
+    size_t C = (size_t)cols_n, r0 = e0 / C, r1 = (e0 + n - 1) / C + 1, nr = r1 - r0;
+    KLAUNCH(adafactor_rows_kernel, nr < 65536 ? (unsigned)nr : 65536u, 256, 0, rows, grads, e0, n, C, r0, r1, grad_scale,
+            eps1);
+    CUDA_CHECK_LAUNCH();
+    KLAUNCH(adafactor_cols_kernel, grid_for(C, 256), 256, 0, cols, grads, e0, n, C, r0, r1, grad_scale, eps1);
+    CUDA_CHECK_LAUNCH();
+}
+
+__global__ void adafactor_ema_kernel(float *state, const float *sums, size_t n, float beta2, float scale) {
+    const float b2c = 1.0f - beta2;
+    GRID_STRIDE(i, n) state[i] = __fadd_rn(__fmul_rn(beta2, state[i]), __fmul_rn(b2c, __fmul_rn(scale, sums[i])));
+}
+
+void cuda_adafactor_ema(float *state, const float *sums, size_t n, float beta2, float scale) {
+    if (!n) return;
+    KLAUNCH(adafactor_ema_kernel, grid_for(n, 256), 256, 0, state, sums, n, beta2, scale);
+    CUDA_CHECK_LAUNCH();
+}
+
+__global__ void adafactor_second_kernel(float *v, const float *grads, size_t n, float grad_scale, float beta2,
+                                        float eps1) {
+    const float b2c = 1.0f - beta2;
+    GRID_STRIDE(i, n) {
+        float g = __fmul_rn(grads[i], grad_scale);
+        v[i] = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(b2c, __fadd_rn(__fmul_rn(g, g), eps1)));
+    }
+}
+
+void cuda_adafactor_second(float *v, const float *grads, size_t n, float grad_scale, float beta2, float eps1) {
+    if (!n) return;
+    KLAUNCH(adafactor_second_kernel, grid_for(n, 256), 256, 0, v, grads, n, grad_scale, beta2, eps1);
+    CUDA_CHECK_LAUNCH();
+}
+
+__device__ __forceinline__ float adafactor_u(const float *grads, const float *v, const float *r, const float *c,
+                                             float rmean, size_t e0, size_t k, size_t C, float grad_scale) {
+    float g = __fmul_rn(grads[k], grad_scale);
+    if (!r) return __fdiv_rn(g, __fsqrt_rn(v[k]));
+    size_t e = e0 + k;
+    return __fdiv_rn(__fdiv_rn(g, __fsqrt_rn(__fdiv_rn(r[e / C], rmean))), __fsqrt_rn(c[e % C]));
+}
+
+__global__ void adafactor_usq_partial_kernel(double *part, const float *grads, const float *v, const float *r,
+                                             const float *c, float rmean, size_t e0, size_t n, size_t C,
+                                             float grad_scale) {
+    __shared__ double red[32];
+    size_t q = n / SUMSQ_BLOCKS, rr = n % SUMSQ_BLOCKS, k = blockIdx.x;
+    size_t i0 = q * k + (k < rr ? k : rr), i1 = i0 + q + (k < rr ? 1 : 0);
+    double s = 0.0;
+    for (size_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+        float u = adafactor_u(grads, v, r, c, rmean, e0, i, C, grad_scale);
+        s += (double)u * u;
+    }
+    s = block_sum_d(s, red);
+    if (threadIdx.x == 0) part[k] = s;
+}
+
+__global__ void adafactor_usq_final_kernel(double *out, const double *part) {
+    __shared__ double red[32];
+    double s = block_sum_d(part[threadIdx.x], red); /* blockDim.x == SUMSQ_BLOCKS */
+    if (threadIdx.x == 0) *out = s;
+}
+
+void cuda_adafactor_usq(double *out, const float *grads, const float *v, const float *r, const float *c, float rmean,
+                        size_t e0, size_t n, int cols_n, float grad_scale) {
+    double *part = (double *)cuda_scratch(SCRATCH_ADAFACTOR, SUMSQ_BLOCKS * sizeof(double));
+    KLAUNCH(adafactor_usq_partial_kernel, SUMSQ_BLOCKS, SUMSQ_THREADS, 0, part, grads, v, r, c, rmean, e0, n,
+            (size_t)cols_n, grad_scale);
+    CUDA_CHECK_LAUNCH();
+    KLAUNCH(adafactor_usq_final_kernel, 1, SUMSQ_BLOCKS, 0, out, part);
+    CUDA_CHECK_LAUNCH();
+}
+
+__global__ void adafactor_apply_kernel(float *params, const float *grads, float *m, const float *v, const float *r,
+                                       const float *c, float rmean, size_t e0, size_t n, size_t C, float grad_scale,
+                                       float inv_clip, float lr, float beta1, float wd) {
+    const float b1c = 1.0f - beta1;
+    GRID_STRIDE(k, n) {
+        float u = __fmul_rn(adafactor_u(grads, v, r, c, rmean, e0, k, C, grad_scale), inv_clip);
+        if (m) {
+            float mk = __fadd_rn(__fmul_rn(beta1, m[k]), __fmul_rn(b1c, u));
+            m[k] = mk;
+            u = mk;
+        }
+        float p = params[k];
+        params[k] = __fsub_rn(p, __fmul_rn(lr, __fadd_rn(u, __fmul_rn(wd, p))));
+    }
+}
+
+void cuda_adafactor_apply(float *params, const float *grads, float *m, const float *v, const float *r, const float *c,
+                          float rmean, size_t e0, size_t n, int cols_n, float grad_scale, float inv_clip, float lr,
+                          float beta1, float weight_decay) {
+    if (!n) return;
+    KLAUNCH(adafactor_apply_kernel, grid_for(n, 256), 256, 0, params, grads, m, v, r, c, rmean, e0, n, (size_t)cols_n,
+            grad_scale, inv_clip, lr, beta1, weight_decay);
+    CUDA_CHECK_LAUNCH();
 }

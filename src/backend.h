@@ -45,6 +45,22 @@ typedef struct AttnShape {
 /* Row width of the qkv buffer: (NH + 2 NKV) HD. */
 static inline int attn_qkv_width(const AttnShape *s) { return (s->NH + 2 * s->NKV) * s->HD; }
 
+/* One block of attention under context parallelism (cp.c): for each of B
+ * sequences, Tq queries at global positions q_pos .. q_pos + Tq - 1 against
+ * Tk keys and values at k_pos .. k_pos + Tk - 1; a query sees the keys at
+ * positions <= its own (causal at global positions), so a block may be
+ * whole, triangular or partly empty. Heads as AttnShape (NH over NKV, HD
+ * dims). Row (b, i) of q is q + (b Tq + i) q_ld elements, query head h at
+ * column h HD; row (b, j) of k and of v is k (v) + (b Tk + j) kv_ld, kv head
+ * g at column g HD: q may point into a qkv buffer (q_ld = its width) and k,
+ * v into a packed [k | v] one. out and dout rows are NH HD wide, (B Tq) rows. */
+typedef struct AttnBlock {
+    int B, NH, NKV, HD;
+    int Tq, Tk;       /* queries and keys per sequence */
+    int q_pos, k_pos; /* global positions of the first query and the first key */
+    int q_ld, kv_ld;  /* row strides (elements) of q, and of k and v */
+} AttnBlock;
+
 typedef struct Backend {
     const char *name; /* "cpu", "cuda" */
     /* 1 if device pointers are host memory (the CPU backend): host MPI
@@ -62,6 +78,10 @@ typedef struct Backend {
     void (*to_device)(void *dst, const void *src, size_t bytes);
     void (*to_host)(void *dst, const void *src, size_t bytes);
     void (*copy)(void *dst, const void *src, size_t bytes); /* device to device */
+    /* rows of `width` bytes, device to device, the starts `dpitch` and
+     * `spitch` bytes apart (cudaMemcpy2D): packs k | v columns out of qkv rows, places a tp part's column block in its matrix
+     * (muon.c) */
+    void (*copy_2d)(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t rows);
     void (*zero)(void *dst, size_t bytes);
     void (*sync)(void);
 
@@ -108,8 +128,10 @@ typedef struct Backend {
     /* out(N,OC) act = inp(N,C) @ w(OC,C)^T + bias(OC), all act; bias may be NULL. */
     void (*matmul_forward)(void *out, const void *inp, const void *w, const void *bias,
                            int N, int C, int OC);
-    /* dinp(N,C) act = dout @ w (skipped if NULL); dw(OC,C), dbias(OC) fp32 per
-     * `accumulate` (dbias may be NULL); dout (N,OC), inp (N,C), w (OC,C) act. */
+    /* dinp(N,C) act = dout @ w; dw(OC,C), dbias(OC) fp32 per `accumulate`;
+     * each of the three skipped if NULL (a pipeline's split backward computes
+     * dinp in one call and dw, dbias in a later one); dout (N,OC), inp (N,C),
+     * w (OC,C) act. */
     void (*matmul_backward)(void *dinp, float *dw, float *dbias, const void *dout,
                             const void *inp, const void *w, int N, int C, int OC,
                             int accumulate);
@@ -126,6 +148,25 @@ typedef struct Backend {
      * gradient sums over the query heads that read it); dout, out (N, NH HD) act. */
     void (*attention_backward)(void *dqkv, const void *dout, const void *qkv, const void *out,
                                const float *lse, const AttnShape *s);
+
+    /* Block attention (AttnBlock above), the pieces context parallelism
+     * builds whole-sequence attention from. out(B Tq, NH HD) act, lse(B, NH,
+     * Tq) fp32 (scaled scores, as attention_forward's); q, k, v act.
+     * merge 0: out, lse = this block's attention; a query that sees no key of
+     * the block gets out 0, lse -inf. merge 1: out, lse hold the attention of
+     * the same queries over other keys, and become that over both:
+     *   lse' = log(e^lse + e^lse_b), out' = e^(lse - lse') out + e^(lse_b - lse') out_b,
+     * so merging blocks in any order gives the attention over their union. */
+    void (*attention_block_forward)(void *out, float *lse, const void *q, const void *k, const void *v,
+                                    const AttnBlock *s, int merge);
+    /* The backward of one block, given the final out and lse of its queries
+     * (merged over every key block: then p = exp(score - lse) is the true
+     * probability and the blocks' gradients add up): dq += (rows as q, ld
+     * q_ld), dk += and dv += (rows as k, ld kv_ld), all fp32, so the sums over
+     * blocks and ranks round once; dout, out (B Tq, NH HD) act; lse fp32. */
+    void (*attention_block_backward)(float *dq, float *dk, float *dv, const void *dout, const void *q,
+                                     const void *k, const void *v, const void *out, const float *lse,
+                                     const AttnBlock *s);
 
     /* Rotary position embedding on the q and k heads of qkv (N, QKVW) act,
      * in place, rotate-half layout (HF's Llama: no interleaving): for a head
@@ -236,7 +277,7 @@ typedef struct Backend {
                                 int N, int C, int OC);
     /* The backward of a product whose input was gelu(pre): as matmul_backward
      * (inp(N,C) = gelu(pre) act, the forward's input; dw(OC,C), dbias(OC)
-     * fp32 per `accumulate`, dbias may be NULL; dout(N,OC), w(OC,C) act), but
+     * fp32 per `accumulate`, either may be NULL; dout(N,OC), w(OC,C) act), but
      * dinp(N,C) act = (dout @ w) * gelu'(pre(N,C) act), the gradient of pre,
      * not of gelu(pre). Composition: matmul_backward(tmp, dw, dbias, dout,
      * inp, w, ...) then gelu_backward(dinp, pre, tmp, N*C). */
@@ -305,19 +346,46 @@ typedef struct Backend {
     void (*lion_update)(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
                         float weight_decay, float grad_scale);
 
-    /* Muon (docs/optimizers.md) on one matrix, fp32; a backend without them
+    /* Muon (docs/optimizers.md) on one matrix; a backend without them
      * leaves all three NULL and optim.name muon is refused on it.
-     * muon_momentum: g = grad * grad_scale, m = mu m + (1 - mu) g, and the
-     * Nesterov look-ahead u = (1 - mu) g + mu m; u, m, grads (n). */
+     * muon_momentum, fp32: g = grad * grad_scale, m = mu m + (1 - mu) g, and
+     * the Nesterov look-ahead u = (1 - mu) g + mu m; u, m, grads (n); u may
+     * be grads (in place). Every backend gives the same bits. */
     void (*muon_momentum)(float *u, float *m, const float *grads, size_t n, float momentum, float grad_scale);
-    /* x (rows, cols) in place: X = x / (||x||_F + 1e-7), transposed to
+    /* x (rows, cols) fp32 in place: X = x / (||x||_F + 1e-7), transposed to
      * (cols, rows) when rows > cols, then `steps` quintic iterations
      * A = X X^T, X = 3.4445 X + (-4.7750 A + 2.0315 A A) X, products by the
-     * backend's matmul; the result back in x's layout. work: 2 rows cols +
-     * 2 min(rows, cols)^2 floats. */
+     * backend's matmul in the activation dtype (each stored in it: bf16 on
+     * CUDA, fp32 on the CPU); the result back in x's layout, fp32. work:
+     * 2 rows cols + 2 min(rows, cols)^2 + 256 floats. */
     void (*newton_schulz)(float *x, int rows, int cols, int steps, float *work);
     /* p -= lr * (scale * o + wd * p); params, o (n). */
     void (*muon_apply)(float *params, const float *o, size_t n, float lr, float scale, float weight_decay);
+
+    /* Adafactor (Shazeer & Stern 2018; docs/optimizers.md), fp32, on a run
+     * of n elements of one tensor, element k being the tensor's element
+     * e = e0 + k, row e / cols and column e % cols of a factored (2-D)
+     * tensor; g = grad * grad_scale.
+     * adafactor_stats: rows[e / cols] += and cols[e % cols] += g^2 + eps1,
+     * each row's and column's terms summed in double in element order. */
+    void (*adafactor_stats)(float *rows, float *cols, const float *grads, size_t e0, size_t n, int cols_n,
+                            float grad_scale, float eps1);
+    /* state(n) = beta2 state + (1 - beta2) scale sums(n): the factored
+     * statistics' moving averages (scale: 1 / the count they sum). */
+    void (*adafactor_ema)(float *state, const float *sums, size_t n, float beta2, float scale);
+    /* not factored: v(n) = beta2 v + (1 - beta2) (g^2 + eps1) */
+    void (*adafactor_second)(float *v, const float *grads, size_t n, float grad_scale, float beta2, float eps1);
+    /* The unclipped update u = g / sqrt(r[row] / rmean) / sqrt(c[col]) for a
+     * factored tensor (r, c its row and column averages, rmean the mean of
+     * all its r), else u = g / sqrt(v[k]); adafactor_usq writes the sum of
+     * u^2 over the run, in double, to *out (device memory). adafactor_apply:
+     * u *= inv_clip; with m (n, else NULL) m = beta1 m + (1 - beta1) u and
+     * u = m; params -= lr (u + wd params). r, c NULL: v is used. */
+    void (*adafactor_usq)(double *out, const float *grads, const float *v, const float *r, const float *c,
+                          float rmean, size_t e0, size_t n, int cols_n, float grad_scale);
+    void (*adafactor_apply)(float *params, const float *grads, float *m, const float *v, const float *r,
+                            const float *c, float rmean, size_t e0, size_t n, int cols_n, float grad_scale,
+                            float inv_clip, float lr, float beta1, float weight_decay);
 
     /* Sum of squares of fp32 x, in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);

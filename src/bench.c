@@ -136,6 +136,11 @@ int bench_run(const Config *c, int steps) {
            mm_gflops, step_gflops / mm_gflops);
     if (be->memory_peak) printf("bench: peak_mem_gib=%.2f\n", be->memory_peak() / 1073741824.0);
     printf("bench: master=%s optim_state=%s\n", master16 ? "bf16" : "fp32", c->optim_state);
+    int timed = optim_kind(c->optim_name) == OPTIM_LION ? OPTIM_LION : OPTIM_ADAMW;
+    printf("bench: optim=%s%s\n", timed == OPTIM_LION ? "lion" : "adamw",
+           optim_kind(c->optim_name) == timed ? ""
+                                              : " (optim.name muon and adafactor run through muon.c and adafactor.c: "
+                                                "their step times come from training runs, docs/optimizers.md)");
     printf("bench: gelu_fusion=%s\n", model_gelu_fused(&m, 0) || model_gelu_fused(&m, 1) ? "on"
                                        : m.gelu_fusion ? "not_offered" : "off");
     free(inp), free(tgt), free(times);

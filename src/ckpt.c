@@ -9,6 +9,7 @@
 #endif
 #include "ckpt.h"
 
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -170,7 +171,7 @@ int ckpt_list(const char *root, char ***paths, int64_t **steps) {
         v[n++].step = s;
     }
     closedir(d);
-    qsort(v, (size_t)n, sizeof *v, stepdir_desc);
+    if (n > 1) qsort(v, (size_t)n, sizeof *v, stepdir_desc); /* qsort(NULL, 0, ...) is undefined */
     *paths = xmalloc((size_t)(n ? n : 1) * sizeof(char *));
     *steps = xmalloc((size_t)(n ? n : 1) * sizeof(int64_t));
     for (int i = 0; i < n; i++) (*paths)[i] = v[i].path, (*steps)[i] = v[i].step;
@@ -182,7 +183,7 @@ int ckpt_list_current(const char *root, char ***paths, int64_t **steps) {
     int n = ckpt_list(root, paths, steps);
     char path[2048];
     snprintf(path, sizeof path, "%s/latest", root);
-    char *text = kiln_read_file(path, NULL);
+    char *text = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, NULL);
     if (!text) return n;
     text[strcspn(text, "\r\n")] = '\0';
     int64_t last = parse_step_name(text);

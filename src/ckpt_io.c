@@ -565,13 +565,12 @@ static void source_chunk(CkptSource *s, uint64_t off, uint64_t len) {
 int ckpt_source_open(CkptSource *s, const char *path, const uint64_t *lo, const uint64_t *hi, int n) {
     ckpt_source_close(s);
     s->direct = 0;
-    s->fd = io_direct ? open(path, O_RDONLY | O_DIRECT) : -1;
-    if (s->fd >= 0) s->direct = 1;
-    else if (io_direct && errno != EINVAL) return -1; /* EINVAL: this file system has no O_DIRECT */
-    if (s->fd < 0) s->fd = open(path, O_RDONLY);
+    /* a regular file only (a FIFO would block the open or the reads
+     * forever); O_DIRECT is set on that same descriptor where the file
+     * system takes it (EINVAL where it has none: the page cache then) */
+    s->fd = kiln_open_read(path, 0, &s->size);
     if (s->fd < 0) return -1;
-    struct stat st;
-    s->size = fstat(s->fd, &st) == 0 ? (uint64_t)st.st_size : UINT64_MAX;
+    if (io_direct && fcntl(s->fd, F_SETFL, O_DIRECT) == 0) s->direct = 1;
     /* the ranges, near ones merged: what is read */
     s->nr = s->rcur = 0;
     for (int k = 0; k < n; k++) {
@@ -697,3 +696,5 @@ void ckpt_source_close(CkptSource *s) {
 }
 
 int ckpt_source_direct(const CkptSource *s) { return s->direct; }
+
+uint64_t ckpt_source_size(const CkptSource *s) { return s->size; }

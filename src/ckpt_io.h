@@ -81,8 +81,8 @@ int ckpt_sink_was_direct(const CkptSink *s);
 typedef struct CkptSource CkptSource;
 CkptSource *ckpt_source_new(void);
 void ckpt_source_free(CkptSource *s);
-/* Open path to read byte ranges [lo[k], hi[k]) (sorted by lo, k < n) in that
- * order. 0, or -1 with errno. */
+/* Open path (a regular file: kiln_open_read) to read byte ranges [lo[k],
+ * hi[k]) (sorted by lo, k < n) in that order. 0, or -1 with errno. */
 int ckpt_source_open(CkptSource *s, const char *path, const uint64_t *lo, const uint64_t *hi, int n);
 /* File bytes at off (inside a range, and never before an earlier call's):
  * a pointer to *got of them, 1 <= *got <= len, valid until the next call;
@@ -92,5 +92,7 @@ const unsigned char *ckpt_source_get(CkptSource *s, uint64_t off, uint64_t len, 
 void ckpt_source_close(CkptSource *s);
 /* 1 if the open file reads with O_DIRECT. */
 int ckpt_source_direct(const CkptSource *s);
+/* The open file's size, from its open. */
+uint64_t ckpt_source_size(const CkptSource *s);
 
 #endif

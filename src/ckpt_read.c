@@ -7,6 +7,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -22,6 +23,15 @@
 #include "ckpt.h"
 #include "ckpt_io.h"
 #include "util.h"
+
+/* A manifest line is about 250 bytes: this is millions of pieces. */
+#define CKPT_MANIFEST_MAX ((size_t)1 << 30)
+/* zstd's densest block is an RLE block: 4 bytes (its 3-byte header and the
+ * byte) for at most 128 KiB, so no piece decompresses to more than this many
+ * times its stored bytes. */
+#define CKPT_ZSTD_MAX_RATIO 32768
+/* Blobs are small state (the resolved config, RNG and data positions). */
+#define CKPT_BLOB_MAX ((uint64_t)64 << 20)
 
 static int dtype_parse(const char *s) {
     for (int i = 0; i < 5; i++)
@@ -79,11 +89,44 @@ static int parse_u64(const char *s, uint64_t *out) {
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
-    if (*end || errno || s[0] == '-') return -1;
+    if (*end || errno || s[0] < '0' || s[0] > '9') return -1; /* strtoull takes "-1" and " 1"; ERANGE saturates */
     *out = v;
     return 0;
 }
 
+/* A decimal in [0, max] from s[0, n), whole: the manifest's integers. */
+static int parse_u64_n(const char *s, size_t n, uint64_t max, uint64_t *out) {
+    char b[32];
+    if (n == 0 || n >= sizeof b) return -1;
+    memcpy(b, s, n);
+    b[n] = 0;
+    return parse_u64(b, out) || *out > max ? -1 : 0;
+}
+
+/* "a:b" as two decimals in [0, max], a < b unless ordered is 0 (a <= b). */
+static int parse_span(const char *s, size_t n, uint64_t max, int strict, uint64_t *a, uint64_t *b) {
+    const char *colon = memchr(s, ':', n);
+    if (!colon || parse_u64_n(s, (size_t)(colon - s), max, a) ||
+        parse_u64_n(colon + 1, n - (size_t)(colon + 1 - s), max, b))
+        return -1;
+    return strict ? (*a < *b ? 0 : -1) : (*a <= *b ? 0 : -1);
+}
+
+/* Elements of a shape, overflow-checked: -1 unless numel x es fits in an
+ * int64 (a file offset), which bounds every product of its extents below. */
+static int shape_numel(int ndim, const int64_t *shape, size_t es, uint64_t *numel) {
+    uint64_t n = 1;
+    for (int d = 0; d < ndim; d++)
+        if (shape[d] < 0 || __builtin_mul_overflow(n, (uint64_t)shape[d], &n)) return -1;
+    uint64_t bytes;
+    if (__builtin_mul_overflow(n, (uint64_t)es, &bytes) || bytes > INT64_MAX) return -1;
+    *numel = n;
+    return 0;
+}
+
+/* Every number of an entry line is range-checked here, the sizes with
+ * overflow checks, so that what a manifest says can be allocated and indexed
+ * once the files have shown they hold it (piece_check). */
 static int parse_entry(const char *line, MEntry *e) {
     char b[256];
     memset(e, 0, sizeof *e);
@@ -94,29 +137,31 @@ static int parse_entry(const char *line, MEntry *e) {
     else return -1;
     if (!field(line, "dtype", b, sizeof b) || (e->dtype = dtype_parse(b)) < 0) return -1;
     if (!field(line, "shape", b, sizeof b) || b[0] != '[') return -1;
-    char *p = b + 1;
-    while (*p && *p != ']') {
-        if (e->ndim == CKPT_MAX_DIM) return -1;
-        char *end;
-        long long v = strtoll(p, &end, 10);
-        if (end == p || v < 0) return -1;
-        e->shape[e->ndim++] = v;
-        p = end;
-        if (*p == ',') p++;
+    size_t blen = strlen(b);
+    if (b[blen - 1] != ']') return -1;
+    for (size_t at = 1; at + 1 < blen;) {
+        size_t n = strcspn(b + at, ",]");
+        uint64_t v;
+        if (e->ndim == CKPT_MAX_DIM || parse_u64_n(b + at, n, INT64_MAX, &v)) return -1;
+        e->shape[e->ndim++] = (int64_t)v;
+        at += n;
+        if (b[at] == ',') {
+            if (++at + 1 >= blen) return -1; /* "[3,]" */
+        } else if (at + 1 != blen) {
+            return -1; /* "[3]]" */
+        }
     }
-    if (*p != ']') return -1;
-    if (!field(line, "range", b, sizeof b)) return -1;
-    char *colon = strchr(b, ':');
-    if (!colon) return -1;
-    *colon = 0;
+    uint64_t numel, size = ckpt_dtype_size(e->dtype);
+    if (shape_numel(e->ndim, e->shape, size, &numel)) return -1;
+    if (!field(line, "range", b, sizeof b) || parse_span(b, strlen(b), numel, 0, &e->lo, &e->hi)) return -1;
     uint64_t rank;
-    if (parse_u64(b, &e->lo) || parse_u64(colon + 1, &e->hi) || e->lo > e->hi) return -1;
-    if (parse_u64(field(line, "rank", b, sizeof b), &rank)) return -1;
+    if (parse_u64(field(line, "rank", b, sizeof b), &rank) || rank > INT32_MAX) return -1;
     e->rank = (int)rank;
-    if (!field(line, "file", e->file, sizeof e->file) || strchr(e->file, '/')) return -1;
+    if (!field(line, "file", e->file, sizeof e->file) || strchr(e->file, '/') || !e->file[0]) return -1;
     if (parse_u64(field(line, "offset", b, sizeof b), &e->offset)) return -1;
     if (parse_u64(field(line, "bytes", b, sizeof b), &e->bytes)) return -1;
     if (parse_u64(field(line, "stored", b, sizeof b), &e->stored)) return -1;
+    if (e->offset > INT64_MAX || e->stored > INT64_MAX - e->offset) return -1; /* offset + stored is an off_t */
     if (!field(line, "codec", b, sizeof b)) return -1;
     if (!strcmp(b, "zstd")) e->zstd = 1;
     else if (strcmp(b, "none")) return -1;
@@ -124,21 +169,19 @@ static int parse_entry(const char *line, MEntry *e) {
     if (!field(line, "crc32c", b, sizeof b)) return -1;
     char *end;
     crc = strtoull(b, &end, 16);
-    if (*end || strlen(b) != 8) return -1;
+    if (*end || strlen(b) != 8 || !isxdigit((unsigned char)b[0])) return -1;
     e->crc = (uint32_t)crc;
-    uint64_t rows, cols;
+    uint64_t rows, cols; /* each at most numel: no product below overflows */
     ckpt_tensor_rc(e->ndim, e->shape, &rows, &cols);
     e->r0 = 0, e->r1 = rows, e->c0 = 0, e->c1 = cols;
     if (field(line, "box", b, sizeof b)) {
-        unsigned long long r0, r1, c0, c1;
-        int used = 0;
-        if (sscanf(b, "%llu:%llu,%llu:%llu%n", &r0, &r1, &c0, &c1, &used) != 4 || b[used] || r0 >= r1 || c0 >= c1 ||
-            r1 > rows || c1 > cols)
+        char *comma = strchr(b, ',');
+        if (!comma || parse_span(b, (size_t)(comma - b), rows, 1, &e->r0, &e->r1) ||
+            parse_span(comma + 1, strlen(comma + 1), cols, 1, &e->c0, &e->c1))
             return -1;
-        e->r0 = r0, e->r1 = r1, e->c0 = c0, e->c1 = c1;
     }
-    uint64_t numel = (e->r1 - e->r0) * (e->c1 - e->c0);
-    if (e->hi > numel || e->bytes != (e->hi - e->lo) * ckpt_dtype_size(e->dtype)) return -1;
+    uint64_t box = (e->r1 - e->r0) * (e->c1 - e->c0); /* <= rows x cols = numel */
+    if (e->hi > box || e->bytes != (e->hi - e->lo) * size) return -1;
     if (!e->zstd && e->stored != e->bytes) return -1;
     return 0;
 }
@@ -199,83 +242,139 @@ static int manifest_check_overlap(const Manifest *m, const char *path, char *err
     return rc;
 }
 
+static int header_int(const char *line, const char *key) {
+    char b[32];
+    uint64_t v;
+    return parse_u64(field(line, key, b, sizeof b), &v) || v > INT32_MAX ? 0 : (int)v;
+}
+
+/* "WORD N" with N a decimal in [0, INT64_MAX]; -1 if line is not that. */
+static int header_num(const char *line, const char *word, int64_t *out) {
+    size_t k = strlen(word);
+    uint64_t v;
+    if (strncmp(line, word, k) || line[k] != ' ' || parse_u64(line + k + 1, &v) || v > INT64_MAX) return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
 static int man_read(const char *dir, Manifest *m, char *err, size_t cap) {
     memset(m, 0, sizeof *m);
     kiln_strlcpy(m->dir, dir, sizeof m->dir);
     char path[1400];
     snprintf(path, sizeof path, "%s/%s", dir, CKPT_MANIFEST_NAME);
     size_t len;
-    char *text = kiln_read_file(path, &len);
-    if (!text) return rerr(err, cap, "%s: cannot read the manifest: %s", path, strerror(errno));
+    char *text = kiln_read_file_max(path, CKPT_MANIFEST_MAX, &len);
+    if (!text) return rerr(err, cap, "%s: cannot read the manifest: %s", path, kiln_strerror(errno));
+    int rc = -1;
     /* the version first, so a newer format is named as such, not as damage */
-    int format = 0;
-    if (sscanf(text, "kiln-checkpoint %d", &format) != 1) {
-        free(text);
-        return rerr(err, cap, "%s:1: not a kiln checkpoint manifest", path);
+    int64_t format = 0;
+    size_t l1 = strcspn(text, "\n");
+    char first[64];
+    snprintf(first, sizeof first, "%.*s", (int)(l1 < sizeof first - 1 ? l1 : sizeof first - 1), text);
+    if (l1 >= sizeof first || header_num(first, "kiln-checkpoint", &format) != 0) {
+        rerr(err, cap, "%s:1: not a kiln checkpoint manifest", path);
+        goto out;
     }
     if (format != CKPT_FORMAT_VERSION) {
-        free(text);
-        return rerr(err, cap, "%s:1: checkpoint format version %d; this kiln reads version %d", path, format,
-                    CKPT_FORMAT_VERSION);
+        rerr(err, cap, "%s:1: checkpoint format version %lld; this kiln reads version %d", path, (long long)format,
+             CKPT_FORMAT_VERSION);
+        goto out;
     }
+    m->info.format = (int)format;
     /* the last line is "end crc32c=X" over every byte before it */
     char *endl = len >= 2 ? memrchr(text, '\n', len - 1) : NULL;
     size_t body = endl ? (size_t)(endl + 1 - text) : 0;
     unsigned crc_want;
     if (len == 0 || text[len - 1] != '\n' || sscanf(text + body, "end crc32c=%8x", &crc_want) != 1) {
-        free(text);
-        return rerr(err, cap, "%s: incomplete manifest (no end line)", path);
+        rerr(err, cap, "%s: incomplete manifest (no end line)", path);
+        goto out;
     }
     if (ckpt_crc32c(0, text, body) != crc_want) {
-        free(text);
-        return rerr(err, cap, "%s: manifest checksum mismatch (the file was changed or damaged)", path);
+        rerr(err, cap, "%s: manifest checksum mismatch (the file was changed or damaged)", path);
+        goto out;
     }
     text[body] = 0;
     int lineno = 0, cap_e = 0, have_step = 0;
     char *save = NULL;
     for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
         lineno++;
-        if (lineno == 1) {
-            if (sscanf(line, "kiln-checkpoint %d", &m->info.format) != 1) {
-                free(text);
-                return rerr(err, cap, "%s:1: not a kiln checkpoint manifest", path);
-            }
-            if (m->info.format != CKPT_FORMAT_VERSION) {
-                free(text);
-                return rerr(err, cap, "%s:1: checkpoint format version %d; this kiln reads version %d", path,
-                            m->info.format, CKPT_FORMAT_VERSION);
-            }
-            continue;
-        }
+        if (lineno == 1) continue; /* the version, read above */
         if (!strncmp(line, "entry ", 6)) {
             if (m->n == cap_e) cap_e = cap_e ? 2 * cap_e : 64, m->e = xrealloc(m->e, (size_t)cap_e * sizeof *m->e);
             if (parse_entry(line + 6, &m->e[m->n]) != 0) {
-                free(text);
-                return rerr(err, cap, "%s:%d: malformed entry line", path, lineno);
+                rerr(err, cap, "%s:%d: malformed entry line", path, lineno);
+                goto out;
             }
             m->n++;
-        } else if (sscanf(line, "step %" SCNd64, &m->info.step) == 1) {
+        } else if (!strncmp(line, "step ", 5)) {
+            if (header_num(line, "step", &m->info.step) != 0) {
+                rerr(err, cap, "%s:%d: malformed step line (a step is a whole number from 0 to 2^63 - 1)", path, lineno);
+                goto out;
+            }
             have_step = 1;
         } else if (sscanf(line, "config_hash %" SCNx64, &m->info.config_hash) == 1) {
         } else if (sscanf(line, "kiln_version %63s", m->info.version) == 1) {
         } else if (sscanf(line, "kiln_commit %63s", m->info.commit) == 1) {
         } else if (!strncmp(line, "mesh ", 5)) {
             CkptMesh *g = &m->info.mesh;
-            sscanf(line, "mesh world=%d dp=%d tp=%d pp=%d cp=%d ep=%d", &g->world, &g->dp, &g->tp, &g->pp, &g->cp, &g->ep);
+            g->world = header_int(line, "world"), g->dp = header_int(line, "dp"), g->tp = header_int(line, "tp");
+            g->pp = header_int(line, "pp"), g->cp = header_int(line, "cp"), g->ep = header_int(line, "ep");
         } /* other lines (file, created_unix, future keys) are informational */
     }
+    if (!have_step) {
+        rerr(err, cap, "%s: manifest has no step line", path);
+        goto out;
+    }
+    rc = manifest_check_overlap(m, path, err, cap);
+out:
     free(text);
-    if (m->info.format == 0) return rerr(err, cap, "%s: empty manifest", path);
-    if (!have_step) return rerr(err, cap, "%s: manifest has no step line", path);
-    return manifest_check_overlap(m, path, err, cap);
+    if (rc) man_free(m); /* --resume auto reads every damaged checkpoint it skips */
+    return rc;
+}
+
+/* Piece e against the size of its file at path: the file holds it, and its
+ * stored bytes can hold e->bytes (zstd's densest ratio). 0, or -1 with err. */
+static int piece_fits(const MEntry *e, uint64_t size, const char *path, char *err, size_t cap) {
+    if (e->offset + e->stored > size) /* no overflow: parse_entry bounds both */
+        return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64 ", file ends at %" PRIu64,
+                    path, e->name, e->offset, e->offset + e->stored, size);
+    if (e->zstd && e->bytes / CKPT_ZSTD_MAX_RATIO > e->stored)
+        return rerr(err, cap, "%s: entry '%s': %" PRIu64 " bytes cannot decompress from %" PRIu64 " stored (the manifest "
+                    "is wrong)", path, e->name, e->bytes, e->stored);
+    return 0;
+}
+
+/* Open piece e's file and check that it holds the piece and that the piece
+ * can hold e->bytes (zstd's densest ratio): what the manifest says is then
+ * safe to allocate. Returns the descriptor, or -1 with err. */
+static int piece_open(const Manifest *m, const MEntry *e, char *err, size_t cap) {
+    char path[1400];
+    snprintf(path, sizeof path, "%s/%s", m->dir, e->file);
+    uint64_t size;
+    int fd = kiln_open_read(path, 0, &size);
+    if (fd < 0) return rerr(err, cap, "%s: cannot open: %s", path, kiln_strerror(errno));
+    if (piece_fits(e, size, path, err, cap) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* The sizes of piece e, checked against its file (piece_open): before
+ * allocating e->bytes. 0, or -1 with err. */
+static int piece_check(const Manifest *m, const MEntry *e, char *err, size_t cap) {
+    int fd = piece_open(m, e, err, cap);
+    if (fd < 0) return -1;
+    close(fd);
+    return 0;
 }
 
 /* Read piece e into out (e->bytes), verifying its checksum. */
 static int piece_read(const Manifest *m, const MEntry *e, void *out, char *err, size_t cap) {
     char path[1400];
     snprintf(path, sizeof path, "%s/%s", m->dir, e->file);
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return rerr(err, cap, "%s: cannot open: %s", path, strerror(errno));
+    int fd = piece_open(m, e, err, cap);
+    if (fd < 0) return -1;
     unsigned char *buf = e->zstd ? xmalloc(e->stored ? e->stored : 1) : out;
     uint64_t got = 0;
     while (got < e->stored) {
@@ -505,7 +604,7 @@ static int rd_piece(Rd *r, const RdNeed *needs, int nn, char *err, size_t cap) {
     if (!p->zstd) {
         for (uint64_t off = 0; off < p->bytes; off += got) {
             const unsigned char *q = rd_get(r, p->offset + off, p->bytes - off, &got);
-            if (!q && !got) return rerr(err, cap, "%s: read: %s", r->path, strerror(errno));
+            if (!q && !got) return rerr(err, cap, "%s: read: %s", r->path, kiln_strerror(errno));
             if (!q)
                 return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64
                             ", file ends at %" PRIu64, r->path, p->name, p->offset, p->offset + p->stored, got);
@@ -523,7 +622,7 @@ static int rd_piece(Rd *r, const RdNeed *needs, int nn, char *err, size_t cap) {
             if (in.pos == in.size) {
                 if (in_off == p->stored) break; /* the frame is not complete */
                 const unsigned char *q = rd_get(r, p->offset + in_off, p->stored - in_off, &got);
-                if (!q && !got) return rerr(err, cap, "%s: read: %s", r->path, strerror(errno));
+                if (!q && !got) return rerr(err, cap, "%s: read: %s", r->path, kiln_strerror(errno));
                 if (!q)
                     return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64
                                 ", file ends at %" PRIu64, r->path, p->name, p->offset, p->offset + p->stored, got);
@@ -574,9 +673,13 @@ static int rd_run(Rd *r, RdNeed *needs, int n, uint64_t *left, char *err, size_t
             r->file = p->file;
             snprintf(r->path, sizeof r->path, "%s/%s", r->m->dir, p->file);
             if (ckpt_source_open(r->src, r->path, r->lo, r->hi, nr) != 0) {
-                rc = rerr(err, cap, "%s: cannot open: %s", r->path, strerror(errno));
+                rc = rerr(err, cap, "%s: cannot open: %s", r->path, kiln_strerror(errno));
                 break;
             }
+            /* the file's pieces against its real size, before any is read */
+            for (int l = k; l < n && rc == 0 && !strcmp(r->m->e[needs[l].j].file, p->file); l++)
+                rc = piece_fits(&r->m->e[needs[l].j], ckpt_source_size(r->src), r->path, err, cap);
+            if (rc) break;
         }
         for (int l = k; l < k + nn; l++) {
             int i = needs[l].entry;
@@ -713,6 +816,12 @@ void *ckpt_read_blob(const char *dir, const char *name, size_t *len, char *err, 
     void *out = NULL;
     for (int j = 0; j < m.n; j++) {
         if (strcmp(m.e[j].name, name)) continue;
+        if (m.e[j].kind != CKPT_BLOB || m.e[j].bytes > CKPT_BLOB_MAX) {
+            rerr(err, cap, "%s: entry '%s' is not a blob of at most %" PRIu64 " bytes (the manifest says %s of %" PRIu64
+                 ")", dir, name, CKPT_BLOB_MAX, m.e[j].kind == CKPT_BLOB ? "a blob" : "a tensor", m.e[j].bytes);
+            break;
+        }
+        if (piece_check(&m, &m.e[j], err, cap) != 0) break;
         out = xmalloc(m.e[j].bytes + 1);
         if (piece_read(&m, &m.e[j], out, err, cap) != 0) {
             free(out);
@@ -750,18 +859,22 @@ int ckpt_info_main(int argc, char **argv) {
     uint64_t raw = 0, stored = 0;
     uint32_t state = 0, params = 0;
     int bad = 0;
+    char first[1024] = ""; /* the first failure, for the one error line */
     for (int j = 0; j < m.n; j++) {
         const MEntry *e = &m.e[j];
         char s[128];
         shape_text(e->ndim, e->shape, s, sizeof s);
-        unsigned char *buf = xmalloc(e->bytes ? e->bytes : 1);
         char perr[1024] = "";
-        int ok = piece_read(&m, e, buf, perr, sizeof perr) == 0;
-        free(buf);
-        printf("  %-6s %-40s %-4s %-14s range %" PRIu64 ":%" PRIu64 " rank %d %10" PRIu64 " B  crc32c %08x %s\n",
+        int ok = piece_check(&m, e, perr, sizeof perr) == 0;
+        if (ok) {
+            unsigned char *buf = xmalloc(e->bytes ? e->bytes : 1);
+            ok = piece_read(&m, e, buf, perr, sizeof perr) == 0;
+            free(buf);
+        }
+        printf("  %-6s %-40s %-4s %-14s range %" PRIu64 ":%" PRIu64 " rank %d %10" PRIu64 " B  crc32c %08x %s%s\n",
                e->kind == CKPT_TENSOR ? "tensor" : "blob", e->name, ckpt_dtype_name(e->dtype), s, e->lo, e->hi, e->rank,
-               e->bytes, e->crc, ok ? "ok" : "BAD");
-        if (!ok) fprintf(stderr, "kiln: error: %s\n", perr), bad++;
+               e->bytes, e->crc, ok ? "ok" : "BAD: ", ok ? "" : perr);
+        if (!ok && !bad++) kiln_strlcpy(first, perr, sizeof first);
         raw += e->bytes, stored += e->stored;
         if (e->kind == CKPT_TENSOR) {
             state = ckpt_crc32c(state, &e->crc, 4);
@@ -771,7 +884,9 @@ int ckpt_info_main(int argc, char **argv) {
     printf("entries %d | %" PRIu64 " bytes, %" PRIu64 " stored\n", m.n, raw, stored);
     printf("params checksum %08x | state checksum %08x\n", params, state);
     man_free(&m);
-    if (bad) kiln_fail(KILN_EXIT_USAGE, "%s: %d entr%s failed verification", dir, bad, bad == 1 ? "y" : "ies");
+    if (bad)
+        kiln_fail(KILN_EXIT_USAGE, "%s: %d entr%s failed verification, the first: %s", dir, bad, bad == 1 ? "y" : "ies",
+                  first);
     printf("verified\n");
     return KILN_EXIT_OK;
 }
@@ -806,8 +921,20 @@ int ckpt_diff_main(int argc, char **argv) {
         int seen = 0;
         for (int k = 0; k < ta.n && !seen; k++) seen = !strcmp(ta.e[k].name, e->name);
         if (seen) continue;
-        uint64_t numel = 1;
-        for (int d = 0; d < e->ndim; d++) numel *= (uint64_t)e->shape[d];
+        /* whole tensors of A's shapes: the pieces A holds of each must add
+         * up to it (their sizes checked against A's files) before the
+         * shape is believed and allocated, twice */
+        uint64_t numel = 0, have = 0;
+        shape_numel(e->ndim, e->shape, 4, &numel); /* checked by parse_entry */
+        for (int k = 0; k < m.n; k++) {
+            const MEntry *q = &m.e[k];
+            if (strcmp(q->name, e->name)) continue;
+            if (piece_check(&m, q, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
+            if (__builtin_add_overflow(have, q->hi - q->lo, &have)) have = UINT64_MAX;
+        }
+        if (have < numel)
+            kiln_fail(KILN_EXIT_USAGE, "%s: entry '%s': its pieces hold %" PRIu64 " of the %" PRIu64 " elements of its "
+                      "shape", a, e->name, have, numel);
         ckpt_add_tensor(&ta, e->name, CKPT_F32, e->ndim, e->shape, 0, numel, xcalloc(numel + 1, 4), NULL, NULL);
         ckpt_add_tensor(&tb, e->name, CKPT_F32, e->ndim, e->shape, 0, numel, xcalloc(numel + 1, 4), NULL, NULL);
     }

@@ -51,6 +51,9 @@ static struct {
     uint64_t *answer_req;       /* [world]: MPI_Request of each answer */
     int check;                  /* monitor.check_collectives */
     struct CheckCall *check_all; /* [world]: every member's call, gathered before each collective */
+    int *v_ints;                /* [4 v_cap]: all_to_allv's int counts and displacements (MPI), grown
+                                   to the largest group once */
+    size_t v_cap;
 } C;
 
 /* A rank's answer to "where are you?". */
@@ -167,11 +170,17 @@ typedef enum {
     NCCL_OP_RECV,
     NCCL_OP_ALL_TO_ALL,
     NCCL_OP_SUM_BF16,           /* bf16 activations (tensor parallelism) */
-    NCCL_OP_REDUCE_SCATTER_BF16
+    NCCL_OP_REDUCE_SCATTER_BF16,
+    NCCL_OP_SENDRECV            /* a ring step (context parallelism): send to one peer, receive from another */
 } NcclOp;
 /* n: elements per rank's block where the operation has blocks; peer: the
- * root of a broadcast or the other side of a send/recv. */
+ * root of a broadcast or the other side of a send/recv; for SENDRECV the
+ * rank sent to plus (the rank received from) << 16 (NCCL_PAIR). */
+#define NCCL_PAIR(to, from) ((to) | (from) << 16)
 static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, size_t n, int peer);
+/* comm_all_to_allv in device mode: one group of ncclSend/ncclRecv, counts in elements of esz bytes. */
+static void nccl_post_alltoallv(CommRequest *req, const void *send, const size_t *send_counts, void *recv,
+                                const size_t *recv_counts, size_t esz);
 static int nccl_test(CommRequest *req);
 static void nccl_wait(CommRequest *req);
 static void nccl_describe(char *buf, size_t n);
@@ -684,6 +693,7 @@ void comm_finalize(void) {
     free(C.answers);
     free(C.answer_req);
     free(C.check_all);
+    free(C.v_ints);
     memset(&C, 0, sizeof C);
 }
 
@@ -1016,6 +1026,54 @@ void comm_all_to_all(CommGroup *g, const float *send, float *recv, size_t block)
 #endif
 }
 
+/* all_to_allv's flight record and agreement carry count 0: each rank sends
+ * its own counts, so the only thing the members agree on is the call. */
+void comm_all_to_allv(CommGroup *g, const void *send, const size_t *send_counts, void *recv,
+                      const size_t *recv_counts, size_t elem_bytes) {
+    if (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: all_to_allv on group '%s': elements of %zu bytes (1, 2 or 4 only)",
+                  C.info.rank, g->name, elem_bytes);
+    if (g->dev) {
+        CommRequest r;
+        req_start(&r, g, "all_to_allv");
+        nccl_post_alltoallv(&r, send, send_counts, recv, recv_counts, elem_bytes);
+        if (r.active) nccl_wait(&r);
+        return;
+    }
+    g->seq++;
+    if (!group_uses_mpi(g)) {
+        if (send_counts[0] != recv_counts[0])
+            kiln_fail(KILN_EXIT_RUNTIME, "all_to_allv on group '%s' (1 rank): sends %zu elements to itself but "
+                      "receives %zu", g->name, send_counts[0], recv_counts[0]);
+        if (send != recv && send_counts[0]) memmove(recv, send, send_counts[0] * elem_bytes);
+        return;
+    }
+    need_mpi(g, "all_to_allv");
+#ifdef KILN_MPI
+    if ((size_t)g->size > C.v_cap) {
+        C.v_cap = (size_t)g->size;
+        C.v_ints = xrealloc(C.v_ints, 4 * C.v_cap * sizeof(int));
+    }
+    int *sc = C.v_ints, *sd = sc + g->size, *rc = sd + g->size, *rd = rc + g->size;
+    size_t so = 0, ro = 0;
+    for (int i = 0; i < g->size; i++) {
+        if (so + send_counts[i] > INT_MAX || ro + recv_counts[i] > INT_MAX)
+            kiln_fail(KILN_EXIT_RUNTIME, "rank %d: all_to_allv on group '%s': more than %d elements in all (MPI "
+                      "counts and displacements are int)", C.info.rank, g->name, INT_MAX);
+        sc[i] = (int)send_counts[i], sd[i] = (int)so, rc[i] = (int)recv_counts[i], rd[i] = (int)ro;
+        so += send_counts[i], ro += recv_counts[i];
+    }
+    MPI_Datatype t = elem_bytes == 4 ? MPI_FLOAT : elem_bytes == 2 ? MPI_UINT16_T : MPI_BYTE;
+    FlightDtype fd = elem_bytes == 4 ? FLIGHT_F32 : elem_bytes == 2 ? FLIGHT_BF16 : FLIGHT_BYTES;
+    uint64_t fr = op_begin(g, "all_to_allv", fd, 0, -1, 0, 1);
+    MPI_Request r;
+    double t0 = kiln_now();
+    MPI_CHECK(g, MPI_Ialltoallv(send, sc, sd, t, recv, rc, rd, t, mcomm(g), &r));
+    wait_mpi(g, &r, "all_to_allv", g->seq, t0);
+    flight_done(fr);
+#endif
+}
+
 void comm_barrier(CommGroup *g) {
     g->seq++;
     if (!group_uses_mpi(g)) return;
@@ -1101,14 +1159,70 @@ void comm_iall_gather(CommGroup *g, const float *send, float *recv, size_t block
 #endif
 }
 
+/* A point-to-point post; MPI for host buffers, NCCL in device mode. */
+static void p2p_post(CommGroup *g, int send, const float *sbuf, float *rbuf, size_t n, int peer, int tag,
+                     CommRequest *req) {
+    const char *op = send ? "send" : "recv";
+    req_start(req, g, op);
+    req->p2p = 1;
+    check_peer(g, peer, op);
+    if (tag < 0)
+        kiln_fail(KILN_EXIT_RUNTIME, "rank %d: %s on group '%s': tag %d is negative", C.info.rank, op, g->name, tag);
+    if (g->dev) {
+        nccl_post(req, send ? NCCL_OP_SEND : NCCL_OP_RECV, sbuf, rbuf, n, peer);
+        return;
+    }
+    if (n == 0) return;
+    need_mpi(g, op);
+    check_int_count(g, n, op);
+#ifdef KILN_MPI
+    req->flight = op_begin(g, op, FLIGHT_F32, n, peer, 1, 0);
+    if (send) MPI_CHECK(g, MPI_Isend(sbuf, (int)n, MPI_FLOAT, peer, tag, mcomm(g), mreq(req)));
+    else MPI_CHECK(g, MPI_Irecv(rbuf, (int)n, MPI_FLOAT, peer, tag, mcomm(g), mreq(req)));
+    req->active = 1;
+#endif
+}
+
+void comm_isendrecv(CommGroup *g, const float *send, float *recv, size_t n, int to, int from, int tag,
+                    CommRequest *req) {
+    req_start(req, g, "sendrecv");
+    check_peer(g, to, "sendrecv");
+    check_peer(g, from, "sendrecv");
+    if (g->dev) { /* NCCL has no tags: messages between two ranks match in order */
+        nccl_post(req, NCCL_OP_SENDRECV, send, recv, n, NCCL_PAIR(to, from));
+        return;
+    }
+    if (n == 0) return;
+    need_mpi(g, "sendrecv");
+    check_int_count(g, n, "sendrecv");
+#ifdef KILN_MPI
+    req->flight = op_begin(g, "sendrecv", FLIGHT_F32, n, to, 1, 0);
+    MPI_CHECK(g, MPI_Irecv(recv, (int)n, MPI_FLOAT, from, tag, mcomm(g), (MPI_Request *)(void *)&req->mpi_recv));
+    MPI_CHECK(g, MPI_Isend(send, (int)n, MPI_FLOAT, to, tag, mcomm(g), mreq(req)));
+    req->pair = 1;
+    req->active = 1;
+#endif
+}
+
+void comm_isend(CommGroup *g, const float *buf, size_t n, int peer, int tag, CommRequest *req) {
+    p2p_post(g, 1, buf, NULL, n, peer, tag, req);
+}
+
+void comm_irecv(CommGroup *g, float *buf, size_t n, int peer, int tag, CommRequest *req) {
+    p2p_post(g, 0, NULL, buf, n, peer, tag, req);
+}
+
 int comm_test(CommRequest *req) {
     if (!req->active) return 1;
     if (req->device) return nccl_test(req);
 #ifdef KILN_MPI
-    int done = 0;
+    int done = 0, got = 1;
+    /* a finished request becomes MPI_REQUEST_NULL, which tests as done */
+    if (req->pair) MPI_CHECK(req->g, MPI_Test((MPI_Request *)(void *)&req->mpi_recv, &got, MPI_STATUS_IGNORE));
     MPI_CHECK(req->g, MPI_Test(mreq(req), &done, MPI_STATUS_IGNORE));
+    done = done && got;
     if (done) req->active = 0, flight_done(req->flight);
-    else if (kiln_now() - req->t_start > C.info.timeout_s)
+    else if (!req->p2p && kiln_now() - req->t_start > C.info.timeout_s)
         comm_timeout(req->g, req->op, req->seq, kiln_now() - req->t_start);
     return done;
 #else
@@ -1118,6 +1232,7 @@ int comm_test(CommRequest *req) {
 
 void comm_wait(CommRequest *req) {
     if (!req->active) return;
+    if (req->p2p && !req->waiting) req->waiting = 1, req->t_start = kiln_now(); /* the deadline starts now */
     if (req->device) {
         nccl_wait(req);
         return;
@@ -1125,6 +1240,7 @@ void comm_wait(CommRequest *req) {
 #ifdef KILN_MPI
     flight_wait(req->flight);
     wait_mpi(req->g, mreq(req), req->op, req->seq, req->t_start);
+    if (req->pair) wait_mpi(req->g, (MPI_Request *)(void *)&req->mpi_recv, req->op, req->seq, req->t_start);
     req->active = 0;
     flight_done(req->flight);
 #endif
@@ -1355,7 +1471,7 @@ static void nccl_id_by_file(CommGroup *g, const char *run_dir, ncclUniqueId *id)
     double t0 = kiln_now();
     for (;;) {
         size_t len = 0;
-        char *buf = kiln_read_file(path, &len);
+        char *buf = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
         if (buf && len == sizeof *id) {
             memcpy(id, buf, sizeof *id);
             free(buf);
@@ -1481,19 +1597,39 @@ void comm_nccl_device_mode(CommGroup *g, void *compute_stream) {
     dev_pool_grow(g); /* now, not at the first collective */
 }
 
+/* Before an NCCL operation: the group's comm stream waits for everything
+ * already on the compute stream (an event), so the operation reads what
+ * earlier ops wrote. Returns the comm stream. */
+static cudaStream_t nccl_enter(CommGroup *g) {
+    NcclDev *d = g->dev;
+    CUDA_CHECK_G(g, cudaEventRecord(d->ready, d->compute));
+    CUDA_CHECK_G(g, cudaStreamWaitEvent(d->stream, d->ready, 0));
+    return d->stream;
+}
+
+/* After it is enqueued: its completion event goes into req. */
+static void nccl_leave(CommRequest *req) {
+    CommGroup *g = req->g;
+    NcclDev *d = g->dev;
+    /* the operation must be on the stream before its completion event is */
+    nccl_settle(g, req->op);
+    req->event = dev_event_take(g);
+    CUDA_CHECK_G(g, cudaEventRecord(d->events[req->event], d->stream));
+    req->device = 1;
+    req->active = 1;
+}
+
 /* Enqueue one NCCL operation after everything already on the compute stream,
  * and give its completion event to req (req_start has filled it). */
 static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, size_t n, int peer) {
     CommGroup *g = req->g;
-    NcclDev *d = g->dev;
     if (n == 0) return; /* nothing to move; the sequence number still counts it */
-    int p2p = k == NCCL_OP_SEND || k == NCCL_OP_RECV;
+    int p2p = k == NCCL_OP_SEND || k == NCCL_OP_RECV || k == NCCL_OP_SENDRECV;
     FlightDtype dt = k == NCCL_OP_SUM_BF16 || k == NCCL_OP_REDUCE_SCATTER_BF16 ? FLIGHT_BF16 : FLIGHT_F32;
-    req->flight = op_begin(g, req->op, dt, n, p2p || k == NCCL_OP_BROADCAST ? peer : -1, p2p, 0);
+    int to = k == NCCL_OP_SENDRECV ? peer & 0xffff : peer;
+    req->flight = op_begin(g, req->op, dt, n, p2p || k == NCCL_OP_BROADCAST ? to : -1, p2p, 0);
     ncclComm_t c = ncomm(g);
-    cudaStream_t s = d->stream;
-    CUDA_CHECK_G(g, cudaEventRecord(d->ready, d->compute));
-    CUDA_CHECK_G(g, cudaStreamWaitEvent(s, d->ready, 0));
+    cudaStream_t s = nccl_enter(g);
     switch (k) {
     case NCCL_OP_SUM:
     case NCCL_OP_AVG:
@@ -1520,6 +1656,14 @@ static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, 
     case NCCL_OP_RECV:
         NCCL_CHECK(g, N.Recv(recv, n, ncclFloat32, peer, c, s));
         break;
+    case NCCL_OP_SENDRECV:
+        /* one group: every rank of a ring sends and receives at once, so no
+         * send waits behind its own receive */
+        NCCL_CHECK(g, N.GroupStart());
+        NCCL_CHECK(g, N.Send(send, n, ncclFloat32, to, c, s));
+        NCCL_CHECK(g, N.Recv(recv, n, ncclFloat32, peer >> 16, c, s));
+        NCCL_CHECK(g, N.GroupEnd());
+        break;
     case NCCL_OP_ALL_TO_ALL:
         /* NCCL before 2.28 has no all-to-all: a group of sends and receives
          * is the documented way */
@@ -1531,12 +1675,30 @@ static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, 
         NCCL_CHECK(g, N.GroupEnd());
         break;
     }
-    /* the operation must be on the stream before its completion event is */
-    nccl_settle(g, req->op);
-    req->event = dev_event_take(g);
-    CUDA_CHECK_G(g, cudaEventRecord(d->events[req->event], s));
-    req->device = 1;
-    req->active = 1;
+    nccl_leave(req);
+}
+
+/* comm_all_to_allv on the device: NCCL has no v-form, so (as for the
+ * fixed-size all-to-all) one group of a send and a receive per peer with a
+ * count, peers with nothing to move skipped. Every member records the call,
+ * even one that moves nothing: the collective counters stay in step. */
+static void nccl_post_alltoallv(CommRequest *req, const void *send, const size_t *send_counts, void *recv,
+                                const size_t *recv_counts, size_t esz) {
+    CommGroup *g = req->g;
+    FlightDtype fd = esz == 4 ? FLIGHT_F32 : esz == 2 ? FLIGHT_BF16 : FLIGHT_BYTES;
+    ncclDataType_t t = esz == 4 ? ncclFloat32 : esz == 2 ? ncclBfloat16 : ncclUint8;
+    req->flight = op_begin(g, req->op, fd, 0, -1, 0, 0);
+    ncclComm_t c = ncomm(g);
+    cudaStream_t s = nccl_enter(g);
+    size_t so = 0, ro = 0;
+    NCCL_CHECK(g, N.GroupStart());
+    for (int p = 0; p < g->size; p++) {
+        if (send_counts[p]) NCCL_CHECK(g, N.Send((const char *)send + so * esz, send_counts[p], t, p, c, s));
+        if (recv_counts[p]) NCCL_CHECK(g, N.Recv((char *)recv + ro * esz, recv_counts[p], t, p, c, s));
+        so += send_counts[p], ro += recv_counts[p];
+    }
+    NCCL_CHECK(g, N.GroupEnd());
+    nccl_leave(req);
 }
 
 /* One look at a device request: 1 when done. A failure NCCL noticed (a peer's
@@ -1565,7 +1727,7 @@ static int nccl_poll(CommRequest *req) {
                   (unsigned long long)req->seq, g->name, N.GetErrorString(st), nccl_detail(g), dead);
     }
     double waited = kiln_now() - req->t_start;
-    if (waited > C.info.timeout_s) {
+    if (waited > C.info.timeout_s && (!req->p2p || req->waiting)) { /* a p2p post times out only in comm_wait */
         N.CommAbort(ncomm(g)); /* the process ends next: nothing to check */
         g->nccl = NULL;
         comm_timeout(g, req->op, req->seq, waited);
@@ -1701,6 +1863,10 @@ static int nccl_run_ordered(CommGroup *g, const char *op, NcclOp k, const void *
     return 0;
 }
 static void nccl_post(CommRequest *req, NcclOp k, const void *send, void *recv, size_t n, int peer) {
+    no_nccl(req->g, req->op);
+}
+static void nccl_post_alltoallv(CommRequest *req, const void *send, const size_t *send_counts, void *recv,
+                                const size_t *recv_counts, size_t esz) {
     no_nccl(req->g, req->op);
 }
 static int nccl_test(CommRequest *req) { no_nccl(req->g, req->op); }

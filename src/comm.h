@@ -44,6 +44,8 @@ typedef struct CommGroup {
  * comm_test until it says 1). Plain data: no allocation per request. */
 typedef struct CommRequest {
     uint64_t mpi;      /* MPI_Request, stored opaquely */
+    uint64_t mpi_recv; /* comm_isendrecv: the receive's MPI_Request (mpi is the send's) */
+    int pair;          /* comm_isendrecv on MPI: both requests must finish */
     CommGroup *g;
     const char *op;    /* "all_reduce", ... for messages */
     uint64_t seq;
@@ -52,6 +54,8 @@ typedef struct CommRequest {
     int device;        /* 1: an NCCL operation in device mode, tracked by an event */
     int event;         /* device mode: slot of its completion event in the group's pool */
     uint64_t flight;   /* its flight recorder id (flight.h); 0 = not recorded */
+    int p2p;           /* comm_isend / comm_irecv: the deadline counts from comm_wait */
+    int waiting;       /* p2p: comm_wait has begun (t_start is then when it began) */
 } CommRequest;
 
 /* Process-wide facts, valid after comm_init. */
@@ -118,6 +122,16 @@ void comm_recv(CommGroup *g, float *buf, size_t n, int peer, int tag);
 /* send: (size * block) floats, block i goes to rank i; recv: (size * block),
  * block i came from rank i. */
 void comm_all_to_all(CommGroup *g, const float *send, float *recv, size_t block);
+/* The variable-count form (expert parallelism's token rows): send holds, in
+ * rank order and back to back, send_counts[i] elements for rank i; recv gets
+ * recv_counts[i] elements from rank i, back to back in rank order. Elements
+ * are elem_bytes each (4, 2 or 1: moved, never added). Rank j's
+ * send_counts[i] must be rank i's recv_counts[j]: exchange the counts first
+ * (comm_all_to_all). MPI: MPI_Ialltoallv, at most INT_MAX elements sent and
+ * received in all. Device mode: grouped ncclSend/ncclRecv, peers with
+ * nothing to move skipped. Blocking, with the deadline. */
+void comm_all_to_allv(CommGroup *g, const void *send, const size_t *send_counts, void *recv,
+                      const size_t *recv_counts, size_t elem_bytes);
 void comm_barrier(CommGroup *g);
 
 /* Non-blocking forms, for overlapping gradient sync with the backward pass.
@@ -128,6 +142,20 @@ void comm_barrier(CommGroup *g);
 void comm_iall_reduce_sum(CommGroup *g, float *buf, size_t n, CommRequest *req);
 void comm_ireduce_scatter(CommGroup *g, const float *send, float *recv, size_t block, CommRequest *req);
 void comm_iall_gather(CommGroup *g, const float *send, float *recv, size_t block, CommRequest *req);
+/* Non-blocking point to point (pipeline stages): n floats to / from group
+ * rank `peer`, tag >= 0 (MPI matches by tag; NCCL has none and matches each
+ * pair's messages in order, so both sides must post them in the same order).
+ * Device pointers in device mode. The deadline counts from comm_wait, not
+ * from the post: a receive posted early may wait as long as its schedule
+ * says; comm_test never times them out. n is at most INT_MAX on MPI. */
+void comm_isend(CommGroup *g, const float *buf, size_t n, int peer, int tag, CommRequest *req);
+void comm_irecv(CommGroup *g, float *buf, size_t n, int peer, int tag, CommRequest *req);
+/* A ring step (context parallelism): send (n) floats to group rank `to` and
+ * receive (n) floats from group rank `from` into recv, both in flight under
+ * one request (in device mode one NCCL group, so a ring of these cannot
+ * deadlock). to and from may be the same rank; tag as comm_send's. */
+void comm_isendrecv(CommGroup *g, const float *send, float *recv, size_t n, int to, int from, int tag,
+                    CommRequest *req);
 int comm_test(CommRequest *req); /* 1 when done (the request is then finished) */
 void comm_wait(CommRequest *req);
 
@@ -170,9 +198,9 @@ int comm_dead_peers(const CommGroup *g, int *out, int max);
  *     }
  *
  * From then on comm_all_reduce_sum, comm_all_reduce_mean, comm_reduce_scatter,
- * comm_all_gather, comm_broadcast, comm_send, comm_recv, comm_all_to_all and
- * the non-blocking comm_iall_reduce_sum, comm_ireduce_scatter and
- * comm_iall_gather on g take DEVICE pointers (from be->alloc) and run as NCCL
+ * comm_all_gather, comm_broadcast, comm_send, comm_recv, comm_all_to_all,
+ * comm_all_to_allv and the non-blocking comm_iall_reduce_sum, comm_ireduce_scatter,
+ * comm_iall_gather and comm_isendrecv on g take DEVICE pointers (from be->alloc) and run as NCCL
  * operations. Everything else stays on MPI and host memory: the double
  * collectives (comm_all_reduce_sum_f64 / _max_f64), the byte collectives,
  * comm_barrier and comm_check_consistent. The same group carries both.

@@ -18,7 +18,7 @@
 #include <strings.h>
 #include <yaml.h>
 
-typedef enum { CT_INT, CT_INT64, CT_U64, CT_FLOAT, CT_BOOL, CT_STR, CT_ENUM, CT_PAIR, CT_SOURCES } CfgType;
+typedef enum { CT_INT, CT_INT64, CT_U64, CT_FLOAT, CT_BOOL, CT_STR, CT_ENUM, CT_PAIR, CT_SOURCES, CT_INTS } CfgType;
 
 enum {
     CF_HI_OPEN = 1, /* range is [lo, hi) rather than [lo, hi] */
@@ -31,7 +31,7 @@ typedef struct {
     const char *key;     /* dotted path: "optim.lr"; no dot = top-level scalar */
     CfgType type;
     size_t off, size;    /* offsetof / sizeof the field in Config */
-    size_t off2;         /* CT_PAIR: the second float; CT_SOURCES: the CfgSources */
+    size_t off2;         /* CT_PAIR: the second float; CT_SOURCES: the CfgSources; CT_INTS: the count */
     const char *def;     /* default, as YAML text (parsed like user input) */
     double lo, hi;       /* range; hi = INFINITY: bounded only by the type */
     int flags;
@@ -51,6 +51,8 @@ typedef struct {
 #define KENUM(k, f, d, ch, doc) {k, CT_ENUM, FLD(f), 0, d, 0, 0, 0, ch, doc}
 #define KPAIR(k, f1, f2, d, lo, hi, fl, doc) \
     {k, CT_PAIR, FLD(f1), offsetof(Config, f2), d, lo, hi, fl, NULL, doc}
+/* A list of ints, each in [lo, hi], at most CFG_MAX_INTS, its count in n. */
+#define KINTS(k, f, n, d, lo, hi, doc) {k, CT_INTS, FLD(f), offsetof(Config, n), d, lo, hi, 0, NULL, doc}
 /* A glob string (kept in `glob`) or a list of sources (all in `srcs`). */
 #define KSRC(k, glob, srcs, d, fl, doc) {k, CT_SOURCES, FLD(glob), offsetof(Config, srcs), d, 0, 0, fl, NULL, doc}
 #define INF INFINITY
@@ -142,11 +144,12 @@ static const CfgKey cfg_keys[] = {
     KINT("train.max_consecutive_skips", max_consecutive_skips, "10", 0, INF,
          "with `on_nonfinite: skip`, stop (exit 1) after this many skipped steps in a row: a run that "
          "stays non-finite is diverging, not unlucky; 0 = never stop"),
-    KENUM("optim.name", optim_name, "adamw", "adamw|lion|muon",
+    KENUM("optim.name", optim_name, "adamw", "adamw|lion|muon|adafactor",
           "optimizer (docs/optimizers.md): `adamw`; `lion` (sign of the interpolated momentum, one state "
           "buffer; takes `optim.lion_betas`, `lr`, `weight_decay` and `grad_clip`, not `betas` or `eps`); `muon` "
-          "(the blocks' 2-D matrices orthogonalised by Newton-Schulz; embeddings, head, gains, biases and the "
-          "router keep AdamW with `betas`, `eps`; CPU backend and `parallel.zero: 0` only)"),
+          "(the blocks' 2-D matrices orthogonalised by Newton-Schulz, each on one dp rank; embeddings, head, "
+          "gains, biases and the router keep AdamW with `betas`, `eps`); `adafactor` (factored second moments "
+          "of every 2-D tensor, update clipping, relative step off: `optim.adafactor_*`, `lr`, `weight_decay`)"),
     KFLT("optim.lr", lr, "6.0e-4", 0, 10, "peak learning rate"),
     KPAIR("optim.betas", beta1, beta2, "[0.9, 0.95]", 0, 1, CF_HI_OPEN, "AdamW `[beta1, beta2]`"),
     /* eps = 0 divides 0 by 0 wherever a gradient is always zero (the padded
@@ -163,6 +166,14 @@ static const CfgKey cfg_keys[] = {
           "sqrt(max(rows, cols)), an update RMS like AdamW's so its lr and weight_decay carry over"),
     KBOOL("optim.muon_split_qkv", muon_split_qkv, "true",
           "Muon orthogonalises GPT-2's fused c_attn as its q, k and v thirds (false: as one matrix)"),
+    KFLTF("optim.adafactor_decay", adafactor_decay, "0.8", 0, 1, CF_LO_OPEN,
+          "Adafactor's second-moment decay: beta2 at step t is 1 - t^-decay (0.8, the paper's)"),
+    KFLT("optim.adafactor_clip", adafactor_clip, "1.0", 0, 1e9,
+         "Adafactor's update clipping: each tensor's update is cut to this RMS; 0 = off"),
+    KFLTF("optim.adafactor_eps", adafactor_eps, "1.0e-30", 0, 1, CF_LO_OPEN,
+          "Adafactor's epsilon, added to g^2 before the moments average it"),
+    KFLT("optim.adafactor_beta1", adafactor_beta1, "0", 0, 0.999999,
+         "Adafactor's first moment of the clipped update (0 = none, the paper's: no m, the factored state alone)"),
     KBOOL("optim.decay_embeddings", decay_embeddings, "true", "apply weight decay to the embedding tables too"),
     KENUM("schedule.kind", sched_kind, "cosine", "cosine|linear|constant|wsd", "learning-rate shape after warmup"),
     KINT("schedule.warmup_steps", warmup_steps, "100", 0, INF, "steps of linear warmup from 0"),
@@ -175,9 +186,31 @@ static const CfgKey cfg_keys[] = {
     KENUM("parallel.sequence_parallel", sequence_parallel, "auto", "auto|true|false",
           "tp > 1: norms and residuals on N/tp-token shards (all-gather before, reduce-scatter after the split "
           "products); `auto` is on when tp > 1"),
-    KINT("parallel.pp", pp, "1", 1, INF, "pipeline stages (this build: 1)"),
-    KINT("parallel.cp", cp, "1", 1, INF, "context-parallel ranks (this build: 1)"),
-    KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (this build: 1)"),
+    KINT("parallel.pp", pp, "1", 1, INF, "pipeline stages: the layers cut into pp contiguous ranges, one per rank of "
+         "a pipeline (the slowest mesh dimension, so stages cross nodes); docs/parallel.md \"Pipeline parallelism\""),
+    KENUM("parallel.pp_schedule", pp_schedule, "1f1b", "gpipe|1f1b|interleaved_1f1b|zb_h1",
+          "pp > 1: the order of micro-batches' forwards and backwards: `gpipe` (all forwards, then all backwards; "
+          "holds every micro-batch), `1f1b` (one forward, one backward; at most pp in flight), "
+          "`interleaved_1f1b` (pp_virtual chunks per rank, bubble / pp_virtual; micro-batches a multiple of pp), "
+          "`zb_h1` (zero-bubble: the backward split into input and weight parts, the weight parts filling the "
+          "bubble, about a third of 1f1b's)"),
+    KINT("parallel.pp_virtual", pp_virtual, "1", 1, 16,
+         "chunks of layers per pipeline rank (`interleaved_1f1b` needs 2 or more; the others 1)"),
+    KINTS("parallel.pp_layers", pp_layers, n_pp_layers, "[]", 1, INF,
+          "layers of each of the pp x pp_virtual virtual stages, in order (they add up to model.n_layer); `[]` = "
+          "cut by cost: each layer's FLOPs, the last stage also the head's"),
+    KINT("parallel.cp", cp, "1", 1, INF, "context-parallel ranks: each sequence is cut into 2 cp chunks and rank r "
+         "holds chunks r and 2cp-1-r (every rank the same causal attention work); everything per token runs on "
+         "the chunks, attention exchanges K and V over the cp ranks (`cp_attention`); `model.seq_len` must be a "
+         "multiple of 2 cp; replicated gradients sum over dp x cp, and ZeRO shards over dp x cp; not with "
+         "`model.mlp: moe`"),
+    KENUM("parallel.cp_attention", cp_attention, "allgather", "allgather|ring",
+          "cp > 1: `allgather` gathers every rank's K and V before attention and reduce-scatters their gradients "
+          "(simple; memory cp x the local K/V), `ring` passes K/V blocks around the cp ranks while attention runs "
+          "on the current one, merging by log-sum-exp, and dK/dV after them (memory 2 blocks)"),
+    KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (MoE): each of ep consecutive dp ranks holds "
+         "n_experts / ep whole experts, tokens travel to them by all-to-all; must divide `model.moe.n_experts` and "
+         "dp; ZeRO 0 or 1"),
     KFLT("parallel.timeout_s", timeout_s, "300", 0.1, 1e7, "seconds any collective may wait before the run stops naming the missing rank (env KILN_COMM_TIMEOUT_S overrides)"),
     KENUM("precision.compute", compute, "bf16", "bf16|fp32", "activation dtype on GPU: `bf16` stores activations, their gradients and the weights' compute copy in bf16 (half the memory; fp32 math and accumulation, matrix products on tensor cores), `fp32` is strict fp32; the CPU backend is always fp32"),
     KENUM("precision.attention", attention, "auto", "auto|cudnn|tensor_cores|simt",
@@ -325,7 +358,7 @@ static double cfg_int_hi(const CfgKey *k) {
 /* "[1, 1024]", "[0, 1)", ">= 0" (docs) or "[0, 2147483647]" (errors: say the real limit). */
 static void cfg_range_text(const CfgKey *k, int for_doc, char *buf, size_t cap) {
     buf[0] = 0;
-    if (k->type == CT_INT || k->type == CT_INT64) {
+    if (k->type == CT_INT || k->type == CT_INT64 || k->type == CT_INTS) {
         if (for_doc && isinf(k->hi)) snprintf(buf, cap, ">= %lld", (long long)k->lo);
         else snprintf(buf, cap, "[%lld, %lld]", (long long)k->lo, (long long)cfg_int_hi(k));
     } else if (k->type == CT_FLOAT || k->type == CT_PAIR) {
@@ -357,6 +390,7 @@ static void cfg_expect_text(const CfgKey *k, char *buf, size_t cap) {
     case CT_STR: snprintf(buf, cap, "a string (write \"\" for an empty one)"); break;
     case CT_ENUM: snprintf(buf, cap, "one of %s", r); break;
     case CT_PAIR: snprintf(buf, cap, "a list of 2 numbers, each in %s", r); break;
+    case CT_INTS: snprintf(buf, cap, "a list of at most %d integers, each %s", CFG_MAX_INTS, r); break;
     case CT_SOURCES:
         snprintf(buf, cap, "a glob (a string) or a list of %s", (k->flags & CF_WEIGHTS) ? "sources {path: GLOB, "
                  "weight: W, name: N}" : "named sets {name: N, path: GLOB}");
@@ -542,6 +576,29 @@ static void cfg_set_pair(const CfgKey *k, const char *file, const char *where, y
     }
 }
 
+static void cfg_set_ints(const CfgKey *k, const char *file, const char *where, yaml_document_t *doc,
+                         const yaml_node_t *n, char *base) {
+    if (!n || n->type != YAML_SEQUENCE_NODE) cfg_fail_expect(where, k->key, k, n);
+    int count = (int)(n->data.sequence.items.top - n->data.sequence.items.start);
+    if (count > CFG_MAX_INTS) cfg_fail_expect(where, k->key, k, n);
+    int *dst = (int *)(base + k->off);
+    memset(dst, 0, k->size);
+    for (int i = 0; i < count; i++) {
+        yaml_node_t *item = yaml_document_get_node(doc, n->data.sequence.items.start[i]);
+        CfgKey one = *k;
+        one.type = CT_INT;
+        long long v;
+        if (cfg_parse_int(&one, item, &v)) {
+            char name[128], at[CFG_STR + 32];
+            snprintf(name, sizeof name, "%s[%d]", k->key, i);
+            if (file) snprintf(at, sizeof at, "%s:%zu", file, item->start_mark.line + 1);
+            cfg_fail_expect(file ? at : where, name, &one, item);
+        }
+        dst[i] = (int)v;
+    }
+    *(int *)(base + k->off2) = count;
+}
+
 void cfg_source_name(const char *glob, char *buf, size_t cap) {
     char pre[CFG_STR], dir[CFG_STR] = "", name[2 * CFG_STR];
     size_t w = strcspn(glob, "*?[");
@@ -690,15 +747,47 @@ static void cfg_apply(Config *c, const CfgKey *k, const char *file, const char *
     case CT_ENUM: cfg_set_string(k, where, n, dst); break;
     case CT_PAIR: cfg_set_pair(k, file, where, doc, n, base); break;
     case CT_SOURCES: cfg_set_sources(c, k, file, where, doc, n); break;
+    case CT_INTS: cfg_set_ints(k, file, where, doc, n, base); break;
     }
     if (!ok) cfg_fail_expect(where, k->key, k, n);
 }
 
 /* ---------- YAML documents ---------- */
 
+/* Exit 2 if text nests deeper than CFG_MAX_DEPTH (see config.h), before the
+ * loader spends quadratic time on it. */
+static void cfg_check_depth(const char *text, size_t len, const char *where, int add_line) {
+    yaml_parser_t p;
+    if (!yaml_parser_initialize(&p)) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot initialize libyaml", where);
+    yaml_parser_set_input_string(&p, (const unsigned char *)text, len);
+    /* the events, nothing built: a syntax error ends the walk and is the
+     * loader's to report */
+    int depth = 0;
+    yaml_event_t ev;
+    while (yaml_parser_parse(&p, &ev)) {
+        yaml_event_type_t t = ev.type;
+        size_t line = ev.start_mark.line + 1;
+        yaml_event_delete(&ev);
+        if (t == YAML_STREAM_END_EVENT) break;
+        if (t == YAML_SEQUENCE_END_EVENT || t == YAML_MAPPING_END_EVENT) depth--;
+        if ((t == YAML_SEQUENCE_START_EVENT || t == YAML_MAPPING_START_EVENT) && ++depth > CFG_MAX_DEPTH) {
+            yaml_parser_delete(&p);
+            char loc[CFG_STR + 32];
+            if (add_line) snprintf(loc, sizeof loc, "%s:%zu", where, line);
+            else snprintf(loc, sizeof loc, "%s", where);
+            kiln_fail(KILN_EXIT_USAGE, "%s: YAML nested deeper than %d levels; no key of a kiln config nests "
+                      "more than a few", loc, CFG_MAX_DEPTH);
+        }
+    }
+    yaml_parser_delete(&p);
+}
+
 /* Parse `text` into `doc`. On a syntax error exits 2 with libyaml's problem and
  * the line; `where` is the file name (lines are appended) or "--set ...". */
 static void cfg_parse_text(const char *text, size_t len, const char *where, int add_line, yaml_document_t *doc) {
+    if (len > CFG_MAX_BYTES)
+        kiln_fail(KILN_EXIT_USAGE, "%s: %zu bytes of YAML; a config holds at most %zu", where, len, CFG_MAX_BYTES);
+    cfg_check_depth(text, len, where, add_line);
     yaml_parser_t p;
     if (!yaml_parser_initialize(&p)) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot initialize libyaml", where);
     yaml_parser_set_input_string(&p, (const unsigned char *)text, len);
@@ -768,11 +857,11 @@ static void cfg_walk(Config *c, CfgLoad *L, yaml_document_t *doc, yaml_node_t *m
 
 static void cfg_load_file(Config *c, CfgLoad *L, const char *path) {
     size_t len;
-    char *text = kiln_read_file(path, &len);
+    char *text = kiln_read_file_max(path, CFG_MAX_BYTES, &len);
     if (!text) {
         int e = errno;
         kiln_fail_hint(KILN_EXIT_USAGE, "pass a YAML config, e.g. ./train configs/tiny.yaml (docs/config.md lists every key)",
-                       "%s: cannot read config: %s", path, strerror(e));
+                       "%s: cannot read config: %s", path, kiln_strerror(e));
     }
     yaml_document_t doc;
     cfg_parse_text(text, len, path, 1, &doc);
@@ -826,9 +915,40 @@ static void cfg_check_moe(const Config *c, const ArchSpec *s, CfgLoad *L) {
                   "bias_update_rate: 0", cfg_where_of(L, "model.moe.bias_update_rate", "parallel.zero"), c->zero);
 }
 
-/* Lion's and Muon's ops keep fp32 state and update fp32 parameters only;
- * Muon needs whole matrices, which only ZeRO 0 has on every rank (the
- * owner-based distributed scheme is not written yet: docs/optimizers.md). */
+/* Expert parallelism (docs/parallel.md "Expert parallelism"): whole experts
+ * per rank, so ep divides the experts (and, with an explicit dp, dp: the ep
+ * groups are consecutive dp ranks; dp auto is checked at launch by
+ * mesh_plan); the expert tensors reduce over EDP, a second ZeRO-1 domain,
+ * which ZeRO-2/3's per-layer units over dp do not have. Every rank loads the
+ * config, so every rank says it, before anything is allocated. */
+static void cfg_check_ep(const Config *c, const ArchSpec *s, CfgLoad *L) {
+    if (c->ep <= 1) return;
+    const char *w = cfg_where_of(L, "parallel.ep", NULL);
+    if (s->mlp != MLP_MOE)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.ep': %d spreads MoE experts over ranks, but model.mlp is %s; "
+                  "use model.mlp: moe or parallel.ep: 1", w, c->ep, arch_mlp_name(s->mlp));
+    if (s->moe.n_experts % c->ep)
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'model.moe.n_experts': ep %d must divide the %d experts "
+                  "(each rank holds n_experts / ep whole experts)", w, c->ep, s->moe.n_experts);
+    if (c->dp > 0 && c->dp % c->ep)
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'parallel.dp': ep %d must divide dp %d (expert groups are "
+                  "ep consecutive dp ranks)", w, c->ep, c->dp);
+    if (c->zero >= 2)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': expert parallelism runs with ZeRO 0 or 1 (its expert "
+                  "tensors shard over the EDP group, ZeRO-%d's layer units over dp), got %d",
+                  cfg_where_of(L, "parallel.zero", "parallel.ep"), c->zero, c->zero);
+    if (c->pp > 1)
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'parallel.pp': expert and pipeline parallelism together "
+                  "are not supported yet (the expert side keeps one micro-batch per layer, a pipeline schedule several "
+                  "in flight); use one of them", w);
+    if (strcmp(c->optim_name, "muon") == 0 || strcmp(c->optim_name, "adafactor") == 0)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'optim.name': %s with parallel.ep > 1 is not supported (its matrices "
+                  "and factored moments are planned over one arena shared by the dp group, not over EDP's expert "
+                  "blocks); use optim.name adamw or lion, or parallel.ep: 1",
+                  cfg_where_of(L, "optim.name", "parallel.ep"), c->optim_name);
+}
+
+/* Lion's and Muon's ops keep fp32 state and update fp32 parameters only. */
 static void cfg_check_optim(const Config *c, CfgLoad *L) {
     if (strcmp(c->optim_name, "adamw") == 0) return;
     const char *n = c->optim_name;
@@ -838,35 +958,41 @@ static void cfg_check_optim(const Config *c, CfgLoad *L) {
     if (strcmp(c->master, "fp32") != 0)
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.master': optim.name %s updates an fp32 master; use "
                   "precision.master: fp32", cfg_where_of(L, "precision.master", "optim.name"), n);
-    if (strcmp(n, "muon") == 0 && c->zero != 0)
-        kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': optim.name muon runs with parallel.zero 0 only (each "
-                  "rank orthogonalises every whole matrix), got %d", cfg_where_of(L, "parallel.zero", "optim.name"),
-                  c->zero);
 }
 
 static void cfg_check_parallel(const Config *c, CfgLoad *L) {
-    static const struct { const char *key; size_t off; int lo, hi; } limits[] = {
-        {"parallel.pp", offsetof(Config, pp), 1, 1},
-        {"parallel.cp", offsetof(Config, cp), 1, 1},
-        {"parallel.ep", offsetof(Config, ep), 1, 1},
-    };
-    for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++) {
-        int v = *(const int *)((const char *)c + limits[i].off);
-        if (v < limits[i].lo || v > limits[i].hi) {
-            kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': only 1 is supported in this build, got %d (this kind of "
-                      "parallelism is not implemented yet)", cfg_where_of(L, limits[i].key, NULL), limits[i].key, v);
-        }
-    }
+    if (c->pp > 1 && c->zero >= 2)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': ZeRO-%d shards whole models by layer; pipeline stages "
+                  "(parallel.pp %d) run ZeRO 0 or 1", cfg_where_of(L, "parallel.zero", "parallel.pp"), c->zero, c->pp);
+    if (c->pp > 1 && c->cp > 1)
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.pp', 'parallel.cp': pipeline and context parallelism together "
+                  "are not supported yet (untested); use one of them", cfg_where_of(L, "parallel.cp", "parallel.pp"));
+    if (c->pp == 1 && (c->pp_virtual > 1 || c->n_pp_layers > 0))
+        kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': chunks and stage layers need parallel.pp > 1",
+                  cfg_where_of(L, c->pp_virtual > 1 ? "parallel.pp_virtual" : "parallel.pp_layers", "parallel.pp"),
+                  c->pp_virtual > 1 ? "parallel.pp_virtual" : "parallel.pp_layers");
     if (c->tp > 1) {
-        if (strcmp(c->optim_name, "muon") == 0)
-            kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.tp': optim.name muon orthogonalises whole matrices, which "
-                      "tensor parallelism splits; use parallel.tp: 1 or optim.name adamw / lion",
-                      cfg_where_of(L, "parallel.tp", "optim.name"));
-        if (strcmp(c->sequence_parallel, "false") != 0 && ((long long)c->micro_batch * c->seq_len) % c->tp)
-            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'batch.micro_batch': a micro-batch "
-                      "of %d x %d tokens does not split over tp = %d ranks; make micro_batch * seq_len a multiple of "
-                      "tp, or set parallel.sequence_parallel: false",
-                      cfg_where_of(L, "parallel.sequence_parallel", "parallel.tp"), c->micro_batch, c->seq_len, c->tp);
+        if (strcmp(c->sequence_parallel, "false") != 0 && c->seq_len % c->tp)
+            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'model.seq_len': sequence parallelism "
+                      "splits the tokens over tp = %d ranks, and seq_len %d does not divide by it; make seq_len a "
+                      "multiple of tp, or set parallel.sequence_parallel: false",
+                      cfg_where_of(L, "parallel.sequence_parallel", "parallel.tp"), c->tp, c->seq_len);
+    }
+    if (c->cp > 1) {
+        if (c->seq_len % (2 * c->cp))
+            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'model.seq_len', 'parallel.cp': a sequence of %d tokens does not split "
+                      "into 2 x cp = %d chunks; make seq_len a multiple of %d", cfg_where_of(L, "parallel.cp",
+                      "model.seq_len"), c->seq_len, 2 * c->cp, 2 * c->cp);
+        if (strcmp(c->mlp, "moe") == 0)
+            kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.cp': MoE layers balance and cap their experts per whole "
+                      "sequence, which context parallelism splits over ranks; use parallel.cp: 1 with model.mlp: moe",
+                      cfg_where_of(L, "parallel.cp", "model.mlp"));
+        if (c->tp > 1 && strcmp(c->sequence_parallel, "false") != 0 && ((long long)c->micro_batch * c->seq_len /
+                                                                        c->cp) % c->tp)
+            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'parallel.cp': a rank's %d x %d tokens "
+                      "of a micro-batch do not split over tp = %d ranks; make micro_batch * seq_len / cp a multiple of "
+                      "tp, or set parallel.sequence_parallel: false", cfg_where_of(L, "parallel.sequence_parallel",
+                      "parallel.cp"), c->micro_batch, c->seq_len / c->cp, c->tp);
     }
     /* the global batch splits evenly over the dp ranks (auto is checked at launch) */
     if (c->dp > 0 && c->grad_accum % c->dp)
@@ -938,6 +1064,7 @@ static void cfg_finish(Config *c, CfgLoad *L) {
     ArchSpec spec;
     arch_from_config(c, &spec); /* every architecture constraint, naming the key */
     cfg_check_moe(c, &spec, L);
+    cfg_check_ep(c, &spec, L);
     cfg_check_batch(c, L);
     cfg_check_parallel(c, L);
     cfg_check_precision(c, L);
@@ -1071,6 +1198,13 @@ static void cfg_write_value(FILE *f, const CfgKey *k, const Config *c) {
         else cfg_write_quoted(f, p);
         break;
     }
+    case CT_INTS: {
+        int n = *(const int *)((const char *)c + k->off2);
+        fputc('[', f);
+        for (int i = 0; i < n; i++) fprintf(f, "%s%d", i ? ", " : "", ((const int *)p)[i]);
+        fputc(']', f);
+        break;
+    }
     }
 }
 
@@ -1116,7 +1250,7 @@ void cfg_write_yaml(const Config *c, FILE *f) {
 
 static const char *cfg_type_name(const CfgKey *k) {
     static const char *names[] = {"int", "int64", "uint64", "float", "bool", "string", "enum", "float pair",
-                                  "glob or list"};
+                                  "glob or list", "int list"};
     return (k->flags & CF_AUTO) ? "int or `auto`" : names[k->type];
 }
 
@@ -1135,7 +1269,7 @@ static void cfg_doc_row(FILE *f, const CfgKey *k) {
         snprintf(r, sizeof r, "any");
     } else {
         cfg_range_text(k, 1, r, sizeof r);
-        if (k->type == CT_PAIR) memmove(r + 5, r, strlen(r) + 1), memcpy(r, "each ", 5);
+        if (k->type == CT_PAIR || k->type == CT_INTS) memmove(r + 5, r, strlen(r) + 1), memcpy(r, "each ", 5);
     }
     fprintf(f, "| `%s` | %s | `%s` | %s | %s |\n", k->key, cfg_type_name(k), k->def, r, k->doc);
 }

@@ -11,6 +11,12 @@
 #define CFG_STR 512
 #define CFG_NAME 64
 #define CFG_MAX_SOURCES 16
+#define CFG_MAX_INTS 256 /* entries of an int list (parallel.pp_layers: one per virtual stage) */
+/* Bounds checked before libyaml sees a config (a file, or one --set value):
+ * its scanner is quadratic in nesting (200,000 '[' took a minute), and no key
+ * of kiln's nests more than a few levels. */
+#define CFG_MAX_BYTES ((size_t)1 << 20)
+#define CFG_MAX_DEPTH 32
 
 /* One entry of data.train (a mixture source) or data.val (a named set). */
 typedef struct CfgSource {
@@ -71,13 +77,14 @@ typedef struct Config {
     int max_consecutive_skips; /* skip: stop after this many in a row; 0 = never */
 
     /* optim */
-    char optim_name[16]; /* adamw | lion | muon */
+    char optim_name[16]; /* adamw | lion | muon | adafactor */
     float lr, beta1, beta2, eps, weight_decay, grad_clip;
     float lion_beta1, lion_beta2; /* optim.lion_betas: Lion's interpolation and momentum betas */
     float momentum;       /* optim.momentum: Muon's Nesterov momentum */
     int ns_steps;         /* optim.ns_steps: Muon's Newton-Schulz iterations */
     char muon_scale[16];  /* optim.muon_scale: spectral | match_adamw */
     int muon_split_qkv;   /* optim.muon_split_qkv: a fused q|k|v orthogonalised per third */
+    float adafactor_decay, adafactor_clip, adafactor_eps, adafactor_beta1; /* optim.adafactor_* */
     int decay_embeddings; /* bool */
 
     /* schedule */
@@ -86,10 +93,14 @@ typedef struct Config {
     float min_lr_ratio;
     float decay_ratio; /* wsd: fraction of steps spent in the final decay */
 
-    /* parallel: dp, ZeRO 0-3 and tp are implemented; pp/cp/ep are reserved (1) */
+    /* parallel: dp, ZeRO 0-3, tp, cp, pp and ep are implemented */
     int dp; /* 0 = auto */
     int zero, tp, pp, cp, ep;
+    char pp_schedule[24]; /* gpipe | 1f1b | interleaved_1f1b | zb_h1 */
+    int pp_virtual;       /* chunks per pipeline rank (interleaved_1f1b) */
+    int pp_layers[CFG_MAX_INTS], n_pp_layers; /* layers per virtual stage; 0 entries = balanced */
     char sequence_parallel[8]; /* auto | true | false: auto is on when tp > 1 */
+    char cp_attention[12]; /* allgather | ring: how cp > 1 exchanges K and V */
     float timeout_s; /* parallel.timeout_s: deadline of every collective */
 
     /* precision */

@@ -21,6 +21,9 @@
 #define DATA_STATE_PER_SOURCE 6 /* name hash, samples, weight units, position, drawn, blended */
 #define DATA_WEIGHT_UNITS (1ull << 30)
 #define DATA_DEFAULT_OPEN 64
+/* Counters no run reaches (2^62 samples): past it a saved one is damage, and
+ * sums of a few of them cannot overflow. */
+#define DATA_COUNT_MAX ((uint64_t)1 << 62)
 
 typedef struct DataSrc {
     char *name, *path;
@@ -360,6 +363,9 @@ void data_set_pos(DataLoader *dl, DataPos pos) {
         kiln_fail_hint(KILN_EXIT_USAGE, "the data changed since the checkpoint was written; resume with the same shards",
                        "%s: saved data position %llu is past the %llu samples of '%s'", dl->what,
                        (unsigned long long)pos.index, (unsigned long long)N, dl->src[0].path);
+    char err[256] = "";
+    if (data_pos_check(pos, err, sizeof err) != 0 || pos.epoch > (DATA_COUNT_MAX - pos.index) / N)
+        kiln_fail(KILN_EXIT_USAGE, "%s: %s", dl->what, err[0] ? err : "the checkpoint's data position is past 2^62 samples");
     data_prefetch_stop(dl);
     uint64_t k = pos.epoch * N + pos.index;
     dl->cur.g = dl->cur.k[0] = dl->cur.drawn[0] = dl->cur.c[0] = k;
@@ -408,15 +414,43 @@ static void data_state_diff(const DataLoader *dl, const uint64_t *w, char *buf, 
         snprintf(buf, cap, "%llu source(s) of the checkpoint are no longer in it", (unsigned long long)w[1] - (uint64_t)dl->S);
 }
 
+
+int data_state_check(const uint64_t *w, size_t n, char *err, size_t cap) {
+    if (n < DATA_STATE_HEAD || w[0] != DATA_STATE_VERSION || w[1] > (1u << 20) ||
+        n != DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * w[1])
+        return snprintf(err, cap, "the checkpoint's data state (%zu words, version %llu) is not one this kiln reads "
+                        "(version %d): written by a newer kiln?", n, n ? (unsigned long long)w[0] : 0ull,
+                        DATA_STATE_VERSION), -1;
+    uint64_t g = w[2], g0 = w[3], blended = 0;
+    if (g > DATA_COUNT_MAX || g0 > g)
+        return snprintf(err, cap, "the checkpoint's data state says %llu samples drawn, the blend beginning at %llu: "
+                        "not a position", (unsigned long long)g, (unsigned long long)g0), -1;
+    for (uint64_t s = 0; s < w[1]; s++) {
+        const uint64_t *p = w + DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * s;
+        if (p[1] == 0 || p[1] > DATA_COUNT_MAX || p[2] > DATA_WEIGHT_UNITS || p[3] > DATA_COUNT_MAX || p[4] > g ||
+            p[5] > g - g0)
+            return snprintf(err, cap, "the checkpoint's data state of source %llu (samples %llu, position %llu, drawn "
+                            "%llu, blended %llu) does not fit its %llu samples drawn in all", (unsigned long long)s,
+                            (unsigned long long)p[1], (unsigned long long)p[3], (unsigned long long)p[4],
+                            (unsigned long long)p[5], (unsigned long long)g), -1;
+        blended += p[5]; /* each <= 2^62, at most 2^20 of them: no overflow */
+    }
+    if (blended != g - g0)
+        return snprintf(err, cap, "the checkpoint's data state blends %llu samples since sample %llu but says %llu were "
+                        "drawn", (unsigned long long)blended, (unsigned long long)g0, (unsigned long long)g), -1;
+    return 0;
+}
+
+int data_pos_check(DataPos pos, char *err, size_t cap) {
+    if (pos.epoch <= DATA_COUNT_MAX && pos.index <= DATA_COUNT_MAX) return 0;
+    return snprintf(err, cap, "the checkpoint's data position (epoch %llu, sample %llu) is past what any run draws",
+                    (unsigned long long)pos.epoch, (unsigned long long)pos.index), -1;
+}
+
 void data_set_state(DataLoader *dl, const uint64_t *w, size_t n, int force, char *note, size_t cap) {
     note[0] = 0;
-    int bad = n < DATA_STATE_HEAD || w[0] != DATA_STATE_VERSION || w[1] > (1u << 20) ||
-              n != DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * w[1];
-    for (uint64_t s = 0; !bad && s < w[1]; s++) bad = w[DATA_STATE_HEAD + DATA_STATE_PER_SOURCE * s + 1] == 0;
-    if (bad)
-        kiln_fail(KILN_EXIT_USAGE, "%s: the checkpoint's data state (%zu words, version %llu) is not one this kiln "
-                  "reads (version %d): written by a newer kiln?", dl->what, n, n ? (unsigned long long)w[0] : 0ull,
-                  DATA_STATE_VERSION);
+    char err[512];
+    if (data_state_check(w, n, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s: %s", dl->what, err);
     data_prefetch_stop(dl);
     char diff[600];
     data_state_diff(dl, w, diff, sizeof diff);

@@ -62,6 +62,13 @@ void data_get_state(const DataLoader *dl, uint64_t *words);
  * continues every source still present from its own saved position (new ones
  * from their start) and restarts the blend there; *note then says so (else ""). */
 void data_set_state(DataLoader *dl, const uint64_t *words, size_t n, int force, char *note, size_t cap);
+/* Whether n words can be a state data_get_state wrote, for any sources: the
+ * version and counts, and the counters' invariants (no counter past 2^62,
+ * the blend's counts summing to the samples drawn since it began). 0, or -1
+ * with one line in err. data_set_state checks it too. */
+int data_state_check(const uint64_t *words, size_t n, char *err, size_t cap);
+/* Whether a saved one-source position lies past what any run draws. */
+int data_pos_check(DataPos pos, char *err, size_t cap);
 
 /* Totals over all sources. */
 uint64_t data_num_tokens(const DataLoader *dl);

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "adafactor.h"
+#include "muon.h"
 #include "util.h"
 
 /* Before a collective reads what the backend wrote. Host memory (MPI): the
@@ -24,15 +26,23 @@ static void host_comm_fence(const Ddp *d) {
     if (d->m->be->host_mem) d->m->be->sync();
 }
 
+/* Bucket group of tensor i: 0 weight-decayed, 1 not, 2 an expert of an
+ * expert-parallel model (its own range, first in the arena). */
+static int bucket_group(const Ddp *d, int i) {
+    const ParamInfo *p = &d->m->params[i];
+    if (d->m->ep > 1 && p->expert >= 0) return 2;
+    return p->decay ? 0 : 1;
+}
+
 static void plan_buckets(Ddp *d, size_t bucket_floats) {
     Model *m = d->m;
     int L = m->shape.n_layer;
-    size_t gend[2] = {m->num_decay, m->num_params}, gbeg[2] = {0, m->num_decay};
+    size_t gend[DDP_GROUPS] = {m->num_decay, m->num_params, d->dense0}, gbeg[DDP_GROUPS] = {d->dense0, m->num_decay, 0};
     /* start[g][l+1]: lowest offset in group g of a tensor ready at hook >= l;
      * l runs -1..L, start[g][L+1] = the group's end */
-    size_t *start[2];
+    size_t *start[DDP_GROUPS];
     int ok = 1;
-    for (int g = 0; g < 2; g++) {
+    for (int g = 0; g < DDP_GROUPS; g++) {
         start[g] = xmalloc((size_t)(L + 2) * sizeof(size_t));
         for (int l = -1; l <= L; l++) start[g][l + 1] = gend[g];
         /* the suffix property: in arena order, ready layers never decrease */
@@ -42,7 +52,7 @@ static void plan_buckets(Ddp *d, size_t bucket_floats) {
             /* tensors of this group by offset (the table is in listing order,
              * which is arena order within a group) */
             const ParamInfo *p = &m->params[pass];
-            if ((p->decay ? 0 : 1) != g) continue;
+            if (bucket_group(d, pass) != g) continue;
             int r = model_grads_ready_layer(m, pass);
             if (p->offset < last_off || r < last) ok = 0;
             last = r, last_off = p->offset;
@@ -58,25 +68,24 @@ static void plan_buckets(Ddp *d, size_t bucket_floats) {
         /* one bucket at the end (never expected for arch.c's tables) */
         DdpBucket *b = &d->b[d->nb++];
         b->layer = -1;
-        for (int g = 0; g < 2; g++) b->off[g] = gbeg[g], b->len[g] = gend[g] - gbeg[g];
+        for (int g = 0; g < DDP_GROUPS; g++) b->off[g] = gbeg[g], b->len[g] = gend[g] - gbeg[g];
     } else {
-        size_t hi[2] = {gend[0], gend[1]};
+        size_t hi[DDP_GROUPS] = {gend[0], gend[1], gend[2]};
         for (int l = L - 1; l >= -1; l--) {
             size_t pend = 0;
-            for (int g = 0; g < 2; g++) pend += hi[g] - start[g][l + 1];
+            for (int g = 0; g < DDP_GROUPS; g++) pend += hi[g] - start[g][l + 1];
             if (pend == 0 || (pend < bucket_floats && l > -1)) continue;
             DdpBucket *b = &d->b[d->nb++];
             b->layer = l;
-            for (int g = 0; g < 2; g++) {
+            for (int g = 0; g < DDP_GROUPS; g++) {
                 b->off[g] = start[g][l + 1];
                 b->len[g] = hi[g] - start[g][l + 1];
                 hi[g] = start[g][l + 1];
             }
         }
     }
-    free(start[0]);
-    free(start[1]);
-    d->req = xcalloc((size_t)(2 * d->nb), sizeof(CommRequest));
+    for (int g = 0; g < DDP_GROUPS; g++) free(start[g]);
+    d->req = xcalloc((size_t)(DDP_GROUPS * d->nb), sizeof(CommRequest));
 }
 
 /* ------------------------------------------------------- ZeRO-2 and -3 */
@@ -115,7 +124,8 @@ static void unit_init(Ddp *d) {
         size_t lo = m->unit_off[u] + d->us[u].lo, hi = m->unit_off[u] + d->us[u].hi;
         size_t a = p->offset > lo ? p->offset : lo, b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
         if (a >= b) continue;
-        d->seg[d->nseg++] = (OptimSegment){d->at[u] + (a - lo), b - a, p->decay};
+        size_t k = d->at[u] + (a - lo);
+        d->seg[d->nseg++] = (OptimSegment){.off = k, .n = b - a, .decay = p->decay, .at = k, .arena = a};
     }
     d->pshard = m->be->alloc((d->shard_len + 1) * sizeof(float));
     d->held[0] = d->held[1] = d->rlayer[0] = d->rlayer[1] = -1;
@@ -331,6 +341,8 @@ static double grad_sumsq(const Ddp *d, const float *g, size_t lo, size_t hi) {
     return sq;
 }
 
+void ddp_test_poison(Ddp *d) { d->poison = 1; }
+
 void ddp_set_tp(Ddp *d, CommGroup *g) {
     Model *m = d->m;
     if (!g || g->size <= 1) return;
@@ -361,9 +373,17 @@ void ddp_set_tp(Ddp *d, CommGroup *g) {
 }
 
 /* The global gradient norm from every rank's shard (padding is zero). */
+static void poison_if_asked(Ddp *d, float *g) {
+    if (!d->poison) return;
+    float nan = NAN;
+    d->m->be->to_device(g, &nan, sizeof nan);
+    d->poison = 0;
+}
+
 static double unit_norm(Ddp *d) {
     double t0 = kiln_now();
     double sq = 0;
+    poison_if_asked(d, d->gshard);
     if (!d->tp) {
         sq = d->m->be->sumsq(d->gshard, d->shard_len);
     } else {
@@ -382,25 +402,70 @@ void ddp_micro_begin(Ddp *d, int first, int last) {
     if (!d->units && last) ddp_arm(d);
 }
 
-void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes) {
+/* A group whose float collectives take the backend's buffers: host memory
+ * (MPI), or NCCL device mode. */
+static void need_device_mode(const Ddp *d, const CommGroup *g, const char *key, int n) {
+    if (g && !d->m->be->host_mem && !g->dev)
+        kiln_fail(KILN_EXIT_RUNTIME,
+                  "%s = %d on the '%s' backend: group '%s' must be in NCCL device mode before ddp_init "
+                  "(comm_nccl_device_mode)", key, n, d->m->be->name, g->name);
+}
+
+/* Expert parallelism: the groups, and ZeRO-1's expert block over EDP (the
+ * expert region padded to equal blocks before the dense blocks are planned). */
+static void experts_init(Ddp *d, const DdpExperts *ex) {
+    Model *m = d->m;
+    if (m->ep <= 1) return;
+    if (!ex || !ex->ep || ex->ep->size != m->ep)
+        kiln_fail(KILN_EXIT_RUNTIME, "ddp_init: an expert-parallel model (ep %d) needs its ep and EDP groups",
+                  m->ep);
+    if (d->zero >= 2)
+        kiln_fail(KILN_EXIT_USAGE, "key 'parallel.zero': expert parallelism runs with ZeRO 0 or 1, got %d", d->zero);
+    d->epg = ex->ep;
+    d->eg = ex->edp && ex->edp->size > 1 ? ex->edp : NULL;
+    need_device_mode(d, d->eg, "parallel.dp / parallel.ep", d->eg ? d->eg->size : 1);
+    int ne = d->eg ? d->eg->size : 1, re = d->eg ? d->eg->rank : 0;
+    if (d->zero >= 1) {
+        d->xshard = mesh_shard_range(m->expert_len, ne, re, 64);
+        model_pad_experts(m, d->xshard.padded_n);
+    }
+    d->dense0 = m->expert_len;
+}
+
+/* ZeRO-1 under expert parallelism: the optimizer's segments, the dense
+ * block (split at the weight-decay boundary) then the expert block (all
+ * decayed: model.c places experts among the decayed tensors), their state
+ * back to back, their parameters and gradients where the arena has them. */
+static void experts_segments(Ddp *d) {
+    Model *m = d->m;
+    d->zseg = xcalloc(3, sizeof(OptimSegment));
+    size_t a = d->dense0 + d->shard.lo, b = d->dense0 + d->shard.hi, k = 0, nd = m->num_decay;
+    size_t mid = a > nd ? a : b < nd ? b : nd;
+    if (mid > a) d->zseg[d->nzseg++] = (OptimSegment){.off = k, .n = mid - a, .decay = 1, .at = a, .arena = a}, k += mid - a;
+    if (b > mid) d->zseg[d->nzseg++] = (OptimSegment){.off = k, .n = b - mid, .decay = 0, .at = mid, .arena = mid}, k += b - mid;
+    if (d->xshard.hi > d->xshard.lo)
+        d->zseg[d->nzseg++] = (OptimSegment){.off = k, .n = d->xshard.hi - d->xshard.lo, .decay = 1,
+                                             .at = d->xshard.lo, .arena = d->xshard.lo};
+}
+
+void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes, const DdpExperts *ex) {
     memset(d, 0, sizeof *d);
     d->m = m;
     d->g = g && g->size > 1 ? g : NULL;
     d->dp = d->g ? g->size : 1;
     d->rank = d->g ? g->rank : 0;
     d->zero = zero;
-    if (d->g && !m->be->host_mem && !d->g->dev)
-        kiln_fail(KILN_EXIT_RUNTIME,
-                  "parallel.dp = %d on the '%s' backend: group '%s' must be in NCCL device mode before ddp_init "
-                  "(comm_nccl_device_mode)", d->dp, m->be->name, d->g->name);
+    need_device_mode(d, d->g, "parallel.dp", d->dp);
     /* ZeRO 2 and 3 on one rank have nothing to shard: plain training */
     if (zero >= 2 && !d->g) d->zero = zero = 0;
+    experts_init(d, ex);
     if (zero >= 2) {
         unit_init(d);
         return;
     }
-    d->shard = mesh_shard_range(m->num_params, d->dp, d->rank, 64);
-    if (zero >= 1) model_pad_arenas(m, d->shard.padded_n);
+    d->shard = mesh_shard_range(m->num_params - d->dense0, d->dp, d->rank, 64);
+    if (zero >= 1) model_pad_arenas(m, d->dense0 + d->shard.padded_n);
+    if (zero >= 1 && m->ep > 1) experts_segments(d);
     plan_buckets(d, bucket_bytes / sizeof(float));
     d->overlap = d->g != NULL;
     if (d->overlap) model_set_hooks(m, &(ModelHooks){.ctx = d, .grads_done = ddp_hook});
@@ -420,6 +485,7 @@ void ddp_free(Ddp *d) {
         }
         free(d->us), free(d->at), free(d->seg), free(d->preq), free(d->refreshed);
     }
+    free(d->zseg);
     free(d->b);
     free(d->req);
     free(d->run_lo), free(d->run_hi), free(d->run_split);
@@ -428,6 +494,7 @@ void ddp_free(Ddp *d) {
 
 void ddp_optim_range(const Ddp *d, size_t *lo, size_t *hi) {
     if (d->units) *lo = 0, *hi = d->shard_len;
+    else if (d->zseg) *lo = 0, *hi = (d->shard.hi - d->shard.lo) + (d->xshard.hi - d->xshard.lo);
     else if (d->zero >= 1) *lo = d->shard.lo, *hi = d->shard.hi;
     else *lo = 0, *hi = d->m->num_params;
 }
@@ -437,10 +504,15 @@ size_t ddp_grad_floats(const Ddp *d) {
     return d->shard_len + 2 * d->slot_len + 2 * (d->slot_len / (size_t)d->dp) + d->m->unit_len[d->nu - 1];
 }
 
+/* Dense ranges reduce over dp, the expert range over EDP (nothing to add
+ * when each expert has one holder). */
 static void post_bucket(Ddp *d, int i) {
     DdpBucket *b = &d->b[i];
-    for (int g = 0; g < 2; g++)
-        if (b->len[g]) comm_iall_reduce_sum(d->g, d->m->grad_mem + b->off[g], b->len[g], &d->req[2 * i + g]);
+    for (int g = 0; g < DDP_GROUPS; g++) {
+        CommGroup *grp = g == 2 ? d->eg : d->g;
+        if (b->len[g] && grp)
+            comm_iall_reduce_sum(grp, d->m->grad_mem + b->off[g], b->len[g], &d->req[DDP_GROUPS * i + g]);
+    }
 }
 
 /* Called by model_backward after each layer: post the buckets now complete,
@@ -449,7 +521,7 @@ static void ddp_hook(void *ctx, int layer) {
     Ddp *d = ctx;
     if (!d->armed) return;
     while (d->posted < d->nb && d->b[d->posted].layer >= layer) post_bucket(d, d->posted++);
-    for (int i = 0; i < 2 * d->posted; i++)
+    for (int i = 0; i < DDP_GROUPS * d->posted; i++)
         if (d->req[i].active) comm_test(&d->req[i]);
 }
 
@@ -459,28 +531,69 @@ void ddp_arm(Ddp *d) {
     d->armed = d->overlap;
 }
 
-double ddp_reduce_grads(Ddp *d) {
-    Model *m = d->m;
-    const Backend *be = m->be;
-    if (d->units) return unit_norm(d);
+void ddp_wait_grads(Ddp *d) {
+    if (d->units) return;
     d->armed = 0;
     if (d->g) {
         double t0 = kiln_now();
         while (d->posted < d->nb) post_bucket(d, d->posted++); /* hook not armed (never with overlap) */
-        for (int i = 0; i < 2 * d->nb; i++)
+        for (int i = 0; i < DDP_GROUPS * d->nb; i++)
             if (d->req[i].active) comm_wait(&d->req[i]);
         blocked(d, t0);
     }
-    double sq = grad_sumsq(d, m->grad_mem, 0, m->num_params);
+}
+
+void ddp_set_pp(Ddp *d, CommGroup *g, int skip) {
+    if (!g || g->size <= 1) return;
+    d->pp = g;
+    if (skip >= 0) d->skip_lo = d->m->params[skip].offset, d->skip_hi = d->skip_lo + d->m->params[skip].numel;
+}
+
+double ddp_reduce_grads(Ddp *d) {
+    Model *m = d->m;
+    if (d->units) return unit_norm(d);
+    ddp_wait_grads(d);
+    poison_if_asked(d, m->grad_mem);
+    /* pipeline: all but the skipped range, in the two runs around it (a
+     * tied embedding's copy: never in the expert range); expert
+     * parallelism: the dense range here, the experts' below */
+    size_t n = m->num_params, a = d->skip_lo < n ? d->skip_lo : n, b = d->skip_hi < n ? d->skip_hi : n;
+    if (a < d->dense0) a = d->dense0;
+    if (b < a) b = a;
+    double sq = grad_sumsq(d, m->grad_mem + d->dense0, d->dense0, a);
+    if (b < n) sq += grad_sumsq(d, m->grad_mem + b, b, n);
+    if (m->ep > 1) {
+        /* each expert once: the ep ranks hold different experts, the EDP
+         * ranks (after the reduction) the same */
+        double t0 = kiln_now(), sx = grad_sumsq(d, m->grad_mem, 0, d->dense0);
+        comm_all_reduce_sum_f64(d->epg, &sx, 1);
+        blocked(d, t0);
+        sq += sx;
+    }
     if (d->tp) comm_all_reduce_sum_f64(d->tp, &sq, 1);
-    (void)be;
+    if (d->pp) comm_all_reduce_sum_f64(d->pp, &sq, 1);
     return sqrt(sq);
 }
+
+/* Muon's matrices (muon.c), after the elementwise part: params is this
+ * rank's optimizer part, grads the whole gradient arena (ZeRO 0-1) or the
+ * shard (ZeRO 2-3). Its exchanges count as time blocked. */
+static void muon_after(Ddp *d, AdamW *o, float *params, const float *grads, float lr, float grad_scale) {
+    double comm_s = muon_dist_step(d->muon, o, params, grads, lr, grad_scale);
+    d->blocked_s += comm_s, d->step_blocked_s += comm_s;
+}
+
+void ddp_set_muon(Ddp *d, struct MuonDist *md) { d->muon = md; }
+
+void ddp_set_adafactor(Ddp *d, struct Adafactor *a) { d->adafactor = a; }
 
 OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
     Model *m = d->m;
     if (d->units) {
-        OptimStepInfo info = optim_step_segments(o, d->pshard, d->gshard, d->seg, d->nseg, lr, grad_norm);
+        OptimStepInfo info = d->adafactor ? adafactor_step(d->adafactor, o, d->pshard, d->gshard, lr, grad_norm)
+                                          : optim_step_segments(o, d->pshard, d->gshard, d->seg, d->nseg, lr,
+                                                                grad_norm);
+        if (d->muon && !info.nonfinite) muon_after(d, o, d->pshard, d->gshard, lr, info.grad_scale);
         if (!d->whole_params) {
             /* the gathered copies are stale now: the next forward gathers again */
             d->held[0] = d->held[1] = -1, d->rest_held = 0;
@@ -489,8 +602,31 @@ OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
         }
         return info;
     }
-    if (d->zero == 0) return optim_step_norm(o, model_param_arena(m), m->grad_mem, lr, grad_norm);
-    OptimStepInfo info = optim_step_norm(o, m->param_mem + d->shard.lo, m->grad_mem + d->shard.lo, lr, grad_norm);
+    if (d->zero == 0) {
+        OptimStepInfo info = d->adafactor ? adafactor_step(d->adafactor, o, m->param_mem, m->grad_mem, lr, grad_norm)
+                                          : optim_step_norm(o, model_param_arena(m), m->grad_mem, lr, grad_norm);
+        if (d->muon && !info.nonfinite) muon_after(d, o, m->param_mem, m->grad_mem, lr, info.grad_scale);
+        return info;
+    }
+    if (d->zseg) {
+        /* ZeRO-1 under expert parallelism (AdamW and Lion: config.c refuses
+         * Muon and Adafactor with ep): this rank's dense block and expert
+         * block, then each gathered over its own group */
+        OptimStepInfo info = optim_step_segments(o, m->param_mem, m->grad_mem, d->zseg, d->nzseg, lr, grad_norm);
+        if (info.nonfinite) return info;
+        host_comm_fence(d);
+        double t0 = kiln_now();
+        float *dense = m->param_mem + d->dense0;
+        if (d->g) comm_all_gather(d->g, dense + d->shard.start, dense, d->shard.block);
+        if (d->eg) comm_all_gather(d->eg, m->param_mem + d->xshard.start, m->param_mem, d->xshard.block);
+        blocked(d, t0);
+        return info;
+    }
+    OptimStepInfo info = d->adafactor ? adafactor_step(d->adafactor, o, m->param_mem + d->shard.lo,
+                                                       m->grad_mem + d->shard.lo, lr, grad_norm)
+                                      : optim_step_norm(o, m->param_mem + d->shard.lo, m->grad_mem + d->shard.lo, lr,
+                                                        grad_norm);
+    if (d->muon && !info.nonfinite) muon_after(d, o, m->param_mem + d->shard.lo, m->grad_mem, lr, info.grad_scale);
     if (info.nonfinite || !d->g) return info; /* every rank skipped: the norm is global */
     host_comm_fence(d);
     double t0 = kiln_now();
@@ -521,11 +657,41 @@ float *ddp_param_shard(const Ddp *d, size_t *n) {
 float *ddp_optim_grads(const Ddp *d) { return d->units ? d->gshard : d->m->grad_mem; }
 
 int ddp_shard_piece(const Ddp *d, int i, DdpPiece *p) {
+    if (d->zseg) {
+        size_t nd = d->shard.hi - d->shard.lo;
+        if (i == 0) *p = (DdpPiece){.at = 0, .lo = d->dense0 + d->shard.lo, .hi = d->dense0 + d->shard.hi};
+        else if (i == 1) *p = (DdpPiece){.at = nd, .lo = d->xshard.lo, .hi = d->xshard.hi};
+        return i < 2;
+    }
     if (!d->units || i >= d->nu) return 0;
     size_t off = d->m->unit_off[i];
     *p = (DdpPiece){.at = d->at[i], .lo = off + d->us[i].lo, .hi = off + d->us[i].hi};
     return 1;
 }
+
+int ddp_optim_pieces(const Ddp *d) { return d->units || d->zseg; }
+
+int ddp_rank_piece(const Ddp *d, int rank, int i, DdpPiece *p) {
+    const Model *m = d->m;
+    if (!d->units) {
+        if (i > 0) return 0;
+        ShardRange s = mesh_shard_range(m->num_params, d->dp, rank, 64);
+        if (d->zero == 0) s.lo = 0, s.hi = m->num_params;
+        *p = (DdpPiece){.at = 0, .lo = s.lo, .hi = s.hi};
+        return 1;
+    }
+    if (i >= d->nu) return 0;
+    /* every rank's block of a unit has the same size, so the same place in its shard buffers */
+    ShardRange s = mesh_shard_range(m->unit_len[i], d->dp, rank, 64);
+    *p = (DdpPiece){.at = d->at[i], .lo = m->unit_off[i] + s.lo, .hi = m->unit_off[i] + s.hi};
+    return 1;
+}
+
+int ddp_zero(const Ddp *d) { return d->zero; }
+
+CommGroup *ddp_group(const Ddp *d) { return d->g; }
+
+int ddp_rank(const Ddp *d) { return d->rank; }
 
 double ddp_step_blocked_s(const Ddp *d) { return d->step_blocked_s; }
 
@@ -543,8 +709,14 @@ int ddp_describe_layout(const Ddp *d, char *buf, size_t len) {
                            "waited for at first use", d->dp, d->shard_len, np);
     else {
         ddp_optim_range(d, &lo, &hi);
-        snprintf(buf, len, "data parallel: %d ranks, %d gradient bucket(s) all-reduced during backward; optimizer "
-                           "state %zu of %zu elements here", d->dp, d->nb, hi - lo, np);
+        int k = snprintf(buf, len, "data parallel: %d ranks, %d gradient bucket(s) all-reduced during backward; "
+                         "optimizer state %zu of %zu elements here", d->dp, d->nb, hi - lo, np);
+        if (d->m->ep > 1 && k > 0 && (size_t)k < len && d->eg)
+            snprintf(buf + k, len - k, "; the %zu expert elements reduce over edp (%d ranks holding the same "
+                     "experts)%s", d->dense0, d->eg->size, d->zseg ? ", their optimizer state sharded over it" : "");
+        else if (d->m->ep > 1 && k > 0 && (size_t)k < len)
+            snprintf(buf + k, len - k, "; the %zu expert elements are whole on this rank, their only holder (edp "
+                     "1: nothing to reduce)", d->dense0);
     }
     return 1;
 }

@@ -17,13 +17,23 @@
 #include "model.h"
 #include "optim.h"
 
-/* A bucket: up to two contiguous ranges of the gradient arena (one in the
- * weight-decayed group, one in the other), all of whose tensors are complete
- * once the backward pass has finished layer `layer` (-1: the embeddings). */
+/* A bucket: up to three contiguous ranges of the gradient arena (one in the
+ * weight-decayed group, one in the other, one among an expert-parallel
+ * model's experts, which reduce over their own group), all of whose tensors
+ * are complete once the backward pass has finished layer `layer` (-1: the
+ * embeddings). */
+#define DDP_GROUPS 3
 typedef struct DdpBucket {
     int layer;
-    size_t off[2], len[2]; /* floats; len 0 = no range in that group */
+    size_t off[DDP_GROUPS], len[DDP_GROUPS]; /* floats; len 0 = no range in that group */
 } DdpBucket;
+
+/* Expert parallelism (a model with ep > 1): its expert tensors' gradients
+ * reduce over edp (the ranks that hold the same experts: EDP), and their
+ * squares join the gradient norm over ep (the ranks holding the others). */
+typedef struct DdpExperts {
+    CommGroup *edp, *ep;
+} DdpExperts;
 
 /* Declared here so callers can hold one by value; its fields are ddp.c's own
  * (other modules ask through the calls at the end of this file). */
@@ -34,7 +44,7 @@ typedef struct Ddp {
     ShardRange shard;    /* zero 1: this rank's block of the padded arena */
     DdpBucket *b;        /* [nb], in posting order (last layer first) */
     int nb, posted;
-    CommRequest *req;    /* [2 * nb] */
+    CommRequest *req;    /* [DDP_GROUPS * nb] */
     int overlap;         /* 1: buckets are posted from the backward hook */
     int armed;           /* the hook posts buckets (between ddp_arm and ddp_reduce_grads) */
     /* Unit-sharded mode (units: ZeRO 2 or 3 over more than one rank). The
@@ -82,9 +92,29 @@ typedef struct Ddp {
      * parts of the tp-split tensors and, on tp rank 0 only, the replicated
      * ones, then sums over tp. runs: arena ranges [lo, hi) of tensors that
      * are split (split 1) or replicated (0), in arena order. */
+    int poison;          /* ddp_test_poison: the next ddp_reduce_grads poisons its gradients */
     CommGroup *tp;
     size_t *run_lo, *run_hi;
     int *run_split, nrun;
+    /* Expert parallelism (DdpExperts): the arena's [0, dense0) holds this
+     * rank's experts (model.h expert_len), the tensors that reduce over dp
+     * lie after it. eg: EDP (NULL when of size 1: an expert's gradient is
+     * whole on its one holder); epg: the ep group. ZeRO-1 shards the dense
+     * range over dp (shard, relative to dense0) and the expert range over
+     * EDP (xshard); the optimizer's state then holds the two blocks back to
+     * back (zseg: its segments; ddp_shard_piece: its pieces). */
+    CommGroup *eg, *epg;
+    size_t dense0;
+    ShardRange xshard;
+    OptimSegment *zseg;
+    int nzseg;
+    /* Pipeline parallelism (ddp_set_pp): the norm also sums over the pp
+     * group, leaving out arena range [skip_lo, skip_hi) (a tied embedding's
+     * second copy, on the last stage) */
+    CommGroup *pp;
+    size_t skip_lo, skip_hi;
+    struct MuonDist *muon;    /* optim.name muon: its distributed step (ddp_set_muon), else NULL */
+    struct Adafactor *adafactor; /* optim.name adafactor: its step (ddp_set_adafactor), else NULL */
     /* time this rank spent blocked in communication, and step count, since
      * ddp_init: the part of communication not hidden behind computation */
     double blocked_s, step_blocked_s;
@@ -95,8 +125,9 @@ typedef struct Ddp {
  * the shard layout, keeping values); for zero 2-3 over more than one rank lay
  * the model's arena out by unit and plan the unit shards (before weights are
  * initialised or loaded; then ddp_shard_params). g may be NULL for one rank;
- * ZeRO 2 and 3 on one rank are plain training (zero becomes 0). */
-void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes);
+ * ZeRO 2 and 3 on one rank are plain training (zero becomes 0). ex: the
+ * expert groups of a model with ep > 1 (ZeRO 0 or 1 only), else NULL. */
+void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes, const DdpExperts *ex);
 void ddp_free(Ddp *d);
 /* The shard of the optimizer state this rank owns: [lo, hi) of the arena
  * (the whole arena for zero 0). */
@@ -127,6 +158,10 @@ void ddp_params_ready(Ddp *d);
  * buckets or the last reduce-scatters) and return the global gradient norm
  * (L2, before clipping) of the summed gradients. */
 double ddp_reduce_grads(Ddp *d);
+/* ZeRO 0-1: the first half of ddp_reduce_grads alone, every bucket posted
+ * and waited for (the gradient arena is reduced and free to touch); the
+ * call after it then only computes the norm. */
+void ddp_wait_grads(Ddp *d);
 /* AdamW over this rank's part with the global norm, then the all-gather that
  * gives every rank the updated parameters (ZeRO-1: blocking; ZeRO-2: posted
  * per unit and waited for in the next forward; ZeRO-3: none, the next forward
@@ -143,6 +178,19 @@ size_t ddp_grad_floats(const Ddp *d);
  * the global gradient norm then also sums over the tp group g, counting each
  * replicated tensor once. After ddp_init. g NULL or size 1: nothing. */
 void ddp_set_tp(Ddp *d, CommGroup *g);
+
+/* Pipeline parallelism: the model is one stage of pp; the global gradient
+ * norm also sums over the pp group g, counting every parameter once: tensor
+ * `skip` (a table index, or -1) is left out here (the last stage's copy of a
+ * tied embedding, which the first stage counts). After ddp_init and
+ * ddp_set_tp. g NULL or size 1: nothing. */
+void ddp_set_pp(Ddp *d, CommGroup *g, int skip);
+
+/* Test hook (KILN_TEST_INJECT_NAN_STEP): the next ddp_reduce_grads writes a
+ * NaN into the first gradient element on this rank once the reduction is
+ * complete, before the norm: no collective is in flight on the buffer then
+ * (poisoning it earlier raced with ZeRO 0/1's overlapped all-reduces). */
+void ddp_test_poison(Ddp *d);
 
 /* Sum of x over the dp group (losses for logging), in double. */
 double ddp_sum(Ddp *d, double x);
@@ -167,13 +215,39 @@ float *ddp_optim_grads(const Ddp *d);
 
 /* ZeRO-2/3: one unit's block on this rank. Blocks lie back to back in the
  * parameter shard and in the optimizer moments; at is where this one
- * starts there, [lo, hi) its real elements in the model's arena (floats). */
+ * starts there, [lo, hi) its real elements in the model's arena (floats).
+ * ZeRO-1 under expert parallelism: the dense block and the expert block,
+ * back to back in the moments only (the parameters stay in the arena). */
 typedef struct DdpPiece {
     size_t at, lo, hi;
 } DdpPiece;
 /* Piece i of this rank's shard into *p; 0 past the last (at once for
- * stages other than ZeRO-2/3). */
+ * stages other than ZeRO-2/3 and ZeRO-1 under expert parallelism). */
 int ddp_shard_piece(const Ddp *d, int i, DdpPiece *p);
+/* 1 when the optimizer's state is laid out by ddp_shard_piece's pieces
+ * (ZeRO-2/3, and ZeRO-1 under expert parallelism) rather than as arena
+ * range [lo, hi) of ddp_optim_range. */
+int ddp_optim_pieces(const Ddp *d);
+
+/* Piece i of rank `rank`'s optimizer part: arena elements [lo, hi) stored
+ * at `at` in that rank's optimizer buffers (the params and grads that
+ * ddp_optim_step hands the optimizer): ZeRO 0 the whole arena, ZeRO 1 its
+ * block of the padded arena (at 0, i = 0 only), ZeRO 2/3 its block of unit
+ * i. 0 past the last. What muon.c plans its exchanges with. */
+int ddp_rank_piece(const Ddp *d, int rank, int i, DdpPiece *p);
+/* The ZeRO stage in effect (0 on one rank for any parallel.zero), the dp
+ * group (NULL for one rank) and this rank's place in it. */
+int ddp_zero(const Ddp *d);
+CommGroup *ddp_group(const Ddp *d);
+int ddp_rank(const Ddp *d);
+/* Muon distributed over the dp group (muon.c): ddp_optim_step runs its
+ * step after the elementwise part, before the parameters travel. */
+struct MuonDist;
+void ddp_set_muon(Ddp *d, struct MuonDist *md);
+/* Adafactor (adafactor.c): ddp_optim_step runs its step instead of the
+ * elementwise optimizer's. */
+struct Adafactor;
+void ddp_set_adafactor(Ddp *d, struct Adafactor *a);
 
 /* Seconds this rank spent blocked in communication in the current step
  * (reset as it begins): after ddp_optim_step, the whole step's. */

@@ -5,6 +5,7 @@
 #include "doctor.h"
 
 #include <dirent.h>
+#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -102,7 +103,7 @@ static DRank *rank_slot(Doc *d, int rank) {
 static void read_flight(Doc *d, const char *path) {
     size_t len = 0;
     char *text = kiln_read_file(path, &len);
-    if (!text) kiln_fail(KILN_EXIT_USAGE, "%s: cannot read", path);
+    if (!text) kiln_fail(KILN_EXIT_USAGE, "%s: cannot read: %s", path, kiln_strerror(errno));
     char *nl = strchr(text, '\n');
     if (!nl || strncmp(text, "{\"format\":\"kiln-flight\",\"version\":1,", 36) != 0)
         kiln_fail(KILN_EXIT_USAGE, "%s: not a kiln flight recorder file (version 1)", path);
@@ -157,7 +158,7 @@ static void read_flight(Doc *d, const char *path) {
 
 static void read_heartbeat(Doc *d, const char *path) {
     size_t len = 0;
-    char *text = kiln_read_file(path, &len);
+    char *text = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
     if (!text) return; /* a heartbeat is advisory: one being rewritten is skipped */
     DRank *r = rank_slot(d, jint(text, "rank", -1));
     if (r && !isnan(jnum(text, "time"))) {

@@ -20,9 +20,18 @@ void hf_tensor_name(const ArchSpec *s, const char *kiln_name, int role, char *ou
 
 /* Write model.safetensors, config.json and generation_config.json of spec s
  * into dir (created): host[i] holds table row t[i]'s fp32 values (padded
- * vocabulary rows included; they are cut). Exits 2 when HF cannot express
- * s, 1 on I/O failure. */
-void hf_write_dir(const ArchSpec *s, const ArchTensor *t, int n, float *const *host, const char *dir, StDtype dtype);
+ * vocabulary rows included; they are cut). Past shard_bytes of tensor data
+ * (0: no limit) the weights go into model-0000K-of-0000N.safetensors shards
+ * and model.safetensors.index.json. Exits 2 when HF cannot express s, 1 on
+ * I/O failure. */
+void hf_write_dir(const ArchSpec *s, const ArchTensor *t, int n, float *const *host, const char *dir, StDtype dtype,
+                  uint64_t shard_bytes);
+
+/* GPT-2's BPE ranks (a tiktoken file) as HF's tokenizer files in dir:
+ * vocab.json, merges.txt, tokenizer_config.json (model_max_length max_len),
+ * special_tokens_map.json. Returns the vocabulary size; exits 2 on a rank
+ * file that is not GPT-2-style BPE, 1 on I/O failure. */
+int hf_write_gpt2_tokenizer(const char *dir, const char *rank_file, int max_len);
 
 /* init.from naming an HF directory (model.safetensors) or a .safetensors
  * file: load it into m's parameters (names mapped back, GPT-2 transposed

@@ -299,7 +299,7 @@ struct Metrics {
 };
 
 static void fmt_duration(double s, char *buf, size_t cap) {
-    if (!isfinite(s) || s < 0) {
+    if (!isfinite(s) || s < 0 || s > 1e15) { /* past 30 million years: (long) would overflow not far above */
         snprintf(buf, cap, "?");
         return;
     }
@@ -548,7 +548,7 @@ static int latest_checkpoint(const Metrics *m, char *name, size_t cap, double *w
     char path[CFG_STR + 64];
     snprintf(path, sizeof path, "%s/latest", m->ckpt_dir);
     size_t len;
-    char *t = kiln_read_file(path, &len);
+    char *t = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
     if (!t) return -1;
     t[strcspn(t, "\r\n")] = 0;
     kiln_strlcpy(name, t, cap);
@@ -707,7 +707,7 @@ static void outlets_init(Metrics *m, const Config *c) {
     m->final_loss = m->best_loss = m->best_val = NAN;
     m->last_loss = m->last_tok_s = m->last_mfu = m->last_step_s = m->slowest_factor = NAN;
     m->slowest_rank = -1;
-    m->tokens = m->tokens_per_step * m->start_step;
+    if (__builtin_mul_overflow(m->tokens_per_step, (int64_t)m->start_step, &m->tokens)) m->tokens = INT64_MAX;
     kiln_strlcpy(m->exit_reason, "completed", sizeof m->exit_reason);
     const char *r = getenv("KILN_TEST_SLOW_RANK"), *ms = getenv("KILN_TEST_SLOW_MS");
     m->slow_rank = r ? atoi(r) : -1, m->slow_ms = r && ms ? atoi(ms) : 0, m->slow_step = -1;
@@ -1106,6 +1106,19 @@ static void json_moe(FILE *f, const MetricsMoe *e) {
     fputc(']', f);
 }
 
+/* Expert-parallel fields of a metrics.jsonl record: per-rank row counts
+ * (whole numbers) and the imbalance. */
+static void json_ep(FILE *f, const MetricsEp *e) {
+    const char *keys[3] = {"ep_sent", "ep_recv", "ep_rows"};
+    const double *v[3] = {e->sent, e->recv, e->rows};
+    for (int k = 0; k < 3; k++) {
+        fprintf(f, ",\"%s\":[", keys[k]);
+        for (int r = 0; r < e->world; r++) fprintf(f, "%s%.0f", r ? "," : "", v[k][r]);
+        fputc(']', f);
+    }
+    json_num(f, "ep_imbalance", e->imbalance);
+}
+
 /* TensorBoard: moe/{aux,z,dropped,load_cv} and moe/load/layer_L/expert_E,
  * one record (the tags of a big MoE do not fit the step's fixed buffer). */
 static void tb_moe(Metrics *m, int step, const MetricsMoe *e) {
@@ -1175,8 +1188,8 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
     /* tok_s is all ranks' throughput, so the peak is all ranks' devices
      * (one a rank): each rank's share against one device's peak */
     double mfu = m->peak > 0 ? m->fpt * tok_s / (m->peak * m->world) : NAN;
-    int done_here = s->step - m->start_step;
-    double eta = done_here > 0 ? (now - m->t_open) / done_here * (m->steps - s->step) : NAN;
+    double done_here = (double)s->step - m->start_step; /* in double: a step near INT_MAX less a start */
+    double eta = done_here > 0 ? (now - m->t_open) / done_here * ((double)m->steps - s->step) : NAN;
     double rss = metrics_peak_rss_mib();
     if (s->skipped) m->skipped++;
     if (!isnan(s->val_loss)) {
@@ -1212,7 +1225,12 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         fprintf(f, ",\"nonfinite_skipped\":%d", m->skipped);
         if (s->skipped) fputs(",\"skipped\":true", f);
         if (s->param_hash) fprintf(f, ",\"param_hash\":\"%016llx\"", (unsigned long long)s->param_hash);
+        if (s->pp_bubble_theory > 0) {
+            json_num(f, "pp_bubble", s->pp_bubble);
+            json_num(f, "pp_bubble_theory", s->pp_bubble_theory);
+        }
         if (s->moe) json_moe(f, s->moe);
+        if (s->ep) json_ep(f, s->ep);
         if (st) json_ranks(f, m, st);
         if (s->data) json_data(f, s->data);
         if (s->ckpt) {
@@ -1243,6 +1261,8 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         TB("perf/peak_rss_mib", rss);
         if (s->device_mib > 0) TB("perf/peak_device_mib", s->device_mib);
         TB("train/nonfinite_skipped", (double)m->skipped);
+        if (s->ep) TB("ep/imbalance", s->ep->imbalance);
+        if (s->pp_bubble_theory > 0) TB("perf/pp_bubble", s->pp_bubble);
         if (s->ckpt) TB("perf/ckpt_pause_s", s->ckpt->pause_s);
         if (s->ckpt) TB("perf/ckpt_write_s", s->ckpt->write_s);
         if (s->resume_s > 0) TB("perf/resume_s", s->resume_s);
@@ -1268,8 +1288,11 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
     fmt_duration(elapsed, el, sizeof el);
     fmt_duration(last ? 0.0 : eta, et, sizeof et);
     if (s->step % m->log_every == 0 || last || evaluated || s->skipped) {
-        char line[1024], mf[32] = "", val[320] = "", moe[128] = "";
+        char line[1024], mf[32] = "", val[320] = "", moe[128] = "", pp[64] = "";
         if (m->peak > 0) snprintf(mf, sizeof mf, " | MFU %4.1f%%", 100.0 * mfu);
+        if (s->pp_bubble_theory > 0)
+            snprintf(pp, sizeof pp, " | bubble %.1f%% (schedule %.1f%%)", 100.0 * s->pp_bubble,
+                     100.0 * s->pp_bubble_theory);
         if (evaluated) {
             size_t o = (size_t)snprintf(val, sizeof val, " | val %.4f", s->val_loss);
             for (int i = 0; s->data && i < s->data->n_val && o < sizeof val; i++)
@@ -1280,9 +1303,9 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         if (s->moe)
             snprintf(moe, sizeof moe, " | moe aux %.3f z %.3f load %.0f..%.0f cv %.3f drop %.2f%%", s->moe->aux,
                      s->moe->z, s->moe->load_min, s->moe->load_max, s->moe->load_cv, 100.0 * s->moe->dropped);
-        snprintf(line, sizeof line, "step %*d/%d | loss %.4f | lr %.3e | norm %.3f | %s tok/s%s | %.0f ms | %s elapsed | ETA %s%s%s%s",
+        snprintf(line, sizeof line, "step %*d/%d | loss %.4f | lr %.3e | norm %.3f | %s tok/s%s | %.0f ms%s | %s elapsed | ETA %s%s%s%s",
                  (int)snprintf(NULL, 0, "%d", m->steps), s->step, m->steps, s->loss, s->lr, s->grad_norm, tok, mf,
-                 s->step_time_s * 1e3, el, et, moe, val, s->skipped ? " | skipped" : "");
+                 s->step_time_s * 1e3, pp, el, et, moe, val, s->skipped ? " | skipped" : "");
         metrics_print(m, "%s", line);
     }
     if (m->tty && !last && (now - m->last_bar >= 0.1)) {

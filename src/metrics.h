@@ -51,9 +51,24 @@ typedef struct MetricsStep {
     const char *comm_group[METRICS_COMM_GROUPS];
     double comm_s[METRICS_COMM_GROUPS];
     const struct MetricsData *data; /* the step's data figures; NULL: none */
+    /* pipeline parallelism (0 or NAN without): the stages' time idle waiting
+     * for a neighbour over their step time, and the schedule's own bubble */
+    double pp_bubble, pp_bubble_theory;
+    const struct MetricsEp *ep;     /* expert parallelism's figures; NULL: ep 1 */
     const struct MetricsCkpt *ckpt; /* a checkpoint whose write completed since the last line; NULL: none */
     double resume_s;     /* the first step of a resumed run: seconds from process start to its start; 0 otherwise */
 } MetricsStep;
+
+/* Expert parallelism (parallel.ep > 1), the step's exchanges of routed token
+ * rows summed over MoE layers and micro-batches, per world rank: rows sent
+ * to other ranks' experts, received from other ranks, and run by the rank's
+ * own experts (its load); and the load imbalance over the ranks, the
+ * largest load over the mean. */
+typedef struct MetricsEp {
+    int world;
+    const double *sent, *recv, *rows; /* (world) */
+    double imbalance;
+} MetricsEp;
 
 /* A checkpoint, once its write is done: this rank's figures. */
 typedef struct MetricsCkpt {

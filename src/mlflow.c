@@ -154,7 +154,7 @@ static void find_experiment(Mlflow *m, const char *name) {
         if (e->d_name[0] == '.') continue;
         snprintf(path, sizeof path, "%s/%s/meta.yaml", m->store, e->d_name);
         size_t len;
-        char *text = kiln_read_file(path, &len);
+        char *text = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
         if (!text) continue;
         int match = yaml_get(text, "name", got, sizeof got) && !strcmp(got, name);
         free(text);
@@ -175,7 +175,7 @@ static void find_experiment(Mlflow *m, const char *name) {
         if (errno != EEXIST) kiln_fail(KILN_EXIT_RUNTIME, "metrics.mlflow: %s: cannot create (%s)", path, strerror(errno));
         snprintf(path, sizeof path, "%s/%s/meta.yaml", m->store, m->exp_id);
         size_t len;
-        char *text = kiln_read_file(path, &len);
+        char *text = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
         int mine = !text || (yaml_get(text, "name", got, sizeof got) && !strcmp(got, name));
         free(text);
         if (mine) break; /* made by a job racing this one, or left half-made */
@@ -224,7 +224,7 @@ static int remembered(const char *run_dir, const char *store, char *exp, char *r
     char path[ML_PATH], buf[ML_PATH];
     snprintf(path, sizeof path, "%s/mlflow.json", run_dir);
     size_t len;
-    char *text = kiln_read_file(path, &len);
+    char *text = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
     if (!text) return 0;
     int ok = 0;
     const char *s = strstr(text, "\"store\":\""), *x = strstr(text, "\"experiment_id\":\""),
@@ -302,7 +302,7 @@ Mlflow *mlflow_open(const MlflowOptions *o) {
     if (resumed) {
         snprintf(path, sizeof path, "%s/%s/%s/meta.yaml", m->store, exp, run);
         size_t len;
-        char *text = kiln_read_file(path, &len), start[32];
+        char *text = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len), start[32];
         resumed = text && yaml_get(text, "start_time", start, sizeof start);
         if (resumed) {
             kiln_strlcpy(m->exp_id, exp, sizeof m->exp_id);

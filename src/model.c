@@ -6,6 +6,7 @@
  * (parallel code runs through ModelHooks). */
 #include "model.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -288,6 +289,19 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     arch_tp_local(s, m->tp, m->tp_rank, &m->shape);
     s = &m->shape; /* from here on: what this rank computes */
     m->sp = m->tp > 1 && o->sequence_parallel;
+    int E_all = s->mlp == MLP_MOE ? s->moe.n_experts : 0;
+    m->ep = o->ep > 1 ? o->ep : 1;
+    m->ep_rank = m->ep > 1 ? o->ep_rank : 0;
+    if (m->ep > 1 && (s->mlp != MLP_MOE || E_all % m->ep || m->ep_rank < 0 || m->ep_rank >= m->ep))
+        kiln_fail(KILN_EXIT_USAGE, "keys 'parallel.ep', 'model.moe.n_experts': ep %d (rank %d) needs an MoE model "
+                  "whose experts it divides (n_experts %d)", m->ep, m->ep_rank, E_all);
+    m->n_experts_here = E_all / m->ep;
+    m->expert_lo = m->ep_rank * m->n_experts_here;
+    m->cp = o->cp > 1 ? o->cp : 1;
+    m->cp_rank = m->cp > 1 ? o->cp_rank : 0;
+    if (m->cp > 1 && s->mlp == MLP_MOE)
+        kiln_fail(KILN_EXIT_USAGE, "key 'parallel.cp': MoE layers balance and cap their experts per whole sequence, "
+                  "which context parallelism splits over ranks; use parallel.cp: 1 with model.mlp: moe");
     m->vocab_lo = m->tp_rank * m->shape.padded_vocab;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
@@ -301,17 +315,27 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
                   "parameters, which precision.master: bf16 does not have; use precision.master: fp32");
     m->master_bf16 = o->master_bf16;
     int L = s->n_layer, E = s->mlp == MLP_MOE ? s->moe.n_experts : 0;
-    m->layer_lo = o->layer_lo, m->layer_hi = o->layer_hi ? o->layer_hi : L;
-    if (m->layer_lo < 0 || m->layer_lo >= m->layer_hi || m->layer_hi > L)
-        kiln_fail(KILN_EXIT_USAGE, "model: layer range [%d, %d) is not a non-empty part of the %d layers",
-                  m->layer_lo, m->layer_hi, L);
+    if (o->chunks > MODEL_MAX_CHUNKS)
+        kiln_fail(KILN_EXIT_USAGE, "model: %d pipeline chunks, at most %d", o->chunks, MODEL_MAX_CHUNKS);
+    m->n_chunks = o->chunks > 1 ? o->chunks : 1;
+    for (int c = 0; c < m->n_chunks; c++) {
+        m->chunk_lo[c] = o->chunks > 1 ? o->chunk_lo[c] : o->layer_lo;
+        m->chunk_hi[c] = o->chunks > 1 ? o->chunk_hi[c] : o->layer_hi ? o->layer_hi : L;
+        if (m->chunk_lo[c] < (c ? m->chunk_hi[c - 1] : 0) || m->chunk_lo[c] >= m->chunk_hi[c] || m->chunk_hi[c] > L)
+            kiln_fail(KILN_EXIT_USAGE, "model: layer range [%d, %d) is not a non-empty part of the %d layers%s",
+                      m->chunk_lo[c], m->chunk_hi[c], L, c ? " after the chunk before it" : "");
+    }
+    m->layer_lo = m->chunk_lo[0], m->layer_hi = m->chunk_hi[0];
     m->has_embed = m->layer_lo == 0, m->has_head = m->layer_hi == L;
     int all, gall;
     ArchTensor *t = arch_tensors(s, o->decay_embeddings, &all), *keep = t;
     ArchTensor *gt = arch_tensors(&m->gshape, o->decay_embeddings, &gall), *gkeep = gt; /* same rows, global shapes */
     int n = 0;
-    for (int i = 0; i < all; i++)
-        if (arch_tensor_in_stage(s, &t[i], m->layer_lo, m->layer_hi)) keep[n] = t[i], gkeep[n++] = gt[i]; /* in place */
+    for (int i = 0; i < all; i++) {
+        int in = 0, mine = t[i].expert < 0 || (t[i].expert >= m->expert_lo && t[i].expert < m->expert_lo + m->n_experts_here);
+        for (int c = 0; c < m->n_chunks; c++) in = in || arch_tensor_in_stage(s, &t[i], m->chunk_lo[c], m->chunk_hi[c]);
+        if (in && mine) keep[n] = t[i], gkeep[n++] = gt[i]; /* in place */
+    }
     m->num_tensors = n;
     m->params = xcalloc((size_t)n, sizeof(ParamInfo));
     size_t nslot = (size_t)(L + 1) * ROLE_LAYER_COUNT + (size_t)L * E * ROLE_EXPERT_COUNT;
@@ -341,12 +365,26 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     free(gt);
 
     /* Arena placement: decayed tensors first, in listing order, then the
-     * rest, so AdamW runs as two contiguous updates. */
+     * rest, so AdamW runs as two contiguous updates. Expert parallelism:
+     * this rank's experts (all decayed) before the other decayed tensors,
+     * one range whose gradients reduce over the EDP group. */
     size_t off = 0;
+    if (m->ep > 1) {
+        int prev = -1;
+        for (int i = 0; i < n; i++) {
+            if (m->params[i].expert < 0) continue;
+            if (!m->params[i].decay)
+                kiln_fail(KILN_EXIT_RUNTIME, "model: expert tensor '%s' is not weight-decayed; the expert-parallel "
+                          "layout keeps experts in the decayed range", m->params[i].name);
+            off = place(m, i, prev, off);
+            prev = i;
+        }
+        m->expert_len = off;
+    }
     for (int pass = 1; pass >= 0; pass--) {
         int prev = -1;
         for (int i = 0; i < n; i++) {
-            if (m->params[i].decay != pass) continue;
+            if (m->params[i].decay != pass || (m->ep > 1 && m->params[i].expert >= 0)) continue;
             off = place(m, i, prev, off);
             prev = i;
         }
@@ -377,6 +415,37 @@ void model_set_hooks(Model *m, const ModelHooks *h) {
 void model_set_tp(Model *m, const ModelTp *t) {
     if (t) m->tpc = *t;
     else memset(&m->tpc, 0, sizeof m->tpc);
+}
+
+void model_set_ep(Model *m, const ModelEp *e) {
+    if (e) m->epc = *e;
+    else memset(&m->epc, 0, sizeof m->epc);
+}
+
+void model_pad_experts(Model *m, size_t n) {
+    if (m->ep <= 1 || n <= m->expert_len) return;
+    need_master(m, "ZeRO's expert blocks");
+    const Backend *be = m->be;
+    size_t d = n - m->expert_len, len = m->arena_len + d, x = m->expert_len;
+    float *p = be->alloc(len * sizeof(float)), *g = be->alloc(len * sizeof(float));
+    be->copy(p, m->param_mem, x * sizeof(float));
+    be->copy(p + n, m->param_mem + x, (m->arena_len - x) * sizeof(float));
+    be->copy(g, m->grad_mem, x * sizeof(float));
+    be->copy(g + n, m->grad_mem + x, (m->arena_len - x) * sizeof(float));
+    be->free(m->param_mem);
+    be->free(m->grad_mem);
+    for (int i = 0; i < m->num_tensors; i++)
+        if (m->params[i].expert < 0) m->params[i].offset += d;
+    m->param_mem = p, m->grad_mem = g;
+    m->arena_len = len, m->num_params += d, m->num_decay += d, m->expert_len = n;
+    bind_views(m, m->param_mem, m->pview);
+    bind_views(m, m->grad_mem, m->gview);
+    compute_reset(m);
+}
+
+void model_set_cp(Model *m, const ModelCp *c) {
+    if (c) m->cpc = *c;
+    else memset(&m->cpc, 0, sizeof m->cpc);
 }
 
 int model_tp_boxes(const Model *m, int i, ModelBox box[MODEL_MAX_BOXES]) {
@@ -459,13 +528,13 @@ void model_init_weights(Model *m, uint64_t seed) {
     free(host);
 }
 
+static void slots_free(Model *m);
+
 void model_free(Model *m) {
     if (m->be) {
         m->be->free(m->param_mem);
         m->be->free(m->grad_mem);
         if (m->act_mem) m->be->free(m->act_mem);
-        if (m->tokens_dev) m->be->free(m->tokens_dev);
-        if (m->targets_dev) m->be->free(m->targets_dev);
         cbuf_free_all(m);
     }
     free(m->params);
@@ -484,8 +553,10 @@ void model_free(Model *m) {
     free(m->row_host);
     free(m->tok_host);
     free(m->tgt_host);
-    for (int l = 0; m->acts && l < m->shape.n_layer; l++) free(m->acts[l].offsets_host);
-    free(m->acts);
+    free(m->pad_host);
+    free(m->cp_tok);
+    free(m->cp_tgt);
+    slots_free(m);
     free(m->losses_host);
     free(m->unit_off);
     free(m->unit_len);
@@ -552,15 +623,29 @@ typedef struct ScratchPlan {
 
 static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
 
+/* What an activation arena holds: chunk c's layers [lo[c], hi[c]) in
+ * slots[c] sets each; split: a split backward's kept output gradients. */
+typedef struct ActPlan {
+    int chunks, lo[MODEL_MAX_CHUNKS], hi[MODEL_MAX_CHUNKS], slots[MODEL_MAX_CHUNKS], split;
+} ActPlan;
+
 /* Activation plan: the bytes each buffer needs, in one arena; act tensors
  * of act_bytes each, statistics fp32, every buffer 64-byte aligned (so with
  * fp32 the layout is the same as when everything was fp32). Also used by
  * --dry-run through model_activation_bytes, so the two can never disagree.
- * What `r` recomputes gets one buffer that every layer's view points at,
- * after the layers. MoE activations are always kept. */
-static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, int lo, int hi, int tp,
-                         Model *m) {
+ * Each set (a chunk's slot) holds its input, its layers' activations, the
+ * head's outputs or the output gradient, the input gradient (a chunk without
+ * the embeddings) and the MoE aux gradients. What `r` recomputes gets one
+ * buffer that every layer of every set points at, after the sets; so do the
+ * cross-entropy statistics, the logits row and the scratch. MoE activations
+ * are always kept. */
+static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, const ActPlan *pl, int tp,
+                         int cp, int seq_par, int ep, Model *m) {
     size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float), I = sizeof(int32_t);
+    /* the residual stream's rows: under sequence parallelism a rank's N/tp
+     * (every forward splits: model_forward pads one sequence to a multiple
+     * of tp) */
+    size_t Nres = tp > 1 && seq_par && cp == 1 ? (N + (size_t)tp - 1) / (size_t)tp : N;
     size_t Q = (size_t)arch_q_width(s), QKVW = (size_t)arch_qkv_width(s), FF = (size_t)s->ffn_hidden;
     size_t FCW = (size_t)arch_fc_width(s), QK = (size_t)(s->n_head + s->n_kv_head) * s->head_dim;
     size_t G = s->qk_norm == QKNORM_HEAD ? (size_t)(s->n_head + s->n_kv_head) : 2;
@@ -570,81 +655,106 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     size_t off = 0;
     /* Without a model, only count: views are written into a throwaway. */
     Model sink;
+    ModelSlot sink_slot;
     LayerActs sink_layer;
     int assign = m != NULL;
     if (!m) {
         memset(&sink, 0, sizeof sink);
         m = &sink;
     }
+    if (assign) m->res_rows = Nres;
     int keep_gelu = r < MODEL_RECOMPUTE_GELU || moe, keep_norm = r < MODEL_RECOMPUTE_NORM_GELU;
 #define TAKE(ptr, count, esize)                                 \
     do {                                                        \
         if (assign) (ptr) = (void *)((char *)m->act_mem + off); \
         off += ((size_t)(count) * (esize) + 63) / 64 * 64;      \
     } while (0)
-    int head = hi == s->n_layer;
-    TAKE(m->encoded, N * C, ab);
-    for (int l = lo; l < hi; l++) {
-        LayerActs *a = assign ? &m->acts[l] : &sink_layer;
-        if (keep_norm) TAKE(a->ln1, N * C, ab);
-        TAKE(a->ln1_mean, N, F);
-        TAKE(a->ln1_rstd, N, F);
-        TAKE(a->qkv, N * QKVW, ab);
-        if (s->qk_norm != QKNORM_NONE) {
-            TAKE(a->qk_in, N * QK, ab);
-            TAKE(a->qk_rstd, N * G, F);
-        }
-        TAKE(a->atty, N * Q, ab);
-        TAKE(a->att_lse, N * NH, F);
-        TAKE(a->res2, N * C, ab);
-        if (keep_norm) TAKE(a->ln2, N * C, ab);
-        TAKE(a->ln2_mean, N, F);
-        TAKE(a->ln2_rstd, N, F);
-        if (!moe) {
-            TAKE(a->fch, N * FCW, ab);
-            if (keep_gelu) TAKE(a->fch_gelu, N * FF, ab);
-        } else {
-            TAKE(a->router, N * E, ab);
-            TAKE(a->probs, N * E, F);
-            TAKE(a->gates, N * K, F);
-            TAKE(a->stats, (size_t)B * (E + 1), F);
-            TAKE(a->topk, N * K, I);
-            TAKE(a->row_of, N * K, I);
-            TAKE(a->src, R, I);
-            TAKE(a->offsets, E + 1, I);
-            TAKE(a->counts, (size_t)B * E, I);
-            TAKE(a->xp, R * C, ab);
-            TAKE(a->hp, R * 2 * Fe, ab);
-            TAKE(a->hp_act, R * Fe, ab);
-            TAKE(a->yp, R * C, ab);
-            if (S) {
-                TAKE(a->sh, N * 2 * S, ab);
-                TAKE(a->sh_act, N * S, ab);
+    int set = 0;
+    for (int c = 0; c < pl->chunks; c++)
+        for (int k = 0; k < pl->slots[c]; k++, set++) {
+            ModelSlot *sl = assign ? &m->slots[set] : &sink_slot;
+            int lo = pl->lo[c], hi = pl->hi[c];
+            TAKE(sl->encoded, Nres * C, ab);
+            for (int l = lo; l < hi; l++) {
+                LayerActs *a = assign ? &sl->acts[l] : &sink_layer;
+                if (keep_norm) TAKE(a->ln1, N * C, ab);
+                TAKE(a->ln1_mean, N, F);
+                TAKE(a->ln1_rstd, N, F);
+                TAKE(a->qkv, N * QKVW, ab);
+                if (s->qk_norm != QKNORM_NONE) {
+                    TAKE(a->qk_in, N * QK, ab);
+                    TAKE(a->qk_rstd, N * G, F);
+                }
+                TAKE(a->atty, N * Q, ab);
+                TAKE(a->att_lse, N * NH, F);
+                TAKE(a->res2, Nres * C, ab);
+                if (keep_norm) TAKE(a->ln2, N * C, ab);
+                TAKE(a->ln2_mean, N, F);
+                TAKE(a->ln2_rstd, N, F);
+                if (!moe) {
+                    TAKE(a->fch, N * FCW, ab);
+                    if (keep_gelu) TAKE(a->fch_gelu, N * FF, ab);
+                } else {
+                    TAKE(a->router, N * E, ab);
+                    TAKE(a->probs, N * E, F);
+                    TAKE(a->gates, N * K, F);
+                    TAKE(a->stats, (size_t)B * (E + 1), F);
+                    TAKE(a->topk, N * K, I);
+                    TAKE(a->row_of, N * K, I);
+                    TAKE(a->src, R, I);
+                    TAKE(a->offsets, E + 1, I);
+                    TAKE(a->counts, (size_t)B * E, I);
+                    TAKE(a->xp, R * C, ab);
+                    if (ep <= 1) { /* expert parallelism: the expert side's activations are ep.c's */
+                        TAKE(a->hp, R * 2 * Fe, ab);
+                        TAKE(a->hp_act, R * Fe, ab);
+                    }
+                    TAKE(a->yp, R * C, ab);
+                    if (S) {
+                        TAKE(a->sh, N * 2 * S, ab);
+                        TAKE(a->sh_act, N * S, ab);
+                    }
+                }
+                TAKE(a->res3, Nres * C, ab);
+                if (pl->split) {
+                    /* the input part is done with qkv, res2, fch and res3 (a
+                     * layer's output, read by the layer above, whose backward
+                     * ran first); recomputation still reads fch (the MLP
+                     * activation) and res2, res3 (the norms' inputs); and the
+                     * residual's N/tp rows under sequence parallelism are too
+                     * few for the gradients of all N */
+                    int own_res = !keep_norm || Nres < N;
+                    a->d_qkv = a->qkv;
+                    if (own_res) TAKE(a->d_o, N * C, ab);
+                    else a->d_o = a->res2;
+                    if (!moe && !keep_gelu) TAKE(a->d_fc, N * FCW, ab);
+                    else a->d_fc = moe ? NULL : a->fch;
+                    if (!moe && own_res) TAKE(a->d_down, N * C, ab);
+                    else a->d_down = moe ? NULL : a->res3;
+                }
             }
+            if (hi == s->n_layer) {
+                TAKE(sl->lnf, N * C, ab);
+                TAKE(sl->lnf_mean, N, F);
+                TAKE(sl->lnf_rstd, N, F);
+                TAKE(sl->logits, N * (size_t)s->padded_vocab, ab);
+                TAKE(sl->losses, N, F);
+            } else {
+                TAKE(sl->stage_dout, N * C, ab);
+            }
+            if (lo > 0) TAKE(sl->stage_din, Nres * C, ab); /* the residual rows this rank holds */
+            if (moe) TAKE(sl->aux, (size_t)B * E * s->n_layer, F);
         }
-        TAKE(a->res3, N * C, ab);
-    }
     void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
     if (!keep_gelu) TAKE(gelu_shared, N * FF, ab);
     if (!keep_norm) TAKE(ln_shared, N * C, ab);
-    for (int l = lo; assign && l < hi; l++) {
-        if (!keep_gelu) m->acts[l].fch_gelu = gelu_shared;
-        if (!keep_norm) m->acts[l].ln1 = m->acts[l].ln2 = ln_shared;
-    }
-    if (head) {
-        TAKE(m->lnf, N * C, ab);
-        TAKE(m->lnf_mean, N, F);
-        TAKE(m->lnf_rstd, N, F);
-        TAKE(m->logits, N * (size_t)s->padded_vocab, ab);
-        TAKE(m->losses, N, F);
-    } else {
-        TAKE(m->stage_dout, N * C, ab);
-    }
-    if (moe) TAKE(m->aux, (size_t)B * E * s->n_layer, F);
-    if (tp > 1) {
-        TAKE(m->xent_stats, (size_t)tp * N * 3, F);
-        TAKE(m->row_dev, (size_t)tp * s->padded_vocab, ab);
-    }
+    for (int i = 0; assign && i < set; i++)
+        for (int l = pl->lo[m->slots[i].chunk]; l < pl->hi[m->slots[i].chunk]; l++) {
+            if (!keep_gelu) m->slots[i].acts[l].fch_gelu = gelu_shared;
+            if (!keep_norm) m->slots[i].acts[l].ln1 = m->slots[i].acts[l].ln2 = ln_shared;
+        }
+    if (tp > 1) TAKE(m->xent_stats, (size_t)tp * N * 3, F);
+    if (tp > 1 || cp > 1) TAKE(m->row_dev, (size_t)tp * s->padded_vocab, ab);
     /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf (N,
      * the widest of NH HD, F, S, C), dbuf2 (N, the widest of the first MLP
      * product and 2S), dqkv (N,QKVW), dln (N,C); MoE: dyp and dxp (R,C),
@@ -659,56 +769,174 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     return off;
 }
 
-size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r) {
-    return plan_bytes(s, B, T, act_bytes, r, 0, s->n_layer, 1, NULL);
+static ActPlan whole_plan(const ArchSpec *s) {
+    ActPlan p = {.chunks = 1, .hi = {s->n_layer}, .slots = {1}};
+    return p;
 }
 
-size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r) {
+size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r) {
+    ActPlan p = whole_plan(s);
+    return plan_bytes(s, B, T, act_bytes, r, &p, 1, 1, 0, 1, NULL);
+}
+
+size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, int sp, int B, int T, size_t act_bytes,
+                                   ModelRecompute r) {
     ArchSpec l;
     arch_tp_local(s, tp, 0, &l); /* rank 0 holds the most vocabulary rows */
-    return plan_bytes(&l, B, T, act_bytes, r, 0, s->n_layer, tp, NULL);
+    ActPlan p = whole_plan(s);
+    return plan_bytes(&l, B, T / cp, act_bytes, r, &p, tp, cp, sp, ep, NULL);
 }
 
-void model_plan_activations(Model *m, int B, int T, ModelRecompute r) {
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int B, int T, size_t act_bytes,
+                                    ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
+                                    int split) {
+    ArchSpec l;
+    arch_tp_local(s, tp, 0, &l);
+    ActPlan p = {.chunks = chunks, .split = split};
+    if (chunks < 1 || chunks > MODEL_MAX_CHUNKS) return 0;
+    for (int c = 0; c < chunks; c++) p.lo[c] = lo[c], p.hi[c] = hi[c], p.slots[c] = slots[c];
+    return plan_bytes(&l, B, T, act_bytes, r, &p, tp, 1, sp, 1, NULL); /* pipeline stages: ep 1 (config.c) */
+}
+
+/* The active set's fields, to and from its ModelSlot. */
+static void slot_save(Model *m, ModelSlot *sl) {
+    sl->acts = m->acts, sl->encoded = m->encoded, sl->stage_dout = m->stage_dout, sl->stage_din = m->stage_din;
+    sl->lnf = m->lnf, sl->logits = m->logits, sl->lnf_mean = m->lnf_mean, sl->lnf_rstd = m->lnf_rstd;
+    sl->losses = m->losses, sl->aux = m->aux, sl->tokens_dev = m->tokens_dev, sl->targets_dev = m->targets_dev;
+    sl->live_B = m->live_B, sl->live_T = m->live_T, sl->live_sp = m->live_sp, sl->have_targets = m->have_targets;
+    sl->weight_pending = m->weight_pending, sl->live_dloss = m->live_dloss;
+}
+
+static void slot_load(Model *m, const ModelSlot *sl) {
+    m->acts = sl->acts, m->encoded = sl->encoded, m->stage_dout = sl->stage_dout, m->stage_din = sl->stage_din;
+    m->lnf = sl->lnf, m->logits = sl->logits, m->lnf_mean = sl->lnf_mean, m->lnf_rstd = sl->lnf_rstd;
+    m->losses = sl->losses, m->aux = sl->aux, m->tokens_dev = sl->tokens_dev, m->targets_dev = sl->targets_dev;
+    m->live_B = sl->live_B, m->live_T = sl->live_T, m->live_sp = sl->live_sp, m->have_targets = sl->have_targets;
+    m->weight_pending = sl->weight_pending, m->live_dloss = sl->live_dloss;
+    m->layer_lo = m->chunk_lo[sl->chunk], m->layer_hi = m->chunk_hi[sl->chunk];
+    m->has_embed = m->layer_lo == 0, m->has_head = m->layer_hi == m->shape.n_layer;
+}
+
+static void slots_free(Model *m) {
+    if (!m->slots) return;
+    slot_save(m, &m->slots[m->cur_slot]);
+    for (int i = 0; i < m->n_slots; i++) {
+        ModelSlot *sl = &m->slots[i];
+        for (int l = 0; sl->acts && l < m->shape.n_layer; l++) free(sl->acts[l].offsets_host);
+        free(sl->acts);
+        if (m->be) m->be->free(sl->tokens_dev), m->be->free(sl->targets_dev);
+    }
+    free(m->slots);
+    m->slots = NULL, m->n_slots = m->cur_slot = 0;
+    slot_load(m, &(ModelSlot){0});
+}
+
+void model_plan_activations(Model *m, int B, int T, ModelRecompute r) { model_plan_slots(m, B, T, r, NULL, 0); }
+
+void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots, int split) {
     if (T > m->shape.seq_len)
         kiln_fail(KILN_EXIT_USAGE, "micro-batch length %d exceeds model.seq_len = %d", T, m->shape.seq_len);
+    if (T % (2 * m->cp))
+        kiln_fail(KILN_EXIT_USAGE, "keys 'model.seq_len', 'parallel.cp': a sequence of %d tokens does not split into "
+                  "2 x cp = %d chunks; make seq_len a multiple of %d", T, 2 * m->cp, 2 * m->cp);
+    int Tl = T / m->cp; /* the rows of each sequence this rank holds */
     if (m->act_mem) {
         m->be->free(m->act_mem);
-        m->be->free(m->tokens_dev);
-        m->be->free(m->targets_dev);
-        for (int l = 0; l < m->shape.n_layer; l++) free(m->acts[l].offsets_host);
-        free(m->acts);
+        slots_free(m);
         free(m->losses_host);
         free(m->row_host);
+        free(m->cp_tok);
+        free(m->cp_tgt);
     }
     m->B = B;
     m->T = T;
     m->recompute = r;
-    m->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
-    m->act_size = plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, NULL);
+    m->split_backward = split;
+    ActPlan pl = {.chunks = m->n_chunks, .split = split};
+    m->n_slots = 0;
+    for (int c = 0; c < m->n_chunks; c++) {
+        pl.lo[c] = m->chunk_lo[c], pl.hi[c] = m->chunk_hi[c], pl.slots[c] = slots && slots[c] > 0 ? slots[c] : 1;
+        m->chunk_slot0[c] = m->n_slots, m->chunk_slots[c] = pl.slots[c];
+        m->n_slots += pl.slots[c];
+    }
+    m->slots = xcalloc((size_t)m->n_slots, sizeof(ModelSlot));
+    size_t N = (size_t)B * Tl;
+    for (int c = 0; c < m->n_chunks; c++)
+        for (int k = 0; k < pl.slots[c]; k++) {
+            ModelSlot *sl = &m->slots[m->chunk_slot0[c] + k];
+            sl->chunk = c;
+            sl->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
+            sl->tokens_dev = m->be->alloc(N * sizeof(int32_t));
+            sl->targets_dev = m->be->alloc(N * sizeof(int32_t));
+            if (m->shape.mlp == MLP_MOE)
+                for (int l = pl.lo[c]; l < pl.hi[c]; l++)
+                    sl->acts[l].offsets_host = xcalloc((size_t)m->shape.moe.n_experts + 1, sizeof(int32_t));
+        }
+    m->act_size = plan_bytes(&m->shape, B, Tl, m->act_bytes, r, &pl, m->tp, m->cp, m->sp, m->ep, NULL);
     m->act_mem = m->be->alloc(m->act_size);
-    plan_bytes(&m->shape, B, T, m->act_bytes, r, m->layer_lo, m->layer_hi, m->tp, m);
+    plan_bytes(&m->shape, B, Tl, m->act_bytes, r, &pl, m->tp, m->cp, m->sp, m->ep, m);
+    m->cur_slot = 0;
+    slot_load(m, &m->slots[0]);
     if (m->shape.mlp == MLP_MOE) {
         size_t E = (size_t)m->shape.moe.n_experts;
-        for (int l = m->layer_lo; l < m->layer_hi; l++) m->acts[l].offsets_host = xcalloc(E + 1, sizeof(int32_t));
         m->stats_host = xrealloc(m->stats_host, (size_t)B * (E + 1) * sizeof(float));
         m->auxg_host = xrealloc(m->auxg_host, (size_t)B * E * sizeof(float));
         m->counts_host = xrealloc(m->counts_host, (size_t)B * E * sizeof(int32_t));
     }
-    m->tokens_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
-    m->targets_dev = m->be->alloc((size_t)B * T * sizeof(int32_t));
-    m->losses_host = xcalloc((size_t)B * T, sizeof(float));
+    m->losses_host = xcalloc(N, sizeof(float));
     m->row_host = xcalloc((size_t)m->tp * m->shape.padded_vocab, m->act_bytes);
     if (m->tp > 1) {
-        m->tok_host = xrealloc(m->tok_host, (size_t)B * T * sizeof(int32_t));
-        m->tgt_host = xrealloc(m->tgt_host, (size_t)B * T * sizeof(int32_t));
+        m->pad_host = xrealloc(m->pad_host, (size_t)T * sizeof(int32_t));
+        m->tok_host = xrealloc(m->tok_host, N * sizeof(int32_t));
+        m->tgt_host = xrealloc(m->tgt_host, N * sizeof(int32_t));
     }
+    m->cp_tok = m->cp > 1 ? xcalloc((size_t)B * Tl, sizeof(int32_t)) : NULL;
+    m->cp_tgt = m->cp > 1 ? xcalloc((size_t)B * Tl, sizeof(int32_t)) : NULL;
+}
+
+/* Set k of chunk c; exits 1 naming both when there is none. */
+static int slot_index(const Model *m, int chunk, int k) {
+    if (!m->slots || chunk < 0 || chunk >= m->n_chunks || k < 0 || k >= m->chunk_slots[chunk])
+        kiln_fail(KILN_EXIT_RUNTIME, "model: no activation slot %d of chunk %d (%d chunk(s) planned)", k, chunk,
+                  m->n_chunks);
+    return m->chunk_slot0[chunk] + k;
+}
+
+void model_use_slot(Model *m, int chunk, int k) {
+    int i = slot_index(m, chunk, k);
+    if (i == m->cur_slot) return;
+    slot_save(m, &m->slots[m->cur_slot]);
+    m->cur_slot = i;
+    slot_load(m, &m->slots[i]);
+}
+
+/* Set (chunk, k) as it is now: the active one's fields live in the Model. */
+static ModelSlot slot_view(const Model *m, int chunk, int k) {
+    int i = slot_index(m, chunk, k);
+    ModelSlot sl = m->slots[i];
+    if (i == m->cur_slot) slot_save((Model *)m, &sl);
+    return sl;
+}
+
+void *model_slot_input(const Model *m, int chunk, int k) { return slot_view(m, chunk, k).encoded; }
+const void *model_slot_output(const Model *m, int chunk, int k) {
+    return slot_view(m, chunk, k).acts[m->chunk_hi[chunk] - 1].res3;
+}
+void *model_slot_output_grad(const Model *m, int chunk, int k) { return slot_view(m, chunk, k).stage_dout; }
+const void *model_slot_input_grad(const Model *m, int chunk, int k) { return slot_view(m, chunk, k).stage_din; }
+
+int model_stage_rows(const Model *m, int B, int T) {
+    if (m->cp > 1) T = 2 * ((T + 2 * m->cp - 1) / (2 * m->cp)); /* this rank's rows of each sequence */
+    int N = B * T;
+    /* sequence parallelism: model_forward pads one sequence to a multiple of tp */
+    if (m->sp && m->cp == 1 && N % m->tp) N = (N + m->tp - 1) / m->tp * m->tp;
+    return m->sp && N % m->tp == 0 ? N / m->tp : N;
 }
 
 void *model_stage_input(const Model *m) { return m->encoded; }
 const void *model_stage_output(const Model *m) { return m->acts[m->layer_hi - 1].res3; }
 void *model_stage_output_grad(const Model *m) { return m->stage_dout; }
-const void *model_stage_input_grad(const Model *m) { return m->scratch; /* dres of back_scratch */ }
+const void *model_stage_input_grad(const Model *m) { return m->stage_din ? m->stage_din : m->scratch; }
 
 int model_gelu_fused(const Model *m, int backward) {
     if (!m->gelu_fusion || m->shape.mlp != MLP_GELU) return 0;
@@ -803,6 +1031,69 @@ static void tp_drain(const Model *m) {
  * rows, is complete on every rank. */
 static const void *row_bias(const Model *m, int l, int role) { return m->tp_rank == 0 ? W(m, l, role) : NULL; }
 
+/* ---------------------------------------------------------------------------
+ * Context parallelism (model.h ModelCp): the rows are this rank's two chunks
+ * of every sequence, chunk-major; what depends on positions runs per chunk. */
+
+/* First position of local chunk c, for chunks of Tc tokens. */
+static int cp_pos(const Model *m, int c, int Tc) { return model_cp_chunk(m->cp, m->cp_rank, c) * Tc; }
+
+/* This rank's chunks of the (B, T) host ids into buf (B, 2 Tc) chunk-major;
+ * positions past T (a generation's padding) read token 0. */
+static const int32_t *cp_take(const Model *m, int32_t *buf, const int32_t *ids, int B, int T, int Tc) {
+    for (int c = 0; c < 2; c++)
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < Tc; i++) {
+                int t = cp_pos(m, c, Tc) + i;
+                buf[((size_t)c * B + b) * Tc + i] = t < T ? ids[(size_t)b * T + t] : 0;
+            }
+    return buf;
+}
+
+/* Embeddings of the N = B T rows (T local) into e: wte[tokens] + wpe at each
+ * row's global position (wpe NULL: none, or another tp rank adds them). */
+static void embed_rows(const Model *m, void *e, int B, int T) {
+    const void *wte = W(m, -1, ROLE_TOK_EMB), *wpe = row_bias(m, -1, ROLE_POS_EMB);
+    int C = m->shape.n_embd;
+    if (m->cp == 1) {
+        m->be->embed_forward(e, m->tokens_dev, wte, wpe, B, T, C);
+        return;
+    }
+    int Tc = T / 2;
+    for (int c = 0; c < 2; c++)
+        m->be->embed_forward(act_at(m, e, (size_t)c * B * Tc, C), m->tokens_dev + (size_t)c * B * Tc, wte,
+                             wpe ? act_at(m, wpe, cp_pos(m, c, Tc), C) : NULL, B, Tc, C);
+}
+
+/* Their backward from dtop (N,C): dwte +=, dwpe per `acc` (under cp only this
+ * rank's positions get a gradient; the rest are zero until the sum over cp). */
+static void embed_rows_backward(const Model *m, const void *dtop, int B, int T, int acc) {
+    float *dwte = G(m, -1, ROLE_TOK_EMB), *dwpe = G(m, -1, ROLE_POS_EMB);
+    int C = m->shape.n_embd;
+    if (m->cp == 1) {
+        m->be->embed_backward(dwte, dwpe, dtop, m->tokens_dev, B, T, C, acc);
+        return;
+    }
+    int Tc = T / 2;
+    if (dwpe && !acc) m->be->zero(dwpe, (size_t)m->shape.seq_len * C * sizeof(float));
+    for (int c = 0; c < 2; c++)
+        m->be->embed_backward(dwte, dwpe ? dwpe + (size_t)cp_pos(m, c, Tc) * C : NULL,
+                              act_at(m, dtop, (size_t)c * B * Tc, C), m->tokens_dev + (size_t)c * B * Tc, B, Tc, C, 1);
+}
+
+/* RoPE on qkv (N, QKVW) at each row's global position, or its inverse. */
+static void rope_rows(const Model *m, void *qkv, const AttnShape *sh, int backward) {
+    void (*op)(void *, const float *, const AttnShape *, int) = backward ? m->be->rope_backward : m->be->rope_forward;
+    if (m->cp == 1) {
+        op(qkv, m->rope, sh, 0);
+        return;
+    }
+    AttnShape c = *sh;
+    c.T = sh->T / 2;
+    for (int k = 0; k < 2; k++)
+        op(act_at(m, qkv, (size_t)k * sh->B * c.T, (size_t)attn_qkv_width(sh)), m->rope, &c, cp_pos(m, k, c.T));
+}
+
 /* res2 = x + o_proj(attention(rope(qknorm(qkv_proj(norm1(x)))))) */
 static void attn_forward(Model *m, int l, const void *x, int B, int T) {
     const Backend *be = m->be;
@@ -816,8 +1107,9 @@ static void attn_forward(Model *m, int l, const void *x, int B, int T) {
     if (s->qk_norm != QKNORM_NONE)
         be->qknorm_forward(a->qkv, a->qk_in, a->qk_rstd, W(m, l, ROLE_Q_NORM), W(m, l, ROLE_K_NORM), &sh,
                            s->qk_norm == QKNORM_HEAD, s->norm_eps);
-    if (s->pos == POS_ROPE) be->rope_forward(a->qkv, m->rope, &sh, 0);
-    be->attention_forward(a->atty, a->att_lse, a->qkv, &sh);
+    if (s->pos == POS_ROPE) rope_rows(m, a->qkv, &sh, 0);
+    if (m->cp > 1) m->cpc.attention_forward(m->cpc.ctx, a->atty, a->att_lse, a->qkv, &sh);
+    else be->attention_forward(a->atty, a->att_lse, a->qkv, &sh);
     be->matmul_forward(proj, a->atty, W(m, l, ROLE_O_W), row_bias(m, l, ROLE_O_B), N, Q, C);
     const void *out = row_reduce(m, proj, act_at(m, proj, N, C), N);
     be->residual_forward(a->res2, x, out, (size_t)res_rows(m, N) * C);
@@ -830,25 +1122,38 @@ static void mlp_activation(const Model *m, const LayerActs *a, int N) {
     else m->be->gelu_forward(a->fch_gelu, a->fch, (size_t)N * s->ffn_hidden);
 }
 
-/* Routed experts on the permuted rows: expert e owns rows [off[e], off[e+1])
- * of xp; its gate and up weights follow each other, so one product. */
-static void experts_forward(Model *m, int l, LayerActs *a) {
+/* The rows layer l's routed experts run on here: with expert parallelism
+ * what the ep group sent (ModelEp.dispatch), else the layer's own. */
+static void expert_rows(Model *m, int l, ModelExpertRows *r) {
+    LayerActs *a = &m->acts[l];
+    if (m->epc.dispatch) {
+        m->epc.dispatch(m->epc.ctx, l, a->xp, a->offsets_host, r);
+        return;
+    }
+    *r = (ModelExpertRows){.e0 = 0, .n = m->shape.moe.n_experts, .off = a->offsets_host, .x = a->xp, .h = a->hp,
+                           .h_act = a->hp_act, .y = a->yp};
+}
+
+/* Routed experts on their rows: local expert j owns rows [off[j], off[j+1])
+ * of r->x (a grouped product: one per expert); its gate and up weights
+ * follow each other, so one product. */
+static void experts_forward(Model *m, int l, const ModelExpertRows *r) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
-    int C = s->n_embd, E = s->moe.n_experts, Fe = s->moe.expert_hidden;
-    const int32_t *off = a->offsets_host;
-    for (int e = 0; e < E; e++) {
-        int n = off[e + 1] - off[e];
+    int C = s->n_embd, Fe = s->moe.expert_hidden;
+    const int32_t *off = r->off;
+    for (int j = 0; j < r->n; j++) {
+        int n = off[j + 1] - off[j];
         if (n > 0)
-            be->matmul_forward(act_at(m, a->hp, off[e], 2 * Fe), act_at(m, a->xp, off[e], C),
-                               WX(m, l, ROLE_EXPERT_GATE_W, e), NULL, n, C, 2 * Fe);
+            be->matmul_forward(act_at(m, r->h, off[j], 2 * Fe), act_at(m, r->x, off[j], C),
+                               WX(m, l, ROLE_EXPERT_GATE_W, r->e0 + j), NULL, n, C, 2 * Fe);
     }
-    be->swiglu_forward(a->hp_act, a->hp, off[E], Fe);
-    for (int e = 0; e < E; e++) {
-        int n = off[e + 1] - off[e];
+    if (off[r->n] > 0) be->swiglu_forward(r->h_act, r->h, off[r->n], Fe);
+    for (int j = 0; j < r->n; j++) {
+        int n = off[j + 1] - off[j];
         if (n > 0)
-            be->matmul_forward(act_at(m, a->yp, off[e], C), act_at(m, a->hp_act, off[e], Fe),
-                               WX(m, l, ROLE_EXPERT_DOWN_W, e), NULL, n, Fe, C);
+            be->matmul_forward(act_at(m, r->y, off[j], C), act_at(m, r->h_act, off[j], Fe),
+                               WX(m, l, ROLE_EXPERT_DOWN_W, r->e0 + j), NULL, n, Fe, C);
     }
 }
 
@@ -871,7 +1176,10 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     tp_drain(m);
     be->to_host(a->offsets_host, a->offsets, (size_t)(E + 1) * sizeof(int32_t));
     be->moe_gather(a->xp, a->ln2, a->src, a->offsets_host[E], C);
-    experts_forward(m, l, a);
+    ModelExpertRows rows;
+    expert_rows(m, l, &rows);
+    experts_forward(m, l, &rows);
+    if (m->epc.combine) m->epc.combine(m->epc.ctx, l, a->yp); /* the outputs back to their rows' ranks */
     /* Under tp every rank runs the whole layer on all N rows (experts are
      * replicated over tp) and adds its own residual rows. */
     size_t n = (size_t)res_rows(m, N) * C;
@@ -956,18 +1264,47 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     const ArchSpec *s = &m->shape;
     if (B > m->B || T > m->T || B * T > m->B * m->T)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: batch %dx%d exceeds the planned %dx%d", B, T, m->B, m->T);
-    int N = B * T, C = s->n_embd;
+    if (m->weight_pending)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_forward: this slot's weight part of its last backward has not run");
     if (m->tp > 1 && !m->tpc.all_reduce)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a tensor-parallel model without its collectives (model_set_tp)");
-    /* sequence parallelism needs rows that split evenly; other forwards
-     * (generation) run with every rank holding all rows: the same function */
+    if (m->ep > 1 && !m->epc.dispatch)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_forward: an expert-parallel model without its exchanges (model_set_ep)");
+    if (m->cp > 1) {
+        /* from here on T is this rank's rows per sequence: its two chunks
+         * of the sequence, padded at the end to 2 cp chunks (generation) */
+        if (!m->cpc.attention_forward)
+            kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a context-parallel model without its hooks (model_set_cp)");
+        if (targets && T % (2 * m->cp))
+            kiln_fail(KILN_EXIT_USAGE, "model_forward: %d tokens do not split into 2 x cp = %d chunks", T, 2 * m->cp);
+        int Tc = (T + 2 * m->cp - 1) / (2 * m->cp);
+        tokens = cp_take(m, m->cp_tok, tokens, B, T, Tc);
+        if (targets) targets = cp_take(m, m->cp_tgt, targets, B, T, Tc);
+        T = 2 * Tc;
+    }
+    int N = B * T, C = s->n_embd;
+    if (m->sp && m->cp == 1 && N % m->tp != 0) {
+        /* Sequence parallelism needs rows that split evenly. One sequence
+         * without targets (generation) is padded with its last token to a
+         * multiple of tp: attention is causal, so the padding changes no
+         * real position's logits (seq_len divides by tp: it fits). */
+        int Tp = (T + m->tp - 1) / m->tp * m->tp;
+        if (B != 1 || targets || dloss != 0.0f || Tp > m->T)
+            kiln_fail(KILN_EXIT_RUNTIME, "model_forward: %d x %d tokens do not split over the %d tp ranks (sequence "
+                      "parallelism pads only one sequence without targets)", B, T, m->tp);
+        memcpy(m->pad_host, tokens, (size_t)T * sizeof(int32_t));
+        for (int t = T; t < Tp; t++) m->pad_host[t] = tokens[T - 1];
+        return model_forward(m, m->pad_host, NULL, 1, Tp, 0.0f);
+    }
+    /* under cp a rank's rows that do not split over tp (generation) run
+     * with every tp rank holding them all: the same function */
     m->live_sp = m->sp && N % m->tp == 0;
+    if ((size_t)(m->live_sp ? N / m->tp : N) > m->res_rows)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_forward: %d x %d tokens exceed the residual stream's %zu rows", B, T,
+                  m->res_rows);
     be->to_device(m->tokens_dev, local_ids(m, m->tok_host, tokens, N), (size_t)N * sizeof(int32_t));
     int fuse_fwd = model_gelu_fused(m, 0);
     int train = dloss != 0.0f && (targets || !m->has_head);
-    if (train && m->sp && !m->live_sp)
-        kiln_fail(KILN_EXIT_USAGE, "keys 'parallel.sequence_parallel', 'batch.micro_batch': a training micro-batch of "
-                  "%d x %d tokens does not split over the %d tp ranks", B, T, m->tp);
     m->moe.aux = m->moe.z = 0;
 
     use_layer(m, -1, 0);
@@ -976,7 +1313,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
          * zero rows), rank 0 adds the positions, and the sum goes to the
          * residual rows */
         void *e = m->live_sp ? m->scratch : m->encoded;
-        be->embed_forward(e, m->tokens_dev, W(m, -1, ROLE_TOK_EMB), row_bias(m, -1, ROLE_POS_EMB), B, T, C);
+        embed_rows(m, e, B, T);
         const void *enc = row_reduce(m, e, m->encoded, N);
         if (enc != m->encoded) be->copy(m->encoded, enc, (size_t)N * C * m->act_bytes);
     }
@@ -987,6 +1324,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         mlp_forward(m, l, N, T, fuse_fwd, dloss, train);
         x = m->acts[l].res3;
     }
+    if (train && s->mlp == MLP_MOE) m->moe.aux_sum += m->moe.aux, m->moe.z_sum += m->moe.z;
     m->live_B = B;
     m->live_T = T;
     m->live_dloss = dloss;
@@ -1061,7 +1399,7 @@ static BackScratch back_scratch(const Model *m, int N) {
 }
 
 /* An expert with no rows this micro-batch: its gradients are zero (written
- * when this backward overwrites rather than adds). */
+ * when this backward overwrites rather than adds). e: global expert. */
 static void expert_zero_grads(const Model *m, int l, int e, int acc) {
     if (acc) return;
     const ArchSpec *s = &m->shape;
@@ -1078,7 +1416,6 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
     const ArchMoe *mo = &s->moe;
     const LayerActs *a = &m->acts[l];
     int C = s->n_embd, E = mo->n_experts, K = mo->top_k, Fe = mo->expert_hidden;
-    const int32_t *off = a->offsets_host;
     if (mo->n_shared > 0) {
         int S = mo->n_shared * Fe;
         be->matmul_backward(b->dbuf, G(m, l, ROLE_SHARED_DOWN_W), NULL, dtop, a->sh_act,
@@ -1090,24 +1427,35 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
         be->zero(b->dln, (size_t)N * C * m->act_bytes);
     }
     be->moe_combine_backward(b->dyp, b->dgates, dtop, a->yp, a->gates, a->row_of, N, K, C);
-    for (int e = 0; e < E; e++) {
-        int n = off[e + 1] - off[e];
+    /* the experts' rows: here, or (expert parallelism) dyp's rows sent to
+     * the experts' ranks and this rank's experts' rows received */
+    ModelExpertRows r;
+    if (m->epc.dispatch_grad) {
+        m->epc.dispatch_grad(m->epc.ctx, l, b->dyp, &r);
+    } else {
+        r = (ModelExpertRows){.e0 = 0, .n = E, .off = a->offsets_host, .x = a->xp, .h = a->hp, .h_act = a->hp_act,
+                              .y = a->yp, .dy = b->dyp, .dh_act = b->dhp_act, .dh = b->dhp, .dx = b->dxp};
+    }
+    const int32_t *off = r.off;
+    for (int j = 0; j < r.n; j++) {
+        int n = off[j + 1] - off[j], e = r.e0 + j;
         if (n == 0) continue;
-        be->matmul_backward(act_at(m, b->dhp_act, off[e], Fe), GX(m, l, ROLE_EXPERT_DOWN_W, e), NULL,
-                            act_at(m, b->dyp, off[e], C), act_at(m, a->hp_act, off[e], Fe),
+        be->matmul_backward(act_at(m, r.dh_act, off[j], Fe), GX(m, l, ROLE_EXPERT_DOWN_W, e), NULL,
+                            act_at(m, r.dy, off[j], C), act_at(m, r.h_act, off[j], Fe),
                             WX(m, l, ROLE_EXPERT_DOWN_W, e), n, Fe, C, acc);
     }
-    be->swiglu_backward(b->dhp, b->dhp_act, a->hp, off[E], Fe);
-    for (int e = 0; e < E; e++) {
-        int n = off[e + 1] - off[e];
+    if (off[r.n] > 0) be->swiglu_backward(r.dh, r.dh_act, r.h, off[r.n], Fe);
+    for (int j = 0; j < r.n; j++) {
+        int n = off[j + 1] - off[j], e = r.e0 + j;
         if (n == 0) {
             expert_zero_grads(m, l, e, acc);
             continue;
         }
-        be->matmul_backward(act_at(m, b->dxp, off[e], C), GX(m, l, ROLE_EXPERT_GATE_W, e), NULL,
-                            act_at(m, b->dhp, off[e], 2 * Fe), act_at(m, a->xp, off[e], C),
+        be->matmul_backward(act_at(m, r.dx, off[j], C), GX(m, l, ROLE_EXPERT_GATE_W, e), NULL,
+                            act_at(m, r.dh, off[j], 2 * Fe), act_at(m, r.x, off[j], C),
                             WX(m, l, ROLE_EXPERT_GATE_W, e), n, C, 2 * Fe, acc);
     }
+    if (m->epc.combine_grad) m->epc.combine_grad(m->epc.ctx, l, b->dxp); /* the inputs' gradient back */
     be->moe_gather_backward(b->dln, b->dxp, a->row_of, N, K, C);
     /* the router: its gates' gradient plus the aux and z losses' */
     be->moe_route_backward(b->dlogits, b->dgates, a->probs, a->topk, a->gates, a->router,
@@ -1120,12 +1468,31 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
     if (bi >= 0 && !acc) be->zero(m->gview[bi], (size_t)E * sizeof(float)); /* steered, not trained */
 }
 
+/* Which part of a backward runs: the whole, or the input part of a split
+ * one (the products' weight gradients left for model_backward_weight). */
+typedef enum { PART_WHOLE, PART_INPUT } BackPart;
+
+/* A product's weight (bias) gradient view, or NULL in the input part. */
+static float *GW(const Model *m, int l, int role, BackPart part) { return part == PART_INPUT ? NULL : G(m, l, role); }
+
+/* The input part keeps a product's output gradient (N rows of w act
+ * elements) for the weight part. */
+static void keep_grad(const Model *m, void *dst, const void *src, int N, size_t w, BackPart part) {
+    if (part == PART_INPUT && dst != src) m->be->copy(dst, src, (size_t)N * w * m->act_bytes);
+}
+
 /* d(res2) += through the MLP, from dres = d(res3). */
-static void mlp_backward(Model *m, int l, int N, const BackScratch *b, int acc, int fuse, int rec_act, int rec_norm) {
+static void mlp_backward(Model *m, int l, int N, const BackScratch *b, int acc, int fuse, int rec_act, int rec_norm,
+                         BackPart part) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
     const LayerActs *a = &m->acts[l];
     int C = s->n_embd, F = s->ffn_hidden;
+    /* the input part reads neither the MLP activation nor norm2's output
+     * (only the products' weight gradients do); MoE layers compute all of
+     * their gradients in it */
+    int input = part == PART_INPUT && s->mlp != MLP_MOE;
+    rec_act = rec_act && !input, rec_norm = rec_norm && !input;
     /* Recomputation (model.recompute) comes after use_layer: the layer's
      * parameters are gathered and its compute copy is fresh. The shared
      * buffers get this layer's values again by the forward's own ops on its
@@ -1146,17 +1513,19 @@ static void mlp_backward(Model *m, int l, int N, const BackScratch *b, int acc, 
          * recomputed values may differ from the forward's in the last bit:
          * see model.h) */
         if (rec_act) mlp_activation(m, a, N);
+        keep_grad(m, a->d_down, dtop, N, (size_t)C, part);
         if (fuse) {
-            be->matmul_backward_dgelu(b->dbuf2, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), dtop, a->fch_gelu,
-                                      W(m, l, ROLE_DOWN_W), a->fch, N, F, C, acc);
+            be->matmul_backward_dgelu(b->dbuf2, GW(m, l, ROLE_DOWN_W, part), GW(m, l, ROLE_DOWN_B, part), dtop,
+                                      a->fch_gelu, W(m, l, ROLE_DOWN_W), a->fch, N, F, C, acc);
         } else {
-            be->matmul_backward(b->dbuf, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), dtop, a->fch_gelu,
+            be->matmul_backward(b->dbuf, GW(m, l, ROLE_DOWN_W, part), GW(m, l, ROLE_DOWN_B, part), dtop, a->fch_gelu,
                                 W(m, l, ROLE_DOWN_W), N, F, C, acc);
             if (s->mlp == MLP_SWIGLU) be->swiglu_backward(b->dbuf2, b->dbuf, a->fch, N, F);
             else be->gelu_backward(b->dbuf2, a->fch, b->dbuf, (size_t)N * F);
         }
-        be->matmul_backward(b->dln, G(m, l, ROLE_FC_W), G(m, l, ROLE_FC_B), b->dbuf2, a->ln2, W(m, l, ROLE_FC_W), N,
-                            C, arch_fc_width(s), acc);
+        keep_grad(m, a->d_fc, b->dbuf2, N, (size_t)arch_fc_width(s), part); /* fch is read: after the GeLU's backward */
+        be->matmul_backward(b->dln, GW(m, l, ROLE_FC_W, part), GW(m, l, ROLE_FC_B, part), b->dbuf2, a->ln2,
+                            W(m, l, ROLE_FC_W), N, C, arch_fc_width(s), acc);
         dnorm = col_grad_reduce(m, b->dln, b->dfull, N);
     }
     norm_backward(m, b->dres, G(m, l, ROLE_MLP_NORM_W), G(m, l, ROLE_MLP_NORM_B), dnorm, a->res2,
@@ -1165,34 +1534,43 @@ static void mlp_backward(Model *m, int l, int N, const BackScratch *b, int acc, 
 
 /* d(x_in) += through attention, from dres = d(res2). */
 static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const BackScratch *b, int acc,
-                          int rec_norm) {
+                          int rec_norm, BackPart part) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
     const LayerActs *a = &m->acts[l];
     int N = B * T, C = s->n_embd, Q = arch_q_width(s);
     AttnShape sh = attn_shape(s, B, T);
+    rec_norm = rec_norm && part != PART_INPUT; /* norm1's output is read by qkv's weight gradient only */
     const void *dtop = grad_gather(m, b->dres, b->dfull, N); /* tp: all N rows */
-    be->matmul_backward(b->dbuf, G(m, l, ROLE_O_W), G(m, l, ROLE_O_B), dtop, a->atty, W(m, l, ROLE_O_W), N, Q, C,
-                        acc);
-    be->attention_backward(b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
-    if (s->pos == POS_ROPE) be->rope_backward(b->dqkv, m->rope, &sh, 0);
+    keep_grad(m, a->d_o, dtop, N, (size_t)C, part);
+    be->matmul_backward(b->dbuf, GW(m, l, ROLE_O_W, part), GW(m, l, ROLE_O_B, part), dtop, a->atty,
+                        W(m, l, ROLE_O_W), N, Q, C, acc);
+    if (m->cp > 1) m->cpc.attention_backward(m->cpc.ctx, b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
+    else be->attention_backward(b->dqkv, b->dbuf, a->qkv, a->atty, a->att_lse, &sh);
+    if (s->pos == POS_ROPE) rope_rows(m, b->dqkv, &sh, 1);
     if (s->qk_norm != QKNORM_NONE)
         be->qknorm_backward(b->dqkv, G(m, l, ROLE_Q_NORM), G(m, l, ROLE_K_NORM), a->qk_in, W(m, l, ROLE_Q_NORM),
                             W(m, l, ROLE_K_NORM), a->qk_rstd, &sh, s->qk_norm == QKNORM_HEAD, acc);
     if (rec_norm)
         norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, x_in, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B), N);
-    be->matmul_backward(b->dln, G(m, l, ROLE_QKV_W), G(m, l, ROLE_QKV_B), b->dqkv, a->ln1, W(m, l, ROLE_QKV_W), N, C,
-                        arch_qkv_width(s), acc);
+    keep_grad(m, a->d_qkv, b->dqkv, N, (size_t)arch_qkv_width(s), part); /* attention has read qkv */
+    be->matmul_backward(b->dln, GW(m, l, ROLE_QKV_W, part), GW(m, l, ROLE_QKV_B, part), b->dqkv, a->ln1,
+                        W(m, l, ROLE_QKV_W), N, C, arch_qkv_width(s), acc);
     const void *dnorm = col_grad_reduce(m, b->dln, b->dfull, N);
     norm_backward(m, b->dres, G(m, l, ROLE_ATTN_NORM_W), G(m, l, ROLE_ATTN_NORM_B), dnorm, x_in,
                   W(m, l, ROLE_ATTN_NORM_W), a->ln1_mean, a->ln1_rstd, res_rows(m, N), acc);
 }
 
-void model_backward(Model *m, int accumulate) {
+/* The whole backward, or its input part (see model_backward_input). */
+static void backward_run(Model *m, int accumulate, BackPart part) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
     if (!m->have_targets)
         kiln_fail(KILN_EXIT_RUNTIME, "model_backward: the last forward had dloss = 0 (or no targets with the head)");
+    if (m->weight_pending)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_backward: this slot's weight part of its last backward has not run");
+    if (part == PART_INPUT && !m->split_backward)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_backward_input: the activations were not planned for a split backward");
     int B = m->live_B, T = m->live_T, N = B * T;
     int C = s->n_embd, L = s->n_layer;
     BackScratch b = back_scratch(m, N);
@@ -1202,8 +1580,9 @@ void model_backward(Model *m, int accumulate) {
         int head = head_index(m);
         const void *x_last = m->acts[m->layer_hi - 1].res3;
         compute_refresh(m, L);
-        be->matmul_backward(b.dln, m->gview[head], NULL, m->logits, m->lnf, m->wview[head], N, C,
-                            s->padded_vocab, accumulate);
+        /* the input part keeps dlogits where they are, in the slot's logits */
+        be->matmul_backward(b.dln, part == PART_INPUT ? NULL : m->gview[head], NULL, m->logits, m->lnf,
+                            m->wview[head], N, C, s->padded_vocab, accumulate);
         const void *dnorm = col_grad_reduce(m, b.dln, b.dfull, N); /* tp: the head is column-parallel */
         be->zero(b.dres, (size_t)N * C * m->act_bytes);
         norm_backward(m, b.dres, G(m, -1, ROLE_FINAL_NORM_W), G(m, -1, ROLE_FINAL_NORM_B), dnorm, x_last,
@@ -1219,8 +1598,9 @@ void model_backward(Model *m, int accumulate) {
     for (int l = m->layer_hi - 1; l >= m->layer_lo; l--) {
         use_layer(m, l, 1);
         const void *x_in = l > m->layer_lo ? m->acts[l - 1].res3 : m->encoded;
-        mlp_backward(m, l, N, &b, acc_layer, fuse_bwd, rec_act, rec_norm);
-        attn_backward(m, l, x_in, B, T, &b, acc_layer, rec_norm);
+        mlp_backward(m, l, N, &b, acc_layer, fuse_bwd, rec_act, rec_norm, part);
+        attn_backward(m, l, x_in, B, T, &b, acc_layer, rec_norm, part);
+        if (part == PART_INPUT) continue; /* the layer's gradients are complete after its weight part */
         if (m->tpc.grads_done) m->tpc.grads_done(m->tpc.ctx, l);
         if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, l);
     }
@@ -1234,17 +1614,78 @@ void model_backward(Model *m, int accumulate) {
         /* tp: every rank scatters the gradient of all N rows into its own
          * vocabulary rows; each computes the whole position gradient */
         const void *dtop = grad_gather(m, b.dres, b.dfull, N);
-        be->embed_backward(dwte, G(m, -1, ROLE_POS_EMB), dtop, m->tokens_dev, B, T, C, accumulate);
+        embed_rows_backward(m, dtop, B, T, accumulate);
+    } else if (m->stage_din) {
+        /* the input's gradient, this rank's rows of it, for the previous stage */
+        be->copy(m->stage_din, b.dres, (size_t)res_rows(m, N) * C * m->act_bytes);
+    }
+    m->have_targets = 0;
+    if (part == PART_INPUT) {
+        m->weight_pending = 1;
+        return;
     }
     if (m->tpc.grads_done) m->tpc.grads_done(m->tpc.ctx, -1);
     if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, -1);
-    m->have_targets = 0;
+}
+
+void model_backward(Model *m, int accumulate) { backward_run(m, accumulate, PART_WHOLE); }
+
+void model_backward_input(Model *m, int accumulate) { backward_run(m, accumulate, PART_INPUT); }
+
+void model_backward_weight(Model *m, int accumulate) {
+    const Backend *be = m->be;
+    const ArchSpec *s = &m->shape;
+    if (!m->weight_pending)
+        kiln_fail(KILN_EXIT_RUNTIME, "model_backward_weight: no input part of a backward ran on this slot before");
+    int B = m->live_B, T = m->live_T, N = B * T;
+    int C = s->n_embd, L = s->n_layer, F = s->ffn_hidden, Q = arch_q_width(s);
+    if (m->has_head) { /* dlogits (N,Vp) are still in the slot's logits */
+        int head = head_index(m);
+        compute_refresh(m, L);
+        be->matmul_backward(NULL, m->gview[head], NULL, m->logits, m->lnf, m->wview[head], N, C, s->padded_vocab,
+                            accumulate);
+    }
+    int acc = accumulate && !m->layer_grads_fresh;
+    int rec_act = m->recompute >= MODEL_RECOMPUTE_GELU && s->mlp != MLP_MOE;
+    int rec_norm = m->recompute >= MODEL_RECOMPUTE_NORM_GELU;
+    for (int l = m->layer_hi - 1; l >= m->layer_lo; l--) {
+        use_layer(m, l, 1);
+        const LayerActs *a = &m->acts[l];
+        const void *x_in = l > m->layer_lo ? m->acts[l - 1].res3 : m->encoded;
+        /* each product's weight gradient from its kept output gradient and
+         * its input: recomputed by the forward's op where model.recompute
+         * dropped it (norm2's, the MLP activation, norm1's) */
+        if (s->mlp != MLP_MOE) {
+            if (rec_norm)
+                norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W),
+                        W(m, l, ROLE_MLP_NORM_B), N);
+            if (rec_act) mlp_activation(m, a, N);
+            be->matmul_backward(NULL, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), a->d_down, a->fch_gelu,
+                                W(m, l, ROLE_DOWN_W), N, F, C, acc);
+            be->matmul_backward(NULL, G(m, l, ROLE_FC_W), G(m, l, ROLE_FC_B), a->d_fc, a->ln2, W(m, l, ROLE_FC_W), N,
+                                C, arch_fc_width(s), acc);
+        }
+        be->matmul_backward(NULL, G(m, l, ROLE_O_W), G(m, l, ROLE_O_B), a->d_o, a->atty, W(m, l, ROLE_O_W), N, Q, C,
+                            acc);
+        if (rec_norm)
+            norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, x_in, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B),
+                    N);
+        be->matmul_backward(NULL, G(m, l, ROLE_QKV_W), G(m, l, ROLE_QKV_B), a->d_qkv, a->ln1, W(m, l, ROLE_QKV_W),
+                            N, C, arch_qkv_width(s), acc);
+        if (m->tpc.grads_done) m->tpc.grads_done(m->tpc.ctx, l);
+        if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, l);
+    }
+    if (m->tpc.grads_done) m->tpc.grads_done(m->tpc.ctx, -1);
+    if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, -1);
+    m->weight_pending = 0;
+    (void)B;
 }
 
 void model_moe_reset(Model *m) {
     if (!m->moe.load) return;
     memset(m->moe.load, 0, (size_t)m->shape.n_layer * m->shape.moe.n_experts * sizeof(int64_t));
     m->moe.routed = m->moe.drops = 0;
+    m->moe.aux_sum = m->moe.z_sum = 0;
 }
 
 void model_moe_update_bias(Model *m, const int64_t *load) {
@@ -1270,6 +1711,12 @@ void model_moe_update_bias(Model *m, const int64_t *load) {
 
 void model_logits_row(const Model *m, int b, int t, float *out) {
     size_t row = (size_t)b * m->live_T + (size_t)t, Vp = (size_t)m->shape.padded_vocab;
+    int root = 0; /* cp: the rank holding position t */
+    if (m->cp > 1) {
+        int Tc = m->live_T / 2, g = t / Tc, c = g >= m->cp;
+        root = c ? 2 * m->cp - 1 - g : g;
+        row = ((size_t)c * m->live_B + b) * Tc + (size_t)(t % Tc);
+    }
     const char *src = (const char *)m->logits + row * Vp * m->act_bytes;
     if (m->tp > 1) { /* every rank's columns, in rank order: the global vocabulary */
         m->be->copy((char *)m->row_dev + (size_t)m->tp_rank * Vp * m->act_bytes, src, Vp * m->act_bytes);
@@ -1277,6 +1724,11 @@ void model_logits_row(const Model *m, int b, int t, float *out) {
         src = m->row_dev;
     }
     size_t n = (size_t)m->gshape.padded_vocab;
+    if (m->cp > 1) { /* the other cp ranks computed another chunk's rows: root's row to all */
+        if (src != m->row_dev) m->be->copy(m->row_dev, src, n * m->act_bytes);
+        m->cpc.broadcast(m->cpc.ctx, m->row_dev, n, root);
+        src = m->row_dev;
+    }
     tp_drain(m);
     m->be->to_host(m->row_host, src, n * m->act_bytes);
     backend_act_to_f32(out, m->row_host, n, m->act_bytes);
@@ -1313,10 +1765,12 @@ void model_load_llmc(Model *m, const char *path) {
         s->head_dim * s->n_head != s->n_embd)
         kiln_fail(KILN_EXIT_USAGE, "%s: an llm.c checkpoint is a GPT-2 (model.arch: gpt2 with its defaults); the "
                   "config's model differs (key 'init.from')", path);
-    FILE *f = fopen(path, "rb");
+    uint64_t fsize;
+    int fd = kiln_open_read(path, 0, &fsize);
+    FILE *f = fd >= 0 ? fdopen(fd, "rb") : NULL;
     if (!f) {
         kiln_fail_hint(KILN_EXIT_USAGE, "init.from names an llm.c GPT-2 checkpoint such as gpt2_124M.bin",
-                       "%s: cannot open llm.c checkpoint (key 'init.from')", path);
+                       "%s: cannot open llm.c checkpoint (key 'init.from'): %s", path, kiln_strerror(errno));
     }
     int32_t h[256];
     if (fread(h, sizeof(int32_t), 256, f) != 256) {
@@ -1350,12 +1804,10 @@ void model_load_llmc(Model *m, const char *path) {
     size_t per_layer_sizes[12] = {Cz, Cz, 3 * Cz * Cz, 3 * Cz, Cz * Cz, Cz, Cz, Cz, 4 * Cz * Cz, 4 * Cz, 4 * Cz * Cz, Cz};
     size_t total = (size_t)Vp * Cz + (size_t)maxT * Cz + 2 * Cz;
     for (int k = 0; k < 12; k++) total += Lz * per_layer_sizes[k];
-    fseek(f, 0, SEEK_END);
-    long fsize = ftell(f);
-    if (fsize < 0 || (size_t)fsize != 1024 + total * sizeof(float)) {
+    if (fsize != 1024 + total * sizeof(float)) {
         fclose(f);
-        kiln_fail(KILN_EXIT_USAGE, "%s: file holds %ld bytes but its header implies %zu (truncated or not fp32)", path,
-                  fsize, 1024 + total * sizeof(float));
+        kiln_fail(KILN_EXIT_USAGE, "%s: file holds %llu bytes but its header implies %zu (truncated or not fp32)", path,
+                  (unsigned long long)fsize, 1024 + total * sizeof(float));
     }
     fseek(f, 1024, SEEK_SET);
     float *src = xmalloc(total * sizeof(float));

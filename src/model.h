@@ -23,7 +23,9 @@
  * by (layer, role, expert), never by name or index arithmetic. In memory the
  * arena holds the weight-decayed tensors first, then the rest, so the
  * optimizer updates two contiguous ranges (ZeRO-2 and -3 lay it out layer by
- * layer instead: model_layout_by_unit); a tensor marked `follows` sits right
+ * layer instead: model_layout_by_unit; expert parallelism puts this rank's
+ * experts, all decayed, before the other decayed tensors, so that they
+ * reduce as one range over their own group); a tensor marked `follows` sits right
  * after the one before it, so the two are read as one product (Llama's q, k,
  * v; SwiGLU's gate and up). The block graph and its formulas:
  * docs/architectures.md. */
@@ -113,7 +115,7 @@ typedef struct LayerActs {
     void *qk_in;                /* (N,(NH+NKV)HD) q, k before QK-norm; NULL without it */
     float *qk_rstd;             /* (N,G) QK-norm statistics */
     void *atty;                 /* (N,NH HD) */
-    float *att_lse;             /* (B,NH,T) */
+    float *att_lse;             /* (B,NH,T); cp: (2,B,NH,Tc), one per local chunk (cp.h) */
     void *res2;                 /* (N,C) residual after attention */
     void *ln2;                  /* (N,C) */
     float *ln2_mean, *ln2_rstd; /* (N) */
@@ -127,12 +129,18 @@ typedef struct LayerActs {
     int32_t *offsets_host;      /* (E+1) host copy: the experts' row ranges */
     void *xp, *hp, *hp_act, *yp; /* (R,C) (R,2Fe) (R,Fe) (R,C) */
     void *sh, *sh_act;          /* (N,2S) (N,S) shared experts */
+    /* A split backward (model_backward_input, then model_backward_weight):
+     * the output gradients of the four products, kept from the input part for
+     * the weight part, in buffers the input part no longer needs (qkv, res2,
+     * fch, res3) or, where recomputation still reads those, their own. */
+    void *d_qkv, *d_o, *d_fc, *d_down; /* (N,QKVW) (N,C) (N,FCW) (N,C); dense MLP only for d_fc, d_down */
 } LayerActs;
 
 /* Per-step MoE figures of the last training forward, summed over MoE layers
  * (aux, z) or over layers and micro-batches since model_moe_reset (loads). */
 typedef struct ModelMoeStats {
     double aux, z;         /* last forward: sum over layers of the aux and z losses */
+    double aux_sum, z_sum; /* since reset: aux and z of every training forward, added up */
     int64_t *load;         /* (n_layer, E) since reset: slots routed to each expert */
     int64_t routed, drops; /* since reset: slots routed, and dropped by capacity */
 } ModelMoeStats;
@@ -180,18 +188,99 @@ typedef struct ModelTp {
     void (*drain)(void *ctx);
 } ModelTp;
 
+#define MODEL_MAX_CHUNKS 16
+
+/* The rows one rank's routed experts run on in an MoE layer: without expert
+ * parallelism the layer's own permuted rows for all E experts; with it, the
+ * rows the ep group sent to this rank's experts (ModelEp). Local expert j,
+ * global expert e0 + j, owns rows [off[j], off[j+1]); R = off[n]. */
+typedef struct ModelExpertRows {
+    int e0, n;                   /* first global expert, experts here */
+    const int32_t *off;          /* (n+1) host */
+    void *x, *h, *h_act;         /* (R,C) (R,2Fe) (R,Fe) act: inputs and the forward's saved activations */
+    void *y;                     /* (R,C) act: the forward's outputs */
+    void *dy, *dh_act, *dh, *dx; /* backward: (R,C) the outputs' gradient; scratch (R,Fe) (R,2Fe); (R,C)
+                                    the inputs' gradient */
+} ModelExpertRows;
+
+/* Expert parallelism (ep.c fills it; model.c itself never communicates):
+ * the all-to-all exchanges of an MoE layer, over the ep group. NULL table
+ * (ep 1): the layer runs every expert on its own rows.
+ *  dispatch: xp (R,C) act holds layer l's permuted rows, expert e's at
+ *   [offsets[e], offsets[e+1]) (offsets (E+1) host, global experts, so the
+ *   rows for each rank are contiguous): each goes to its expert's rank;
+ *   *rows gets the rows this rank's experts run on (x, h, h_act, y, off).
+ *  combine: rows->y of the last dispatch of layer l back to where each row
+ *   came from: yp (R,C) gets its rows' expert outputs, in xp's order.
+ *  dispatch_grad: the backward's dispatch: dyp (R,C), yp's gradient, to the
+ *   experts' ranks; *rows as dispatch gave, with dy filled and the scratch.
+ *  combine_grad: rows->dx back into dxp (R,C), xp's gradient. */
+typedef struct ModelEp {
+    void *ctx;
+    void (*dispatch)(void *ctx, int layer, const void *xp, const int32_t *offsets, ModelExpertRows *rows);
+    void (*combine)(void *ctx, int layer, void *yp);
+    void (*dispatch_grad)(void *ctx, int layer, const void *dyp, ModelExpertRows *rows);
+    void (*combine_grad)(void *ctx, int layer, void *dxp);
+} ModelEp;
+
+/* Context parallelism (cp.c fills it; model.c itself never communicates).
+ * Layout: each sequence of T tokens is 2 cp chunks of Tc = T / (2 cp)
+ * tokens; cp rank r holds chunks model_cp_chunk(cp, r, 0) = r and
+ * model_cp_chunk(cp, r, 1) = 2 cp - 1 - r, and its N = B 2 Tc rows are
+ * chunk-major: [its first chunk of every sequence | its second chunk of
+ * every sequence], two (B, Tc) blocks. Everything per token runs on these
+ * rows (embeddings and RoPE at the chunks' global positions); attention
+ * needs every earlier key, through the hooks:
+ *  attention_forward / attention_backward: backend.h's attention ops for
+ *   the local rows (s: B sequences of T = 2 Tc local rows), over the whole
+ *   sequence; lse (N NH floats) laid out as the hook likes.
+ *  broadcast: buf (n) act from cp rank root to every cp rank (a logits row).
+ * NULL table (cp 1): the model runs the backend's attention ops. */
+typedef struct ModelCp {
+    void *ctx;
+    void (*attention_forward)(void *ctx, void *out, float *lse, const void *qkv, const AttnShape *s);
+    void (*attention_backward)(void *ctx, void *dqkv, const void *dout, const void *qkv, const void *out,
+                               const float *lse, const AttnShape *s);
+    void (*broadcast)(void *ctx, void *buf, size_t n, int root);
+} ModelCp;
+/* Global chunk index of local chunk c (0, 1) on cp rank `rank` of cp. */
+static inline int model_cp_chunk(int cp, int rank, int c) { return c ? 2 * cp - 1 - rank : rank; }
+
 /* model_init's options. */
 typedef struct ModelOptions {
     int decay_embeddings; /* optim.decay_embeddings */
     int layer_lo, layer_hi; /* a pipeline stage: layers [lo, hi) (0, 0: all); the embeddings come with
                                layer 0, the final norm and head with the last (arch_tensor_in_stage) */
+    int chunks;           /* > 1: an interleaved pipeline rank's chunks instead, chunk c the layers
+                             [chunk_lo[c], chunk_hi[c]) (ascending, disjoint); the tensors of all */
+    int chunk_lo[MODEL_MAX_CHUNKS], chunk_hi[MODEL_MAX_CHUNKS];
     int master_bf16;      /* precision.master bf16 (see the top): the backend must have bf16
                              activations and adamw_update_p16, else exit 2 naming the key */
     int tp, tp_rank;      /* tensor parallelism: this rank's part of a model split over tp ranks
                              (0, 0: one rank); the spec must pass arch_tp_check */
     int sequence_parallel;/* tp > 1: norms and residuals on N/tp-row shards of the tokens */
+    int ep, ep_rank;      /* expert parallelism: this rank holds experts [ep_rank E/ep, (ep_rank+1) E/ep)
+                             of every MoE layer, the first in its arena (0, 0: all; ep divides E) */
+    int cp, cp_rank;      /* context parallelism: this rank's two chunks of every sequence (ModelCp;
+                             0, 0: whole sequences) */
 } ModelOptions;
 
+
+/* One activation set (model_plan_slots): what one micro-batch in flight
+ * keeps from its forward to its backward on one chunk of layers. The
+ * active set's fields are the Model's own (encoded, acts, lnf, ...; the
+ * forward and backward read those); model_use_slot swaps them. */
+typedef struct ModelSlot {
+    int chunk;
+    LayerActs *acts;               /* [n_layer]: the chunk's layers */
+    void *encoded;                 /* (N,C) */
+    void *stage_dout, *stage_din;  /* (N,C): a chunk without the head / without the embeddings, else NULL */
+    void *lnf, *logits;            /* (N,C) (N,Vp): the chunk with the head */
+    float *lnf_mean, *lnf_rstd, *losses, *aux;
+    int32_t *tokens_dev, *targets_dev; /* (N) */
+    int live_B, live_T, live_sp, have_targets, weight_pending;
+    float live_dloss;
+} ModelSlot;
 
 typedef struct Model {
     ArchSpec shape;     /* what this rank computes: the spec, or under tp its local part (arch_tp_local) */
@@ -199,11 +288,21 @@ typedef struct Model {
     int tp, tp_rank;    /* tensor parallelism: ranks and this one's place (tp 1: none) */
     int sp;             /* sequence parallelism (tp > 1): the residual stream is row-sharded */
     int live_sp;        /* the last forward ran sequence-parallel (sp, and B*T divides by tp) */
+    size_t res_rows;    /* rows the residual stream's buffers hold (N, or N/tp under sp) */
     int vocab_lo;       /* first global vocabulary row of this rank's embedding and head */
     ModelTp tpc;        /* the tp collectives (model_set_tp); all NULL: tp 1 */
+    int ep, ep_rank;    /* expert parallelism: ranks and this one's place (ep 1: none) */
+    int expert_lo, n_experts_here; /* the routed experts this rank holds: [lo, lo + n) of each MoE layer */
+    size_t expert_len;  /* ep > 1: the arena's [0, expert_len) holds them (and padding), every other
+                           tensor after it (decayed first); 0 with ep 1 */
+    ModelEp epc;        /* the ep exchanges (model_set_ep); all NULL: ep 1 */
+    int cp, cp_rank;    /* context parallelism: ranks and this one's place (cp 1: none) */
+    ModelCp cpc;        /* the cp hooks (model_set_cp); all NULL: cp 1 */
     const Backend *be;
-    int layer_lo, layer_hi;   /* the layers this model runs: [lo, hi) of shape.n_layer */
+    int layer_lo, layer_hi;   /* the layers this model runs: [lo, hi) of shape.n_layer (the active chunk's) */
     int has_embed, has_head;  /* lo == 0: embeds tokens; hi == n_layer: the final norm, head and loss */
+    int n_chunks;             /* pipeline chunks (1 but for interleaved schedules) */
+    int chunk_lo[MODEL_MAX_CHUNKS], chunk_hi[MODEL_MAX_CHUNKS];
 
     int num_tensors;
     ParamInfo *params; /* [num_tensors], listing order */
@@ -244,11 +343,12 @@ typedef struct Model {
     int gelu_fusion;    /* 1 (model_init's default; precision.gelu_fusion auto): the MLP's fc
                            product and its GeLU run as the backend's fused ops where it offers
                            them (model_gelu_fused); 0 (off): always as separate ops */
-    int live_B, live_T; /* shape of the last forward */
+    int live_B, live_T; /* shape of the last forward (cp: live_T local rows per sequence, 2 Tc) */
     void *act_mem;
     size_t act_size;  /* bytes */
     void *encoded;    /* (N,C) the embeddings, or a later stage's input (model_stage_input) */
     void *stage_dout; /* (N,C) a stage without the head: the gradient of its output (model_stage_output_grad) */
+    void *stage_din;  /* (N,C) a stage without the embeddings: the gradient of its input (model_stage_input_grad) */
     LayerActs *acts;  /* [n_layer] */
     void *lnf;        /* (N,C) */
     float *aux;       /* (n_layer, B, E) device: the aux loss's gradient per sequence and expert */
@@ -259,14 +359,22 @@ typedef struct Model {
     float *losses;    /* (N) device */
     void *scratch;    /* forward: projection outputs; backward: gradient buffers */
     int32_t *tokens_dev, *targets_dev; /* (N) */
+    int32_t *cp_tok, *cp_tgt;          /* cp > 1: (N) host, this rank's chunks of the tokens and targets */
     float *losses_host; /* (N) */
     void *row_host;     /* (tp Vp) act: one logits row on its way to the host */
     /* tensor parallelism (tp > 1) */
     int32_t *tok_host, *tgt_host; /* (N) host: token and target ids as local vocabulary rows, -1 elsewhere */
+    int32_t *pad_host;  /* (T) host: one sequence padded to a multiple of tp (sequence parallelism) */
     float *xent_stats;  /* device (N,3) this rank's cross-entropy statistics, then (tp,N,3) all */
-    void *row_dev;      /* device (tp Vp) act: one logits row gathered over the tp ranks */
+    void *row_dev;      /* device (tp Vp) act: one logits row gathered over the tp ranks (and broadcast over cp) */
     int have_targets;   /* last forward had targets (backward allowed) */
+    int weight_pending; /* model_backward_input ran, model_backward_weight not yet */
     float live_dloss;   /* its dloss: the aux and z losses' gradient scale */
+    /* activation sets (model_plan_slots): slots[chunk_slot0[c] + k] is slot k of chunk c */
+    ModelSlot *slots;
+    int n_slots, cur_slot;
+    int chunk_slot0[MODEL_MAX_CHUNKS], chunk_slots[MODEL_MAX_CHUNKS];
+    int split_backward; /* planned for model_backward_input / _weight */
 } Model;
 
 /* Build the parameter table of the resolved spec `s` (arch_resolve) and
@@ -278,6 +386,17 @@ void model_set_hooks(Model *m, const ModelHooks *h);
 /* Install the tensor-parallel collectives (see ModelTp); needed before a
  * forward when tp > 1. */
 void model_set_tp(Model *m, const ModelTp *t);
+/* Install the expert-parallel exchanges (see ModelEp); needed before a
+ * forward when ep > 1. */
+void model_set_ep(Model *m, const ModelEp *e);
+/* Grow the arena's expert region to n >= expert_len floats (zeros at its
+ * end), moving every other tensor up by the difference, so it splits into
+ * equal ZeRO blocks over the EDP group. Keeps the parameter values. */
+void model_pad_experts(Model *m, size_t n);
+
+/* Install the context-parallel hooks (see ModelCp); needed before a forward
+ * when cp > 1. */
+void model_set_cp(Model *m, const ModelCp *c);
 /* Tensor i's boxes in its global tensor (ModelBox); returns how many. */
 int model_tp_boxes(const Model *m, int i, ModelBox box[MODEL_MAX_BOXES]);
 /* Table row of (layer, role, expert) (layer -1 for non-layer roles, expert
@@ -332,8 +451,26 @@ void model_init_weights(Model *m, uint64_t seed);
 
 /* Plan and allocate activations for micro-batches up to B x T (T <= seq_len),
  * keeping or recomputing per `r`. The only activation allocation: forward
- * and backward allocate nothing. */
+ * and backward allocate nothing. One set per chunk (model_plan_slots).
+ * Under cp, T is the whole sequence (a multiple of 2 cp) and the buffers
+ * hold this rank's B x T / cp rows. */
 void model_plan_activations(Model *m, int B, int T, ModelRecompute r);
+/* The same with slots[c] activation sets for chunk c (a pipeline schedule's
+ * micro-batches in flight; slots NULL: one each), and with split 1 the
+ * buffers a split backward keeps (LayerActs.d_*). Each set holds its own
+ * input, per-layer activations, head outputs, output and input gradients
+ * and token ids; recomputation's shared buffers and the scratch are shared
+ * by all. */
+void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots, int split);
+/* Make slot k of chunk c the active set: the forward and backward that
+ * follow run chunk c's layers on its buffers. */
+void model_use_slot(Model *m, int chunk, int k);
+/* A set's stage buffers (as model_stage_* below, for set (chunk, k) whether
+ * active or not): its input, output, output gradient, input gradient. */
+void *model_slot_input(const Model *m, int chunk, int k);
+const void *model_slot_output(const Model *m, int chunk, int k);
+void *model_slot_output_grad(const Model *m, int chunk, int k);
+const void *model_slot_input_grad(const Model *m, int chunk, int k);
 
 /* Whether the forward (backward = 0) or the backward (1) runs the fc product
  * and its GeLU as one fused op (backend.h: matmul_gelu_forward,
@@ -349,7 +486,12 @@ int model_gelu_fused(const Model *m, int backward);
 /* Forward. tokens, targets: host (B,T). With targets, returns the mean loss
  * and fills losses_host; else returns 0 and leaves logits intact. With
  * dloss != 0 the logits buffer is turned into dlogits for model_backward
- * (dloss = 1 / (B*T*grad_accum) for a mean over the optimizer step). */
+ * (dloss = 1 / (B*T*grad_accum) for a mean over the optimizer step).
+ * Under cp every cp rank passes the same whole (B,T) batch and computes its
+ * chunks (ModelCp): the mean loss and losses_host are of its B T / cp
+ * tokens (the caller averages over the cp ranks; dloss stays 1 / (B T
+ * accum ...) of the whole sequence). T must divide by 2 cp for training; a
+ * forward without targets (generation) pads the sequence at its end. */
 float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T,
                     float dloss);
 
@@ -357,6 +499,14 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
  * on the stage with the head). accumulate = 0 on the first micro-batch of a
  * step (gradients overwritten). */
 void model_backward(Model *m, int accumulate);
+/* The same backward in two parts (zero-bubble schedules; planned with
+ * split): the input part computes every input gradient, the norm, QK-norm,
+ * embedding and MoE gradients, and keeps the products' output gradients;
+ * the weight part, later, the products' weight and bias gradients from them
+ * (recomputing what model.recompute dropped), then the grads_done hooks.
+ * Together they give model_backward's gradients to the bit. */
+void model_backward_input(Model *m, int accumulate);
+void model_backward_weight(Model *m, int accumulate);
 
 /* Pipeline stages (ModelOptions.layer_lo/hi). A stage without the embeddings
  * reads its input (N,C) act from model_stage_input, which the caller fills
@@ -373,9 +523,16 @@ const void *model_stage_output(const Model *m);
 void *model_stage_output_grad(const Model *m);
 const void *model_stage_input_grad(const Model *m);
 
+/* Rows of the residual stream a stage holds and sends for a B x T batch:
+ * its own B T / tp under sequence parallelism (one sequence padded to a
+ * multiple of tp first, as model_forward does), else all B T (of this
+ * rank's rows under cp). */
+int model_stage_rows(const Model *m, int B, int T);
+
 /* Host copy of logits row (b, t) after a forward without targets:
  * gshape.padded_vocab floats (converted from the activation dtype). Under tp
- * a collective: every tp rank calls it, and the row is gathered. */
+ * a collective: every tp rank calls it, and the row is gathered; under cp
+ * too (t is the global position; its chunk's rank broadcasts the row). */
 void model_logits_row(const Model *m, int b, int t, float *out);
 
 /* Counts (arch.h has the formulas): the tensors this rank holds (under tp,
@@ -388,11 +545,23 @@ size_t model_num_nonembedding_params(const Model *m);
  * bytes; with X = the (N,F) and Y = the (N,C) buffer so rounded, GELU is
  * (L-1) X smaller than NONE (L kept, one shared), NORM_GELU (2L-1) Y more. */
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r);
-/* The same for one rank of a model split over tp ranks (ModelOptions.tp):
- * its local widths, all N rows of every buffer (sequence parallelism keeps
- * the whole-sequence buffers that the column-parallel products read), and
- * tp's own buffers. */
-size_t model_activation_bytes_tp(const ArchSpec *s, int tp, int B, int T, size_t act_bytes, ModelRecompute r);
+/* The same for one rank of a model split over tp ranks (ModelOptions.tp)
+ * and cp ranks (ModelOptions.cp): its local widths, its B x T / cp rows,
+ * tp's own buffers, and with sequence parallelism (sp, cp 1) the residual
+ * stream's buffers at N/tp rows (the norms' outputs, which the
+ * column-parallel products read, keep all N rows); cp.c's K/V buffers are
+ * not in the arena (cp_buffer_bytes); with ep > 1 (ModelOptions.ep) neither
+ * are the expert side's, which are ep.c's (ep_buffer_bytes). */
+size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, int sp, int B, int T, size_t act_bytes,
+                                   ModelRecompute r);
+
+/* The same for a pipeline rank (tp 1: the spec itself; sp its sequence
+ * parallelism): its chunks, chunk c the layers [lo[c], hi[c]) in slots[c]
+ * activation sets, with the kept output gradients of a split backward when
+ * split: exactly what model_plan_slots allocates (cp 1). */
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int B, int T, size_t act_bytes,
+                                    ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
+                                    int split);
 
 /* MoE: zero the loads and drop counts (the start of an optimizer step). */
 void model_moe_reset(Model *m);

@@ -1,4 +1,4 @@
-/* optim: schedules, clipping, AdamW and Lion. The update arithmetic is the
+/* optim: schedules, clipping, AdamW, Lion and Muon's per-matrix steps. The update arithmetic is the
  * backend's (adamw_update, lion_update, sumsq); this file decides what to
  * call with which numbers. */
 #include "optim.h"
@@ -90,6 +90,7 @@ int optim_kind(const char *name) {
     if (strcmp(name, "adamw") == 0) return OPTIM_ADAMW;
     if (strcmp(name, "lion") == 0) return OPTIM_LION;
     if (strcmp(name, "muon") == 0) return OPTIM_MUON;
+    if (strcmp(name, "adafactor") == 0) return OPTIM_ADAFACTOR;
     return -1;
 }
 
@@ -104,14 +105,31 @@ static int mat_cmp(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+/* Each owner's matrices back to back in optim's order: mom is where a
+ * matrix's momentum starts in its owner's mm; this rank's mm (mm_len) zero. */
+static void muon_place_momentum(AdamW *o, int rank) {
+    int owners = 1;
+    for (int i = 0; i < o->nmat; i++) owners = o->mats[i].owner >= owners ? o->mats[i].owner + 1 : owners;
+    size_t *len = xcalloc((size_t)owners, sizeof(size_t));
+    for (int i = 0; i < o->nmat; i++) {
+        OptimMatrix *x = &o->mats[i];
+        x->mom = len[x->owner];
+        len[x->owner] += (size_t)x->rows * x->cols;
+    }
+    o->mm_len = rank < owners ? len[rank] : 0;
+    free(len);
+    if (o->mm) o->be->free(o->mm);
+    o->mm = o->be->alloc((o->mm_len + 1) * sizeof(float)); /* one at least: a rank may own none */
+}
+
 void optim_set_muon(AdamW *o, const OptimMatrix *mats, int nmat, float momentum, int ns_steps) {
     const Backend *be = o->be;
     if (!be->newton_schulz || !be->muon_momentum || !be->muon_apply)
-        kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': muon: the %s backend has no Newton-Schulz op yet; use "
+        kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': muon: the %s backend has no Newton-Schulz op; use "
                   "device: cpu, or optim.name adamw or lion", be->name);
-    if (o->state_bytes != 4 || o->param_bytes != 4 || o->lo != 0 || o->hi != o->n)
-        kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': muon needs fp32 state and parameters and the whole "
-                  "optimizer state on every rank (parallel.zero 0)");
+    if (o->state_bytes != 4 || o->param_bytes != 4)
+        kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': muon keeps fp32 state and parameters; use "
+                  "precision.optim_state: fp32 and precision.master: fp32");
     o->kind = OPTIM_MUON;
     o->momentum = momentum;
     o->ns_steps = ns_steps;
@@ -121,12 +139,72 @@ void optim_set_muon(AdamW *o, const OptimMatrix *mats, int nmat, float momentum,
     qsort(o->mats, (size_t)nmat, sizeof *mats, mat_cmp);
     size_t most = 1, work = 1;
     for (int i = 0; i < nmat; i++) {
-        size_t r = (size_t)mats[i].rows, c = (size_t)mats[i].cols, a = r < c ? r : c;
+        OptimMatrix *x = &o->mats[i];
+        if (!x->grows) x->grows = x->rows, x->gcols = x->cols, x->tp_dim = -1; /* no tp: the part is all */
+        x->owner = 0;
+        size_t r = (size_t)x->grows, c = (size_t)x->gcols, a = r < c ? r : c;
         if (r * c > most) most = r * c;
-        if (2 * r * c + 2 * a * a > work) work = 2 * r * c + 2 * a * a;
+        if (2 * r * c + 2 * a * a + 256 > work) work = 2 * r * c + 2 * a * a + 256; /* backend.h newton_schulz */
     }
+    muon_place_momentum(o, 0);
     o->u = be->alloc(most * sizeof(float));
     o->ns_work = be->alloc(work * sizeof(float));
+}
+
+void optim_muon_own(AdamW *o, const int *owner, int rank) {
+    for (int i = 0; i < o->nmat; i++) o->mats[i].owner = owner[i];
+    muon_place_momentum(o, rank);
+    o->muon_dist = 1;
+    o->muon_rank = rank;
+}
+
+int optim_muon_owned(const AdamW *o, int k) { return o->mats[k].owner == o->muon_rank; }
+
+void optim_muon_momentum(AdamW *o, int k, const float *g, float grad_scale, float *out) {
+    const OptimMatrix *x = &o->mats[k];
+    o->be->muon_momentum(out, o->mm + x->mom, g, (size_t)x->rows * x->cols, o->momentum, grad_scale);
+}
+
+void optim_muon_orthogonalise(AdamW *o, float *x, int rows, int cols) {
+    o->be->newton_schulz(x, rows, cols, o->ns_steps, o->ns_work);
+}
+
+void optim_muon_apply(const AdamW *o, int k, float *params, const float *O, size_t n, float lr) {
+    const OptimMatrix *x = &o->mats[k];
+    o->be->muon_apply(params, O, n, lr, x->scale, x->decay ? o->weight_decay : 0.0f);
+}
+
+int optim_muon_covers(const AdamW *o, size_t off) {
+    int lo = 0, hi = o->nmat; /* the last matrix starting at or before off */
+    while (hi - lo > 1) {
+        int mid = (lo + hi) / 2;
+        if (o->mats[mid].off <= off) lo = mid;
+        else hi = mid;
+    }
+    if (o->nmat == 0 || o->mats[lo].off > off) return 0;
+    return off < o->mats[lo].off + (size_t)o->mats[lo].rows * o->mats[lo].cols;
+}
+
+void optim_zero_state(AdamW *o) {
+    if (o->m) o->be->zero(o->m, (o->hi - o->lo) * o->state_bytes);
+    if (o->v) o->be->zero(o->v, (o->hi - o->lo) * o->state_bytes);
+    if (o->mm) o->be->zero(o->mm, o->mm_len * sizeof(float));
+    o->t = 0;
+}
+
+void optim_set_adafactor(AdamW *o, float beta1) {
+    const Backend *be = o->be;
+    if (!be->adafactor_stats || !be->adafactor_ema || !be->adafactor_second || !be->adafactor_usq ||
+        !be->adafactor_apply)
+        kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': adafactor: the %s backend has no Adafactor ops", be->name);
+    if (o->state_bytes != 4 || o->param_bytes != 4)
+        kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': adafactor keeps fp32 state and parameters; use "
+                  "precision.optim_state: fp32 and precision.master: fp32");
+    o->kind = OPTIM_ADAFACTOR;
+    o->beta1 = beta1;
+    be->free(o->v);
+    o->v = NULL;
+    if (beta1 <= 0.0f) be->free(o->m), o->m = NULL;
 }
 
 void optim_set_lion(AdamW *o, float beta1, float beta2) {
@@ -142,9 +220,10 @@ void optim_set_lion(AdamW *o, float beta1, float beta2) {
 
 void optim_free(AdamW *o) {
     if (o->be) {
-        o->be->free(o->m);
+        if (o->m) o->be->free(o->m);
         if (o->v) o->be->free(o->v);
         if (o->u) o->be->free(o->u), o->be->free(o->ns_work);
+        if (o->mm) o->be->free(o->mm);
     }
     free(o->mats);
     memset(o, 0, sizeof *o);
@@ -156,7 +235,7 @@ OptimStepInfo optim_step(AdamW *o, void *params, const float *grads, float lr) {
 }
 
 /* The norm check and clipping factor shared by the step functions. */
-static OptimStepInfo step_begin(AdamW *o, double grad_norm) {
+OptimStepInfo optim_step_begin(AdamW *o, double grad_norm) {
     OptimStepInfo info = {0};
     info.grad_norm = grad_norm;
     info.grad_scale = 1.0f;
@@ -197,44 +276,55 @@ static void update_range(AdamW *o, void *params, const float *grads, size_t k, s
 
 OptimStepInfo optim_step_segments(AdamW *o, void *params, const float *grads, const OptimSegment *seg, int nseg,
                                   float lr, double grad_norm) {
-    if (o->kind == OPTIM_MUON) kiln_fail(KILN_EXIT_USAGE, "key 'parallel.zero': muon runs with parallel.zero 0 only");
-    OptimStepInfo info = step_begin(o, grad_norm);
+    if ((o->kind == OPTIM_MUON && !o->muon_dist) || o->kind == OPTIM_ADAFACTOR)
+        kiln_fail(KILN_EXIT_RUNTIME, "optim: %s over sharded segments needs its own module (muon.c, adafactor.c)",
+                  o->kind == OPTIM_MUON ? "muon" : "adafactor");
+    OptimStepInfo info = optim_step_begin(o, grad_norm);
     if (info.nonfinite) return info;
     for (int i = 0; i < nseg; i++) {
-        size_t k = seg[i].off;
-        update_range(o, (char *)params + k * o->param_bytes, grads + k, k, seg[i].n, lr,
+        size_t k = seg[i].off, at = seg[i].at;
+        if (o->kind == OPTIM_MUON && optim_muon_covers(o, seg[i].arena)) continue; /* muon.c's */
+        update_range(o, (char *)params + at * o->param_bytes, grads + at, k, seg[i].n, lr,
                      seg[i].decay ? o->weight_decay : 0.0f,
                      info.grad_scale);
     }
     return info;
 }
 
-/* AdamW on arena elements [a, b) of a whole-arena optimizer, split at n_decay. */
+/* AdamW on arena elements [a, b) inside [lo, hi), split at n_decay;
+ * params and grads point at arena element lo. */
 static void adamw_span(AdamW *o, float *params, const float *grads, size_t a, size_t b, float lr, float grad_scale) {
-    size_t d = o->n_decay < a ? a : o->n_decay > b ? b : o->n_decay;
-    if (d > a) update_range(o, params + a, grads + a, a, d - a, lr, o->weight_decay, grad_scale);
-    if (b > d) update_range(o, params + d, grads + d, d, b - d, lr, 0.0f, grad_scale);
+    size_t d = o->n_decay < a ? a : o->n_decay > b ? b : o->n_decay, lo = o->lo;
+    if (d > a) update_range(o, params + (a - lo), grads + (a - lo), a - lo, d - a, lr, o->weight_decay, grad_scale);
+    if (b > d) update_range(o, params + (d - lo), grads + (d - lo), d - lo, b - d, lr, 0.0f, grad_scale);
 }
 
-/* Muon: per matrix, Nesterov momentum, Newton-Schulz of the look-ahead, the
- * scaled step with decoupled decay; AdamW on the elements between matrices. */
+/* Muon's step on [lo, hi): AdamW on the elements between the matrices; and,
+ * while every matrix is local (no muon.c: lo 0, hi n), per matrix the
+ * Nesterov momentum, Newton-Schulz of the look-ahead and the scaled step
+ * with decoupled decay. */
 static void muon_step(AdamW *o, float *params, const float *grads, float lr, float grad_scale) {
-    const Backend *be = o->be;
-    size_t at = 0;
+    if (!o->muon_dist && (o->lo != 0 || o->hi != o->n))
+        kiln_fail(KILN_EXIT_RUNTIME, "optim: muon on a shard of the arena needs muon.c (muon_dist_init)");
+    size_t at = o->lo;
     for (int i = 0; i < o->nmat; i++) {
         const OptimMatrix *x = &o->mats[i];
-        size_t n = (size_t)x->rows * x->cols;
-        adamw_span(o, params, grads, at, x->off, lr, grad_scale);
-        be->muon_momentum(o->u, (float *)o->m + x->off, grads + x->off, n, o->momentum, grad_scale);
-        be->newton_schulz(o->u, x->rows, x->cols, o->ns_steps, o->ns_work);
-        be->muon_apply(params + x->off, o->u, n, lr, x->scale, x->decay ? o->weight_decay : 0.0f);
-        at = x->off + n;
+        size_t n = (size_t)x->rows * x->cols, end = x->off + n;
+        if (end <= o->lo || x->off >= o->hi) continue;
+        if (x->off > at) adamw_span(o, params, grads, at, x->off, lr, grad_scale);
+        at = end < o->hi ? end : o->hi;
+        if (o->muon_dist) continue;
+        optim_muon_momentum(o, i, grads + x->off, grad_scale, o->u);
+        optim_muon_orthogonalise(o, o->u, x->rows, x->cols);
+        optim_muon_apply(o, i, params + x->off, o->u, n, lr);
     }
-    adamw_span(o, params, grads, at, o->n, lr, grad_scale);
+    if (o->hi > at) adamw_span(o, params, grads, at, o->hi, lr, grad_scale);
 }
 
 OptimStepInfo optim_step_norm(AdamW *o, void *params, const float *grads, float lr, double grad_norm) {
-    OptimStepInfo info = step_begin(o, grad_norm);
+    if (o->kind == OPTIM_ADAFACTOR)
+        kiln_fail(KILN_EXIT_RUNTIME, "optim: adafactor's step is adafactor.c's (adafactor_step)");
+    OptimStepInfo info = optim_step_begin(o, grad_norm);
     if (info.nonfinite) return info;
     if (o->kind == OPTIM_MUON) {
         muon_step(o, params, grads, lr, info.grad_scale);

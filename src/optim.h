@@ -28,14 +28,23 @@ int optim_sched_kind(const char *name);
 float optim_lr(const Schedule *s, int step);
 
 /* optim.name */
-typedef enum { OPTIM_ADAMW, OPTIM_LION, OPTIM_MUON } OptimKind;
+typedef enum { OPTIM_ADAMW, OPTIM_LION, OPTIM_MUON, OPTIM_ADAFACTOR } OptimKind;
 
-/* Muon: one logical matrix of the arena, row-major at element `off`. */
+/* Muon: one logical matrix of the arena, row-major at element `off`. Under
+ * tensor parallelism rows x cols is this rank's part of a grows x gcols
+ * matrix (muon.c gathers the parts); otherwise the two shapes are equal. */
 typedef struct OptimMatrix {
     size_t off;
     int rows, cols;
-    float scale; /* optim.muon_scale's factor for this shape */
-    int decay;   /* weight decay applies */
+    int grows, gcols;
+    int tp_dim;   /* how the global matrix splits over tp ranks: -1 not (each holds all of it), */
+    int tp_parts; /* 0 rows, 1 columns; in tp_parts equal blocks, each split over the ranks */
+    float scale;  /* optim.muon_scale's factor for the global shape */
+    int decay;    /* weight decay applies */
+    int tensor;   /* the caller's tag: its row of the model's tensor table (checkpoint names) */
+    size_t toff;  /* where it starts in that tensor (GPT-2's k third: rows * cols) */
+    int owner;    /* the dp rank that orthogonalises it (optim_set_muon: 0, every matrix local) */
+    size_t mom;   /* where its momentum starts in its owner's AdamW.mm (owners' matrices back to back) */
 } OptimMatrix;
 
 /* The optimizer of the arena: AdamW unless optim_set_lion made it Lion (the
@@ -54,11 +63,16 @@ typedef struct AdamW {
     size_t lo, hi;     /* the elements this rank updates: [0, n), or its ZeRO shard */
     float beta1, beta2, eps, weight_decay, grad_clip;
     int t;             /* optimizer steps taken */
-    /* Muon (optim_set_muon): these matrices get Muon with their momentum in
-     * m; every other element gets AdamW */
+    /* Muon (optim_set_muon): these matrices get Muon, every other element
+     * AdamW (m and v stay unused over the matrices' elements) */
     OptimMatrix *mats; /* host (nmat), by offset */
     int nmat, ns_steps;
     float momentum;
+    float *mm;         /* device (mm_len): the momentum of the matrices this rank owns, back to back */
+    size_t mm_len;
+    int muon_dist;     /* 1 once muon.c took the matrices over (muon_dist_init): the step functions
+                          then update the AdamW elements only */
+    int muon_rank;     /* this rank's place among the owners (0 until optim_muon_own) */
     float *u, *ns_work;/* device: the largest matrix's Nesterov update; newton_schulz's work */
 } AdamW;
 
@@ -90,15 +104,43 @@ static inline uint64_t optim_round_seed(uint64_t run_seed) { return run_seed ^ 0
 /* Lion instead of AdamW, with its own betas (optim.lion_betas); before the
  * first step, fp32 state and parameters only. Frees v: Lion keeps m alone. */
 void optim_set_lion(AdamW *o, float beta1, float beta2);
+/* Adafactor instead of AdamW (adafactor.c runs its step): beta1 > 0 keeps
+ * a first moment in m, else m is freed too; v is freed (adafactor.c keeps
+ * the second moments). Before the first step, fp32 state and parameters. */
+void optim_set_adafactor(AdamW *o, float beta1);
+/* The start of a step that adafactor.c (or another caller) runs itself:
+ * the norm check, clipping's factor and the step count. */
+OptimStepInfo optim_step_begin(AdamW *o, double grad_norm);
 /* Muon on `mats` (copied; disjoint, inside [0, n)), AdamW with the
  * settings given at init on the rest; before the first step, fp32 state and
- * parameters, the whole arena on every rank (ZeRO 0). Muon's momentum lives
- * in m (v stays zero there). Allocates the step's work buffers. */
+ * parameters. Every matrix is owned here (owner 0) with its momentum in mm,
+ * and optim_step does the whole step, which needs the whole arena (lo 0, hi
+ * n); muon.c distributes it over dp ranks instead (optim_muon_own). */
 void optim_set_muon(AdamW *o, const OptimMatrix *mats, int nmat, float momentum, int ns_steps);
+/* muon.c: matrix k (optim's order) is owned by owner[k]; this rank (`rank`)
+ * keeps the momentum of its own matrices only (mm reallocated, zero), and
+ * the step functions leave every matrix to muon.c from now on. Before the
+ * first step. */
+void optim_muon_own(AdamW *o, const int *owner, int rank);
+/* On matrix k's owner: the momentum from its gradient g (rows * cols of
+ * the matrix as muon.c assembled it, clipped by grad_scale) and the
+ * Nesterov look-ahead into out (the same size). */
+void optim_muon_momentum(AdamW *o, int k, const float *g, float grad_scale, float *out);
+/* x (rows, cols) in place: the quintic Newton-Schulz of optim.ns_steps. */
+void optim_muon_orthogonalise(AdamW *o, float *x, int rows, int cols);
+/* Matrix k's step on n of its elements: params -= lr (scale O + wd params). */
+void optim_muon_apply(const AdamW *o, int k, float *params, const float *O, size_t n, float lr);
+/* 1 if matrix k's momentum lives on this rank (it owns the matrix). */
+int optim_muon_owned(const AdamW *o, int k);
+/* 1 if arena element `off` lies in a Muon matrix. */
+int optim_muon_covers(const AdamW *o, size_t off);
+/* Zero every state buffer and the step count (a fresh start after a
+ * partial load). */
+void optim_zero_state(AdamW *o);
 /* optim.muon_scale for a (rows, cols) matrix: "spectral" sqrt(max(1,
  * rows/cols)), "match_adamw" 0.2 sqrt(max(rows, cols)); -1 if unknown. */
 float optim_muon_scale(const char *kind, int rows, int cols);
-/* "adamw" | "lion" | "muon" -> kind; -1 if unknown. */
+/* "adamw" | "lion" | "muon" | "adafactor" -> kind; -1 if unknown. */
 int optim_kind(const char *name);
 void optim_free(AdamW *o);
 /* "fp32" -> 4, "bf16" -> 2 (precision.optim_state); 0 if unknown. */
@@ -115,10 +157,16 @@ OptimStepInfo optim_step(AdamW *o, void *params, const float *grads, float lr);
 OptimStepInfo optim_step_norm(AdamW *o, void *params, const float *grads, float lr, double grad_norm);
 
 /* ZeRO-2/3: a run of `n` elements at `off` of the shard buffers (params, grads,
- * m and v alike), all weight-decayed or all not. */
+ * m and v alike), all weight-decayed or all not. `at`: where the run's
+ * params and grads are, from the pointers optim_step_segments gets (ZeRO-2/3:
+ * the shard buffers, at = off; ZeRO-1 under expert parallelism: the model's
+ * arena, whose dense and expert blocks sit apart while their state lies
+ * back to back). */
 typedef struct OptimSegment {
     size_t off, n;
     int decay;
+    size_t at;
+    size_t arena; /* the arena element at off (Muon leaves its matrices' segments out) */
 } OptimSegment;
 /* One step over the segments (the optimizer state holds the whole shard:
  * optim_init_shard(..., 0, shard_len)), with the caller's global norm. */

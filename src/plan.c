@@ -11,12 +11,16 @@
 #include <string.h>
 
 #include "config.h"
+#include "cp.h"
+#include "ep.h"
 #include "mesh.h"
 #include "optim.h"
+#include "pipe.h"
 #include "util.h"
 
 static const char *plan_usage =
     "usage: ./train plan CONFIG.yaml [--set key.path=value]... --gpus N [--gpu-mem GB] [--nodes K]\n"
+    "                    [--show-schedule]\n"
     "\n"
     "Checks the config's parallel layout on N GPUs (in total, over K nodes) of GB GiB each\n"
     "(default 80): that the ranks and batch.total_tokens divide, and that one rank's memory\n"
@@ -29,6 +33,9 @@ static const char *plan_usage =
     "bf16 on a GPU, whose bf16 activations take half (plus a bf16 copy of the parameters);\n"
     "the activations' bf16 figure is printed too. Activations follow model.recompute (none,\n"
     "gelu, norm_gelu: less memory for recomputation in the backward); the suggestion keeps it.\n"
+    "With parallel.pp > 1 each pipeline stage is counted (its layers, its activation slots for the\n"
+    "schedule's micro-batches in flight) with the schedule's bubble, and the costliest stage decides;\n"
+    "--show-schedule prints the schedule as a text timeline (one rank a row, one forward a cell).\n"
     "\n"
     "exit: 0 valid and fits; 2 invalid, does not fit, or bad usage (one line says what to change)\n";
 
@@ -47,15 +54,26 @@ static double plan_layer_params(const ArchSpec *s) {
 
 size_t plan_param_bytes(const char *master) { return strcmp(master, "bf16") == 0 ? 2 : 4; }
 
-PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int micro_batch, ModelRecompute recompute,
-                                size_t moment_bytes, size_t param_bytes) {
+/* Routed-expert parameters of the whole model (tp does not split them). */
+static double plan_expert_params(const ArchSpec *s) {
+    if (s->mlp != MLP_MOE) return 0;
+    return (double)s->n_layer * s->moe.n_experts * 3.0 * s->moe.expert_hidden * s->n_embd;
+}
+
+PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int cp_mode, int dp, int ep, int zero,
+                                int micro_batch, ModelRecompute recompute, size_t moment_bytes, size_t param_bytes) {
     PlanMemory m = {0};
     ArchSpec local;
     arch_tp_local(g, tp, 0, &local); /* tp 1: the spec itself */
     const ArchSpec *s = &local;
+    dp *= cp; /* ZeRO shards over every rank holding the same parameters: dp x cp */
     m.param_bytes = param_bytes;
-    double L = s->n_layer, params = (double)plan_num_params(s);
-    double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
+    if (ep < 1 || s->mlp != MLP_MOE) ep = 1;
+    /* expert parallelism: the experts not held here leave the count; their
+     * ZeRO-1 state splits over dp / ep holders, so the shard stays 1/dp */
+    double all = (double)plan_num_params(s), experts = plan_expert_params(s);
+    double L = s->n_layer, params = all - experts + experts / ep;
+    double shard = (double)(((size_t)all + (size_t)dp - 1) / (size_t)dp);
     double layer = plan_layer_params(s), rest = params - L * layer;
     if (zero >= 2 && dp > 1) {
         /* ZeRO 2 and 3 (ddp.c, unit-sharded): a 1/dp shard of the gradients
@@ -89,10 +107,16 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int
     }
     m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
     /* fp32 activations: the upper bound (bf16 halves them, see plan_usage) */
+    AttnShape cps = {micro_batch, s->seq_len / cp, s->n_head, s->n_kv_head, s->head_dim};
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
-        for (int k = 0; k < 2; k++)
-            m.act_by_mode[r][k] = (double)model_activation_bytes_tp(g, tp, micro_batch, s->seq_len,
-                                                                   k ? 2 : sizeof(float), (ModelRecompute)r);
+        for (int k = 0; k < 2; k++) {
+            size_t ab = k ? 2 : sizeof(float);
+            m.act_by_mode[r][k] = (double)model_activation_bytes_rank(g, tp, cp, ep, sp, micro_batch, s->seq_len, ab,
+                                                                      (ModelRecompute)r);
+            if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
+            m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, micro_batch, s->seq_len, ab);
+        }
+    m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, sizeof(float)) : 0;
     m.recompute = recompute;
     m.activations = m.act_by_mode[recompute][0];
     m.activations_bf16 = m.act_by_mode[recompute][1];
@@ -102,9 +126,94 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int dp, int zero, int
     return m;
 }
 
-PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int zero, int micro_batch, int micro,
+/* One pipeline rank: its chunks' tensors and activation slots (ZeRO 0-1). */
+static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int dp, int zero, int micro_batch,
+                                    ModelRecompute rec, size_t moment_bytes, size_t param_bytes, int chunks,
+                                    const int *lo, const int *hi, const int *slots, int split) {
+    PlanMemory m = {0};
+    ArchSpec local;
+    arch_tp_local(g, tp, 0, &local);
+    int n;
+    ArchTensor *t = arch_tensors(&local, 0, &n);
+    double params = 0;
+    for (int i = 0; i < n; i++) {
+        int in = 0;
+        for (int k = 0; k < chunks; k++) in = in || arch_tensor_in_stage(&local, &t[i], lo[k], hi[k]);
+        if (in) params += (double)t[i].numel;
+    }
+    free(t);
+    double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
+    m.param_bytes = param_bytes;
+    m.params = params * (double)param_bytes;
+    m.grads = params * 4;
+    m.optim = (zero == 1 ? shard : params) * 2 * moment_bytes;
+    m.state = m.params + m.grads + m.optim;
+    for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
+        for (int k = 0; k < 2; k++)
+            m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, sp, micro_batch, g->seq_len,
+                                                                       k ? 2 : sizeof(float), (ModelRecompute)r,
+                                                                       chunks, lo, hi, slots, split);
+    m.recompute = rec;
+    m.activations = m.act_by_mode[rec][0];
+    m.activations_bf16 = m.act_by_mode[rec][1];
+    double counted = m.state + m.activations + PLAN_WORKSPACE_BYTES;
+    m.overhead = PLAN_WORKSPACE_BYTES + PLAN_MARGIN * counted;
+    m.total = m.state + m.activations + m.overhead;
+    return m;
+}
+
+int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro, int show_timeline,
+                  PlanMemory *worst, char *err, size_t errn) {
+    int p = c->pp, v = c->pp_virtual, cut[PIPE_MAX_STAGES + 1];
+    PipeKind k = (PipeKind)pipe_kind_parse(c->pp_schedule);
+    if (pipe_check_shape(k, p, v, micro, err, errn) != 0) return -1;
+    if (pipe_plan_stages(s, p, v, c->pp_layers, c->n_pp_layers, cut, err, errn) != 0) return -1;
+    PipeSchedule sc;
+    pipe_build(&sc, k, p, v, micro);
+    if (pipe_check(&sc, err, errn) != 0) {
+        pipe_schedule_free(&sc);
+        return -1;
+    }
+    double theory = pipe_theory_bubble(&sc), formula = pipe_formula_bubble(k, p, v, micro);
+    printf("  pipeline               pp %d, %s%s, %d micro-batches per rank and step: bubble %.1f%% of the step "
+           "(%s = %.1f%% of the compute)\n", p, c->pp_schedule, v > 1 ? " with virtual chunks" : "", micro,
+           100.0 * theory, k == PIPE_INTERLEAVED ? "(p-1)/(v m)" : k == PIPE_ZB_H1 ? "(p-1)/(3m)" : "(p-1)/m",
+           100.0 * formula);
+    ModelRecompute rec = model_recompute_parse(c->recompute);
+    size_t sb = optim_state_bytes(c->optim_state), pb = plan_param_bytes(c->master);
+    for (int r = 0; r < p; r++) {
+        int lo[MODEL_MAX_CHUNKS], hi[MODEL_MAX_CHUNKS], slots[MODEL_MAX_CHUNKS], held = 0;
+        char layers[256];
+        size_t o = 0;
+        for (int ch = 0; ch < v && ch < MODEL_MAX_CHUNKS; ch++) {
+            lo[ch] = cut[ch * p + r], hi[ch] = cut[ch * p + r + 1], slots[ch] = sc.slots[r * v + ch];
+            held += slots[ch];
+            if (o < sizeof layers)
+                o += (size_t)snprintf(layers + o, sizeof layers - o, "%s%d..%d", ch ? ", " : "", lo[ch], hi[ch] - 1);
+        }
+        int sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
+        PlanMemory m = plan_memory_stage(s, tp, sp, dp, c->zero, c->micro_batch, rec, sb, pb, v, lo, hi, slots,
+                                         k == PIPE_ZB_H1);
+        printf("  stage %-16d layers %s%s%s: %.2fM parameters, %d activation slot(s) %.2f MiB; %.2f GiB per rank\n",
+               r, layers, r == 0 ? " + embeddings" : "", r == p - 1 ? " + head" : "",
+               (m.params / (double)m.param_bytes) / 1e6, held, m.activations / 1048576.0, m.total / (1024.0 * 1024 * 1024));
+        if (r == 0 || m.total > worst->total) *worst = m;
+    }
+    if (show_timeline) {
+        char *t = pipe_timeline(&sc);
+        printf("  schedule               one rank a row, one time unit a cell (a forward; %s)\n", k == PIPE_ZB_H1 ?
+               "B the input part of a backward, W its weight part" : "a backward takes two");
+        for (char *line = strtok(t, "\n"); line; line = strtok(NULL, "\n")) printf("    %s\n", line);
+        free(t);
+    }
+    pipe_schedule_free(&sc);
+    return 0;
+}
+
+PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int ep, int zero, int micro_batch, int micro,
                             size_t act_bytes) {
     PlanComm c = {0};
+    if (ep < 1 || s->mlp != MLP_MOE) ep = 1;
     double N = (double)micro_batch * s->seq_len, NC = N * s->n_embd * (double)act_bytes;
     if (tp > 1) {
         double k = tp, ag = (k - 1) / k, ar = 2 * ag; /* per byte of the whole buffer */
@@ -131,18 +240,23 @@ PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int zero,
     if (dp > 1) {
         ArchSpec l;
         arch_tp_local(s, tp, 0, &l);
-        double P = (double)arch_num_params(&l) * 4, k = dp, ag = (k - 1) / k;
+        double X = plan_expert_params(&l) * 4, P = (double)arch_num_params(&l) * 4 - X, k = dp, ag = (k - 1) / k;
+        double ke = (double)dp / ep, age = (ke - 1) / ke;
         /* ZeRO 0/1: one all-reduce (ZeRO-1: reduce-scatter + all-gather, the
          * same bytes); ZeRO 2: reduce-scatters + the parameters' all-gather;
          * ZeRO 3: + the forward's and backward's gathers of every layer,
-         * every micro-batch */
-        c.dp = 2 * ag * P;
-        if (zero == 3) c.dp += 2.0 * micro * ag * P - ag * P;
+         * every micro-batch; the experts over EDP (whole with ep 1) */
+        c.dp = 2 * ag * P + 2 * age * X / ep;
+        if (zero == 3) c.dp += (2.0 * micro - 1) * ag * (P + X);
+    }
+    if (ep > 1) {
+        double rows = (double)micro_batch * s->seq_len * s->moe.top_k;
+        c.ep = 4.0 * s->n_layer * micro * (ep - 1.0) / ep * rows * s->n_embd * (double)act_bytes;
     }
     return c;
 }
 
-void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int zero, int micro_batch, int micro) {
+void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int ep, int zero, int micro_batch, int micro) {
     if (tp <= 1 && dp <= 1) return;
     if (tp > 1) {
         ArchSpec l;
@@ -153,12 +267,19 @@ void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int zero, int micr
                l.padded_vocab, s->vocab_size, l.padded_vocab, tp,
                s->mlp == MLP_MOE ? "; MoE layers replicated over tp" : "");
     }
-    PlanComm c32 = plan_comm_per_step(s, tp, sp, dp, zero, micro_batch, micro, 4);
-    PlanComm c16 = plan_comm_per_step(s, tp, sp, dp, zero, micro_batch, micro, 2);
+    if (ep > 1 && s->mlp == MLP_MOE)
+        printf("  expert parallel        ep %d: per rank %d of %d experts per layer, up to %zu rows received per "
+               "layer (%s)\n", ep, s->moe.n_experts / ep, s->moe.n_experts, ep_plan_rows(s, ep, micro_batch, s->seq_len),
+               arch_moe_capacity(s, s->seq_len) > 0 ? "the capacity's worst case" : "dropless: grown when needed");
+    PlanComm c32 = plan_comm_per_step(s, tp, sp, dp, ep, zero, micro_batch, micro, 4);
+    PlanComm c16 = plan_comm_per_step(s, tp, sp, dp, ep, zero, micro_batch, micro, 2);
     if (tp > 1)
         printf("  comm per step, tp      %.4g GB sent per rank (%.4g GB with bf16 activations), %d collectives per "
                "micro-batch\n", c32.tp / 1e9, c16.tp / 1e9, c32.tp_collectives);
     if (dp > 1) printf("  comm per step, dp      %.4g GB sent per rank (fp32 gradients, ZeRO %d)\n", c32.dp / 1e9, zero);
+    if (ep > 1 && s->mlp == MLP_MOE)
+        printf("  comm per step, ep      %.4g GB sent per rank (%.4g GB with bf16 activations; an even load), 4 "
+               "all-to-alls per MoE layer and micro-batch\n", c32.ep / 1e9, c16.ep / 1e9);
 }
 
 void plan_print_bytes(const char *what, double bytes) {
@@ -172,6 +293,7 @@ void plan_print_bytes(const char *what, double bytes) {
 
 void plan_print_activations(const PlanMemory *m) {
     plan_print_bytes("activations", m->activations);
+    if (m->cp_buffers > 0) plan_print_bytes("  of which cp K/V", m->cp_buffers);
     plan_print_bytes("activations, bf16", m->activations_bf16);
     const double(*by)[2] = m->act_by_mode;
     if (m->recompute == MODEL_RECOMPUTE_NONE)
@@ -242,10 +364,12 @@ int plan_main(int argc, char **argv) {
     const char **sets = xcalloc((size_t)argc, sizeof(char *));
     int nsets = 0, gpus = 0, nodes = 1;
     double gpu_gib = 80.0;
-    int gpu_mem_given = 0;
+    int gpu_mem_given = 0, show_schedule = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+        if (!strcmp(a, "--show-schedule")) {
+            show_schedule = 1;
+        } else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             fputs(plan_usage, stdout);
             free(sets);
             return KILN_EXIT_OK;
@@ -277,7 +401,7 @@ int plan_main(int argc, char **argv) {
                   gpus, nodes);
 
     Config c;
-    cfg_load(&c, config_path, sets, nsets); /* pp/cp/ep != 1 exit 2 here: not implemented */
+    cfg_load(&c, config_path, sets, nsets);
     free(sets);
     ArchSpec s;
     arch_from_config(&c, &s);
@@ -314,7 +438,9 @@ int plan_main(int argc, char **argv) {
 
     ModelRecompute recompute = model_recompute_parse(c.recompute);
     size_t sb = optim_state_bytes(c.optim_state), pb = plan_param_bytes(c.master); /* bytes per element */
-    PlanMemory m = plan_memory_per_rank(&s, tp, dp, c.zero, c.micro_batch, recompute, sb, pb);
+    int cpm = cp_mode_parse(c.cp_attention);
+    PlanMemory m = plan_memory_per_rank(&s, tp, sp, c.cp, cpm, dp, c.ep, c.zero, c.micro_batch, recompute, sb, pb);
+    if (c.pp > 1) rank_samples = 0; /* no suggestion yet: the stages above say what each rank holds */
     size_t params = plan_num_params(&s);
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d): %zu parameters "
            "(%.2fM)\n", c.run_name, c.arch, s.n_layer, s.n_head, s.n_embd, s.seq_len, s.vocab_size, s.padded_vocab,
@@ -323,9 +449,15 @@ int plan_main(int argc, char **argv) {
            gpus / nodes, gpu_gib, gpu_mem_given ? "" : " (default; --gpu-mem GB)");
     printf("  layout                 dp %d x tp %d x pp %d x cp %d (ep %d), ZeRO %d%s\n", dp, c.tp, c.pp, c.cp, c.ep,
            c.zero, c.dp > 0 ? "" : " (parallel.dp: auto)");
-    printf("                         pp, cp and ep are 1: data and tensor parallelism are implemented in this "
-           "build\n");
-    if (!problem[0]) plan_print_tp(&s, tp, sp, dp, c.zero, c.micro_batch, c.grad_accum / dp);
+    if (c.cp > 1)
+        printf("  context parallel       cp %d (%s): each rank holds 2 of %d chunks of %d tokens, %d of every "
+               "sequence's %d\n", c.cp, c.cp_attention, 2 * c.cp, c.seq_len / (2 * c.cp), c.seq_len / c.cp, c.seq_len);
+    if (!problem[0]) plan_print_tp(&s, tp, sp, dp, c.ep, c.zero, c.micro_batch, c.grad_accum / dp);
+    if (!problem[0] && c.pp > 1) { /* each stage; the costliest decides */
+        PlanMemory worst = {0};
+        if (plan_print_pp(&s, &c, tp, dp, c.grad_accum / dp, show_schedule, &worst, problem, sizeof problem) == 0)
+            m = worst;
+    }
     if (!problem[0])
         printf("  batch                  %lld tokens = %d ranks x %d accumulation steps x micro-batch %d x %d tokens\n",
                (long long)c.total_tokens, dp, c.grad_accum / dp, c.micro_batch, c.seq_len);
@@ -335,7 +467,7 @@ int plan_main(int argc, char **argv) {
     printf("  memory per rank        fp32 storage (%sgradients%s; activations counted in fp32)\n",
            plan_param_bytes(c.master) == 2 ? "bf16 parameters without a master; " : "parameters, ",
            optim_state_bytes(c.optim_state) == 2 ? "; AdamW m and v in bf16" : ", AdamW m and v");
-    plan_print_state(&m, dp, c.zero);
+    plan_print_state(&m, dp * c.cp, c.zero);
     plan_print_activations(&m);
     plan_print_bytes("overhead", m.overhead);
     printf("                         (32 MiB cuBLAS workspace + 5%% margin for the allocator and the uncounted)\n");
@@ -352,16 +484,16 @@ int plan_main(int argc, char **argv) {
         int div[128];
         int nd = plan_divisors(rank_samples, div, 128);
         /* precision.master bf16 is ZeRO 0 only (its parameters are not sharded) */
-        int max_zero = pb == 2 ? 0 : 3;
+        int max_zero = pb == 2 ? 0 : c.ep > 1 ? 1 : 3; /* and expert parallelism ZeRO 0 or 1 */
         for (int z = 0; z <= max_zero && best_zero < 0; z++) {
             for (int j = 0; j < nd; j++) {
-                PlanMemory t = plan_memory_per_rank(&s, tp, dp, z, div[j], recompute, sb, pb);
+                PlanMemory t = plan_memory_per_rank(&s, tp, sp, c.cp, cpm, dp, c.ep, z, div[j], recompute, sb, pb);
                 if (t.total <= cap) {
                     best_zero = z, best_mb = div[j], best = t;
                     break;
                 }
             }
-            PlanMemory t1 = plan_memory_per_rank(&s, tp, dp, z, 1, recompute, sb, pb);
+            PlanMemory t1 = plan_memory_per_rank(&s, tp, sp, c.cp, cpm, dp, c.ep, z, 1, recompute, sb, pb);
             if (least_zero < 0 || t1.total < least.total) least = t1, least_zero = z;
         }
     }
@@ -377,6 +509,8 @@ int plan_main(int argc, char **argv) {
         printf("suggest: nothing fits in %.2f GiB: the smallest layout (ZeRO %d, micro-batch 1) needs %.2f GiB per "
                "rank; use more GPUs (ZeRO-3 divides the state by dp) or GPUs with more memory\n",
                gpu_gib, least_zero, least.total / GIB);
+    } else if (c.pp > 1) {
+        printf("suggest: none for pipeline layouts yet (the stages above: ZeRO 0 or 1, the configured micro-batch)\n");
     } else {
         printf("suggest: none until batch.total_tokens is a multiple of seq_len*dp = %lld\n", (long long)per_sample);
     }

@@ -26,7 +26,8 @@ typedef struct PlanMemory {
                                (+ two 1/dp reduce-scatter targets); else 0 */
     double optim;           /* AdamW m and v: whole, or 1/dp (ZeRO >= 1) */
     double state;           /* params + grads + optim (+ shard, gathered, unreduced) */
-    double activations;     /* model_activation_bytes for one micro-batch, fp32, with `recompute` */
+    double activations;     /* model_activation_bytes for one micro-batch, fp32, with `recompute` (+ cp's buffers) */
+    double cp_buffers;      /* of which context parallelism's K/V and dK/dV buffers (cp_buffer_bytes), fp32 */
     double activations_bf16; /* the same in bf16 (the GPU's default), for the report; not in total */
     double act_by_mode[3][2]; /* the same for each ModelRecompute, [0] fp32 [1] bf16 */
     ModelRecompute recompute; /* model.recompute */
@@ -44,24 +45,34 @@ size_t plan_num_params(const ArchSpec *s);
 /* moment_bytes: AdamW's m and v per element, 4 (fp32) or 2 (precision.optim_state bf16);
  * param_bytes: the parameters', 4 (fp32 master) or 2 (precision.master bf16, ZeRO 0 only). */
 /* tp > 1: one rank's part of a model split over tp ranks (its local
- * tensors, rank 0's: the most vocabulary rows). */
-PlanMemory plan_memory_per_rank(const ArchSpec *s, int tp, int dp, int zero, int micro_batch, ModelRecompute recompute,
-                                size_t moment_bytes, size_t param_bytes);
+ * tensors, rank 0's: the most vocabulary rows); sp: sequence parallelism
+ * (the residual stream's activations over tp). cp > 1: its B x T / cp
+ * rows of activations plus cp.c's K/V buffers for cp_mode (a CpMode), and
+ * ZeRO's shards over dp x cp ranks. ep > 1 (ZeRO 0 or 1): the rank holds
+ * n_experts / ep of each layer's experts, whose ZeRO-1 state is split over
+ * the dp / ep ranks holding the same ones, and the expert side's receive
+ * buffers (ep_buffer_bytes) replace the model's own. */
+PlanMemory plan_memory_per_rank(const ArchSpec *s, int tp, int sp, int cp, int cp_mode, int dp, int ep, int zero,
+                                int micro_batch, ModelRecompute recompute, size_t moment_bytes, size_t param_bytes);
 
 /* Bytes one rank sends per optimizer step, by group (ring algorithms: an
  * all-reduce of B bytes sends 2 (k-1)/k B, an all-gather or a
  * reduce-scatter (k-1)/k B): tp's activations (act_bytes each) and partial
  * gradients for `micro` micro-batches of micro_batch x seq_len tokens, and
  * dp's gradients (and ZeRO's parameter gathers) of the rank's tensors. */
+/* ep > 1: the all-to-alls of routed rows (four per MoE layer and
+ * micro-batch: dispatch and combine, forward and backward, an even load
+ * assumed: (ep-1)/ep of a rank's N top_k rows leave it each time), and dp's
+ * expert gradients over EDP (dp / ep ranks). */
 typedef struct PlanComm {
-    double tp, dp;
+    double tp, dp, ep;
     int tp_collectives; /* tp collectives per micro-batch (forward and backward) */
 } PlanComm;
-PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int zero, int micro_batch, int micro,
+PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int ep, int zero, int micro_batch, int micro,
                             size_t act_bytes);
-/* The tensor-parallel lines of --dry-run and ./train plan: the split per
- * rank and the communication per step. */
-void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int zero, int micro_batch, int micro);
+/* The tensor- and expert-parallel lines of --dry-run and ./train plan: the
+ * split per rank and the communication per step. */
+void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int ep, int zero, int micro_batch, int micro);
 /* "fp32" -> 4, "bf16" -> 2 (precision.master). */
 size_t plan_param_bytes(const char *master);
 
@@ -77,6 +88,16 @@ void plan_print_state(const PlanMemory *m, int dp, int zero);
  * counted in the total), "activations, bf16", and a "recompute" line naming
  * model.recompute and what it saves (none: what the other modes would take). */
 void plan_print_activations(const PlanMemory *m);
+
+/* Pipeline parallelism (pp > 1): the schedule (its bubble, the textbook
+ * formula, with show_timeline its text timeline) and each stage's layers,
+ * parameters, activation slots and memory per rank (ZeRO 0-1, as the run
+ * allocates them), for micro micro-batches per data-parallel rank. *worst:
+ * the costliest stage's memory, for the verdict. Returns 0, or -1 with the
+ * reason in err (a schedule or stage cut that cannot run). */
+struct Config;
+int plan_print_pp(const ArchSpec *s, const struct Config *c, int tp, int dp, int micro, int show_timeline,
+                  PlanMemory *worst, char *err, size_t errn);
 
 /* `./train plan CONFIG [--set k=v]... --gpus N [--gpu-mem GB] [--nodes K]`;
  * argv[0] is "plan". Returns 0 (valid, fits) or 2 (does not; one line says

@@ -368,7 +368,7 @@ static void prep_read(const PrepareArgs *a, int eot, PrepInput *in) {
     for (int f = 0; f < a->n_files; f++) {
         size_t len;
         char *text = kiln_read_file(a->files[f], &len);
-        if (!text) prepare_fail("%s: cannot read: %s", a->files[f], strerror(errno));
+        if (!text) prepare_fail("%s: cannot read: %s", a->files[f], kiln_strerror(errno));
         in->sizes[f] = len;
         if (a->format == PREPARE_TEXT && !a->doc_line) {
             in->bufs[f] = text;

@@ -158,7 +158,7 @@ int report_status_main(int argc, char **argv) {
     for (int i = 0; i < nc; i++) free(names[i]);
     snprintf(path, sizeof path, "%s/checkpoints/latest", dir);
     size_t len;
-    char *latest = kiln_read_file(path, &len);
+    char *latest = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
     if (latest) {
         latest[strcspn(latest, "\r\n")] = 0;
         printf(" | latest: %s", latest);
@@ -177,7 +177,7 @@ int report_status_main(int argc, char **argv) {
             if (strncmp(e->d_name, "rank", 4) != 0) continue;
             char hp[1600];
             snprintf(hp, sizeof hp, "%s/%s", path, e->d_name);
-            char *hb = kiln_read_file(hp, &len);
+            char *hb = kiln_read_file_max(hp, KILN_SMALL_FILE_MAX, &len);
             if (!hb) continue;
             char *end = hb + len;
             int rank = (int)runs_json_field(hb, end, "rank"), step = (int)runs_json_field(hb, end, "step");
@@ -252,7 +252,7 @@ static void svg_chart(FILE *f, const Chart *ch, Run *runs, int nr, int id) {
                 int fld = k ? ch->dashed_field : ch->field;
                 if (fld < 0) continue;
                 double v = R->v[fld][i] * ch->scale, s = R->v[RUN_STEP][i];
-                if (!isfinite(v)) continue;
+                if (!isfinite(v) || !isfinite(s)) continue;
                 any = 1;
                 if (s < x0) x0 = s;
                 if (s > x1) x1 = s;
@@ -271,10 +271,18 @@ static void svg_chart(FILE *f, const Chart *ch, Run *runs, int nr, int id) {
         fprintf(f, "<text x=\"%d\" y=\"%d\" class=\"empty\">no data</text></svg></div>\n", CW / 2 - 30, CH / 2);
         return;
     }
-    if (x1 <= x0) x1 = x0 + 1;
-    if (y1 <= y0) {
+    /* a span of a few ulps (lr 0.1 and 0.10000000000000002, steps near 1e17)
+     * would give a tick step that adding to a value does not change: widen
+     * every axis to a millionth of its magnitude at least */
+    if (!(x1 - x0 >= fabs(x0) * 1e-6) || x1 - x0 < 1) x1 = x0 + fmax(1, fabs(x0) * 1e-6);
+    if (!(y1 - y0 >= fabs(y0) * 1e-6) || y1 <= y0) {
         double pad = fabs(y0) > 0 ? fabs(y0) * 0.05 : 1;
         y0 -= pad, y1 += pad;
+    }
+    if (!isfinite(x1 - x0) || !isfinite(y1 - y0) || !(nice_step(y1 - y0, 5) > 0)) { /* near DBL_MAX or 0 */
+        fprintf(f, "<text x=\"%d\" y=\"%d\" class=\"empty\">values out of range</text></svg></div>\n", CW / 2 - 60,
+                CH / 2);
+        return;
     }
     double ys = nice_step(y1 - y0, 5);
     y0 = floor(y0 / ys) * ys;
@@ -286,16 +294,19 @@ static void svg_chart(FILE *f, const Chart *ch, Run *runs, int nr, int id) {
     fprintf(f, "<defs><clipPath id=\"c%d\"><rect x=\"%d\" y=\"%d\" width=\"%.0f\" height=\"%.0f\"/></clipPath></defs>\n",
             id, ML, MT, pw, ph);
     fprintf(f, "<rect x=\"%d\" y=\"%d\" width=\"%.0f\" height=\"%.0f\" class=\"frame\"/>\n", ML, MT, pw, ph);
-    for (double y = y0; y <= y1 + ys * 1e-6; y += ys) {
-        double py = PY(y);
+    /* ticks counted, not stepped to: the loops end whatever the rounding */
+    int ny = (int)fmin(20, floor((y1 - y0) / ys + 1e-6));
+    for (int k = 0; k <= ny; k++) {
+        double y = y0 + k * ys, py = PY(y);
         fprintf(f, "<line x1=\"%d\" x2=\"%.1f\" y1=\"%.1f\" y2=\"%.1f\" class=\"grid\"/>", ML, ML + pw, py, py);
         double yv = fabs(y) < ys * 1e-6 ? 0.0 : y;
         if (fabs(yv) >= 1e4) fprintf(f, "<text x=\"%d\" y=\"%.1f\" class=\"yt\">%.4gk</text>\n", ML - 6, py + 4, yv / 1e3);
         else fprintf(f, "<text x=\"%d\" y=\"%.1f\" class=\"yt\">%.4g</text>\n", ML - 6, py + 4, yv);
     }
-    double xs = nice_step(x1 - x0, 6);
-    for (double x = ceil(x0 / xs) * xs; x <= x1 + xs * 1e-6; x += xs) {
-        double px = PX(x);
+    double xs = nice_step(x1 - x0, 6), xt = ceil(x0 / xs) * xs;
+    int nx = (int)fmin(20, floor((x1 - xt) / xs + 1e-6));
+    for (int k = 0; k <= nx; k++) {
+        double x = xt + k * xs, px = PX(x);
         fprintf(f, "<line x1=\"%.1f\" x2=\"%.1f\" y1=\"%d\" y2=\"%.1f\" class=\"grid\"/>", px, px, MT, MT + ph);
         fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" class=\"xt\">%.6g</text>\n", px, MT + ph + 16, x);
     }

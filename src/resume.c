@@ -162,7 +162,7 @@ int resume_check_config(const char *ckpt_dir, const char *saved_yaml, const char
 /* Check the config of `dir`, then load it. -1 with err if the checkpoint is
  * unreadable or corrupt; exits 2 if the config may not continue it. */
 static int try_one(const char *dir, const CkptTable *t, const char *new_yaml, int force, CkptInfo *info, int *flags,
-                   char *err, size_t cap, int rank) {
+                   char *err, size_t cap, int rank, const ResumeCheck *check) {
     size_t len;
     char *saved = ckpt_read_blob(dir, "config.yaml", &len, err, cap);
     if (!saved) return -1;
@@ -173,17 +173,22 @@ static int try_one(const char *dir, const CkptTable *t, const char *new_yaml, in
     /* read after loading, outside the table (its size follows the saved
      * mixture; older checkpoints lack it): it must verify too, so that a
      * damaged one is skipped like any other damage */
-    void *data_state = ckpt_read_blob(dir, "data.train.state", NULL, err, cap);
+    len = 0;
+    void *data_state = ckpt_read_blob(dir, "data.train.state", &len, err, cap);
     int damaged = !data_state && !strstr(err, "no entry");
-    free(data_state);
     if (!damaged) err[0] = 0;
+    if (data_state && len % sizeof(uint64_t))
+        damaged = 1, snprintf(err, cap, "%s: entry 'data.train.state' holds %zu bytes, not 64-bit words", dir, len);
+    if (!damaged && check && check->check(check->ctx, dir, data_state, len / sizeof(uint64_t), err, cap) != 0)
+        damaged = 1;
+    free(data_state);
     return damaged ? -1 : 0;
 }
 
 static int agree(const ResumeSync *sync, int failed) { return sync ? sync->agree(sync->ctx, failed) : failed; }
 
 int resume_load(const char *mode, const char *root, const CkptTable *t, const char *new_yaml, int force,
-                CkptInfo *info, char *path, size_t cap, int *flags, const ResumeSync *sync) {
+                CkptInfo *info, char *path, size_t cap, int *flags, const ResumeSync *sync, const ResumeCheck *check) {
     char err[2048] = "";
     *flags = 0;
     int rank = sync ? sync->rank : 0;
@@ -192,7 +197,7 @@ int resume_load(const char *mode, const char *root, const CkptTable *t, const ch
             kiln_hint("--resume takes `auto` or a checkpoint directory such as runs/NAME/checkpoints/step_00001000");
             kiln_fail(KILN_EXIT_USAGE, "--resume %s: not a checkpoint directory (no manifest)", mode);
         }
-        int failed = try_one(mode, t, new_yaml, force, info, flags, err, sizeof err, rank) != 0;
+        int failed = try_one(mode, t, new_yaml, force, info, flags, err, sizeof err, rank, check) != 0;
         if (agree(sync, failed))
             kiln_fail(KILN_EXIT_USAGE, "--resume %s: %s", mode, failed ? err : "loading failed on another rank");
         kiln_strlcpy(path, mode, cap);
@@ -210,7 +215,7 @@ int resume_load(const char *mode, const char *root, const CkptTable *t, const ch
         if (sync) sync->bcast(sync->ctx, cand, sizeof cand);
         if (!cand[0]) break;
         err[0] = 0;
-        int failed = try_one(cand, t, new_yaml, force, info, flags, err, sizeof err, rank) != 0;
+        int failed = try_one(cand, t, new_yaml, force, info, flags, err, sizeof err, rank, check) != 0;
         if (!agree(sync, failed)) {
             kiln_strlcpy(path, cand, cap);
             loaded = 1;

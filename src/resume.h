@@ -5,6 +5,7 @@
 #define KILN_RESUME_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "ckpt.h"
 
@@ -32,11 +33,22 @@ typedef struct ResumeSync {
     void *ctx;
 } ResumeSync;
 
+/* What a loaded checkpoint's values must satisfy (NULL: anything): after
+ * each load, check(ctx, dir, state, words, err, cap) sees them in the
+ * table's memory and the checkpoint's "data.train.state" (NULL when it has
+ * none); nonzero, with one line in err naming the entry, rejects the
+ * checkpoint as damaged: auto skips it, a directory exits 2. A checksum
+ * proves the bytes are the ones written, not that they mean a state. */
+typedef struct ResumeCheck {
+    int (*check)(void *ctx, const char *dir, const uint64_t *state, size_t words, char *err, size_t cap);
+    void *ctx;
+} ResumeCheck;
+
 /* mode "auto": the newest complete checkpoint under `root` whose checksums
  * verify, skipping (and naming) corrupt ones; none -> 0 (start fresh).
  * Otherwise mode is a checkpoint directory; any failure exits 2.
  * On success fills the table's memory, *info and path, and returns 1. */
 int resume_load(const char *mode, const char *root, const CkptTable *t, const char *new_yaml, int force,
-                CkptInfo *info, char *path, size_t cap, int *flags, const ResumeSync *sync);
+                CkptInfo *info, char *path, size_t cap, int *flags, const ResumeSync *sync, const ResumeCheck *check);
 
 #endif

@@ -108,7 +108,7 @@ void runs_load(Run *r, const char *dir) {
     char path[1200];
     size_t len = 0;
     snprintf(path, sizeof path, "%s/config.yaml", dir);
-    r->config = kiln_read_file(path, &len);
+    r->config = kiln_read_file_max(path, CFG_MAX_BYTES, &len);
     scan_config(r);
     snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
     char *text = kiln_read_file(path, &len);
@@ -370,7 +370,7 @@ int runs_ranks_load(RunRanks *t, const char *dir) {
     t->host = xcalloc((size_t)(t->world > 0 ? t->world : 1), sizeof *t->host);
     for (int r = 0; r < t->world; r++) kiln_strlcpy(t->host[r], "?", sizeof t->host[r]);
     snprintf(path, sizeof path, "%s/ranks.json", dir);
-    char *hj = kiln_read_file(path, &len);
+    char *hj = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
     const char *p = hj ? strstr(hj, "\"hosts\":[") : NULL;
     for (int r = 0; p && r < t->world; r++) {
         p = strchr(p + (r ? 0 : 9), '"');

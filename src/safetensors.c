@@ -306,6 +306,7 @@ int st_parse(const unsigned char *buf, size_t len, StFile *f, char *err, size_t 
     f->data_len = len - 8 - hl;
     if (jheader(&j, f) || st_check(f, err, cap)) {
         st_free(f);
+        kiln_one_line(err); /* names and characters quoted from the header */
         return -1;
     }
     return 0;
@@ -313,14 +314,10 @@ int st_parse(const unsigned char *buf, size_t len, StFile *f, char *err, size_t 
 
 int st_read(const char *path, StFile *f, char *err, size_t cap) {
     memset(f, 0, sizeof *f);
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return snprintf(err, cap, "%s: cannot open: %s", path, strerror(errno)), -1;
-    struct stat sb;
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        close(fd);
-        return snprintf(err, cap, "%s: not a regular file", path), -1;
-    }
-    size_t len = (size_t)sb.st_size;
+    uint64_t size;
+    int fd = kiln_open_read(path, 0, &size);
+    if (fd < 0) return snprintf(err, cap, "%s: cannot open: %s", path, kiln_strerror(errno)), -1;
+    size_t len = (size_t)size;
     void *map = len ? mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0) : NULL;
     close(fd);
     if (len && map == MAP_FAILED) return snprintf(err, cap, "%s: cannot map: %s", path, strerror(errno)), -1;

@@ -106,10 +106,11 @@ static ssize_t shard_read_full(int fd, void *buf, size_t n, off_t at) {
 /* Decompress a .zst from fd with the streaming API (frames written from a pipe
  * may not record their content size; a file may hold several frames) into
  * *out (grown, capacity *cap), through the cache's decompressor. want > 0:
- * stop once want bytes are out (the header at index time). Returns the bytes
- * out, or -1 with e. */
-static ssize_t shard_unzstd(ShardCache *c, int fd, const char *path, size_t want, unsigned char **out, size_t *cap,
-                            ShardError *e) {
+ * stop once want bytes are out (the header at index time). limit > 0: more
+ * bytes than that is an error (the size the header implies: a small file
+ * must not inflate until memory runs out). Returns the bytes out, or -1 with e. */
+static ssize_t shard_unzstd(ShardCache *c, int fd, const char *path, size_t want, size_t limit, unsigned char **out,
+                            size_t *cap, ShardError *e) {
     ZSTD_DStream *ds = c->ds;
     ZSTD_DCtx_reset(ds, ZSTD_reset_session_only);
     size_t in_cap = c->zin_cap, chunk = ZSTD_DStreamOutSize();
@@ -145,6 +146,11 @@ static ssize_t shard_unzstd(ShardCache *c, int fd, const char *path, size_t want
         n += o.pos;
         out_full = o.pos == o.size;
         last = ret;
+        if (limit && n > limit) {
+            rc = shard_err(e, SHARD_HINT_PREPARE, "%s: decompresses to more than the %zu bytes its header implies",
+                           path, limit);
+            break;
+        }
     }
     if (rc) return -1;
     if ((!want || n < want) && last != 0)
@@ -186,25 +192,25 @@ static int shard_check_header(Shard *s, const unsigned char *file, size_t len, S
 
 /* Index one shard from its size and header; nothing stays open. */
 static int shard_probe(Shard *s, ShardCache *c, ShardError *e) {
-    /* stat before open: opening a FIFO or a device would block or read forever */
-    struct stat st;
-    if (stat(s->path, &st) != 0) return shard_err(e, SHARD_HINT_PREPARE, "%s: cannot open: %s", s->path, strerror(errno));
-    if (!S_ISREG(st.st_mode)) return shard_err(e, SHARD_HINT_PREPARE, "%s: not a regular file", s->path);
-    s->size = (int64_t)st.st_size;
+    /* a regular file only: opening a FIFO or a device would block or read forever */
+    uint64_t size;
+    int fd = kiln_open_read(s->path, 0, &size);
+    if (fd < 0 && (errno == KILN_ENOTREG || errno == EISDIR))
+        return shard_err(e, SHARD_HINT_PREPARE, "%s: not a regular file", s->path);
+    if (fd < 0) return shard_err(e, SHARD_HINT_PREPARE, "%s: cannot open: %s", s->path, strerror(errno));
+    s->size = (int64_t)size;
     s->zst = (uint8_t)shard_ends_with(s->path, ".zst");
     s->slot = -1;
-    int fd = open(s->path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return shard_err(e, SHARD_HINT_PREPARE, "%s: cannot open: %s", s->path, strerror(errno));
     int rc;
     if (s->zst) {
-        ssize_t n = shard_unzstd(c, fd, s->path, 12, &c->scratch, &c->scratch_cap, e);
+        ssize_t n = shard_unzstd(c, fd, s->path, 12, 0, &c->scratch, &c->scratch_cap, e);
         rc = n < 0 ? -1 : (size_t)n < 12 ? shard_err(e, SHARD_HINT_PREPARE, "%s: %zd bytes, too short for the %d-byte "
                                                      "shard header", s->path, n, SHARD_HEADER_BYTES)
                                          : shard_check_header(s, c->scratch, SIZE_MAX, e);
     } else {
         unsigned char h[12];
         ssize_t n = shard_read_full(fd, h, sizeof h, 0);
-        rc = n < 0 ? shard_io_err(e, s->path, "read error") : shard_check_header(s, h, (size_t)st.st_size, e);
+        rc = n < 0 ? shard_io_err(e, s->path, "read error") : shard_check_header(s, h, (size_t)size, e);
     }
     close(fd);
     return rc;
@@ -305,16 +311,17 @@ static int shard_load(ShardSet *set, int k, ShardError *e) {
             if (c->slots[i].used < sl->used) sl = &c->slots[i];
         shard_slot_close(c, sl);
     }
-    int fd = open(s->path, O_RDONLY | O_CLOEXEC);
+    int fd = kiln_open_read(s->path, 0, NULL);
     if (fd < 0)
         return shard_err(e, SHARD_HINT_MOVED, "%s: cannot open: %s (it was indexed at start-up: deleted or moved while "
-                         "the run goes on?)", s->path, strerror(errno));
+                         "the run goes on?)", s->path, kiln_strerror(errno));
     if (shard_check_unchanged(s, fd, e) != 0) {
         close(fd);
         return -1;
     }
     if (s->zst) {
-        ssize_t n = shard_unzstd(c, fd, s->path, 0, &sl->buf, &sl->cap, e);
+        ssize_t n = shard_unzstd(c, fd, s->path, 0, SHARD_HEADER_BYTES + (size_t)s->n_tokens * s->width, &sl->buf,
+                                 &sl->cap, e);
         Shard seen = *s;
         if (n < 0 || shard_check_header(&seen, sl->buf, (size_t)n, e) != 0) {
             close(fd);

@@ -8,14 +8,15 @@
  * Several ranks: each dp rank writes its own share of the parameters and
  * the optimizer state, cut at tensor boundaries into per-tensor ranges: the
  * arena range its ZeRO-1 optimizer owns, one dp-th of it without ZeRO, its
- * block of every unit under ZeRO-2/3; the blobs come from rank 0. On resume
- * every rank asks for the ranges it needs, so the checkpoint loads on any
- * number of ranks and any ZeRO stage. */
+ * block of every unit under ZeRO-2/3 (expert parallelism: see state_open);
+ * the blobs come from rank 0. On resume every rank asks for the ranges it
+ * needs, so the checkpoint loads on any number of ranks and any ZeRO stage. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include "state.h"
 
+#include <limits.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -23,6 +24,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "adafactor.h"
 #include "ckpt_io.h"
 #include "ddp.h"
 #include "hf.h"
@@ -101,13 +103,16 @@ static void bf16_to_device(void *dst, const void *src, size_t bytes) {
 /* The part of every tensor inside arena range [lo, hi), stored at base
  * (which holds arena elements from lo on, esz bytes each: 4 fp32, 2 bf16
  * moments): one fp32 entry per tensor that overlaps, with its tensor-local
- * flat range. */
-static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo, size_t hi, const char *prefix) {
+ * flat range. skip: leave out the tensors Muon updates (their AdamW moments
+ * are unused; the momentum is the owner's: add_muon). */
+static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo, size_t hi, const char *prefix,
+                      const AdamW *skip) {
     const Backend *be = m->be;
     CkptCopyFn to_host = esz == 2 ? bf16_to_host : copy_to_host(be);
     CkptCopyFn to_device = esz == 2 ? bf16_to_device : copy_to_device(be);
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
+        if (skip && skip->kind == OPTIM_MUON && optim_muon_covers(skip, p->offset)) continue;
         size_t a = p->offset > lo ? p->offset : lo, b = p->offset + p->numel < hi ? p->offset + p->numel : hi;
         if (a >= b) continue;
         char name[CKPT_NAME];
@@ -121,23 +126,90 @@ static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo,
  * precision.master bf16 the bf16 parameters as fp32 entries (the same names,
  * shapes and format). */
 static void add_model_params(CkptTable *t, Model *m, size_t lo, size_t hi) {
-    if (m->master_bf16) add_range(t, m, (char *)m->param16 + lo * 2, 2, lo, hi, "");
-    else add_range(t, m, m->param_mem + lo, 4, lo, hi, "");
+    if (m->master_bf16) add_range(t, m, (char *)m->param16 + lo * 2, 2, lo, hi, "", NULL);
+    else add_range(t, m, m->param_mem + lo, 4, lo, hi, "", NULL);
+}
+
+/* Rank r's share of k of arena range [a, b): what each of k ranks holding
+ * the range alike writes of it. */
+static void state_share(size_t a, size_t b, int k, int r, size_t *lo, size_t *hi) {
+    size_t n = b - a;
+    *lo = a + n * (size_t)r / (size_t)k, *hi = a + n * (size_t)(r + 1) / (size_t)k;
+}
+
+/* Muon: the momentum of the matrices this rank owns (every layout: the
+ * owner's alone), each its tensor's range (a third of GPT-2's c_attn). */
+static void add_muon(CkptTable *t, Model *m, const AdamW *o) {
+    if (o->kind != OPTIM_MUON) return;
+    for (int i = 0; i < o->nmat; i++) {
+        const OptimMatrix *x = &o->mats[i];
+        if (!optim_muon_owned(o, i)) continue;
+        const ParamInfo *p = &m->params[x->tensor];
+        size_t n = (size_t)x->rows * x->cols;
+        char name[CKPT_NAME];
+        snprintf(name, sizeof name, "optim.m/%s", p->name);
+        if (p->split.dim >= 0 || n == p->numel) {
+            add_piece(t, m, x->tensor, name, o->mm + x->mom, 4, x->toff, x->toff + n, copy_to_host(m->be),
+                      copy_to_device(m->be));
+            continue;
+        }
+        /* a third of a replicated fused q|k|v: its rows, a box (one flat range per name and rank) */
+        int64_t shape[2] = {p->gshape[0], p->gshape[1]};
+        CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, 2, shape, 0, n, o->mm + x->mom, copy_to_host(m->be),
+                                       copy_to_device(m->be));
+        size_t r0 = x->toff / (size_t)x->cols;
+        ckpt_entry_set_box(e, r0, r0 + (size_t)x->rows, 0, (size_t)x->cols);
+    }
+}
+
+/* The optimizer state over arena range [lo, hi) at o's buffers, and Muon's. */
+static void add_optim(CkptTable *t, Model *m, const AdamW *o) {
+    if (o->m) add_range(t, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/", o);
+    if (o->v) add_range(t, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/", o);
+    add_muon(t, m, o);
+}
+
+/* Adafactor's second moments: each factored tensor's row and column
+ * averages, 1-D tensors of its global rows and columns (this tp rank's
+ * blocks of a split dimension as boxes), and the elementwise moments of this
+ * rank's runs of the other tensors, as the AdamW moments. save: what this
+ * rank writes (the averages are the same on every dp rank: dp rank 0's;
+ * ZeRO 0's runs too), else what it loads (everything it holds). */
+static void add_adafactor(CkptTable *t, Model *m, const Adafactor *a, int save, const StateMesh *mesh) {
+    if (!a) return;
+    AdafactorState s;
+    for (int k = 0; adafactor_state(a, k, &s); k++) {
+        if (save && mesh->dp_rank > 0 && (s.vector || mesh->zero == 0)) continue;
+        char name[CKPT_NAME];
+        snprintf(name, sizeof name, "%s%s", s.prefix, m->params[s.tensor].name);
+        if (!s.vector) {
+            add_piece(t, m, s.tensor, name, s.ptr, 4, s.toff, s.toff + s.len, copy_to_host(m->be),
+                      copy_to_device(m->be));
+            continue;
+        }
+        int64_t shape[1] = {(int64_t)s.glen};
+        for (int j = 0; j < s.nbox; j++) {
+            CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, 1, shape, 0, s.n[j], s.ptr + s.at[j],
+                                           copy_to_host(m->be), copy_to_device(m->be));
+            if (s.part) ckpt_entry_set_box(e, s.g0[j], s.g0[j] + s.n[j], 0, 1);
+        }
+    }
 }
 
 void state_table_add(CkptTable *t, Model *m, AdamW *o) {
     state_be = m->be;
     add_model_params(t, m, 0, m->num_params);
     if (!o) return;
-    add_range(t, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/");
-    if (o->v) add_range(t, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/");
+    add_optim(t, m, o);
 }
 
 /* ZeRO-2/3: this rank's block of every unit, stored back to back at base
  * (ddp_shard_piece): the fp32 parameter shard or an optimizer moment. */
-static void add_unit_blocks(CkptTable *t, Model *m, const Ddp *d, void *base, size_t esz, const char *prefix) {
+static void add_unit_blocks(CkptTable *t, Model *m, const Ddp *d, void *base, size_t esz, const char *prefix,
+                            const AdamW *skip) {
     DdpPiece p;
-    for (int i = 0; ddp_shard_piece(d, i, &p); i++) add_range(t, m, (char *)base + p.at * esz, esz, p.lo, p.hi, prefix);
+    for (int i = 0; ddp_shard_piece(d, i, &p); i++)
+        add_range(t, m, (char *)base + p.at * esz, esz, p.lo, p.hi, prefix, skip);
 }
 
 int state_init_from(Model *m, const char *dir, int say) {
@@ -157,10 +229,11 @@ int state_init_from(Model *m, const char *dir, int say) {
 
 void state_load_init_from(Model *m, const char *path, int say) {
     if (state_init_from(m, path, say)) return;
+    if (hf_init_from(m, path, say)) return; /* under tp each rank takes its part */
     if (m->tp > 1)
-        kiln_fail(KILN_EXIT_USAGE, "key 'init.from': %s is not a kiln checkpoint; HuggingFace and llm.c weights load "
-                  "with parallel.tp: 1 (import there, save a checkpoint, and start this run from it)", path);
-    if (!hf_init_from(m, path, say)) model_load_llmc(m, path);
+        kiln_fail(KILN_EXIT_USAGE, "key 'init.from': %s: llm.c weights load with parallel.tp: 1 (import there, save a "
+                  "checkpoint, and start this run from it)", path);
+    model_load_llmc(m, path);
 }
 
 /* Start-up state when nothing is resumed, or after a corrupt checkpoint was
@@ -175,9 +248,8 @@ static void state_fresh(RunState *s, int dirty) {
         if (!c->init_from[0]) model_init_weights(s->m, c->seed);
         else state_load_init_from(s->m, c->init_from, s->mesh.rank == 0);
         if (u) ddp_params_loaded(u);
-        s->o->be->zero(s->o->m, (s->o->hi - s->o->lo) * s->o->state_bytes);
-        if (s->o->v) s->o->be->zero(s->o->v, (s->o->hi - s->o->lo) * s->o->state_bytes);
-        s->o->t = 0;
+        optim_zero_state(s->o);
+        if (s->mesh.adafactor) adafactor_zero(s->mesh.adafactor);
         data_rewind(s->train);
     }
     /* nothing draws from this stream yet; it is saved and restored so that
@@ -193,6 +265,18 @@ static void drop_replicated(CkptTable *w) {
     int k = 0;
     for (int i = 0; i < w->n; i++)
         if (w->e[i].kind != CKPT_TENSOR || w->e[i].r1) w->e[k++] = w->e[i];
+    w->n = k;
+}
+
+/* Pipeline parallelism, the last stage of a tied model: its token embedding
+ * (parameters and moments) is a copy of the first stage's, which writes it. */
+static void drop_tensor(CkptTable *w, const char *name) {
+    int k = 0;
+    for (int i = 0; i < w->n; i++) {
+        const char *n = w->e[i].name, *slash = strrchr(n, '/');
+        int match = w->e[i].kind == CKPT_TENSOR && !strcmp(slash ? slash + 1 : n, name);
+        if (!match) w->e[k++] = w->e[i];
+    }
     w->n = k;
 }
 
@@ -228,6 +312,32 @@ static void state_restore_data(RunState *s, const char *path, int flags, int for
     }
 }
 
+/* The loaded numbers (a ResumeCheck): a checksum proves them the ones written,
+ * not that they are a state; a checkpoint whose step does not fit the loop's
+ * int, or whose counts no run reaches, is refused like damage. */
+static int state_check_loaded(void *ctx, const char *dir, const uint64_t *data_state, size_t words, char *err,
+                              size_t cap) {
+    const RunState *s = ctx;
+    char why[512] = "";
+    const char *entry = NULL;
+    if (s->step < 0 || s->step > INT_MAX)
+        entry = "train.step", snprintf(why, sizeof why, "holds %lld; a step is 0 to 2^31 - 1", (long long)s->step);
+    else if (s->optim_t < 0 || s->optim_t > s->step)
+        entry = "optim.step", snprintf(why, sizeof why, "holds %lld, but the optimizer steps at most once a step (%lld)",
+                                       (long long)s->optim_t, (long long)s->step);
+    else if (s->tokens < 0 || s->tokens > (int64_t)1 << 62)
+        entry = "train.tokens", snprintf(why, sizeof why, "holds %lld; a token count is 0 to 2^62", (long long)s->tokens);
+    else if (!(s->elapsed_s >= 0 && s->elapsed_s < 1e12))
+        entry = "train.elapsed_s", snprintf(why, sizeof why, "holds %g; seconds of training are 0 or more", s->elapsed_s);
+    else if (data_pos_check((DataPos){s->data_pos[0], s->data_pos[1]}, why, sizeof why) != 0)
+        entry = "data.train.pos";
+    else if (data_state && data_state_check(data_state, words, why, sizeof why) != 0)
+        entry = "data.train.state";
+    if (!entry) return 0;
+    snprintf(err, cap, "%s: entry '%s' %s", dir, entry, why);
+    return -1;
+}
+
 /* Collectives for ckpt and resume (ctx = the world group). */
 static int state_agree(void *ctx, int failed) {
     double f = failed ? 1 : 0;
@@ -260,12 +370,19 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         /* ZeRO-2 loads the whole parameters (then takes its blocks:
          * ddp_params_loaded); ZeRO-3 only its blocks */
         if (ddp_whole_params(us)) add_params(t, m, m->param_mem, "");
-        else add_unit_blocks(t, m, us, ddp_param_shard(us, NULL), 4, "");
-        add_unit_blocks(t, m, us, o->m, o->state_bytes, "optim.m/");
-        if (o->v) add_unit_blocks(t, m, us, o->v, o->state_bytes, "optim.v/");
+        else add_unit_blocks(t, m, us, ddp_param_shard(us, NULL), 4, "", NULL);
+        if (o->m) add_unit_blocks(t, m, us, o->m, o->state_bytes, "optim.m/", o);
+        if (o->v) add_unit_blocks(t, m, us, o->v, o->state_bytes, "optim.v/", o);
+        add_muon(t, m, o);
+    } else if (s->mesh.pieces) {
+        /* ZeRO-1 under expert parallelism: the moments by piece */
+        add_model_params(t, m, 0, m->num_params);
+        if (o->m) add_unit_blocks(t, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/", o);
+        if (o->v) add_unit_blocks(t, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/", o);
     } else {
         state_table_add(t, m, o);
     }
+    add_adafactor(t, m, s->mesh.adafactor, 0, &s->mesh);
     ckpt_add_blob(t, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
     ckpt_add_blob(t, "train.step", CKPT_I64, 1, 1, &s->step);
     ckpt_add_blob(t, "train.tokens", CKPT_I64, 1, 1, &s->tokens);
@@ -280,20 +397,38 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         /* every rank writes its blocks of the (fp32) parameters and moments:
          * no rank writes the whole, and the whole arena of ZeRO-2 may be in
          * the middle of its refresh */
-        add_unit_blocks(w, m, us, ddp_param_shard(us, NULL), 4, "");
-        add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/");
-        if (o->v) add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/");
+        add_unit_blocks(w, m, us, ddp_param_shard(us, NULL), 4, "", NULL);
+        if (o->m) add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/", o);
+        if (o->v) add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/", o);
     } else {
-        /* ZeRO 0 and 1: the parameters (and ZeRO 0's moments) are the same
-         * on every dp rank, so each writes one share of the arena, the range
-         * its ZeRO-1 optimizer owns or one dp-th: every rank stages and
-         * writes only its own share, in parallel */
-        size_t n = m->num_params, dp = s->mesh.dp > 0 ? (size_t)s->mesh.dp : 1, r = (size_t)s->mesh.dp_rank;
-        size_t lo = opt_sharded ? o->lo : n * r / dp, hi = opt_sharded ? o->hi : n * (r + 1) / dp;
-        add_model_params(w, m, lo, hi);
-        add_range(w, m, (char *)o->m + (lo - o->lo) * o->state_bytes, o->state_bytes, lo, hi, "optim.m/");
-        if (o->v) add_range(w, m, (char *)o->v + (lo - o->lo) * o->state_bytes, o->state_bytes, lo, hi, "optim.v/");
+        /* ZeRO 0 and 1: what the dp group holds alike is written a share
+         * by each of its ranks, in parallel: the arena range its ZeRO-1
+         * optimizer owns, or one dp-th. Under expert parallelism the arena's
+         * [0, expert_len) are this rank's experts, alike only over its EDP
+         * group (dp / ep ranks): those are shared among that group. */
+        size_t n = m->num_params, x = m->expert_len, lo, hi, elo, ehi;
+        int dp = s->mesh.dp > 0 ? s->mesh.dp : 1, ep = s->mesh.ep > 0 ? s->mesh.ep : 1;
+        if (opt_sharded && !s->mesh.pieces) lo = o->lo, hi = o->hi; /* x is 0: ep has pieces */
+        else state_share(x, n, dp, s->mesh.dp_rank, &lo, &hi);
+        state_share(0, x, dp / ep, s->mesh.edp_rank, &elo, &ehi);
+        size_t pes = m->master_bf16 ? 2 : 4, es = o->state_bytes;
+        char *params = m->master_bf16 ? (char *)m->param16 : (char *)m->param_mem;
+        if (ehi > elo) add_range(w, m, params + elo * pes, pes, elo, ehi, "", NULL);
+        add_range(w, m, params + lo * pes, pes, lo, hi, "", NULL);
+        if (s->mesh.pieces) {
+            /* ZeRO-1 under expert parallelism: each rank's moments by piece */
+            if (o->m) add_unit_blocks(w, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/", o);
+            if (o->v) add_unit_blocks(w, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/", o);
+        } else {
+            /* ZeRO-1's own range, or ZeRO 0's whole moments (o->lo 0) in the parameters' shares */
+            if (ehi > elo && o->m) add_range(w, m, (char *)o->m + (elo - o->lo) * es, es, elo, ehi, "optim.m/", o);
+            if (ehi > elo && o->v) add_range(w, m, (char *)o->v + (elo - o->lo) * es, es, elo, ehi, "optim.v/", o);
+            if (o->m) add_range(w, m, (char *)o->m + (lo - o->lo) * es, es, lo, hi, "optim.m/", o);
+            if (o->v) add_range(w, m, (char *)o->v + (lo - o->lo) * es, es, lo, hi, "optim.v/", o);
+        }
     }
+    add_muon(w, m, o); /* every owner its own, in every layout */
+    add_adafactor(w, m, s->mesh.adafactor, 1, &s->mesh);
     if (rank == 0) {
         ckpt_add_blob(w, "optim.step", CKPT_I64, 1, 1, &s->optim_t);
         ckpt_add_blob(w, "train.step", CKPT_I64, 1, 1, &s->step);
@@ -304,6 +439,9 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     }
     ckpt_add_blob(w, rng_name, CKPT_U64, 4, 0, s->rng.s);
     if (s->mesh.tp_rank > 0) drop_replicated(w);
+    int wte = model_tensor_index(m, -1, ROLE_TOK_EMB, -1);
+    if (s->mesh.pp > 1 && s->mesh.pp_rank == s->mesh.pp - 1 && m->shape.tie_embeddings && wte >= 0)
+        drop_tensor(w, m->params[wte].name);
 
     CkptOptions *op = &s->opts;
     memset(op, 0, sizeof *op);
@@ -334,10 +472,11 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         char path[1200];
         int flags = 0;
         ResumeSync sync = {rank, state_agree, state_bcast, s->mesh.g};
+        ResumeCheck check = {state_check_loaded, s};
         double t_load = kiln_now();
         /* the saved config is not part of the loaded table: it is compared, never restored */
         if (resume_load(resume, op->root, t, s->config_text, force, &info, path, sizeof path, &flags,
-                        multi ? &sync : NULL)) {
+                        multi ? &sync : NULL, &check)) {
             s->resume_load_s = kiln_now() - t_load;
             for (int i = 0; i < t->n; i++) s->resume_gb += ckpt_entry_bytes(&t->e[i]) / 1e9;
             o->t = (int)s->optim_t;
@@ -362,13 +501,15 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
                           "this run passes their steps (--resume auto and keep_last follow 'latest' and ignore them)",
                           op->root, (long long)steps[0]);
             if (rank == 0) ckpt_list_free(paths, steps, n);
-            char mesh_note[160] = "";
-            int saved_tp = info.mesh.tp > 0 ? info.mesh.tp : 1;
-            if (info.mesh.world > 0 &&
-                (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp || saved_tp != s->mesh.tp))
-                snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (dp %d x tp %d) to %d (dp %d x "
-                         "tp %d, ZeRO %d)", info.mesh.world, info.mesh.dp, saved_tp, s->mesh.world, s->mesh.dp,
-                         s->mesh.tp, s->mesh.zero);
+            char mesh_note[200] = "";
+            int saved_tp = info.mesh.tp > 0 ? info.mesh.tp : 1, saved_pp = info.mesh.pp > 0 ? info.mesh.pp : 1;
+            int saved_ep = info.mesh.ep > 0 ? info.mesh.ep : 1;
+            int pp = s->mesh.pp > 0 ? s->mesh.pp : 1, ep = s->mesh.ep > 0 ? s->mesh.ep : 1;
+            if (info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp ||
+                                        saved_tp != s->mesh.tp || saved_pp != pp || saved_ep != ep))
+                snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (pp %d x dp %d x tp %d, ep %d) to "
+                         "%d (pp %d x dp %d x tp %d, ep %d, ZeRO %d)", info.mesh.world, saved_pp, info.mesh.dp, saved_tp,
+                         saved_ep, s->mesh.world, pp, s->mesh.dp, s->mesh.tp, ep, s->mesh.zero);
             snprintf(s->resumed_msg, sizeof s->resumed_msg,
                      "resumed from %s at step %lld (%lld tokens, %.1f s of training before)%s", path,
                      (long long)s->step, (long long)s->tokens, s->elapsed_s, mesh_note);
@@ -435,7 +576,8 @@ static void state_save(RunState *s) {
     s->elapsed_s = s->elapsed_base + (kiln_now() - s->t_start);
     CkptMeta meta = {s->step, s->c->hash, KILN_VERSION, s->commit,
                      {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1,
-                      s->mesh.tp > 0 ? s->mesh.tp : 1, 1, 1, 1}};
+                      s->mesh.tp > 0 ? s->mesh.tp : 1, s->mesh.pp > 0 ? s->mesh.pp : 1, 1,
+                      s->mesh.ep > 0 ? s->mesh.ep : 1}};
     if (ckpt_save(s->writer, &meta) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
                   (long long)s->step, ckpt_writer_error(s->writer));
@@ -456,7 +598,7 @@ static void state_save(RunState *s) {
 
 int state_after_step(RunState *s, int done, int last) {
     s->step = done;
-    s->tokens += s->c->total_tokens;
+    if (__builtin_add_overflow(s->tokens, s->c->total_tokens, &s->tokens)) s->tokens = INT64_MAX; /* 2^62 a step */
     int sig = stop_signal(), deadline = stop_deadline_reached();
     if (s->mesh.g) {
         /* every rank stops at the same step: the first signal or deadline

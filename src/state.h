@@ -23,11 +23,20 @@ typedef struct StateMesh {
     int rank, world, dp, zero;
     int dp_rank, tp, tp_rank; /* tensor parallelism: each tp rank of dp rank 0 writes its parts of
                                  the split tensors; the replicated ones come from tp rank 0 */
+    int ep, edp_rank;  /* expert parallelism: the ep ranks' experts differ; the EDP rank 0 of each
+                          writes them (edp_rank = dp_rank without it) */
     CommGroup *g;
+    const struct Ddp *pieces; /* the optimizer state is laid out by this Ddp's pieces
+                                 (ddp_optim_pieces: ZeRO-2/3, ZeRO-1 under expert
+                                 parallelism); NULL: as the arena range [lo, hi) */
     struct Ddp *units; /* ZeRO-2/3 over several ranks: the fp32 parameters and the
                           optimizer state live in its shard buffers, unit by
                           unit (ZeRO-2 also keeps the whole parameters in the
                           model's arena); NULL otherwise */
+    struct Adafactor *adafactor; /* optim.name adafactor: its second moments (adafactor_state) */
+    int pp, pp_rank;   /* pipeline parallelism: each stage writes its own layers; a tied
+                          embedding's copy on the last stage (pp > 1) is the first stage's,
+                          which writes it (0, 0: one stage) */
     int weights_unset; /* 1: the model's weights were not drawn (a resume fills them;
                           state_open draws them if it loads nothing) */
 } StateMesh;

@@ -16,6 +16,8 @@ enum { TOK_BYTE = 1, TOK_GPT2 = 2 };
 #define TOK_GPT2_RANKS 50256
 /* Ranks above this cannot be a real vocabulary; it also bounds the tables. */
 #define TOK_MAX_RANKS (1 << 22)
+/* A rank file is about 16 bytes a rank (GPT-2's: 835 KB): far below this. */
+#define TOK_MAX_FILE ((size_t)64 << 20)
 
 struct Tokenizer {
     int kind;            /* TOK_BYTE or TOK_GPT2 */
@@ -91,8 +93,8 @@ static void tok_load_ranks(Tokenizer *t, const char *file) {
     static const char *hint = "scripts/fetch_gpt2_vocab.sh puts GPT-2's ranks at "
                               "data/cache/gpt2.tiktoken (lines of 'base64(token) rank')";
     size_t len;
-    char *text = kiln_read_file(file, &len);
-    if (!text) tok_fail(hint, "gpt2 vocabulary '%s': %s", file, strerror(errno));
+    char *text = kiln_read_file_max(file, TOK_MAX_FILE, &len);
+    if (!text) tok_fail(hint, "gpt2 vocabulary '%s': %s", file, kiln_strerror(errno));
 
     /* Pass 1: parse every line into (rank -> bytes) in a staging pool. */
     size_t n_lines = 0;

@@ -23,6 +23,9 @@ void kiln_fail(int code, const char *fmt, ...) __attribute__((noreturn, format(p
 void kiln_set_fail_hook(void (*hook)(int code, const char *message));
 /* kiln_fail, with a "kiln: hint: <hint>" line after the error (hint may be NULL). */
 void kiln_fail_hint(int code, const char *hint, const char *fmt, ...) __attribute__((noreturn, format(printf, 3, 4)));
+/* Replace every control byte of s (a newline, a terminal escape) with '?':
+ * an error line that quotes a file stays one line. kiln_fail does it. */
+void kiln_one_line(char *s);
 /* Print "kiln: warning: <message>" on stderr. */
 void kiln_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Print "kiln: hint: <message>" on stderr (what the user should do next). */
@@ -40,8 +43,26 @@ char *xstrdup(const char *s);
 /* Copy src into dst of size n, always NUL-terminated; returns 0, or -1 if truncated. */
 int kiln_strlcpy(char *dst, const char *src, size_t n);
 
-/* Read a whole file; NULL on failure (errno set). *len receives the size. */
+/* Open a file to read: a regular file only (a FIFO would block the open and a
+ * device read forever: errno EISDIR for a directory, KILN_ENOTREG for the
+ * rest) of at most `max` bytes (0 = no limit; past it errno KILN_ETOOBIG).
+ * Every reader of a file named by a user or a run directory goes through
+ * here. Returns the descriptor (O_CLOEXEC) and *size, or -1 with errno. */
+#define KILN_ENOTREG 0x4b01
+#define KILN_ETOOBIG 0x4b02
+int kiln_open_read(const char *path, uint64_t max, uint64_t *size);
+/* strerror, knowing kiln_open_read's two codes (the limit of the last refusal
+ * in this thread is named). */
+const char *kiln_strerror(int err);
+/* Read a whole file, NUL-terminated, through kiln_open_read with no size
+ * limit; NULL on failure (errno set; say it with kiln_strerror). *len
+ * receives the size. */
 char *kiln_read_file(const char *path, size_t *len);
+/* kiln_read_file of a file whose kind has a natural bound: at most max bytes. */
+char *kiln_read_file_max(const char *path, size_t max, size_t *len);
+/* The bound of kiln's own small files: checkpoints/latest, heartbeats,
+ * ranks.json, MLflow's meta.yaml and mlflow.json, the NCCL id file. */
+#define KILN_SMALL_FILE_MAX ((size_t)64 << 10)
 /* Write a whole file through path.tmp + fsync + rename; 0 on success, -1 on failure. */
 int kiln_write_file_atomic(const char *path, const void *data, size_t len);
 /* mkdir -p; 0 on success. */

@@ -1,5 +1,5 @@
 /* cuda_emu: the CUDA backend's SIMT kernels with their host wrappers
- * (cuda/embed_norm.cu, pointwise.cu, attention.cu), compiled for the CPU
+ * (cuda/embed_norm.cu, pointwise.cu, attention.cu, attention_block.cu), compiled for the CPU
  * against test/cuda_emu.h and compared op by op with the CPU backend on the
  * same random inputs, in both activation dtypes, at shapes that are not
  * multiples of any block size. Built and run by test/t_cuda_emu.sh; one
@@ -33,6 +33,7 @@
 #include "../cuda/moe.cu"
 #include "../cuda/attention.cu"
 #include "../cuda/attention_tc.cu"
+#include "../cuda/attention_block.cu"
 #include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */
 #include "../cuda/backend_cuda.cu"
 
@@ -53,6 +54,8 @@ void cuda_matmul_backward_dgelu(void *, float *, float *, const void *, const vo
                                 int, int) {
     emu_fail("matmul called");
 }
+/* its products are cuBLASLt's: test/matmul_emu.cc tests it */
+void cuda_newton_schulz(float *, int, int, int, float *) { emu_fail("matmul called"); }
 
 #define TOL_F32 1e-5
 #define TOL_BF16 1e-2
@@ -489,6 +492,88 @@ static void test_lion(size_t n) {
     cudaFree(dp), cudaFree(dm);
 }
 
+/* Muon's elementwise ops: the CPU's bits, the momentum in place (u = grads)
+ * as muon.c runs it under ZeRO 2/3 and apart; two steps. */
+static void test_muon_ops(size_t n) {
+    Vec p = rnd(n, 1.0f), m = rnd(n, 0.01f), u(n);
+    float *dp = dev_f32(p), *dm = dev_f32(m), *du = dev_f32(u);
+    for (int t = 1; t <= 2; t++) {
+        Vec g = rnd(n, 1.0f), o = rnd(n, 0.05f);
+        float *dg = dev_f32(g), *dgo = dev_f32(o);
+        if (t == 1) {
+            cpu->muon_momentum(u.data(), m.data(), g.data(), n, 0.95f, 0.5f);
+            gpu->muon_momentum(du, dm, dg, n, 0.95f, 0.5f);
+        } else { /* in place */
+            cpu->muon_momentum(g.data(), m.data(), g.data(), n, 0.95f, 0.5f);
+            gpu->muon_momentum(dg, dm, dg, n, 0.95f, 0.5f);
+            u = g;
+            CUDA_CHECK(cudaMemcpy(du, dg, n * sizeof(float), cudaMemcpyDeviceToDevice));
+        }
+        cpu->muon_apply(p.data(), o.data(), n, 0.02f, 1.7f, 0.1f);
+        gpu->muon_apply(dp, dgo, n, 0.02f, 1.7f, 0.1f);
+        cudaFree(dg), cudaFree(dgo);
+    }
+    check_exact("muon_momentum_m_n" + std::to_string(n), get_f32(dm, n), m);
+    check_exact("muon_momentum_u_n" + std::to_string(n), get_f32(du, n), u);
+    check_exact("muon_apply_params_n" + std::to_string(n), get_f32(dp, n), p);
+    cudaFree(dp), cudaFree(dm), cudaFree(du);
+}
+
+/* Adafactor's ops on a (37, 29) tensor's run from mid-row 5 to 11 short of
+ * the end (ZeRO cuts tensors anywhere) and on an unfactored run. The row
+ * and column sums are double sums in another order stored in fp32: 1e-6 of
+ * the largest (a few fp32 ulps; a lost or doubled row or column errs by
+ * 1/29 or more); the sum of squares as sumsq (1e-12 relative); everything
+ * elementwise, and the step given the same statistics, the CPU's bits. */
+static void test_adafactor(void) {
+    const size_t R = 37, C = 29, e0 = 5, n = R * C - 16;
+    Vec g = rnd(n, 0.01f), p = rnd(n, 1.0f), m = rnd(n, 0.001f), rows(R, 0.5f), cols(C, 0.25f);
+    float *dg = dev_f32(g), *dp = dev_f32(p), *dm = dev_f32(m), *drows = dev_f32(rows), *dcols = dev_f32(cols);
+    cpu->adafactor_stats(rows.data(), cols.data(), g.data(), e0, n, (int)C, 0.5f, 1e-30f);
+    gpu->adafactor_stats(drows, dcols, dg, e0, n, (int)C, 0.5f, 1e-30f);
+    Vec grow = get_f32(drows, R), gcol = get_f32(dcols, C);
+    check("adafactor_stats_rows", grow, rows, 1e-6);
+    check("adafactor_stats_cols", gcol, cols, 1e-6);
+    /* from here on both sides read the CPU's statistics */
+    /* second moments are positive: |N(0, 1e-5)| + 1e-6 */
+    auto pos = [](Vec x) { for (auto &e : x) e = fabsf(e) + 1e-6f; return x; };
+    Vec r = pos(rnd(R, 1e-5f)), c = pos(rnd(C, 1e-5f)), sums = pos(rnd(R, 1e-4f));
+    float *dr = dev_f32(r), *dc = dev_f32(c), *dsums = dev_f32(sums);
+    cpu->adafactor_ema(r.data(), sums.data(), R, 0.42f, 1.0f / 29);
+    gpu->adafactor_ema(dr, dsums, R, 0.42f, 1.0f / 29);
+    check_exact("adafactor_ema", get_f32(dr, R), r);
+    CUDA_CHECK(cudaMemcpy(dr, r.data(), R * 4, cudaMemcpyHostToDevice));
+    double *dq;
+    CUDA_CHECK(cudaMalloc((void **)&dq, sizeof(double)));
+    double want, got;
+    cpu->adafactor_usq(&want, g.data(), NULL, r.data(), c.data(), 2.1e-5f, e0, n, (int)C, 0.5f);
+    gpu->adafactor_usq(dq, dg, NULL, dr, dc, 2.1e-5f, e0, n, (int)C, 0.5f);
+    CUDA_CHECK(cudaMemcpy(&got, dq, sizeof got, cudaMemcpyDeviceToHost));
+    report("adafactor_usq_factored", fabs(got - want) <= TOL_SUMSQ * want, "rel err %.2e (tol %.0e)",
+           fabs(got - want) / want, TOL_SUMSQ);
+    cpu->adafactor_apply(p.data(), g.data(), m.data(), NULL, r.data(), c.data(), 2.1e-5f, e0, n, (int)C, 0.5f, 0.7f,
+                         0.01f, 0.9f, 0.1f);
+    gpu->adafactor_apply(dp, dg, dm, NULL, dr, dc, 2.1e-5f, e0, n, (int)C, 0.5f, 0.7f, 0.01f, 0.9f, 0.1f);
+    check_exact("adafactor_apply_factored_params", get_f32(dp, n), p);
+    check_exact("adafactor_apply_factored_m", get_f32(dm, n), m);
+    /* not factored: v, then the step without m */
+    Vec v = pos(rnd(n, 1e-5f));
+    float *dv = dev_f32(v);
+    cpu->adafactor_second(v.data(), g.data(), n, 0.5f, 0.42f, 1e-30f);
+    gpu->adafactor_second(dv, dg, n, 0.5f, 0.42f, 1e-30f);
+    check_exact("adafactor_second", get_f32(dv, n), v);
+    cpu->adafactor_usq(&want, g.data(), v.data(), NULL, NULL, 1.0f, 0, n, 1, 0.5f);
+    gpu->adafactor_usq(dq, dg, dv, NULL, NULL, 1.0f, 0, n, 1, 0.5f);
+    CUDA_CHECK(cudaMemcpy(&got, dq, sizeof got, cudaMemcpyDeviceToHost));
+    report("adafactor_usq_elementwise", fabs(got - want) <= TOL_SUMSQ * want, "rel err %.2e (tol %.0e)",
+           fabs(got - want) / want, TOL_SUMSQ);
+    cpu->adafactor_apply(p.data(), g.data(), NULL, v.data(), NULL, NULL, 1.0f, 0, n, 1, 0.5f, 1.0f, 0.01f, 0.0f, 0.0f);
+    gpu->adafactor_apply(dp, dg, NULL, dv, NULL, NULL, 1.0f, 0, n, 1, 0.5f, 1.0f, 0.01f, 0.0f, 0.0f);
+    check_exact("adafactor_apply_elementwise", get_f32(dp, n), p);
+    cudaFree(dg), cudaFree(dp), cudaFree(dm), cudaFree(drows), cudaFree(dcols), cudaFree(dr), cudaFree(dc);
+    cudaFree(dsums), cudaFree(dq), cudaFree(dv);
+}
+
 /* bf16 moments (precision.optim_state bf16): the kernel must give the CPU's
  * bits, the stochastic rounding's included (both call sround.h with the same
  * (seed, t, idx0 + i)); idx0 nonzero as for a ZeRO-1 shard. Moments are
@@ -626,6 +711,80 @@ static void test_attention(int B, int T, int NH, int NKV, int HD, int tc) {
     else cuda_attention_simt_backward(ddq, dg, dq, dout2, dlse, &ash);
     check_exact(std::string("attention_backward_deterministic") + sh, get_act(ddq, n3), got);
     cudaFree(dq), cudaFree(dg), cudaFree(dout), cudaFree(ddq), cudaFree(dlse), cudaFree(dout2);
+}
+
+/* lse with -inf rows (queries that see no key): the same rows -inf on both
+ * sides (else a NaN, which fails), the rest compared as check does. */
+static void check_lse(const std::string &name, Vec got, Vec ref) {
+    for (size_t i = 0; i < ref.size(); i++)
+        if (ref[i] == -INFINITY) {
+            got[i] = got[i] == -INFINITY ? 0.0f : NAN;
+            ref[i] = 0.0f;
+        }
+    check(name, got, ref, TOL_F32);
+}
+
+/* Block attention (attention_block.cu): q out of qkv-wide rows, k | v packed,
+ * causal at global positions (q_pos, k_pos); the forward of one block, then
+ * a second block at k_pos2 merged into it; the backward of the first adds
+ * into dq, dk, dv fp32 that start from the same random values on both sides. */
+static void test_attention_block(int B, int Tq, int Tk, int NH, int NKV, int HD, int q_pos, int k_pos, int k_pos2) {
+    char sh[96];
+    snprintf(sh, sizeof sh, "_B%d_Tq%d_Tk%d_NH%d_NKV%d_HD%d_q%d_k%d", B, Tq, Tk, NH, NKV, HD, q_pos, k_pos);
+    AttnBlock s = {B, NH, NKV, HD, Tq, Tk, q_pos, k_pos, (NH + 2 * NKV) * HD, 2 * NKV * HD};
+    size_t nq = (size_t)B * Tq * s.q_ld, nk = (size_t)B * Tk * s.kv_ld, no = (size_t)B * Tq * NH * HD;
+    size_t nl = (size_t)B * NH * Tq, kvo = (size_t)NKV * HD;
+    Vec q = rnd_act(nq, 1.0f), kv = rnd_act(nk, 1.0f), kv2 = rnd_act(nk, 1.0f), g = rnd_act(no, 1.0f);
+    Vec out(no), lse(nl);
+    cpu->attention_block_forward(out.data(), lse.data(), q.data(), kv.data(), kv.data() + kvo, &s, 0);
+    void *dq = dev_act(q), *dkv = dev_act(kv), *dkv2 = dev_act(kv2), *dg = dev_act(g), *dout;
+    float *dlse;
+    CUDA_CHECK(cudaMalloc(&dout, no * AB));
+    CUDA_CHECK(cudaMalloc(&dlse, nl * sizeof(float)));
+    gpu->attention_block_forward(dout, dlse, dq, dkv, (char *)dkv + kvo * AB, &s, 0);
+    check(std::string("attention_block_forward_out") + sh, get_act(dout, no), out, tol_act());
+    check_lse(std::string("attention_block_forward_lse") + sh, get_f32(dlse, nl), lse);
+    /* both sides merge the second block into the same (act-rounded) first */
+    out = act_round(out);
+    void *dout1 = dev_act(out);
+    CUDA_CHECK(cudaMemcpy(dlse, lse.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
+    AttnBlock s2 = s;
+    s2.k_pos = k_pos2;
+    cpu->attention_block_forward(out.data(), lse.data(), q.data(), kv2.data(), kv2.data() + kvo, &s2, 1);
+    gpu->attention_block_forward(dout1, dlse, dq, dkv2, (char *)dkv2 + kvo * AB, &s2, 1);
+    check(std::string("attention_block_merge_out") + sh, get_act(dout1, no), out, tol_act());
+    check_lse(std::string("attention_block_merge_lse") + sh, get_f32(dlse, nl), lse);
+    /* the backward of the first block against the merged out, lse (the CPU's, in act) */
+    out = act_round(out);
+    void *dout2 = dev_act(out);
+    CUDA_CHECK(cudaMemcpy(dlse, lse.data(), nl * sizeof(float), cudaMemcpyHostToDevice));
+    Vec gq = rnd(nq, 1.0f), gkv = rnd(nk, 1.0f);
+    float *ddq = dev_f32(gq), *ddkv = dev_f32(gkv);
+    cpu->attention_block_backward(gq.data(), gkv.data(), gkv.data() + kvo, g.data(), q.data(), kv.data(),
+                                  kv.data() + kvo, out.data(), lse.data(), &s);
+    gpu->attention_block_backward(ddq, ddkv, ddkv + kvo, dg, dq, dkv, (char *)dkv + kvo * AB, dout2, dlse, &s);
+    check(std::string("attention_block_backward_dq") + sh, get_f32(ddq, nq), gq, TOL_F32);
+    check(std::string("attention_block_backward_dkv") + sh, get_f32(ddkv, nk), gkv, TOL_F32);
+    cudaFree(dq), cudaFree(dkv), cudaFree(dkv2), cudaFree(dg), cudaFree(dout), cudaFree(dlse), cudaFree(dout1);
+    cudaFree(dout2), cudaFree(ddq), cudaFree(ddkv);
+}
+
+/* copy_2d: k | v columns out of qkv rows, and back into wider rows. */
+static void test_copy_2d(void) {
+    const size_t rows = 37, w = 100, sp = 164, dpitch = 120;
+    std::vector<unsigned char> src(rows * sp), ref(rows * dpitch, 0xab);
+    for (size_t i = 0; i < src.size(); i++) src[i] = (unsigned char)(i * 7 + 3);
+    unsigned char *ds, *dd;
+    CUDA_CHECK(cudaMalloc(&ds, src.size()));
+    CUDA_CHECK(cudaMalloc(&dd, ref.size()));
+    CUDA_CHECK(cudaMemcpy(ds, src.data(), src.size(), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dd, ref.data(), ref.size(), cudaMemcpyHostToDevice));
+    std::vector<unsigned char> want = ref, got(ref.size());
+    cpu->copy_2d(want.data(), dpitch, src.data() + 24, sp, w, rows);
+    gpu->copy_2d(dd, dpitch, ds + 24, sp, w, rows);
+    CUDA_CHECK(cudaMemcpy(got.data(), dd, got.size(), cudaMemcpyDeviceToHost));
+    report_s("copy_2d", got == want, got == want ? "the cpu backend's bytes" : "bytes differ from the cpu backend's");
+    cudaFree(ds), cudaFree(dd);
 }
 
 /* precision.attention auto with bf16 at a new shape: the first usable path
@@ -990,6 +1149,8 @@ int main(void) {
         test_adamw_p16(1003, 0);
         test_adamw_p16(1003, 1);
         test_lion(1003);
+        test_muon_ops(1003);
+        test_adafactor();
         test_sumsq(4099);
         test_sumsq(100);                  /* fewer elements than partial blocks */
         test_sumsq(0);
@@ -1011,6 +1172,15 @@ int main(void) {
             if (tc) gpu->set_attention("auto");
         }
         if (bf) test_attention_auto();
+        /* block attention (context parallelism): partial, diagonal, past and
+         * empty-row blocks; grouped heads, 2, 4 and 8 threads per row; more
+         * rows than a 64-row block and keys than a 32-key tile */
+        test_attention_block(2, 7, 9, 4, 2, 6, 10, 5, 0);
+        test_attention_block(1, 13, 13, 6, 2, 10, 0, 0, 13);
+        test_attention_block(2, 5, 11, 3, 1, 40, 20, 0, 11);
+        test_attention_block(1, 8, 6, 2, 2, 100, 0, 3, 100);
+        test_attention_block(1, 70, 67, 2, 1, 16, 30, 0, 31);
+        test_copy_2d();
         test_rmsnorm(37, 70);
         test_rmsnorm(37, 48); /* whole 16-byte packs */
         const AttnShape a18 = {1, 37, 6, 2, 18}, a10 = {2, 37, 6, 1, 10};

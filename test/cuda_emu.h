@@ -302,6 +302,18 @@ static inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, 
                                           cudaStream_t = 0) {
     return cudaMemcpy(dst, src, n, kind);
 }
+/* Rows of `width` bytes, each checked as cudaMemcpy checks one copy; pitches
+ * below the width are the CUDA runtime's cudaErrorInvalidPitchValue. */
+static inline cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width,
+                                            size_t rows, cudaMemcpyKind kind, cudaStream_t = 0) {
+    if (rows > 1 && (dpitch < width || spitch < width))
+        return emu_error(cudaErrorInvalidValue, "cudaMemcpy2DAsync: a pitch below the width");
+    for (size_t r = 0; r < rows; r++) {
+        cudaError_t e = cudaMemcpy((char *)dst + r * dpitch, (const char *)src + r * spitch, width, kind);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
 static inline cudaError_t cudaMemset(void *p, int v, size_t n) {
     if (n && !emu_is_device(p, n)) return emu_error(cudaErrorInvalidValue, "cudaMemset of non-device memory");
     memset(p, v, n);

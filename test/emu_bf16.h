@@ -100,6 +100,30 @@ static void emu_attention_backward(void *dqkv, const void *dout, const void *qkv
     emu_store(dqkv, dq, N * W);
     free(d), free(q), free(o);
 }
+/* Elements a block's q (k, v) rows span: the last row's start plus its heads. */
+static size_t emu_span(int rows, int ld, int width) { return rows > 0 ? (size_t)(rows - 1) * ld + width : 0; }
+static void emu_attention_block_forward(void *out, float *lse, const void *q, const void *k, const void *v,
+                                        const AttnBlock *s, int merge) {
+    size_t NO = (size_t)s->B * s->Tq * s->NH * s->HD;
+    float *o = merge ? emu_wide(out, NO) : xmalloc((NO ? NO : 1) * sizeof(float));
+    float *qf = emu_wide(q, emu_span(s->B * s->Tq, s->q_ld, s->NH * s->HD));
+    float *kf = emu_wide(k, emu_span(s->B * s->Tk, s->kv_ld, s->NKV * s->HD));
+    float *vf = emu_wide(v, emu_span(s->B * s->Tk, s->kv_ld, s->NKV * s->HD));
+    backend_cpu.attention_block_forward(o, lse, qf, kf, vf, s, merge);
+    emu_store(out, o, NO);
+    free(qf), free(kf), free(vf);
+}
+static void emu_attention_block_backward(float *dq, float *dk, float *dv, const void *dout, const void *q,
+                                         const void *k, const void *v, const void *out, const float *lse,
+                                         const AttnBlock *s) {
+    size_t NO = (size_t)s->B * s->Tq * s->NH * s->HD;
+    float *d = emu_wide(dout, NO), *o = emu_wide(out, NO);
+    float *qf = emu_wide(q, emu_span(s->B * s->Tq, s->q_ld, s->NH * s->HD));
+    float *kf = emu_wide(k, emu_span(s->B * s->Tk, s->kv_ld, s->NKV * s->HD));
+    float *vf = emu_wide(v, emu_span(s->B * s->Tk, s->kv_ld, s->NKV * s->HD));
+    backend_cpu.attention_block_backward(dq, dk, dv, d, qf, kf, vf, o, lse, s);
+    free(d), free(o), free(qf), free(kf), free(vf);
+}
 static void emu_gelu_forward(void *out, const void *inp, size_t n) {
     float *o = xmalloc((n ? n : 1) * sizeof(float)), *x = emu_wide(inp, n);
     backend_cpu.gelu_forward(o, x, n);
@@ -276,6 +300,8 @@ static Backend emu_bf16_backend(void) {
     b.matmul_backward = emu_matmul_backward;
     b.attention_forward = emu_attention_forward;
     b.attention_backward = emu_attention_backward;
+    b.attention_block_forward = emu_attention_block_forward;
+    b.attention_block_backward = emu_attention_block_backward;
     b.gelu_forward = emu_gelu_forward;
     b.gelu_backward = emu_gelu_backward;
     b.rmsnorm_forward = emu_rmsnorm_forward;

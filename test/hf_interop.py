@@ -8,6 +8,16 @@ Prints one ok/FAIL line per check:
   hf_NAME_import       a random HF model (save_pretrained) loaded by kiln
                        through init.from: kiln's logits vs HF's
   hf_NAME_hf_rt        HF -> kiln -> HF: every tensor bit-identical
+  hf_NAME_greedy       20 tokens of greedy decoding: HF's (its forward and the
+                       argmax of the last row, as generate(do_sample=False)) and
+                       kiln's give the same ids (a step whose best two logits
+                       are within 1e-4 x max(1, |logit|) on kiln's side is a
+                       near tie either side may take: the comparison stops
+                       there, and the line says so)
+  hf_NAME_sharded      the export written in shards (--max-shard-size), read
+                       by HF (same logits as the single file) and by kiln
+                       (bit-identical parameters); a random HF model saved in
+                       shards loads into kiln with HF's logits
 Tolerances: fp32 on both sides, differing only in summation order and
 library GeLU/exp/rsqrt: errors of order 1e-6 relative per op, a few 1e-6
 after two layers of width 64; 1e-4 x max(1, max|logit|) leaves room and
@@ -21,7 +31,7 @@ import torch
 from safetensors.numpy import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-name, cfg, ckpt, exp32, exp16, work = sys.argv[1:7]
+name, cfg, ckpt, exp32, exp16, work, sharded = sys.argv[1:8]
 TOOL = "build/test/hf_tool"
 torch.manual_seed(0)
 
@@ -87,3 +97,46 @@ report(ok, f"hf_{name}_import", why)
 subprocess.run([TOOL, cfg, hf_dir, "--export", f"{work}/{name}_hf_again"], check=True)
 ok, why = same_tensors(f"{hf_dir}/model.safetensors", f"{work}/{name}_hf_again/model.safetensors")
 report(ok, f"hf_{name}_hf_rt", why)
+
+
+# Greedy decoding: 20 new tokens after 4.
+prompt = tokens[:4]
+out = f"{work}/{name}_greedy.txt"
+subprocess.run([TOOL, cfg, ckpt, "--greedy", out, "20"] + [str(t) for t in prompt], check=True)
+kiln_ids, gaps = [], []
+for line in open(out):
+    i, g = line.split()
+    kiln_ids.append(int(i)), gaps.append(float(g))
+# HF's side: its forward over the whole sequence each step and the argmax of
+# the last row, which is what generate(do_sample=False) computes (generate
+# itself imports torch.distributed.fsdp, which Debian's torch 1.13 cannot
+# import under Python 3.11)
+m = AutoModelForCausalLM.from_pretrained(exp32, torch_dtype=torch.float32).float().eval()
+seq = list(prompt)
+with torch.no_grad():
+    for _ in range(20):
+        seq.append(int(m(torch.tensor([seq])).logits[0, -1].argmax()))
+hf_ids = seq[len(prompt):]
+same, why = True, "20 of 20 the same"
+for step, (a, b) in enumerate(zip(kiln_ids, hf_ids)):
+    if a != b:
+        k = kiln_logits(ckpt, prompt + kiln_ids[:step])[-1]
+        near = gaps[step] <= 1e-4 * max(1.0, float(np.abs(k).max()))
+        same, why = near, (f"the same up to step {step}, a near tie there (best two {gaps[step]:.2g} apart)" if near
+                           else f"step {step}: kiln {a}, HF {b}, kiln's best two logits {gaps[step]:.3g} apart")
+        break
+report(same and len(hf_ids) == 20, f"hf_{name}_greedy", why)
+
+# Sharded: the export in several files, read by HF and by kiln.
+ok, why = compare(hf_logits(exp32, tokens), hf_logits(sharded, tokens), 0.0)
+import json, os
+idx = json.load(open(f"{sharded}/model.safetensors.index.json"))
+files = sorted(set(idx["weight_map"].values()))
+subprocess.run([TOOL, cfg, sharded, "--dump", f"{work}/{name}_p3.safetensors"], check=True)
+ok2, why2 = same_tensors(f"{work}/{name}_p1.safetensors", f"{work}/{name}_p3.safetensors")
+hf_sh = f"{work}/{name}_hf_random_sharded"
+model.save_pretrained(hf_sh, safe_serialization=True, max_shard_size="30KB")
+ok3, why3 = compare(kiln_logits(hf_sh, tokens), hf_logits(hf_sh, tokens), 1e-4)
+nsh = len(set(json.load(open(f"{hf_sh}/model.safetensors.index.json"))["weight_map"].values()))
+report(ok and ok2 and ok3 and len(files) > 1 and nsh > 1, f"hf_{name}_sharded",
+       f"{len(files)} kiln shards: {why}; {why2 or 'parameters bit-identical'}; {nsh} HF shards: {why3}")

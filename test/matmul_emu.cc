@@ -18,6 +18,7 @@
  *    1e-2 is ~3x their sum. */
 #include "cuda_emu.h"
 #include "max_rel.h"
+#include "singular_values.h"
 #include "cublaslt_emu.h"
 
 #include "../cuda/embed_norm.cu"
@@ -26,6 +27,7 @@
 #include "../cuda/moe.cu"
 #include "../cuda/attention.cu"
 #include "../cuda/attention_tc.cu"
+#include "../cuda/attention_block.cu"
 #include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */
 #include "../cuda/matmul.cu"
 #include "../cuda/backend_cuda.cu"
@@ -185,6 +187,62 @@ static void test_plan_eviction(void) {
     cudaFree(di), cudaFree(dw), cudaFree(out);
 }
 
+/* Newton-Schulz (backend.h newton_schulz) on Gaussian matrices of several
+ * aspect ratios (wide, tall, square; sizes whose work buffers start off 256
+ * bytes) against the CPU backend's fp32 iteration, and its singular values.
+ * fp32: 1e-5 as the products (the same 15 products in another summation
+ * order, a few ulps). bf16: every product is stored in bf16 (2^-9 relative),
+ * which the iteration's slope (up to 3.4445 per step where singular values
+ * are small) spreads: the output differs from fp32's by a few percent of its
+ * largest element (measured up to 3.6e-2 over these shapes); 5e-2, while a
+ * wrong transpose or coefficient errs by O(1).
+ * The band: the quintic lifts a small singular value by at most 3.4445 a
+ * step, so five steps bring one of the normalised input (sigma / |G|_F)
+ * above 0.7 / 3.4445^5 = 1.4e-3 into about [0.68, 1.14] (test_optim:
+ * fp32); a square Gaussian matrix can have singular values below that (one
+ * of these draws has 5.7e-5, which exact arithmetic takes to 0.028), so
+ * singular values whose input lies under 2e-3 are left out and counted.
+ * The band of the fp32 test, [0.65, 1.2], in both dtypes (measured: fp32
+ * [0.682, 1.133], bf16 [0.681, 1.133]). */
+static int sv_cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void test_newton_schulz(double *lo, double *hi, int *left_out) {
+    static const int shapes[][2] = {{32, 32}, {16, 64}, {64, 16}, {24, 72}, {100, 30}, {7, 13}};
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    for (auto &sh : shapes) {
+        int r = sh[0], c = sh[1], a = r < c ? r : c;
+        size_t n = (size_t)r * c, wn = 2 * n + 2 * (size_t)a * a + 256;
+        Vec x(n);
+        for (auto &v : x) v = 3.0f * d(gen);
+        Vec ref = x, work(wn);
+        cpu->newton_schulz(ref.data(), r, c, 5, work.data());
+        float *dx = (float *)dev_put(x, 0, 4), *dw = (float *)dev_out(wn, 4);
+        gpu->newton_schulz(dx, r, c, 5, dw);
+        Vec got = get(dx, n, 4);
+        std::string s = std::to_string(r) + "x" + std::to_string(c);
+        check("newton_schulz_" + s, got, ref, AB == 2 ? 5e-2 : 1e-5);
+        std::vector<double> sv(a), s0(a);
+        singular_values(got.data(), r, c, sv.data());
+        singular_values(x.data(), r, c, s0.data());
+        qsort(sv.data(), a, sizeof(double), sv_cmp); /* small to large: the quintic keeps their order */
+        qsort(s0.data(), a, sizeof(double), sv_cmp);
+        double frob = 0;
+        for (double v : s0) frob += v * v;
+        for (int k = 0; k < a; k++) {
+            if (s0[k] / sqrt(frob) < 2e-3) {
+                (*left_out)++;
+                continue;
+            }
+            *lo = sv[k] < *lo ? sv[k] : *lo, *hi = sv[k] > *hi ? sv[k] : *hi;
+        }
+        CUDA_CHECK(cudaFree(dx));
+        CUDA_CHECK(cudaFree(dw));
+    }
+}
+
 int main(void) {
     cpu->init(1);
     for (int bf = 0; bf <= 1; bf++) {
@@ -201,6 +259,13 @@ int main(void) {
         test_gelu(37, 24, 40, 16, 1);
         test_gelu(37, 20, 36, 16, 0); /* aux ld 36 and 20: not multiples of 8, the separate ops */
         test_plan_eviction();
+        double lo = 1e9, hi = 0;
+        int left_out = 0;
+        test_newton_schulz(&lo, &hi, &left_out);
+        char b[160];
+        snprintf(b, sizeof b, "singular values in [%.4f, %.4f], want within [0.65, 1.2] (%d below 2e-3 of |G|_F left "
+                 "out)", lo, hi, left_out);
+        report("newton_schulz_singular_values", lo >= 0.65 && hi <= 1.2, b);
         gpu->shutdown();
         report("descriptors_destroyed", emu_lt_live == 0, std::to_string(emu_lt_live) + " cuBLASLt objects live");
     }

@@ -56,6 +56,13 @@
  *    [9.4e-8], 1e-2 bf16 against the CPU with bf16 stores (test/emu_bf16.h)
  *    [3.1e-3: the logits' own bf16 store, 2^-9, on top of the forward's].
  *
+ * Muon (optim.name muon on the blocks' 2-D weights, lr 0.02; the rest
+ * AdamW), whose Newton-Schulz runs through cuBLASLt's products: fp32 with
+ * GPT-2's fp32 tolerances [0, 6.5e-9, 1.4e-6, 4.5e-5]; bf16, the
+ * iteration's products stored in bf16 against the CPU's fp32 iteration
+ * (updates a few percent apart: test/matmul_emu.cc), with the bf16 ones
+ * [2.6e-4, 1.1e-3, 5.5e-2, 9.4e-2].
+ *
  * The Llama and MoE cases (arch_cases: GQA + RoPE + SwiGLU untied; MQA +
  * per-head QK-norm + tied; MoE softmax router 4 experts top-2 + 1 shared;
  * MoE sigmoid router with capacity factor 1, ~10% of slots dropped), the
@@ -253,7 +260,7 @@ static int64_t moved_slots(const Trace *a, const Trace *b) {
 }
 
 static void arch_refs(void) {
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0};
+    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0};
     for (int i = 0; i < N_ARCH; i++) {
         ArchCase *c = &arch_cases[i];
         arch_resolve(&c->spec);
@@ -287,7 +294,7 @@ static void arch_refs(void) {
  * MoE losses, grad norms and how many slots moved (the comment at the top). */
 static void arch_run_all(const char *prec) {
     int bf16 = strcmp(prec, "bf16") == 0;
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0};
+    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0};
     for (int i = 0; i < N_ARCH; i++) {
         const ArchCase *c = &arch_cases[i];
         const Trace *ref = &arch_ref[i];
@@ -382,11 +389,13 @@ int main(void) {
 
     /* the references, on the CPU: fp32 moments, bf16 moments, and bf16
      * parameters on the bf16 emulation */
-    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0}, state16 = plain, master16 = plain;
+    TraceOpts plain = {MODEL_RECOMPUTE_NONE, 1, 0, 0, 0, 0, 0}, state16 = plain, master16 = plain, muon = plain;
     state16.state16 = 1;
     master16.master16 = 1;
-    Trace ref, ref_s16, ref_m16, t, u;
+    muon.muon = 1;
+    Trace ref, ref_s16, ref_m16, ref_muon, t, u;
     trace_train_opts(&backend_cpu, shape0, plain, &ref);
+    trace_train_opts(&backend_cpu, shape0, muon, &ref_muon);
     trace_train_opts(&backend_cpu, shape0, state16, &ref_s16);
     trace_train_opts(&emu, shape0, master16, &ref_m16);
     report(isfinite(ref.loss[0]) && ref.loss[STEPS * ACCUM - 1] < ref.loss[0], "reference_learns",
@@ -400,6 +409,7 @@ int main(void) {
     gpu_start("fp32", "auto");
     run_case("fp32", plain, &ref, TOL_FP32);
     run_case("fp32_optim_state_bf16", state16, &ref_s16, TOL_FP32_STATE16);
+    run_case("fp32_muon", muon, &ref_muon, TOL_FP32);
     check_eval("fp32", row32, 1e-5);
     arch_run_all("fp32");
     gpu_stop("fp32");
@@ -421,6 +431,7 @@ int main(void) {
     trace_free(&t), trace_free(&u);
     run_case("bf16_optim_state_bf16", state16, &ref_s16, TOL_BF16);
     run_case("bf16_master_bf16", master16, &ref_m16, TOL_BF16);
+    run_case("bf16_muon", muon, &ref_muon, TOL_BF16);
     check_eval("bf16", row16, 1e-2);
     arch_run_all("bf16");
     gpu_stop("bf16_tensor_cores");
@@ -430,7 +441,7 @@ int main(void) {
     run_case("bf16_simt", plain, &ref, TOL_BF16);
     gpu_stop("bf16_simt");
 
-    trace_free(&ref), trace_free(&ref_s16), trace_free(&ref_m16);
+    trace_free(&ref), trace_free(&ref_s16), trace_free(&ref_m16), trace_free(&ref_muon);
     free(row32), free(row16);
     for (int i = 0; i < N_ARCH; i++) trace_free(&arch_ref[i]), model_free(&arch_layout[i]);
     model_free(&layout);

@@ -14,6 +14,7 @@
 #include "../cuda/moe.cu"
 #include "../cuda/attention.cu"
 #include "../cuda/attention_tc.cu"
+#include "../cuda/attention_block.cu"
 #include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */
 #include "../cuda/matmul.cu"
 #include "../cuda/backend_cuda.cu"

@@ -46,7 +46,26 @@ typedef struct {
     ModelRecompute r;
     int gelu_fusion, master16, state16;
     int tp, tp_rank; /* tp > 1: rank tp_rank's part of the model, on trace_tp's one-process collectives */
+    int muon;        /* optim.name muon on the blocks' 2-D weights (trace_set_muon), lr 0.02 */
 } TraceOpts;
+
+/* Muon as train.c sets it (train_set_muon): the blocks' 2-D weights, GPT-2's
+ * fused c_attn as its three thirds, spectral scale, momentum 0.95, 5 steps. */
+static void trace_set_muon(AdamW *o, const Model *m) {
+    OptimMatrix mats[64];
+    int n = 0;
+    for (int i = 0; i < m->num_tensors && n + 3 <= 64; i++) {
+        const ParamInfo *p = &m->params[i];
+        int r = p->role;
+        if (p->ndim != 2 || (r != ROLE_QKV_W && r != ROLE_O_W && r != ROLE_FC_W && r != ROLE_DOWN_W)) continue;
+        int parts = r == ROLE_QKV_W ? 3 : 1, rows = p->shape[0] / parts, cols = p->shape[1];
+        for (int k = 0; k < parts; k++)
+            mats[n++] = (OptimMatrix){.off = p->offset + (size_t)k * rows * cols, .rows = rows, .cols = cols,
+                                      .scale = optim_muon_scale("spectral", rows, cols), .decay = p->decay,
+                                      .tensor = i, .toff = (size_t)k * rows * cols};
+    }
+    optim_set_muon(o, mats, n, 0.95f, 5);
+}
 
 /* Tensor parallelism on one process (TraceOpts.tp): the collectives of a tp
  * group whose other ranks hold exactly what this one does. Sums leave this
@@ -86,6 +105,7 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
     optim_init_shard_dtype(&o, be, m.num_params, m.num_decay, 0, m.num_params, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f,
                            op.state16, 0x5eed);
     if (op.master16) optim_set_params_bf16(&o);
+    if (op.muon) trace_set_muon(&o, &m);
     int32_t inp[B * T], tgt[B * T];
     for (int step = 0; step < STEPS; step++) {
         for (int k = 0; k < ACCUM; k++) {
@@ -98,7 +118,7 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
             t->grads = xmalloc(t->n * sizeof(float));
             be->to_host(t->grads, m.grad_mem, t->n * sizeof(float));
         }
-        t->norm[step] = optim_step(&o, model_param_arena(&m), m.grad_mem, 3e-3f).grad_norm;
+        t->norm[step] = optim_step(&o, model_param_arena(&m), m.grad_mem, op.muon ? 0.02f : 3e-3f).grad_norm;
         model_params_changed(&m);
     }
     t->params = xmalloc(t->n * sizeof(float));
@@ -117,7 +137,7 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
 
 /* Model.recompute r and gelu_fusion, fp32 master and moments. */
 static inline void trace_train(const Backend *be, ArchSpec s, ModelRecompute r, int gelu_fusion, Trace *t) {
-    TraceOpts op = {r, gelu_fusion, 0, 0, 0, 0};
+    TraceOpts op = {r, gelu_fusion, 0, 0, 0, 0, 0};
     trace_train_opts(be, s, op, t);
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA backend's SIMT kernels and their host wrappers (cuda/embed_norm.cu,
-# pointwise.cu, attention.cu) on the CPU: builds test/cuda_emu.cc with the
+# pointwise.cu, attention.cu, attention_block.cu) on the CPU: builds test/cuda_emu.cc with the
 # host C++ compiler against the CUDA stand-ins of test/cuda_emu.h, links the
 # CPU backend as the reference, and runs it (one line per check, both
 # activation dtypes). Needs no GPU and no nvcc; skips without g++.

@@ -140,16 +140,26 @@ else fail dp_zero2_gradients_sharded "rc $rc: '$gf' gradient floats for '$np' pa
 ./train $Y $S --set parallel.zero=2 --set run.dir=$T/z2one >/dev/null 2>&1
 [ "$(losses $T/ref/metrics.jsonl)" = "$(losses $T/z2one/metrics.jsonl)" ] && ok dp_zero2_one_rank_is_plain \
     || fail dp_zero2_one_rank_is_plain "$(losses $T/z2one/metrics.jsonl | tail -n 1) vs $(losses $T/ref/metrics.jsonl | tail -n 1)"
-# A poisoned gradient under ZeRO-2 (the test hook writes into the gradient
-# shard) skips the step on every rank, as on one rank: the same losses
+# A poisoned gradient (the test hook writes a NaN into each rank's gradients
+# once their reduction is complete: the arena, or ZeRO-2/3's shard) skips the
+# step on every rank, as on one rank: the same losses. ZeRO 0 and 1 take the
+# norm of each rank's own copy, ZeRO 2 of the shards summed; tp 2 sums it over
+# the tp group too.
 NAN="--set train.on_nonfinite=skip --set train.steps=8"
 KILN_TEST_INJECT_NAN_STEP=5 ./train $Y $S $NAN --set run.dir=$T/nan1 >/dev/null 2>&1
-KILN_TEST_INJECT_NAN_STEP=5 "${MPIRUN[@]}" -x KILN_TEST_INJECT_NAN_STEP -np 2 ./train $Y $S $NAN --set parallel.zero=2 \
-    --set run.dir=$T/nan2 >$T/nan2.txt 2>&1
-rc=$?
-why=$(close_losses $T/nan1/metrics.jsonl $T/nan2/metrics.jsonl 2>&1)
-if [ $rc -eq 0 ] && [ -z "$why" ] && grep -q '"step":5,.*"skipped":true' $T/nan2/metrics.jsonl; then ok dp_zero2_nonfinite_skip
-else fail dp_zero2_nonfinite_skip "rc $rc: $why $(grep -m2 -E 'error|warning' $T/nan2.txt)"; fi
+for layout in zero0 zero1 zero2 tp2; do
+    case $layout in
+        zero*) L="--set parallel.zero=${layout#zero}" ;;
+        tp2) L="--set parallel.tp=2" ;;
+    esac
+    KILN_TEST_INJECT_NAN_STEP=5 "${MPIRUN[@]}" -x KILN_TEST_INJECT_NAN_STEP -np 2 ./train $Y $S $NAN $L \
+        --set run.dir=$T/nan_$layout >$T/nan_$layout.txt 2>&1
+    rc=$?
+    why=$(close_losses $T/nan1/metrics.jsonl $T/nan_$layout/metrics.jsonl 2>&1)
+    if [ $rc -eq 0 ] && [ -z "$why" ] && grep -q '"step":5,.*"skipped":true' $T/nan_$layout/metrics.jsonl; then
+        ok dp_${layout}_nonfinite_skip
+    else fail dp_${layout}_nonfinite_skip "rc $rc: $why $(grep -m2 -E 'error|warning' $T/nan_$layout.txt)"; fi
+done
 
 # A rank killed mid-run. mpirun --enable-recovery leaves the survivor waiting
 # in its collective (as a scheduler that does not kill the step would): kiln's

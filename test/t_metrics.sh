@@ -158,8 +158,10 @@ KILN_TEST_STALL_AT_STEP=4 timeout 60 ./train "$T/small.yaml" --set run.dir="$T/s
     --set monitor.stall_timeout_s=2 >"$T/out.txt" 2>"$T/err.txt"
 rc=$?
 took=$(python3 -c "import time; print(round(time.time() - $start, 1))")
-# 2 s timeout + polling (at most 0.2 s here) + start-up; 8 s leaves room for a loaded machine
-if [ $rc -eq 1 ] && python3 -c "import sys; sys.exit(0 if $took < 8 else 1)" \
+# exit 1 is the watchdog's (the outer `timeout 60` would give 124), and its
+# line gives its own measure of the stall (2.x s): the wall time is not
+# asserted (a loaded machine may take any time to start up)
+if [ $rc -eq 1 ] \
     && grep -q "watchdog: rank 0 made no progress for 2\.[0-9] s.*phase 'forward' of step 4" "$T/err.txt" \
     && grep -q 'forward .*<- stuck here' "$T/err.txt" && grep -q 'backward' "$T/stall/log/rank0.txt" \
     && grep -q '"stalled":true' "$T/stall/heartbeat/rank0.json"; then

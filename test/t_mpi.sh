@@ -31,8 +31,8 @@ for np in 2 4; do
     rc=$?
     grep -E '^(ok|FAIL|skip) ' "$T/np$np.out"
     n=$(grep -c '^ok ' "$T/np$np.out")
-    # 23 checks: describe, 5 mesh, 2 shard, placement, 11 collectives, split, mesh groups, consistency
-    if [ $rc -eq 0 ] && [ "$n" -ge 23 ]; then ok "mpi${np}_run_complete"
+    # 24 checks: describe, 5 mesh, 2 shard, placement, 12 collectives, split, mesh groups, consistency
+    if [ $rc -eq 0 ] && [ "$n" -ge 24 ]; then ok "mpi${np}_run_complete"
     else fail "mpi${np}_run_complete" "exit $rc, $n ok lines; stderr: $(tail -c 400 "$T/np$np.err")"; fi
     echo "mpi${np}: $(elapsed "$t0") s" >>"$T/timings"
 done
@@ -46,8 +46,11 @@ if [ $rc -eq 2 ] && grep -q 'kiln: error: ranks disagree.*rank 1 has config hash
 else fail mpi_consistency_mismatch_exit2 "exit $rc; stderr: $(head -c 400 "$T/hash.err")"; fi
 
 # A dead peer. rank 1 SIGKILLs itself after a first all-reduce; the others
-# wait in the next one. The deadline is 3 s (KILN_COMM_TIMEOUT_S); the job
-# must be over within 3 + 10 s with a message naming rank 1.
+# wait in the next one. The deadline is 3 s (KILN_COMM_TIMEOUT_S): the job must
+# end by itself (not by the outer `timeout 120`, exit 124) with a message
+# naming rank 1. Whether it ended by kiln's deadline is in the message ("did
+# not complete within 3 s"): the wall time is logged, never asserted (a busy
+# machine may take any time to start the ranks).
 TO=3
 #  (a) plain mpirun: Open MPI itself notices the death and ends the job (in
 #      ~2 s here), naming the rank; the survivors are terminated by mpirun.
@@ -57,7 +60,7 @@ KILN_COMM_TIMEOUT_S=$TO KILN_TEST_KILL_RANK=1 "${MPIRUN[@]}" -np 2 -x KILN_COMM_
 rc=$?
 dt=$(elapsed "$t0")
 echo "kill_mpirun: $dt s (exit $rc)" >>"$T/timings"
-if [ $rc -ne 0 ] && [ "$(echo "$dt < $TO + 10" | bc)" = 1 ] && grep -q 'rank 1 .*exited on signal 9' "$T/kill.err"; then
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q 'rank 1 .*exited on signal 9' "$T/kill.err"; then
     ok mpi_killed_rank_ends_job
 else fail mpi_killed_rank_ends_job "exit $rc after $dt s; stderr: $(head -c 400 "$T/kill.err")"; fi
 #  (b) mpirun --enable-recovery leaves the survivors running (as srun does):
@@ -72,13 +75,13 @@ rc=$?
 dt=$(elapsed "$t0")
 echo "kill_recovery: $dt s (exit $rc)" >>"$T/timings"
 pat="kiln: error: rank [02]: all_reduce #[0-9]+ on group 'world' \\(3 ranks\\) did not complete within $TO s: rank 1 \\(pid [0-9]+ on [^)]*\\) is dead"
-if [ "$(grep -cE "$pat" "$T/kill2.err")" -eq 2 ] && [ "$(echo "$dt < $TO + 10" | bc)" = 1 ]; then
+if [ "$(grep -cE "$pat" "$T/kill2.err")" -eq 2 ] && [ $rc -ne 124 ]; then
     ok mpi_killed_rank_timeout_names_it
 else fail mpi_killed_rank_timeout_names_it "after $dt s; stderr: $(head -c 600 "$T/kill2.err")"; fi
 
 # A hung rank (alive, never arrives): no launcher notices; kiln's deadline
 # plus a 2 s round of "where are you?" on the watch communicator must end the
-# job (exit 1) naming rank 1 as alive but absent, within 3 + 10 s.
+# job (exit 1, not the outer timeout's 124) naming rank 1 as alive but absent.
 t0=$(now)
 KILN_COMM_TIMEOUT_S=$TO KILN_TEST_STOP_RANK=1 "${MPIRUN[@]}" -np 3 -x KILN_COMM_TIMEOUT_S -x KILN_TEST_STOP_RANK \
     "$BIN" >"$T/stop.out" 2>"$T/stop.err"
@@ -86,7 +89,7 @@ rc=$?
 dt=$(elapsed "$t0")
 echo "hung_rank: $dt s (exit $rc)" >>"$T/timings"
 pat="kiln: error: rank [02]: all_reduce #[0-9]+ on group 'world' \\(3 ranks\\) did not complete within $TO s: rank 1 \\(pid [0-9]+ on [^)]*\\) is alive but never arrived"
-if [ $rc -eq 1 ] && grep -qE "$pat" "$T/stop.err" && [ "$(echo "$dt < $TO + 10" | bc)" = 1 ]; then
+if [ $rc -eq 1 ] && grep -qE "$pat" "$T/stop.err"; then
     ok mpi_hung_rank_timeout_names_it
 else fail mpi_hung_rank_timeout_names_it "exit $rc after $dt s; stderr: $(head -c 600 "$T/stop.err")"; fi
 

@@ -20,8 +20,14 @@ expect plan_bad_gpus 2 "--gpus: expected a count" -- ./train plan $CFG --gpus ei
 expect plan_bad_gpu_mem 2 "--gpu-mem: expected GiB" -- ./train plan $CFG --gpus 8 --gpu-mem -3
 expect plan_nodes_indivisible 2 '--gpus 6 do not split evenly over --nodes 4' -- ./train plan $CFG --gpus 6 --nodes 4
 expect plan_unknown_flag 2 "unknown flag '--bogus'" -- ./train plan $CFG --gpus 8 --bogus
-# pp/cp/ep > 1 are refused by the config itself (not implemented yet)
-expect plan_pp_refused 2 "parallel.pp.*not implemented" -- ./train plan $CFG --gpus 8 --set parallel.pp=2
+# ep > 1 needs an MoE model (the config refuses a dense one; the MoE lines: test/t_ep.sh; cp: test/t_cp.sh)
+expect plan_ep_dense_refused 2 "parallel.ep.*spreads MoE experts" -- ./train plan $CFG --gpus 8 --set parallel.ep=2
+# pp: every stage's layers and memory, the schedule's bubble; one that cannot run: invalid, exit 2
+expect plan_pp_stages 0 "stage 1 +layers 6..11 \+ head" -- ./train plan configs/gpt2-124m.yaml --gpus 8 \
+    --set parallel.pp=2 --set parallel.pp_layers=[6,6]
+expect plan_pp_interleaved_indivisible 2 "not a multiple of pp = 4" -- ./train plan configs/gpt2-124m.yaml --gpus 8 \
+    --set parallel.pp=4 --set parallel.pp_schedule=interleaved_1f1b --set parallel.pp_virtual=2 \
+    --set batch.total_tokens=196608
 # tp: the split per rank and the communication; a tp that does not divide the heads: invalid, exit 2
 expect plan_tp_lines 0 "tensor parallel        tp 2, sequence parallel on: per rank 6 of 12 heads" -- \
     ./train plan configs/gpt2-124m.yaml --gpus 8 --set parallel.tp=2

@@ -65,9 +65,10 @@ if grep -A1 'ranks by busy time per step, slowest first' "$T/status.txt" >/dev/n
     ok straggler_status_lists_rank_2_first
 else fail straggler_status_lists_rank_2_first "$(tail -n 6 "$T/status.txt")"; fi
 
+# 9 charts: the 6 of every run, data wait per step, and the 2 per-rank charts
 ./train report "$T/s" -o "$T/report.html" >/dev/null 2>&1
 if grep -q '<h2>Ranks: s (4 ranks)</h2>' "$T/report.html" && grep -q 'slowest: rank 2' "$T/report.html" \
-    && grep -q 'blocked in dp' "$T/report.html" && [ "$(grep -o '<svg' "$T/report.html" | wc -l)" -eq 8 ]; then
+    && grep -q 'blocked in dp' "$T/report.html" && [ "$(grep -o '<svg' "$T/report.html" | wc -l)" -eq 9 ]; then
     ok straggler_report_per_rank_charts
 else fail straggler_report_per_rank_charts "$(grep -o '<h2>[^<]*' "$T/report.html" | tr '\n' ' ')"; fi
 

@@ -24,6 +24,7 @@
 #include "emu_bf16.h"
 #include "fused_compose.h"
 #include "max_rel.h"
+#include "singular_values.h"
 #include "test.h"
 #include "util.h"
 
@@ -435,6 +436,85 @@ static void cross_rest(int B, int T, int C, int V, int Vp, int fp32_ops) {
     dev->free(d_p), dev->free(d_g), dev->free(d_m), dev->free(d_v), dev->free(d_sum);
 }
 
+/* Muon's and Adafactor's ops at GPT-2 shapes. The elementwise ones are
+ * written without fused multiply-adds: the CPU's bits. Newton-Schulz runs
+ * its products in the activation dtype: fp32 against the CPU's iteration
+ * within TOL_X_SUM (products of 768 and 3072 terms, fifteen of them, each a
+ * few 1e-7 apart); bf16 stores every product in bf16, which the iteration
+ * spreads to a few percent of the output's largest element (test/matmul_emu.cc
+ * measures up to 3.6e-2 at small shapes): 5e-2. The singular values of its
+ * output, at shapes small enough for the Jacobi reference, within the band
+ * [0.65, 1.2] of test_optim. Adafactor's row and column sums: double sums
+ * of the same fp32 terms in another order, stored in fp32: TOL_X; its
+ * update's sum of squares as sumsq's 1e-12. */
+static void cross_optim(void) {
+    /* the band at non-square shapes only: a square Gaussian matrix has singular values too small for five
+     * steps to lift (test/matmul_emu.cc) */
+    static const int shapes[][2] = {{768, 768}, {768, 3072}, {3072, 768}, {384, 256}, {128, 512}, {512, 128}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int r = shapes[s][0], c = shapes[s][1], a = r < c ? r : c;
+        size_t n = (size_t)r * c, wn = 2 * n + 2 * (size_t)a * a + 256;
+        float *x = rnd(n, 1.0f), *w = xmalloc(wn * 4);
+        float *d_x = up(x, n), *d_w = dev->alloc(wn * 4);
+        cpu->newton_schulz(x, r, c, 5, w);
+        dev->newton_schulz(d_x, r, c, 5, d_w);
+        char what[64];
+        snprintf(what, sizeof what, "newton_schulz_%dx%d", r, c);
+        report(what, xerr(d_x, x, n), ab == 4 ? TOL_X_SUM : 5e-2);
+        if (n <= 131072 && r != c) {
+            float *got = down(d_x, n, 0);
+            double *sv = xmalloc((size_t)a * sizeof(double)), lo = 1e9, hi = 0;
+            singular_values(got, r, c, sv);
+            for (int i = 0; i < a; i++) lo = fmin(lo, sv[i]), hi = fmax(hi, sv[i]);
+            snprintf(what, sizeof what, "newton_schulz_band_%dx%d", r, c);
+            report_exact(what, lo >= 0.65 && hi <= 1.2, "singular values out of [0.65, 1.2]");
+            free(got), free(sv);
+        }
+        free(x), free(w);
+        dev->free(d_x), dev->free(d_w);
+    }
+    size_t n = 768 * 3072;
+    float *g = rnd(n, 1e-3f), *p = rnd(n, 0.02f), *m = rnd(n, 1e-4f), *u = xmalloc(n * 4), *o = rnd(n, 0.03f);
+    float *d_g = up(g, n), *d_p = up(p, n), *d_m = up(m, n), *d_u = dev->alloc(n * 4), *d_o = up(o, n);
+    cpu->muon_momentum(u, m, g, n, 0.95f, 0.7f);
+    dev->muon_momentum(d_u, d_m, d_g, n, 0.95f, 0.7f);
+    cpu->muon_apply(p, o, n, 0.02f, 2.0f, 0.1f);
+    dev->muon_apply(d_p, d_o, n, 0.02f, 2.0f, 0.1f);
+    report_exact("muon_elementwise_exact", xsame_k(d_u, u, n, 0) && xsame_k(d_m, m, n, 0) && xsame_k(d_p, p, n, 0),
+                 "muon_momentum or muon_apply differs from the cpu backend's bits");
+    /* Adafactor: a (768, 3072) tensor's run from mid-row */
+    size_t R = 768, C = 3072, e0 = 1000, len = n - 3000;
+    float *rows = xcalloc(R, 4), *cols = xcalloc(C, 4), *d_rows = dev->alloc(R * 4), *d_cols = dev->alloc(C * 4);
+    dev->zero(d_rows, R * 4), dev->zero(d_cols, C * 4);
+    cpu->adafactor_stats(rows, cols, g, e0, len, (int)C, 0.7f, 1e-30f);
+    dev->adafactor_stats(d_rows, d_cols, d_g, e0, len, (int)C, 0.7f, 1e-30f);
+    report("adafactor_stats", fmax(xerr(d_rows, rows, R), xerr(d_cols, cols, C)), TOL_X);
+    for (size_t i = 0; i < R; i++) rows[i] = fabsf(rows[i]) / C + 1e-9f;
+    for (size_t i = 0; i < C; i++) cols[i] = fabsf(cols[i]) / R + 1e-9f;
+    dev->to_device(d_rows, rows, R * 4), dev->to_device(d_cols, cols, C * 4);
+    double want, got, *d_q = dev->alloc(sizeof(double));
+    cpu->adafactor_usq(&want, g, NULL, rows, cols, 1e-6f, e0, len, (int)C, 0.7f);
+    dev->adafactor_usq(d_q, d_g, NULL, d_rows, d_cols, 1e-6f, e0, len, (int)C, 0.7f);
+    dev->sync();
+    dev->to_host(&got, d_q, sizeof got);
+    report("adafactor_usq", fabs(got - want) / want, 1e-12);
+    cpu->adafactor_apply(p, g, m, NULL, rows, cols, 1e-6f, e0, len, (int)C, 0.7f, 0.8f, 0.01f, 0.9f, 0.1f);
+    dev->adafactor_apply(d_p, d_g, d_m, NULL, d_rows, d_cols, 1e-6f, e0, len, (int)C, 0.7f, 0.8f, 0.01f, 0.9f, 0.1f);
+    cpu->adafactor_ema(rows, cols, R, 0.5f, 0.25f);
+    dev->adafactor_ema(d_rows, d_cols, R, 0.5f, 0.25f);
+    float *v = xmalloc(n * 4);
+    for (size_t i = 0; i < n; i++) v[i] = fabsf(o[i]) * 1e-4f + 1e-8f;
+    float *d_v = up(v, n);
+    cpu->adafactor_second(v, g, n, 0.7f, 0.5f, 1e-30f);
+    dev->adafactor_second(d_v, d_g, n, 0.7f, 0.5f, 1e-30f);
+    report_exact("adafactor_elementwise_exact",
+                 xsame_k(d_p, p, n, 0) && xsame_k(d_m, m, n, 0) && xsame_k(d_rows, rows, R, 0) &&
+                 xsame_k(d_v, v, n, 0), "adafactor_apply, _ema or _second differs from the cpu backend's bits");
+    free(g), free(p), free(m), free(u), free(o), free(rows), free(cols), free(v);
+    dev->free(d_g), dev->free(d_p), dev->free(d_m), dev->free(d_u), dev->free(d_o), dev->free(d_rows);
+    dev->free(d_cols), dev->free(d_q), dev->free(d_v);
+}
+
 /* Every check under the activation dtype `compute` ("fp32" or "bf16"). */
 static void cross_all(const char *compute) {
     if (dev->set_precision) dev->set_precision(compute);
@@ -465,6 +545,7 @@ static void cross_all(const char *compute) {
     cross_matmul_gelu(512, 768, 3072, "matmul_gelu");
     cross_matmul_gelu(512, 768, 1004, "matmul_gelu_oddoc");
     cross_rest(2, 256, 768, 1000, 1024, ab == 4);
+    cross_optim();
 }
 
 /* The fused-op checks on the CPU with fp32 activations, no GPU needed: the

@@ -243,6 +243,20 @@ static void test_collectives(void) {
         for (size_t i = 0; i < block; i++)
             if (recv[i] != (float)(prev * 10000 + (int)i)) ok = 0;
         check("send_recv_ring", ok, "each rank receives its predecessor's values");
+        /* Non-blocking (pipeline stages): every rank posts both receives
+         * first, then both sends, two tags apart; the waits finish in any
+         * order and each message lands by its tag. */
+        CommRequest rq[4];
+        float *r2 = recv + block;
+        comm_irecv(g, r2, block, next, 9, &rq[0]);
+        comm_irecv(g, recv, block, prev, 8, &rq[1]);
+        comm_isend(g, send, block, next, 8, &rq[2]);
+        comm_isend(g, send, block, prev, 9, &rq[3]);
+        for (int k = 3; k >= 0; k--) comm_wait(&rq[k]);
+        ok = 1;
+        for (size_t i = 0; i < block; i++)
+            if (recv[i] != (float)(prev * 10000 + (int)i) || r2[i] != (float)(next * 10000 + (int)i)) ok = 0;
+        check("isend_irecv_posted_early", ok, "each rank receives both neighbours' values by tag");
     }
 
     size_t b2 = 5;
@@ -254,6 +268,24 @@ static void test_collectives(void) {
         for (size_t i = 0; i < b2; i++)
             if (recv[j * b2 + i] != (float)(j * 100 + r * 10 + (int)i)) ok = 0;
     check("all_to_all", ok, "block j came from rank j and is its block r");
+
+    /* The variable-count form: rank r sends (r + 2j) % 3 elements to rank j
+     * (some pairs nothing, itself included), as floats and as 2-byte
+     * elements (bf16 rows move as such). */
+    size_t sc[64], rc[64], so = 0, ro = 0;
+    for (int j = 0; j < w && j < 64; j++) sc[j] = (size_t)((r + 2 * j) % 3), rc[j] = (size_t)((j + 2 * r) % 3);
+    for (int j = 0; j < w; j++)
+        for (size_t i = 0; i < sc[j]; i++) send[so++] = (float)(r * 100 + j * 10 + (int)i);
+    comm_all_to_allv(g, send, sc, recv, rc, sizeof(float));
+    uint16_t s16[3 * 64], r16[3 * 64];
+    for (size_t i = 0; i < so; i++) s16[i] = (uint16_t)send[i];
+    comm_all_to_allv(g, s16, sc, r16, rc, 2);
+    ok = w <= 64;
+    for (int j = 0; j < w && ok; j++)
+        for (size_t i = 0; i < rc[j]; i++, ro++)
+            if (recv[ro] != (float)(j * 100 + r * 10 + (int)i) || r16[ro] != (uint16_t)(j * 100 + r * 10 + (int)i))
+                ok = 0;
+    check("all_to_allv", ok, "rank j's elements for rank r, in rank order, 4- and 2-byte");
 
     comm_barrier(g);
     check("barrier", 1, "");

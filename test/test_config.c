@@ -197,16 +197,44 @@ static void test_cross_errors(void) {
                      "key 'batch.total_tokens'", "multiple of micro_batch*seq_len = 2048");
     expect_yaml_fail("config_gpt2_needs_tokenizer_file", "data:\n  tokenizer: gpt2\n", "data.tokenizer_file",
                      "gpt2", NULL);
-    expect_yaml_fail("config_parallel_pp", "parallel:\n  pp: 2\n", "bad.yaml:2:", "key 'parallel.pp'",
-                     "only 1 is supported in this build");
+    expect_yaml_fail("config_parallel_pp_zero3", "parallel:\n  pp: 2\n  zero: 3\n", "key 'parallel.zero'",
+                     "pipeline stages", "ZeRO 0 or 1");
+    expect_yaml_fail("config_parallel_pp_virtual_needs_pp", "parallel:\n  pp_virtual: 2\n", "bad.yaml:2:",
+                     "key 'parallel.pp_virtual'", "parallel.pp > 1");
+    expect_yaml_fail("config_parallel_pp_layers_entry", "parallel:\n  pp: 2\n  pp_layers: [2, x]\n", "bad.yaml:3:",
+                     "key 'parallel.pp_layers[1]'", "an integer");
+    expect_yaml_fail("config_parallel_pp_schedule", "parallel:\n  pp: 2\n  pp_schedule: 2f2b\n", "bad.yaml:3:",
+                     "key 'parallel.pp_schedule'", "zb_h1");
+    expect_yaml_fail("config_parallel_cp_chunks", "parallel:\n  cp: 3\n", "bad.yaml:2:", "'model.seq_len', 'parallel.cp'",
+                     "does not split into 2 x cp = 6 chunks");
+    expect_yaml_fail("config_parallel_cp_mode", "parallel:\n  cp: 2\n  cp_attention: tree\n", "bad.yaml:3:",
+                     "key 'parallel.cp_attention'", NULL);
     expect_yaml_fail("config_parallel_sp_value", "parallel:\n  tp: 2\n  sequence_parallel: sometimes\n",
                      "bad.yaml:3:", "key 'parallel.sequence_parallel'", NULL);
-    expect_yaml_fail("config_parallel_tp_muon", "parallel:\n  tp: 2\noptim:\n  name: muon\n",
-                     "key 'parallel.tp'", "muon", NULL);
+    /* Muon composes with every ZeRO stage and tensor parallelism (src/muon.c): no refusal */
+    char err[4096];
+    int rc = load_child(write_yaml("muon.yaml", "parallel:\n  tp: 2\n  zero: 3\noptim:\n  name: muon\n"), NULL, 0,
+                        err, sizeof err);
+    test_report(rc == 0, "config_parallel_tp_zero3_muon", "exit %d: %s", rc, err);
     expect_yaml_fail("config_parallel_dp_batch", "parallel:\n  dp: 3\n", "key 'batch.total_tokens'",
                      "parallel.dp = 3", NULL);
     expect_yaml_fail("config_parallel_zero4", "parallel:\n  zero: 4\n", "key 'parallel.zero'",
                      "[0, 3]", NULL);
+    /* expert parallelism: an MoE model whose experts and dp it divides, ZeRO 0 or 1, not Muon */
+#define MOE4 "model:\n  arch: llama\n  mlp: moe\n  moe:\n    n_experts: 4\n    top_k: 2\n"
+    expect_yaml_fail("config_parallel_ep_dense", "parallel:\n  ep: 2\n", "bad.yaml:2:", "key 'parallel.ep'",
+                     "model.mlp is gelu");
+    expect_yaml_fail("config_parallel_ep_experts", MOE4 "parallel:\n  ep: 3\n", "bad.yaml:8:",
+                     "ep 3 must divide the 4 experts", NULL);
+    expect_yaml_fail("config_parallel_ep_dp", MOE4 "parallel:\n  ep: 2\n  dp: 3\n", "'parallel.dp'",
+                     "ep 2 must divide dp 3", NULL);
+    expect_yaml_fail("config_parallel_ep_zero2", MOE4 "parallel:\n  ep: 2\n  zero: 2\n", "bad.yaml:9:",
+                     "key 'parallel.zero'", "ZeRO 0 or 1");
+    expect_yaml_fail("config_parallel_ep_pp", MOE4 "parallel:\n  ep: 2\n  pp: 2\n", "bad.yaml:8:",
+                     "expert and pipeline parallelism together", NULL);
+    expect_yaml_fail("config_parallel_ep_muon", MOE4 "parallel:\n  ep: 2\noptim:\n  name: muon\n",
+                     "key 'optim.name'", "parallel.ep > 1", NULL);
+#undef MOE4
 }
 
 static void test_sets(void) {

@@ -3,8 +3,12 @@
  * GPT-2 (tied head: the first and last stage each hold the token
  * embedding), a Llama with GQA and QK-norm (untied) and an MoE, on the CPU:
  * each stage's output copied into the next stage's input, the gradient of
- * each stage's input back into the previous one's output gradient. Never
- * communicates; the copies stand in for a pipeline's send and receive. */
+ * each stage's input back into the previous one's output gradient. Then
+ * what a pipeline schedule needs: two micro-batches in flight in two
+ * activation slots, ranks holding several chunks (interleaved), the
+ * backward split into its input and weight parts (zero-bubble), with and
+ * without recomputation: the gradients of the whole model's accumulation.
+ * Never communicates; the copies stand in for a pipeline's send and receive. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,6 +106,91 @@ static void run_case(const char *name, ArchSpec s, const int *cuts, int nst) {
     model_free(&whole);
 }
 
+/* A pipeline of V = p v virtual stages (cuts[V+1]) on p rank models, rank r
+ * holding chunks c of stages c p + r, two slots per chunk: both
+ * micro-batches' forwards, then their backwards (whole, or input parts and
+ * then weight parts), against the whole model accumulating the two. */
+static void run_pipeline(const char *name, ArchSpec s, const int *cuts, int p, int v, int split, ModelRecompute rec) {
+    arch_resolve(&s);
+    const Backend *be = &backend_cpu;
+    int V = p * v;
+    size_t NC = (size_t)B * T * s.n_embd;
+    int32_t tok2[2][B * T], tgt2[2][B * T];
+    for (int m = 0; m < 2; m++)
+        for (int i = 0; i < B * T; i++) tok2[m][i] = tokens[(i + 5 * m) % (B * T)], tgt2[m][i] = targets[(i + 3 * m) % (B * T)];
+    float dloss = 1.0f / (2 * B * T);
+    Model whole, rk[MAX_STAGES];
+    model_init(&whole, be, &s, NULL);
+    model_init_weights(&whole, 7);
+    model_plan_activations(&whole, B, T, MODEL_RECOMPUTE_NONE);
+    float lw[2];
+    for (int m = 0; m < 2; m++) {
+        lw[m] = model_forward(&whole, tok2[m], tgt2[m], B, T, dloss);
+        model_backward(&whole, m > 0);
+    }
+    for (int r = 0; r < p; r++) {
+        ModelOptions o = {.chunks = v};
+        for (int c = 0; c < v; c++) o.chunk_lo[c] = cuts[c * p + r], o.chunk_hi[c] = cuts[c * p + r + 1];
+        if (v == 1) o.chunks = 0, o.layer_lo = o.chunk_lo[0], o.layer_hi = o.chunk_hi[0];
+        model_init(&rk[r], be, &s, &o);
+        model_init_weights(&rk[r], 7);
+        int slots[MODEL_MAX_CHUNKS];
+        for (int c = 0; c < v; c++) slots[c] = 2;
+        model_plan_slots(&rk[r], B, T, rec, slots, split);
+    }
+    float lp[2] = {0, 0};
+    for (int m = 0; m < 2; m++)
+        for (int vs = 0; vs < V; vs++) {
+            Model *x = &rk[vs % p];
+            model_use_slot(x, vs / p, m);
+            if (vs > 0) memcpy(model_stage_input(x), model_slot_output(&rk[(vs - 1) % p], (vs - 1) / p, m), NC * 4);
+            float l = model_forward(x, tok2[m], vs == V - 1 ? tgt2[m] : NULL, B, T, dloss);
+            if (vs == V - 1) lp[m] = l;
+        }
+    for (int m = 0; m < 2; m++)
+        for (int vs = V - 1; vs >= 0; vs--) {
+            Model *x = &rk[vs % p];
+            model_use_slot(x, vs / p, m);
+            if (vs < V - 1)
+                memcpy(model_stage_output_grad(x), model_slot_input_grad(&rk[(vs + 1) % p], (vs + 1) / p, m), NC * 4);
+            if (split) model_backward_input(x, m > 0);
+            else model_backward(x, m > 0);
+        }
+    for (int m = 0; split && m < 2; m++)
+        for (int vs = V - 1; vs >= 0; vs--) {
+            model_use_slot(&rk[vs % p], vs / p, m);
+            model_backward_weight(&rk[vs % p], m > 0);
+        }
+    char what[96];
+    snprintf(what, sizeof what, "stages_%s_loss", name);
+    test_report(lp[0] == lw[0] && lp[1] == lw[1], what, "losses %.9g %.9g, the whole model's %.9g %.9g", lp[0], lp[1],
+                lw[0], lw[1]);
+    int exact = 1;
+    double tied = 0;
+    char worst[96] = "";
+    for (int i = 0; i < whole.num_tensors; i++) {
+        const ParamInfo *q = &whole.params[i];
+        float *sum = xcalloc(q->numel, sizeof(float));
+        int copies = 0;
+        for (int r = 0; r < p; r++) {
+            const ParamInfo *t = model_find_param(&rk[r], q->name);
+            if (!t) continue;
+            const float *g = rk[r].gview[t - rk[r].params];
+            for (size_t j = 0; j < q->numel; j++) sum[j] += g[j];
+            copies++;
+        }
+        if (copies == 1 && memcmp(sum, whole.gview[i], q->numel * 4)) exact = 0, snprintf(worst, sizeof worst, "%s", q->name);
+        if (copies != 1 && copies != 2) exact = 0, snprintf(worst, sizeof worst, "%s (%d copies)", q->name, copies);
+        if (copies > 1) tied = fmax(tied, rel_diff(sum, whole.gview[i], q->numel));
+        free(sum);
+    }
+    snprintf(what, sizeof what, "stages_%s_grads", name);
+    test_report(exact && tied <= TOL_TIED, what, "gradient of %s differs; tied embedding rel %.2e (tol %.0e)",
+                worst[0] ? worst : "(none)", tied, TOL_TIED);
+    for (int r = 0; r < p; r++) model_free(&rk[r]);
+    model_free(&whole);
+}
+
 int main(void) {
     backend_cpu.init(0);
     Rng rng;
@@ -121,6 +210,17 @@ int main(void) {
     moe.moe = (ArchMoe){.n_experts = 4, .top_k = 2, .n_shared = 1, .expert_hidden = 16, .norm_topk = 1,
                         .capacity_factor = 1.0f, .aux_loss_coef = 0.01f, .z_loss_coef = 0.001f};
     run_case("moe", moe, (int[]){0, 3, 4}, 2);
+    /* a schedule's shapes: slots, chunks, the split backward, recomputation
+     * (bit-identical on the CPU: no fused GeLU) */
+    ArchSpec qkn = llama;
+    qkn.qk_norm = QKNORM_HEAD;
+    run_pipeline("slots_gpt2", gpt2, (int[]){0, 2, 4}, 2, 1, 0, MODEL_RECOMPUTE_NONE);
+    run_pipeline("split_gpt2", gpt2, (int[]){0, 1, 3, 4}, 3, 1, 1, MODEL_RECOMPUTE_NONE);
+    run_pipeline("split_gpt2_recompute_gelu", gpt2, (int[]){0, 2, 4}, 2, 1, 1, MODEL_RECOMPUTE_GELU);
+    run_pipeline("split_llama_recompute_norm", qkn, (int[]){0, 2, 4}, 2, 1, 1, MODEL_RECOMPUTE_NORM_GELU);
+    run_pipeline("split_moe", moe, (int[]){0, 1, 4}, 2, 1, 1, MODEL_RECOMPUTE_NORM_GELU);
+    run_pipeline("chunks_gpt2", gpt2, (int[]){0, 1, 2, 3, 4}, 2, 2, 0, MODEL_RECOMPUTE_NONE);
+    run_pipeline("chunks_llama_recompute", qkn, (int[]){0, 1, 2, 3, 4}, 2, 2, 0, MODEL_RECOMPUTE_NORM_GELU);
     backend_cpu.shutdown();
     return 0;
 }

@@ -93,6 +93,20 @@ static void check_blocking(CommGroup *g) {
     report_bad("nccl_all_gather", dev_check(recv, n, 1, 3, 0, 0), "rank 0's block");
     comm_all_gather(g, recv + (size_t)g->rank * n, recv, n);
     report_bad("nccl_all_gather_in_place", dev_check(recv, n, 1, 3, 0, 0), "in place");
+    /* the variable-count all-to-all (expert parallelism's rows): to itself,
+     * as floats and as 2-byte elements (the bf16 path); then nothing at all */
+    size_t cnt = n - 3, none = 0;
+    be->zero(recv, n * sizeof(float));
+    comm_all_to_allv(g, src, &cnt, recv, &cnt, sizeof(float));
+    report_bad("nccl_all_to_allv", dev_check(recv, n - 3, 1, 3, 0, 0), "its own elements back");
+    be->zero(recv, n * sizeof(float));
+    size_t c2 = 2 * (n - 3); /* the same bytes as 2-byte elements */
+    comm_all_to_allv(g, src, &c2, recv, &c2, 2);
+    report_bad("nccl_all_to_allv_2byte", dev_check(recv, n - 3, 1, 3, 0, 0), "the same bytes in 2-byte elements");
+    uint64_t seq0 = g->seq;
+    comm_all_to_allv(g, src, &none, recv, &none, sizeof(float));
+    test_report(g->seq == seq0 + 1, "nccl_all_to_allv_empty", "an exchange of nothing still counts: seq %llu -> %llu",
+                (unsigned long long)seq0, (unsigned long long)g->seq);
     be->free(x);
     be->free(send);
     be->free(recv);

@@ -563,6 +563,135 @@ static void test_attention_gqa(const OpTest *t) {
     check(t->name, "backward", err_rel(dqkv, g, NW), TOL_BWD);
 }
 
+/* ---- block attention (context parallelism) -------------------------------- */
+
+/* The reference: queries q (B Tq, QW) (heads in the first NH HD columns of
+ * rows QW wide) against keys and values kv (B Tk, 2 NKV HD) packed [k | v],
+ * causal at the global positions q_pos + i, k_pos + j. A query that sees no
+ * key: out 0, lse -inf. */
+typedef struct {
+    AttnBlock s;
+    double *q, *kv, *R, *out, *lse; /* q (B Tq, q_ld), kv (B Tk, kv_ld), R, out (B Tq, NH HD), lse (B, NH, Tq) */
+} BlkRef;
+
+static void blk_ref(BlkRef *a) {
+    const AttnBlock *s = &a->s;
+    int NH = s->NH, hs = s->HD, OC = NH * hs, group = NH / s->NKV;
+    double sc[s->Tk > 0 ? s->Tk : 1];
+    for (int b = 0; b < s->B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < s->Tq; i++) {
+                const double *q = a->q + ((size_t)b * s->Tq + i) * s->q_ld + h * hs;
+                double *o = a->out + ((size_t)b * s->Tq + i) * OC + h * hs, mx = -INFINITY, sum = 0.0;
+                int nv = s->q_pos + i - s->k_pos + 1;
+                nv = nv < 0 ? 0 : nv > s->Tk ? s->Tk : nv;
+                for (int j = 0; j < nv; j++) {
+                    sc[j] = dot_d(q, a->kv + ((size_t)b * s->Tk + j) * s->kv_ld + (h / group) * hs, hs) / sqrt(hs);
+                    mx = sc[j] > mx ? sc[j] : mx;
+                }
+                for (int j = 0; j < nv; j++) sc[j] = exp(sc[j] - mx), sum += sc[j];
+                for (int c = 0; c < hs; c++) o[c] = 0.0;
+                for (int j = 0; j < nv; j++) {
+                    const double *v = a->kv + ((size_t)b * s->Tk + j) * s->kv_ld + (s->NKV + h / group) * hs;
+                    for (int c = 0; c < hs; c++) o[c] += sc[j] / sum * v[c];
+                }
+                a->lse[((size_t)b * NH + h) * s->Tq + i] = nv ? mx + log(sum) : -INFINITY;
+            }
+}
+static double blk_loss(void *ctx) {
+    BlkRef *a = ctx;
+    blk_ref(a);
+    return dot_d(a->out, a->R, (size_t)a->s.B * a->s.Tq * a->s.NH * a->s.HD);
+}
+/* err_rel of lse, where the reference's -inf (no key seen) must be -inf exactly. */
+static double lse_err(const float *got, const double *ref, size_t n) {
+    double *fin = hd(n);
+    float *g = hf(n);
+    for (size_t i = 0; i < n; i++) {
+        int none = ref[i] == -INFINITY;
+        if (none && got[i] != -INFINITY) return INFINITY;
+        fin[i] = none ? 0.0 : ref[i], g[i] = none ? 0.0f : got[i];
+    }
+    return err_rel(g, fin, n);
+}
+/* Keys [j0, j1) of every sequence of kv (B Tk rows) as a packed buffer of their own. */
+static float *blk_keys(const float *kv, const AttnBlock *s, int j0, int j1) {
+    float *out = hf((size_t)s->B * (j1 - j0) * s->kv_ld);
+    for (int b = 0; b < s->B; b++)
+        memcpy(out + (size_t)b * (j1 - j0) * s->kv_ld, kv + ((size_t)b * s->Tk + j0) * s->kv_ld,
+               (size_t)(j1 - j0) * s->kv_ld * sizeof(float));
+    return out;
+}
+
+/* T is Tq, C is Tk, V and Vp are q_pos and k_pos (NKV, HD as for GQA). q
+ * rows sit in qkv-like rows wider than NH HD (q_ld), k and v in one packed
+ * buffer. Checks: the forward of the whole block (merge 0); the same keys as
+ * two blocks merged later-half first (any order is the union's attention);
+ * the backward of the two halves, added into dq, dk, dv that start from
+ * other values (the "+=" contract), against finite differences of the
+ * whole block's reference. */
+static void test_attention_block(const OpTest *t) {
+    AttnBlock s = {.B = t->B, .NH = t->NH, .NKV = t->NKV, .HD = t->HD, .Tq = t->T, .Tk = t->C, .q_pos = t->V,
+                   .k_pos = t->Vp};
+    s.q_ld = (s.NH + 2 * s.NKV) * s.HD, s.kv_ld = 2 * s.NKV * s.HD;
+    size_t NQ = (size_t)s.B * s.Tq * s.q_ld, NK = (size_t)s.B * s.Tk * s.kv_ld;
+    size_t NO = (size_t)s.B * s.Tq * s.NH * s.HD, NL = (size_t)s.B * s.NH * s.Tq;
+    float *q = quant(randn(NQ, 1.0f, 0.0f), NQ), *kv = quant(randn(NK, 1.0f, 0.0f), NK);
+    float *R = quant(randn(NO, 1.0f, 0.0f), NO);
+    BlkRef a = {s, to_d(q, NQ), to_d(kv, NK), to_d(R, NO), hd(NO), hd(NL)};
+    blk_ref(&a);
+    void *d_q = da(q, NQ), *d_kv = da(kv, NK), *d_out = da(filled(NO, NAN), NO);
+    float *d_lse = df(filled(NL, NAN), NL), *out = hf(NO), *lse = hf(NL);
+    size_t kvo = (size_t)s.NKV * s.HD * ab; /* v's columns after k's, in bytes */
+    be->attention_block_forward(d_out, d_lse, d_q, d_kv, (char *)d_kv + kvo, &s, 0);
+    down_a(out, d_out, NO);
+    down(lse, d_lse, NL);
+    check(t->name, "forward", err_rel(out, a.out, NO), TOL_FWD);
+    check(t->name, "forward_lse", lse_err(lse, a.lse, NL), TOL_FWD);
+
+    int h = s.Tk / 2;
+    AttnBlock s1 = s, s2 = s;
+    s1.Tk = h, s2.Tk = s.Tk - h, s2.k_pos = s.k_pos + h;
+    void *d_k1 = da(blk_keys(kv, &s, 0, h), (size_t)s.B * h * s.kv_ld);
+    void *d_k2 = da(blk_keys(kv, &s, h, s.Tk), (size_t)s.B * (s.Tk - h) * s.kv_ld);
+    be->attention_block_forward(d_out, d_lse, d_q, d_k2, (char *)d_k2 + kvo, &s2, 0);
+    be->attention_block_forward(d_out, d_lse, d_q, d_k1, (char *)d_k1 + kvo, &s1, 1);
+    down_a(out, d_out, NO);
+    down(lse, d_lse, NL);
+    check(t->name, "merged", maxd(err_rel(out, a.out, NO), lse_err(lse, a.lse, NL)), TOL_FWD);
+
+    double *gq = hd(NQ), *gkv = hd(NK);
+    fd_grad(blk_loss, &a, a.q, NQ, gq);
+    fd_grad(blk_loss, &a, a.kv, NK, gkv);
+    /* dq, dk, dv start at base values: the op adds */
+    float *bq = randn(NQ, 1.0f, 0.0f), *bkv = randn(NK, 1.0f, 0.0f);
+    float *b1 = blk_keys(bkv, &s, 0, h), *b2 = blk_keys(bkv, &s, h, s.Tk);
+    float *d_dq = df(bq, NQ), *d_dk1 = df(b1, (size_t)s.B * h * s.kv_ld);
+    float *d_dk2 = df(b2, (size_t)s.B * (s.Tk - h) * s.kv_ld);
+    void *d_R = da(R, NO);
+    size_t fo = (size_t)s.NKV * s.HD; /* dv's columns, in floats */
+    be->attention_block_backward(d_dq, d_dk2, d_dk2 + fo, d_R, d_q, d_k2, (char *)d_k2 + kvo, d_out, d_lse, &s2);
+    be->attention_block_backward(d_dq, d_dk1, d_dk1 + fo, d_R, d_q, d_k1, (char *)d_k1 + kvo, d_out, d_lse, &s1);
+    float *dq = hf(NQ), *dk1 = hf((size_t)s.B * h * s.kv_ld), *dk2 = hf((size_t)s.B * (s.Tk - h) * s.kv_ld);
+    down(dq, d_dq, NQ);
+    down(dk1, d_dk1, (size_t)s.B * h * s.kv_ld);
+    down(dk2, d_dk2, (size_t)s.B * (s.Tk - h) * s.kv_ld);
+    /* only the q heads' columns of dq are the op's; the rest must keep their base */
+    float *dkv = hf(NK);
+    for (int b = 0; b < s.B; b++) {
+        memcpy(dkv + (size_t)b * s.Tk * s.kv_ld, dk1 + (size_t)b * h * s.kv_ld, (size_t)h * s.kv_ld * sizeof(float));
+        memcpy(dkv + ((size_t)b * s.Tk + h) * s.kv_ld, dk2 + (size_t)b * (s.Tk - h) * s.kv_ld,
+               (size_t)(s.Tk - h) * s.kv_ld * sizeof(float));
+    }
+    int qw = s.NH * s.HD, rest_same = 1;
+    for (size_t i = 0; i < NQ; i++) {
+        if ((int)(i % s.q_ld) >= qw) rest_same = rest_same && dq[i] == bq[i], gq[i] = 0.0;
+    }
+    check(t->name, "backward_dq", err_rel(dq, plus(bq, gq, 1.0, NQ), NQ), TOL_BWD);
+    check(t->name, "backward_dkv", err_rel(dkv, plus(bkv, gkv, 1.0, NK), NK), TOL_BWD);
+    check_exact(t->name, "backward_q_columns_only", rest_same, "dq changed columns past the q heads");
+}
+
 /* ---- gelu, add ------------------------------------------------------------ */
 
 typedef struct {
@@ -1587,6 +1716,16 @@ static const OpTest op_tests[] = {
      * NKV 2, then multi-query (NKV 1), HD 10 independent of C. RoPE: V is pos0. */
     {"attention_gqa",    test_attention_gqa, 1, 37, 0, 6,  0,    0, 0,        2, 10, 0},
     {"attention_mqa",    test_attention_gqa, 1, 37, 0, 6,  0,    0, 0,        1, 10, 0},
+    /* Block attention (context parallelism): T is Tq, C is Tk, V q_pos, Vp
+     * k_pos. A partly visible block (row 0 sees 6 keys, rows 3 on all 9);
+     * a diagonal one (the chunk against itself); one wholly in the past; one
+     * whose first queries see nothing (out 0, lse -inf); and one over the
+     * CPU's 64-row query blocks, none a multiple of any block size. */
+    {"attention_block",  test_attention_block, 2, 7, 9, 4, 10,   5, 0,        2, 6, 0},
+    {"attention_block_diag", test_attention_block, 1, 13, 13, 6, 0, 0, 0,     2, 10, 0},
+    {"attention_block_past", test_attention_block, 2, 5, 11, 3, 20, 0, 0,     1, 8, 0},
+    {"attention_block_empty_rows", test_attention_block, 1, 8, 6, 2, 0, 3, 0, 2, 6, 0},
+    {"attention_block_rows70", test_attention_block, 1, 70, 67, 2, 30, 0, 0,  1, 4, 0},
     {"rmsnorm",          test_rmsnorm,     1, 37, 70, 0,   0,    0, 0, 0, 0, 0},
     {"rope",             test_rope,        2, 9,  0,  3,   0,    0, 0,        1, 18, 0},
     {"rope_pos0",        test_rope,        1, 7,  0,  6,  13,    0, 0,        2, 10, 0},

@@ -9,6 +9,7 @@
 
 #include "backend.h"
 #include "optim.h"
+#include "singular_values.h"
 #include "sround.h"
 #include "test.h"
 #include "util.h"
@@ -275,38 +276,6 @@ static void test_lion_vs_double(void) {
     be->free(g);
 }
 
-/* Singular values of x (r, c) in double: eigenvalues of the Gram matrix
- * x x^T (or x^T x, the smaller) by cyclic Jacobi rotations; sv (min(r, c)). */
-static void singular_values(const float *x, int r, int c, double *sv) {
-    int a = r < c ? r : c, tr = r > c;
-    double *G = calloc((size_t)a * a, sizeof(double));
-    for (int i = 0; i < a; i++)
-        for (int j = 0; j < a; j++) {
-            double acc = 0.0;
-            for (int k = 0; k < (tr ? r : c); k++)
-                acc += tr ? (double)x[(size_t)k * c + i] * x[(size_t)k * c + j]
-                          : (double)x[(size_t)i * c + k] * x[(size_t)j * c + k];
-            G[i * a + j] = acc;
-        }
-    for (int sweep = 0; sweep < 60; sweep++)
-        for (int p = 0; p < a; p++)
-            for (int q = p + 1; q < a; q++) {
-                double apq = G[p * a + q];
-                if (fabs(apq) < 1e-300) continue;
-                double th = 0.5 * atan2(2 * apq, G[q * a + q] - G[p * a + p]), cs = cos(th), sn = sin(th);
-                for (int k = 0; k < a; k++) { /* G <- J^T G J */
-                    double gp = G[k * a + p], gq = G[k * a + q];
-                    G[k * a + p] = cs * gp - sn * gq, G[k * a + q] = sn * gp + cs * gq;
-                }
-                for (int k = 0; k < a; k++) {
-                    double gp = G[p * a + k], gq = G[q * a + k];
-                    G[p * a + k] = cs * gp - sn * gq, G[q * a + k] = sn * gp + cs * gq;
-                }
-            }
-    for (int i = 0; i < a; i++) sv[i] = sqrt(fmax(G[i * a + i], 0.0));
-    free(G);
-}
-
 /* Newton-Schulz: five quintic steps take every singular value of a
  * normalised matrix into about [0.7, 1.2]: the coefficients trade exactness
  * for speed, so the iteration oscillates around 1 rather than converging,
@@ -427,7 +396,9 @@ static void test_muon_vs_double(void) {
         }
     }
     be->to_host(hp, p, sizeof hp);
-    be->to_host(hm, o.m, sizeof hm);
+    be->to_host(hm, o.m, sizeof hm); /* AdamW's m; Muon's momentum is in mm, each matrix at its mom */
+    for (int k = 0; k < 2; k++)
+        be->to_host(hm + o.mats[k].off, o.mm + o.mats[k].mom, (size_t)o.mats[k].rows * o.mats[k].cols * sizeof(float));
     double ep = 0.0, em = 0.0, mmax = 0.0;
     for (size_t i = 0; i < N; i++) {
         ep = fmax(ep, fabs(hp[i] - rp[i]));

@@ -101,6 +101,10 @@ static const struct {
     {"not_object", "[1,2]", 0, "expected '{'"},
     {"bad_escape", "{\"a\\q\":{}}", 0, "bad escape"},
     {"three_offsets", "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4,8]}}", 8, "more than 2"},
+    /* found by fuzz_safetensors: the escaped character was quoted raw, a newline splitting the error line */
+    {"escape_newline_one_line", "{\"a\\\n\":{}}", 0, "bad escape '\\?'"},
+    {"name_newline_one_line", "{\"a\\nb\":{\"dtype\":\"Q\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
+     "tensor 'a?b': unknown dtype"},
 };
 
 static void test_bad_headers(void) {

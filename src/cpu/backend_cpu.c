@@ -470,15 +470,16 @@ static void cpu_matmul_forward(void *out_, const void *inp_, const void *w_, con
 static void cpu_matmul_backward(void *dinp_, float *dw, float *dbias, const void *dout_,
                                 const void *inp_, const void *w_, int N, int C, int OC,
                                 int accumulate) {
-    /* dinp (N,C) or NULL, dw (OC,C), dbias (OC) or NULL, dout (N,OC), inp (N,C), w (OC,C) */
+    /* dinp (N,C) or NULL, dw (OC,C) or NULL, dbias (OC) or NULL, dout (N,OC), inp (N,C), w (OC,C) */
     float *dinp = dinp_;
     const float *dout = dout_, *inp = inp_, *w = w_;
     if (dinp)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, w, C,
                     0.0f, dinp, C);
     /* beta = 0 ignores what dw held (even NaN), per the BLAS definition. */
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C,
-                accumulate ? 1.0f : 0.0f, dw, C);
+    if (dw)
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C,
+                    accumulate ? 1.0f : 0.0f, dw, C);
     if (dbias) {
         /* Column sums by channel range: rows in order, vectorised across columns. */
         #pragma omp parallel
@@ -630,6 +631,149 @@ static void cpu_attention_backward(void *dqkv_, const void *dout_, const void *q
                 }
             }
         }
+}
+
+/* ---------------------------------------------------------------------------
+ * Block attention (context parallelism, backend.h's AttnBlock): the same
+ * blocked sgemm scheme as above, with the causal mask at global positions.
+ * Keys sit at contiguous positions, so the keys a query sees are a prefix of
+ * the block: [0, att_visible(s, i)). */
+
+static inline int att_visible(const AttnBlock *s, int i) {
+    long v = (long)s->q_pos + i - s->k_pos + 1;
+    return v < 0 ? 0 : v > s->Tk ? s->Tk : (int)v;
+}
+
+/* out, lse of one row merged with a block's (ob, lb): backend.h's formula;
+ * lse -inf (no key seen yet) on either side takes the other. */
+static void att_merge_row(float *o, float *l, const float *ob, float lb, int hs) {
+    if (lb == -INFINITY) return;
+    if (*l == -INFINITY) {
+        memcpy(o, ob, (size_t)hs * sizeof(float));
+        *l = lb;
+        return;
+    }
+    float m = *l > lb ? *l : lb;
+    float ln = m + logf(expf(*l - m) + expf(lb - m));
+    float a = expf(*l - ln), c = expf(lb - ln);
+    for (int d = 0; d < hs; d++) o[d] = a * o[d] + c * ob[d];
+    *l = ln;
+}
+
+static void cpu_attention_block_forward(void *out_, float *lse, const void *q_, const void *k_, const void *v_,
+                                        const AttnBlock *s, int merge) {
+    /* out (B Tq, NH HD), lse (B, NH, Tq), q (B Tq rows, ld q_ld), k, v (B Tk rows, ld kv_ld) */
+    float *out = out_;
+    const float *q = q_, *k = k_, *v = v_;
+    int Tq = s->Tq, Tk = s->Tk, NH = s->NH, hs = s->HD, group = NH / s->NKV, OC = NH * hs;
+    int TB = Tq < CPU_ATT_BLOCK ? Tq : CPU_ATT_BLOCK;
+    size_t qld = (size_t)s->q_ld, kld = (size_t)s->kv_ld, per = (size_t)TB * Tk + (size_t)TB * hs;
+    float scale = 1.0f / sqrtf((float)hs);
+    float *scratch = cpu_scratch_get((size_t)omp_get_max_threads() * per);
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int b = 0; b < s->B; b++)
+        for (int h = 0; h < NH; h++) {
+            float *S = scratch + (size_t)omp_get_thread_num() * per, *Ob = S + (size_t)TB * Tk; /* (TB,Tk) (TB,hs) */
+            const float *Q = q + (size_t)b * Tq * qld + h * hs, *K = k + (size_t)b * Tk * kld + (h / group) * hs;
+            const float *V = v + (size_t)b * Tk * kld + (h / group) * hs;
+            float *O = out + (size_t)b * Tq * OC + h * hs, *L = lse + ((size_t)b * NH + h) * Tq;
+            for (int r0 = 0; r0 < Tq; r0 += TB) {
+                int nb = Tq - r0 < TB ? Tq - r0 : TB, kn = att_visible(s, r0 + nb - 1); /* the block sees keys [0, kn) */
+                if (kn == 0) {
+                    for (int i = 0; i < nb && !merge; i++) {
+                        memset(O + (size_t)(r0 + i) * OC, 0, (size_t)hs * sizeof(float));
+                        L[r0 + i] = -INFINITY;
+                    }
+                    continue;
+                }
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, kn, hs, scale, Q + (size_t)r0 * qld, (int)qld,
+                            K, (int)kld, 0.0f, S, kn);
+                float lb[CPU_ATT_BLOCK];
+                for (int i = 0; i < nb; i++) {
+                    float *p = S + (size_t)i * kn;
+                    int nv = att_visible(s, r0 + i);
+                    float mx = -INFINITY, sum = 0.0f;
+                    for (int j = 0; j < nv; j++) mx = p[j] > mx ? p[j] : mx;
+                    #pragma omp simd reduction(+ : sum)
+                    for (int j = 0; j < nv; j++) {
+                        p[j] = cpu_expf(p[j] - mx);
+                        sum += p[j];
+                    }
+                    float inv = nv ? 1.0f / sum : 0.0f;
+                    for (int j = 0; j < nv; j++) p[j] *= inv;
+                    for (int j = nv; j < kn; j++) p[j] = 0.0f; /* causal mask */
+                    lb[i] = nv ? mx + logf(sum) : -INFINITY;
+                }
+                if (!merge) {
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, kn, 1.0f, S, kn, V, (int)kld, 0.0f,
+                                O + (size_t)r0 * OC, OC);
+                    memcpy(L + r0, lb, (size_t)nb * sizeof(float));
+                    continue;
+                }
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, kn, 1.0f, S, kn, V, (int)kld, 0.0f, Ob,
+                            hs);
+                for (int i = 0; i < nb; i++)
+                    att_merge_row(O + (size_t)(r0 + i) * OC, L + r0 + i, Ob + (size_t)i * hs, lb[i], hs);
+            }
+        }
+}
+
+static void cpu_attention_block_backward(float *dq, float *dk, float *dv, const void *dout_, const void *q_,
+                                         const void *k_, const void *v_, const void *out_, const float *lse,
+                                         const AttnBlock *s) {
+    /* dq += (rows as q), dk, dv += (rows as k); dout, out (B Tq, NH HD); lse (B, NH, Tq) */
+    const float *dout = dout_, *q = q_, *k = k_, *v = v_, *out = out_;
+    int Tq = s->Tq, Tk = s->Tk, NH = s->NH, NKV = s->NKV, hs = s->HD, group = NH / NKV, OC = NH * hs;
+    int TB = Tq < CPU_ATT_BLOCK ? Tq : CPU_ATT_BLOCK;
+    size_t qld = (size_t)s->q_ld, kld = (size_t)s->kv_ld;
+    float scale = 1.0f / sqrtf((float)hs);
+    float *scratch = cpu_scratch_get((size_t)omp_get_max_threads() * 2 * TB * Tk);
+    /* As cpu_attention_backward: each (b, kv head) task owns its dk, dv
+     * columns and the dq columns of its query heads, so nothing races and
+     * every sum runs in (head, query block) order. */
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int b = 0; b < s->B; b++)
+        for (int kh = 0; kh < NKV; kh++) {
+            float *P = scratch + (size_t)omp_get_thread_num() * 2 * TB * Tk, *dS = P + (size_t)TB * Tk; /* (TB,Tk) */
+            const float *K = k + (size_t)b * Tk * kld + kh * hs, *V = v + (size_t)b * Tk * kld + kh * hs;
+            float *dK = dk + (size_t)b * Tk * kld + kh * hs, *dV = dv + (size_t)b * Tk * kld + kh * hs;
+            for (int h = kh * group; h < (kh + 1) * group; h++) {
+                const float *Q = q + (size_t)b * Tq * qld + h * hs, *dO = dout + (size_t)b * Tq * OC + h * hs;
+                const float *O = out + (size_t)b * Tq * OC + h * hs, *L = lse + ((size_t)b * NH + h) * Tq;
+                float *dQ = dq + (size_t)b * Tq * qld + h * hs;
+                for (int r0 = 0; r0 < Tq; r0 += TB) {
+                    int nb = Tq - r0 < TB ? Tq - r0 : TB, kn = att_visible(s, r0 + nb - 1);
+                    if (kn == 0) continue; /* these queries see none of the block */
+                    const float *Qb = Q + (size_t)r0 * qld, *dOb = dO + (size_t)r0 * OC;
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, kn, hs, scale, Qb, (int)qld, K, (int)kld,
+                                0.0f, P, kn);
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nb, kn, hs, 1.0f, dOb, OC, V, (int)kld, 0.0f,
+                                dS, kn);
+                    for (int i = 0; i < nb; i++) {
+                        int t = r0 + i, nv = att_visible(s, t);
+                        float *p = P + (size_t)i * kn, *ds = dS + (size_t)i * kn;
+                        float D = cpu_dot(dO + (size_t)t * OC, O + (size_t)t * OC, hs), lt = L[t];
+                        #pragma omp simd
+                        for (int j = 0; j < nv; j++) {
+                            p[j] = cpu_expf(p[j] - lt);
+                            ds[j] = p[j] * (ds[j] - D) * scale;
+                        }
+                        for (int j = nv; j < kn; j++) p[j] = ds[j] = 0.0f; /* causal mask */
+                    }
+                    /* dQ_b += dS K;  dK += dS^T Q_b;  dV += P^T dO_b */
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nb, hs, kn, 1.0f, dS, kn, K, (int)kld, 1.0f,
+                                dQ + (size_t)r0 * qld, (int)qld);
+                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kn, hs, nb, 1.0f, dS, kn, Qb, (int)qld, 1.0f,
+                                dK, (int)kld);
+                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kn, hs, nb, 1.0f, P, kn, dOb, OC, 1.0f, dV,
+                                (int)kld);
+                }
+            }
+        }
+}
+
+static void cpu_copy_2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t rows) {
+    for (size_t r = 0; r < rows; r++) memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1186,6 +1330,95 @@ static void cpu_adamw_update_p16(uint16_t *params, const float *grads, void *m, 
  * order: the same bits for any number of threads. */
 #define CPU_SUMSQ_CHUNKS 256
 
+/* Adafactor (backend.h adafactor_*). The statistics: each row's terms in
+ * element order (threads own rows), each column's over the run's rows in
+ * row order (threads own columns), in double. The updates: scalar per
+ * element, each operation rounded on its own, as the CUDA kernels. */
+static void cpu_adafactor_stats(float *rows, float *cols, const float *grads, size_t e0, size_t n, int cols_n,
+                                float grad_scale, float eps1) {
+    /* rows (tensor rows), cols (cols_n) accumulated; grads (n) */
+    if (!n) return;
+    size_t C = (size_t)cols_n, r0 = e0 / C, r1 = (e0 + n - 1) / C + 1;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = r0; i < r1; i++) {
+        size_t a = i * C > e0 ? i * C : e0, b = (i + 1) * C < e0 + n ? (i + 1) * C : e0 + n;
+        double s = 0.0;
+        for (size_t e = a; e < b; e++) {
+            float g = grads[e - e0] * grad_scale;
+            s += (double)(g * g + eps1);
+        }
+        rows[i] += (float)s;
+    }
+    #pragma omp parallel for schedule(static)
+    for (size_t j = 0; j < C; j++) {
+        double s = 0.0;
+        int any = 0;
+        for (size_t i = r0; i < r1; i++) {
+            size_t e = i * C + j;
+            if (e < e0 || e >= e0 + n) continue;
+            float g = grads[e - e0] * grad_scale;
+            s += (double)(g * g + eps1), any = 1;
+        }
+        if (any) cols[j] += (float)s;
+    }
+}
+
+static void cpu_adafactor_ema(float *state, const float *sums, size_t n, float beta2, float scale) {
+    /* state, sums (n) */
+    const float b2c = 1.0f - beta2;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) state[i] = beta2 * state[i] + b2c * (scale * sums[i]);
+}
+
+static void cpu_adafactor_second(float *v, const float *grads, size_t n, float grad_scale, float beta2, float eps1) {
+    /* v, grads (n) */
+    const float b2c = 1.0f - beta2;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float g = grads[i] * grad_scale;
+        v[i] = beta2 * v[i] + b2c * (g * g + eps1);
+    }
+}
+
+/* The unclipped update of element k (backend.h adafactor_usq). */
+static inline float cpu_adafactor_u(const float *grads, const float *v, const float *r, const float *c, float rmean,
+                                    size_t e0, size_t k, size_t C, float grad_scale) {
+    float g = grads[k] * grad_scale;
+    if (!r) return g / sqrtf(v[k]);
+    size_t e = e0 + k;
+    return g / sqrtf(r[e / C] / rmean) / sqrtf(c[e % C]);
+}
+
+static void cpu_adafactor_usq(double *out, const float *grads, const float *v, const float *r, const float *c,
+                              float rmean, size_t e0, size_t n, int cols_n, float grad_scale) {
+    /* grads, v (n); r (rows), c (cols_n) */
+    double s = 0.0;
+    #pragma omp parallel for schedule(static) reduction(+ : s)
+    for (size_t k = 0; k < n; k++) {
+        float u = cpu_adafactor_u(grads, v, r, c, rmean, e0, k, (size_t)cols_n, grad_scale);
+        s += (double)u * u;
+    }
+    *out = s;
+}
+
+static void cpu_adafactor_apply(float *params, const float *grads, float *m, const float *v, const float *r,
+                                const float *c, float rmean, size_t e0, size_t n, int cols_n, float grad_scale,
+                                float inv_clip, float lr, float beta1, float weight_decay) {
+    /* params, grads, m, v (n); r (rows), c (cols_n) */
+    const float b1c = 1.0f - beta1;
+    #pragma omp parallel for schedule(static)
+    for (size_t k = 0; k < n; k++) {
+        float u = cpu_adafactor_u(grads, v, r, c, rmean, e0, k, (size_t)cols_n, grad_scale) * inv_clip;
+        if (m) {
+            float mk = beta1 * m[k] + b1c * u;
+            m[k] = mk;
+            u = mk;
+        }
+        float p = params[k];
+        params[k] = p - lr * (u + weight_decay * p);
+    }
+}
+
 static double cpu_sumsq(const float *x, size_t n) {
     /* x (n) */
     double part[CPU_SUMSQ_CHUNKS];
@@ -1215,6 +1448,7 @@ const Backend backend_cpu = {
     .to_device = cpu_memcpy,
     .to_host = cpu_memcpy,
     .copy = cpu_memcpy,
+    .copy_2d = cpu_copy_2d,
     .zero = cpu_zero,
     .sync = cpu_sync,
     .act_bytes = cpu_act_bytes,
@@ -1227,6 +1461,8 @@ const Backend backend_cpu = {
     .matmul_backward = cpu_matmul_backward,
     .attention_forward = cpu_attention_forward,
     .attention_backward = cpu_attention_backward,
+    .attention_block_forward = cpu_attention_block_forward,
+    .attention_block_backward = cpu_attention_block_backward,
     .rmsnorm_forward = cpu_rmsnorm_forward,
     .rmsnorm_backward = cpu_rmsnorm_backward,
     .rope_forward = cpu_rope_forward,
@@ -1261,5 +1497,10 @@ const Backend backend_cpu = {
     .muon_momentum = cpu_muon_momentum,
     .newton_schulz = cpu_newton_schulz,
     .muon_apply = cpu_muon_apply,
+    .adafactor_stats = cpu_adafactor_stats,
+    .adafactor_ema = cpu_adafactor_ema,
+    .adafactor_second = cpu_adafactor_second,
+    .adafactor_usq = cpu_adafactor_usq,
+    .adafactor_apply = cpu_adafactor_apply,
     .sumsq = cpu_sumsq,
 };

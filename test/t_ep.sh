@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# Expert parallelism on the CPU backend under real Open MPI: the dispatcher
+# test (build/test/test_ep at ep 2 and 4: dispatch -> identity expert ->
+# combine gives every token times the sum of its gates, capacity and
+# dropless, ranks and experts without rows); a tiny MoE Llama at ep 2, ep 4,
+# ep 2 x dp 2 (ZeRO 0 and 1) and ep 2 x tp 2 against one rank, with a
+# capacity factor and dropless with the auxiliary-loss-free bias; the
+# checkpoint resharded ep 4 -> ep 1 -> ep 2, data position included; the
+# figures in metrics.jsonl; layouts refused on every rank. One line per check.
+#
+# Tolerances (docs/parallel.md, "Correctness"): the experts' products see the
+# rows of several ranks' micro-batches at once, so each expert's weight
+# gradient is one sum over more rows instead of several sums added (and
+# EDP's all-reduce adds the rest): the same numbers in another association
+# order, a few ulps (~1e-7 relative) each. Through 2 layers and 6 AdamW
+# steps that stays far below 1e-5 (measured: losses equal to the 6 digits
+# metrics.jsonl prints, parameters within 3e-7). So: every step's loss within
+# relative 1e-5, every final parameter and moment within absolute 1e-5
+# (ckpt-diff; the balancing bias moves by +-rate = 1e-3 a step, so a single
+# different sign is caught), the aux and z losses within relative 1e-5 (their
+# inputs, the router's probabilities, carry the parameters' ulps), and the
+# expert loads equal: routing is a comparison of scores whose gaps are far
+# larger than the ulps, so any difference there is a bug.
+set -u
+cd "$(dirname "$0")/.."
+T=${KILN_TEST_TMP:-$(mktemp -d)}/t_ep
+rm -rf "$T"
+. test/ckpt_lib.sh
+if ! command -v mpirun >/dev/null 2>&1; then skip ep "mpirun not found (make deps installs openmpi-bin)"; exit 0; fi
+if ! ldd ./train | grep -q libmpi; then skip ep "./train is not an MPI build (make deps, then make)"; exit 0; fi
+ckpt_setup
+Y=$T/tiny.yaml
+MPIRUN=(timeout 300 mpirun --allow-run-as-root --oversubscribe)
+
+# The dispatcher on 2 and 4 ranks: rank 0 prints the checks (ep2_*, ep4_*).
+BIN=build/test/test_ep
+if [ -x $BIN ]; then
+    for np in 2 4; do
+        out=$("${MPIRUN[@]}" -np $np $BIN 2>$T/test_ep$np.err); rc=$?
+        printf '%s\n' "$out" | grep -E '^(ok|FAIL|skip) '
+        n=$(printf '%s\n' "$out" | grep -c '^ok ')
+        if [ $rc -eq 0 ] && [ "$n" -ge 40 ]; then ok ep${np}_dispatcher_complete
+        else fail ep${np}_dispatcher_complete "exit $rc, $n ok lines: $(tail -c 300 $T/test_ep$np.err)"; fi
+    done
+else
+    fail ep_dispatcher "$BIN not built (make build/test/test_ep)"
+fi
+
+# 512 tokens a step = 4 micro-batches of 4 x 32: 1 per rank on 4 ranks, 2 on 2.
+S="--set batch.total_tokens=512 --set train.steps=6 --set checkpoint.every=3 --set checkpoint.async=false"
+S="$S --set model.vocab_size=300 --set train.eval_every=3"
+LLAMA="--set model.arch=llama --set model.n_head=8 --set model.n_kv_head=4 --set model.n_embd=64 --set model.ffn_hidden=96"
+# 4 experts (ep 4: one per rank), top 2, a shared expert, capacity 1.25
+MOE="$LLAMA --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
+MOE="$MOE --set model.moe.n_shared=1 --set model.moe.capacity_factor=1.25 --set model.moe.aux_loss_coef=0.01"
+MOE="$MOE --set model.moe.z_loss_coef=0.001"
+# dropless, sigmoid router, DeepSeek-V3's balancing bias
+FREE="$LLAMA --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
+FREE="$FREE --set model.moe.router=sigmoid --set model.moe.capacity_factor=0 --set model.moe.bias_update_rate=0.001"
+
+# moe_same REF RUN: the step's expert loads equal, aux and z within relative
+# 1e-5, every step; prints the first difference
+moe_same() {
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+for x, y in zip(a, b):
+    if x.get("moe_load") != y.get("moe_load"):
+        print("step %d: loads %s vs %s" % (x["step"], x.get("moe_load"), y.get("moe_load"))); sys.exit(1)
+    for k in ("moe_aux", "moe_z"):
+        if abs(x[k] - y[k]) > 1e-5 * abs(x[k]) + 1e-12:
+            print("step %d: %s %r vs %r" % (x["step"], k, x[k], y[k])); sys.exit(1)
+if len(a) != len(b) or not a or "moe_load" not in a[0]:
+    print("%d vs %d lines, moe_load %s" % (len(a), len(b), "moe_load" in (a or [{}])[0])); sys.exit(1)
+PY
+}
+
+# equiv NAME MODEL NP EP TP ZERO [ARGS...]: the run against the model's one-rank reference
+equiv() {
+    local name=$1 model=$2 np=$3 ep=$4 tp=$5 z=$6
+    shift 6
+    local D=$T/$name
+    "${MPIRUN[@]}" -np $np ./train $Y $S ${!model} --set parallel.ep=$ep --set parallel.tp=$tp --set parallel.zero=$z \
+        --set run.dir=$D "$@" >$D.txt 2>&1
+    local rc=$? why moe diff drc=1
+    why=$(close_losses $T/ref_$model/metrics.jsonl $D/metrics.jsonl 2>&1)
+    moe=$(moe_same $T/ref_$model/metrics.jsonl $D/metrics.jsonl 2>&1)
+    diff=$(./train ckpt-diff $T/ref_$model/checkpoints/step_00000006 $D/checkpoints/step_00000006 --quiet --tol 1e-5 \
+        2>&1) && drc=0
+    if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ]; then ok ep_equiv_$name
+    else fail ep_equiv_$name "rc $rc: $why $moe $diff $(grep -m2 error $D.txt)"; fi
+}
+
+for model in MOE FREE; do
+    ./train $Y $S ${!model} --set run.dir=$T/ref_$model >$T/ref_$model.txt 2>&1 \
+        || fail ep_reference_$model "$(tail -n 3 $T/ref_$model.txt)"
+done
+equiv capacity_ep2 MOE 2 2 1 0
+equiv capacity_ep4 MOE 4 4 1 0
+equiv capacity_ep2_dp2 MOE 4 2 1 0
+equiv capacity_ep2_dp2_zero1 MOE 4 2 1 1
+equiv capacity_ep2_tp2 MOE 4 2 2 0
+equiv capacity_ep2_zero1 MOE 2 2 1 1
+equiv dropless_bias_ep2 FREE 2 2 1 0
+equiv dropless_bias_ep4 FREE 4 4 1 0
+equiv dropless_bias_ep2_dp2_zero1 FREE 4 2 1 1
+equiv dropless_bias_ep2_tp2 FREE 4 2 2 0
+equiv dropless_bias_ep2_tp2_zero1 FREE 4 2 2 1
+# every collective agreed on before it runs (monitor.check_collectives): the
+# all-to-alls' per-rank counts differ, the calls must not
+equiv capacity_ep2_dp2_checked MOE 4 2 1 1 --set monitor.check_collectives=true
+
+# Generation under ep: every rank runs the forwards (each MoE layer an
+# all-to-all) and draws the same tokens: the text of one rank.
+G="--set train.sample_every=6 --set train.sample_tokens=40"
+./train $Y $S $MOE $G --set run.dir=$T/gen1 2>&1 | sed -n '/--- sample/,/^---$/p' >$T/gen1.txt
+"${MPIRUN[@]}" -np 2 ./train $Y $S $MOE $G --set parallel.ep=2 --set run.dir=$T/gen2 2>&1 \
+    | sed -n '/--- sample/,/^---$/p' >$T/gen2.txt
+[ -s $T/gen1.txt ] && cmp -s $T/gen1.txt $T/gen2.txt && ok ep_generation_same_text \
+    || fail ep_generation_same_text "$(head -c 200 $T/gen1.txt) vs $(head -c 200 $T/gen2.txt)"
+
+# ./train plan: the experts per rank and the all-to-alls' bytes; ZeRO 2 refused
+out=$(./train plan configs/moe-tiny.yaml --gpus 2 --set parallel.ep=2 2>&1); rc=$?
+[ $rc -eq 0 ] && printf '%s\n' "$out" | grep -q 'expert parallel        ep 2: per rank 4 of 8 experts' &&
+    printf '%s\n' "$out" | grep -q 'comm per step, ep' && ok ep_plan_lines || fail ep_plan_lines "rc $rc: $out"
+out=$(./train plan configs/moe-tiny.yaml --gpus 2 --set parallel.ep=2 --set parallel.zero=3 2>&1); rc=$?
+[ $rc -eq 2 ] && printf '%s\n' "$out" | grep -q 'ZeRO 0 or 1' && ok ep_plan_refuses_zero3 \
+    || fail ep_plan_refuses_zero3 "rc $rc: $out"
+
+# The balancing bias moved in the reference (rate 0.001 a step, by the sign
+# of each expert's distance from the mean load), so the comparisons above
+# compared a bias that changed: between steps 3 and 6 it moves by 0.001 to
+# 0.003 unless every load sat exactly at the mean.
+d=$(./train ckpt-diff $T/ref_FREE/checkpoints/step_00000003 $T/ref_FREE/checkpoints/step_00000006 2>&1 \
+    | awk '/^ *layers.0.mlp.gate.e_score_correction_bias / {print $NF}')
+if [ -n "$d" ] && python3 -c "import sys; sys.exit(0 if float('$d') >= 5e-4 else 1)"; then ok ep_reference_bias_moves
+else fail ep_reference_bias_moves "layer 0's bias moved by '$d' from step 3 to 6"; fi
+
+# The figures: per-rank rows sent, received and run, the imbalance, the
+# all-to-all's blocked time (metrics.jsonl, ranks at logged steps, the end).
+D=$T/capacity_ep4
+python3 - $D/metrics.jsonl <<'PY' && ok ep_metrics_rows_per_rank || fail ep_metrics_rows_per_rank "$(head -c 300 $D/metrics.jsonl)"
+import json, sys
+for l in open(sys.argv[1]):
+    x = json.loads(l)
+    s, r, w = x["ep_sent"], x["ep_recv"], x["ep_rows"]
+    assert len(s) == len(r) == len(w) == 4 and sum(s) == sum(r) > 0 and x["ep_imbalance"] >= 1
+    # every slot kept is run once: 2 layers x (slots routed - dropped), all ranks
+    kept = sum(sum(v) for v in x["moe_load"]) * (1 - x["moe_dropped"])
+    assert abs(sum(w) - kept) < 0.5, (sum(w), kept)
+PY
+grep -q '"comm_ep_s"' $D/ranks.jsonl 2>/dev/null || grep -q 'comm_ep_s' $D/metrics.jsonl && ok ep_metrics_blocked_time \
+    || fail ep_metrics_blocked_time "no comm_ep_s in $D/ranks.jsonl"
+grep -q 'expert parallel: [0-9.]*% of step time blocked in the all-to-all' $D.txt && ok ep_reports_blocked_fraction \
+    || fail ep_reports_blocked_fraction "$(tail -n 3 $D.txt)"
+grep -q 'expert parallel: 4 ranks, experts 0..0 of 4 here' $D.txt && ok ep_start_up_line \
+    || fail ep_start_up_line "$(grep -m2 'expert parallel' $D.txt)"
+# each ep rank wrote its own experts: rank 3 holds expert 3
+n=$(./train ckpt-info $D/checkpoints/step_00000006 | grep 'experts.3.' | grep -c ' rank 3 ')
+[ "$n" -gt 0 ] && ok ep_checkpoint_experts_per_rank || fail ep_checkpoint_experts_per_rank "no expert 3 pieces from rank 3"
+
+# Resharding: ep 4 (dp 4) for 8 steps -> one rank to 14 -> ep 2 x dp 2 with
+# ZeRO 1 to 20, against 20 steps on one rank (constant schedule: a shorter run
+# has the same learning rates; the data position is global, so it carries over).
+C="$S $MOE --set schedule.kind=constant --set checkpoint.every=2 --set train.steps=20"
+./train $Y $C --set run.dir=$T/cref >$T/cref.txt 2>&1
+"${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.ep=4 --set run.dir=$T/rs --set train.steps=8 >$T/rs1.txt 2>&1
+./train $Y $C --set run.dir=$T/rs --set train.steps=14 --resume auto >$T/rs2.txt 2>&1
+"${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.ep=2 --set parallel.zero=1 --set run.dir=$T/rs --resume auto \
+    >$T/rs3.txt 2>&1
+rc=$?
+why=$(close_losses $T/cref/metrics.jsonl $T/rs/metrics.jsonl 2>&1)
+moe=$(moe_same $T/cref/metrics.jsonl $T/rs/metrics.jsonl 2>&1)
+diff=$(./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rs/checkpoints/step_00000020 --quiet --tol 1e-5 2>&1)
+drc=$?
+if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ] && grep -q 'ep 4) to 1' $T/rs2.txt &&
+   grep -q 'ep 1) to 4 (pp 1 x dp 4 x tp 1, ep 2' $T/rs3.txt; then ok ep_reshard_ep4_ep1_ep2dp2
+else fail ep_reshard_ep4_ep1_ep2dp2 "rc $rc: $why $moe $diff $(grep -m2 -h -e error -e resumed $T/rs[123].txt)"; fi
+
+# The same layout resumed is the same run, bit for bit (DESIGN.md: nothing
+# is lost): ep 2 x dp 2, ZeRO 1, dropless with the bias, 3 steps + 3 resumed
+# against 6 straight (constant schedule: the shorter run has the same rates).
+B="$S $FREE --set schedule.kind=constant --set parallel.ep=2 --set parallel.zero=1"
+"${MPIRUN[@]}" -np 4 ./train $Y $B --set run.dir=$T/bit_full >$T/bit_full.txt 2>&1
+"${MPIRUN[@]}" -np 4 ./train $Y $B --set run.dir=$T/bit_res --set train.steps=3 >$T/bit_res1.txt 2>&1
+"${MPIRUN[@]}" -np 4 ./train $Y $B --set run.dir=$T/bit_res --resume auto >$T/bit_res2.txt 2>&1
+rc=$?
+diff=$(./train ckpt-diff $T/bit_full/checkpoints/step_00000006 $T/bit_res/checkpoints/step_00000006 --quiet --tol 0 2>&1)
+drc=$?
+if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ "$(losses $T/bit_full/metrics.jsonl)" = "$(losses $T/bit_res/metrics.jsonl)" ] &&
+   grep -q 'resumed from' $T/bit_res2.txt; then ok ep_resume_bit_identical
+else fail ep_resume_bit_identical "rc $rc: $diff $(grep -m2 -h error $T/bit_*.txt)"; fi
+
+# HuggingFace interop: init.from an HF directory under ep 2 (each rank takes
+# its experts from the whole files) trains as one rank from it does, and the
+# ep run's checkpoint (experts from both ranks) exports whole. OLMoE's layout:
+# no shared experts, softmax router, QK-norm over the whole projection.
+OLMOE="$LLAMA --set model.qk_norm=full --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2"
+OLMOE="$OLMOE --set model.moe.expert_hidden=32"
+H="$S $OLMOE --set train.steps=3"
+./train $Y $H --set run.dir=$T/hf_src >$T/hf_src.txt 2>&1 &&
+    ./train export $T/hf_src/checkpoints/step_00000003 --format hf --out $T/hf_dir >$T/hf_export.txt 2>&1
+./train $Y $H --set "init.from=$T/hf_dir" --set run.dir=$T/hf_one >$T/hf_one.txt 2>&1
+"${MPIRUN[@]}" -np 2 ./train $Y $H --set "init.from=$T/hf_dir" --set parallel.ep=2 --set run.dir=$T/hf_ep2 >$T/hf_ep2.txt 2>&1
+rc=$?
+why=$(close_losses $T/hf_one/metrics.jsonl $T/hf_ep2/metrics.jsonl 2>&1)
+diff=$(./train ckpt-diff $T/hf_one/checkpoints/step_00000003 $T/hf_ep2/checkpoints/step_00000003 --quiet --tol 1e-5 2>&1)
+drc=$?
+if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && grep -q 'init.from: HuggingFace weights' $T/hf_ep2.txt &&
+   ./train export $T/hf_ep2/checkpoints/step_00000003 --format hf --out $T/hf_ep2_dir >$T/hf_export2.txt 2>&1
+then ok ep_hf_init_from_and_export
+else fail ep_hf_init_from_and_export "rc $rc: $why $diff $(grep -m2 -h error $T/hf_*.txt)"; fi
+
+# Layouts refused: one line, exit 2, on every rank, before any allocation.
+refuse() {
+    local name=$1 np=$2 want=$3; shift 3
+    local out rc lines
+    out=$("${MPIRUN[@]}" -np $np ./train $Y $S "$@" --set run.dir=$T/$name 2>&1); rc=$?
+    lines=$(printf '%s\n' "$out" | grep -o "$want" | wc -l) # ranks share stderr: count the messages
+    if [ $rc -eq 2 ] && [ "$lines" -eq $np ]; then ok ep_refuses_$name
+    else fail ep_refuses_$name "rc $rc, $lines of $np ranks said '$want': $(printf '%s\n' "$out" | grep -m2 kiln)"; fi
+}
+refuse experts_ep3 3 "ep 3 must divide the 4 experts" $MOE --set parallel.ep=3 --set batch.total_tokens=384
+refuse dense_model 2 "spreads MoE experts over ranks" $LLAMA --set parallel.ep=2
+refuse zero2 2 "expert parallelism runs with ZeRO 0 or 1" $MOE --set parallel.ep=2 --set parallel.zero=2
+refuse dp_not_multiple 2 "must divide dp x cp" $MOE --set parallel.ep=4 --set model.moe.n_experts=8
+refuse with_pp 4 "expert and pipeline parallelism together" $MOE --set parallel.ep=2 --set parallel.pp=2
