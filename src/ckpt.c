@@ -792,7 +792,7 @@ int ckpt_save(CkptWriter *w, const CkptMeta *meta) {
         const CkptEntry *e = &w->t.e[i];
         size_t n = ckpt_entry_bytes(e);
         if (e->to_host) e->to_host(w->stage + w->stage_off[i], e->ptr, n);
-        else memcpy(w->stage + w->stage_off[i], e->ptr, n);
+        else if (n) memcpy(w->stage + w->stage_off[i], e->ptr, n); /* an empty range may have no pointer */
     }
     /* the writer takes no signals: they belong to the step loop's handler */
     sigset_t all, prev;

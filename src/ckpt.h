@@ -20,7 +20,8 @@ typedef enum { CKPT_F32, CKPT_F64, CKPT_I64, CKPT_U64, CKPT_U8 } CkptDtype;
 /* Copies between the entry's memory and the host (backend to_host/to_device);
  * NULL = the pointer is host memory. bytes counts the checkpoint's side (the
  * dtype's size per element). A copy may convert (mem_size below): to_device's
- * src is then ckpt's own scratch buffer, which it may overwrite. */
+ * src is then ckpt's own scratch buffer, which it may overwrite. to_host's
+ * dst lies in the file's bytes and need not be aligned to an element. */
 typedef void (*CkptCopyFn)(void *dst, const void *src, size_t bytes);
 
 typedef struct CkptEntry {

@@ -81,16 +81,26 @@ static void test_crc(void) {
 }
 
 /* "half" values: to_host widens each uint16 to a float, to_device narrows;
- * state.c's bf16 moments work this way (CkptEntry.mem_size = 2). */
+ * state.c's bf16 moments work this way (CkptEntry.mem_size = 2). The
+ * writer's destination is the file's bytes, aligned as the entries before
+ * left it (an odd blob: not at all), so elements go through memcpy as
+ * state.c's do (UBSan refuses a misaligned float store). */
 static void half_to_host(void *dst, const void *src, size_t bytes) {
     const uint16_t *s = src;
-    float *d = dst;
-    for (size_t i = bytes / 4; i-- > 0;) d[i] = (float)s[i];
+    unsigned char *d = dst;
+    for (size_t i = bytes / 4; i-- > 0;) {
+        float f = (float)s[i];
+        memcpy(d + 4 * i, &f, 4);
+    }
 }
 static void half_to_device(void *dst, const void *src, size_t bytes) {
-    const float *s = src;
+    const unsigned char *s = src;
     uint16_t *d = dst;
-    for (size_t i = 0; i < bytes / 4; i++) d[i] = (uint16_t)s[i];
+    for (size_t i = 0; i < bytes / 4; i++) {
+        float f;
+        memcpy(&f, s + 4 * i, 4);
+        d[i] = (uint16_t)f;
+    }
 }
 
 /* Entries past the 8 MiB write chunk at odd offsets: a 3-byte blob first,
