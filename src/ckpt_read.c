@@ -654,7 +654,7 @@ static int rd_piece(Rd *r, const RdNeed *needs, int nn, char *err, size_t cap) {
  * not yet read; an entry with a to_device copy is sent once its last
  * piece is in. */
 static int rd_run(Rd *r, RdNeed *needs, int n, uint64_t *left, char *err, size_t cap) {
-    qsort_r(needs, (size_t)n, sizeof *needs, need_by_place, (void *)r->m);
+    if (n > 1) qsort_r(needs, (size_t)n, sizeof *needs, need_by_place, (void *)r->m); /* needs is NULL for none */
     r->lo = xmalloc((size_t)(n ? n : 1) * sizeof *r->lo);
     r->hi = xmalloc((size_t)(n ? n : 1) * sizeof *r->hi);
     int rc = 0;
