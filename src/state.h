@@ -21,10 +21,12 @@
  * elements this rank holds. */
 typedef struct StateMesh {
     int rank, world, dp, zero;
-    int dp_rank, tp, tp_rank; /* tensor parallelism: each tp rank of dp rank 0 writes its parts of
-                                 the split tensors; the replicated ones come from tp rank 0 */
-    int ep, edp_rank;  /* expert parallelism: the ep ranks' experts differ; the EDP rank 0 of each
-                          writes them (edp_rank = dp_rank without it) */
+    int dp_rank, tp, tp_rank; /* each dp rank writes its share (ZeRO 0/1: of the arena; state.c);
+                                 tensor parallelism: each tp rank its parts of the split tensors,
+                                 tp rank 0 the replicated ones */
+    int ep, edp_rank;  /* expert parallelism: the ep ranks' experts differ; each rank of an EDP
+                          group (dp / ep ranks) writes its share of them (edp_rank = dp_rank
+                          without ep) */
     CommGroup *g;
     const struct Ddp *pieces; /* the optimizer state is laid out by this Ddp's pieces
                                  (ddp_optim_pieces: ZeRO-2/3, ZeRO-1 under expert
