@@ -10,6 +10,7 @@
 #include "backend.h"
 #include "bench.h"
 #include "ckpt.h"
+#include "ckpt_bench.h"
 #include "comm.h"
 #include "compare.h"
 #include "config.h"
@@ -32,6 +33,11 @@ static const char *usage =
     "  ./train bench CONFIG.yaml [--steps N] [--set ...]\n"
     "                              time whole training steps on random tokens next to\n"
     "                              the backend's matmul rate at the model's shapes\n"
+    "  ./train bench CONFIG.yaml --checkpoint [--dir DIR] [--reps N] [--keep] [--set ...]\n"
+    "                              write, verify and load the model's fp32 state (random,\n"
+    "                              no training) next to a raw write and read of the same\n"
+    "                              size in DIR (default RUN_DIR/bench_checkpoint), as ratios;\n"
+    "                              under mpirun each rank takes its share (aggregate rates)\n"
     "  ./train plan CONFIG.yaml --gpus N [--gpu-mem GB] [--nodes K] [--show-schedule] [--set ...]\n"
     "                              check the parallel layout on N GPUs (ranks and batch divide,\n"
     "                              memory per rank fits) and suggest parallel.zero and\n"
@@ -137,7 +143,8 @@ int main(int argc, char **argv) {
         return KILN_EXIT_OK;
     }
 
-    int bench = strcmp(cmd, "bench") == 0, bench_steps = 5;
+    int bench = strcmp(cmd, "bench") == 0, bench_steps = 5, bench_ckpt = 0;
+    CkptBenchOptions cbo = {NULL, 3, 0};
     const char *config_path = NULL;
     const char **sets = xcalloc((size_t)argc, sizeof(char *));
     int nsets = 0, dry_run = 0, force = 0;
@@ -149,6 +156,17 @@ int main(int argc, char **argv) {
             long v = strtol(argv[++i], &end, 10);
             if (*end || v < 1 || v > 100000) kiln_fail(KILN_EXIT_USAGE, "--steps: expected a count in [1, 100000], got '%s'", argv[i]);
             bench_steps = (int)v;
+        } else if (bench && strcmp(a, "--checkpoint") == 0) {
+            bench_ckpt = 1;
+        } else if (bench && strcmp(a, "--dir") == 0 && i + 1 < argc) {
+            cbo.dir = argv[++i];
+        } else if (bench && strcmp(a, "--keep") == 0) {
+            cbo.keep = 1;
+        } else if (bench && strcmp(a, "--reps") == 0 && i + 1 < argc) {
+            char *end;
+            long v = strtol(argv[++i], &end, 10);
+            if (*end || v < 1 || v > 64) kiln_fail(KILN_EXIT_USAGE, "--reps: expected a count in [1, 64], got '%s'", argv[i]);
+            cbo.reps = (int)v;
         } else if (strcmp(a, "--set") == 0) {
             if (i + 1 >= argc) kiln_fail(KILN_EXIT_USAGE, "--set needs key.path=value");
             sets[nsets++] = argv[++i];
@@ -175,6 +193,7 @@ int main(int argc, char **argv) {
     Config cfg;
     cfg_load(&cfg, config_path, sets, nsets);
     free(sets);
+    if (bench && bench_ckpt) return ckpt_bench_run(&cfg, &cbo);
     if (bench) return bench_run(&cfg, bench_steps);
     if (force && !resume) kiln_fail(KILN_EXIT_USAGE, "--force only applies with --resume");
     TrainOptions topt = {dry_run, resume, force, KILN_COMMIT};

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# make bench: the data loader at 10,000 shards, then the GPT-2 124M shape on the CPU
+# make bench: checkpoints against the disk, the data loader at 10,000 shards, then the GPT-2 124M shape on the CPU
 # backend at context 64 and 256, a Llama and an MoE point of the same size at 256; each
 # point prints whole-step GFLOP/s next to the sgemm rate measured in the same
 # process; 2-rank data-, tensor-, context-parallel, pipeline and expert-parallel
@@ -8,6 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${BENCH_STEPS:-5}
+# Checkpoints: write, verify and load against the disk's raw rates, 1 to 4
+# ranks, and a resumed run's start-up (scripts/bench_ckpt.sh)
+bash scripts/bench_ckpt.sh
 # The data loader (test/bench_data.c): start-up time, memory and open files of
 # a glob of 10,000 small shards (.bin and .bin.zst), and the wait for data per
 # step with prefetch off and on when every batch must decompress shards.

@@ -1,9 +1,9 @@
-/* ckpt: checkpoint directories. Writes a table of named entries to
- * root/step_N.tmp/, fsyncs every file and the directory, renames it to
- * root/step_N/, replaces root/latest atomically, then prunes. Reads them back
- * piece by piece, verifying a CRC32C per piece. Knows the table and the mesh,
- * never the model, the optimizer or the backend (copies go through the
- * entries' own to_host/to_device). */
+/* ckpt: the table of entries, listing checkpoint directories, and writing
+ * them: a table to root/step_N.tmp/ (this rank's file streamed through
+ * ckpt_io's sink, CRC32C per entry), every file and the directory fsynced,
+ * renamed to root/step_N/, root/latest replaced atomically, then pruned.
+ * Reading is ckpt_read.c's. Knows the table and the mesh, never the model,
+ * the optimizer or the backend (copies go through the entries' own to_host). */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -15,7 +15,6 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <inttypes.h>
-#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <signal.h>
@@ -27,57 +26,11 @@
 #include <time.h>
 #include <unistd.h>
 #include <zstd.h>
-#ifdef __SSE4_2__
-#include <nmmintrin.h>
-#endif
 
+#include "ckpt_io.h"
 #include "util.h"
 
-#define CKPT_CHUNK ((size_t)16 << 20) /* bounce buffer of a synchronous write */
-#define CKPT_MANIFEST "manifest"
-/* A manifest line is about 250 bytes: this is millions of pieces. */
-#define CKPT_MANIFEST_MAX ((size_t)1 << 30)
-/* zstd's densest block is an RLE block: 4 bytes (its 3-byte header and the
- * byte) for at most 128 KiB, so no piece decompresses to more than this many
- * times its stored bytes. */
-#define CKPT_ZSTD_MAX_RATIO 32768
-/* Blobs are small state (the resolved config, RNG and data positions). */
-#define CKPT_BLOB_MAX ((uint64_t)64 << 20)
-
-/* ---------- CRC32C ---------- */
-
-static uint32_t crc_table[256];
-static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
-static void crc_init(void) {
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-        crc_table[i] = c;
-    }
-}
-
-uint32_t ckpt_crc32c(uint32_t crc, const void *data, size_t n) {
-    const unsigned char *p = data;
-    crc = ~crc;
-#ifdef __SSE4_2__
-    /* the crc32 instruction computes exactly this polynomial, 8 bytes a cycle-ish */
-    uint64_t c = crc;
-    while (n >= 8) {
-        uint64_t v;
-        memcpy(&v, p, 8);
-        c = _mm_crc32_u64(c, v);
-        p += 8, n -= 8;
-    }
-    crc = (uint32_t)c;
-    while (n--) crc = _mm_crc32_u8(crc, *p++);
-#else
-    pthread_once(&crc_once, crc_init);
-    while (n--) crc = crc_table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
-#endif
-    (void)crc_once;
-    (void)crc_init;
-    return ~crc;
-}
+#define CKPT_CRC_BLOCK ((size_t)512 << 10) /* copied, then checksummed while it is in the cache */
 
 /* ---------- the table ---------- */
 
@@ -85,12 +38,7 @@ static const char *dtype_names[] = {"f32", "f64", "i64", "u64", "u8"};
 static const size_t dtype_sizes[] = {4, 8, 8, 8, 1};
 
 size_t ckpt_dtype_size(CkptDtype d) { return dtype_sizes[d]; }
-
-static int dtype_parse(const char *s) {
-    for (int i = 0; i < 5; i++)
-        if (!strcmp(s, dtype_names[i])) return i;
-    return -1;
-}
+const char *ckpt_dtype_name(CkptDtype d) { return dtype_names[d]; }
 
 void ckpt_table_init(CkptTable *t) { memset(t, 0, sizeof *t); }
 void ckpt_table_free(CkptTable *t) {
@@ -133,8 +81,7 @@ CkptEntry *ckpt_add_tensor(CkptTable *t, const char *name, CkptDtype dtype, int 
     return e;
 }
 
-/* Rows and columns of a tensor viewed as (shape[0], the rest); a scalar is 1 x 1. */
-static void tensor_rc(int ndim, const int64_t *shape, uint64_t *rows, uint64_t *cols) {
+void ckpt_tensor_rc(int ndim, const int64_t *shape, uint64_t *rows, uint64_t *cols) {
     *rows = ndim ? (uint64_t)shape[0] : 1;
     *cols = 1;
     for (int d = 1; d < ndim; d++) *cols *= (uint64_t)shape[d];
@@ -142,7 +89,7 @@ static void tensor_rc(int ndim, const int64_t *shape, uint64_t *rows, uint64_t *
 
 void ckpt_entry_set_box(CkptEntry *e, uint64_t r0, uint64_t r1, uint64_t c0, uint64_t c1) {
     uint64_t rows, cols;
-    tensor_rc(e->ndim, e->shape, &rows, &cols);
+    ckpt_tensor_rc(e->ndim, e->shape, &rows, &cols);
     if (r0 >= r1 || c0 >= c1 || r1 > rows || c1 > cols || e->hi > (r1 - r0) * (c1 - c0))
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint entry '%s': box rows [%llu, %llu) x columns [%llu, %llu) with range "
                   "[%llu, %llu) does not fit its %llu x %llu tensor", e->name, (unsigned long long)r0,
@@ -273,12 +220,15 @@ typedef struct {
 struct CkptWriter {
     CkptTable t;          /* copy of the entries (pointers into live state) */
     CkptOptions o;
-    unsigned char *stage; /* async: every entry's bytes, back to back */
+    unsigned char *stage; /* async: every entry's bytes, back to back in table order: uncompressed,
+                             the rank file's image (CKPT_IO_ALIGN-aligned, padded to a block) */
     size_t *stage_off;    /* (t.n) */
-    unsigned char *bounce;/* sync: CKPT_CHUNK for device -> host */
-    unsigned char *zbuf;  /* compressed output */
-    size_t zcap;
+    size_t stage_cap;
+    pthread_t toucher;    /* faults the stage's pages in after ckpt_writer_new */
+    int touching;
+    unsigned char *bounce;/* zstd: CKPT_IO_CHUNK of device -> host copies; else one element */
     ZSTD_CCtx *zc;
+    CkptSink *sink;       /* the rank file's writer: aligned chunks from a thread */
     PieceRec *rec;        /* (t.n) */
     CkptMeta meta;
     char version[64], commit[64];
@@ -289,12 +239,13 @@ struct CkptWriter {
     char *mtext;          /* this rank's manifest text, between write and complete */
     size_t mlen;
     char err[1536];
-    /* the file being written */
+    /* small files (manifests) */
     int fd;
-    uint64_t pos;
-    const char *fname;
+    uint64_t pos;         /* bytes of the rank file */
     uint64_t fault_after; /* KILN_FAULT_ENOSPC_AFTER: fail a write past this many bytes (tests) */
     uint64_t fault_total;
+    CkptStats cur, last;  /* the save in progress, the last one completed */
+    double t_write;       /* kiln_now() when this rank's write began */
 };
 
 static void werr(CkptWriter *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -305,6 +256,17 @@ static void werr(CkptWriter *w, const char *fmt, ...) {
     vsnprintf(w->err, sizeof w->err, fmt, ap);
     va_end(ap);
     w->status = -1;
+}
+
+static void *w_touch(void *arg) {
+    CkptWriter *w = arg;
+    memset(w->stage, 0, w->stage_cap);
+    return NULL;
+}
+
+static void w_touched(CkptWriter *w) {
+    if (w->touching) pthread_join(w->toucher, NULL);
+    w->touching = 0;
 }
 
 CkptWriter *ckpt_writer_new(const CkptTable *t, const CkptOptions *o) {
@@ -318,26 +280,43 @@ CkptWriter *ckpt_writer_new(const CkptTable *t, const CkptOptions *o) {
         size_t total = 0;
         w->stage_off = xmalloc((size_t)(t->n ? t->n : 1) * sizeof(size_t));
         for (int i = 0; i < t->n; i++) w->stage_off[i] = total, total += ckpt_entry_bytes(&t->e[i]);
-        /* touched now, so the first save does not pay for page faults */
-        w->stage = xmalloc(total ? total : 1);
-        memset(w->stage, 0, total);
-    } else {
-        w->bounce = xmalloc(CKPT_CHUNK);
+        /* aligned and padded: the sink writes the file straight from it */
+        size_t cap = (total + CKPT_IO_ALIGN) / CKPT_IO_ALIGN * CKPT_IO_ALIGN;
+        void *p = NULL;
+        if (posix_memalign(&p, CKPT_IO_ALIGN, cap) != 0)
+            kiln_fail(KILN_EXIT_RUNTIME, "out of memory for the checkpoint staging buffer (%zu MiB)", cap >> 20);
+        w->stage = p, w->stage_cap = cap;
+        /* touched before the first save, so that save does not pay for the
+         * page faults; on a thread of its own, so that start-up does not either */
+        sigset_t all, prev;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &prev);
+        w->touching = pthread_create(&w->toucher, NULL, w_touch, w) == 0;
+        pthread_sigmask(SIG_SETMASK, &prev, NULL);
+        if (!w->touching) memset(w->stage, 0, cap);
     }
+    w->bounce = xmalloc(o->compress > 0 ? CKPT_IO_CHUNK : 16);
     if (o->compress > 0) {
-        w->zcap = ZSTD_CStreamOutSize() * 8;
-        w->zbuf = xmalloc(w->zcap);
         w->zc = ZSTD_createCCtx();
         if (!w->zc) kiln_fail(KILN_EXIT_RUNTIME, "ZSTD_createCCtx failed");
+        ZSTD_CCtx_setParameter(w->zc, ZSTD_c_compressionLevel, o->compress);
+        /* several workers compress each large entry's frame in parallel;
+         * a libzstd built without threads refuses and compresses on this one */
+        if (o->threads > 1 && ZSTD_isError(ZSTD_CCtx_setParameter(w->zc, ZSTD_c_nbWorkers, o->threads)))
+            ZSTD_CCtx_setParameter(w->zc, ZSTD_c_nbWorkers, 0);
     }
+    w->sink = ckpt_sink_new(4);
     const char *f = getenv("KILN_FAULT_ENOSPC_AFTER");
     if (f && *f) w->fault_after = strtoull(f, NULL, 10) + 1;
     w->fd = -1;
+    w->last.step = -1;
     return w;
 }
 
 const char *ckpt_writer_error(const CkptWriter *w) { return w->err; }
+CkptStats ckpt_writer_stats(const CkptWriter *w) { return w->last; }
 
+/* Small files: plain writes, counted against the fault budget. */
 static int w_write(CkptWriter *w, const void *buf, size_t n) {
     const char *p = buf;
     while (n > 0) {
@@ -351,56 +330,107 @@ static int w_write(CkptWriter *w, const void *buf, size_t n) {
             if (errno == EINTR) continue;
             return -1;
         }
-        p += r, n -= (size_t)r, w->pos += (uint64_t)r, w->fault_total += (uint64_t)r;
+        p += r, n -= (size_t)r, w->fault_total += (uint64_t)r;
     }
     return 0;
 }
 
-/* Bytes of entry i, chunk at byte `off` of length `len`, as a host pointer. */
-static const unsigned char *w_source(CkptWriter *w, int i, size_t off, size_t len) {
-    const CkptEntry *e = &w->t.e[i];
-    if (w->stage) return w->stage + w->stage_off[i] + off;
-    if (!e->to_host) return (const unsigned char *)e->ptr + off;
-    /* off counts checkpoint bytes; memory may hold fewer per element */
+/* Bytes [off, off + len) of entry i's checkpoint side into dst: through
+ * to_host (which may convert: off and len are then whole elements), or
+ * from host memory. */
+static void w_copy(const CkptEntry *e, unsigned char *dst, size_t off, size_t len) {
     size_t mem_off = e->mem_size ? off / dtype_sizes[e->dtype] * e->mem_size : off;
-    e->to_host(w->bounce, (const unsigned char *)e->ptr + mem_off, len);
-    return w->bounce;
+    const unsigned char *src = (const unsigned char *)e->ptr + mem_off;
+    if (e->to_host) e->to_host(dst, src, len);
+    else memcpy(dst, src, len);
 }
 
-static int w_entry(CkptWriter *w, int i) {
-    size_t bytes = ckpt_entry_bytes(&w->t.e[i]), chunk = w->stage ? (bytes ? bytes : 1) : CKPT_CHUNK;
-    PieceRec *r = &w->rec[i];
-    r->offset = w->pos;
-    r->crc = 0;
-    if (w->zc) {
-        ZSTD_CCtx_reset(w->zc, ZSTD_reset_session_only);
-        ZSTD_CCtx_setParameter(w->zc, ZSTD_c_compressionLevel, w->o.compress);
-        ZSTD_CCtx_setPledgedSrcSize(w->zc, bytes);
+/* w_copy, checksummed block by block while each block is in the cache. */
+static uint32_t w_copy_crc(const CkptEntry *e, unsigned char *dst, size_t off, size_t len, uint32_t crc) {
+    size_t block = CKPT_CRC_BLOCK - CKPT_CRC_BLOCK % dtype_sizes[e->dtype];
+    for (size_t k = 0; k < len; k += block) {
+        size_t n = len - k < block ? len - k : block;
+        w_copy(e, dst + k, off + k, n);
+        crc = ckpt_crc32c(crc, dst + k, n);
     }
-    size_t off = 0;
+    return crc;
+}
+
+/* An entry's frame: its bytes (staged, or copied through the bounce
+ * buffer) compressed straight into the sink's buffers. */
+static int w_entry_zstd(CkptWriter *w, int i) {
+    const CkptEntry *e = &w->t.e[i];
+    PieceRec *r = &w->rec[i];
+    size_t bytes = ckpt_entry_bytes(e), off = 0;
+    ZSTD_CCtx_reset(w->zc, ZSTD_reset_session_only);
+    ZSTD_CCtx_setPledgedSrcSize(w->zc, bytes);
     do {
-        size_t len = bytes - off < chunk ? bytes - off : chunk;
-        const unsigned char *src = w_source(w, i, off, len);
+        size_t len = bytes - off < CKPT_IO_CHUNK ? bytes - off : CKPT_IO_CHUNK; /* whole elements */
+        const unsigned char *src;
+        if (w->stage) src = w->stage + w->stage_off[i] + off;
+        else if (!e->to_host) src = (const unsigned char *)e->ptr + off;
+        else w_copy(e, w->bounce, off, len), src = w->bounce;
         r->crc = ckpt_crc32c(r->crc, src, len);
         off += len;
-        if (!w->zc) {
-            if (w_write(w, src, len) != 0) return -1;
-            continue;
-        }
         ZSTD_inBuffer in = {src, len, 0};
         ZSTD_EndDirective mode = off == bytes ? ZSTD_e_end : ZSTD_e_continue;
         for (;;) {
-            ZSTD_outBuffer out = {w->zbuf, w->zcap, 0};
+            size_t avail;
+            unsigned char *dst = ckpt_sink_space(w->sink, &avail);
+            if (!dst) return -1;
+            ZSTD_outBuffer out = {dst, avail, 0};
             size_t left = ZSTD_compressStream2(w->zc, &out, &in, mode);
             if (ZSTD_isError(left)) {
                 errno = EIO;
                 return -1;
             }
-            if (w_write(w, w->zbuf, out.pos) != 0) return -1;
+            if (ckpt_sink_commit(w->sink, out.pos) != 0) return -1;
             if (mode == ZSTD_e_end ? left == 0 : in.pos == in.size) break;
         }
     } while (off < bytes);
-    r->stored = w->pos - r->offset;
+    return 0;
+}
+
+/* Entry i into the rank file, its CRC32C and place recorded. Uncompressed
+ * and staged, the stage is the file: checksum it and let the sink write it
+ * in place; else the bytes are copied into the sink's buffers. */
+static int w_entry(CkptWriter *w, int i) {
+    const CkptEntry *e = &w->t.e[i];
+    size_t bytes = ckpt_entry_bytes(e), es = dtype_sizes[e->dtype];
+    PieceRec *r = &w->rec[i];
+    r->offset = ckpt_sink_pos(w->sink);
+    r->crc = 0;
+    if (w->zc) {
+        if (w_entry_zstd(w, i) != 0) return -1;
+    } else if (w->stage) {
+        const unsigned char *p = w->stage + w->stage_off[i];
+        for (size_t off = 0; off < bytes;) {
+            size_t len = bytes - off < CKPT_IO_CHUNK ? bytes - off : CKPT_IO_CHUNK;
+            r->crc = ckpt_crc32c(r->crc, p + off, len);
+            off += len;
+            if (ckpt_sink_image_ready(w->sink, r->offset + off) != 0) return -1;
+        }
+    } else {
+        for (size_t off = 0; off < bytes;) {
+            size_t avail;
+            unsigned char *dst = ckpt_sink_space(w->sink, &avail);
+            if (!dst) return -1;
+            size_t len = bytes - off < avail ? bytes - off : avail;
+            if (e->mem_size) len -= len % es; /* a converting copy takes whole elements */
+            if (len == 0) {
+                /* one element across the buffer's end */
+                w_copy(e, w->bounce, off, es);
+                r->crc = ckpt_crc32c(r->crc, w->bounce, es);
+                if (ckpt_sink_put(w->sink, w->bounce, es) != 0) return -1;
+                off += es;
+                continue;
+            }
+            r->crc = w_copy_crc(e, dst, off, len, r->crc);
+            if (ckpt_sink_commit(w->sink, len) != 0) return -1;
+            off += len;
+        }
+    }
+    r->stored = ckpt_sink_pos(w->sink) - r->offset;
     return 0;
 }
 
@@ -523,6 +553,7 @@ static int w_rank(const CkptWriter *w) { return w->o.agree ? w->meta.mesh.rank :
 static int w_multi(const CkptWriter *w) { return w->meta.mesh.world > 1 && w->o.agree; }
 
 static void w_abort(CkptWriter *w, const char *tmp) {
+    ckpt_sink_abort(w->sink);
     if (w->fd >= 0) close(w->fd);
     w->fd = -1;
     if (w_rank(w) == 0) rm_rf(tmp);
@@ -553,6 +584,22 @@ static int w_begin(CkptWriter *w) {
     return 0;
 }
 
+/* A failed write of the rank file, named by the entry whose bytes it held:
+ * entries [0, n) were written or being written; in_close: the failure came
+ * from ckpt_sink_close (the last writes, the fsync or the close). */
+static void w_write_failed(CkptWriter *w, const char *path, int n, int in_close, int e) {
+    uint64_t at = ckpt_sink_failed_at(w->sink);
+    if (at == UINT64_MAX && in_close) {
+        werr(w, "%s: fsync/close: %s", path, strerror(e));
+        return;
+    }
+    int k = n - 1;
+    if (at != UINT64_MAX)
+        for (int j = 0; j < n; j++)
+            if (w->rec[j].offset <= at) k = j;
+    werr(w, "%s: writing entry '%s': %s", path, k >= 0 ? w->t.e[k].name : "-", strerror(e));
+}
+
 /* This rank's data file, fsynced before any manifest names it, and its part
  * of the manifest (the whole manifest text for one rank, in w->mtext). No
  * collectives: runs in the writer thread. Failure is left in w->status. */
@@ -561,24 +608,34 @@ static void w_write_rank(CkptWriter *w) {
     w_names(w, name, tmp, fin, old);
     snprintf(file, sizeof file, "rank%05d.bin", w->meta.mesh.rank);
     snprintf(path, sizeof path, "%s/%s", tmp, file);
-    w->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    w->t_write = kiln_now();
     w->pos = 0;
-    if (w->fd < 0) {
+    /* the fault budget left (w_write's: a write past fault_after - 1 bytes in all fails) */
+    uint64_t limit = w->fault_after - 1, left = !w->fault_after ? UINT64_MAX
+                                                : limit > w->fault_total ? limit - w->fault_total : 0;
+    const unsigned char *image = w->stage && !w->zc ? w->stage : NULL;
+    if (ckpt_sink_open(w->sink, path, image, left) != 0) {
         werr(w, "%s: cannot create: %s", path, strerror(errno));
         return;
     }
-    for (int i = 0; i < w->t.n; i++)
+    uint64_t bytes = 0;
+    for (int i = 0; i < w->t.n; i++) {
         if (w_entry(w, i) != 0) {
-            werr(w, "%s: writing entry '%s': %s", path, w->t.e[i].name, strerror(errno));
+            int e = errno;
+            ckpt_sink_abort(w->sink);
+            w_write_failed(w, path, i + 1, 0, e);
             return;
         }
-    int rc = fsync(w->fd);
-    if (close(w->fd) != 0) rc = -1;
-    w->fd = -1;
+        bytes += ckpt_entry_bytes(&w->t.e[i]);
+    }
+    int rc = ckpt_sink_close(w->sink);
+    w->fault_total += ckpt_sink_written(w->sink);
     if (rc != 0) {
-        werr(w, "%s: fsync/close: %s", path, strerror(errno));
+        w_write_failed(w, path, w->t.n, 1, errno);
         return;
     }
+    w->pos = ckpt_sink_pos(w->sink);
+    w->cur.bytes = bytes, w->cur.stored = w->pos, w->cur.direct = ckpt_sink_was_direct(w->sink);
     free(w->mtext);
     w->mtext = NULL, w->mlen = 0;
     FILE *mf = open_memstream(&w->mtext, &w->mlen);
@@ -594,6 +651,7 @@ static void w_write_rank(CkptWriter *w) {
         snprintf(path, sizeof path, "%s/manifest.rank%05d", tmp, w_rank(w));
         w_small_file(w, path, w->mtext, w->mlen, NULL);
     }
+    w->cur.write_s = kiln_now() - w->t_write;
 }
 
 static int w_complete(CkptWriter *w) {
@@ -632,7 +690,7 @@ static int w_complete(CkptWriter *w) {
         }
         char endline[64];
         snprintf(endline, sizeof endline, "end crc32c=%08x\n", ckpt_crc32c(0, text, len));
-        snprintf(path, sizeof path, "%s/%s", tmp, CKPT_MANIFEST);
+        snprintf(path, sizeof path, "%s/%s", tmp, CKPT_MANIFEST_NAME);
         if (!failed && w_small_file(w, path, text, len, endline) != 0) failed = 1;
         if (!failed && fsync_dir(tmp) != 0) {
             werr(w, "%s: fsync: %s", tmp, strerror(errno));
@@ -675,10 +733,21 @@ static int w_complete(CkptWriter *w) {
     return 0;
 }
 
+/* The figures of a save that completed (status 0). */
+static void w_done(CkptWriter *w, double t_complete) {
+    if (w->status) return;
+    w->cur.write_s += kiln_now() - t_complete;
+    w->cur.step = w->meta.step;
+    w->last = w->cur;
+}
+
 static int w_job(CkptWriter *w) {
     if (w_begin(w) != 0) return -1;
     w_write_rank(w);
-    return w_complete(w);
+    double t = kiln_now();
+    int rc = w_complete(w);
+    if (rc == 0) w_done(w, t);
+    return rc;
 }
 
 /* The writer thread: the whole save for one rank; several ranks: the write
@@ -698,7 +767,13 @@ int ckpt_wait(CkptWriter *w) {
     if (w->in_flight) {
         if (!w->no_thread) pthread_join(w->thread, NULL);
         w->in_flight = 0;
-        if (w_multi(w)) return w_complete(w); /* collective: every rank waits at the same point */
+        if (w_multi(w)) {
+            /* collective: every rank waits at the same point */
+            double t = kiln_now();
+            int rc = w_complete(w);
+            if (rc == 0) w_done(w, t);
+            return rc;
+        }
     }
     return w->status;
 }
@@ -708,13 +783,16 @@ int ckpt_save(CkptWriter *w, const CkptMeta *meta) {
     w->meta = *meta;
     kiln_strlcpy(w->version, meta->version ? meta->version : "unknown", sizeof w->version);
     kiln_strlcpy(w->commit, meta->commit ? meta->commit : "unknown", sizeof w->commit);
+    memset(&w->cur, 0, sizeof w->cur);
     if (!w->o.async) return w_job(w);
     if (w_multi(w) && w_begin(w) != 0) return -1;
+    w_touched(w);
+    /* the step loop's pause: this copy (every entry is this rank's own) */
     for (int i = 0; i < w->t.n; i++) {
         const CkptEntry *e = &w->t.e[i];
         size_t n = ckpt_entry_bytes(e);
         if (e->to_host) e->to_host(w->stage + w->stage_off[i], e->ptr, n);
-        else memcpy(w->stage + w->stage_off[i], e->ptr, n);
+        else if (n) memcpy(w->stage + w->stage_off[i], e->ptr, n); /* an empty range may have no pointer */
     }
     /* the writer takes no signals: they belong to the step loop's handler */
     sigset_t all, prev;
@@ -743,657 +821,14 @@ int ckpt_save(CkptWriter *w, const CkptMeta *meta) {
 void ckpt_writer_free(CkptWriter *w) {
     if (!w) return;
     ckpt_wait(w);
+    w_touched(w);
+    ckpt_sink_free(w->sink);
     free(w->t.e);
     free(w->stage);
     free(w->stage_off);
     free(w->bounce);
-    free(w->zbuf);
     if (w->zc) ZSTD_freeCCtx(w->zc);
     free(w->rec);
     free(w->mtext);
     free(w);
-}
-
-/* ---------- reading ---------- */
-
-typedef struct {
-    char name[CKPT_NAME];
-    CkptKind kind;
-    int dtype, ndim, rank, zstd;
-    int64_t shape[CKPT_MAX_DIM];
-    uint64_t lo, hi, offset, bytes, stored;
-    uint64_t r0, r1, c0, c1; /* its box, always filled in (the whole tensor when the line has none) */
-    char file[64];
-    uint32_t crc;
-} MEntry;
-
-typedef struct {
-    CkptInfo info;
-    MEntry *e;
-    int n;
-    char dir[1200];
-} Manifest;
-
-static int rerr(char *err, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static int rerr(char *err, size_t cap, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, cap, fmt, ap);
-    va_end(ap);
-    return -1;
-}
-
-/* One "key=value" field of an entry line; NULL if absent. */
-static const char *field(const char *line, const char *key, char *buf, size_t cap) {
-    size_t k = strlen(key);
-    for (const char *p = line; (p = strstr(p, key)); p++) {
-        if ((p == line || p[-1] == ' ') && p[k] == '=') {
-            const char *v = p + k + 1;
-            size_t n = strcspn(v, " \n");
-            if (n >= cap) return NULL;
-            memcpy(buf, v, n);
-            buf[n] = 0;
-            return buf;
-        }
-    }
-    return NULL;
-}
-
-static int parse_u64(const char *s, uint64_t *out) {
-    if (!s || !*s) return -1;
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (*end || errno || s[0] < '0' || s[0] > '9') return -1; /* strtoull takes "-1" and " 1"; ERANGE saturates */
-    *out = v;
-    return 0;
-}
-
-/* A decimal in [0, max] from s[0, n), whole: the manifest's integers. */
-static int parse_u64_n(const char *s, size_t n, uint64_t max, uint64_t *out) {
-    char b[32];
-    if (n == 0 || n >= sizeof b) return -1;
-    memcpy(b, s, n);
-    b[n] = 0;
-    return parse_u64(b, out) || *out > max ? -1 : 0;
-}
-
-/* "a:b" as two decimals in [0, max], a < b unless ordered is 0 (a <= b). */
-static int parse_span(const char *s, size_t n, uint64_t max, int strict, uint64_t *a, uint64_t *b) {
-    const char *colon = memchr(s, ':', n);
-    if (!colon || parse_u64_n(s, (size_t)(colon - s), max, a) ||
-        parse_u64_n(colon + 1, n - (size_t)(colon + 1 - s), max, b))
-        return -1;
-    return strict ? (*a < *b ? 0 : -1) : (*a <= *b ? 0 : -1);
-}
-
-/* Elements of a shape, overflow-checked: -1 unless numel x es fits in an
- * int64 (a file offset), which bounds every product of its extents below. */
-static int shape_numel(int ndim, const int64_t *shape, size_t es, uint64_t *numel) {
-    uint64_t n = 1;
-    for (int d = 0; d < ndim; d++)
-        if (shape[d] < 0 || __builtin_mul_overflow(n, (uint64_t)shape[d], &n)) return -1;
-    uint64_t bytes;
-    if (__builtin_mul_overflow(n, (uint64_t)es, &bytes) || bytes > INT64_MAX) return -1;
-    *numel = n;
-    return 0;
-}
-
-/* Every number of an entry line is range-checked here, the sizes with
- * overflow checks, so that what a manifest says can be allocated and indexed
- * once the files have shown they hold it (piece_check). */
-static int parse_entry(const char *line, MEntry *e) {
-    char b[256];
-    memset(e, 0, sizeof *e);
-    if (!field(line, "name", e->name, sizeof e->name)) return -1;
-    if (!field(line, "kind", b, sizeof b)) return -1;
-    if (!strcmp(b, "tensor")) e->kind = CKPT_TENSOR;
-    else if (!strcmp(b, "blob")) e->kind = CKPT_BLOB;
-    else return -1;
-    if (!field(line, "dtype", b, sizeof b) || (e->dtype = dtype_parse(b)) < 0) return -1;
-    if (!field(line, "shape", b, sizeof b) || b[0] != '[') return -1;
-    size_t blen = strlen(b);
-    if (b[blen - 1] != ']') return -1;
-    for (size_t at = 1; at + 1 < blen;) {
-        size_t n = strcspn(b + at, ",]");
-        uint64_t v;
-        if (e->ndim == CKPT_MAX_DIM || parse_u64_n(b + at, n, INT64_MAX, &v)) return -1;
-        e->shape[e->ndim++] = (int64_t)v;
-        at += n;
-        if (b[at] == ',') {
-            if (++at + 1 >= blen) return -1; /* "[3,]" */
-        } else if (at + 1 != blen) {
-            return -1; /* "[3]]" */
-        }
-    }
-    uint64_t numel, size = dtype_sizes[e->dtype];
-    if (shape_numel(e->ndim, e->shape, size, &numel)) return -1;
-    if (!field(line, "range", b, sizeof b) || parse_span(b, strlen(b), numel, 0, &e->lo, &e->hi)) return -1;
-    uint64_t rank;
-    if (parse_u64(field(line, "rank", b, sizeof b), &rank) || rank > INT32_MAX) return -1;
-    e->rank = (int)rank;
-    if (!field(line, "file", e->file, sizeof e->file) || strchr(e->file, '/') || !e->file[0]) return -1;
-    if (parse_u64(field(line, "offset", b, sizeof b), &e->offset)) return -1;
-    if (parse_u64(field(line, "bytes", b, sizeof b), &e->bytes)) return -1;
-    if (parse_u64(field(line, "stored", b, sizeof b), &e->stored)) return -1;
-    if (e->offset > INT64_MAX || e->stored > INT64_MAX - e->offset) return -1; /* offset + stored is an off_t */
-    if (!field(line, "codec", b, sizeof b)) return -1;
-    if (!strcmp(b, "zstd")) e->zstd = 1;
-    else if (strcmp(b, "none")) return -1;
-    uint64_t crc;
-    if (!field(line, "crc32c", b, sizeof b)) return -1;
-    char *end;
-    crc = strtoull(b, &end, 16);
-    if (*end || strlen(b) != 8 || !isxdigit((unsigned char)b[0])) return -1;
-    e->crc = (uint32_t)crc;
-    uint64_t rows, cols; /* each at most numel: no product below overflows */
-    tensor_rc(e->ndim, e->shape, &rows, &cols);
-    e->r0 = 0, e->r1 = rows, e->c0 = 0, e->c1 = cols;
-    if (field(line, "box", b, sizeof b)) {
-        char *comma = strchr(b, ',');
-        if (!comma || parse_span(b, (size_t)(comma - b), rows, 1, &e->r0, &e->r1) ||
-            parse_span(comma + 1, strlen(comma + 1), cols, 1, &e->c0, &e->c1))
-            return -1;
-    }
-    uint64_t box = (e->r1 - e->r0) * (e->c1 - e->c0); /* <= rows x cols = numel */
-    if (e->hi > box || e->bytes != (e->hi - e->lo) * size) return -1;
-    if (!e->zstd && e->stored != e->bytes) return -1;
-    return 0;
-}
-
-static void man_free(Manifest *m) {
-    free(m->e);
-    memset(m, 0, sizeof *m);
-}
-
-
-static int cmp_u64(uint64_t a, uint64_t b) { return a < b ? -1 : a > b; }
-
-static int mentry_by_name_lo(const void *a, const void *b) {
-    const MEntry *x = *(const MEntry *const *)a, *y = *(const MEntry *const *)b;
-    int c = strcmp(x->name, y->name);
-    if (!c) c = cmp_u64(x->r0, y->r0);
-    if (!c) c = cmp_u64(x->c0, y->c0);
-    if (!c) c = cmp_u64(x->r1, y->r1);
-    if (!c) c = cmp_u64(x->c1, y->c1);
-    return c ? c : cmp_u64(x->lo, y->lo);
-}
-
-static int same_box(const MEntry *x, const MEntry *y) {
-    return x->r0 == y->r0 && x->r1 == y->r1 && x->c0 == y->c0 && x->c1 == y->c1;
-}
-
-static int boxes_meet(const MEntry *x, const MEntry *y) {
-    return x->r0 < y->r1 && y->r0 < x->r1 && x->c0 < y->c1 && y->c0 < x->c1;
-}
-
-/* Pieces of one tensor must not overlap: the loader counts covered elements,
- * and two copies of one range would hide a missing one. Pieces of one box
- * are disjoint ranges of it; pieces of different boxes lie in disjoint boxes. */
-static int manifest_check_overlap(const Manifest *m, const char *path, char *err, size_t cap) {
-    const MEntry **v = xmalloc((size_t)(m->n ? m->n : 1) * sizeof *v);
-    int k = 0;
-    for (int i = 0; i < m->n; i++)
-        if (m->e[i].kind == CKPT_TENSOR) v[k++] = &m->e[i];
-    qsort(v, (size_t)k, sizeof *v, mentry_by_name_lo);
-    int rc = 0;
-    for (int i = 1; i < k && rc == 0; i++) {
-        if (strcmp(v[i]->name, v[i - 1]->name)) continue;
-        if (same_box(v[i], v[i - 1]) && v[i]->lo < v[i - 1]->hi)
-            rc = rerr(err, cap, "%s: pieces of '%s' overlap ([%llu,%llu) and [%llu,%llu))", path, v[i]->name,
-                      (unsigned long long)v[i - 1]->lo, (unsigned long long)v[i - 1]->hi,
-                      (unsigned long long)v[i]->lo, (unsigned long long)v[i]->hi);
-    }
-    /* distinct boxes of one name must not meet (a few per tensor: every pair) */
-    for (int i = 0; i < k && rc == 0; i++)
-        for (int j = i + 1; j < k && !strcmp(v[i]->name, v[j]->name) && rc == 0; j++)
-            if (!same_box(v[i], v[j]) && boxes_meet(v[i], v[j]) && v[i]->lo < v[i]->hi && v[j]->lo < v[j]->hi)
-                rc = rerr(err, cap, "%s: pieces of '%s' overlap (boxes rows %llu:%llu cols %llu:%llu and rows "
-                          "%llu:%llu cols %llu:%llu)", path, v[i]->name, (unsigned long long)v[i]->r0,
-                          (unsigned long long)v[i]->r1, (unsigned long long)v[i]->c0, (unsigned long long)v[i]->c1,
-                          (unsigned long long)v[j]->r0, (unsigned long long)v[j]->r1, (unsigned long long)v[j]->c0,
-                          (unsigned long long)v[j]->c1);
-    free(v);
-    return rc;
-}
-
-/* "key=N" of a header line as an int in [0, INT32_MAX]; 0 when absent or bad
- * (the mesh is informational: it names the layout a checkpoint was saved on). */
-static int header_int(const char *line, const char *key) {
-    char b[32];
-    uint64_t v;
-    return parse_u64(field(line, key, b, sizeof b), &v) || v > INT32_MAX ? 0 : (int)v;
-}
-
-/* "WORD N" with N a decimal in [0, INT64_MAX]; -1 if line is not that. */
-static int header_num(const char *line, const char *word, int64_t *out) {
-    size_t k = strlen(word);
-    uint64_t v;
-    if (strncmp(line, word, k) || line[k] != ' ' || parse_u64(line + k + 1, &v) || v > INT64_MAX) return -1;
-    *out = (int64_t)v;
-    return 0;
-}
-
-static int man_read(const char *dir, Manifest *m, char *err, size_t cap) {
-    memset(m, 0, sizeof *m);
-    kiln_strlcpy(m->dir, dir, sizeof m->dir);
-    char path[1400];
-    snprintf(path, sizeof path, "%s/%s", dir, CKPT_MANIFEST);
-    size_t len;
-    char *text = kiln_read_file_max(path, CKPT_MANIFEST_MAX, &len);
-    if (!text) return rerr(err, cap, "%s: cannot read the manifest: %s", path, kiln_strerror(errno));
-    int rc = -1;
-    /* the version first, so a newer format is named as such, not as damage */
-    int64_t format = 0;
-    size_t l1 = strcspn(text, "\n");
-    char first[64];
-    snprintf(first, sizeof first, "%.*s", (int)(l1 < sizeof first - 1 ? l1 : sizeof first - 1), text);
-    if (l1 >= sizeof first || header_num(first, "kiln-checkpoint", &format) != 0) {
-        rerr(err, cap, "%s:1: not a kiln checkpoint manifest", path);
-        goto out;
-    }
-    if (format != CKPT_FORMAT_VERSION) {
-        rerr(err, cap, "%s:1: checkpoint format version %lld; this kiln reads version %d", path, (long long)format,
-             CKPT_FORMAT_VERSION);
-        goto out;
-    }
-    m->info.format = (int)format;
-    /* the last line is "end crc32c=X" over every byte before it */
-    char *endl = len >= 2 ? memrchr(text, '\n', len - 1) : NULL;
-    size_t body = endl ? (size_t)(endl + 1 - text) : 0;
-    unsigned crc_want;
-    if (len == 0 || text[len - 1] != '\n' || sscanf(text + body, "end crc32c=%8x", &crc_want) != 1) {
-        rerr(err, cap, "%s: incomplete manifest (no end line)", path);
-        goto out;
-    }
-    if (ckpt_crc32c(0, text, body) != crc_want) {
-        rerr(err, cap, "%s: manifest checksum mismatch (the file was changed or damaged)", path);
-        goto out;
-    }
-    text[body] = 0;
-    int lineno = 0, cap_e = 0, have_step = 0;
-    char *save = NULL;
-    for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
-        lineno++;
-        if (lineno == 1) continue; /* the version, read above */
-        if (!strncmp(line, "entry ", 6)) {
-            if (m->n == cap_e) cap_e = cap_e ? 2 * cap_e : 64, m->e = xrealloc(m->e, (size_t)cap_e * sizeof *m->e);
-            if (parse_entry(line + 6, &m->e[m->n]) != 0) {
-                rerr(err, cap, "%s:%d: malformed entry line", path, lineno);
-                goto out;
-            }
-            m->n++;
-        } else if (!strncmp(line, "step ", 5)) {
-            if (header_num(line, "step", &m->info.step) != 0) {
-                rerr(err, cap, "%s:%d: malformed step line (a step is a whole number from 0 to 2^63 - 1)", path, lineno);
-                goto out;
-            }
-            have_step = 1;
-        } else if (sscanf(line, "config_hash %" SCNx64, &m->info.config_hash) == 1) {
-        } else if (sscanf(line, "kiln_version %63s", m->info.version) == 1) {
-        } else if (sscanf(line, "kiln_commit %63s", m->info.commit) == 1) {
-        } else if (!strncmp(line, "mesh ", 5)) {
-            CkptMesh *g = &m->info.mesh;
-            g->world = header_int(line, "world"), g->dp = header_int(line, "dp"), g->tp = header_int(line, "tp");
-            g->pp = header_int(line, "pp"), g->cp = header_int(line, "cp"), g->ep = header_int(line, "ep");
-        } /* other lines (file, created_unix, future keys) are informational */
-    }
-    if (!have_step) {
-        rerr(err, cap, "%s: manifest has no step line", path);
-        goto out;
-    }
-    rc = manifest_check_overlap(m, path, err, cap);
-out:
-    free(text);
-    if (rc) man_free(m); /* --resume auto reads every damaged checkpoint it skips */
-    return rc;
-}
-
-/* Open piece e's file and check that it holds the piece and that the piece
- * can hold e->bytes (zstd's densest ratio): what the manifest says is then
- * safe to allocate. Returns the descriptor, or -1 with err. */
-static int piece_open(const Manifest *m, const MEntry *e, char *err, size_t cap) {
-    char path[1400];
-    snprintf(path, sizeof path, "%s/%s", m->dir, e->file);
-    uint64_t size;
-    int fd = kiln_open_read(path, 0, &size);
-    if (fd < 0) return rerr(err, cap, "%s: cannot open: %s", path, kiln_strerror(errno));
-    if (e->offset + e->stored > size) { /* no overflow: parse_entry bounds both */
-        close(fd);
-        return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64 ", file ends at %" PRIu64,
-                    path, e->name, e->offset, e->offset + e->stored, size);
-    }
-    if (e->zstd && e->bytes / CKPT_ZSTD_MAX_RATIO > e->stored) {
-        close(fd);
-        return rerr(err, cap, "%s: entry '%s': %" PRIu64 " bytes cannot decompress from %" PRIu64 " stored (the manifest "
-                    "is wrong)", path, e->name, e->bytes, e->stored);
-    }
-    return fd;
-}
-
-/* The sizes of piece e, checked against its file (piece_open): before
- * allocating e->bytes. 0, or -1 with err. */
-static int piece_check(const Manifest *m, const MEntry *e, char *err, size_t cap) {
-    int fd = piece_open(m, e, err, cap);
-    if (fd < 0) return -1;
-    close(fd);
-    return 0;
-}
-
-/* Read piece e into out (e->bytes), verifying its checksum. */
-static int piece_read(const Manifest *m, const MEntry *e, void *out, char *err, size_t cap) {
-    char path[1400];
-    snprintf(path, sizeof path, "%s/%s", m->dir, e->file);
-    int fd = piece_open(m, e, err, cap);
-    if (fd < 0) return -1;
-    unsigned char *buf = e->zstd ? xmalloc(e->stored ? e->stored : 1) : out;
-    uint64_t got = 0;
-    while (got < e->stored) {
-        ssize_t r = pread(fd, buf + got, e->stored - got, (off_t)(e->offset + got));
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) break;
-        got += (uint64_t)r;
-    }
-    close(fd);
-    if (got < e->stored) {
-        if (e->zstd) free(buf);
-        return rerr(err, cap, "%s: truncated: entry '%s' needs bytes %" PRIu64 "..%" PRIu64 ", file ends at %" PRIu64,
-                    path, e->name, e->offset, e->offset + e->stored, e->offset + got);
-    }
-    if (e->zstd) {
-        size_t n = ZSTD_decompress(out, e->bytes, buf, e->stored);
-        free(buf);
-        if (ZSTD_isError(n) || n != e->bytes)
-            return rerr(err, cap, "%s: entry '%s': corrupt zstd data (%s)", path, e->name,
-                        ZSTD_isError(n) ? ZSTD_getErrorName(n) : "wrong size");
-    }
-    uint32_t crc = ckpt_crc32c(0, out, e->bytes);
-    if (crc != e->crc)
-        return rerr(err, cap, "%s: entry '%s': checksum mismatch (crc32c %08x in the manifest, %08x read)", path,
-                    e->name, e->crc, crc);
-    return 0;
-}
-
-static void shape_text(int ndim, const int64_t *shape, char *buf, size_t cap) {
-    size_t n = (size_t)snprintf(buf, cap, "[");
-    for (int d = 0; d < ndim && n < cap; d++) n += (size_t)snprintf(buf + n, cap - n, "%s%" PRId64, d ? "," : "", shape[d]);
-    if (n < cap) snprintf(buf + n, cap - n, "]");
-}
-
-/* A range [lo, hi) of a box of a rows x cols tensor (see CkptEntry). */
-typedef struct BoxRange {
-    uint64_t r0, r1, c0, c1, lo, hi;
-} BoxRange;
-
-static BoxRange entry_range(const CkptEntry *e) {
-    uint64_t rows, cols;
-    tensor_rc(e->ndim, e->shape, &rows, &cols);
-    if (!e->r1) return (BoxRange){0, rows, 0, cols, e->lo, e->hi};
-    return (BoxRange){e->r0, e->r1, e->c0, e->c1, e->lo, e->hi};
-}
-
-static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
-static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-/* The elements that range e (to fill, at dst) and saved range p (at src)
- * share, of a tensor with `cols` columns: counted, and copied when dst is
- * set (es bytes each). Full-width boxes are flat ranges of the tensor: one
- * copy; others meet row by row. */
-static uint64_t range_meet(const BoxRange *e, const BoxRange *p, uint64_t cols, unsigned char *dst,
-                           const unsigned char *src, size_t es) {
-    if (e->c0 == 0 && e->c1 == cols && p->c0 == 0 && p->c1 == cols) {
-        uint64_t e0 = e->r0 * cols + e->lo, e1 = e->r0 * cols + e->hi, p0 = p->r0 * cols + p->lo,
-                 p1 = p->r0 * cols + p->hi;
-        uint64_t a = e0 > p0 ? e0 : p0, b = e1 < p1 ? e1 : p1;
-        if (a >= b) return 0;
-        if (dst) memcpy(dst + (a - e0) * es, src + (a - p0) * es, (size_t)(b - a) * es);
-        return b - a;
-    }
-    int64_t ew = (int64_t)(e->c1 - e->c0), pw = (int64_t)(p->c1 - p->c0), n = 0;
-    int64_t r0 = max64((int64_t)e->r0, (int64_t)p->r0), r1 = min64((int64_t)e->r1, (int64_t)p->r1);
-    for (int64_t r = r0; r < r1; r++) {
-        int64_t eb = (r - (int64_t)e->r0) * ew - (int64_t)e->c0, pb = (r - (int64_t)p->r0) * pw - (int64_t)p->c0;
-        /* column c is element eb + c of e's range and pb + c of p's */
-        int64_t c0 = max64(max64((int64_t)e->c0, (int64_t)p->c0), max64((int64_t)e->lo - eb, (int64_t)p->lo - pb));
-        int64_t c1 = min64(min64((int64_t)e->c1, (int64_t)p->c1), min64((int64_t)e->hi - eb, (int64_t)p->hi - pb));
-        if (c0 >= c1) continue;
-        if (dst)
-            memcpy(dst + (size_t)(eb + c0 - (int64_t)e->lo) * es, src + (size_t)(pb + c0 - (int64_t)p->lo) * es,
-                   (size_t)(c1 - c0) * es);
-        n += c1 - c0;
-    }
-    return (uint64_t)n;
-}
-
-int ckpt_load(const char *dir, const CkptTable *t, CkptInfo *info, char *err, size_t cap) {
-    Manifest m;
-    if (man_read(dir, &m, err, cap) != 0) return -1;
-    if (info) *info = m.info;
-    int rc = -1;
-    unsigned char *piece = NULL, *host = NULL;
-    size_t piece_cap = 0, host_cap = 0;
-    for (int i = 0; i < t->n; i++) {
-        const CkptEntry *e = &t->e[i];
-        size_t es = dtype_sizes[e->dtype], need = ckpt_entry_bytes(e);
-        /* assemble [lo, hi) on the host from every overlapping saved piece */
-        unsigned char *dst;
-        if (e->to_device) {
-            if (need > host_cap) host_cap = need, host = xrealloc(host, host_cap ? host_cap : 1);
-            dst = host;
-        } else {
-            dst = e->ptr;
-        }
-        uint64_t covered = 0;
-        int found = 0;
-        for (int j = 0; j < m.n; j++) {
-            const MEntry *p = &m.e[j];
-            if (strcmp(p->name, e->name)) continue;
-            found = 1;
-            char a[128], b[128];
-            shape_text(p->ndim, p->shape, a, sizeof a);
-            shape_text(e->ndim, e->shape, b, sizeof b);
-            if (p->dtype != (int)e->dtype || strcmp(a, b)) {
-                rerr(err, cap, "%s: entry '%s' is %s %s in the checkpoint but %s %s in this run", dir, e->name,
-                     dtype_names[p->dtype], a, dtype_names[e->dtype], b);
-                goto out;
-            }
-            /* a blob is written once (per-rank state has per-rank names): the
-             * first piece of the name is it */
-            if (e->kind == CKPT_BLOB && covered > 0) continue;
-            BoxRange er = entry_range(e), pr = {p->r0, p->r1, p->c0, p->c1, p->lo, p->hi};
-            uint64_t rows, cols;
-            tensor_rc(e->ndim, e->shape, &rows, &cols);
-            uint64_t n = range_meet(&er, &pr, cols, NULL, NULL, es);
-            if (n == 0 && !(e->lo == e->hi && p->lo == p->hi)) continue;
-            if (p->bytes > piece_cap) piece_cap = p->bytes, piece = xrealloc(piece, piece_cap);
-            if (piece_read(&m, p, piece ? piece : (unsigned char *)"", err, cap) != 0) goto out;
-            if (n) range_meet(&er, &pr, cols, dst, piece, es);
-            covered += n;
-        }
-        if (!found) {
-            rerr(err, cap, "%s: no entry '%s' in the checkpoint", dir, e->name);
-            goto out;
-        }
-        if (covered != e->hi - e->lo) {
-            rerr(err, cap, "%s: entry '%s': the saved pieces cover %" PRIu64 " of the %" PRIu64 " elements needed", dir,
-                 e->name, covered, e->hi - e->lo);
-            goto out;
-        }
-        if (e->to_device) e->to_device(e->ptr, host, need);
-    }
-    rc = 0;
-out:
-    free(piece);
-    free(host);
-    man_free(&m);
-    return rc;
-}
-
-int ckpt_verify(const char *dir, CkptInfo *info, char *err, size_t cap) {
-    Manifest m;
-    if (man_read(dir, &m, err, cap) != 0) return -1;
-    if (info) *info = m.info;
-    int rc = 0;
-    for (int j = 0; j < m.n && rc == 0; j++) {
-        if ((rc = piece_check(&m, &m.e[j], err, cap)) != 0) break;
-        unsigned char *buf = xmalloc(m.e[j].bytes ? m.e[j].bytes : 1);
-        rc = piece_read(&m, &m.e[j], buf, err, cap);
-        free(buf);
-    }
-    man_free(&m);
-    return rc;
-}
-
-void *ckpt_read_blob(const char *dir, const char *name, size_t *len, char *err, size_t cap) {
-    Manifest m;
-    err[0] = 0;
-    if (man_read(dir, &m, err, cap) != 0) return NULL;
-    void *out = NULL;
-    for (int j = 0; j < m.n; j++) {
-        if (strcmp(m.e[j].name, name)) continue;
-        if (m.e[j].kind != CKPT_BLOB || m.e[j].bytes > CKPT_BLOB_MAX) {
-            rerr(err, cap, "%s: entry '%s' is not a blob of at most %" PRIu64 " bytes (the manifest says %s of %" PRIu64
-                 ")", dir, name, CKPT_BLOB_MAX, m.e[j].kind == CKPT_BLOB ? "a blob" : "a tensor", m.e[j].bytes);
-            break;
-        }
-        if (piece_check(&m, &m.e[j], err, cap) != 0) break;
-        out = xmalloc(m.e[j].bytes + 1);
-        if (piece_read(&m, &m.e[j], out, err, cap) != 0) {
-            free(out);
-            out = NULL;
-        } else {
-            ((char *)out)[m.e[j].bytes] = 0; /* text blobs read as strings */
-            if (len) *len = m.e[j].bytes;
-        }
-        break;
-    }
-    if (!out && !err[0]) rerr(err, cap, "%s: no entry '%s' in the checkpoint", dir, name);
-    man_free(&m);
-    return out;
-}
-
-int ckpt_is_checkpoint(const char *dir) {
-    char path[1400];
-    snprintf(path, sizeof path, "%s/%s", dir, CKPT_MANIFEST);
-    return access(path, F_OK) == 0;
-}
-
-/* ---------- ./train ckpt-info ---------- */
-
-int ckpt_info_main(int argc, char **argv) {
-    if (argc != 2) kiln_fail(KILN_EXIT_USAGE, "usage: ./train ckpt-info CHECKPOINT_DIR");
-    const char *dir = argv[1];
-    char err[2048] = "";
-    Manifest m;
-    if (man_read(dir, &m, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
-    printf("checkpoint %s\n", dir);
-    printf("format %d | step %" PRId64 " | config_hash %016" PRIx64 " | kiln %s (commit %s)\n", m.info.format,
-           m.info.step, m.info.config_hash, m.info.version, m.info.commit);
-    printf("mesh world=%d dp=%d tp=%d pp=%d cp=%d ep=%d\n", m.info.mesh.world, m.info.mesh.dp, m.info.mesh.tp,
-           m.info.mesh.pp, m.info.mesh.cp, m.info.mesh.ep);
-    uint64_t raw = 0, stored = 0;
-    uint32_t state = 0, params = 0;
-    int bad = 0;
-    char first[1024] = ""; /* the first failure, for the one error line */
-    for (int j = 0; j < m.n; j++) {
-        const MEntry *e = &m.e[j];
-        char s[128];
-        shape_text(e->ndim, e->shape, s, sizeof s);
-        char perr[1024] = "";
-        int ok = piece_check(&m, e, perr, sizeof perr) == 0;
-        if (ok) {
-            unsigned char *buf = xmalloc(e->bytes ? e->bytes : 1);
-            ok = piece_read(&m, e, buf, perr, sizeof perr) == 0;
-            free(buf);
-        }
-        printf("  %-6s %-40s %-4s %-14s range %" PRIu64 ":%" PRIu64 " rank %d %10" PRIu64 " B  crc32c %08x %s%s\n",
-               e->kind == CKPT_TENSOR ? "tensor" : "blob", e->name, dtype_names[e->dtype], s, e->lo, e->hi, e->rank,
-               e->bytes, e->crc, ok ? "ok" : "BAD: ", ok ? "" : perr);
-        if (!ok && !bad++) kiln_strlcpy(first, perr, sizeof first);
-        raw += e->bytes, stored += e->stored;
-        if (e->kind == CKPT_TENSOR) {
-            state = ckpt_crc32c(state, &e->crc, 4);
-            if (strncmp(e->name, "optim.", 6)) params = ckpt_crc32c(params, &e->crc, 4);
-        }
-    }
-    printf("entries %d | %" PRIu64 " bytes, %" PRIu64 " stored\n", m.n, raw, stored);
-    printf("params checksum %08x | state checksum %08x\n", params, state);
-    man_free(&m);
-    if (bad)
-        kiln_fail(KILN_EXIT_USAGE, "%s: %d entr%s failed verification, the first: %s", dir, bad, bad == 1 ? "y" : "ies",
-                  first);
-    printf("verified\n");
-    return KILN_EXIT_OK;
-}
-
-/* ---------- ./train ckpt-diff ---------- */
-
-/* Every f32 tensor of checkpoint A, whole, from A and from B (each assembled
- * from whatever pieces and ranks wrote it): the largest absolute difference
- * per tensor, then over the parameters and over the optimizer state. Exit 0
- * when both load; with --tol X, exit 1 if a parameter differs by more. */
-int ckpt_diff_main(int argc, char **argv) {
-    const char *a = NULL, *b = NULL;
-    double tol = -1;
-    int quiet = 0;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--tol") && i + 1 < argc) tol = atof(argv[++i]);
-        else if (!strcmp(argv[i], "--quiet")) quiet = 1;
-        else if (!a) a = argv[i];
-        else if (!b) b = argv[i];
-        else a = NULL, i = argc;
-    }
-    if (!a || !b) kiln_fail(KILN_EXIT_USAGE, "usage: ./train ckpt-diff CKPT_A CKPT_B [--tol X] [--quiet]");
-    char err[2048] = "";
-    Manifest m;
-    if (man_read(a, &m, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
-    CkptTable ta, tb;
-    ckpt_table_init(&ta);
-    ckpt_table_init(&tb);
-    for (int j = 0; j < m.n; j++) {
-        const MEntry *e = &m.e[j];
-        if (e->kind != CKPT_TENSOR || e->dtype != CKPT_F32) continue;
-        int seen = 0;
-        for (int k = 0; k < ta.n && !seen; k++) seen = !strcmp(ta.e[k].name, e->name);
-        if (seen) continue;
-        /* whole tensors of A's shapes: the pieces A holds of each must add
-         * up to it (their sizes checked against A's files) before the
-         * shape is believed and allocated, twice */
-        uint64_t numel = 0, have = 0;
-        shape_numel(e->ndim, e->shape, 4, &numel); /* checked by parse_entry */
-        for (int k = 0; k < m.n; k++) {
-            const MEntry *q = &m.e[k];
-            if (strcmp(q->name, e->name)) continue;
-            if (piece_check(&m, q, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
-            if (__builtin_add_overflow(have, q->hi - q->lo, &have)) have = UINT64_MAX;
-        }
-        if (have < numel)
-            kiln_fail(KILN_EXIT_USAGE, "%s: entry '%s': its pieces hold %" PRIu64 " of the %" PRIu64 " elements of its "
-                      "shape", a, e->name, have, numel);
-        ckpt_add_tensor(&ta, e->name, CKPT_F32, e->ndim, e->shape, 0, numel, xcalloc(numel + 1, 4), NULL, NULL);
-        ckpt_add_tensor(&tb, e->name, CKPT_F32, e->ndim, e->shape, 0, numel, xcalloc(numel + 1, 4), NULL, NULL);
-    }
-    man_free(&m);
-    if (ckpt_load(a, &ta, NULL, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
-    if (ckpt_load(b, &tb, NULL, err, sizeof err) != 0) kiln_fail(KILN_EXIT_USAGE, "%s", err);
-    double pmax = 0, omax = 0;
-    const char *pworst = "-";
-    for (int k = 0; k < ta.n; k++) {
-        const float *x = ta.e[k].ptr, *y = tb.e[k].ptr;
-        double mx = 0;
-        for (uint64_t i = 0; i < ta.e[k].hi; i++) {
-            double dd = fabs((double)x[i] - (double)y[i]);
-            if (!(dd <= mx)) mx = dd; /* NaN wins */
-        }
-        if (!quiet) printf("  %-40s max abs diff %.3g\n", ta.e[k].name, mx);
-        int opt = !strncmp(ta.e[k].name, "optim.", 6);
-        if (opt && !(mx <= omax)) omax = mx;
-        if (!opt && !(mx <= pmax)) pmax = mx, pworst = ta.e[k].name;
-    }
-    printf("params max abs diff %.3g (%s) | optimizer state max abs diff %.3g\n", pmax, pworst, omax);
-    int bad = tol >= 0 && !(pmax <= tol);
-    for (int k = 0; k < ta.n; k++) free(ta.e[k].ptr), free(tb.e[k].ptr);
-    ckpt_table_free(&ta);
-    ckpt_table_free(&tb);
-    return bad ? KILN_EXIT_RUNTIME : KILN_EXIT_OK;
 }

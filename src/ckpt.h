@@ -12,6 +12,7 @@
 #define CKPT_FORMAT_VERSION 1
 #define CKPT_MAX_DIM 4
 #define CKPT_NAME 96
+#define CKPT_MANIFEST_NAME "manifest" /* in every checkpoint directory */
 
 typedef enum { CKPT_TENSOR, CKPT_BLOB } CkptKind;
 typedef enum { CKPT_F32, CKPT_F64, CKPT_I64, CKPT_U64, CKPT_U8 } CkptDtype;
@@ -19,7 +20,8 @@ typedef enum { CKPT_F32, CKPT_F64, CKPT_I64, CKPT_U64, CKPT_U8 } CkptDtype;
 /* Copies between the entry's memory and the host (backend to_host/to_device);
  * NULL = the pointer is host memory. bytes counts the checkpoint's side (the
  * dtype's size per element). A copy may convert (mem_size below): to_device's
- * src is then ckpt's own scratch buffer, which it may overwrite. */
+ * src is then ckpt's own scratch buffer, which it may overwrite. to_host's
+ * dst lies in the file's bytes and need not be aligned to an element. */
 typedef void (*CkptCopyFn)(void *dst, const void *src, size_t bytes);
 
 typedef struct CkptEntry {
@@ -63,6 +65,8 @@ typedef struct CkptOptions {
     int keep_every;   /* milestones: step % keep_every == 0 never deleted; 0 = none */
     int async;        /* stage into a host buffer, write from a thread */
     int compress;     /* zstd level, 0 = none */
+    int threads;      /* zstd workers per entry's frame; 0 or 1 = the writer's own thread
+                         (O_DIRECT or not: ckpt_set_direct_io, ckpt_io.h) */
     /* Several ranks writing one checkpoint (meta->mesh.world > 1):
      * agree(ctx, failed) is a collective over every rank that returns nonzero
      * if any rank passed failed != 0. ckpt stays free of comm; state.c passes
@@ -89,6 +93,10 @@ void ckpt_entry_set_box(CkptEntry *e, uint64_t r0, uint64_t r1, uint64_t c0, uin
 CkptEntry *ckpt_add_blob(CkptTable *t, const char *name, CkptDtype dtype, size_t count, int scalar, void *ptr);
 size_t ckpt_entry_bytes(const CkptEntry *e);
 size_t ckpt_dtype_size(CkptDtype d);
+const char *ckpt_dtype_name(CkptDtype d); /* "f32", ... as the manifest writes it */
+/* Rows and columns of a tensor viewed as (shape[0], the rest), the frame of
+ * boxes; a scalar is 1 x 1. */
+void ckpt_tensor_rc(int ndim, const int64_t *shape, uint64_t *rows, uint64_t *cols);
 
 /* ---- writing ---- */
 typedef struct CkptWriter CkptWriter;
@@ -110,6 +118,17 @@ int ckpt_pending(const CkptWriter *w);
 /* 1 from an async save until the ckpt_wait that ends it. */
 int ckpt_in_flight(const CkptWriter *w);
 const char *ckpt_writer_error(const CkptWriter *w);
+/* The last save that completed on this rank: what it wrote and how long
+ * that took. Read it after ckpt_save (sync) or ckpt_wait (async). */
+typedef struct CkptStats {
+    int64_t step;     /* -1: none yet */
+    double write_s;   /* this rank's file, written and fsynced, and the checkpoint completed
+                         (merge, rename, `latest`: rank 0); the staging copy is not in it */
+    uint64_t bytes;   /* this rank's entries, uncompressed */
+    uint64_t stored;  /* the rank file's size */
+    int direct;       /* written with O_DIRECT */
+} CkptStats;
+CkptStats ckpt_writer_stats(const CkptWriter *w);
 /* Wait, then free. */
 void ckpt_writer_free(CkptWriter *w);
 

@@ -274,6 +274,9 @@ static const CfgKey cfg_keys[] = {
     KBOOL("checkpoint.async", ckpt_async, "true",
           "copy the state into a host buffer (allocated once) and write it from a background thread; at most one write in flight"),
     KINT("checkpoint.compress", ckpt_compress, "0", 0, 19, "zstd level of the tensor data; 0 = uncompressed"),
+    KBOOL("checkpoint.direct_io", ckpt_direct_io, "true",
+          "read and write checkpoint files with O_DIRECT where the file system takes it (large aligned chunks, "
+          "kept out of the page cache); false: through the page cache"),
     KBOOL("checkpoint.final", ckpt_final, "true", "write a checkpoint after the last step"),
     KFLT("checkpoint.before_time_limit", ckpt_before_limit, "0", 0, 1e7,
          "under Slurm: save and exit 75 this many seconds before the job's end time; 0 = off"),

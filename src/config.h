@@ -123,6 +123,7 @@ typedef struct Config {
     int ckpt_every, ckpt_keep_last, ckpt_keep_every; /* 0 = off / keep all / none */
     int ckpt_async, ckpt_final;                      /* bools */
     int ckpt_compress;                               /* zstd level, 0 = off */
+    int ckpt_direct_io;                              /* bool: O_DIRECT for checkpoint files */
     float ckpt_before_limit;                         /* seconds before the Slurm end time; 0 = off */
     char ckpt_dir[CFG_STR];                          /* "" = <run.dir>/checkpoints */
 

@@ -1249,14 +1249,21 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         if (s->ep) json_ep(f, s->ep);
         if (st) json_ranks(f, m, st);
         if (s->data) json_data(f, s->data);
+        if (s->ckpt) {
+            fprintf(f, ",\"ckpt_step\":%lld", (long long)s->ckpt->step);
+            json_num(f, "ckpt_pause_s", s->ckpt->pause_s);
+            json_num(f, "ckpt_write_s", s->ckpt->write_s);
+            json_num(f, "ckpt_gb", s->ckpt->gb);
+        }
+        if (s->resume_s > 0) json_num(f, "resume_s", s->resume_s);
         fputs("}\n", f);
         fflush(f);
     }
     if (st && m->ranks) ranks_line(m, s->step, st);
     if (m->mlflow) mlflow_step(m, s, tok_s, mfu, rss, st);
     if (m->tb) {
-        const char *tags[12];
-        float vals[12];
+        const char *tags[16];
+        float vals[16];
         int n = 0;
 #define TB(t, v) \
     if (isfinite(v)) tags[n] = t, vals[n++] = (float)(v)
@@ -1272,6 +1279,9 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         TB("train/nonfinite_skipped", (double)m->skipped);
         if (s->ep) TB("ep/imbalance", s->ep->imbalance);
         if (s->pp_bubble_theory > 0) TB("perf/pp_bubble", s->pp_bubble);
+        if (s->ckpt) TB("perf/ckpt_pause_s", s->ckpt->pause_s);
+        if (s->ckpt) TB("perf/ckpt_write_s", s->ckpt->write_s);
+        if (s->resume_s > 0) TB("perf/resume_s", s->resume_s);
 #undef TB
         uint8_t buf[1024];
         size_t len = metrics_tb_encode(buf, sizeof buf, wall_now(), s->step, NULL, n, tags, vals);

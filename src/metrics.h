@@ -55,6 +55,8 @@ typedef struct MetricsStep {
      * for a neighbour over their step time, and the schedule's own bubble */
     double pp_bubble, pp_bubble_theory;
     const struct MetricsEp *ep;     /* expert parallelism's figures; NULL: ep 1 */
+    const struct MetricsCkpt *ckpt; /* a checkpoint whose write completed since the last line; NULL: none */
+    double resume_s;     /* the first step of a resumed run: seconds from process start to its start; 0 otherwise */
 } MetricsStep;
 
 /* Expert parallelism (parallel.ep > 1), the step's exchanges of routed token
@@ -67,6 +69,14 @@ typedef struct MetricsEp {
     const double *sent, *recv, *rows; /* (world) */
     double imbalance;
 } MetricsEp;
+
+/* A checkpoint, once its write is done: this rank's figures. */
+typedef struct MetricsCkpt {
+    int64_t step;   /* the step it holds */
+    double pause_s; /* the step loop's pause for it (async: the staging copy, after any wait for the write before) */
+    double write_s; /* its write: this rank's file on disk and the checkpoint complete */
+    double gb;      /* bytes of this rank's file, 1e9 */
+} MetricsCkpt;
 
 /* A step's data: the wait for batches, tokens drawn from each source of
  * data.train so far, and each named validation set's loss. */

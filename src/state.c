@@ -5,24 +5,27 @@
  * "data.train.pos", "data.train.state", "rng.train" (rank 0; rank r > 0: "rng.train/rank<r>"),
  * "config.yaml". docs/formats.md.
  *
- * Several ranks: replicated state (parameters, blobs; optimizer state without
- * ZeRO) is written by rank 0 only; a ZeRO-sharded optimizer state is written
- * by every rank for the arena range it owns, cut at tensor boundaries into
- * per-tensor ranges (ZeRO-2/3: its block of every unit, for the fp32
- * parameters too). On resume every rank asks for the ranges it needs, so the
- * checkpoint loads on any number of ranks and any ZeRO stage. */
+ * Several ranks: each dp rank writes its own share of the parameters and
+ * the optimizer state, cut at tensor boundaries into per-tensor ranges: the
+ * arena range its ZeRO-1 optimizer owns, one dp-th of it without ZeRO, its
+ * block of every unit under ZeRO-2/3 (expert parallelism: see state_open);
+ * the blobs come from rank 0. On resume every rank asks for the ranges it
+ * needs, so the checkpoint loads on any number of ranks and any ZeRO stage. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include "state.h"
 
 #include <limits.h>
+#include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "adafactor.h"
+#include "ckpt_io.h"
 #include "ddp.h"
 #include "hf.h"
 #include "metrics.h"
@@ -55,13 +58,18 @@ static void add_piece(CkptTable *t, const Model *m, int i, const char *name, voi
     }
 }
 
+/* The copies of fp32 entries: none where the backend's memory is the host's
+ * (the CPU backend), so ckpt reads and fills it in place. */
+static CkptCopyFn copy_to_host(const Backend *be) { return be->host_mem ? NULL : be->to_host; }
+static CkptCopyFn copy_to_device(const Backend *be) { return be->host_mem ? NULL : be->to_device; }
+
 static void add_params(CkptTable *t, Model *m, float *base, const char *prefix) {
     const Backend *be = m->be;
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
         char name[CKPT_NAME];
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
-        add_piece(t, m, i, name, base + p->offset, 4, 0, p->numel, be->to_host, be->to_device);
+        add_piece(t, m, i, name, base + p->offset, 4, 0, p->numel, copy_to_host(be), copy_to_device(be));
     }
 }
 
@@ -100,8 +108,8 @@ static void bf16_to_device(void *dst, const void *src, size_t bytes) {
 static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo, size_t hi, const char *prefix,
                       const AdamW *skip) {
     const Backend *be = m->be;
-    CkptCopyFn to_host = esz == 2 ? bf16_to_host : be->to_host;
-    CkptCopyFn to_device = esz == 2 ? bf16_to_device : be->to_device;
+    CkptCopyFn to_host = esz == 2 ? bf16_to_host : copy_to_host(be);
+    CkptCopyFn to_device = esz == 2 ? bf16_to_device : copy_to_device(be);
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
         if (skip && skip->kind == OPTIM_MUON && optim_muon_covers(skip, p->offset)) continue;
@@ -114,23 +122,19 @@ static void add_range(CkptTable *t, Model *m, void *base, size_t esz, size_t lo,
     }
 }
 
-/* The whole parameters: the fp32 master, or with precision.master bf16 the
- * bf16 parameters as fp32 entries (the same names, shapes and format). */
-static void add_model_params(CkptTable *t, Model *m) {
-    if (m->master_bf16) add_range(t, m, m->param16, 2, 0, m->num_params, "", NULL);
-    else add_params(t, m, m->param_mem, "");
+/* The parameters of arena range [lo, hi): the fp32 master, or with
+ * precision.master bf16 the bf16 parameters as fp32 entries (the same names,
+ * shapes and format). */
+static void add_model_params(CkptTable *t, Model *m, size_t lo, size_t hi) {
+    if (m->master_bf16) add_range(t, m, (char *)m->param16 + lo * 2, 2, lo, hi, "", NULL);
+    else add_range(t, m, m->param_mem + lo, 4, lo, hi, "", NULL);
 }
 
-/* What a rank writes of an arena-wide buffer (the parameters, ZeRO-0's
- * moments) at base, esz bytes an element: under expert parallelism the
- * arena's [0, expert_len) are this rank's experts (when `experts`), the rest
- * the tensors every dp rank holds alike (when `dense`); without it all of it
- * is dense. skip: as add_range's. */
-static void add_arena(CkptTable *t, Model *m, void *base, size_t esz, int dense, int experts, const char *prefix,
-                      const AdamW *skip) {
-    size_t x = m->expert_len;
-    if (experts && x) add_range(t, m, base, esz, 0, x, prefix, skip);
-    if (dense) add_range(t, m, (char *)base + x * esz, esz, x, m->num_params, prefix, skip);
+/* Rank r's share of k of arena range [a, b): what each of k ranks holding
+ * the range alike writes of it. */
+static void state_share(size_t a, size_t b, int k, int r, size_t *lo, size_t *hi) {
+    size_t n = b - a;
+    *lo = a + n * (size_t)r / (size_t)k, *hi = a + n * (size_t)(r + 1) / (size_t)k;
 }
 
 /* Muon: the momentum of the matrices this rank owns (every layout: the
@@ -145,14 +149,14 @@ static void add_muon(CkptTable *t, Model *m, const AdamW *o) {
         char name[CKPT_NAME];
         snprintf(name, sizeof name, "optim.m/%s", p->name);
         if (p->split.dim >= 0 || n == p->numel) {
-            add_piece(t, m, x->tensor, name, o->mm + x->mom, 4, x->toff, x->toff + n, m->be->to_host,
-                      m->be->to_device);
+            add_piece(t, m, x->tensor, name, o->mm + x->mom, 4, x->toff, x->toff + n, copy_to_host(m->be),
+                      copy_to_device(m->be));
             continue;
         }
         /* a third of a replicated fused q|k|v: its rows, a box (one flat range per name and rank) */
         int64_t shape[2] = {p->gshape[0], p->gshape[1]};
-        CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, 2, shape, 0, n, o->mm + x->mom, m->be->to_host,
-                                       m->be->to_device);
+        CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, 2, shape, 0, n, o->mm + x->mom, copy_to_host(m->be),
+                                       copy_to_device(m->be));
         size_t r0 = x->toff / (size_t)x->cols;
         ckpt_entry_set_box(e, r0, r0 + (size_t)x->rows, 0, (size_t)x->cols);
     }
@@ -182,13 +186,14 @@ static void add_adafactor(CkptTable *t, Model *m, const Adafactor *a, int save, 
         char name[CKPT_NAME];
         snprintf(name, sizeof name, "%s%s", s.prefix, m->params[s.tensor].name);
         if (!s.vector) {
-            add_piece(t, m, s.tensor, name, s.ptr, 4, s.toff, s.toff + s.len, m->be->to_host, m->be->to_device);
+            add_piece(t, m, s.tensor, name, s.ptr, 4, s.toff, s.toff + s.len, copy_to_host(m->be),
+                      copy_to_device(m->be));
             continue;
         }
         int64_t shape[1] = {(int64_t)s.glen};
         for (int j = 0; j < s.nbox; j++) {
-            CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, 1, shape, 0, s.n[j], s.ptr + s.at[j], m->be->to_host,
-                                           m->be->to_device);
+            CkptEntry *e = ckpt_add_tensor(t, name, CKPT_F32, 1, shape, 0, s.n[j], s.ptr + s.at[j],
+                                           copy_to_host(m->be), copy_to_device(m->be));
             if (s.part) ckpt_entry_set_box(e, s.g0[j], s.g0[j] + s.n[j], 0, 1);
         }
     }
@@ -196,7 +201,7 @@ static void add_adafactor(CkptTable *t, Model *m, const Adafactor *a, int save, 
 
 void state_table_add(CkptTable *t, Model *m, AdamW *o) {
     state_be = m->be;
-    add_model_params(t, m);
+    add_model_params(t, m, 0, m->num_params);
     if (!o) return;
     add_optim(t, m, o);
 }
@@ -348,6 +353,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
                Model *m, AdamW *o, DataLoader *train) {
     memset(s, 0, sizeof *s);
     s->c = c, s->m = m, s->o = o, s->train = train, s->commit = commit;
+    s->save_step = s->done_step = -1;
     state_be = o->be;
     s->mesh = *mesh;
     if (s->mesh.world <= 1) s->mesh.g = NULL;
@@ -373,7 +379,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         add_muon(t, m, o);
     } else if (s->mesh.pieces) {
         /* ZeRO-1 under expert parallelism: the moments by piece */
-        add_model_params(t, m);
+        add_model_params(t, m, 0, m->num_params);
         if (o->m) add_unit_blocks(t, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/", o);
         if (o->v) add_unit_blocks(t, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/", o);
         add_muon(t, m, o);
@@ -399,20 +405,30 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         if (o->m) add_unit_blocks(w, m, us, o->m, o->state_bytes, "optim.m/", o);
         if (o->v) add_unit_blocks(w, m, us, o->v, o->state_bytes, "optim.v/", o);
     } else {
-        /* replicated over dp: dp rank 0's; an expert-parallel rank's experts:
-         * the EDP rank 0 of their holders' */
-        int dense = s->mesh.dp_rank == 0, experts = s->mesh.edp_rank == 0;
-        void *params = m->master_bf16 ? (void *)m->param16 : (void *)m->param_mem;
-        add_arena(w, m, params, m->master_bf16 ? 2 : 4, dense, experts, "", NULL);
+        /* ZeRO 0 and 1: what the dp group holds alike is written a share
+         * by each of its ranks, in parallel: the arena range its ZeRO-1
+         * optimizer owns, or one dp-th. Under expert parallelism the arena's
+         * [0, expert_len) are this rank's experts, alike only over its EDP
+         * group (dp / ep ranks): those are shared among that group. */
+        size_t n = m->num_params, x = m->expert_len, lo, hi, elo, ehi;
+        int dp = s->mesh.dp > 0 ? s->mesh.dp : 1, ep = s->mesh.ep > 0 ? s->mesh.ep : 1;
+        if (opt_sharded && !s->mesh.pieces) lo = o->lo, hi = o->hi; /* x is 0: ep has pieces */
+        else state_share(x, n, dp, s->mesh.dp_rank, &lo, &hi);
+        state_share(0, x, dp / ep, s->mesh.edp_rank, &elo, &ehi);
+        size_t pes = m->master_bf16 ? 2 : 4, es = o->state_bytes;
+        char *params = m->master_bf16 ? (char *)m->param16 : (char *)m->param_mem;
+        if (ehi > elo) add_range(w, m, params + elo * pes, pes, elo, ehi, "", NULL);
+        add_range(w, m, params + lo * pes, pes, lo, hi, "", NULL);
         if (s->mesh.pieces) {
+            /* ZeRO-1 under expert parallelism: each rank's moments by piece */
             if (o->m) add_unit_blocks(w, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/", o);
             if (o->v) add_unit_blocks(w, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/", o);
-        } else if (opt_sharded) {
-            if (o->m) add_range(w, m, o->m, o->state_bytes, o->lo, o->hi, "optim.m/", o);
-            if (o->v) add_range(w, m, o->v, o->state_bytes, o->lo, o->hi, "optim.v/", o);
         } else {
-            if (o->m) add_arena(w, m, o->m, o->state_bytes, dense, experts, "optim.m/", o);
-            if (o->v) add_arena(w, m, o->v, o->state_bytes, dense, experts, "optim.v/", o);
+            /* ZeRO-1's own range, or ZeRO 0's whole moments (o->lo 0) in the parameters' shares */
+            if (ehi > elo && o->m) add_range(w, m, (char *)o->m + (elo - o->lo) * es, es, elo, ehi, "optim.m/", o);
+            if (ehi > elo && o->v) add_range(w, m, (char *)o->v + (elo - o->lo) * es, es, elo, ehi, "optim.v/", o);
+            if (o->m) add_range(w, m, (char *)o->m + (lo - o->lo) * es, es, lo, hi, "optim.m/", o);
+            if (o->v) add_range(w, m, (char *)o->v + (lo - o->lo) * es, es, lo, hi, "optim.v/", o);
         }
     }
     add_muon(w, m, o); /* every owner its own, in every layout */
@@ -438,7 +454,9 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     op->keep_last = c->ckpt_keep_last;
     op->keep_every = c->ckpt_keep_every;
     op->async = c->ckpt_async;
+    ckpt_set_direct_io(c->ckpt_direct_io); /* before the loads and the writer */
     op->compress = c->ckpt_compress;
+    op->threads = c->threads > 0 ? c->threads : (int)sysconf(_SC_NPROCESSORS_ONLN); /* zstd workers */
     op->agree = multi ? state_agree : NULL;
     op->agree_ctx = s->mesh.g;
 
@@ -459,9 +477,12 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         int flags = 0;
         ResumeSync sync = {rank, state_agree, state_bcast, s->mesh.g};
         ResumeCheck check = {state_check_loaded, s};
+        double t_load = kiln_now();
         /* the saved config is not part of the loaded table: it is compared, never restored */
         if (resume_load(resume, op->root, t, s->config_text, force, &info, path, sizeof path, &flags,
                         multi ? &sync : NULL, &check)) {
+            s->resume_load_s = kiln_now() - t_load;
+            for (int i = 0; i < t->n; i++) s->resume_gb += ckpt_entry_bytes(&t->e[i]) / 1e9;
             o->t = (int)s->optim_t;
             if (s->mesh.units) ddp_params_loaded(s->mesh.units);
             state_restore_data(s, path, flags, force);
@@ -503,7 +524,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
                 kiln_fail(KILN_EXIT_USAGE, "%s: manifest says step %lld but train.step holds %lld", path,
                           (long long)info.step, (long long)s->step);
         } else {
-            state_fresh(s, flags & RESUME_DIRTY);
+            state_fresh(s, (flags & RESUME_DIRTY) || s->mesh.weights_unset);
         }
     }
     /* the config blob is written but never loaded into the table */
@@ -517,8 +538,41 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     return (int)s->step;
 }
 
+static void state_fail_write(RunState *s) {
+    kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
+              (long long)s->last_saved, ckpt_writer_error(s->writer));
+}
+
+/* A save whose write has completed since the last look: one line, and its
+ * figures kept for the next metrics.jsonl line. */
+static void state_checkpoint_done(RunState *s) {
+    CkptStats st = ckpt_writer_stats(s->writer);
+    if (st.step < 0 || st.step == s->done_step) return;
+    s->done_step = st.step;
+    double pause = st.step == s->save_step ? s->save_pause_s : NAN;
+    s->report = (MetricsCkpt){st.step, pause, st.write_s, st.stored / 1e9};
+    s->report_ready = 1;
+    char size[32];
+    if (s->mx && s->opts.async) /* a sync save's line says it all */
+        metrics_print(s->mx, "checkpoint: step %lld written in %.2f s (%s here, %.2f GB/s%s) behind the step "
+                      "loop's %.3f s pause", (long long)st.step, st.write_s, kiln_fmt_bytes((double)st.stored, size,
+                      sizeof size), st.write_s > 0 ? st.stored / 1e9 / st.write_s : 0, st.direct ? ", O_DIRECT" : "",
+                      pause);
+}
+
+const MetricsCkpt *state_checkpoint_report(RunState *s) {
+    if (!s->report_ready) return NULL;
+    s->report_ready = 0;
+    return &s->report;
+}
+
 static void state_save(RunState *s) {
     if (s->mx) metrics_phase(s->mx, PHASE_CHECKPOINT, (int)s->step);
+    /* the step loop's pause counts from here: a write still in flight is
+     * waited for first (every rank saves at the same step: a collective) */
+    double t0 = kiln_now();
+    if (ckpt_in_flight(s->writer) && ckpt_wait(s->writer) != 0) state_fail_write(s);
+    state_checkpoint_done(s);
     /* ZeRO-2's parameter refreshes are bounded by parallel.timeout_s from when
      * they were posted: finish them before a save that may take longer */
     if (s->mesh.units) ddp_params_ready(s->mesh.units);
@@ -531,14 +585,22 @@ static void state_save(RunState *s) {
                      {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1,
                       s->mesh.tp > 0 ? s->mesh.tp : 1, s->mesh.pp > 0 ? s->mesh.pp : 1, 1,
                       s->mesh.ep > 0 ? s->mesh.ep : 1}};
-    double t0 = kiln_now();
     if (ckpt_save(s->writer, &meta) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
                   (long long)s->step, ckpt_writer_error(s->writer));
     s->last_saved = s->step;
-    if (s->mx)
-        metrics_print(s->mx, "checkpoint: step %lld %s %s in %.3f s", (long long)s->step,
-                      s->opts.async ? "staged for" : "written to", s->opts.root, kiln_now() - t0);
+    s->save_step = s->step, s->save_pause_s = kiln_now() - t0;
+    if (!s->opts.async) state_checkpoint_done(s);
+    CkptStats st = ckpt_writer_stats(s->writer);
+    char size[32];
+    if (s->mx && s->opts.async)
+        metrics_print(s->mx, "checkpoint: step %lld staged for %s in %.3f s", (long long)s->step, s->opts.root,
+                      s->save_pause_s);
+    else if (s->mx)
+        metrics_print(s->mx, "checkpoint: step %lld written to %s in %.3f s (%s here, %.2f GB/s%s)",
+                      (long long)s->step, s->opts.root, s->save_pause_s, kiln_fmt_bytes((double)st.stored, size,
+                      sizeof size),
+                      st.write_s > 0 ? st.stored / 1e9 / st.write_s : 0, st.direct ? ", O_DIRECT" : "");
 }
 
 int state_after_step(RunState *s, int done, int last) {
@@ -553,10 +615,11 @@ int state_after_step(RunState *s, int done, int last) {
         double f[3] = {sig, deadline, ckpt_pending(s->writer)};
         comm_all_reduce_max_f64(s->mesh.g, f, 3);
         sig = (int)f[0], deadline = (int)f[1];
-        if (f[2] == 0 && ckpt_in_flight(s->writer) && ckpt_wait(s->writer) != 0)
-            kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
-                      (long long)s->last_saved, ckpt_writer_error(s->writer));
+        if (f[2] == 0 && ckpt_in_flight(s->writer) && ckpt_wait(s->writer) != 0) state_fail_write(s);
+    } else if (ckpt_in_flight(s->writer) && !ckpt_pending(s->writer) && ckpt_wait(s->writer) != 0) {
+        state_fail_write(s); /* one rank: the thread has finished the whole checkpoint */
     }
+    state_checkpoint_done(s);
     int every = s->c->ckpt_every > 0 && done % s->c->ckpt_every == 0;
     if (every || (last && s->c->ckpt_final) || sig || deadline) state_save(s);
     if ((sig || deadline) && !last) {
@@ -568,11 +631,10 @@ int state_after_step(RunState *s, int done, int last) {
 
 void state_close(RunState *s) {
     double t0 = kiln_now();
-    if (ckpt_wait(s->writer) != 0)
-        kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",
-                  (long long)s->last_saved, ckpt_writer_error(s->writer));
+    if (ckpt_wait(s->writer) != 0) state_fail_write(s);
     if (s->opts.async && s->last_saved >= 0 && kiln_now() - t0 > 0.01 && s->mx)
         metrics_print(s->mx, "checkpoint: waited %.2f s for the last write", kiln_now() - t0);
+    state_checkpoint_done(s);
     ckpt_writer_free(s->writer);
     ckpt_table_free(&s->table);
     ckpt_table_free(&s->save_table);

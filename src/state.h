@@ -11,6 +11,7 @@
 #include "comm.h"
 #include "config.h"
 #include "data.h"
+#include "metrics.h"
 #include "model.h"
 #include "optim.h"
 #include "util.h"
@@ -20,10 +21,12 @@
  * elements this rank holds. */
 typedef struct StateMesh {
     int rank, world, dp, zero;
-    int dp_rank, tp, tp_rank; /* tensor parallelism: each tp rank of dp rank 0 writes its parts of
-                                 the split tensors; the replicated ones come from tp rank 0 */
-    int ep, edp_rank;  /* expert parallelism: the ep ranks' experts differ; the EDP rank 0 of each
-                          writes them (edp_rank = dp_rank without it) */
+    int dp_rank, tp, tp_rank; /* each dp rank writes its share (ZeRO 0/1: of the arena; state.c);
+                                 tensor parallelism: each tp rank its parts of the split tensors,
+                                 tp rank 0 the replicated ones */
+    int ep, edp_rank;  /* expert parallelism: the ep ranks' experts differ; each rank of an EDP
+                          group (dp / ep ranks) writes its share of them (edp_rank = dp_rank
+                          without ep) */
     CommGroup *g;
     const struct Ddp *pieces; /* the optimizer state is laid out by this Ddp's pieces
                                  (ddp_optim_pieces: ZeRO-2/3, ZeRO-1 under expert
@@ -36,9 +39,9 @@ typedef struct StateMesh {
     int pp, pp_rank;   /* pipeline parallelism: each stage writes its own layers; a tied
                           embedding's copy on the last stage (pp > 1) is the first stage's,
                           which writes it (0, 0: one stage) */
+    int weights_unset; /* 1: the model's weights were not drawn (a resume fills them;
+                          state_open draws them if it loads nothing) */
 } StateMesh;
-
-struct Metrics;
 
 typedef struct RunState {
     const Config *c;
@@ -68,6 +71,14 @@ typedef struct RunState {
     double elapsed_base, t_start; /* seconds before this process; kiln_now() at open */
     int64_t last_saved;   /* step of the newest checkpoint on disk, -1 none */
     int stop_reason;      /* signal number, or -1 for the Slurm deadline */
+    /* the saves' figures, for metrics.jsonl (state_checkpoint_report) */
+    double save_pause_s;  /* the step loop's pause for the newest save */
+    int64_t save_step;    /* its step */
+    int64_t done_step;    /* the newest save whose write was seen complete, -1 none */
+    MetricsCkpt report;   /* its figures, until a line takes them */
+    int report_ready;
+    double resume_load_s; /* seconds the resume took to load and verify its checkpoint (0: fresh) */
+    double resume_gb;     /* the bytes this rank loaded, 1e9 */
 } RunState;
 
 /* Collect the table, resume per `resume` (NULL = fresh, "auto", or a
@@ -83,6 +94,9 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
 int state_after_step(RunState *s, int done, int last);
 /* Wait for a write in flight (exit 1 if it failed), free. */
 void state_close(RunState *s);
+/* The figures of a save whose write completed since the last call (for
+ * the next metrics.jsonl line), or NULL. */
+const MetricsCkpt *state_checkpoint_report(RunState *s);
 /* init.from naming a kiln checkpoint directory: load its parameters only
  * (and say so when `say`: rank 0). Returns 0 if `dir` is not a kiln
  * checkpoint (the caller tries llm.c). */

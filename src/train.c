@@ -575,10 +575,14 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     int tied_copy = r->pp > 1 && shape->tie_embeddings && (r->ppg->rank == 0 || last_stage);
     ddp_set_pp(&r->ddp, r->ppg,
                last_stage && shape->tie_embeddings ? model_tensor_index(model, -1, ROLE_TOK_EMB, -1) : -1, tied_copy);
+    /* a resume overwrites the weights, so they are not drawn first (state_open
+     * draws them if it loads nothing); ZeRO-3 shards them here and keeps no
+     * whole copy to draw into later */
+    int weights_unset = topt->resume && !c->init_from[0] && ddp_whole_params(&r->ddp);
     if (c->init_from[0]) {
         state_load_init_from(model, c->init_from, rank == 0);
     }
-    else model_init_weights(model, c->seed);
+    else if (!weights_unset) model_init_weights(model, c->seed);
     ddp_shard_params(&r->ddp); /* ZeRO-2/3: take this rank's shard (ZeRO-3: drop the whole arena) */
     if (r->pp > 1) /* the schedule's activation slots, its channels (collective over pp) */
         pipe_init(&r->pipe, model, r->ppg, pk, c->pp_virtual, r->accum, r->cut, B, T,
@@ -645,7 +649,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
                        .tp = tp, .tp_rank = tpg->rank, .ep = r->ep, .edp_rank = r->mesh.edp_rank, .g = comm_world(),
                        .pieces = ddp_optim_pieces(&r->ddp) ? &r->ddp : NULL,
                        .units = r->param_shard ? &r->ddp : NULL, .adafactor = r->adafactor.be ? &r->adafactor : NULL,
-                       .pp = r->pp, .pp_rank = r->ppg->rank};
+                       .pp = r->pp, .pp_rank = r->ppg->rank, .weights_unset = weights_unset};
     r->start_step = state_open(&r->rs, c, &smesh, topt->resume, topt->force, topt->commit, model, &r->opt, r->train);
     model_params_changed(model); /* a resume loaded them: the compute copy follows */
     r->mx = metrics_open(c, rank, r->world, r->fpt, peak, peak_src, r->start_step);
@@ -894,6 +898,14 @@ static int train_loop(TrainRun *r) {
     int rank = r->rank, tp = r->tp, cp = r->cp;
     double step_time_sum = 0.0, blocked_sum = 0.0, tp_blocked_sum = 0.0, pp_idle_sum = 0.0, cp_blocked_sum = 0.0;
     double ep_blocked_sum = 0.0;
+    /* a resumed run: how long the restart took, to the first step */
+    double resume_s = r->rs.resumed_msg[0] ? kiln_process_age() : 0;
+    char rsize[32];
+    if (resume_s > 0)
+        metrics_print(mx, "resume: %.2f s from process start to the first step (the checkpoint: %s loaded and "
+                      "verified here in %.2f s, %.2f GB/s)", resume_s, kiln_fmt_bytes(r->rs.resume_gb * 1e9, rsize,
+                      sizeof rsize), r->rs.resume_load_s,
+                      r->rs.resume_load_s > 0 ? r->rs.resume_gb / r->rs.resume_load_s : 0);
     double t_start = kiln_now();
     float val_loss = NAN, last_loss = NAN;
     int skips_in_a_row = 0;
@@ -919,7 +931,9 @@ static int train_loop(TrainRun *r) {
                           info.grad_scale, dt, bad, 0, be->memory_peak ? be->memory_peak() / 1048576.0 : 0,
                           moe_ms.load ? &moe_ms : NULL, .comm_group = {cp > 1 ? "dpcp" : "dp", tp > 1 ? "tp" : NULL},
                           .comm_s = {ddp_step_blocked_s(&r->ddp), tp_step_blocked_s(&r->tpx)}, .data = &md,
-                          .pp_bubble = st.bubble, .pp_bubble_theory = r->pp > 1 ? r->pipe.theory : NAN};
+                          .pp_bubble = st.bubble, .pp_bubble_theory = r->pp > 1 ? r->pipe.theory : NAN,
+                          .ckpt = state_checkpoint_report(&r->rs),
+                          .resume_s = step == r->start_step ? resume_s : 0};
         int g = tp > 1 ? 2 : 1; /* the next groups after dp's and tp's */
         if (cp > 1) ms.comm_group[g] = "cp", ms.comm_s[g++] = cp_step_blocked_s(&r->cpx);
         if (r->pp > 1) ms.comm_group[g] = "pp", ms.comm_s[g++] = st.idle; /* waiting for the neighbours */

@@ -314,3 +314,30 @@ double kiln_now(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
+
+const char *kiln_fmt_bytes(double bytes, char *buf, size_t cap) {
+    if (bytes >= 1e9) snprintf(buf, cap, "%.2f GB", bytes / 1e9);
+    else if (bytes >= 1e6) snprintf(buf, cap, "%.1f MB", bytes / 1e6);
+    else snprintf(buf, cap, "%.1f kB", bytes / 1e3);
+    return buf;
+}
+
+static double util_loaded_at;
+__attribute__((constructor)) static void util_note_load(void) { util_loaded_at = kiln_now(); }
+
+double kiln_process_age(void) {
+    /* field 22 of /proc/self/stat, counted after the ')' that ends the
+     * command name: clock ticks from boot to the start of this process */
+    char buf[1024];
+    FILE *f = fopen("/proc/self/stat", "r");
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');
+    for (int field = 2; p && field < 22; field++) p = strchr(p + 1, ' ');
+    struct timespec ts;
+    long hz = sysconf(_SC_CLK_TCK);
+    if (!p || hz <= 0 || clock_gettime(CLOCK_BOOTTIME, &ts) != 0) return kiln_now() - util_loaded_at;
+    double age = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec - (double)strtoull(p + 1, NULL, 10) / (double)hz;
+    return age >= 0 ? age : kiln_now() - util_loaded_at;
+}

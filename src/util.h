@@ -85,7 +85,13 @@ uint64_t rng_below(Rng *r, uint64_t n); /* uniform in [0, n), unbiased */
 uint64_t kiln_fnv1a(const void *data, size_t len, uint64_t h);
 #define KILN_FNV_INIT 0xcbf29ce484222325ULL
 
+/* "1.49 GB", "418.6 kB": decimal units, for log lines. Returns buf. */
+const char *kiln_fmt_bytes(double bytes, char *buf, size_t cap);
+
 /* Monotonic seconds. */
 double kiln_now(void);
+/* Seconds since this process started (the kernel's start time, 10 ms steps;
+ * where /proc is missing, since the program was loaded). */
+double kiln_process_age(void);
 
 #endif

@@ -122,6 +122,16 @@ equiv dropless_bias_ep2_tp2_zero1 FREE 4 2 2 1
 # every collective agreed on before it runs (monitor.check_collectives): the
 # all-to-alls' per-rank counts differ, the calls must not
 equiv capacity_ep2_dp2_checked MOE 4 2 1 1 --set monitor.check_collectives=true
+# the checkpoint writes are shared (docs/parallel.md, "Checkpoints"): in ep 2
+# on 4 ranks under ZeRO 0 each EDP pair cuts its experts in two and all four
+# ranks cut the rest, so every rank wrote pieces of both (and ckpt-diff above
+# assembled them on one rank)
+info=$(./train ckpt-info $T/capacity_ep2_dp2/checkpoints/step_00000006 2>&1)
+xr=$(printf '%s\n' "$info" | grep ' tensor ' | grep '\.experts\.' | grep -o ' rank [0-9]* ' | sort -u | wc -l)
+dr=$(printf '%s\n' "$info" | grep ' tensor ' | grep -v -e '\.experts\.' -e ' optim\.' | grep -o ' rank [0-9]* ' \
+    | sort -u | wc -l)
+[ "$xr" -eq 4 ] && [ "$dr" -eq 4 ] && ok ep_checkpoint_shares_over_edp_and_dp \
+    || fail ep_checkpoint_shares_over_edp_and_dp "expert pieces from $xr rank(s), the rest from $dr (want 4 and 4)"
 
 # Muon and Adafactor under ep: the tolerances above hold. Muon's Newton-
 # Schulz amplifies the gradient sums' rounding along small singular

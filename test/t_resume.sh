@@ -34,6 +34,35 @@ for mode in "sync:--set checkpoint.async=false" "async:--set checkpoint.async=tr
         fail resume_bit_identical_$name "rc $rc; $(grep -E 'resume|error' $T/resume_$name.txt | head -3); sums $(sums $D/checkpoints/step_00000020) vs $REF"
     fi
 done
+# metrics.jsonl reports each completed save beside the step loop's pause for
+# it (a sync save on the next step's line; an async one after its thread is
+# done, a line that depends on timing, so only the order is checked) and a
+# resumed run's start-up time on its first line alone.
+for name in sync async; do
+    if python3 - $T/half_$name/metrics.jsonl $name <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+saved = [(r["step"], r["ckpt_step"]) for r in rows if "ckpt_step" in r]
+for r in rows:
+    if "ckpt_step" in r:
+        assert r["ckpt_pause_s"] >= 0 and r["ckpt_write_s"] > 0 and r["ckpt_gb"] > 0, r
+if sys.argv[2] == "sync":
+    # every 5 steps, reported on the next line; 10 and 20 end a run (no next line)
+    assert saved == [(6, 5), (16, 15)], saved
+else:
+    assert [c for _, c in saved] == sorted(set(c for _, c in saved)) and all(s > c for s, c in saved), saved
+    assert all(c % 5 == 0 for _, c in saved), saved
+resumed = [r["step"] for r in rows if "resume_s" in r]
+assert resumed == [11] and rows[10]["resume_s"] > 0, resumed
+PY
+    then ok ckpt_metrics_pause_write_resume_$name
+    else fail ckpt_metrics_pause_write_resume_$name "$(grep -o '"step":[0-9]*\|"ckpt_step":[0-9]*\|"resume_s":[0-9.]*' $T/half_$name/metrics.jsonl | paste -sd' ')"; fi
+done
+if grep -qE '^resume: [0-9.]+ s from process start to the first step' $T/resume_sync.txt \
+    && grep -qE '^checkpoint: step 15 written to .* \(.* here, [0-9.]+ GB/s' $T/resume_sync.txt \
+    && grep -qE "^checkpoint: step 15 written in [0-9.]+ s .* behind the step loop's [0-9.]+ s pause" $T/resume_async.txt; then
+    ok ckpt_log_lines
+else fail ckpt_log_lines "$(grep -E '^(resume|checkpoint)' $T/resume_sync.txt $T/resume_async.txt | head -6)"; fi
 if grep -q "key 'train.steps': 10 -> 20" $T/resume_sync.txt; then ok resume_reports_allowed_change
 else fail resume_reports_allowed_change "$(head -c 300 $T/resume_sync.txt)"; fi
 if ./train ckpt-info $T/half_zstd/checkpoints/step_00000020 | grep -q 'codec\|stored' \
