@@ -934,10 +934,6 @@ static void cfg_check_ep(const Config *c, const ArchSpec *s, CfgLoad *L) {
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': expert parallelism runs with ZeRO 0 or 1 (its expert "
                   "tensors shard over the EDP group, ZeRO-%d's layer units over dp), got %d",
                   cfg_where_of(L, "parallel.zero", "parallel.ep"), c->zero, c->zero);
-    if (c->pp > 1)
-        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'parallel.pp': expert and pipeline parallelism together "
-                  "are not supported yet (the expert side keeps one micro-batch per layer, a pipeline schedule several "
-                  "in flight); use one of them", w);
     if (strcmp(c->optim_name, "muon") == 0 || strcmp(c->optim_name, "adafactor") == 0)
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'optim.name': %s with parallel.ep > 1 is not supported (its matrices "
                   "and factored moments are planned over one arena shared by the dp group, not over EDP's expert "

@@ -787,7 +787,7 @@ size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, in
     return plan_bytes(&l, B, T / cp, act_bytes, r, &p, tp, cp, sp, ep, NULL);
 }
 
-size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int B, int T, size_t act_bytes,
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int ep, int B, int T, size_t act_bytes,
                                     ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
                                     int split) {
     ArchSpec l;
@@ -795,7 +795,7 @@ size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int B, in
     ActPlan p = {.chunks = chunks, .split = split};
     if (chunks < 1 || chunks > MODEL_MAX_CHUNKS) return 0;
     for (int c = 0; c < chunks; c++) p.lo[c] = lo[c], p.hi[c] = hi[c], p.slots[c] = slots[c];
-    return plan_bytes(&l, B, T, act_bytes, r, &p, tp, 1, sp, 1, NULL); /* pipeline stages: ep 1 (config.c) */
+    return plan_bytes(&l, B, T, act_bytes, r, &p, tp, 1, sp, ep, NULL);
 }
 
 /* The active set's fields, to and from its ModelSlot. */

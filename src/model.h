@@ -556,10 +556,11 @@ size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, in
                                    ModelRecompute r);
 
 /* The same for a pipeline rank (tp 1: the spec itself; sp its sequence
- * parallelism): its chunks, chunk c the layers [lo[c], hi[c]) in slots[c]
- * activation sets, with the kept output gradients of a split backward when
- * split: exactly what model_plan_slots allocates (cp 1). */
-size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int B, int T, size_t act_bytes,
+ * parallelism; ep > 1: without the expert side's buffers, ep.c's): its
+ * chunks, chunk c the layers [lo[c], hi[c]) in slots[c] activation sets,
+ * with the kept output gradients of a split backward when split: exactly
+ * what model_plan_slots allocates (cp 1). */
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int sp, int ep, int B, int T, size_t act_bytes,
                                     ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
                                     int split);
 

@@ -114,7 +114,7 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int c
             m.act_by_mode[r][k] = (double)model_activation_bytes_rank(g, tp, cp, ep, sp, micro_batch, s->seq_len, ab,
                                                                       (ModelRecompute)r);
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
-            m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, micro_batch, s->seq_len, ab);
+            m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, s->n_layer, micro_batch, s->seq_len / cp, ab);
         }
     m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, sizeof(float)) : 0;
     m.recompute = recompute;
@@ -126,8 +126,9 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int c
     return m;
 }
 
-/* One pipeline rank: its chunks' tensors and activation slots (ZeRO 0-1). */
-static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int dp, int zero, int micro_batch,
+/* One pipeline rank: its chunks' tensors (under ep its experts) and
+ * activation slots, with the expert side's buffers per slot (ZeRO 0-1). */
+static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int dp, int ep, int zero, int micro_batch,
                                     ModelRecompute rec, size_t moment_bytes, size_t param_bytes, int chunks,
                                     const int *lo, const int *hi, const int *slots, int split) {
     PlanMemory m = {0};
@@ -139,8 +140,11 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int dp, i
     for (int i = 0; i < n; i++) {
         int in = 0;
         for (int k = 0; k < chunks; k++) in = in || arch_tensor_in_stage(&local, &t[i], lo[k], hi[k]);
+        if (t[i].expert >= 0 && ep > 1 && t[i].expert >= local.moe.n_experts / ep) in = 0; /* rank 0's experts */
         if (in) params += (double)t[i].numel;
     }
+    int sets = 0; /* (slot, layer) pairs: ep.c's buffers */
+    for (int k = 0; k < chunks; k++) sets += slots[k] * (hi[k] - lo[k]);
     free(t);
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
     m.param_bytes = param_bytes;
@@ -150,9 +154,10 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int dp, i
     m.state = m.params + m.grads + m.optim;
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
         for (int k = 0; k < 2; k++)
-            m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, sp, micro_batch, g->seq_len,
+            m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, sp, ep, micro_batch, g->seq_len,
                                                                        k ? 2 : sizeof(float), (ModelRecompute)r,
-                                                                       chunks, lo, hi, slots, split);
+                                                                       chunks, lo, hi, slots, split) +
+                                  (double)ep_buffer_bytes(g, ep, sets, micro_batch, g->seq_len, k ? 2 : sizeof(float));
     m.recompute = rec;
     m.activations = m.act_by_mode[rec][0];
     m.activations_bf16 = m.act_by_mode[rec][1];
@@ -192,7 +197,7 @@ int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro,
                 o += (size_t)snprintf(layers + o, sizeof layers - o, "%s%d..%d", ch ? ", " : "", lo[ch], hi[ch] - 1);
         }
         int sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
-        PlanMemory m = plan_memory_stage(s, tp, sp, dp, c->zero, c->micro_batch, rec, sb, pb, v, lo, hi, slots,
+        PlanMemory m = plan_memory_stage(s, tp, sp, dp, c->ep, c->zero, c->micro_batch, rec, sb, pb, v, lo, hi, slots,
                                          k == PIPE_ZB_H1);
         printf("  stage %-16d layers %s%s%s: %.2fM parameters, %d activation slot(s) %.2f MiB; %.2f GiB per rank\n",
                r, layers, r == 0 ? " + embeddings" : "", r == p - 1 ? " + head" : "",
