@@ -3,9 +3,10 @@
 # test (build/test/test_ep at ep 2 and 4: dispatch -> identity expert ->
 # combine gives every token times the sum of its gates, capacity and
 # dropless, ranks and experts without rows); a tiny MoE Llama at ep 2, ep 4,
-# ep 2 x dp 2 (ZeRO 0 and 1) and ep 2 x tp 2 against one rank, with a
-# capacity factor and dropless with the auxiliary-loss-free bias; the
-# checkpoint resharded ep 4 -> ep 1 -> ep 2, data position included; the
+# ep 2 x dp 2 (ZeRO 0 and 1), ep 2 x tp 2 and pp 2 x ep 2 (every pipeline
+# schedule) against one rank, with a capacity factor and dropless with the
+# auxiliary-loss-free bias; the checkpoint resharded ep 4 -> ep 1 -> ep 2 and
+# pp 2 x ep 2 -> one rank -> pp 2 x ep 2, data position included; the
 # figures in metrics.jsonl; layouts refused on every rank. One line per check.
 #
 # Tolerances (docs/parallel.md, "Correctness"): the experts' products see the
@@ -14,7 +15,9 @@
 # EDP's all-reduce adds the rest): the same numbers in another association
 # order, a few ulps (~1e-7 relative) each. Through 2 layers and 6 AdamW
 # steps that stays far below 1e-5 (measured: losses equal to the 6 digits
-# metrics.jsonl prints, parameters within 3e-7). So: every step's loss within
+# metrics.jsonl prints, parameters within 3e-7; pp 2 x ep 2 within 2.8e-7,
+# interleaved on 4 layers 4.9e-7: a pipeline adds only the tied-free stage
+# split, which reorders nothing here). So: every step's loss within
 # relative 1e-5, every final parameter and moment within absolute 1e-5
 # (ckpt-diff; the balancing bias moves by +-rate = 1e-3 a step, so a single
 # different sign is caught), the aux and z losses within relative 1e-5 (their
@@ -92,7 +95,8 @@ equiv() {
     else fail ep_equiv_$name "rc $rc: $why $moe $diff $(grep -m2 error $D.txt)"; fi
 }
 
-for model in MOE FREE; do
+MOE4="$MOE --set model.n_layer=4"
+for model in MOE FREE MOE4; do
     ./train $Y $S ${!model} --set run.dir=$T/ref_$model >$T/ref_$model.txt 2>&1 \
         || fail ep_reference_$model "$(tail -n 3 $T/ref_$model.txt)"
 done
@@ -110,6 +114,23 @@ equiv dropless_bias_ep2_tp2_zero1 FREE 4 2 2 1
 # every collective agreed on before it runs (monitor.check_collectives): the
 # all-to-alls' per-rank counts differ, the calls must not
 equiv capacity_ep2_dp2_checked MOE 4 2 1 1 --set monitor.check_collectives=true
+
+# With a pipeline (pp 2 x dp 2, ep 2 inside each stage's dp): every
+# micro-batch in flight keeps its own dispatch state (ep.c: one per
+# activation slot) from its forward to its backward; the ep group lies in one
+# stage (mesh.c), so its ranks run the same action list and issue the
+# all-to-alls in one order. Every schedule: zb_h1's all-to-alls of the
+# backward run in its input part (B); interleaved on 4 layers (MOE4).
+PP="--set parallel.pp=2 --set parallel.pp_schedule"
+equiv pp2_1f1b_capacity MOE 4 2 1 0 $PP=1f1b
+equiv pp2_gpipe_capacity MOE 4 2 1 1 $PP=gpipe
+equiv pp2_zb_h1_capacity MOE 4 2 1 0 $PP=zb_h1
+equiv pp2_1f1b_dropless_bias FREE 4 2 1 1 $PP=1f1b
+equiv pp2_zb_h1_dropless_bias FREE 4 2 1 0 $PP=zb_h1
+equiv pp2_interleaved_capacity MOE4 4 2 1 0 $PP=interleaved_1f1b --set parallel.pp_virtual=2
+D=$T/pp2_1f1b_capacity
+grep -q 'micro-batch in flight (2 such sets' $D.txt && ok ep_pp_start_up_line \
+    || fail ep_pp_start_up_line "$(grep -m1 'expert parallel' $D.txt)"
 
 # Generation under ep: every rank runs the forwards (each MoE layer an
 # all-to-all) and draws the same tokens: the text of one rank.
@@ -178,6 +199,22 @@ if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ] && grep -q 
    grep -q 'ep 1) to 4 (pp 1 x dp 4 x tp 1, ep 2' $T/rs3.txt; then ok ep_reshard_ep4_ep1_ep2dp2
 else fail ep_reshard_ep4_ep1_ep2dp2 "rc $rc: $why $moe $diff $(grep -m2 -h -e error -e resumed $T/rs[123].txt)"; fi
 
+# From a pipeline and back: pp 2 x ep 2 (1f1b) for 8 steps -> one rank to 14
+# -> pp 2 x ep 2 (zb_h1, ZeRO 1) to 20, against the same 20 steps on one rank.
+"${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.ep=2 $PP=1f1b --set run.dir=$T/rp --set train.steps=8 \
+    >$T/rp1.txt 2>&1
+./train $Y $C --set run.dir=$T/rp --set train.steps=14 --resume auto >$T/rp2.txt 2>&1
+"${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.ep=2 $PP=zb_h1 --set parallel.zero=1 --set run.dir=$T/rp \
+    --resume auto >$T/rp3.txt 2>&1
+rc=$?
+why=$(close_losses $T/cref/metrics.jsonl $T/rp/metrics.jsonl 2>&1)
+moe=$(moe_same $T/cref/metrics.jsonl $T/rp/metrics.jsonl 2>&1)
+diff=$(./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rp/checkpoints/step_00000020 --quiet --tol 1e-5 2>&1)
+drc=$?
+if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ] && grep -q 'resharded from 4 rank(s) (pp 2 x' $T/rp2.txt &&
+   grep -q 'to 4 (pp 2 x dp 2 x' $T/rp3.txt; then ok ep_reshard_pp2ep2_ep1_pp2ep2
+else fail ep_reshard_pp2ep2_ep1_pp2ep2 "rc $rc: $why $moe $diff $(grep -m2 -h -e error -e resumed $T/rp[123].txt)"; fi
+
 # The same layout resumed is the same run, bit for bit (DESIGN.md: nothing
 # is lost): ep 2 x dp 2, ZeRO 1, dropless with the bias, 3 steps + 3 resumed
 # against 6 straight (constant schedule: the shorter run has the same rates).
@@ -225,4 +262,3 @@ refuse experts_ep3 3 "ep 3 must divide the 4 experts" $MOE --set parallel.ep=3 -
 refuse dense_model 2 "spreads MoE experts over ranks" $LLAMA --set parallel.ep=2
 refuse zero2 2 "expert parallelism runs with ZeRO 0 or 1" $MOE --set parallel.ep=2 --set parallel.zero=2
 refuse dp_not_multiple 2 "must divide dp x cp" $MOE --set parallel.ep=4 --set model.moe.n_experts=8
-refuse with_pp 4 "expert and pipeline parallelism together" $MOE --set parallel.ep=2 --set parallel.pp=2
