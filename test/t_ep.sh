@@ -16,8 +16,8 @@
 # order, a few ulps (~1e-7 relative) each. Through 2 layers and 6 AdamW
 # steps that stays far below 1e-5 (measured: losses equal to the 6 digits
 # metrics.jsonl prints, parameters within 3e-7; pp 2 x ep 2 within 2.8e-7,
-# interleaved on 4 layers 4.9e-7: a pipeline adds only the tied-free stage
-# split, which reorders nothing here). So: every step's loss within
+# interleaved on 4 layers 4.9e-7: the stages of this untied Llama reorder
+# no sum, only the grad norm's). So: every step's loss within
 # relative 1e-5, every final parameter and moment within absolute 1e-5
 # (ckpt-diff; the balancing bias moves by +-rate = 1e-3 a step, so a single
 # different sign is caught), the aux and z losses within relative 1e-5 (their
