@@ -913,8 +913,8 @@ static void cfg_check_moe(const Config *c, const ArchSpec *s, CfgLoad *L) {
 }
 
 /* Expert parallelism (docs/parallel.md "Expert parallelism"): whole experts
- * per rank, so ep divides the experts (and, with an explicit dp, dp: the ep
- * groups are consecutive dp ranks; dp auto is checked at launch by
+ * per rank, so ep divides the experts (and, with an explicit dp, dp x cp:
+ * the ep groups are consecutive ranks of that plane; dp auto is checked at launch by
  * mesh_plan); the expert tensors reduce over EDP, a second ZeRO-1 domain,
  * which ZeRO-2/3's per-layer units over dp do not have. Every rank loads the
  * config, so every rank says it, before anything is allocated. */
@@ -927,9 +927,9 @@ static void cfg_check_ep(const Config *c, const ArchSpec *s, CfgLoad *L) {
     if (s->moe.n_experts % c->ep)
         kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'model.moe.n_experts': ep %d must divide the %d experts "
                   "(each rank holds n_experts / ep whole experts)", w, c->ep, s->moe.n_experts);
-    if (c->dp > 0 && c->dp % c->ep)
-        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'parallel.dp': ep %d must divide dp %d (expert groups are "
-                  "ep consecutive dp ranks)", w, c->ep, c->dp);
+    if (c->dp > 0 && (c->dp * c->cp) % c->ep)
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'parallel.dp': ep %d must divide dp x cp = %d (expert "
+                  "groups are ep consecutive ranks of dp x cp)", w, c->ep, c->dp * c->cp);
     if (c->zero >= 2)
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': expert parallelism runs with ZeRO 0 or 1 (its expert "
                   "tensors shard over the EDP group, ZeRO-%d's layer units over dp), got %d",
@@ -976,10 +976,14 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
             kiln_fail(KILN_EXIT_USAGE, "%s: keys 'model.seq_len', 'parallel.cp': a sequence of %d tokens does not split "
                       "into 2 x cp = %d chunks; make seq_len a multiple of %d", cfg_where_of(L, "parallel.cp",
                       "model.seq_len"), c->seq_len, 2 * c->cp, 2 * c->cp);
-        if (strcmp(c->mlp, "moe") == 0)
-            kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.cp': MoE layers balance and cap their experts per whole "
-                      "sequence, which context parallelism splits over ranks; use parallel.cp: 1 with model.mlp: moe",
-                      cfg_where_of(L, "parallel.cp", "model.mlp"));
+        /* dropless routing is per token and its loads and aux loss are summed
+         * over the cp ranks (model.c moe_forward); a capacity keeps each
+         * sequence's first slots, which would need the earlier chunks' counts */
+        if (strcmp(c->mlp, "moe") == 0 && c->moe_capacity > 0)
+            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.cp', 'model.moe.capacity_factor': an expert's capacity "
+                      "keeps a sequence's first slots in token order, which context parallelism spreads over ranks; "
+                      "use capacity_factor: 0 (dropless) with parallel.cp > 1",
+                      cfg_where_of(L, "model.moe.capacity_factor", "parallel.cp"));
         if (c->tp > 1 && strcmp(c->sequence_parallel, "false") != 0 && ((long long)c->micro_batch * c->seq_len /
                                                                         c->cp) % c->tp)
             kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'parallel.cp': a rank's %d x %d tokens "

@@ -299,9 +299,10 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     m->expert_lo = m->ep_rank * m->n_experts_here;
     m->cp = o->cp > 1 ? o->cp : 1;
     m->cp_rank = m->cp > 1 ? o->cp_rank : 0;
-    if (m->cp > 1 && s->mlp == MLP_MOE)
-        kiln_fail(KILN_EXIT_USAGE, "key 'parallel.cp': MoE layers balance and cap their experts per whole sequence, "
-                  "which context parallelism splits over ranks; use parallel.cp: 1 with model.mlp: moe");
+    if (m->cp > 1 && s->mlp == MLP_MOE && arch_moe_capacity(s, s->seq_len) > 0)
+        kiln_fail(KILN_EXIT_USAGE, "keys 'parallel.cp', 'model.moe.capacity_factor': an expert's capacity keeps a "
+                  "sequence's first slots in token order, which context parallelism spreads over ranks; use "
+                  "capacity_factor: 0 (dropless) with parallel.cp > 1");
     m->vocab_lo = m->tp_rank * m->shape.padded_vocab;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
@@ -546,6 +547,7 @@ void model_free(Model *m) {
     free(m->stats_host);
     free(m->auxg_host);
     free(m->counts_host);
+    free(m->seq_host);
     if (m->be && m->rope) m->be->free(m->rope);
     free(m->cbuf);
     free(m->unit_cbuf);
@@ -652,6 +654,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     int moe = s->mlp == MLP_MOE;
     size_t E = moe ? (size_t)s->moe.n_experts : 0, K = moe ? (size_t)s->moe.top_k : 0;
     size_t Fe = moe ? (size_t)s->moe.expert_hidden : 0, S = moe ? (size_t)s->moe.n_shared * Fe : 0, R = N * K;
+    size_t RG = cp > 1 ? 2 * (size_t)B : (size_t)B; /* MoE routing groups (moe_group_rows) */
     size_t off = 0;
     /* Without a model, only count: views are written into a throwaway. */
     Model sink;
@@ -698,12 +701,12 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
                     TAKE(a->router, N * E, ab);
                     TAKE(a->probs, N * E, F);
                     TAKE(a->gates, N * K, F);
-                    TAKE(a->stats, (size_t)B * (E + 1), F);
+                    TAKE(a->stats, RG * (E + 1), F);
                     TAKE(a->topk, N * K, I);
                     TAKE(a->row_of, N * K, I);
                     TAKE(a->src, R, I);
                     TAKE(a->offsets, E + 1, I);
-                    TAKE(a->counts, (size_t)B * E, I);
+                    TAKE(a->counts, RG * E, I);
                     TAKE(a->xp, R * C, ab);
                     if (ep <= 1) { /* expert parallelism: the expert side's activations are ep.c's */
                         TAKE(a->hp, R * 2 * Fe, ab);
@@ -743,7 +746,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
                 TAKE(sl->stage_dout, N * C, ab);
             }
             if (lo > 0) TAKE(sl->stage_din, Nres * C, ab); /* the residual rows this rank holds */
-            if (moe) TAKE(sl->aux, (size_t)B * E * s->n_layer, F);
+            if (moe) TAKE(sl->aux, RG * E * s->n_layer, F);
         }
     void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
     if (!keep_gelu) TAKE(gelu_shared, N * FF, ab);
@@ -879,9 +882,11 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
     slot_load(m, &m->slots[0]);
     if (m->shape.mlp == MLP_MOE) {
         size_t E = (size_t)m->shape.moe.n_experts;
-        m->stats_host = xrealloc(m->stats_host, (size_t)B * (E + 1) * sizeof(float));
-        m->auxg_host = xrealloc(m->auxg_host, (size_t)B * E * sizeof(float));
-        m->counts_host = xrealloc(m->counts_host, (size_t)B * E * sizeof(int32_t));
+        size_t RG = (size_t)B * (m->cp > 1 ? 2 : 1); /* routing groups (moe_group_rows) */
+        m->stats_host = xrealloc(m->stats_host, RG * (E + 1) * sizeof(float));
+        m->auxg_host = xrealloc(m->auxg_host, RG * E * sizeof(float));
+        m->counts_host = xrealloc(m->counts_host, RG * E * sizeof(int32_t));
+        m->seq_host = xrealloc(m->seq_host, (size_t)B * (2 * E + 1) * sizeof(double));
     }
     m->losses_host = xcalloc(N, sizeof(float));
     m->row_host = xcalloc((size_t)m->tp * m->shape.padded_vocab, m->act_bytes);
@@ -1157,6 +1162,13 @@ static void experts_forward(Model *m, int l, const ModelExpertRows *r) {
     }
 }
 
+/* Rows of one routing group for B sequences of T local rows: the router's
+ * statistics and loads are kept per group (backend.h: S). A group is a
+ * sequence; under cp one of this rank's two chunks of one (ModelCp's
+ * chunk-major rows: group g is local chunk g / B of sequence g % B), whose
+ * figures are summed into the sequence's over the cp ranks (moe_forward). */
+static int moe_group_rows(const Model *m, int T) { return m->cp > 1 ? T / 2 : T; }
+
 /* out (N,C) = sum_k gate * expert(x) (+ the shared experts, added to res3
  * by the caller); router statistics into the losses and loads. */
 static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
@@ -1168,9 +1180,12 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     void *proj = m->scratch;
     int bi = model_tensor_index(m, l, ROLE_ROUTER_BIAS, -1);
     be->matmul_forward(a->router, a->ln2, W(m, l, ROLE_ROUTER_W), NULL, N, C, E);
-    be->moe_route(a->topk, a->gates, a->probs, a->stats, a->router, bi < 0 ? NULL : m->pview[bi], N, T, E, K,
+    int gr = moe_group_rows(m, T), G = N / gr; /* G routing groups of gr rows */
+    be->moe_route(a->topk, a->gates, a->probs, a->stats, a->router, bi < 0 ? NULL : m->pview[bi], N, gr, E, K,
                   mo->sigmoid, mo->norm_topk);
-    be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, T, E, K, arch_moe_capacity(s, T));
+    /* capacity is refused under cp (model_init): a group is not a sequence there */
+    be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, gr, E, K,
+                     m->cp > 1 ? 0 : arch_moe_capacity(s, T));
     /* The experts' row ranges decide the products' sizes: the one host
      * synchronisation of an MoE layer. */
     tp_drain(m);
@@ -1193,33 +1208,47 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
         be->matmul_forward(proj, a->sh_act, W(m, l, ROLE_SHARED_DOWN_W), NULL, N, S, C);
         be->residual_forward(a->res3, a->res3, mine, n);
     }
-    /* Losses per sequence b of T tokens, averaged over the B sequences:
-     * aux_b = E sum_e f_be P_be (f = load / (T K), P = mean prob), z = mean
-     * lse^2; the aux gradient per (sequence, expert) for the backward. */
-    int B = N / T;
-    be->to_host(m->counts_host, a->counts, (size_t)B * E * sizeof(int32_t));
-    be->to_host(m->stats_host, a->stats, (size_t)B * (E + 1) * sizeof(float));
-    double aux = 0, z = 0;
+    /* Losses per sequence b of Tg tokens (T, or under cp the T cp of the
+     * whole sequence), averaged over the B sequences: aux_b = E sum_e f_be
+     * P_be (f = load / (Tg K), P = mean prob), z = mean lse^2; the aux
+     * gradient per (group, expert) for the backward. Under cp each
+     * sequence's loads and sums are its groups' summed over the cp ranks
+     * first, so every rank has the figures of one rank's whole sequence. */
+    int B = N / T, Tg = T * m->cp;
+    be->to_host(m->counts_host, a->counts, (size_t)G * E * sizeof(int32_t));
+    be->to_host(m->stats_host, a->stats, (size_t)G * (E + 1) * sizeof(float));
+    double *q = m->seq_host; /* (B, 2E+1): per sequence its loads (E), prob sums (E), lse^2 sum */
+    memset(q, 0, (size_t)B * (2 * E + 1) * sizeof(double));
     int64_t routed = 0;
-    for (int b = 0; b < B; b++) {
-        const int32_t *cnt = m->counts_host + (size_t)b * E;
-        const float *st = m->stats_host + (size_t)b * (E + 1);
+    for (int g = 0; g < G; g++) {
+        const int32_t *cnt = m->counts_host + (size_t)g * E;
+        const float *st = m->stats_host + (size_t)g * (E + 1);
+        double *qb = q + (size_t)(g % B) * (2 * E + 1);
         for (int e = 0; e < E; e++) {
-            double f = (double)cnt[e] / ((double)T * K);
-            aux += f * st[e] / T;
-            m->auxg_host[(size_t)b * E + e] = (float)(mo->aux_loss_coef * E * f * dloss);
+            qb[e] += cnt[e], qb[E + e] += st[e];
             routed += cnt[e];
-            if (train) m->moe.load[(size_t)l * E + e] += cnt[e];
+            if (train) m->moe.load[(size_t)l * E + e] += cnt[e]; /* this rank's tokens: the caller sums the ranks */
         }
-        z += st[E];
+        qb[2 * E] += st[E];
+    }
+    if (m->cp > 1) m->cpc.sum_host(m->cpc.ctx, q, (size_t)B * (2 * E + 1));
+    double aux = 0, z = 0;
+    for (int b = 0; b < B; b++) {
+        const double *qb = q + (size_t)b * (2 * E + 1);
+        for (int e = 0; e < E; e++) {
+            double f = qb[e] / ((double)Tg * K);
+            aux += f * qb[E + e] / Tg;
+            for (int g = b; g < G; g += B) m->auxg_host[(size_t)g * E + e] = (float)(mo->aux_loss_coef * E * f * dloss);
+        }
+        z += qb[2 * E];
     }
     m->moe.aux += E * aux / B;
-    m->moe.z += z / N;
+    m->moe.z += z / ((double)B * Tg);
     if (train) {
         m->moe.routed += routed;
         m->moe.drops += routed - a->offsets_host[E];
     }
-    be->to_device(m->aux + (size_t)l * B * E, m->auxg_host, (size_t)B * E * sizeof(float));
+    be->to_device(m->aux + (size_t)l * G * E, m->auxg_host, (size_t)G * E * sizeof(float));
 }
 
 /* res3 = res2 + mlp(norm2(res2)): GeLU, SwiGLU or MoE. */
@@ -1459,8 +1488,8 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
     be->moe_gather_backward(b->dln, b->dxp, a->row_of, N, K, C);
     /* the router: its gates' gradient plus the aux and z losses' */
     be->moe_route_backward(b->dlogits, b->dgates, a->probs, a->topk, a->gates, a->router,
-                           m->aux + (size_t)l * (N / m->live_T) * E, mo->z_loss_coef * m->live_dloss * N, N,
-                           m->live_T, E, K, mo->sigmoid, mo->norm_topk);
+                           m->aux + (size_t)l * (N / moe_group_rows(m, m->live_T)) * E, mo->z_loss_coef * m->live_dloss * N,
+                           N, moe_group_rows(m, m->live_T), E, K, mo->sigmoid, mo->norm_topk);
     be->matmul_backward(b->dbuf, G(m, l, ROLE_ROUTER_W), NULL, b->dlogits, a->ln2, W(m, l, ROLE_ROUTER_W), N, C, E,
                         acc);
     be->residual_forward(b->dln, b->dln, b->dbuf, (size_t)N * C);
