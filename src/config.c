@@ -976,14 +976,6 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
             kiln_fail(KILN_EXIT_USAGE, "%s: keys 'model.seq_len', 'parallel.cp': a sequence of %d tokens does not split "
                       "into 2 x cp = %d chunks; make seq_len a multiple of %d", cfg_where_of(L, "parallel.cp",
                       "model.seq_len"), c->seq_len, 2 * c->cp, 2 * c->cp);
-        /* dropless routing is per token and its loads and aux loss are summed
-         * over the cp ranks (model.c moe_forward); a capacity keeps each
-         * sequence's first slots, which would need the earlier chunks' counts */
-        if (strcmp(c->mlp, "moe") == 0 && c->moe_capacity > 0)
-            kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.cp', 'model.moe.capacity_factor': an expert's capacity "
-                      "keeps a sequence's first slots in token order, which context parallelism spreads over ranks; "
-                      "use capacity_factor: 0 (dropless) with parallel.cp > 1",
-                      cfg_where_of(L, "model.moe.capacity_factor", "parallel.cp"));
         if (c->tp > 1 && strcmp(c->sequence_parallel, "false") != 0 && ((long long)c->micro_batch * c->seq_len /
                                                                         c->cp) % c->tp)
             kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'parallel.cp': a rank's %d x %d tokens "

@@ -180,19 +180,20 @@ static void ep_combine_grad(void *ctx, int layer, void *dxp) {
     exchange_rows(e, e->wire, L->recv_cnt, dxp, L->send_cnt);
 }
 
-size_t ep_plan_rows(const ArchSpec *s, int ep, int B, int T) {
-    /* R slots a rank sends at most; capacity: each rank sends each expert at
-     * most cap rows of each of its B sequences */
-    size_t R = (size_t)B * T * s->moe.top_k, worst = (size_t)ep * R, El = (size_t)(s->moe.n_experts / ep);
+size_t ep_plan_rows(const ArchSpec *s, int ep, int cp, int B, int T) {
+    /* R slots a rank sends at most (its T / cp rows of each sequence);
+     * capacity: each rank sends each expert at most cap rows of each of its
+     * B sequences (under cp its chunks keep at most cap together) */
+    size_t R = (size_t)B * (T / cp) * s->moe.top_k, worst = (size_t)ep * R, El = (size_t)(s->moe.n_experts / ep);
     int cap = arch_moe_capacity(s, T);
     if (cap <= 0) return 2 * R < worst ? 2 * R : worst;
     size_t c = (size_t)ep * B * El * (size_t)cap;
     return c < worst ? c : worst;
 }
 
-size_t ep_buffer_bytes(const ArchSpec *s, int ep, int layer_sets, int B, int T, size_t act_bytes) {
+size_t ep_buffer_bytes(const ArchSpec *s, int ep, int cp, int layer_sets, int B, int T, size_t act_bytes) {
     if (ep <= 1 || s->mlp != MLP_MOE) return 0;
-    size_t rows = ep_plan_rows(s, ep, B, T), C = (size_t)s->n_embd, Fe = (size_t)s->moe.expert_hidden;
+    size_t rows = ep_plan_rows(s, ep, cp, B, T), C = (size_t)s->n_embd, Fe = (size_t)s->moe.expert_hidden;
     size_t layer = rows * ((C + 3 * Fe) * act_bytes + 2 * sizeof(int32_t));
     return (size_t)layer_sets * layer + rows * (3 * C + 3 * Fe) * act_bytes;
 }
@@ -215,9 +216,8 @@ void ep_init(Ep *e, Model *m, CommGroup *g) {
     if (!m->act_mem || !m->n_slots) kiln_fail(KILN_EXIT_RUNTIME, "ep_init: plan the model's activations first");
     const ArchSpec *s = &m->shape;
     e->ep = g->size, e->rank = g->rank, e->El = m->n_experts_here;
-    int Tl = m->T / m->cp; /* the rows of a sequence this rank routes (context parallelism: its chunks) */
     e->dropless = arch_moe_capacity(s, m->T) <= 0;
-    size_t rows = ep_plan_rows(s, e->ep, m->B, Tl);
+    size_t rows = ep_plan_rows(s, e->ep, m->cp, m->B, m->T);
     if (rows > (1u << 24))
         kiln_fail(KILN_EXIT_USAGE, "key 'parallel.ep': %zu rows per layer would reach this rank, past the 2^24 the "
                   "counts exchange carries exactly; use a smaller micro-batch", rows);
@@ -292,7 +292,7 @@ double ep_step_blocked_s(const Ep *e) { return e->blocked_s; }
 int ep_describe(const Ep *e, char *buf, size_t len) {
     if (e->ep <= 1) return 0;
     const Model *m = e->m;
-    double mib = (double)ep_buffer_bytes(&m->shape, e->ep, e->layer_sets, m->B, m->T / m->cp, m->act_bytes) /
+    double mib = (double)ep_buffer_bytes(&m->shape, e->ep, m->cp, e->layer_sets, m->B, m->T, m->act_bytes) /
                  1048576.0;
     int lo, hi;
     slot_layers(m, 0, &lo, &hi);

@@ -53,13 +53,13 @@ typedef struct Ep {
 } Ep;
 
 /* Rows each layer's buffers hold at start on an ep rank, for micro-batches
- * of B x T tokens (T: the rows of a sequence the rank routes, T / cp under
- * context parallelism; ep_init's sizing, see below), and the bytes of the
- * expert side's buffers (layer_sets (slot, layer) pairs' and the shared
- * ones: n_layer without a pipeline), act_bytes per activation: what
- * ./train plan counts. Arithmetic only. */
-size_t ep_plan_rows(const ArchSpec *s, int ep, int B, int T);
-size_t ep_buffer_bytes(const ArchSpec *s, int ep, int layer_sets, int B, int T, size_t act_bytes);
+ * of B sequences of T tokens, T / cp of each on this rank under context
+ * parallelism (ep_init's sizing, see below), and the bytes of the expert
+ * side's buffers (layer_sets (slot, layer) pairs' and the shared ones:
+ * n_layer without a pipeline), act_bytes per activation: what ./train plan
+ * counts. Arithmetic only. */
+size_t ep_plan_rows(const ArchSpec *s, int ep, int cp, int B, int T);
+size_t ep_buffer_bytes(const ArchSpec *s, int ep, int cp, int layer_sets, int B, int T, size_t act_bytes);
 
 /* Install the model's ep exchanges over g (model_set_ep) and allocate the
  * expert side's buffers for the planned micro-batch, one set per activation

@@ -299,10 +299,6 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     m->expert_lo = m->ep_rank * m->n_experts_here;
     m->cp = o->cp > 1 ? o->cp : 1;
     m->cp_rank = m->cp > 1 ? o->cp_rank : 0;
-    if (m->cp > 1 && s->mlp == MLP_MOE && arch_moe_capacity(s, s->seq_len) > 0)
-        kiln_fail(KILN_EXIT_USAGE, "keys 'parallel.cp', 'model.moe.capacity_factor': an expert's capacity keeps a "
-                  "sequence's first slots in token order, which context parallelism spreads over ranks; use "
-                  "capacity_factor: 0 (dropless) with parallel.cp > 1");
     m->vocab_lo = m->tp_rank * m->shape.padded_vocab;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
@@ -548,6 +544,8 @@ void model_free(Model *m) {
     free(m->auxg_host);
     free(m->counts_host);
     free(m->seq_host);
+    free(m->chunk_host);
+    free(m->caps_host);
     if (m->be && m->rope) m->be->free(m->rope);
     free(m->cbuf);
     free(m->unit_cbuf);
@@ -748,6 +746,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
             if (lo > 0) TAKE(sl->stage_din, Nres * C, ab); /* the residual rows this rank holds */
             if (moe) TAKE(sl->aux, RG * E * s->n_layer, F);
         }
+    if (moe && cp > 1) TAKE(m->moe_caps, RG * E, I); /* one layer's chunk limits (moe_cp_caps) */
     void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
     if (!keep_gelu) TAKE(gelu_shared, N * FF, ab);
     if (!keep_norm) TAKE(ln_shared, N * C, ab);
@@ -887,6 +886,10 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
         m->auxg_host = xrealloc(m->auxg_host, RG * E * sizeof(float));
         m->counts_host = xrealloc(m->counts_host, RG * E * sizeof(int32_t));
         m->seq_host = xrealloc(m->seq_host, (size_t)B * (2 * E + 1) * sizeof(double));
+        if (m->cp > 1) {
+            m->chunk_host = xrealloc(m->chunk_host, (size_t)2 * m->cp * B * E * sizeof(double));
+            m->caps_host = xrealloc(m->caps_host, RG * E * sizeof(int32_t));
+        }
     }
     m->losses_host = xcalloc(N, sizeof(float));
     m->row_host = xcalloc((size_t)m->tp * m->shape.padded_vocab, m->act_bytes);
@@ -1166,8 +1169,40 @@ static void experts_forward(Model *m, int l, const ModelExpertRows *r) {
  * statistics and loads are kept per group (backend.h: S). A group is a
  * sequence; under cp one of this rank's two chunks of one (ModelCp's
  * chunk-major rows: group g is local chunk g / B of sequence g % B), whose
- * figures are summed into the sequence's over the cp ranks (moe_forward). */
+ * figures are summed into the sequence's over the cp ranks (moe_forward;
+ * a capacity's limits: moe_cp_caps). */
 static int moe_group_rows(const Model *m, int T) { return m->cp > 1 ? T / 2 : T; }
+
+/* Under cp with a capacity (cap per whole sequence): the limits of this
+ * rank's chunks (groups of gr rows) in m->moe_caps, so that they keep the
+ * slots one rank keeps of the whole sequence: each chunk, per expert, what
+ * the capacity leaves after the sequence's earlier chunks, whichever rank
+ * holds them. The chunks' loads (a dropless dispatch's counts) at their
+ * global chunk index, summed over the cp ranks (an all-gather), give the
+ * earlier chunks' loads. */
+static void moe_cp_caps(Model *m, const LayerActs *a, int N, int gr, int cap) {
+    const Backend *be = m->be;
+    int E = m->shape.moe.n_experts, K = m->shape.moe.top_k, B = N / (2 * gr), cp = m->cp;
+    be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, gr, E, K, 0);
+    tp_drain(m);
+    be->to_host(m->counts_host, a->counts, (size_t)2 * B * E * sizeof(int32_t));
+    double *all = m->chunk_host; /* (2 cp, B, E): every chunk's loads, global chunk order */
+    memset(all, 0, (size_t)2 * cp * B * E * sizeof(double));
+    for (int c = 0; c < 2; c++) {
+        int gc = model_cp_chunk(cp, m->cp_rank, c);
+        for (size_t i = 0; i < (size_t)B * E; i++) all[(size_t)gc * B * E + i] = m->counts_host[(size_t)c * B * E + i];
+    }
+    m->cpc.sum_host(m->cpc.ctx, all, (size_t)2 * cp * B * E); /* exact: integers */
+    for (int c = 0; c < 2; c++) {
+        int gc = model_cp_chunk(cp, m->cp_rank, c);
+        for (size_t i = 0; i < (size_t)B * E; i++) {
+            double before = 0;
+            for (int k = 0; k < gc; k++) before += all[(size_t)k * B * E + i];
+            m->caps_host[(size_t)c * B * E + i] = before < cap ? cap - (int32_t)before : 0;
+        }
+    }
+    be->to_device(m->moe_caps, m->caps_host, (size_t)2 * B * E * sizeof(int32_t));
+}
 
 /* out (N,C) = sum_k gate * expert(x) (+ the shared experts, added to res3
  * by the caller); router statistics into the losses and loads. */
@@ -1183,9 +1218,13 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     int gr = moe_group_rows(m, T), G = N / gr; /* G routing groups of gr rows */
     be->moe_route(a->topk, a->gates, a->probs, a->stats, a->router, bi < 0 ? NULL : m->pview[bi], N, gr, E, K,
                   mo->sigmoid, mo->norm_topk);
-    /* capacity is refused under cp (model_init): a group is not a sequence there */
-    be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, gr, E, K,
-                     m->cp > 1 ? 0 : arch_moe_capacity(s, T));
+    int cap = arch_moe_capacity(s, T * m->cp); /* per whole sequence */
+    if (m->cp > 1 && cap > 0) { /* a chunk keeps what the sequence's earlier chunks leave */
+        moe_cp_caps(m, a, N, gr, cap);
+        be->moe_dispatch_capped(a->offsets, a->row_of, a->src, a->counts, a->topk, N, gr, E, K, m->moe_caps);
+    } else {
+        be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, gr, E, K, cap);
+    }
     /* The experts' row ranges decide the products' sizes: the one host
      * synchronisation of an MoE layer. */
     tp_drain(m);

@@ -236,8 +236,8 @@ typedef struct ModelEp {
  *   sequence; lse (N NH floats) laid out as the hook likes.
  *  broadcast: buf (n) act from cp rank root to every cp rank (a logits row).
  *  sum_host: x (n) host doubles summed over the cp ranks, in place (an MoE
- *   layer's per-sequence loads and router sums: its capacity is refused,
- *   dropless routing is per token, so these make it one rank's).
+ *   layer's per-sequence loads and router sums, and its chunks' loads for a
+ *   capacity: with these it routes as one rank).
  * NULL table (cp 1): the model runs the backend's attention ops. */
 typedef struct ModelCp {
     void *ctx;
@@ -360,6 +360,8 @@ typedef struct Model {
     float *stats_host, *auxg_host; /* (B, E+1) (B, E) host: one layer's router stats, aux gradient */
     int32_t *counts_host;          /* (B, E) host: one layer's loads per sequence */
     double *seq_host;              /* (B, 2E+1) host: one layer's loads, prob and lse^2 sums per whole sequence */
+    double *chunk_host;            /* cp > 1: (2 cp, B, E) host: every chunk's loads (a capacity's limits) */
+    int32_t *caps_host, *moe_caps; /* cp > 1: (2B, E) host, device: this rank's chunks' limits per expert */
     float *lnf_mean, *lnf_rstd; /* (N) */
     void *logits;     /* (N,Vp); dlogits in place after a training forward */
     float *losses;    /* (N) device */

@@ -114,7 +114,7 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int c
             m.act_by_mode[r][k] = (double)model_activation_bytes_rank(g, tp, cp, ep, sp, micro_batch, s->seq_len, ab,
                                                                       (ModelRecompute)r);
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
-            m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, s->n_layer, micro_batch, s->seq_len / cp, ab);
+            m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, cp, s->n_layer, micro_batch, s->seq_len, ab);
         }
     m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, sizeof(float)) : 0;
     m.recompute = recompute;
@@ -157,7 +157,7 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int dp, i
             m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, sp, ep, micro_batch, g->seq_len,
                                                                        k ? 2 : sizeof(float), (ModelRecompute)r,
                                                                        chunks, lo, hi, slots, split) +
-                                  (double)ep_buffer_bytes(g, ep, sets, micro_batch, g->seq_len, k ? 2 : sizeof(float));
+                                  (double)ep_buffer_bytes(g, ep, 1, sets, micro_batch, g->seq_len, k ? 2 : sizeof(float));
     m.recompute = rec;
     m.activations = m.act_by_mode[rec][0];
     m.activations_bf16 = m.act_by_mode[rec][1];
@@ -274,7 +274,7 @@ void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int ep, int zero, 
     }
     if (ep > 1 && s->mlp == MLP_MOE)
         printf("  expert parallel        ep %d: per rank %d of %d experts per layer, up to %zu rows received per "
-               "layer (%s)\n", ep, s->moe.n_experts / ep, s->moe.n_experts, ep_plan_rows(s, ep, micro_batch, s->seq_len),
+               "layer (%s)\n", ep, s->moe.n_experts / ep, s->moe.n_experts, ep_plan_rows(s, ep, 1, micro_batch, s->seq_len),
                arch_moe_capacity(s, s->seq_len) > 0 ? "the capacity's worst case" : "dropless: grown when needed");
     PlanComm c32 = plan_comm_per_step(s, tp, sp, dp, ep, zero, micro_batch, micro, 4);
     PlanComm c16 = plan_comm_per_step(s, tp, sp, dp, ep, zero, micro_batch, micro, 2);

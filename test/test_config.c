@@ -231,9 +231,10 @@ static void test_cross_errors(void) {
     /* the ep groups lie in dp x cp: ep 2 over dp 1 x cp 2 */
     rc = load_child(write_yaml("ep_cp.yaml", MOE4 "parallel:\n  ep: 2\n  dp: 1\n  cp: 2\n"), NULL, 0, err, sizeof err);
     test_report(rc == 0, "config_parallel_ep_cp_accepted", "exit %d: %s", rc, err);
-    /* MoE under cp: dropless (the default) runs, a capacity is refused */
-    expect_yaml_fail("config_parallel_cp_moe_capacity", MOE4 "    capacity_factor: 1.25\nparallel:\n  cp: 2\n",
-                     "key", "'model.moe.capacity_factor': an expert's capacity", NULL);
+    /* MoE under cp, with a capacity too (model.c: a chunk keeps what the earlier chunks leave) */
+    rc = load_child(write_yaml("cp_moe.yaml", MOE4 "    capacity_factor: 1.25\nparallel:\n  cp: 2\n"), NULL, 0, err,
+                    sizeof err);
+    test_report(rc == 0, "config_parallel_cp_moe_accepted", "exit %d: %s", rc, err);
     expect_yaml_fail("config_parallel_ep_zero2", MOE4 "parallel:\n  ep: 2\n  zero: 2\n", "bad.yaml:9:",
                      "key 'parallel.zero'", "ZeRO 0 or 1");
     /* with a pipeline: each micro-batch in flight keeps its own dispatch (ep.c) */
