@@ -202,15 +202,15 @@ static const CfgKey cfg_keys[] = {
     KINT("parallel.cp", cp, "1", 1, INF, "context-parallel ranks: each sequence is cut into 2 cp chunks and rank r "
          "holds chunks r and 2cp-1-r (every rank the same causal attention work); everything per token runs on "
          "the chunks, attention exchanges K and V over the cp ranks (`cp_attention`); `model.seq_len` must be a "
-         "multiple of 2 cp; replicated gradients sum over dp x cp, and ZeRO shards over dp x cp; not with "
-         "`model.mlp: moe`"),
+         "multiple of 2 cp; replicated gradients sum over dp x cp, and ZeRO shards over dp x cp; MoE layers "
+         "route as one rank (a sequence's loads summed over cp, a capacity split over its chunks)"),
     KENUM("parallel.cp_attention", cp_attention, "allgather", "allgather|ring",
           "cp > 1: `allgather` gathers every rank's K and V before attention and reduce-scatters their gradients "
           "(simple; memory cp x the local K/V), `ring` passes K/V blocks around the cp ranks while attention runs "
           "on the current one, merging by log-sum-exp, and dK/dV after them (memory 2 blocks)"),
-    KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (MoE): each of ep consecutive dp ranks holds "
-         "n_experts / ep whole experts, tokens travel to them by all-to-all; must divide `model.moe.n_experts` and "
-         "dp; ZeRO 0 or 1"),
+    KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (MoE): each of ep consecutive ranks of dp x cp "
+         "holds n_experts / ep whole experts, tokens travel to them by all-to-all; must divide "
+         "`model.moe.n_experts` and dp x cp; ZeRO 0 or 1; with `pp` inside each stage"),
     KFLT("parallel.timeout_s", timeout_s, "300", 0.1, 1e7, "seconds any collective may wait before the run stops naming the missing rank (env KILN_COMM_TIMEOUT_S overrides)"),
     KENUM("precision.compute", compute, "bf16", "bf16|fp32", "activation dtype on GPU: `bf16` stores activations, their gradients and the weights' compute copy in bf16 (half the memory; fp32 math and accumulation, matrix products on tensor cores), `fp32` is strict fp32; the CPU backend is always fp32"),
     KENUM("precision.attention", attention, "auto", "auto|cudnn|tensor_cores|simt",
