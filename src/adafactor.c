@@ -14,17 +14,21 @@
 
 /* The vector of a split tensor's dimension that the split cuts is partial
  * over tp (the other ranks hold the other rows or columns): those go first
- * in the statistics, so one tp all-reduce covers them. */
+ * in the statistics, so one tp all-reduce covers them; an expert-parallel
+ * rank's experts (never split over tp) last, so one EDP all-reduce covers
+ * theirs and one dp all-reduce the rest. */
 static void place_stats(Adafactor *a) {
     size_t at = 0;
-    for (int pass = 0; pass < 2; pass++) { /* 0: the vectors partial over tp; 1: the rest */
+    for (int pass = 0; pass < 3; pass++) { /* 0: the vectors partial over tp; 1: the other dense; 2: experts */
         for (int k = 0; k < a->nf; k++) {
             AdafactorFactor *f = &a->f[k];
             int rows_partial = a->tp && f->split == 1, cols_partial = a->tp && f->split == 0;
-            if (rows_partial == (pass == 0)) f->r = at, at += (size_t)f->rows;
-            if (cols_partial == (pass == 0)) f->c = at, at += (size_t)f->cols;
+            int rp = f->expert ? 2 : rows_partial ? 0 : 1, cp = f->expert ? 2 : cols_partial ? 0 : 1;
+            if (rp == pass) f->r = at, at += (size_t)f->rows;
+            if (cp == pass) f->c = at, at += (size_t)f->cols;
         }
         if (pass == 0) a->nsplit = at;
+        if (pass == 1) a->ndense = at;
     }
     a->nstat = at;
 }
@@ -34,24 +38,30 @@ void adafactor_init(Adafactor *a, AdamW *o, const Model *m, Ddp *d, CommGroup *t
     memset(a, 0, sizeof *a);
     a->be = o->be;
     a->dp = ddp_zero(d) >= 1 ? ddp_group(d) : NULL; /* ZeRO 0: every dp rank holds the whole part */
+    a->edp = ddp_zero(d) >= 1 ? ddp_expert_group(d) : NULL; /* ZeRO-1's expert block: over EDP */
+    size_t xlen = ddp_expert_len(d);
     a->tp = tp && tp->size > 1 ? tp : NULL;
     a->tp_rank = a->tp ? tp->rank : 0;
     a->decay = decay, a->clip = clip, a->eps1 = eps1, a->beta1 = o->beta1;
     a->nt = m->num_tensors;
     a->numel = xcalloc((size_t)a->nt, sizeof(double));
     a->tsplit = xcalloc((size_t)a->nt, sizeof(int));
+    a->texpert = xcalloc((size_t)a->nt, sizeof(int));
     int *fac_of = xmalloc((size_t)a->nt * sizeof(int));
     a->f = xcalloc((size_t)a->nt + 1, sizeof(AdafactorFactor));
     for (int i = 0; i < a->nt; i++) {
         const ParamInfo *p = &m->params[i];
         a->numel[i] = (double)p->gshape[0] * (p->ndim == 2 ? p->gshape[1] : 1);
         a->tsplit[i] = p->split.dim >= 0;
+        a->texpert[i] = p->offset < xlen;
+        if (a->texpert[i] && a->tsplit[i])
+            kiln_fail(KILN_EXIT_RUNTIME, "adafactor: expert tensor %s is split over tp", p->name);
         fac_of[i] = -1;
         if (p->ndim != 2 || !p->trained) continue;
         fac_of[i] = a->nf;
         a->f[a->nf++] = (AdafactorFactor){.tensor = i, .rows = p->shape[0], .cols = p->shape[1],
                                           .grows = p->gshape[0], .gcols = p->gshape[1], .split = p->split.dim,
-                                          .parts = p->split.parts};
+                                          .parts = p->split.parts, .expert = a->texpert[i]};
     }
     place_stats(a);
     /* the runs: this rank's pieces cut at the tensors */
@@ -65,8 +75,8 @@ void adafactor_init(Adafactor *a, AdamW *o, const Model *m, Ddp *d, CommGroup *t
             if (lo >= hi || !p->trained) continue;
             if ((size_t)a->np == cap) a->p = xrealloc(a->p, (cap *= 2) * sizeof(AdafactorPiece));
             AdafactorPiece *r = &a->p[a->np++];
-            *r = (AdafactorPiece){.tensor = i, .fac = fac_of[i], .at = dp.at + (lo - dp.lo), .n = hi - lo,
-                                  .toff = lo - p->offset, .decay = p->decay};
+            *r = (AdafactorPiece){.tensor = i, .fac = fac_of[i], .at = dp.par + (lo - dp.lo), .n = hi - lo,
+                                  .st = dp.at + (lo - dp.lo), .toff = lo - p->offset, .decay = p->decay};
             if (r->fac < 0) r->v = a->nv, a->nv += r->n;
         }
     free(fac_of);
@@ -78,7 +88,7 @@ void adafactor_init(Adafactor *a, AdamW *o, const Model *m, Ddp *d, CommGroup *t
     a->stat_host = xcalloc(a->nstat + 1, sizeof(float));
     a->rsum = xcalloc((size_t)a->nf + 1, sizeof(double));
     a->usq = xcalloc((size_t)a->np + 1, sizeof(double));
-    a->q = xcalloc((size_t)a->nt + 1, sizeof(double));
+    a->q = xcalloc(2 * (size_t)a->nt + 1, sizeof(double));
     ddp_set_adafactor(d, a);
 }
 
@@ -86,7 +96,8 @@ void adafactor_free(Adafactor *a) {
     if (a->be) {
         a->be->free(a->sums), a->be->free(a->stat), a->be->free(a->v), a->be->free(a->usq_dev);
     }
-    free(a->p), free(a->f), free(a->numel), free(a->tsplit), free(a->stat_host), free(a->rsum), free(a->usq);
+    free(a->p), free(a->f), free(a->numel), free(a->tsplit), free(a->texpert), free(a->stat_host), free(a->rsum);
+    free(a->usq);
     free(a->q);
     memset(a, 0, sizeof *a);
 }
@@ -117,9 +128,13 @@ OptimStepInfo adafactor_step(Adafactor *a, AdamW *o, float *params, const float 
         const AdafactorFactor *f = &a->f[r->fac];
         be->adafactor_stats(a->sums + f->r, a->sums + f->c, grads + r->at, r->toff, r->n, f->cols, gs, a->eps1);
     }
-    if (a->dp && a->nstat) {
+    if (a->dp && a->ndense) {
         fence(a);
-        comm_all_reduce_sum(a->dp, a->sums, a->nstat);
+        comm_all_reduce_sum(a->dp, a->sums, a->ndense);
+    }
+    if (a->edp && a->nstat > a->ndense) {
+        fence(a);
+        comm_all_reduce_sum(a->edp, a->sums + a->ndense, a->nstat - a->ndense);
     }
     if (a->tp && a->nsplit) {
         fence(a);
@@ -155,13 +170,16 @@ OptimStepInfo adafactor_step(Adafactor *a, AdamW *o, float *params, const float 
     }
     fence(a);
     be->to_host(a->usq, a->usq_dev, (size_t)a->np * sizeof(double));
-    memset(a->q, 0, (size_t)a->nt * sizeof(double));
+    int nt = a->nt;
+    memset(a->q, 0, 2 * (size_t)nt * sizeof(double));
     for (int k = 0; k < a->np; k++) {
         int t = a->p[k].tensor;
-        if (!a->tp || a->tsplit[t] || a->tp_rank == 0) a->q[t] += a->usq[k];
+        if (!a->tp || a->tsplit[t] || a->tp_rank == 0) a->q[t + (a->texpert[t] ? nt : 0)] += a->usq[k];
     }
-    if (a->dp) comm_all_reduce_sum_f64(a->dp, a->q, (size_t)a->nt);
-    if (a->tp) comm_all_reduce_sum_f64(a->tp, a->q, (size_t)a->nt);
+    if (a->dp) comm_all_reduce_sum_f64(a->dp, a->q, (size_t)nt);
+    if (a->edp) comm_all_reduce_sum_f64(a->edp, a->q + nt, (size_t)nt);
+    for (int t = 0; t < nt; t++) a->q[t] += a->q[nt + t];
+    if (a->tp) comm_all_reduce_sum_f64(a->tp, a->q, (size_t)nt);
     /* the step */
     for (int k = 0; k < a->np; k++) {
         const AdafactorPiece *r = &a->p[k];
@@ -169,7 +187,7 @@ OptimStepInfo adafactor_step(Adafactor *a, AdamW *o, float *params, const float 
         float rmean = f ? (float)(a->rsum[r->fac] / f->grows) : 1.0f;
         double rms = sqrt(a->q[r->tensor] / a->numel[r->tensor]);
         float inv_clip = a->clip > 0 && rms > a->clip ? (float)(a->clip / rms) : 1.0f;
-        be->adafactor_apply(params + r->at, grads + r->at, a->beta1 > 0 ? (float *)o->m + r->at : NULL,
+        be->adafactor_apply(params + r->at, grads + r->at, a->beta1 > 0 ? (float *)o->m + r->st : NULL,
                             f ? NULL : a->v + r->v, f ? a->stat + f->r : NULL, f ? a->stat + f->c : NULL, rmean,
                             r->toff, r->n, f ? f->cols : 1, gs, inv_clip, lr, a->beta1,
                             r->decay ? o->weight_decay : 0.0f);

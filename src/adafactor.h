@@ -1,6 +1,7 @@
 /* adafactor: Adafactor (Shazeer & Stern 2018) over this rank's optimizer
  * part: factored second moments of each 2-D tensor (row and column averages,
- * their sums over dp and, where tp splits, over tp), elementwise ones for the
+ * their sums over dp (over EDP for an expert-parallel rank's experts) and,
+ * where tp splits, over tp), elementwise ones for the
  * rest, update clipping, relative step off. Knows the tensor table, ddp's
  * pieces and comm; never the data or the checkpoint (state.c asks
  * adafactor_state). docs/optimizers.md. */
@@ -18,7 +19,8 @@
 typedef struct AdafactorPiece {
     int tensor;   /* the model's table row */
     int fac;      /* its factored tensor (Adafactor.f), or -1: an elementwise second moment */
-    size_t at, n; /* where the run lies in this rank's optimizer buffers (params, grads, m), its length */
+    size_t at, n; /* where the run lies in the params and grads ddp hands the optimizer, its length */
+    size_t st;    /* where it lies in the optimizer state (m): at, but ZeRO-1 under ep packs the blocks */
     size_t toff;  /* its first element's index in the (local) tensor */
     size_t v;     /* not factored: where its second moment lies in Adafactor.v */
     int decay;
@@ -30,12 +32,14 @@ typedef struct AdafactorFactor {
     int tensor;
     int rows, cols, grows, gcols;
     int split, parts; /* tp: -1 not split, 0 rows, 1 columns; in `parts` blocks (GPT-2's q|k|v: 3) */
+    int expert;       /* an expert-parallel rank's expert: its sums run over EDP, not dp */
     size_t r, c;      /* where its row (rows) and column (cols) vectors lie in sums and stat */
 } AdafactorFactor;
 
 typedef struct Adafactor {
     const Backend *be;
     CommGroup *dp, *tp; /* reduce over: dp when the runs are ZeRO shards, tp when tp > 1; else NULL */
+    CommGroup *edp;     /* the experts' runs are ZeRO shards over EDP (ep > 1, ZeRO 1); else NULL */
     int tp_rank;
     float decay, clip, eps1, beta1;
     AdafactorPiece *p;
@@ -45,14 +49,17 @@ typedef struct Adafactor {
     int nt;             /* the model's tensors */
     double *numel;      /* [nt] elements of each global tensor */
     int *tsplit;        /* [nt] 1 if tp splits the tensor */
+    int *texpert;       /* [nt] 1 if it is one of an expert-parallel rank's experts */
     size_t nstat, nsplit; /* floats of the statistics; the first nsplit are partial over tp */
+    size_t ndense;      /* the first ndense are the dense tensors' (summed over dp), the rest the experts'
+                           (over EDP) */
     float *sums, *stat; /* device (nstat): this step's row and column sums; their moving averages (state) */
     float *stat_host;   /* host (nstat) */
     double *rsum;       /* host (nf): the sum of each factored tensor's row averages */
     float *v;           /* device (nv): the second moments of the runs not factored (state) */
     size_t nv;
     double *usq_dev, *usq; /* device, host (np): each run's sum of the update's squares */
-    double *q;          /* host (nt): each tensor's */
+    double *q;          /* host (2 nt): each tensor's; the experts' first in [nt, 2 nt) (summed over EDP) */
 } Adafactor;
 
 /* Plan it over this rank's optimizer part (ddp's pieces) of model m, for
@@ -76,7 +83,8 @@ void adafactor_zero(Adafactor *a);
  * moments). A vector lies at ptr (len floats, device) as `nbox` runs, run j
  * at ptr + at[j] being the global vector's [g0[j], g0[j] + n[j]); `part` 1
  * when they are this tp rank's own (a split), 0 when the whole vector, the
- * same on every tp rank. Every vector is the same on every dp rank. */
+ * same on every tp rank. Every vector is the same on every dp rank (an
+ * expert's: on every rank of its EDP group). */
 typedef struct AdafactorState {
     const char *prefix;
     int tensor;

@@ -147,9 +147,10 @@ static const CfgKey cfg_keys[] = {
     KENUM("optim.name", optim_name, "adamw", "adamw|lion|muon|adafactor",
           "optimizer (docs/optimizers.md): `adamw`; `lion` (sign of the interpolated momentum, one state "
           "buffer; takes `optim.lion_betas`, `lr`, `weight_decay` and `grad_clip`, not `betas` or `eps`); `muon` "
-          "(the blocks' 2-D matrices orthogonalised by Newton-Schulz, each on one dp rank; embeddings, head, "
-          "gains, biases and the router keep AdamW with `betas`, `eps`); `adafactor` (factored second moments "
-          "of every 2-D tensor, update clipping, relative step off: `optim.adafactor_*`, `lr`, `weight_decay`)"),
+          "(the blocks' 2-D matrices orthogonalised by Newton-Schulz, each on one dp rank, an expert's on one "
+          "rank of its EDP group; embeddings, head, gains, biases and the router keep AdamW with `betas`, "
+          "`eps`); `adafactor` (factored second moments of every 2-D tensor, update clipping, relative step "
+          "off: `optim.adafactor_*`, `lr`, `weight_decay`)"),
     KFLT("optim.lr", lr, "6.0e-4", 0, 10, "peak learning rate"),
     KPAIR("optim.betas", beta1, beta2, "[0.9, 0.95]", 0, 1, CF_HI_OPEN, "AdamW `[beta1, beta2]`"),
     /* eps = 0 divides 0 by 0 wherever a gradient is always zero (the padded
@@ -934,11 +935,6 @@ static void cfg_check_ep(const Config *c, const ArchSpec *s, CfgLoad *L) {
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': expert parallelism runs with ZeRO 0 or 1 (its expert "
                   "tensors shard over the EDP group, ZeRO-%d's layer units over dp), got %d",
                   cfg_where_of(L, "parallel.zero", "parallel.ep"), c->zero, c->zero);
-    if (strcmp(c->optim_name, "muon") == 0 || strcmp(c->optim_name, "adafactor") == 0)
-        kiln_fail(KILN_EXIT_USAGE, "%s: key 'optim.name': %s with parallel.ep > 1 is not supported (its matrices "
-                  "and factored moments are planned over one arena shared by the dp group, not over EDP's expert "
-                  "blocks); use optim.name adamw or lion, or parallel.ep: 1",
-                  cfg_where_of(L, "optim.name", "parallel.ep"), c->optim_name);
 }
 
 /* Lion's and Muon's ops keep fp32 state and update fp32 parameters only. */

@@ -426,6 +426,7 @@ static void experts_init(Ddp *d, const DdpExperts *ex) {
     need_device_mode(d, d->eg, "parallel.dp / parallel.ep", d->eg ? d->eg->size : 1);
     int ne = d->eg ? d->eg->size : 1, re = d->eg ? d->eg->rank : 0;
     if (d->zero >= 1) {
+        d->xlen = m->expert_len;
         d->xshard = mesh_shard_range(m->expert_len, ne, re, 64);
         model_pad_experts(m, d->xshard.padded_n);
     }
@@ -609,11 +610,14 @@ OptimStepInfo ddp_optim_step(Ddp *d, AdamW *o, float lr, double grad_norm) {
         return info;
     }
     if (d->zseg) {
-        /* ZeRO-1 under expert parallelism (AdamW and Lion: config.c refuses
-         * Muon and Adafactor with ep): this rank's dense block and expert
-         * block, then each gathered over its own group */
-        OptimStepInfo info = optim_step_segments(o, m->param_mem, m->grad_mem, d->zseg, d->nzseg, lr, grad_norm);
+        /* ZeRO-1 under expert parallelism: this rank's dense block and
+         * expert block (Muon's matrices: their owners over dp and over EDP,
+         * muon.c), then each gathered over its own group */
+        OptimStepInfo info = d->adafactor ? adafactor_step(d->adafactor, o, m->param_mem, m->grad_mem, lr, grad_norm)
+                                          : optim_step_segments(o, m->param_mem, m->grad_mem, d->zseg, d->nzseg, lr,
+                                                                grad_norm);
         if (info.nonfinite) return info;
+        if (d->muon) muon_after(d, o, m->param_mem, m->grad_mem, lr, info.grad_scale);
         host_comm_fence(d);
         double t0 = kiln_now();
         float *dense = m->param_mem + d->dense0;
@@ -659,13 +663,14 @@ float *ddp_optim_grads(const Ddp *d) { return d->units ? d->gshard : d->m->grad_
 int ddp_shard_piece(const Ddp *d, int i, DdpPiece *p) {
     if (d->zseg) {
         size_t nd = d->shard.hi - d->shard.lo;
-        if (i == 0) *p = (DdpPiece){.at = 0, .lo = d->dense0 + d->shard.lo, .hi = d->dense0 + d->shard.hi};
-        else if (i == 1) *p = (DdpPiece){.at = nd, .lo = d->xshard.lo, .hi = d->xshard.hi};
+        if (i == 0) *p = (DdpPiece){.at = 0, .lo = d->dense0 + d->shard.lo, .hi = d->dense0 + d->shard.hi,
+                                    .par = d->dense0 + d->shard.lo};
+        else if (i == 1) *p = (DdpPiece){.at = nd, .lo = d->xshard.lo, .hi = d->xshard.hi, .par = d->xshard.lo};
         return i < 2;
     }
     if (!d->units || i >= d->nu) return 0;
     size_t off = d->m->unit_off[i];
-    *p = (DdpPiece){.at = d->at[i], .lo = off + d->us[i].lo, .hi = off + d->us[i].hi};
+    *p = (DdpPiece){.at = d->at[i], .lo = off + d->us[i].lo, .hi = off + d->us[i].hi, .par = d->at[i]};
     return 1;
 }
 
@@ -673,19 +678,37 @@ int ddp_optim_pieces(const Ddp *d) { return d->units || d->zseg; }
 
 int ddp_rank_piece(const Ddp *d, int rank, int i, DdpPiece *p) {
     const Model *m = d->m;
+    if (d->zseg) {
+        /* dp rank `rank`'s dense block, then its EDP rank's expert block (its state after the dense block's) */
+        if (i > 1) return 0;
+        ShardRange s = mesh_shard_range(m->num_params - d->dense0, d->dp, rank, 64);
+        if (i == 0) {
+            *p = (DdpPiece){.at = 0, .lo = d->dense0 + s.lo, .hi = d->dense0 + s.hi, .par = d->dense0 + s.lo};
+            return 1;
+        }
+        ShardRange x = mesh_shard_range(d->xlen, d->eg ? d->eg->size : 1, rank / d->epg->size, 64);
+        *p = (DdpPiece){.at = s.hi - s.lo, .lo = x.lo, .hi = x.hi, .par = x.lo};
+        return 1;
+    }
     if (!d->units) {
         if (i > 0) return 0;
         ShardRange s = mesh_shard_range(m->num_params, d->dp, rank, 64);
         if (d->zero == 0) s.lo = 0, s.hi = m->num_params;
-        *p = (DdpPiece){.at = 0, .lo = s.lo, .hi = s.hi};
+        *p = (DdpPiece){.at = 0, .lo = s.lo, .hi = s.hi, .par = 0};
         return 1;
     }
     if (i >= d->nu) return 0;
     /* every rank's block of a unit has the same size, so the same place in its shard buffers */
     ShardRange s = mesh_shard_range(m->unit_len[i], d->dp, rank, 64);
-    *p = (DdpPiece){.at = d->at[i], .lo = m->unit_off[i] + s.lo, .hi = m->unit_off[i] + s.hi};
+    *p = (DdpPiece){.at = d->at[i], .lo = m->unit_off[i] + s.lo, .hi = m->unit_off[i] + s.hi, .par = d->at[i]};
     return 1;
 }
+
+size_t ddp_expert_len(const Ddp *d) { return d->dense0; }
+
+CommGroup *ddp_expert_group(const Ddp *d) { return d->eg; }
+
+int ddp_expert_peer(const Ddp *d, int e) { return d->epg ? e * d->epg->size + d->epg->rank : e; }
 
 int ddp_zero(const Ddp *d) { return d->zero; }
 

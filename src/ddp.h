@@ -106,6 +106,7 @@ typedef struct Ddp {
     CommGroup *eg, *epg;
     size_t dense0;
     ShardRange xshard;
+    size_t xlen;         /* the expert range's length before ZeRO-1 padded it (xshard's n) */
     OptimSegment *zseg;
     int nzseg;
     /* Pipeline parallelism (ddp_set_pp): the norm also sums over the pp
@@ -220,6 +221,8 @@ float *ddp_optim_grads(const Ddp *d);
  * back to back in the moments only (the parameters stay in the arena). */
 typedef struct DdpPiece {
     size_t at, lo, hi;
+    size_t par; /* where its parameters and gradients lie in the buffers ddp_optim_step hands the
+                   optimizer: at, but the arena element lo under ZeRO-1 with expert parallelism */
 } DdpPiece;
 /* Piece i of this rank's shard into *p; 0 past the last (at once for
  * stages other than ZeRO-2/3 and ZeRO-1 under expert parallelism). */
@@ -230,16 +233,26 @@ int ddp_shard_piece(const Ddp *d, int i, DdpPiece *p);
 int ddp_optim_pieces(const Ddp *d);
 
 /* Piece i of rank `rank`'s optimizer part: arena elements [lo, hi) stored
- * at `at` in that rank's optimizer buffers (the params and grads that
- * ddp_optim_step hands the optimizer): ZeRO 0 the whole arena, ZeRO 1 its
- * block of the padded arena (at 0, i = 0 only), ZeRO 2/3 its block of unit
- * i. 0 past the last. What muon.c plans its exchanges with. */
+ * at `at` in that rank's optimizer state and at `par` in the params and
+ * grads that ddp_optim_step hands the optimizer: ZeRO 0 the whole arena,
+ * ZeRO 1 its block of the padded arena (at 0, i = 0 only), ZeRO 2/3 its
+ * block of unit i; ZeRO 1 under expert parallelism its dense block (i = 0)
+ * and the expert block of its EDP rank (i = 1; the range in that rank's own
+ * arena, which holds its experts). 0 past the last. What muon.c plans its
+ * exchanges with and adafactor.c its runs. */
 int ddp_rank_piece(const Ddp *d, int rank, int i, DdpPiece *p);
 /* The ZeRO stage in effect (0 on one rank for any parallel.zero), the dp
  * group (NULL for one rank) and this rank's place in it. */
 int ddp_zero(const Ddp *d);
 CommGroup *ddp_group(const Ddp *d);
 int ddp_rank(const Ddp *d);
+/* Expert parallelism (ep > 1): the arena's [0, ddp_expert_len) holds this
+ * rank's experts (0 without ep); ddp_expert_group their EDP group (NULL
+ * when each expert has one holder, or without ep); ddp_expert_peer the dp
+ * group's rank of EDP rank e of this rank's EDP group. */
+size_t ddp_expert_len(const Ddp *d);
+CommGroup *ddp_expert_group(const Ddp *d);
+int ddp_expert_peer(const Ddp *d, int e);
 /* Muon distributed over the dp group (muon.c): ddp_optim_step runs its
  * step after the elementwise part, before the parameters travel. */
 struct MuonDist;

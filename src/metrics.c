@@ -268,6 +268,8 @@ struct Metrics {
 
     /* the run so far, for summary.json (carried over a resume from metrics.jsonl) */
     char run_name[CFG_STR], ckpt_dir[CFG_STR + 16], commit[64];
+    MetricsLayout layout; /* summary.json "layout" (world 0: not set) */
+    MetricsResumed resumed; /* summary.json "resumed" (checkpoint "": a fresh start) */
     double wall_open;             /* Unix time at open */
     double final_loss, best_loss, best_val;
     int best_loss_step, best_val_step, last_val_step, steps_seen;
@@ -631,6 +633,20 @@ static void summary_write(Metrics *m) {
     json_str(f, "dir", m->ckpt_dir);
     fputc('}', f);
     fprintf(f, ",\"world\":%d", m->world);
+    if (m->layout.world > 0) {
+        const MetricsLayout *l = &m->layout;
+        fprintf(f, ",\"layout\":{\"world\":%d,\"pp\":%d,\"dp\":%d,\"cp\":%d,\"tp\":%d,\"ep\":%d,\"zero\":%d,"
+                "\"param_floats\":%zu,\"grad_floats\":%zu,\"optim_floats\":%zu}", l->world, l->pp, l->dp, l->cp,
+                l->tp, l->ep, l->zero, l->param_floats, l->grad_floats, l->optim_floats);
+    }
+    if (m->resumed.checkpoint[0]) {
+        const MetricsResumed *r = &m->resumed;
+        fputs(",\"resumed\":{\"checkpoint\":", f);
+        json_strval(f, r->checkpoint);
+        fprintf(f, ",\"step\":%lld,\"tokens\":%lld,\"from\":{\"world\":%d,\"pp\":%d,\"dp\":%d,\"tp\":%d,"
+                "\"ep\":%d},\"resharded\":%s}", r->step, r->tokens, r->world, r->pp, r->dp, r->tp, r->ep,
+                r->resharded ? "true" : "false");
+    }
     json_str(f, "host", m->host);
     json_str(f, "commit", m->commit[0] ? m->commit : "unknown");
     json_num(f, "peak_rss_mib", metrics_peak_rss_mib());
@@ -1330,6 +1346,14 @@ void metrics_end(Metrics *m, int exit_code, const char *reason) {
 
 void metrics_set_commit(Metrics *m, const char *commit) {
     if (m && commit) kiln_strlcpy(m->commit, commit, sizeof m->commit);
+}
+
+void metrics_set_layout(Metrics *m, const MetricsLayout *l) {
+    if (m) m->layout = *l;
+}
+
+void metrics_set_resumed(Metrics *m, const MetricsResumed *r) {
+    if (m) m->resumed = *r;
 }
 
 void metrics_close(Metrics *m) {

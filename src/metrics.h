@@ -111,6 +111,25 @@ void metrics_close(Metrics *m);
 void metrics_end(Metrics *m, int exit_code, const char *reason);
 /* The build's commit, for summary.json and the MLflow run's tags. */
 void metrics_set_commit(Metrics *m, const char *commit);
+/* The run's layout, for summary.json's "layout" (what tests and scripts
+ * read instead of the start-up lines): ranks per dimension, ZeRO stage and
+ * this rank's (rank 0's) buffer sizes in floats. */
+typedef struct MetricsLayout {
+    int world, pp, dp, cp, tp, ep, zero;
+    size_t param_floats;  /* parameters held by this rank (its tp part, stage, experts) */
+    size_t grad_floats;   /* its gradient buffers (ddp_grad_floats) */
+    size_t optim_floats;  /* elements of the optimizer state it updates */
+} MetricsLayout;
+void metrics_set_layout(Metrics *m, const MetricsLayout *l);
+/* A resumed run's origin, for summary.json's "resumed": the checkpoint, its
+ * step and tokens, and the layout it was written by (pp, dp, tp, ep; 0 where
+ * the checkpoint does not say); resharded: the layout changed. */
+typedef struct MetricsResumed {
+    char checkpoint[1200];
+    long long step, tokens;
+    int world, pp, dp, tp, ep, resharded;
+} MetricsResumed;
+void metrics_set_resumed(Metrics *m, const MetricsResumed *r);
 
 /* Record one step: metrics.jsonl, TensorBoard, the progress line or bar (rank
  * 0; a full line every log_every steps, at evaluations and at the end),

@@ -2,7 +2,8 @@
  * that every rank computes alike (owners, runs, block sizes), so the
  * exchanges need no agreement: one all-to-all gathers the gradients of every
  * owner's matrices (ZeRO 2/3), one scatters the updates back (ZeRO 1-3), or
- * one all-gather gives every rank every update (ZeRO 0). */
+ * one all-gather gives every rank every update (ZeRO 0); under expert
+ * parallelism the experts' updates take the same way over EDP. */
 #include "muon.h"
 
 #include <stdio.h>
@@ -17,13 +18,9 @@ double muon_ns_flops(int rows, int cols, int ns) {
     return ns * (4.0 * a * a * b + 2.0 * a * a * a);
 }
 
-/* Longest processing time first: matrices by cost, largest first (ties by
- * index), each to the least loaded rank (ties to the lowest): within 4/3 of
- * the best balance, and the same on every rank. */
-static void assign_owners(MuonDist *md, const AdamW *o) {
-    int n = o->nmat;
-    int *order = xmalloc((size_t)(n + 1) * sizeof(int));
-    double *c = xmalloc((size_t)(n + 1) * sizeof(double));
+/* Matrix i's costs sorted, largest first (ties by index). */
+static int *by_cost(const AdamW *o, double *c) {
+    int n = o->nmat, *order = xmalloc((size_t)(n + 1) * sizeof(int));
     for (int i = 0; i < n; i++) order[i] = i, c[i] = muon_ns_flops(o->mats[i].grows, o->mats[i].gcols, o->ns_steps);
     for (int i = 1; i < n; i++) /* insertion sort: a few hundred matrices at most */
         for (int j = i; j > 0 && (c[order[j]] > c[order[j - 1]] ||
@@ -31,91 +28,132 @@ static void assign_owners(MuonDist *md, const AdamW *o) {
             int t = order[j];
             order[j] = order[j - 1], order[j - 1] = t;
         }
-    for (int k = 0; k < n; k++) {
-        int best = 0;
-        for (int r = 1; r < md->dp; r++)
-            if (md->cost[r] < md->cost[best]) best = r;
-        md->owner[order[k]] = best;
-        md->cost[best] += c[order[k]];
-    }
-    free(order);
-    free(c);
+    return order;
 }
 
-/* The runs: every rank's optimizer part cut at the matrices' bounds. A
- * holder sends its runs of owner o's matrices in matrix order into block o;
- * o reads them from block h in the same order, so both sides agree on every
- * position without asking. pair[h * dp + o] counts the floats h sends o. */
-static void plan_runs(MuonDist *md, const AdamW *o, const Ddp *d) {
-    int dp = md->dp;
-    size_t *pair = xcalloc((size_t)dp * dp, sizeof(size_t));
+/* Longest processing time first: matrices by cost, largest first, each to
+ * the least loaded rank (ties to the lowest): within 4/3 of the best
+ * balance, and the same on every rank. The experts first, over EDP (every
+ * EDP group's experts have the same shapes, so every group assigns alike),
+ * then the dense matrices over dp, each dp rank starting from its experts'
+ * load. */
+static void assign_owners(MuonDist *md, const AdamW *o) {
+    int n = o->nmat, ne = md->plan[MUON_EXPERTS].n;
+    double *c = xmalloc((size_t)(n + 1) * sizeof(double)), *xload = xcalloc((size_t)ne, sizeof(double));
+    int *order = by_cost(o, c);
+    for (int k = 0; k < n; k++) {
+        int i = order[k], best = 0;
+        if (md->kind[i] != MUON_EXPERTS) continue;
+        for (int r = 1; r < ne; r++)
+            if (xload[r] < xload[best]) best = r;
+        md->owner[i] = best;
+        xload[best] += c[i];
+    }
+    for (int r = 0; r < md->dp; r++) md->cost[r] = xload[r / md->ep];
+    for (int k = 0; k < n; k++) {
+        int i = order[k], best = 0;
+        if (md->kind[i] != MUON_DENSE) continue;
+        for (int r = 1; r < md->dp; r++)
+            if (md->cost[r] < md->cost[best]) best = r;
+        md->owner[i] = best;
+        md->cost[best] += c[i];
+    }
+    for (int i = 0; i < n; i++) md->mine[i] = md->owner[i] == md->plan[md->kind[i]].rank;
+    free(order);
+    free(c);
+    free(xload);
+}
+
+/* 1 if dp rank d owns matrix i (under ep: d's own expert of the same index). */
+static int owned_by(const MuonDist *md, int i, int d) {
+    return md->owner[i] == (md->kind[i] == MUON_EXPERTS ? d / md->ep : d);
+}
+
+/* The runs of plan k: every rank's optimizer part cut at the matrices'
+ * bounds. A holder sends its runs of owner o's matrices in matrix order into
+ * block o; o reads them from block h in the same order, so both sides agree
+ * on every position without asking. pair[h * n + o] counts the floats h
+ * sends o. */
+static void plan_runs(MuonDist *md, int kind, const AdamW *o, const Ddp *d) {
+    MuonPlan *pl = &md->plan[kind];
+    int n = pl->n;
+    size_t *pair = xcalloc((size_t)n * n, sizeof(size_t));
     size_t cap_h = 16, cap_o = 16;
-    md->held = xmalloc(cap_h * sizeof(MuonPiece));
-    md->owned = xmalloc(cap_o * sizeof(MuonPiece));
+    pl->held = xmalloc(cap_h * sizeof(MuonPiece));
+    pl->owned = xmalloc(cap_o * sizeof(MuonPiece));
     for (int pass = 0; pass < 2; pass++) {
         /* pass 0 counts the pairs (the block), pass 1 places the runs */
-        memset(pair, 0, (size_t)dp * dp * sizeof(size_t));
-        md->nheld = md->nowned = 0;
+        memset(pair, 0, (size_t)n * n * sizeof(size_t));
+        pl->nheld = pl->nowned = 0;
         for (int i = 0; i < o->nmat; i++) {
             const OptimMatrix *x = &o->mats[i];
+            if (md->kind[i] != kind) continue;
             size_t lo = x->off, hi = x->off + (size_t)x->rows * x->cols;
             int own = md->owner[i];
-            for (int h = 0; h < dp; h++) {
+            for (int h = 0; h < n; h++) {
                 DdpPiece p;
-                for (int k = 0; ddp_rank_piece(d, h, k, &p); k++) {
+                int hr = kind == MUON_EXPERTS ? ddp_expert_peer(d, h) : h; /* h's rank in ddp's group */
+                for (int k = 0; ddp_rank_piece(d, hr, k, &p); k++) {
                     size_t a = p.lo > lo ? p.lo : lo, b = p.hi < hi ? p.hi : hi;
                     if (a >= b) continue;
-                    size_t n = b - a, *at = &pair[(size_t)h * dp + own];
-                    MuonPiece run = {.mat = i, .shard = p.at + (a - p.lo), .own = x->mom + (a - lo), .n = n};
-                    if (pass == 1 && h == md->rank) {
-                        run.peer = own, run.xfer = (size_t)own * md->block + *at;
-                        if ((size_t)md->nheld == cap_h) md->held = xrealloc(md->held, (cap_h *= 2) * sizeof run);
-                        md->held[md->nheld++] = run;
+                    size_t len = b - a, *at = &pair[(size_t)h * n + own];
+                    MuonPiece run = {.mat = i, .shard = p.par + (a - p.lo), .own = x->mom + (a - lo), .n = len};
+                    if (pass == 1 && h == pl->rank) {
+                        run.peer = own, run.xfer = (size_t)own * pl->block + *at;
+                        if ((size_t)pl->nheld == cap_h) pl->held = xrealloc(pl->held, (cap_h *= 2) * sizeof run);
+                        pl->held[pl->nheld++] = run;
                     }
-                    if (pass == 1 && own == md->rank && h != md->rank) {
-                        run.peer = h, run.xfer = (size_t)h * md->block + *at;
-                        if ((size_t)md->nowned == cap_o) md->owned = xrealloc(md->owned, (cap_o *= 2) * sizeof run);
-                        md->owned[md->nowned++] = run;
+                    if (pass == 1 && own == pl->rank && h != pl->rank) {
+                        run.peer = h, run.xfer = (size_t)h * pl->block + *at;
+                        if ((size_t)pl->nowned == cap_o) pl->owned = xrealloc(pl->owned, (cap_o *= 2) * sizeof run);
+                        pl->owned[pl->nowned++] = run;
                     }
-                    if (h != own) *at += n;
+                    if (h != own) *at += len;
                 }
             }
         }
         if (pass == 0) {
-            md->block = 0;
+            pl->block = 0;
             size_t total = 0;
-            for (size_t k = 0; k < (size_t)dp * dp; k++) {
-                md->block = pair[k] > md->block ? pair[k] : md->block;
+            for (size_t k = 0; k < (size_t)n * n; k++) {
+                pl->block = pair[k] > pl->block ? pair[k] : pl->block;
                 total += pair[k];
             }
-            md->pad_total = md->block * (size_t)dp * (dp - 1) - total;
+            pl->pad_total = pl->block * (size_t)n * (n - 1) - total;
         }
     }
-    md->moved = (size_t)(dp - 1) * md->block; /* each all-to-all: a block from every other rank */
+    pl->moved = (size_t)(n - 1) * pl->block; /* each all-to-all: a block from every other rank */
     free(pair);
 }
 
-/* ZeRO 0: every rank applies every update, so each owner's block of the
- * all-gather holds its matrices back to back; every rank holds everything. */
-static void plan_replicated(MuonDist *md, const AdamW *o) {
-    int dp = md->dp;
-    size_t *len = xcalloc((size_t)dp, sizeof(size_t));
-    md->held = xmalloc((size_t)(o->nmat + 1) * sizeof(MuonPiece));
-    md->owned = xmalloc(sizeof(MuonPiece));
-    md->nheld = md->nowned = 0;
+/* ZeRO 0: every rank applies every update of the plan's matrices, so each
+ * owner's block of the all-gather holds its matrices back to back (as they
+ * lie in its momentum: the experts, which come first in the arena, then the
+ * dense ones); every rank holds everything. */
+static void plan_replicated(MuonDist *md, int kind, const AdamW *o) {
+    MuonPlan *pl = &md->plan[kind];
+    int n = pl->n, first = 1;
+    size_t *len = xcalloc((size_t)n, sizeof(size_t));
+    pl->held = xmalloc((size_t)(o->nmat + 1) * sizeof(MuonPiece));
+    pl->owned = xmalloc(sizeof(MuonPiece));
+    pl->nheld = pl->nowned = 0;
+    pl->base = 0;
     for (int i = 0; i < o->nmat; i++) {
         const OptimMatrix *x = &o->mats[i];
-        size_t n = (size_t)x->rows * x->cols;
-        len[md->owner[i]] += n;
-        md->held[md->nheld++] = (MuonPiece){.mat = i, .peer = md->owner[i], .shard = x->off, .own = x->mom,
-                                            .xfer = x->mom, .n = n};
+        if (md->kind[i] != kind) continue;
+        size_t sz = (size_t)x->rows * x->cols;
+        int own = md->owner[i];
+        if (md->mine[i] && first) pl->base = x->mom - len[own], first = 0;
+        pl->held[pl->nheld++] = (MuonPiece){.mat = i, .peer = own, .shard = x->off, .own = x->mom, .xfer = len[own],
+                                            .n = sz};
+        len[own] += sz;
     }
     size_t total = 0;
-    md->block = 0;
-    for (int r = 0; r < dp; r++) md->block = len[r] > md->block ? len[r] : md->block, total += len[r];
-    for (int k = 0; k < md->nheld; k++) md->held[k].xfer += (size_t)md->held[k].peer * md->block;
-    md->pad_total = md->block * (size_t)dp - total;
-    md->moved = (size_t)(dp - 1) * md->block; /* a ring all-gather: every other rank's block */
+    pl->block = 0;
+    for (int r = 0; r < n; r++) pl->block = len[r] > pl->block ? len[r] : pl->block, total += len[r];
+    for (int k = 0; k < pl->nheld; k++) pl->held[k].xfer += (size_t)pl->held[k].peer * pl->block;
+    pl->pad_total = pl->block * (size_t)n - total;
+    pl->moved = (size_t)(n - 1) * pl->block; /* a ring all-gather: every other rank's block */
     free(len);
 }
 
@@ -174,7 +212,7 @@ static void plan_tp(MuonDist *md, const AdamW *o) {
         double *load = md->tcost + (size_t)d * tp;
         int *order = xmalloc((size_t)(n + 1) * sizeof(int)), m = 0;
         for (int i = 0; i < n; i++)
-            if (md->owner[i] == d) order[m++] = i;
+            if (owned_by(md, i, d)) order[m++] = i;
         double *c = xmalloc((size_t)(n + 1) * sizeof(double));
         for (int i = 0; i < n; i++) c[i] = muon_ns_flops(o->mats[i].grows, o->mats[i].gcols, o->ns_steps);
         for (int i = 1; i < m; i++)
@@ -194,7 +232,7 @@ static void plan_tp(MuonDist *md, const AdamW *o) {
         free(c);
     }
     for (int i = 0; i < n; i++)
-        if (md->owner[i] != md->rank) md->towner[i] = -1;
+        if (!md->mine[i]) md->towner[i] = -1;
     size_t *gpair = xcalloc((size_t)tp * tp, sizeof(size_t)), *spair = xcalloc((size_t)tp * tp, sizeof(size_t));
     md->tsend = xmalloc((size_t)(2 * n * tp + 1) * sizeof(MuonTpRun));
     md->trecv = xmalloc((size_t)(2 * n * tp + 1) * sizeof(MuonTpRun));
@@ -251,19 +289,33 @@ void muon_dist_init(MuonDist *md, AdamW *o, Ddp *d, CommGroup *tp, int say) {
     md->tpg = tp && tp->size > 1 ? tp : NULL;
     md->tp = md->tpg ? tp->size : 1;
     md->tpr = md->tpg ? tp->rank : 0;
+    /* expert parallelism: the arena's expert range, owned over EDP */
+    size_t xlen = ddp_expert_len(d);
+    CommGroup *eg = ddp_expert_group(d);
+    int ne = eg ? eg->size : 1;
+    md->ep = xlen ? md->dp / ne : 1;
+    md->plan[MUON_DENSE] = (MuonPlan){.g = md->g, .n = md->dp, .rank = md->rank};
+    md->plan[MUON_EXPERTS] = (MuonPlan){.g = eg, .n = ne, .rank = eg ? eg->rank : 0};
+    md->kind = xcalloc((size_t)(o->nmat + 1), sizeof(int));
     md->owner = xcalloc((size_t)(o->nmat + 1), sizeof(int));
+    md->mine = xcalloc((size_t)(o->nmat + 1), sizeof(int));
+    for (int i = 0; i < o->nmat; i++) md->kind[i] = o->mats[i].off < xlen ? MUON_EXPERTS : MUON_DENSE;
     md->cost = xcalloc((size_t)md->dp, sizeof(double));
     assign_owners(md, o);
-    optim_muon_own(o, md->owner, md->rank);
-    if (md->zero == 0) plan_replicated(md, o);
-    else plan_runs(md, o, d);
-    if (md->tpg) plan_tp(md, o);
-    size_t obuf = o->mm_len > md->block ? o->mm_len : md->block;
-    md->obuf = md->be->alloc((obuf + 1) * sizeof(float));
-    if (md->g) {
-        if (md->zero > 0) md->sbuf = md->be->alloc(((size_t)md->dp * md->block + 1) * sizeof(float));
-        md->rbuf = md->be->alloc(((size_t)md->dp * md->block + 1) * sizeof(float));
+    optim_muon_own(o, md->mine, 1); /* owner 1: this rank */
+    size_t obuf = o->mm_len;
+    for (int k = 0; k < MUON_PLANS; k++) {
+        MuonPlan *pl = &md->plan[k];
+        if (md->zero == 0) plan_replicated(md, k, o);
+        else plan_runs(md, k, o, d);
+        if (pl->base + pl->block > obuf) obuf = pl->base + pl->block;
+        if (pl->g) {
+            if (md->zero > 0) pl->sbuf = md->be->alloc(((size_t)pl->n * pl->block + 1) * sizeof(float));
+            pl->rbuf = md->be->alloc(((size_t)pl->n * pl->block + 1) * sizeof(float));
+        }
     }
+    if (md->tpg) plan_tp(md, o);
+    md->obuf = md->be->alloc((obuf + 1) * sizeof(float));
     ddp_set_muon(d, md);
     if (say) {
         char line[1024];
@@ -275,18 +327,24 @@ void muon_dist_init(MuonDist *md, AdamW *o, Ddp *d, CommGroup *tp, int say) {
 void muon_dist_free(MuonDist *md) {
     if (md->be) {
         md->be->free(md->obuf);
-        if (md->sbuf) md->be->free(md->sbuf);
-        if (md->rbuf) md->be->free(md->rbuf);
+        for (int k = 0; k < MUON_PLANS; k++) {
+            if (md->plan[k].sbuf) md->be->free(md->plan[k].sbuf);
+            if (md->plan[k].rbuf) md->be->free(md->plan[k].rbuf);
+        }
         if (md->gbuf) md->be->free(md->gbuf), md->be->free(md->tsbuf), md->be->free(md->trbuf);
     }
-    free(md->owner), free(md->cost), free(md->held), free(md->owned);
+    for (int k = 0; k < MUON_PLANS; k++) free(md->plan[k].held), free(md->plan[k].owned);
+    free(md->kind), free(md->owner), free(md->mine), free(md->cost);
     free(md->towner), free(md->tcost), free(md->gpos), free(md->tsend), free(md->trecv);
     memset(md, 0, sizeof *md);
 }
 
 void muon_dist_describe(const MuonDist *md, const AdamW *o, char *buf, size_t n) {
-    int *count = xcalloc((size_t)md->dp, sizeof(int));
-    for (int i = 0; i < md->nmat; i++) count[md->owner[i]]++;
+    int *count = xcalloc((size_t)md->dp, sizeof(int)), nx = 0;
+    for (int i = 0; i < md->nmat; i++) {
+        nx += md->kind[i] == MUON_EXPERTS;
+        for (int r = 0; r < md->dp; r++) count[r] += owned_by(md, i, r);
+    }
     /* the cost per rank: per dp owner, or under tp per (dp, tp) rank, dp-major */
     int slots = md->dp * md->tp;
     const double *cost = md->tpg ? md->tcost : md->cost;
@@ -294,6 +352,9 @@ void muon_dist_describe(const MuonDist *md, const AdamW *o, char *buf, size_t n)
     for (int r = 0; r < slots; r++) most = cost[r] > most ? cost[r] : most, sum += cost[r];
     size_t k = (size_t)snprintf(buf, n, "optim: muon owners over %d dp rank(s)", md->dp);
     if (md->tpg && k < n) k += (size_t)snprintf(buf + k, n - k, " x %d tp", md->tp);
+    if (md->ep > 1 && k < n)
+        k += (size_t)snprintf(buf + k, n - k, " (the %d expert matrices here over the %d edp rank(s) holding them)",
+                              nx, md->plan[MUON_EXPERTS].n);
     if (k < n) k += (size_t)snprintf(buf + k, n - k, ": matrices");
     for (int r = 0; r < md->dp && k < n; r++) k += (size_t)snprintf(buf + k, n - k, "%s%d", r ? "/" : " ", count[r]);
     if (k < n) k += (size_t)snprintf(buf + k, n - k, ", Newton-Schulz GFLOP per step%s", md->tpg ? " per dp x tp rank" : "");
@@ -304,13 +365,19 @@ void muon_dist_describe(const MuonDist *md, const AdamW *o, char *buf, size_t n)
                           : md->zero == 1 ? "an all-to-all of the updates to their holders"
                                           : "all-to-alls of the gradients to their owners and the updates back";
         int rounds = md->zero >= 2 ? 2 : 1;
-        double pad = md->zero == 0 ? (double)md->block * md->dp : (double)md->block * md->dp * (md->dp - 1);
+        double moved = 0, pad = 0, pad_total = 0;
+        for (int p = 0; p < MUON_PLANS; p++) {
+            const MuonPlan *pl = &md->plan[p];
+            moved += (double)pl->moved;
+            pad += md->zero == 0 ? (double)pl->block * pl->n : (double)pl->block * pl->n * (pl->n - 1);
+            pad_total += (double)pl->pad_total;
+        }
         /* AdamW's gradient reduction: a ring all-reduce (ZeRO 0-1) sends 2 (dp - 1) / dp of the
          * arena per rank, a reduce-scatter and an all-gather (ZeRO 2) the same */
         double adamw = 2.0 * (md->dp - 1) / md->dp * (double)o->n * 4.0 / 1e6;
         k += (size_t)snprintf(buf + k, n - k, "; per step each rank receives %.4g MB beyond AdamW's %.4g MB (%s, "
-                              "%.1f%% padding)", rounds * (double)md->moved * 4.0 / 1e6, adamw, how,
-                              pad > 0 ? 100.0 * md->pad_total / pad : 0.0);
+                              "%.1f%% padding)", rounds * moved * 4.0 / 1e6, adamw, how,
+                              pad > 0 ? 100.0 * pad_total / pad : 0.0);
     }
     if (md->tpg && k < n)
         snprintf(buf + k, n - k, "; tp: %.4g MB received per step (the parts to each matrix's tp owner and back)",
@@ -324,10 +391,10 @@ static void fence(const MuonDist *md) {
     if (md->be->host_mem) md->be->sync();
 }
 
-static void all_to_all(MuonDist *md) {
+static void all_to_all(MuonDist *md, MuonPlan *pl) {
     double t0 = kiln_now();
     fence(md);
-    comm_all_to_all(md->g, md->sbuf, md->rbuf, md->block);
+    comm_all_to_all(pl->g, pl->sbuf, pl->rbuf, pl->block);
     md->comm_s += kiln_now() - t0;
 }
 
@@ -371,28 +438,59 @@ static void tp_orthogonalise(MuonDist *md, AdamW *o) {
     tp_exchange(md, o, 0);
 }
 
+/* Plan pl's updates to their holders (ZeRO 0: an all-gather, every rank
+ * holds every matrix; ZeRO 1-3: an all-to-all), and each holder's step. */
+static void send_updates(MuonDist *md, MuonPlan *pl, AdamW *o, float *params, float lr) {
+    const Backend *be = md->be;
+    const size_t F = sizeof(float);
+    int comm = pl->g && pl->block > 0;
+    if (md->zero == 0) {
+        if (comm) {
+            double t1 = kiln_now();
+            fence(md);
+            comm_all_gather(pl->g, md->obuf + pl->base, pl->rbuf, pl->block);
+            md->comm_s += kiln_now() - t1;
+        }
+        for (int k = 0; k < pl->nheld; k++) {
+            const MuonPiece *r = &pl->held[k];
+            const float *src = r->peer == pl->rank || !comm ? md->obuf + r->own : pl->rbuf + r->xfer;
+            optim_muon_apply(o, r->mat, params + r->shard, src, r->n, lr);
+        }
+        return;
+    }
+    for (int k = 0; k < pl->nowned; k++)
+        be->copy(pl->sbuf + pl->owned[k].xfer, md->obuf + pl->owned[k].own, pl->owned[k].n * F);
+    if (comm) all_to_all(md, pl);
+    for (int k = 0; k < pl->nheld; k++) {
+        const MuonPiece *r = &pl->held[k];
+        const float *src = r->peer == pl->rank ? md->obuf + r->own : pl->rbuf + r->xfer;
+        optim_muon_apply(o, r->mat, params + r->shard, src, r->n, lr);
+    }
+}
+
 double muon_dist_step(MuonDist *md, AdamW *o, float *params, const float *grads, float lr, float grad_scale) {
     const Backend *be = md->be;
     const size_t F = sizeof(float);
-    int comm = md->g && md->block > 0;
     double comm0 = md->comm_s;
-    /* ZeRO 2/3: each owner's matrices gathered into obuf from their shards */
+    /* ZeRO 2/3 (never with experts: ddp refuses ep there): each owner's
+     * matrices gathered into obuf from their shards */
     if (md->zero >= 2) {
-        for (int k = 0; k < md->nheld; k++) {
-            const MuonPiece *r = &md->held[k];
-            if (r->peer == md->rank) be->copy(md->obuf + r->own, grads + r->shard, r->n * F);
-            else be->copy(md->sbuf + r->xfer, grads + r->shard, r->n * F);
+        MuonPlan *pl = &md->plan[MUON_DENSE];
+        for (int k = 0; k < pl->nheld; k++) {
+            const MuonPiece *r = &pl->held[k];
+            if (r->peer == pl->rank) be->copy(md->obuf + r->own, grads + r->shard, r->n * F);
+            else be->copy(pl->sbuf + r->xfer, grads + r->shard, r->n * F);
         }
-        if (comm) all_to_all(md);
-        for (int k = 0; k < md->nowned; k++)
-            be->copy(md->obuf + md->owned[k].own, md->rbuf + md->owned[k].xfer, md->owned[k].n * F);
+        if (pl->g && pl->block > 0) all_to_all(md, pl);
+        for (int k = 0; k < pl->nowned; k++)
+            be->copy(md->obuf + pl->owned[k].own, pl->rbuf + pl->owned[k].xfer, pl->owned[k].n * F);
     }
     /* the owner's work: momentum and look-ahead into obuf, orthogonalised there
      * (under tp: on the whole matrix, at its tp owner) */
     double t0 = kiln_now(), comm1 = md->comm_s;
     for (int i = 0; i < o->nmat; i++) {
         const OptimMatrix *x = &o->mats[i];
-        if (md->owner[i] != md->rank) continue;
+        if (!md->mine[i]) continue;
         float *u = md->obuf + x->mom;
         optim_muon_momentum(o, i, md->zero >= 2 ? u : grads + x->off, grad_scale, u);
         if (!md->tpg) optim_muon_orthogonalise(o, u, x->rows, x->cols);
@@ -401,28 +499,8 @@ double muon_dist_step(MuonDist *md, AdamW *o, float *params, const float *grads,
     if (md->tpg) comm_drain(md->tpg); /* tp's collectives may be stream-ordered: with the deadline first */
     be->sync(); /* so the time is the work's, not the exchange's */
     md->ns_s += kiln_now() - t0 - (md->comm_s - comm1); /* tp's exchanges are comm_s's */
-    /* the updates to the holders, and each holder's step */
-    if (md->zero == 0) {
-        if (comm) {
-            double t1 = kiln_now();
-            fence(md);
-            comm_all_gather(md->g, md->obuf, md->rbuf, md->block);
-            md->comm_s += kiln_now() - t1;
-        }
-        for (int k = 0; k < md->nheld; k++) {
-            const MuonPiece *r = &md->held[k];
-            const float *src = r->peer == md->rank || !comm ? md->obuf + r->own : md->rbuf + r->xfer;
-            optim_muon_apply(o, r->mat, params + r->shard, src, r->n, lr);
-        }
-        return md->comm_s - comm0;
-    }
-    for (int k = 0; k < md->nowned; k++)
-        be->copy(md->sbuf + md->owned[k].xfer, md->obuf + md->owned[k].own, md->owned[k].n * F);
-    if (comm) all_to_all(md);
-    for (int k = 0; k < md->nheld; k++) {
-        const MuonPiece *r = &md->held[k];
-        const float *src = r->peer == md->rank ? md->obuf + r->own : md->rbuf + r->xfer;
-        optim_muon_apply(o, r->mat, params + r->shard, src, r->n, lr);
-    }
+    /* the updates to the holders, and each holder's step: the experts over
+     * EDP, the rest over dp */
+    for (int k = 0; k < MUON_PLANS; k++) send_updates(md, &md->plan[k], o, params, lr);
     return md->comm_s - comm0;
 }

@@ -1,8 +1,9 @@
 /* muon: Muon distributed layer-wise (Megatron's and torchtitan's scheme):
  * each matrix has one dp owner, balanced by Newton-Schulz cost, that gets its
  * gradient, keeps its momentum, orthogonalises it and sends the update to the
- * ranks holding its parameters; under tp one rank of the owner's tp group
- * orthogonalises the gathered parts. Knows comm, the optimizer's matrices and
+ * ranks holding its parameters; an expert-parallel rank's experts have their
+ * owners among the ranks holding the same experts (EDP); under tp one rank of
+ * the owner's tp group orthogonalises the gathered parts. Knows comm, the optimizer's matrices and
  * ddp's pieces; never the architecture or the checkpoint. docs/optimizers.md. */
 #ifndef KILN_MUON_H
 #define KILN_MUON_H
@@ -31,22 +32,37 @@ typedef struct MuonTpRun {
     size_t xfer, n;
 } MuonTpRun;
 
-typedef struct MuonDist {
-    const Backend *be;
-    CommGroup *g;       /* the dp group; NULL: one rank, no communication */
-    int dp, rank, zero; /* zero: the stage in effect (ddp_zero) */
-    int nmat;
-    int *owner;         /* [nmat] */
-    double *cost;       /* [dp] Newton-Schulz FLOPs per step of each owner */
-    MuonPiece *held;    /* [nheld] runs of matrices in this rank's optimizer part, by matrix */
+/* The matrices whose owners are the ranks of one group, and their
+ * exchanges: the dense matrices over the dp group (MUON_DENSE), an
+ * expert-parallel rank's experts over its EDP group (MUON_EXPERTS: every
+ * rank of it holds the same experts at the same arena offsets). */
+enum { MUON_DENSE = 0, MUON_EXPERTS, MUON_PLANS };
+typedef struct MuonPlan {
+    CommGroup *g;       /* NULL: one rank, no communication */
+    int n, rank;        /* the group's size, this rank's place in it */
+    MuonPiece *held;    /* [nheld] runs of the plan's matrices in this rank's optimizer part, by matrix */
     MuonPiece *owned;   /* [nowned] runs of this rank's matrices held by other ranks, by matrix */
     int nheld, nowned;
     size_t block;       /* floats per rank pair in the all-to-alls (ZeRO 1-3), padding included;
                            ZeRO 0: each rank's block of the all-gather (its matrices, padded) */
+    size_t base;        /* ZeRO 0: where this rank's block starts in obuf (its first matrix of the plan) */
     size_t moved;       /* floats each rank receives in one exchange, padding included */
     size_t pad_total;   /* floats of padding in one exchange, all ranks together */
-    float *obuf;        /* device (the owned matrices back to back, or block): gradients, then updates */
-    float *sbuf, *rbuf; /* device (dp block): exchange buffers (ZeRO 0: rbuf only) */
+    float *sbuf, *rbuf; /* device (n block): exchange buffers (ZeRO 0: rbuf only); NULL without g */
+} MuonPlan;
+
+typedef struct MuonDist {
+    const Backend *be;
+    CommGroup *g;       /* the dp group; NULL: one rank, no communication */
+    int dp, rank, zero; /* zero: the stage in effect (ddp_zero) */
+    int ep;             /* expert parallelism: dp rank d holds the experts of EDP rank d / ep (1: none) */
+    int nmat;
+    int *kind;          /* [nmat] MUON_DENSE or MUON_EXPERTS (the arena's expert range) */
+    int *owner;         /* [nmat] its owner's rank in its plan's group */
+    int *mine;          /* [nmat] 1 where this rank owns the matrix */
+    double *cost;       /* [dp] Newton-Schulz FLOPs per step of each dp rank */
+    MuonPlan plan[MUON_PLANS];
+    float *obuf;        /* device (the owned matrices back to back, or a block): gradients, then updates */
     /* Tensor parallelism (tp > 1): the tp group of this rank (its members
      * share its dp place, so they own the same matrices). */
     CommGroup *tpg;
@@ -59,12 +75,13 @@ typedef struct MuonDist {
     size_t tblock, tmoved; /* floats per tp pair, padding included; received per exchange */
     float *gbuf;        /* device: the whole matrices this rank orthogonalises, back to back */
     float *tsbuf, *trbuf; /* device (tp tblock) */
-    double ns_s, comm_s;/* seconds in the owners' work (momentum and Newton-Schulz) and blocked in exchanges */
+    double ns_s, comm_s; /* seconds in the owners' work (momentum and Newton-Schulz) and blocked in exchanges */
 } MuonDist;
 
 /* Plan it for optimizer o (after optim_set_muon) over d's dp group: owners by
  * Newton-Schulz cost (longest first, each to the least loaded rank: the same
- * on every rank), the runs each rank sends and receives, the buffers; the
+ * on every rank; under expert parallelism the experts first, over EDP, then
+ * the dense matrices over dp), the runs each rank sends and receives, the buffers; the
  * optimizer keeps only this rank's momentum (optim_muon_own) and ddp runs the
  * step (ddp_set_muon). tp: the tensor-parallel group (NULL or size 1: none);
  * the matrices are this rank's parts (OptimMatrix.tp_dim). say: print the

@@ -282,11 +282,24 @@ OptimStepInfo optim_step_segments(AdamW *o, void *params, const float *grads, co
     OptimStepInfo info = optim_step_begin(o, grad_norm);
     if (info.nonfinite) return info;
     for (int i = 0; i < nseg; i++) {
-        size_t k = seg[i].off, at = seg[i].at;
-        if (o->kind == OPTIM_MUON && optim_muon_covers(o, seg[i].arena)) continue; /* muon.c's */
-        update_range(o, (char *)params + at * o->param_bytes, grads + at, k, seg[i].n, lr,
-                     seg[i].decay ? o->weight_decay : 0.0f,
-                     info.grad_scale);
+        /* Muon: the runs of the segment between its matrices (muon.c's); a
+         * segment may hold several tensors (ZeRO-1's blocks under ep) */
+        size_t a = seg[i].arena, end = a + seg[i].n;
+        while (a < end) {
+            size_t b = end, d = a - seg[i].arena, at = seg[i].at + d;
+            int skip = 0;
+            for (int j = 0; o->kind == OPTIM_MUON && j < o->nmat; j++) {
+                size_t lo = o->mats[j].off, hi = lo + (size_t)o->mats[j].rows * o->mats[j].cols;
+                if (hi <= a) continue;
+                skip = lo <= a;
+                b = skip ? (hi < end ? hi : end) : (lo < end ? lo : end);
+                break;
+            }
+            if (!skip)
+                update_range(o, (char *)params + at * o->param_bytes, grads + at, seg[i].off + d, b - a, lr,
+                             seg[i].decay ? o->weight_decay : 0.0f, info.grad_scale);
+            a = b;
+        }
     }
     return info;
 }

@@ -43,7 +43,8 @@ typedef struct OptimMatrix {
     int decay;    /* weight decay applies */
     int tensor;   /* the caller's tag: its row of the model's tensor table (checkpoint names) */
     size_t toff;  /* where it starts in that tensor (GPT-2's k third: rows * cols) */
-    int owner;    /* the dp rank that orthogonalises it (optim_set_muon: 0, every matrix local) */
+    int owner;    /* who orthogonalises it, as optim_muon_own numbers them (optim_set_muon: 0, every
+                     matrix local; muon.c: 1 on its owner, 0 elsewhere) */
     size_t mom;   /* where its momentum starts in its owner's AdamW.mm (owners' matrices back to back) */
 } OptimMatrix;
 

@@ -170,12 +170,15 @@ static void add_optim(CkptTable *t, Model *m, const AdamW *o) {
  * blocks of a split dimension as boxes), and the elementwise moments of this
  * rank's runs of the other tensors, as the AdamW moments. save: what this
  * rank writes (the averages are the same on every dp rank: dp rank 0's;
- * ZeRO 0's runs too), else what it loads (everything it holds). */
+ * ZeRO 0's runs too; an expert's: EDP rank 0's), else what it loads
+ * (everything it holds). */
 static void add_adafactor(CkptTable *t, Model *m, const Adafactor *a, int save, const StateMesh *mesh) {
     if (!a) return;
     AdafactorState s;
     for (int k = 0; adafactor_state(a, k, &s); k++) {
-        if (save && mesh->dp_rank > 0 && (s.vector || mesh->zero == 0)) continue;
+        /* an expert-parallel rank's experts: the same on every rank of its EDP group */
+        int rank = m->params[s.tensor].offset < m->expert_len ? mesh->edp_rank : mesh->dp_rank;
+        if (save && rank > 0 && (s.vector || mesh->zero == 0)) continue;
         char name[CKPT_NAME];
         snprintf(name, sizeof name, "%s%s", s.prefix, m->params[s.tensor].name);
         if (!s.vector) {
@@ -373,6 +376,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         add_model_params(t, m);
         if (o->m) add_unit_blocks(t, m, s->mesh.pieces, o->m, o->state_bytes, "optim.m/", o);
         if (o->v) add_unit_blocks(t, m, s->mesh.pieces, o->v, o->state_bytes, "optim.v/", o);
+        add_muon(t, m, o);
     } else {
         state_table_add(t, m, o);
     }
@@ -484,8 +488,11 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
             int saved_tp = info.mesh.tp > 0 ? info.mesh.tp : 1, saved_pp = info.mesh.pp > 0 ? info.mesh.pp : 1;
             int saved_ep = info.mesh.ep > 0 ? info.mesh.ep : 1;
             int pp = s->mesh.pp > 0 ? s->mesh.pp : 1, ep = s->mesh.ep > 0 ? s->mesh.ep : 1;
-            if (info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp ||
-                                        saved_tp != s->mesh.tp || saved_pp != pp || saved_ep != ep))
+            s->resharded = info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp ||
+                                                   saved_tp != s->mesh.tp || saved_pp != pp || saved_ep != ep);
+            s->resumed_mesh = info.mesh;
+            kiln_strlcpy(s->resumed_path, path, sizeof s->resumed_path);
+            if (s->resharded)
                 snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (pp %d x dp %d x tp %d, ep %d) to "
                          "%d (pp %d x dp %d x tp %d, ep %d, ZeRO %d)", info.mesh.world, saved_pp, info.mesh.dp, saved_tp,
                          saved_ep, s->mesh.world, pp, s->mesh.dp, s->mesh.tp, ep, s->mesh.zero);

@@ -61,6 +61,9 @@ typedef struct RunState {
     size_t data_words;
     Rng rng;              /* "rng.train" (rank 0), "rng.train/rankN": the loop's own stream (see state.c) */
     char resumed_msg[1600]; /* "resumed from ..." for the caller to print, "" if fresh */
+    char resumed_path[1200]; /* the checkpoint resumed from, "" if fresh (summary.json) */
+    CkptMesh resumed_mesh;   /* the layout that wrote it (0s where the manifest does not say) */
+    int resharded;           /* the layout changed across the resume */
     char data_note[1600];   /* what a forced resume did with the data (data_set_state), "" if nothing */
     double elapsed_base, t_start; /* seconds before this process; kiln_now() at open */
     int64_t last_saved;   /* step of the newest checkpoint on disk, -1 none */

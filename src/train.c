@@ -640,6 +640,18 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     model_params_changed(model); /* a resume loaded them: the compute copy follows */
     r->mx = metrics_open(c, rank, r->world, r->fpt, peak, peak_src, r->start_step);
     metrics_set_commit(r->mx, topt->commit);
+    size_t olo, ohi;
+    ddp_optim_range(&r->ddp, &olo, &ohi);
+    metrics_set_layout(r->mx, &(MetricsLayout){.world = r->world, .pp = r->pp, .dp = dp, .cp = cp, .tp = tp,
+                                               .ep = r->ep, .zero = c->zero, .param_floats = model->num_params,
+                                               .grad_floats = ddp_grad_floats(&r->ddp), .optim_floats = ohi - olo});
+    if (r->rs.resumed_path[0]) {
+        MetricsResumed mr = {.step = r->rs.step, .tokens = r->rs.tokens, .world = r->rs.resumed_mesh.world,
+                             .pp = r->rs.resumed_mesh.pp, .dp = r->rs.resumed_mesh.dp, .tp = r->rs.resumed_mesh.tp,
+                             .ep = r->rs.resumed_mesh.ep, .resharded = r->rs.resharded};
+        kiln_strlcpy(mr.checkpoint, r->rs.resumed_path, sizeof mr.checkpoint);
+        metrics_set_resumed(r->mx, &mr);
+    }
     r->rs.mx = r->mx;
 
     /* Test hook (docs/metrics.md): poison one gradient at this step, and

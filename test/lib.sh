@@ -22,3 +22,34 @@ small_corpus() {
     ./train prepare --tokenizer byte --out "$dir" --val-fraction 0.1 "$dir.txt" >/dev/null 2>"$dir.err" \
         || { fail prepare_small_corpus "$(cat "$dir.err")"; return 1; }
 }
+# mpi_refuse PREFIX NAME NP PATTERN ARGS...: `./train $Y $S ARGS` on NP ranks
+# (the caller's MPIRUN, Y, S, T) must exit 2 with a line matching PATTERN;
+# prints "ok PREFIX_refuses_NAME" or a failure. Every rank checks a layout,
+# but mpirun ends the others as soon as the first exits, so on a busy machine
+# some are killed before they print: one line is enough, a hang is not.
+mpi_refuse() {
+    local prefix=$1 name=$2 np=$3 want=$4; shift 4
+    local out rc lines
+    out=$("${MPIRUN[@]}" -np $np ./train $Y $S "$@" --set run.dir=$T/$name 2>&1); rc=$?
+    lines=$(printf '%s\n' "$out" | grep -o -- "$want" | wc -l) # ranks share stderr: count the messages
+    if [ $rc -eq 2 ] && [ "$lines" -ge 1 ]; then ok ${prefix}_refuses_$name
+    else fail ${prefix}_refuses_$name "rc $rc, $lines of $np ranks said '$want': $(printf '%s\n' "$out" | grep -m2 kiln)"; fi
+}
+# jget FILE EXPR: EXPR (Python, over the parsed JSON as d) of a JSON file such
+# as RUN_DIR/summary.json; prints nothing if the file or the key is missing.
+# Behaviour checks read these machine files rather than the log's wording.
+jget() {
+    python3 - "$1" "$2" <<'PY' 2>/dev/null
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+    v = eval(sys.argv[2], {"d": d})
+except Exception:
+    sys.exit(0)
+print(str(v).lower() if isinstance(v, bool) else v)
+PY
+}
+# resumed DIR: "STEP WORLD RESHARDED" of the last session of run directory
+# DIR (summary.json's "resumed": the step it resumed at, the world that wrote
+# the checkpoint, true/false); empty for a fresh start.
+resumed() { jget "$1/summary.json" "'%d %d %s' % (d['resumed']['step'], d['resumed']['from']['world'], str(d['resumed']['resharded']).lower())"; }

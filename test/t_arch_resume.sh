@@ -57,7 +57,7 @@ for a in llama qkn moe moecap moebias; do
     ./train $Y $A --set metrics.log_every=10 --set run.dir=$T/$a/sig --resume auto >$T/$a.sig2.txt 2>&1
     rc2=$?
     ref=$(sums $T/$a/ref/checkpoints/step_00000020)
-    if [ $rc1 -eq 75 ] && [ $rc2 -eq 0 ] && [ -n "$ref" ] && grep -q 'resumed from .*step_00000007 at step 7' $T/$a.sig2.txt \
+    if [ $rc1 -eq 75 ] && [ $rc2 -eq 0 ] && [ -n "$ref" ] && [ "$(resumed $T/$a/sig)" = "7 1 false" ] \
         && [ "$(losses $T/$a/ref/metrics.jsonl)" = "$(losses $T/$a/sig/metrics.jsonl)" ] \
         && [ "$(sums $T/$a/sig/checkpoints/step_00000020)" = "$ref" ]; then
         ok arch_resume_bit_identical_$a
@@ -142,7 +142,7 @@ for c in llama:3 qkn:3 moe:3 moebias:1 moebias:0; do
     "${MPIRUN[@]}" -np 2 ./train $Y $(flags $a) $S --set parallel.zero=$z --set run.dir=$D --resume auto >$D.2.txt 2>&1
     rc=$?
     ref=$(sums $T/dp/$a.np2.z$z/checkpoints/step_00000020)
-    if [ $rc -eq 0 ] && [ -n "$ref" ] && grep -q 'resumed from .*step_00000010 at step 10' $D.2.txt \
+    if [ $rc -eq 0 ] && [ -n "$ref" ] && [ "$(resumed $D)" = "10 2 false" ] \
         && [ "$(losses $T/dp/$a.np2.z$z/metrics.jsonl)" = "$(losses $D/metrics.jsonl)" ] \
         && [ "$(sums $D/checkpoints/step_00000020)" = "$ref" ]; then
         ok arch_dp_resume_bit_identical_${a}_np2_zero$z

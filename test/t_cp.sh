@@ -162,15 +162,8 @@ drc=$?
 if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && grep -q 'cp 4 x tp 1' $T/rs3.txt; then ok cp_resume_cp2_cp1_cp4
 else fail cp_resume_cp2_cp1_cp4 "rc $rc: $why $diff $(grep -m2 -h error $T/rs[123].txt)"; fi
 
-# 5. layouts that do not split: one line, exit 2, on every rank.
-refuse() {
-    local name=$1 np=$2 want=$3; shift 3
-    local out rc lines
-    out=$("${MPIRUN[@]}" -np $np ./train $Y $S "$@" --set run.dir=$T/$name 2>&1); rc=$?
-    lines=$(printf '%s\n' "$out" | grep -o "$want" | wc -l) # ranks share stderr: count the messages
-    if [ $rc -eq 2 ] && [ "$lines" -eq $np ]; then ok cp_refuses_$name
-    else fail cp_refuses_$name "rc $rc, $lines of $np ranks said '$want': $(printf '%s\n' "$out" | grep -m2 kiln)"; fi
-}
+# 5. layouts that do not split: one line, exit 2 (test/lib.sh mpi_refuse).
+refuse() { mpi_refuse cp "$@"; }
 refuse seq_len_cp3 3 "does not split into 2 x cp = 6 chunks" $LLAMA --set parallel.cp=3
 refuse ranks 3 "to be a multiple of pp x cp x tp = 2" $LLAMA --set parallel.cp=2
 

@@ -59,37 +59,41 @@ C="$S --set schedule.kind=constant --set checkpoint.every=2"
 ./train $Y $C --set run.dir=$T/cref >/dev/null 2>&1
 "${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=2 --set run.dir=$T/rs --set train.steps=8 >$T/rs1.txt 2>&1
 ./train $Y $C --set run.dir=$T/rs --set train.steps=14 --resume auto >$T/rs2.txt 2>&1
+r2=$(resumed $T/rs)
 "${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=1 --set run.dir=$T/rs --resume auto >$T/rs3.txt 2>&1
 rc=$?
+r3=$(resumed $T/rs)
 why=$(close_losses $T/cref/metrics.jsonl $T/rs/metrics.jsonl 2>&1)
-if [ $rc -eq 0 ] && [ -z "$why" ] && grep -q 'resumed from .*step_00000008 at step 8.*resharded from 2' $T/rs2.txt \
-    && grep -q 'resumed from .*step_00000014 at step 14.*resharded from 1' $T/rs3.txt \
+if [ $rc -eq 0 ] && [ -z "$why" ] && [ "$r2" = "8 2 true" ] && [ "$r3" = "14 1 true" ] \
     && ./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rs/checkpoints/step_00000020 --quiet --tol 1e-5 >/dev/null; then
     ok dp_reshard_zero2x2_1_zero1x2
-else fail dp_reshard_zero2x2_1_zero1x2 "rc $rc: $why $(grep -h -E 'resumed|error' $T/rs*.txt | head -4)"; fi
+else fail dp_reshard_zero2x2_1_zero1x2 "rc $rc, resumed '$r2', '$r3': $why $(grep -h -E 'resumed|error' $T/rs*.txt | head -4)"; fi
 # The same with ZeRO-3 first: 2 ranks ZeRO-3 (every rank wrote its parameter
 # blocks) -> 1 rank -> 2 ranks ZeRO-1; and into ZeRO-3: 1 rank -> 4 ranks
 # ZeRO-3 -> 2 ranks ZeRO-3 (each rank loads its blocks of every layer).
 "${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=3 --set run.dir=$T/rz --set train.steps=8 >$T/rz1.txt 2>&1
 ./train $Y $C --set run.dir=$T/rz --set train.steps=14 --resume auto >$T/rz2.txt 2>&1
+r2=$(resumed $T/rz)
 "${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=1 --set run.dir=$T/rz --resume auto >$T/rz3.txt 2>&1
 rc=$?
+r3=$(resumed $T/rz)
 why=$(close_losses $T/cref/metrics.jsonl $T/rz/metrics.jsonl 2>&1)
 n=$(./train ckpt-info $T/rz/checkpoints/step_00000008 | grep -c '^ *tensor h\.[0-9]*\.mlp\.c_fc\.weight .* rank 1 ')
-if [ $rc -eq 0 ] && [ -z "$why" ] && [ "$n" -gt 0 ] && grep -q 'resumed from .*step_00000008 at step 8.*resharded from 2' $T/rz2.txt \
-    && grep -q 'resumed from .*step_00000014 at step 14.*resharded from 1' $T/rz3.txt \
+if [ $rc -eq 0 ] && [ -z "$why" ] && [ "$n" -gt 0 ] && [ "$r2" = "8 2 true" ] && [ "$r3" = "14 1 true" ] \
     && ./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rz/checkpoints/step_00000020 --quiet --tol 1e-5 >/dev/null; then
     ok dp_reshard_zero3x2_1_zero1x2
-else fail dp_reshard_zero3x2_1_zero1x2 "rc $rc, $n parameter pieces from rank 1: $why $(grep -h -E 'resumed|error' $T/rz*.txt | head -4)"; fi
+else fail dp_reshard_zero3x2_1_zero1x2 "rc $rc, $n parameter pieces from rank 1, resumed '$r2', '$r3': $why $(grep -h -E 'resumed|error' $T/rz*.txt | head -4)"; fi
 ./train $Y $C --set run.dir=$T/ry --set train.steps=8 >$T/ry1.txt 2>&1
 "${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.zero=3 --set run.dir=$T/ry --set train.steps=14 --resume auto >$T/ry2.txt 2>&1
+r2=$(resumed $T/ry)
 "${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=3 --set run.dir=$T/ry --resume auto >$T/ry3.txt 2>&1
 rc=$?
+r3=$(resumed $T/ry)
 why=$(close_losses $T/cref/metrics.jsonl $T/ry/metrics.jsonl 2>&1)
-if [ $rc -eq 0 ] && [ -z "$why" ] && grep -q 'resharded from 1' $T/ry2.txt && grep -q 'resharded from 4' $T/ry3.txt \
+if [ $rc -eq 0 ] && [ -z "$why" ] && [ "$r2" = "8 1 true" ] && [ "$r3" = "14 4 true" ] \
     && ./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/ry/checkpoints/step_00000020 --quiet --tol 1e-5 >/dev/null; then
     ok dp_reshard_1_zero3x4_zero3x2
-else fail dp_reshard_1_zero3x4_zero3x2 "rc $rc: $why $(grep -h -E 'resumed|error' $T/ry*.txt | head -4)"; fi
+else fail dp_reshard_1_zero3x4_zero3x2 "rc $rc, resumed '$r2', '$r3': $why $(grep -h -E 'resumed|error' $T/ry*.txt | head -4)"; fi
 # ZeRO-3 sampling: every rank runs the generation (each forward gathers
 # layers collectively), rank 0 prints it; a rank-0-only forward would hang
 "${MPIRUN[@]}" -np 2 ./train $Y $S --set parallel.zero=3 --set train.steps=4 --set train.sample_every=2 \
@@ -109,15 +113,16 @@ rc=$?
 # change is reported once (by rank 0), not once per rank.
 "${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=2 --set run.dir=$T/r23 --set train.steps=8 >$T/r23_1.txt 2>&1
 "${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.zero=3 --set run.dir=$T/r23 --set train.steps=14 --resume auto >$T/r23_2.txt 2>&1
+r2=$(resumed $T/r23)
 "${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.zero=2 --set run.dir=$T/r23 --resume auto >$T/r23_3.txt 2>&1
 rc=$?
+r3=$(resumed $T/r23)
 why=$(close_losses $T/cref/metrics.jsonl $T/r23/metrics.jsonl 2>&1)
 n=$(./train ckpt-info $T/r23/checkpoints/step_00000008 | grep -c '^ *tensor h\.[0-9]*\.mlp\.c_fc\.weight .* rank 1 ')
-if [ $rc -eq 0 ] && [ -z "$why" ] && [ "$n" -gt 0 ] && grep -q 'resumed from .*step_00000008 at step 8.*resharded from 2' $T/r23_2.txt \
-    && grep -q 'resumed from .*step_00000014 at step 14.*resharded from 4' $T/r23_3.txt \
+if [ $rc -eq 0 ] && [ -z "$why" ] && [ "$n" -gt 0 ] && [ "$r2" = "8 2 true" ] && [ "$r3" = "14 4 true" ] \
     && ./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/r23/checkpoints/step_00000020 --quiet --tol 1e-5 >/dev/null; then
     ok dp_reshard_zero2x2_zero3x4_zero2x2
-else fail dp_reshard_zero2x2_zero3x4_zero2x2 "rc $rc, $n parameter pieces from rank 1: $why $(grep -h -E 'resumed|error' $T/r23*.txt | head -4)"; fi
+else fail dp_reshard_zero2x2_zero3x4_zero2x2 "rc $rc, $n parameter pieces from rank 1, resumed '$r2', '$r3': $why $(grep -h -E 'resumed|error' $T/r23*.txt | head -4)"; fi
 # resume notes print once however many ranks resume (rank 0 speaks for all)
 n2=$(grep -c "resume: key 'parallel.zero': 2 -> 3 changed" $T/r23_2.txt)
 n3=$(grep -c "resume: key 'train.steps': 14 -> 20 changed" $T/r23_3.txt)
@@ -132,9 +137,8 @@ echo "dp reshard: $(echo "$(now) - $t0" | bc) s" >&2
 "${MPIRUN[@]}" -np 2 ./train $Y $S --set parallel.zero=2 --set model.n_layer=12 --set train.steps=1 \
     --set train.eval_every=0 --set run.dir=$T/z2mem >$T/z2mem.txt 2>&1
 rc=$?
-read -r gf np < <(sed -n 's/.*gradient buffers here \([0-9]*\) floats, parameters \([0-9]*\).*/\1 \2/p' $T/z2mem.txt)
-if [ $rc -eq 0 ] && grep -q 'ZeRO-2: parameters whole; gradients reduce-scattered layer by layer during the backward' $T/z2mem.txt \
-    && [ -n "$gf" ] && [ "$gf" -lt "$np" ]; then ok dp_zero2_gradients_sharded
+read -r z gf np < <(jget $T/z2mem/summary.json "'%d %d %d' % (d['layout']['zero'], d['layout']['grad_floats'], d['layout']['param_floats'])")
+if [ $rc -eq 0 ] && [ "$z" = 2 ] && [ -n "$gf" ] && [ "$gf" -lt "$np" ]; then ok dp_zero2_gradients_sharded
 else fail dp_zero2_gradients_sharded "rc $rc: '$gf' gradient floats for '$np' parameters: $(grep -m2 -E 'data parallel|error' $T/z2mem.txt)"; fi
 # ZeRO-2 on one rank is plain training (it used to step on an empty shard)
 ./train $Y $S --set parallel.zero=2 --set run.dir=$T/z2one >/dev/null 2>&1
@@ -186,7 +190,7 @@ else fail dp_killed_rank_named_within_timeout "pid '$pid1', $dt s: $(grep -m2 -E
 rc=$?
 if [ $rc -eq 0 ] && [ "$(losses $T/kref/metrics.jsonl)" = "$(losses $T/kill/metrics.jsonl)" ] \
     && [ "$(sums $T/kref/checkpoints/step_00000300)" = "$(sums $T/kill/checkpoints/step_00000300)" ] \
-    && grep -q 'resumed from' $T/kill2.txt; then ok dp_killed_rank_resume_auto
+    && [ "$(resumed $T/kill | cut -d' ' -f2-)" = "2 false" ]; then ok dp_killed_rank_resume_auto
 else fail dp_killed_rank_resume_auto "rc $rc: $(grep -m2 -E 'resumed|error' $T/kill2.txt)"; fi
 echo "dp killed rank: $(echo "$(now) - $t0" | bc) s" >&2
 

@@ -38,7 +38,7 @@ D=$T/half
 ./train $Y $L --set run.dir=$D --set train.steps=5 >/dev/null 2>&1
 ./train $Y $L --set run.dir=$D --resume auto >$T/resume.txt 2>&1
 rc=$?
-if [ $rc -eq 0 ] && grep -q 'resumed from .*step_00000005 at step 5' $T/resume.txt \
+if [ $rc -eq 0 ] && [ "$(resumed $D)" = "5 1 false" ] \
     && [ "$(losses $T/ref/metrics.jsonl)" = "$(losses $D/metrics.jsonl)" ] \
     && [ "$(sums $D/checkpoints/step_00000010)" = "$REF" ]; then
     ok lion_resume_bit_identical

@@ -47,7 +47,7 @@ for mode in sync:false async:true; do
     cp -r $D $D.f32
     ./train $Y $C $B --set run.dir=$D --set checkpoint.async=${mode#*:} --resume auto >$T/resume_$name.txt 2>&1
     rc=$?
-    if [ $rc -eq 0 ] && [ -n "$REF" ] && grep -q 'resumed from .*step_00000010 at step 10' $T/resume_$name.txt \
+    if [ $rc -eq 0 ] && [ -n "$REF" ] && [ "$(resumed $D)" = "10 1 false" ] \
         && [ "$(losses $T/ref/metrics.jsonl)" = "$(losses $D/metrics.jsonl)" ] \
         && [ "$(sums $D/checkpoints/step_00000020)" = "$REF" ]; then
         ok optim_state_bf16_resume_bit_identical_$name

@@ -197,15 +197,8 @@ if [ $rc -eq 0 ] && [ "$(losses $T/kref/metrics.jsonl)" = "$(losses $T/kill/metr
 else fail pp_killed_stage_resume_auto "rc $rc: $(grep -m2 -E 'resumed|error' $T/kill2.txt)"; fi
 echo "pp killed stage: $(echo "$(now) - $t0" | bc) s" >&2
 
-# What a schedule cannot run: one line, exit 2, on every rank, before any allocation.
-refuse() {
-    local name=$1 np=$2 want=$3; shift 3
-    local out rc lines
-    out=$("${MPIRUN[@]}" -np $np ./train $Y $S "$@" --set run.dir=$T/$name 2>&1); rc=$?
-    lines=$(printf '%s\n' "$out" | grep -o "$want" | wc -l) # ranks share stderr: count the messages
-    if [ $rc -eq 2 ] && [ "$lines" -eq $np ]; then ok pp_refuses_$name
-    else fail pp_refuses_$name "rc $rc, $lines of $np ranks said '$want': $(printf '%s\n' "$out" | grep -m2 kiln)"; fi
-}
+# What a schedule cannot run: one line, exit 2, before any allocation (test/lib.sh mpi_refuse).
+refuse() { mpi_refuse pp "$@"; }
 refuse interleaved_odd 2 "not a multiple of pp = 2" $GPT2 $ODD --set parallel.pp=2 $IL
 refuse too_few_layers 4 "need at least one layer each" $GPT2 --set parallel.pp=4 $IL
 refuse stage_sum 2 "add up to 5 layers" $GPT2 --set parallel.pp=2 --set parallel.pp_layers=[3,2]

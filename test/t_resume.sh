@@ -26,7 +26,7 @@ for mode in "sync:--set checkpoint.async=false" "async:--set checkpoint.async=tr
     ./train $Y --set schedule.kind=constant --set run.dir=$D --set train.steps=10 $flags >/dev/null 2>&1
     ./train $Y --set schedule.kind=constant --set run.dir=$D $flags --resume auto >$T/resume_$name.txt 2>&1
     rc=$?
-    if [ $rc -eq 0 ] && grep -q 'resumed from .*step_00000010 at step 10' $T/resume_$name.txt \
+    if [ $rc -eq 0 ] && [ "$(resumed $D)" = "10 1 false" ] \
         && [ "$(losses $T/ref/metrics.jsonl)" = "$(losses $D/metrics.jsonl)" ] \
         && [ "$(sums $D/checkpoints/step_00000020)" = "$REF" ]; then
         ok resume_bit_identical_$name

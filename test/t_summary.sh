@@ -79,6 +79,8 @@ assert s["steps"] == 2, s
 if have_mpi; then
     "${MPIRUN[@]}" -np 2 ./train "$T/s.yaml" --set run.dir="$T/two" >"$T/e.txt" 2>&1
     summary summary_two_ranks "$T/two" $? '
-assert s["status"] == "completed" and s["world"] == 2 and s["steps"] == 12 and s["stragglers"] == [], s
+# stragglers: a list of {"rank", "host"} (who is slow depends on the load of the machine: not asserted empty)
+assert s["status"] == "completed" and s["world"] == 2 and s["steps"] == 12, s
+assert isinstance(s["stragglers"], list) and all(set(w) == {"rank", "host"} for w in s["stragglers"]), s
 '
 else skip summary_two_ranks "no MPI build or mpirun"; fi

@@ -111,28 +111,21 @@ C="$S $LLAMA --set schedule.kind=constant --set checkpoint.every=2 --set train.s
 ./train $Y $C --set run.dir=$T/cref >$T/cref.txt 2>&1
 "${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.tp=2 --set run.dir=$T/rs --set train.steps=8 >$T/rs1.txt 2>&1
 ./train $Y $C --set run.dir=$T/rs --set train.steps=14 --resume auto >$T/rs2.txt 2>&1
+from_tp=$(jget $T/rs/summary.json "'%d %d' % (d['resumed']['from']['dp'], d['resumed']['from']['tp'])")
 "${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.tp=2 --set parallel.zero=1 --set run.dir=$T/rs --resume auto \
     >$T/rs3.txt 2>&1
 rc=$?
 why=$(close_losses $T/cref/metrics.jsonl $T/rs/metrics.jsonl 2>&1)
 diff=$(./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rs/checkpoints/step_00000020 --quiet --tol 1e-5 2>&1)
 drc=$?
-if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && grep -q 'dp 1 x tp 2' $T/rs2.txt; then ok tp_reshard_tp2_tp1_tp2dp2
-else fail tp_reshard_tp2_tp1_tp2dp2 "rc $rc: $why $diff $(grep -m2 -h error $T/rs[123].txt)"; fi
+if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ "$from_tp" = "1 2" ]; then ok tp_reshard_tp2_tp1_tp2dp2
+else fail tp_reshard_tp2_tp1_tp2dp2 "rc $rc, resumed from dp/tp '$from_tp': $why $diff $(grep -m2 -h error $T/rs[123].txt)"; fi
 # a tp-split checkpoint holds boxes of the logical tensors: rank 1 wrote its parts
 n=$(./train ckpt-info $T/rs/checkpoints/step_00000008 | grep -c ' rank 1 ')
 [ "$n" -gt 0 ] && ok tp_checkpoint_parts_per_rank || fail tp_checkpoint_parts_per_rank "no pieces from rank 1"
 
-# Layouts that do not split: one line, exit 2, on every rank, before any allocation.
-refuse() {
-    local name=$1 np=$2 want=$3; shift 3
-    local out rc
-    out=$("${MPIRUN[@]}" -np $np ./train $Y $S "$@" --set run.dir=$T/$name 2>&1); rc=$?
-    local lines # ranks share stderr: lines may interleave, so count the messages
-    lines=$(printf '%s\n' "$out" | grep -o "$want" | wc -l)
-    if [ $rc -eq 2 ] && [ "$lines" -eq $np ]; then ok tp_refuses_$name
-    else fail tp_refuses_$name "rc $rc, $lines of $np ranks said '$want': $(printf '%s\n' "$out" | grep -m2 kiln)"; fi
-}
+# Layouts that do not split: one line, exit 2, before any allocation (test/lib.sh mpi_refuse).
+refuse() { mpi_refuse tp "$@"; }
 refuse heads_tp3 3 "tp 3 must divide the 4 attention heads" $GPT2 --set parallel.tp=3 \
     --set parallel.sequence_parallel=false
 refuse kv_heads_tp4 4 "tp 4 must divide the 2 kv heads" $LLAMA --set model.n_kv_head=2 --set parallel.tp=4
