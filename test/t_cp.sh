@@ -128,6 +128,8 @@ moe_equiv moe_capacity_cp2 CAP 2 --set parallel.cp=2
 moe_equiv moe_capacity_cp4_ring CAP 4 --set parallel.cp=4 --set parallel.cp_attention=ring
 moe_equiv moe_capacity_ep2_cp2 CAP 2 --set parallel.cp=2 --set parallel.ep=2
 moe_equiv moe_capacity_ep4_cp2_dp2_zero1 CAP 4 --set parallel.cp=2 --set parallel.ep=4 --set parallel.zero=1
+# tp replicates the MoE layer: each tp rank's cp group sums its own copy
+moe_equiv moe_capacity_cp2_tp2_sp CAP 4 --set parallel.cp=2 --set parallel.tp=2
 python3 -c "import json,sys; d=[json.loads(l)['moe_dropped'] for l in open(sys.argv[1])]; sys.exit(0 if min(d) > 0.01 else 1)" \
     $T/ref_CAP/metrics.jsonl && ok cp_moe_capacity_drops || fail cp_moe_capacity_drops "the capacity case drops nothing"
 
