@@ -1218,7 +1218,9 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     int gr = moe_group_rows(m, T), G = N / gr; /* G routing groups of gr rows */
     be->moe_route(a->topk, a->gates, a->probs, a->stats, a->router, bi < 0 ? NULL : m->pview[bi], N, gr, E, K,
                   mo->sigmoid, mo->norm_topk);
-    int cap = arch_moe_capacity(s, T * m->cp); /* per whole sequence */
+    /* per whole sequence: under cp of its real tokens (the padding of a
+     * generation's context comes after them, so it never takes their slots) */
+    int cap = arch_moe_capacity(s, m->cp > 1 ? m->cp_tokens : T);
     if (m->cp > 1 && cap > 0) { /* a chunk keeps what the sequence's earlier chunks leave */
         moe_cp_caps(m, a, N, gr, cap);
         be->moe_dispatch_capped(a->offsets, a->row_of, a->src, a->counts, a->topk, N, gr, E, K, m->moe_caps);
@@ -1345,6 +1347,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
             kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a context-parallel model without its hooks (model_set_cp)");
         if (targets && T % (2 * m->cp))
             kiln_fail(KILN_EXIT_USAGE, "model_forward: %d tokens do not split into 2 x cp = %d chunks", T, 2 * m->cp);
+        m->cp_tokens = T; /* an MoE capacity is of the real tokens (generation pads) */
         int Tc = (T + 2 * m->cp - 1) / (2 * m->cp);
         tokens = cp_take(m, m->cp_tok, tokens, B, T, Tc);
         if (targets) targets = cp_take(m, m->cp_tgt, targets, B, T, Tc);

@@ -348,6 +348,7 @@ typedef struct Model {
                            product and its GeLU run as the backend's fused ops where it offers
                            them (model_gelu_fused); 0 (off): always as separate ops */
     int live_B, live_T; /* shape of the last forward (cp: live_T local rows per sequence, 2 Tc) */
+    int cp_tokens;      /* cp > 1: the tokens of a sequence the forward running was given (before its padding) */
     void *act_mem;
     size_t act_size;  /* bytes */
     void *encoded;    /* (N,C) the embeddings, or a later stage's input (model_stage_input) */

@@ -130,6 +130,14 @@ moe_equiv moe_capacity_ep2_cp2 CAP 2 --set parallel.cp=2 --set parallel.ep=2
 moe_equiv moe_capacity_ep4_cp2_dp2_zero1 CAP 4 --set parallel.cp=2 --set parallel.ep=4 --set parallel.zero=1
 # tp replicates the MoE layer: each tp rank's cp group sums its own copy
 moe_equiv moe_capacity_cp2_tp2_sp CAP 4 --set parallel.cp=2 --set parallel.tp=2
+# generation with a capacity: the context padded to 2 cp chunks, the
+# capacity of its real tokens (the padding comes after them): one rank's text
+G="--set train.sample_every=6 --set train.sample_tokens=40"
+./train $Y $S $CAP $G --set run.dir=$T/moe_gen1 2>&1 | sed -n '/--- sample/,/^---$/p' >$T/moe_gen1.txt
+"${MPIRUN[@]}" -np 2 ./train $Y $S $CAP $G --set parallel.cp=2 --set run.dir=$T/moe_gen2 2>&1 \
+    | sed -n '/--- sample/,/^---$/p' >$T/moe_gen2.txt
+[ -s $T/moe_gen1.txt ] && cmp -s $T/moe_gen1.txt $T/moe_gen2.txt && ok cp_moe_capacity_generation_same_text \
+    || fail cp_moe_capacity_generation_same_text "$(head -c 200 $T/moe_gen1.txt) vs $(head -c 200 $T/moe_gen2.txt)"
 python3 -c "import json,sys; d=[json.loads(l)['moe_dropped'] for l in open(sys.argv[1])]; sys.exit(0 if min(d) > 0.01 else 1)" \
     $T/ref_CAP/metrics.jsonl && ok cp_moe_capacity_drops || fail cp_moe_capacity_drops "the capacity case drops nothing"
 
