@@ -307,6 +307,7 @@ extern "C" const Backend backend_cuda = {
     .swiglu_backward = cuda_swiglu_backward,
     .moe_route = cuda_moe_route,
     .moe_dispatch = cuda_moe_dispatch,
+    .moe_dispatch_capped = cuda_moe_dispatch_capped,
     .moe_gather = cuda_moe_gather,
     .moe_gather_backward = cuda_moe_gather_backward,
     .moe_combine = cuda_moe_combine,

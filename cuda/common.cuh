@@ -242,6 +242,8 @@ void cuda_moe_route(int32_t *topk, float *gates, float *probs, float *stats, con
                     int N, int S, int E, int K, int sigmoid, int norm_topk);
 void cuda_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts, const int32_t *topk, int N,
                        int S, int E, int K, int cap);
+void cuda_moe_dispatch_capped(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts, const int32_t *topk,
+                              int N, int S, int E, int K, const int32_t *caps);
 void cuda_moe_gather(void *xp, const void *x, const int32_t *src, int R, int C);
 void cuda_moe_gather_backward(void *dx, const void *dxp, const int32_t *row_of, int N, int K, int C);
 void cuda_moe_combine(void *out, const void *yp, const float *gates, const int32_t *row_of, int N, int K, int C);

@@ -115,8 +115,14 @@ __global__ void moe_tile_count_kernel(int32_t *cnt, const int32_t *topk, int SK,
     for (int i = i0; i < i1; i++) c[topk[i]]++;
 }
 
+/* The most slots sequence b keeps for expert e: its caps entry, else cap (<= 0: all). */
+__device__ int32_t moe_limit(const int32_t *caps, int cap, int b, int E, int e) {
+    if (caps) return caps[(size_t)b * E + e];
+    return cap > 0 ? cap : 0x7fffffff;
+}
+
 __global__ void moe_prefix_kernel(int32_t *offsets, int32_t *counts, int32_t *cnt, int32_t *base, int nseq, int tps,
-                                  int E, int cap) {
+                                  int E, int cap, const int32_t *caps) {
     /* one block */
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int32_t kept = 0;
@@ -130,7 +136,8 @@ __global__ void moe_prefix_kernel(int32_t *offsets, int32_t *counts, int32_t *cn
             }
             counts[(size_t)b * E + e] = run;
             base[(size_t)b * E + e] = kept;
-            kept += cap > 0 && run > cap ? cap : run;
+            int32_t lim = moe_limit(caps, cap, b, E, e);
+            kept += run > lim ? lim : run;
         }
         offsets[e + 1] = kept; /* this expert's rows, summed below */
     }
@@ -147,7 +154,7 @@ __global__ void moe_prefix_kernel(int32_t *offsets, int32_t *counts, int32_t *cn
 
 __global__ void moe_place_kernel(int32_t *row_of, int32_t *src, int32_t *cnt, const int32_t *base,
                                  const int32_t *offsets, const int32_t *topk, int SK, int tps, int E, int K, int tiles,
-                                 int cap) {
+                                 int cap, const int32_t *caps) {
     int tile = blockIdx.x * blockDim.x + threadIdx.x;
     if (tile >= tiles) return;
     int32_t *c = cnt + (size_t)tile * E;
@@ -156,7 +163,7 @@ __global__ void moe_place_kernel(int32_t *row_of, int32_t *src, int32_t *cnt, co
     int i0 = b * SK + j0 * MOE_TILE, i1 = min((b + 1) * SK, i0 + MOE_TILE);
     for (int i = i0; i < i1; i++) {
         int e = topk[i], j = c[e]++;
-        if (cap > 0 && j >= cap) {
+        if (j >= moe_limit(caps, cap, b, E, e)) {
             row_of[i] = -1;
         } else {
             int r = offsets[e] + bs[e] + j;
@@ -166,8 +173,8 @@ __global__ void moe_place_kernel(int32_t *row_of, int32_t *src, int32_t *cnt, co
     }
 }
 
-void cuda_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts, const int32_t *topk, int N,
-                       int S, int E, int K, int cap) {
+static void moe_dispatch_run(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts, const int32_t *topk,
+                             int N, int S, int E, int K, int cap, const int32_t *caps) {
     int nseq = N > 0 ? N / S : 0, SK = S * K;
     int tps = nseq > 0 && SK > 0 ? (SK + MOE_TILE - 1) / MOE_TILE : 0, tiles = nseq * tps;
     size_t words = ((size_t)tiles + nseq) * E;
@@ -178,13 +185,23 @@ void cuda_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t 
         CUDA_CHECK_LAUNCH();
     }
     /* always: offsets are defined (all 0) for no rows too */
-    KLAUNCH(moe_prefix_kernel, 1, 256, 0, offsets, counts, cnt, base, nseq, tps, E, cap);
+    KLAUNCH(moe_prefix_kernel, 1, 256, 0, offsets, counts, cnt, base, nseq, tps, E, cap, caps);
     CUDA_CHECK_LAUNCH();
     if (tiles > 0) {
         KLAUNCH(moe_place_kernel, cuda_blocks(tiles, 128), 128, 0, row_of, src, cnt, base, offsets, topk, SK, tps, E,
-                K, tiles, cap);
+                K, tiles, cap, caps);
         CUDA_CHECK_LAUNCH();
     }
+}
+
+void cuda_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts, const int32_t *topk, int N,
+                       int S, int E, int K, int cap) {
+    moe_dispatch_run(offsets, row_of, src, counts, topk, N, S, E, K, cap, NULL);
+}
+
+void cuda_moe_dispatch_capped(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts, const int32_t *topk,
+                              int N, int S, int E, int K, const int32_t *caps) {
+    moe_dispatch_run(offsets, row_of, src, counts, topk, N, S, E, K, 0, caps);
 }
 
 /* ---------------------------------------------------------------------------

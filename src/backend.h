@@ -249,6 +249,13 @@ typedef struct Backend {
      * routed to each expert before any drop (the load). */
     void (*moe_dispatch)(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts,
                          const int32_t *topk, int N, int S, int E, int K, int cap);
+    /* moe_dispatch with a limit per sequence and expert instead of one cap:
+     * sequence b keeps at most caps[b][e] >= 0 of its slots for expert e
+     * (caps (N/S, E) int32 device), its first in token order; the rest as
+     * moe_dispatch. Context parallelism's chunks of a sequence: each gets
+     * what the capacity leaves after the earlier chunks. */
+    void (*moe_dispatch_capped)(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts,
+                                const int32_t *topk, int N, int S, int E, int K, const int32_t *caps);
     /* xp(R, C) act = x[src[r]] for the R = offsets[E] permuted rows. */
     void (*moe_gather)(void *xp, const void *x, const int32_t *src, int R, int C);
     /* dx(N,C) act += sum over k of dxp[row_of[t][k]] (dropped slots skipped),

@@ -212,15 +212,15 @@ static const CfgKey cfg_keys[] = {
     KINT("parallel.cp", cp, "1", 1, INF, "context-parallel ranks: each sequence is cut into 2 cp chunks and rank r "
          "holds chunks r and 2cp-1-r (every rank the same causal attention work); everything per token runs on "
          "the chunks, attention exchanges K and V over the cp ranks (`cp_attention`); `model.seq_len` must be a "
-         "multiple of 2 cp; replicated gradients sum over dp x cp, and ZeRO shards over dp x cp; not with "
-         "`model.mlp: moe`"),
+         "multiple of 2 cp; replicated gradients sum over dp x cp, and ZeRO shards over dp x cp; MoE layers "
+         "route as one rank (a sequence's loads summed over cp, a capacity split over its chunks)"),
     KENUM("parallel.cp_attention", cp_attention, "allgather", "allgather|ring",
           "cp > 1: `allgather` gathers every rank's K and V before attention and reduce-scatters their gradients "
           "(simple; memory cp x the local K/V), `ring` passes K/V blocks around the cp ranks while attention runs "
           "on the current one, merging by log-sum-exp, and dK/dV after them (memory 2 blocks)"),
-    KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (MoE): each of ep consecutive dp ranks holds "
-         "n_experts / ep whole experts, tokens travel to them by all-to-all; must divide `model.moe.n_experts` and "
-         "dp; ZeRO 0 or 1"),
+    KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (MoE): each of ep consecutive ranks of dp x cp "
+         "holds n_experts / ep whole experts, tokens travel to them by all-to-all; must divide "
+         "`model.moe.n_experts` and dp x cp; ZeRO 0 or 1; with `pp` inside each stage"),
     KFLT("parallel.timeout_s", timeout_s, "300", 0.1, 1e7, "seconds any collective may wait before the run stops naming the missing rank (env KILN_COMM_TIMEOUT_S overrides)"),
     KENUM("precision.compute", compute, "bf16", "bf16|fp32", "activation dtype on GPU: `bf16` stores activations, their gradients and the weights' compute copy in bf16 (half the memory; fp32 math and accumulation, matrix products on tensor cores), `fp32` is strict fp32; the CPU backend is always fp32"),
     KENUM("precision.attention", attention, "auto", "auto|cudnn|tensor_cores|simt",
@@ -947,8 +947,8 @@ static void cfg_check_moe(const Config *c, const ArchSpec *s, CfgLoad *L) {
 }
 
 /* Expert parallelism (docs/parallel.md "Expert parallelism"): whole experts
- * per rank, so ep divides the experts (and, with an explicit dp, dp: the ep
- * groups are consecutive dp ranks; dp auto is checked at launch by
+ * per rank, so ep divides the experts (and, with an explicit dp, dp x cp:
+ * the ep groups are consecutive ranks of that plane; dp auto is checked at launch by
  * mesh_plan); the expert tensors reduce over EDP, a second ZeRO-1 domain,
  * which ZeRO-2/3's per-layer units over dp do not have. Every rank loads the
  * config, so every rank says it, before anything is allocated. */
@@ -961,17 +961,13 @@ static void cfg_check_ep(const Config *c, const ArchSpec *s, CfgLoad *L) {
     if (s->moe.n_experts % c->ep)
         kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'model.moe.n_experts': ep %d must divide the %d experts "
                   "(each rank holds n_experts / ep whole experts)", w, c->ep, s->moe.n_experts);
-    if (c->dp > 0 && c->dp % c->ep)
-        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'parallel.dp': ep %d must divide dp %d (expert groups are "
-                  "ep consecutive dp ranks)", w, c->ep, c->dp);
+    if (c->dp > 0 && (c->dp * c->cp) % c->ep)
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'parallel.dp': ep %d must divide dp x cp = %d (expert "
+                  "groups are ep consecutive ranks of dp x cp)", w, c->ep, c->dp * c->cp);
     if (c->zero >= 2)
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.zero': expert parallelism runs with ZeRO 0 or 1 (its expert "
                   "tensors shard over the EDP group, ZeRO-%d's layer units over dp), got %d",
                   cfg_where_of(L, "parallel.zero", "parallel.ep"), c->zero, c->zero);
-    if (c->pp > 1)
-        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.ep', 'parallel.pp': expert and pipeline parallelism together "
-                  "are not supported yet (the expert side keeps one micro-batch per layer, a pipeline schedule several "
-                  "in flight); use one of them", w);
 }
 
 /* Lion's and Muon's ops keep fp32 state and update fp32 parameters only. */
@@ -1003,10 +999,6 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
             kiln_fail(KILN_EXIT_USAGE, "%s: keys 'model.seq_len', 'parallel.cp': a sequence of %d tokens does not split "
                       "into 2 x cp = %d chunks; make seq_len a multiple of %d", cfg_where_of(L, "parallel.cp",
                       "model.seq_len"), c->seq_len, 2 * c->cp, 2 * c->cp);
-        if (strcmp(c->mlp, "moe") == 0)
-            kiln_fail(KILN_EXIT_USAGE, "%s: key 'parallel.cp': MoE layers balance and cap their experts per whole "
-                      "sequence, which context parallelism splits over ranks; use parallel.cp: 1 with model.mlp: moe",
-                      cfg_where_of(L, "parallel.cp", "model.mlp"));
         if (c->tp > 1 && strcmp(c->sequence_parallel, "false") != 0 && ((long long)c->micro_batch * c->seq_len /
                                                                         c->cp) % c->tp)
             kiln_fail(KILN_EXIT_USAGE, "%s: keys 'parallel.sequence_parallel', 'parallel.cp': a rank's %d x %d tokens "

@@ -259,6 +259,13 @@ void cp_attention_backward(Cp *c, void *dqkv, const void *dout, const void *qkv,
 
 /* ---- the model's hooks */
 
+static void hook_sum_host(void *ctx, double *x, size_t n) {
+    Cp *c = ctx;
+    double t0 = kiln_now();
+    comm_all_reduce_sum_f64(c->g, x, n);
+    c->blocked_s += kiln_now() - t0;
+}
+
 static void hook_forward(void *ctx, void *out, float *lse, const void *qkv, const AttnShape *s) {
     cp_attention_forward(ctx, out, lse, qkv, s);
 }
@@ -281,7 +288,8 @@ void cp_attach(Cp *c, Model *m) {
                   m->cp, c->rank, c->cp);
     c->m = m;
     if (c->cp == 1) return; /* the model runs the plain attention ops */
-    ModelCp ops = {c, hook_forward, hook_backward, hook_broadcast};
+    ModelCp ops = {.ctx = c, .attention_forward = hook_forward, .attention_backward = hook_backward,
+                   .broadcast = hook_broadcast, .sum_host = hook_sum_host};
     model_set_cp(m, &ops);
 }
 

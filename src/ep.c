@@ -126,9 +126,13 @@ static void need_rows(Ep *e, EpLayer *L, int layer, size_t rows) {
     if (want > e->grown_to) e->grown_to = want;
 }
 
+/* Layer l's state for the model's active activation slot: each micro-batch
+ * a pipeline keeps in flight has its own, from its forward to its backward. */
+static EpLayer *layer_of(Ep *e, int l) { return &e->layer[(size_t)e->m->cur_slot * e->m->shape.n_layer + l]; }
+
 static void ep_dispatch(void *ctx, int layer, const void *xp, const int32_t *offsets, ModelExpertRows *r) {
     Ep *e = ctx;
-    EpLayer *L = &e->layer[layer];
+    EpLayer *L = layer_of(e, layer);
     int ep = e->ep, El = e->El;
     for (int d = 0; d < ep; d++)
         for (int j = 0; j < El; j++) {
@@ -155,14 +159,14 @@ static void ep_dispatch(void *ctx, int layer, const void *xp, const int32_t *off
 
 static void ep_combine(void *ctx, int layer, void *yp) {
     Ep *e = ctx;
-    EpLayer *L = &e->layer[layer];
+    EpLayer *L = layer_of(e, layer);
     if (L->rows > 0) e->m->be->moe_gather(e->wire, e->y, L->to_source, L->rows, (int)ep_C(e));
     exchange_rows(e, e->wire, L->recv_cnt, yp, L->send_cnt);
 }
 
 static void ep_dispatch_grad(void *ctx, int layer, const void *dyp, ModelExpertRows *r) {
     Ep *e = ctx;
-    EpLayer *L = &e->layer[layer];
+    EpLayer *L = layer_of(e, layer);
     exchange_rows(e, dyp, L->send_cnt, e->wire, L->recv_cnt);
     if (L->rows > 0) e->m->be->moe_gather(e->y, e->wire, L->to_expert, L->rows, (int)ep_C(e));
     *r = (ModelExpertRows){.e0 = e->m->expert_lo, .n = e->El, .off = L->off, .x = L->x, .h = L->h,
@@ -171,26 +175,33 @@ static void ep_dispatch_grad(void *ctx, int layer, const void *dyp, ModelExpertR
 
 static void ep_combine_grad(void *ctx, int layer, void *dxp) {
     Ep *e = ctx;
-    EpLayer *L = &e->layer[layer];
+    EpLayer *L = layer_of(e, layer);
     if (L->rows > 0) e->m->be->moe_gather(e->wire, e->dx, L->to_source, L->rows, (int)ep_C(e));
     exchange_rows(e, e->wire, L->recv_cnt, dxp, L->send_cnt);
 }
 
-size_t ep_plan_rows(const ArchSpec *s, int ep, int B, int T) {
-    /* R slots a rank sends at most; capacity: each rank sends each expert at
-     * most cap rows of each of its B sequences */
-    size_t R = (size_t)B * T * s->moe.top_k, worst = (size_t)ep * R, El = (size_t)(s->moe.n_experts / ep);
+size_t ep_plan_rows(const ArchSpec *s, int ep, int cp, int B, int T) {
+    /* R slots a rank sends at most (its T / cp rows of each sequence);
+     * capacity: each rank sends each expert at most cap rows of each of its
+     * B sequences (under cp its chunks keep at most cap together) */
+    size_t R = (size_t)B * (T / cp) * s->moe.top_k, worst = (size_t)ep * R, El = (size_t)(s->moe.n_experts / ep);
     int cap = arch_moe_capacity(s, T);
     if (cap <= 0) return 2 * R < worst ? 2 * R : worst;
     size_t c = (size_t)ep * B * El * (size_t)cap;
     return c < worst ? c : worst;
 }
 
-size_t ep_buffer_bytes(const ArchSpec *s, int ep, int B, int T, size_t act_bytes) {
+size_t ep_buffer_bytes(const ArchSpec *s, int ep, int cp, int layer_sets, int B, int T, size_t act_bytes) {
     if (ep <= 1 || s->mlp != MLP_MOE) return 0;
-    size_t rows = ep_plan_rows(s, ep, B, T), C = (size_t)s->n_embd, Fe = (size_t)s->moe.expert_hidden;
+    size_t rows = ep_plan_rows(s, ep, cp, B, T), C = (size_t)s->n_embd, Fe = (size_t)s->moe.expert_hidden;
     size_t layer = rows * ((C + 3 * Fe) * act_bytes + 2 * sizeof(int32_t));
-    return (size_t)s->n_layer * layer + rows * (3 * C + 3 * Fe) * act_bytes;
+    return (size_t)layer_sets * layer + rows * (3 * C + 3 * Fe) * act_bytes;
+}
+
+/* Layers [*lo, *hi) of the model's activation slot i (its chunk's). */
+static void slot_layers(const Model *m, int i, int *lo, int *hi) {
+    int c = m->slots[i].chunk;
+    *lo = m->chunk_lo[c], *hi = m->chunk_hi[c];
 }
 
 void ep_init(Ep *e, Model *m, CommGroup *g) {
@@ -202,22 +213,30 @@ void ep_init(Ep *e, Model *m, CommGroup *g) {
     if (m->ep != g->size || m->ep_rank != g->rank)
         kiln_fail(KILN_EXIT_RUNTIME, "ep_init: the model is rank %d of ep %d, the group rank %d of %d", m->ep_rank,
                   m->ep, g->rank, g->size);
-    if (!m->act_mem) kiln_fail(KILN_EXIT_RUNTIME, "ep_init: plan the model's activations first");
+    if (!m->act_mem || !m->n_slots) kiln_fail(KILN_EXIT_RUNTIME, "ep_init: plan the model's activations first");
     const ArchSpec *s = &m->shape;
     e->ep = g->size, e->rank = g->rank, e->El = m->n_experts_here;
     e->dropless = arch_moe_capacity(s, m->T) <= 0;
-    size_t rows = ep_plan_rows(s, e->ep, m->B, m->T);
+    size_t rows = ep_plan_rows(s, e->ep, m->cp, m->B, m->T);
     if (rows > (1u << 24))
         kiln_fail(KILN_EXIT_USAGE, "key 'parallel.ep': %zu rows per layer would reach this rank, past the 2^24 the "
                   "counts exchange carries exactly; use a smaller micro-batch", rows);
     size_t n = (size_t)e->ep * e->El;
-    e->layer = xcalloc((size_t)s->n_layer, sizeof(EpLayer));
-    for (int l = m->layer_lo; l < m->layer_hi; l++) {
-        EpLayer *L = &e->layer[l];
-        L->recv_cnt = xcalloc(n, sizeof(int32_t));
-        L->send_cnt = xcalloc(n, sizeof(int32_t));
-        L->off = xcalloc((size_t)e->El + 1, sizeof(int32_t));
-        layer_alloc(e, L, rows);
+    /* one state per (activation slot, layer): a pipeline's micro-batches in
+     * flight each keep their dispatch for their backward */
+    e->n_slots = m->n_slots;
+    e->layer = xcalloc((size_t)m->n_slots * s->n_layer, sizeof(EpLayer));
+    for (int i = 0; i < m->n_slots; i++) {
+        int lo, hi;
+        slot_layers(m, i, &lo, &hi);
+        for (int l = lo; l < hi; l++) {
+            EpLayer *L = &e->layer[(size_t)i * s->n_layer + l];
+            L->recv_cnt = xcalloc(n, sizeof(int32_t));
+            L->send_cnt = xcalloc(n, sizeof(int32_t));
+            L->off = xcalloc((size_t)e->El + 1, sizeof(int32_t));
+            layer_alloc(e, L, rows);
+            e->layer_sets++;
+        }
     }
     shared_alloc(e, rows);
     e->cnt_dev = m->be->alloc(2 * n * sizeof(float));
@@ -232,8 +251,10 @@ void ep_free(Ep *e) {
     if (e->ep > 1) {
         const Backend *be = e->m->be;
         model_set_ep(e->m, NULL);
-        for (int l = e->m->layer_lo; l < e->m->layer_hi; l++) {
-            EpLayer *L = &e->layer[l];
+        size_t n = (size_t)e->n_slots * e->m->shape.n_layer;
+        for (size_t i = 0; i < n; i++) {
+            EpLayer *L = &e->layer[i];
+            if (!L->cap) continue; /* a layer of another chunk */
             be->free(L->x), be->free(L->h), be->free(L->h_act), be->free(L->to_expert), be->free(L->to_source);
             free(L->recv_cnt), free(L->send_cnt), free(L->off);
         }
@@ -271,10 +292,13 @@ double ep_step_blocked_s(const Ep *e) { return e->blocked_s; }
 int ep_describe(const Ep *e, char *buf, size_t len) {
     if (e->ep <= 1) return 0;
     const Model *m = e->m;
-    double mib = (double)ep_buffer_bytes(&m->shape, e->ep, m->B, m->T, m->act_bytes) / 1048576.0;
+    double mib = (double)ep_buffer_bytes(&m->shape, e->ep, m->cp, e->layer_sets, m->B, m->T, m->act_bytes) /
+                 1048576.0;
+    int lo, hi;
+    slot_layers(m, 0, &lo, &hi);
     snprintf(buf, len, "expert parallel: %d ranks, experts %d..%d of %d here per layer; tokens by all-to-all; "
-             "receive buffers %zu rows per layer (%s), %.2f MiB", e->ep, m->expert_lo,
-             m->expert_lo + e->El - 1, m->shape.moe.n_experts, e->layer[m->layer_lo].cap,
+             "receive buffers %zu rows per layer and micro-batch in flight (%d such sets; %s), %.2f MiB", e->ep,
+             m->expert_lo, m->expert_lo + e->El - 1, m->shape.moe.n_experts, e->layer[lo].cap, e->layer_sets,
              e->dropless ? "dropless: twice the balanced share, grown when a layer needs more"
                          : "the most the capacity lets every rank send", mib);
     return 1;

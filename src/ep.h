@@ -11,8 +11,9 @@
 #include "comm.h"
 #include "model.h"
 
-/* The expert side of one MoE layer on this rank: what its last forward
- * dispatch received, kept for the backward. */
+/* The expert side of one MoE layer on this rank for one activation slot
+ * (model_plan_slots: a micro-batch a pipeline keeps in flight): what the
+ * slot's last forward dispatch received, kept for its backward. */
 typedef struct EpLayer {
     int32_t *recv_cnt, *send_cnt; /* host (ep, El): rows from / to each rank, per local expert of the
                                      receiver (rank-major) */
@@ -30,7 +31,10 @@ typedef struct Ep {
     CommGroup *g;          /* the ep group (size 1: ep_init installs nothing) */
     int ep, rank, El;      /* ranks, this one's place, experts per rank */
     int dropless;          /* model.moe.capacity_factor 0: receive buffers grow when a step needs it */
-    EpLayer *layer;        /* [n_layer] (the model's layers) */
+    EpLayer *layer;        /* [n_slots][n_layer]: the model's activation slots, each its chunk's layers
+                              (cap 0 elsewhere) */
+    int n_slots;           /* the model's activation slots at ep_init */
+    int layer_sets;        /* (slot, layer) pairs with buffers */
     /* shared by the layers, one layer at a time (wcap rows) */
     size_t wcap;
     void *wire;            /* device (wcap,C) act: rows as they cross the wire, in rank order */
@@ -49,15 +53,18 @@ typedef struct Ep {
 } Ep;
 
 /* Rows each layer's buffers hold at start on an ep rank, for micro-batches
- * of B x T tokens (ep_init's sizing; see below), and the bytes of the
- * expert side's buffers (every layer's and the shared ones), act_bytes
- * per activation: what ./train plan counts. Arithmetic only. */
-size_t ep_plan_rows(const ArchSpec *s, int ep, int B, int T);
-size_t ep_buffer_bytes(const ArchSpec *s, int ep, int B, int T, size_t act_bytes);
+ * of B sequences of T tokens, T / cp of each on this rank under context
+ * parallelism (ep_init's sizing, see below), and the bytes of the expert
+ * side's buffers (layer_sets (slot, layer) pairs' and the shared ones:
+ * n_layer without a pipeline), act_bytes per activation: what ./train plan
+ * counts. Arithmetic only. */
+size_t ep_plan_rows(const ArchSpec *s, int ep, int cp, int B, int T);
+size_t ep_buffer_bytes(const ArchSpec *s, int ep, int cp, int layer_sets, int B, int T, size_t act_bytes);
 
 /* Install the model's ep exchanges over g (model_set_ep) and allocate the
- * expert side's buffers for the planned micro-batch: after
- * model_plan_activations. m must have been built with ModelOptions.ep =
+ * expert side's buffers for the planned micro-batch, one set per activation
+ * slot (a pipeline's micro-batches in flight): after model_plan_activations
+ * or model_plan_slots. m must have been built with ModelOptions.ep =
  * g->size and ep_rank = g->rank. Capacity mode: every buffer holds the most
  * rows the per-sequence capacity lets the ep ranks send here, so nothing is
  * ever allocated again; dropless: twice the balanced share (ep 2: the

@@ -297,9 +297,6 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     m->cp = o->cp > 1 ? o->cp : 1;
     m->cp_rank = m->cp > 1 ? o->cp_rank : 0;
     m->doc_mask = o->doc_masking, m->doc_reset = o->doc_reset, m->doc_eot = o->doc_eot;
-    if (m->cp > 1 && s->mlp == MLP_MOE)
-        kiln_fail(KILN_EXIT_USAGE, "key 'parallel.cp': MoE layers balance and cap their experts per whole sequence, "
-                  "which context parallelism splits over ranks; use parallel.cp: 1 with model.mlp: moe");
     m->vocab_lo = m->tp_rank * m->shape.padded_vocab;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
@@ -547,6 +544,9 @@ void model_free(Model *m) {
     free(m->stats_host);
     free(m->auxg_host);
     free(m->counts_host);
+    free(m->seq_host);
+    free(m->chunk_host);
+    free(m->caps_host);
     if (m->be && m->rope) m->be->free(m->rope);
     free(m->cbuf);
     free(m->unit_cbuf);
@@ -654,6 +654,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     int moe = s->mlp == MLP_MOE;
     size_t E = moe ? (size_t)s->moe.n_experts : 0, K = moe ? (size_t)s->moe.top_k : 0;
     size_t Fe = moe ? (size_t)s->moe.expert_hidden : 0, S = moe ? (size_t)s->moe.n_shared * Fe : 0, R = N * K;
+    size_t RG = cp > 1 ? 2 * (size_t)B : (size_t)B; /* MoE routing groups (moe_group_rows) */
     size_t off = 0;
     /* Without a model, only count: views are written into a throwaway. */
     Model sink;
@@ -700,12 +701,12 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
                     TAKE(a->router, N * E, ab);
                     TAKE(a->probs, N * E, F);
                     TAKE(a->gates, N * K, F);
-                    TAKE(a->stats, (size_t)B * (E + 1), F);
+                    TAKE(a->stats, RG * (E + 1), F);
                     TAKE(a->topk, N * K, I);
                     TAKE(a->row_of, N * K, I);
                     TAKE(a->src, R, I);
                     TAKE(a->offsets, E + 1, I);
-                    TAKE(a->counts, (size_t)B * E, I);
+                    TAKE(a->counts, RG * E, I);
                     TAKE(a->xp, R * C, ab);
                     if (ep <= 1) { /* expert parallelism: the expert side's activations are ep.c's */
                         TAKE(a->hp, R * 2 * Fe, ab);
@@ -745,8 +746,9 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
                 TAKE(sl->stage_dout, N * C, ab);
             }
             if (lo > 0) TAKE(sl->stage_din, Nres * C, ab); /* the residual rows this rank holds */
-            if (moe) TAKE(sl->aux, (size_t)B * E * s->n_layer, F);
+            if (moe) TAKE(sl->aux, RG * E * s->n_layer, F);
         }
+    if (moe && cp > 1) TAKE(m->moe_caps, RG * E, I); /* one layer's chunk limits (moe_cp_caps) */
     void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
     if (!keep_gelu) TAKE(gelu_shared, N * FF, ab);
     if (!keep_norm) TAKE(ln_shared, N * C, ab);
@@ -789,7 +791,7 @@ size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, in
     return plan_bytes(&l, B, T / cp, act_bytes, r, &p, tp, cp, sp, ep, NULL);
 }
 
-size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, int B, int T, size_t act_bytes,
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, int ep, int B, int T, size_t act_bytes,
                                     ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
                                     int split) {
     ArchSpec l;
@@ -798,7 +800,7 @@ size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, i
     if (chunks < 1 || chunks > MODEL_MAX_CHUNKS) return 0;
     for (int c = 0; c < chunks; c++) p.lo[c] = lo[c], p.hi[c] = hi[c], p.slots[c] = slots[c];
     if (cp < 1) cp = 1;
-    return plan_bytes(&l, B, T / cp, act_bytes, r, &p, tp, cp, sp, 1, NULL); /* pipeline stages: ep 1 (config.c) */
+    return plan_bytes(&l, B, T / cp, act_bytes, r, &p, tp, cp, sp, ep, NULL);
 }
 
 /* The active set's fields, to and from its ModelSlot. */
@@ -890,9 +892,15 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
     slot_load(m, &m->slots[0]);
     if (m->shape.mlp == MLP_MOE) {
         size_t E = (size_t)m->shape.moe.n_experts;
-        m->stats_host = xrealloc(m->stats_host, (size_t)B * (E + 1) * sizeof(float));
-        m->auxg_host = xrealloc(m->auxg_host, (size_t)B * E * sizeof(float));
-        m->counts_host = xrealloc(m->counts_host, (size_t)B * E * sizeof(int32_t));
+        size_t RG = (size_t)B * (m->cp > 1 ? 2 : 1); /* routing groups (moe_group_rows) */
+        m->stats_host = xrealloc(m->stats_host, RG * (E + 1) * sizeof(float));
+        m->auxg_host = xrealloc(m->auxg_host, RG * E * sizeof(float));
+        m->counts_host = xrealloc(m->counts_host, RG * E * sizeof(int32_t));
+        m->seq_host = xrealloc(m->seq_host, (size_t)B * (2 * E + 1) * sizeof(double));
+        if (m->cp > 1) {
+            m->chunk_host = xrealloc(m->chunk_host, (size_t)2 * m->cp * B * E * sizeof(double));
+            m->caps_host = xrealloc(m->caps_host, RG * E * sizeof(int32_t));
+        }
     }
     m->losses_host = xcalloc(N, sizeof(float));
     model_fp8_plan(m, (int)N);
@@ -1249,6 +1257,45 @@ static void experts_forward(Model *m, int l, const ModelExpertRows *r) {
     }
 }
 
+/* Rows of one routing group for B sequences of T local rows: the router's
+ * statistics and loads are kept per group (backend.h: S). A group is a
+ * sequence; under cp one of this rank's two chunks of one (ModelCp's
+ * chunk-major rows: group g is local chunk g / B of sequence g % B), whose
+ * figures are summed into the sequence's over the cp ranks (moe_forward;
+ * a capacity's limits: moe_cp_caps). */
+static int moe_group_rows(const Model *m, int T) { return m->cp > 1 ? T / 2 : T; }
+
+/* Under cp with a capacity (cap per whole sequence): the limits of this
+ * rank's chunks (groups of gr rows) in m->moe_caps, so that they keep the
+ * slots one rank keeps of the whole sequence: each chunk, per expert, what
+ * the capacity leaves after the sequence's earlier chunks, whichever rank
+ * holds them. The chunks' loads (a dropless dispatch's counts) at their
+ * global chunk index, summed over the cp ranks (an all-gather), give the
+ * earlier chunks' loads. */
+static void moe_cp_caps(Model *m, const LayerActs *a, int N, int gr, int cap) {
+    const Backend *be = m->be;
+    int E = m->shape.moe.n_experts, K = m->shape.moe.top_k, B = N / (2 * gr), cp = m->cp;
+    be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, gr, E, K, 0);
+    tp_drain(m);
+    be->to_host(m->counts_host, a->counts, (size_t)2 * B * E * sizeof(int32_t));
+    double *all = m->chunk_host; /* (2 cp, B, E): every chunk's loads, global chunk order */
+    memset(all, 0, (size_t)2 * cp * B * E * sizeof(double));
+    for (int c = 0; c < 2; c++) {
+        int gc = model_cp_chunk(cp, m->cp_rank, c);
+        for (size_t i = 0; i < (size_t)B * E; i++) all[(size_t)gc * B * E + i] = m->counts_host[(size_t)c * B * E + i];
+    }
+    m->cpc.sum_host(m->cpc.ctx, all, (size_t)2 * cp * B * E); /* exact: integers */
+    for (int c = 0; c < 2; c++) {
+        int gc = model_cp_chunk(cp, m->cp_rank, c);
+        for (size_t i = 0; i < (size_t)B * E; i++) {
+            double before = 0;
+            for (int k = 0; k < gc; k++) before += all[(size_t)k * B * E + i];
+            m->caps_host[(size_t)c * B * E + i] = before < cap ? cap - (int32_t)before : 0;
+        }
+    }
+    be->to_device(m->moe_caps, m->caps_host, (size_t)2 * B * E * sizeof(int32_t));
+}
+
 /* out (N,C) = sum_k gate * expert(x) (+ the shared experts, added to res3
  * by the caller); router statistics into the losses and loads. */
 static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
@@ -1260,9 +1307,18 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     void *proj = m->scratch;
     int bi = model_tensor_index(m, l, ROLE_ROUTER_BIAS, -1);
     be->matmul_forward(a->router, a->ln2, W(m, l, ROLE_ROUTER_W), NULL, N, C, E);
-    be->moe_route(a->topk, a->gates, a->probs, a->stats, a->router, bi < 0 ? NULL : m->pview[bi], N, T, E, K,
+    int gr = moe_group_rows(m, T), G = N / gr; /* G routing groups of gr rows */
+    be->moe_route(a->topk, a->gates, a->probs, a->stats, a->router, bi < 0 ? NULL : m->pview[bi], N, gr, E, K,
                   mo->sigmoid, mo->norm_topk);
-    be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, T, E, K, arch_moe_capacity(s, T));
+    /* per whole sequence: under cp of its real tokens (the padding of a
+     * generation's context comes after them, so it never takes their slots) */
+    int cap = arch_moe_capacity(s, m->cp > 1 ? m->cp_tokens : T);
+    if (m->cp > 1 && cap > 0) { /* a chunk keeps what the sequence's earlier chunks leave */
+        moe_cp_caps(m, a, N, gr, cap);
+        be->moe_dispatch_capped(a->offsets, a->row_of, a->src, a->counts, a->topk, N, gr, E, K, m->moe_caps);
+    } else {
+        be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, gr, E, K, cap);
+    }
     /* The experts' row ranges decide the products' sizes: the one host
      * synchronisation of an MoE layer. */
     tp_drain(m);
@@ -1285,33 +1341,47 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
         model_mm_forward(m, l, MM_SHARED_DOWN, -1, proj, a->sh_act, W(m, l, ROLE_SHARED_DOWN_W), NULL, N, S, C);
         be->residual_forward(a->res3, a->res3, mine, n);
     }
-    /* Losses per sequence b of T tokens, averaged over the B sequences:
-     * aux_b = E sum_e f_be P_be (f = load / (T K), P = mean prob), z = mean
-     * lse^2; the aux gradient per (sequence, expert) for the backward. */
-    int B = N / T;
-    be->to_host(m->counts_host, a->counts, (size_t)B * E * sizeof(int32_t));
-    be->to_host(m->stats_host, a->stats, (size_t)B * (E + 1) * sizeof(float));
-    double aux = 0, z = 0;
+    /* Losses per sequence b of Tg tokens (T, or under cp the T cp of the
+     * whole sequence), averaged over the B sequences: aux_b = E sum_e f_be
+     * P_be (f = load / (Tg K), P = mean prob), z = mean lse^2; the aux
+     * gradient per (group, expert) for the backward. Under cp each
+     * sequence's loads and sums are its groups' summed over the cp ranks
+     * first, so every rank has the figures of one rank's whole sequence. */
+    int B = N / T, Tg = T * m->cp;
+    be->to_host(m->counts_host, a->counts, (size_t)G * E * sizeof(int32_t));
+    be->to_host(m->stats_host, a->stats, (size_t)G * (E + 1) * sizeof(float));
+    double *q = m->seq_host; /* (B, 2E+1): per sequence its loads (E), prob sums (E), lse^2 sum */
+    memset(q, 0, (size_t)B * (2 * E + 1) * sizeof(double));
     int64_t routed = 0;
-    for (int b = 0; b < B; b++) {
-        const int32_t *cnt = m->counts_host + (size_t)b * E;
-        const float *st = m->stats_host + (size_t)b * (E + 1);
+    for (int g = 0; g < G; g++) {
+        const int32_t *cnt = m->counts_host + (size_t)g * E;
+        const float *st = m->stats_host + (size_t)g * (E + 1);
+        double *qb = q + (size_t)(g % B) * (2 * E + 1);
         for (int e = 0; e < E; e++) {
-            double f = (double)cnt[e] / ((double)T * K);
-            aux += f * st[e] / T;
-            m->auxg_host[(size_t)b * E + e] = (float)(mo->aux_loss_coef * E * f * dloss);
+            qb[e] += cnt[e], qb[E + e] += st[e];
             routed += cnt[e];
-            if (train) m->moe.load[(size_t)l * E + e] += cnt[e];
+            if (train) m->moe.load[(size_t)l * E + e] += cnt[e]; /* this rank's tokens: the caller sums the ranks */
         }
-        z += st[E];
+        qb[2 * E] += st[E];
+    }
+    if (m->cp > 1) m->cpc.sum_host(m->cpc.ctx, q, (size_t)B * (2 * E + 1));
+    double aux = 0, z = 0;
+    for (int b = 0; b < B; b++) {
+        const double *qb = q + (size_t)b * (2 * E + 1);
+        for (int e = 0; e < E; e++) {
+            double f = qb[e] / ((double)Tg * K);
+            aux += f * qb[E + e] / Tg;
+            for (int g = b; g < G; g += B) m->auxg_host[(size_t)g * E + e] = (float)(mo->aux_loss_coef * E * f * dloss);
+        }
+        z += qb[2 * E];
     }
     m->moe.aux += E * aux / B;
-    m->moe.z += z / N;
+    m->moe.z += z / ((double)B * Tg);
     if (train) {
         m->moe.routed += routed;
         m->moe.drops += routed - a->offsets_host[E];
     }
-    be->to_device(m->aux + (size_t)l * B * E, m->auxg_host, (size_t)B * E * sizeof(float));
+    be->to_device(m->aux + (size_t)l * G * E, m->auxg_host, (size_t)G * E * sizeof(float));
 }
 
 /* res3 = res2 + mlp(norm2(res2)): GeLU, SwiGLU or MoE. */
@@ -1371,6 +1441,7 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
             kiln_fail(KILN_EXIT_RUNTIME, "model_forward: a context-parallel model without its hooks (model_set_cp)");
         if (targets && T % (2 * m->cp))
             kiln_fail(KILN_EXIT_USAGE, "model_forward: %d tokens do not split into 2 x cp = %d chunks", T, 2 * m->cp);
+        m->cp_tokens = T; /* an MoE capacity is of the real tokens (generation pads) */
         int Tc = (T + 2 * m->cp - 1) / (2 * m->cp);
         tokens = cp_take(m, m->cp_tok, tokens, B, T, Tc);
         if (targets) targets = cp_take(m, m->cp_tgt, targets, B, T, Tc);
@@ -1554,8 +1625,8 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
     be->moe_gather_backward(b->dln, b->dxp, a->row_of, N, K, C);
     /* the router: its gates' gradient plus the aux and z losses' */
     be->moe_route_backward(b->dlogits, b->dgates, a->probs, a->topk, a->gates, a->router,
-                           m->aux + (size_t)l * (N / m->live_T) * E, mo->z_loss_coef * m->live_dloss * N, N,
-                           m->live_T, E, K, mo->sigmoid, mo->norm_topk);
+                           m->aux + (size_t)l * (N / moe_group_rows(m, m->live_T)) * E, mo->z_loss_coef * m->live_dloss * N,
+                           N, moe_group_rows(m, m->live_T), E, K, mo->sigmoid, mo->norm_topk);
     be->matmul_backward(b->dbuf, G(m, l, ROLE_ROUTER_W), NULL, b->dlogits, a->ln2, W(m, l, ROLE_ROUTER_W), N, C, E,
                         acc);
     be->residual_forward(b->dln, b->dln, b->dbuf, (size_t)N * C);

@@ -124,8 +124,8 @@ typedef struct LayerActs {
     void *res3;                 /* (N,C) residual after the MLP = next layer's input */
     /* MoE (R = N K permuted rows at most, S = n_shared expert_hidden) */
     void *router;               /* (N,E) router logits */
-    float *probs, *gates, *stats; /* (N,E) (N,K) (B,E+1) */
-    int32_t *topk, *row_of, *src, *offsets, *counts; /* (N,K) (N,K) (R) (E+1) (B,E) */
+    float *probs, *gates, *stats; /* (N,E) (N,K) (B,E+1); cp: (2B,E+1), per local chunk of a sequence */
+    int32_t *topk, *row_of, *src, *offsets, *counts; /* (N,K) (N,K) (R) (E+1) (B,E); cp: (2B,E) */
     int32_t *offsets_host;      /* (E+1) host copy: the experts' row ranges */
     void *xp, *hp, *hp_act, *yp; /* (R,C) (R,2Fe) (R,Fe) (R,C) */
     void *sh, *sh_act;          /* (N,2S) (N,S) shared experts */
@@ -235,6 +235,9 @@ typedef struct ModelEp {
  *   the local rows (s: B sequences of T = 2 Tc local rows), over the whole
  *   sequence; lse (N NH floats) laid out as the hook likes.
  *  broadcast: buf (n) act from cp rank root to every cp rank (a logits row).
+ *  sum_host: x (n) host doubles summed over the cp ranks, in place (an MoE
+ *   layer's per-sequence loads and router sums, and its chunks' loads for a
+ *   capacity: with these it routes as one rank).
  * NULL table (cp 1): the model runs the backend's attention ops. */
 typedef struct ModelCp {
     void *ctx;
@@ -242,6 +245,7 @@ typedef struct ModelCp {
     void (*attention_backward)(void *ctx, void *dqkv, const void *dout, const void *qkv, const void *out,
                                const float *lse, const AttnShape *s);
     void (*broadcast)(void *ctx, void *buf, size_t n, int root);
+    void (*sum_host)(void *ctx, double *x, size_t n);
 } ModelCp;
 /* Global chunk index of local chunk c (0, 1) on cp rank `rank` of cp. */
 static inline int model_cp_chunk(int cp, int rank, int c) { return c ? 2 * cp - 1 - rank : rank; }
@@ -360,6 +364,7 @@ typedef struct Model {
                            product and its GeLU run as the backend's fused ops where it offers
                            them (model_gelu_fused); 0 (off): always as separate ops */
     int live_B, live_T; /* shape of the last forward (cp: live_T local rows per sequence, 2 Tc) */
+    int cp_tokens;      /* cp > 1: the tokens of a sequence the forward running was given (before its padding) */
     void *act_mem;
     size_t act_size;  /* bytes */
     void *encoded;    /* (N,C) the embeddings, or a later stage's input (model_stage_input) */
@@ -367,9 +372,13 @@ typedef struct Model {
     void *stage_din;  /* (N,C) a stage without the embeddings: the gradient of its input (model_stage_input_grad) */
     LayerActs *acts;  /* [n_layer] */
     void *lnf;        /* (N,C) */
-    float *aux;       /* (n_layer, B, E) device: the aux loss's gradient per sequence and expert */
+    float *aux;       /* (n_layer, B, E) device: the aux loss's gradient per sequence and expert (cp: per
+                         routing group, 2B of them: each stat below too) */
     float *stats_host, *auxg_host; /* (B, E+1) (B, E) host: one layer's router stats, aux gradient */
     int32_t *counts_host;          /* (B, E) host: one layer's loads per sequence */
+    double *seq_host;              /* (B, 2E+1) host: one layer's loads, prob and lse^2 sums per whole sequence */
+    double *chunk_host;            /* cp > 1: (2 cp, B, E) host: every chunk's loads (a capacity's limits) */
+    int32_t *caps_host, *moe_caps; /* cp > 1: (2B, E) host, device: this rank's chunks' limits per expert */
     float *lnf_mean, *lnf_rstd; /* (N) */
     void *logits;     /* (N,Vp); dlogits in place after a training forward */
     float *losses;    /* (N) device */
@@ -594,10 +603,11 @@ size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, in
                                    ModelRecompute r);
 
 /* The same for a pipeline rank (tp 1: the spec itself; sp its sequence
- * parallelism; cp: its B x T / cp rows): its chunks, chunk c the layers
- * [lo[c], hi[c]) in slots[c] activation sets, with the kept output gradients
- * of a split backward when split: exactly what model_plan_slots allocates. */
-size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, int B, int T, size_t act_bytes,
+ * parallelism; cp: its B x T / cp rows; ep > 1: without the expert side's
+ * buffers, ep.c's): its chunks, chunk c the layers [lo[c], hi[c]) in
+ * slots[c] activation sets, with the kept output gradients of a split
+ * backward when split: exactly what model_plan_slots allocates. */
+size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, int ep, int B, int T, size_t act_bytes,
                                     ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
                                     int split);
 

@@ -114,7 +114,7 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int c
             m.act_by_mode[r][k] = (double)model_activation_bytes_rank(g, tp, cp, ep, sp, micro_batch, s->seq_len, ab,
                                                                       (ModelRecompute)r);
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
-            m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, micro_batch, s->seq_len, ab);
+            m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, cp, s->n_layer, micro_batch, s->seq_len, ab);
         }
     m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, sizeof(float)) : 0;
     m.recompute = recompute;
@@ -126,10 +126,11 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int c
     return m;
 }
 
-/* One pipeline rank: its chunks' tensors and activation slots. ZeRO shards
+/* One pipeline rank: its chunks' tensors (under ep its experts) and
+ * activation slots, with the expert side's buffers per slot. ZeRO shards
  * over the stage's dp x cp ranks; ZeRO-2/3 hold the stage's whole gradients
  * (accumulated over the step, reduce-scattered once: ddp.c accum_grads). */
-static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int cp, int cp_mode, int dp, int zero,
+static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int cp, int cp_mode, int dp, int ep, int zero,
                                     int micro_batch, ModelRecompute rec, size_t moment_bytes, size_t param_bytes,
                                     int chunks, const int *lo, const int *hi, const int *slots, int split) {
     PlanMemory m = {0};
@@ -142,6 +143,7 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int cp, i
     for (int i = 0; i < n; i++) {
         int in = 0;
         for (int k = 0; k < chunks; k++) in = in || arch_tensor_in_stage(&local, &t[i], lo[k], hi[k]);
+        if (t[i].expert >= 0 && ep > 1 && t[i].expert >= local.moe.n_experts / ep) in = 0; /* rank 0's experts */
         if (!in) continue;
         params += (double)t[i].numel;
         if (t[i].layer >= 0) per_layer[t[i].layer] += (double)t[i].numel;
@@ -149,6 +151,8 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int cp, i
     }
     for (int l = 0; l < local.n_layer; l++) layer = per_layer[l] > layer ? per_layer[l] : layer;
     free(per_layer);
+    int sets = 0; /* (slot, layer) pairs: ep.c's buffers */
+    for (int k = 0; k < chunks; k++) sets += slots[k] * (hi[k] - lo[k]);
     free(t);
     dp *= cp;
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
@@ -170,9 +174,10 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int cp, i
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
         for (int k = 0; k < 2; k++) {
             size_t ab = k ? 2 : sizeof(float);
-            m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, cp, sp, micro_batch, g->seq_len, ab,
+            m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, cp, sp, ep, micro_batch, g->seq_len, ab,
                                                                        (ModelRecompute)r, chunks, lo, hi, slots,
-                                                                       split);
+                                                                       split) +
+                                  (double)ep_buffer_bytes(g, ep, cp, sets, micro_batch, g->seq_len, ab);
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
         }
     m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, sizeof(float)) : 0;
@@ -215,7 +220,7 @@ int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro,
                 o += (size_t)snprintf(layers + o, sizeof layers - o, "%s%d..%d", ch ? ", " : "", lo[ch], hi[ch] - 1);
         }
         int sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
-        PlanMemory m = plan_memory_stage(s, tp, sp, c->cp, cp_mode_parse(c->cp_attention), dp, c->zero,
+        PlanMemory m = plan_memory_stage(s, tp, sp, c->cp, cp_mode_parse(c->cp_attention), dp, c->ep, c->zero,
                                          c->micro_batch, rec, sb, pb, v, lo, hi, slots, k == PIPE_ZB_H1);
         printf("  stage %-16d layers %s%s%s: %.2fM parameters, %d activation slot(s) %.2f MiB; %.2f GiB per rank\n",
                r, layers, r == 0 ? " + embeddings" : "", r == p - 1 ? " + head" : "",
@@ -292,7 +297,7 @@ void plan_print_tp(const ArchSpec *s, int tp, int sp, int dp, int ep, int zero, 
     }
     if (ep > 1 && s->mlp == MLP_MOE)
         printf("  expert parallel        ep %d: per rank %d of %d experts per layer, up to %zu rows received per "
-               "layer (%s)\n", ep, s->moe.n_experts / ep, s->moe.n_experts, ep_plan_rows(s, ep, micro_batch, s->seq_len),
+               "layer (%s)\n", ep, s->moe.n_experts / ep, s->moe.n_experts, ep_plan_rows(s, ep, 1, micro_batch, s->seq_len),
                arch_moe_capacity(s, s->seq_len) > 0 ? "the capacity's worst case" : "dropless: grown when needed");
     PlanComm c32 = plan_comm_per_step(s, tp, sp, dp, ep, zero, micro_batch, micro, 4);
     PlanComm c16 = plan_comm_per_step(s, tp, sp, dp, ep, zero, micro_batch, micro, 2);

@@ -1100,6 +1100,22 @@ static void test_moe(int N, int S, int E, int K, int C, int sigmoid, int norm_to
     /* the case is meant to drop (cap > 0) or keep everything (cap 0) */
     report("moe_dispatch_drops" + sh, cap > 0 ? R < N * K : R == N * K, "%.0f of %.0f slots kept",
            (double)R, (double)N * K);
+    if (cap > 0) {
+        /* per-sequence, per-expert limits (context parallelism's chunks): 0
+         * up to cap, some below a sequence's load */
+        std::vector<int32_t> caps((size_t)nseq * E), coff(E + 1), crow((size_t)N * K), csrc((size_t)N * K, 0);
+        std::vector<int32_t> ccnt((size_t)nseq * E);
+        for (size_t i = 0; i < caps.size(); i++) caps[i] = (int32_t)(i % (size_t)(cap + 1));
+        cpu->moe_dispatch_capped(coff.data(), crow.data(), csrc.data(), ccnt.data(), topk.data(), N, S, E, K,
+                                 caps.data());
+        int32_t *dcaps = dev_i32(caps);
+        gpu->moe_dispatch_capped(doff, drow, dsrc, dcnt, dt, N, S, E, K, dcaps);
+        check_exact("moe_dispatch_capped_offsets" + sh, dev_i32_get(doff, E + 1), i32_vec(coff));
+        check_exact("moe_dispatch_capped_row_of" + sh, dev_i32_get(drow, (size_t)N * K), i32_vec(crow));
+        check_exact("moe_dispatch_capped_src" + sh, dev_i32_get(dsrc, coff[E]), Vec(csrc.begin(), csrc.begin() + coff[E]));
+        cudaFree(dcaps);
+        gpu->moe_dispatch(doff, drow, dsrc, dcnt, dt, N, S, E, K, cap); /* back to what the chain below reads */
+    }
     int32_t *drow_c = dev_i32(row_of), *dsrc_c = dev_i32(src);
 
     Vec x = rnd_act((size_t)N * C, 1.0f), xp((size_t)R * C);

@@ -4,7 +4,10 @@
 # positions at model level (build/test/test_cp); whole models (a tiny GPT-2
 # with learned positions and a tiny Llama with RoPE and grouped-query
 # attention) at cp 2 and cp 4 against one rank, cp 2 x tp 2 and cp 2 x dp 2
-# (ZeRO 1, 2 and 3); generation; a checkpoint resumed cp 2 -> cp 1 -> cp 4;
+# (ZeRO 1, 2 and 3); an MoE at cp 2 and 4, dropless, with the balancing bias
+# and with a capacity, also under expert parallelism (ep 2 x cp 2, ep 4 over
+# cp 2 x dp 2); generation;
+# a checkpoint resumed cp 2 -> cp 1 -> cp 4;
 # layouts that do not split refused on every rank; ./train plan's activation
 # memory per rank falling with cp. One line per check.
 #
@@ -74,6 +77,70 @@ equiv llama_gqa_cp2_dp2_zero1 LLAMA 4 --set parallel.cp=2 --set parallel.zero=1
 equiv gpt2_cp2_dp2_zero3_ring GPT2 4 --set parallel.cp=2 --set parallel.zero=3 --set parallel.cp_attention=ring
 equiv llama_gqa_cp2_dp2_zero2_ring LLAMA 4 --set parallel.cp=2 --set parallel.zero=2 --set parallel.cp_attention=ring
 
+# MoE under cp: each rank routes its two chunks of every sequence; the loads
+# and the router's sums of a sequence are summed over the cp ranks before
+# the aux loss, its gradient and the balancing bias use them, and with a
+# capacity each chunk keeps, per expert, what the sequence's earlier chunks
+# (on any rank) leave of it: one rank's routing and drops. Checked besides
+# the losses and parameters: the step's expert loads and dropped fraction
+# equal, aux and z within relative 1e-5 (t_ep.sh says why). With expert
+# parallelism too (the ep group inside dp x cp: the cp pair itself, or
+# across dp). capacity_factor 1 drops about 11% of the slots here.
+MOE="$LLAMA --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
+MOE="$MOE --set model.moe.n_shared=1 --set model.moe.aux_loss_coef=0.01 --set model.moe.z_loss_coef=0.001"
+BIAS="$MOE --set model.moe.router=sigmoid --set model.moe.bias_update_rate=0.001"
+CAP="$MOE --set model.moe.capacity_factor=1"
+moe_same() {
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+if len(a) != len(b) or not a or "moe_load" not in a[0]:
+    print("%d vs %d lines, moe_load %s" % (len(a), len(b), "moe_load" in (a or [{}])[0])); sys.exit(1)
+for x, y in zip(a, b):
+    if x.get("moe_load") != y.get("moe_load") or abs(x["moe_dropped"] - y["moe_dropped"]) > 1e-12:
+        print("step %d: loads %s vs %s, dropped %r vs %r" % (x["step"], x.get("moe_load"), y.get("moe_load"),
+                                                             x["moe_dropped"], y["moe_dropped"])); sys.exit(1)
+    for k in ("moe_aux", "moe_z"):
+        if abs(x[k] - y[k]) > 1e-5 * abs(x[k]) + 1e-12:
+            print("step %d: %s %r vs %r" % (x["step"], k, x[k], y[k])); sys.exit(1)
+PY
+}
+for model in MOE BIAS CAP; do
+    ./train $Y $S ${!model} --set run.dir=$T/ref_$model >$T/ref_$model.txt 2>&1 \
+        || fail cp_reference_$model "$(tail -n 3 $T/ref_$model.txt)"
+done
+# moe_equiv NAME MODEL NP SETTINGS...: equiv, and the router's figures
+moe_equiv() {
+    local name=$1 model=$2
+    equiv "$@"
+    local why
+    why=$(moe_same $T/ref_$model/metrics.jsonl $T/$name/metrics.jsonl 2>&1)
+    [ -z "$why" ] && ok cp_moe_figures_$name || fail cp_moe_figures_$name "$why"
+}
+moe_equiv moe_cp2_ring MOE 2 --set parallel.cp=2 --set parallel.cp_attention=ring
+moe_equiv moe_cp4 MOE 4 --set parallel.cp=4
+moe_equiv moe_bias_cp2_dp2_zero1 BIAS 4 --set parallel.cp=2 --set parallel.zero=1
+moe_equiv moe_ep2_cp2 MOE 2 --set parallel.cp=2 --set parallel.ep=2
+moe_equiv moe_bias_ep2_cp2_dp2_zero1 BIAS 4 --set parallel.cp=2 --set parallel.ep=2 --set parallel.zero=1
+moe_equiv moe_ep4_cp2_dp2 MOE 4 --set parallel.cp=2 --set parallel.ep=4
+moe_equiv moe_capacity_cp2 CAP 2 --set parallel.cp=2
+moe_equiv moe_capacity_cp4_ring CAP 4 --set parallel.cp=4 --set parallel.cp_attention=ring
+moe_equiv moe_capacity_ep2_cp2 CAP 2 --set parallel.cp=2 --set parallel.ep=2
+moe_equiv moe_capacity_ep4_cp2_dp2_zero1 CAP 4 --set parallel.cp=2 --set parallel.ep=4 --set parallel.zero=1
+# tp replicates the MoE layer: each tp rank's cp group sums its own copy
+moe_equiv moe_capacity_cp2_tp2_sp CAP 4 --set parallel.cp=2 --set parallel.tp=2
+# generation with a capacity: the context padded to 2 cp chunks, the
+# capacity of its real tokens (the padding comes after them): one rank's text
+G="--set train.sample_every=6 --set train.sample_tokens=40"
+./train $Y $S $CAP $G --set run.dir=$T/moe_gen1 2>&1 | sed -n '/--- sample/,/^---$/p' >$T/moe_gen1.txt
+"${MPIRUN[@]}" -np 2 ./train $Y $S $CAP $G --set parallel.cp=2 --set run.dir=$T/moe_gen2 2>&1 \
+    | sed -n '/--- sample/,/^---$/p' >$T/moe_gen2.txt
+[ -s $T/moe_gen1.txt ] && cmp -s $T/moe_gen1.txt $T/moe_gen2.txt && ok cp_moe_capacity_generation_same_text \
+    || fail cp_moe_capacity_generation_same_text "$(head -c 200 $T/moe_gen1.txt) vs $(head -c 200 $T/moe_gen2.txt)"
+python3 -c "import json,sys; d=[json.loads(l)['moe_dropped'] for l in open(sys.argv[1])]; sys.exit(0 if min(d) > 0.01 else 1)" \
+    $T/ref_CAP/metrics.jsonl && ok cp_moe_capacity_drops || fail cp_moe_capacity_drops "the capacity case drops nothing"
+
 grep -q 'context parallel: 2 ranks, ring attention; each sequence of 32 tokens is 4 chunks of 8, this rank holds chunks 0 and 3' \
     $T/llama_gqa_cp2_ring.txt && ok cp_start_up_line || fail cp_start_up_line "$(grep -m2 'context parallel' $T/llama_gqa_cp2_ring.txt)"
 grep -q 'of step time blocked waiting for K/V' $T/llama_gqa_cp2_ring.txt && ok cp_reports_blocked_fraction \
@@ -108,8 +175,6 @@ else fail cp_resume_cp2_cp1_cp4 "rc $rc: $why $diff $(grep -m2 -h error $T/rs[12
 # 5. layouts that do not split: one line, exit 2 (test/lib.sh mpi_refuse).
 refuse() { mpi_refuse cp "$@"; }
 refuse seq_len_cp3 3 "does not split into 2 x cp = 6 chunks" $LLAMA --set parallel.cp=3
-refuse moe 2 "MoE layers balance and cap their experts per whole sequence" $LLAMA --set parallel.cp=2 \
-    --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32
 refuse ranks 3 "to be a multiple of pp x cp x tp = 2" $LLAMA --set parallel.cp=2
 
 # 6. ./train plan: a rank's activations fall with cp (its T / cp rows of

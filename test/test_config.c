@@ -232,11 +232,19 @@ static void test_cross_errors(void) {
     expect_yaml_fail("config_parallel_ep_experts", MOE4 "parallel:\n  ep: 3\n", "bad.yaml:8:",
                      "ep 3 must divide the 4 experts", NULL);
     expect_yaml_fail("config_parallel_ep_dp", MOE4 "parallel:\n  ep: 2\n  dp: 3\n", "'parallel.dp'",
-                     "ep 2 must divide dp 3", NULL);
+                     "ep 2 must divide dp x cp = 3", NULL);
+    /* the ep groups lie in dp x cp: ep 2 over dp 1 x cp 2 */
+    rc = load_child(write_yaml("ep_cp.yaml", MOE4 "parallel:\n  ep: 2\n  dp: 1\n  cp: 2\n"), NULL, 0, err, sizeof err);
+    test_report(rc == 0, "config_parallel_ep_cp_accepted", "exit %d: %s", rc, err);
+    /* MoE under cp, with a capacity too (model.c: a chunk keeps what the earlier chunks leave) */
+    rc = load_child(write_yaml("cp_moe.yaml", MOE4 "    capacity_factor: 1.25\nparallel:\n  cp: 2\n"), NULL, 0, err,
+                    sizeof err);
+    test_report(rc == 0, "config_parallel_cp_moe_accepted", "exit %d: %s", rc, err);
     expect_yaml_fail("config_parallel_ep_zero2", MOE4 "parallel:\n  ep: 2\n  zero: 2\n", "bad.yaml:9:",
                      "key 'parallel.zero'", "ZeRO 0 or 1");
-    expect_yaml_fail("config_parallel_ep_pp", MOE4 "parallel:\n  ep: 2\n  pp: 2\n", "bad.yaml:8:",
-                     "expert and pipeline parallelism together", NULL);
+    /* with a pipeline: each micro-batch in flight keeps its own dispatch (ep.c) */
+    rc = load_child(write_yaml("ep_pp.yaml", MOE4 "parallel:\n  ep: 2\n  pp: 2\n"), NULL, 0, err, sizeof err);
+    test_report(rc == 0, "config_parallel_ep_pp_accepted", "exit %d: %s", rc, err);
     /* Muon and Adafactor run under ep (their experts' owners and statistics over EDP): no refusal */
     const char *ep_optims[] = {"muon", "adafactor"};
     for (int i = 0; i < 2; i++) {

@@ -1547,6 +1547,66 @@ static void test_moe_dispatch(const OpTest *t) {
     }
 }
 
+/* Capped dispatch (context parallelism's chunks): a sequence of T tokens
+ * cut into B chunks (groups of S = T / B), each chunk dispatched with the
+ * limits the capacity leaves after the earlier chunks (cap minus their
+ * loads, at least 0), keeps exactly the slots one dispatch of the whole
+ * sequence with cap keeps; and limits all equal to cap are moe_dispatch.
+ * Exact: index work. */
+static void test_moe_dispatch_capped(const OpTest *t) {
+    int G = t->B, T = t->T, S = T / G, N = T, E = t->V, K = t->Vp;
+    size_t NK = (size_t)N * K, I = sizeof(int32_t), GE = (size_t)G * E;
+    int32_t *topk = hbuf(NK * I);
+    for (int i = 0; i < N; i++)
+        for (int k = 0; k < K; k++) {
+            int e, dup;
+            do {
+                e = (int)rng_below(&rng, (uint64_t)E), dup = 0;
+                for (int j = 0; j < k; j++) dup = dup || topk[(size_t)i * K + j] == e;
+            } while (dup);
+            topk[(size_t)i * K + k] = e;
+        }
+    int cap = (int)(NK / E / 2); /* half the mean load: every chunk order matters */
+    int32_t *d_topk = dbuf(topk, NK * I), *d_off = dbuf(NULL, (E + 1) * I), *d_row = dbuf(NULL, NK * I);
+    int32_t *d_src = dbuf(NULL, NK * I), *d_cnt = dbuf(NULL, GE * I);
+    int32_t *whole_row = hbuf(NK * I), *whole_off = hbuf((E + 1) * I), *cnt = hbuf(GE * I), *row = hbuf(NK * I);
+    int32_t *off = hbuf((E + 1) * I), *caps = hbuf(GE * I);
+    be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, T, E, K, cap);
+    be->sync();
+    be->to_host(whole_row, d_row, NK * I);
+    be->to_host(whole_off, d_off, (E + 1) * I);
+    /* the chunks' loads, then each chunk's limits */
+    be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, S, E, K, 0);
+    be->sync();
+    be->to_host(cnt, d_cnt, GE * I);
+    for (int e = 0; e < E; e++)
+        for (int g = 0, before = 0; g < G; before += cnt[(size_t)g * E + e], g++)
+            caps[(size_t)g * E + e] = cap > before ? cap - before : 0;
+    int32_t *d_caps = dbuf(caps, GE * I);
+    be->moe_dispatch_capped(d_off, d_row, d_src, d_cnt, d_topk, N, S, E, K, d_caps);
+    be->sync();
+    be->to_host(row, d_row, NK * I);
+    be->to_host(off, d_off, (E + 1) * I);
+    int same = !memcmp(off, whole_off, (E + 1) * I), drops = 0;
+    for (size_t i = 0; i < NK; i++) same = same && (row[i] < 0) == (whole_row[i] < 0), drops += row[i] < 0;
+    check_exact(t->name, "chunks_keep_the_sequence_slots", same && drops > 0,
+                "the chunks' capped dispatch keeps other slots than the whole sequence's (or drops none)");
+    /* limits all cap: the plain op, every output */
+    for (size_t i = 0; i < GE; i++) caps[i] = cap;
+    int32_t *d_caps2 = dbuf(caps, GE * I), *row2 = hbuf(NK * I), *off2 = hbuf((E + 1) * I);
+    be->moe_dispatch(d_off, d_row, d_src, d_cnt, d_topk, N, S, E, K, cap);
+    be->sync();
+    be->to_host(row, d_row, NK * I);
+    be->to_host(off, d_off, (E + 1) * I);
+    be->moe_dispatch_capped(d_off, d_row, d_src, d_cnt, d_topk, N, S, E, K, d_caps2);
+    be->sync();
+    be->to_host(row2, d_row, NK * I);
+    be->to_host(off2, d_off, (E + 1) * I);
+    check_exact(t->name, "uniform_limits_are_moe_dispatch",
+                !memcmp(row, row2, NK * I) && !memcmp(off, off2, (E + 1) * I),
+                "limits all equal to cap differ from moe_dispatch with cap");
+}
+
 /* Sequences: with S = T < N, the router's statistics, the dispatch's loads,
  * capacity and drops, and the aux gradient are each sequence's alone, as if
  * each ran by itself (S = N = T): the figures then do not depend on how
@@ -1865,6 +1925,7 @@ static const OpTest op_tests[] = {
     {"moe_route_raw",    test_moe_route,   1, 37, 0,  0,   5,    2, 0,        0, 0, 0},
     {"moe_dispatch",     test_moe_dispatch, 1, 37, 0, 0,   6,    2, 1, 0, 0, 0},
     {"moe_sequences",    test_moe_sequences, 3, 13, 0, 0,  5,    2, 0, 0, 0, 0},
+    {"moe_dispatch_capped", test_moe_dispatch_capped, 4, 40, 0, 0, 5, 2, 1, 0, 0, 0},
     {"moe_dense",        test_moe_dense,   1, 37, 10, 0,   5,    2, 0,        0, 6, 0},
     {"moe_backward_softmax", test_moe_backward, 1, 13, 5, 0, 7,  3, 0,        0, 0, 0},
     {"moe_backward_softmax_norm", test_moe_backward, 1, 13, 5, 0, 7, 3, 0,    0, 0, MOE_NORM},

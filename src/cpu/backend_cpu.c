@@ -956,9 +956,15 @@ static void cpu_moe_route(int32_t *topk, float *gates, float *probs, float *stat
         }
 }
 
-static void cpu_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts,
-                             const int32_t *topk, int N, int S, int E, int K, int cap) {
-    /* offsets (E+1), row_of (N,K), src (N K), counts (N/S, E), topk (N,K) */
+/* The most slots sequence b keeps for expert e: its caps entry, else cap (<= 0: all). */
+static int moe_limit(const int32_t *caps, int cap, int b, int E, int e) {
+    if (caps) return caps[(size_t)b * E + e];
+    return cap > 0 ? cap : INT32_MAX;
+}
+
+static void moe_dispatch_impl(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts,
+                              const int32_t *topk, int N, int S, int E, int K, int cap, const int32_t *caps) {
+    /* offsets (E+1), row_of (N,K), src (N K), counts (N/S, E), topk (N,K), caps (N/S, E) or NULL */
     int nseq = N / S;
     for (int i = 0; i < nseq * E; i++) counts[i] = 0;
     for (int i = 0; i < N * K; i++) counts[(size_t)(i / K / S) * E + topk[i]]++;
@@ -967,8 +973,8 @@ static void cpu_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, in
     for (int e = 0; e < E; e++) {
         int kept = 0;
         for (int b = 0; b < nseq; b++) {
-            int c = counts[(size_t)b * E + e];
-            kept += cap > 0 && c > cap ? cap : c;
+            int c = counts[(size_t)b * E + e], lim = moe_limit(caps, cap, b, E, e);
+            kept += c > lim ? lim : c;
         }
         offsets[e + 1] = offsets[e] + kept;
     }
@@ -979,7 +985,7 @@ static void cpu_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, in
         for (int e = 0; e < E; e++) in_seq[e] = 0;
         for (int i = b * S * K; i < (b + 1) * S * K; i++) {
             int e = topk[i], j = in_seq[e]++;
-            if (cap > 0 && j >= cap) {
+            if (j >= moe_limit(caps, cap, b, E, e)) {
                 row_of[i] = -1;
             } else {
                 int r = offsets[e] + cursor[e]++;
@@ -988,6 +994,16 @@ static void cpu_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, in
             }
         }
     }
+}
+
+static void cpu_moe_dispatch(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts,
+                             const int32_t *topk, int N, int S, int E, int K, int cap) {
+    moe_dispatch_impl(offsets, row_of, src, counts, topk, N, S, E, K, cap, NULL);
+}
+
+static void cpu_moe_dispatch_capped(int32_t *offsets, int32_t *row_of, int32_t *src, int32_t *counts,
+                                    const int32_t *topk, int N, int S, int E, int K, const int32_t *caps) {
+    moe_dispatch_impl(offsets, row_of, src, counts, topk, N, S, E, K, 0, caps);
 }
 
 static void cpu_moe_gather(void *xp_, const void *x_, const int32_t *src, int R, int C) {
@@ -1514,6 +1530,7 @@ const Backend backend_cpu = {
     .swiglu_backward = cpu_swiglu_backward,
     .moe_route = cpu_moe_route,
     .moe_dispatch = cpu_moe_dispatch,
+    .moe_dispatch_capped = cpu_moe_dispatch_capped,
     .moe_gather = cpu_moe_gather,
     .moe_gather_backward = cpu_moe_gather_backward,
     .moe_combine = cpu_moe_combine,
