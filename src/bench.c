@@ -36,12 +36,16 @@ static double matmul_rate(const Backend *be, const ArchSpec *s, int N, int reps)
     void *inp = be->alloc(max_in * ab), *dinp = be->alloc(max_in * ab), *out = be->alloc(max_out * ab);
     void *w = be->alloc(max_w * ab);
     float *dw = be->alloc(max_w * sizeof(float));
-    /* non-zero operands: some BLAS paths shortcut on zeros */
-    float *host = xmalloc(max_out * sizeof(float));
+    /* non-zero operands: some BLAS paths shortcut on zeros; one host buffer
+     * (most elements) fills all three, as the weights outgrow the activations
+     * when B T < C (which read past a max_out-sized buffer before) */
+    size_t most = max_out > max_w ? max_out : max_w;
+    most = most > max_in ? most : max_in;
+    float *host = xmalloc(most * sizeof(float));
     Rng rng;
     rng_seed(&rng, 7);
-    for (size_t i = 0; i < max_out; i++) host[i] = rng_uniform(&rng) - 0.5f;
-    backend_f32_to_act(host, host, max_out, ab); /* in place */
+    for (size_t i = 0; i < most; i++) host[i] = rng_uniform(&rng) - 0.5f;
+    backend_f32_to_act(host, host, most, ab); /* in place */
     be->to_device(inp, host, max_in * ab);
     be->to_device(w, host, max_w * ab);
     be->to_device(out, host, max_out * ab);
@@ -82,7 +86,12 @@ int bench_run(const Config *c, int steps) {
     int master16 = strcmp(c->master, "bf16") == 0; /* precision.master: bf16 parameters, no fp32 arena */
     model_init(&m, be, &s, &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = master16});
     m.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
-    model_init_weights(&m, c->seed);
+    double init_t0 = kiln_now();
+    /* model_init_weights' distributions, drawn per chunk on all threads (1.5B:
+     * ~40 s of one core otherwise); other values than training's, timed: host
+     * draws plus the copy to the device */
+    model_fill_weights(&m, c->seed);
+    double init_s = kiln_now() - init_t0;
     model_plan_activations(&m, B, T, model_recompute_parse(c->recompute));
     AdamW opt;
     /* precision.optim_state and precision.master as a run has them (train.c) */
@@ -134,6 +143,7 @@ int bench_run(const Config *c, int steps) {
            mm_gflops);
     printf("bench: tok_per_s=%.1f step_gflops=%.1f sgemm_gflops=%.1f ratio=%.3f\n", tokens / step_s, step_gflops,
            mm_gflops, step_gflops / mm_gflops);
+    printf("bench: init_s=%.2f (%zu parameters)\n", init_s, m.num_params);
     if (be->memory_peak) printf("bench: peak_mem_gib=%.2f\n", be->memory_peak() / 1073741824.0);
     printf("bench: master=%s optim_state=%s\n", master16 ? "bf16" : "fp32", c->optim_state);
     int timed = optim_kind(c->optim_name) == OPTIM_LION ? OPTIM_LION : OPTIM_ADAMW;
