@@ -453,7 +453,7 @@ static float *att_fetch(const void *d, size_t n, int act) {
     size_t es = act ? sizeof(bf16) : sizeof(float);
     void *s = xmalloc(n * es);
     float *h = (float *)xmalloc(n * sizeof(float));
-    CUDA_CHECK(cudaMemcpy(s, d, n * es, cudaMemcpyDeviceToHost));
+    CUDA_HOST_WAIT(cudaMemcpy(s, d, n * es, cudaMemcpyDeviceToHost));
     backend_act_to_f32(h, s, n, es);
     free(s);
     return h;
@@ -529,8 +529,8 @@ static void att_selfcheck(int p) {
     CUDA_CHECK(cudaMalloc(&dq_t2, n3 * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&lse_s, nl * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&lse_t, nl * sizeof(float)));
-    CUDA_CHECK(cudaMemcpy(qkv, hq, n3 * sizeof(bf16), cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(dout, hd, nc * sizeof(bf16), cudaMemcpyHostToDevice));
+    CUDA_HOST_WAIT(cudaMemcpy(qkv, hq, n3 * sizeof(bf16), cudaMemcpyHostToDevice));
+    CUDA_HOST_WAIT(cudaMemcpy(dout, hd, nc * sizeof(bf16), cudaMemcpyHostToDevice));
     free(hq), free(hd);
 
     const AttnShape ash = {B, T, NH, NH, hs};
@@ -540,7 +540,7 @@ static void att_selfcheck(int p) {
     ran = ran && att_bwd[p](dq_t, dout, qkv, out_s, lse_s, &ash);
     ran = ran && att_bwd[p](dq_t2, dout, qkv, out_s, lse_s, &ash);
     if (!ran) (void)cudaGetLastError(); /* a failed execute's launch error is not the next kernel's */
-    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_HOST_WAIT(cudaDeviceSynchronize());
 
     float *os = att_fetch(out_s, nc, 1), *ot = att_fetch(out_t, nc, 1);
     float *ls = att_fetch(lse_s, nl, 0), *lt = att_fetch(lse_t, nl, 0);

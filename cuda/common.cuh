@@ -38,6 +38,14 @@ extern "C" {
  * ACT_DISPATCH. Loads widen to fp32 (act_f), stores round to nearest even
  * (act_from<T>); all arithmetic in between is fp32. */
 extern int cuda_act_bf16;
+/* Host waits on the device (backend.h host_syncs): every synchronous copy,
+ * stream or event wait of the backend counts one, through CUDA_HOST_WAIT. */
+extern unsigned long cuda_host_syncs;
+#define CUDA_HOST_WAIT(call)  \
+    do {                      \
+        cuda_host_syncs++;    \
+        CUDA_CHECK(call);     \
+    } while (0)
 typedef __nv_bfloat16 bf16;
 __device__ __forceinline__ float act_f(float x) { return x; }
 __device__ __forceinline__ float act_f(bf16 x) { return __bfloat162float(x); }

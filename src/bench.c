@@ -112,9 +112,11 @@ int bench_run(const Config *c, int steps) {
      * ratio. */
     double mm_before = matmul_rate(be, &s, N, 5);
     /* step 0 is a warm-up (page faults, BLAS buffers) and is not counted */
+    unsigned long syncs = 0; /* the steps' own host waits, not the two that time them */
     for (int step = 0; step <= steps; step++) {
         be->sync();
         double t0 = kiln_now();
+        unsigned long s0 = be->host_syncs ? be->host_syncs() : 0;
         for (int micro = 0; micro < c->grad_accum; micro++) {
             for (int i = 0; i < N; i++) {
                 inp[i] = (int32_t)rng_below(&rng, (uint64_t)s.vocab_size);
@@ -125,6 +127,7 @@ int bench_run(const Config *c, int steps) {
         }
         optim_step(&opt, model_param_arena(&m), m.grad_mem, c->lr);
         model_params_changed(&m);
+        if (step > 0 && be->host_syncs) syncs += be->host_syncs() - s0;
         be->sync();
         times[step] = kiln_now() - t0;
     }
@@ -143,6 +146,7 @@ int bench_run(const Config *c, int steps) {
            mm_gflops);
     printf("bench: tok_per_s=%.1f step_gflops=%.1f sgemm_gflops=%.1f ratio=%.3f\n", tokens / step_s, step_gflops,
            mm_gflops, step_gflops / mm_gflops);
+    if (be->host_syncs) printf("bench: host_syncs_per_step=%.1f\n", (double)syncs / steps);
     printf("bench: init_s=%.2f (%zu parameters)\n", init_s, m.num_params);
     if (be->memory_peak) printf("bench: peak_mem_gib=%.2f\n", be->memory_peak() / 1073741824.0);
     printf("bench: master=%s optim_state=%s\n", master16 ? "bf16" : "fp32", c->optim_state);

@@ -190,6 +190,28 @@ static float *dev_f32_off(const Vec &h, size_t off) {
 /* alloc zeroes; to_device through the staging ring (more copies than its
  * 8 slots, each source reused at once) and past it (over 1 MiB); to_host,
  * copy, zero. */
+/* host_syncs counts the host's waits on the device: a copy to the device
+ * (a staging slot's event wait, or a blocking copy) and to the host, and
+ * sync, one each; an asynchronous zero or device copy none. */
+static void test_host_syncs(void) {
+    float h[16] = {0};
+    void *d, *e;
+    CUDA_CHECK(cudaMalloc(&d, sizeof h));
+    CUDA_CHECK(cudaMalloc(&e, sizeof h));
+    unsigned long s0 = gpu->host_syncs();
+    gpu->to_device(d, h, sizeof h);
+    unsigned long s1 = gpu->host_syncs();
+    gpu->zero(d, sizeof h);
+    gpu->copy(e, d, sizeof h);
+    unsigned long s2 = gpu->host_syncs();
+    gpu->to_host(h, e, sizeof h);
+    gpu->sync();
+    unsigned long s3 = gpu->host_syncs();
+    report("host_syncs_counted", s1 - s0 == 1 && s2 == s1 && s3 - s2 == 2,
+           "to_device + zero + copy + to_host + sync counted %.0f, want 3 (1 + 0 + 0 + 2)", (double)(s3 - s0), 0);
+    cudaFree(d), cudaFree(e);
+}
+
 static void test_memory(void) {
     size_t big = ((size_t)1 << 20) + 12, nsmall = 11, small = 1000;
     unsigned char *z = (unsigned char *)gpu->alloc(small), *b = (unsigned char *)gpu->alloc(big);
@@ -1188,6 +1210,7 @@ int main(void) {
         gpu->set_precision(DT);
         report("act_bytes", gpu->act_bytes() == AB, "act_bytes %.0f, want %.0f", (double)gpu->act_bytes(), (double)AB);
         test_memory();
+        test_host_syncs();
         /* auto keeps the tensor cores as a candidate when their self-check
          * passes; cuDNN's stand-in starts off and must be refused, saying why */
         const char *desc = cuda_attention_describe();
