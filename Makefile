@@ -143,8 +143,8 @@ $(BUILD)/static.stamp: FORCE
 $(OBJ) $(BUILD)/main.o: $(BUILD)/static.stamp
 
 .PHONY: cuda-check gpu-bundle
-cuda-check:
-	@bash scripts/cuda_check.sh
+cuda-check: # LIMIT=seconds (default 480): the whole check ends inside it
+	@bash scripts/cuda_check.sh $(if $(LIMIT),--limit $(LIMIT))
 # The binaries cuda-check needs, built STATIC=1 from HEAD and packed into
 # .gpu/kiln-gpu.tar.xz, to carry to a GPU machine (scripts/gpu_bundle.sh).
 gpu-bundle:

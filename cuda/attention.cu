@@ -431,8 +431,8 @@ enum { PATH_CUDNN, PATH_TC, PATH_SIMT, PATH_COUNT };
 static const char *const att_path_names[PATH_COUNT] = {"cudnn", "tensor_cores", "simt"};
 
 typedef struct {
-    int ran, ok, det;
-    double out, lse, dqkv; /* max |path - simt| / max |simt| */
+    int ran, ok, det, failed; /* failed: an execute failed (cuDNN) */
+    double out, lse, dqkv;    /* max |path - simt| / max |simt| */
 } AttCheck;
 
 static int att_mode = ATT_AUTO;
@@ -473,7 +473,7 @@ static float *att_fetch(const void *d, size_t n, int act) {
     size_t es = act ? sizeof(bf16) : sizeof(float);
     void *s = xmalloc(n * es);
     float *h = (float *)xmalloc(n * sizeof(float));
-    CUDA_CHECK(cudaMemcpy(s, d, n * es, cudaMemcpyDeviceToHost));
+    CUDA_HOST_WAIT(cudaMemcpy(s, d, n * es, cudaMemcpyDeviceToHost));
     backend_act_to_f32(h, s, n, es);
     free(s);
     return h;
@@ -481,29 +481,44 @@ static float *att_fetch(const void *d, size_t n, int act) {
 
 /* Every path through one signature; the tensor-core and cuDNN kernels take
  * multi-head shapes only (NKV = NH), which the dispatch below guarantees. */
-typedef void (*AttForward)(void *out, float *lse, const void *qkv, const AttnShape *s);
-typedef void (*AttBackward)(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                            const AttnShape *s);
-static void att_tc_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
+/* Each returns 1, or 0 when cuDNN's execute failed (att_exec_why says why). */
+typedef int (*AttForward)(void *out, float *lse, const void *qkv, const AttnShape *s);
+typedef int (*AttBackward)(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                           const AttnShape *s);
+static char att_exec_why[640];
+static int att_tc_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
     cuda_attention_tc_forward(out, lse, qkv, s->doc, s->B, s->T, s->NH * s->HD, s->NH);
+    return 1;
 }
-static void att_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                            const AttnShape *s) {
+static int att_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                           const AttnShape *s) {
     cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, s->doc, s->B, s->T, s->NH * s->HD, s->NH);
+    return 1;
 }
-static void att_cudnn_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
-    cuda_attention_cudnn_forward(out, lse, qkv, s->B, s->T, s->NH * s->HD, s->NH);
+static int att_simt_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
+    cuda_attention_simt_forward(out, lse, qkv, s);
+    return 1;
 }
-static void att_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                               const AttnShape *s) {
-    cuda_attention_cudnn_backward(dqkv, dout, qkv, out, lse, s->B, s->T, s->NH * s->HD, s->NH);
+static int att_simt_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                             const AttnShape *s) {
+    cuda_attention_simt_backward(dqkv, dout, qkv, out, lse, s);
+    return 1;
 }
-static const AttForward att_fwd[PATH_COUNT] = {att_cudnn_forward, att_tc_forward, cuda_attention_simt_forward};
-static const AttBackward att_bwd[PATH_COUNT] = {att_cudnn_backward, att_tc_backward, cuda_attention_simt_backward};
+static int att_cudnn_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
+    return cuda_attention_cudnn_forward(out, lse, qkv, s->B, s->T, s->NH * s->HD, s->NH, att_exec_why,
+                                        sizeof att_exec_why);
+}
+static int att_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                              const AttnShape *s) {
+    return cuda_attention_cudnn_backward(dqkv, dout, qkv, out, lse, s->B, s->T, s->NH * s->HD, s->NH, att_exec_why,
+                                         sizeof att_exec_why);
+}
+static const AttForward att_fwd[PATH_COUNT] = {att_cudnn_forward, att_tc_forward, att_simt_forward};
+static const AttBackward att_bwd[PATH_COUNT] = {att_cudnn_backward, att_tc_backward, att_simt_backward};
 
-/* The self-check's shape: a T that is not a multiple of the 64-row tiles,
- * GPT-2's head size. */
-#define ATT_CHECK_B 1
+/* The self-check's shape: B > 1, so batch strides are checked; a T that is
+ * not a multiple of the 64-row tiles; GPT-2's head size. */
+#define ATT_CHECK_B 2
 #define ATT_CHECK_NH 2
 #define ATT_CHECK_T 200
 #define ATT_CHECK_HS 64
@@ -534,17 +549,18 @@ static void att_selfcheck(int p) {
     CUDA_CHECK(cudaMalloc(&dq_t2, n3 * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&lse_s, nl * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&lse_t, nl * sizeof(float)));
-    CUDA_CHECK(cudaMemcpy(qkv, hq, n3 * sizeof(bf16), cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(dout, hd, nc * sizeof(bf16), cudaMemcpyHostToDevice));
+    CUDA_HOST_WAIT(cudaMemcpy(qkv, hq, n3 * sizeof(bf16), cudaMemcpyHostToDevice));
+    CUDA_HOST_WAIT(cudaMemcpy(dout, hd, nc * sizeof(bf16), cudaMemcpyHostToDevice));
     free(hq), free(hd);
 
     const AttnShape ash = {B, T, NH, NH, hs, NULL};
     cuda_attention_simt_forward(out_s, lse_s, qkv, &ash);
-    att_fwd[p](out_t, lse_t, qkv, &ash);
+    int ran = att_fwd[p](out_t, lse_t, qkv, &ash);
     cuda_attention_simt_backward(dq_s, dout, qkv, out_s, lse_s, &ash);
-    att_bwd[p](dq_t, dout, qkv, out_s, lse_s, &ash);
-    att_bwd[p](dq_t2, dout, qkv, out_s, lse_s, &ash);
-    CUDA_CHECK(cudaDeviceSynchronize());
+    ran = ran && att_bwd[p](dq_t, dout, qkv, out_s, lse_s, &ash);
+    ran = ran && att_bwd[p](dq_t2, dout, qkv, out_s, lse_s, &ash);
+    if (!ran) (void)cudaGetLastError(); /* a failed execute's launch error is not the next kernel's */
+    CUDA_HOST_WAIT(cudaDeviceSynchronize());
 
     float *os = att_fetch(out_s, nc, 1), *ot = att_fetch(out_t, nc, 1);
     float *ls = att_fetch(lse_s, nl, 0), *lt = att_fetch(lse_t, nl, 0);
@@ -555,7 +571,8 @@ static void att_selfcheck(int p) {
     r->lse = att_max_rel(lt, ls, nl);
     r->dqkv = att_max_rel(gt, gs, n3);
     r->det = memcmp(gt, gt2, n3 * sizeof(float)) == 0;
-    r->ok = r->out <= ATT_CHECK_TOL && r->lse <= ATT_CHECK_TOL && r->dqkv <= ATT_CHECK_TOL && r->det;
+    r->failed = !ran;
+    r->ok = ran && r->out <= ATT_CHECK_TOL && r->lse <= ATT_CHECK_TOL && r->dqkv <= ATT_CHECK_TOL && r->det;
     free(os), free(ot), free(ls), free(lt), free(gs), free(gt), free(gt2);
     void *dptr[] = {qkv, dout, out_s, out_t, dq_s, dq_t, dq_t2, lse_s, lse_t};
     for (size_t i = 0; i < sizeof dptr / sizeof dptr[0]; i++) CUDA_CHECK(cudaFree(dptr[i]));
@@ -563,6 +580,10 @@ static void att_selfcheck(int p) {
 
 static void att_figures(int p, char *s, size_t n) {
     const AttCheck *r = &att_check[p];
+    if (r->failed) {
+        snprintf(s, n, "self-check: %.150s", att_exec_why);
+        return;
+    }
     snprintf(s, n, "self-check vs SIMT: out %.1e, lse %.1e, dqkv %.1e (tol %.0e), %s", r->out, r->lse, r->dqkv,
              ATT_CHECK_TOL, r->det ? "deterministic" : "NOT deterministic");
 }
@@ -613,7 +634,8 @@ static void att_choose_cudnn(void) {
         if (forced)
             kiln_fail(KILN_EXIT_RUNTIME, "key 'precision.attention': cudnn: cuDNN's fused attention (%s) disagrees "
                                          "with kiln's SIMT kernels (%s)", cuda_attention_cudnn_library(), f);
-        snprintf(att_cudnn_why, sizeof att_cudnn_why, "it disagrees with the SIMT kernels (%s)", f);
+        if (att_check[PATH_CUDNN].failed) snprintf(att_cudnn_why, sizeof att_cudnn_why, "%s", f);
+        else snprintf(att_cudnn_why, sizeof att_cudnn_why, "it disagrees with the SIMT kernels (%s)", f);
         kiln_warn("attention: cuDNN not used: %s", att_cudnn_why);
         return;
     }
@@ -748,6 +770,29 @@ static int att_path(int B, int T, int C, int NH) {
     return path;
 }
 
+/* cuDNN's execute failed at a shape it had planned (att_exec_why): with
+ * precision.attention cudnn the run ends; with auto one warning, and cuDNN
+ * is dropped for this and every later shape, which the next path in auto's
+ * order takes (tensor cores where usable, else SIMT). Returns that path. A
+ * failure on one data-parallel rank only leaves its ranks on different
+ * paths: losses then differ by the paths' rounding, within the self-check's
+ * tolerance, and the run goes on. */
+static int att_cudnn_failed(int B, int T, int C, int NH) {
+    (void)cudaGetLastError(); /* a failed launch inside cuDNN is not the next kernel's error */
+    if (att_mode == ATT_CUDNN)
+        kiln_fail(KILN_EXIT_RUNTIME, "key 'precision.attention': cudnn: attention at B=%d T=%d NH=%d hs=%d: %s", B, T,
+                  NH, C / NH, att_exec_why);
+    int fb = att_usable[PATH_TC] && cuda_attention_tc_fits(C, NH) ? PATH_TC : PATH_SIMT;
+    kiln_warn("attention: cuDNN failed at B=%d T=%d NH=%d hs=%d (%s): kiln's %s kernels run attention from here on",
+              B, T, NH, C / NH, att_exec_why, att_path_names[fb]);
+    att_usable[PATH_CUDNN] = 0;
+    for (int i = 0; i < att_n_shapes; i++)
+        if (att_shapes[i].path == PATH_CUDNN)
+            att_shapes[i].path =
+                att_usable[PATH_TC] && cuda_attention_tc_fits(att_shapes[i].C, att_shapes[i].NH) ? PATH_TC : PATH_SIMT;
+    return fb;
+}
+
 /* Grouped K/V heads (NKV < NH) run the SIMT kernels, which index k and v
  * per group; the tensor-core kernels and kiln's cuDNN graphs assume
  * NKV = NH (q, k, v at C and 2C of a 3C row), so they never see such a shape.
@@ -767,7 +812,7 @@ void cuda_attention_forward(void *out, float *lse, const void *qkv, const AttnSh
     int p = att_path(B, T, C, NH);
     if (s->doc) p = att_doc_path(p, C, NH);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(out) || !att_path_fits(p, C, NH))) p = PATH_SIMT;
-    att_fwd[p](out, lse, qkv, s);
+    if (!att_fwd[p](out, lse, qkv, s)) att_fwd[att_cudnn_failed(B, T, C, NH)](out, lse, qkv, s);
 }
 
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
@@ -782,5 +827,7 @@ void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, cons
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(dout) || !att_aligned(out) || !att_aligned(dqkv) ||
                            !att_path_fits(p, C, NH)))
         p = PATH_SIMT;
-    att_bwd[p](dqkv, dout, qkv, out, lse, s);
+    /* after a failed cuDNN backward the fallback reads cuDNN's out and lse:
+     * the same quantities (the self-check holds lse to the SIMT kernels') */
+    if (!att_bwd[p](dqkv, dout, qkv, out, lse, s)) att_bwd[att_cudnn_failed(B, T, C, NH)](dqkv, dout, qkv, out, lse, s);
 }

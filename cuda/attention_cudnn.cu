@@ -614,16 +614,27 @@ int cuda_attention_cudnn_plan(int B, int T, int C, int NH, char *why, size_t n) 
     return 1;
 }
 
-static void cudnn_execute(SdpaPlan *p, int n, const int64_t *uids, void **ptrs) {
+/* 1, or 0 with why: a variant pack or an execute that fails at run time is
+ * the caller's to fall back from (an engine can accept a plan it then cannot
+ * run, e.g. out of its workspace or resources at this shape). */
+static int cudnn_execute(SdpaPlan *p, int B, int n, const int64_t *uids, void **ptrs, char *why, size_t wn) {
+    const char *hook = getenv("KILN_TEST_CUDNN_FAIL_B"); /* test hook: every execute at this batch size fails */
+    if (hook && atoi(hook) == B) {
+        snprintf(why, wn, "execute failed (test hook KILN_TEST_CUDNN_FAIL_B=%d)", B);
+        return 0;
+    }
     void *ws = cuda_scratch(SCRATCH_CUDNN, (size_t)(p->workspace > 0 ? p->workspace : 1));
     cudnnBackendDescriptor_t vp = NULL;
-    CUDNN_MUST(D.BackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp));
-    CUDNN_MUST(D.BackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, n, uids));
-    CUDNN_MUST(D.BackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, n, ptrs));
-    CUDNN_MUST(D.BackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws));
-    CUDNN_MUST(D.BackendFinalize(vp));
-    CUDNN_MUST(D.BackendExecute(cudnn_handle, p->plan, vp));
-    CUDNN_MUST(D.BackendDestroyDescriptor(vp));
+    CudnnErr e = {0, ""};
+    CUDNN_CHECK(&e, D.BackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp));
+    CUDNN_CHECK(&e, D.BackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, n, uids));
+    CUDNN_CHECK(&e, D.BackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, n, ptrs));
+    CUDNN_CHECK(&e, D.BackendSetAttribute(vp, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws));
+    CUDNN_CHECK(&e, D.BackendFinalize(vp));
+    CUDNN_CHECK(&e, D.BackendExecute(cudnn_handle, p->plan, vp));
+    if (vp) D.BackendDestroyDescriptor(vp); /* status ignored: the pack is ours alone */
+    if (e.failed) snprintf(why, wn, "%s", e.msg);
+    return !e.failed;
 }
 
 static int cudnn_planned(int B, int T, int C, int NH) {
@@ -633,17 +644,18 @@ static int cudnn_planned(int B, int T, int C, int NH) {
     return cudnn_find(B, T, NH, C / NH);
 }
 
-void cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
+int cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH, char *why,
+                                 size_t n) {
     int i = cudnn_planned(B, T, C, NH);
     float scale = 1.0f / sqrtf((float)(C / NH)), neg = -FLT_MAX; /* by value: read during Execute */
     bf16 *x = (bf16 *)qkv;
     const int64_t uids[] = {SDPA_Q, SDPA_KT, SDPA_V, SDPA_O, SDPA_STATS, SDPA_SCALE, SDPA_NEG};
     void *ptrs[] = {x, x + C, x + 2 * C, out, lse, &scale, &neg};
-    cudnn_execute(&cudnn_shapes[i].fwd, 7, uids, ptrs);
+    return cudnn_execute(&cudnn_shapes[i].fwd, B, 7, uids, ptrs, why, n);
 }
 
-void cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                                   int B, int T, int C, int NH) {
+int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                                  int B, int T, int C, int NH, char *why, size_t n) {
     int i = cudnn_planned(B, T, C, NH);
     float scale = 1.0f / sqrtf((float)(C / NH)), neg = -FLT_MAX, one = 1.0f;
     bf16 *x = (bf16 *)qkv, *dx = (bf16 *)dqkv;
@@ -651,7 +663,7 @@ void cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv
                             SDPA_DQ, SDPA_DK, SDPA_DV, SDPA_SCALE, SDPA_NEG, SDPA_ONE};
     void *ptrs[] = {x, x + C, x + 2 * C, (void *)out, (void *)dout, (void *)lse,
                     dx, dx + C, dx + 2 * C, &scale, &neg, &one};
-    cudnn_execute(&cudnn_shapes[i].bwd, 12, uids, ptrs);
+    return cudnn_execute(&cudnn_shapes[i].bwd, B, 12, uids, ptrs, why, n);
 }
 
 void cuda_attention_cudnn_reset(void) {
@@ -693,11 +705,12 @@ int cuda_attention_cudnn_load(char *why, size_t n) {
 }
 const char *cuda_attention_cudnn_library(void) { return "cuDNN not built in"; }
 int cuda_attention_cudnn_plan(int B, int T, int C, int NH, char *why, size_t n) { return cuda_attention_cudnn_load(why, n); }
-void cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH) {
+int cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH, char *why,
+                                 size_t n) {
     kiln_fail(KILN_EXIT_RUNTIME, "cuDNN attention: %s", CUDNN_NOT_BUILT);
 }
-void cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                                   int B, int T, int C, int NH) {
+int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                                  int B, int T, int C, int NH, char *why, size_t n) {
     kiln_fail(KILN_EXIT_RUNTIME, "cuDNN attention: %s", CUDNN_NOT_BUILT);
 }
 void cuda_attention_cudnn_reset(void) {}

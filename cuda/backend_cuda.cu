@@ -25,6 +25,7 @@ static char cuda_device_part[384];
 static int cuda_started;
 static size_t cuda_peak_used; /* bytes in use on the device, highest seen */
 int cuda_act_bf16;            /* common.cuh: the activation dtype is bf16 */
+unsigned long cuda_host_syncs; /* common.cuh: host waits on the device since init */
 
 /* ---------------------------------------------------------------------------
  * Availability and build information (no driver needed for either) */
@@ -112,19 +113,19 @@ static void stage_free(void) {
 static void cuda_to_device(void *dst, const void *src, size_t bytes) {
     if (!bytes) return;
     if (bytes > STAGE_BYTES || !stage_mem) {
-        CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+        CUDA_HOST_WAIT(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice)); /* pageable: waits for the stream */
         return;
     }
     int s = stage_next;
     stage_next = (s + 1) % STAGE_SLOTS;
-    CUDA_CHECK(cudaEventSynchronize(stage_done[s])); /* the slot's last copy has been read */
+    CUDA_HOST_WAIT(cudaEventSynchronize(stage_done[s])); /* the slot's last copy has been read */
     unsigned char *slot = stage_mem + (size_t)s * STAGE_BYTES;
     memcpy(slot, src, bytes);
     CUDA_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, cudaStreamLegacy));
     CUDA_CHECK(cudaEventRecord(stage_done[s], cudaStreamLegacy));
 }
 static void cuda_to_host(void *dst, const void *src, size_t bytes) {
-    if (bytes) CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+    if (bytes) CUDA_HOST_WAIT(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
 static void cuda_copy(void *dst, const void *src, size_t bytes) {
     if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
@@ -140,7 +141,8 @@ static void cuda_zero(void *dst, size_t bytes) {
  * would also wait, with no deadline, for NCCL work on comm's own streams
  * (comm.h); what the compute stream took from them (a waited request) is
  * behind its events already. */
-static void cuda_sync(void) { CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy)); }
+static void cuda_sync(void) { CUDA_HOST_WAIT(cudaStreamSynchronize(cudaStreamLegacy)); }
+static unsigned long cuda_host_syncs_get(void) { return cuda_host_syncs; }
 
 static void *scratch_ptr[SCRATCH_COUNT];
 static size_t scratch_size[SCRATCH_COUNT];
@@ -340,6 +342,7 @@ extern "C" const Backend backend_cuda = {
     .set_precision = cuda_set_precision,
     .set_attention = cuda_set_attention,
     .memory_peak = cuda_memory_peak,
+    .host_syncs = cuda_host_syncs_get,
     .stream = cuda_stream,
     .select_device = cuda_select_device,
 };

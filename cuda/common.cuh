@@ -38,6 +38,14 @@ extern "C" {
  * ACT_DISPATCH. Loads widen to fp32 (act_f), stores round to nearest even
  * (act_from<T>); all arithmetic in between is fp32. */
 extern int cuda_act_bf16;
+/* Host waits on the device (backend.h host_syncs): every synchronous copy,
+ * stream or event wait of the backend counts one, through CUDA_HOST_WAIT. */
+extern unsigned long cuda_host_syncs;
+#define CUDA_HOST_WAIT(call)  \
+    do {                      \
+        cuda_host_syncs++;    \
+        CUDA_CHECK(call);     \
+    } while (0)
 typedef __nv_bfloat16 bf16;
 __device__ __forceinline__ float act_f(float x) { return x; }
 __device__ __forceinline__ float act_f(bf16 x) { return __bfloat162float(x); }
@@ -219,14 +227,18 @@ void cuda_attention_tc_backward(void *dqkv, const void *dout, const void *qkv, c
  * its version and path; fits: head sizes the graphs support; plan: 1 when
  * forward and backward plans exist for the shape (made now if needed, with
  * the workspace), else 0 with why; forward/backward run a planned shape (an
- * unplannable one is a runtime error); qkv, out, dout, dqkv 16-byte aligned. */
+ * unplannable one is a runtime error) and return 1, or 0 with why when cuDNN's
+ * execute fails (attention.cu then runs kiln's kernels); qkv, out, dout, dqkv
+ * 16-byte aligned. Test hook: KILN_TEST_CUDNN_FAIL_B=N fails every execute at
+ * batch size N (scripts/cuda_check.sh checks the fallback with it). */
 int cuda_attention_cudnn_load(char *why, size_t n);
 const char *cuda_attention_cudnn_library(void);
 int cuda_attention_cudnn_fits(int C, int NH);
 int cuda_attention_cudnn_plan(int B, int T, int C, int NH, char *why, size_t n);
-void cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH);
-void cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
-                                   const float *lse, int B, int T, int C, int NH);
+int cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH, char *why,
+                                 size_t n);
+int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
+                                  const float *lse, int B, int T, int C, int NH, char *why, size_t n);
 void cuda_attention_cudnn_reset(void);
 /* llama.cu */
 void cuda_rope_forward(void *qkv, const float *rope, const AttnShape *s, int pos0);

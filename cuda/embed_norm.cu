@@ -148,11 +148,11 @@ void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32
         embed_host_plan = (int32_t *)embed_grow(embed_host_plan, (size_t)(3 * N + 1) * sizeof(int32_t));
         embed_host_n = (size_t)N;
     }
-    CUDA_CHECK(cudaMemcpy(embed_host_tok, tokens, (size_t)N * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    CUDA_HOST_WAIT(cudaMemcpy(embed_host_tok, tokens, (size_t)N * sizeof(int32_t), cudaMemcpyDeviceToHost));
     int R = embed_plan(embed_host_tok, N);
     size_t plan_bytes = (size_t)(2 * R + 1 + N) * sizeof(int32_t);
     int32_t *plan = (int32_t *)cuda_scratch(SCRATCH_EMBED, (size_t)(3 * N + 1) * sizeof(int32_t));
-    CUDA_CHECK(cudaMemcpy(plan, embed_host_plan, plan_bytes, cudaMemcpyHostToDevice));
+    CUDA_HOST_WAIT(cudaMemcpy(plan, embed_host_plan, plan_bytes, cudaMemcpyHostToDevice));
     ACT_DISPATCH(embed_backward_kernels, dwte, dwpe, dout, plan, R, B, T, C, accumulate);
 }
 

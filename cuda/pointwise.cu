@@ -456,7 +456,7 @@ double cuda_sumsq(const float *x, size_t n) {
     KLAUNCH(sumsq_final_kernel, 1, SUMSQ_BLOCKS, 0, part + SUMSQ_BLOCKS, part);
     CUDA_CHECK_LAUNCH();
     double s = 0.0;
-    CUDA_CHECK(cudaMemcpy(&s, part + SUMSQ_BLOCKS, sizeof s, cudaMemcpyDeviceToHost));
+    CUDA_HOST_WAIT(cudaMemcpy(&s, part + SUMSQ_BLOCKS, sizeof s, cudaMemcpyDeviceToHost));
     return s;
 }
 

@@ -5,7 +5,7 @@
 # are built with STATIC=1; each is then ~29 MB, almost all of it the same
 # static libraries, and five of them (~147 MB) overflow a 64 MiB transfer.
 # Packed with xz they are ~13 MB. cuda_check.sh unpacks .gpu/kiln-gpu.tar.xz
-# when no usable ./train is present (tar -xJf, else python3's tarfile).
+# into a scratch folder (tar -xJf, else python3's tarfile); it never builds.
 #
 # The build runs in a temporary clone of HEAD (a STATIC build would otherwise
 # replace every object of the working tree's own build/), so the bundle is
@@ -38,4 +38,4 @@ echo "$commit" > .gpu/COMMIT
 # from a current one on a machine that has the tree but not its git history.
 git ls-files -z src cuda test Makefile | xargs -0 sha256sum > .gpu/SOURCES.sha256
 echo "gpu_bundle: .gpu/kiln-gpu.tar.xz ($(du -h .gpu/kiln-gpu.tar.xz | cut -f1), commit $commit)"
-echo "on the GPU machine: carry .gpu and run OUT=\$OUT make cuda-check (limit ~560 s)"
+echo "on the GPU machine: carry .gpu and run OUT=\$OUT bash scripts/cuda_check.sh --limit 480 (timeout_s ~540)"

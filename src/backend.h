@@ -448,12 +448,16 @@ typedef struct Backend {
      * run the self-check); called later, it switches at once. The choice
      * appears in the description line init returned.
      * memory_peak: the most device memory in use since init, in bytes.
+     * host_syncs: how many times the host has waited on the device since
+     * init (synchronous copies, stream and event waits; `./train bench`
+     * prints them per step).
      * stream: the stream (cudaStream_t) every op of the backend runs on, in
      * order; comm orders NCCL collectives against it (comm.h,
      * comm_nccl_device_mode). */
     void (*set_precision)(const char *compute);
     void (*set_attention)(const char *impl);
     size_t (*memory_peak)(void);
+    unsigned long (*host_syncs)(void);
     void *(*stream)(void);
     /* select_device: before init, the rank's index among the ranks of its
      * host and their count (one process per device: local rank r uses

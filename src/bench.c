@@ -37,12 +37,16 @@ static double matmul_rate(const Backend *be, const ArchSpec *s, int N, int reps)
     void *inp = be->alloc(max_in * ab), *dinp = be->alloc(max_in * ab), *out = be->alloc(max_out * ab);
     void *w = be->alloc(max_w * ab);
     float *dw = be->alloc(max_w * sizeof(float));
-    /* non-zero operands: some BLAS paths shortcut on zeros */
-    float *host = xmalloc(max_out * sizeof(float));
+    /* non-zero operands: some BLAS paths shortcut on zeros; one host buffer
+     * (most elements) fills all three, as the weights outgrow the activations
+     * when B T < C (which read past a max_out-sized buffer before) */
+    size_t most = max_out > max_w ? max_out : max_w;
+    most = most > max_in ? most : max_in;
+    float *host = xmalloc(most * sizeof(float));
     Rng rng;
     rng_seed(&rng, 7);
-    for (size_t i = 0; i < max_out; i++) host[i] = rng_uniform(&rng) - 0.5f;
-    backend_f32_to_act(host, host, max_out, ab); /* in place */
+    for (size_t i = 0; i < most; i++) host[i] = rng_uniform(&rng) - 0.5f;
+    backend_f32_to_act(host, host, most, ab); /* in place */
     be->to_device(inp, host, max_in * ab);
     be->to_device(w, host, max_w * ab);
     be->to_device(out, host, max_out * ab);
@@ -87,7 +91,12 @@ int bench_run(const Config *c, int steps) {
                     .pow2 = c->fp8_pow2_scales, .head = c->fp8_head};
     model_init(&m, be, &s, &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = master16, .fp8 = fp8});
     m.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
-    model_init_weights(&m, c->seed);
+    double init_t0 = kiln_now();
+    /* model_init_weights' distributions, drawn per chunk on all threads (1.5B:
+     * ~40 s of one core otherwise); other values than training's, timed: host
+     * draws plus the copy to the device */
+    model_fill_weights(&m, c->seed);
+    double init_s = kiln_now() - init_t0;
     model_plan_activations(&m, B, T, model_recompute_parse(c->recompute));
     AdamW opt;
     /* precision.optim_state and precision.master as a run has them (train.c) */
@@ -108,9 +117,11 @@ int bench_run(const Config *c, int steps) {
      * ratio. */
     double mm_before = matmul_rate(be, &s, N, 5);
     /* step 0 is a warm-up (page faults, BLAS buffers) and is not counted */
+    unsigned long syncs = 0; /* the steps' own host waits, not the two that time them */
     for (int step = 0; step <= steps; step++) {
         be->sync();
         double t0 = kiln_now();
+        unsigned long s0 = be->host_syncs ? be->host_syncs() : 0;
         for (int micro = 0; micro < c->grad_accum; micro++) {
             for (int i = 0; i < N; i++) {
                 inp[i] = (int32_t)rng_below(&rng, (uint64_t)s.vocab_size);
@@ -121,6 +132,7 @@ int bench_run(const Config *c, int steps) {
         }
         optim_step(&opt, model_param_arena(&m), m.grad_mem, c->lr);
         model_params_changed(&m);
+        if (step > 0 && be->host_syncs) syncs += be->host_syncs() - s0;
         be->sync();
         times[step] = kiln_now() - t0;
     }
@@ -139,6 +151,8 @@ int bench_run(const Config *c, int steps) {
            mm_gflops);
     printf("bench: tok_per_s=%.1f step_gflops=%.1f sgemm_gflops=%.1f ratio=%.3f\n", tokens / step_s, step_gflops,
            mm_gflops, step_gflops / mm_gflops);
+    if (be->host_syncs) printf("bench: host_syncs_per_step=%.1f\n", (double)syncs / steps);
+    printf("bench: init_s=%.2f (%zu parameters)\n", init_s, m.num_params);
     if (be->memory_peak) printf("bench: peak_mem_gib=%.2f\n", be->memory_peak() / 1073741824.0);
     printf("bench: master=%s optim_state=%s fp8=%s%s\n", master16 ? "bf16" : "fp32", c->optim_state, c->fp8,
            fp8.mode == FP8_TENSORWISE && be->fp8_matmul ? " (fp8 tensor cores)" : "");

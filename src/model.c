@@ -525,6 +525,78 @@ void model_init_weights(Model *m, uint64_t seed) {
     free(host);
 }
 
+/* N(0, std) into w[0..n): chunk c of table tensor `tensor` from its own
+ * stream (seed, tensor, c), so the values depend only on the seed and the
+ * shape, never on the thread count or on which tensors a rank keeps; threads
+ * take whole chunks. */
+#define MODEL_INIT_CHUNK 65536
+static void init_normal(float *w, size_t n, float std, uint64_t seed, int tensor) {
+    long chunks = (long)((n + MODEL_INIT_CHUNK - 1) / MODEL_INIT_CHUNK);
+#pragma omp parallel for schedule(dynamic, 8)
+    for (long c = 0; c < chunks; c++) {
+        Rng r;
+        rng_seed_stream(&r, seed, (uint64_t)tensor, (uint64_t)c);
+        size_t j0 = (size_t)c * MODEL_INIT_CHUNK, j1 = j0 + MODEL_INIT_CHUNK < n ? j0 + MODEL_INIT_CHUNK : n;
+        for (size_t j = j0; j < j1; j += 2) { /* Box-Muller, both values: one log and one sincos a pair */
+            double u1 = rng_uniform_double(&r), u2 = rng_uniform_double(&r), sn, cs;
+            if (u1 < 1e-300) u1 = 1e-300;
+            double rad = sqrt(-2.0 * log(u1));
+            sincos(6.283185307179586 * u2, &sn, &cs);
+            w[j] = std * (float)(rad * cs);
+            if (j + 1 < j1) w[j + 1] = std * (float)(rad * sn);
+        }
+    }
+}
+
+void model_fill_weights(Model *m, uint64_t seed) {
+    /* Each global tensor of the whole table from its own streams (init_normal),
+     * so a pipeline stage draws only its own tensors and gets the values the
+     * whole model would; a tp rank draws its tensors whole and keeps its boxes. */
+    float *host = xcalloc(m->num_params, sizeof(float));
+    float resid_scale = 1.0f / sqrtf(2.0f * (float)m->shape.n_layer);
+    int all, mine = 0;
+    ArchTensor *t = arch_tensors(&m->gshape, 0, &all);
+    float *whole = NULL; /* tp: the global tensor, drawn whole, of which this rank keeps its boxes */
+    if (m->tp > 1) {
+        size_t most = 0;
+        for (int i = 0; i < all; i++) most = t[i].numel > most ? t[i].numel : most;
+        whole = xcalloc(most, sizeof(float));
+    }
+    for (int i = 0; i < all && mine < m->num_tensors; i++) {
+        const ArchTensor *p = &t[i];
+        if (strcmp(m->params[mine].name, p->name)) continue; /* another stage's tensor */
+        int idx = mine++;
+        float *w = whole ? whole : host + m->params[idx].offset;
+        if (p->init == INIT_ONES) {
+            for (size_t j = 0; j < p->numel; j++) w[j] = 1.0f;
+        } else if (p->init == INIT_NORMAL || p->init == INIT_NORMAL_RESID) {
+            float std = 0.02f;
+            if (p->init == INIT_NORMAL_RESID) std *= resid_scale;
+            size_t rows = (size_t)p->shape[0];
+            /* The padded vocabulary rows stay zero: no token maps to them. */
+            if (p->role == ROLE_TOK_EMB || p->role == ROLE_HEAD_W) rows = (size_t)m->gshape.vocab_size;
+            size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
+            init_normal(w, rows * cols, std, seed, i);
+        }
+        /* INIT_ZEROS: biases stay zero */
+        if (whole) {
+            ModelBox bx[MODEL_MAX_BOXES];
+            int nb = model_tp_boxes(m, idx, bx);
+            size_t g1 = p->ndim == 2 ? (size_t)p->shape[1] : 1;
+            float *dst = host + m->params[idx].offset;
+            for (int k = 0; k < nb; k++)
+                for (size_t r = bx[k].r0; r < bx[k].r1; r++)
+                    memcpy(dst + bx[k].at + (r - bx[k].r0) * (bx[k].c1 - bx[k].c0), whole + r * g1 + bx[k].c0,
+                           (bx[k].c1 - bx[k].c0) * sizeof(float));
+            memset(whole, 0, p->numel * sizeof(float));
+        }
+    }
+    free(whole);
+    free(t);
+    model_params_from_host(m, host);
+    free(host);
+}
+
 static void slots_free(Model *m);
 
 void model_free(Model *m) {

@@ -490,6 +490,12 @@ void *model_param_arena(const Model *m);
  * token embedding and head. Drawn in listing order from one stream:
  * deterministic from `seed`, independent of the backend and thread count. */
 void model_init_weights(Model *m, uint64_t seed);
+/* The same distributions, drawn fast for `./train bench`: chunk c of table
+ * tensor i from the stream (seed, i, c), on all threads (both Box-Muller
+ * values kept). Deterministic from `seed`, independent of the backend, the
+ * thread count and the layout, but other values than model_init_weights':
+ * training keeps those, so runs, references and tolerances are unchanged. */
+void model_fill_weights(Model *m, uint64_t seed);
 
 /* Plan and allocate activations for micro-batches up to B x T (T <= seq_len),
  * keeping or recomputing per `r`. The only activation allocation: forward

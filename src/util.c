@@ -263,6 +263,13 @@ void rng_seed(Rng *r, uint64_t seed) {
     for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&x);
 }
 
+void rng_seed_stream(Rng *r, uint64_t seed, uint64_t a, uint64_t b) {
+    uint64_t x = seed;
+    uint64_t k = splitmix64(&x) ^ (a * 0xd1b54a32d192ed03ULL); /* odd multipliers: distinct a, b mix apart */
+    k = splitmix64(&k) ^ (b * 0x8cb92ba72f3d8dd7ULL);
+    rng_seed(r, splitmix64(&k));
+}
+
 static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
 uint64_t rng_u64(Rng *r) {

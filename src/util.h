@@ -75,6 +75,8 @@ typedef struct {
     uint64_t s[4];
 } Rng;
 void rng_seed(Rng *r, uint64_t seed);
+/* the stream (seed, a, b): independent streams for counter-based fills */
+void rng_seed_stream(Rng *r, uint64_t seed, uint64_t a, uint64_t b);
 uint64_t rng_u64(Rng *r);
 float rng_uniform(Rng *r);          /* [0, 1) with 24 bits */
 double rng_uniform_double(Rng *r);  /* [0, 1) with 53 bits */

@@ -35,7 +35,38 @@
 #include "../cuda/attention_tc.cu"
 #include "../cuda/attention_block.cu"
 #include "../cuda/fp8.cu"
-#include "../cuda/attention_cudnn.cu" /* without KILN_CUDNN: its "not built in" side */
+
+/* cuDNN stand-in (the real graphs need a GPU; test_cudnn_graph checks their
+ * descriptors). Off, it answers as a build without cuDNN; on
+ * (test_attention_cudnn_fallback), it loads, plans any shape, runs the SIMT
+ * kernels (so it passes the self-check) and fails every execute at batch size
+ * emu_cudnn_fail_b, as an engine that planned a shape but cannot run it would. */
+static int emu_cudnn_on, emu_cudnn_fail_b, emu_cudnn_calls;
+int cuda_attention_cudnn_load(char *why, size_t n) {
+    if (!emu_cudnn_on) snprintf(why, n, "the emulation's cuDNN stand-in is off");
+    return emu_cudnn_on;
+}
+const char *cuda_attention_cudnn_library(void) { return "the emulation's cuDNN stand-in"; }
+int cuda_attention_cudnn_plan(int B, int T, int C, int NH, char *why, size_t n) { return cuda_attention_cudnn_load(why, n); }
+int cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH, char *why,
+                                 size_t n) {
+    const AttnShape s = {B, T, NH, NH, C / NH};
+    emu_cudnn_calls++;
+    if (B == emu_cudnn_fail_b) return snprintf(why, n, "stand-in execute failure at B=%d", B), 0;
+    cuda_attention_simt_forward(out, lse, qkv, &s);
+    return 1;
+}
+int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
+                                  int B, int T, int C, int NH, char *why, size_t n) {
+    const AttnShape s = {B, T, NH, NH, C / NH};
+    emu_cudnn_calls++;
+    if (B == emu_cudnn_fail_b) return snprintf(why, n, "stand-in execute failure at B=%d", B), 0;
+    cuda_attention_simt_backward(dqkv, dout, qkv, out, lse, &s);
+    return 1;
+}
+void cuda_attention_cudnn_reset(void) {}
+int cuda_attention_cudnn_fits(int C, int NH) { return (C / NH) % 8 == 0 && C / NH <= 128; }
+extern "C" const char *cuda_cudnn_build_info(void) { return "cuDNN attention: the emulation's stand-in"; }
 #include "../cuda/backend_cuda.cu"
 
 #include <sys/wait.h>
@@ -166,6 +197,28 @@ static float *dev_f32_off(const Vec &h, size_t off) {
 /* alloc zeroes; to_device through the staging ring (more copies than its
  * 8 slots, each source reused at once) and past it (over 1 MiB); to_host,
  * copy, zero. */
+/* host_syncs counts the host's waits on the device: a copy to the device
+ * (a staging slot's event wait, or a blocking copy) and to the host, and
+ * sync, one each; an asynchronous zero or device copy none. */
+static void test_host_syncs(void) {
+    float h[16] = {0};
+    void *d, *e;
+    CUDA_CHECK(cudaMalloc(&d, sizeof h));
+    CUDA_CHECK(cudaMalloc(&e, sizeof h));
+    unsigned long s0 = gpu->host_syncs();
+    gpu->to_device(d, h, sizeof h);
+    unsigned long s1 = gpu->host_syncs();
+    gpu->zero(d, sizeof h);
+    gpu->copy(e, d, sizeof h);
+    unsigned long s2 = gpu->host_syncs();
+    gpu->to_host(h, e, sizeof h);
+    gpu->sync();
+    unsigned long s3 = gpu->host_syncs();
+    report("host_syncs_counted", s1 - s0 == 1 && s2 == s1 && s3 - s2 == 2,
+           "to_device + zero + copy + to_host + sync counted %.0f, want 3 (1 + 0 + 0 + 2)", (double)(s3 - s0), 0);
+    cudaFree(d), cudaFree(e);
+}
+
 static void test_memory(void) {
     size_t big = ((size_t)1 << 20) + 12, nsmall = 11, small = 1000;
     unsigned char *z = (unsigned char *)gpu->alloc(small), *b = (unsigned char *)gpu->alloc(big);
@@ -926,6 +979,46 @@ static void test_attention_auto(void) {
     cudaFree(dq), cudaFree(o1), cudaFree(o2), cudaFree(l1), cudaFree(l2);
 }
 
+/* precision.attention auto, cuDNN kept (the stand-in passes the self-check,
+ * which runs at B 2), then its execute fails at the training shape (B 3): one
+ * warning, and the tensor cores compute that forward and backward (their
+ * bits), and every later shape; cuDNN is never called again. */
+static void test_attention_cudnn_fallback(void) {
+    const int B = 3, T = 70, C = 96, NH = 2;
+    emu_cudnn_on = 1, emu_cudnn_fail_b = B;
+    gpu->set_attention("auto"); /* chooses again: self-checks the stand-in */
+    int kept = strstr(cuda_attention_describe(), "among cudnn, tensor_cores") != NULL;
+    report_s("attention_cudnn_selfcheck_b2_kept", kept, cuda_attention_describe());
+    const AttnShape ash = {B, T, NH, NH, C / NH};
+    size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    Vec qkv = rnd_act(n3, 1.0f), dout = rnd_act(nc, 1.0f);
+    void *dq = dev_act(qkv), *dd = dev_act(dout), *o1, *o2, *g1, *g2;
+    float *l1, *l2;
+    CUDA_CHECK(cudaMalloc(&o1, nc * AB));
+    CUDA_CHECK(cudaMalloc(&o2, nc * AB));
+    CUDA_CHECK(cudaMalloc(&g1, n3 * AB));
+    CUDA_CHECK(cudaMalloc(&g2, n3 * AB));
+    CUDA_CHECK(cudaMalloc(&l1, nl * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&l2, nl * sizeof(float)));
+    int calls0 = emu_cudnn_calls;
+    gpu->attention_forward(o1, l1, dq, &ash); /* cuDNN fails: falls back, warns once */
+    gpu->attention_backward(g1, dd, dq, o1, l1, &ash);
+    cuda_attention_tc_forward(o2, l2, dq, B, T, C, NH);
+    cuda_attention_tc_backward(g2, dd, dq, o2, l2, B, T, C, NH);
+    int same = get_act(o1, nc) == get_act(o2, nc) && get_act(g1, n3) == get_act(g2, n3);
+    int once = emu_cudnn_calls == calls0 + 1; /* the failed forward, and no cuDNN call after it */
+    report_s("attention_cudnn_execute_fails_falls_back", same && once,
+             !once ? "cuDNN was called again after its execute failed"
+                   : same ? "the tensor cores' bits, forward and backward" : "output differs from the tensor cores'");
+    const AttnShape later = {1, T, NH, NH, C / NH}; /* a new shape: not cuDNN's any more */
+    gpu->attention_forward(o1, l1, dq, &later);
+    report_s("attention_cudnn_dropped_for_later_shapes", emu_cudnn_calls == calls0 + 1,
+             emu_cudnn_calls == calls0 + 1 ? "no cuDNN call" : "auto picked cuDNN again");
+    emu_cudnn_on = 0, emu_cudnn_fail_b = 0;
+    gpu->set_attention("auto");
+    cudaFree(dq), cudaFree(dd), cudaFree(o1), cudaFree(o2), cudaFree(g1), cudaFree(g2), cudaFree(l1), cudaFree(l2);
+}
+
 /* ---------------------------------------------------------------------------
  * The Llama and MoE ops, same tolerances as above: act outputs tol_act(),
  * fp32 statistics and gradients TOL_F32 (sums of <= a few hundred terms in
@@ -1252,11 +1345,12 @@ int main(void) {
         gpu->set_precision(DT);
         report("act_bytes", gpu->act_bytes() == AB, "act_bytes %.0f, want %.0f", (double)gpu->act_bytes(), (double)AB);
         test_memory();
+        test_host_syncs();
         /* auto keeps the tensor cores as a candidate when their self-check
-         * passes; cuDNN is not in the emulation and must be refused, saying why */
+         * passes; cuDNN's stand-in starts off and must be refused, saying why */
         const char *desc = cuda_attention_describe();
         int want_tc = bf == 1, got_tc = strstr(desc, "among tensor_cores, simt (tensor cores passed") != NULL &&
-                                        strstr(desc, "cuDNN refused: this ./train was built without cuDNN");
+                                        strstr(desc, "cuDNN refused: the emulation's cuDNN stand-in is off");
         printf("%s cuda_emu_%s_attention_choice%s%s\n", want_tc == got_tc ? "ok" : "FAIL", DT,
                want_tc == got_tc ? " # " : ": ", desc);
         failures += want_tc != got_tc;
@@ -1315,6 +1409,7 @@ int main(void) {
             if (tc) gpu->set_attention("auto");
         }
         if (bf) test_attention_auto();
+        if (bf) test_attention_cudnn_fallback();
         /* block attention (context parallelism): partial, diagonal, past and
          * empty-row blocks; grouped heads, 2, 4 and 8 threads per row; more
          * rows than a 64-row block and keys than a 32-key tile */
