@@ -1770,6 +1770,22 @@ static void mlp_backward(Model *m, int l, int N, const BackScratch *b, int acc, 
                   W(m, l, ROLE_MLP_NORM_W), a->ln2_mean, a->ln2_rstd, res_rows(m, N), acc);
 }
 
+/* The key bias's exact gradient is zero: it adds q_i . b_k to every score of
+ * query i, and softmax over the keys ignores a shift shared by a whole row
+ * (learned positions, no qk norm: nothing transforms k after it). Its fp32
+ * gradient is rounding noise in the order of the sums, which optimizers that
+ * divide by a gradient's own size (AdamW, Lion, Adafactor) turn into lr-sized
+ * steps that differ with the layout; Adafactor's per-tensor update clipping
+ * spreads that into the q and v biases (issue 16). Keep the exact zero. */
+static void key_bias_exact(const Model *m, int l) {
+    const ArchSpec *s = &m->shape;
+    if (s->pos != POS_LEARNED || s->qk_norm != QKNORM_NONE) return;
+    size_t kv = (size_t)s->n_kv_head * s->head_dim; /* this tp rank's k width */
+    float *qkv = G(m, l, ROLE_QKV_B), *k = G(m, l, ROLE_K_B); /* gpt2's [q | k | v] (local); llama's k_proj.bias */
+    if (k) m->be->zero(k, kv * sizeof(float));
+    else if (qkv && s->family == ARCH_GPT2) m->be->zero(qkv + arch_q_width(s), kv * sizeof(float));
+}
+
 /* d(x_in) += through attention, from dres = d(res2). */
 static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const BackScratch *b, int acc,
                           int rec_norm, BackPart part) {
@@ -1795,6 +1811,7 @@ static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const
     keep_grad(m, a->d_qkv, b->dqkv, N, (size_t)arch_qkv_width(s), part); /* attention has read qkv */
     model_mm_backward(m, l, MM_QKV, -1, b->dln, GW(m, l, ROLE_QKV_W, part), GW(m, l, ROLE_QKV_B, part), b->dqkv, a->ln1,
                         W(m, l, ROLE_QKV_W), N, C, arch_qkv_width(s), acc);
+    if (part != PART_INPUT) key_bias_exact(m, l);
     const void *dnorm = col_grad_reduce(m, b->dln, b->dfull, N);
     norm_backward(m, b->dres, G(m, l, ROLE_ATTN_NORM_W), G(m, l, ROLE_ATTN_NORM_B), dnorm, x_in,
                   W(m, l, ROLE_ATTN_NORM_W), a->ln1_mean, a->ln1_rstd, res_rows(m, N), acc);
@@ -1910,6 +1927,7 @@ void model_backward_weight(Model *m, int accumulate) {
                     N);
         model_mm_backward(m, l, MM_QKV, -1, NULL, G(m, l, ROLE_QKV_W), G(m, l, ROLE_QKV_B), a->d_qkv, a->ln1, W(m, l, ROLE_QKV_W),
                             N, C, arch_qkv_width(s), acc);
+        key_bias_exact(m, l);
         if (m->tpc.grads_done) m->tpc.grads_done(m->tpc.ctx, l);
         if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, l);
     }

@@ -9,12 +9,13 @@
 # test/t_optim_ref.sh. One line per check.
 # Tolerances as test/t_dp.sh: losses within relative 1e-5, parameters within
 # 1e-5 absolute (several ranks sum gradients, and the row and column sums,
-# in another order: ulps; measured up to 3.4e-6 for ten steps). model.bias:
-# false, as t_lion.sh and t_muon.sh, and more so here: GPT-2's key bias has
-# an exact gradient of zero, its float gradient is rounding noise, and
-# Adafactor divides it by the square root of its own tiny second moment
-# (eps1 = 1e-30), so that element steps by ~lr on noise; the last check runs
-# with biases and compares losses, which the key bias cannot change.
+# in another order: ulps; measured up to 3.4e-6 for ten steps). The ten-step
+# runs use model.bias: false: with biases the attention's q and k rows wake
+# up at step 7 (their gradients' row averages grow 1000x in one step, v_row
+# lags with beta2 = 0.79 there), one row of c_attn.weight steps by 5.7 lr,
+# and that amplifies the ulps of its gradient: on one rank too, run.threads
+# 1 vs 2 differ by 8e-7 at step 6, 1.4e-5 at step 7, 4.2e-5 at step 10. The
+# checks with biases (after the tp ones) run six steps, before that.
 set -u
 cd "$(dirname "$0")/.."
 T=${KILN_TEST_TMP:-$(mktemp -d)}/t_adafactor
@@ -115,6 +116,22 @@ why=$(close_losses $T/bref/metrics.jsonl $D/metrics.jsonl 2>&1)
 if [ $rc -eq 0 ] && grep -q 'resharded from 4 rank(s) (.*dp 2 x tp 2[,)].* to 1' $D.txt && [ -z "$why" ]; then
     ok adafactor_resume_tp2_dp2_to_np1
 else fail adafactor_resume_tp2_dp2_to_np1 "rc $rc: $why $(grep -m2 -iE 'error|resum' $D.txt)"; fi
+
+# Biases on (issue 16): GPT-2's key bias (the middle third of c_attn.bias)
+# has an exact gradient of zero, and model.c keeps it (key_bias_exact). Before,
+# its fp32 gradient was rounding noise in the order of the sums, Adafactor
+# divided it by its own root mean square (eps1 = 1e-30) into steps of ~lr,
+# and the per-tensor update clipping spread that into the q and v biases and
+# on through the forward: 1 vs 2 ranks (ZeRO 3) after ten steps 0.11 apart in
+# the key bias, 1.4e-2 in c_attn.weight, 3e-3 in wte; one rank with
+# run.threads 2 alike (0.054 in the key bias). Six steps against one rank,
+# 1e-5 as above (measured after the fix: 1.2e-7 to 3.6e-7; before: 0.041 to
+# 0.086, in c_attn.bias).
+for z in 0 1 3; do equiv bias_zero${z}_np2 $T/bref step_00000006 2 $TB --set parallel.zero=$z; done
+equiv bias_tp2 $T/bref step_00000006 2 $TB --set parallel.tp=2
+equiv bias_tp2_dp2_zero1 $T/bref step_00000006 4 $TB --set parallel.tp=2 --set parallel.zero=1
+equiv bias_cp2 $T/bref step_00000006 2 $TB --set parallel.cp=2
+equiv bias_pp2 $T/bref step_00000006 2 $TB --set parallel.pp=2
 
 # Pipeline and context parallelism: a stage's statistics are its layers'
 # (the last stage's copy of the tied wte is computed alike and written by the
