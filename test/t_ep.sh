@@ -151,6 +151,11 @@ equiv pp2_zb_h1_capacity MOE 4 2 1 0 $PP=zb_h1
 equiv pp2_1f1b_dropless_bias FREE 4 2 1 1 $PP=1f1b
 equiv pp2_zb_h1_dropless_bias FREE 4 2 1 0 $PP=zb_h1
 equiv pp2_interleaved_capacity MOE4 4 2 1 0 $PP=interleaved_1f1b --set parallel.pp_virtual=2
+# and with context parallelism inside the stages (pp 2 x cp 2, the ep pair
+# the cp pair): MoE's cp sums and the capacity split over chunks run in
+# every slot's forward
+equiv pp2_cp2_1f1b_capacity MOE 4 2 1 0 $PP=1f1b --set parallel.cp=2
+equiv pp2_cp2_zb_h1_dropless_bias FREE 4 2 1 1 $PP=zb_h1 --set parallel.cp=2
 D=$T/pp2_1f1b_capacity
 grep -q 'micro-batch in flight (2 such sets' $D.txt && ok ep_pp_start_up_line \
     || fail ep_pp_start_up_line "$(grep -m1 'expert parallel' $D.txt)"
