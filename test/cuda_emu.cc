@@ -1003,8 +1003,8 @@ static void test_attention_cudnn_fallback(void) {
     int calls0 = emu_cudnn_calls;
     gpu->attention_forward(o1, l1, dq, &ash); /* cuDNN fails: falls back, warns once */
     gpu->attention_backward(g1, dd, dq, o1, l1, &ash);
-    cuda_attention_tc_forward(o2, l2, dq, B, T, C, NH);
-    cuda_attention_tc_backward(g2, dd, dq, o2, l2, B, T, C, NH);
+    cuda_attention_tc_forward(o2, l2, dq, NULL, B, T, C, NH);
+    cuda_attention_tc_backward(g2, dd, dq, o2, l2, NULL, B, T, C, NH);
     int same = get_act(o1, nc) == get_act(o2, nc) && get_act(g1, n3) == get_act(g2, n3);
     int once = emu_cudnn_calls == calls0 + 1; /* the failed forward, and no cuDNN call after it */
     report_s("attention_cudnn_execute_fails_falls_back", same && once,
