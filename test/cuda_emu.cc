@@ -50,7 +50,7 @@ const char *cuda_attention_cudnn_library(void) { return "the emulation's cuDNN s
 int cuda_attention_cudnn_plan(int B, int T, int C, int NH, char *why, size_t n) { return cuda_attention_cudnn_load(why, n); }
 int cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, int T, int C, int NH, char *why,
                                  size_t n) {
-    const AttnShape s = {B, T, NH, NH, C / NH};
+    const AttnShape s = {B, T, NH, NH, C / NH, NULL};
     emu_cudnn_calls++;
     if (B == emu_cudnn_fail_b) return snprintf(why, n, "stand-in execute failure at B=%d", B), 0;
     cuda_attention_simt_forward(out, lse, qkv, &s);
@@ -58,7 +58,7 @@ int cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, 
 }
 int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                                   int B, int T, int C, int NH, char *why, size_t n) {
-    const AttnShape s = {B, T, NH, NH, C / NH};
+    const AttnShape s = {B, T, NH, NH, C / NH, NULL};
     emu_cudnn_calls++;
     if (B == emu_cudnn_fail_b) return snprintf(why, n, "stand-in execute failure at B=%d", B), 0;
     cuda_attention_simt_backward(dqkv, dout, qkv, out, lse, &s);
@@ -989,7 +989,7 @@ static void test_attention_cudnn_fallback(void) {
     gpu->set_attention("auto"); /* chooses again: self-checks the stand-in */
     int kept = strstr(cuda_attention_describe(), "among cudnn, tensor_cores") != NULL;
     report_s("attention_cudnn_selfcheck_b2_kept", kept, cuda_attention_describe());
-    const AttnShape ash = {B, T, NH, NH, C / NH};
+    const AttnShape ash = {B, T, NH, NH, C / NH, NULL};
     size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
     Vec qkv = rnd_act(n3, 1.0f), dout = rnd_act(nc, 1.0f);
     void *dq = dev_act(qkv), *dd = dev_act(dout), *o1, *o2, *g1, *g2;
@@ -1010,7 +1010,7 @@ static void test_attention_cudnn_fallback(void) {
     report_s("attention_cudnn_execute_fails_falls_back", same && once,
              !once ? "cuDNN was called again after its execute failed"
                    : same ? "the tensor cores' bits, forward and backward" : "output differs from the tensor cores'");
-    const AttnShape later = {1, T, NH, NH, C / NH}; /* a new shape: not cuDNN's any more */
+    const AttnShape later = {1, T, NH, NH, C / NH, NULL}; /* a new shape: not cuDNN's any more */
     gpu->attention_forward(o1, l1, dq, &later);
     report_s("attention_cudnn_dropped_for_later_shapes", emu_cudnn_calls == calls0 + 1,
              emu_cudnn_calls == calls0 + 1 ? "no cuDNN call" : "auto picked cuDNN again");
