@@ -246,6 +246,9 @@ typedef struct ModelCp {
                                const float *lse, const AttnShape *s);
     void (*broadcast)(void *ctx, void *buf, size_t n, int root);
     void (*sum_host)(void *ctx, double *x, size_t n);
+    /* send: block fp32 (device); recv: (cp, block), rank i's at i block (in
+     * place when send == recv + rank block): fp8's amaxes (model_fp8.c) */
+    void (*all_gather_f32)(void *ctx, const float *send, float *recv, size_t block);
 } ModelCp;
 /* Global chunk index of local chunk c (0, 1) on cp rank `rank` of cp. */
 static inline int model_cp_chunk(int cp, int rank, int c) { return c ? 2 * cp - 1 - rank : rank; }
