@@ -177,6 +177,27 @@ static float *fp8_amax_ring(Model *m, const void *src, int rows, int cols, int a
     return ring;
 }
 
+size_t model_fp8_history_len(const Model *m) {
+    return m->fp8_hist ? (size_t)m->fp8_slots * MM_OPERANDS * m->fp8.history * m->tp * m->cp : 0;
+}
+size_t model_fp8_count_len(const Model *m) { return m->fp8_hist ? (size_t)m->fp8_slots * MM_OPERANDS : 0; }
+
+void model_fp8_history_get(const Model *m, float *hist, int64_t *count) {
+    size_t n = model_fp8_history_len(m);
+    if (!n) return;
+    if (m->be->host_mem) memcpy(hist, m->fp8_hist, n * sizeof(float));
+    else m->be->to_host(hist, m->fp8_hist, n * sizeof(float));
+    memcpy(count, m->fp8_count, model_fp8_count_len(m) * sizeof(int64_t));
+}
+
+void model_fp8_history_set(Model *m, const float *hist, const int64_t *count) {
+    size_t n = model_fp8_history_len(m);
+    if (!n) return;
+    if (m->be->host_mem) memcpy(m->fp8_hist, hist, n * sizeof(float));
+    else m->be->to_device(m->fp8_hist, hist, n * sizeof(float));
+    memcpy(m->fp8_count, count, model_fp8_count_len(m) * sizeof(int64_t));
+}
+
 /* dst (rows, cols) act = src quantised to fmt with scales along axis.
  * rsplit, csplit: tp splits the matrix's rows, columns, so an amax whose
  * range covers a split dimension is the max over the tp ranks (gathered, and
