@@ -251,7 +251,7 @@ static const CfgKey cfg_keys[] = {
           "gradients to `fp8_grad`; `tensorwise` one scale per tensor, `rowwise` one per row along the "
           "product's contraction dimension; the CPU backend quantises and multiplies in fp32 (an exact "
           "emulation of the numerics, for validation); every product's dimensions must be multiples of 16 "
-          "(else exit 2 naming the tensor); not with `compute: fp32` on CUDA, `parallel.cp` or `parallel.ep` > 1"),
+          "(else exit 2 naming the tensor); not with `compute: fp32` on CUDA or `parallel.ep` > 1"),
     KENUM("precision.fp8_grad", fp8_grad, "e5m2", "e5m2|e4m3",
           "fp8: format of the output gradients in the backward (E5M2: range; E4M3: precision)"),
     KENUM("precision.fp8_wgrad", fp8_wgrad, "bf16", "bf16|fp8",
@@ -1015,16 +1015,11 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
                   c->micro_batch, c->seq_len, c->dp, (long long)c->micro_batch * c->seq_len * c->dp);
 }
 
-/* fp8 combinations not (yet) supported: context parallelism would need the
- * activations' amax reduced over the cp group, expert parallelism the
- * experts' inputs over the ep group (docs/precision.md); a per-row history
+/* fp8 combinations not (yet) supported: expert parallelism would need the
+ * experts' inputs' amax over the ep group (docs/precision.md); a per-row history
  * means nothing for activations, whose rows are other tokens each step. */
 static void cfg_check_fp8(const Config *c, CfgLoad *L) {
     if (!strcmp(c->fp8, "off")) return;
-    if (c->cp > 1)
-        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'precision.fp8', 'parallel.cp': fp8 products under context "
-                  "parallelism are not supported (the activations' amax would need a cp reduction); set "
-                  "precision.fp8: off or parallel.cp: 1", cfg_where_of(L, "precision.fp8", "parallel.cp"));
     if (c->ep > 1)
         kiln_fail(KILN_EXIT_USAGE, "%s: keys 'precision.fp8', 'parallel.ep': fp8 products under expert "
                   "parallelism are not supported yet; set precision.fp8: off or parallel.ep: 1",

@@ -282,6 +282,13 @@ static void hook_broadcast(void *ctx, void *buf, size_t n, int root) {
     c->blocked_s += kiln_now() - t0;
 }
 
+static void hook_all_gather_f32(void *ctx, const float *send, float *recv, size_t block) {
+    Cp *c = ctx;
+    double t0 = kiln_now();
+    comm_all_gather(c->g, send, recv, block);
+    c->blocked_s += kiln_now() - t0;
+}
+
 void cp_attach(Cp *c, Model *m) {
     if (m->cp != c->cp || m->cp_rank != c->rank)
         kiln_fail(KILN_EXIT_RUNTIME, "cp_attach: the model is rank %d of cp %d, the group rank %d of %d", m->cp_rank,
@@ -289,7 +296,8 @@ void cp_attach(Cp *c, Model *m) {
     c->m = m;
     if (c->cp == 1) return; /* the model runs the plain attention ops */
     ModelCp ops = {.ctx = c, .attention_forward = hook_forward, .attention_backward = hook_backward,
-                   .broadcast = hook_broadcast, .sum_host = hook_sum_host};
+                   .broadcast = hook_broadcast, .sum_host = hook_sum_host,
+                   .all_gather_f32 = hook_all_gather_f32};
     model_set_cp(m, &ops);
 }
 

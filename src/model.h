@@ -246,6 +246,9 @@ typedef struct ModelCp {
                                const float *lse, const AttnShape *s);
     void (*broadcast)(void *ctx, void *buf, size_t n, int root);
     void (*sum_host)(void *ctx, double *x, size_t n);
+    /* send: block fp32 (device); recv: (cp, block), rank i's at i block (in
+     * place when send == recv + rank block): fp8's amaxes (model_fp8.c) */
+    void (*all_gather_f32)(void *ctx, const float *send, float *recv, size_t block);
 } ModelCp;
 /* Global chunk index of local chunk c (0, 1) on cp rank `rank` of cp. */
 static inline int model_cp_chunk(int cp, int rank, int c) { return c ? 2 * cp - 1 - rank : rank; }
@@ -413,7 +416,7 @@ typedef struct Model {
     float *fp8_amax;    /* device (tp, fp8_amax_n): one product operand's amaxes, every tp rank's */
     float *fp8_inv;     /* device (4): the real fp8 product's inverse scales (x, w; dout, w^T) */
     size_t fp8_amax_n;  /* the most amaxes of one operand: max(N, widths) */
-    float *fp8_hist;    /* device (fp8_slots, MM_OPERANDS, history, tp) amax histories; NULL: current scaling */
+    float *fp8_hist;    /* device (fp8_slots, MM_OPERANDS, history, cp, tp) amax histories; NULL: current scaling */
     int64_t *fp8_count; /* (fp8_slots, MM_OPERANDS) host: casts so far of each operand (its history row) */
     int fp8_slots;      /* products with histories: n_layer (MM_KINDS + 2 E) + 1 (the head) */
     int fp8_local_amax; /* test hook KILN_TEST_FP8_LOCAL_AMAX: no tp reduction of amaxes (wrong on purpose) */
@@ -640,6 +643,15 @@ void model_fp8_check(Model *m);
 /* model_plan_slots: the operand buffers for N rows; model_free: their release. */
 void model_fp8_plan(Model *m, int N);
 void model_fp8_free(Model *m);
+/* Delayed scaling's state (precision.fp8_amax_history > 0, else 0 and
+ * nothing): the histories, (fp8_slots, MM_OPERANDS, history, cp, tp) fp32,
+ * and the cast counts, (fp8_slots, MM_OPERANDS) int64: how many of each.
+ * get copies them to host buffers of those sizes, set back (state.c: the
+ * checkpoint's "fp8.amax_history" and "fp8.amax_count"). */
+size_t model_fp8_history_len(const Model *m);
+size_t model_fp8_count_len(const Model *m);
+void model_fp8_history_get(const Model *m, float *hist, int64_t *count);
+void model_fp8_history_set(Model *m, const float *hist, const int64_t *count);
 /* out (N,OC) = inp (N,C) @ w (OC,C)^T + bias, and its backward, as
  * backend.h's matmul_forward / matmul_backward, for product `kind` of layer
  * l (expert e, else -1; the head: l -1, MM_HEAD): with fp8 on, the operands

@@ -121,11 +121,11 @@ void model_fp8_plan(Model *m, int N) {
     m->fp8_qd = m->be->alloc(d * m->act_bytes);
     m->fp8_amax_n = n;
     m->fp8_local_amax = getenv("KILN_TEST_FP8_LOCAL_AMAX") != NULL;
-    m->fp8_amax = m->be->alloc((size_t)m->tp * n * sizeof(float));
+    m->fp8_amax = m->be->alloc((size_t)m->tp * m->cp * n * sizeof(float));
     m->fp8_inv = m->be->alloc(4 * sizeof(float));
     size_t h = (size_t)m->fp8_slots * MM_OPERANDS;
     if (m->fp8.history > 0) {
-        m->fp8_hist = m->be->alloc(h * m->fp8.history * m->tp * sizeof(float));
+        m->fp8_hist = m->be->alloc(h * m->fp8.history * m->tp * m->cp * sizeof(float));
         m->fp8_count = xcalloc(h, sizeof(int64_t));
     }
 }
@@ -141,33 +141,83 @@ void model_fp8_free(Model *m) {
     m->fp8_count = NULL;
 }
 
-/* dst (rows, cols) act = src quantised to fmt with scales along axis.
- * rsplit, csplit: tp splits the matrix's rows, columns, so an amax whose
- * range covers a split dimension is the max over the tp ranks (gathered, and
- * the cast takes the max of the rows). With a history the operand's amax
- * takes the next row of its (history, tp) ring, and the scale comes from the
- * max of the whole ring, this cast's amax included. */
-static const void *fp8_cast(Model *m, void *dst, const void *src, int rows, int cols, int axis, int fmt, int rsplit,
-                            int csplit, int slot, int operand) {
-    const Backend *be = m->be;
-    int n = fp8_amax_len(rows, cols, axis);
-    int gather = axis == FP8_AXIS_TENSOR ? rsplit || csplit : axis == FP8_AXIS_ROW ? csplit : rsplit;
-    /* test hook (docs/metrics.md): the known bug, each rank scaling by its own
-     * part's amax, so that t_fp8.sh shows its tp check can fail */
-    if (m->fp8_local_amax) gather = 0;
-    int G = gather ? m->tp : 1, g = gather ? m->tp_rank : 0, P = G;
+/* Whether operand `operand` of product `kind` has the micro-batch's token
+ * rows, which context parallelism splits over the cp ranks (each holds two
+ * chunks of every sequence): the activations and output gradients, not the
+ * weights (replicated over cp), and not a routed expert's rows (a rank calls
+ * an expert's product only when it has rows for it, so no collective can
+ * run there: an expert's amax is of this rank's rows, as under dp). */
+static int mm_token_rows(const Model *m, int kind, int operand) {
+    if (m->cp <= 1 || kind == MM_EXPERT_GATE || kind == MM_EXPERT_DOWN) return 0;
+    return operand == MM_X || operand == MM_XB || operand == MM_D;
+}
+
+/* The amax scratch of one cast: G tp x Gc cp blocks of n, this rank's at
+ * (cp_rank G + tp_rank) n; with a history the operand's ring of (history,
+ * Gc, G) blocks, this cast's row the next. *P gets the blocks the cast
+ * takes the max of. Then fills this rank's block (the backend's amax) and
+ * gathers over tp, then over cp (as one block of G n). */
+static float *fp8_amax_ring(Model *m, const void *src, int rows, int cols, int axis, int n, int G, int Gc, int slot,
+                            int operand, int *P) {
+    int g = G > 1 ? m->tp_rank : 0, gc = Gc > 1 ? m->cp_rank : 0;
     float *ring = m->fp8_amax, *row = ring;
+    *P = G * Gc;
     if (m->fp8_hist) { /* tensorwise: n = 1 */
         int H = m->fp8.history;
         size_t k = (size_t)slot * MM_OPERANDS + operand;
-        ring = m->fp8_hist + k * H * m->tp;
-        row = ring + (size_t)(m->fp8_count[k] % H) * G;
+        ring = m->fp8_hist + k * H * m->tp * m->cp;
+        row = ring + (size_t)(m->fp8_count[k] % H) * G * Gc;
         m->fp8_count[k]++;
-        P = H * G;
+        *P = H * G * Gc;
     }
-    be->fp8_amax(row + (size_t)g * n, src, rows, cols, axis);
-    if (G > 1) m->tpc.all_gather_f32(m->tpc.ctx, row + (size_t)g * n, row, (size_t)n);
-    be->fp8_qdq(dst, src, ring, P, rows, cols, axis, fmt, m->fp8.pow2);
+    float *mine = row + ((size_t)gc * G + g) * n, *tpb = row + (size_t)gc * G * n;
+    m->be->fp8_amax(mine, src, rows, cols, axis);
+    if (G > 1) m->tpc.all_gather_f32(m->tpc.ctx, mine, tpb, (size_t)n);
+    if (Gc > 1) m->cpc.all_gather_f32(m->cpc.ctx, tpb, row, (size_t)G * n);
+    return ring;
+}
+
+size_t model_fp8_history_len(const Model *m) {
+    return m->fp8_hist ? (size_t)m->fp8_slots * MM_OPERANDS * m->fp8.history * m->tp * m->cp : 0;
+}
+size_t model_fp8_count_len(const Model *m) { return m->fp8_hist ? (size_t)m->fp8_slots * MM_OPERANDS : 0; }
+
+void model_fp8_history_get(const Model *m, float *hist, int64_t *count) {
+    size_t n = model_fp8_history_len(m);
+    if (!n) return;
+    if (m->be->host_mem) memcpy(hist, m->fp8_hist, n * sizeof(float));
+    else m->be->to_host(hist, m->fp8_hist, n * sizeof(float));
+    memcpy(count, m->fp8_count, model_fp8_count_len(m) * sizeof(int64_t));
+}
+
+void model_fp8_history_set(Model *m, const float *hist, const int64_t *count) {
+    size_t n = model_fp8_history_len(m);
+    if (!n) return;
+    if (m->be->host_mem) memcpy(m->fp8_hist, hist, n * sizeof(float));
+    else m->be->to_device(m->fp8_hist, hist, n * sizeof(float));
+    memcpy(m->fp8_count, count, model_fp8_count_len(m) * sizeof(int64_t));
+}
+
+/* dst (rows, cols) act = src quantised to fmt with scales along axis.
+ * rsplit, csplit: tp splits the matrix's rows, columns, so an amax whose
+ * range covers a split dimension is the max over the tp ranks (gathered, and
+ * the cast takes the max of the rows); an amax over a token-row operand's
+ * rows (tensorwise, or per column) is the max over the cp ranks too. With a
+ * history the operand's amax takes the next row of its (history, cp, tp)
+ * ring, and the scale comes from the max of the whole ring, this cast's
+ * amax included. */
+static const void *fp8_cast(Model *m, void *dst, const void *src, int rows, int cols, int axis, int fmt, int rsplit,
+                            int csplit, int kind, int slot, int operand) {
+    int n = fp8_amax_len(rows, cols, axis);
+    int gather = axis == FP8_AXIS_TENSOR ? rsplit || csplit : axis == FP8_AXIS_ROW ? csplit : rsplit;
+    int cgather = axis != FP8_AXIS_ROW && mm_token_rows(m, kind, operand);
+    /* test hook (docs/metrics.md): the known bug, each rank scaling by its own
+     * part's amax, so that t_fp8.sh shows its tp and cp checks can fail */
+    if (m->fp8_local_amax) gather = cgather = 0;
+    int P;
+    const float *ring = fp8_amax_ring(m, src, rows, cols, axis, n, gather ? m->tp : 1, cgather ? m->cp : 1, slot,
+                                      operand, &P);
+    m->be->fp8_qdq(dst, src, ring, P, rows, cols, axis, fmt, m->fp8.pow2);
     return dst;
 }
 
@@ -181,21 +231,11 @@ static int mm_real(const Model *m, int N) {
 
 /* As fp8_cast above, into codes: q (rows, cols) or transposed; inv (1) = 1 / scale. */
 static void fp8_cast_codes(Model *m, uint8_t *q, float *inv, const void *src, int rows, int cols, int fmt, int split,
-                           int slot, int operand, int transpose) {
-    const Backend *be = m->be;
-    int G = split && !m->fp8_local_amax ? m->tp : 1, g = G > 1 ? m->tp_rank : 0, P = G;
-    float *ring = m->fp8_amax, *row = ring;
-    if (m->fp8_hist) {
-        int H = m->fp8.history;
-        size_t k = (size_t)slot * MM_OPERANDS + operand;
-        ring = m->fp8_hist + k * H * m->tp;
-        row = ring + (size_t)(m->fp8_count[k] % H) * G;
-        m->fp8_count[k]++;
-        P = H * G;
-    }
-    be->fp8_amax(row + g, src, rows, cols, FP8_AXIS_TENSOR);
-    if (G > 1) m->tpc.all_gather_f32(m->tpc.ctx, row + g, row, 1);
-    be->fp8_cast(q, inv, src, ring, P, rows, cols, fmt, m->fp8.pow2, transpose);
+                           int kind, int slot, int operand, int transpose) {
+    int G = split && !m->fp8_local_amax ? m->tp : 1;
+    int Gc = mm_token_rows(m, kind, operand) && !m->fp8_local_amax ? m->cp : 1, P;
+    const float *ring = fp8_amax_ring(m, src, rows, cols, FP8_AXIS_TENSOR, 1, G, Gc, slot, operand, &P);
+    m->be->fp8_cast(q, inv, src, ring, P, rows, cols, fmt, m->fp8.pow2, transpose);
 }
 
 void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *inp, const void *w, const void *bias,
@@ -206,14 +246,14 @@ void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *i
     }
     int split = mm_split(m, kind), slot = mm_history_slot(m, l, kind, e);
     if (mm_real(m, N)) {
-        fp8_cast_codes(m, m->fp8_qx, m->fp8_inv, inp, N, C, FP8_E4M3, split == SPLIT_IN, slot, MM_X, 0);
-        fp8_cast_codes(m, m->fp8_qw, m->fp8_inv + 1, w, OC, C, FP8_E4M3, split != SPLIT_NONE, slot, MM_W, 0);
+        fp8_cast_codes(m, m->fp8_qx, m->fp8_inv, inp, N, C, FP8_E4M3, split == SPLIT_IN, kind, slot, MM_X, 0);
+        fp8_cast_codes(m, m->fp8_qw, m->fp8_inv + 1, w, OC, C, FP8_E4M3, split != SPLIT_NONE, kind, slot, MM_W, 0);
         m->be->fp8_matmul(out, m->fp8_qw, m->fp8_qx, m->fp8_inv + 1, m->fp8_inv, FP8_E4M3, FP8_E4M3, bias, N, C, OC);
         return;
     }
     int axis = m->fp8.mode == FP8_ROWWISE ? FP8_AXIS_ROW : FP8_AXIS_TENSOR; /* both along C, the contraction */
-    const void *qx = fp8_cast(m, m->fp8_qx, inp, N, C, axis, FP8_E4M3, 0, split == SPLIT_IN, slot, MM_X);
-    const void *qw = fp8_cast(m, m->fp8_qw, w, OC, C, axis, FP8_E4M3, split == SPLIT_OUT, split == SPLIT_IN, slot,
+    const void *qx = fp8_cast(m, m->fp8_qx, inp, N, C, axis, FP8_E4M3, 0, split == SPLIT_IN, kind, slot, MM_X);
+    const void *qw = fp8_cast(m, m->fp8_qw, w, OC, C, axis, FP8_E4M3, split == SPLIT_OUT, split == SPLIT_IN, kind, slot,
                               MM_W);
     m->be->matmul_forward(out, qx, qw, bias, N, C, OC);
 }
@@ -234,15 +274,15 @@ void model_mm_backward(Model *m, int l, int kind, int e, void *dinp, float *dw, 
     const void *qd = NULL;
     if (dinp && mm_real(m, N) && !m->fp8.wgrad) {
         /* dinp (N,C) = dout (N,OC) @ w: TN with a = w^T (C, OC), b = dout (N, OC) */
-        fp8_cast_codes(m, m->fp8_qd, m->fp8_inv + 2, dout, N, OC, g, out_s, slot, MM_D, 0);
-        fp8_cast_codes(m, m->fp8_qw, m->fp8_inv + 3, w, OC, C, FP8_E4M3, split != SPLIT_NONE, slot, MM_WB, 1);
+        fp8_cast_codes(m, m->fp8_qd, m->fp8_inv + 2, dout, N, OC, g, out_s, kind, slot, MM_D, 0);
+        fp8_cast_codes(m, m->fp8_qw, m->fp8_inv + 3, w, OC, C, FP8_E4M3, split != SPLIT_NONE, kind, slot, MM_WB, 1);
         be->fp8_matmul(dinp, m->fp8_qw, m->fp8_qd, m->fp8_inv + 3, m->fp8_inv + 2, FP8_E4M3, g, NULL, N, OC, C);
         dinp = NULL;
     }
     if (dinp) {
-        qd = fp8_cast(m, m->fp8_qd, dout, N, OC, rowwise ? FP8_AXIS_ROW : FP8_AXIS_TENSOR, g, 0, out_s, slot, MM_D);
+        qd = fp8_cast(m, m->fp8_qd, dout, N, OC, rowwise ? FP8_AXIS_ROW : FP8_AXIS_TENSOR, g, 0, out_s, kind, slot, MM_D);
         const void *qw = fp8_cast(m, m->fp8_qw, w, OC, C, rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR, FP8_E4M3, out_s,
-                                  in_s, slot, MM_WB);
+                                  in_s, kind, slot, MM_WB);
         be->matmul_backward(dinp, NULL, NULL, qd, NULL, qw, N, C, OC, accumulate);
     }
     if (!dw && !dbias) return;
@@ -253,9 +293,9 @@ void model_mm_backward(Model *m, int l, int kind, int e, void *dinp, float *dw, 
     /* tensorwise: the dinp cast's dout serves; rowwise (or a split
      * backward's weight part): dout cast along its columns */
     if (rowwise || !qd)
-        qd = fp8_cast(m, m->fp8_qd, dout, N, OC, rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR, g, 0, out_s, slot, MM_D);
+        qd = fp8_cast(m, m->fp8_qd, dout, N, OC, rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR, g, 0, out_s, kind, slot, MM_D);
     const void *qx = fp8_cast(m, m->fp8_qx, inp, N, C, rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR, FP8_E4M3, 0, in_s,
-                              slot, MM_XB);
+                              kind, slot, MM_XB);
     be->matmul_backward(NULL, dw, NULL, qd, qx, w, N, C, OC, accumulate);
     if (dbias) be->matmul_backward(NULL, NULL, dbias, dout, inp, w, N, C, OC, accumulate);
 }

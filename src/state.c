@@ -3,7 +3,8 @@
  * AdamW moments as "optim.m/<name>" and "optim.v/<name>" (Lion: its m alone), and blobs
  * "optim.step", "train.step", "train.tokens", "train.elapsed_s",
  * "data.train.pos", "data.train.state", "rng.train" (rank 0; rank r > 0: "rng.train/rank<r>"),
- * "config.yaml". docs/formats.md.
+ * with fp8 delayed scaling "fp8.amax_history" and "fp8.amax_count" (per rank
+ * the same way: see state_fp8_resume), "config.yaml". docs/formats.md.
  *
  * Several ranks: each dp rank writes its own share of the parameters and
  * the optimizer state, cut at tensor boundaries into per-tensor ranges: the
@@ -349,6 +350,36 @@ static int state_agree(void *ctx, int failed) {
 }
 static void state_bcast(void *ctx, void *buf, size_t n) { comm_broadcast_bytes(ctx, buf, n, 0); }
 
+/* fp8 delayed scaling's histories and cast counts: each rank writes its own
+ * (rank 0 "fp8.amax_history", rank r "fp8.amax_history/rank<r>", as the
+ * RNG): the weights' are the same on every rank but the activations' differ
+ * over dp (and a routed expert's over cp), and all of them are a few floats
+ * per product. A resume in the same layout loads this rank's, so the run
+ * continues bit-identically; in another layout (or from a checkpoint without
+ * them, or of another history length) they start fresh, with one warning:
+ * their rows belong to the ranks and groups that wrote them. */
+static void state_fp8_resume(RunState *s, const char *path, char names[2][CKPT_NAME], size_t n, size_t k) {
+    char err[1400] = "", why[1600] = "";
+    size_t hl = 0, cl = 0;
+    void *h = NULL, *cnt = NULL;
+    if (s->resharded) {
+        snprintf(why, sizeof why, "the layout changed across the resume");
+    } else {
+        h = ckpt_read_blob(path, names[0], &hl, err, sizeof err);
+        cnt = h ? ckpt_read_blob(path, names[1], &cl, err, sizeof err) : NULL;
+        if (!h || !cnt) snprintf(why, sizeof why, "the checkpoint has none: %s", err);
+        else if (hl != n * sizeof(float) || cl != k * sizeof(int64_t))
+            snprintf(why, sizeof why, "the checkpoint's are of another length (%zu floats, this run's %zu: another "
+                     "precision.fp8_amax_history or model)", hl / sizeof(float), n);
+    }
+    if (!why[0]) model_fp8_history_set(s->m, h, cnt);
+    else if (s->mesh.rank == 0)
+        kiln_warn("%s: key 'precision.fp8_amax_history': the fp8 delayed-scaling histories start fresh (%s); the "
+                  "resumed run is not bit-identical to an uninterrupted one", path, why);
+    free(h);
+    free(cnt);
+}
+
 int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *resume, int force, const char *commit,
                Model *m, AdamW *o, DataLoader *train) {
     memset(s, 0, sizeof *s);
@@ -442,6 +473,16 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
         ckpt_add_blob(w, "data.train.state", CKPT_U64, s->data_words, 0, s->data_state);
     }
     ckpt_add_blob(w, rng_name, CKPT_U64, 4, 0, s->rng.s);
+    char fp8_names[2][CKPT_NAME];
+    size_t fp8_n = model_fp8_history_len(m), fp8_k = model_fp8_count_len(m);
+    if (fp8_n) {
+        snprintf(fp8_names[0], CKPT_NAME, rank == 0 ? "fp8.amax_history" : "fp8.amax_history/rank%d", rank);
+        snprintf(fp8_names[1], CKPT_NAME, rank == 0 ? "fp8.amax_count" : "fp8.amax_count/rank%d", rank);
+        s->fp8_hist = xcalloc(fp8_n, sizeof(float));
+        s->fp8_count = xcalloc(fp8_k, sizeof(int64_t));
+        ckpt_add_blob(w, fp8_names[0], CKPT_F32, fp8_n, 0, s->fp8_hist);
+        ckpt_add_blob(w, fp8_names[1], CKPT_I64, fp8_k, 0, s->fp8_count);
+    }
     if (s->mesh.tp_rank > 0) drop_replicated(w);
     int wte = model_tensor_index(m, -1, ROLE_TOK_EMB, -1);
     if (s->mesh.pp > 1 && s->mesh.pp_rank == s->mesh.pp - 1 && m->shape.tie_embeddings && wte >= 0)
@@ -512,6 +553,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
             s->resharded = info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp ||
                                                    saved_tp != s->mesh.tp || saved_pp != pp || saved_ep != ep);
             s->resumed_mesh = info.mesh;
+            if (fp8_n) state_fp8_resume(s, path, fp8_names, fp8_n, fp8_k);
             kiln_strlcpy(s->resumed_path, path, sizeof s->resumed_path);
             if (s->resharded)
                 snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (pp %d x dp %d x tp %d, ep %d) to "
@@ -581,6 +623,7 @@ static void state_save(RunState *s) {
     s->data_pos[0] = pos.epoch, s->data_pos[1] = pos.index;
     data_get_state(s->train, s->data_state);
     s->elapsed_s = s->elapsed_base + (kiln_now() - s->t_start);
+    if (s->fp8_hist) model_fp8_history_get(s->m, s->fp8_hist, s->fp8_count);
     CkptMeta meta = {s->step, s->c->hash, KILN_VERSION, s->commit,
                      {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1,
                       s->mesh.tp > 0 ? s->mesh.tp : 1, s->mesh.pp > 0 ? s->mesh.pp : 1, 1,
@@ -640,5 +683,7 @@ void state_close(RunState *s) {
     ckpt_table_free(&s->save_table);
     free(s->config_text);
     free(s->data_state);
+    free(s->fp8_hist);
+    free(s->fp8_count);
     memset(s, 0, sizeof *s);
 }

@@ -63,6 +63,8 @@ typedef struct RunState {
     uint64_t *data_state; /* (data_words) "data.train.state": the loader's whole position (data.h) */
     size_t data_words;
     Rng rng;              /* "rng.train" (rank 0), "rng.train/rankN": the loop's own stream (see state.c) */
+    float *fp8_hist;      /* (model_fp8_history_len) "fp8.amax_history[/rankN]": delayed scaling's */
+    int64_t *fp8_count;   /* (model_fp8_count_len) "fp8.amax_count[/rankN]": histories, NULL without */
     char resumed_msg[1600]; /* "resumed from ..." for the caller to print, "" if fresh */
     char resumed_path[1200]; /* the checkpoint resumed from, "" if fresh (summary.json) */
     CkptMesh resumed_mesh;   /* the layout that wrote it (0s where the manifest does not say) */
