@@ -469,6 +469,21 @@ int model_tp_boxes(const Model *m, int i, ModelBox box[MODEL_MAX_BOXES]) {
     return n;
 }
 
+/* This rank's tensor-parallel boxes of table tensor p (model tensor idx),
+ * drawn whole into `whole`, copied into its place in the host arena; `whole`
+ * is cleared for the next tensor. */
+static void take_boxes(const Model *m, int idx, const ArchTensor *p, float *host, float *whole) {
+    ModelBox bx[MODEL_MAX_BOXES];
+    int nb = model_tp_boxes(m, idx, bx);
+    size_t g1 = p->ndim == 2 ? (size_t)p->shape[1] : 1;
+    float *dst = host + m->params[idx].offset;
+    for (int k = 0; k < nb; k++)
+        for (size_t r = bx[k].r0; r < bx[k].r1; r++)
+            memcpy(dst + bx[k].at + (r - bx[k].r0) * (bx[k].c1 - bx[k].c0), whole + r * g1 + bx[k].c0,
+                   (bx[k].c1 - bx[k].c0) * sizeof(float));
+    memset(whole, 0, p->numel * sizeof(float));
+}
+
 void model_init_weights(Model *m, uint64_t seed) {
     /* Drawn on the host in the whole table's listing order from one stream,
      * so the initial weights depend only on the seed and the shape, and a
@@ -507,17 +522,7 @@ void model_init_weights(Model *m, uint64_t seed) {
             }
         }
         /* INIT_ZEROS: biases stay zero */
-        if (own && whole) {
-            ModelBox bx[MODEL_MAX_BOXES];
-            int nb = model_tp_boxes(m, idx, bx);
-            size_t g1 = p->ndim == 2 ? (size_t)p->shape[1] : 1;
-            float *dst = host + m->params[idx].offset;
-            for (int k = 0; k < nb; k++)
-                for (size_t r = bx[k].r0; r < bx[k].r1; r++)
-                    memcpy(dst + bx[k].at + (r - bx[k].r0) * (bx[k].c1 - bx[k].c0), whole + r * g1 + bx[k].c0,
-                           (bx[k].c1 - bx[k].c0) * sizeof(float));
-            memset(whole, 0, p->numel * sizeof(float));
-        }
+        if (own && whole) take_boxes(m, idx, p, host, whole);
     }
     free(whole);
     free(t);
@@ -579,17 +584,7 @@ void model_fill_weights(Model *m, uint64_t seed) {
             init_normal(w, rows * cols, std, seed, i);
         }
         /* INIT_ZEROS: biases stay zero */
-        if (whole) {
-            ModelBox bx[MODEL_MAX_BOXES];
-            int nb = model_tp_boxes(m, idx, bx);
-            size_t g1 = p->ndim == 2 ? (size_t)p->shape[1] : 1;
-            float *dst = host + m->params[idx].offset;
-            for (int k = 0; k < nb; k++)
-                for (size_t r = bx[k].r0; r < bx[k].r1; r++)
-                    memcpy(dst + bx[k].at + (r - bx[k].r0) * (bx[k].c1 - bx[k].c0), whole + r * g1 + bx[k].c0,
-                           (bx[k].c1 - bx[k].c0) * sizeof(float));
-            memset(whole, 0, p->numel * sizeof(float));
-        }
+        if (whole) take_boxes(m, idx, p, host, whole);
     }
     free(whole);
     free(t);
