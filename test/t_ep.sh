@@ -64,6 +64,7 @@ MOE="$MOE --set model.moe.z_loss_coef=0.001"
 # as t_muon.sh's and t_adafactor.sh's
 MUON="$MOE --set optim.name=muon --set optim.lr=0.02 --set schedule.kind=constant"
 ADAF="$MOE --set optim.name=adafactor --set optim.lr=0.01 --set schedule.kind=constant"
+LION="$MOE --set optim.name=lion --set optim.lr=0.0003 --set schedule.kind=constant"
 # one expert per ep rank over 3 layers: 9 equal expert tensors, so ZeRO-1's
 # two EDP blocks cut the fifth in half (with 12 every tensor stays whole in
 # one block, and a sum left out of the EDP reduction would go unseen)
@@ -109,7 +110,7 @@ equiv() {
 }
 
 MOE4="$MOE --set model.n_layer=4"
-for model in MOE FREE MOE4 MUON ADAF MUON_CUT ADAF_CUT; do
+for model in MOE FREE MOE4 MUON ADAF MUON_CUT ADAF_CUT LION; do
     ./train $Y $S ${!model} --set run.dir=$T/ref_$model >$T/ref_$model.txt 2>&1 \
         || fail ep_reference_$model "$(tail -n 3 $T/ref_$model.txt)"
 done
@@ -231,6 +232,11 @@ equiv muon_pp2_ep2_zero1 MUON 4 2 1 1 $PP=1f1b
 equiv adafactor_pp2_ep2_zero1 ADAF 4 2 1 1 $PP=zb_h1
 state_close muon_pp2_ep2_zero1 MUON
 state_close adafactor_pp2_ep2_zero1 ADAF
+# Lion (sign of the interpolated momentum, one state buffer) through the
+# ZeRO-1 segments over dp and EDP: measured parameters equal to one rank's
+# (a sign is robust to the sums' reassociation), momentum within 5e-10
+equiv lion_ep2_dp2_zero1 LION 4 2 1 1
+state_close lion_ep2_dp2_zero1 LION
 # resharded: ep 2 x dp 2 ZeRO 1 for 3 steps -> one rank to 6, and one rank
 # for 3 -> ep 2 x dp 2 ZeRO 1 to 6, against six steps on one rank
 for opt in MUON ADAF; do
