@@ -484,6 +484,25 @@ static void take_boxes(const Model *m, int idx, const ArchTensor *p, float *host
     memset(whole, 0, p->numel * sizeof(float));
 }
 
+/* tp > 1: a buffer for the largest global tensor of table t (each drawn
+ * whole there, then take_boxes); NULL without tp. */
+static float *tp_whole(const Model *m, const ArchTensor *t, int all) {
+    if (m->tp <= 1) return NULL;
+    size_t most = 0;
+    for (int i = 0; i < all; i++) most = t[i].numel > most ? t[i].numel : most;
+    return xcalloc(most, sizeof(float));
+}
+
+/* A normally drawn tensor's std (0.02, scaled by resid_scale for the
+ * residual projections) and how many of its leading elements are drawn:
+ * the padded vocabulary rows stay zero, since no token maps to them. */
+static size_t normal_extent(const Model *m, const ArchTensor *p, float resid_scale, float *std) {
+    *std = p->init == INIT_NORMAL_RESID ? 0.02f * resid_scale : 0.02f;
+    size_t rows = (size_t)p->shape[0];
+    if (p->role == ROLE_TOK_EMB || p->role == ROLE_HEAD_W) rows = (size_t)m->gshape.vocab_size;
+    return rows * (p->ndim == 2 ? (size_t)p->shape[1] : 1);
+}
+
 void model_init_weights(Model *m, uint64_t seed) {
     /* Drawn on the host in the whole table's listing order from one stream,
      * so the initial weights depend only on the seed and the shape, and a
@@ -495,12 +514,7 @@ void model_init_weights(Model *m, uint64_t seed) {
     float resid_scale = 1.0f / sqrtf(2.0f * (float)m->shape.n_layer);
     int all, mine = 0;
     ArchTensor *t = arch_tensors(&m->gshape, 0, &all);
-    float *whole = NULL; /* tp: the global tensor, drawn whole, of which this rank keeps its boxes */
-    if (m->tp > 1) {
-        size_t most = 0;
-        for (int i = 0; i < all; i++) most = t[i].numel > most ? t[i].numel : most;
-        whole = xcalloc(most, sizeof(float));
-    }
+    float *whole = tp_whole(m, t, all); /* tp: the global tensor, drawn whole, of which this rank keeps its boxes */
     for (int i = 0; i < all; i++) {
         const ArchTensor *p = &t[i];
         int idx = mine;
@@ -510,13 +524,9 @@ void model_init_weights(Model *m, uint64_t seed) {
         if (p->init == INIT_ONES) {
             for (size_t j = 0; own && j < p->numel; j++) w[j] = 1.0f;
         } else if (p->init == INIT_NORMAL || p->init == INIT_NORMAL_RESID) {
-            float std = 0.02f;
-            if (p->init == INIT_NORMAL_RESID) std *= resid_scale;
-            size_t rows = (size_t)p->shape[0];
-            /* The padded vocabulary rows stay zero: no token maps to them. */
-            if (p->role == ROLE_TOK_EMB || p->role == ROLE_HEAD_W) rows = (size_t)m->gshape.vocab_size;
-            size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
-            for (size_t j = 0; j < rows * cols; j++) {
+            float std;
+            size_t n = normal_extent(m, p, resid_scale, &std);
+            for (size_t j = 0; j < n; j++) {
                 float x = std * rng_normal(&rng);
                 if (own) w[j] = x;
             }
@@ -561,12 +571,7 @@ void model_fill_weights(Model *m, uint64_t seed) {
     float resid_scale = 1.0f / sqrtf(2.0f * (float)m->shape.n_layer);
     int all, mine = 0;
     ArchTensor *t = arch_tensors(&m->gshape, 0, &all);
-    float *whole = NULL; /* tp: the global tensor, drawn whole, of which this rank keeps its boxes */
-    if (m->tp > 1) {
-        size_t most = 0;
-        for (int i = 0; i < all; i++) most = t[i].numel > most ? t[i].numel : most;
-        whole = xcalloc(most, sizeof(float));
-    }
+    float *whole = tp_whole(m, t, all); /* tp: the global tensor, drawn whole, of which this rank keeps its boxes */
     for (int i = 0; i < all && mine < m->num_tensors; i++) {
         const ArchTensor *p = &t[i];
         if (strcmp(m->params[mine].name, p->name)) continue; /* another stage's tensor */
@@ -575,13 +580,9 @@ void model_fill_weights(Model *m, uint64_t seed) {
         if (p->init == INIT_ONES) {
             for (size_t j = 0; j < p->numel; j++) w[j] = 1.0f;
         } else if (p->init == INIT_NORMAL || p->init == INIT_NORMAL_RESID) {
-            float std = 0.02f;
-            if (p->init == INIT_NORMAL_RESID) std *= resid_scale;
-            size_t rows = (size_t)p->shape[0];
-            /* The padded vocabulary rows stay zero: no token maps to them. */
-            if (p->role == ROLE_TOK_EMB || p->role == ROLE_HEAD_W) rows = (size_t)m->gshape.vocab_size;
-            size_t cols = p->ndim == 2 ? (size_t)p->shape[1] : 1;
-            init_normal(w, rows * cols, std, seed, i);
+            float std;
+            size_t n = normal_extent(m, p, resid_scale, &std);
+            init_normal(w, n, std, seed, i);
         }
         /* INIT_ZEROS: biases stay zero */
         if (whole) take_boxes(m, idx, p, host, whole);
