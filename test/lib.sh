@@ -3,6 +3,9 @@
 # directory).
 ok() { echo "ok $1"; }
 fail() { echo "FAIL $1: $2"; }
+# The Python that has numpy: Debian's, whose python3-numpy `make deps`
+# installs. `python3` on PATH may be another interpreter (pyenv) without it.
+NPY=/usr/bin/python3
 skip() { echo "skip $1: $2"; }
 # expect NAME CODE PATTERN -- CMD...: exit code and a line of output matching PATTERN
 expect() {

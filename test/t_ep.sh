@@ -176,7 +176,7 @@ grep -q 'micro-batch in flight (2 such sets' $D.txt && ok ep_pp_start_up_line \
 # (relative ~1: half a tensor's sums, or another expert's), so 1e-4.
 state_close() { # NAME MODEL
     local why
-    why=$(python3 test/ckpt_update.py --state $T/ref_$2/checkpoints/step_00000006 $T/$1/checkpoints/step_00000006 \
+    why=$($NPY test/ckpt_update.py --state $T/ref_$2/checkpoints/step_00000006 $T/$1/checkpoints/step_00000006 \
         --tol 1e-4 2>&1) && ok ep_state_$1 || fail ep_state_$1 "$why"
     echo "# $1: $why"
 }
@@ -197,7 +197,7 @@ equiv_update() { # NAME MODEL NP EP TP ZERO
     why=$(close_losses $T/ref_$model/metrics.jsonl $D/metrics.jsonl 2>&1)
     moe=$(moe_same $T/ref_$model/metrics.jsonl $D/metrics.jsonl 2>&1)
     local urc=1
-    upd=$(python3 test/ckpt_update.py $T/start_$model/checkpoints/step_00000001 $T/ref_$model/checkpoints/step_00000006 \
+    upd=$($NPY test/ckpt_update.py $T/start_$model/checkpoints/step_00000001 $T/ref_$model/checkpoints/step_00000006 \
         $D/checkpoints/step_00000006 --tol 1e-4 2>&1) && urc=0
     if [ $rc -eq 0 ] && [ $urc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ]; then ok ep_equiv_$name
     else fail ep_equiv_$name "rc $rc: $why $moe $upd $(grep -m2 error $D.txt)"; fi

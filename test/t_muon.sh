@@ -71,7 +71,7 @@ for n in 2 4; do
         else fail muon_dp_equiv_zero${z}_np$n "rc $rc: $why $diff $(grep -m2 -i error $D.txt)"; fi
         timeout 120 mpirun --allow-run-as-root --oversubscribe -np $n ./train $Y $M1 --set parallel.zero=$z \
             --set run.dir=$D.u >/dev/null 2>&1
-        upd=$(python3 test/ckpt_update.py $U0 $U1 $D.u/checkpoints/step_00000001 --match 'attn\.c_|mlp\.c_' \
+        upd=$($NPY test/ckpt_update.py $U0 $U1 $D.u/checkpoints/step_00000001 --match 'attn\.c_|mlp\.c_' \
             --tol 1e-5 2>&1) && ok muon_update_zero${z}_np$n || fail muon_update_zero${z}_np$n "$upd"
         echo "# np $n zero $z: $upd"
     done
