@@ -20,6 +20,28 @@ for x, y in zip(a, b):
         sys.exit(1)
 PY
 }
+# route_flip A B: MoE runs (metrics.jsonl A, B) whose expert loads first
+# differ at some step by exactly one token moved between two experts of one
+# layer print that step; else nothing. That is a near tie in the router's
+# top-k, decided the other way by the summation order of another layout (seen
+# on an AVX-512 machine: one of 1,024 routing decisions at step 20 of 20),
+# not a layout bug, which moves many tokens or breaks the losses first.
+route_flip() {
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+for x, y in zip(a, b):
+    la, lb = x.get("moe_load"), y.get("moe_load")
+    if la == lb:
+        continue
+    d = [q - p for ra, rb in zip(la or [], lb or []) for p, q in zip(ra, rb)]
+    moved = [r for r, (ra, rb) in enumerate(zip(la or [], lb or [])) if ra != rb]
+    if len(la or []) == len(lb or []) and len(moved) == 1 and sorted(v for v in d if v) == [-1, 1]:
+        print(x["step"])
+    break
+PY
+}
 # the parameter checksum and whole-state checksum of a checkpoint
 sums() { ./train ckpt-info "$1" 2>/dev/null | grep '^params checksum'; }
 ckpt_setup() {
