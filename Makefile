@@ -52,6 +52,8 @@ BENCH_BIN := $(BUILD)/test/bench_attention $(BUILD)/test/bench_data
 BENCH_BIN += $(BUILD)/test/hf_tool
 # scripts/bench_flight.sh: the flight recorder's and monitor.check_collectives' cost per operation
 BENCH_BIN += $(BUILD)/test/bench_flight
+# docs/benchmarks.md "Start-up: initial weights": the draw before and after, bit for bit
+BENCH_BIN += $(BUILD)/test/bench_init
 
 # ---- CUDA backend (cuda/*.cu) --------------------------------- begin CUDA block
 # Built whenever nvcc is found; CUDA=0 leaves it out, CUDA=1 insists. The CUDA
@@ -239,7 +241,8 @@ SAN_DIR   := build-san
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -static-libubsan \
              -Wno-format-truncation
 SAN_TESTS := test_ckpt test_ckpt_hostile test_comm test_config test_data test_docmask test_flight test_metrics test_model_arch_ref \
-             test_model_ref test_model_stages test_ops test_optim test_safetensors test_straggler test_tokenizer
+             test_model_init test_model_ref test_model_stages test_ops test_optim test_rng test_safetensors test_straggler \
+             test_tokenizer
 ifeq ($(SAN),1)
 CFLAGS  += $(SAN_FLAGS)
 endif

@@ -92,10 +92,8 @@ int bench_run(const Config *c, int steps) {
     model_init(&m, be, &s, &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = master16, .fp8 = fp8});
     m.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     double init_t0 = kiln_now();
-    /* model_init_weights' distributions, drawn per chunk on all threads (1.5B:
-     * ~40 s of one core otherwise); other values than training's, timed: host
-     * draws plus the copy to the device */
-    model_fill_weights(&m, c->seed);
+    /* training's initial values, timed: the host's draw (all threads) plus the copy to the device */
+    model_init_weights(&m, c->seed);
     double init_s = kiln_now() - init_t0;
     model_plan_activations(&m, B, T, model_recompute_parse(c->recompute));
     AdamW opt;

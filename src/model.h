@@ -487,18 +487,15 @@ void model_params_from_host(Model *m, const float *host);
 /* What the optimizer updates: param_mem (fp32) or, with master_bf16, param16. */
 void *model_param_arena(const Model *m);
 
-/* Initialisation by each tensor's ArchInit: N(0, 0.02) weights and
- * embeddings, residual projections (attention output, MLP down) scaled by
- * 1/sqrt(2*n_layer), zero biases, unit norm gains, zero padded rows of the
- * token embedding and head. Drawn in listing order from one stream:
- * deterministic from `seed`, independent of the backend and thread count. */
+/* Initialisation by each tensor's ArchInit (src/model_init.c): N(0, 0.02)
+ * weights and embeddings, residual projections (attention output, MLP down)
+ * scaled by 1/sqrt(2*n_layer), zero biases, unit norm gains, zero padded
+ * rows of the token embedding and head. The values of one stream drawn in
+ * the whole table's listing order: deterministic from `seed`, independent of
+ * the backend, the thread count and the layout (a stage, tp rank or ep rank
+ * holds the whole model's values of its part). Drawn on all threads, each
+ * jumping to its piece of the stream; a rank draws only what it keeps. */
 void model_init_weights(Model *m, uint64_t seed);
-/* The same distributions, drawn fast for `./train bench`: chunk c of table
- * tensor i from the stream (seed, i, c), on all threads (both Box-Muller
- * values kept). Deterministic from `seed`, independent of the backend, the
- * thread count and the layout, but other values than model_init_weights':
- * training keeps those, so runs, references and tolerances are unchanged. */
-void model_fill_weights(Model *m, uint64_t seed);
 
 /* Plan and allocate activations for micro-batches up to B x T (T <= seq_len),
  * keeping or recomputing per `r`. The only activation allocation: forward

@@ -272,9 +272,8 @@ void rng_seed_stream(Rng *r, uint64_t seed, uint64_t a, uint64_t b) {
 
 static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
-uint64_t rng_u64(Rng *r) {
-    uint64_t *s = r->s;
-    uint64_t result = rotl(s[1] * 5, 7) * 9;
+/* xoshiro256's state transition: linear over GF(2), the output aside */
+static inline void rng_step(uint64_t s[4]) {
     uint64_t t = s[1] << 17;
     s[2] ^= s[0];
     s[3] ^= s[1];
@@ -282,7 +281,79 @@ uint64_t rng_u64(Rng *r) {
     s[0] ^= s[3];
     s[2] ^= t;
     s[3] = rotl(s[3], 45);
+}
+
+uint64_t rng_u64(Rng *r) {
+    uint64_t result = rotl(r->s[1] * 5, 7) * 9;
+    rng_step(r->s);
     return result;
+}
+
+/* The transition's characteristic polynomial is x^256 + rng_charpoly (bit b
+ * of word w: the coefficient of x^(64 w + b)): the minimal polynomial of one
+ * state bit's sequence, by Berlekamp-Massey over 512 steps (test_rng derives
+ * it again). The state after n steps is (x^n mod it) evaluated at the
+ * transition, applied to the state (Haramoto et al., "Efficient jump ahead
+ * for F2-linear random number generators", 2008). */
+static const uint64_t rng_charpoly[4] = {0x9d116f2bb0f0f001ULL, 0x0280002bcefd1a5eULL, 0x04b4edcf26259f85ULL,
+                                         0x0003c03c3f3ecb19ULL};
+
+/* a x mod the characteristic polynomial */
+static void rng_poly_mulx(uint64_t a[4]) {
+    uint64_t top = a[3] >> 63;
+    for (int w = 3; w > 0; w--) a[w] = a[w] << 1 | a[w - 1] >> 63;
+    a[0] <<= 1;
+    if (top)
+        for (int w = 0; w < 4; w++) a[w] ^= rng_charpoly[w];
+}
+
+/* the 32 bits of x at the even bit positions of the result */
+static uint64_t rng_spread32(uint64_t x) {
+    x = (x | x << 16) & 0x0000ffff0000ffffULL;
+    x = (x | x << 8) & 0x00ff00ff00ff00ffULL;
+    x = (x | x << 4) & 0x0f0f0f0f0f0f0f0fULL;
+    x = (x | x << 2) & 0x3333333333333333ULL;
+    return (x | x << 1) & 0x5555555555555555ULL;
+}
+
+/* a^2 mod the characteristic polynomial: over GF(2) squaring moves the
+ * coefficient of x^i to x^2i; the upper half hi x^256 comes back as hi
+ * multiplied by x 256 times */
+static void rng_poly_square(uint64_t a[4]) {
+    uint64_t lo[4], hi[4];
+    for (int w = 0; w < 2; w++) {
+        lo[2 * w] = rng_spread32(a[w] & 0xffffffffu), lo[2 * w + 1] = rng_spread32(a[w] >> 32);
+        hi[2 * w] = rng_spread32(a[w + 2] & 0xffffffffu), hi[2 * w + 1] = rng_spread32(a[w + 2] >> 32);
+    }
+    for (int k = 0; k < 256; k++) rng_poly_mulx(hi);
+    for (int w = 0; w < 4; w++) a[w] = lo[w] ^ hi[w];
+}
+
+void rng_jump_make(RngJump *j, uint64_t n) {
+    uint64_t *a = j->poly;
+    a[0] = 1, a[1] = a[2] = a[3] = 0; /* x^0 */
+    int b = 63;
+    while (b >= 0 && !(n >> b & 1)) b--;
+    for (; b >= 0; b--) { /* left to right from n's leading 1: x^n from the bits of n */
+        rng_poly_square(a);
+        if (n >> b & 1) rng_poly_mulx(a);
+    }
+}
+
+void rng_jump_apply(Rng *r, const RngJump *j) {
+    uint64_t acc[4] = {0, 0, 0, 0}, s[4] = {r->s[0], r->s[1], r->s[2], r->s[3]};
+    for (int i = 0; i < 256; i++) {
+        if (j->poly[i / 64] >> (i % 64) & 1)
+            for (int w = 0; w < 4; w++) acc[w] ^= s[w];
+        rng_step(s);
+    }
+    for (int w = 0; w < 4; w++) r->s[w] = acc[w];
+}
+
+void rng_jump(Rng *r, uint64_t n) {
+    RngJump j;
+    rng_jump_make(&j, n);
+    rng_jump_apply(r, &j);
 }
 
 float rng_uniform(Rng *r) { return (float)(rng_u64(r) >> 40) * (1.0f / 16777216.0f); }

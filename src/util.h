@@ -82,6 +82,15 @@ float rng_uniform(Rng *r);          /* [0, 1) with 24 bits */
 double rng_uniform_double(Rng *r);  /* [0, 1) with 53 bits */
 float rng_normal(Rng *r);           /* N(0, 1), Box-Muller in double */
 uint64_t rng_below(Rng *r, uint64_t n); /* uniform in [0, n), unbiased */
+/* Jump ahead: the state n rng_u64 calls later, in O(log n) polynomial
+ * squarings and 256 steps (rng_normal takes two calls). A jump made once is
+ * applied to any state; rng_jump makes and applies one. */
+typedef struct {
+    uint64_t poly[4]; /* x^n mod the generator's characteristic polynomial */
+} RngJump;
+void rng_jump_make(RngJump *j, uint64_t n);
+void rng_jump_apply(Rng *r, const RngJump *j);
+void rng_jump(Rng *r, uint64_t n);
 
 /* FNV-1a 64-bit, for config hashes and cheap fingerprints. */
 uint64_t kiln_fnv1a(const void *data, size_t len, uint64_t h);

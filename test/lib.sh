@@ -56,3 +56,24 @@ PY
 # DIR (summary.json's "resumed": the step it resumed at, the world that wrote
 # the checkpoint, true/false); empty for a fresh start.
 resumed() { jget "$1/summary.json" "'%d %d %s' % (d['resumed']['step'], d['resumed']['from']['world'], str(d['resumed']['resharded']).lower())"; }
+# kill_rank1_paused RUN_DIR STEP MPIRUN_PID: a 2-rank run started with
+# KILN_TEST_PAUSE_AT_STEP=STEP (every rank waits after that step until a
+# signal, so it cannot end first however fast it is): once STEP is in its
+# metrics.jsonl, rank 1 is killed (-9) and, once it is gone, rank 0 gets
+# SIGUSR1 and leaves the pause into the stop agreement's collective with a
+# dead peer. Every wait follows the run (or ends with its launcher's
+# timeout), never a sleep. Prints rank 1's pid (empty if the run ended first).
+kill_rank1_paused() {
+    local dir=$1 step=$2 mp=$3 pid0 pid1
+    while kill -0 "$mp" 2>/dev/null && [ "$(cat "$dir/metrics.jsonl" 2>/dev/null | wc -l)" -lt "$step" ]; do
+        sleep 0.05
+    done
+    kill -0 "$mp" 2>/dev/null || return 0
+    pid0=$(grep -o 'pid [0-9]*' "$dir/log/rank0.txt" 2>/dev/null | head -n 1 | cut -d' ' -f2)
+    pid1=$(grep -o 'pid [0-9]*' "$dir/log/rank1.txt" 2>/dev/null | head -n 1 | cut -d' ' -f2)
+    [ -n "$pid0" ] && [ -n "$pid1" ] || return 0
+    kill -9 "$pid1"
+    while kill -0 "$pid1" 2>/dev/null && kill -0 "$mp" 2>/dev/null; do sleep 0.05; done # reaped by its launcher
+    kill -USR1 "$pid0"
+    echo "$pid1"
+}

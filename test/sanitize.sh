@@ -26,7 +26,7 @@ export LSAN_OPTIONS="suppressions=$PWD/test/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="log_path=$S/logs/ubsan:print_stacktrace=1:halt_on_error=1"
 export KILN_TESTS="${KILN_SAN_TESTS:-test_config test_data test_tokenizer test_ckpt test_ckpt_hostile test_metrics \
 test_safetensors test_optim test_comm test_flight test_straggler test_ops test_model_ref test_model_arch_ref \
-test_model_stages t_train t_hostile t_ckpt_corrupt t_resume t_prepare t_tokenizer_tiktoken t_metrics t_mpi t_ckpt_mpi t_dp}"
+test_model_stages test_model_init test_rng t_train t_hostile t_ckpt_corrupt t_resume t_prepare t_tokenizer_tiktoken t_metrics t_mpi t_ckpt_mpi t_dp}"
 (cd $tree && bash test/run.sh)
 rc=$?
 n=$(ls $S/logs | wc -l)

@@ -40,9 +40,10 @@ KILN_TEST_SKIP_COLLECTIVE=2:3:dp "${MPIRUN[@]}" -np 4 -x KILN_TEST_SKIP_COLLECTI
 rc=$?
 dt=$(echo "$(now) - $t0" | bc)
 seq=$(grep -oE "rank 0: all_reduce #[0-9]+ on group 'dp'" $D.err | grep -oE '#[0-9]+' | tr -d '#')
-# rc 124 would be `timeout` ending a hang; 30 s of slack over the deadline
-# only catches a job that does not end (start-up and the 2 s watch take ~3 s)
-if [ $rc -eq 1 ] && [ -n "$seq" ] && [ "$(echo "$dt < $TO + 30" | bc)" = 1 ]; then
+# exit 1 with rank 0's line is the deadline's end (rc 124 would be `timeout`
+# ending a hang); the time it took is printed, never asserted (a loaded
+# machine may take any time to start 4 ranks)
+if [ $rc -eq 1 ] && [ -n "$seq" ]; then
     ok "flight_skip_ends_at_timeout (exit 1 after $dt s, timeout ${TO} s)"
 else fail flight_skip_ends_at_timeout "exit $rc after $dt s; stderr: $(grep -m3 error $D.err)"; fi
 files=$(ls $D/flight/rank*.json 2>/dev/null | wc -l)

@@ -159,10 +159,11 @@ KILN_TEST_STALL_AT_STEP=4 timeout 60 ./train "$T/small.yaml" --set run.dir="$T/s
 rc=$?
 took=$(python3 -c "import time; print(round(time.time() - $start, 1))")
 # exit 1 is the watchdog's (the outer `timeout 60` would give 124), and its
-# line gives its own measure of the stall (2.x s): the wall time is not
-# asserted (a loaded machine may take any time to start up)
+# line gives its own measure of the stall, at least the 2 s timeout (more
+# when its thread is scheduled late): neither that nor the wall time is
+# bounded above (a loaded machine may take any time)
 if [ $rc -eq 1 ] \
-    && grep -q "watchdog: rank 0 made no progress for 2\.[0-9] s.*phase 'forward' of step 4" "$T/err.txt" \
+    && grep -qE "watchdog: rank 0 made no progress for ([2-9]|[1-9][0-9]+)\.[0-9] s.*phase 'forward' of step 4" "$T/err.txt" \
     && grep -q 'forward .*<- stuck here' "$T/err.txt" && grep -q 'backward' "$T/stall/log/rank0.txt" \
     && grep -q '"stalled":true' "$T/stall/heartbeat/rank0.json"; then
     ok metrics_watchdog_catches_stall

@@ -8,7 +8,7 @@
 # scripts/train.sbatch: 2 tasks on one node and on two nodes (losses = the
 # one-rank run's), then signalled mid-run, requeued (exit 75), resumed and
 # finished. The cluster is always torn down (trap). One line per check; about
-# 40 s.
+# 70 s, 30 of them Slurm's hold of the requeued job.
 set -u
 cd "$(dirname "$0")/.."
 T=${KILN_TEST_TMP:-$(mktemp -d)}/t_slurm
@@ -72,13 +72,16 @@ if grep -q 'rank 0/4 (local 0/2, 2 nodes' "$T/two.err"; then ok slurm_rank_disco
 else fail slurm_rank_discovery_2nodes "$(head -c 300 "$T/two.err")"; fi
 
 # A rank killed under srun: Slurm's pmix plugin cancels the step (~2 s here)
-# and srun names the task; the deadline (3 s) is the backstop.
+# and srun names the task; the deadline (3 s) is the backstop. The step must
+# end by itself (not by the outer `timeout 60`, exit 124) with either line;
+# the time it took is printed, never asserted (a loaded machine may take any
+# time to start the tasks).
 t0=$(date +%s.%N)
 KILN_COMM_TIMEOUT_S=3 KILN_TEST_KILL_RANK=1 timeout 60 srun --mpi=pmix -N 2 -n 4 $BIN >"$T/kill.out" 2>"$T/kill.err"
 rc=$?
 dt=$(echo "$(date +%s.%N) - $t0" | bc)
 echo "srun killed rank: $dt s (exit $rc)" >&2
-if [ $rc -ne 0 ] && [ "$(echo "$dt < 13" | bc)" = 1 ] && grep -qE 'task 1: Killed|rank 1 .*dead' "$T/kill.err"; then
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -qE 'task 1: Killed|rank 1 .*dead' "$T/kill.err"; then
     ok slurm_killed_rank_ends_step
 else fail slurm_killed_rank_ends_step "exit $rc after $dt s: $(head -c 400 "$T/kill.err")"; fi
 
@@ -109,30 +112,42 @@ done
 # Signalled mid-run: scancel --signal=USR1 reaches both tasks, they agree on
 # the step, save and exit 75; the script requeues the job; the rerun resumes
 # from that checkpoint and finishes with the losses of an uninterrupted run on
-# the same 2 ranks, bit for bit.
+# the same 2 ranks, bit for bit. Every wait follows the job's own progress,
+# never a sleep racing it: the ranks wait after step 20 until the signal has
+# come (KILN_TEST_PAUSE_AT_STEP, in the job's environment; the resumed run
+# starts after it), so the signal always lands at step 20 and the rerun has
+# 20 steps to go; the waits follow the metrics file and the job's state, and
+# their limits (10 min) only end a hang.
 t0=$(date +%s.%N)
-L="$S --set train.steps=1500 --set checkpoint.every=0 --set train.eval_every=0 --set schedule.kind=constant"
-timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 ./train $Y $L --set run.dir=$T/sigref >/dev/null 2>&1
-J=$("${SB[@]}" --parsable --nodes=1 --ntasks-per-node=2 -o "$T/sig.out" scripts/train.sbatch $Y $L --set run.dir=$T/sig 2>"$T/sig.err")
-for i in $(seq 300); do [ "$(cat $T/sig/metrics.jsonl 2>/dev/null | wc -l)" -ge 50 ] && break; sleep 0.1; done
-scancel --signal=USR1 "$J"
+L="$S --set train.steps=40 --set checkpoint.every=0 --set train.eval_every=0 --set schedule.kind=constant"
+timeout 600 mpirun --allow-run-as-root --oversubscribe -np 2 ./train $Y $L --set run.dir=$T/sigref >/dev/null 2>&1
+J=$(KILN_TEST_PAUSE_AT_STEP=20 "${SB[@]}" --parsable --nodes=1 --ntasks-per-node=2 -o "$T/sig.out" \
+    scripts/train.sbatch $Y $L --set run.dir=$T/sig 2>"$T/sig.err")
+job_state() { scontrol show job "$J" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
 state=""
-# The requeued job may not start in the second its old credential was
-# revoked (slurmctld: "Killing non-startable batch job: Job credential
-# revoked"), so its start is set 2 s ahead, once, instead of now.
-moved=0
-for i in $(seq 600); do
-    if [ $moved -eq 0 ] && grep -q 'requeueing' "$T/sig.out" 2>/dev/null; then
-        scontrol update JobId="$J" StartTime=now+2 >/dev/null 2>&1 && moved=1
-    fi
-    state=$(scontrol show job "$J" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2)
+for i in $(seq 3000); do
+    [ "$(cat $T/sig/metrics.jsonl 2>/dev/null | wc -l)" -ge 20 ] && break
+    state=$(job_state)
+    [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
+    sleep 0.2
+done
+scancel --signal=USR1 "$J"
+# The requeued job starts when Slurm's own hold ends (AuthInfo cred_expire,
+# 30 s here), which exists so that the new launch's credential postdates the
+# node's revocation of the old one. It is not shortened: when the node
+# revokes is not visible from here, and a launch before it is refused ("Job
+# credential revoked") and ends the job FAILED; a start moved to 2 s after
+# the script printed "requeueing" only narrowed that race.
+for i in $(seq 3000); do
+    state=$(job_state)
     [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
     sleep 0.2
 done
 echo "sbatch signalled + requeued: $(echo "$(date +%s.%N) - $t0" | bc) s ($state)" >&2
 if [ "$state" = COMPLETED ] && grep -q 'exit 75.*requeueing' "$T/sig.out" && grep -q 'restart 1' "$T/sig.out" \
-    && grep -q 'resumed from .*step_' "$T/sig.out" && grep -q 'done: 1500 steps' "$T/sig.out" \
+    && grep -q 'stopped by .* after step 20;' "$T/sig.out" \
+    && grep -q 'resumed from .*step_00000020' "$T/sig.out" && grep -q 'done: 40 steps' "$T/sig.out" \
     && [ "$(losses $T/sigref/metrics.jsonl)" = "$(losses $T/sig/metrics.jsonl)" ]; then
     ok slurm_train_signal_requeue_resume
-else fail slurm_train_signal_requeue_resume "state '$state': $(grep -E 'kiln:|resumed|done|error' "$T/sig.out" | head -8)"; fi
+else fail slurm_train_signal_requeue_resume "state '$state': $(grep -E 'kiln:|stopped|resumed|done|error' "$T/sig.out" | head -8)"; fi
 scancel "$J" >/dev/null 2>&1

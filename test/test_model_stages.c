@@ -11,7 +11,6 @@
  * and that the plan's count of a stage's activations (with cp) is what the
  * model allocates. Never communicates; the copies stand in for a pipeline's send and receive. */
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -39,49 +38,6 @@ static double rel_diff(const float *a, const float *b, size_t n) {
         s = fmax(s, fabs((double)b[i]));
     }
     return s > 0 ? d / s : d;
-}
-
-/* model_fill_weights (bench's fill) draws each chunk of a tensor from its own
- * stream, on all threads: the same bits on 1 thread and on 3 (chunks split
- * unevenly between them), a pipeline stage's tensors those of the whole
- * model, distinct tensors of one init kind draw distinct values, and
- * a large tensor's draws are N(0, 0.02): over n = 2^16 x 3 values the sample
- * std's standard error is 0.02 / sqrt(2n) ~ 3.5e-5 and the mean's 0.02 /
- * sqrt(n) ~ 4.5e-5, so 5e-4 either way is over 10 sigma (a wrong scale or a
- * repeated stream is far outside). */
-static void init_case(void) {
-    ArchSpec s = ARCH_GPT2_SHAPE(2, 2, 384, T, 500); /* c_fc 384 x 1536: 9 chunks of 2^16 */
-    arch_resolve(&s);
-    Model a, b;
-    model_init(&a, &backend_cpu, &s, NULL);
-    model_init(&b, &backend_cpu, &s, NULL);
-    omp_set_num_threads(1);
-    model_fill_weights(&a, 5);
-    omp_set_num_threads(3);
-    model_fill_weights(&b, 5);
-    int same = !memcmp(a.param_mem, b.param_mem, a.num_params * sizeof(float));
-    test_report(same, "fill_threads_same_bits", "1 thread and 3 give different weights");
-    Model st;
-    model_init(&st, &backend_cpu, &s, &(ModelOptions){.layer_lo = 1, .layer_hi = 2});
-    model_fill_weights(&st, 5);
-    int stage_same = 1;
-    for (int i = 0; i < st.num_tensors; i++) {
-        const ParamInfo *p = model_find_param(&a, st.params[i].name);
-        stage_same = stage_same && p && !memcmp(st.pview[i], a.pview[p - a.params], p->numel * sizeof(float));
-    }
-    test_report(stage_same, "fill_stage_same_values", "a stage's tensors differ from the whole model's");
-    model_free(&st);
-    const ParamInfo *f0 = model_find_param(&a, "h.0.mlp.c_fc.weight"), *f1 = model_find_param(&a, "h.1.mlp.c_fc.weight");
-    const float *w0 = a.pview[f0 - a.params], *w1 = a.pview[f1 - a.params];
-    double sum = 0, sq = 0;
-    for (size_t i = 0; i < f0->numel; i++) sum += w0[i], sq += (double)w0[i] * w0[i];
-    double mean = sum / (double)f0->numel, sd = sqrt(sq / (double)f0->numel - mean * mean);
-    test_report(memcmp(w0, w1, f0->numel * sizeof(float)) != 0, "fill_streams_distinct",
-                "layers 0 and 1 drew the same c_fc weights");
-    test_report(fabs(mean) < 5e-4 && fabs(sd - 0.02) < 5e-4, "fill_normal_moments", "mean %.3g std %.5g, want 0, 0.02",
-                mean, sd);
-    model_free(&a);
-    model_free(&b);
 }
 
 static void run_case(const char *name, ArchSpec s, const int *cuts, int nst) {
@@ -260,7 +216,6 @@ static void test_plan_bytes(const char *name, ArchSpec s, int cp, int chunks, co
 
 int main(void) {
     backend_cpu.init(0);
-    init_case();
     Rng rng;
     rng_seed(&rng, 99);
     for (int i = 0; i < B * T; i++) {
