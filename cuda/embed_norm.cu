@@ -1,9 +1,10 @@
-/* embed_norm: embeddings, LayerNorm and the deterministic column sums that
- * parameter gradients (dw, db, dbias) are made of. Mirrors src/cpu/backend_cpu.c
- * op for op; no float atomics anywhere, so every result is the same bits run
- * to run. Activations in either dtype (templates on T, common.cuh), fp32
- * statistics and parameter gradients. Never allocates except through the
- * grow-only scratch. */
+/* embed_norm: embeddings, LayerNorm and RMSNorm (and the residual add fused
+ * with either), and the deterministic column sums that parameter gradients
+ * (dw, db, dbias) are made of. Mirrors src/cpu/backend_cpu.c op for op; no
+ * float atomics anywhere, so every result is the same bits run to run.
+ * Activations in either dtype (templates on T, common.cuh), fp32 statistics
+ * and parameter gradients. Never allocates except through the grow-only
+ * scratch. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -157,76 +158,189 @@ void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32
 }
 
 /* ---------------------------------------------------------------------------
- * LayerNorm (eps 1e-5, biased variance), one warp per row */
+ * LayerNorm (eps 1e-5, biased variance) and RMSNorm (Llama: rstd =
+ * 1/sqrt(mean(x^2) + eps), out = x rstd w), one warp per row, and the
+ * residual add fused with either (backend.h residual_norm_forward).
+ *
+ * Every kernel here is a template on W, the elements a lane moves at once:
+ * W = PACK(T_), one 16-byte load or store (8 bf16 or 4 fp32), when C is whole
+ * packs and every pointer 16-byte aligned (so is every row), else W = 1. A
+ * lane takes the vectors lane, lane + 32, ... of its row in every pass: at
+ * C = 768 in bf16, 3 loads per lane and pass instead of 24. */
 
-/* packed: C is whole 16-byte packs and every pointer 16-byte aligned (so is
- * every row), and lanes take packs lane, lane + 32, ...: at C = 768 in bf16,
- * 3 16-byte loads per lane and pass instead of 24 2-byte ones (25 calls a
- * step at GPT-2 124M, docs/benchmarks.md). Else element by element. Same
- * math per element; the sums' order differs (fp32 rounding). */
-template <typename T_>
-__global__ void layernorm_forward_kernel(T_ *out, float *mean, float *rstd, const T_ *inp, const T_ *w,
-                                         const T_ *b, int N, int C, float eps, int packed) {
+template <typename T_, int W> __device__ __forceinline__ void vec_load(float (&f)[W], const T_ *p) {
+    if constexpr (W == 1) {
+        f[0] = act_f(*p);
+    } else {
+        static_assert(W == PACK(T_), "a vector is one element or one 16-byte pack");
+        Pack<T_> x = pack_load(p);
+#pragma unroll
+        for (int k = 0; k < W; k++) f[k] = act_f(x.v[k]);
+    }
+}
+template <typename T_, int W> __device__ __forceinline__ void vec_store(T_ *p, const float (&f)[W]) {
+    if constexpr (W == 1) {
+        *p = act_from<T_>(f[0]);
+    } else {
+        Pack<T_> x;
+#pragma unroll
+        for (int k = 0; k < W; k++) x.v[k] = act_from<T_>(f[k]);
+        pack_store(p, x);
+    }
+}
+
+/* The first pass of a norm over one row (element offset `off`): the norm's
+ * input x is a's row, or with b the residual add x = a + b, rounded to act
+ * as residual_forward rounds it and stored in res. Returns where x's row is,
+ * and in *sum this lane's sum of x (sq 0) or of x^2 (sq 1), in the order the
+ * norm alone sums x: so a fused call gives the bits of the add then the
+ * norm. Every later pass gives a lane the vectors it stored itself; the
+ * __syncwarp orders the stores for the warp anyway. */
+template <typename T_, int W>
+__device__ __forceinline__ const T_ *norm_row_first(T_ *res, const T_ *a, const T_ *b, size_t off, int C, int lane,
+                                                    int sq, float *sum) {
+    float s = 0.0f;
+    for (int c = lane * W; c < C; c += 32 * W) {
+        float x[W];
+        vec_load<T_, W>(x, a + off + c);
+        if (b) {
+            float y[W];
+            vec_load<T_, W>(y, b + off + c);
+#pragma unroll
+            for (int k = 0; k < W; k++) x[k] = act_f(act_from<T_>(x[k] + y[k]));
+            vec_store<T_, W>(res + off + c, x);
+        }
+#pragma unroll
+        for (int k = 0; k < W; k++) s += sq ? x[k] * x[k] : x[k];
+    }
+    *sum = s;
+    if (!b) return a + off;
+    __syncwarp();
+    return res + off;
+}
+
+/* out (N,C), mean, rstd (N); x = a (N,C) or, with b, res = a + b (N,C);
+ * w (C), bias (C) or NULL */
+template <typename T_, int W>
+__global__ void layernorm_forward_kernel(T_ *out, float *mean, float *rstd, T_ *res, const T_ *a, const T_ *b,
+                                         const T_ *w, const T_ *bias, int N, int C, float eps) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
-    const T_ *x = inp + (size_t)row * C;
-    T_ *o = out + (size_t)row * C;
-    const int P = (int)PACK(T_), np = packed ? C / P : 0;
-    float s = 0.0f;
-    for (int i = lane; i < np; i += 32) {
-        Pack<T_> p = pack_load(x + i * P);
-#pragma unroll
-        for (int k = 0; k < P; k++) s += act_f(p.v[k]);
-    }
-    for (int c = np * P + lane; c < C; c += 32) s += act_f(x[c]);
+    size_t off = (size_t)row * C;
+    float s;
+    const T_ *x = norm_row_first<T_, W>(res, a, b, off, C, lane, 0, &s);
     float m = warp_sum(s) / C;
     /* Two passes, as the CPU backend: no cancellation for a large mean. */
     float v = 0.0f;
-    for (int i = lane; i < np; i += 32) {
-        Pack<T_> p = pack_load(x + i * P);
+    for (int c = lane * W; c < C; c += 32 * W) {
+        float f[W];
+        vec_load<T_, W>(f, x + c);
 #pragma unroll
-        for (int k = 0; k < P; k++) {
-            float d = act_f(p.v[k]) - m;
+        for (int k = 0; k < W; k++) {
+            float d = f[k] - m;
             v += d * d;
         }
     }
-    for (int c = np * P + lane; c < C; c += 32) {
-        float d = act_f(x[c]) - m;
-        v += d * d;
-    }
     float r = 1.0f / sqrtf(warp_sum(v) / C + eps);
-    for (int i = lane; i < np; i += 32) {
-        Pack<T_> p = pack_load(x + i * P), pw = pack_load(w + i * P);
-        if (b) {
-            Pack<T_> pb = pack_load(b + i * P);
+    for (int c = lane * W; c < C; c += 32 * W) {
+        float f[W], g[W];
+        vec_load<T_, W>(f, x + c);
+        vec_load<T_, W>(g, w + c);
+        if (bias) {
+            float h[W];
+            vec_load<T_, W>(h, bias + c);
 #pragma unroll
-            for (int k = 0; k < P; k++) p.v[k] = act_from<T_>((act_f(p.v[k]) - m) * r * act_f(pw.v[k]) + act_f(pb.v[k]));
+            for (int k = 0; k < W; k++) f[k] = (f[k] - m) * r * g[k] + h[k];
         } else {
 #pragma unroll
-            for (int k = 0; k < P; k++) p.v[k] = act_from<T_>((act_f(p.v[k]) - m) * r * act_f(pw.v[k]));
+            for (int k = 0; k < W; k++) f[k] = (f[k] - m) * r * g[k];
         }
-        pack_store(o + i * P, p);
+        vec_store<T_, W>(out + off + c, f);
     }
-    for (int c = np * P + lane; c < C; c += 32)
-        o[c] = act_from<T_>((act_f(x[c]) - m) * r * act_f(w[c]) + (b ? act_f(b[c]) : 0.0f));
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
     }
 }
 
+/* out (N,C), rstd (N); x as layernorm_forward_kernel's; w (C) */
+template <typename T_, int W>
+__global__ void rmsnorm_forward_kernel(T_ *out, float *rstd, T_ *res, const T_ *a, const T_ *b, const T_ *w, int N,
+                                       int C, float eps) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    size_t off = (size_t)row * C;
+    float s;
+    const T_ *x = norm_row_first<T_, W>(res, a, b, off, C, lane, 1, &s);
+    float r = 1.0f / sqrtf(warp_sum(s) / C + eps);
+    for (int c = lane * W; c < C; c += 32 * W) {
+        float f[W], g[W];
+        vec_load<T_, W>(f, x + c);
+        vec_load<T_, W>(g, w + c);
+#pragma unroll
+        for (int k = 0; k < W; k++) f[k] = f[k] * r * g[k];
+        vec_store<T_, W>(out + off + c, f);
+    }
+    if (lane == 0) rstd[row] = r;
+}
+
+/* Whole 16-byte packs: C a multiple of the pack and every pointer aligned
+ * (NULL ones aside). */
+template <typename T_> static int norm_packed(int C, const void *const *p, int n) {
+    int ok = C % (int)PACK(T_) == 0;
+    for (int i = 0; i < n; i++) ok = ok && (!p[i] || aligned16(p[i]));
+    return ok;
+}
+
+/* A norm forward (mean NULL: RMSNorm, bias NULL then) of x = a, or of res =
+ * a + b with b. */
 template <typename T_>
-static void layernorm_forward_run(void *out, float *mean, float *rstd, const void *inp, const void *w,
-                                  const void *b, int N, int C, float eps) {
-    int packed = C % (int)PACK(T_) == 0 && aligned16(out) && aligned16(inp) && aligned16(w) && (!b || aligned16(b));
-    KLAUNCH(layernorm_forward_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)out, mean, rstd, (const T_ *)inp,
-            (const T_ *)w, (const T_ *)b, N, C, eps, packed);
+static void norm_forward_run(void *out, float *mean, float *rstd, void *res, const void *a, const void *b,
+                             const void *w, const void *bias, int N, int C, float eps) {
+    const void *ptrs[] = {out, res, a, b, w, bias};
+    const int P = (int)PACK(T_);
+    unsigned blocks = cuda_blocks(N, 8); /* 8 warps (rows) per block of 256 */
+    if (norm_packed<T_>(C, ptrs, 6)) {
+        if (mean)
+            KLAUNCH((layernorm_forward_kernel<T_, P>), blocks, 256, 0, (T_ *)out, mean, rstd, (T_ *)res, (const T_ *)a,
+                    (const T_ *)b, (const T_ *)w, (const T_ *)bias, N, C, eps);
+        else
+            KLAUNCH((rmsnorm_forward_kernel<T_, P>), blocks, 256, 0, (T_ *)out, rstd, (T_ *)res, (const T_ *)a,
+                    (const T_ *)b, (const T_ *)w, N, C, eps);
+    } else {
+        if (mean)
+            KLAUNCH((layernorm_forward_kernel<T_, 1>), blocks, 256, 0, (T_ *)out, mean, rstd, (T_ *)res, (const T_ *)a,
+                    (const T_ *)b, (const T_ *)w, (const T_ *)bias, N, C, eps);
+        else
+            KLAUNCH((rmsnorm_forward_kernel<T_, 1>), blocks, 256, 0, (T_ *)out, rstd, (T_ *)res, (const T_ *)a,
+                    (const T_ *)b, (const T_ *)w, N, C, eps);
+    }
     CUDA_CHECK_LAUNCH();
 }
 
 void cuda_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
                             const void *b, int N, int C, float eps) {
-    ACT_DISPATCH(layernorm_forward_run, out, mean, rstd, inp, w, b, N, C, eps);
+    ACT_DISPATCH(norm_forward_run, out, mean, rstd, NULL, inp, NULL, w, b, N, C, eps);
+}
+
+void cuda_rmsnorm_forward(void *out, float *rstd, const void *inp, const void *w, int N, int C, float eps) {
+    ACT_DISPATCH(norm_forward_run, out, (float *)NULL, rstd, NULL, inp, NULL, w, NULL, N, C, eps);
+}
+
+/* One launch instead of the add's and the norm's, and res is not read back
+ * from HBM. Where C is whole packs but a or b is not 16-byte aligned (never
+ * in the model: its act buffers are), the norm alone would read res in packs
+ * while the fused kernel could not: the two ops run instead, so the result
+ * is always the composition's bits. */
+void cuda_residual_norm_forward(void *res, void *out, float *mean, float *rstd, const void *a, const void *b,
+                                const void *w, const void *bias, int N, int C, float eps) {
+    /* res, out, a, b (N,C) act; mean (N) fp32 or NULL (RMSNorm); rstd (N) fp32; w, bias (C) act */
+    int P = 16 / (cuda_act_bf16 ? 2 : 4); /* elements per pack */
+    if (C % P == 0 && !(aligned16(a) && aligned16(b))) {
+        cuda_residual_forward(res, a, b, (size_t)N * C);
+        a = res, b = NULL;
+    }
+    ACT_DISPATCH(norm_forward_run, out, mean, rstd, b ? res : NULL, a, b, w, bias, N, C, eps);
 }
 
 template <typename T_>
@@ -365,48 +479,6 @@ void cuda_layernorm_backward(void *dinp, float *dw, float *db, const void *dout,
     ACT_DISPATCH(layernorm_backward_run, dinp, dw, db, dout, inp, w, mean, rstd, N, C, accumulate);
 }
 
-/* ---------------------------------------------------------------------------
- * RMSNorm (Llama), one warp per row, as LayerNorm without the centring and
- * the bias: rstd = 1/sqrt(mean(x^2) + eps), out = x rstd w. */
-
-template <typename T_>
-__global__ void rmsnorm_forward_kernel(T_ *out, float *rstd, const T_ *inp, const T_ *w, int N, int C, float eps,
-                                       int packed) {
-    /* out, inp (N,C), w (C), rstd (N) */
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= N) return;
-    const T_ *x = inp + (size_t)row * C;
-    T_ *o = out + (size_t)row * C;
-    const int P = (int)PACK(T_), np = packed ? C / P : 0;
-    float s = 0.0f;
-    for (int i = lane; i < np; i += 32) {
-        Pack<T_> p = pack_load(x + i * P);
-#pragma unroll
-        for (int k = 0; k < P; k++) s += act_f(p.v[k]) * act_f(p.v[k]);
-    }
-    for (int c = np * P + lane; c < C; c += 32) s += act_f(x[c]) * act_f(x[c]);
-    float r = 1.0f / sqrtf(warp_sum(s) / C + eps);
-    for (int i = lane; i < np; i += 32) {
-        Pack<T_> p = pack_load(x + i * P), pw = pack_load(w + i * P);
-#pragma unroll
-        for (int k = 0; k < P; k++) p.v[k] = act_from<T_>(act_f(p.v[k]) * r * act_f(pw.v[k]));
-        pack_store(o + i * P, p);
-    }
-    for (int c = np * P + lane; c < C; c += 32) o[c] = act_from<T_>(act_f(x[c]) * r * act_f(w[c]));
-    if (lane == 0) rstd[row] = r;
-}
-
-template <typename T_>
-static void rmsnorm_forward_run(void *out, float *rstd, const void *inp, const void *w, int N, int C, float eps) {
-    int packed = C % (int)PACK(T_) == 0 && aligned16(out) && aligned16(inp) && aligned16(w);
-    KLAUNCH(rmsnorm_forward_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)out, rstd, (const T_ *)inp, (const T_ *)w, N,
-            C, eps, packed);
-    CUDA_CHECK_LAUNCH();
-}
-
-void cuda_rmsnorm_forward(void *out, float *rstd, const void *inp, const void *w, int N, int C, float eps) {
-    ACT_DISPATCH(rmsnorm_forward_run, out, rstd, inp, w, N, C, eps);
-}
 
 /* dinp += r (dy w) - x r^3 mean(dy w x), one warp per row. */
 template <typename T_>

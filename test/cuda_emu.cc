@@ -1061,6 +1061,50 @@ static void test_rmsnorm(int N, int C) {
     cudaFree(dx), cudaFree(dw), cudaFree(dout), cudaFree(drstd);
 }
 
+/* residual_norm_forward (backend.h): res = a + b and the norm of res, which
+ * must be the bits of the backend's own residual_forward then
+ * layernorm_forward / rmsnorm_forward (model.recompute redoes the norm from
+ * res alone), and within the norm's tolerance of the CPU's. off 1 places a
+ * and b one element into their buffers: not 16-byte aligned, so where C is
+ * whole packs the op runs the two kernels (the norm alone would read res in
+ * packs); in_place: res is a. */
+static void test_residual_norm(int N, int C, int rms, int bias, int off, int in_place) {
+    std::string sh = std::string(rms ? "rmsnorm" : "layernorm") + "_N" + std::to_string(N) + "_C" + std::to_string(C) +
+                     (bias ? "" : "_nobias") + (off ? "_unaligned" : "") + (in_place ? "_in_place" : "");
+    size_t NC = (size_t)N * C;
+    Vec a = rnd_act(NC, 2.0f, 0.5f), b = rnd_act(NC, 1.0f), w = rnd_act(C, 1.0f, 1.0f), bb = rnd_act(C, 0.5f);
+    Vec res(NC), out(NC), mean(N), rstd(N);
+    cpu->residual_forward(res.data(), a.data(), b.data(), NC);
+    res = act_round(res);
+    if (rms) cpu->rmsnorm_forward(out.data(), rstd.data(), res.data(), w.data(), N, C, 1e-5f);
+    else cpu->layernorm_forward(out.data(), mean.data(), rstd.data(), res.data(), w.data(), bias ? bb.data() : NULL, N,
+                                C, 1e-5f);
+    void *ba = dev_act_off(a, off), *bbuf = dev_act_off(b, off), *dw = dev_act(w), *dbias = bias ? dev_act(bb) : NULL;
+    void *da = at(ba, off, AB), *db = at(bbuf, off, AB), *dres, *dout, *cres = dev_act(a), *cout;
+    float *dm, *dr, *cm, *cr;
+    CUDA_CHECK(cudaMalloc(&dres, NC * AB + 1));
+    CUDA_CHECK(cudaMalloc(&dout, NC * AB + 1));
+    CUDA_CHECK(cudaMalloc(&cout, NC * AB + 1));
+    CUDA_CHECK(cudaMalloc(&dm, N * sizeof(float) + 1));
+    CUDA_CHECK(cudaMalloc(&dr, N * sizeof(float) + 1));
+    CUDA_CHECK(cudaMalloc(&cm, N * sizeof(float) + 1));
+    CUDA_CHECK(cudaMalloc(&cr, N * sizeof(float) + 1));
+    /* the composition first: in place, the fused call then overwrites a */
+    gpu->residual_forward(cres, da, db, NC);
+    if (rms) gpu->rmsnorm_forward(cout, cr, cres, dw, N, C, 1e-5f);
+    else gpu->layernorm_forward(cout, cm, cr, cres, dw, dbias, N, C, 1e-5f);
+    void *r = in_place ? da : dres;
+    gpu->residual_norm_forward(r, dout, rms ? NULL : dm, dr, da, db, dw, dbias, N, C, 1e-5f);
+    check_exact("residual_norm_res_" + sh, get_act(r, NC), res);
+    check_exact("residual_norm_out_is_composition_" + sh, get_act(dout, NC), get_act(cout, NC));
+    check_exact("residual_norm_rstd_is_composition_" + sh, get_f32(dr, N), get_f32(cr, N));
+    if (!rms) check_exact("residual_norm_mean_is_composition_" + sh, get_f32(dm, N), get_f32(cm, N));
+    check("residual_norm_out_" + sh, get_act(dout, NC), out, tol_act());
+    check("residual_norm_rstd_" + sh, get_f32(dr, N), rstd, TOL_F32);
+    cudaFree(ba), cudaFree(bbuf), cudaFree(dw), cudaFree(dbias), cudaFree(dres), cudaFree(dout), cudaFree(cres);
+    cudaFree(cout), cudaFree(dm), cudaFree(dr), cudaFree(cm), cudaFree(cr);
+}
+
 static std::string ash_name(const AttnShape &a) {
     char s[80];
     snprintf(s, sizeof s, "_B%d_T%d_NH%d_NKV%d_HD%d", a.B, a.T, a.NH, a.NKV, a.HD);
@@ -1364,6 +1408,13 @@ int main(void) {
         test_layernorm(37, 48);
         test_layernorm(201, 40); /* 4 column-sum chunks, the last one short; C not a multiple of 32 */
         test_layernorm(9, 42);   /* C of no whole 16-byte packs: element by element */
+        for (int rms = 0; rms <= 1; rms++) {
+            test_residual_norm(37, 48, rms, 1, 0, 0);   /* 16-byte packs */
+            test_residual_norm(37, 42, rms, 1, 0, 0);   /* element by element */
+            test_residual_norm(45, 264, rms, 1, 0, 1);  /* several vectors per lane; res is a */
+            test_residual_norm(37, 48, rms, 1, 1, 0);   /* a, b unaligned: the two kernels */
+        }
+        test_residual_norm(37, 48, 0, 0, 0, 0); /* LayerNorm without a bias */
         test_colsum(201, 100, TOL_F32);
         test_colsum(20000, 5, TOL_LONG_SUM); /* 256 chunks, the last ones empty */
         test_pointwise(1777, 0); /* 16-byte packs and a tail */
