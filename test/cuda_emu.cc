@@ -98,9 +98,10 @@ void cuda_newton_schulz(float *, int, int, int, float *) { emu_fail("matmul call
 #define TOL_F32 1e-5
 #define TOL_BF16 1e-2
 #define TOL_SUMSQ 1e-12
-/* A column sum over 20000 rows: the CPU adds them one by one in fp32, whose
- * error grows with the row count (measured 4.3e-6 of the max); 5e-5 is 10x
- * that and still ~100x below a lost or doubled chunk (1/256 of a sum). */
+/* A column sum over 20000 (32770) rows: the CPU adds them one by one in
+ * fp32, whose error grows with the row count (measured 4.3e-6 (5.3e-6) of the
+ * max); 5e-5 is 10x that and still ~20x below a lost or doubled chunk (1/256,
+ * 1/1024 of a sum). */
 #define TOL_LONG_SUM 5e-5
 
 typedef std::vector<float> Vec;
@@ -323,7 +324,7 @@ static void test_embed(void) {
     cudaFree(dwte_a), cudaFree(dout), cudaFree(dtok);
 }
 
-static void test_layernorm(int N, int C) {
+static void test_layernorm(int N, int C, double tol_sum = TOL_F32) {
     std::string sh = "_N" + std::to_string(N) + "_C" + std::to_string(C);
     Vec x = rnd_act((size_t)N * C, 2.0f, 0.5f), w = rnd_act(C, 1.0f, 1.0f), b = rnd_act(C, 0.5f);
     Vec out((size_t)N * C), mean(N), rstd(N);
@@ -351,8 +352,8 @@ static void test_layernorm(int N, int C) {
         gpu->layernorm_backward(ddinp, dgw, dgb, dg, dx, dw, dmean, drstd, N, C, acc);
         std::string s = sh + (acc ? "_acc1" : "_acc0");
         check("layernorm_backward_dinp" + s, get_act(ddinp, (size_t)N * C), rdinp, tol_act());
-        check("layernorm_backward_dw" + s, get_f32(dgw, C), rgw, TOL_F32);
-        check("layernorm_backward_db" + s, get_f32(dgb, C), rgb, TOL_F32);
+        check("layernorm_backward_dw" + s, get_f32(dgw, C), rgw, tol_sum);
+        check("layernorm_backward_db" + s, get_f32(dgb, C), rgb, tol_sum);
         cudaFree(dg), cudaFree(ddinp), cudaFree(dgw), cudaFree(dgb);
     }
     cudaFree(dx), cudaFree(dw), cudaFree(db), cudaFree(dout), cudaFree(dmean), cudaFree(drstd);
@@ -1406,8 +1407,11 @@ int main(void) {
         test_cast(5, 0);
         test_embed();
         test_layernorm(37, 48);
-        test_layernorm(201, 40); /* 4 column-sum chunks, the last one short; C not a multiple of 32 */
+        test_layernorm(201, 40); /* 7 backward chunks, the last one short; C not a multiple of 32 */
         test_layernorm(9, 42);   /* C of no whole 16-byte packs: element by element */
+        test_layernorm(45, 264); /* rows of more vectors than a warp has lanes: 2 (bf16) or 3 column rounds */
+        /* 1024 backward chunks of 33 rows, the last ones empty; a long sum as test_colsum's */
+        test_layernorm(32770, 24, TOL_LONG_SUM);
         for (int rms = 0; rms <= 1; rms++) {
             test_residual_norm(37, 48, rms, 1, 0, 0);   /* 16-byte packs */
             test_residual_norm(37, 42, rms, 1, 0, 0);   /* element by element */
@@ -1476,7 +1480,8 @@ int main(void) {
         test_attention_block(2, 150, 130, 2, 2, 16, 140, 0, 130, 1);
         test_copy_2d();
         test_rmsnorm(37, 70);
-        test_rmsnorm(37, 48); /* whole 16-byte packs */
+        test_rmsnorm(37, 48);  /* whole 16-byte packs */
+        test_rmsnorm(45, 264); /* several column rounds in the backward */
         const AttnShape a18 = {1, 37, 6, 2, 18, NULL}, a10 = {2, 37, 6, 1, 10, NULL};
         test_rope(a18, 0);
         test_rope(a10, 5);
