@@ -136,7 +136,7 @@ __device__ __forceinline__ float block_max(float v, float *shared) {
  * step loop never allocates after its first call (freed by shutdown). Ops run
  * on one stream in order, so a slot is never used by two kernels at once. */
 enum {
-    SCRATCH_COLSUM,    /* column-sum partials (norm dw/db, the matmul dbias fallback) */
+    SCRATCH_COLSUM,    /* column-sum partials (norm dw/db, dbias); BGRADB's dbias when it is not written in place */
     SCRATCH_EMBED,     /* token buckets for the dwte scatter */
     SCRATCH_ATTENTION, /* D = rowsum(dO * O) of the attention backward (either kernel set) */
     SCRATCH_SUMSQ,     /* sumsq partials */
