@@ -143,6 +143,12 @@ static void test_matmul(int N, int C, int OC, int boff) {
     report("backward_dbias_bgradb_" + s, count >= 1 && usable == count, msg);
 }
 
+/* A descriptor as cublasLtMatmulDescCreate(32F, 32F) and kiln's attributes
+ * make it (BIAS_DATA_TYPE unset), for the refusal checks. */
+static EmuLtDesc lt_desc(int32_t ta, int32_t tb, uint32_t epi, const void *bias) {
+    return EmuLtDesc{CUBLAS_COMPUTE_32F, CUDA_R_32F, ta, tb, epi, bias, NULL, 0, NULL, NULL, -1};
+}
+
 /* BGRADB as cublasLt.h documents it, on the stand-in's own checks: kiln's
  * dw layout (A not transposed, B transposed) with fp32 C takes it; no bias
  * pointer, a BIAS_DATA_TYPE other than C's, another layout and BGRADA are
@@ -151,8 +157,7 @@ static void test_matmul(int N, int C, int OC, int boff) {
 static void test_bgradb_refusals(void) {
     float dummy[4];
     /* m 8, n 12, k 16: A (m, k), B (n, k) transposed, C = D (m, n) fp32 */
-    EmuLtDesc d = {CUBLAS_COMPUTE_32F, CUDA_R_32F, CUBLAS_OP_N, CUBLAS_OP_T, CUBLASLT_EPILOGUE_BGRADB, dummy, NULL, 0,
-                   NULL, NULL, -1};
+    EmuLtDesc d = lt_desc(CUBLAS_OP_N, CUBLAS_OP_T, CUBLASLT_EPILOGUE_BGRADB, dummy);
     EmuLtLayout A = {CUDA_R_16BF, 8, 16, 8}, B = {CUDA_R_16BF, 12, 16, 12}, D = {CUDA_R_32F, 8, 12, 8};
     int ok = emu_lt_validate(&d, &A, &B, &D, &D) == CUBLAS_STATUS_SUCCESS;
     EmuLtDesc t = d;
@@ -377,8 +382,7 @@ static void test_fp8_matmul(int N, int C, int OC) {
 }
 
 static void test_fp8_refusals(void) {
-    EmuLtDesc d = {CUBLAS_COMPUTE_32F, CUDA_R_32F, CUBLAS_OP_T, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0,
-                   NULL, NULL, -1};
+    EmuLtDesc d = lt_desc(CUBLAS_OP_T, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL);
     /* m 32, n 48, k 64: A (k, m) transposed, B (k, n), D (m, n) */
     EmuLtLayout A = {CUDA_R_8F_E4M3, 64, 32, 64}, B = {CUDA_R_8F_E5M2, 64, 48, 64}, D = {CUDA_R_16BF, 32, 48, 32};
     int ok = emu_lt_validate(&d, &A, &B, &D, &D) == CUBLAS_STATUS_SUCCESS;
