@@ -318,6 +318,7 @@ extern "C" const Backend backend_cuda = {
     .matmul_gelu_forward = cuda_matmul_gelu_forward,
     .matmul_backward_dgelu = cuda_matmul_backward_dgelu,
     .residual_forward = cuda_residual_forward,
+    .residual_norm_forward = cuda_residual_norm_forward,
     .add = cuda_add,
     .crossentropy_forward = cuda_crossentropy_forward,
     .xent_partial = cuda_xent_partial,

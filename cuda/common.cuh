@@ -136,7 +136,7 @@ __device__ __forceinline__ float block_max(float v, float *shared) {
  * step loop never allocates after its first call (freed by shutdown). Ops run
  * on one stream in order, so a slot is never used by two kernels at once. */
 enum {
-    SCRATCH_COLSUM,    /* column-sum partials (layernorm dw/db, matmul dbias) */
+    SCRATCH_COLSUM,    /* column-sum partials (norm dw/db, dbias); BGRADB's dbias when it is not written in place */
     SCRATCH_EMBED,     /* token buckets for the dwte scatter */
     SCRATCH_ATTENTION, /* D = rowsum(dO * O) of the attention backward (either kernel set) */
     SCRATCH_SUMSQ,     /* sumsq partials */
@@ -167,6 +167,8 @@ void cuda_layernorm_backward(void *dinp, float *dw, float *db, const void *dout,
 void cuda_rmsnorm_forward(void *out, float *rstd, const void *inp, const void *w, int N, int C, float eps);
 void cuda_rmsnorm_backward(void *dinp, float *dw, const void *dout, const void *inp, const void *w, const float *rstd,
                            int N, int C, int accumulate);
+void cuda_residual_norm_forward(void *res, void *out, float *mean, float *rstd, const void *a, const void *b,
+                                const void *w, const void *bias, int N, int C, float eps);
 /* dbias(OC) fp32 (+)= column sums of dout(N,OC) act, deterministic. */
 void cuda_colsum(float *dbias, const void *dout, int N, int OC, int accumulate);
 /* The column sums' chunk count for N rows, and their fixed-order finish:

@@ -1,9 +1,10 @@
-/* embed_norm: embeddings, LayerNorm and the deterministic column sums that
- * parameter gradients (dw, db, dbias) are made of. Mirrors src/cpu/backend_cpu.c
- * op for op; no float atomics anywhere, so every result is the same bits run
- * to run. Activations in either dtype (templates on T, common.cuh), fp32
- * statistics and parameter gradients. Never allocates except through the
- * grow-only scratch. */
+/* embed_norm: embeddings, LayerNorm and RMSNorm (and the residual add fused
+ * with either), and the deterministic column sums that parameter gradients
+ * (dw, db, dbias) are made of. Mirrors src/cpu/backend_cpu.c op for op; no
+ * float atomics anywhere, so every result is the same bits run to run.
+ * Activations in either dtype (templates on T, common.cuh), fp32 statistics
+ * and parameter gradients. Never allocates except through the grow-only
+ * scratch. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -157,148 +158,283 @@ void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32
 }
 
 /* ---------------------------------------------------------------------------
- * LayerNorm (eps 1e-5, biased variance), one warp per row */
+ * LayerNorm (eps 1e-5, biased variance) and RMSNorm (Llama: rstd =
+ * 1/sqrt(mean(x^2) + eps), out = x rstd w), one warp per row, and the
+ * residual add fused with either (backend.h residual_norm_forward).
+ *
+ * Every kernel here is a template on W, the elements a lane moves at once:
+ * W = PACK(T_), one 16-byte load or store (8 bf16 or 4 fp32), when C is whole
+ * packs and every pointer 16-byte aligned (so is every row), else W = 1. A
+ * lane takes the vectors lane, lane + 32, ... of its row in every pass: at
+ * C = 768 in bf16, 3 loads per lane and pass instead of 24. */
 
-/* packed: C is whole 16-byte packs and every pointer 16-byte aligned (so is
- * every row), and lanes take packs lane, lane + 32, ...: at C = 768 in bf16,
- * 3 16-byte loads per lane and pass instead of 24 2-byte ones (25 calls a
- * step at GPT-2 124M, docs/benchmarks.md). Else element by element. Same
- * math per element; the sums' order differs (fp32 rounding). */
-template <typename T_>
-__global__ void layernorm_forward_kernel(T_ *out, float *mean, float *rstd, const T_ *inp, const T_ *w,
-                                         const T_ *b, int N, int C, float eps, int packed) {
+template <typename T_, int W> __device__ __forceinline__ void vec_load(float (&f)[W], const T_ *p) {
+    if constexpr (W == 1) {
+        f[0] = act_f(*p);
+    } else {
+        static_assert(W == PACK(T_), "a vector is one element or one 16-byte pack");
+        Pack<T_> x = pack_load(p);
+#pragma unroll
+        for (int k = 0; k < W; k++) f[k] = act_f(x.v[k]);
+    }
+}
+template <typename T_, int W> __device__ __forceinline__ void vec_store(T_ *p, const float (&f)[W]) {
+    if constexpr (W == 1) {
+        *p = act_from<T_>(f[0]);
+    } else {
+        Pack<T_> x;
+#pragma unroll
+        for (int k = 0; k < W; k++) x.v[k] = act_from<T_>(f[k]);
+        pack_store(p, x);
+    }
+}
+
+/* The first pass of a norm over one row (element offset `off`): the norm's
+ * input x is a's row, or with b the residual add x = a + b, rounded to act
+ * as residual_forward rounds it and stored in res. Returns where x's row is,
+ * and in *sum this lane's sum of x (sq 0) or of x^2 (sq 1), in the order the
+ * norm alone sums x: so a fused call gives the bits of the add then the
+ * norm. Every later pass gives a lane the vectors it stored itself; the
+ * __syncwarp orders the stores for the warp anyway. */
+template <typename T_, int W>
+__device__ __forceinline__ const T_ *norm_row_first(T_ *res, const T_ *a, const T_ *b, size_t off, int C, int lane,
+                                                    int sq, float *sum) {
+    float s = 0.0f;
+    for (int c = lane * W; c < C; c += 32 * W) {
+        float x[W];
+        vec_load<T_, W>(x, a + off + c);
+        if (b) {
+            float y[W];
+            vec_load<T_, W>(y, b + off + c);
+#pragma unroll
+            for (int k = 0; k < W; k++) x[k] = act_f(act_from<T_>(x[k] + y[k]));
+            vec_store<T_, W>(res + off + c, x);
+        }
+#pragma unroll
+        for (int k = 0; k < W; k++) s += sq ? x[k] * x[k] : x[k];
+    }
+    *sum = s;
+    if (!b) return a + off;
+    __syncwarp();
+    return res + off;
+}
+
+/* out (N,C), mean, rstd (N); x = a (N,C) or, with b, res = a + b (N,C);
+ * w (C), bias (C) or NULL */
+template <typename T_, int W>
+__global__ void layernorm_forward_kernel(T_ *out, float *mean, float *rstd, T_ *res, const T_ *a, const T_ *b,
+                                         const T_ *w, const T_ *bias, int N, int C, float eps) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
-    const T_ *x = inp + (size_t)row * C;
-    T_ *o = out + (size_t)row * C;
-    const int P = (int)PACK(T_), np = packed ? C / P : 0;
-    float s = 0.0f;
-    for (int i = lane; i < np; i += 32) {
-        Pack<T_> p = pack_load(x + i * P);
-#pragma unroll
-        for (int k = 0; k < P; k++) s += act_f(p.v[k]);
-    }
-    for (int c = np * P + lane; c < C; c += 32) s += act_f(x[c]);
+    size_t off = (size_t)row * C;
+    float s;
+    const T_ *x = norm_row_first<T_, W>(res, a, b, off, C, lane, 0, &s);
     float m = warp_sum(s) / C;
     /* Two passes, as the CPU backend: no cancellation for a large mean. */
     float v = 0.0f;
-    for (int i = lane; i < np; i += 32) {
-        Pack<T_> p = pack_load(x + i * P);
+    for (int c = lane * W; c < C; c += 32 * W) {
+        float f[W];
+        vec_load<T_, W>(f, x + c);
 #pragma unroll
-        for (int k = 0; k < P; k++) {
-            float d = act_f(p.v[k]) - m;
+        for (int k = 0; k < W; k++) {
+            float d = f[k] - m;
             v += d * d;
         }
     }
-    for (int c = np * P + lane; c < C; c += 32) {
-        float d = act_f(x[c]) - m;
-        v += d * d;
-    }
     float r = 1.0f / sqrtf(warp_sum(v) / C + eps);
-    for (int i = lane; i < np; i += 32) {
-        Pack<T_> p = pack_load(x + i * P), pw = pack_load(w + i * P);
-        if (b) {
-            Pack<T_> pb = pack_load(b + i * P);
+    for (int c = lane * W; c < C; c += 32 * W) {
+        float f[W], g[W];
+        vec_load<T_, W>(f, x + c);
+        vec_load<T_, W>(g, w + c);
+        if (bias) {
+            float h[W];
+            vec_load<T_, W>(h, bias + c);
 #pragma unroll
-            for (int k = 0; k < P; k++) p.v[k] = act_from<T_>((act_f(p.v[k]) - m) * r * act_f(pw.v[k]) + act_f(pb.v[k]));
+            for (int k = 0; k < W; k++) f[k] = (f[k] - m) * r * g[k] + h[k];
         } else {
 #pragma unroll
-            for (int k = 0; k < P; k++) p.v[k] = act_from<T_>((act_f(p.v[k]) - m) * r * act_f(pw.v[k]));
+            for (int k = 0; k < W; k++) f[k] = (f[k] - m) * r * g[k];
         }
-        pack_store(o + i * P, p);
+        vec_store<T_, W>(out + off + c, f);
     }
-    for (int c = np * P + lane; c < C; c += 32)
-        o[c] = act_from<T_>((act_f(x[c]) - m) * r * act_f(w[c]) + (b ? act_f(b[c]) : 0.0f));
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
     }
 }
 
+/* out (N,C), rstd (N); x as layernorm_forward_kernel's; w (C) */
+template <typename T_, int W>
+__global__ void rmsnorm_forward_kernel(T_ *out, float *rstd, T_ *res, const T_ *a, const T_ *b, const T_ *w, int N,
+                                       int C, float eps) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    size_t off = (size_t)row * C;
+    float s;
+    const T_ *x = norm_row_first<T_, W>(res, a, b, off, C, lane, 1, &s);
+    float r = 1.0f / sqrtf(warp_sum(s) / C + eps);
+    for (int c = lane * W; c < C; c += 32 * W) {
+        float f[W], g[W];
+        vec_load<T_, W>(f, x + c);
+        vec_load<T_, W>(g, w + c);
+#pragma unroll
+        for (int k = 0; k < W; k++) f[k] = f[k] * r * g[k];
+        vec_store<T_, W>(out + off + c, f);
+    }
+    if (lane == 0) rstd[row] = r;
+}
+
+/* Whole 16-byte packs: C a multiple of the pack and every pointer aligned
+ * (NULL ones aside). */
+template <typename T_> static int norm_packed(int C, const void *const *p, int n) {
+    int ok = C % (int)PACK(T_) == 0;
+    for (int i = 0; i < n; i++) ok = ok && (!p[i] || aligned16(p[i]));
+    return ok;
+}
+
+/* A norm forward (mean NULL: RMSNorm, bias NULL then) of x = a, or of res =
+ * a + b with b. */
 template <typename T_>
-static void layernorm_forward_run(void *out, float *mean, float *rstd, const void *inp, const void *w,
-                                  const void *b, int N, int C, float eps) {
-    int packed = C % (int)PACK(T_) == 0 && aligned16(out) && aligned16(inp) && aligned16(w) && (!b || aligned16(b));
-    KLAUNCH(layernorm_forward_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)out, mean, rstd, (const T_ *)inp,
-            (const T_ *)w, (const T_ *)b, N, C, eps, packed);
+static void norm_forward_run(void *out, float *mean, float *rstd, void *res, const void *a, const void *b,
+                             const void *w, const void *bias, int N, int C, float eps) {
+    const void *ptrs[] = {out, res, a, b, w, bias};
+    const int P = (int)PACK(T_);
+    unsigned blocks = cuda_blocks(N, 8); /* 8 warps (rows) per block of 256 */
+    if (norm_packed<T_>(C, ptrs, 6)) {
+        if (mean)
+            KLAUNCH((layernorm_forward_kernel<T_, P>), blocks, 256, 0, (T_ *)out, mean, rstd, (T_ *)res, (const T_ *)a,
+                    (const T_ *)b, (const T_ *)w, (const T_ *)bias, N, C, eps);
+        else
+            KLAUNCH((rmsnorm_forward_kernel<T_, P>), blocks, 256, 0, (T_ *)out, rstd, (T_ *)res, (const T_ *)a,
+                    (const T_ *)b, (const T_ *)w, N, C, eps);
+    } else {
+        if (mean)
+            KLAUNCH((layernorm_forward_kernel<T_, 1>), blocks, 256, 0, (T_ *)out, mean, rstd, (T_ *)res, (const T_ *)a,
+                    (const T_ *)b, (const T_ *)w, (const T_ *)bias, N, C, eps);
+        else
+            KLAUNCH((rmsnorm_forward_kernel<T_, 1>), blocks, 256, 0, (T_ *)out, rstd, (T_ *)res, (const T_ *)a,
+                    (const T_ *)b, (const T_ *)w, N, C, eps);
+    }
     CUDA_CHECK_LAUNCH();
 }
 
 void cuda_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
                             const void *b, int N, int C, float eps) {
-    ACT_DISPATCH(layernorm_forward_run, out, mean, rstd, inp, w, b, N, C, eps);
+    ACT_DISPATCH(norm_forward_run, out, mean, rstd, NULL, inp, NULL, w, b, N, C, eps);
 }
 
-template <typename T_>
-__global__ void layernorm_dinp_kernel(T_ *dinp, const T_ *dout, const T_ *inp, const T_ *w,
-                                      const float *mean, const float *rstd, int N, int C) {
-    /* dinp (N,C) +=, one warp per row */
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= N) return;
-    const T_ *x = inp + (size_t)row * C, *d = dout + (size_t)row * C;
-    float m = mean[row], r = rstd[row];
-    float sd = 0.0f, sdn = 0.0f; /* mean(dnorm), mean(dnorm * norm) */
-    for (int c = lane; c < C; c += 32) {
-        float dn = act_f(d[c]) * act_f(w[c]);
-        sd += dn;
-        sdn += dn * (act_f(x[c]) - m) * r;
+void cuda_rmsnorm_forward(void *out, float *rstd, const void *inp, const void *w, int N, int C, float eps) {
+    ACT_DISPATCH(norm_forward_run, out, (float *)NULL, rstd, NULL, inp, NULL, w, NULL, N, C, eps);
+}
+
+/* One launch instead of the add's and the norm's, and res is not read back
+ * from HBM. Where C is whole packs but a or b is not 16-byte aligned (never
+ * in the model: its act buffers are), the norm alone would read res in packs
+ * while the fused kernel could not: the two ops run instead, so the result
+ * is always the composition's bits. */
+void cuda_residual_norm_forward(void *res, void *out, float *mean, float *rstd, const void *a, const void *b,
+                                const void *w, const void *bias, int N, int C, float eps) {
+    /* res, out, a, b (N,C) act; mean (N) fp32 or NULL (RMSNorm); rstd (N) fp32; w, bias (C) act */
+    int P = 16 / (cuda_act_bf16 ? 2 : 4); /* elements per pack */
+    if (C % P == 0 && !(aligned16(a) && aligned16(b))) {
+        cuda_residual_forward(res, a, b, (size_t)N * C);
+        a = res, b = NULL;
     }
-    sd = warp_sum(sd) / C;
-    sdn = warp_sum(sdn) / C;
-    T_ *di = dinp + (size_t)row * C;
-    for (int c = lane; c < C; c += 32) {
-        float n = (act_f(x[c]) - m) * r;
-        di[c] = act_from<T_>(act_f(di[c]) + (act_f(d[c]) * act_f(w[c]) - sd - n * sdn) * r);
-    }
+    ACT_DISPATCH(norm_forward_run, out, mean, rstd, b ? res : NULL, a, b, w, bias, N, C, eps);
 }
 
 /* ---------------------------------------------------------------------------
- * Deterministic column sums. Rows are cut into a number of chunks that
- * depends only on N; block (x, chunk) sums 32 columns of its chunk with 8 row
- * lanes, combines the lanes in lane order and writes one partial per column;
- * a second kernel adds the partials in chunk order. With `inp` the summand of
- * the first output is dout * (inp - mean) * rstd (LayerNorm's dw) and the
- * second output gets plain dout (db); without, only the plain sum (dbias).
- * mean NULL is RMSNorm's dw: dout * inp * rstd, no second output. */
+ * Norm backward, one kernel: block k takes chunk k of the rows (how many
+ * depends only on N) and writes
+ *  - dinp += of its rows, one warp per row (two passes over the row: the
+ *    row's two sums, then the gradient), and
+ *  - its partial sums of dw (and LayerNorm's db) over its rows: row lane ty
+ *    (the warp) sums rows ty, ty + 8, ... of the chunk, lane tx the vectors
+ *    tx, tx + 32, ... of the columns, then the 8 row lanes are added in
+ *    order through shared memory. The chunk's rows were just read by the
+ *    first part, so this re-read comes from L1/L2, not HBM.
+ * colsum_finish_kernel then adds the partials in chunk order onto dw (db)
+ * per `accumulate`. No float atomics: the same bits every run, whatever the
+ * GPU. mean NULL is RMSNorm: dinp += r (dy w) - x r^3 mean(dy w x), dw =
+ * sum dy x r, no db. */
 
-#define COLSUM_ROWS 8
+#define NORM_BWD_WARPS 8
 
-static int colsum_chunks(int N) {
-    int chunks = (N + 63) / 64; /* >= 64 rows per chunk ... */
-    if (chunks < 1) chunks = 1; /* N 0: one empty chunk (a grid of 0 blocks is a launch error), sums 0 */
-    return chunks < 256 ? chunks : 256; /* ... and at most 256 partials */
+/* Chunks of at least 32 rows, at most 1024 of them (one block each: 512 at
+ * GPT-2's 16,384 rows, ~4 per SM on an H100); N 0 is one empty chunk (a grid
+ * of 0 blocks is a launch error) whose sums are 0. */
+static int norm_bwd_chunks(int N) {
+    int chunks = (N + 31) / 32;
+    if (chunks < 1) chunks = 1;
+    return chunks < 1024 ? chunks : 1024;
 }
 
-template <typename T_>
-__global__ void colsum_partial_kernel(float *part_a, float *part_b, const T_ *dout, const T_ *inp,
-                                      const float *mean, const float *rstd, int N, int C,
-                                      int rows_per_chunk) {
-    __shared__ float sa[COLSUM_ROWS][32], sb[COLSUM_ROWS][32];
-    int tx = threadIdx.x, ty = threadIdx.y;
-    int c = blockIdx.x * 32 + tx, chunk = blockIdx.y;
+template <typename T_, int W>
+__global__ void __launch_bounds__(32 * NORM_BWD_WARPS)
+    norm_backward_kernel(T_ *dinp, float *part_w, float *part_b, const T_ *dout, const T_ *inp, const T_ *w,
+                         const float *mean, const float *rstd, int N, int C, int rows_per_chunk) {
+    /* dinp, dout, inp (N,C) +=; part_w, part_b (chunks, C): this block's row; w (C); mean, rstd (N) */
+    __shared__ float sw[NORM_BWD_WARPS][W][32], sb[NORM_BWD_WARPS][W][32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, chunk = blockIdx.x;
     int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float a = 0.0f, b = 0.0f;
-    if (c < C) {
-        for (int r = r0 + ty; r < r1; r += COLSUM_ROWS) {
-            float d = act_f(dout[(size_t)r * C + c]);
-            if (inp) {
-                a += d * (act_f(inp[(size_t)r * C + c]) - (mean ? mean[r] : 0.0f)) * rstd[r];
-                b += d;
-            } else {
-                a += d;
+    for (int row = r0 + warp; row < r1; row += NORM_BWD_WARPS) {
+        const T_ *x = inp + (size_t)row * C, *d = dout + (size_t)row * C;
+        T_ *di = dinp + (size_t)row * C;
+        float m = mean ? mean[row] : 0.0f, r = rstd[row];
+        float s1 = 0.0f, s2 = 0.0f; /* LayerNorm: sum dnorm, sum dnorm norm; RMSNorm: s2 = sum dy w x */
+        for (int c = lane * W; c < C; c += 32 * W) {
+            float fx[W], fd[W], fw[W];
+            vec_load<T_, W>(fx, x + c), vec_load<T_, W>(fd, d + c), vec_load<T_, W>(fw, w + c);
+#pragma unroll
+            for (int k = 0; k < W; k++) {
+                float dn = fd[k] * fw[k];
+                s1 += dn;
+                s2 += mean ? dn * (fx[k] - m) * r : dn * fx[k];
             }
         }
-    }
-    sa[ty][tx] = a;
-    sb[ty][tx] = b;
-    __syncthreads();
-    if (ty == 0 && c < C) {
-        for (int k = 1; k < COLSUM_ROWS; k++) {
-            a += sa[k][tx];
-            b += sb[k][tx];
+        s1 = warp_sum(s1) / C;
+        s2 = warp_sum(s2) / C;
+        float k3 = r * r * r * s2; /* RMSNorm */
+        for (int c = lane * W; c < C; c += 32 * W) {
+            float fx[W], fd[W], fw[W], g[W];
+            vec_load<T_, W>(fx, x + c), vec_load<T_, W>(fd, d + c), vec_load<T_, W>(fw, w + c);
+            vec_load<T_, W>(g, di + c);
+#pragma unroll
+            for (int k = 0; k < W; k++)
+                g[k] += mean ? (fd[k] * fw[k] - s1 - (fx[k] - m) * r * s2) * r : r * (fd[k] * fw[k]) - fx[k] * k3;
+            vec_store<T_, W>(di + c, g);
         }
-        part_a[(size_t)chunk * C + c] = a;
-        if (inp) part_b[(size_t)chunk * C + c] = b;
+    }
+    for (int c0 = 0; c0 < C; c0 += 32 * W) { /* every thread runs every round: the barriers */
+        int c = c0 + lane * W;
+        float aw[W], ab[W];
+#pragma unroll
+        for (int k = 0; k < W; k++) aw[k] = ab[k] = 0.0f;
+        if (c < C) {
+            for (int row = r0 + warp; row < r1; row += NORM_BWD_WARPS) {
+                float fx[W], fd[W], m = mean ? mean[row] : 0.0f, r = rstd[row];
+                vec_load<T_, W>(fx, inp + (size_t)row * C + c), vec_load<T_, W>(fd, dout + (size_t)row * C + c);
+#pragma unroll
+                for (int k = 0; k < W; k++) {
+                    aw[k] += fd[k] * (fx[k] - m) * r;
+                    ab[k] += fd[k];
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < W; k++) sw[warp][k][lane] = aw[k], sb[warp][k][lane] = ab[k];
+        __syncthreads();
+        if (warp == 0 && c < C) {
+            for (int j = 1; j < NORM_BWD_WARPS; j++)
+#pragma unroll
+                for (int k = 0; k < W; k++) aw[k] += sw[j][k][lane], ab[k] += sb[j][k][lane];
+#pragma unroll
+            for (int k = 0; k < W; k++) {
+                part_w[(size_t)chunk * C + c + k] = aw[k];
+                if (part_b) part_b[(size_t)chunk * C + c + k] = ab[k];
+            }
+        }
+        __syncthreads(); /* the next round's stores wait for warp 0's reads */
     }
 }
 
@@ -329,120 +465,94 @@ __global__ void colsum_finish_kernel(float *out_a, float *out_b, const float *pa
     if (out_b) out_b[c] = accumulate ? out_b[c] + b : b;
 }
 
+static void colsum_finish_run(float *out_a, float *out_b, const float *part_a, const float *part_b, int chunks, int C,
+                              int accumulate) {
+    KLAUNCH(colsum_finish_kernel, (C + 31) / 32, dim3(32, COLSUM_FIN_LANES), 0, out_a, out_b, part_a, part_b, chunks,
+            C, accumulate);
+    CUDA_CHECK_LAUNCH();
+}
+
 template <typename T_>
-static void colsum_run(float *out_a, float *out_b, const void *dout, const void *inp, const float *mean,
-                       const float *rstd, int N, int C, int accumulate) {
-    int chunks = colsum_chunks(N);
-    int rows_per_chunk = (N + chunks - 1) / chunks;
+static void norm_backward_run(void *dinp, float *dw, float *db, const void *dout, const void *inp, const void *w,
+                              const float *mean, const float *rstd, int N, int C, int accumulate) {
+    int chunks = norm_bwd_chunks(N), rows_per_chunk = (N + chunks - 1) / chunks;
     float *part = (float *)cuda_scratch(SCRATCH_COLSUM, (size_t)2 * chunks * C * sizeof(float));
-    float *part_a = part, *part_b = part + (size_t)chunks * C;
-    dim3 grid((C + 31) / 32, chunks), block(32, COLSUM_ROWS);
-    KLAUNCH(colsum_partial_kernel<T_>, grid, block, 0, part_a, part_b, (const T_ *)dout, (const T_ *)inp, mean,
-            rstd, N, C, rows_per_chunk);
+    float *part_w = part, *part_b = db ? part + (size_t)chunks * C : NULL;
+    const void *ptrs[] = {dinp, dout, inp, w};
+    const int P = (int)PACK(T_);
+    if (norm_packed<T_>(C, ptrs, 4))
+        KLAUNCH((norm_backward_kernel<T_, P>), chunks, 32 * NORM_BWD_WARPS, 0, (T_ *)dinp, part_w, part_b,
+                (const T_ *)dout, (const T_ *)inp, (const T_ *)w, mean, rstd, N, C, rows_per_chunk);
+    else
+        KLAUNCH((norm_backward_kernel<T_, 1>), chunks, 32 * NORM_BWD_WARPS, 0, (T_ *)dinp, part_w, part_b,
+                (const T_ *)dout, (const T_ *)inp, (const T_ *)w, mean, rstd, N, C, rows_per_chunk);
     CUDA_CHECK_LAUNCH();
-    KLAUNCH(colsum_finish_kernel, (C + 31) / 32, dim3(32, COLSUM_FIN_LANES), 0, out_a, out_b, part_a,
-            inp ? part_b : NULL, chunks, C, accumulate);
-    CUDA_CHECK_LAUNCH();
-}
-
-void cuda_colsum(float *dbias, const void *dout, int N, int OC, int accumulate) {
-    ACT_DISPATCH(colsum_run, dbias, NULL, dout, NULL, NULL, NULL, N, OC, accumulate);
-}
-
-template <typename T_>
-static void layernorm_backward_run(void *dinp, float *dw, float *db, const void *dout, const void *inp,
-                                   const void *w, const float *mean, const float *rstd, int N, int C,
-                                   int accumulate) {
-    KLAUNCH(layernorm_dinp_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)dinp, (const T_ *)dout, (const T_ *)inp,
-            (const T_ *)w, mean, rstd, N, C);
-    CUDA_CHECK_LAUNCH();
-    colsum_run<T_>(dw, db, dout, inp, mean, rstd, N, C, accumulate);
+    colsum_finish_run(dw, db, part_w, part_b, chunks, C, accumulate);
 }
 
 void cuda_layernorm_backward(void *dinp, float *dw, float *db, const void *dout, const void *inp,
                              const void *w, const float *mean, const float *rstd, int N, int C,
                              int accumulate) {
-    ACT_DISPATCH(layernorm_backward_run, dinp, dw, db, dout, inp, w, mean, rstd, N, C, accumulate);
-}
-
-/* ---------------------------------------------------------------------------
- * RMSNorm (Llama), one warp per row, as LayerNorm without the centring and
- * the bias: rstd = 1/sqrt(mean(x^2) + eps), out = x rstd w. */
-
-template <typename T_>
-__global__ void rmsnorm_forward_kernel(T_ *out, float *rstd, const T_ *inp, const T_ *w, int N, int C, float eps,
-                                       int packed) {
-    /* out, inp (N,C), w (C), rstd (N) */
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= N) return;
-    const T_ *x = inp + (size_t)row * C;
-    T_ *o = out + (size_t)row * C;
-    const int P = (int)PACK(T_), np = packed ? C / P : 0;
-    float s = 0.0f;
-    for (int i = lane; i < np; i += 32) {
-        Pack<T_> p = pack_load(x + i * P);
-#pragma unroll
-        for (int k = 0; k < P; k++) s += act_f(p.v[k]) * act_f(p.v[k]);
-    }
-    for (int c = np * P + lane; c < C; c += 32) s += act_f(x[c]) * act_f(x[c]);
-    float r = 1.0f / sqrtf(warp_sum(s) / C + eps);
-    for (int i = lane; i < np; i += 32) {
-        Pack<T_> p = pack_load(x + i * P), pw = pack_load(w + i * P);
-#pragma unroll
-        for (int k = 0; k < P; k++) p.v[k] = act_from<T_>(act_f(p.v[k]) * r * act_f(pw.v[k]));
-        pack_store(o + i * P, p);
-    }
-    for (int c = np * P + lane; c < C; c += 32) o[c] = act_from<T_>(act_f(x[c]) * r * act_f(w[c]));
-    if (lane == 0) rstd[row] = r;
-}
-
-template <typename T_>
-static void rmsnorm_forward_run(void *out, float *rstd, const void *inp, const void *w, int N, int C, float eps) {
-    int packed = C % (int)PACK(T_) == 0 && aligned16(out) && aligned16(inp) && aligned16(w);
-    KLAUNCH(rmsnorm_forward_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)out, rstd, (const T_ *)inp, (const T_ *)w, N,
-            C, eps, packed);
-    CUDA_CHECK_LAUNCH();
-}
-
-void cuda_rmsnorm_forward(void *out, float *rstd, const void *inp, const void *w, int N, int C, float eps) {
-    ACT_DISPATCH(rmsnorm_forward_run, out, rstd, inp, w, N, C, eps);
-}
-
-/* dinp += r (dy w) - x r^3 mean(dy w x), one warp per row. */
-template <typename T_>
-__global__ void rmsnorm_dinp_kernel(T_ *dinp, const T_ *dout, const T_ *inp, const T_ *w, const float *rstd, int N,
-                                    int C) {
-    /* dinp, dout, inp (N,C), w (C), rstd (N) */
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= N) return;
-    const T_ *x = inp + (size_t)row * C, *d = dout + (size_t)row * C;
-    float r = rstd[row], s = 0.0f;
-    for (int c = lane; c < C; c += 32) s += act_f(d[c]) * act_f(w[c]) * act_f(x[c]);
-    float k = r * r * r * (warp_sum(s) / C);
-    T_ *di = dinp + (size_t)row * C;
-    for (int c = lane; c < C; c += 32)
-        di[c] = act_from<T_>(act_f(di[c]) + (r * (act_f(d[c]) * act_f(w[c])) - act_f(x[c]) * k));
-}
-
-template <typename T_>
-static void rmsnorm_backward_run(void *dinp, float *dw, const void *dout, const void *inp, const void *w,
-                                 const float *rstd, int N, int C, int accumulate) {
-    KLAUNCH(rmsnorm_dinp_kernel<T_>, cuda_blocks(N, 8), 256, 0, (T_ *)dinp, (const T_ *)dout, (const T_ *)inp,
-            (const T_ *)w, rstd, N, C);
-    CUDA_CHECK_LAUNCH();
-    colsum_run<T_>(dw, NULL, dout, inp, NULL, rstd, N, C, accumulate);
+    ACT_DISPATCH(norm_backward_run, dinp, dw, db, dout, inp, w, mean, rstd, N, C, accumulate);
 }
 
 void cuda_rmsnorm_backward(void *dinp, float *dw, const void *dout, const void *inp, const void *w, const float *rstd,
                            int N, int C, int accumulate) {
-    ACT_DISPATCH(rmsnorm_backward_run, dinp, dw, dout, inp, w, rstd, N, C, accumulate);
+    ACT_DISPATCH(norm_backward_run, dinp, dw, (float *)NULL, dout, inp, w, (const float *)NULL, rstd, N, C,
+                 accumulate);
+}
+
+/* ---------------------------------------------------------------------------
+ * Deterministic column sums: the bias gradient where cuBLASLt's BGRADB
+ * epilogue does not take a product (matmul.cu), and no rows. Rows are cut
+ * into a number of chunks that depends only on N; block (x, chunk) sums 32
+ * columns of its chunk with 8 row lanes, combines the lanes in lane order and
+ * writes one partial per column; colsum_finish_kernel adds the partials in
+ * chunk order. */
+
+#define COLSUM_ROWS 8
+
+static int colsum_chunks(int N) {
+    int chunks = (N + 63) / 64; /* >= 64 rows per chunk ... */
+    if (chunks < 1) chunks = 1; /* N 0: one empty chunk (a grid of 0 blocks is a launch error), sums 0 */
+    return chunks < 256 ? chunks : 256; /* ... and at most 256 partials */
+}
+
+template <typename T_>
+__global__ void colsum_partial_kernel(float *part, const T_ *dout, int N, int C, int rows_per_chunk) {
+    __shared__ float sa[COLSUM_ROWS][32];
+    int tx = threadIdx.x, ty = threadIdx.y;
+    int c = blockIdx.x * 32 + tx, chunk = blockIdx.y;
+    int r0 = chunk * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float a = 0.0f;
+    if (c < C)
+        for (int r = r0 + ty; r < r1; r += COLSUM_ROWS) a += act_f(dout[(size_t)r * C + c]);
+    sa[ty][tx] = a;
+    __syncthreads();
+    if (ty == 0 && c < C) {
+        for (int k = 1; k < COLSUM_ROWS; k++) a += sa[k][tx];
+        part[(size_t)chunk * C + c] = a;
+    }
+}
+
+template <typename T_>
+static void colsum_run(float *dbias, const void *dout, int N, int C, int accumulate) {
+    int chunks = colsum_chunks(N);
+    int rows_per_chunk = (N + chunks - 1) / chunks;
+    float *part = (float *)cuda_scratch(SCRATCH_COLSUM, (size_t)chunks * C * sizeof(float));
+    dim3 grid((C + 31) / 32, chunks), block(32, COLSUM_ROWS);
+    KLAUNCH(colsum_partial_kernel<T_>, grid, block, 0, part, (const T_ *)dout, N, C, rows_per_chunk);
+    CUDA_CHECK_LAUNCH();
+    colsum_finish_run(dbias, NULL, part, NULL, chunks, C, accumulate);
+}
+
+void cuda_colsum(float *dbias, const void *dout, int N, int OC, int accumulate) {
+    ACT_DISPATCH(colsum_run, dbias, dout, N, OC, accumulate);
 }
 
 /* The column-sum finish for other files' partials (llama.cu's QK-norm
  * weight gradients): out(C) (+)= sum over chunks of part(chunks, C). */
 int cuda_colsum_chunks(int N) { return colsum_chunks(N); }
 void cuda_colsum_finish(float *out, const float *part, int chunks, int C, int accumulate) {
-    KLAUNCH(colsum_finish_kernel, (C + 31) / 32, dim3(32, COLSUM_FIN_LANES), 0, out, NULL, part, NULL, chunks, C,
-            accumulate);
-    CUDA_CHECK_LAUNCH();
+    colsum_finish_run(out, NULL, part, NULL, chunks, C, accumulate);
 }

@@ -16,9 +16,13 @@
  *                  combination: bf16 A/B with fp32 C/D).
  * The bias epilogue reads a vector of D's type (cublasLt.h,
  * CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE): the bf16 compute copy of the bias.
- * dbias is not the BGRADB epilogue: that writes the gradient in D's type and
- * overwrites it, where kiln accumulates micro-batches into fp32; the
- * deterministic column sum (embed_norm.cu) reads bf16 dout and adds in fp32. */
+ * dbias comes out of the dw product by its BGRADB epilogue: B is dout, so
+ * the bias gradient is the sum of op(B) over k = N, one per column of D, in
+ * C's type (cublasLt.h, BIAS_POINTER), which for dw is fp32 (the default of
+ * BIAS_DATA_TYPE, so kiln leaves it unset); it overwrites, so accumulate
+ * goes through a scratch vector and an add. Where cuBLASLt has no such
+ * algorithm for a shape (asked once per shape, the answer kept in its plan),
+ * the deterministic column sum (embed_norm.cu) reads dout again instead. */
 #ifndef KILN_CUDA_EMU /* test/matmul_emu.cc runs this file on the CPU against test/cublaslt_emu.h */
 #include <cublasLt.h>
 #endif
@@ -100,16 +104,21 @@ static int mm_epi_has_aux(int epi) {
     return epi == CUBLASLT_EPILOGUE_GELU_AUX || epi == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || epi == CUBLASLT_EPILOGUE_DGELU;
 }
 static const char *mm_epi_name(int epi) {
-    return epi == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ? "GELU_AUX_BIAS"
+    return epi == CUBLASLT_EPILOGUE_BGRADB ? "BGRADB"
+           : epi == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ? "GELU_AUX_BIAS"
            : epi == CUBLASLT_EPILOGUE_GELU_AUX    ? "GELU_AUX"
            : epi == CUBLASLT_EPILOGUE_DGELU       ? "DGELU"
            : epi == CUBLASLT_EPILOGUE_BIAS        ? "BIAS"
                                                   : "DEFAULT";
 }
 
-/* Say once per plan why a GeLU epilogue is not used (the bias epilogue's
- * fallback, a separate add, is silent as it always was). */
+/* Say once per plan why a GeLU or bias-gradient epilogue is not used (the
+ * bias epilogue's fallback, a separate add, is silent as it always was). */
 static void mm_refused(const MmKey *key, const char *why) {
+    if (key->epi == CUBLASLT_EPILOGUE_BGRADB)
+        kiln_warn("cublasLt: BGRADB epilogue: %s for a %dx%dx%d %s product (bias gradient alignment %d): the bias "
+                  "gradient is a column sum for this shape", why, key->m, key->n, key->k, key->ab_bf16 ? "bf16" : "fp32",
+                  key->align_bias);
     if (!mm_epi_has_aux(key->epi)) return;
     kiln_warn("cublasLt: %s epilogue: %s for a %dx%dx%d %s product (aux ld %d, aux alignment %d): the GeLU runs "
               "as its own kernel for this shape (precision.gelu_fusion)", mm_epi_name(key->epi), why, key->m, key->n, key->k,
@@ -202,8 +211,9 @@ static MmPlan *mm_plan(const MmKey *key, const void *aux, const void *bias) {
 /* D(m,n) = epilogue(alpha op(A) op(B) (+ bias(m))) + beta D, column-major; A, B of
  * the activation dtype, D too or fp32 (d_f32). epi is a cublasLtEpilogue_t;
  * aux (ld ldaux) is the GELU epilogues' pre-activation, written by GELU_AUX*
- * and read by DGELU. Returns 0, having done nothing, if cuBLASLt takes no
- * such epilogue for this shape (the caller does its part separately); the
+ * and read by DGELU; with BGRADB, bias is where the bias gradient (n) goes.
+ * Returns 0, having done nothing, if cuBLASLt takes no such epilogue for
+ * this shape (the caller does the product and its part separately); the
  * plain product (DEFAULT) has no fallback and fails the run instead. */
 static int mm_gemm_scaled(void *D, const void *A, const void *B, int m, int n, int k, int ta, int tb, int lda,
                           int ldb, int ldd, float alpha, float beta, int d_f32, int epi, const void *bias,
@@ -278,6 +288,29 @@ void cuda_matmul_forward(void *out, const void *inp, const void *w, const void *
     if (bias && !fused) ACT_DISPATCH(add_bias_run, out, bias, N, OC);
 }
 
+/* dw (+)= dout^T inp with dbias from the same product (BGRADB) where
+ * cuBLASLt takes it: straight into dbias when it overwrites (and is 16-byte
+ * aligned, as the bias epilogue's vectors are given), else into a scratch
+ * vector then added (accumulate) or copied. Returns 0 if dbias is left to
+ * do: no dbias asked, or no such algorithm (dw is done either way). */
+static int mm_dw_bgradb(float *dw, float *dbias, const void *dout, const void *inp, int N, int C, int OC,
+                        int accumulate) {
+    /* beta 0 does not read dw (BLAS semantics): garbage, even NaN, is overwritten. */
+    float beta = accumulate ? 1.0f : 0.0f;
+    float *bgrad = NULL;
+    if (dbias)
+        bgrad = accumulate || mm_align(dbias) < 16 ? (float *)cuda_scratch(SCRATCH_COLSUM, (size_t)OC * sizeof(float))
+                                                   : dbias;
+    if (bgrad && mm_gemm(dw, inp, dout, C, OC, N, 0, 1, C, OC, C, beta, 1, CUBLASLT_EPILOGUE_BGRADB, bgrad, NULL, 0)) {
+        if (bgrad == dbias) return 1;
+        if (accumulate) cuda_add(dbias, dbias, bgrad, (size_t)OC);
+        else CUDA_CHECK(cudaMemcpyAsync(dbias, bgrad, (size_t)OC * sizeof(float), cudaMemcpyDeviceToDevice, 0));
+        return 1;
+    }
+    mm_gemm(dw, inp, dout, C, OC, N, 0, 1, C, OC, C, beta, 1, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0);
+    return 0;
+}
+
 void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout, const void *inp,
                           const void *w, int N, int C, int OC, int accumulate) {
     /* dinp (N,C) act or NULL, dw (OC,C) fp32 or NULL, dbias (OC) fp32 or NULL, dout (N,OC), inp (N,C),
@@ -288,11 +321,8 @@ void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout,
         return;
     }
     if (dinp) mm_gemm(dinp, w, dout, C, N, OC, 0, 0, C, OC, C, 0.0f, 0, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0);
-    /* beta 0 does not read dw (BLAS semantics): garbage, even NaN, is overwritten. */
-    if (dw)
-        mm_gemm(dw, inp, dout, C, OC, N, 0, 1, C, OC, C, accumulate ? 1.0f : 0.0f, 1, CUBLASLT_EPILOGUE_DEFAULT,
-                NULL, NULL, 0);
-    if (dbias) cuda_colsum(dbias, dout, N, OC, accumulate);
+    int bias_done = dw && mm_dw_bgradb(dw, dbias, dout, inp, N, C, OC, accumulate);
+    if (dbias && !bias_done) cuda_colsum(dbias, dout, N, OC, accumulate);
 }
 
 /* ---------------------------------------------------------------------------
@@ -341,10 +371,11 @@ void cuda_fp8_matmul(void *out, const uint8_t *a, const uint8_t *b, const float 
  * the act store, so with bf16 out = bf16(gelu(x)) where the separate kernel
  * computes bf16(gelu(bf16(x))); and its formula is the library's (cublasLt.h
  * says only "GELU"; test_backend_cross measures which variant it is). Not
- * DGELU_BGRAD: like BGRADB it writes the bias gradient in D's type,
- * overwriting, where kiln accumulates fp32. Where cuBLASLt takes no such
- * epilogue for a shape (an aux ld not a multiple of 8, no algorithm) the
- * separate ops run instead, after one warning naming the shape. */
+ * DGELU_BGRAD: the bias gradient would come in the dinp product's C type
+ * (bf16), where the dw product's BGRADB gives it in fp32. Where cuBLASLt
+ * takes no such epilogue for a shape (an aux ld not a multiple of 8, no
+ * algorithm) the separate ops run instead, after one warning naming the
+ * shape. */
 void cuda_matmul_gelu_forward(void *out_gelu, void *pre, const void *inp, const void *w, const void *bias, int N,
                               int C, int OC) {
     /* out_gelu, pre (N,OC), inp (N,C), w (OC,C), bias (OC) or NULL; all act */

@@ -27,16 +27,16 @@ fwd=B*NH*tiles*2*64*64*hs*2
 op("attention fwd (TC)", L, fwd, 3*NC*a+NC*a+N*NH*4)
 op("attention bwd (TC: D, dKdV, dQ)", L, fwd*3.5, 3*NC*a+2*NC*a+2*N*NH*4+3*NC*a, 3*NC*a+2*NC*a+2*N*NH*4+3*NC*a+2*NC*a)
 att=list(rows); rows.clear()
-lnb_min=4*NC*a+2*N*4+2*C*4; lnb_wr=lnb_min+2*NC*a
+lnb_min=4*NC*a+2*N*4+2*C*4
+chunks=min((N+31)//32, 1024)  # the backward's row chunks: dw, db partials written and read back
+lnb_wr=lnb_min+2*2*chunks*C*4
 op("embed fwd", 1, 0, N*4+NC*a+T*C*a+NC*a)
-op("layernorm fwd (ln1, ln2, lnf)", 2*L+1, 0, 2*NC*a+2*N*4)
-op("residual add", 2*L, 0, 3*NC*a)
+op("layernorm fwd (layer 1's ln1)", 1, 0, 2*NC*a+2*N*4)
+op("residual add + layernorm fwd, fused (ln2, ln1, lnf)", 2*L, 0, 4*NC*a+2*N*4)
 op("cross-entropy fwd+bwd in place", 1, 0, 2*N*Vp*a+N*8, 4*N*Vp*a+N*8, "as written: 3 reads+1 write if rows miss L2")
 op("zero dresidual", 1, 0, NC*a)
-op("layernorm bwd (dinp + dw/db)", 2*L+1, 0, lnb_min, lnb_wr, "as written: colsum re-reads dout, inp")
-op("dbias colsum fcproj+attproj (N,C)", 2*L, 0, NC*a)
-op("dbias colsum fc (N,4C)", L, 0, 4*NC*a)
-op("dbias colsum qkv (N,3C)", L, 0, 3*NC*a)
+op("layernorm bwd, one kernel (dinp + dw/db partials) + finish", 2*L+1, 0, lnb_min, lnb_wr, "as written: the partials")
+op("dbias: BGRADB epilogue of the dw products", 4*L, 0, 0)
 distinct=V*(1-(1-1/V)**N)
 op("embed bwd (dwte runs, dwpe)", 1, 0, NC*a+distinct*C*8+NC*a+T*C*4)
 op("grad norm (sumsq fp32)", 1, 0, P*4)

@@ -241,6 +241,8 @@ bench() { # NAME WORST STEPS SETS...
     fus=$(sed -n 's/^bench: gelu_fusion=//p' "$WORK/bench_$name.txt")
     fb=$(grep -c 'the GeLU runs as its own kernel' "$WORK/bench_$name.txt")
     [ "$fb" -gt 0 ] && fus="$fus, fell back for $fb shape(s)"
+    fb=$(grep -c 'the bias gradient is a column sum' "$WORK/bench_$name.txt")
+    [ "$fb" -gt 0 ] && fus="$fus; BGRADB refused for $fb shape(s)"
     local init; init=$(sed -n 's/^bench: init_s=\([0-9.]*\).*/, init \1 s/p' "$WORK/bench_$name.txt")
     init="$init$(sed -n 's/^bench: host_syncs_per_step=\(.*\)/, \1 host syncs\/step/p' "$WORK/bench_$name.txt")"
     row "bench_$name" ok "$(awk -v t="$tok" -v g="$gf" -v p="$PEAK_GFLOPS" -v m="${mem:-?}" \

@@ -305,6 +305,16 @@ typedef struct Backend {
 
     /* out = a + b, act (n): the residual stream. */
     void (*residual_forward)(void *out, const void *a, const void *b, size_t n);
+    /* Optional (NULL: model.c runs the composition): the residual add and the
+     * norm that reads its result, in one pass. res(N,C) act = a + b, as
+     * residual_forward; out(N,C) act = the norm of res with its statistics,
+     * as layernorm_forward(out, mean, rstd, res, w, bias, ...) computes it,
+     * or with mean NULL as rmsnorm_forward(out, rstd, res, w, ...) (bias
+     * NULL). a, b (N,C), w, bias (C) act; res may be a (in place). Every
+     * backend gives the bits of that composition, so a norm recomputed from
+     * res alone (model.recompute) is the one the forward saved. */
+    void (*residual_norm_forward)(void *res, void *out, float *mean, float *rstd, const void *a, const void *b,
+                                  const void *w, const void *bias, int N, int C, float eps);
     /* out = a + b, fp32 (n): gradient shards (ddp.c). */
     void (*add)(float *out, const float *a, const float *b, size_t n);
 

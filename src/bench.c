@@ -161,6 +161,8 @@ int bench_run(const Config *c, int steps) {
                                                 "their step times come from training runs, docs/optimizers.md)");
     printf("bench: gelu_fusion=%s\n", model_gelu_fused(&m, 0) || model_gelu_fused(&m, 1) ? "on"
                                        : m.gelu_fusion ? "not_offered" : "off");
+    /* the residual add done by the norm after it (docs/gpu.md); no switch: same bits */
+    printf("bench: residual_norm_fusion=%s\n", be->residual_norm_forward ? "on" : "not_offered");
     free(inp), free(tgt), free(times);
     optim_free(&opt);
     model_free(&m);

@@ -920,11 +920,31 @@ static void *act_at(const Model *m, const void *base, size_t rows, size_t width)
     return (char *)base + rows * width * m->act_bytes;
 }
 
-static void norm_forward(const Model *m, void *out, float *mean, float *rstd, const void *x, const void *w,
+/* Rows of the residual stream, x, or x = a + b not yet added: a block
+ * leaves its residual add to the norm that reads x next, so a backend that
+ * fuses the two (residual_norm_forward) does both in one pass. */
+typedef struct Resid {
+    void *x;           /* (rows, C) act */
+    const void *a, *b; /* b non-NULL: x = a + b is pending */
+} Resid;
+
+/* Rows that are there already (nothing pending: x is only read). */
+static Resid resid_rows(const void *x) { return (Resid){.x = (void *)x}; }
+
+/* out (N,C) = norm(x); a pending add is written first, by the same call
+ * where the backend fuses them (the bits of the two ops either way). */
+static void norm_forward(const Model *m, void *out, float *mean, float *rstd, Resid x, const void *w,
                          const void *b, int N) {
     const ArchSpec *s = &m->shape;
-    if (s->norm == NORM_LAYERNORM) m->be->layernorm_forward(out, mean, rstd, x, w, b, N, s->n_embd, s->norm_eps);
-    else m->be->rmsnorm_forward(out, rstd, x, w, N, s->n_embd, s->norm_eps);
+    const Backend *be = m->be;
+    int ln = s->norm == NORM_LAYERNORM, C = s->n_embd;
+    if (x.b && be->residual_norm_forward) {
+        be->residual_norm_forward(x.x, out, ln ? mean : NULL, rstd, x.a, x.b, w, ln ? b : NULL, N, C, s->norm_eps);
+        return;
+    }
+    if (x.b) be->residual_forward(x.x, x.a, x.b, (size_t)N * C);
+    if (ln) be->layernorm_forward(out, mean, rstd, x.x, w, b, N, C, s->norm_eps);
+    else be->rmsnorm_forward(out, rstd, x.x, w, N, C, s->norm_eps);
 }
 
 static void norm_backward(const Model *m, void *dx, float *dw, float *db, const void *dout, const void *x,
@@ -946,9 +966,10 @@ static void norm_backward(const Model *m, void *dx, float *dw, float *db, const 
 static int res_rows(const Model *m, int N) { return m->live_sp ? N / m->tp : N; }
 static size_t res_first(const Model *m, int N) { return m->live_sp ? (size_t)m->tp_rank * (N / m->tp) : 0; }
 
-/* out (N,C) = norm(x) of the residual rows x: under sequence parallelism
- * each rank norms its rows in place in `out` and the rows are gathered. */
-static void norm_in(const Model *m, void *out, float *mean, float *rstd, const void *x, const void *w, const void *b,
+/* out (N,C) = norm(x) of the residual rows x (a pending add written first):
+ * under sequence parallelism each rank norms its rows in place in `out` and
+ * the rows are gathered. */
+static void norm_in(const Model *m, void *out, float *mean, float *rstd, Resid x, const void *w, const void *b,
                     int N) {
     size_t C = (size_t)m->shape.n_embd;
     int n = res_rows(m, N);
@@ -1137,8 +1158,9 @@ static void rope_rows(const Model *m, void *qkv, const AttnShape *sh, int backwa
     }
 }
 
-/* res2 = x + o_proj(attention(rope(qknorm(qkv_proj(norm1(x)))))) */
-static void attn_forward(Model *m, int l, const void *x, int B, int T) {
+/* res2 = x + o_proj(attention(rope(qknorm(qkv_proj(norm1(x)))))), returned
+ * pending for norm2 (x's own pending add is written by norm1) */
+static Resid attn_forward(Model *m, int l, Resid x, int B, int T) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
     LayerActs *a = &m->acts[l];
@@ -1156,7 +1178,7 @@ static void attn_forward(Model *m, int l, const void *x, int B, int T) {
     else be->attention_forward(a->atty, a->att_lse, a->qkv, &sh);
     model_mm_forward(m, l, MM_O, -1, proj, a->atty, W(m, l, ROLE_O_W), row_bias(m, l, ROLE_O_B), N, Q, C);
     const void *out = row_reduce(m, proj, act_at(m, proj, N, C), N);
-    be->residual_forward(a->res2, x, out, (size_t)res_rows(m, N) * C);
+    return (Resid){a->res2, x.x, out};
 }
 
 /* The dense MLP's activation from its first product: GeLU or SwiGLU. */
@@ -1240,9 +1262,10 @@ static void moe_cp_caps(Model *m, const LayerActs *a, int N, int gr, int cap) {
     be->to_device(m->moe_caps, m->caps_host, (size_t)2 * B * E * sizeof(int32_t));
 }
 
-/* out (N,C) = sum_k gate * expert(x) (+ the shared experts, added to res3
- * by the caller); router statistics into the losses and loads. */
-static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
+/* res3 = res2 + sum_k gate * expert(x) (+ the shared experts), its last
+ * add returned pending for the next norm; router statistics into the losses
+ * and loads. */
+static Resid moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
     const ArchMoe *mo = &s->moe;
@@ -1277,13 +1300,14 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     size_t n = (size_t)res_rows(m, N) * C;
     const void *mine = act_at(m, proj, res_first(m, N), C);
     be->moe_combine(proj, a->yp, a->gates, a->row_of, N, K, C);
-    be->residual_forward(a->res3, a->res2, mine, n);
-    if (mo->n_shared > 0) {
+    Resid res3 = {a->res3, a->res2, mine};
+    if (mo->n_shared > 0) { /* the shared experts' product reuses proj: the routed add is done first */
+        be->residual_forward(a->res3, a->res2, mine, n);
         int S = mo->n_shared * mo->expert_hidden;
         model_mm_forward(m, l, MM_SHARED_GATE, -1, a->sh, a->ln2, W(m, l, ROLE_SHARED_GATE_W), NULL, N, C, 2 * S);
         be->swiglu_forward(a->sh_act, a->sh, N, S);
         model_mm_forward(m, l, MM_SHARED_DOWN, -1, proj, a->sh_act, W(m, l, ROLE_SHARED_DOWN_W), NULL, N, S, C);
-        be->residual_forward(a->res3, a->res3, mine, n);
+        res3.a = a->res3;
     }
     /* Losses per sequence b of Tg tokens (T, or under cp the T cp of the
      * whole sequence), averaged over the B sequences: aux_b = E sum_e f_be
@@ -1326,20 +1350,19 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
         m->moe.drops += routed - a->offsets_host[E];
     }
     be->to_device(m->aux + (size_t)l * G * E, m->auxg_host, (size_t)G * E * sizeof(float));
+    return res3;
 }
 
-/* res3 = res2 + mlp(norm2(res2)): GeLU, SwiGLU or MoE. */
-static void mlp_forward(Model *m, int l, int N, int T, int fuse, float dloss, int train) {
+/* res3 = res2 + mlp(norm2(res2)): GeLU, SwiGLU or MoE; res2 comes pending
+ * from attn_forward, res3 goes pending to the next norm. */
+static Resid mlp_forward(Model *m, int l, Resid res2, int N, int T, int fuse, float dloss, int train) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
     LayerActs *a = &m->acts[l];
     int C = s->n_embd, F = s->ffn_hidden;
     void *proj = m->scratch;
-    norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W), W(m, l, ROLE_MLP_NORM_B), N);
-    if (s->mlp == MLP_MOE) {
-        moe_forward(m, l, N, T, dloss, train);
-        return;
-    }
+    norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, res2, W(m, l, ROLE_MLP_NORM_W), W(m, l, ROLE_MLP_NORM_B), N);
+    if (s->mlp == MLP_MOE) return moe_forward(m, l, N, T, dloss, train);
     if (fuse) {
         be->matmul_gelu_forward(a->fch_gelu, a->fch, a->ln2, W(m, l, ROLE_FC_W), W(m, l, ROLE_FC_B), N, C, F);
     } else {
@@ -1348,7 +1371,7 @@ static void mlp_forward(Model *m, int l, int N, int T, int fuse, float dloss, in
     }
     model_mm_forward(m, l, MM_DOWN, -1, proj, a->fch_gelu, W(m, l, ROLE_DOWN_W), row_bias(m, l, ROLE_DOWN_B), N, F, C);
     const void *out = row_reduce(m, proj, act_at(m, proj, N, C), N);
-    be->residual_forward(a->res3, a->res2, out, (size_t)res_rows(m, N) * C);
+    return (Resid){a->res3, a->res2, out};
 }
 
 /* The output head: tied to the token embedding, or its own weight. */
@@ -1427,18 +1450,22 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         const void *enc = row_reduce(m, e, m->encoded, N);
         if (enc != m->encoded) be->copy(m->encoded, enc, (size_t)N * C * m->act_bytes);
     }
-    const void *x = m->encoded; /* (N,C) residual stream entering layer l (its rows under sequence parallelism) */
+    /* (N,C) residual stream entering layer l (its rows under sequence
+     * parallelism); after the first layer, the add that makes it is pending:
+     * the layer's first norm (or the final one) writes it. Nothing touches
+     * the scratch holding its second term until then. */
+    Resid x = resid_rows(m->encoded);
     for (int l = m->layer_lo; l < m->layer_hi; l++) {
         use_layer(m, l, 0);
-        attn_forward(m, l, x, B, T);
-        mlp_forward(m, l, N, T, fuse_fwd, dloss, train);
-        x = m->acts[l].res3;
+        Resid res2 = attn_forward(m, l, x, B, T);
+        x = mlp_forward(m, l, res2, N, T, fuse_fwd, dloss, train);
     }
     if (train && s->mlp == MLP_MOE) m->moe.aux_sum += m->moe.aux, m->moe.z_sum += m->moe.z;
     m->live_B = B;
     m->live_T = T;
     m->live_dloss = dloss;
     if (!m->has_head) { /* the output stays in the last layer's res3 for the next stage */
+        if (x.b) be->residual_forward(x.x, x.a, x.b, (size_t)res_rows(m, N) * C);
         m->have_targets = dloss != 0.0f;
         return 0.0f;
     }
@@ -1609,7 +1636,8 @@ static void mlp_backward(Model *m, int l, int N, const BackScratch *b, int acc, 
      * saved inputs; the norm also rewrites its saved statistics, with the
      * same values. */
     if (rec_norm)
-        norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W), W(m, l, ROLE_MLP_NORM_B), N);
+        norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, resid_rows(a->res2), W(m, l, ROLE_MLP_NORM_W),
+                W(m, l, ROLE_MLP_NORM_B), N);
     /* tp: the products read the gradient of all N rows */
     const void *dtop = grad_gather(m, b->dres, b->dfull, N);
     const void *dnorm; /* the gradient of this rank's rows of norm2's output */
@@ -1679,7 +1707,8 @@ static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const
         be->qknorm_backward(b->dqkv, G(m, l, ROLE_Q_NORM), G(m, l, ROLE_K_NORM), a->qk_in, W(m, l, ROLE_Q_NORM),
                             W(m, l, ROLE_K_NORM), a->qk_rstd, &sh, s->qk_norm == QKNORM_HEAD, acc);
     if (rec_norm)
-        norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, x_in, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B), N);
+        norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, resid_rows(x_in), W(m, l, ROLE_ATTN_NORM_W),
+                W(m, l, ROLE_ATTN_NORM_B), N);
     keep_grad(m, a->d_qkv, b->dqkv, N, (size_t)arch_qkv_width(s), part); /* attention has read qkv */
     model_mm_backward(m, l, MM_QKV, -1, b->dln, GW(m, l, ROLE_QKV_W, part), GW(m, l, ROLE_QKV_B, part), b->dqkv, a->ln1,
                         W(m, l, ROLE_QKV_W), N, C, arch_qkv_width(s), acc);
@@ -1784,7 +1813,7 @@ void model_backward_weight(Model *m, int accumulate) {
          * dropped it (norm2's, the MLP activation, norm1's) */
         if (s->mlp != MLP_MOE) {
             if (rec_norm)
-                norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, a->res2, W(m, l, ROLE_MLP_NORM_W),
+                norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, resid_rows(a->res2), W(m, l, ROLE_MLP_NORM_W),
                         W(m, l, ROLE_MLP_NORM_B), N);
             if (rec_act) mlp_activation(m, a, N);
             model_mm_backward(m, l, MM_DOWN, -1, NULL, G(m, l, ROLE_DOWN_W), G(m, l, ROLE_DOWN_B), a->d_down, a->fch_gelu,
@@ -1795,7 +1824,7 @@ void model_backward_weight(Model *m, int accumulate) {
         model_mm_backward(m, l, MM_O, -1, NULL, G(m, l, ROLE_O_W), G(m, l, ROLE_O_B), a->d_o, a->atty, W(m, l, ROLE_O_W), N, Q, C,
                             acc);
         if (rec_norm)
-            norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, x_in, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B),
+            norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, resid_rows(x_in), W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B),
                     N);
         model_mm_backward(m, l, MM_QKV, -1, NULL, G(m, l, ROLE_QKV_W), G(m, l, ROLE_QKV_B), a->d_qkv, a->ln1, W(m, l, ROLE_QKV_W),
                             N, C, arch_qkv_width(s), acc);

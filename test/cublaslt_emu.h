@@ -5,11 +5,21 @@
  * first to find out. It refuses, as the library does, with
  * CUBLAS_STATUS_INVALID_VALUE: an attribute whose size is not the header's
  * type (TRANSA/B int32, EPILOGUE uint32, pointers, AUX_LD int64, workspace
- * uint64, alignments uint32); a type combination outside the documented
- * table (compute 32F, scale 32F: A/B fp32 with C/D fp32, A/B bf16 with C/D
- * bf16 or fp32); layouts that do not make op(A) m x k, op(B) k x n, D m x n,
- * or a leading dimension below the rows; a GELU aux ld not a multiple of 8
- * or below D's rows. It fails the test (a GPU would misbehave) when a pointer
+ * uint64, alignments uint32, BIAS_DATA_TYPE int32); a type combination
+ * outside the documented table (compute 32F, scale 32F: A/B fp32 with C/D
+ * fp32, A/B bf16 with C/D bf16 or fp32); layouts that do not make op(A) m x
+ * k, op(B) k x n, D m x n, or a leading dimension below the rows; a GELU aux
+ * ld not a multiple of 8 or below D's rows. BGRADB (the bias gradient, the
+ * sum of op(B) over k, n values in C's type: cublasLt.h, BIAS_POINTER and
+ * BGRADB) is refused with no bias pointer to store into (INVALID_VALUE) and
+ * with a BIAS_DATA_TYPE other than C's (NOT_SUPPORTED); only the layout of
+ * kiln's dw product is emulated (A not transposed, B transposed: others are
+ * NOT_SUPPORTED, as are BGRADA and the other epilogues kiln does not use).
+ * cublasLt.h does not say whether alpha scales the bias gradient, so BGRADB
+ * with alpha other than 1 fails the test. emu_lt_no_algo_epi makes the
+ * heuristic find no algorithm for one epilogue (what a library without one
+ * for a shape answers), and emu_lt_heuristic_calls counts the queries. It
+ * fails the test (a GPU would misbehave) when a pointer
  * is less aligned at cublasLtMatmul than what the heuristic was told or saw
  * (the preference's minimum alignments; the bias and aux pointers' values,
  * which the heuristic reads: cublasLt.h, BIAS_POINTER and AUX_POINTER), or
@@ -53,7 +63,8 @@ typedef enum {
     CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11,
     CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12,
     CUBLASLT_MATMUL_DESC_A_SCALE_POINTER = 17,
-    CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 18
+    CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 18,
+    CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26
 } cublasLtMatmulDescAttributes_t;
 typedef enum {
     CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,
@@ -71,6 +82,7 @@ struct EmuLtDesc {
     const void *bias, *aux;
     int64_t ldaux;
     const float *scale_a, *scale_b; /* fp8: device floats multiplying op(A), op(B) */
+    int32_t bias_type;              /* BIAS_DATA_TYPE: -1 (the default) is the documented type */
 };
 struct EmuLtLayout { int type; uint64_t rows, cols; int64_t ld; };
 struct EmuLtPref { uint64_t ws; uint32_t align[4]; /* A, B, C, D; the header's default 256 */ };
@@ -83,6 +95,8 @@ struct cublasLtMatmulAlgo_t { uint32_t align[4], align_bias, align_aux; int vali
 struct cublasLtMatmulHeuristicResult_t { cublasLtMatmulAlgo_t algo; size_t workspaceSize; cublasStatus_t state; };
 
 inline int emu_lt_live; /* handles, descriptors, layouts and preferences not yet destroyed */
+inline int emu_lt_heuristic_calls; /* cublasLtMatmulAlgoGetHeuristic queries so far */
+inline uint32_t emu_lt_no_algo_epi; /* non-zero: the heuristic finds no algorithm with this epilogue */
 
 static inline uint32_t emu_lt_align(const void *p) {
     uintptr_t a = (uintptr_t)p;
@@ -92,6 +106,8 @@ static inline uint32_t emu_lt_align(const void *p) {
 }
 static inline int emu_lt_aux_epi(uint32_t e) { return e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_DGELU || e == CUBLASLT_EPILOGUE_DGELU_BGRAD; }
 static inline int emu_lt_bias_epi(uint32_t e) { return e == CUBLASLT_EPILOGUE_BIAS || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || e == CUBLASLT_EPILOGUE_GELU_BIAS; }
+/* epilogues that read or write the vector at BIAS_POINTER */
+static inline int emu_lt_vec_epi(uint32_t e) { return emu_lt_bias_epi(e) || e == CUBLASLT_EPILOGUE_BGRADB; }
 
 static inline cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
     *h = new EmuLtHandle{1};
@@ -105,7 +121,7 @@ static inline cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
     return CUBLAS_STATUS_SUCCESS;
 }
 static inline cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t c, cudaDataType_t s) {
-    *d = new EmuLtDesc{(int)c, (int)s, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0, NULL, NULL};
+    *d = new EmuLtDesc{(int)c, (int)s, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0, NULL, NULL, -1};
     emu_lt_live++;
     return CUBLAS_STATUS_SUCCESS;
 }
@@ -144,6 +160,10 @@ static inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t
     case CUBLASLT_MATMUL_DESC_B_SCALE_POINTER:
         if (n != sizeof(void *)) return CUBLAS_STATUS_INVALID_VALUE;
         memcpy(a == CUBLASLT_MATMUL_DESC_A_SCALE_POINTER ? (void *)&d->scale_a : (void *)&d->scale_b, buf, n);
+        return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE:
+        if (n != sizeof(int32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+        memcpy(&d->bias_type, buf, n);
         return CUBLAS_STATUS_SUCCESS;
     }
     return CUBLAS_STATUS_INVALID_VALUE;
@@ -226,9 +246,16 @@ static inline cublasStatus_t emu_lt_validate(cublasLtMatmulDesc_t d, cublasLtMat
     if (A->ld < (int64_t)A->rows || B->ld < (int64_t)B->rows || D->ld < (int64_t)D->rows) return CUBLAS_STATUS_INVALID_VALUE;
     uint32_t e = d->epi;
     if (e != CUBLASLT_EPILOGUE_DEFAULT && e != CUBLASLT_EPILOGUE_BIAS && e != CUBLASLT_EPILOGUE_GELU_AUX &&
-        e != CUBLASLT_EPILOGUE_GELU_AUX_BIAS && e != CUBLASLT_EPILOGUE_DGELU)
+        e != CUBLASLT_EPILOGUE_GELU_AUX_BIAS && e != CUBLASLT_EPILOGUE_DGELU && e != CUBLASLT_EPILOGUE_BGRADB)
         return CUBLAS_STATUS_NOT_SUPPORTED; /* not emulated */
     if (emu_lt_aux_epi(e) && (d->ldaux % 8 != 0 || d->ldaux < (int64_t)m)) return CUBLAS_STATUS_INVALID_VALUE;
+    /* the vector's type: D's for a bias, C's for a bias gradient (cublasLt.h) */
+    if (emu_lt_bias_epi(e) && d->bias_type != -1 && d->bias_type != D->type) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (e == CUBLASLT_EPILOGUE_BGRADB) {
+        if (!d->bias) return CUBLAS_STATUS_INVALID_VALUE; /* nowhere to store the gradient */
+        if (d->bias_type != -1 && d->bias_type != C->type) return CUBLAS_STATUS_NOT_SUPPORTED;
+        if (d->ta != CUBLAS_OP_N || d->tb != CUBLAS_OP_T) return CUBLAS_STATUS_NOT_SUPPORTED; /* not emulated */
+    }
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -238,9 +265,11 @@ static inline cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, 
                                                             cublasLtMatmulPreference_t p, int requested,
                                                             cublasLtMatmulHeuristicResult_t *res, int *found) {
     *found = 0;
+    emu_lt_heuristic_calls++;
     if (!h || requested < 1) return CUBLAS_STATUS_INVALID_VALUE;
     cublasStatus_t st = emu_lt_validate(d, A, B, C, D);
     if (st != CUBLAS_STATUS_SUCCESS) return st;
+    if (emu_lt_no_algo_epi && d->epi == emu_lt_no_algo_epi) return CUBLAS_STATUS_SUCCESS; /* none found */
     memset(res, 0, sizeof *res);
     memcpy(res->algo.align, p->align, sizeof p->align);
     /* the pointers' values, which the heuristic reads for their alignment */
@@ -285,7 +314,7 @@ static inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDe
         if (emu_lt_align(ptr[i]) < algo->align[i])
             emu_fail("cublasLtMatmul: A, B, C or D less aligned than the preference told the heuristic");
     uint32_t e = d->epi;
-    if (emu_lt_bias_epi(e) && (!d->bias || emu_lt_align(d->bias) < algo->align_bias))
+    if (emu_lt_vec_epi(e) && (!d->bias || emu_lt_align(d->bias) < algo->align_bias))
         emu_fail("cublasLtMatmul: the bias pointer is less aligned than the one the heuristic saw");
     if (emu_lt_aux_epi(e) && (!d->aux || emu_lt_align(d->aux) < algo->align_aux))
         emu_fail("cublasLtMatmul: the aux pointer is less aligned than the one the heuristic saw");
@@ -302,6 +331,16 @@ static inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDe
     uint64_t m = D->rows, n = D->cols, k = d->ta ? A->rows : A->cols;
     if (!emu_is_device(dd, ((n - 1) * D->ld + m) * (D->type == CUDA_R_16BF ? 2 : 4)))
         emu_fail("cublasLtMatmul: D is not (all) device memory");
+    if (e == CUBLASLT_EPILOGUE_BGRADB) { /* the sum of op(B) over k, one per column of D, in C's type */
+        if (al != 1.0f) emu_fail("cublasLtMatmul: BGRADB with alpha != 1 (cublasLt.h does not say whether it scales)");
+        if (!emu_is_device(d->bias, n * (C->type == CUDA_R_16BF ? 2 : 4)))
+            emu_fail("cublasLtMatmul: the bias gradient is not (all) device memory");
+        for (uint64_t j = 0; j < n; j++) {
+            float g = 0.0f;
+            for (uint64_t l = 0; l < k; l++) g += emu_lt_load(b, B->type, d->tb ? l * B->ld + j : j * B->ld + l);
+            emu_lt_store((void *)d->bias, C->type, j, g);
+        }
+    }
     std::vector<float> out(m * n);
     for (uint64_t j = 0; j < n; j++)
         for (uint64_t i = 0; i < m; i++) {

@@ -98,9 +98,10 @@ void cuda_newton_schulz(float *, int, int, int, float *) { emu_fail("matmul call
 #define TOL_F32 1e-5
 #define TOL_BF16 1e-2
 #define TOL_SUMSQ 1e-12
-/* A column sum over 20000 rows: the CPU adds them one by one in fp32, whose
- * error grows with the row count (measured 4.3e-6 of the max); 5e-5 is 10x
- * that and still ~100x below a lost or doubled chunk (1/256 of a sum). */
+/* A column sum over 20000 (32770) rows: the CPU adds them one by one in
+ * fp32, whose error grows with the row count (measured 4.3e-6 (5.3e-6) of the
+ * max); 5e-5 is 10x that and still ~20x below a lost or doubled chunk (1/256,
+ * 1/1024 of a sum). */
 #define TOL_LONG_SUM 5e-5
 
 typedef std::vector<float> Vec;
@@ -323,7 +324,7 @@ static void test_embed(void) {
     cudaFree(dwte_a), cudaFree(dout), cudaFree(dtok);
 }
 
-static void test_layernorm(int N, int C) {
+static void test_layernorm(int N, int C, double tol_sum = TOL_F32) {
     std::string sh = "_N" + std::to_string(N) + "_C" + std::to_string(C);
     Vec x = rnd_act((size_t)N * C, 2.0f, 0.5f), w = rnd_act(C, 1.0f, 1.0f), b = rnd_act(C, 0.5f);
     Vec out((size_t)N * C), mean(N), rstd(N);
@@ -351,8 +352,8 @@ static void test_layernorm(int N, int C) {
         gpu->layernorm_backward(ddinp, dgw, dgb, dg, dx, dw, dmean, drstd, N, C, acc);
         std::string s = sh + (acc ? "_acc1" : "_acc0");
         check("layernorm_backward_dinp" + s, get_act(ddinp, (size_t)N * C), rdinp, tol_act());
-        check("layernorm_backward_dw" + s, get_f32(dgw, C), rgw, TOL_F32);
-        check("layernorm_backward_db" + s, get_f32(dgb, C), rgb, TOL_F32);
+        check("layernorm_backward_dw" + s, get_f32(dgw, C), rgw, tol_sum);
+        check("layernorm_backward_db" + s, get_f32(dgb, C), rgb, tol_sum);
         cudaFree(dg), cudaFree(ddinp), cudaFree(dgw), cudaFree(dgb);
     }
     cudaFree(dx), cudaFree(dw), cudaFree(db), cudaFree(dout), cudaFree(dmean), cudaFree(drstd);
@@ -1061,6 +1062,50 @@ static void test_rmsnorm(int N, int C) {
     cudaFree(dx), cudaFree(dw), cudaFree(dout), cudaFree(drstd);
 }
 
+/* residual_norm_forward (backend.h): res = a + b and the norm of res, which
+ * must be the bits of the backend's own residual_forward then
+ * layernorm_forward / rmsnorm_forward (model.recompute redoes the norm from
+ * res alone), and within the norm's tolerance of the CPU's. off 1 places a
+ * and b one element into their buffers: not 16-byte aligned, so where C is
+ * whole packs the op runs the two kernels (the norm alone would read res in
+ * packs); in_place: res is a. */
+static void test_residual_norm(int N, int C, int rms, int bias, int off, int in_place) {
+    std::string sh = std::string(rms ? "rmsnorm" : "layernorm") + "_N" + std::to_string(N) + "_C" + std::to_string(C) +
+                     (bias ? "" : "_nobias") + (off ? "_unaligned" : "") + (in_place ? "_in_place" : "");
+    size_t NC = (size_t)N * C;
+    Vec a = rnd_act(NC, 2.0f, 0.5f), b = rnd_act(NC, 1.0f), w = rnd_act(C, 1.0f, 1.0f), bb = rnd_act(C, 0.5f);
+    Vec res(NC), out(NC), mean(N), rstd(N);
+    cpu->residual_forward(res.data(), a.data(), b.data(), NC);
+    res = act_round(res);
+    if (rms) cpu->rmsnorm_forward(out.data(), rstd.data(), res.data(), w.data(), N, C, 1e-5f);
+    else cpu->layernorm_forward(out.data(), mean.data(), rstd.data(), res.data(), w.data(), bias ? bb.data() : NULL, N,
+                                C, 1e-5f);
+    void *ba = dev_act_off(a, off), *bbuf = dev_act_off(b, off), *dw = dev_act(w), *dbias = bias ? dev_act(bb) : NULL;
+    void *da = at(ba, off, AB), *db = at(bbuf, off, AB), *dres, *dout, *cres = dev_act(a), *cout;
+    float *dm, *dr, *cm, *cr;
+    CUDA_CHECK(cudaMalloc(&dres, NC * AB + 1));
+    CUDA_CHECK(cudaMalloc(&dout, NC * AB + 1));
+    CUDA_CHECK(cudaMalloc(&cout, NC * AB + 1));
+    CUDA_CHECK(cudaMalloc(&dm, N * sizeof(float) + 1));
+    CUDA_CHECK(cudaMalloc(&dr, N * sizeof(float) + 1));
+    CUDA_CHECK(cudaMalloc(&cm, N * sizeof(float) + 1));
+    CUDA_CHECK(cudaMalloc(&cr, N * sizeof(float) + 1));
+    /* the composition first: in place, the fused call then overwrites a */
+    gpu->residual_forward(cres, da, db, NC);
+    if (rms) gpu->rmsnorm_forward(cout, cr, cres, dw, N, C, 1e-5f);
+    else gpu->layernorm_forward(cout, cm, cr, cres, dw, dbias, N, C, 1e-5f);
+    void *r = in_place ? da : dres;
+    gpu->residual_norm_forward(r, dout, rms ? NULL : dm, dr, da, db, dw, dbias, N, C, 1e-5f);
+    check_exact("residual_norm_res_" + sh, get_act(r, NC), res);
+    check_exact("residual_norm_out_is_composition_" + sh, get_act(dout, NC), get_act(cout, NC));
+    check_exact("residual_norm_rstd_is_composition_" + sh, get_f32(dr, N), get_f32(cr, N));
+    if (!rms) check_exact("residual_norm_mean_is_composition_" + sh, get_f32(dm, N), get_f32(cm, N));
+    check("residual_norm_out_" + sh, get_act(dout, NC), out, tol_act());
+    check("residual_norm_rstd_" + sh, get_f32(dr, N), rstd, TOL_F32);
+    cudaFree(ba), cudaFree(bbuf), cudaFree(dw), cudaFree(dbias), cudaFree(dres), cudaFree(dout), cudaFree(cres);
+    cudaFree(cout), cudaFree(dm), cudaFree(dr), cudaFree(cm), cudaFree(cr);
+}
+
 static std::string ash_name(const AttnShape &a) {
     char s[80];
     snprintf(s, sizeof s, "_B%d_T%d_NH%d_NKV%d_HD%d", a.B, a.T, a.NH, a.NKV, a.HD);
@@ -1362,8 +1407,18 @@ int main(void) {
         test_cast(5, 0);
         test_embed();
         test_layernorm(37, 48);
-        test_layernorm(201, 40); /* 4 column-sum chunks, the last one short; C not a multiple of 32 */
+        test_layernorm(201, 40); /* 7 backward chunks, the last one short; C not a multiple of 32 */
         test_layernorm(9, 42);   /* C of no whole 16-byte packs: element by element */
+        test_layernorm(45, 264); /* rows of more vectors than a warp has lanes: 2 (bf16) or 3 column rounds */
+        /* 1024 backward chunks of 33 rows, the last ones empty; a long sum as test_colsum's */
+        test_layernorm(32770, 24, TOL_LONG_SUM);
+        for (int rms = 0; rms <= 1; rms++) {
+            test_residual_norm(37, 48, rms, 1, 0, 0);   /* 16-byte packs */
+            test_residual_norm(37, 42, rms, 1, 0, 0);   /* element by element */
+            test_residual_norm(45, 264, rms, 1, 0, 1);  /* several vectors per lane; res is a */
+            test_residual_norm(37, 48, rms, 1, 1, 0);   /* a, b unaligned: the two kernels */
+        }
+        test_residual_norm(37, 48, 0, 0, 0, 0); /* LayerNorm without a bias */
         test_colsum(201, 100, TOL_F32);
         test_colsum(20000, 5, TOL_LONG_SUM); /* 256 chunks, the last ones empty */
         test_pointwise(1777, 0); /* 16-byte packs and a tail */
@@ -1425,7 +1480,8 @@ int main(void) {
         test_attention_block(2, 150, 130, 2, 2, 16, 140, 0, 130, 1);
         test_copy_2d();
         test_rmsnorm(37, 70);
-        test_rmsnorm(37, 48); /* whole 16-byte packs */
+        test_rmsnorm(37, 48);  /* whole 16-byte packs */
+        test_rmsnorm(45, 264); /* several column rounds in the backward */
         const AttnShape a18 = {1, 37, 6, 2, 18, NULL}, a10 = {2, 37, 6, 1, 10, NULL};
         test_rope(a18, 0);
         test_rope(a10, 5);

@@ -183,6 +183,14 @@ static void emu_rmsnorm_backward(void *dinp, float *dw, const void *dout, const 
     emu_store(dinp, di, NC);
     free(d), free(x), free(wf);
 }
+/* The CPU's fused op works on fp32 sums, not on res rounded to bf16: the
+ * composition of this backend's own ops is the contract (backend.h). */
+static void emu_residual_norm_forward(void *res, void *out, float *mean, float *rstd, const void *a, const void *b,
+                                      const void *w, const void *bias, int N, int C, float eps) {
+    emu_residual_forward(res, a, b, (size_t)N * C);
+    if (mean) emu_layernorm_forward(out, mean, rstd, res, w, bias, N, C, eps);
+    else emu_rmsnorm_forward(out, rstd, res, w, N, C, eps);
+}
 static void emu_rope_forward(void *qkv, const float *rope, const AttnShape *sh, int pos0) {
     size_t n = (size_t)sh->B * sh->T * attn_qkv_width(sh);
     float *q = emu_wide(qkv, n);
@@ -335,6 +343,7 @@ static Backend emu_bf16_backend(void) {
     b.moe_combine_backward = emu_moe_combine_backward;
     b.moe_route_backward = emu_moe_route_backward;
     b.residual_forward = emu_residual_forward;
+    b.residual_norm_forward = emu_residual_norm_forward;
     b.crossentropy_forward = emu_crossentropy_forward;
     b.xent_partial = emu_xent_partial;
     b.xent_finish = emu_xent_finish;

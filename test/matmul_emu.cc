@@ -1,5 +1,5 @@
-/* matmul_emu: cuda/matmul.cu (the cuBLASLt products, the bias and GeLU
- * epilogues, their fallbacks) on the CPU against test/cublaslt_emu.h's
+/* matmul_emu: cuda/matmul.cu (the cuBLASLt products, the bias, GeLU and
+ * bias-gradient epilogues, their fallbacks) on the CPU against test/cublaslt_emu.h's
  * cuBLASLt, compared with the CPU backend's cblas products through the
  * Backend tables, in both activation dtypes. What the other emulation
  * (cuda_emu.cc) leaves out: the row-major/column-major transposes, leading
@@ -95,6 +95,16 @@ static int fused(int epi, int m) {
         if (mm_plans[i].key.epi == epi && mm_plans[i].key.m == m && mm_plans[i].usable) return 1;
     return 0;
 }
+/* The plans of an (m, n, k) product with this epilogue: how many, how many usable. */
+static void plans_of(int epi, int m, int n, int k, int *count, int *usable) {
+    *count = *usable = 0;
+    for (int i = 0; i < mm_nplans; i++) {
+        const MmKey *q = &mm_plans[i].key;
+        if (q->epi != epi || q->m != m || q->n != n || q->k != k) continue;
+        (*count)++;
+        *usable += mm_plans[i].usable;
+    }
+}
 
 /* matmul_forward with a bias at element offset boff (0: 256-byte aligned;
  * 16: 32 bytes in bf16, as model tensors are; 1: the add-bias fallback;
@@ -123,6 +133,90 @@ static void test_matmul(int N, int C, int OC, int boff) {
         check("backward_dw_" + s + a, get(gdw, (size_t)OC * C, 4), rdw, tol_f32());
         check("backward_dbias_" + s + a, get(gdb, OC, 4), rdb, tol_f32());
     }
+    if (N == 0) return; /* no product: the column sum's zero */
+    /* dbias came from the dw product (m C, n OC, k N): into dbias (acc 0) and
+     * into the scratch (acc 1), two plans by the vector's alignment, or one */
+    int count, usable;
+    plans_of(CUBLASLT_EPILOGUE_BGRADB, C, OC, N, &count, &usable);
+    char msg[96];
+    snprintf(msg, sizeof msg, "%d BGRADB plans for the dw product, %d usable", count, usable);
+    report("backward_dbias_bgradb_" + s, count >= 1 && usable == count, msg);
+}
+
+/* A descriptor as cublasLtMatmulDescCreate(32F, 32F) and kiln's attributes
+ * make it (BIAS_DATA_TYPE unset), for the refusal checks. */
+static EmuLtDesc lt_desc(int32_t ta, int32_t tb, uint32_t epi, const void *bias) {
+    return EmuLtDesc{CUBLAS_COMPUTE_32F, CUDA_R_32F, ta, tb, epi, bias, NULL, 0, NULL, NULL, -1};
+}
+
+/* BGRADB as cublasLt.h documents it, on the stand-in's own checks: kiln's
+ * dw layout (A not transposed, B transposed) with fp32 C takes it; no bias
+ * pointer, a BIAS_DATA_TYPE other than C's, another layout and BGRADA are
+ * refused; the attribute's size is checked; and a bias type other than D's
+ * for the bias epilogue is refused too. */
+static void test_bgradb_refusals(void) {
+    float dummy[4];
+    /* m 8, n 12, k 16: A (m, k), B (n, k) transposed, C = D (m, n) fp32 */
+    EmuLtDesc d = lt_desc(CUBLAS_OP_N, CUBLAS_OP_T, CUBLASLT_EPILOGUE_BGRADB, dummy);
+    EmuLtLayout A = {CUDA_R_16BF, 8, 16, 8}, B = {CUDA_R_16BF, 12, 16, 12}, D = {CUDA_R_32F, 8, 12, 8};
+    int ok = emu_lt_validate(&d, &A, &B, &D, &D) == CUBLAS_STATUS_SUCCESS;
+    EmuLtDesc t = d;
+    t.bias_type = CUDA_R_32F;
+    int same_type = emu_lt_validate(&t, &A, &B, &D, &D) == CUBLAS_STATUS_SUCCESS;
+    t.bias_type = CUDA_R_16BF;
+    int other_type = emu_lt_validate(&t, &A, &B, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    t = d;
+    t.bias = NULL;
+    int no_ptr = emu_lt_validate(&t, &A, &B, &D, &D) == CUBLAS_STATUS_INVALID_VALUE;
+    t = d;
+    t.ta = CUBLAS_OP_T, t.tb = CUBLAS_OP_N;
+    EmuLtLayout At = {CUDA_R_16BF, 16, 8, 16}, Bn = {CUDA_R_16BF, 16, 12, 16};
+    int layout = emu_lt_validate(&t, &At, &Bn, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    t = d;
+    t.epi = CUBLASLT_EPILOGUE_BGRADA;
+    int bgrada = emu_lt_validate(&t, &A, &B, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    t = d;
+    t.epi = CUBLASLT_EPILOGUE_BIAS;
+    t.bias_type = CUDA_R_16BF;
+    int bias_type = emu_lt_validate(&t, &A, &B, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    int64_t wide = CUDA_R_32F;
+    int size = cublasLtMatmulDescSetAttribute(&d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &wide, sizeof wide) ==
+               CUBLAS_STATUS_INVALID_VALUE;
+    char msg[240];
+    snprintf(msg, sizeof msg, "NT fp32 C accepted %d (BIAS_DATA_TYPE fp32 %d); refused: bf16 bias gradient %d, no bias "
+             "pointer %d, TN %d, BGRADA %d, a bf16 bias for fp32 D %d, an 8-byte BIAS_DATA_TYPE %d", ok, same_type,
+             other_type, no_ptr, layout, bgrada, bias_type, size);
+    report("bgradb_cublaslt_refusals", ok && same_type && other_type && no_ptr && layout && bgrada && bias_type && size,
+           msg);
+}
+
+/* A cuBLASLt with no BGRADB algorithm for a shape: the bias gradient is the
+ * column sum, both accumulate modes right, and the refusal is kept in the
+ * shape's plans: a later call asks the heuristic nothing. */
+static void test_bgradb_fallback(void) {
+    const int N = 29, C = 16, OC = 24; /* a shape no other check uses */
+    Vec inp = rnd_act((size_t)N * C, 1.0f), w = rnd_act((size_t)OC * C, 0.3f), dout = rnd_act((size_t)N * OC, 1.0f);
+    void *ginp = dev_put(inp, 0, AB), *gw = dev_put(w, 0, AB), *gdout = dev_put(dout, 0, AB);
+    Vec db0 = rnd_act(OC, 1.0f), rdw((size_t)OC * C), rdb = db0;
+    float *gdw = (float *)dev_out((size_t)OC * C, 4), *gdb = (float *)dev_put(db0, 0, 4);
+    emu_lt_no_algo_epi = CUBLASLT_EPILOGUE_BGRADB;
+    for (int acc = 0; acc <= 1; acc++) {
+        cpu->matmul_backward(NULL, rdw.data(), rdb.data(), dout.data(), inp.data(), w.data(), N, C, OC, acc);
+        gpu->matmul_backward(NULL, gdw, gdb, gdout, ginp, gw, N, C, OC, acc);
+    }
+    int calls = emu_lt_heuristic_calls;
+    cpu->matmul_backward(NULL, rdw.data(), rdb.data(), dout.data(), inp.data(), w.data(), N, C, OC, 1);
+    gpu->matmul_backward(NULL, gdw, gdb, gdout, ginp, gw, N, C, OC, 1);
+    int again = emu_lt_heuristic_calls - calls, count, usable;
+    emu_lt_no_algo_epi = 0;
+    plans_of(CUBLASLT_EPILOGUE_BGRADB, C, OC, N, &count, &usable);
+    check("bgradb_fallback_dw", get(gdw, (size_t)OC * C, 4), rdw, tol_f32());
+    check("bgradb_fallback_dbias", get(gdb, OC, 4), rdb, tol_f32());
+    char b[128];
+    snprintf(b, sizeof b, "%d refused BGRADB plans kept (%d usable), %d heuristic queries on the third call", count,
+             usable, again);
+    report("bgradb_fallback_chosen_once", count >= 1 && usable == 0 && again == 0, b);
+    cudaFree(ginp), cudaFree(gw), cudaFree(gdout), cudaFree(gdw), cudaFree(gdb);
 }
 
 /* matmul_gelu_forward and matmul_backward_dgelu against the compositions
@@ -288,8 +382,7 @@ static void test_fp8_matmul(int N, int C, int OC) {
 }
 
 static void test_fp8_refusals(void) {
-    EmuLtDesc d = {CUBLAS_COMPUTE_32F, CUDA_R_32F, CUBLAS_OP_T, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0,
-                   NULL, NULL};
+    EmuLtDesc d = lt_desc(CUBLAS_OP_T, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL);
     /* m 32, n 48, k 64: A (k, m) transposed, B (k, n), D (m, n) */
     EmuLtLayout A = {CUDA_R_8F_E4M3, 64, 32, 64}, B = {CUDA_R_8F_E5M2, 64, 48, 64}, D = {CUDA_R_16BF, 32, 48, 32};
     int ok = emu_lt_validate(&d, &A, &B, &D, &D) == CUBLAS_STATUS_SUCCESS;
@@ -347,6 +440,8 @@ int main(void) {
         test_matmul(0, 24, 40, 16); /* no rows (an expert given no tokens): dw, dbias 0 or kept */
         test_gelu(37, 24, 40, 16, 1);
         test_gelu(37, 20, 36, 16, 0); /* aux ld 36 and 20: not multiples of 8, the separate ops */
+        test_bgradb_fallback();
+        if (!bf) test_bgradb_refusals();
         test_plan_eviction();
         if (bf) {
             test_fp8_matmul(48, 64, 32);

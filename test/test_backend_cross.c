@@ -325,6 +325,28 @@ static void cross_rest(int B, int T, int C, int V, int Vp, int fp32_ops) {
     cpu->residual_forward(out, x, dout, nc);
     dev->residual_forward(d_out, d_x, d_dout, nc);
     report_exact("residual_exact", xsame_k(d_out, out, nc, 1), "differs from the cpu's sum rounded once");
+    /* the add fused with the LayerNorm after it: res as the add, out and the
+     * statistics the device's own add then norm to the bit, and the CPU's
+     * norm of the rounded sum within the norm's tolerance */
+    if (dev->residual_norm_forward) {
+        float *res = quant(fdup(out, nc), nc);
+        void *d_res = dev->alloc(nc * ab), *d_out2 = dev->alloc(nc * ab);
+        float *d_mean2 = dev->alloc(N * 4), *d_rstd2 = dev->alloc(N * 4);
+        dev->residual_norm_forward(d_res, d_out2, d_mean2, d_rstd2, d_x, d_dout, d_w, d_b, (int)N, C, 1e-5f);
+        report_exact("residual_norm_res_exact", xsame_k(d_res, res, nc, 1), "differs from the cpu's sum rounded once");
+        dev->residual_forward(d_out, d_x, d_dout, nc);
+        dev->layernorm_forward(d_dinp, d_mean, d_rstd, d_out, d_w, d_b, (int)N, C, 1e-5f);
+        float *f1 = down(d_out2, nc, 1), *f2 = down(d_dinp, nc, 1), *m1 = down(d_mean2, N, 0), *m2 = down(d_mean, N, 0);
+        float *r1 = down(d_rstd2, N, 0), *r2 = down(d_rstd, N, 0);
+        report_exact("residual_norm_is_composition",
+                     !memcmp(f1, f2, nc * 4) && !memcmp(m1, m2, N * 4) && !memcmp(r1, r2, N * 4),
+                     "out or the statistics differ from the device's residual add then LayerNorm");
+        cpu->layernorm_forward(out, mean, rstd, res, w, b, (int)N, C, 1e-5f);
+        report("residual_norm_forward", xerr_a(d_out2, out, nc), tol_act(TOL_X));
+        report("residual_norm_stats", fmax(xerr(d_mean2, mean, N), xerr(d_rstd2, rstd, N)), tol_f32(TOL_X));
+        free(res), free(f1), free(f2), free(m1), free(m2), free(r1), free(r2);
+        dev->free(d_res), dev->free(d_out2), dev->free(d_mean2), dev->free(d_rstd2);
+    }
 
     /* Embedding: dwte on top of a random prior, a skewed token mix (one token
      * a third of the time: long runs). */

@@ -1161,6 +1161,53 @@ static void test_rmsnorm(const OpTest *t) {
     check(t->name, "dinp_adds", err_rel(g1, plus(NULL, ginp, 2.0, NC), NC), TOL_BWD);
 }
 
+/* ---- residual add + norm (optional) -------------------------------------- */
+
+/* res = a + b, then the norm of res (opt 0: LayerNorm with a bias, 1:
+ * RMSNorm, 2: LayerNorm without): res exactly a + b rounded once; out and
+ * the statistics the bits of the backend's own residual_forward then norm
+ * (backend.h: a recomputed norm must match the forward's), and within
+ * TOL_FWD of the double reference on res. */
+static void test_residual_norm(const OpTest *t) {
+    if (!be->residual_norm_forward) {
+        printf("skip ops_%s_%s: the backend offers no fused residual add + norm\n", label, t->name);
+        return;
+    }
+    int N = t->B * t->T, C = t->C, rms = t->opt == 1, bias = t->opt == 0;
+    size_t NC = (size_t)N * C;
+    float eps = rms ? (float)RMS_EPS : 1e-5f;
+    float *a = quant(randn(NC, 1.0f, 3.0f), NC), *b = quant(randn(NC, 1.0f, 0.0f), NC);
+    float *w = quant(randn(C, 0.5f, 1.0f), C), *bb = bias ? quant(randn(C, 0.5f, 0.0f), C) : filled(C, 0.0f);
+    void *d_a = da(a, NC), *d_b = da(b, NC), *d_w = da(w, C), *d_bias = bias ? da(bb, C) : NULL;
+    void *d_res = da(NULL, NC), *d_out = da(NULL, NC), *c_res = da(NULL, NC), *c_out = da(NULL, NC);
+    float *d_mean = df(NULL, N), *d_rstd = df(NULL, N), *c_mean = df(NULL, N), *c_rstd = df(NULL, N);
+    be->residual_norm_forward(d_res, d_out, rms ? NULL : d_mean, d_rstd, d_a, d_b, d_w, d_bias, N, C, eps);
+    be->residual_forward(c_res, d_a, d_b, NC);
+    if (rms) be->rmsnorm_forward(c_out, c_rstd, c_res, d_w, N, C, eps);
+    else be->layernorm_forward(c_out, c_mean, c_rstd, c_res, d_w, d_bias, N, C, eps);
+    float *res = hf(NC), *out = hf(NC), *mean = hf(N), *rstd = hf(N);
+    float *cout = hf(NC), *cmean = hf(N), *crstd = hf(N);
+    down_a(res, d_res, NC), down_a(out, d_out, NC), down(rstd, d_rstd, N);
+    down_a(cout, c_out, NC), down(crstd, c_rstd, N);
+    if (!rms) down(mean, d_mean, N), down(cmean, c_mean, N);
+    int ok = 1;
+    for (size_t i = 0; i < NC; i++) ok = ok && res[i] == backend_act_round(a[i] + b[i], ab);
+    check_exact(t->name, "res", ok, "res != a + b");
+    int same = !memcmp(out, cout, NC * sizeof(float)) && !memcmp(rstd, crstd, N * sizeof(float)) &&
+               (rms || !memcmp(mean, cmean, N * sizeof(float)));
+    check_exact(t->name, "is_composition", same, "out or the statistics differ from residual_forward then the norm");
+    double *x = to_d(res, NC), *ref = hd(NC), *rmean = hd(N), *rrstd = hd(N);
+    if (rms) {
+        RmsRef r = {N, C, x, to_d(w, C), NULL, ref, rrstd};
+        rms_ref(&r);
+    } else {
+        LnRef l = {N, C, x, to_d(w, C), to_d(bb, C), NULL, ref, rmean, rrstd};
+        ln_ref(&l);
+    }
+    check(t->name, "forward", err_rel(out, ref, NC), TOL_FWD);
+    check(t->name, "forward_stats", maxd(err_rel(rstd, rrstd, N), rms ? 0.0 : err_rel(mean, rmean, N)), TOL_FWD);
+}
+
 /* ---- rope ----------------------------------------------------------------- */
 
 /* The table (Tmax, 2, HD/2): per position HD/2 cosines then HD/2 sines of
@@ -1912,6 +1959,11 @@ static const OpTest op_tests[] = {
     {"attention_block_doc_diag", test_attention_block, 1, 13, 13, 6, 0, 0, 0, 2, 10, 1},
     {"attention_block_doc_rows70", test_attention_block, 1, 70, 67, 2, 30, 0, 0, 1, 4, 1},
     {"rmsnorm",          test_rmsnorm,     1, 37, 70, 0,   0,    0, 0, 0, 0, 0},
+    /* the residual add fused with the norm after it: LayerNorm with and
+     * without a bias, RMSNorm; C 37 (no 16-byte packs) and 48 (packs) */
+    {"residual_layernorm", test_residual_norm, 1, 37, 37, 0, 0,  0, 0, 0, 0, 0},
+    {"residual_layernorm_nobias", test_residual_norm, 2, 5, 48, 0, 0, 0, 0, 0, 0, 2},
+    {"residual_rmsnorm", test_residual_norm, 1, 37, 48, 0, 0,    0, 0, 0, 0, 1},
     {"rope",             test_rope,        2, 9,  0,  3,   0,    0, 0,        1, 18, 0},
     {"rope_pos0",        test_rope,        1, 7,  0,  6,  13,    0, 0,        2, 10, 0},
     {"rope_doc",         test_rope,        2, 9,  0,  3,   0,    0, 0,        1, 18, 1},

@@ -189,35 +189,40 @@ static void cpu_embed_backward(float *dwte, float *dwpe, const void *dout_,
 /* ---------------------------------------------------------------------------
  * LayerNorm (eps 1e-5 and biased variance, as torch.nn.LayerNorm) */
 
+/* One row: o (C) = the norm of x (C), its statistics into *mean, *rstd.
+ * Both the norm alone and the fused residual add run it, so they agree to
+ * the bit (backend.h residual_norm_forward). */
+static void cpu_layernorm_row(float *o, float *mean, float *rstd, const float *x, const float *w, const float *b,
+                              int C, float eps) {
+    float s = 0.0f;
+    #pragma omp simd reduction(+ : s)
+    for (int c = 0; c < C; c++) s += x[c];
+    float m = s / C;
+    /* Two passes (mean, then squared deviations): no cancellation when the
+     * residual stream drifts to a large mean. */
+    float v = 0.0f;
+    #pragma omp simd reduction(+ : v)
+    for (int c = 0; c < C; c++) {
+        float d = x[c] - m;
+        v += d * d;
+    }
+    float r = 1.0f / sqrtf(v / C + eps);
+    if (b)
+        for (int c = 0; c < C; c++) o[c] = (x[c] - m) * r * w[c] + b[c];
+    else
+        for (int c = 0; c < C; c++) o[c] = (x[c] - m) * r * w[c];
+    *mean = m;
+    *rstd = r;
+}
+
 static void cpu_layernorm_forward(void *out_, float *mean, float *rstd, const void *inp_,
                                   const void *w_, const void *b_, int N, int C, float eps) {
     /* out (N,C), mean (N), rstd (N), inp (N,C), w (C), b (C) or NULL */
     float *out = out_;
     const float *inp = inp_, *w = w_, *b = b_;
     #pragma omp parallel for schedule(static)
-    for (int i = 0; i < N; i++) {
-        const float *x = inp + (size_t)i * C;
-        float s = 0.0f;
-        #pragma omp simd reduction(+ : s)
-        for (int c = 0; c < C; c++) s += x[c];
-        float m = s / C;
-        /* Two passes (mean, then squared deviations): no cancellation when the
-         * residual stream drifts to a large mean. */
-        float v = 0.0f;
-        #pragma omp simd reduction(+ : v)
-        for (int c = 0; c < C; c++) {
-            float d = x[c] - m;
-            v += d * d;
-        }
-        float r = 1.0f / sqrtf(v / C + eps);
-        float *o = out + (size_t)i * C;
-        if (b)
-            for (int c = 0; c < C; c++) o[c] = (x[c] - m) * r * w[c] + b[c];
-        else
-            for (int c = 0; c < C; c++) o[c] = (x[c] - m) * r * w[c];
-        mean[i] = m;
-        rstd[i] = r;
-    }
+    for (int i = 0; i < N; i++)
+        cpu_layernorm_row(out + (size_t)i * C, &mean[i], &rstd[i], inp + (size_t)i * C, w, b, C, eps);
 }
 
 static void cpu_layernorm_backward(void *dinp_, float *dw, float *db, const void *dout_,
@@ -272,21 +277,38 @@ static void cpu_layernorm_backward(void *dinp_, float *dw, float *db, const void
 /* ---------------------------------------------------------------------------
  * RMSNorm (Llama; HF LlamaRMSNorm in fp32) */
 
+/* One row, as cpu_layernorm_row. */
+static void cpu_rmsnorm_row(float *o, float *rstd, const float *x, const float *w, int C, float eps) {
+    float s = 0.0f;
+    #pragma omp simd reduction(+ : s)
+    for (int c = 0; c < C; c++) s += x[c] * x[c];
+    float r = 1.0f / sqrtf(s / C + eps);
+    for (int c = 0; c < C; c++) o[c] = x[c] * r * w[c];
+    *rstd = r;
+}
+
 static void cpu_rmsnorm_forward(void *out_, float *rstd, const void *inp_, const void *w_, int N, int C,
                                 float eps) {
     /* out (N,C), rstd (N), inp (N,C), w (C) */
     float *out = out_;
     const float *inp = inp_, *w = w_;
     #pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; i++) cpu_rmsnorm_row(out + (size_t)i * C, &rstd[i], inp + (size_t)i * C, w, C, eps);
+}
+
+/* The residual add and the norm after it, row by row (the row is still in
+ * cache when the norm reads it); the same row functions as the norms alone. */
+static void cpu_residual_norm_forward(void *res_, void *out_, float *mean, float *rstd, const void *a_,
+                                      const void *b_, const void *w_, const void *bias_, int N, int C, float eps) {
+    /* res, out, a, b (N,C); mean (N) or NULL (RMSNorm), rstd (N); w, bias (C) */
+    float *res = res_, *out = out_;
+    const float *a = a_, *b = b_, *w = w_, *bias = bias_;
+    #pragma omp parallel for schedule(static)
     for (int i = 0; i < N; i++) {
-        const float *x = inp + (size_t)i * C;
-        float s = 0.0f;
-        #pragma omp simd reduction(+ : s)
-        for (int c = 0; c < C; c++) s += x[c] * x[c];
-        float r = 1.0f / sqrtf(s / C + eps);
-        float *o = out + (size_t)i * C;
-        for (int c = 0; c < C; c++) o[c] = x[c] * r * w[c];
-        rstd[i] = r;
+        size_t off = (size_t)i * C;
+        for (int c = 0; c < C; c++) res[off + c] = a[off + c] + b[off + c];
+        if (mean) cpu_layernorm_row(out + off, &mean[i], &rstd[i], res + off, w, bias, C, eps);
+        else cpu_rmsnorm_row(out + off, &rstd[i], res + off, w, C, eps);
     }
 }
 
@@ -1544,6 +1566,7 @@ const Backend backend_cpu = {
     .matmul_gelu_forward = NULL,
     .matmul_backward_dgelu = NULL,
     .residual_forward = cpu_residual_forward,
+    .residual_norm_forward = cpu_residual_norm_forward,
     .add = cpu_add,
     .crossentropy_forward = cpu_crossentropy_forward,
     .xent_partial = cpu_xent_partial,
