@@ -150,14 +150,18 @@ enum {
     SCRATCH_COUNT
 };
 void *cuda_scratch(int slot, size_t bytes);
+/* backend.h to_device: up to 1 MiB through a pinned staging ring, queued on
+ * the stream with no host wait (src may be reused at once); larger, a
+ * blocking copy (backend_cuda.cu). */
+void cuda_stage_to_device(void *dst, const void *src, size_t bytes);
 void cuda_scratch_free_all(void);
 
 /* Op entry points, one family per file (the Backend table is in backend_cuda.cu). */
 /* embed_norm.cu */
 void cuda_embed_forward(void *out, const int32_t *tokens, const void *wte, const void *wpe, int B,
                         int T, int C);
-void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens, int B,
-                         int T, int C, int accumulate);
+void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens,
+                         const int32_t *tokens_host, int B, int T, int C, int accumulate);
 void cuda_embed_free_host(void);
 void cuda_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
                             const void *b, int N, int C, float eps);

@@ -110,9 +110,12 @@ typedef struct Backend {
                           int B, int T, int C);
     /* dwte(Vp,C) fp32 += scatter of dout (N,C) act by token (always
      * accumulates: the tied head writes dwte first; negative token ids add
-     * nothing); dwpe(T,C) fp32 per `accumulate`, or NULL (no learned positions). */
+     * nothing); dwpe(T,C) fp32 per `accumulate`, or NULL (no learned positions).
+     * tokens_host: NULL, or the same N ids in host memory, so a backend that
+     * plans the scatter on the host (CUDA) need not read them back, which
+     * would wait for the device. */
     void (*embed_backward)(float *dwte, float *dwpe, const void *dout, const int32_t *tokens,
-                           int B, int T, int C, int accumulate);
+                           const int32_t *tokens_host, int B, int T, int C, int accumulate);
 
     /* out(N,C) act = (inp - mean) * rstd * w + b, rstd = 1/sqrt(var + eps)
      * (biased variance, as torch.nn.LayerNorm); inp (N,C), w, b (C) act, b

@@ -299,6 +299,7 @@ typedef struct ModelSlot {
     void *lnf, *logits;            /* (N,C) (N,Vp): the chunk with the head */
     float *lnf_mean, *lnf_rstd, *losses, *aux;
     int32_t *tokens_dev, *targets_dev; /* (N) */
+    int32_t *tokens_host;              /* (N) host: what tokens_dev holds (the embedding backward's plan) */
     int32_t *doc_dev, *doc_host;       /* (N) device and host: documents (Model's), or NULL */
     int live_B, live_T, live_sp, have_targets, weight_pending;
     float live_dloss;
@@ -387,6 +388,7 @@ typedef struct Model {
     float *losses;    /* (N) device */
     void *scratch;    /* forward: projection outputs; backward: gradient buffers */
     int32_t *tokens_dev, *targets_dev; /* (N) */
+    int32_t *tokens_host;              /* (N) host: what tokens_dev holds, so no backward reads it back */
     int32_t *cp_tok, *cp_tgt;          /* cp > 1: (N) host, this rank's chunks of the tokens and targets */
     /* documents (ModelOptions.doc_*): the global position where each of
      * this rank's rows' document starts (rows as tokens_dev), on the device

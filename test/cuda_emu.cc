@@ -197,25 +197,31 @@ static float *dev_f32_off(const Vec &h, size_t off) {
 /* alloc zeroes; to_device through the staging ring (more copies than its
  * 8 slots, each source reused at once) and past it (over 1 MiB); to_host,
  * copy, zero. */
-/* host_syncs counts the host's waits on the device: a copy to the device
- * (a staging slot's event wait, or a blocking copy) and to the host, and
- * sync, one each; an asynchronous zero or device copy none. */
+/* host_syncs counts the host's waits on the device: a blocking copy to the
+ * device (over the staging ring's 1 MiB slots), a copy to the host and sync,
+ * one each; an asynchronous zero or device copy none, nor a staged copy to
+ * the device whose slot is free (a wait only when the host runs 8 copies
+ * ahead of the device: never here, where every copy is done when its call
+ * returns). */
 static void test_host_syncs(void) {
-    float h[16] = {0};
+    size_t big = ((size_t)1 << 20) + 16;
+    std::vector<unsigned char> h(big);
     void *d, *e;
-    CUDA_CHECK(cudaMalloc(&d, sizeof h));
-    CUDA_CHECK(cudaMalloc(&e, sizeof h));
+    CUDA_CHECK(cudaMalloc(&d, big));
+    CUDA_CHECK(cudaMalloc(&e, big));
     unsigned long s0 = gpu->host_syncs();
-    gpu->to_device(d, h, sizeof h);
+    for (int k = 0; k < 20; k++) gpu->to_device(d, h.data(), 64); /* every slot taken twice */
     unsigned long s1 = gpu->host_syncs();
-    gpu->zero(d, sizeof h);
-    gpu->copy(e, d, sizeof h);
+    gpu->zero(d, 64);
+    gpu->copy(e, d, 64);
     unsigned long s2 = gpu->host_syncs();
-    gpu->to_host(h, e, sizeof h);
+    gpu->to_device(d, h.data(), big);
+    gpu->to_host(h.data(), e, 64);
     gpu->sync();
     unsigned long s3 = gpu->host_syncs();
-    report("host_syncs_counted", s1 - s0 == 1 && s2 == s1 && s3 - s2 == 2,
-           "to_device + zero + copy + to_host + sync counted %.0f, want 3 (1 + 0 + 0 + 2)", (double)(s3 - s0), 0);
+    report("host_syncs_counted", s1 == s0 && s2 == s1 && s3 - s2 == 3,
+           "20 staged to_device + zero + copy + a blocking to_device + to_host + sync counted %.0f, want 3 "
+           "(0 + 0 + 0 + 3)", (double)(s3 - s0), 0);
     cudaFree(d), cudaFree(e);
 }
 
@@ -286,18 +292,26 @@ static void test_embed(void) {
     check_exact("embed_forward", get_act(dout, (size_t)N * C), act_round(ref));
     cudaFree(dwte_a), cudaFree(dwpe_a), cudaFree(dout);
 
-    for (int acc = 0; acc <= 1; acc++) {
-        Vec g = rnd_act((size_t)N * C, 1.0f), gwte = rnd((size_t)Vp * C, 1.0f), gwpe = rnd((size_t)T * C, 1.0f);
-        Vec rwte = gwte, rwpe = gwpe;
-        cpu->embed_backward(rwte.data(), rwpe.data(), g.data(), tok.data(), B, T, C, acc);
-        void *dg = dev_act(g);
-        float *dw = dev_f32(gwte), *dp = dev_f32(gwpe);
-        gpu->embed_backward(dw, dp, dg, dtok, B, T, C, acc);
-        std::string s = acc ? "_acc1" : "_acc0";
-        check_exact("embed_backward_dwte" + s, get_f32(dw, rwte.size()), rwte);
-        check_exact("embed_backward_dwpe" + s, get_f32(dp, rwpe.size()), rwpe);
-        cudaFree(dg), cudaFree(dw), cudaFree(dp);
-    }
+    /* the tokens read back from the device (tokens_host NULL: a host wait)
+     * or given in host memory (none): the same plan, the same bits */
+    for (int acc = 0; acc <= 1; acc++)
+        for (int host = 0; host <= 1; host++) {
+            Vec g = rnd_act((size_t)N * C, 1.0f), gwte = rnd((size_t)Vp * C, 1.0f), gwpe = rnd((size_t)T * C, 1.0f);
+            Vec rwte = gwte, rwpe = gwpe;
+            cpu->embed_backward(rwte.data(), rwpe.data(), g.data(), tok.data(), NULL, B, T, C, acc);
+            void *dg = dev_act(g);
+            float *dw = dev_f32(gwte), *dp = dev_f32(gwpe);
+            unsigned long s0 = gpu->host_syncs();
+            gpu->embed_backward(dw, dp, dg, dtok, host ? tok.data() : NULL, B, T, C, acc);
+            unsigned long waits = gpu->host_syncs() - s0;
+            std::string s = std::string(host ? "_host_tokens" : "") + (acc ? "_acc1" : "_acc0");
+            check_exact("embed_backward_dwte" + s, get_f32(dw, rwte.size()), rwte);
+            check_exact("embed_backward_dwpe" + s, get_f32(dp, rwpe.size()), rwpe);
+            if (host)
+                report("embed_backward_host_waits" + s, waits == 0, "%.0f host waits (want 0: the plan goes up "
+                       "through the staging ring)", (double)waits, 0);
+            cudaFree(dg), cudaFree(dw), cudaFree(dp);
+        }
     cudaFree(dtok);
 
     /* wpe NULL (RoPE models: no learned positions): out = wte[tokens], and
@@ -312,10 +326,10 @@ static void test_embed(void) {
     check_exact("embed_forward_no_wpe", get_act(dout, (size_t)N * C), act_round(ref0));
     for (int acc = 0; acc <= 1; acc++) {
         Vec g = rnd_act((size_t)N * C, 1.0f), gwte = rnd((size_t)Vp * C, 1.0f), rwte = gwte;
-        cpu->embed_backward(rwte.data(), NULL, g.data(), tok.data(), B, T, C, acc);
+        cpu->embed_backward(rwte.data(), NULL, g.data(), tok.data(), NULL, B, T, C, acc);
         void *dg = dev_act(g);
         float *dw = dev_f32(gwte);
-        gpu->embed_backward(dw, NULL, dg, dtok, B, T, C, acc);
+        gpu->embed_backward(dw, NULL, dg, dtok, acc ? tok.data() : NULL, B, T, C, acc);
         check_exact(std::string("embed_backward_no_wpe_dwte") + (acc ? "_acc1" : "_acc0"), get_f32(dw, rwte.size()),
                     rwte);
         cudaFree(dg), cudaFree(dw);
@@ -471,10 +485,10 @@ static void test_vocab_parallel(int N, int V, int P, int Vl) {
     check_exact("embed_forward_other_ranks_ids" + sh, get_act(dout, ref.size()), act_round(ref));
     Vec g = rnd_act(ref.size(), 1.0f), gwte = rnd((size_t)Vl * C, 1.0f), gwpe = rnd((size_t)T * C, 1.0f);
     Vec rwte = gwte, rwpe = gwpe;
-    cpu->embed_backward(rwte.data(), rwpe.data(), g.data(), tok.data(), B, T, C, 0);
+    cpu->embed_backward(rwte.data(), rwpe.data(), g.data(), tok.data(), NULL, B, T, C, 0);
     void *dg = dev_act(g);
     float *dgw = dev_f32(gwte), *dgp = dev_f32(gwpe);
-    gpu->embed_backward(dgw, dgp, dg, dtok, B, T, C, 0);
+    gpu->embed_backward(dgw, dgp, dg, dtok, tok.data(), B, T, C, 0);
     check_exact("embed_backward_other_ranks_ids" + sh, get_f32(dgw, rwte.size()), rwte);
     cudaFree(dtok), cudaFree(dw), cudaFree(dp), cudaFree(dout), cudaFree(dg), cudaFree(dgw), cudaFree(dgp);
 }
@@ -1308,9 +1322,9 @@ static void test_zero_rows(void) {
         check_exact("zero_rows_qknorm_backward_dqw" + s, get_f32(d4, a0.HD), rgq);
         check_exact("zero_rows_qknorm_backward_dkw" + s, get_f32(d5, a0.HD), rgk);
         Vec gte = rnd((size_t)3 * C, 1.0f), gpe = rnd((size_t)T * C, 1.0f), rte = gte, rpe = gpe;
-        cpu->embed_backward(rte.data(), rpe.data(), NULL, NULL, 0, T, C, acc);
+        cpu->embed_backward(rte.data(), rpe.data(), NULL, NULL, NULL, 0, T, C, acc);
         float *d6 = dev_f32(gte), *d7 = dev_f32(gpe);
-        gpu->embed_backward(d6, d7, dnone, inone, 0, T, C, acc);
+        gpu->embed_backward(d6, d7, dnone, inone, NULL, 0, T, C, acc);
         check_exact("zero_rows_embed_backward_dwte" + s, get_f32(d6, rte.size()), rte);
         check_exact("zero_rows_embed_backward_dwpe" + s, get_f32(d7, rpe.size()), rpe);
         cudaFree(d1), cudaFree(d2), cudaFree(d3), cudaFree(d4), cudaFree(d5), cudaFree(d6), cudaFree(d7);

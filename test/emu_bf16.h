@@ -45,10 +45,10 @@ static void emu_embed_forward(void *out, const int32_t *tokens, const void *wte,
     emu_store(out, o, (size_t)N * C);
     free(we), free(pe);
 }
-static void emu_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens, int B, int T,
-                               int C, int accumulate) {
+static void emu_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens,
+                               const int32_t *tokens_host, int B, int T, int C, int accumulate) {
     float *d = emu_wide(dout, (size_t)B * T * C);
-    backend_cpu.embed_backward(dwte, dwpe, d, tokens, B, T, C, accumulate);
+    backend_cpu.embed_backward(dwte, dwpe, d, tokens, tokens_host, B, T, C, accumulate);
     free(d);
 }
 static void emu_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,

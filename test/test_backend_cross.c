@@ -339,8 +339,8 @@ static void cross_rest(int B, int T, int C, int V, int Vp, int fp32_ops) {
     cpu->embed_forward(out, tok, wte, wpe, B, T, C);
     dev->embed_forward(d_out, d_tok, d_wte, d_wpe, B, T, C);
     report_exact("embed_forward_exact", xsame_k(d_out, out, nc, 1), "differs from the cpu's sum rounded once");
-    cpu->embed_backward(dwte, dwpe, dout, tok, B, T, C, 0);
-    dev->embed_backward(d_dwte, d_dwpe, d_dout, d_tok, B, T, C, 0);
+    cpu->embed_backward(dwte, dwpe, dout, tok, NULL, B, T, C, 0);
+    dev->embed_backward(d_dwte, d_dwpe, d_dout, d_tok, tok, B, T, C, 0);
     report_exact("embed_backward_exact",
                  xsame_k(d_dwte, dwte, (size_t)Vp * C, 0) && xsame_k(d_dwpe, dwpe, (size_t)T * C, 0),
                  "dwte or dwpe differ from the cpu backend's bits");

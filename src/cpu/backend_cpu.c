@@ -156,9 +156,9 @@ static void cpu_embed_forward(void *out_, const int32_t *tokens, const void *wte
     }
 }
 
-static void cpu_embed_backward(float *dwte, float *dwpe, const void *dout_,
-                               const int32_t *tokens, int B, int T, int C, int accumulate) {
-    /* dwte (Vp,C) +=, dwpe (T,C), dout (B*T,C), tokens (B*T) */
+static void cpu_embed_backward(float *dwte, float *dwpe, const void *dout_, const int32_t *tokens,
+                               const int32_t *tokens_host, int B, int T, int C, int accumulate) {
+    /* dwte (Vp,C) +=, dwpe (T,C), dout (B*T,C), tokens (B*T) (host memory: tokens_host is not needed) */
     const float *dout = dout_;
     /* Threads own channel ranges, so repeated tokens never race and every sum
      * runs in token order: deterministic for any thread count. */
