@@ -279,18 +279,21 @@ void cuda_crossentropy_forward(void *logits, float *losses, const int32_t *targe
 void cuda_xent_partial(float *stats, const void *logits, const int32_t *targets, int N, int V, int Vp);
 void cuda_xent_finish(void *logits, float *losses, const float *stats_all, int P, const int32_t *targets, int N, int V,
                       int Vp, float dloss);
-void cuda_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr,
-                       float beta1, float beta2, float eps, float weight_decay, float grad_scale,
-                       int t);
+void cuda_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr, float beta1,
+                       float beta2, float eps, float weight_decay, float grad_scale, int t, const StepScalars *st,
+                       void *copy);
 void cuda_lion_update(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
-                      float weight_decay, float grad_scale);
+                      float weight_decay, float grad_scale, const StepScalars *st, void *copy);
 void cuda_adamw_update_bf16(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n, float lr,
                             float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
-                            uint64_t seed, uint64_t idx0);
+                            uint64_t seed, uint64_t idx0, const StepScalars *st, void *copy);
 void cuda_adamw_update_p16(uint16_t *params, const float *grads, void *m, void *v, size_t state_bytes, size_t n,
                            float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
-                           uint64_t seed, uint64_t idx0);
+                           uint64_t seed, uint64_t idx0, const StepScalars *st);
 double cuda_sumsq(const float *x, size_t n);
+void cuda_sumsq_acc(double *acc, const float *x, size_t n);
+void cuda_loss_acc(double *acc, const float *losses, int N);
+void cuda_step_scalars(StepScalars *st, int micro, float grad_clip);
 void cuda_muon_momentum(float *u, float *m, const float *grads, size_t n, float momentum, float grad_scale);
 void cuda_muon_apply(float *params, const float *o, size_t n, float lr, float scale, float weight_decay);
 /* Newton-Schulz's ends: x (rows, cols) fp32 over its Frobenius norm (+ 1e-7)

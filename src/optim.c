@@ -261,17 +261,17 @@ OptimStepInfo optim_step_begin(AdamW *o, double grad_norm) {
 static void update_range(AdamW *o, void *params, const float *grads, size_t k, size_t n, float lr, float wd,
                          float grad_scale) {
     if (o->kind == OPTIM_LION)
-        o->be->lion_update(params, grads, (float *)o->m + k, n, lr, o->beta1, o->beta2, wd, grad_scale);
+        o->be->lion_update(params, grads, (float *)o->m + k, n, lr, o->beta1, o->beta2, wd, grad_scale, NULL, NULL);
     else if (o->param_bytes == 2)
         o->be->adamw_update_p16(params, grads, (char *)o->m + k * o->state_bytes, (char *)o->v + k * o->state_bytes,
                                 o->state_bytes, n, lr, o->beta1, o->beta2, o->eps, wd, grad_scale, o->t, o->seed,
-                                o->lo + k);
+                                o->lo + k, NULL);
     else if (o->state_bytes == 2)
         o->be->adamw_update_bf16(params, grads, (uint16_t *)o->m + k, (uint16_t *)o->v + k, n, lr, o->beta1,
-                                 o->beta2, o->eps, wd, grad_scale, o->t, o->seed, o->lo + k);
+                                 o->beta2, o->eps, wd, grad_scale, o->t, o->seed, o->lo + k, NULL, NULL);
     else
         o->be->adamw_update(params, grads, (float *)o->m + k, (float *)o->v + k, n, lr, o->beta1, o->beta2,
-                            o->eps, wd, grad_scale, o->t);
+                            o->eps, wd, grad_scale, o->t, NULL, NULL);
 }
 
 OptimStepInfo optim_step_segments(AdamW *o, void *params, const float *grads, const OptimSegment *seg, int nseg,

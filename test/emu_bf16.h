@@ -301,6 +301,28 @@ static void emu_fp8_qdq(void *y, const void *x, const float *amax, int P, int ro
     emu_store(y, f, (size_t)rows * cols);
 }
 
+/* The updates' compute copy (backend.h adamw_update's copy) is bf16 here:
+ * the CPU's update without it, then the cast (skipped with the update). */
+static int emu_copy_due(const StepScalars *st, void *copy) { return copy && !(st && st->skip); }
+static void emu_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr, float beta1,
+                             float beta2, float eps, float wd, float grad_scale, int t, const StepScalars *st,
+                             void *copy) {
+    backend_cpu.adamw_update(params, grads, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, t, st, NULL);
+    if (emu_copy_due(st, copy)) emu_cast_to_act(copy, params, n);
+}
+static void emu_adamw_update_bf16(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n, float lr,
+                                  float beta1, float beta2, float eps, float wd, float grad_scale, int t,
+                                  uint64_t seed, uint64_t idx0, const StepScalars *st, void *copy) {
+    backend_cpu.adamw_update_bf16(params, grads, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, t, seed, idx0, st,
+                                  NULL);
+    if (emu_copy_due(st, copy)) emu_cast_to_act(copy, params, n);
+}
+static void emu_lion_update(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
+                            float wd, float grad_scale, const StepScalars *st, void *copy) {
+    backend_cpu.lion_update(params, grads, m, n, lr, beta1, beta2, wd, grad_scale, st, NULL);
+    if (emu_copy_due(st, copy)) emu_cast_to_act(copy, params, n);
+}
+
 static Backend emu_bf16_backend(void) {
     Backend b = backend_cpu;
     b.name = "emu_bf16";
@@ -338,6 +360,9 @@ static Backend emu_bf16_backend(void) {
     b.crossentropy_forward = emu_crossentropy_forward;
     b.xent_partial = emu_xent_partial;
     b.xent_finish = emu_xent_finish;
+    b.adamw_update = emu_adamw_update;
+    b.adamw_update_bf16 = emu_adamw_update_bf16;
+    b.lion_update = emu_lion_update;
     return b;
 }
 

@@ -1061,7 +1061,7 @@ static void test_adamw(const OpTest *t) {
             rp[i] = p[i] - (double)lr * (mhat / (sqrt(vhat) + eps) + (double)wd * p[i]);
         }
         float *d_p = df(p, n), *d_g = df(g, n), *d_m = df(m, n), *d_v = df(v, n);
-        be->adamw_update(d_p, d_g, d_m, d_v, n, lr, b1, b2, eps, wd, gs, step);
+        be->adamw_update(d_p, d_g, d_m, d_v, n, lr, b1, b2, eps, wd, gs, step, NULL, NULL);
         float *p2 = hf(n), *m2 = hf(n), *v2 = hf(n), *delta = hf(n);
         down(p2, d_p, n);
         down(m2, d_m, n);
