@@ -673,6 +673,13 @@ void model_params_to_host(const Model *m, float *host) {
 
 void *model_param_arena(const Model *m) { return m->master_bf16 ? (void *)m->param16 : (void *)m->param_mem; }
 
+void *model_compute_copy(const Model *m) {
+    if (m->act_bytes == sizeof(float) || m->master_bf16 || m->unit_cbuf || m->n_cbuf != 1) return NULL;
+    return m->cbuf[0].master == m->param_mem ? m->cbuf[0].mem : NULL;
+}
+
+void model_set_loss_sink(Model *m, double *sink) { m->loss_sink = sink; }
+
 static const char *const recompute_names[] = {"none", "gelu", "norm_gelu"};
 
 ModelRecompute model_recompute_parse(const char *name) {
@@ -1591,6 +1598,11 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         be->xent_finish(m->logits, m->losses, all, m->tp, m->targets_dev, N, s->vocab_size, s->padded_vocab, dloss);
     }
     tp_drain(m);
+    if (m->loss_sink && dloss != 0.0f) { /* stays on the device: no host wait */
+        be->loss_acc(m->loss_sink, m->losses, N);
+        m->have_targets = 1;
+        return 0.0f;
+    }
     be->to_host(m->losses_host, m->losses, (size_t)N * sizeof(float));
     double sum = 0.0;
     for (int i = 0; i < N; i++) sum += m->losses_host[i];

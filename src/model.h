@@ -397,6 +397,7 @@ typedef struct Model {
     int doc_mask, doc_reset, doc_eot;
     int32_t *doc_dev, *doc_host, *doc_full;
     float *losses_host; /* (N) */
+    double *loss_sink;  /* device, or NULL: where a training forward adds its mean loss (model_set_loss_sink) */
     void *row_host;     /* (tp Vp) act: one logits row on its way to the host */
     /* tensor parallelism (tp > 1) */
     int32_t *tok_host, *tgt_host; /* (N) host: token and target ids as local vocabulary rows, -1 elsewhere */
@@ -488,6 +489,11 @@ void model_params_to_host(const Model *m, float *host);
 void model_params_from_host(Model *m, const float *host);
 /* What the optimizer updates: param_mem (fp32) or, with master_bf16, param16. */
 void *model_param_arena(const Model *m);
+/* The compute copy of the whole arena when there is one to cast (act bf16,
+ * fp32 master, the arena in one buffer: not ZeRO-2/3's layout), for an
+ * optimizer to write in its update (optim_set_copy); else NULL. Its
+ * elements follow the arena's (act_bytes each). */
+void *model_compute_copy(const Model *m);
 
 /* Initialisation by each tensor's ArchInit: N(0, 0.02) weights and
  * embeddings, residual projections (attention output, MLP down) scaled by
@@ -552,6 +558,12 @@ void model_doc_starts(const int32_t *tokens, int B, int T, int eot, int32_t *doc
 
 float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T,
                     float dloss);
+/* From now on a training forward (targets and dloss != 0) adds its mean
+ * loss to *sink, device memory (backend.h loss_acc: the same number it
+ * would return), and returns 0 without reading the losses to the host: no
+ * host wait per micro-batch (optim_step_device reads the step's sum). A
+ * forward without dloss (evaluation) still returns its loss. NULL: off. */
+void model_set_loss_sink(Model *m, double *sink);
 
 /* Backward of the last forward (which must have had dloss != 0, and targets
  * on the stage with the head). accumulate = 0 on the first micro-batch of a
