@@ -123,10 +123,12 @@ int bench_run(const Config *c, int steps) {
     double mm_before = matmul_rate(be, &s, N, 5);
     /* step 0 is a warm-up (page faults, BLAS buffers) and is not counted */
     unsigned long syncs = 0; /* the steps' own host waits, not the two that time them */
+    int64_t moe_reads = 0;   /* of which MoE routing's reads (ModelMoeStats.host_reads) */
     for (int step = 0; step <= steps; step++) {
         be->sync();
         double t0 = kiln_now();
         unsigned long s0 = be->host_syncs ? be->host_syncs() : 0;
+        int64_t r0 = m.moe.host_reads;
         for (int micro = 0; micro < c->grad_accum; micro++) {
             for (int i = 0; i < N; i++) {
                 inp[i] = (int32_t)rng_below(&rng, (uint64_t)s.vocab_size);
@@ -138,6 +140,7 @@ int bench_run(const Config *c, int steps) {
         optim_step_device(&opt, model_param_arena(&m), m.grad_mem, c->lr, c->grad_accum, &loss);
         if (!fused) model_params_changed(&m);
         if (step > 0 && be->host_syncs) syncs += be->host_syncs() - s0;
+        if (step > 0) moe_reads += m.moe.host_reads - r0;
         be->sync();
         times[step] = kiln_now() - t0;
     }
@@ -157,6 +160,8 @@ int bench_run(const Config *c, int steps) {
     printf("bench: tok_per_s=%.1f step_gflops=%.1f sgemm_gflops=%.1f ratio=%.3f\n", tokens / step_s, step_gflops,
            mm_gflops, step_gflops / mm_gflops);
     if (be->host_syncs) printf("bench: host_syncs_per_step=%.1f\n", (double)syncs / steps);
+    if (be->host_syncs && s.mlp == MLP_MOE) /* dropless routing sizes its products on the host */
+        printf("bench: moe_host_reads_per_step=%.1f (of the host syncs)\n", (double)moe_reads / steps);
     printf("bench: fused_copy=%s\n", fused ? "on" : m.act_bytes == 4 || master16 ? "not_needed" : "off");
     printf("bench: init_s=%.2f (%zu parameters)\n", init_s, m.num_params);
     if (be->memory_peak) printf("bench: peak_mem_gib=%.2f\n", be->memory_peak() / 1073741824.0);

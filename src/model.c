@@ -1357,6 +1357,7 @@ static void moe_cp_caps(Model *m, const LayerActs *a, int N, int gr, int cap) {
     be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, gr, E, K, 0);
     tp_drain(m);
     be->to_host(m->counts_host, a->counts, (size_t)2 * B * E * sizeof(int32_t));
+    m->moe.host_reads++;
     double *all = m->chunk_host; /* (2 cp, B, E): every chunk's loads, global chunk order */
     memset(all, 0, (size_t)2 * cp * B * E * sizeof(double));
     for (int c = 0; c < 2; c++) {
@@ -1402,6 +1403,7 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
      * synchronisation of an MoE layer. */
     tp_drain(m);
     be->to_host(a->offsets_host, a->offsets, (size_t)(E + 1) * sizeof(int32_t));
+    m->moe.host_reads++;
     be->moe_gather(a->xp, a->ln2, a->src, a->offsets_host[E], C);
     ModelExpertRows rows;
     expert_rows(m, l, &rows);
@@ -1429,6 +1431,7 @@ static void moe_forward(Model *m, int l, int N, int T, float dloss, int train) {
     int B = N / T, Tg = T * m->cp;
     be->to_host(m->counts_host, a->counts, (size_t)G * E * sizeof(int32_t));
     be->to_host(m->stats_host, a->stats, (size_t)G * (E + 1) * sizeof(float));
+    m->moe.host_reads += 2;
     double *q = m->seq_host; /* (B, 2E+1): per sequence its loads (E), prob sums (E), lse^2 sum */
     memset(q, 0, (size_t)B * (2 * E + 1) * sizeof(double));
     int64_t routed = 0;
@@ -1955,6 +1958,7 @@ void model_moe_reset(Model *m) {
     memset(m->moe.load, 0, (size_t)m->shape.n_layer * m->shape.moe.n_experts * sizeof(int64_t));
     m->moe.routed = m->moe.drops = 0;
     m->moe.aux_sum = m->moe.z_sum = 0;
+    m->moe.host_reads = 0;
 }
 
 void model_moe_update_bias(Model *m, const int64_t *load) {

@@ -143,6 +143,9 @@ typedef struct ModelMoeStats {
     double aux_sum, z_sum; /* since reset: aux and z of every training forward, added up */
     int64_t *load;         /* (n_layer, E) since reset: slots routed to each expert */
     int64_t routed, drops; /* since reset: slots routed, and dropped by capacity */
+    int64_t host_reads;    /* since reset: device-to-host reads the routing made (expert row offsets that size
+                              the products, loads and router statistics for the auxiliary losses): on a GPU
+                              each waits for the device (docs/gpu.md, "A training step") */
 } ModelMoeStats;
 
 /* What parallel code needs to run inside the model's passes; model.c itself
