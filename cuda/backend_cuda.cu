@@ -110,7 +110,7 @@ static void stage_free(void) {
     stage_mem = NULL;
 }
 
-static void cuda_to_device(void *dst, const void *src, size_t bytes) {
+void cuda_stage_to_device(void *dst, const void *src, size_t bytes) {
     if (!bytes) return;
     if (bytes > STAGE_BYTES || !stage_mem) {
         CUDA_HOST_WAIT(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice)); /* pageable: waits for the stream */
@@ -118,7 +118,11 @@ static void cuda_to_device(void *dst, const void *src, size_t bytes) {
     }
     int s = stage_next;
     stage_next = (s + 1) % STAGE_SLOTS;
-    CUDA_HOST_WAIT(cudaEventSynchronize(stage_done[s])); /* the slot's last copy has been read */
+    /* the slot's last copy must have been read: a host wait (counted) only
+     * when it has not yet, i.e. when the host runs STAGE_SLOTS copies ahead */
+    cudaError_t q = cudaEventQuery(stage_done[s]);
+    if (q == cudaErrorNotReady) CUDA_HOST_WAIT(cudaEventSynchronize(stage_done[s]));
+    else CUDA_CHECK(q);
     unsigned char *slot = stage_mem + (size_t)s * STAGE_BYTES;
     memcpy(slot, src, bytes);
     CUDA_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, cudaStreamLegacy));
@@ -279,7 +283,7 @@ extern "C" const Backend backend_cuda = {
     .shutdown = cuda_shutdown,
     .alloc = cuda_alloc,
     .free = cuda_free,
-    .to_device = cuda_to_device,
+    .to_device = cuda_stage_to_device,
     .to_host = cuda_to_host,
     .copy = cuda_copy,
     .copy_2d = cuda_copy_2d,
@@ -340,6 +344,9 @@ extern "C" const Backend backend_cuda = {
     .fp8_cast = cuda_fp8_cast,
     .fp8_matmul = cuda_fp8_matmul,
     .sumsq = cuda_sumsq,
+    .sumsq_acc = cuda_sumsq_acc,
+    .loss_acc = cuda_loss_acc,
+    .step_scalars = cuda_step_scalars,
     .set_precision = cuda_set_precision,
     .set_attention = cuda_set_attention,
     .memory_peak = cuda_memory_peak,

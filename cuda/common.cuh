@@ -150,14 +150,18 @@ enum {
     SCRATCH_COUNT
 };
 void *cuda_scratch(int slot, size_t bytes);
+/* backend.h to_device: up to 1 MiB through a pinned staging ring, queued on
+ * the stream with no host wait (src may be reused at once); larger, a
+ * blocking copy (backend_cuda.cu). */
+void cuda_stage_to_device(void *dst, const void *src, size_t bytes);
 void cuda_scratch_free_all(void);
 
 /* Op entry points, one family per file (the Backend table is in backend_cuda.cu). */
 /* embed_norm.cu */
 void cuda_embed_forward(void *out, const int32_t *tokens, const void *wte, const void *wpe, int B,
                         int T, int C);
-void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens, int B,
-                         int T, int C, int accumulate);
+void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens,
+                         const int32_t *tokens_host, int B, int T, int C, int accumulate);
 void cuda_embed_free_host(void);
 void cuda_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
                             const void *b, int N, int C, float eps);
@@ -277,18 +281,21 @@ void cuda_crossentropy_forward(void *logits, float *losses, const int32_t *targe
 void cuda_xent_partial(float *stats, const void *logits, const int32_t *targets, int N, int V, int Vp);
 void cuda_xent_finish(void *logits, float *losses, const float *stats_all, int P, const int32_t *targets, int N, int V,
                       int Vp, float dloss);
-void cuda_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr,
-                       float beta1, float beta2, float eps, float weight_decay, float grad_scale,
-                       int t);
+void cuda_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr, float beta1,
+                       float beta2, float eps, float weight_decay, float grad_scale, int t, const StepScalars *st,
+                       void *copy);
 void cuda_lion_update(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
-                      float weight_decay, float grad_scale);
+                      float weight_decay, float grad_scale, const StepScalars *st, void *copy);
 void cuda_adamw_update_bf16(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n, float lr,
                             float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
-                            uint64_t seed, uint64_t idx0);
+                            uint64_t seed, uint64_t idx0, const StepScalars *st, void *copy);
 void cuda_adamw_update_p16(uint16_t *params, const float *grads, void *m, void *v, size_t state_bytes, size_t n,
                            float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
-                           uint64_t seed, uint64_t idx0);
+                           uint64_t seed, uint64_t idx0, const StepScalars *st);
 double cuda_sumsq(const float *x, size_t n);
+void cuda_sumsq_acc(double *acc, const float *x, size_t n);
+void cuda_loss_acc(double *acc, const float *losses, int N);
+void cuda_step_scalars(StepScalars *st, int micro, float grad_clip);
 void cuda_muon_momentum(float *u, float *m, const float *grads, size_t n, float momentum, float grad_scale);
 void cuda_muon_apply(float *params, const float *o, size_t n, float lr, float scale, float weight_decay);
 /* Newton-Schulz's ends: x (rows, cols) fp32 over its Frobenius norm (+ 1e-7)

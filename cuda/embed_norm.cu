@@ -137,8 +137,8 @@ static void embed_backward_kernels(float *dwte, float *dwpe, const void *dout, c
     CUDA_CHECK_LAUNCH();
 }
 
-void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens, int B,
-                         int T, int C, int accumulate) {
+void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens,
+                         const int32_t *tokens_host, int B, int T, int C, int accumulate) {
     int N = B * T;
     if (N == 0) { /* no tokens: only dwpe's zeroing (accumulate 0) is left to do */
         ACT_DISPATCH(embed_backward_kernels, dwte, dwpe, dout, (const int32_t *)NULL, 0, B, T, C, accumulate);
@@ -149,11 +149,16 @@ void cuda_embed_backward(float *dwte, float *dwpe, const void *dout, const int32
         embed_host_plan = (int32_t *)embed_grow(embed_host_plan, (size_t)(3 * N + 1) * sizeof(int32_t));
         embed_host_n = (size_t)N;
     }
-    CUDA_HOST_WAIT(cudaMemcpy(embed_host_tok, tokens, (size_t)N * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    int R = embed_plan(embed_host_tok, N);
+    /* the ids from the host when the caller has them there: reading them
+     * back would wait for the device */
+    if (!tokens_host) {
+        CUDA_HOST_WAIT(cudaMemcpy(embed_host_tok, tokens, (size_t)N * sizeof(int32_t), cudaMemcpyDeviceToHost));
+        tokens_host = embed_host_tok;
+    }
+    int R = embed_plan(tokens_host, N);
     size_t plan_bytes = (size_t)(2 * R + 1 + N) * sizeof(int32_t);
     int32_t *plan = (int32_t *)cuda_scratch(SCRATCH_EMBED, (size_t)(3 * N + 1) * sizeof(int32_t));
-    CUDA_HOST_WAIT(cudaMemcpy(plan, embed_host_plan, plan_bytes, cudaMemcpyHostToDevice));
+    cuda_stage_to_device(plan, embed_host_plan, plan_bytes); /* queued, no wait: the staging ring */
     ACT_DISPATCH(embed_backward_kernels, dwte, dwpe, dout, plan, R, B, T, C, accumulate);
 }
 

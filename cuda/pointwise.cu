@@ -1,14 +1,18 @@
 /* pointwise: GeLU, the adds, the fp32 -> activation-dtype cast, fused
  * softmax + cross-entropy, AdamW, Lion, Muon's elementwise steps (and
- * Newton-Schulz's ends), Adafactor's, and the sum of squares. Activations in either
- * dtype (templates on T_), arithmetic in fp32; AdamW and sumsq are fp32 only (AdamW's moments, and with precision.master bf16 its parameters, may be bf16). Each mirrors the CPU backend's formula in the same order; AdamW is
- * written with explicitly rounded intrinsics (no FMA contraction) so its
- * update is the CPU's bit for bit. Reductions run in a fixed tree: the same
- * bits every run. GeLU, the adds and the cast move 128 bits per load and
- * store where their pointers are aligned. */
+ * Newton-Schulz's ends), Adafactor's, the sum of squares and the step's
+ * device scalars. Activations in either dtype (templates on T_), arithmetic
+ * in fp32; AdamW and sumsq are fp32 only (AdamW's moments, and with
+ * precision.master bf16 its parameters, may be bf16). Each mirrors the CPU
+ * backend's formula in the same order; AdamW and Lion are written with
+ * explicitly rounded intrinsics (no FMA contraction) so their updates are
+ * the CPU's bit for bit. Reductions run in a fixed tree: the same bits every
+ * run. GeLU, the adds, the cast and the optimizers move 128 bits per load
+ * and store where their pointers are aligned. */
 #include <string.h>
 
 #include "common.cuh"
+#include "clip.h" /* after common.cuh: backend.h with C linkage */
 #include "sround.h"
 
 #define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
@@ -291,131 +295,220 @@ void cuda_xent_finish(void *logits, float *losses, const float *stats_all, int P
 }
 
 /* ---------------------------------------------------------------------------
- * AdamW, the CPU backend's expression with each operation rounded on its own. */
+ * The elementwise optimizers (backend.h adamw_update, adamw_update_bf16,
+ * adamw_update_p16, lion_update): the CPU backend's expressions with each
+ * operation rounded on its own, so both give the same bits. One kernel per
+ * optimizer reads and writes every buffer once: 8 elements per thread and
+ * pass through 16-byte loads and stores (two of fp32, one of bf16) when
+ * every pointer is 16-byte aligned (the arena's tensors are), the rest one
+ * by one with the same math. The clipping factor is an argument, or read
+ * with the skip flag from the step's device scalars (StepScalars), so the
+ * host never waits for the norm. With a compute copy (C_: the act dtype),
+ * the new fp32 parameter rounded to act goes out in the same pass: the
+ * cast kernel's bits, without its second read of the master. */
 
-__global__ void adamw_kernel(float *params, const float *grads, float *m, float *v, size_t n,
-                             float lr, float beta1, float beta2, float eps, float wd,
-                             float grad_scale, float bc1, float bc2) {
-    const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
-    GRID_STRIDE(i, n) {
-        float g = __fmul_rn(grads[i], grad_scale);
-        float mi = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(b1c, g));
-        float vi = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(__fmul_rn(b2c, g), g));
-        m[i] = mi;
-        v[i] = vi;
-        float mhat = __fdiv_rn(mi, bc1), vhat = __fdiv_rn(vi, bc2);
-        float p = params[i];
-        float upd = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps)), __fmul_rn(wd, p));
-        params[i] = __fsub_rn(p, __fmul_rn(lr, upd));
+/* What every element's update takes; b1c = 1 - beta1 and b2c = 1 - beta2
+ * in float, as the CPU computes them; bc1, bc2 the bias corrections of step
+ * t; seed and idx0 key the stochastic rounding of bf16 moments and
+ * parameters (sround.h). */
+struct OptArgs {
+    float lr, beta1, beta2, b1c, b2c, eps, wd, grad_scale, bc1, bc2;
+    uint64_t t, seed, idx0;
+};
+
+static OptArgs opt_args(float lr, float beta1, float beta2, float eps, float wd, float grad_scale, int t,
+                        uint64_t seed, uint64_t idx0) {
+    OptArgs a = {lr, beta1, beta2, 1.0f - beta1, 1.0f - beta2, eps, wd, grad_scale, 1.0f, 1.0f, (uint64_t)t,
+                 seed, idx0};
+    if (t > 0) { /* bias corrections once, in double, as the CPU does */
+        a.bc1 = (float)(1.0 - pow((double)beta1, t));
+        a.bc2 = (float)(1.0 - pow((double)beta2, t));
+    }
+    return a;
+}
+
+/* 8 consecutive elements, moved in 16-byte packs. */
+template <typename T_> struct Oct {
+    T_ v[8];
+};
+template <typename T_> __device__ __forceinline__ Oct<T_> oct_load(const T_ *p) {
+    Oct<T_> x;
+#pragma unroll
+    for (int k = 0; k < 8; k += (int)PACK(T_)) {
+        Pack<T_> q = pack_load(p + k);
+#pragma unroll
+        for (int j = 0; j < (int)PACK(T_); j++) x.v[k + j] = q.v[j];
+    }
+    return x;
+}
+template <typename T_> __device__ __forceinline__ void oct_store(T_ *p, const Oct<T_> &x) {
+#pragma unroll
+    for (int k = 0; k < 8; k += (int)PACK(T_)) {
+        Pack<T_> q;
+#pragma unroll
+        for (int j = 0; j < (int)PACK(T_); j++) q.v[j] = x.v[k + j];
+        pack_store(p + k, q);
     }
 }
 
-void cuda_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr,
-                       float beta1, float beta2, float eps, float weight_decay, float grad_scale,
-                       int t) {
-    if (!n) return;
-    /* Bias corrections once, in double, for step t (1-based), as the CPU does. */
-    float bc1 = (float)(1.0 - pow((double)beta1, t));
-    float bc2 = (float)(1.0 - pow((double)beta2, t));
-    KLAUNCH(adamw_kernel, grid_for(n, 256), 256, 0, params, grads, m, v, n, lr, beta1, beta2, eps,
-            weight_decay, grad_scale, bc1, bc2);
+/* A moment or parameter held as fp32, or as bf16 bits (uint16_t) widened
+ * exactly and stored rounded stochastically with the random bits r. */
+__device__ __forceinline__ float opt_load(float x) { return x; }
+__device__ __forceinline__ float opt_load(uint16_t x) { return sround_f32(x); }
+__device__ __forceinline__ void opt_store(float &d, float x, uint32_t) { d = x; }
+__device__ __forceinline__ void opt_store(uint16_t &d, float x, uint32_t r) { d = sround_bf16(x, r); }
+
+/* The step's clipping factor: the argument, or the device scalars' (0 when
+ * they say skip: the caller then changes nothing). */
+__device__ __forceinline__ int opt_scale(const StepScalars *st, float *gs) {
+    if (!st) return 1;
+    if (st->skip) return 0;
+    *gs = st->scale;
+    return 1;
+}
+
+/* One AdamW element i of the range (P_, S_: the parameter's and the
+ * moments' storage); returns the new parameter in fp32. The random bits of
+ * bf16 storage: the hash's bits 0..15 for m, 16..31 for v, 32..47 for p. */
+template <typename P_, typename S_>
+__device__ __forceinline__ float adamw_elem(P_ &p, float grad, S_ &m, S_ &v, const OptArgs &a, float gs,
+                                            size_t i) {
+    float g = __fmul_rn(grad, gs);
+    float mi = __fadd_rn(__fmul_rn(a.beta1, opt_load(m)), __fmul_rn(a.b1c, g));
+    float vi = __fadd_rn(__fmul_rn(a.beta2, opt_load(v)), __fmul_rn(__fmul_rn(a.b2c, g), g));
+    uint64_t r = sizeof(P_) == 2 || sizeof(S_) == 2 ? sround_hash(a.seed, a.t, a.idx0 + i) : 0;
+    opt_store(m, mi, (uint32_t)r);
+    opt_store(v, vi, (uint32_t)(r >> 16));
+    float mhat = __fdiv_rn(mi, a.bc1), vhat = __fdiv_rn(vi, a.bc2);
+    float pv = opt_load(p);
+    float upd = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), a.eps)), __fmul_rn(a.wd, pv));
+    float pn = __fsub_rn(pv, __fmul_rn(a.lr, upd));
+    opt_store(p, pn, (uint32_t)(r >> 32));
+    return pn;
+}
+
+template <typename P_, typename S_, typename C_>
+__global__ void adamw_kernel(P_ *params, const float *grads, S_ *m, S_ *v, C_ *copy, size_t n, size_t octs,
+                             OptArgs a, const StepScalars *st) {
+    float gs = a.grad_scale;
+    if (!opt_scale(st, &gs)) return;
+    GRID_STRIDE(k, octs) {
+        size_t i = k * 8;
+        Oct<P_> p = oct_load(params + i);
+        Oct<float> g = oct_load(grads + i);
+        Oct<S_> mm = oct_load(m + i), vv = oct_load(v + i);
+        Oct<C_> c;
+#pragma unroll
+        for (int j = 0; j < 8; j++) c.v[j] = act_from<C_>(adamw_elem(p.v[j], g.v[j], mm.v[j], vv.v[j], a, gs, i + j));
+        oct_store(params + i, p);
+        oct_store(m + i, mm);
+        oct_store(v + i, vv);
+        if (copy) oct_store(copy + i, c);
+    }
+    GRID_STRIDE_FROM(i, octs * 8, n) {
+        float pn = adamw_elem(params[i], grads[i], m[i], v[i], a, gs, i);
+        if (copy) copy[i] = act_from<C_>(pn);
+    }
+}
+
+/* Lion: p -= lr (sign(beta1 m + (1 - beta1) g) + wd p), then m = beta2 m + (1 - beta2) g. */
+__device__ __forceinline__ float lion_elem(float &p, float grad, float &m, const OptArgs &a, float gs) {
+    float g = __fmul_rn(grad, gs);
+    float mi = m;
+    float c = __fadd_rn(__fmul_rn(a.beta1, mi), __fmul_rn(a.b1c, g));
+    float s = (float)((c > 0.0f) - (c < 0.0f));
+    float pv = p;
+    p = __fsub_rn(pv, __fmul_rn(a.lr, __fadd_rn(s, __fmul_rn(a.wd, pv))));
+    m = __fadd_rn(__fmul_rn(a.beta2, mi), __fmul_rn(a.b2c, g));
+    return p;
+}
+
+template <typename C_>
+__global__ void lion_kernel(float *params, const float *grads, float *m, C_ *copy, size_t n, size_t octs, OptArgs a,
+                            const StepScalars *st) {
+    float gs = a.grad_scale;
+    if (!opt_scale(st, &gs)) return;
+    GRID_STRIDE(k, octs) {
+        size_t i = k * 8;
+        Oct<float> p = oct_load(params + i), g = oct_load(grads + i), mm = oct_load(m + i);
+        Oct<C_> c;
+#pragma unroll
+        for (int j = 0; j < 8; j++) c.v[j] = act_from<C_>(lion_elem(p.v[j], g.v[j], mm.v[j], a, gs));
+        oct_store(params + i, p);
+        oct_store(m + i, mm);
+        if (copy) oct_store(copy + i, c);
+    }
+    GRID_STRIDE_FROM(i, octs * 8, n) {
+        float pn = lion_elem(params[i], grads[i], m[i], a, gs);
+        if (copy) copy[i] = act_from<C_>(pn);
+    }
+}
+
+/* Whole octs when every pointer allows them, and a grid for the larger of
+ * the octs and the tail. */
+static size_t opt_octs(size_t n, int aligned) { return aligned ? n / 8 : 0; }
+static unsigned opt_grid(size_t n, size_t octs) {
+    size_t tail = n - octs * 8;
+    return grid_for(octs > tail ? octs : tail, 256);
+}
+
+/* The launches, C_ the compute copy's type: act (ACT_DISPATCH), or bf16
+ * with no copy. A copy equal to the parameters (fp32 act: model.c aliases
+ * the master) is not written twice. */
+template <typename C_, typename P_, typename S_>
+static void adamw_run(P_ *params, const float *grads, S_ *m, S_ *v, void *copy, size_t n, const OptArgs &a,
+                      const StepScalars *st) {
+    C_ *c = copy == (void *)params ? NULL : (C_ *)copy;
+    int aligned = aligned16(params) && aligned16(grads) && aligned16(m) && aligned16(v) && (!c || aligned16(c));
+    size_t octs = opt_octs(n, aligned);
+    KLAUNCH((adamw_kernel<P_, S_, C_>), opt_grid(n, octs), 256, 0, params, grads, m, v, c, n, octs, a, st);
     CUDA_CHECK_LAUNCH();
 }
 
-/* Lion, the CPU backend's expression with each operation rounded on its own. */
-__global__ void lion_kernel(float *params, const float *grads, float *m, size_t n, float lr, float beta1,
-                            float beta2, float wd, float grad_scale) {
-    const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
-    GRID_STRIDE(i, n) {
-        float g = __fmul_rn(grads[i], grad_scale);
-        float mi = m[i];
-        float c = __fadd_rn(__fmul_rn(beta1, mi), __fmul_rn(b1c, g));
-        float s = (float)((c > 0.0f) - (c < 0.0f));
-        float p = params[i];
-        params[i] = __fsub_rn(p, __fmul_rn(lr, __fadd_rn(s, __fmul_rn(wd, p))));
-        m[i] = __fadd_rn(__fmul_rn(beta2, mi), __fmul_rn(b2c, g));
-    }
+template <typename C_>
+static void lion_run(float *params, const float *grads, float *m, void *copy, size_t n, const OptArgs &a,
+                     const StepScalars *st) {
+    C_ *c = copy == (void *)params ? NULL : (C_ *)copy;
+    int aligned = aligned16(params) && aligned16(grads) && aligned16(m) && (!c || aligned16(c));
+    size_t octs = opt_octs(n, aligned);
+    KLAUNCH(lion_kernel<C_>, opt_grid(n, octs), 256, 0, params, grads, m, c, n, octs, a, st);
+    CUDA_CHECK_LAUNCH();
+}
+
+void cuda_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr, float beta1,
+                       float beta2, float eps, float weight_decay, float grad_scale, int t, const StepScalars *st,
+                       void *copy) {
+    if (!n) return;
+    OptArgs a = opt_args(lr, beta1, beta2, eps, weight_decay, grad_scale, t, 0, 0);
+    ACT_DISPATCH(adamw_run, params, grads, m, v, copy, n, a, st);
 }
 
 void cuda_lion_update(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
-                      float weight_decay, float grad_scale) {
+                      float weight_decay, float grad_scale, const StepScalars *st, void *copy) {
     if (!n) return;
-    KLAUNCH(lion_kernel, grid_for(n, 256), 256, 0, params, grads, m, n, lr, beta1, beta2, weight_decay, grad_scale);
-    CUDA_CHECK_LAUNCH();
+    OptArgs a = opt_args(lr, beta1, beta2, 0.0f, weight_decay, grad_scale, 0, 0, 0);
+    ACT_DISPATCH(lion_run, params, grads, m, copy, n, a, st);
 }
 
-/* AdamW with bf16 moments: the kernel above on moments read from bf16 and
- * stored through sround_bf16 with the CPU's random bits (sround.h). */
-__global__ void adamw_bf16_kernel(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n,
-                                  float lr, float beta1, float beta2, float eps, float wd, float grad_scale,
-                                  float bc1, float bc2, uint64_t t, uint64_t seed, uint64_t idx0) {
-    const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
-    GRID_STRIDE(i, n) {
-        float g = __fmul_rn(grads[i], grad_scale);
-        float mi = __fadd_rn(__fmul_rn(beta1, sround_f32(m[i])), __fmul_rn(b1c, g));
-        float vi = __fadd_rn(__fmul_rn(beta2, sround_f32(v[i])), __fmul_rn(__fmul_rn(b2c, g), g));
-        uint64_t r = sround_hash(seed, t, idx0 + i);
-        m[i] = sround_bf16(mi, (uint32_t)r);
-        v[i] = sround_bf16(vi, (uint32_t)(r >> 16));
-        float mhat = __fdiv_rn(mi, bc1), vhat = __fdiv_rn(vi, bc2);
-        float p = params[i];
-        float upd = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps)), __fmul_rn(wd, p));
-        params[i] = __fsub_rn(p, __fmul_rn(lr, upd));
-    }
-}
-
+/* bf16 moments: read into fp32, stored through sround_bf16 with the CPU's random bits. */
 void cuda_adamw_update_bf16(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n, float lr,
                             float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
-                            uint64_t seed, uint64_t idx0) {
+                            uint64_t seed, uint64_t idx0, const StepScalars *st, void *copy) {
     if (!n) return;
-    float bc1 = (float)(1.0 - pow((double)beta1, t));
-    float bc2 = (float)(1.0 - pow((double)beta2, t));
-    KLAUNCH(adamw_bf16_kernel, grid_for(n, 256), 256, 0, params, grads, m, v, n, lr, beta1, beta2, eps,
-            weight_decay, grad_scale, bc1, bc2, (uint64_t)t, seed, idx0);
-    CUDA_CHECK_LAUNCH();
+    OptArgs a = opt_args(lr, beta1, beta2, eps, weight_decay, grad_scale, t, seed, idx0);
+    ACT_DISPATCH(adamw_run, params, grads, m, v, copy, n, a, st);
 }
 
-/* AdamW on bf16 parameters (precision.master bf16): the same expression on a
- * parameter read from bf16 and stored through sround_bf16 with bits 32..47 of
- * the element's hash, as the CPU does; the moments fp32 or bf16 (S_ = float
- * or uint16_t: their load and store below). */
-__device__ __forceinline__ float moment_load(const float *p, size_t i) { return p[i]; }
-__device__ __forceinline__ float moment_load(const uint16_t *p, size_t i) { return sround_f32(p[i]); }
-__device__ __forceinline__ void moment_store(float *p, size_t i, float x, uint32_t r) { p[i] = x; }
-__device__ __forceinline__ void moment_store(uint16_t *p, size_t i, float x, uint32_t r) { p[i] = sround_bf16(x, r); }
-
-template <typename S_>
-__global__ void adamw_p16_kernel(uint16_t *params, const float *grads, S_ *m, S_ *v, size_t n, float lr,
-                                 float beta1, float beta2, float eps, float wd, float grad_scale, float bc1,
-                                 float bc2, uint64_t t, uint64_t seed, uint64_t idx0) {
-    const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
-    GRID_STRIDE(i, n) {
-        float g = __fmul_rn(grads[i], grad_scale);
-        float mi = __fadd_rn(__fmul_rn(beta1, moment_load(m, i)), __fmul_rn(b1c, g));
-        float vi = __fadd_rn(__fmul_rn(beta2, moment_load(v, i)), __fmul_rn(__fmul_rn(b2c, g), g));
-        uint64_t r = sround_hash(seed, t, idx0 + i);
-        moment_store(m, i, mi, (uint32_t)r);
-        moment_store(v, i, vi, (uint32_t)(r >> 16));
-        float mhat = __fdiv_rn(mi, bc1), vhat = __fdiv_rn(vi, bc2);
-        float p = sround_f32(params[i]);
-        float upd = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps)), __fmul_rn(wd, p));
-        params[i] = sround_bf16(__fsub_rn(p, __fmul_rn(lr, upd)), (uint32_t)(r >> 32));
-    }
-}
-
+/* bf16 parameters (precision.master bf16): read into fp32, stored through
+ * sround_bf16 with bits 32..47 of the element's hash; moments fp32 or bf16;
+ * no copy (the parameters are the compute copy). */
 void cuda_adamw_update_p16(uint16_t *params, const float *grads, void *m, void *v, size_t state_bytes, size_t n,
                            float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, int t,
-                           uint64_t seed, uint64_t idx0) {
+                           uint64_t seed, uint64_t idx0, const StepScalars *st) {
     if (!n) return;
-    float bc1 = (float)(1.0 - pow((double)beta1, t));
-    float bc2 = (float)(1.0 - pow((double)beta2, t));
-    if (state_bytes == 2)
-        KLAUNCH(adamw_p16_kernel<uint16_t>, grid_for(n, 256), 256, 0, params, grads, (uint16_t *)m, (uint16_t *)v, n,
-                lr, beta1, beta2, eps, weight_decay, grad_scale, bc1, bc2, (uint64_t)t, seed, idx0);
-    else
-        KLAUNCH(adamw_p16_kernel<float>, grid_for(n, 256), 256, 0, params, grads, (float *)m, (float *)v, n, lr,
-                beta1, beta2, eps, weight_decay, grad_scale, bc1, bc2, (uint64_t)t, seed, idx0);
-    CUDA_CHECK_LAUNCH();
+    OptArgs a = opt_args(lr, beta1, beta2, eps, weight_decay, grad_scale, t, seed, idx0);
+    if (state_bytes == 2) adamw_run<bf16>(params, grads, (uint16_t *)m, (uint16_t *)v, NULL, n, a, st);
+    else adamw_run<bf16>(params, grads, (float *)m, (float *)v, NULL, n, a, st);
 }
 
 /* ---------------------------------------------------------------------------
@@ -443,21 +536,58 @@ __global__ void sumsq_partial_kernel(double *part, const float *x, size_t n) {
     if (threadIdx.x == 0) part[k] = s;
 }
 
-__global__ void sumsq_final_kernel(double *result, const double *part) {
+/* *result = (accumulate ? *result : 0) + the partials' sum */
+__global__ void sumsq_final_kernel(double *result, const double *part, int accumulate) {
     __shared__ double red[32];
     double s = block_sum_d(part[threadIdx.x], red); /* blockDim.x == SUMSQ_BLOCKS */
-    if (threadIdx.x == 0) *result = s;
+    if (threadIdx.x == 0) *result = accumulate ? *result + s : s;
 }
 
-double cuda_sumsq(const float *x, size_t n) {
+static void sumsq_to(double *result, const float *x, size_t n, int accumulate) {
     double *part = (double *)cuda_scratch(SCRATCH_SUMSQ, (SUMSQ_BLOCKS + 1) * sizeof(double));
     KLAUNCH(sumsq_partial_kernel, SUMSQ_BLOCKS, SUMSQ_THREADS, 0, part, x, n);
     CUDA_CHECK_LAUNCH();
-    KLAUNCH(sumsq_final_kernel, 1, SUMSQ_BLOCKS, 0, part + SUMSQ_BLOCKS, part);
+    KLAUNCH(sumsq_final_kernel, 1, SUMSQ_BLOCKS, 0, result ? result : part + SUMSQ_BLOCKS, part, accumulate);
     CUDA_CHECK_LAUNCH();
-    double s = 0.0;
+}
+
+double cuda_sumsq(const float *x, size_t n) {
+    sumsq_to(NULL, x, n, 0);
+    double s = 0.0, *part = (double *)cuda_scratch(SCRATCH_SUMSQ, (SUMSQ_BLOCKS + 1) * sizeof(double));
     CUDA_HOST_WAIT(cudaMemcpy(&s, part + SUMSQ_BLOCKS, sizeof s, cudaMemcpyDeviceToHost));
     return s;
+}
+
+/* The step's scalars (backend.h StepScalars), with no host wait: the sum of
+ * squares added to a device double, the same partials and tree as sumsq's
+ * (so the same bits); a micro-batch's mean loss, one block summing the N
+ * losses in double in a fixed order (threads take rows tid, tid + 1024, ...,
+ * then the block's tree), rounded to float as model_forward rounds it; and
+ * the norm, clipping factor and skip flag by src/clip.h's rule, the host's. */
+void cuda_sumsq_acc(double *acc, const float *x, size_t n) { sumsq_to(acc, x, n, 1); }
+
+#define LOSS_THREADS 1024
+__global__ void loss_acc_kernel(double *acc, const float *losses, int N) {
+    __shared__ double red[32];
+    double s = 0.0;
+    for (int i = threadIdx.x; i < N; i += blockDim.x) s += (double)losses[i];
+    s = block_sum_d(s, red);
+    if (threadIdx.x == 0) *acc += (double)(float)(s / N);
+}
+
+void cuda_loss_acc(double *acc, const float *losses, int N) {
+    if (N <= 0) return;
+    KLAUNCH(loss_acc_kernel, 1, LOSS_THREADS, 0, acc, losses, N);
+    CUDA_CHECK_LAUNCH();
+}
+
+__global__ void step_scalars_kernel(StepScalars *st, int micro, float grad_clip) {
+    if (threadIdx.x == 0) clip_step_scalars(st, micro, grad_clip);
+}
+
+void cuda_step_scalars(StepScalars *st, int micro, float grad_clip) {
+    KLAUNCH(step_scalars_kernel, 1, CUDA_WARP, 0, st, micro, grad_clip);
+    CUDA_CHECK_LAUNCH();
 }
 
 /* ---------------------------------------------------------------------------

@@ -40,8 +40,7 @@ op("dbias: BGRADB epilogue of the dw products", 4*L, 0, 0)
 distinct=V*(1-(1-1/V)**N)
 op("embed bwd (dwte runs, dwpe)", 1, 0, NC*a+distinct*C*8+NC*a+T*C*4)
 op("grad norm (sumsq fp32)", 1, 0, P*4)
-op("AdamW fp32 master+m+v", 1, 0, P*28)
-op("cast master->bf16 compute copy", 1, 0, P*6)
+op("AdamW fp32 master+m+v, bf16 compute copy in the same pass", 1, 0, P*30)
 mem=list(rows)
 def tab(rs, flopbound):
     tot=0; totw=0

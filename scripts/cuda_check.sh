@@ -245,6 +245,7 @@ bench() { # NAME WORST STEPS SETS...
     [ "$fb" -gt 0 ] && fus="$fus; BGRADB refused for $fb shape(s)"
     local init; init=$(sed -n 's/^bench: init_s=\([0-9.]*\).*/, init \1 s/p' "$WORK/bench_$name.txt")
     init="$init$(sed -n 's/^bench: host_syncs_per_step=\(.*\)/, \1 host syncs\/step/p' "$WORK/bench_$name.txt")"
+    init="$init$(sed -n 's/^bench: fused_copy=\(.*\)/, compute copy by the update: \1/p' "$WORK/bench_$name.txt")"
     row "bench_$name" ok "$(awk -v t="$tok" -v g="$gf" -v p="$PEAK_GFLOPS" -v m="${mem:-?}" \
         'BEGIN { printf "%.0f tok/s, %.1f TFLOP/s, MFU %.1f%%, peak %s GiB", t, g / 1e3, 100 * g / p, m }')$init, gelu $fus, $prec"
     pack

@@ -71,6 +71,23 @@ typedef struct AttnBlock {
     const int32_t *q_doc;
 } AttnBlock;
 
+/* One training step's scalars, in device memory (optim.h
+ * optim_step_device), so that a step needs no host wait before its update:
+ * the micro-batches' mean losses and the gradients' sum of squares
+ * accumulate into it (loss_acc, sumsq_acc), step_scalars derives the norm,
+ * the clipping factor and the skip flag from them (src/clip.h's rule, the
+ * host's), the optimizer updates read scale and skip from it, and the host
+ * reads the whole struct once, at the step's end. Zero at a step's start. */
+typedef struct StepScalars {
+    double loss;     /* sum of the micro-batches' mean losses, each rounded to float first (loss_acc) */
+    double sumsq;    /* the gradients' sum of squares (sumsq_acc) */
+    double norm;     /* sqrt(sumsq) */
+    float loss_mean; /* (float)(loss / micro-batches) */
+    float scale;     /* the clipping factor the updates apply: 1 without clipping or when skipped */
+    int32_t skip;    /* 1: the norm or loss_mean is not finite, and the updates change nothing */
+    int32_t pad;
+} StepScalars;
+
 typedef struct Backend {
     const char *name; /* "cpu", "cuda" */
     /* 1 if device pointers are host memory (the CPU backend): host MPI
@@ -110,9 +127,12 @@ typedef struct Backend {
                           int B, int T, int C);
     /* dwte(Vp,C) fp32 += scatter of dout (N,C) act by token (always
      * accumulates: the tied head writes dwte first; negative token ids add
-     * nothing); dwpe(T,C) fp32 per `accumulate`, or NULL (no learned positions). */
+     * nothing); dwpe(T,C) fp32 per `accumulate`, or NULL (no learned positions).
+     * tokens_host: NULL, or the same N ids in host memory, so a backend that
+     * plans the scatter on the host (CUDA) need not read them back, which
+     * would wait for the device. */
     void (*embed_backward)(float *dwte, float *dwpe, const void *dout, const int32_t *tokens,
-                           int B, int T, int C, int accumulate);
+                           const int32_t *tokens_host, int B, int T, int C, int accumulate);
 
     /* out(N,C) act = (inp - mean) * rstd * w + b, rstd = 1/sqrt(var + eps)
      * (biased variance, as torch.nn.LayerNorm); inp (N,C), w, b (C) act, b
@@ -340,10 +360,16 @@ typedef struct Backend {
                         int N, int V, int Vp, float dloss);
 
     /* AdamW on a contiguous range, all fp32: p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p),
-     * with g = grad * grad_scale, bias corrections for step t (1-based). */
+     * with g = grad * grad_scale, bias corrections for step t (1-based).
+     * The last two arguments, shared by the updates below: st NULL, or the
+     * step's device scalars (StepScalars above), whose scale replaces
+     * grad_scale and whose skip leaves every buffer as it was; copy NULL,
+     * or copy(n) act, the compute copy of these parameters, which receives
+     * each new parameter rounded to act (to nearest even: cast_to_act's
+     * bits) in the same pass, so no separate cast need read the master. */
     void (*adamw_update)(float *params, const float *grads, float *m, float *v, size_t n,
                          float lr, float beta1, float beta2, float eps, float weight_decay,
-                         float grad_scale, int t);
+                         float grad_scale, int t, const StepScalars *st, void *copy);
     /* The same update with m and v stored as bf16 (precision.optim_state
      * bf16: half the optimizer memory): m(n) v(n) bf16 bits are read into
      * fp32, updated in fp32 exactly as adamw_update does (the parameter step
@@ -353,7 +379,8 @@ typedef struct Backend {
      * Every backend gives the same bits. */
     void (*adamw_update_bf16)(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n,
                               float lr, float beta1, float beta2, float eps, float weight_decay,
-                              float grad_scale, int t, uint64_t seed, uint64_t idx0);
+                              float grad_scale, int t, uint64_t seed, uint64_t idx0, const StepScalars *st,
+                              void *copy);
     /* The same update on bf16 parameters (precision.master bf16: the bf16
      * compute copy is the parameters, no fp32 master): params(n) bf16 bits
      * are read into fp32, the step is computed in fp32 exactly as above, and
@@ -361,19 +388,21 @@ typedef struct Backend {
      * sround_hash(seed, t, idx0 + i), a stream apart from the moments' (bits
      * 0..31). m(n) v(n) are fp32 (state_bytes 4, as adamw_update) or bf16
      * bits (2, as adamw_update_bf16). grads fp32. Every backend gives the
-     * same bits. A backend may leave it NULL where act is never bf16; the
+     * same bits; st as above (no copy: the parameters are the compute
+     * copy). A backend may leave it NULL where act is never bf16; the
      * CPU backend has it as the reference the CUDA kernel is checked against
      * (and for tests' bf16 emulation), though a CPU run never calls it: with
      * fp32 activations the config refuses precision.master bf16. */
     void (*adamw_update_p16)(uint16_t *params, const float *grads, void *m, void *v, size_t state_bytes, size_t n,
                              float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale,
-                             int t, uint64_t seed, uint64_t idx0);
+                             int t, uint64_t seed, uint64_t idx0, const StepScalars *st);
 
     /* Lion (Chen et al. 2023) on a contiguous range, all fp32: with g = grad *
      * grad_scale, p -= lr * (sign(beta1 m + (1 - beta1) g) + wd * p), then
-     * m = beta2 m + (1 - beta2) g; sign(0) = 0. One state buffer m(n). */
+     * m = beta2 m + (1 - beta2) g; sign(0) = 0. One state buffer m(n);
+     * st and copy as adamw_update's. */
     void (*lion_update)(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
-                        float weight_decay, float grad_scale);
+                        float weight_decay, float grad_scale, const StepScalars *st, void *copy);
 
     /* Muon (docs/optimizers.md) on one matrix; a backend without them
      * leaves all three NULL and optim.name muon is refused on it.
@@ -445,6 +474,17 @@ typedef struct Backend {
 
     /* Sum of squares of fp32 x, in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);
+    /* The step's scalars (StepScalars above), on the device, no host wait.
+     * sumsq_acc: *acc (device double) += sumsq(x, n), the same sum as sumsq's.
+     * loss_acc: *acc (device double) += the mean of losses(N) fp32, summed
+     * in double and rounded to float (model_forward's return value; the CPU
+     * sums in row order, a GPU in a fixed tree: the last bits of the double
+     * sum may differ). step_scalars: st's norm, loss_mean (over `micro`
+     * micro-batches), scale (src/clip.h, optim.grad_clip) and skip from its
+     * loss and sumsq. */
+    void (*sumsq_acc)(double *acc, const float *x, size_t n);
+    void (*loss_acc)(double *acc, const float *losses, int N);
+    void (*step_scalars)(StepScalars *st, int micro, float grad_clip);
 
     /* Optional hooks; NULL where a backend has no such notion (the CPU).
      * set_precision: precision.compute, called once after init and before any

@@ -103,6 +103,11 @@ int bench_run(const Config *c, int steps) {
                            optim_round_seed(c->seed));
     if (master16) optim_set_params_bf16(&opt);
     if (optim_kind(c->optim_name) == OPTIM_LION) optim_set_lion(&opt, c->lion_beta1, c->lion_beta2);
+    /* a one-rank run's step (train.c): the losses, norm, clipping factor and
+     * skip flag stay on the device (one host wait per step, its read), and
+     * the update writes the compute copy where there is one to cast */
+    int fused = optim_set_copy(&opt, model_compute_copy(&m));
+    model_set_loss_sink(&m, &optim_scalars(&opt)->loss);
 
     int32_t *inp = xmalloc((size_t)N * sizeof(int32_t)), *tgt = xmalloc((size_t)N * sizeof(int32_t));
     Rng rng;
@@ -116,21 +121,24 @@ int bench_run(const Config *c, int steps) {
     double mm_before = matmul_rate(be, &s, N, 5);
     /* step 0 is a warm-up (page faults, BLAS buffers) and is not counted */
     unsigned long syncs = 0; /* the steps' own host waits, not the two that time them */
+    int64_t moe_reads = 0;   /* of which MoE routing's reads (ModelMoeStats.host_reads) */
     for (int step = 0; step <= steps; step++) {
         be->sync();
         double t0 = kiln_now();
         unsigned long s0 = be->host_syncs ? be->host_syncs() : 0;
+        int64_t r0 = m.moe.host_reads;
         for (int micro = 0; micro < c->grad_accum; micro++) {
             for (int i = 0; i < N; i++) {
                 inp[i] = (int32_t)rng_below(&rng, (uint64_t)s.vocab_size);
                 tgt[i] = (int32_t)rng_below(&rng, (uint64_t)s.vocab_size);
             }
-            loss = model_forward(&m, inp, tgt, B, T, dloss);
+            model_forward(&m, inp, tgt, B, T, dloss);
             model_backward(&m, micro > 0);
         }
-        optim_step(&opt, model_param_arena(&m), m.grad_mem, c->lr);
-        model_params_changed(&m);
+        optim_step_device(&opt, model_param_arena(&m), m.grad_mem, c->lr, c->grad_accum, &loss);
+        if (!fused) model_params_changed(&m);
         if (step > 0 && be->host_syncs) syncs += be->host_syncs() - s0;
+        if (step > 0) moe_reads += m.moe.host_reads - r0;
         be->sync();
         times[step] = kiln_now() - t0;
     }
@@ -150,6 +158,9 @@ int bench_run(const Config *c, int steps) {
     printf("bench: tok_per_s=%.1f step_gflops=%.1f sgemm_gflops=%.1f ratio=%.3f\n", tokens / step_s, step_gflops,
            mm_gflops, step_gflops / mm_gflops);
     if (be->host_syncs) printf("bench: host_syncs_per_step=%.1f\n", (double)syncs / steps);
+    if (be->host_syncs && s.mlp == MLP_MOE) /* dropless routing sizes its products on the host */
+        printf("bench: moe_host_reads_per_step=%.1f (of the host syncs)\n", (double)moe_reads / steps);
+    printf("bench: fused_copy=%s\n", fused ? "on" : m.act_bytes == 4 || master16 ? "not_needed" : "off");
     printf("bench: init_s=%.2f (%zu parameters)\n", init_s, m.num_params);
     if (be->memory_peak) printf("bench: peak_mem_gib=%.2f\n", be->memory_peak() / 1073741824.0);
     printf("bench: master=%s optim_state=%s fp8=%s%s\n", master16 ? "bf16" : "fp32", c->optim_state, c->fp8,

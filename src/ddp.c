@@ -658,6 +658,15 @@ double ddp_reduce_grads(Ddp *d) {
     return sqrt(sq);
 }
 
+void ddp_reduce_grads_local(Ddp *d) {
+    if (d->g || d->tp || d->pp || d->units || d->m->ep > 1)
+        kiln_fail(KILN_EXIT_RUNTIME, "ddp: the one-rank gradient path on a layout with collectives");
+    ddp_wait_grads(d);
+    poison_if_asked(d, d->m->grad_mem);
+}
+
+int ddp_whole_update(const Ddp *d) { return !d->units && !d->zseg && (d->zero == 0 || !d->g); }
+
 /* Muon's matrices (muon.c), after the elementwise part: params is this
  * rank's optimizer part, grads the whole gradient arena (ZeRO 0-1) or the
  * shard (ZeRO 2-3). Its exchanges count as time blocked. */

@@ -189,6 +189,15 @@ double ddp_reduce_grads(Ddp *d);
  * with a tied embedding's copy: its wte/wpe/ln_f unit all-reduced, whole
  * (the other units are ddp_reduce_grads'). */
 void ddp_wait_grads(Ddp *d);
+/* One rank, nothing to exchange (train.c's one-rank step, whose norm
+ * optim_step_device takes on the device): what ddp_reduce_grads does but
+ * the norm (the test hook's poison). Exits 1 on a layout with a collective. */
+void ddp_reduce_grads_local(Ddp *d);
+/* 1 when each ddp_optim_step updates this rank's whole arena in one
+ * optimizer range and nothing after it changes the parameters (ZeRO 0, or
+ * one rank: no shard, no gather), so the update may write the compute copy
+ * (optim_set_copy). */
+int ddp_whole_update(const Ddp *d);
 /* AdamW over this rank's part with the global norm, then the all-gather that
  * gives every rank the updated parameters (ZeRO-1: blocking; ZeRO-2: posted
  * per unit and waited for in the next forward; ZeRO-3: none, the next forward

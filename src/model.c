@@ -549,6 +549,13 @@ void model_params_to_host(const Model *m, float *host) {
 
 void *model_param_arena(const Model *m) { return m->master_bf16 ? (void *)m->param16 : (void *)m->param_mem; }
 
+void *model_compute_copy(const Model *m) {
+    if (m->act_bytes == sizeof(float) || m->master_bf16 || m->unit_cbuf || m->n_cbuf != 1) return NULL;
+    return m->cbuf[0].master == m->param_mem ? m->cbuf[0].mem : NULL;
+}
+
+void model_set_loss_sink(Model *m, double *sink) { m->loss_sink = sink; }
+
 static const char *const recompute_names[] = {"none", "gelu", "norm_gelu"};
 
 ModelRecompute model_recompute_parse(const char *name) {
@@ -752,6 +759,7 @@ static void slot_save(Model *m, ModelSlot *sl) {
     sl->acts = m->acts, sl->encoded = m->encoded, sl->stage_dout = m->stage_dout, sl->stage_din = m->stage_din;
     sl->lnf = m->lnf, sl->logits = m->logits, sl->lnf_mean = m->lnf_mean, sl->lnf_rstd = m->lnf_rstd;
     sl->losses = m->losses, sl->aux = m->aux, sl->tokens_dev = m->tokens_dev, sl->targets_dev = m->targets_dev;
+    sl->tokens_host = m->tokens_host;
     sl->doc_dev = m->doc_dev, sl->doc_host = m->doc_host;
     sl->live_B = m->live_B, sl->live_T = m->live_T, sl->live_sp = m->live_sp, sl->have_targets = m->have_targets;
     sl->weight_pending = m->weight_pending, sl->live_dloss = m->live_dloss;
@@ -761,6 +769,7 @@ static void slot_load(Model *m, const ModelSlot *sl) {
     m->acts = sl->acts, m->encoded = sl->encoded, m->stage_dout = sl->stage_dout, m->stage_din = sl->stage_din;
     m->lnf = sl->lnf, m->logits = sl->logits, m->lnf_mean = sl->lnf_mean, m->lnf_rstd = sl->lnf_rstd;
     m->losses = sl->losses, m->aux = sl->aux, m->tokens_dev = sl->tokens_dev, m->targets_dev = sl->targets_dev;
+    m->tokens_host = sl->tokens_host;
     m->doc_dev = sl->doc_dev, m->doc_host = sl->doc_host;
     m->live_B = sl->live_B, m->live_T = sl->live_T, m->live_sp = sl->live_sp, m->have_targets = sl->have_targets;
     m->weight_pending = sl->weight_pending, m->live_dloss = sl->live_dloss;
@@ -777,7 +786,7 @@ static void slots_free(Model *m) {
         free(sl->acts);
         if (m->be) m->be->free(sl->tokens_dev), m->be->free(sl->targets_dev);
         if (m->be && sl->doc_dev) m->be->free(sl->doc_dev);
-        free(sl->doc_host);
+        free(sl->doc_host), free(sl->tokens_host);
     }
     free(m->slots);
     m->slots = NULL, m->n_slots = m->cur_slot = 0;
@@ -820,6 +829,7 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
             sl->chunk = c;
             sl->acts = xcalloc((size_t)m->shape.n_layer, sizeof(LayerActs));
             sl->tokens_dev = m->be->alloc(N * sizeof(int32_t));
+            sl->tokens_host = xcalloc(N, sizeof(int32_t));
             sl->targets_dev = m->be->alloc(N * sizeof(int32_t));
             if (m->doc_mask || m->doc_reset) {
                 sl->doc_dev = m->be->alloc(N * sizeof(int32_t));
@@ -1124,19 +1134,20 @@ static void embed_rows_backward(const Model *m, const void *dtop, int B, int T, 
         if (!acc) m->be->zero(dwpe, (size_t)m->shape.seq_len * C * sizeof(float));
         DocRun r;
         for (int it = 0; doc_next_run(m, B, T, &it, &r);)
-            m->be->embed_backward(dwte, dwpe + (size_t)r.p0 * C, act_at(m, dtop, r.row, C), m->tokens_dev + r.row, 1,
-                                  r.len, C, 1);
+            m->be->embed_backward(dwte, dwpe + (size_t)r.p0 * C, act_at(m, dtop, r.row, C), m->tokens_dev + r.row,
+                                  m->tokens_host + r.row, 1, r.len, C, 1);
         return;
     }
     if (m->cp == 1) {
-        m->be->embed_backward(dwte, dwpe, dtop, m->tokens_dev, B, T, C, acc);
+        m->be->embed_backward(dwte, dwpe, dtop, m->tokens_dev, m->tokens_host, B, T, C, acc);
         return;
     }
     int Tc = T / 2;
     if (dwpe && !acc) m->be->zero(dwpe, (size_t)m->shape.seq_len * C * sizeof(float));
     for (int c = 0; c < 2; c++)
         m->be->embed_backward(dwte, dwpe ? dwpe + (size_t)cp_pos(m, c, Tc) * C : NULL,
-                              act_at(m, dtop, (size_t)c * B * Tc, C), m->tokens_dev + (size_t)c * B * Tc, B, Tc, C, 1);
+                              act_at(m, dtop, (size_t)c * B * Tc, C), m->tokens_dev + (size_t)c * B * Tc,
+                              m->tokens_host + (size_t)c * B * Tc, B, Tc, C, 1);
 }
 
 /* RoPE on qkv (N, QKVW) at each row's global position, or its inverse;
@@ -1244,6 +1255,7 @@ static void moe_cp_caps(Model *m, const LayerActs *a, int N, int gr, int cap) {
     be->moe_dispatch(a->offsets, a->row_of, a->src, a->counts, a->topk, N, gr, E, K, 0);
     tp_drain(m);
     be->to_host(m->counts_host, a->counts, (size_t)2 * B * E * sizeof(int32_t));
+    m->moe.host_reads++;
     double *all = m->chunk_host; /* (2 cp, B, E): every chunk's loads, global chunk order */
     memset(all, 0, (size_t)2 * cp * B * E * sizeof(double));
     for (int c = 0; c < 2; c++) {
@@ -1290,6 +1302,7 @@ static Resid moe_forward(Model *m, int l, int N, int T, float dloss, int train) 
      * synchronisation of an MoE layer. */
     tp_drain(m);
     be->to_host(a->offsets_host, a->offsets, (size_t)(E + 1) * sizeof(int32_t));
+    m->moe.host_reads++;
     be->moe_gather(a->xp, a->ln2, a->src, a->offsets_host[E], C);
     ModelExpertRows rows;
     expert_rows(m, l, &rows);
@@ -1318,6 +1331,7 @@ static Resid moe_forward(Model *m, int l, int N, int T, float dloss, int train) 
     int B = N / T, Tg = T * m->cp;
     be->to_host(m->counts_host, a->counts, (size_t)G * E * sizeof(int32_t));
     be->to_host(m->stats_host, a->stats, (size_t)G * (E + 1) * sizeof(float));
+    m->moe.host_reads += 2;
     double *q = m->seq_host; /* (B, 2E+1): per sequence its loads (E), prob sums (E), lse^2 sum */
     memset(q, 0, (size_t)B * (2 * E + 1) * sizeof(double));
     int64_t routed = 0;
@@ -1434,7 +1448,8 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
     if ((size_t)(m->live_sp ? N / m->tp : N) > m->res_rows)
         kiln_fail(KILN_EXIT_RUNTIME, "model_forward: %d x %d tokens exceed the residual stream's %zu rows", B, T,
                   m->res_rows);
-    be->to_device(m->tokens_dev, local_ids(m, m->tok_host, tokens, N), (size_t)N * sizeof(int32_t));
+    memcpy(m->tokens_host, local_ids(m, m->tok_host, tokens, N), (size_t)N * sizeof(int32_t));
+    be->to_device(m->tokens_dev, m->tokens_host, (size_t)N * sizeof(int32_t));
     if (m->doc_mask || m->doc_reset) doc_rows(m, seq_tokens, B, seq_T, T);
     int fuse_fwd = model_gelu_fused(m, 0);
     int train = dloss != 0.0f && (targets || !m->has_head);
@@ -1489,6 +1504,11 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         be->xent_finish(m->logits, m->losses, all, m->tp, m->targets_dev, N, s->vocab_size, s->padded_vocab, dloss);
     }
     tp_drain(m);
+    if (m->loss_sink && dloss != 0.0f) { /* stays on the device: no host wait */
+        be->loss_acc(m->loss_sink, m->losses, N);
+        m->have_targets = 1;
+        return 0.0f;
+    }
     be->to_host(m->losses_host, m->losses, (size_t)N * sizeof(float));
     double sum = 0.0;
     for (int i = 0; i < N; i++) sum += m->losses_host[i];
@@ -1843,6 +1863,7 @@ void model_moe_reset(Model *m) {
     memset(m->moe.load, 0, (size_t)m->shape.n_layer * m->shape.moe.n_experts * sizeof(int64_t));
     m->moe.routed = m->moe.drops = 0;
     m->moe.aux_sum = m->moe.z_sum = 0;
+    m->moe.host_reads = 0;
 }
 
 void model_moe_update_bias(Model *m, const int64_t *load) {

@@ -143,6 +143,9 @@ typedef struct ModelMoeStats {
     double aux_sum, z_sum; /* since reset: aux and z of every training forward, added up */
     int64_t *load;         /* (n_layer, E) since reset: slots routed to each expert */
     int64_t routed, drops; /* since reset: slots routed, and dropped by capacity */
+    int64_t host_reads;    /* since reset: device-to-host reads the routing made (expert row offsets that size
+                              the products, loads and router statistics for the auxiliary losses): on a GPU
+                              each waits for the device (docs/gpu.md, "A training step") */
 } ModelMoeStats;
 
 /* What parallel code needs to run inside the model's passes; model.c itself
@@ -299,6 +302,7 @@ typedef struct ModelSlot {
     void *lnf, *logits;            /* (N,C) (N,Vp): the chunk with the head */
     float *lnf_mean, *lnf_rstd, *losses, *aux;
     int32_t *tokens_dev, *targets_dev; /* (N) */
+    int32_t *tokens_host;              /* (N) host: what tokens_dev holds (the embedding backward's plan) */
     int32_t *doc_dev, *doc_host;       /* (N) device and host: documents (Model's), or NULL */
     int live_B, live_T, live_sp, have_targets, weight_pending;
     float live_dloss;
@@ -387,6 +391,7 @@ typedef struct Model {
     float *losses;    /* (N) device */
     void *scratch;    /* forward: projection outputs; backward: gradient buffers */
     int32_t *tokens_dev, *targets_dev; /* (N) */
+    int32_t *tokens_host;              /* (N) host: what tokens_dev holds, so no backward reads it back */
     int32_t *cp_tok, *cp_tgt;          /* cp > 1: (N) host, this rank's chunks of the tokens and targets */
     /* documents (ModelOptions.doc_*): the global position where each of
      * this rank's rows' document starts (rows as tokens_dev), on the device
@@ -395,6 +400,7 @@ typedef struct Model {
     int doc_mask, doc_reset, doc_eot;
     int32_t *doc_dev, *doc_host, *doc_full;
     float *losses_host; /* (N) */
+    double *loss_sink;  /* device, or NULL: where a training forward adds its mean loss (model_set_loss_sink) */
     void *row_host;     /* (tp Vp) act: one logits row on its way to the host */
     /* tensor parallelism (tp > 1) */
     int32_t *tok_host, *tgt_host; /* (N) host: token and target ids as local vocabulary rows, -1 elsewhere */
@@ -486,6 +492,11 @@ void model_params_to_host(const Model *m, float *host);
 void model_params_from_host(Model *m, const float *host);
 /* What the optimizer updates: param_mem (fp32) or, with master_bf16, param16. */
 void *model_param_arena(const Model *m);
+/* The compute copy of the whole arena when there is one to cast (act bf16,
+ * fp32 master, the arena in one buffer: not ZeRO-2/3's layout), for an
+ * optimizer to write in its update (optim_set_copy); else NULL. Its
+ * elements follow the arena's (act_bytes each). */
+void *model_compute_copy(const Model *m);
 
 /* Initialisation by each tensor's ArchInit (src/model_init.c): N(0, 0.02)
  * weights and embeddings, residual projections (attention output, MLP down)
@@ -547,6 +558,12 @@ void model_doc_starts(const int32_t *tokens, int B, int T, int eot, int32_t *doc
 
 float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T,
                     float dloss);
+/* From now on a training forward (targets and dloss != 0) adds its mean
+ * loss to *sink, device memory (backend.h loss_acc: the same number it
+ * would return), and returns 0 without reading the losses to the host: no
+ * host wait per micro-batch (optim_step_device reads the step's sum). A
+ * forward without dloss (evaluation) still returns its loss. NULL: off. */
+void model_set_loss_sink(Model *m, double *sink);
 
 /* Backward of the last forward (which must have had dloss != 0, and targets
  * on the stage with the head). accumulate = 0 on the first micro-batch of a

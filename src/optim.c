@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "clip.h"
 #include "util.h"
 
 int optim_sched_kind(const char *name) {
@@ -84,6 +85,7 @@ void optim_set_params_bf16(AdamW *o) {
         kiln_fail(KILN_EXIT_USAGE, "key 'precision.master': bf16: the %s backend has no bf16 parameter update; use "
                   "precision.master: fp32", o->be->name);
     o->param_bytes = 2;
+    o->copy = NULL; /* the parameters are the compute copy */
 }
 
 int optim_kind(const char *name) {
@@ -131,6 +133,7 @@ void optim_set_muon(AdamW *o, const OptimMatrix *mats, int nmat, float momentum,
         kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': muon keeps fp32 state and parameters; use "
                   "precision.optim_state: fp32 and precision.master: fp32");
     o->kind = OPTIM_MUON;
+    o->copy = NULL; /* its matrices' updates write no compute copy */
     o->momentum = momentum;
     o->ns_steps = ns_steps;
     o->nmat = nmat;
@@ -201,6 +204,7 @@ void optim_set_adafactor(AdamW *o, float beta1) {
         kiln_fail(KILN_EXIT_USAGE, "key 'optim.name': adafactor keeps fp32 state and parameters; use "
                   "precision.optim_state: fp32 and precision.master: fp32");
     o->kind = OPTIM_ADAFACTOR;
+    o->copy = NULL; /* adafactor.c's updates write no compute copy */
     o->beta1 = beta1;
     be->free(o->v);
     o->v = NULL;
@@ -224,6 +228,7 @@ void optim_free(AdamW *o) {
         if (o->v) o->be->free(o->v);
         if (o->u) o->be->free(o->u), o->be->free(o->ns_work);
         if (o->mm) o->be->free(o->mm);
+        if (o->st) o->be->free(o->st);
     }
     free(o->mats);
     memset(o, 0, sizeof *o);
@@ -243,12 +248,7 @@ OptimStepInfo optim_step_begin(AdamW *o, double grad_norm) {
         info.nonfinite = 1;
         return info;
     }
-    /* clip_grad_norm_'s rule (+1e-6 guards a zero norm), applied inside the
-     * update so the gradients are read once */
-    if (o->grad_clip > 0.0f) {
-        double coef = o->grad_clip / (info.grad_norm + 1e-6);
-        if (coef < 1.0) info.grad_scale = (float)coef;
-    }
+    info.grad_scale = clip_scale(info.grad_norm, o->grad_clip); /* the device's rule too (clip.h) */
     o->t++;
     return info;
 }
@@ -260,18 +260,62 @@ OptimStepInfo optim_step_begin(AdamW *o, double grad_norm) {
  * with ZeRO-2/3 (unbiased all the same; the bits then follow the layout). */
 static void update_range(AdamW *o, void *params, const float *grads, size_t k, size_t n, float lr, float wd,
                          float grad_scale) {
+    const StepScalars *st = o->st_now;
+    /* the compute copy at the same arena element (set only with lo 0: optim_set_copy) */
+    void *copy = o->copy ? (char *)o->copy + (o->lo + k) * o->be->act_bytes() : NULL;
     if (o->kind == OPTIM_LION)
-        o->be->lion_update(params, grads, (float *)o->m + k, n, lr, o->beta1, o->beta2, wd, grad_scale);
+        o->be->lion_update(params, grads, (float *)o->m + k, n, lr, o->beta1, o->beta2, wd, grad_scale, st, copy);
     else if (o->param_bytes == 2)
         o->be->adamw_update_p16(params, grads, (char *)o->m + k * o->state_bytes, (char *)o->v + k * o->state_bytes,
                                 o->state_bytes, n, lr, o->beta1, o->beta2, o->eps, wd, grad_scale, o->t, o->seed,
-                                o->lo + k);
+                                o->lo + k, st);
     else if (o->state_bytes == 2)
         o->be->adamw_update_bf16(params, grads, (uint16_t *)o->m + k, (uint16_t *)o->v + k, n, lr, o->beta1,
-                                 o->beta2, o->eps, wd, grad_scale, o->t, o->seed, o->lo + k);
+                                 o->beta2, o->eps, wd, grad_scale, o->t, o->seed, o->lo + k, st, copy);
     else
         o->be->adamw_update(params, grads, (float *)o->m + k, (float *)o->v + k, n, lr, o->beta1, o->beta2,
-                            o->eps, wd, grad_scale, o->t);
+                            o->eps, wd, grad_scale, o->t, st, copy);
+}
+
+/* The update of the whole range [lo, hi), split at n_decay; params and
+ * grads point at element lo. */
+static void update_all(AdamW *o, void *params, const float *grads, float lr, float grad_scale) {
+    size_t n = o->hi - o->lo;
+    /* decayed elements of the range: [lo, min(hi, n_decay)) */
+    size_t d = o->n_decay > o->lo ? o->n_decay - o->lo : 0;
+    if (d > n) d = n;
+    if (d > 0) update_range(o, params, grads, 0, d, lr, o->weight_decay, grad_scale);
+    if (n > d) update_range(o, (char *)params + d * o->param_bytes, grads + d, d, n - d, lr, 0.0f, grad_scale);
+}
+
+int optim_set_copy(AdamW *o, void *copy) {
+    int ok = copy && (o->kind == OPTIM_ADAMW || o->kind == OPTIM_LION) && o->param_bytes == 4 && o->lo == 0 &&
+             o->hi == o->n;
+    o->copy = ok ? copy : NULL;
+    return ok;
+}
+
+StepScalars *optim_scalars(AdamW *o) {
+    if (!o->st) o->st = o->be->alloc(sizeof *o->st); /* zeroed */
+    return o->st;
+}
+
+OptimStepInfo optim_step_device(AdamW *o, void *params, const float *grads, float lr, int micro, float *loss) {
+    if ((o->kind != OPTIM_ADAMW && o->kind != OPTIM_LION) || o->lo != 0 || o->hi != o->n)
+        kiln_fail(KILN_EXIT_RUNTIME, "optim: the device step takes AdamW or Lion over the whole arena");
+    const Backend *be = o->be;
+    StepScalars *st = optim_scalars(o), h;
+    be->sumsq_acc(&st->sumsq, grads, o->n);
+    be->step_scalars(st, micro, o->grad_clip);
+    o->t++; /* taken back below if the device skipped the step */
+    o->st_now = st;
+    update_all(o, params, grads, lr, 1.0f);
+    o->st_now = NULL;
+    be->to_host(&h, st, sizeof h); /* the step's one wait: after the update, so it also times it */
+    be->zero(st, sizeof *st);
+    if (h.skip) o->t--;
+    if (loss) *loss = h.loss_mean;
+    return (OptimStepInfo){h.norm, h.scale, h.skip};
 }
 
 OptimStepInfo optim_step_segments(AdamW *o, void *params, const float *grads, const OptimSegment *seg, int nseg,
@@ -279,6 +323,7 @@ OptimStepInfo optim_step_segments(AdamW *o, void *params, const float *grads, co
     if ((o->kind == OPTIM_MUON && !o->muon_dist) || o->kind == OPTIM_ADAFACTOR)
         kiln_fail(KILN_EXIT_RUNTIME, "optim: %s over sharded segments needs its own module (muon.c, adafactor.c)",
                   o->kind == OPTIM_MUON ? "muon" : "adafactor");
+    if (o->copy) kiln_fail(KILN_EXIT_RUNTIME, "optim: the fused compute copy is for whole-arena steps, not segments");
     OptimStepInfo info = optim_step_begin(o, grad_norm);
     if (info.nonfinite) return info;
     for (int i = 0; i < nseg; i++) {
@@ -343,11 +388,6 @@ OptimStepInfo optim_step_norm(AdamW *o, void *params, const float *grads, float 
         muon_step(o, params, grads, lr, info.grad_scale);
         return info;
     }
-    size_t n = o->hi - o->lo;
-    /* decayed elements of the range: [lo, min(hi, n_decay)) */
-    size_t d = o->n_decay > o->lo ? o->n_decay - o->lo : 0;
-    if (d > n) d = n;
-    if (d > 0) update_range(o, params, grads, 0, d, lr, o->weight_decay, info.grad_scale);
-    if (n > d) update_range(o, (char *)params + d * o->param_bytes, grads + d, d, n - d, lr, 0.0f, info.grad_scale);
+    update_all(o, params, grads, lr, info.grad_scale);
     return info;
 }

@@ -75,6 +75,9 @@ typedef struct AdamW {
                           then update the AdamW elements only */
     int muon_rank;     /* this rank's place among the owners (0 until optim_muon_own) */
     float *u, *ns_work;/* device: the largest matrix's Nesterov update; newton_schulz's work */
+    void *copy;        /* device (n) act, or NULL: the compute copy the updates write (optim_set_copy) */
+    StepScalars *st;   /* device: the step's scalars (optim_step_device), made at first use */
+    const StepScalars *st_now; /* what the updates read in optim_step_device's update, else NULL */
 } AdamW;
 
 typedef struct OptimStepInfo {
@@ -156,6 +159,31 @@ OptimStepInfo optim_step(AdamW *o, void *params, const float *grads, float lr);
  * element o->lo (grads may be a shard buffer); hi - lo elements are updated,
  * the weight-decay boundary clipped into the range. */
 OptimStepInfo optim_step_norm(AdamW *o, void *params, const float *grads, float lr, double grad_norm);
+
+/* The compute copy of the arena (act, the arena's layout: model.h
+ * model_compute_copy) for the updates to write in their own pass, so no
+ * separate cast reads the master after a step. Taken only where each step
+ * updates every element of the arena here and nothing changes the
+ * parameters after it: AdamW or Lion on fp32 parameters over the whole
+ * arena ([lo, hi) = [0, n)), optim_step and optim_step_norm (segments
+ * refuse it). Returns 1 if taken; 0 (or copy NULL) leaves the caller to
+ * mark the copy stale after each step, as before. */
+int optim_set_copy(AdamW *o, void *copy);
+
+/* The step's scalars on the device (backend.h StepScalars), zero, made at
+ * the first call: model_set_loss_sink points the model at its loss. */
+StepScalars *optim_scalars(AdamW *o);
+
+/* One step of a rank that needs no collective for its norm, with no host
+ * wait before the update: the sum of squares of grads over the whole arena
+ * (as optim_step), the step's scalars derived on the device from it and
+ * from the losses of `micro` micro-batches the model added to them, the
+ * update reading the clipping factor and the skip flag there; then the
+ * step's one host wait, a read of the scalars, for the returned info and
+ * *loss (the step's mean loss, NaN-checked like the norm). A skipped step
+ * takes back its step count; the scalars are zero again afterwards. AdamW
+ * or Lion over the whole arena (lo 0, hi n). */
+OptimStepInfo optim_step_device(AdamW *o, void *params, const float *grads, float lr, int micro, float *loss);
 
 /* ZeRO-2/3: a run of `n` elements at `off` of the shard buffers (params, grads,
  * m and v alike), all weight-decayed or all not. `at`: where the run's

@@ -446,6 +446,8 @@ typedef struct TrainRun {
     const char *optim_dump;          /* KILN_TEST_OPTIM_DUMP's directory, or NULL */
     float *param_host;               /* (num_params or shard_n) host: the parameter fingerprint */
     int skip_nonfinite;
+    int dev_step;                    /* one rank, AdamW or Lion: the step's scalars stay on the device */
+    int copy_fused;                  /* the optimizer's update writes the compute copy (optim_set_copy) */
     int sample_all;                  /* every rank runs the generation (rank 0 prints) */
     FILE *devnull;                   /* the other ranks' samples */
     int32_t *inp, *tgt;              /* (B,T) host */
@@ -626,6 +628,13 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     }
     r->sched = (Schedule){(SchedKind)optim_sched_kind(c->sched_kind), c->lr, c->warmup_steps, c->steps,
                           c->min_lr_ratio, c->decay_ratio};
+    /* The step's host waits (docs/gpu.md): one rank with AdamW or Lion keeps
+     * the losses, norm, clipping factor and skip flag on the device and reads
+     * them once per step; without shards the update writes the compute copy. */
+    int elementwise = r->opt.kind == OPTIM_ADAMW || r->opt.kind == OPTIM_LION;
+    r->dev_step = r->world == 1 && elementwise;
+    if (r->dev_step) model_set_loss_sink(model, &optim_scalars(&r->opt)->loss);
+    r->copy_fused = ddp_whole_update(&r->ddp) && optim_set_copy(&r->opt, model_compute_copy(model));
 
     r->fpt = arch_flops_per_token(shape, T);
     /* MFU's denominator: the config's figure, else the GPU's datasheet peak,
@@ -862,21 +871,31 @@ static TrainStep train_step(TrainRun *r, int step) {
         ddp_wait_grads(&r->ddp);
         pipe_tie_grads(&r->pipe);
     }
-    double grad_norm = ddp_reduce_grads(&r->ddp);
+    double grad_norm = NAN;
+    if (r->dev_step) ddp_reduce_grads_local(&r->ddp); /* the norm: optim_step_device's, on the device */
+    else grad_norm = ddp_reduce_grads(&r->ddp);
     if (r->tp_grads_file && step == r->start_step) dump_replicated_grads(model, r->tp_grads_file, r->rank);
     if (r->optim_dump) dump_arena(r->optim_dump, "grads", step + 1, model->grad_mem, model->num_params, be);
-    /* the mean over every rank's micro-batches; under cp each rank's loss
-     * is the mean of its chunks (the same token count on every cp rank) */
-    out.loss = (float)(ddp_sum(&r->ddp, loss_sum) / (r->accum * ddp_ranks(&r->ddp)));
-    metrics_phase(mx, PHASE_OPTIMIZER, step + 1);
-    /* a non-finite loss skips the update even if its gradients look finite */
-    out.info = (OptimStepInfo){grad_norm, 1.0f, 1};
-    if (isfinite(out.loss)) out.info = ddp_optim_step(&r->ddp, &r->opt, out.lr, grad_norm);
+    if (r->dev_step) {
+        /* the losses (the model's sink), norm, clipping and skip on the
+         * device; the step's one host wait reads them after the update */
+        metrics_phase(mx, PHASE_OPTIMIZER, step + 1);
+        out.info = optim_step_device(&r->opt, model_param_arena(model), model->grad_mem, out.lr, r->accum, &out.loss);
+    } else {
+        /* the mean over every rank's micro-batches; under cp each rank's loss
+         * is the mean of its chunks (the same token count on every cp rank) */
+        out.loss = (float)(ddp_sum(&r->ddp, loss_sum) / (r->accum * ddp_ranks(&r->ddp)));
+        metrics_phase(mx, PHASE_OPTIMIZER, step + 1);
+        /* a non-finite loss skips the update even if its gradients look finite */
+        out.info = (OptimStepInfo){grad_norm, 1.0f, 1};
+        if (isfinite(out.loss)) out.info = ddp_optim_step(&r->ddp, &r->opt, out.lr, grad_norm);
+    }
     if (r->optim_dump) dump_optim_step(r->optim_dump, model, step + 1, out.lr);
     if (isfinite(out.loss))
         moe_after_step(model, &r->ddp, r->pp > 1 ? &r->pipe : NULL, r->accum, &out.moe, &r->moe_buf);
-    model_params_changed(model); /* the next forward casts the compute copy again */
-    be->sync();
+    /* the next forward casts the compute copy again, unless the update wrote it */
+    if (!r->copy_fused) model_params_changed(model);
+    if (!r->dev_step) be->sync(); /* the device step's read has waited for everything already */
     out.dt = kiln_now() - t0;
     out.bubble = NAN;
     if (r->pp > 1) { /* the stages' idle time over their step time, all stages */

@@ -198,25 +198,31 @@ static float *dev_f32_off(const Vec &h, size_t off) {
 /* alloc zeroes; to_device through the staging ring (more copies than its
  * 8 slots, each source reused at once) and past it (over 1 MiB); to_host,
  * copy, zero. */
-/* host_syncs counts the host's waits on the device: a copy to the device
- * (a staging slot's event wait, or a blocking copy) and to the host, and
- * sync, one each; an asynchronous zero or device copy none. */
+/* host_syncs counts the host's waits on the device: a blocking copy to the
+ * device (over the staging ring's 1 MiB slots), a copy to the host and sync,
+ * one each; an asynchronous zero or device copy none, nor a staged copy to
+ * the device whose slot is free (a wait only when the host runs 8 copies
+ * ahead of the device: never here, where every copy is done when its call
+ * returns). */
 static void test_host_syncs(void) {
-    float h[16] = {0};
+    size_t big = ((size_t)1 << 20) + 16;
+    std::vector<unsigned char> h(big);
     void *d, *e;
-    CUDA_CHECK(cudaMalloc(&d, sizeof h));
-    CUDA_CHECK(cudaMalloc(&e, sizeof h));
+    CUDA_CHECK(cudaMalloc(&d, big));
+    CUDA_CHECK(cudaMalloc(&e, big));
     unsigned long s0 = gpu->host_syncs();
-    gpu->to_device(d, h, sizeof h);
+    for (int k = 0; k < 20; k++) gpu->to_device(d, h.data(), 64); /* every slot taken twice */
     unsigned long s1 = gpu->host_syncs();
-    gpu->zero(d, sizeof h);
-    gpu->copy(e, d, sizeof h);
+    gpu->zero(d, 64);
+    gpu->copy(e, d, 64);
     unsigned long s2 = gpu->host_syncs();
-    gpu->to_host(h, e, sizeof h);
+    gpu->to_device(d, h.data(), big);
+    gpu->to_host(h.data(), e, 64);
     gpu->sync();
     unsigned long s3 = gpu->host_syncs();
-    report("host_syncs_counted", s1 - s0 == 1 && s2 == s1 && s3 - s2 == 2,
-           "to_device + zero + copy + to_host + sync counted %.0f, want 3 (1 + 0 + 0 + 2)", (double)(s3 - s0), 0);
+    report("host_syncs_counted", s1 == s0 && s2 == s1 && s3 - s2 == 3,
+           "20 staged to_device + zero + copy + a blocking to_device + to_host + sync counted %.0f, want 3 "
+           "(0 + 0 + 0 + 3)", (double)(s3 - s0), 0);
     cudaFree(d), cudaFree(e);
 }
 
@@ -287,18 +293,26 @@ static void test_embed(void) {
     check_exact("embed_forward", get_act(dout, (size_t)N * C), act_round(ref));
     cudaFree(dwte_a), cudaFree(dwpe_a), cudaFree(dout);
 
-    for (int acc = 0; acc <= 1; acc++) {
-        Vec g = rnd_act((size_t)N * C, 1.0f), gwte = rnd((size_t)Vp * C, 1.0f), gwpe = rnd((size_t)T * C, 1.0f);
-        Vec rwte = gwte, rwpe = gwpe;
-        cpu->embed_backward(rwte.data(), rwpe.data(), g.data(), tok.data(), B, T, C, acc);
-        void *dg = dev_act(g);
-        float *dw = dev_f32(gwte), *dp = dev_f32(gwpe);
-        gpu->embed_backward(dw, dp, dg, dtok, B, T, C, acc);
-        std::string s = acc ? "_acc1" : "_acc0";
-        check_exact("embed_backward_dwte" + s, get_f32(dw, rwte.size()), rwte);
-        check_exact("embed_backward_dwpe" + s, get_f32(dp, rwpe.size()), rwpe);
-        cudaFree(dg), cudaFree(dw), cudaFree(dp);
-    }
+    /* the tokens read back from the device (tokens_host NULL: a host wait)
+     * or given in host memory (none): the same plan, the same bits */
+    for (int acc = 0; acc <= 1; acc++)
+        for (int host = 0; host <= 1; host++) {
+            Vec g = rnd_act((size_t)N * C, 1.0f), gwte = rnd((size_t)Vp * C, 1.0f), gwpe = rnd((size_t)T * C, 1.0f);
+            Vec rwte = gwte, rwpe = gwpe;
+            cpu->embed_backward(rwte.data(), rwpe.data(), g.data(), tok.data(), NULL, B, T, C, acc);
+            void *dg = dev_act(g);
+            float *dw = dev_f32(gwte), *dp = dev_f32(gwpe);
+            unsigned long s0 = gpu->host_syncs();
+            gpu->embed_backward(dw, dp, dg, dtok, host ? tok.data() : NULL, B, T, C, acc);
+            unsigned long waits = gpu->host_syncs() - s0;
+            std::string s = std::string(host ? "_host_tokens" : "") + (acc ? "_acc1" : "_acc0");
+            check_exact("embed_backward_dwte" + s, get_f32(dw, rwte.size()), rwte);
+            check_exact("embed_backward_dwpe" + s, get_f32(dp, rwpe.size()), rwpe);
+            if (host)
+                report("embed_backward_host_waits" + s, waits == 0, "%.0f host waits (want 0: the plan goes up "
+                       "through the staging ring)", (double)waits, 0);
+            cudaFree(dg), cudaFree(dw), cudaFree(dp);
+        }
     cudaFree(dtok);
 
     /* wpe NULL (RoPE models: no learned positions): out = wte[tokens], and
@@ -313,10 +327,10 @@ static void test_embed(void) {
     check_exact("embed_forward_no_wpe", get_act(dout, (size_t)N * C), act_round(ref0));
     for (int acc = 0; acc <= 1; acc++) {
         Vec g = rnd_act((size_t)N * C, 1.0f), gwte = rnd((size_t)Vp * C, 1.0f), rwte = gwte;
-        cpu->embed_backward(rwte.data(), NULL, g.data(), tok.data(), B, T, C, acc);
+        cpu->embed_backward(rwte.data(), NULL, g.data(), tok.data(), NULL, B, T, C, acc);
         void *dg = dev_act(g);
         float *dw = dev_f32(gwte);
-        gpu->embed_backward(dw, NULL, dg, dtok, B, T, C, acc);
+        gpu->embed_backward(dw, NULL, dg, dtok, acc ? tok.data() : NULL, B, T, C, acc);
         check_exact(std::string("embed_backward_no_wpe_dwte") + (acc ? "_acc1" : "_acc0"), get_f32(dw, rwte.size()),
                     rwte);
         cudaFree(dg), cudaFree(dw);
@@ -472,10 +486,10 @@ static void test_vocab_parallel(int N, int V, int P, int Vl) {
     check_exact("embed_forward_other_ranks_ids" + sh, get_act(dout, ref.size()), act_round(ref));
     Vec g = rnd_act(ref.size(), 1.0f), gwte = rnd((size_t)Vl * C, 1.0f), gwpe = rnd((size_t)T * C, 1.0f);
     Vec rwte = gwte, rwpe = gwpe;
-    cpu->embed_backward(rwte.data(), rwpe.data(), g.data(), tok.data(), B, T, C, 0);
+    cpu->embed_backward(rwte.data(), rwpe.data(), g.data(), tok.data(), NULL, B, T, C, 0);
     void *dg = dev_act(g);
     float *dgw = dev_f32(gwte), *dgp = dev_f32(gwpe);
-    gpu->embed_backward(dgw, dgp, dg, dtok, B, T, C, 0);
+    gpu->embed_backward(dgw, dgp, dg, dtok, tok.data(), B, T, C, 0);
     check_exact("embed_backward_other_ranks_ids" + sh, get_f32(dgw, rwte.size()), rwte);
     cudaFree(dtok), cudaFree(dw), cudaFree(dp), cudaFree(dout), cudaFree(dg), cudaFree(dgw), cudaFree(dgp);
 }
@@ -523,8 +537,8 @@ static void test_adamw(size_t n) {
     for (int t = 3; t <= 4; t++) { /* two steps: the second starts from each side's own first */
         Vec g = rnd(n, 1.0f);
         float *dg = dev_f32(g);
-        cpu->adamw_update(p.data(), g.data(), m.data(), v.data(), n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t);
-        gpu->adamw_update(dp, dg, dm, dv, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t);
+        cpu->adamw_update(p.data(), g.data(), m.data(), v.data(), n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t, NULL, NULL);
+        gpu->adamw_update(dp, dg, dm, dv, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t, NULL, NULL);
         cudaFree(dg);
     }
     check_exact("adamw_params_n" + std::to_string(n), get_f32(dp, n), p);
@@ -544,8 +558,8 @@ static void test_lion(size_t n) {
         if (t == 1)
             for (size_t i = 0; i < n; i += 97) g[i] = 0.0f;
         float *dg = dev_f32(g);
-        cpu->lion_update(p.data(), g.data(), m.data(), n, 1e-4f, 0.9f, 0.99f, 0.1f, 0.5f);
-        gpu->lion_update(dp, dg, dm, n, 1e-4f, 0.9f, 0.99f, 0.1f, 0.5f);
+        cpu->lion_update(p.data(), g.data(), m.data(), n, 1e-4f, 0.9f, 0.99f, 0.1f, 0.5f, NULL, NULL);
+        gpu->lion_update(dp, dg, dm, n, 1e-4f, 0.9f, 0.99f, 0.1f, 0.5f, NULL, NULL);
         cudaFree(dg);
     }
     check_exact("lion_params_n" + std::to_string(n), get_f32(dp, n), p);
@@ -653,8 +667,8 @@ static void test_adamw_bf16(size_t n) {
         Vec g = rnd(n, 1.0f);
         float *dg = dev_f32(g);
         cpu->adamw_update_bf16(p.data(), g.data(), m16.data(), v16.data(), n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f,
-                               t, 1234567ULL, 777);
-        gpu->adamw_update_bf16(dp, dg, dm, dv, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t, 1234567ULL, 777);
+                               t, 1234567ULL, 777, NULL, NULL);
+        gpu->adamw_update_bf16(dp, dg, dm, dv, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t, 1234567ULL, 777, NULL, NULL);
         cudaFree(dg);
     }
     std::vector<uint16_t> gm(n), gv(n);
@@ -699,8 +713,8 @@ static void test_adamw_p16(size_t n, int state16) {
         Vec g = rnd(n, 1.0f);
         float *dg = dev_f32(g);
         cpu->adamw_update_p16(p16.data(), g.data(), ms.data(), vs.data(), sb, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f,
-                              0.5f, t, 1234567ULL, 777);
-        gpu->adamw_update_p16(dp, dg, dm, dv, sb, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t, 1234567ULL, 777);
+                              0.5f, t, 1234567ULL, 777, NULL);
+        gpu->adamw_update_p16(dp, dg, dm, dv, sb, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, t, 1234567ULL, 777, NULL);
         cudaFree(dg);
     }
     std::vector<uint16_t> gp(n);
@@ -715,6 +729,206 @@ static void test_adamw_p16(size_t n, int state16) {
     int same = gm == ms && gv == vs;
     report_s("adamw_p16_moments" + sh, same, same ? "the cpu backend's bits" : "moments differ from the cpu backend's bits");
     cudaFree(dp), cudaFree(dm), cudaFree(dv);
+}
+
+/* The optimizer updates' two extra inputs (backend.h adamw_update): the
+ * compute copy written in the update's own pass, and the step's device
+ * scalars. Per variant (AdamW with fp32 or bf16 moments, on fp32 or bf16
+ * parameters; Lion), from the same start: the update without either gives
+ * the CPU's bits; (1) with a copy, every buffer the same bits as without
+ * one, and the copy the bits cast_to_act gives the unfused update's
+ * parameters (bf16 parameters have no copy); (2) with StepScalars scale 0.5
+ * the bits of grad_scale 0.5 (the argument, 9, ignored); (3) with skip set,
+ * every buffer and the copy untouched. At off 1 every pointer sits 4 or 2
+ * bytes past 16-byte alignment: element by element, not in 8-element packs. */
+enum { OPT_ADAMW, OPT_ADAMW_S16, OPT_P16, OPT_P16_S16, OPT_LION, OPT_VARIANTS };
+static const char *const opt_name[OPT_VARIANTS] = {"adamw", "adamw_bf16", "adamw_p16", "adamw_p16_bf16", "lion"};
+static size_t opt_pbytes(int k) { return k == OPT_P16 || k == OPT_P16_S16 ? 2 : 4; }
+static size_t opt_sbytes(int k) { return k == OPT_ADAMW_S16 || k == OPT_P16_S16 ? 2 : 4; }
+
+typedef std::vector<unsigned char> Bytes;
+struct OptState {
+    Bytes p, m, v; /* n elements each, in the variant's storage */
+};
+/* Device copies of an OptState placed `off` elements into their buffers. */
+struct OptDev {
+    unsigned char *base[3];
+    void *p, *m, *v;
+};
+static OptDev opt_upload(const OptState &h, int k, size_t n, size_t off) {
+    OptDev d;
+    const Bytes *src[3] = {&h.p, &h.m, &h.v};
+    size_t es[3] = {opt_pbytes(k), opt_sbytes(k), opt_sbytes(k)};
+    void **dst[3] = {&d.p, &d.m, &d.v};
+    for (int i = 0; i < 3; i++) {
+        CUDA_CHECK(cudaMalloc((void **)&d.base[i], (n + off) * es[i] + 1));
+        *dst[i] = d.base[i] + off * es[i];
+        CUDA_CHECK(cudaMemcpy(*dst[i], src[i]->data(), n * es[i], cudaMemcpyHostToDevice));
+    }
+    return d;
+}
+static OptState opt_download(const OptDev &d, int k, size_t n) {
+    OptState h = {Bytes(n * opt_pbytes(k)), Bytes(n * opt_sbytes(k)), Bytes(n * opt_sbytes(k))};
+    CUDA_CHECK(cudaMemcpy(h.p.data(), d.p, h.p.size(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(h.m.data(), d.m, h.m.size(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(h.v.data(), d.v, h.v.size(), cudaMemcpyDeviceToHost));
+    return h;
+}
+static void opt_free(OptDev &d) {
+    for (int i = 0; i < 3; i++) cudaFree(d.base[i]);
+}
+static int opt_same(const OptState &a, const OptState &b) { return a.p == b.p && a.m == b.m && a.v == b.v; }
+
+static void opt_run(const Backend *be, int k, void *p, const float *g, void *m, void *v, size_t n, float gs,
+                    const StepScalars *st, void *copy) {
+    switch (k) {
+    case OPT_ADAMW:
+        be->adamw_update((float *)p, g, (float *)m, (float *)v, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, gs, 3, st, copy);
+        break;
+    case OPT_ADAMW_S16:
+        be->adamw_update_bf16((float *)p, g, (uint16_t *)m, (uint16_t *)v, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, gs, 3,
+                              99, 7, st, copy);
+        break;
+    case OPT_P16:
+    case OPT_P16_S16:
+        be->adamw_update_p16((uint16_t *)p, g, m, v, opt_sbytes(k), n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, gs, 3, 99, 7,
+                             st);
+        break;
+    default:
+        be->lion_update((float *)p, g, (float *)m, n, 1e-4f, 0.9f, 0.99f, 0.1f, gs, st, copy);
+    }
+}
+
+/* n elements of storage es: fp32 of x, or bf16 bits of it (round to nearest). */
+static Bytes opt_bytes(const Vec &x, size_t es) {
+    Bytes b(x.size() * es);
+    for (size_t i = 0; i < x.size(); i++) {
+        if (es == 4) {
+            memcpy(&b[4 * i], &x[i], 4);
+        } else {
+            uint16_t h = sround_bf16(x[i], 0x8000u);
+            memcpy(&b[2 * i], &h, 2);
+        }
+    }
+    return b;
+}
+
+static StepScalars *dev_scalars(float scale, int skip) {
+    StepScalars h = {}, *d;
+    h.scale = scale, h.skip = skip;
+    CUDA_CHECK(cudaMalloc((void **)&d, sizeof h));
+    CUDA_CHECK(cudaMemcpy(d, &h, sizeof h, cudaMemcpyHostToDevice));
+    return d;
+}
+
+static void test_optim_fused(size_t n, size_t off) {
+    std::string sh = "_n" + std::to_string(n) + (off ? "_unaligned" : "");
+    StepScalars *half = dev_scalars(0.5f, 0), *skip = dev_scalars(0.5f, 1);
+    for (int k = 0; k < OPT_VARIANTS; k++) {
+        Vec p = rnd(n, 1.0f), m = rnd(n, 0.01f), v = rnd(n, 1e-4f), g = rnd(n, 1.0f);
+        for (auto &x : v) x = fabsf(x);
+        OptState h0 = {opt_bytes(p, opt_pbytes(k)), opt_bytes(m, opt_sbytes(k)), opt_bytes(v, opt_sbytes(k))};
+        int copies = opt_pbytes(k) == 4; /* bf16 parameters are their own compute copy */
+        float *dg = dev_f32_off(g, off);
+        /* the CPU's bits */
+        OptState ref = h0;
+        opt_run(cpu, k, ref.p.data(), g.data(), ref.m.data(), ref.v.data(), n, 0.5f, NULL, NULL);
+        /* unfused: the update, then the cast */
+        OptDev a = opt_upload(h0, k, n, off);
+        opt_run(gpu, k, a.p, dg + off, a.m, a.v, n, 0.5f, NULL, NULL);
+        OptState ga = opt_download(a, k, n);
+        report_s(std::string(opt_name[k]) + "_cpu_bits" + sh, opt_same(ga, ref),
+                 opt_same(ga, ref) ? "the cpu backend's bits" : "differs from the cpu backend's bits");
+        void *cast_base = NULL, *cast = NULL, *copy_base = NULL, *copy = NULL;
+        if (copies) {
+            CUDA_CHECK(cudaMalloc(&cast_base, (n + off) * AB + 1));
+            CUDA_CHECK(cudaMalloc(&copy_base, (n + off) * AB + 1));
+            cast = at(cast_base, off, AB), copy = at(copy_base, off, AB);
+            gpu->cast_to_act(cast, (const float *)a.p, n);
+        }
+        /* (1) fused: the same buffers, and the cast's bits in the copy */
+        OptDev b = opt_upload(h0, k, n, off);
+        opt_run(gpu, k, b.p, dg + off, b.m, b.v, n, 0.5f, NULL, copy);
+        int same = opt_same(opt_download(b, k, n), ga);
+        if (copies) same = same && get_act(copy, n) == get_act(cast, n);
+        if (copies)
+            report_s(std::string(opt_name[k]) + "_fused_copy" + sh, same,
+                     same ? "parameters, moments and the compute copy: the unfused update + cast_to_act's bits"
+                          : "differs from the unfused update + cast_to_act");
+        /* (2) the device's clipping factor */
+        OptDev c = opt_upload(h0, k, n, off);
+        opt_run(gpu, k, c.p, dg + off, c.m, c.v, n, 9.0f, half, NULL);
+        same = opt_same(opt_download(c, k, n), ref);
+        report_s(std::string(opt_name[k]) + "_device_scale" + sh, same,
+                 same ? "StepScalars.scale 0.5: grad_scale 0.5's bits" : "differs from grad_scale 0.5's bits");
+        /* (3) skip: nothing written, the copy included */
+        OptDev d = opt_upload(h0, k, n, off);
+        Vec sentinel(n, 7.0f);
+        if (copies) {
+            void *s = dev_act(sentinel);
+            CUDA_CHECK(cudaMemcpy(copy, s, n * AB, cudaMemcpyDeviceToDevice));
+            cudaFree(s);
+        }
+        opt_run(gpu, k, d.p, dg + off, d.m, d.v, n, 0.5f, skip, copy);
+        same = opt_same(opt_download(d, k, n), h0) && (!copies || get_act(copy, n) == sentinel);
+        report_s(std::string(opt_name[k]) + "_device_skip" + sh, same,
+                 same ? "StepScalars.skip: every buffer untouched" : "a buffer changed under skip");
+        opt_free(a), opt_free(b), opt_free(c), opt_free(d);
+        cudaFree(dg), cudaFree(cast_base), cudaFree(copy_base);
+    }
+    cudaFree(half), cudaFree(skip);
+}
+
+/* The step's scalars (backend.h sumsq_acc, loss_acc, step_scalars) against
+ * the CPU backend's. sumsq_acc: the same partials and tree as sumsq, added
+ * to what *acc held: exactly start + sumsq + sumsq. loss_acc: the mean of
+ * each call's N losses, summed in double in another order than the CPU's
+ * row order and rounded to float, so at most one float ulp (2^-23 relative)
+ * apart per call, 2 calls: 2.5e-7. step_scalars: the same rule (src/clip.h)
+ * on the same inputs, so the same bits, skip and scale included: finite
+ * with and without clipping, a zero norm, a NaN norm, an infinite loss and
+ * a loss whose mean overflows float. */
+static void test_step_scalars(void) {
+    Vec x = rnd(5000, 2.0f), losses = rnd(3001, 1.0f, 4.0f);
+    float *dx = dev_f32(x), *dl = dev_f32(losses);
+    double *dacc;
+    CUDA_CHECK(cudaMalloc((void **)&dacc, sizeof(double)));
+    double start = 2.5, got, want = start + gpu->sumsq(dx, x.size()) + gpu->sumsq(dx, x.size());
+    CUDA_CHECK(cudaMemcpy(dacc, &start, sizeof start, cudaMemcpyHostToDevice));
+    gpu->sumsq_acc(dacc, dx, x.size());
+    gpu->sumsq_acc(dacc, dx, x.size());
+    CUDA_CHECK(cudaMemcpy(&got, dacc, sizeof got, cudaMemcpyDeviceToHost));
+    report("sumsq_acc", got == want, "got %.17g, want %.17g (start + sumsq twice, exact)", got, want);
+    double host = start;
+    CUDA_CHECK(cudaMemcpy(dacc, &start, sizeof start, cudaMemcpyHostToDevice));
+    for (int r = 0; r < 2; r++) {
+        cpu->loss_acc(&host, losses.data(), (int)losses.size());
+        gpu->loss_acc(dacc, dl, (int)losses.size());
+    }
+    CUDA_CHECK(cudaMemcpy(&got, dacc, sizeof got, cudaMemcpyDeviceToHost));
+    double err = fabs(got - host) / host;
+    report("loss_acc", err <= 2.5e-7, "rel err %.2e (tol 2.5e-7: a float ulp per call) vs %.9g", err, host);
+    struct {
+        double loss, sumsq;
+        int micro;
+        float clip;
+    } cases[] = {{7.5, 4.0, 2, 1.0f},     {7.5, 0.25, 2, 1.0f},     {7.5, 4.0, 2, 0.0f}, {3.0, 0.0, 1, 1.0f},
+                 {7.5, NAN, 2, 1.0f},     {INFINITY, 4.0, 2, 1.0f}, {1e300, 4.0, 2, 1.0f}};
+    StepScalars *dst = dev_scalars(0, 0);
+    int bad = 0;
+    for (auto &c : cases) {
+        StepScalars h = {}, g = {};
+        h.loss = c.loss, h.sumsq = c.sumsq;
+        CUDA_CHECK(cudaMemcpy(dst, &h, sizeof h, cudaMemcpyHostToDevice));
+        cpu->step_scalars(&h, c.micro, c.clip);
+        gpu->step_scalars(dst, c.micro, c.clip);
+        CUDA_CHECK(cudaMemcpy(&g, dst, sizeof g, cudaMemcpyDeviceToHost));
+        int skip_want = !std::isfinite(c.sumsq) || !std::isfinite((float)(c.loss / c.micro));
+        bad += memcmp(&g, &h, sizeof g) != 0 || h.skip != skip_want;
+    }
+    report("step_scalars", bad == 0, "%.0f of %.0f cases differ from the cpu's bits or skip wrongly", bad,
+           (double)(sizeof cases / sizeof cases[0]));
+    cudaFree(dx), cudaFree(dl), cudaFree(dacc), cudaFree(dst);
 }
 
 static void test_sumsq(size_t n) {
@@ -1353,9 +1567,9 @@ static void test_zero_rows(void) {
         check_exact("zero_rows_qknorm_backward_dqw" + s, get_f32(d4, a0.HD), rgq);
         check_exact("zero_rows_qknorm_backward_dkw" + s, get_f32(d5, a0.HD), rgk);
         Vec gte = rnd((size_t)3 * C, 1.0f), gpe = rnd((size_t)T * C, 1.0f), rte = gte, rpe = gpe;
-        cpu->embed_backward(rte.data(), rpe.data(), NULL, NULL, 0, T, C, acc);
+        cpu->embed_backward(rte.data(), rpe.data(), NULL, NULL, NULL, 0, T, C, acc);
         float *d6 = dev_f32(gte), *d7 = dev_f32(gpe);
-        gpu->embed_backward(d6, d7, dnone, inone, 0, T, C, acc);
+        gpu->embed_backward(d6, d7, dnone, inone, NULL, 0, T, C, acc);
         check_exact("zero_rows_embed_backward_dwte" + s, get_f32(d6, rte.size()), rte);
         check_exact("zero_rows_embed_backward_dwpe" + s, get_f32(d7, rpe.size()), rpe);
         cudaFree(d1), cudaFree(d2), cudaFree(d3), cudaFree(d4), cudaFree(d5), cudaFree(d6), cudaFree(d7);
@@ -1436,6 +1650,9 @@ int main(void) {
         test_adamw_p16(1003, 0);
         test_adamw_p16(1003, 1);
         test_lion(1003);
+        test_optim_fused(1003, 0); /* 8-element packs and a tail */
+        test_optim_fused(1003, 1); /* element by element */
+        test_step_scalars();
         test_muon_ops(1003);
         test_adafactor();
         test_sumsq(4099);

@@ -213,7 +213,7 @@ inline size_t emu_smem_size; /* this launch's dynamic shared memory */
 
 /* ---- device memory: host memory with a canary behind each buffer */
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2,
-                   cudaErrorInvalidConfiguration = 9 };
+                   cudaErrorInvalidConfiguration = 9, cudaErrorNotReady = 600 };
 enum cudaMemcpyKind { cudaMemcpyHostToHost, cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost,
                       cudaMemcpyDeviceToDevice, cudaMemcpyDefault };
 typedef struct EmuStream *cudaStream_t;
@@ -226,6 +226,7 @@ static inline const char *cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorNotReady: return "device not ready";
     }
     return "unknown error";
 }
@@ -355,6 +356,7 @@ static inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned) { *
 static inline cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
 static inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = 0) { return cudaSuccess; }
 static inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+static inline cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; } /* recorded work is done */
 /* cuBLASLt's version for the backend's description line only; the library
  * itself is test/cublaslt_emu.h (test/matmul_emu.cc), not needed here. */
 #define CUBLAS_VER_MAJOR 0

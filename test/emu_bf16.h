@@ -45,10 +45,10 @@ static void emu_embed_forward(void *out, const int32_t *tokens, const void *wte,
     emu_store(out, o, (size_t)N * C);
     free(we), free(pe);
 }
-static void emu_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens, int B, int T,
-                               int C, int accumulate) {
+static void emu_embed_backward(float *dwte, float *dwpe, const void *dout, const int32_t *tokens,
+                               const int32_t *tokens_host, int B, int T, int C, int accumulate) {
     float *d = emu_wide(dout, (size_t)B * T * C);
-    backend_cpu.embed_backward(dwte, dwpe, d, tokens, B, T, C, accumulate);
+    backend_cpu.embed_backward(dwte, dwpe, d, tokens, tokens_host, B, T, C, accumulate);
     free(d);
 }
 static void emu_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
@@ -309,6 +309,28 @@ static void emu_fp8_qdq(void *y, const void *x, const float *amax, int P, int ro
     emu_store(y, f, (size_t)rows * cols);
 }
 
+/* The updates' compute copy (backend.h adamw_update's copy) is bf16 here:
+ * the CPU's update without it, then the cast (skipped with the update). */
+static int emu_copy_due(const StepScalars *st, void *copy) { return copy && !(st && st->skip); }
+static void emu_adamw_update(float *params, const float *grads, float *m, float *v, size_t n, float lr, float beta1,
+                             float beta2, float eps, float wd, float grad_scale, int t, const StepScalars *st,
+                             void *copy) {
+    backend_cpu.adamw_update(params, grads, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, t, st, NULL);
+    if (emu_copy_due(st, copy)) emu_cast_to_act(copy, params, n);
+}
+static void emu_adamw_update_bf16(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n, float lr,
+                                  float beta1, float beta2, float eps, float wd, float grad_scale, int t,
+                                  uint64_t seed, uint64_t idx0, const StepScalars *st, void *copy) {
+    backend_cpu.adamw_update_bf16(params, grads, m, v, n, lr, beta1, beta2, eps, wd, grad_scale, t, seed, idx0, st,
+                                  NULL);
+    if (emu_copy_due(st, copy)) emu_cast_to_act(copy, params, n);
+}
+static void emu_lion_update(float *params, const float *grads, float *m, size_t n, float lr, float beta1, float beta2,
+                            float wd, float grad_scale, const StepScalars *st, void *copy) {
+    backend_cpu.lion_update(params, grads, m, n, lr, beta1, beta2, wd, grad_scale, st, NULL);
+    if (emu_copy_due(st, copy)) emu_cast_to_act(copy, params, n);
+}
+
 static Backend emu_bf16_backend(void) {
     Backend b = backend_cpu;
     b.name = "emu_bf16";
@@ -347,6 +369,9 @@ static Backend emu_bf16_backend(void) {
     b.crossentropy_forward = emu_crossentropy_forward;
     b.xent_partial = emu_xent_partial;
     b.xent_finish = emu_xent_finish;
+    b.adamw_update = emu_adamw_update;
+    b.adamw_update_bf16 = emu_adamw_update_bf16;
+    b.lion_update = emu_lion_update;
     return b;
 }
 

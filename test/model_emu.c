@@ -12,7 +12,12 @@
  * The run: GPT-2 with 2 layers, 3 heads of 16 (the tensor-core attention's
  * smallest head), n_embd 48, vocab 70 padded to 128, micro-batch 2 x 40 (T
  * not a multiple of any tile), 2 micro-batches per step, 3 AdamW steps at lr
- * 3e-3 (test/model_trace.h). What is compared, against the reference run:
+ * 3e-3 (test/model_trace.h), each step as a one-rank run steps
+ * (optim_step_device: norm, clipping and skip on the device, the update
+ * writing the compute copy). That step must give the bits of the host-norm
+ * step with the separate cast (TraceOpts.host_step), and wait for the
+ * device as often as docs/gpu.md says (check_host_syncs: a count). What
+ * is compared, against the reference run:
  *  - losses: every micro-batch's mean loss, relative error;
  *  - grad norms: each step's global gradient norm, relative error;
  *  - grads: the last step's gradients, ||got - ref|| / ||ref|| per tensor,
@@ -373,6 +378,56 @@ static void check_fp8_refuses_fp32(void) {
            "fp32_fp8_refused", "%s", err[0] ? err : "no message");
 }
 
+/* Host waits per optimizer step (backend.h host_syncs: `./train bench`'s
+ * host_syncs_per_step), counted, never timed: a one-rank step as train.c
+ * and bench.c run it (the model's loss sink, ACCUM micro-batches,
+ * optim_step_device, the updates writing the compute copy) waits for the
+ * device once, when it reads the step's scalars. MoE routing's reads are
+ * counted apart (ModelMoeStats.host_reads): per MoE layer and micro-batch
+ * the experts' row offsets (the products' sizes) and the routing groups'
+ * loads and statistics (the auxiliary loss and its gradient, on the host),
+ * 3, each a wait. The most over steps 2 to 4 (step 1 makes the compute
+ * copy's first cast and the plans). */
+static void check_host_syncs(const char *tag, ArchSpec s, int per_moe_layer_micro) {
+    arch_resolve(&s);
+    Model m;
+    model_init(&m, gpu, &s, NULL);
+    model_init_weights(&m, 11);
+    model_plan_activations(&m, B, T, MODEL_RECOMPUTE_NONE);
+    AdamW o;
+    optim_init(&o, gpu, m.num_params, m.num_decay, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f);
+    int fused = optim_set_copy(&o, model_compute_copy(&m));
+    model_set_loss_sink(&m, &optim_scalars(&o)->loss);
+    int32_t inp[B * T], tgt[B * T];
+    unsigned long most = 0;
+    int64_t moe_most = 0;
+    float loss = NAN;
+    for (int step = 0; step < 4; step++) {
+        unsigned long s0 = gpu->host_syncs();
+        model_moe_reset(&m);
+        for (int k = 0; k < ACCUM; k++) {
+            trace_batch(inp, tgt, 500 + (uint64_t)(step * ACCUM + k));
+            model_forward(&m, inp, tgt, B, T, 1.0f / (B * T * ACCUM));
+            model_backward(&m, k > 0);
+        }
+        optim_step_device(&o, model_param_arena(&m), m.grad_mem, 3e-3f, ACCUM, &loss);
+        if (!fused) model_params_changed(&m);
+        unsigned long n = gpu->host_syncs() - s0;
+        if (step > 0 && n > most) most = n;
+        if (step > 0 && m.moe.host_reads > moe_most) moe_most = m.moe.host_reads;
+    }
+    int moe_layers = s.mlp == MLP_MOE ? s.n_layer : 0;
+    int64_t moe_allowed = (int64_t)per_moe_layer_micro * moe_layers * ACCUM;
+    char name[96];
+    snprintf(name, sizeof name, "%s_host_syncs_per_step", tag);
+    report(most == 1 + (unsigned long)moe_most && moe_most == moe_allowed && isfinite(loss), name,
+           "%lu host waits in a step: %lu besides MoE routing's %lld reads (want 1, the step's scalars, and %lld: "
+           "3 per MoE layer and micro-batch), last loss %.5g", most, most - (unsigned long)moe_most,
+           (long long)moe_most, (long long)moe_allowed, loss);
+    optim_free(&o);
+    model_free(&m);
+}
+
 static void gpu_start(const char *compute, const char *att) {
     const char *desc = gpu->init(0);
     gpu->set_attention(att);
@@ -476,6 +531,22 @@ int main(void) {
                 : "losses, grad norms, grads or params differ from recompute none",
            u.loss[STEPS * ACCUM - 1], t.loss[STEPS * ACCUM - 1]);
     trace_free(&t), trace_free(&u);
+    /* the one-rank step (device scalars, the update writing the compute
+     * copy) against the host-norm step with its separate cast: the same bits */
+    for (int k = 0; k < 2; k++) {
+        TraceOpts dev = k ? state16 : plain, host = dev;
+        host.host_step = 1;
+        trace_train_opts(gpu, shape0, dev, &t);
+        trace_train_opts(gpu, shape0, host, &u);
+        same = trace_same(&t, &u);
+        report(same, k ? "bf16_optim_state_bf16_fused_step_bit_identical" : "bf16_fused_step_bit_identical",
+               "%s", same ? "every loss, grad norm, gradient and parameter the same bits as the host-norm step with "
+                            "a separate cast" : "differs from the host-norm step with a separate cast");
+        trace_free(&t), trace_free(&u);
+    }
+    check_host_syncs("bf16_gpt2", shape0, 3);
+    check_host_syncs("bf16_llama_gqa", arch_cases[0].spec, 3);
+    check_host_syncs("bf16_moe_softmax_shared", arch_cases[2].spec, 3);
     run_case("bf16_optim_state_bf16", state16, &ref_s16, TOL_BF16);
     run_case("bf16_master_bf16", master16, &ref_m16, TOL_BF16);
     run_case("bf16_muon", muon, &ref_muon, TOL_BF16);

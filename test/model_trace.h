@@ -49,6 +49,9 @@ typedef struct {
     int muon;        /* optim.name muon on the blocks' 2-D weights (trace_set_muon), lr 0.02 */
     int docs;        /* data.doc_masking and doc_positions reset, documents ending at id TRACE_EOT */
     int fp8;         /* precision.fp8 (Fp8Mode: 1 tensorwise, 2 rowwise), E5M2 gradients, bf16 wgrad */
+    int host_step;   /* the optimizer step with the norm read to the host (optim_step) and the compute
+                        copy cast apart after it; else (AdamW) as a one-rank run steps: optim_step_device,
+                        the updates writing the compute copy (optim_set_copy) */
 } TraceOpts;
 #define TRACE_EOT 5 /* ~1 token in 64 of trace_batch's: a document or two per sequence */
 
@@ -111,6 +114,7 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
                            op.state16, 0x5eed);
     if (op.master16) optim_set_params_bf16(&o);
     if (op.muon) trace_set_muon(&o, &m);
+    int dev_step = !op.muon && !op.host_step, fused = dev_step && optim_set_copy(&o, model_compute_copy(&m));
     int32_t inp[B * T], tgt[B * T];
     for (int step = 0; step < STEPS; step++) {
         for (int k = 0; k < ACCUM; k++) {
@@ -123,8 +127,10 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
             t->grads = xmalloc(t->n * sizeof(float));
             be->to_host(t->grads, m.grad_mem, t->n * sizeof(float));
         }
-        t->norm[step] = optim_step(&o, model_param_arena(&m), m.grad_mem, op.muon ? 0.02f : 3e-3f).grad_norm;
-        model_params_changed(&m);
+        float lr = op.muon ? 0.02f : 3e-3f;
+        t->norm[step] = dev_step ? optim_step_device(&o, model_param_arena(&m), m.grad_mem, lr, ACCUM, NULL).grad_norm
+                                 : optim_step(&o, model_param_arena(&m), m.grad_mem, lr).grad_norm;
+        if (!fused) model_params_changed(&m);
     }
     t->params = xmalloc(t->n * sizeof(float));
     model_params_to_host(&m, t->params);

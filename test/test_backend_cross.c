@@ -361,8 +361,8 @@ static void cross_rest(int B, int T, int C, int V, int Vp, int fp32_ops) {
     cpu->embed_forward(out, tok, wte, wpe, B, T, C);
     dev->embed_forward(d_out, d_tok, d_wte, d_wpe, B, T, C);
     report_exact("embed_forward_exact", xsame_k(d_out, out, nc, 1), "differs from the cpu's sum rounded once");
-    cpu->embed_backward(dwte, dwpe, dout, tok, B, T, C, 0);
-    dev->embed_backward(d_dwte, d_dwpe, d_dout, d_tok, B, T, C, 0);
+    cpu->embed_backward(dwte, dwpe, dout, tok, NULL, B, T, C, 0);
+    dev->embed_backward(d_dwte, d_dwpe, d_dout, d_tok, tok, B, T, C, 0);
     report_exact("embed_backward_exact",
                  xsame_k(d_dwte, dwte, (size_t)Vp * C, 0) && xsame_k(d_dwpe, dwpe, (size_t)T * C, 0),
                  "dwte or dwpe differ from the cpu backend's bits");
@@ -396,8 +396,8 @@ static void cross_rest(int B, int T, int C, int V, int Vp, int fp32_ops) {
     float *p = rnd(n, 1.0f), *g = rnd(n, 1.0f), *m = rnd(n, 0.1f), *v = xmalloc(n * 4);
     for (size_t i = 0; i < n; i++) v[i] = 0.01f * rng_uniform(&rng);
     float *d_p = up(p, n), *d_g = up(g, n), *d_m = up(m, n), *d_v = up(v, n);
-    cpu->adamw_update(p, g, m, v, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 5);
-    dev->adamw_update(d_p, d_g, d_m, d_v, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 5);
+    cpu->adamw_update(p, g, m, v, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 5, NULL, NULL);
+    dev->adamw_update(d_p, d_g, d_m, d_v, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 5, NULL, NULL);
     report_exact("adamw_exact", xsame_k(d_p, p, n, 0) && xsame_k(d_m, m, n, 0) && xsame_k(d_v, v, n, 0),
                  "AdamW differs from the cpu backend's bits");
     /* bf16 moments (precision.optim_state bf16): the same bits, the
@@ -409,8 +409,8 @@ static void cross_rest(int B, int T, int C, int V, int Vp, int fp32_ops) {
         dev->to_device(d_m16, m16, n * 2);
         dev->to_device(d_v16, v16, n * 2);
         dev->to_device(d_p, p, n * 4);
-        cpu->adamw_update_bf16(p, g, m16, v16, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 6, 99, 12345);
-        dev->adamw_update_bf16(d_p, d_g, d_m16, d_v16, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 6, 99, 12345);
+        cpu->adamw_update_bf16(p, g, m16, v16, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 6, 99, 12345, NULL, NULL);
+        dev->adamw_update_bf16(d_p, d_g, d_m16, d_v16, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 6, 99, 12345, NULL, NULL);
         dev->to_host(gm, d_m16, n * 2);
         dev->to_host(gv, d_v16, n * 2);
         report_exact("adamw_bf16_state_exact",
@@ -439,8 +439,8 @@ static void cross_rest(int B, int T, int C, int V, int Vp, int fp32_ops) {
         dev->to_device(d_p16, p16, n * 2);
         dev->to_device(d_ms, ms, n * sb);
         dev->to_device(d_vs, vs, n * sb);
-        cpu->adamw_update_p16(p16, g, ms, vs, sb, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 7, 99, 4321);
-        dev->adamw_update_p16(d_p16, d_g, d_ms, d_vs, sb, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 7, 99, 4321);
+        cpu->adamw_update_p16(p16, g, ms, vs, sb, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 7, 99, 4321, NULL);
+        dev->adamw_update_p16(d_p16, d_g, d_ms, d_vs, sb, n, 6e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.7f, 7, 99, 4321, NULL);
         dev->to_host(gp, d_p16, n * 2);
         dev->to_host(gm, d_ms, n * sb);
         dev->to_host(gv, d_vs, n * sb);

@@ -217,9 +217,9 @@ static float arc_adamw_step(Model *m, float *opt_m, float *opt_v, const ArcFixtu
     *norm = total;
     size_t nd = m->num_decay, nr = m->num_params - m->num_decay;
     be->adamw_update(m->param_mem, m->grad_mem, opt_m, opt_v, nd, f->lr, f->beta1, f->beta2, f->eps,
-                     f->weight_decay, scale, t);
+                     f->weight_decay, scale, t, NULL, NULL);
     be->adamw_update(m->param_mem + nd, m->grad_mem + nd, opt_m + nd, opt_v + nd, nr, f->lr, f->beta1, f->beta2,
-                     f->eps, 0.0f, scale, t);
+                     f->eps, 0.0f, scale, t, NULL, NULL);
     return loss;
 }
 

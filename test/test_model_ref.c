@@ -134,9 +134,9 @@ static float ref_adamw_step(Model *m, float *opt_m, float *opt_v, const RefFixtu
     float scale = (float)fmin(1.0, 1.0 / (total + 1e-6));
     *norm = total;
     size_t nd = m->num_decay, nr = m->num_params - m->num_decay;
-    be->adamw_update(m->param_mem, m->grad_mem, opt_m, opt_v, nd, lr, 0.9f, 0.95f, 1e-8f, wd, scale, t);
+    be->adamw_update(m->param_mem, m->grad_mem, opt_m, opt_v, nd, lr, 0.9f, 0.95f, 1e-8f, wd, scale, t, NULL, NULL);
     be->adamw_update(m->param_mem + nd, m->grad_mem + nd, opt_m + nd, opt_v + nd, nr, lr, 0.9f, 0.95f, 1e-8f,
-                     0.0f, scale, t);
+                     0.0f, scale, t, NULL, NULL);
     return loss;
 }
 

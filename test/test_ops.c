@@ -270,14 +270,14 @@ static void test_embed(const OpTest *t) {
     float *d_dwpe = df(filled((size_t)T * C, NAN), (size_t)T * C); /* accumulate 0 overwrites */
     void *d_R = da(R, (size_t)N * C);
     float *dwte1 = hf((size_t)Vp * C), *dwpe1 = hf((size_t)T * C);
-    be->embed_backward(d_dwte, d_dwpe, d_R, d_tok, B, T, C, 0);
+    be->embed_backward(d_dwte, d_dwpe, d_R, d_tok, NULL, B, T, C, 0);
     down(dwte1, d_dwte, (size_t)Vp * C);
     down(dwpe1, d_dwpe, (size_t)T * C);
     check(t->name, "backward_dwte", err_rel(dwte1, plus(garbage, gwte, 1.0, (size_t)Vp * C), (size_t)Vp * C), TOL_BWD);
     check(t->name, "backward_dwpe", err_rel(dwpe1, gwpe, (size_t)T * C), TOL_BWD);
 
     float *dwte2 = hf((size_t)Vp * C), *dwpe2 = hf((size_t)T * C);
-    be->embed_backward(d_dwte, d_dwpe, d_R, d_tok, B, T, C, 1);
+    be->embed_backward(d_dwte, d_dwpe, d_R, d_tok, NULL, B, T, C, 1);
     down(dwte2, d_dwte, (size_t)Vp * C);
     down(dwpe2, d_dwpe, (size_t)T * C);
     check(t->name, "accumulate", err_twice(dwpe2, dwpe1, (size_t)T * C), TOL_ACC);
@@ -1061,7 +1061,7 @@ static void test_adamw(const OpTest *t) {
             rp[i] = p[i] - (double)lr * (mhat / (sqrt(vhat) + eps) + (double)wd * p[i]);
         }
         float *d_p = df(p, n), *d_g = df(g, n), *d_m = df(m, n), *d_v = df(v, n);
-        be->adamw_update(d_p, d_g, d_m, d_v, n, lr, b1, b2, eps, wd, gs, step);
+        be->adamw_update(d_p, d_g, d_m, d_v, n, lr, b1, b2, eps, wd, gs, step, NULL, NULL);
         float *p2 = hf(n), *m2 = hf(n), *v2 = hf(n), *delta = hf(n);
         down(p2, d_p, n);
         down(m2, d_m, n);

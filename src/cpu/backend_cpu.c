@@ -4,6 +4,7 @@
  * static schedules only, no float atomics, reductions combined in a fixed order.
  * Must never allocate inside an op in steady state, nor know about models. */
 #include "backend.h"
+#include "clip.h"
 #include "fp8.h"
 #include "sround.h"
 #include "util.h"
@@ -156,9 +157,9 @@ static void cpu_embed_forward(void *out_, const int32_t *tokens, const void *wte
     }
 }
 
-static void cpu_embed_backward(float *dwte, float *dwpe, const void *dout_,
-                               const int32_t *tokens, int B, int T, int C, int accumulate) {
-    /* dwte (Vp,C) +=, dwpe (T,C), dout (B*T,C), tokens (B*T) */
+static void cpu_embed_backward(float *dwte, float *dwpe, const void *dout_, const int32_t *tokens,
+                               const int32_t *tokens_host, int B, int T, int C, int accumulate) {
+    /* dwte (Vp,C) +=, dwpe (T,C), dout (B*T,C), tokens (B*T) (host memory: tokens_host is not needed) */
     const float *dout = dout_;
     /* Threads own channel ranges, so repeated tokens never race and every sum
      * runs in token order: deterministic for any thread count. */
@@ -1263,10 +1264,26 @@ static void cpu_adamw_range(float *params, const float *grads, float *m, float *
     }
 }
 
+/* The step's device scalars (backend.h: st NULL, or its scale and skip),
+ * shared by the updates: 0 when the update must leave everything as it is. */
+static int cpu_step_scale(const StepScalars *st, float *grad_scale) {
+    if (!st) return 1;
+    if (st->skip) return 0;
+    *grad_scale = st->scale;
+    return 1;
+}
+
+/* The compute copy (backend.h copy): act is fp32 here, so a copy of the new
+ * parameters (a test backend with bf16 act wraps the updates instead). */
+static void cpu_update_copy(void *copy, const float *params, size_t n) {
+    if (copy && copy != (const void *)params) cpu_memcpy(copy, params, n * sizeof(float));
+}
+
 static void cpu_adamw_update(float *params, const float *grads, float *m, float *v, size_t n,
                              float lr, float beta1, float beta2, float eps, float weight_decay,
-                             float grad_scale, int t) {
+                             float grad_scale, int t, const StepScalars *st, void *copy) {
     /* params, grads, m, v (n) */
+    if (!cpu_step_scale(st, &grad_scale)) return;
     /* Bias corrections once, in double, for step t (1-based). */
     float bc1 = (float)(1.0 - pow((double)beta1, t));
     float bc2 = (float)(1.0 - pow((double)beta2, t));
@@ -1281,14 +1298,16 @@ static void cpu_adamw_update(float *params, const float *grads, float *m, float 
         cpu_adamw_range(params, grads, m, v, i0, i1, lr, beta1, beta2, eps, weight_decay,
                         grad_scale, bc1, bc2);
     }
+    cpu_update_copy(copy, params, n);
 }
 
 /* Lion (backend.h lion_update): a plain loop, which GCC vectorises (no
  * sqrt or division); each operation rounded on its own in the CUDA kernel's
  * order, so both give the same bits. */
 static void cpu_lion_update(float *params, const float *grads, float *m, size_t n, float lr, float beta1,
-                            float beta2, float weight_decay, float grad_scale) {
+                            float beta2, float weight_decay, float grad_scale, const StepScalars *st, void *copy) {
     /* params, grads, m (n) */
+    if (!cpu_step_scale(st, &grad_scale)) return;
     const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
     #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) {
@@ -1299,6 +1318,7 @@ static void cpu_lion_update(float *params, const float *grads, float *m, size_t 
         params[i] = p - lr * (s + weight_decay * p);
         m[i] = beta2 * m[i] + b2c * g;
     }
+    cpu_update_copy(copy, params, n);
 }
 
 static void cpu_muon_momentum(float *u, float *m, const float *grads, size_t n, float momentum, float grad_scale) {
@@ -1351,8 +1371,10 @@ static void cpu_muon_apply(float *params, const float *o, size_t n, float lr, fl
  * a small part of a CPU step, and the CPU is the reference here. */
 static void cpu_adamw_update_bf16(float *params, const float *grads, uint16_t *m, uint16_t *v, size_t n,
                                   float lr, float beta1, float beta2, float eps, float weight_decay,
-                                  float grad_scale, int t, uint64_t seed, uint64_t idx0) {
+                                  float grad_scale, int t, uint64_t seed, uint64_t idx0, const StepScalars *st,
+                                  void *copy) {
     /* params, grads (n) fp32; m, v (n) bf16 bits */
+    if (!cpu_step_scale(st, &grad_scale)) return;
     float bc1 = (float)(1.0 - pow((double)beta1, t));
     float bc2 = (float)(1.0 - pow((double)beta2, t));
     const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
@@ -1367,6 +1389,7 @@ static void cpu_adamw_update_bf16(float *params, const float *grads, uint16_t *m
         float mhat = mi / bc1, vhat = vi / bc2;
         params[i] -= lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * params[i]);
     }
+    cpu_update_copy(copy, params, n);
 }
 
 /* AdamW on bf16 parameters (backend.h adamw_update_p16): the scalar body
@@ -1375,8 +1398,9 @@ static void cpu_adamw_update_bf16(float *params, const float *grads, uint16_t *m
  * fp32 or bf16 per state_bytes. The reference for the CUDA kernel. */
 static void cpu_adamw_update_p16(uint16_t *params, const float *grads, void *m, void *v, size_t state_bytes,
                                  size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
-                                 float grad_scale, int t, uint64_t seed, uint64_t idx0) {
+                                 float grad_scale, int t, uint64_t seed, uint64_t idx0, const StepScalars *st) {
     /* params (n) bf16 bits; grads (n) fp32; m, v (n) fp32 or bf16 bits */
+    if (!cpu_step_scale(st, &grad_scale)) return;
     float bc1 = (float)(1.0 - pow((double)beta1, t));
     float bc2 = (float)(1.0 - pow((double)beta2, t));
     const float b1c = 1.0f - beta1, b2c = 1.0f - beta2;
@@ -1515,6 +1539,17 @@ static double cpu_sumsq(const float *x, size_t n) {
     return s;
 }
 
+/* The step's scalars (backend.h): plain host arithmetic here, the loss
+ * summed in row order as model_forward sums it when it reads the losses. */
+static void cpu_sumsq_acc(double *acc, const float *x, size_t n) { *acc += cpu_sumsq(x, n); }
+static void cpu_loss_acc(double *acc, const float *losses, int N) {
+    /* losses (N) */
+    double sum = 0.0;
+    for (int i = 0; i < N; i++) sum += losses[i];
+    *acc += (float)(sum / N);
+}
+static void cpu_step_scalars(StepScalars *st, int micro, float grad_clip) { clip_step_scalars(st, micro, grad_clip); }
+
 const Backend backend_cpu = {
     .name = "cpu",
     .host_mem = 1,
@@ -1584,4 +1619,7 @@ const Backend backend_cpu = {
     .adafactor_usq = cpu_adafactor_usq,
     .adafactor_apply = cpu_adafactor_apply,
     .sumsq = cpu_sumsq,
+    .sumsq_acc = cpu_sumsq_acc,
+    .loss_acc = cpu_loss_acc,
+    .step_scalars = cpu_step_scalars,
 };
