@@ -444,7 +444,7 @@ static char att_desc[700] = "attention: SIMT kernels";
 
 #define ATT_SHAPES 4
 static struct {
-    int B, T, C, NH, path;
+    int B, T, C, NH, NKV, path;
 } att_shapes[ATT_SHAPES];
 static int att_n_shapes, att_overflow_noted;
 
@@ -487,12 +487,12 @@ typedef int (*AttBackward)(void *dqkv, const void *dout, const void *qkv, const 
                            const AttnShape *s);
 static char att_exec_why[640];
 static int att_tc_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
-    cuda_attention_tc_forward(out, lse, qkv, s->doc, s->B, s->T, s->NH * s->HD, s->NH);
+    cuda_attention_tc_forward(out, lse, qkv, s);
     return 1;
 }
 static int att_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                            const AttnShape *s) {
-    cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, s->doc, s->B, s->T, s->NH * s->HD, s->NH);
+    cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, s);
     return 1;
 }
 static int att_simt_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
@@ -590,7 +590,7 @@ static void att_figures(int p, char *s, size_t n) {
 
 /* The tensor-core candidate: att_usable[PATH_TC], and a warning if refused. */
 static void att_choose_tc(void) {
-    if (!cuda_attention_tc_fits(128, 2)) { /* the self-check's head size 64: its shared memory does not fit */
+    if (!cuda_attention_tc_fits(ATT_CHECK_HS)) { /* the self-check's head size: its shared memory does not fit */
         if (att_mode == ATT_TENSOR_CORES)
             kiln_warn("attention: this GPU's shared memory is too small for the tensor-core kernels: using SIMT");
         return;
@@ -711,19 +711,24 @@ void cuda_attention_reset(void) {
 /* 16-byte vector loads of qkv and dout (attention_tc.cu, cuDNN's alignment). */
 static int att_aligned(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
-/* Whether path p can take this shape at all (alignment is checked per call). */
-static int att_path_fits(int p, int C, int NH) {
-    return p == PATH_SIMT || (p == PATH_TC && cuda_attention_tc_fits(C, NH)) ||
-           (p == PATH_CUDNN && cuda_attention_cudnn_fits(C, NH));
+/* Whether path p can take this shape at all (alignment is checked per call):
+ * kiln's cuDNN graphs have one K/V head per query head (NKV = NH). */
+static int att_path_fits(int p, int C, int NH, int NKV) {
+    return p == PATH_SIMT || (p == PATH_TC && cuda_attention_tc_fits(C / NH)) ||
+           (p == PATH_CUDNN && NKV == NH && cuda_attention_cudnn_fits(C, NH));
 }
+
+/* The tensor cores where they are usable for head size hs, else SIMT: what
+ * runs where cuDNN does not (grouped K/V heads, documents, a failed execute). */
+static int att_kiln_path(int hs) { return att_usable[PATH_TC] && cuda_attention_tc_fits(hs) ? PATH_TC : PATH_SIMT; }
 
 /* auto at a new shape: the first usable path that takes it, in the order of
  * PATH_*; cuDNN only where it can plan the shape. Logs one line. */
-static int att_pick(int B, int T, int C, int NH) {
+static int att_pick(int B, int T, int C, int NH, int NKV) {
     char note[700] = "";
     int path = PATH_SIMT;
     for (int p = 0; p < PATH_COUNT; p++) {
-        if (!att_usable[p] || !att_path_fits(p, C, NH)) continue;
+        if (!att_usable[p] || !att_path_fits(p, C, NH, NKV)) continue;
         char why[640];
         if (p == PATH_CUDNN && !cuda_attention_cudnn_plan(B, T, C, NH, why, sizeof why)) {
             snprintf(note, sizeof note, " (cudnn: %s)", why);
@@ -732,18 +737,20 @@ static int att_pick(int B, int T, int C, int NH) {
         path = p;
         break;
     }
-    printf("attention: B=%d T=%d NH=%d hs=%d: %s%s\n", B, T, NH, C / NH, att_path_names[path], note);
+    printf("attention: B=%d T=%d NH=%d%s hs=%d: %s%s\n", B, T, NH, NKV == NH ? "" : " (grouped K/V)", C / NH,
+           att_path_names[path], note);
     fflush(stdout);
     return path;
 }
 
 /* The path for this shape: chosen at its first call (see the top). */
-static int att_path(int B, int T, int C, int NH) {
+static int att_path(int B, int T, int C, int NH, int NKV) {
     if (!cuda_act_bf16 || att_mode == ATT_SIMT) return PATH_SIMT;
     for (int i = 0; i < att_n_shapes; i++)
-        if (att_shapes[i].B == B && att_shapes[i].T == T && att_shapes[i].C == C && att_shapes[i].NH == NH)
+        if (att_shapes[i].B == B && att_shapes[i].T == T && att_shapes[i].C == C && att_shapes[i].NH == NH &&
+            att_shapes[i].NKV == NKV)
             return att_shapes[i].path;
-    int tc = att_usable[PATH_TC] && cuda_attention_tc_fits(C, NH) ? PATH_TC : PATH_SIMT;
+    int tc = att_kiln_path(C / NH);
     if (att_n_shapes == ATT_SHAPES) {
         if (!att_overflow_noted)
             printf("attention: more than %d shapes (generation's growing context): the others run %s\n", ATT_SHAPES,
@@ -752,7 +759,7 @@ static int att_path(int B, int T, int C, int NH) {
         return tc;
     }
     int path = tc;
-    if (att_mode == ATT_CUDNN) {
+    if (att_mode == ATT_CUDNN && NKV == NH) { /* grouped K/V heads: kiln's kernels (docs/gpu.md) */
         char why[640];
         if (!cuda_attention_cudnn_fits(C, NH))
             kiln_fail(KILN_EXIT_USAGE, "key 'precision.attention': cudnn needs a head size (model.n_embd / "
@@ -762,10 +769,10 @@ static int att_path(int B, int T, int C, int NH) {
                                          "T=%d NH=%d hs=%d: %s", B, T, NH, C / NH, why);
         path = PATH_CUDNN;
     } else if (att_mode == ATT_AUTO) {
-        path = att_pick(B, T, C, NH);
+        path = att_pick(B, T, C, NH, NKV);
     }
     att_shapes[att_n_shapes].B = B, att_shapes[att_n_shapes].T = T, att_shapes[att_n_shapes].C = C;
-    att_shapes[att_n_shapes].NH = NH, att_shapes[att_n_shapes].path = path;
+    att_shapes[att_n_shapes].NH = NH, att_shapes[att_n_shapes].NKV = NKV, att_shapes[att_n_shapes].path = path;
     att_n_shapes++;
     return path;
 }
@@ -782,50 +789,35 @@ static int att_cudnn_failed(int B, int T, int C, int NH) {
     if (att_mode == ATT_CUDNN)
         kiln_fail(KILN_EXIT_RUNTIME, "key 'precision.attention': cudnn: attention at B=%d T=%d NH=%d hs=%d: %s", B, T,
                   NH, C / NH, att_exec_why);
-    int fb = att_usable[PATH_TC] && cuda_attention_tc_fits(C, NH) ? PATH_TC : PATH_SIMT;
+    int fb = att_kiln_path(C / NH);
     kiln_warn("attention: cuDNN failed at B=%d T=%d NH=%d hs=%d (%s): kiln's %s kernels run attention from here on",
               B, T, NH, C / NH, att_exec_why, att_path_names[fb]);
     att_usable[PATH_CUDNN] = 0;
     for (int i = 0; i < att_n_shapes; i++)
-        if (att_shapes[i].path == PATH_CUDNN)
-            att_shapes[i].path =
-                att_usable[PATH_TC] && cuda_attention_tc_fits(att_shapes[i].C, att_shapes[i].NH) ? PATH_TC : PATH_SIMT;
+        if (att_shapes[i].path == PATH_CUDNN) att_shapes[i].path = att_kiln_path(att_shapes[i].C / att_shapes[i].NH);
     return fb;
 }
 
-/* Grouped K/V heads (NKV < NH) run the SIMT kernels, which index k and v
- * per group; the tensor-core kernels and kiln's cuDNN graphs assume
- * NKV = NH (q, k, v at C and 2C of a 3C row), so they never see such a shape.
- * Document masking (s->doc) runs where cuDNN would the tensor-core kernels
- * if they are usable for the shape, else SIMT: kiln's cuDNN graphs know only
- * the causal mask. */
-static int att_doc_path(int p, int C, int NH) {
-    if (p != PATH_CUDNN) return p;
-    return att_usable[PATH_TC] && cuda_attention_tc_fits(C, NH) ? PATH_TC : PATH_SIMT;
-}
+/* Grouped K/V heads (NKV < NH) never reach cuDNN (kiln's graphs assume
+ * NKV = NH), nor does document masking (s->doc; the graphs know only the
+ * causal mask): the shape's path is chosen without cuDNN, and a masked call
+ * at a shape cuDNN runs takes the tensor cores if they are usable for it,
+ * else SIMT. */
 void cuda_attention_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
-    if (s->NKV != s->NH) {
-        cuda_attention_simt_forward(out, lse, qkv, s);
-        return;
-    }
-    int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
-    int p = att_path(B, T, C, NH);
-    if (s->doc) p = att_doc_path(p, C, NH);
-    if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(out) || !att_path_fits(p, C, NH))) p = PATH_SIMT;
+    int B = s->B, T = s->T, NH = s->NH, NKV = s->NKV, C = s->NH * s->HD;
+    int p = att_path(B, T, C, NH, NKV);
+    if (s->doc && p == PATH_CUDNN) p = att_kiln_path(s->HD);
+    if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(out) || !att_path_fits(p, C, NH, NKV))) p = PATH_SIMT;
     if (!att_fwd[p](out, lse, qkv, s)) att_fwd[att_cudnn_failed(B, T, C, NH)](out, lse, qkv, s);
 }
 
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                              const AttnShape *s) {
-    if (s->NKV != s->NH) {
-        cuda_attention_simt_backward(dqkv, dout, qkv, out, lse, s);
-        return;
-    }
-    int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
-    int p = att_path(B, T, C, NH);
-    if (s->doc) p = att_doc_path(p, C, NH);
+    int B = s->B, T = s->T, NH = s->NH, NKV = s->NKV, C = s->NH * s->HD;
+    int p = att_path(B, T, C, NH, NKV);
+    if (s->doc && p == PATH_CUDNN) p = att_kiln_path(s->HD);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(dout) || !att_aligned(out) || !att_aligned(dqkv) ||
-                           !att_path_fits(p, C, NH)))
+                           !att_path_fits(p, C, NH, NKV)))
         p = PATH_SIMT;
     /* after a failed cuDNN backward the fallback reads cuDNN's out and lse:
      * the same quantities (the self-check holds lse to the SIMT kernels') */
