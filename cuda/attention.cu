@@ -9,13 +9,9 @@
  * apply; the end of this file chooses, after comparing the two (self-check).
  *
  * Threads: a group of TPK adjacent threads owns one row (a query, or a key in
- * the dK/dV kernel); thread `sub` of a group holds head dims sub, sub+TPK,
- * sub+2 TPK, ... (interleaved, so a warp's reads of one shared row hit
- * distinct banks) — ATT_D = 16 dims each, and TPK is 2, 4 or 8, so head sizes
- * up to 128 (GPT-2: 64, TPK 4). Dot products are per-thread partial sums
- * combined by a butterfly within the group (a group never spans two warps).
- * Key and query loops are not unrolled: unrolling 32 keys x 16 dims made the
- * kernels spill and took minutes to compile.
+ * the dK/dV kernel), TPK 2, 4 or 8 for head sizes up to 128 (GPT-2: 64, TPK
+ * 4); the inner loops over a tile are attention_simt.cuh's, shared with
+ * context parallelism's block kernels (attention_block.cu).
  *
  * Dtypes: qkv, out, dout and dqkv are act (template T_: fp32 or bf16, read
  * into fp32 registers and fp32 shared tiles, stored rounded); lse, D and every
@@ -26,31 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_simt.cuh"
 #include "common.cuh"
-
-#define ATT_D 16   /* head dims per thread */
-#define ATT_BR 64  /* query rows per block (forward, dQ) */
-#define ATT_BC 32  /* keys per shared tile (forward, dQ) */
-#define ATT_BK 64  /* key rows per block (dK/dV) */
-#define ATT_BQ 32  /* query rows per shared tile (dK/dV) */
-
-template <int TPK>
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-    for (int o = TPK / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-/* Rows [r0, r0 + rows) of one head's q, k or v (or of dout: ld = C) into a
- * shared (rows, hs) tile; rows past T read as zero. */
-template <typename T_>
-__device__ __forceinline__ void att_load_tile(float *dst, const T_ *src, size_t ld, int r0, int rows, int T,
-                                              int hs) {
-    for (int e = threadIdx.x; e < rows * hs; e += blockDim.x) {
-        int r = e / hs, d = e % hs;
-        dst[e] = r0 + r < T ? act_f(src[(size_t)(r0 + r) * ld + d]) : 0.0f;
-    }
-}
 
 /* ---------------------------------------------------------------------------
  * Grouped K/V heads (backend.h's AttnShape): a qkv row is [q (NH hs) | k (NKV
@@ -113,44 +86,8 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
         att_load_tile(Ks, K, ld, k0, ATT_BC, T, hs);
         att_load_tile(Vs, V, ld, k0, ATT_BC, T, hs);
         __syncthreads();
-        float mt = -INFINITY;
-#pragma unroll 1
-        for (int j = 0; j < ATT_BC; j++) {
-            float part = 0.0f;
-#pragma unroll
-            for (int i = 0; i < ATT_D; i++) {
-                int d = i * TPK + sub;
-                if (d < hs) part += q[i] * Ks[j * hs + d];
-            }
-            float dot = group_sum<TPK>(part);
-            /* causal mask: key k0 + j is visible to rows >= it. A masked key
-             * adds exactly nothing below (exp(-inf) = 0), so changing a future
-             * k or v leaves an output's bits unchanged. */
-            float sj = k0 + j <= row && k0 + j >= first ? dot * scale : -INFINITY;
-            if (sub == 0) S[j] = sj;
-            mt = fmaxf(mt, sj);
-        }
-        __syncwarp(); /* the group's scores, written by its sub 0, are visible */
-        /* Without documents key 0 is visible to every row, so m is finite
-         * after the first tile; with them a row may see none of a tile
-         * before its document's: skip it, no exp(-inf - -inf). */
-        float m_new = fmaxf(m, mt);
-        if (m_new == -INFINITY) continue;
-        float alpha = expf(m - m_new);
-        l *= alpha;
-#pragma unroll
-        for (int i = 0; i < ATT_D; i++) o[i] *= alpha;
-#pragma unroll 1
-        for (int j = 0; j < ATT_BC; j++) {
-            float p = expf(S[j] - m_new);
-            l += p;
-#pragma unroll
-            for (int i = 0; i < ATT_D; i++) {
-                int d = i * TPK + sub;
-                if (d < hs) o[i] += p * Vs[j * hs + d];
-            }
-        }
-        m = m_new;
+        /* causal: row sees keys [its document's start, itself] */
+        att_softmax_tile<TPK>(o, m, l, q, Ks, Vs, S, k0, first, row + 1, sub, hs, scale);
     }
     if (row < T) {
         float inv = 1.0f / l;
@@ -190,7 +127,7 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
         part += ok ? dor[i] * act_f(O[(size_t)row * ldo + d]) : 0.0f;
         dq[i] = 0.0f;
     }
-    float Dt = group_sum<TPK>(part);
+    float Dt = att_group_sum<TPK>(part);
     float lt = row < T ? lse[(size_t)bh * T + row] : 0.0f;
     if (row < T && sub == 0) Dbuf[(size_t)bh * T + row] = Dt;
     int kend = min(T, r0 + ATT_BR), kbeg = att_first(a, b, r0), first = att_first(a, b, row);
@@ -199,28 +136,7 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
         att_load_tile(Ks, K, ld, k0, ATT_BC, T, hs);
         att_load_tile(Vs, V, ld, k0, ATT_BC, T, hs);
         __syncthreads();
-#pragma unroll 1
-        for (int j = 0; j < ATT_BC; j++) {
-            float ps = 0.0f, pp = 0.0f;
-#pragma unroll
-            for (int i = 0; i < ATT_D; i++) {
-                int d = i * TPK + sub;
-                if (d < hs) {
-                    ps += q[i] * Ks[j * hs + d];
-                    pp += dor[i] * Vs[j * hs + d];
-                }
-            }
-            float s = group_sum<TPK>(ps), dp = group_sum<TPK>(pp);
-            if (k0 + j <= row && k0 + j >= first) {
-                float p = expf(s * scale - lt);
-                float ds = p * (dp - Dt) * scale;
-#pragma unroll
-                for (int i = 0; i < ATT_D; i++) {
-                    int d = i * TPK + sub;
-                    if (d < hs) dq[i] += ds * Ks[j * hs + d];
-                }
-            }
-        }
+        att_dq_tile<TPK>(dq, q, dor, Ks, Vs, k0, first, row + 1, lt, Dt, sub, hs, scale);
     }
     if (row < T) {
         T_ *dQ = dqkv + ((size_t)b * T + row) * ld + h * hs;
@@ -244,7 +160,7 @@ __global__ void __launch_bounds__(ATT_BK *TPK)
     int T = a.T, hs = a.hs, bkv = blockIdx.x, b = bkv / a.NKV, kvh = bkv % a.NKV, G = a.NH / a.NKV;
     float *Qs = smem, *dOs = smem + ATT_BQ * hs; /* (ATT_BQ, hs) each */
     float *Ls = dOs + ATT_BQ * hs, *Ds = Ls + ATT_BQ; /* (ATT_BQ) each */
-    int *Fs = (int *)(Ds + ATT_BQ);                   /* (ATT_BQ) first key of each query */
+    int *Lo = (int *)(Ds + ATT_BQ), *Hi = Lo + ATT_BQ; /* (ATT_BQ) each: query r sees keys [Lo, Hi) */
     int k0 = blockIdx.y * ATT_BK, key = k0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
     size_t ld = a.ld, ldo = a.ldo;
     const T_ *K = qkv + (size_t)b * T * ld + (size_t)a.NH * hs + (size_t)kvh * hs, *V = K + (size_t)a.NKV * hs;
@@ -271,36 +187,12 @@ __global__ void __launch_bounds__(ATT_BK *TPK)
             for (int r = threadIdx.x; r < ATT_BQ; r += blockDim.x) {
                 Ls[r] = i0 + r < T ? L[i0 + r] : 0.0f;
                 Ds[r] = i0 + r < T ? D[i0 + r] : 0.0f;
-                Fs[r] = att_first(a, b, i0 + r);
+                Lo[r] = att_first(a, b, i0 + r);
+                Hi[r] = i0 + r < T ? i0 + r + 1 : 0; /* causal; none past T */
             }
             __syncthreads();
             if (att_first(a, b, i0) > klast) break; /* the same for every thread: no sync is skipped */
-#pragma unroll 1
-            for (int r = 0; r < ATT_BQ; r++) {
-                float ps = 0.0f, pp = 0.0f;
-#pragma unroll
-                for (int i = 0; i < ATT_D; i++) {
-                    int d = i * TPK + sub;
-                    if (d < hs) {
-                        ps += k[i] * Qs[r * hs + d];
-                        pp += v[i] * dOs[r * hs + d];
-                    }
-                }
-                float s = group_sum<TPK>(ps), dp = group_sum<TPK>(pp);
-                int qi = i0 + r;
-                if (qi < T && qi >= key && key >= Fs[r]) {
-                    float p = expf(s * scale - Ls[r]);
-                    float ds = p * (dp - Ds[r]) * scale;
-#pragma unroll
-                    for (int i = 0; i < ATT_D; i++) {
-                        int d = i * TPK + sub;
-                        if (d < hs) {
-                            dv[i] += p * dOs[r * hs + d];
-                            dk[i] += ds * Qs[r * hs + d];
-                        }
-                    }
-                }
-            }
+            att_dkv_tile<TPK>(dk, dv, k, v, Qs, dOs, Ls, Ds, Lo, Hi, key, sub, hs, scale);
         }
     }
     if (key < T) {
@@ -363,7 +255,7 @@ static void att_backward_run(void *dqkv_, const void *dout_, const void *qkv_, c
     float *Dbuf = (float *)cuda_scratch(SCRATCH_ATTENTION, (size_t)B * s->NH * T * sizeof(float));
     dim3 gq(B * s->NH, (T + ATT_BR - 1) / ATT_BR), gk(B * s->NKV, (T + ATT_BK - 1) / ATT_BK);
     size_t shq = (size_t)2 * ATT_BC * hs * sizeof(float);
-    size_t shk = ((size_t)2 * ATT_BQ * hs + 2 * ATT_BQ) * sizeof(float) + ATT_BQ * sizeof(int);
+    size_t shk = ((size_t)2 * ATT_BQ * hs + 2 * ATT_BQ) * sizeof(float) + 2 * ATT_BQ * sizeof(int);
     T_ *dqkv = (T_ *)dqkv_;
     const T_ *dout = (const T_ *)dout_, *qkv = (const T_ *)qkv_, *out = (const T_ *)out_;
     /* dQ first: it also writes D, which the dK/dV kernel reads (same stream). */
