@@ -328,6 +328,7 @@ typedef struct {
 } AttCheck;
 
 static int att_mode = ATT_AUTO;
+static int att_deterministic = 1;   /* precision.attention_deterministic: 0 lets cuDNN's backward use atomics */
 static int att_precision_set;       /* set_precision has run since init: the choice can be made */
 static int att_usable[PATH_COUNT];  /* may run (passed its self-check, or forced) */
 static AttCheck att_check[PATH_COUNT];
@@ -464,7 +465,9 @@ static void att_selfcheck(int p) {
     r->dqkv = att_max_rel(gt, gs, n3);
     r->det = memcmp(gt, gt2, n3 * sizeof(float)) == 0;
     r->failed = !ran;
-    r->ok = ran && r->out <= ATT_CHECK_TOL && r->lse <= ATT_CHECK_TOL && r->dqkv <= ATT_CHECK_TOL && r->det;
+    /* the same bits twice, unless cuDNN's atomic backward was asked for */
+    int det_ok = r->det || (p == PATH_CUDNN && !att_deterministic);
+    r->ok = ran && r->out <= ATT_CHECK_TOL && r->lse <= ATT_CHECK_TOL && r->dqkv <= ATT_CHECK_TOL && det_ok;
     free(os), free(ot), free(ls), free(lt), free(gs), free(gt), free(gt2);
     void *dptr[] = {qkv, dout, out_s, out_t, dq_s, dq_t, dq_t2, lse_s, lse_t};
     for (size_t i = 0; i < sizeof dptr / sizeof dptr[0]; i++) CUDA_CHECK(cudaFree(dptr[i]));
@@ -477,7 +480,8 @@ static void att_figures(int p, char *s, size_t n) {
         return;
     }
     snprintf(s, n, "self-check vs SIMT: out %.1e, lse %.1e, dqkv %.1e (tol %.0e), %s", r->out, r->lse, r->dqkv,
-             ATT_CHECK_TOL, r->det ? "deterministic" : "NOT deterministic");
+             ATT_CHECK_TOL, r->det ? "deterministic" : p == PATH_CUDNN && !att_deterministic ? "not deterministic, as "
+             "asked (precision.attention_deterministic false)" : "NOT deterministic");
 }
 
 /* The tensor-core candidate: att_usable[PATH_TC], and a warning if refused. */
@@ -534,9 +538,21 @@ static void att_choose_cudnn(void) {
     att_usable[PATH_CUDNN] = 1;
 }
 
+static void att_choose_paths(void);
 /* The candidates, from att_mode and the activation dtype; writes att_desc.
- * Forgets the shapes chosen so far: they are chosen again. */
+ * Forgets the shapes chosen so far: they are chosen again. cuDNN's atomic
+ * backward (att_deterministic 0) where cuDNN is not kept is a warning: kiln's
+ * kernels are deterministic whatever the key says. */
 static void att_choose(void) {
+    att_choose_paths();
+    if (att_deterministic || att_usable[PATH_CUDNN]) return;
+    kiln_warn("key 'precision.attention_deterministic': false has no effect here: only cuDNN's backward has a "
+              "non-deterministic form, and cuDNN does not run (%s); kiln's attention kernels are deterministic",
+              !cuda_act_bf16 ? "fp32 activations" : att_mode == ATT_SIMT ? "precision.attention simt"
+              : att_mode == ATT_TENSOR_CORES ? "precision.attention tensor_cores"
+              : att_cudnn_why[0] ? att_cudnn_why : "not kept");
+}
+static void att_choose_paths(void) {
     att_usable[PATH_SIMT] = 1;
     att_usable[PATH_TC] = att_usable[PATH_CUDNN] = 0;
     att_n_shapes = att_overflow_noted = 0;
@@ -557,9 +573,10 @@ static void att_choose(void) {
     char ftc[200] = "", fdnn[200] = "";
     if (att_check[PATH_TC].ran) att_figures(PATH_TC, ftc, sizeof ftc);
     if (att_check[PATH_CUDNN].ran) att_figures(PATH_CUDNN, fdnn, sizeof fdnn);
+    const char *nd = att_deterministic ? "" : "; cuDNN's backward non-deterministic (precision.attention_deterministic false)";
     if (att_mode == ATT_CUDNN)
         snprintf(att_desc, sizeof att_desc, "attention: cuDNN fused attention (%s; head sizes 8..128 in steps of 8, "
-                 "else SIMT; %s)", cuda_attention_cudnn_library(), fdnn);
+                 "else SIMT; %s%s)", cuda_attention_cudnn_library(), fdnn, nd);
     else if (att_mode == ATT_TENSOR_CORES)
         snprintf(att_desc, sizeof att_desc, "attention: %s%s%s)",
                  att_usable[PATH_TC] ? "tensor cores (forced by precision.attention" : "SIMT kernels (tensor cores "
@@ -567,11 +584,11 @@ static void att_choose(void) {
                  ftc[0] ? "; " : "", ftc);
     else
         snprintf(att_desc, sizeof att_desc, "attention: auto, the first that takes the shape among %s%s%s "
-                 "(tensor cores %s%s%s; cuDNN %s%s%.400s)",
+                 "(tensor cores %s%s%s; cuDNN %s%s%.400s%s)",
                  att_usable[PATH_CUDNN] ? "cudnn, " : "", att_usable[PATH_TC] ? "tensor_cores, " : "", "simt",
                  att_usable[PATH_TC] ? "passed" : "refused", ftc[0] ? ": " : "", ftc,
                  att_usable[PATH_CUDNN] ? "passed" : "refused", ": ",
-                 att_usable[PATH_CUDNN] ? fdnn : (att_cudnn_why[0] ? att_cudnn_why : fdnn));
+                 att_usable[PATH_CUDNN] ? fdnn : (att_cudnn_why[0] ? att_cudnn_why : fdnn), att_usable[PATH_CUDNN] ? nd : "");
 }
 
 void cuda_attention_set_mode(const char *mode) {
@@ -584,6 +601,13 @@ void cuda_attention_set_mode(const char *mode) {
     if (att_precision_set) att_choose();
 }
 
+void cuda_attention_set_deterministic(int deterministic) {
+    att_deterministic = deterministic != 0;
+    cuda_attention_cudnn_set_deterministic(att_deterministic);
+    att_check[PATH_CUDNN].ran = 0; /* another backward graph: checked again */
+    if (att_precision_set) att_choose();
+}
+
 void cuda_attention_precision_changed(void) {
     att_precision_set = 1;
     att_choose();
@@ -593,6 +617,7 @@ const char *cuda_attention_describe(void) { return att_desc; }
 
 void cuda_attention_reset(void) {
     att_mode = ATT_AUTO;
+    att_deterministic = 1;
     att_precision_set = att_n_shapes = att_overflow_noted = 0;
     memset(att_usable, 0, sizeof att_usable);
     memset(att_check, 0, sizeof att_check);

@@ -228,6 +228,8 @@ void cuda_attention_simt_forward(void *out, float *lse, const void *qkv, const A
 void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                                   const float *lse, const AttnShape *s);
 void cuda_attention_set_mode(const char *mode);
+/* precision.attention_deterministic (backend.h's set_attention_deterministic). */
+void cuda_attention_set_deterministic(int deterministic);
 void cuda_attention_precision_changed(void);
 const char *cuda_attention_describe(void);
 void cuda_attention_reset(void);
@@ -261,6 +263,10 @@ int cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, 
 int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                                   const float *lse, int B, int T, int C, int NH, char *why, size_t n);
 void cuda_attention_cudnn_reset(void);
+/* precision.attention_deterministic: 0 plans the backward whose dQ the engine
+ * accumulates with atomics (faster, not the same bits run to run); a change
+ * forgets the plans made so far. */
+void cuda_attention_cudnn_set_deterministic(int deterministic);
 /* llama.cu */
 void cuda_rope_forward(void *qkv, const float *rope, const AttnShape *s, int pos0);
 void cuda_rope_backward(void *dqkv, const float *rope, const AttnShape *s, int pos0);

@@ -42,6 +42,7 @@
  * kernels (so it passes the self-check) and fails every execute at batch size
  * emu_cudnn_fail_b, as an engine that planned a shape but cannot run it would. */
 static int emu_cudnn_on, emu_cudnn_fail_b, emu_cudnn_calls;
+static int emu_cudnn_jitter; /* the stand-in's backward flips the last bit of dqkv[0] every other call */
 int cuda_attention_cudnn_load(char *why, size_t n) {
     if (!emu_cudnn_on) snprintf(why, n, "the emulation's cuDNN stand-in is off");
     return emu_cudnn_on;
@@ -62,9 +63,11 @@ int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv,
     emu_cudnn_calls++;
     if (B == emu_cudnn_fail_b) return snprintf(why, n, "stand-in execute failure at B=%d", B), 0;
     cuda_attention_simt_backward(dqkv, dout, qkv, out, lse, &s);
+    if (emu_cudnn_jitter && emu_cudnn_calls % 2) ((unsigned char *)dqkv)[0] ^= 1; /* as atomics' order would */
     return 1;
 }
 void cuda_attention_cudnn_reset(void) {}
+void cuda_attention_cudnn_set_deterministic(int) {}
 int cuda_attention_cudnn_fits(int C, int NH) { return (C / NH) % 8 == 0 && C / NH <= 128; }
 extern "C" const char *cuda_cudnn_build_info(void) { return "cuDNN attention: the emulation's stand-in"; }
 #include "../cuda/backend_cuda.cu"
@@ -1021,6 +1024,25 @@ static void test_attention_cudnn_fallback(void) {
     cudaFree(dq), cudaFree(dd), cudaFree(o1), cudaFree(o2), cudaFree(g1), cudaFree(g2), cudaFree(l1), cudaFree(l2);
 }
 
+/* precision.attention_deterministic: a cuDNN backward that is not the same
+ * bits twice (the stand-in's jitter: one ulp of one element, well inside the
+ * tolerance) fails the self-check unless the key allows it, and then the
+ * description says it runs as asked. */
+static void test_attention_cudnn_nondeterministic(void) {
+    emu_cudnn_on = 1, emu_cudnn_jitter = 1;
+    gpu->set_attention("auto");
+    gpu->set_attention_deterministic(1); /* checks cuDNN again */
+    const char *d = cuda_attention_describe();
+    report_s("attention_cudnn_not_same_bits_refused", strstr(d, "cuDNN refused") && strstr(d, "NOT deterministic"), d);
+    gpu->set_attention_deterministic(0);
+    d = cuda_attention_describe();
+    report_s("attention_cudnn_not_same_bits_kept_when_asked",
+             strstr(d, "among cudnn, tensor_cores") && strstr(d, "as asked") &&
+                 strstr(d, "non-deterministic (precision.attention_deterministic false)"), d);
+    emu_cudnn_on = 0, emu_cudnn_jitter = 0;
+    gpu->set_attention_deterministic(1);
+}
+
 /* ---------------------------------------------------------------------------
  * The Llama and MoE ops, same tolerances as above: act outputs tol_act(),
  * fp32 statistics and gradients TOL_F32 (sums of <= a few hundred terms in
@@ -1414,6 +1436,7 @@ int main(void) {
         }
         if (bf) test_attention_auto(2), test_attention_auto(1);
         if (bf) test_attention_cudnn_fallback();
+        if (bf) test_attention_cudnn_nondeterministic();
         /* block attention (context parallelism): partial, diagonal, past and
          * empty-row blocks; grouped heads, 2, 4 and 8 threads per row; more
          * rows than a 64-row block and keys than a 32-key tile */
