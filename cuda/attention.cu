@@ -314,7 +314,11 @@ void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv,
  * Every rank sees the same shapes in the same order, so every rank makes the
  * same choices. Per call, a head size or alignment a path does not handle
  * falls back to the SIMT kernels (qkv and dout 16-byte aligned: every kiln
- * buffer is). */
+ * buffer is); grouped K/V heads and documents never go to cuDNN.
+ * precision.attention_deterministic false (set_deterministic) plans cuDNN's
+ * backward with dQ summed by atomics, and its self-check then accepts a
+ * backward that does not repeat bit for bit; it changes nothing else (every
+ * kiln kernel sums in a fixed order), and warns where cuDNN is not kept. */
 
 enum { ATT_AUTO, ATT_CUDNN, ATT_TENSOR_CORES, ATT_SIMT, ATT_MODES };
 static const char *const att_mode_names[ATT_MODES] = {"auto", "cudnn", "tensor_cores", "simt"};
