@@ -475,9 +475,10 @@ typedef struct {
     int64_t acc_offset, acc_bytes; /* dQ_acc in the workspace (non-deterministic backward), else 0, 0 */
 } SdpaPlan;
 
-#define CUDNN_SHAPES 6 /* the training shape, eval's, the self-check's, ... (attention.cu keeps fewer) */
+#define CUDNN_SHAPES 8 /* the training shape, eval's, the self-check's, ... (attention.cu keeps fewer), per backward form */
 static struct {
     int B, T, NH, hs;
+    int det;         /* the backward form (cudnn_deterministic when planned) */
     int ok;          /* 1: both plans made; 0: why holds the reason */
     char why[640];
     SdpaPlan fwd, bwd;
@@ -578,9 +579,11 @@ static int plan_make(SdpaPlan *p, int graph, int B, int T, int NH, int hs, char 
     return 1;
 }
 
+/* The shape's plans for the current backward form (cudnn_deterministic). */
 static int cudnn_find(int B, int T, int NH, int hs) {
     for (int i = 0; i < cudnn_n_shapes; i++)
-        if (cudnn_shapes[i].B == B && cudnn_shapes[i].T == T && cudnn_shapes[i].NH == NH && cudnn_shapes[i].hs == hs)
+        if (cudnn_shapes[i].B == B && cudnn_shapes[i].T == T && cudnn_shapes[i].NH == NH && cudnn_shapes[i].hs == hs &&
+            cudnn_shapes[i].det == cudnn_deterministic)
             return i;
     return -1;
 }
@@ -620,6 +623,7 @@ int cuda_attention_cudnn_plan(int B, int T, int C, int NH, char *why, size_t n) 
     }
     i = cudnn_n_shapes++;
     cudnn_shapes[i].B = B, cudnn_shapes[i].T = T, cudnn_shapes[i].NH = NH, cudnn_shapes[i].hs = hs;
+    cudnn_shapes[i].det = cudnn_deterministic;
     char w[640];
     int ok = plan_make(&cudnn_shapes[i].fwd, CUDNN_GRAPH_FORWARD, B, T, NH, hs, w, sizeof w);
     int bwd = cudnn_deterministic ? CUDNN_GRAPH_BACKWARD : CUDNN_GRAPH_BACKWARD_ATOMIC;
@@ -696,17 +700,9 @@ int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv,
     return cudnn_execute(p, B, p->acc_bytes ? 13 : 12, uids, ptrs, why, n);
 }
 
-/* Forgets every plan when the backward graph changes: each shape is planned
- * again at its next use. */
-void cuda_attention_cudnn_set_deterministic(int deterministic) {
-    if (deterministic == cudnn_deterministic) return;
-    cudnn_deterministic = deterministic;
-    for (int i = 0; i < cudnn_n_shapes; i++) {
-        plan_free(&cudnn_shapes[i].fwd);
-        plan_free(&cudnn_shapes[i].bwd);
-    }
-    cudnn_n_shapes = 0;
-}
+/* Which backward form the next plans and executes use: plans are kept per
+ * form, so switching back (bench_attention times both) plans nothing again. */
+void cuda_attention_cudnn_set_deterministic(int deterministic) { cudnn_deterministic = deterministic != 0; }
 
 void cuda_attention_cudnn_reset(void) {
     for (int i = 0; i < cudnn_n_shapes; i++) {

@@ -263,9 +263,9 @@ int cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, 
 int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                                   const float *lse, int B, int T, int C, int NH, char *why, size_t n);
 void cuda_attention_cudnn_reset(void);
-/* precision.attention_deterministic: 0 plans the backward whose dQ the engine
- * accumulates with atomics (faster, not the same bits run to run); a change
- * forgets the plans made so far. */
+/* precision.attention_deterministic: 0 plans and runs the backward whose dQ
+ * the engine accumulates with atomics (faster, not the same bits run to
+ * run); plans are kept per form. */
 void cuda_attention_cudnn_set_deterministic(int deterministic);
 /* llama.cu */
 void cuda_rope_forward(void *qkv, const float *rope, const AttnShape *s, int pos0);
