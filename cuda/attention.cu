@@ -9,13 +9,9 @@
  * apply; the end of this file chooses, after comparing the two (self-check).
  *
  * Threads: a group of TPK adjacent threads owns one row (a query, or a key in
- * the dK/dV kernel); thread `sub` of a group holds head dims sub, sub+TPK,
- * sub+2 TPK, ... (interleaved, so a warp's reads of one shared row hit
- * distinct banks) — ATT_D = 16 dims each, and TPK is 2, 4 or 8, so head sizes
- * up to 128 (GPT-2: 64, TPK 4). Dot products are per-thread partial sums
- * combined by a butterfly within the group (a group never spans two warps).
- * Key and query loops are not unrolled: unrolling 32 keys x 16 dims made the
- * kernels spill and took minutes to compile.
+ * the dK/dV kernel), TPK 2, 4 or 8 for head sizes up to 128 (GPT-2: 64, TPK
+ * 4); the inner loops over a tile are attention_simt.cuh's, shared with
+ * context parallelism's block kernels (attention_block.cu).
  *
  * Dtypes: qkv, out, dout and dqkv are act (template T_: fp32 or bf16, read
  * into fp32 registers and fp32 shared tiles, stored rounded); lse, D and every
@@ -26,31 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_simt.cuh"
 #include "common.cuh"
-
-#define ATT_D 16   /* head dims per thread */
-#define ATT_BR 64  /* query rows per block (forward, dQ) */
-#define ATT_BC 32  /* keys per shared tile (forward, dQ) */
-#define ATT_BK 64  /* key rows per block (dK/dV) */
-#define ATT_BQ 32  /* query rows per shared tile (dK/dV) */
-
-template <int TPK>
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-    for (int o = TPK / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-/* Rows [r0, r0 + rows) of one head's q, k or v (or of dout: ld = C) into a
- * shared (rows, hs) tile; rows past T read as zero. */
-template <typename T_>
-__device__ __forceinline__ void att_load_tile(float *dst, const T_ *src, size_t ld, int r0, int rows, int T,
-                                              int hs) {
-    for (int e = threadIdx.x; e < rows * hs; e += blockDim.x) {
-        int r = e / hs, d = e % hs;
-        dst[e] = r0 + r < T ? act_f(src[(size_t)(r0 + r) * ld + d]) : 0.0f;
-    }
-}
 
 /* ---------------------------------------------------------------------------
  * Grouped K/V heads (backend.h's AttnShape): a qkv row is [q (NH hs) | k (NKV
@@ -113,44 +86,8 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
         att_load_tile(Ks, K, ld, k0, ATT_BC, T, hs);
         att_load_tile(Vs, V, ld, k0, ATT_BC, T, hs);
         __syncthreads();
-        float mt = -INFINITY;
-#pragma unroll 1
-        for (int j = 0; j < ATT_BC; j++) {
-            float part = 0.0f;
-#pragma unroll
-            for (int i = 0; i < ATT_D; i++) {
-                int d = i * TPK + sub;
-                if (d < hs) part += q[i] * Ks[j * hs + d];
-            }
-            float dot = group_sum<TPK>(part);
-            /* causal mask: key k0 + j is visible to rows >= it. A masked key
-             * adds exactly nothing below (exp(-inf) = 0), so changing a future
-             * k or v leaves an output's bits unchanged. */
-            float sj = k0 + j <= row && k0 + j >= first ? dot * scale : -INFINITY;
-            if (sub == 0) S[j] = sj;
-            mt = fmaxf(mt, sj);
-        }
-        __syncwarp(); /* the group's scores, written by its sub 0, are visible */
-        /* Without documents key 0 is visible to every row, so m is finite
-         * after the first tile; with them a row may see none of a tile
-         * before its document's: skip it, no exp(-inf - -inf). */
-        float m_new = fmaxf(m, mt);
-        if (m_new == -INFINITY) continue;
-        float alpha = expf(m - m_new);
-        l *= alpha;
-#pragma unroll
-        for (int i = 0; i < ATT_D; i++) o[i] *= alpha;
-#pragma unroll 1
-        for (int j = 0; j < ATT_BC; j++) {
-            float p = expf(S[j] - m_new);
-            l += p;
-#pragma unroll
-            for (int i = 0; i < ATT_D; i++) {
-                int d = i * TPK + sub;
-                if (d < hs) o[i] += p * Vs[j * hs + d];
-            }
-        }
-        m = m_new;
+        /* causal: row sees keys [its document's start, itself] */
+        att_softmax_tile<TPK>(o, m, l, q, Ks, Vs, S, k0, first, row + 1, sub, hs, scale);
     }
     if (row < T) {
         float inv = 1.0f / l;
@@ -190,7 +127,7 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
         part += ok ? dor[i] * act_f(O[(size_t)row * ldo + d]) : 0.0f;
         dq[i] = 0.0f;
     }
-    float Dt = group_sum<TPK>(part);
+    float Dt = att_group_sum<TPK>(part);
     float lt = row < T ? lse[(size_t)bh * T + row] : 0.0f;
     if (row < T && sub == 0) Dbuf[(size_t)bh * T + row] = Dt;
     int kend = min(T, r0 + ATT_BR), kbeg = att_first(a, b, r0), first = att_first(a, b, row);
@@ -199,28 +136,7 @@ __global__ void __launch_bounds__(ATT_BR *TPK)
         att_load_tile(Ks, K, ld, k0, ATT_BC, T, hs);
         att_load_tile(Vs, V, ld, k0, ATT_BC, T, hs);
         __syncthreads();
-#pragma unroll 1
-        for (int j = 0; j < ATT_BC; j++) {
-            float ps = 0.0f, pp = 0.0f;
-#pragma unroll
-            for (int i = 0; i < ATT_D; i++) {
-                int d = i * TPK + sub;
-                if (d < hs) {
-                    ps += q[i] * Ks[j * hs + d];
-                    pp += dor[i] * Vs[j * hs + d];
-                }
-            }
-            float s = group_sum<TPK>(ps), dp = group_sum<TPK>(pp);
-            if (k0 + j <= row && k0 + j >= first) {
-                float p = expf(s * scale - lt);
-                float ds = p * (dp - Dt) * scale;
-#pragma unroll
-                for (int i = 0; i < ATT_D; i++) {
-                    int d = i * TPK + sub;
-                    if (d < hs) dq[i] += ds * Ks[j * hs + d];
-                }
-            }
-        }
+        att_dq_tile<TPK>(dq, q, dor, Ks, Vs, k0, first, row + 1, lt, Dt, sub, hs, scale);
     }
     if (row < T) {
         T_ *dQ = dqkv + ((size_t)b * T + row) * ld + h * hs;
@@ -244,7 +160,7 @@ __global__ void __launch_bounds__(ATT_BK *TPK)
     int T = a.T, hs = a.hs, bkv = blockIdx.x, b = bkv / a.NKV, kvh = bkv % a.NKV, G = a.NH / a.NKV;
     float *Qs = smem, *dOs = smem + ATT_BQ * hs; /* (ATT_BQ, hs) each */
     float *Ls = dOs + ATT_BQ * hs, *Ds = Ls + ATT_BQ; /* (ATT_BQ) each */
-    int *Fs = (int *)(Ds + ATT_BQ);                   /* (ATT_BQ) first key of each query */
+    int *Lo = (int *)(Ds + ATT_BQ), *Hi = Lo + ATT_BQ; /* (ATT_BQ) each: query r sees keys [Lo, Hi) */
     int k0 = blockIdx.y * ATT_BK, key = k0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
     size_t ld = a.ld, ldo = a.ldo;
     const T_ *K = qkv + (size_t)b * T * ld + (size_t)a.NH * hs + (size_t)kvh * hs, *V = K + (size_t)a.NKV * hs;
@@ -271,36 +187,12 @@ __global__ void __launch_bounds__(ATT_BK *TPK)
             for (int r = threadIdx.x; r < ATT_BQ; r += blockDim.x) {
                 Ls[r] = i0 + r < T ? L[i0 + r] : 0.0f;
                 Ds[r] = i0 + r < T ? D[i0 + r] : 0.0f;
-                Fs[r] = att_first(a, b, i0 + r);
+                Lo[r] = att_first(a, b, i0 + r);
+                Hi[r] = i0 + r < T ? i0 + r + 1 : 0; /* causal; none past T */
             }
             __syncthreads();
             if (att_first(a, b, i0) > klast) break; /* the same for every thread: no sync is skipped */
-#pragma unroll 1
-            for (int r = 0; r < ATT_BQ; r++) {
-                float ps = 0.0f, pp = 0.0f;
-#pragma unroll
-                for (int i = 0; i < ATT_D; i++) {
-                    int d = i * TPK + sub;
-                    if (d < hs) {
-                        ps += k[i] * Qs[r * hs + d];
-                        pp += v[i] * dOs[r * hs + d];
-                    }
-                }
-                float s = group_sum<TPK>(ps), dp = group_sum<TPK>(pp);
-                int qi = i0 + r;
-                if (qi < T && qi >= key && key >= Fs[r]) {
-                    float p = expf(s * scale - Ls[r]);
-                    float ds = p * (dp - Ds[r]) * scale;
-#pragma unroll
-                    for (int i = 0; i < ATT_D; i++) {
-                        int d = i * TPK + sub;
-                        if (d < hs) {
-                            dv[i] += p * dOs[r * hs + d];
-                            dk[i] += ds * Qs[r * hs + d];
-                        }
-                    }
-                }
-            }
+            att_dkv_tile<TPK>(dk, dv, k, v, Qs, dOs, Ls, Ds, Lo, Hi, key, sub, hs, scale);
         }
     }
     if (key < T) {
@@ -363,7 +255,7 @@ static void att_backward_run(void *dqkv_, const void *dout_, const void *qkv_, c
     float *Dbuf = (float *)cuda_scratch(SCRATCH_ATTENTION, (size_t)B * s->NH * T * sizeof(float));
     dim3 gq(B * s->NH, (T + ATT_BR - 1) / ATT_BR), gk(B * s->NKV, (T + ATT_BK - 1) / ATT_BK);
     size_t shq = (size_t)2 * ATT_BC * hs * sizeof(float);
-    size_t shk = ((size_t)2 * ATT_BQ * hs + 2 * ATT_BQ) * sizeof(float) + ATT_BQ * sizeof(int);
+    size_t shk = ((size_t)2 * ATT_BQ * hs + 2 * ATT_BQ) * sizeof(float) + 2 * ATT_BQ * sizeof(int);
     T_ *dqkv = (T_ *)dqkv_;
     const T_ *dout = (const T_ *)dout_, *qkv = (const T_ *)qkv_, *out = (const T_ *)out_;
     /* dQ first: it also writes D, which the dK/dV kernel reads (same stream). */
@@ -422,7 +314,11 @@ void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv,
  * Every rank sees the same shapes in the same order, so every rank makes the
  * same choices. Per call, a head size or alignment a path does not handle
  * falls back to the SIMT kernels (qkv and dout 16-byte aligned: every kiln
- * buffer is). */
+ * buffer is); grouped K/V heads and documents never go to cuDNN.
+ * precision.attention_deterministic false (set_deterministic) plans cuDNN's
+ * backward with dQ summed by atomics, and its self-check then accepts a
+ * backward that does not repeat bit for bit; it changes nothing else (every
+ * kiln kernel sums in a fixed order), and warns where cuDNN is not kept. */
 
 enum { ATT_AUTO, ATT_CUDNN, ATT_TENSOR_CORES, ATT_SIMT, ATT_MODES };
 static const char *const att_mode_names[ATT_MODES] = {"auto", "cudnn", "tensor_cores", "simt"};
@@ -436,6 +332,7 @@ typedef struct {
 } AttCheck;
 
 static int att_mode = ATT_AUTO;
+static int att_deterministic = 1;   /* precision.attention_deterministic: 0 lets cuDNN's backward use atomics */
 static int att_precision_set;       /* set_precision has run since init: the choice can be made */
 static int att_usable[PATH_COUNT];  /* may run (passed its self-check, or forced) */
 static AttCheck att_check[PATH_COUNT];
@@ -444,7 +341,7 @@ static char att_desc[700] = "attention: SIMT kernels";
 
 #define ATT_SHAPES 4
 static struct {
-    int B, T, C, NH, path;
+    int B, T, C, NH, NKV, path;
 } att_shapes[ATT_SHAPES];
 static int att_n_shapes, att_overflow_noted;
 
@@ -487,12 +384,12 @@ typedef int (*AttBackward)(void *dqkv, const void *dout, const void *qkv, const 
                            const AttnShape *s);
 static char att_exec_why[640];
 static int att_tc_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
-    cuda_attention_tc_forward(out, lse, qkv, s->doc, s->B, s->T, s->NH * s->HD, s->NH);
+    cuda_attention_tc_forward(out, lse, qkv, s);
     return 1;
 }
 static int att_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                            const AttnShape *s) {
-    cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, s->doc, s->B, s->T, s->NH * s->HD, s->NH);
+    cuda_attention_tc_backward(dqkv, dout, qkv, out, lse, s);
     return 1;
 }
 static int att_simt_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
@@ -572,7 +469,9 @@ static void att_selfcheck(int p) {
     r->dqkv = att_max_rel(gt, gs, n3);
     r->det = memcmp(gt, gt2, n3 * sizeof(float)) == 0;
     r->failed = !ran;
-    r->ok = ran && r->out <= ATT_CHECK_TOL && r->lse <= ATT_CHECK_TOL && r->dqkv <= ATT_CHECK_TOL && r->det;
+    /* the same bits twice, unless cuDNN's atomic backward was asked for */
+    int det_ok = r->det || (p == PATH_CUDNN && !att_deterministic);
+    r->ok = ran && r->out <= ATT_CHECK_TOL && r->lse <= ATT_CHECK_TOL && r->dqkv <= ATT_CHECK_TOL && det_ok;
     free(os), free(ot), free(ls), free(lt), free(gs), free(gt), free(gt2);
     void *dptr[] = {qkv, dout, out_s, out_t, dq_s, dq_t, dq_t2, lse_s, lse_t};
     for (size_t i = 0; i < sizeof dptr / sizeof dptr[0]; i++) CUDA_CHECK(cudaFree(dptr[i]));
@@ -585,12 +484,13 @@ static void att_figures(int p, char *s, size_t n) {
         return;
     }
     snprintf(s, n, "self-check vs SIMT: out %.1e, lse %.1e, dqkv %.1e (tol %.0e), %s", r->out, r->lse, r->dqkv,
-             ATT_CHECK_TOL, r->det ? "deterministic" : "NOT deterministic");
+             ATT_CHECK_TOL, r->det ? "deterministic" : p == PATH_CUDNN && !att_deterministic ? "not deterministic, as "
+             "asked (precision.attention_deterministic false)" : "NOT deterministic");
 }
 
 /* The tensor-core candidate: att_usable[PATH_TC], and a warning if refused. */
 static void att_choose_tc(void) {
-    if (!cuda_attention_tc_fits(128, 2)) { /* the self-check's head size 64: its shared memory does not fit */
+    if (!cuda_attention_tc_fits(ATT_CHECK_HS)) { /* the self-check's head size: its shared memory does not fit */
         if (att_mode == ATT_TENSOR_CORES)
             kiln_warn("attention: this GPU's shared memory is too small for the tensor-core kernels: using SIMT");
         return;
@@ -642,9 +542,21 @@ static void att_choose_cudnn(void) {
     att_usable[PATH_CUDNN] = 1;
 }
 
+static void att_choose_paths(void);
 /* The candidates, from att_mode and the activation dtype; writes att_desc.
- * Forgets the shapes chosen so far: they are chosen again. */
+ * Forgets the shapes chosen so far: they are chosen again. cuDNN's atomic
+ * backward (att_deterministic 0) where cuDNN is not kept is a warning: kiln's
+ * kernels are deterministic whatever the key says. */
 static void att_choose(void) {
+    att_choose_paths();
+    if (att_deterministic || att_usable[PATH_CUDNN]) return;
+    kiln_warn("key 'precision.attention_deterministic': false has no effect here: only cuDNN's backward has a "
+              "non-deterministic form, and cuDNN does not run (%s); kiln's attention kernels are deterministic",
+              !cuda_act_bf16 ? "fp32 activations" : att_mode == ATT_SIMT ? "precision.attention simt"
+              : att_mode == ATT_TENSOR_CORES ? "precision.attention tensor_cores"
+              : att_cudnn_why[0] ? att_cudnn_why : "not kept");
+}
+static void att_choose_paths(void) {
     att_usable[PATH_SIMT] = 1;
     att_usable[PATH_TC] = att_usable[PATH_CUDNN] = 0;
     att_n_shapes = att_overflow_noted = 0;
@@ -665,9 +577,10 @@ static void att_choose(void) {
     char ftc[200] = "", fdnn[200] = "";
     if (att_check[PATH_TC].ran) att_figures(PATH_TC, ftc, sizeof ftc);
     if (att_check[PATH_CUDNN].ran) att_figures(PATH_CUDNN, fdnn, sizeof fdnn);
+    const char *nd = att_deterministic ? "" : "; cuDNN's backward non-deterministic (precision.attention_deterministic false)";
     if (att_mode == ATT_CUDNN)
         snprintf(att_desc, sizeof att_desc, "attention: cuDNN fused attention (%s; head sizes 8..128 in steps of 8, "
-                 "else SIMT; %s)", cuda_attention_cudnn_library(), fdnn);
+                 "else SIMT; %s%s)", cuda_attention_cudnn_library(), fdnn, nd);
     else if (att_mode == ATT_TENSOR_CORES)
         snprintf(att_desc, sizeof att_desc, "attention: %s%s%s)",
                  att_usable[PATH_TC] ? "tensor cores (forced by precision.attention" : "SIMT kernels (tensor cores "
@@ -675,11 +588,11 @@ static void att_choose(void) {
                  ftc[0] ? "; " : "", ftc);
     else
         snprintf(att_desc, sizeof att_desc, "attention: auto, the first that takes the shape among %s%s%s "
-                 "(tensor cores %s%s%s; cuDNN %s%s%.400s)",
+                 "(tensor cores %s%s%s; cuDNN %s%s%.400s%s)",
                  att_usable[PATH_CUDNN] ? "cudnn, " : "", att_usable[PATH_TC] ? "tensor_cores, " : "", "simt",
                  att_usable[PATH_TC] ? "passed" : "refused", ftc[0] ? ": " : "", ftc,
                  att_usable[PATH_CUDNN] ? "passed" : "refused", ": ",
-                 att_usable[PATH_CUDNN] ? fdnn : (att_cudnn_why[0] ? att_cudnn_why : fdnn));
+                 att_usable[PATH_CUDNN] ? fdnn : (att_cudnn_why[0] ? att_cudnn_why : fdnn), att_usable[PATH_CUDNN] ? nd : "");
 }
 
 void cuda_attention_set_mode(const char *mode) {
@@ -692,6 +605,13 @@ void cuda_attention_set_mode(const char *mode) {
     if (att_precision_set) att_choose();
 }
 
+void cuda_attention_set_deterministic(int deterministic) {
+    att_deterministic = deterministic != 0;
+    cuda_attention_cudnn_set_deterministic(att_deterministic);
+    att_check[PATH_CUDNN].ran = 0; /* another backward graph: checked again */
+    if (att_precision_set) att_choose();
+}
+
 void cuda_attention_precision_changed(void) {
     att_precision_set = 1;
     att_choose();
@@ -701,6 +621,7 @@ const char *cuda_attention_describe(void) { return att_desc; }
 
 void cuda_attention_reset(void) {
     att_mode = ATT_AUTO;
+    att_deterministic = 1;
     att_precision_set = att_n_shapes = att_overflow_noted = 0;
     memset(att_usable, 0, sizeof att_usable);
     memset(att_check, 0, sizeof att_check);
@@ -711,19 +632,24 @@ void cuda_attention_reset(void) {
 /* 16-byte vector loads of qkv and dout (attention_tc.cu, cuDNN's alignment). */
 static int att_aligned(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
-/* Whether path p can take this shape at all (alignment is checked per call). */
-static int att_path_fits(int p, int C, int NH) {
-    return p == PATH_SIMT || (p == PATH_TC && cuda_attention_tc_fits(C, NH)) ||
-           (p == PATH_CUDNN && cuda_attention_cudnn_fits(C, NH));
+/* Whether path p can take this shape at all (alignment is checked per call):
+ * kiln's cuDNN graphs have one K/V head per query head (NKV = NH). */
+static int att_path_fits(int p, int C, int NH, int NKV) {
+    return p == PATH_SIMT || (p == PATH_TC && cuda_attention_tc_fits(C / NH)) ||
+           (p == PATH_CUDNN && NKV == NH && cuda_attention_cudnn_fits(C, NH));
 }
+
+/* The tensor cores where they are usable for head size hs, else SIMT: what
+ * runs where cuDNN does not (grouped K/V heads, documents, a failed execute). */
+static int att_kiln_path(int hs) { return att_usable[PATH_TC] && cuda_attention_tc_fits(hs) ? PATH_TC : PATH_SIMT; }
 
 /* auto at a new shape: the first usable path that takes it, in the order of
  * PATH_*; cuDNN only where it can plan the shape. Logs one line. */
-static int att_pick(int B, int T, int C, int NH) {
+static int att_pick(int B, int T, int C, int NH, int NKV) {
     char note[700] = "";
     int path = PATH_SIMT;
     for (int p = 0; p < PATH_COUNT; p++) {
-        if (!att_usable[p] || !att_path_fits(p, C, NH)) continue;
+        if (!att_usable[p] || !att_path_fits(p, C, NH, NKV)) continue;
         char why[640];
         if (p == PATH_CUDNN && !cuda_attention_cudnn_plan(B, T, C, NH, why, sizeof why)) {
             snprintf(note, sizeof note, " (cudnn: %s)", why);
@@ -732,18 +658,20 @@ static int att_pick(int B, int T, int C, int NH) {
         path = p;
         break;
     }
-    printf("attention: B=%d T=%d NH=%d hs=%d: %s%s\n", B, T, NH, C / NH, att_path_names[path], note);
+    printf("attention: B=%d T=%d NH=%d%s hs=%d: %s%s\n", B, T, NH, NKV == NH ? "" : " (grouped K/V)", C / NH,
+           att_path_names[path], note);
     fflush(stdout);
     return path;
 }
 
 /* The path for this shape: chosen at its first call (see the top). */
-static int att_path(int B, int T, int C, int NH) {
+static int att_path(int B, int T, int C, int NH, int NKV) {
     if (!cuda_act_bf16 || att_mode == ATT_SIMT) return PATH_SIMT;
     for (int i = 0; i < att_n_shapes; i++)
-        if (att_shapes[i].B == B && att_shapes[i].T == T && att_shapes[i].C == C && att_shapes[i].NH == NH)
+        if (att_shapes[i].B == B && att_shapes[i].T == T && att_shapes[i].C == C && att_shapes[i].NH == NH &&
+            att_shapes[i].NKV == NKV)
             return att_shapes[i].path;
-    int tc = att_usable[PATH_TC] && cuda_attention_tc_fits(C, NH) ? PATH_TC : PATH_SIMT;
+    int tc = att_kiln_path(C / NH);
     if (att_n_shapes == ATT_SHAPES) {
         if (!att_overflow_noted)
             printf("attention: more than %d shapes (generation's growing context): the others run %s\n", ATT_SHAPES,
@@ -752,7 +680,7 @@ static int att_path(int B, int T, int C, int NH) {
         return tc;
     }
     int path = tc;
-    if (att_mode == ATT_CUDNN) {
+    if (att_mode == ATT_CUDNN && NKV == NH) { /* grouped K/V heads: kiln's kernels (docs/gpu.md) */
         char why[640];
         if (!cuda_attention_cudnn_fits(C, NH))
             kiln_fail(KILN_EXIT_USAGE, "key 'precision.attention': cudnn needs a head size (model.n_embd / "
@@ -762,10 +690,10 @@ static int att_path(int B, int T, int C, int NH) {
                                          "T=%d NH=%d hs=%d: %s", B, T, NH, C / NH, why);
         path = PATH_CUDNN;
     } else if (att_mode == ATT_AUTO) {
-        path = att_pick(B, T, C, NH);
+        path = att_pick(B, T, C, NH, NKV);
     }
     att_shapes[att_n_shapes].B = B, att_shapes[att_n_shapes].T = T, att_shapes[att_n_shapes].C = C;
-    att_shapes[att_n_shapes].NH = NH, att_shapes[att_n_shapes].path = path;
+    att_shapes[att_n_shapes].NH = NH, att_shapes[att_n_shapes].NKV = NKV, att_shapes[att_n_shapes].path = path;
     att_n_shapes++;
     return path;
 }
@@ -782,50 +710,35 @@ static int att_cudnn_failed(int B, int T, int C, int NH) {
     if (att_mode == ATT_CUDNN)
         kiln_fail(KILN_EXIT_RUNTIME, "key 'precision.attention': cudnn: attention at B=%d T=%d NH=%d hs=%d: %s", B, T,
                   NH, C / NH, att_exec_why);
-    int fb = att_usable[PATH_TC] && cuda_attention_tc_fits(C, NH) ? PATH_TC : PATH_SIMT;
+    int fb = att_kiln_path(C / NH);
     kiln_warn("attention: cuDNN failed at B=%d T=%d NH=%d hs=%d (%s): kiln's %s kernels run attention from here on",
               B, T, NH, C / NH, att_exec_why, att_path_names[fb]);
     att_usable[PATH_CUDNN] = 0;
     for (int i = 0; i < att_n_shapes; i++)
-        if (att_shapes[i].path == PATH_CUDNN)
-            att_shapes[i].path =
-                att_usable[PATH_TC] && cuda_attention_tc_fits(att_shapes[i].C, att_shapes[i].NH) ? PATH_TC : PATH_SIMT;
+        if (att_shapes[i].path == PATH_CUDNN) att_shapes[i].path = att_kiln_path(att_shapes[i].C / att_shapes[i].NH);
     return fb;
 }
 
-/* Grouped K/V heads (NKV < NH) run the SIMT kernels, which index k and v
- * per group; the tensor-core kernels and kiln's cuDNN graphs assume
- * NKV = NH (q, k, v at C and 2C of a 3C row), so they never see such a shape.
- * Document masking (s->doc) runs where cuDNN would the tensor-core kernels
- * if they are usable for the shape, else SIMT: kiln's cuDNN graphs know only
- * the causal mask. */
-static int att_doc_path(int p, int C, int NH) {
-    if (p != PATH_CUDNN) return p;
-    return att_usable[PATH_TC] && cuda_attention_tc_fits(C, NH) ? PATH_TC : PATH_SIMT;
-}
+/* Grouped K/V heads (NKV < NH) never reach cuDNN (kiln's graphs assume
+ * NKV = NH), nor does document masking (s->doc; the graphs know only the
+ * causal mask): the shape's path is chosen without cuDNN, and a masked call
+ * at a shape cuDNN runs takes the tensor cores if they are usable for it,
+ * else SIMT. */
 void cuda_attention_forward(void *out, float *lse, const void *qkv, const AttnShape *s) {
-    if (s->NKV != s->NH) {
-        cuda_attention_simt_forward(out, lse, qkv, s);
-        return;
-    }
-    int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
-    int p = att_path(B, T, C, NH);
-    if (s->doc) p = att_doc_path(p, C, NH);
-    if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(out) || !att_path_fits(p, C, NH))) p = PATH_SIMT;
+    int B = s->B, T = s->T, NH = s->NH, NKV = s->NKV, C = s->NH * s->HD;
+    int p = att_path(B, T, C, NH, NKV);
+    if (s->doc && p == PATH_CUDNN) p = att_kiln_path(s->HD);
+    if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(out) || !att_path_fits(p, C, NH, NKV))) p = PATH_SIMT;
     if (!att_fwd[p](out, lse, qkv, s)) att_fwd[att_cudnn_failed(B, T, C, NH)](out, lse, qkv, s);
 }
 
 void cuda_attention_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
                              const AttnShape *s) {
-    if (s->NKV != s->NH) {
-        cuda_attention_simt_backward(dqkv, dout, qkv, out, lse, s);
-        return;
-    }
-    int B = s->B, T = s->T, NH = s->NH, C = s->NH * s->HD;
-    int p = att_path(B, T, C, NH);
-    if (s->doc) p = att_doc_path(p, C, NH);
+    int B = s->B, T = s->T, NH = s->NH, NKV = s->NKV, C = s->NH * s->HD;
+    int p = att_path(B, T, C, NH, NKV);
+    if (s->doc && p == PATH_CUDNN) p = att_kiln_path(s->HD);
     if (p != PATH_SIMT && (!att_aligned(qkv) || !att_aligned(dout) || !att_aligned(out) || !att_aligned(dqkv) ||
-                           !att_path_fits(p, C, NH)))
+                           !att_path_fits(p, C, NH, NKV)))
         p = PATH_SIMT;
     /* after a failed cuDNN backward the fallback reads cuDNN's out and lse:
      * the same quantities (the self-check holds lse to the SIMT kernels') */

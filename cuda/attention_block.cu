@@ -2,33 +2,21 @@
  * AttnBlock): queries of one block against the keys of another, causal at
  * global positions, with a forward that merges into an earlier block's
  * output by log-sum-exp and a backward that adds into fp32 dq, dk, dv. SIMT
- * kernels in the manner of attention.cu (its layout of threads and dims, its
- * fixed summation orders, no atomics), written for any q and k/v row strides
- * so q can be read out of a qkv buffer and k, v out of a packed [k | v] one.
- * Any dtype; head sizes up to 128.
+ * kernels around attention.cu's inner loops (attention_simt.cuh: its layout
+ * of threads and dims, its fixed summation orders, no atomics), written for
+ * any q and k/v row strides so q can be read out of a qkv buffer and k, v out
+ * of a packed [k | v] one. Any dtype; head sizes up to 128.
  *
  * A block's keys sit at contiguous positions, so the keys a query sees are a
  * prefix [0, nv) of the block: nv = clamp(q_pos + i - k_pos + 1, 0, Tk).
- * Every row may see none (an empty prefix), so the online softmax guards
- * the -inf - -inf that attention.cu's kernel rules out by key 0. */
+ * Every row may see none (an empty prefix: the shared online softmax leaves
+ * such a row at m = -inf, l = 0). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 
+#include "attention_simt.cuh"
 #include "common.cuh"
-
-#define ATTB_D 16  /* head dims per thread */
-#define ATTB_BR 64 /* query rows per block (forward, dQ) */
-#define ATTB_BC 32 /* keys per shared tile (forward, dQ) */
-#define ATTB_BK 64 /* key rows per block (dK/dV) */
-#define ATTB_BQ 32 /* query rows per shared tile (dK/dV) */
-
-template <int TPK>
-__device__ __forceinline__ float attb_group_sum(float v) {
-#pragma unroll
-    for (int o = TPK / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 /* Keys of the block that query row i sees: [0, attb_nv). */
 __device__ __forceinline__ int attb_nv(const AttnBlock &s, int i) {
@@ -46,78 +34,37 @@ __device__ __forceinline__ int attb_first(const AttnBlock &s, int b, int i) {
     return f < 0 ? 0 : f > s.Tk ? s.Tk : f;
 }
 
-/* Rows [r0, r0 + rows) of one head (ld apart) into a shared (rows, hs) tile;
- * rows past n read as zero. */
-template <typename T_>
-__device__ __forceinline__ void attb_load_tile(float *dst, const T_ *src, size_t ld, int r0, int rows, int n, int hs) {
-    for (int e = threadIdx.x; e < rows * hs; e += blockDim.x) {
-        int r = e / hs, d = e % hs;
-        dst[e] = r0 + r < n ? act_f(src[(size_t)(r0 + r) * ld + d]) : 0.0f;
-    }
-}
-
 /* ---------------------------------------------------------------------------
- * Forward. Block: ATTB_BR query rows of one (b, h); grid (B NH, ceil(Tq / ATTB_BR)). */
+ * Forward. Block: ATT_BR query rows of one (b, h); grid (B NH, ceil(Tq / ATT_BR)). */
 template <int TPK, typename T_>
-__global__ void __launch_bounds__(ATTB_BR *TPK)
+__global__ void __launch_bounds__(ATT_BR *TPK)
     attb_forward_kernel(T_ *out, float *lse, const T_ *q, const T_ *k, const T_ *v, AttnBlock s, float scale,
                         int merge) {
     KILN_DYN_SHARED(float, smem);
     int hs = s.HD, NH = s.NH, bh = blockIdx.x, b = bh / NH, h = bh % NH, g = h / (NH / s.NKV);
-    float *Ks = smem, *Vs = smem + ATTB_BC * hs; /* (ATTB_BC, hs) each */
-    float *Ss = Vs + ATTB_BC * hs;                /* (ATTB_BR, ATTB_BC + 1) scores */
-    int r0 = blockIdx.y * ATTB_BR, lr = threadIdx.x / TPK, row = r0 + lr, sub = threadIdx.x % TPK;
-    float *S = Ss + lr * (ATTB_BC + 1);
+    float *Ks = smem, *Vs = smem + ATT_BC * hs; /* (ATT_BC, hs) each */
+    float *Ss = Vs + ATT_BC * hs;                /* (ATT_BR, ATT_BC + 1) scores */
+    int r0 = blockIdx.y * ATT_BR, lr = threadIdx.x / TPK, row = r0 + lr, sub = threadIdx.x % TPK;
+    float *S = Ss + lr * (ATT_BC + 1);
     size_t qld = s.q_ld, kld = s.kv_ld, ldo = (size_t)NH * hs;
     const T_ *Q = q + (size_t)b * s.Tq * qld + h * hs, *K = k + (size_t)b * s.Tk * kld + g * hs;
     const T_ *V = v + (size_t)b * s.Tk * kld + g * hs;
-    float qr[ATTB_D], o[ATTB_D];
+    float qr[ATT_D], o[ATT_D];
 #pragma unroll
-    for (int i = 0; i < ATTB_D; i++) {
+    for (int i = 0; i < ATT_D; i++) {
         int d = i * TPK + sub;
         qr[i] = row < s.Tq && d < hs ? act_f(Q[(size_t)row * qld + d]) : 0.0f;
         o[i] = 0.0f;
     }
-    int nv = attb_nv(s, row), kend = attb_nv(s, min(s.Tq, r0 + ATTB_BR) - 1); /* the block sees keys [kbeg, kend) */
+    int nv = attb_nv(s, row), kend = attb_nv(s, min(s.Tq, r0 + ATT_BR) - 1); /* the block sees keys [kbeg, kend) */
     int first = attb_first(s, b, row), kbeg = attb_first(s, b, r0);
     float m = -INFINITY, l = 0.0f;
-    for (int k0 = kbeg; k0 < kend; k0 += ATTB_BC) {
+    for (int k0 = kbeg; k0 < kend; k0 += ATT_BC) {
         __syncthreads();
-        attb_load_tile(Ks, K, kld, k0, ATTB_BC, s.Tk, hs);
-        attb_load_tile(Vs, V, kld, k0, ATTB_BC, s.Tk, hs);
+        att_load_tile(Ks, K, kld, k0, ATT_BC, s.Tk, hs);
+        att_load_tile(Vs, V, kld, k0, ATT_BC, s.Tk, hs);
         __syncthreads();
-        float mt = -INFINITY;
-#pragma unroll 1
-        for (int j = 0; j < ATTB_BC; j++) {
-            float part = 0.0f;
-#pragma unroll
-            for (int i = 0; i < ATTB_D; i++) {
-                int d = i * TPK + sub;
-                if (d < hs) part += qr[i] * Ks[j * hs + d];
-            }
-            float dot = attb_group_sum<TPK>(part);
-            float sj = k0 + j < nv && k0 + j >= first ? dot * scale : -INFINITY; /* masked: adds exactly nothing */
-            if (sub == 0) S[j] = sj;
-            mt = fmaxf(mt, sj);
-        }
-        __syncwarp(); /* the group's scores, written by its sub 0, are visible */
-        float m_new = fmaxf(m, mt);
-        if (m_new == -INFINITY) continue; /* this row has seen no key yet */
-        float alpha = expf(m - m_new);    /* m = -inf: 0, and o, l are 0 anyway */
-        l *= alpha;
-#pragma unroll
-        for (int i = 0; i < ATTB_D; i++) o[i] *= alpha;
-#pragma unroll 1
-        for (int j = 0; j < ATTB_BC; j++) {
-            float p = expf(S[j] - m_new);
-            l += p;
-#pragma unroll
-            for (int i = 0; i < ATTB_D; i++) {
-                int d = i * TPK + sub;
-                if (d < hs) o[i] += p * Vs[j * hs + d];
-            }
-        }
-        m = m_new;
+        att_softmax_tile<TPK>(o, m, l, qr, Ks, Vs, S, k0, first, nv, sub, hs, scale);
     }
     float lb = l > 0.0f ? m + logf(l) : -INFINITY, inv = l > 0.0f ? 1.0f / l : 0.0f;
     float *L = lse + (size_t)bh * s.Tq + row;
@@ -134,7 +81,7 @@ __global__ void __launch_bounds__(ATTB_BR *TPK)
         a = expf(lo - ln), c = expf(lb - ln) * inv;
     }
 #pragma unroll
-    for (int i = 0; i < ATTB_D; i++) {
+    for (int i = 0; i < ATT_D; i++) {
         int d = i * TPK + sub;
         if (d < hs) O[d] = act_from<T_>(a != 0.0f ? a * act_f(O[d]) + c * o[i] : c * o[i]);
     }
@@ -142,24 +89,24 @@ __global__ void __launch_bounds__(ATTB_BR *TPK)
 }
 
 /* ---------------------------------------------------------------------------
- * Backward, part 1: dq += and D = rowsum(dO * O) for part 2. Block: ATTB_BR
+ * Backward, part 1: dq += and D = rowsum(dO * O) for part 2. Block: ATT_BR
  * query rows of one (b, h). ds = p (dp - D) / sqrt(hs) with p = exp(s - lse). */
 template <int TPK, typename T_>
-__global__ void __launch_bounds__(ATTB_BR *TPK)
+__global__ void __launch_bounds__(ATT_BR *TPK)
     attb_backward_dq_kernel(float *dq, float *Dbuf, const T_ *dout, const T_ *q, const T_ *k, const T_ *v,
                             const T_ *out, const float *lse, AttnBlock s, float scale) {
     KILN_DYN_SHARED(float, smem);
     int hs = s.HD, NH = s.NH, bh = blockIdx.x, b = bh / NH, h = bh % NH, g = h / (NH / s.NKV);
-    float *Ks = smem, *Vs = smem + ATTB_BC * hs;
-    int r0 = blockIdx.y * ATTB_BR, row = r0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
+    float *Ks = smem, *Vs = smem + ATT_BC * hs;
+    int r0 = blockIdx.y * ATT_BR, row = r0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
     size_t qld = s.q_ld, kld = s.kv_ld, ldo = (size_t)NH * hs;
     const T_ *Q = q + (size_t)b * s.Tq * qld + h * hs, *K = k + (size_t)b * s.Tk * kld + g * hs;
     const T_ *V = v + (size_t)b * s.Tk * kld + g * hs;
     const T_ *dO = dout + (size_t)b * s.Tq * ldo + h * hs, *O = out + (size_t)b * s.Tq * ldo + h * hs;
-    float qr[ATTB_D], dor[ATTB_D], dqr[ATTB_D];
+    float qr[ATT_D], dor[ATT_D], dqr[ATT_D];
     float part = 0.0f;
 #pragma unroll
-    for (int i = 0; i < ATTB_D; i++) {
+    for (int i = 0; i < ATT_D; i++) {
         int d = i * TPK + sub;
         int ok = row < s.Tq && d < hs;
         qr[i] = ok ? act_f(Q[(size_t)row * qld + d]) : 0.0f;
@@ -167,67 +114,46 @@ __global__ void __launch_bounds__(ATTB_BR *TPK)
         part += ok ? dor[i] * act_f(O[(size_t)row * ldo + d]) : 0.0f;
         dqr[i] = 0.0f;
     }
-    float Dt = attb_group_sum<TPK>(part);
+    float Dt = att_group_sum<TPK>(part);
     float lt = row < s.Tq ? lse[(size_t)bh * s.Tq + row] : 0.0f;
     if (row < s.Tq && sub == 0) Dbuf[(size_t)bh * s.Tq + row] = Dt;
-    int nv = attb_nv(s, row), kend = attb_nv(s, min(s.Tq, r0 + ATTB_BR) - 1);
+    int nv = attb_nv(s, row), kend = attb_nv(s, min(s.Tq, r0 + ATT_BR) - 1);
     int first = attb_first(s, b, row), kbeg = attb_first(s, b, r0);
-    for (int k0 = kbeg; k0 < kend; k0 += ATTB_BC) {
+    for (int k0 = kbeg; k0 < kend; k0 += ATT_BC) {
         __syncthreads();
-        attb_load_tile(Ks, K, kld, k0, ATTB_BC, s.Tk, hs);
-        attb_load_tile(Vs, V, kld, k0, ATTB_BC, s.Tk, hs);
+        att_load_tile(Ks, K, kld, k0, ATT_BC, s.Tk, hs);
+        att_load_tile(Vs, V, kld, k0, ATT_BC, s.Tk, hs);
         __syncthreads();
-#pragma unroll 1
-        for (int j = 0; j < ATTB_BC; j++) {
-            float ps = 0.0f, pp = 0.0f;
-#pragma unroll
-            for (int i = 0; i < ATTB_D; i++) {
-                int d = i * TPK + sub;
-                if (d < hs) {
-                    ps += qr[i] * Ks[j * hs + d];
-                    pp += dor[i] * Vs[j * hs + d];
-                }
-            }
-            float sc = attb_group_sum<TPK>(ps), dp = attb_group_sum<TPK>(pp);
-            if (k0 + j < nv && k0 + j >= first) {
-                float p = expf(sc * scale - lt);
-                float ds = p * (dp - Dt) * scale;
-#pragma unroll
-                for (int i = 0; i < ATTB_D; i++) {
-                    int d = i * TPK + sub;
-                    if (d < hs) dqr[i] += ds * Ks[j * hs + d];
-                }
-            }
-        }
+        att_dq_tile<TPK>(dqr, qr, dor, Ks, Vs, k0, first, nv, lt, Dt, sub, hs, scale);
     }
     if (row < s.Tq) {
         float *dQ = dq + ((size_t)b * s.Tq + row) * qld + h * hs;
 #pragma unroll
-        for (int i = 0; i < ATTB_D; i++) {
+        for (int i = 0; i < ATT_D; i++) {
             int d = i * TPK + sub;
             if (d < hs) dQ[d] += dqr[i];
         }
     }
 }
 
-/* Backward, part 2: dk += and dv +=. Block: ATTB_BK key rows of one (b, kv
+/* Backward, part 2: dk += and dv +=. Block: ATT_BK key rows of one (b, kv
  * head), summing over the query heads of its group in head order and, per
  * head, over the queries that see each key in row order: one fixed chain. */
 template <int TPK, typename T_>
-__global__ void __launch_bounds__(ATTB_BK *TPK)
+__global__ void __launch_bounds__(ATT_BK *TPK)
     attb_backward_dkv_kernel(float *dk, float *dv, const float *Dbuf, const T_ *dout, const T_ *q, const T_ *k,
                              const T_ *v, const float *lse, AttnBlock s, float scale) {
     KILN_DYN_SHARED(float, smem);
     int hs = s.HD, NH = s.NH, bkv = blockIdx.x, b = bkv / s.NKV, kvh = bkv % s.NKV, G = NH / s.NKV;
-    float *Qs = smem, *dOs = smem + ATTB_BQ * hs;      /* (ATTB_BQ, hs) each */
-    float *Ls = dOs + ATTB_BQ * hs, *Ds = Ls + ATTB_BQ; /* (ATTB_BQ) each */
-    int *Fs = (int *)(Ds + ATTB_BQ);                     /* (ATTB_BQ) first key of each query */
-    int k0 = blockIdx.y * ATTB_BK, key = k0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
+    float *Qs = smem, *dOs = smem + ATT_BQ * hs;      /* (ATT_BQ, hs) each */
+    float *Ls = dOs + ATT_BQ * hs, *Ds = Ls + ATT_BQ; /* (ATT_BQ) each */
+    int *Lo = (int *)(Ds + ATT_BQ), *Hi = Lo + ATT_BQ; /* (ATT_BQ) each: query r sees keys [Lo, Hi) of the block */
+    int k0 = blockIdx.y * ATT_BK, key = k0 + threadIdx.x / TPK, sub = threadIdx.x % TPK;
     size_t qld = s.q_ld, kld = s.kv_ld, ldo = (size_t)NH * hs;
     const T_ *K = k + (size_t)b * s.Tk * kld + (size_t)kvh * hs, *V = v + (size_t)b * s.Tk * kld + (size_t)kvh * hs;
-    float kr[ATTB_D], vr[ATTB_D], dkr[ATTB_D], dvr[ATTB_D];
+    float kr[ATT_D], vr[ATT_D], dkr[ATT_D], dvr[ATT_D];
 #pragma unroll
-    for (int i = 0; i < ATTB_D; i++) {
+    for (int i = 0; i < ATT_D; i++) {
         int d = i * TPK + sub;
         int ok = key < s.Tk && d < hs;
         kr[i] = ok ? act_f(K[(size_t)key * kld + d]) : 0.0f;
@@ -235,57 +161,33 @@ __global__ void __launch_bounds__(ATTB_BK *TPK)
         dkr[i] = dvr[i] = 0.0f;
     }
     /* the first query that sees key k0, the block's earliest: queries before it see none of these keys */
-    int qstart = max(0, s.k_pos + k0 - s.q_pos), klast = min(s.Tk, k0 + ATTB_BK) - 1;
+    int qstart = max(0, s.k_pos + k0 - s.q_pos), klast = min(s.Tk, k0 + ATT_BK) - 1;
     for (int h = kvh * G; h < (kvh + 1) * G; h++) {
         const T_ *Q = q + (size_t)b * s.Tq * qld + h * hs, *dO = dout + (size_t)b * s.Tq * ldo + h * hs;
         const float *L = lse + ((size_t)b * NH + h) * s.Tq, *D = Dbuf + ((size_t)b * NH + h) * s.Tq;
-        for (int i0 = qstart; i0 < s.Tq; i0 += ATTB_BQ) {
+        for (int i0 = qstart; i0 < s.Tq; i0 += ATT_BQ) {
             __syncthreads();
-            attb_load_tile(Qs, Q, qld, i0, ATTB_BQ, s.Tq, hs);
-            attb_load_tile(dOs, dO, ldo, i0, ATTB_BQ, s.Tq, hs);
-            for (int r = threadIdx.x; r < ATTB_BQ; r += blockDim.x) {
+            att_load_tile(Qs, Q, qld, i0, ATT_BQ, s.Tq, hs);
+            att_load_tile(dOs, dO, ldo, i0, ATT_BQ, s.Tq, hs);
+            for (int r = threadIdx.x; r < ATT_BQ; r += blockDim.x) {
                 Ls[r] = i0 + r < s.Tq ? L[i0 + r] : 0.0f;
                 Ds[r] = i0 + r < s.Tq ? D[i0 + r] : 0.0f;
-                Fs[r] = attb_first(s, b, i0 + r);
+                Lo[r] = attb_first(s, b, i0 + r);
+                Hi[r] = i0 + r < s.Tq ? attb_nv(s, i0 + r) : 0;
             }
             __syncthreads();
             /* documents: from the first query whose document starts after
              * the block's last key on, no query sees these keys (the same
              * for every thread: no sync is skipped) */
             if (attb_first(s, b, i0) > klast) break;
-#pragma unroll 1
-            for (int r = 0; r < ATTB_BQ; r++) {
-                float ps = 0.0f, pp = 0.0f;
-#pragma unroll
-                for (int i = 0; i < ATTB_D; i++) {
-                    int d = i * TPK + sub;
-                    if (d < hs) {
-                        ps += kr[i] * Qs[r * hs + d];
-                        pp += vr[i] * dOs[r * hs + d];
-                    }
-                }
-                float sc = attb_group_sum<TPK>(ps), dp = attb_group_sum<TPK>(pp);
-                int qi = i0 + r;
-                if (qi < s.Tq && key < s.Tk && s.k_pos + key <= s.q_pos + qi && key >= Fs[r]) {
-                    float p = expf(sc * scale - Ls[r]);
-                    float ds = p * (dp - Ds[r]) * scale;
-#pragma unroll
-                    for (int i = 0; i < ATTB_D; i++) {
-                        int d = i * TPK + sub;
-                        if (d < hs) {
-                            dvr[i] += p * dOs[r * hs + d];
-                            dkr[i] += ds * Qs[r * hs + d];
-                        }
-                    }
-                }
-            }
+            att_dkv_tile<TPK>(dkr, dvr, kr, vr, Qs, dOs, Ls, Ds, Lo, Hi, key, sub, hs, scale);
         }
     }
     if (key < s.Tk) {
         float *dK = dk + ((size_t)b * s.Tk + key) * kld + (size_t)kvh * hs;
         float *dV = dv + ((size_t)b * s.Tk + key) * kld + (size_t)kvh * hs;
 #pragma unroll
-        for (int i = 0; i < ATTB_D; i++) {
+        for (int i = 0; i < ATT_D; i++) {
             int d = i * TPK + sub;
             if (d < hs) {
                 dK[d] += dkr[i];
@@ -302,8 +204,8 @@ static int attb_tpk(const AttnBlock *s) {
     if (s->NKV < 1 || s->NH % s->NKV != 0)
         kiln_fail(KILN_EXIT_USAGE, "cuda block attention: n_kv_head %d does not divide n_head %d", s->NKV, s->NH);
     for (int tpk = 2; tpk <= 8; tpk *= 2)
-        if (s->HD <= ATTB_D * tpk) return tpk;
-    kiln_fail(KILN_EXIT_USAGE, "cuda block attention: head size %d is over the supported %d", s->HD, 8 * ATTB_D);
+        if (s->HD <= ATT_D * tpk) return tpk;
+    kiln_fail(KILN_EXIT_USAGE, "cuda block attention: head size %d is over the supported %d", s->HD, 8 * ATT_D);
 }
 
 template <typename T_>
@@ -312,14 +214,14 @@ static void attb_forward_run(void *out, float *lse, const void *q, const void *k
     int tpk = attb_tpk(s), hs = s->HD;
     if (s->B == 0 || s->Tq == 0) return;
     float scale = 1.0f / sqrtf((float)hs);
-    dim3 grid(s->B * s->NH, (s->Tq + ATTB_BR - 1) / ATTB_BR);
-    size_t sh = ((size_t)2 * ATTB_BC * hs + ATTB_BR * (ATTB_BC + 1)) * sizeof(float); /* <= 40 KiB at hs 128 */
+    dim3 grid(s->B * s->NH, (s->Tq + ATT_BR - 1) / ATT_BR);
+    size_t sh = ((size_t)2 * ATT_BC * hs + ATT_BR * (ATT_BC + 1)) * sizeof(float); /* <= 40 KiB at hs 128 */
     T_ *o = (T_ *)out;
     const T_ *qq = (const T_ *)q, *kk = (const T_ *)k, *vv = (const T_ *)v;
     switch (tpk) {
-    case 2: KLAUNCH((attb_forward_kernel<2, T_>), grid, ATTB_BR * 2, sh, o, lse, qq, kk, vv, *s, scale, merge); break;
-    case 4: KLAUNCH((attb_forward_kernel<4, T_>), grid, ATTB_BR * 4, sh, o, lse, qq, kk, vv, *s, scale, merge); break;
-    default: KLAUNCH((attb_forward_kernel<8, T_>), grid, ATTB_BR * 8, sh, o, lse, qq, kk, vv, *s, scale, merge); break;
+    case 2: KLAUNCH((attb_forward_kernel<2, T_>), grid, ATT_BR * 2, sh, o, lse, qq, kk, vv, *s, scale, merge); break;
+    case 4: KLAUNCH((attb_forward_kernel<4, T_>), grid, ATT_BR * 4, sh, o, lse, qq, kk, vv, *s, scale, merge); break;
+    default: KLAUNCH((attb_forward_kernel<8, T_>), grid, ATT_BR * 8, sh, o, lse, qq, kk, vv, *s, scale, merge); break;
     }
     CUDA_CHECK_LAUNCH();
 }
@@ -336,17 +238,17 @@ static void attb_backward_run(float *dq, float *dk, float *dv, const void *dout_
     if (s->B == 0 || s->Tq == 0 || s->Tk == 0) return;
     float scale = 1.0f / sqrtf((float)hs);
     float *Dbuf = (float *)cuda_scratch(SCRATCH_ATTENTION, (size_t)s->B * s->NH * s->Tq * sizeof(float));
-    dim3 gq(s->B * s->NH, (s->Tq + ATTB_BR - 1) / ATTB_BR), gk(s->B * s->NKV, (s->Tk + ATTB_BK - 1) / ATTB_BK);
-    size_t shq = (size_t)2 * ATTB_BC * hs * sizeof(float);
-    size_t shk = ((size_t)2 * ATTB_BQ * hs + 2 * ATTB_BQ) * sizeof(float) + ATTB_BQ * sizeof(int);
+    dim3 gq(s->B * s->NH, (s->Tq + ATT_BR - 1) / ATT_BR), gk(s->B * s->NKV, (s->Tk + ATT_BK - 1) / ATT_BK);
+    size_t shq = (size_t)2 * ATT_BC * hs * sizeof(float);
+    size_t shk = ((size_t)2 * ATT_BQ * hs + 2 * ATT_BQ) * sizeof(float) + 2 * ATT_BQ * sizeof(int);
     const T_ *dout = (const T_ *)dout_, *q = (const T_ *)q_, *k = (const T_ *)k_, *v = (const T_ *)v_;
     const T_ *out = (const T_ *)out_;
     /* dq first: it also writes D, which the dk/dv kernel reads (same stream) */
 #define ATTB_BACKWARD(TPK)                                                                                       \
-    KLAUNCH((attb_backward_dq_kernel<TPK, T_>), gq, ATTB_BR * TPK, shq, dq, Dbuf, dout, q, k, v, out, lse, *s,     \
+    KLAUNCH((attb_backward_dq_kernel<TPK, T_>), gq, ATT_BR * TPK, shq, dq, Dbuf, dout, q, k, v, out, lse, *s,     \
             scale);                                                                                               \
     CUDA_CHECK_LAUNCH();                                                                                          \
-    KLAUNCH((attb_backward_dkv_kernel<TPK, T_>), gk, ATTB_BK * TPK, shk, dk, dv, Dbuf, dout, q, k, v, lse, *s, scale)
+    KLAUNCH((attb_backward_dkv_kernel<TPK, T_>), gk, ATT_BK * TPK, shk, dk, dv, Dbuf, dout, q, k, v, lse, *s, scale)
     switch (tpk) {
     case 2: ATTB_BACKWARD(2); break;
     case 4: ATTB_BACKWARD(4); break;

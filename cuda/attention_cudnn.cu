@@ -23,6 +23,8 @@
  *    P ─ reshape ─ Pt(v, bf16, keys x queries) ─ matmul with dO ─ dV
  *    dO·Vt ─ dP(v) ─ ×1 ─ − Dsum ─ × P ─ ×scale ─ dS(v)
  *    dS ─ reshape ─ dSt(v, bf16) ─ matmul with Q ─ dK;   Kt ─ reshape ─ K(v) ;  dS·K ─ dQ
+ *    non-deterministic (precision.attention_deterministic false):
+ *    dS·K ─ dQ_acc (B,NH,T,hs) fp32, zeroed before each execute ─ identity ─ dQ
  *
  * Q, K, V, dQ, dK and dV are strided views of the interleaved qkv / dqkv
  * (B,T,3,NH,hs): dims (B,NH,T,hs), strides (T*3C, hs, 3C, 1), K and V
@@ -30,7 +32,13 @@
  * No copies. The "×1" multiplies stand where dropout would be: the fusion
  * engines match the graph with them. dQ comes straight from its matmul (no
  * fp32 dQ accumulator tensor), the form cudnn-frontend uses for a
- * deterministic backward. cuDNN's stats are max + log(sum exp), natural log,
+ * deterministic backward (its engine keeps dP in a workspace, B NH T^2
+ * bytes x 2, and computes dQ in a pass of its own). With
+ * precision.attention_deterministic false the dQ product goes into an fp32
+ * accumulator in the workspace, which the engine adds to with atomics in
+ * whatever order its blocks run, then an identity rounds it into dQ:
+ * cudnn-frontend's default backward for cuDNN 9 (the accumulator zeroed by
+ * the caller before 9.6; kiln always zeroes it). cuDNN's stats are max + log(sum exp), natural log,
  * of the scaled, masked scores, (B,NH,T,1) packed: exactly kiln's lse
  * (B,NH,T), so the paths can share it without conversion.
  *
@@ -172,7 +180,7 @@ static void cudnn_record(CudnnErr *e, cudnnStatus_t st, const char *call, const 
  * virtual tensors count up from SDPA_UID_VIRTUAL. */
 enum {
     SDPA_Q = 1, SDPA_KT, SDPA_V, SDPA_O, SDPA_STATS, SDPA_DO, SDPA_DQ, SDPA_DK, SDPA_DV,
-    SDPA_SCALE, SDPA_NEG, SDPA_ONE, SDPA_UID_VIRTUAL = 100
+    SDPA_SCALE, SDPA_NEG, SDPA_ONE, SDPA_DQ_ACC, SDPA_UID_VIRTUAL = 100
 };
 #define SDPA_MAX_DESC 160 /* every descriptor of one graph: tensors, op descriptors and their settings */
 
@@ -363,9 +371,11 @@ static int64_t sg_masked_scores(SdpaGraph *g, const int64_t *dS, const int64_t *
     return sm;
 }
 
-/* Every tensor and operation of the forward (backward 0) or backward graph.
+/* Every tensor and operation of a graph (attention_cudnn.h's CUDNN_GRAPH_*:
+ * forward, backward, or the backward with dQ through an fp32 accumulator).
  * Returns 0, or -1 with g->err set. */
-static int sdpa_build(SdpaGraph *g, int backward, int B, int T, int NH, int hs) {
+static int sdpa_build(SdpaGraph *g, int graph, int B, int T, int NH, int hs) {
+    int backward = graph != CUDNN_GRAPH_FORWARD;
     memset(g, 0, sizeof *g);
     g->next_uid = SDPA_UID_VIRTUAL;
     int64_t b = B, t = T, h = NH, d = hs, C = (int64_t)NH * hs;
@@ -443,7 +453,14 @@ static int sdpa_build(SdpaGraph *g, int backward, int B, int T, int NH, int hs) 
         /* dQ = dS . K, K the untransposed view of Kt */
         int64_t k = sg_virt(g, "K", CUDNN_GT_BF16, dQ, sQ);
         sg_reshape(g, "reshape Kt", SDPA_KT, k);
-        sg_matmul(g, "matmul dS.K", ds, k, SDPA_DQ);
+        if (graph == CUDNN_GRAPH_BACKWARD) {
+            sg_matmul(g, "matmul dS.K", ds, k, SDPA_DQ);
+        } else { /* the accumulator (B,NH,T,hs), contiguous in the workspace */
+            const int64_t sA[4] = {h * t * d, t * d, d, 1};
+            sg_tensor(g, "dQ_acc", SDPA_DQ_ACC, CUDNN_GT_F32, dQ, sA, 0, 0);
+            sg_matmul(g, "matmul dS.K", ds, k, SDPA_DQ_ACC);
+            sg_pw(g, "identity dQ", CUDNN_POINTWISE_IDENTITY, SDPA_DQ_ACC, 0, 0, SDPA_DQ, 0);
+        }
     }
     return g->err.failed ? -1 : 0;
 }
@@ -454,18 +471,21 @@ typedef struct {
     SdpaGraph g;
     cudnnBackendDescriptor_t opgraph, plan;
     cudnnBackendDescriptor_t cfg; /* the plan's engine config, kept as long as the plan (as cudnn-frontend does) */
-    int64_t workspace;            /* bytes */
+    int64_t workspace;            /* bytes: the engine's, then dQ_acc's if any */
+    int64_t acc_offset, acc_bytes; /* dQ_acc in the workspace (non-deterministic backward), else 0, 0 */
 } SdpaPlan;
 
-#define CUDNN_SHAPES 6 /* the training shape, eval's, the self-check's, ... (attention.cu keeps fewer) */
+#define CUDNN_SHAPES 8 /* the training shape, eval's, the self-check's, ... (attention.cu keeps fewer), per backward form */
 static struct {
     int B, T, NH, hs;
+    int det;         /* the backward form (cudnn_deterministic when planned) */
     int ok;          /* 1: both plans made; 0: why holds the reason */
     char why[640];
     SdpaPlan fwd, bwd;
 } cudnn_shapes[CUDNN_SHAPES];
 static int cudnn_n_shapes;
 static cudnnHandle_t cudnn_handle;
+static int cudnn_deterministic = 1; /* precision.attention_deterministic: which backward graph the plans have */
 
 static void plan_free(SdpaPlan *p) {
     if (p->plan) D.BackendDestroyDescriptor(p->plan);
@@ -477,9 +497,10 @@ static void plan_free(SdpaPlan *p) {
 
 /* The operation graph, then the engine configs of heuristics mode A and then
  * FALLBACK, tried in order until one finalizes as an execution plan. */
-static int plan_make(SdpaPlan *p, int backward, int B, int T, int NH, int hs, char *why, size_t n) {
+static int plan_make(SdpaPlan *p, int graph, int B, int T, int NH, int hs, char *why, size_t n) {
+    int backward = graph != CUDNN_GRAPH_FORWARD;
     memset(p, 0, sizeof *p);
-    if (sdpa_build(&p->g, backward, B, T, NH, hs) != 0) {
+    if (sdpa_build(&p->g, graph, B, T, NH, hs) != 0) {
         snprintf(why, n, "%s graph: %.560s", backward ? "backward" : "forward", p->g.err.msg);
         sg_destroy(&p->g);
         return 0;
@@ -550,12 +571,19 @@ static int plan_make(SdpaPlan *p, int backward, int B, int T, int NH, int hs, ch
         plan_free(p);
         return 0;
     }
+    if (graph == CUDNN_GRAPH_BACKWARD_ATOMIC) { /* dQ_acc behind the engine's workspace, 256-byte aligned */
+        p->acc_offset = (p->workspace + 255) / 256 * 256;
+        p->acc_bytes = (int64_t)B * NH * T * hs * (int64_t)sizeof(float);
+        p->workspace = p->acc_offset + p->acc_bytes;
+    }
     return 1;
 }
 
+/* The shape's plans for the current backward form (cudnn_deterministic). */
 static int cudnn_find(int B, int T, int NH, int hs) {
     for (int i = 0; i < cudnn_n_shapes; i++)
-        if (cudnn_shapes[i].B == B && cudnn_shapes[i].T == T && cudnn_shapes[i].NH == NH && cudnn_shapes[i].hs == hs)
+        if (cudnn_shapes[i].B == B && cudnn_shapes[i].T == T && cudnn_shapes[i].NH == NH && cudnn_shapes[i].hs == hs &&
+            cudnn_shapes[i].det == cudnn_deterministic)
             return i;
     return -1;
 }
@@ -595,9 +623,11 @@ int cuda_attention_cudnn_plan(int B, int T, int C, int NH, char *why, size_t n) 
     }
     i = cudnn_n_shapes++;
     cudnn_shapes[i].B = B, cudnn_shapes[i].T = T, cudnn_shapes[i].NH = NH, cudnn_shapes[i].hs = hs;
+    cudnn_shapes[i].det = cudnn_deterministic;
     char w[640];
-    int ok = plan_make(&cudnn_shapes[i].fwd, 0, B, T, NH, hs, w, sizeof w);
-    if (ok && !plan_make(&cudnn_shapes[i].bwd, 1, B, T, NH, hs, w, sizeof w)) {
+    int ok = plan_make(&cudnn_shapes[i].fwd, CUDNN_GRAPH_FORWARD, B, T, NH, hs, w, sizeof w);
+    int bwd = cudnn_deterministic ? CUDNN_GRAPH_BACKWARD : CUDNN_GRAPH_BACKWARD_ATOMIC;
+    if (ok && !plan_make(&cudnn_shapes[i].bwd, bwd, B, T, NH, hs, w, sizeof w)) {
         plan_free(&cudnn_shapes[i].fwd);
         ok = 0;
     }
@@ -624,6 +654,8 @@ static int cudnn_execute(SdpaPlan *p, int B, int n, const int64_t *uids, void **
         return 0;
     }
     void *ws = cuda_scratch(SCRATCH_CUDNN, (size_t)(p->workspace > 0 ? p->workspace : 1));
+    if (p->acc_bytes) /* the engine adds into dQ_acc: zero it (cuDNN before 9.6 needs it; it is cheap after) */
+        CUDA_CHECK(cudaMemsetAsync((char *)ws + p->acc_offset, 0, (size_t)p->acc_bytes, cudaStreamLegacy));
     cudnnBackendDescriptor_t vp = NULL;
     CudnnErr e = {0, ""};
     CUDNN_CHECK(&e, D.BackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &vp));
@@ -659,12 +691,18 @@ int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv,
     int i = cudnn_planned(B, T, C, NH);
     float scale = 1.0f / sqrtf((float)(C / NH)), neg = -FLT_MAX, one = 1.0f;
     bf16 *x = (bf16 *)qkv, *dx = (bf16 *)dqkv;
-    const int64_t uids[] = {SDPA_Q, SDPA_KT, SDPA_V, SDPA_O, SDPA_DO, SDPA_STATS,
-                            SDPA_DQ, SDPA_DK, SDPA_DV, SDPA_SCALE, SDPA_NEG, SDPA_ONE};
-    void *ptrs[] = {x, x + C, x + 2 * C, (void *)out, (void *)dout, (void *)lse,
-                    dx, dx + C, dx + 2 * C, &scale, &neg, &one};
-    return cudnn_execute(&cudnn_shapes[i].bwd, B, 12, uids, ptrs, why, n);
+    SdpaPlan *p = &cudnn_shapes[i].bwd;
+    char *ws = (char *)cuda_scratch(SCRATCH_CUDNN, (size_t)(p->workspace > 0 ? p->workspace : 1)); /* as cudnn_execute's */
+    const int64_t uids[] = {SDPA_Q, SDPA_KT, SDPA_V, SDPA_O, SDPA_DO, SDPA_STATS, SDPA_DQ,
+                            SDPA_DK, SDPA_DV, SDPA_SCALE, SDPA_NEG, SDPA_ONE, SDPA_DQ_ACC};
+    void *ptrs[] = {x, x + C, x + 2 * C, (void *)out, (void *)dout, (void *)lse, dx,
+                    dx + C, dx + 2 * C, &scale, &neg, &one, ws + p->acc_offset};
+    return cudnn_execute(p, B, p->acc_bytes ? 13 : 12, uids, ptrs, why, n);
 }
+
+/* Which backward form the next plans and executes use: plans are kept per
+ * form, so switching back (bench_attention times both) plans nothing again. */
+void cuda_attention_cudnn_set_deterministic(int deterministic) { cudnn_deterministic = deterministic != 0; }
 
 void cuda_attention_cudnn_reset(void) {
     for (int i = 0; i < cudnn_n_shapes; i++) {
@@ -672,15 +710,16 @@ void cuda_attention_cudnn_reset(void) {
         plan_free(&cudnn_shapes[i].bwd);
     }
     cudnn_n_shapes = 0;
+    cudnn_deterministic = 1;
     if (cudnn_handle) D.Destroy(cudnn_handle); /* shutdown: status ignored */
     cudnn_handle = NULL;
 }
 
-extern "C" int cuda_cudnn_graph_probe(int backward, int B, int T, int NH, int hs, CudnnGraphInfo *info, char *why,
+extern "C" int cuda_cudnn_graph_probe(int graph, int B, int T, int NH, int hs, CudnnGraphInfo *info, char *why,
                                       size_t n) {
     if (!cudnn_load(why, n)) return 0;
     SdpaGraph *g = (SdpaGraph *)xcalloc(1, sizeof *g);
-    int rc = sdpa_build(g, backward, B, T, NH, hs);
+    int rc = sdpa_build(g, graph, B, T, NH, hs);
     *info = g->info;
     if (rc != 0) snprintf(why, n, "%s", g->err.msg);
     sg_destroy(g);
@@ -714,7 +753,8 @@ int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv,
     kiln_fail(KILN_EXIT_RUNTIME, "cuDNN attention: %s", CUDNN_NOT_BUILT);
 }
 void cuda_attention_cudnn_reset(void) {}
-extern "C" int cuda_cudnn_graph_probe(int backward, int B, int T, int NH, int hs, CudnnGraphInfo *info, char *why,
+void cuda_attention_cudnn_set_deterministic(int deterministic) {}
+extern "C" int cuda_cudnn_graph_probe(int graph, int B, int T, int NH, int hs, CudnnGraphInfo *info, char *why,
                                       size_t n) {
     memset(info, 0, sizeof *info);
     return cuda_attention_cudnn_load(why, n);

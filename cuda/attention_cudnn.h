@@ -40,13 +40,18 @@ typedef struct {
     CudnnGraphOp op[CUDNN_GRAPH_MAX_OPS];
 } CudnnGraphInfo;
 
-/* Builds and finalizes every tensor and operation descriptor of the forward
- * (backward 0) or backward (1) graph of causal attention at shape B, T, NH,
- * hs, stopping short of the operation graph (which needs a handle, so a GPU),
- * describes them in *info and destroys them. Returns 1 on success, 0 when the
- * cuDNN library cannot be loaded or the build has no cuDNN (why says which),
- * -1 when a descriptor failed (why names it and cuDNN's message). */
-int cuda_cudnn_graph_probe(int backward, int B, int T, int NH, int hs, CudnnGraphInfo *info, char *why, size_t n);
+/* The graphs: the forward; the backward with dQ straight from its matmul
+ * (deterministic); the backward with dQ through an fp32 accumulator that the
+ * engine adds to with atomics (precision.attention_deterministic false). */
+enum { CUDNN_GRAPH_FORWARD, CUDNN_GRAPH_BACKWARD, CUDNN_GRAPH_BACKWARD_ATOMIC };
+
+/* Builds and finalizes every tensor and operation descriptor of graph
+ * (CUDNN_GRAPH_*) of causal attention at shape B, T, NH, hs, stopping short
+ * of the operation graph (which needs a handle, so a GPU), describes them in
+ * *info and destroys them. Returns 1 on success, 0 when the cuDNN library
+ * cannot be loaded or the build has no cuDNN (why says which), -1 when a
+ * descriptor failed (why names it and cuDNN's message). */
+int cuda_cudnn_graph_probe(int graph, int B, int T, int NH, int hs, CudnnGraphInfo *info, char *why, size_t n);
 
 /* For ./train --version: "cuDNN attention: built against cuDNN 9.19.0 headers
  * (libcudnn_graph.so.9 is opened at run time)" or why it is left out. */

@@ -260,6 +260,12 @@ static void cuda_set_attention(const char *impl) {
     cuda_update_desc();
 }
 
+/* precision.attention_deterministic (attention.cu). */
+static void cuda_set_attention_deterministic(int deterministic) {
+    cuda_attention_set_deterministic(deterministic);
+    cuda_update_desc();
+}
+
 static size_t cuda_act_bytes(void) { return cuda_act_bf16 ? sizeof(bf16) : sizeof(float); }
 
 static size_t cuda_memory_peak(void) {
@@ -349,6 +355,7 @@ extern "C" const Backend backend_cuda = {
     .step_scalars = cuda_step_scalars,
     .set_precision = cuda_set_precision,
     .set_attention = cuda_set_attention,
+    .set_attention_deterministic = cuda_set_attention_deterministic,
     .memory_peak = cuda_memory_peak,
     .host_syncs = cuda_host_syncs_get,
     .stream = cuda_stream,

@@ -70,6 +70,27 @@ template <> __device__ __forceinline__ bf16 act_from<bf16>(float x) { return __f
 #define KILN_DYN_SHARED(type, name) extern __shared__ type name[]
 #endif
 
+/* A hand-over between blocks (attention_tc.cu's dQ sums in a fixed order):
+ * the writer's block finishes its global writes, __syncthreads, then one
+ * thread releases the flag; the reader's one thread spins until it holds the
+ * value, then __syncthreads before the block reads. Spin only on blocks that
+ * started before this one (an atomicAdd ticket taken at the start orders
+ * them): those are resident, so the wait ends. The CPU emulation has its own. */
+#ifndef KILN_CUDA_EMU
+__device__ __forceinline__ void kiln_flag_release(int *flag, int v) {
+    __threadfence();
+    asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(v) : "memory");
+}
+__device__ __forceinline__ void kiln_flag_wait(const int *flag, int v) {
+    for (;;) {
+        int x;
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(x) : "l"(flag) : "memory");
+        if (x == v) return;
+        __nanosleep(32);
+    }
+}
+#endif
+
 /* 128-bit loads and stores: a Pack holds 16 bytes of T_ (8 bf16 or 4 fp32)
  * and moves as one uint4; aligned16 is the host's check that a pointer may
  * be read or written in packs. */
@@ -138,7 +159,7 @@ __device__ __forceinline__ float block_max(float v, float *shared) {
 enum {
     SCRATCH_COLSUM,    /* column-sum partials (norm dw/db, dbias); BGRADB's dbias when it is not written in place */
     SCRATCH_EMBED,     /* token buckets for the dwte scatter */
-    SCRATCH_ATTENTION, /* D = rowsum(dO * O) of the attention backward (either kernel set) */
+    SCRATCH_ATTENTION, /* the attention backward: D = rowsum(dO * O); the tensor cores also their dQ turns, fp32 dQ partials */
     SCRATCH_SUMSQ,     /* sumsq partials */
     SCRATCH_CUDNN,     /* cuDNN attention's workspace, grown when a shape is planned */
     SCRATCH_MOE,       /* moe_dispatch's per-tile expert counters and per-sequence bases */
@@ -213,6 +234,8 @@ void cuda_attention_simt_forward(void *out, float *lse, const void *qkv, const A
 void cuda_attention_simt_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                                   const float *lse, const AttnShape *s);
 void cuda_attention_set_mode(const char *mode);
+/* precision.attention_deterministic (backend.h's set_attention_deterministic). */
+void cuda_attention_set_deterministic(int deterministic);
 void cuda_attention_precision_changed(void);
 const char *cuda_attention_describe(void);
 void cuda_attention_reset(void);
@@ -221,13 +244,13 @@ void cuda_attention_block_forward(void *out, float *lse, const void *q, const vo
                                   const AttnBlock *s, int merge);
 void cuda_attention_block_backward(float *dq, float *dk, float *dv, const void *dout, const void *q, const void *k,
                                    const void *v, const void *out, const float *lse, const AttnBlock *s);
-/* attention_tc.cu: bf16 act only; fits says whether the head size is
- * supported and its shared memory fits this GPU; qkv and dout 16-byte aligned. */
-int cuda_attention_tc_fits(int C, int NH);
-void cuda_attention_tc_forward(void *out, float *lse, const void *qkv, const int32_t *doc, int B, int T, int C,
-                               int NH);
+/* attention_tc.cu: bf16 act only, any AttnShape (grouped K/V heads,
+ * documents); fits says whether head size hs is supported and the kernels'
+ * shared memory fits this GPU; qkv and dout 16-byte aligned. */
+int cuda_attention_tc_fits(int hs);
+void cuda_attention_tc_forward(void *out, float *lse, const void *qkv, const AttnShape *s);
 void cuda_attention_tc_backward(void *dqkv, const void *dout, const void *qkv, const void *out, const float *lse,
-                                const int32_t *doc, int B, int T, int C, int NH);
+                                const AttnShape *s);
 /* attention_cudnn.cu: bf16 act only, cuDNN opened at run time. load: 1 when
  * libcudnn_graph.so.9 (or libcudnn.so.9) is loaded, else 0 with why; library:
  * its version and path; fits: head sizes the graphs support; plan: 1 when
@@ -246,6 +269,10 @@ int cuda_attention_cudnn_forward(void *out, float *lse, const void *qkv, int B, 
 int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv, const void *out,
                                   const float *lse, int B, int T, int C, int NH, char *why, size_t n);
 void cuda_attention_cudnn_reset(void);
+/* precision.attention_deterministic: 0 plans and runs the backward whose dQ
+ * the engine accumulates with atomics (faster, not the same bits run to
+ * run); plans are kept per form. */
+void cuda_attention_cudnn_set_deterministic(int deterministic);
 /* llama.cu */
 void cuda_rope_forward(void *qkv, const float *rope, const AttnShape *s, int pos0);
 void cuda_rope_backward(void *dqkv, const float *rope, const AttnShape *s, int pos0);

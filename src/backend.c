@@ -3,6 +3,7 @@
  * backends this build holds; a build without nvcc simply has no CUDA entry. */
 #include "backend.h"
 #include "sround.h"
+#include "util.h"
 
 #include <string.h>
 
@@ -57,6 +58,15 @@ int backend_available(const char *name) {
     if (be == &backend_cuda) return backend_cuda_available();
 #endif
     return 1;
+}
+
+void backend_set_precision(const Backend *be, const char *compute, const char *attention, int deterministic) {
+    if (be->set_attention) be->set_attention(attention);
+    if (be->set_attention_deterministic) be->set_attention_deterministic(deterministic);
+    else if (!deterministic)
+        kiln_warn("key 'precision.attention_deterministic': false has no effect on the %s backend: its attention "
+                  "sums in a fixed order", be->name);
+    if (be->set_precision) be->set_precision(compute);
 }
 
 /* bf16 is the top half of an fp32. Round to nearest even: add 0x7fff plus

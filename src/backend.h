@@ -497,6 +497,11 @@ typedef struct Backend {
      * "simt". Call it before set_precision, which makes the choice (and may
      * run the self-check); called later, it switches at once. The choice
      * appears in the description line init returned.
+     * set_attention_deterministic: precision.attention_deterministic; 0 lets
+     * an attention backward that sums with atomics run where the backend has
+     * one (CUDA: cuDNN's), so its gradients are no longer the same bits run
+     * to run; 1 (the default) keeps every sum in a fixed order. Call it
+     * before set_precision, as set_attention.
      * memory_peak: the most device memory in use since init, in bytes.
      * host_syncs: how many times the host has waited on the device since
      * init (synchronous copies, stream and event waits; `./train bench`
@@ -506,6 +511,7 @@ typedef struct Backend {
      * comm_nccl_device_mode). */
     void (*set_precision)(const char *compute);
     void (*set_attention)(const char *impl);
+    void (*set_attention_deterministic)(int deterministic);
     size_t (*memory_peak)(void);
     unsigned long (*host_syncs)(void);
     void *(*stream)(void);
@@ -538,5 +544,11 @@ const char *backend_build_info(void);
 /* Nonzero if the named backend is compiled in and can run here (a GPU and a
  * driver for "cuda"). */
 int backend_available(const char *name);
+/* precision.compute, precision.attention and precision.attention_deterministic
+ * to a backend just after init, in the order its hooks want: the attention
+ * keys first, set_precision (which makes the attention choice) last. A
+ * backend without set_attention_deterministic (the CPU: every sum in a fixed
+ * order) is told nothing, and deterministic 0 there is one warning. */
+void backend_set_precision(const Backend *be, const char *compute, const char *attention, int deterministic);
 
 #endif

@@ -79,8 +79,7 @@ int bench_run(const Config *c, int steps) {
     const Backend *be = backend_get(c->device);
     if (!be) kiln_fail(KILN_EXIT_USAGE, "key 'device': '%s' is not available in this build", c->device);
     const char *desc = be->init(c->threads);
-    if (be->set_attention) be->set_attention(c->attention); /* precision.attention, chosen by set_precision */
-    if (be->set_precision) be->set_precision(c->compute); /* precision.compute: GPU products */
+    backend_set_precision(be, c->compute, c->attention, c->attention_deterministic); /* precision.* */
     int B = c->micro_batch, T = c->seq_len, N = B * T;
 
     Model m;

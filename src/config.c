@@ -225,6 +225,14 @@ static const CfgKey cfg_keys[] = {
     KENUM("precision.compute", compute, "bf16", "bf16|fp32", "activation dtype on GPU: `bf16` stores activations, their gradients and the weights' compute copy in bf16 (half the memory; fp32 math and accumulation, matrix products on tensor cores), `fp32` is strict fp32; the CPU backend is always fp32"),
     KENUM("precision.attention", attention, "auto", "auto|cudnn|tensor_cores|simt",
           "attention kernels on GPU with `compute: bf16`: `cudnn` (cuDNN's fused flash attention; libcudnn_graph.so.9 is opened at run time, head size a multiple of 8 up to 128), `tensor_cores` (kiln's bf16 WMMA kernels, fp32 accumulation), `simt` (fp32 CUDA cores), or `auto` = the first of cuDNN, the tensor cores and SIMT that passes a start-up self-check against the SIMT kernels and takes the shape (a fixed order, not timed, so reruns and every rank make the same choice; the log gives the self-check figures and one line per shape; a missing cuDNN is a note, not an error); `cudnn` that cannot load the library, finds no engine or fails the self-check stops the run (exit 1), as does a head size it cannot take (exit 2); with `compute: fp32` attention is always `simt` (`cudnn` or `tensor_cores` is then an error, exit 2); the CPU backend ignores the key"),
+    KBOOL("precision.attention_deterministic", attention_deterministic, "true",
+          "GPU attention's backward sums in a fixed order, so a run (and a resume) gives the same bits; `false` "
+          "lets cuDNN's backward accumulate dQ with atomics (its faster form, cudnn-frontend's default): "
+          "gradients then differ in the last bits from run to run, a resumed run is no longer bit-identical and "
+          "loss curves agree within rounding; kiln's own kernels are always deterministic, so `false` is refused "
+          "where cuDNN cannot run attention (device: cpu, compute: fp32, attention: simt or tensor_cores, "
+          "grouped K/V heads, data.doc_masking, parallel.cp > 1) and a warning where it turns out not to (no "
+          "cuDNN, a failed self-check, device: auto finding no GPU)"),
     KENUM("precision.gelu_fusion", gelu_fusion, "auto", "auto|off",
           "the MLP's fc product and its GeLU: `auto` runs them as one op where the backend has one (CUDA: cuBLASLt's "
           "GELU_AUX_BIAS epilogue forward, DGELU backward; a shape cuBLASLt refuses falls back with a warning), "
@@ -1035,8 +1043,29 @@ static void cfg_check_fp8(const Config *c, CfgLoad *L) {
  * needs bf16 activations (CUDA; a CPU run found by device: auto is refused
  * at start-up, when the backend is known) and whole parameters on every rank
  * (ZeRO shards and gathers an fp32 master). */
+/* precision.attention_deterministic false changes only cuDNN's backward:
+ * refused where the config already rules cuDNN out (kiln's kernels, the CPU
+ * backend and context parallelism's block kernels sum in a fixed order). */
+static void cfg_check_attention(const Config *c, CfgLoad *L) {
+    if (c->attention_deterministic) return;
+    const char *why = NULL;
+    if (!strcmp(c->device, "cpu")) why = "device: cpu (its attention sums in a fixed order)";
+    else if (!strcmp(c->compute, "fp32")) why = "precision.compute: fp32 (attention runs the SIMT kernels)";
+    else if (!strcmp(c->attention, "simt")) why = "precision.attention: simt (kiln's kernels)";
+    else if (!strcmp(c->attention, "tensor_cores")) why = "precision.attention: tensor_cores (kiln's kernels)";
+    else if (c->n_kv_head > 0 && c->n_kv_head < c->n_head)
+        why = "grouped K/V heads (model.n_kv_head < model.n_head: kiln's kernels)";
+    else if (c->doc_masking) why = "data.doc_masking (kiln's kernels)";
+    else if (c->cp > 1) why = "parallel.cp > 1 (context parallelism's block kernels)";
+    if (why)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.attention_deterministic': false only changes cuDNN's attention "
+                  "backward, and this run's attention never runs on cuDNN: %s; remove the key or set it to true",
+                  cfg_where_of(L, "precision.attention_deterministic", NULL), why);
+}
+
 static void cfg_check_precision(const Config *c, CfgLoad *L) {
     cfg_check_fp8(c, L);
+    cfg_check_attention(c, L);
     if (strcmp(c->master, "bf16") != 0) return;
     if (!strcmp(c->compute, "fp32") || !strcmp(c->device, "cpu"))
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.master': bf16 needs bf16 activations (device: cuda with "

@@ -108,7 +108,8 @@ typedef struct Config {
 
     /* precision */
     char compute[8]; /* bf16 | fp32: the GPU's activation dtype (the CPU backend is always fp32) */
-    char attention[16]; /* auto | tensor_cores | simt: attention kernels with bf16 compute on GPU */
+    char attention[16]; /* auto | cudnn | tensor_cores | simt: attention kernels with bf16 compute on GPU */
+    int attention_deterministic; /* bool: false lets cuDNN's attention backward sum dQ with atomics */
     char gelu_fusion[8]; /* auto | off: the fc product and its GeLU as one fused op where the backend has one */
     char master[8];  /* fp32 | bf16: parameters' dtype (bf16: no fp32 master; needs compute bf16, zero 0) */
     char optim_state[8]; /* fp32 | bf16: dtype of AdamW's m and v (bf16: stochastically rounded) */

@@ -44,6 +44,8 @@ static const struct {
     {"run.threads", KEY_NOTE, "floating-point sums are split differently"},
     {"device", KEY_NOTE, "another backend rounds differently"},
     {"precision.attention", KEY_ALLOW, "GPU attention kernels only: the CPU backend ignores it"},
+    {"precision.attention_deterministic", KEY_ALLOW,
+     "cuDNN's attention backward only: the sums of dQ in a fixed order or not (not bit-identical either way)"},
     {"precision.gelu_fusion", KEY_ALLOW, "GPU products only (GeLU fused or not): the CPU backend ignores it"},
     {"precision.optim_state", KEY_ALLOW,
      "checkpoints hold the moments in fp32: they load into either dtype (bf16 rounds them to nearest)"},
@@ -74,6 +76,7 @@ static const struct {
     {"data.doc_masking", "false"},
     {"data.doc_positions", "continue"},
     {"data.eot_id", "-1"},
+    {"precision.attention_deterministic", "true"},
 };
 static int absent_as(const char *key, const char *now) {
     for (size_t i = 0; i < sizeof resume_absent / sizeof resume_absent[0]; i++)

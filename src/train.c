@@ -496,8 +496,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
                   c->device);
     if (be->select_device) be->select_device(comm_info()->local_rank, comm_info()->local_world);
     r->desc = be->init(c->threads);
-    if (be->set_attention) be->set_attention(c->attention); /* precision.attention, chosen by set_precision */
-    if (be->set_precision) be->set_precision(c->compute); /* precision.compute: GPU products */
+    backend_set_precision(be, c->compute, c->attention, c->attention_deterministic); /* precision.* */
 
     r->tok = tok_open(c->tokenizer, c->tokenizer_file);
     if (tok_vocab_size(r->tok) > c->vocab_size)

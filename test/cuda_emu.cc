@@ -42,6 +42,7 @@
  * kernels (so it passes the self-check) and fails every execute at batch size
  * emu_cudnn_fail_b, as an engine that planned a shape but cannot run it would. */
 static int emu_cudnn_on, emu_cudnn_fail_b, emu_cudnn_calls;
+static int emu_cudnn_jitter; /* the stand-in's backward flips the last bit of dqkv[0] every other call */
 int cuda_attention_cudnn_load(char *why, size_t n) {
     if (!emu_cudnn_on) snprintf(why, n, "the emulation's cuDNN stand-in is off");
     return emu_cudnn_on;
@@ -62,9 +63,11 @@ int cuda_attention_cudnn_backward(void *dqkv, const void *dout, const void *qkv,
     emu_cudnn_calls++;
     if (B == emu_cudnn_fail_b) return snprintf(why, n, "stand-in execute failure at B=%d", B), 0;
     cuda_attention_simt_backward(dqkv, dout, qkv, out, lse, &s);
+    if (emu_cudnn_jitter && emu_cudnn_calls % 2) ((unsigned char *)dqkv)[0] ^= 1; /* as atomics' order would */
     return 1;
 }
 void cuda_attention_cudnn_reset(void) {}
+void cuda_attention_cudnn_set_deterministic(int) {}
 int cuda_attention_cudnn_fits(int C, int NH) { return (C / NH) % 8 == 0 && C / NH <= 128; }
 extern "C" const char *cuda_cudnn_build_info(void) { return "cuDNN attention: the emulation's stand-in"; }
 #include "../cuda/backend_cuda.cu"
@@ -1024,8 +1027,8 @@ static void test_fp8_old_gpu(void) {
  * tensor-core kernels where the head size allows, with bf16 after a passed
  * self-check). */
 /* Grouped K/V heads: NKV divides NH (NKV = NH is multi-head). tc: through
- * the backend's dispatch (tensor cores forced where they take the shape;
- * grouped shapes go to SIMT there), else the SIMT entry points directly. */
+ * the backend's dispatch (tensor cores forced where they take the head size,
+ * grouped shapes included), else the SIMT entry points directly. */
 static int32_t *dev_i32(const std::vector<int32_t> &h) {
     int32_t *d;
     CUDA_CHECK(cudaMalloc(&d, h.size() * sizeof(int32_t) + 4));
@@ -1049,8 +1052,8 @@ static std::vector<int32_t> doc_rows(int B, int n, int pos0, const std::vector<i
 
 /* doc 1: document masking, documents starting inside and across the 32-key
  * tiles and 64-row blocks (a one-token document among them); tc through the
- * backend's dispatch: the tensor cores where they take the shape (NKV = NH,
- * head size a multiple of 16, bf16), else SIMT. */
+ * backend's dispatch: the tensor cores where they take the shape (head size
+ * a multiple of 16, bf16), else SIMT. */
 static void test_attention(int B, int T, int NH, int NKV, int HD, int tc, int doc = 0) {
     char sh[80];
     snprintf(sh, sizeof sh, "%s%s_B%d_T%d_NH%d_NKV%d_HD%d", tc ? "_tc" : "_simt", doc ? "_doc" : "", B, T, NH, NKV, HD);
@@ -1174,11 +1177,12 @@ static void test_copy_2d(void) {
 
 /* precision.attention auto with bf16 at a new shape: the first usable path
  * in the order cudnn, tensor_cores, simt runs; cuDNN is not built into the
- * emulation, so the tensor cores must: the backend's output has their bits. */
-static void test_attention_auto(void) {
+ * emulation, so the tensor cores must: the backend's output has their bits.
+ * Grouped K/V heads (NKV < NH) too. */
+static void test_attention_auto(int NKV) {
     const int B = 1, T = 70, C = 96, NH = 2;
-    const AttnShape ash = {B, T, NH, NH, C / NH, NULL};
-    size_t n3 = (size_t)B * T * 3 * C, nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
+    const AttnShape ash = {B, T, NH, NKV, C / NH, NULL};
+    size_t n3 = (size_t)B * T * attn_qkv_width(&ash), nc = (size_t)B * T * C, nl = (size_t)B * NH * T;
     Vec qkv = rnd_act(n3, 1.0f);
     void *dq = dev_act(qkv), *o1, *o2;
     float *l1, *l2;
@@ -1187,10 +1191,11 @@ static void test_attention_auto(void) {
     CUDA_CHECK(cudaMalloc(&l1, nl * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&l2, nl * sizeof(float)));
     gpu->attention_forward(o1, l1, dq, &ash);
-    cuda_attention_tc_forward(o2, l2, dq, NULL, B, T, C, NH);
+    cuda_attention_tc_forward(o2, l2, dq, &ash);
     Vec a = get_act(o1, nc), b = get_act(o2, nc);
     int same = memcmp(a.data(), b.data(), nc * sizeof(float)) == 0;
-    report_s("attention_auto_picks_tensor_cores", same, same ? "same bits as the tensor cores" : "auto's output differs from the tensor cores'");
+    report_s(NKV < NH ? "attention_auto_picks_tensor_cores_grouped_kv" : "attention_auto_picks_tensor_cores", same,
+             same ? "same bits as the tensor cores" : "auto's output differs from the tensor cores'");
     cudaFree(dq), cudaFree(o1), cudaFree(o2), cudaFree(l1), cudaFree(l2);
 }
 
@@ -1218,8 +1223,8 @@ static void test_attention_cudnn_fallback(void) {
     int calls0 = emu_cudnn_calls;
     gpu->attention_forward(o1, l1, dq, &ash); /* cuDNN fails: falls back, warns once */
     gpu->attention_backward(g1, dd, dq, o1, l1, &ash);
-    cuda_attention_tc_forward(o2, l2, dq, NULL, B, T, C, NH);
-    cuda_attention_tc_backward(g2, dd, dq, o2, l2, NULL, B, T, C, NH);
+    cuda_attention_tc_forward(o2, l2, dq, &ash);
+    cuda_attention_tc_backward(g2, dd, dq, o2, l2, &ash);
     int same = get_act(o1, nc) == get_act(o2, nc) && get_act(g1, n3) == get_act(g2, n3);
     int once = emu_cudnn_calls == calls0 + 1; /* the failed forward, and no cuDNN call after it */
     report_s("attention_cudnn_execute_fails_falls_back", same && once,
@@ -1232,6 +1237,25 @@ static void test_attention_cudnn_fallback(void) {
     emu_cudnn_on = 0, emu_cudnn_fail_b = 0;
     gpu->set_attention("auto");
     cudaFree(dq), cudaFree(dd), cudaFree(o1), cudaFree(o2), cudaFree(g1), cudaFree(g2), cudaFree(l1), cudaFree(l2);
+}
+
+/* precision.attention_deterministic: a cuDNN backward that is not the same
+ * bits twice (the stand-in's jitter: one ulp of one element, well inside the
+ * tolerance) fails the self-check unless the key allows it, and then the
+ * description says it runs as asked. */
+static void test_attention_cudnn_nondeterministic(void) {
+    emu_cudnn_on = 1, emu_cudnn_jitter = 1;
+    gpu->set_attention("auto");
+    gpu->set_attention_deterministic(1); /* checks cuDNN again */
+    const char *d = cuda_attention_describe();
+    report_s("attention_cudnn_not_same_bits_refused", strstr(d, "cuDNN refused") && strstr(d, "NOT deterministic"), d);
+    gpu->set_attention_deterministic(0);
+    d = cuda_attention_describe();
+    report_s("attention_cudnn_not_same_bits_kept_when_asked",
+             strstr(d, "among cudnn, tensor_cores") && strstr(d, "as asked") &&
+                 strstr(d, "non-deterministic (precision.attention_deterministic false)"), d);
+    emu_cudnn_on = 0, emu_cudnn_jitter = 0;
+    gpu->set_attention_deterministic(1);
 }
 
 /* ---------------------------------------------------------------------------
@@ -1673,15 +1697,18 @@ int main(void) {
             test_attention(1, 37, 6, 2, 64, tc);
             test_attention(1, 70, 6, 1, 64, tc);
             test_attention(1, 70, 6, 2, 18, tc);
+            test_attention(1, 140, 3, 1, 80, tc); /* the tensor cores' 8-fragment variant, two query blocks */
             /* document masking: tiles and 64-row blocks skipped before a
              * document's start, rows that see none of a tile */
             test_attention(2, 150, 2, 2, 16, tc, 1);
             test_attention(2, 37, 6, 2, 10, tc, 1);
             test_attention(1, 70, 2, 2, 48, tc, 1);
+            test_attention(2, 150, 4, 2, 32, tc, 1);
             if (tc) gpu->set_attention("auto");
         }
-        if (bf) test_attention_auto();
+        if (bf) test_attention_auto(2), test_attention_auto(1);
         if (bf) test_attention_cudnn_fallback();
+        if (bf) test_attention_cudnn_nondeterministic();
         /* block attention (context parallelism): partial, diagonal, past and
          * empty-row blocks; grouped heads, 2, 4 and 8 threads per row; more
          * rows than a 64-row block and keys than a 32-key tile */

@@ -20,13 +20,24 @@
  * grid.y/z <= 65535, no empty grid, dynamic shared memory <= 48 KiB without
  * opt-in).
  *
+ * Asynchronous copies into shared memory (cuda_pipeline.h's
+ * __pipeline_memcpy_async, cp.async) land only at the issuing thread's
+ * __pipeline_wait_prior that retires their batch; until then the destination
+ * holds garbage, so a missing wait, commit or barrier after the wait, or a
+ * refill of a buffer another warp still reads, shows. Blocks that hand work
+ * to each other (kiln_flag_wait / kiln_flag_release, block order by an
+ * atomicAdd ticket) run one after another, so a wait on a flag that no block
+ * run before it has set is reported: on a GPU it would spin on a block that
+ * may never start. emu_blocks_reversed runs a grid's blocks in reverse order.
+ *
  * Not emulated: every interleaving (two orders of warps and of lanes are
  * tried, so a race can still hide), blocks running concurrently (cross-block
- * races), static __shared__ arrays are not refilled with garbage per block,
- * fragment element order of WMMA (a fragment is the whole 16x16 matrix in
- * every lane; only lane 0 stores), asynchrony (every copy and launch is done
- * when its call returns, so stream and event ordering is not tested), device
- * math's exact ulps, timing. */
+ * races; the memory ordering of the flags), static __shared__ arrays are not
+ * refilled with garbage per block, fragment element order of WMMA (a fragment
+ * is the whole 16x16 matrix in every lane; each lane stores 8 of its
+ * elements, so every lane's copy must agree), asynchrony of
+ * streams (every copy and launch is done when its call returns, so stream and
+ * event ordering is not tested), device math's exact ulps, timing. */
 #ifndef KILN_CUDA_EMU_H
 #define KILN_CUDA_EMU_H
 #define KILN_CUDA_EMU 1
@@ -152,6 +163,12 @@ static inline void emu_start(unsigned t) {
 static inline void emu_threads_resize(size_t n) { emu_ctx.resize(std::max(emu_ctx.size(), n)); }
 #endif
 
+/* cp.async copies of each thread: issued since its last commit, and the
+ * committed batches not yet waited for, oldest first (below). */
+struct EmuCopy { void *dst; const void *src; size_t n, zfill; };
+inline std::vector<std::vector<EmuCopy>> emu_pipe_open;
+inline std::vector<std::vector<std::vector<EmuCopy>>> emu_pipe_batches;
+
 struct EmuBar { unsigned count, gen; };
 inline EmuBar emu_bar_block, emu_bar_warp[32];
 static inline void emu_bar_wait(EmuBar &b, unsigned expected) {
@@ -210,6 +227,52 @@ template <typename T> static inline T __shfl_sync(unsigned mask, T v, int src, i
 alignas(128) inline unsigned char emu_smem[EMU_SMEM_MAX + 4096];
 inline size_t emu_smem_size; /* this launch's dynamic shared memory */
 #define KILN_DYN_SHARED(type, name) type *name = (type *)emu_smem
+
+/* ---- cuda_pipeline.h: 4-, 8- or 16-byte copies global -> shared, the last
+ * zfill bytes zeroed. The destination is garbage from the issue to the wait
+ * that retires the copy's batch (see the top). */
+static inline void __pipeline_memcpy_async(void *dst, const void *src, size_t n, size_t zfill = 0) {
+    unsigned char *d = (unsigned char *)dst;
+    if ((n != 4 && n != 8 && n != 16) || zfill > n) emu_fail("__pipeline_memcpy_async: size not 4, 8 or 16, or zfill > size");
+    if (d < emu_smem || d + n > emu_smem + emu_smem_size) emu_fail("__pipeline_memcpy_async: destination outside the launch's dynamic shared memory");
+    if ((uintptr_t)dst % n || (uintptr_t)src % n) emu_fail("__pipeline_memcpy_async: a pointer not aligned to the copy's size");
+    memset(dst, 0xff, n);
+    emu_pipe_open[emu_cur].push_back(EmuCopy{dst, src, n, zfill});
+}
+static inline void __pipeline_commit() {
+    emu_pipe_batches[emu_cur].push_back(emu_pipe_open[emu_cur]);
+    emu_pipe_open[emu_cur].clear();
+}
+/* Every committed batch of this thread but the newest n has landed. */
+static inline void __pipeline_wait_prior(size_t n) {
+    auto &q = emu_pipe_batches[emu_cur];
+    while (q.size() > n) {
+        for (const EmuCopy &c : q.front()) {
+            memcpy(c.dst, c.src, c.n - c.zfill);
+            memset((unsigned char *)c.dst + c.n - c.zfill, 0, c.zfill);
+        }
+        q.erase(q.begin());
+    }
+}
+
+/* ---- integer atomics and the flags blocks hand work over with (common.cuh):
+ * blocks run one at a time, so a plain add is atomic and a flag a block waits
+ * for must have been set by a block run before it. */
+static inline int atomicAdd(int *p, int v) {
+    int old = *p;
+    *p = old + v;
+    return old;
+}
+static inline void __threadfence() {}
+static inline void kiln_flag_release(int *flag, int v) { *flag = v; }
+static inline void kiln_flag_wait(const int *flag, int v) {
+    if (*flag != v) {
+        char m[200];
+        snprintf(m, sizeof m, "a block waits for a flag to be %d, it is %d, and no block run before it sets it (on a GPU: a "
+                 "wait on a later block, or forever)", v, *flag);
+        emu_fail(m);
+    }
+}
 
 /* ---- device memory: host memory with a canary behind each buffer */
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2,
@@ -409,6 +472,8 @@ static inline void emu_run_block(unsigned n) {
     }
     memset(&emu_bar_block, 0, sizeof emu_bar_block);
     memset(emu_bar_warp, 0, sizeof emu_bar_warp);
+    emu_pipe_open.assign(n, {});
+    emu_pipe_batches.assign(n, {});
     /* Warp by warp: a warp runs until all its threads wait at __syncthreads
      * (or are done), then the next; the order of warps, and of lanes within
      * a warp, flips from one round to the next. Warps thus drift as far apart
@@ -439,7 +504,11 @@ static inline void emu_run_block(unsigned n) {
             emu_fail(m);
         }
     }
+    for (unsigned t = 0; t < n; t++)
+        if (!emu_pipe_open[t].empty() || !emu_pipe_batches[t].empty())
+            emu_fail("a thread ended with cp.async copies it never waited for (__pipeline_commit, __pipeline_wait_prior)");
 }
+inline int emu_blocks_reversed; /* a test may run grids last block first: the result must not depend on block order */
 /* Runs f as the kernel body on every block of grid; smem_max is the dynamic
  * shared memory the kernel may use (48 KiB without cudaFuncSetAttribute). */
 static inline void emu_launch(dim3 grid, dim3 block, size_t smem, const std::function<void()> &f,
@@ -457,16 +526,16 @@ static inline void emu_launch(dim3 grid, dim3 block, size_t smem, const std::fun
     emu_threads_resize(n);
     emu_done.resize(std::max<size_t>(emu_done.size(), n));
     gridDim = grid, blockDim = block, emu_nthreads = n, emu_smem_size = smem, emu_body = &f;
-    for (unsigned z = 0; z < grid.z; z++)
-        for (unsigned y = 0; y < grid.y; y++)
-            for (unsigned x = 0; x < grid.x; x++) {
-                blockIdx = uint3{x, y, z};
-                memset(emu_smem, 0xff, smem);            /* garbage: reads of unwritten shared memory show */
-                memset(emu_smem + smem, 0xa5, 4096);     /* canary */
-                emu_run_block(n);
-                for (size_t i = smem; i < smem + 4096; i++)
-                    if (emu_smem[i] != 0xa5) emu_fail("shared memory written past the launch's dynamic size");
-            }
+    unsigned long long nb = (unsigned long long)grid.x * grid.y * grid.z;
+    for (unsigned long long k = 0; k < nb; k++) { /* x fastest, then y, then z, as a GPU numbers blocks */
+        unsigned long long i = emu_blocks_reversed ? nb - 1 - k : k;
+        blockIdx = uint3{(unsigned)(i % grid.x), (unsigned)(i / grid.x % grid.y), (unsigned)(i / grid.x / grid.y)};
+        memset(emu_smem, 0xff, smem);        /* garbage: reads of unwritten shared memory show */
+        memset(emu_smem + smem, 0xa5, 4096); /* canary */
+        emu_run_block(n);
+        for (size_t j = smem; j < smem + 4096; j++)
+            if (emu_smem[j] != 0xa5) emu_fail("shared memory written past the launch's dynamic size");
+    }
     emu_check_canaries();
 }
 #define KLAUNCH(kernel, grid, block, smem, ...)                                                              \
@@ -484,13 +553,17 @@ template <typename F> void fill_fragment(F &f, float v) {
     for (int i = 0; i < 16; i++)
         for (int j = 0; j < 16; j++) f.m[i][j] = v;
 }
-/* Records a pointer outside dynamic shared memory or not 256-bit aligned, a
- * tile reaching past the launch's dynamic shared memory, or a bad ldm. */
+/* Records a pointer not 256-bit aligned, a tile reaching past the launch's
+ * dynamic shared memory, one neither there nor inside one cudaMalloc buffer,
+ * or a bad ldm. */
 static inline void emu_check_ptr(const void *p, unsigned ldm, int es) {
     const unsigned char *c = (const unsigned char *)p;
+    size_t extent = (15 * (size_t)ldm + 16) * es;
     if (c >= emu_smem && c < emu_smem + EMU_SMEM_MAX) {
         if ((c - emu_smem) % 32 != 0) emu_wmma_bad = 1;
-        if ((size_t)(c - emu_smem) + (15 * (size_t)ldm + 16) * es > emu_smem_size) emu_wmma_bad = 2;
+        if ((size_t)(c - emu_smem) + extent > emu_smem_size) emu_wmma_bad = 2;
+    } else if (emu_is_device(p, extent)) {
+        if ((uintptr_t)c % 32 != 0) emu_wmma_bad = 1;
     } else emu_wmma_bad = 3;
     if (ldm % (es == 2 ? 8 : 4) != 0) emu_wmma_bad = 4;
 }
@@ -508,9 +581,10 @@ static inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float> &f,
 }
 static inline void store_matrix_sync(float *p, const fragment<accumulator, 16, 16, 16, float> &f, unsigned ldm, layout_t l) {
     emu_check_ptr(p, ldm, 4);
-    if (threadIdx.x % 32 != 0) return;
+    unsigned lane = threadIdx.x % 32; /* each lane its share, so a lane that runs ahead overwrites what another has yet to load */
     for (int i = 0; i < 16; i++)
-        for (int j = 0; j < 16; j++) (l == mem_row_major ? p[i * ldm + j] : p[j * ldm + i]) = f.m[i][j];
+        for (int j = 0; j < 16; j++)
+            if ((unsigned)(i * 16 + j) % 32 == lane) (l == mem_row_major ? p[i * ldm + j] : p[j * ldm + i]) = f.m[i][j];
 }
 template <typename LA, typename LB>
 void mma_sync(fragment<accumulator, 16, 16, 16, float> &d, const fragment<matrix_a, 16, 16, 16, bf16, LA> &a,

@@ -76,6 +76,12 @@ if [ $rc -eq 0 ] && [ "$nfail" -eq 0 ] && grep -q '^bench_1558m_bf16 *ok .*tok/s
     ok gpu_check_dry_passes
 else fail gpu_check_dry_passes "exit $rc, $nfail FAIL rows: $(grep ' FAIL ' "$T/out/summary.txt" | cut -c1-120 | head -n 4)"; fi
 
+# the attention bench's rows, as a GPU run carries them (there: per shape and path, and auto's against the targets)
+if grep -q '^attn_small_default *ok .*TFLOP/s.*vs simt' "$T/out/summary.txt" &&
+   grep -q '^attn_small_auto_target *note .*auto runs default.*target 350.*target 250' "$T/out/summary.txt"; then
+    ok gpu_check_dry_attention_rows
+else fail gpu_check_dry_attention_rows "$(grep '^attn' "$T/out/summary.txt" | cut -c1-160 | head -n 3)"; fi
+
 # 2. every section skipped (a limit below any section's worst case): still a summary
 OUT=$T/out2 PATH="$T/fakebin:$PATH" TMPDIR=$T bash "$tree/scripts/cuda_check.sh" --dry-run --limit 1 > "$T/short.txt" 2>&1
 returned "$T/out2" "$T/short.txt" gpu_check_short

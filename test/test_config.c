@@ -290,6 +290,34 @@ static void test_sets(void) {
                 (const char *)NULL);
 }
 
+/* precision.attention_deterministic false changes only cuDNN's backward: one
+ * line, exit 2, naming why, wherever the config rules cuDNN out; loads with
+ * attention auto on CUDA, where cuDNN may run. */
+static void test_attention_deterministic(void) {
+    static const struct {
+        const char *name, *set, *set2, *why;
+    } no[] = {
+        {"cpu", "device=cpu", "device=cpu", "device: cpu"},
+        {"fp32", "precision.compute=fp32", "device=cuda", "precision.compute: fp32"},
+        {"simt", "precision.attention=simt", "device=cuda", "precision.attention: simt"},
+        {"tensor_cores", "precision.attention=tensor_cores", "device=cuda", "precision.attention: tensor_cores"},
+        {"grouped_kv", "model.n_kv_head=2", "model.arch=llama", "grouped K/V heads"},
+        {"doc_masking", "data.doc_masking=true", "data.eot_id=10", "data.doc_masking"},
+        {"cp", "parallel.cp=2", "device=cuda", "parallel.cp > 1"},
+    };
+    char name[96];
+    for (size_t i = 0; i < sizeof no / sizeof no[0]; i++) {
+        const char *sets[] = {"precision.attention_deterministic=false", no[i].set, no[i].set2};
+        snprintf(name, sizeof name, "config_attention_deterministic_refused_%s", no[i].name);
+        expect_fail(name, NULL, sets, 3, "key 'precision.attention_deterministic'", no[i].why, "set it to true",
+                    (const char *)NULL);
+    }
+    const char *ok[] = {"precision.attention_deterministic=false", "device=cuda"};
+    Config c;
+    cfg_load(&c, NULL, ok, 2);
+    test_report(c.attention_deterministic == 0, "config_attention_deterministic_false_cuda_auto", "not taken");
+}
+
 static void write_config(const Config *c, const char *path) {
     FILE *f = fopen(path, "w");
     if (!f) { perror(path); exit(1); }
@@ -368,6 +396,7 @@ int main(int argc, char **argv) {
     test_type_errors();
     test_cross_errors();
     test_sets();
+    test_attention_deterministic();
     test_round_trip();
     test_doc();
     return 0;

@@ -23,13 +23,16 @@ static const CudnnGraphTensor *find(const CudnnGraphInfo *g, int64_t uid) {
     return NULL;
 }
 
-/* The I/O names each graph must have as non-virtual tensors, in no order. */
+/* The I/O names each graph (CUDNN_GRAPH_*) must have as non-virtual
+ * tensors, in no order; the atomic backward's dQ_acc lives in the workspace. */
 static const char *const fwd_io[] = {"Q", "Kt", "V", "O", "stats", "scale", "-FLT_MAX"};
-static const char *const bwd_io[] = {"Q", "Kt", "Vt", "O", "dO", "stats", "dQ", "dK", "dV", "scale", "-FLT_MAX", "1"};
+static const char *const bwd_io[] = {"Q", "Kt", "Vt", "O", "dO", "stats", "dQ", "dK", "dV", "scale", "-FLT_MAX", "1",
+                                     "dQ_acc"};
 
-static int wiring(const CudnnGraphInfo *g, int backward, char *why, size_t n) {
-    const char *const *io = backward ? bwd_io : fwd_io;
-    int nio = backward ? (int)(sizeof bwd_io / sizeof *bwd_io) : (int)(sizeof fwd_io / sizeof *fwd_io);
+static int wiring(const CudnnGraphInfo *g, int graph, char *why, size_t n) {
+    const char *const *io = graph != CUDNN_GRAPH_FORWARD ? bwd_io : fwd_io;
+    int nio = graph == CUDNN_GRAPH_FORWARD ? (int)(sizeof fwd_io / sizeof *fwd_io)
+                                           : (int)(sizeof bwd_io / sizeof *bwd_io) - (graph == CUDNN_GRAPH_BACKWARD);
     int n_nonvirtual = 0;
     for (int i = 0; i < g->n_tensors; i++) {
         const CudnnGraphTensor *t = &g->t[i];
@@ -64,7 +67,8 @@ static int wiring(const CudnnGraphInfo *g, int backward, char *why, size_t n) {
     return 1;
 }
 
-/* The I/O views of the interleaved qkv (B,T,3,NH,hs) and out (B,T,NH,hs). */
+/* The I/O views of the interleaved qkv (B,T,3,NH,hs) and out (B,T,NH,hs);
+ * dQ_acc (B,NH,T,hs) fp32, contiguous. */
 static int views(const CudnnGraphInfo *g, int B, int T, int NH, int hs, char *why, size_t n) {
     int64_t C = (int64_t)NH * hs;
     for (int i = 0; i < g->n_tensors; i++) {
@@ -74,15 +78,17 @@ static int views(const CudnnGraphInfo *g, int B, int T, int NH, int hs, char *wh
         int kt = strcmp(t->name, "Kt") == 0 || strcmp(t->name, "Vt") == 0;
         int stats = strcmp(t->name, "stats") == 0;
         int oview = strcmp(t->name, "O") == 0 || strcmp(t->name, "dO") == 0;
+        int acc = strcmp(t->name, "dQ_acc") == 0;
         d[0] = B, d[1] = NH, d[2] = kt ? hs : T, d[3] = stats ? 1 : kt ? T : hs;
         s[0] = stats ? (int64_t)NH * T : (int64_t)T * (oview ? C : 3 * C), s[1] = stats ? T : hs;
         s[2] = stats ? 1 : kt ? 1 : oview ? C : 3 * C, s[3] = stats ? 1 : kt ? 3 * C : 1;
+        if (acc) s[0] = (int64_t)NH * T * hs, s[1] = (int64_t)T * hs, s[2] = hs, s[3] = 1;
         if (memcmp(d, t->dims, sizeof d) || memcmp(s, t->strides, sizeof s))
             return snprintf(why, n, "%s: dims %lld,%lld,%lld,%lld strides %lld,%lld,%lld,%lld", t->name,
                             (long long)t->dims[0], (long long)t->dims[1], (long long)t->dims[2], (long long)t->dims[3],
                             (long long)t->strides[0], (long long)t->strides[1], (long long)t->strides[2],
                             (long long)t->strides[3]), 0;
-        int want = stats ? CUDNN_GT_F32 : CUDNN_GT_BF16;
+        int want = stats || acc ? CUDNN_GT_F32 : CUDNN_GT_BF16;
         if (t->dtype != want) return snprintf(why, n, "%s has dtype %d, want %d", t->name, t->dtype, want), 0;
     }
     return 1;
@@ -123,22 +129,24 @@ int main(void) {
     static CudnnGraphInfo info;
     char why[800], name[96];
     for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
-        for (int bwd = 0; bwd < 2; bwd++) {
-            snprintf(name, sizeof name, "cudnn_graph_%s_%s", bwd ? "backward" : "forward", shapes[s].name);
-            int rc = cuda_cudnn_graph_probe(bwd, shapes[s].B, shapes[s].T, shapes[s].NH, shapes[s].hs, &info, why,
+        for (int graph = CUDNN_GRAPH_FORWARD; graph <= CUDNN_GRAPH_BACKWARD_ATOMIC; graph++) {
+            static const char *const gname[] = {"forward", "backward", "backward_atomic"};
+            snprintf(name, sizeof name, "cudnn_graph_%s_%s", gname[graph], shapes[s].name);
+            int rc = cuda_cudnn_graph_probe(graph, shapes[s].B, shapes[s].T, shapes[s].NH, shapes[s].hs, &info, why,
                                             sizeof why);
             if (rc == 0) {
                 printf("skip %s: %s\n", name, why);
                 continue;
             }
             /* forward: 14 ops (matmul, scale, 2 index, compare, select, max, sub, exp, sum, log, add, div,
-             * matmul); backward: 22 (D: 3; masked scores: 6; P: 2; dV: 2; dS: 5; dK: 2; dQ: 2) */
-            int want_ops = bwd ? 22 : 14;
+             * matmul); backward: 22 (D: 3; masked scores: 6; P: 2; dV: 2; dS: 5; dK: 2; dQ: 2); the atomic
+             * backward one more (dQ's identity out of the accumulator) */
+            int want_ops = graph == CUDNN_GRAPH_FORWARD ? 14 : graph == CUDNN_GRAPH_BACKWARD ? 22 : 23;
             test_report(rc == 1 && info.n_ops == want_ops, name, "%s", rc == 1 ? "wrong operation count" : why);
             if (rc != 1) continue;
             char sub[128];
             snprintf(sub, sizeof sub, "%s_wiring", name);
-            test_report(wiring(&info, bwd, why, sizeof why), sub, "%s", why);
+            test_report(wiring(&info, graph, why, sizeof why), sub, "%s", why);
             snprintf(sub, sizeof sub, "%s_layouts", name);
             test_report(layouts(&info, why, sizeof why), sub, "%s", why);
             snprintf(sub, sizeof sub, "%s_views", name);
