@@ -155,7 +155,7 @@ int bench_run(const Config *c, int steps) {
     printf("bench: init_s=%.2f (%zu parameters)\n", init_s, m.num_params);
     if (be->memory_peak) printf("bench: peak_mem_gib=%.2f\n", be->memory_peak() / 1073741824.0);
     printf("bench: master=%s optim_state=%s fp8=%s%s\n", master16 ? "bf16" : "fp32", c->optim_state, c->fp8,
-           fp8.mode == FP8_TENSORWISE && be->fp8_matmul ? " (fp8 tensor cores)" : "");
+           model_fp8_tensor_cores(&m) ? " (fp8 tensor cores)" : "");
     int timed = optim_kind(c->optim_name) == OPTIM_LION ? OPTIM_LION : OPTIM_ADAMW;
     printf("bench: optim=%s%s\n", timed == OPTIM_LION ? "lion" : "adamw",
            optim_kind(c->optim_name) == timed ? ""

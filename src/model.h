@@ -412,11 +412,16 @@ typedef struct Model {
     /* fp8 (model_fp8.c): the quantised operands of one product at a time,
      * amax scratch and delayed-scaling histories */
     ModelFp8 fp8;
-    void *fp8_qx, *fp8_qw, *fp8_qd; /* act: (N, in) (out, in) (N, out) at the largest product's sizes */
-    float *fp8_amax;    /* device (tp, fp8_amax_n): one product operand's amaxes, every tp rank's */
-    float *fp8_inv;     /* device (4): the real fp8 product's inverse scales (x, w; dout, w^T) */
+    /* the operands of one product at a time, at the largest product's sizes:
+     * quantised act (N, in) (out, in) (N, out), or on the fp8 tensor-core
+     * path (model_fp8.c mm_real) their codes, fp8_qd holding dout's (N, out)
+     * and then dout^T's (out, N) */
+    void *fp8_qx, *fp8_qw, *fp8_qd;
+    float *fp8_amax;    /* device (2, cp, tp, fp8_amax_n): one cast's amaxes, every tp and cp rank's (two axes) */
+    float *fp8_inv;     /* device (FP8_INVS, fp8_inv_n) + 1: the codes' inverse scales, then an amax (delayed) */
     size_t fp8_amax_n;  /* the most amaxes of one operand: max(N, widths) */
-    float *fp8_hist;    /* device (fp8_slots, MM_OPERANDS, history, cp, tp) amax histories; NULL: current scaling */
+    size_t fp8_inv_n;   /* fp8_amax_n rounded up to 16 bytes */
+    float *fp8_hist;    /* device (fp8_slots, MM_OPERANDS, history, cp, tp) amax rings; NULL: current scaling */
     int64_t *fp8_count; /* (fp8_slots, MM_OPERANDS) host: casts so far of each operand (its history row) */
     int fp8_slots;      /* products with histories: n_layer (MM_KINDS + 2 E) + 1 (the head) */
     int fp8_local_amax; /* test hook KILN_TEST_FP8_LOCAL_AMAX: no tp reduction of amaxes (wrong on purpose) */
@@ -644,14 +649,19 @@ void model_fp8_check(Model *m);
 void model_fp8_plan(Model *m, int N);
 void model_fp8_free(Model *m);
 /* Delayed scaling's state (precision.fp8_amax_history > 0, else 0 and
- * nothing): the histories, (fp8_slots, MM_OPERANDS, history, cp, tp) fp32,
- * and the cast counts, (fp8_slots, MM_OPERANDS) int64: how many of each.
+ * nothing): the rings, (fp8_slots, MM_OPERANDS, history, cp, tp) fp32, and
+ * the cast counts, (fp8_slots, MM_OPERANDS) int64: how many of each.
  * get copies them to host buffers of those sizes, set back (state.c: the
  * checkpoint's "fp8.amax_history" and "fp8.amax_count"). */
 size_t model_fp8_history_len(const Model *m);
 size_t model_fp8_count_len(const Model *m);
 void model_fp8_history_get(const Model *m, float *hist, int64_t *count);
 void model_fp8_history_set(Model *m, const float *hist, const int64_t *count);
+/* Whether fp8 products run on fp8 tensor cores here (else as quantised
+ * operands and the backend's products; model_fp8.c mm_real), and in words
+ * for the start-up line. */
+int model_fp8_tensor_cores(const Model *m);
+const char *model_fp8_products(const Model *m);
 /* out (N,OC) = inp (N,C) @ w (OC,C)^T + bias, and its backward, as
  * backend.h's matmul_forward / matmul_backward, for product `kind` of layer
  * l (expert e, else -1; the head: l -1, MM_HEAD): with fp8 on, the operands

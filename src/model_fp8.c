@@ -102,6 +102,11 @@ void model_fp8_check(Model *m) {
     m->fp8_slots = m->shape.n_layer * per + 1;
 }
 
+/* The codes path's inverse scales (Model.fp8_inv), one vector each: x, w
+ * (forward); dout, dout^T, w^T (input gradient, weight gradient); x^T. */
+enum { INV_X, INV_W, INV_D, INV_DT, INV_WT, INV_XT, FP8_INVS };
+static float *fp8_inv(const Model *m, int which) { return m->fp8_inv + (size_t)which * m->fp8_inv_n; }
+
 void model_fp8_plan(Model *m, int N) {
     if (m->fp8.mode == FP8_OFF) return;
     model_fp8_free(m);
@@ -116,16 +121,20 @@ void model_fp8_plan(Model *m, int N) {
         n = n > (size_t)in ? n : (size_t)in;
         n = n > (size_t)out ? n : (size_t)out;
     }
+    /* act operands, or codes (a byte each): dout's and dout^T's side by side */
+    size_t db = d * m->act_bytes > 2 * d ? d * m->act_bytes : 2 * d;
     m->fp8_qx = m->be->alloc(x * m->act_bytes);
     m->fp8_qw = m->be->alloc(w * m->act_bytes);
-    m->fp8_qd = m->be->alloc(d * m->act_bytes);
+    m->fp8_qd = m->be->alloc(db);
     m->fp8_amax_n = n;
+    m->fp8_inv_n = (n + 3) / 4 * 4;
     m->fp8_local_amax = getenv("KILN_TEST_FP8_LOCAL_AMAX") != NULL;
-    m->fp8_amax = m->be->alloc((size_t)m->tp * m->cp * n * sizeof(float));
-    m->fp8_inv = m->be->alloc(4 * sizeof(float));
+    m->fp8_amax = m->be->alloc(2 * (size_t)m->tp * m->cp * n * sizeof(float));
+    m->fp8_inv = m->be->alloc((FP8_INVS * m->fp8_inv_n + 1) * sizeof(float));
     size_t h = (size_t)m->fp8_slots * MM_OPERANDS;
     if (m->fp8.history > 0) {
         m->fp8_hist = m->be->alloc(h * m->fp8.history * m->tp * m->cp * sizeof(float));
+        m->be->zero(m->fp8_hist, h * m->fp8.history * m->tp * m->cp * sizeof(float));
         m->fp8_count = xcalloc(h, sizeof(int64_t));
     }
 }
@@ -152,29 +161,87 @@ static int mm_token_rows(const Model *m, int kind, int operand) {
     return operand == MM_X || operand == MM_XB || operand == MM_D;
 }
 
-/* The amax scratch of one cast: G tp x Gc cp blocks of n, this rank's at
- * (cp_rank G + tp_rank) n; with a history the operand's ring of (history,
- * Gc, G) blocks, this cast's row the next. *P gets the blocks the cast
- * takes the max of. Then fills this rank's block (the backend's amax) and
- * gathers over tp, then over cp (as one block of G n). */
-static float *fp8_amax_ring(Model *m, const void *src, int rows, int cols, int axis, int n, int G, int Gc, int slot,
-                            int operand, int *P) {
+/* Which of operand `operand`'s dimensions (rows, columns) tp splits: x
+ * (N, in) its columns under a row-parallel product; w (out, in) its rows
+ * under a column-parallel one, its columns under a row-parallel one; dout
+ * (N, out) its columns under a column-parallel one. */
+static void mm_operand_split(const Model *m, int kind, int operand, int *rsplit, int *csplit) {
+    int split = mm_split(m, kind);
+    int in_s = split == SPLIT_IN, out_s = split == SPLIT_OUT;
+    *rsplit = (operand == MM_W || operand == MM_WB) && out_s;
+    *csplit = operand == MM_D ? out_s : in_s;
+}
+
+/* The groups an amax along `axis` is the max over: tp where tp splits the
+ * range it covers (a whole tensor's, a row's columns, a column's rows), cp
+ * where it runs over a token-row operand's rows; 1, 1 under the test hook
+ * KILN_TEST_FP8_LOCAL_AMAX (the known bug, each rank scaling by its own
+ * part's amax, so that t_fp8.sh shows its tp and cp checks can fail). */
+static void mm_groups(const Model *m, int kind, int operand, int axis, int *G, int *Gc) {
+    int rsplit, csplit;
+    mm_operand_split(m, kind, operand, &rsplit, &csplit);
+    int gather = axis == FP8_AXIS_TENSOR ? rsplit || csplit : axis == FP8_AXIS_ROW ? csplit : rsplit;
+    int cgather = axis != FP8_AXIS_ROW && mm_token_rows(m, kind, operand);
+    *G = gather && !m->fp8_local_amax ? m->tp : 1;
+    *Gc = cgather && !m->fp8_local_amax ? m->cp : 1;
+}
+
+/* After this rank's amax block `mine` (n) of a (Gc, G) set of blocks is
+ * filled: gathered over tp (into its cp rank's G blocks), then over cp. */
+static void fp8_gather(Model *m, float *mine, int n, int G, int Gc) {
     int g = G > 1 ? m->tp_rank : 0, gc = Gc > 1 ? m->cp_rank : 0;
-    float *ring = m->fp8_amax, *row = ring;
-    *P = G * Gc;
-    if (m->fp8_hist) { /* tensorwise: n = 1 */
-        int H = m->fp8.history;
-        size_t k = (size_t)slot * MM_OPERANDS + operand;
-        ring = m->fp8_hist + k * H * m->tp * m->cp;
-        row = ring + (size_t)(m->fp8_count[k] % H) * G * Gc;
-        m->fp8_count[k]++;
-        *P = H * G * Gc;
-    }
-    float *mine = row + ((size_t)gc * G + g) * n, *tpb = row + (size_t)gc * G * n;
-    m->be->fp8_amax(mine, src, rows, cols, axis);
+    float *tpb = mine - (size_t)g * n, *row = tpb - (size_t)gc * G * n;
     if (G > 1) m->tpc.all_gather_f32(m->tpc.ctx, mine, tpb, (size_t)n);
     if (Gc > 1) m->cpc.all_gather_f32(m->cpc.ctx, tpb, row, (size_t)G * n);
-    return ring;
+}
+
+/* The amaxes the scales of one cast of operand `operand` come from: P rows
+ * of n (fp8_amax_len) to take the max over. Current scaling: this cast's
+ * own amax, every tp and cp rank's (G, Gc) in scratch half `half` (a cast
+ * with both q's and qt's rowwise scales takes both). Delayed scaling
+ * (tensorwise): the operand's ring of (history, cp, tp) amaxes, whose row
+ * count % history this cast's amax replaces. The first cast of an operand
+ * has no history yet and fills its row first (current scaling); every
+ * later one is scaled by the history alone and records its own amax after
+ * (*late: this rank's entry, for fp8_record), as Transformer Engine's
+ * delayed scaling does, so that the cast and the amax can be one pass. */
+static const float *fp8_scale_src(Model *m, const void *src, int rows, int cols, int axis, int kind, int slot,
+                                  int operand, int half, int *P, float **late) {
+    int n = fp8_amax_len(rows, cols, axis), G, Gc;
+    mm_groups(m, kind, operand, axis, &G, &Gc);
+    int g = G > 1 ? m->tp_rank : 0, gc = Gc > 1 ? m->cp_rank : 0;
+    *late = NULL;
+    if (m->fp8_hist) { /* tensorwise: n = 1; rows of tp x cp entries, those no rank writes 0 */
+        int H = m->fp8.history, S = m->tp * m->cp;
+        size_t k = (size_t)slot * MM_OPERANDS + operand;
+        float *ring = m->fp8_hist + k * H * S, *mine = ring + (size_t)(m->fp8_count[k] % H) * S + gc * G + g;
+        *P = H * S;
+        if (m->fp8_count[k]++ > 0) {
+            *late = mine;
+            return ring;
+        }
+        m->be->fp8_amax(mine, src, rows, cols, axis);
+        fp8_gather(m, mine, 1, G, Gc);
+        return ring;
+    }
+    float *row = m->fp8_amax + (size_t)half * m->tp * m->cp * m->fp8_amax_n;
+    float *mine = row + ((size_t)gc * G + g) * n;
+    *P = G * Gc;
+    m->be->fp8_amax(mine, src, rows, cols, axis);
+    fp8_gather(m, mine, n, G, Gc);
+    return row;
+}
+
+/* Delayed scaling, after a cast scaled by the history: its amax (`amax`,
+ * device, from the cast's own pass; NULL: computed here) into this rank's
+ * entry `mine` of the history, then gathered as the operand's amaxes are. */
+static void fp8_record(Model *m, float *mine, const float *amax, const void *src, int rows, int cols, int kind,
+                       int operand) {
+    int G, Gc;
+    mm_groups(m, kind, operand, FP8_AXIS_TENSOR, &G, &Gc);
+    if (amax) m->be->copy(mine, amax, sizeof(float));
+    else m->be->fp8_amax(mine, src, rows, cols, FP8_AXIS_TENSOR);
+    fp8_gather(m, mine, 1, G, Gc);
 }
 
 size_t model_fp8_history_len(const Model *m) {
@@ -198,44 +265,64 @@ void model_fp8_history_set(Model *m, const float *hist, const int64_t *count) {
     memcpy(m->fp8_count, count, model_fp8_count_len(m) * sizeof(int64_t));
 }
 
-/* dst (rows, cols) act = src quantised to fmt with scales along axis.
- * rsplit, csplit: tp splits the matrix's rows, columns, so an amax whose
- * range covers a split dimension is the max over the tp ranks (gathered, and
- * the cast takes the max of the rows); an amax over a token-row operand's
- * rows (tensorwise, or per column) is the max over the cp ranks too. With a
- * history the operand's amax takes the next row of its (history, cp, tp)
- * ring, and the scale comes from the max of the whole ring, this cast's
- * amax included. */
-static const void *fp8_cast(Model *m, void *dst, const void *src, int rows, int cols, int axis, int fmt, int rsplit,
-                            int csplit, int kind, int slot, int operand) {
-    int n = fp8_amax_len(rows, cols, axis);
-    int gather = axis == FP8_AXIS_TENSOR ? rsplit || csplit : axis == FP8_AXIS_ROW ? csplit : rsplit;
-    int cgather = axis != FP8_AXIS_ROW && mm_token_rows(m, kind, operand);
-    /* test hook (docs/metrics.md): the known bug, each rank scaling by its own
-     * part's amax, so that t_fp8.sh shows its tp and cp checks can fail */
-    if (m->fp8_local_amax) gather = cgather = 0;
+/* dst (rows, cols) act = src quantised to fmt with scales along axis
+ * (fp8_scale_src says from which amaxes); dst is returned. */
+static const void *fp8_cast(Model *m, void *dst, const void *src, int rows, int cols, int axis, int fmt, int kind,
+                            int slot, int operand) {
     int P;
-    const float *ring = fp8_amax_ring(m, src, rows, cols, axis, n, gather ? m->tp : 1, cgather ? m->cp : 1, slot,
-                                      operand, &P);
+    float *late;
+    const float *ring = fp8_scale_src(m, src, rows, cols, axis, kind, slot, operand, 0, &P, &late);
     m->be->fp8_qdq(dst, src, ring, P, rows, cols, axis, fmt, m->fp8.pow2);
+    if (late) fp8_record(m, late, NULL, src, rows, cols, kind, operand);
     return dst;
 }
 
 /* The real fp8 product (backend.h fp8_cast, fp8_matmul: fp8 tensor cores)
- * where the backend has one, for tensorwise scales and shapes it takes
- * (rows a multiple of 16 too: a generation forward's may not be); fp8
- * weight gradients stay on the quantise-dequantise path. */
+ * where the backend has one: for tensorwise scales, and rowwise where its
+ * products take per-row scales (cuBLASLt's outer-vector mode), for shapes
+ * it takes (rows a multiple of 16 too: a generation forward's, or a routed
+ * expert's, may not be). Else quantise-dequantise and the backend's
+ * products, the same numerics. */
 static int mm_real(const Model *m, int N) {
-    return m->be->fp8_matmul && m->fp8.mode == FP8_TENSORWISE && N % 16 == 0;
+    const Backend *be = m->be;
+    if (!be->fp8_matmul || N % 16) return 0;
+    return m->fp8.mode == FP8_TENSORWISE || (m->fp8.mode == FP8_ROWWISE && be->fp8_rowwise && be->fp8_rowwise());
 }
 
-/* As fp8_cast above, into codes: q (rows, cols) or transposed; inv (1) = 1 / scale. */
-static void fp8_cast_codes(Model *m, uint8_t *q, float *inv, const void *src, int rows, int cols, int fmt, int split,
-                           int kind, int slot, int operand, int transpose) {
-    int G = split && !m->fp8_local_amax ? m->tp : 1;
-    int Gc = mm_token_rows(m, kind, operand) && !m->fp8_local_amax ? m->cp : 1, P;
-    const float *ring = fp8_amax_ring(m, src, rows, cols, FP8_AXIS_TENSOR, 1, G, Gc, slot, operand, &P);
-    m->be->fp8_cast(q, inv, src, ring, P, rows, cols, fmt, m->fp8.pow2, transpose);
+int model_fp8_tensor_cores(const Model *m) { return m->fp8.mode != FP8_OFF && mm_real(m, 0); }
+
+const char *model_fp8_products(const Model *m) {
+    if (model_fp8_tensor_cores(m))
+        return m->fp8.mode == FP8_ROWWISE ? "fp8 tensor-core products (per-row scales: cuBLASLt's outer-vector mode)"
+                                          : "fp8 tensor-core products";
+    if (m->be->fp8_matmul)
+        return "quantised operands, products in the activation dtype (this GPU or cuBLASLt has no per-row fp8 "
+               "scales: Hopper and cuBLAS 12.9 or later)";
+    return "quantised operands, products in the activation dtype";
+}
+
+/* The codes of one operand src (rows, cols) in one pass (backend.h
+ * Fp8Cast): q (rows, cols) scaled along the rows of src and/or qt (cols,
+ * rows) along its columns (rowwise), or both by one scale (tensorwise), with
+ * their inverse scales inv_q, inv_t; the amaxes as fp8_cast's. */
+typedef struct {
+    uint8_t *q, *qt;
+    float *inv_q, *inv_t;
+} Fp8Codes;
+static void fp8_codes(Model *m, Fp8Codes o, const void *src, int rows, int cols, int fmt, int kind, int slot,
+                      int operand) {
+    Fp8Cast c = {.q = o.q, .qt = o.qt, .inv_q = o.inv_q, .inv_t = o.inv_t, .fmt = fmt, .pow2 = m->fp8.pow2};
+    float *late = NULL;
+    if (m->fp8.mode == FP8_ROWWISE) {
+        c.rowwise = 1;
+        if (o.q) c.amax_q = fp8_scale_src(m, src, rows, cols, FP8_AXIS_ROW, kind, slot, operand, 0, &c.P_q, &late);
+        if (o.qt) c.amax_t = fp8_scale_src(m, src, rows, cols, FP8_AXIS_COL, kind, slot, operand, 1, &c.P_t, &late);
+    } else {
+        c.amax_q = fp8_scale_src(m, src, rows, cols, FP8_AXIS_TENSOR, kind, slot, operand, 0, &c.P_q, &late);
+        if (late) c.amax_out = fp8_inv(m, FP8_INVS); /* the cast's own amax, recorded below */
+    }
+    m->be->fp8_cast(&c, src, rows, cols);
+    if (late) fp8_record(m, late, c.amax_out, src, rows, cols, kind, operand);
 }
 
 void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *inp, const void *w, const void *bias,
@@ -244,18 +331,48 @@ void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *i
         m->be->matmul_forward(out, inp, w, bias, N, C, OC);
         return;
     }
-    int split = mm_split(m, kind), slot = mm_history_slot(m, l, kind, e);
-    if (mm_real(m, N)) {
-        fp8_cast_codes(m, m->fp8_qx, m->fp8_inv, inp, N, C, FP8_E4M3, split == SPLIT_IN, kind, slot, MM_X, 0);
-        fp8_cast_codes(m, m->fp8_qw, m->fp8_inv + 1, w, OC, C, FP8_E4M3, split != SPLIT_NONE, kind, slot, MM_W, 0);
-        m->be->fp8_matmul(out, m->fp8_qw, m->fp8_qx, m->fp8_inv + 1, m->fp8_inv, FP8_E4M3, FP8_E4M3, bias, N, C, OC);
+    int slot = mm_history_slot(m, l, kind, e);
+    if (mm_real(m, N)) { /* out^T = w x^T: a = w (OC, C), b = x (N, C), both K-major as they are */
+        fp8_codes(m, (Fp8Codes){.q = m->fp8_qx, .inv_q = fp8_inv(m, INV_X)}, inp, N, C, FP8_E4M3, kind, slot, MM_X);
+        fp8_codes(m, (Fp8Codes){.q = m->fp8_qw, .inv_q = fp8_inv(m, INV_W)}, w, OC, C, FP8_E4M3, kind, slot, MM_W);
+        m->be->fp8_matmul(&(Fp8Matmul){.out = out, .a = m->fp8_qw, .b = m->fp8_qx, .sa = fp8_inv(m, INV_W),
+                                       .sb = fp8_inv(m, INV_X), .fmt_a = FP8_E4M3, .fmt_b = FP8_E4M3,
+                                       .rowwise = m->fp8.mode == FP8_ROWWISE, .bias = bias, .N = N, .K = C, .M = OC});
         return;
     }
     int axis = m->fp8.mode == FP8_ROWWISE ? FP8_AXIS_ROW : FP8_AXIS_TENSOR; /* both along C, the contraction */
-    const void *qx = fp8_cast(m, m->fp8_qx, inp, N, C, axis, FP8_E4M3, 0, split == SPLIT_IN, kind, slot, MM_X);
-    const void *qw = fp8_cast(m, m->fp8_qw, w, OC, C, axis, FP8_E4M3, split == SPLIT_OUT, split == SPLIT_IN, kind, slot,
-                              MM_W);
+    const void *qx = fp8_cast(m, m->fp8_qx, inp, N, C, axis, FP8_E4M3, kind, slot, MM_X);
+    const void *qw = fp8_cast(m, m->fp8_qw, w, OC, C, axis, FP8_E4M3, kind, slot, MM_W);
     m->be->matmul_forward(out, qx, qw, bias, N, C, OC);
+}
+
+/* model_mm_backward on the fp8 tensor cores. dout's codes for both
+ * products come from one cast: (N, OC) for dinp^T = w^T dout^T, contracting
+ * over OC (a = w^T (C, OC), cast transposed), and (OC, N) for dW^T = x^T
+ * dout, contracting over N (a = x^T (C, N), b = dout^T (OC, N)). */
+static void mm_backward_real(Model *m, int kind, int slot, void *dinp, float *dw, float *dbias, const void *dout,
+                             const void *inp, const void *w, int N, int C, int OC, int accumulate) {
+    const Backend *be = m->be;
+    int g = m->fp8.grad_fmt, rowwise = m->fp8.mode == FP8_ROWWISE;
+    float *fp8_dw = m->fp8.wgrad ? dw : NULL;
+    uint8_t *qd = m->fp8_qd, *qdt = qd + (size_t)N * OC;
+    if (dinp || fp8_dw)
+        fp8_codes(m, (Fp8Codes){.q = dinp ? qd : NULL, .qt = fp8_dw ? qdt : NULL, .inv_q = fp8_inv(m, INV_D),
+                                .inv_t = fp8_inv(m, INV_DT)}, dout, N, OC, g, kind, slot, MM_D);
+    if (dinp) {
+        fp8_codes(m, (Fp8Codes){.qt = m->fp8_qw, .inv_t = fp8_inv(m, INV_WT)}, w, OC, C, FP8_E4M3, kind, slot, MM_WB);
+        be->fp8_matmul(&(Fp8Matmul){.out = dinp, .a = m->fp8_qw, .b = qd, .sa = fp8_inv(m, INV_WT),
+                                    .sb = fp8_inv(m, INV_D), .fmt_a = FP8_E4M3, .fmt_b = g, .rowwise = rowwise, .N = N,
+                                    .K = OC, .M = C});
+    }
+    if (fp8_dw) {
+        fp8_codes(m, (Fp8Codes){.qt = m->fp8_qx, .inv_t = fp8_inv(m, INV_XT)}, inp, N, C, FP8_E4M3, kind, slot, MM_XB);
+        be->fp8_matmul(&(Fp8Matmul){.out = dw, .a = m->fp8_qx, .b = qdt, .sa = fp8_inv(m, INV_XT),
+                                    .sb = fp8_inv(m, INV_DT), .fmt_a = FP8_E4M3, .fmt_b = g, .rowwise = rowwise,
+                                    .out_f32 = 1, .accumulate = accumulate, .N = OC, .K = N, .M = C});
+    }
+    /* the bias gradient is a sum, not a product: from the unquantised dout, as dW with fp8_wgrad: bf16 */
+    if (dbias || (dw && !fp8_dw)) be->matmul_backward(NULL, fp8_dw ? NULL : dw, dbias, dout, inp, w, N, C, OC, accumulate);
 }
 
 /* dinp = dout @ w contracts over OC: rowwise scales dout per row and w per
@@ -268,21 +385,17 @@ void model_mm_backward(Model *m, int l, int kind, int e, void *dinp, float *dw, 
         be->matmul_backward(dinp, dw, dbias, dout, inp, w, N, C, OC, accumulate);
         return;
     }
-    int split = mm_split(m, kind), slot = mm_history_slot(m, l, kind, e), g = m->fp8.grad_fmt;
-    int rowwise = m->fp8.mode == FP8_ROWWISE;
-    int in_s = split == SPLIT_IN, out_s = split == SPLIT_OUT;
-    const void *qd = NULL;
-    if (dinp && mm_real(m, N) && !m->fp8.wgrad) {
-        /* dinp (N,C) = dout (N,OC) @ w: TN with a = w^T (C, OC), b = dout (N, OC) */
-        fp8_cast_codes(m, m->fp8_qd, m->fp8_inv + 2, dout, N, OC, g, out_s, kind, slot, MM_D, 0);
-        fp8_cast_codes(m, m->fp8_qw, m->fp8_inv + 3, w, OC, C, FP8_E4M3, split != SPLIT_NONE, kind, slot, MM_WB, 1);
-        be->fp8_matmul(dinp, m->fp8_qw, m->fp8_qd, m->fp8_inv + 3, m->fp8_inv + 2, FP8_E4M3, g, NULL, N, OC, C);
-        dinp = NULL;
+    int slot = mm_history_slot(m, l, kind, e), g = m->fp8.grad_fmt;
+    if (mm_real(m, N)) {
+        mm_backward_real(m, kind, slot, dinp, dw, dbias, dout, inp, w, N, C, OC, accumulate);
+        return;
     }
+    int rowwise = m->fp8.mode == FP8_ROWWISE;
+    const void *qd = NULL;
     if (dinp) {
-        qd = fp8_cast(m, m->fp8_qd, dout, N, OC, rowwise ? FP8_AXIS_ROW : FP8_AXIS_TENSOR, g, 0, out_s, kind, slot, MM_D);
-        const void *qw = fp8_cast(m, m->fp8_qw, w, OC, C, rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR, FP8_E4M3, out_s,
-                                  in_s, kind, slot, MM_WB);
+        qd = fp8_cast(m, m->fp8_qd, dout, N, OC, rowwise ? FP8_AXIS_ROW : FP8_AXIS_TENSOR, g, kind, slot, MM_D);
+        const void *qw = fp8_cast(m, m->fp8_qw, w, OC, C, rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR, FP8_E4M3, kind,
+                                  slot, MM_WB);
         be->matmul_backward(dinp, NULL, NULL, qd, NULL, qw, N, C, OC, accumulate);
     }
     if (!dw && !dbias) return;
@@ -293,9 +406,9 @@ void model_mm_backward(Model *m, int l, int kind, int e, void *dinp, float *dw, 
     /* tensorwise: the dinp cast's dout serves; rowwise (or a split
      * backward's weight part): dout cast along its columns */
     if (rowwise || !qd)
-        qd = fp8_cast(m, m->fp8_qd, dout, N, OC, rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR, g, 0, out_s, kind, slot, MM_D);
-    const void *qx = fp8_cast(m, m->fp8_qx, inp, N, C, rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR, FP8_E4M3, 0, in_s,
-                              kind, slot, MM_XB);
+        qd = fp8_cast(m, m->fp8_qd, dout, N, OC, rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR, g, kind, slot, MM_D);
+    const void *qx = fp8_cast(m, m->fp8_qx, inp, N, C, rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR, FP8_E4M3, kind, slot,
+                              MM_XB);
     be->matmul_backward(NULL, dw, NULL, qd, qx, w, N, C, OC, accumulate);
     if (dbias) be->matmul_backward(NULL, NULL, dbias, dout, inp, w, N, C, OC, accumulate);
 }

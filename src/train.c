@@ -766,8 +766,7 @@ static void train_describe(TrainRun *r) {
                       "gradients %s, head %s; %s (docs/precision.md)", fp8_mode_name((Fp8Mode)model->fp8.mode),
                       model->fp8.pow2 ? " (powers of two)" : "", model->fp8.history ? ", delayed" : ", current",
                       fp8_format_name((Fp8Format)model->fp8.grad_fmt), model->fp8.wgrad ? "fp8" : "unquantised",
-                      model->fp8.head ? "fp8" : "unquantised", model->be->fp8_matmul && model->fp8.mode == FP8_TENSORWISE
-                      ? "fp8 tensor-core products" : "quantised operands, products in the activation dtype");
+                      model->fp8.head ? "fp8" : "unquantised", model_fp8_products(model));
     metrics_print(mx, "gelu fusion: %s", !model->gelu_fusion ? "off (precision.gelu_fusion), fc product and GeLU separate"
                   : fused ? "on: fc product and GeLU fused (forward and backward) by the backend"
                           : "not offered by this backend: fc product and GeLU separate");

@@ -152,6 +152,9 @@ static const Tol TOL_BF16_MOE = {1e-3, 1e-2, 0, 0}; /* losses and grad norms onl
  * near the CPU's); the ops themselves are checked to the bit in
  * cuda_emu.cc and the fp8 product in matmul_emu.cc. */
 static const Tol TOL_BF16_FP8 = {2e-3, 5e-2, 0.3, 0.4};
+void model_emu_set_sm(int major, int minor); /* model_emu_cuda.cc */
+unsigned long long model_emu_mm_clock(void);
+int model_emu_fp8_plans(unsigned long long since, int outer_vec);
 static const double TOL_BF16_MOVED = 0.05;           /* of the routed slots */
 
 /* ||a - r|| / ||r|| over n elements; NaN stays NaN (and fails every test). */
@@ -483,11 +486,31 @@ int main(void) {
      * cuBLASLt's fp8 product, rowwise quantise-dequantise and bf16
      * products) against the CPU ops behind bf16 storage with the same fp8
      * quantisation (TOL_BF16_FP8 says why those tolerances) */
-    for (int mode = 1; mode <= 2; mode++) {
+    struct {
+        const char *name;
+        int mode, wgrad, history, sm;
+    } f8s[] = {
+        {"bf16_fp8_tensorwise_cublaslt_fp8", 1, 0, 0, 90},
+        {"bf16_fp8_rowwise_cublaslt_outer_vec", 2, 0, 0, 90},
+        {"bf16_fp8_tensorwise_delayed_wgrad_fp8_cublaslt", 1, 1, 4, 90},
+        {"bf16_fp8_rowwise_wgrad_fp8_cublaslt_outer_vec", 2, 1, 0, 90},
+        {"bf16_fp8_rowwise_sm89_qdq", 2, 1, 0, 89}, /* no outer-vector scales there: quantised operands */
+    };
+    for (size_t k = 0; k < sizeof f8s / sizeof f8s[0]; k++) {
         TraceOpts f8 = plain;
-        f8.fp8 = mode;
+        f8.fp8 = f8s[k].mode, f8.fp8_wgrad = f8s[k].wgrad, f8.fp8_history = f8s[k].history;
         trace_train_opts(&emu, shape0, f8, &t);
-        run_case(mode == 1 ? "bf16_fp8_tensorwise_cublaslt_fp8" : "bf16_fp8_rowwise_qdq", f8, &t, TOL_BF16_FP8);
+        model_emu_set_sm(f8s[k].sm / 10, f8s[k].sm % 10);
+        unsigned long long clock0 = model_emu_mm_clock();
+        run_case(f8s[k].name, f8, &t, TOL_BF16_FP8);
+        /* the path taken: cuBLASLt's fp8 products with scalar or outer-vector scales, or none (quantised operands) */
+        int vec = model_emu_fp8_plans(clock0, 1), sc = model_emu_fp8_plans(clock0, 0);
+        int want_vec = f8s[k].mode == 2 && f8s[k].sm == 90, want_sc = f8s[k].mode == 1;
+        char path_name[96];
+        snprintf(path_name, sizeof path_name, "%s_path", f8s[k].name);
+        report((vec > 0) == want_vec && (sc > 0) == want_sc, path_name, "%d fp8 product shapes with outer-vector "
+               "scales, %d with scalar ones (cuBLASLt plans used)", vec, sc);
+        model_emu_set_sm(9, 0);
         trace_free(&t);
     }
     check_eval("bf16", row16, 1e-2);
