@@ -260,7 +260,8 @@ static const CfgKey cfg_keys[] = {
     KINT("precision.fp8_amax_history", fp8_amax_history, "0", 0, 1024,
          "fp8: 0 = current scaling (each cast's scale from the tensor's own amax); N = delayed scaling from the "
          "largest amax of the same operand's last N casts, its own recorded in the same pass (the first cast "
-         "uses its own); `tensorwise` only; the histories are checkpointed (docs/precision.md)"),
+         "uses its own); `tensorwise` only; the histories are checkpointed, and a resume in another layout "
+         "carries those that mean the same there (docs/precision.md)"),
     KBOOL("precision.fp8_pow2_scales", fp8_pow2_scales, "false",
           "fp8: round every scale down to a power of two (scaling then loses no bits)"),
     KBOOL("precision.fp8_head", fp8_head, "false",

@@ -649,14 +649,28 @@ void model_fp8_check(Model *m);
 void model_fp8_plan(Model *m, int N);
 void model_fp8_free(Model *m);
 /* Delayed scaling's state (precision.fp8_amax_history > 0, else 0 and
- * nothing): the rings, (fp8_slots, MM_OPERANDS, history, cp, tp) fp32, and
- * the cast counts, (fp8_slots, MM_OPERANDS) int64: how many of each.
- * get copies them to host buffers of those sizes, set back (state.c: the
- * checkpoint's "fp8.amax_history" and "fp8.amax_count"). */
+ * nothing), as the checkpoint holds it ("fp8.amax_history",
+ * "fp8.amax_count"; state.c): for each (fp8_slots, MM_OPERANDS) operand its
+ * history's amaxes, (history) fp32 in ring order (each the max over the tp
+ * and cp ranks' entries of its row: all the scales read), and its cast
+ * count, int64 (the next row: count % history). get copies them to host
+ * buffers of these lengths, set back. */
 size_t model_fp8_history_len(const Model *m);
 size_t model_fp8_count_len(const Model *m);
 void model_fp8_history_get(const Model *m, float *hist, int64_t *count);
 void model_fp8_history_set(Model *m, const float *hist, const int64_t *count);
+/* A resume in another layout (state.c): out, out_count (this layout's) take
+ * the histories of hist, count (one rank's of the old layout, same lengths)
+ * that mean the same here and that out has none of yet (count 0): a
+ * weight's always (replicated over dp and cp, its amax reduced over tp where
+ * tp splits it: the same on every rank that holds the layer, in any
+ * layout); an activation's or output gradient's only when same_dp (the
+ * rank's micro-batches are the same sequences: amaxes reduced over tp and
+ * cp make them the same on each of a dp rank's tp and cp ranks), and for a
+ * routed expert's (amaxes of this rank's rows, not reduced over cp) only
+ * when same_cp too. Returns how many it took. */
+int model_fp8_history_merge(const Model *m, const float *hist, const int64_t *count, int same_dp, int same_cp,
+                            float *out, int64_t *out_count);
 /* Whether fp8 products run on fp8 tensor cores here (else as quantised
  * operands and the backend's products; model_fp8.c mm_real), and in words
  * for the start-up line. */

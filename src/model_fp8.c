@@ -4,6 +4,7 @@
  * backend's matmul; the amax is reduced over the tp ranks (ModelTp) exactly
  * where tp splits the range it covers, so every tp layout scales as one rank
  * does. Never communicates but through the model's tp hooks. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -244,25 +245,61 @@ static void fp8_record(Model *m, float *mine, const float *amax, const void *src
     fp8_gather(m, mine, 1, G, Gc);
 }
 
+/* The checkpoint's form of a ring: its H rows' maxima over their tp and cp
+ * entries. A scale only ever reads the max of a whole ring, and a cast
+ * replaces a row's every entry it uses, so a ring rebuilt with each row's
+ * max in its first entry (0 in the others) scales every later cast alike:
+ * the form is exact in the same layout and means the same in any other. */
 size_t model_fp8_history_len(const Model *m) {
-    return m->fp8_hist ? (size_t)m->fp8_slots * MM_OPERANDS * m->fp8.history * m->tp * m->cp : 0;
+    return m->fp8_hist ? (size_t)m->fp8_slots * MM_OPERANDS * m->fp8.history : 0;
 }
 size_t model_fp8_count_len(const Model *m) { return m->fp8_hist ? (size_t)m->fp8_slots * MM_OPERANDS : 0; }
 
 void model_fp8_history_get(const Model *m, float *hist, int64_t *count) {
-    size_t n = model_fp8_history_len(m);
+    size_t n = model_fp8_history_len(m), S = (size_t)m->tp * m->cp;
     if (!n) return;
-    if (m->be->host_mem) memcpy(hist, m->fp8_hist, n * sizeof(float));
-    else m->be->to_host(hist, m->fp8_hist, n * sizeof(float));
+    float *ring = xmalloc(n * S * sizeof(float));
+    if (m->be->host_mem) memcpy(ring, m->fp8_hist, n * S * sizeof(float));
+    else m->be->to_host(ring, m->fp8_hist, n * S * sizeof(float));
+    for (size_t r = 0; r < n; r++) {
+        float a = 0.0f;
+        for (size_t e = 0; e < S; e++) a = fmaxf(a, ring[r * S + e]);
+        hist[r] = a;
+    }
+    free(ring);
     memcpy(count, m->fp8_count, model_fp8_count_len(m) * sizeof(int64_t));
 }
 
 void model_fp8_history_set(Model *m, const float *hist, const int64_t *count) {
-    size_t n = model_fp8_history_len(m);
+    size_t n = model_fp8_history_len(m), S = (size_t)m->tp * m->cp;
     if (!n) return;
-    if (m->be->host_mem) memcpy(m->fp8_hist, hist, n * sizeof(float));
-    else m->be->to_device(m->fp8_hist, hist, n * sizeof(float));
+    float *ring = xcalloc(n * S, sizeof(float));
+    for (size_t r = 0; r < n; r++) ring[r * S] = hist[r];
+    if (m->be->host_mem) memcpy(m->fp8_hist, ring, n * S * sizeof(float));
+    else m->be->to_device(m->fp8_hist, ring, n * S * sizeof(float));
+    free(ring);
     memcpy(m->fp8_count, count, model_fp8_count_len(m) * sizeof(int64_t));
+}
+
+/* Whether history slot `slot` belongs to a routed expert's product. */
+static int mm_slot_is_expert(const Model *m, int slot) {
+    int per = MM_KINDS + 2 * m->shape.moe.n_experts;
+    return slot < m->shape.n_layer * per && slot % per >= MM_KINDS;
+}
+
+int model_fp8_history_merge(const Model *m, const float *hist, const int64_t *count, int same_dp, int same_cp,
+                            float *out, int64_t *out_count) {
+    int H = m->fp8.history, carried = 0;
+    for (int slot = 0; slot < m->fp8_slots; slot++)
+        for (int op = 0; op < MM_OPERANDS; op++) {
+            size_t k = (size_t)slot * MM_OPERANDS + op;
+            if (out_count[k] > 0 || count[k] <= 0) continue;
+            if (op != MM_W && op != MM_WB && (!same_dp || (mm_slot_is_expert(m, slot) && !same_cp))) continue;
+            memcpy(out + k * H, hist + k * H, (size_t)H * sizeof(float));
+            out_count[k] = count[k];
+            carried++;
+        }
+    return carried;
 }
 
 /* dst (rows, cols) act = src quantised to fmt with scales along axis

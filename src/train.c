@@ -649,7 +649,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
                        .tp = tp, .tp_rank = tpg->rank, .ep = r->ep, .edp_rank = r->mesh.edp_rank, .g = comm_world(),
                        .pieces = ddp_optim_pieces(&r->ddp) ? &r->ddp : NULL,
                        .units = r->param_shard ? &r->ddp : NULL, .adafactor = r->adafactor.be ? &r->adafactor : NULL,
-                       .pp = r->pp, .pp_rank = r->ppg->rank, .weights_unset = weights_unset};
+                       .cp = cp, .pp = r->pp, .pp_rank = r->ppg->rank, .weights_unset = weights_unset};
     r->start_step = state_open(&r->rs, c, &smesh, topt->resume, topt->force, topt->commit, model, &r->opt, r->train);
     model_params_changed(model); /* a resume loaded them: the compute copy follows */
     r->mx = metrics_open(c, rank, r->world, r->fpt, peak, peak_src, r->start_step);
