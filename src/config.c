@@ -251,7 +251,8 @@ static const CfgKey cfg_keys[] = {
           "gradients to `fp8_grad`; `tensorwise` one scale per tensor, `rowwise` one per row along the "
           "product's contraction dimension; the CPU backend quantises and multiplies in fp32 (an exact "
           "emulation of the numerics, for validation); every product's dimensions must be multiples of 16 "
-          "(else exit 2 naming the tensor); not with `compute: fp32` on CUDA or `parallel.ep` > 1"),
+          "(else exit 2 naming the tensor); not with `compute: fp32` on CUDA; under `parallel.ep` > 1 `rowwise` "
+          "only"),
     KENUM("precision.fp8_grad", fp8_grad, "e5m2", "e5m2|e4m3",
           "fp8: format of the output gradients in the backward (E5M2: range; E4M3: precision)"),
     KENUM("precision.fp8_wgrad", fp8_wgrad, "bf16", "bf16|fp8",
@@ -1016,15 +1017,25 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
                   c->micro_batch, c->seq_len, c->dp, (long long)c->micro_batch * c->seq_len * c->dp);
 }
 
-/* fp8 combinations not (yet) supported: expert parallelism would need the
- * experts' inputs' amax over the ep group (docs/precision.md); a per-row history
- * means nothing for activations, whose rows are other tokens each step. */
+/* fp8 combinations not supported (docs/precision.md). Under expert
+ * parallelism a routed expert's rows come from every ep rank's micro-batch:
+ * a per-row scale is the same whichever rank holds the row, so rowwise runs
+ * as one rank does, but a tensorwise amax, and fp8 weight gradients'
+ * per-column amaxes, would be over the ep group's rows, which no one-rank
+ * run computes. A per-row history means nothing for activations, whose rows
+ * are other tokens each step. */
 static void cfg_check_fp8(const Config *c, CfgLoad *L) {
     if (!strcmp(c->fp8, "off")) return;
-    if (c->ep > 1)
-        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'precision.fp8', 'parallel.ep': fp8 products under expert "
-                  "parallelism are not supported yet; set precision.fp8: off or parallel.ep: 1",
-                  cfg_where_of(L, "precision.fp8", "parallel.ep"));
+    if (c->ep > 1 && !strcmp(c->fp8, "tensorwise"))
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'precision.fp8', 'parallel.ep': tensorwise fp8 under expert "
+                  "parallelism is not supported (a routed expert's amax would be over the tokens every ep rank "
+                  "routed to it, which no one-rank run computes); set precision.fp8: rowwise (each row's own "
+                  "scale) or parallel.ep: 1", cfg_where_of(L, "precision.fp8", "parallel.ep"));
+    if (c->ep > 1 && !strcmp(c->fp8_wgrad, "fp8"))
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'precision.fp8_wgrad', 'parallel.ep': fp8 weight gradients under "
+                  "expert parallelism are not supported (their per-column scales run over an expert's rows, which "
+                  "come from every ep rank's micro-batch); set precision.fp8_wgrad: bf16 or parallel.ep: 1",
+                  cfg_where_of(L, "precision.fp8_wgrad", "parallel.ep"));
     if (c->fp8_amax_history > 0 && !strcmp(c->fp8, "rowwise"))
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.fp8_amax_history': delayed scaling is tensorwise only "
                   "(an activation's rows are other tokens each step), got %d with precision.fp8: rowwise; set it "

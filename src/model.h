@@ -417,6 +417,7 @@ typedef struct Model {
      * path (model_fp8.c mm_real) their codes, fp8_qd holding dout's (N, out)
      * and then dout^T's (out, N) */
     void *fp8_qx, *fp8_qw, *fp8_qd;
+    size_t fp8_cap[3];  /* their elements: x, w, dout (a routed expert's rows: up to ep N) */
     float *fp8_amax;    /* device (2, cp, tp, fp8_amax_n): one cast's amaxes, every tp and cp rank's (two axes) */
     float *fp8_inv;     /* device (FP8_INVS, fp8_inv_n) + 1: the codes' inverse scales, then an amax (delayed) */
     size_t fp8_amax_n;  /* the most amaxes of one operand: max(N, widths) */

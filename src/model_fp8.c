@@ -111,17 +111,21 @@ static float *fp8_inv(const Model *m, int which) { return m->fp8_inv + (size_t)w
 void model_fp8_plan(Model *m, int N) {
     if (m->fp8.mode == FP8_OFF) return;
     model_fp8_free(m);
-    size_t x = 0, w = 0, d = 0, n = (size_t)N;
+    size_t x = 0, w = 0, d = 0, n = 0;
     for (int kind = 0; kind <= MM_HEAD; kind++) {
         if (!mm_exists(m, kind) || !mm_is_fp8(m, kind)) continue;
         int in, out;
         mm_dims(m, kind, &in, &out);
-        x = x > n * in ? x : n * in;
+        /* a routed expert takes each token at most once, from every ep rank's N under ep */
+        size_t rows = (size_t)N * (kind == MM_EXPERT_GATE || kind == MM_EXPERT_DOWN ? m->ep : 1);
+        x = x > rows * in ? x : rows * in;
         w = w > (size_t)out * in ? w : (size_t)out * in;
-        d = d > n * out ? d : n * out;
+        d = d > rows * out ? d : rows * out;
+        n = n > rows ? n : rows;
         n = n > (size_t)in ? n : (size_t)in;
         n = n > (size_t)out ? n : (size_t)out;
     }
+    m->fp8_cap[0] = x, m->fp8_cap[1] = w, m->fp8_cap[2] = d;
     /* act operands, or codes (a byte each): dout's and dout^T's side by side */
     size_t db = d * m->act_bytes > 2 * d ? d * m->act_bytes : 2 * d;
     m->fp8_qx = m->be->alloc(x * m->act_bytes);
@@ -362,12 +366,22 @@ static void fp8_codes(Model *m, Fp8Codes o, const void *src, int rows, int cols,
     if (late) fp8_record(m, late, c.amax_out, src, rows, cols, kind, operand);
 }
 
+/* A product larger than model_fp8_plan's buffers is a bug of the plan. */
+static void fp8_fits(const Model *m, int N, int C, int OC) {
+    size_t n = (size_t)N, c = (size_t)C, oc = (size_t)OC;
+    if (n * c > m->fp8_cap[0] || oc * c > m->fp8_cap[1] || n * oc > m->fp8_cap[2] ||
+        (n > m->fp8_amax_n || c > m->fp8_amax_n || oc > m->fp8_amax_n))
+        kiln_fail(KILN_EXIT_RUNTIME, "fp8: a %d x %d x %d product is past the operand buffers planned (%zu, %zu, %zu "
+                  "elements, %zu amaxes)", N, C, OC, m->fp8_cap[0], m->fp8_cap[1], m->fp8_cap[2], m->fp8_amax_n);
+}
+
 void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *inp, const void *w, const void *bias,
                       int N, int C, int OC) {
     if (!mm_is_fp8(m, kind)) {
         m->be->matmul_forward(out, inp, w, bias, N, C, OC);
         return;
     }
+    fp8_fits(m, N, C, OC);
     int slot = mm_history_slot(m, l, kind, e);
     if (mm_real(m, N)) { /* out^T = w x^T: a = w (OC, C), b = x (N, C), both K-major as they are */
         fp8_codes(m, (Fp8Codes){.q = m->fp8_qx, .inv_q = fp8_inv(m, INV_X)}, inp, N, C, FP8_E4M3, kind, slot, MM_X);
@@ -422,6 +436,7 @@ void model_mm_backward(Model *m, int l, int kind, int e, void *dinp, float *dw, 
         be->matmul_backward(dinp, dw, dbias, dout, inp, w, N, C, OC, accumulate);
         return;
     }
+    fp8_fits(m, N, C, OC);
     int slot = mm_history_slot(m, l, kind, e), g = m->fp8.grad_fmt;
     if (mm_real(m, N)) {
         mm_backward_real(m, kind, slot, dinp, dw, dbias, dout, inp, w, N, C, OC, accumulate);
