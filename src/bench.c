@@ -12,6 +12,7 @@
 #include "fp8.h"
 #include "model.h"
 #include "optim.h"
+#include "plan.h"
 #include "util.h"
 
 static int cmp_double(const void *a, const void *b) {
@@ -86,9 +87,7 @@ int bench_run(const Config *c, int steps) {
     Model m;
     int master16 = strcmp(c->master, "bf16") == 0; /* precision.master: bf16 parameters, no fp32 arena */
     /* precision.fp8 as train.c passes it */
-    ModelFp8 fp8 = {.mode = fp8_mode_parse(c->fp8), .grad_fmt = fp8_format_parse(c->fp8_grad),
-                    .wgrad = !strcmp(c->fp8_wgrad, "fp8"), .history = c->fp8_amax_history,
-                    .pow2 = c->fp8_pow2_scales, .head = c->fp8_head};
+    ModelFp8 fp8 = plan_fp8_options(c);
     model_init(&m, be, &s, &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = master16, .fp8 = fp8});
     m.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     double init_t0 = kiln_now();

@@ -648,6 +648,15 @@ enum { MM_X, MM_W, MM_D, MM_XB, MM_WB, MM_OPERANDS };
 void model_fp8_check(Model *m);
 /* model_plan_slots: the operand buffers for N rows; model_free: their release. */
 void model_fp8_plan(Model *m, int N);
+/* What model_fp8_plan allocates on the device for a (tp-local) shape s and
+ * N rows of act_bytes activations: the operands' buffers (quantised act,
+ * or their fp8 codes and transposed codes), the amax scratch and inverse
+ * scales, and delayed scaling's rings; returns their sum (0 with fp8 off). */
+typedef struct ModelFp8Bytes {
+    size_t operands, scales, histories;
+} ModelFp8Bytes;
+size_t model_fp8_bytes(const ArchSpec *s, const ModelFp8 *f, int tp, int cp, int ep, size_t N, size_t act_bytes,
+                       ModelFp8Bytes *parts);
 void model_fp8_free(Model *m);
 /* Delayed scaling's state (precision.fp8_amax_history > 0, else 0 and
  * nothing), as the checkpoint holds it ("fp8.amax_history",

@@ -41,11 +41,10 @@ static int mm_split(const Model *m, int kind) {
 
 /* Whether the product is one fp8 covers: the block's linear layers, and the
  * head with fp8_head. */
-static int mm_is_fp8(const Model *m, int kind) { return m->fp8.mode != FP8_OFF && (kind != MM_HEAD || m->fp8.head); }
+static int mm_is_fp8(const ModelFp8 *f, int kind) { return f->mode != FP8_OFF && (kind != MM_HEAD || f->head); }
 
 /* (in, out) widths of product `kind` (local shapes). */
-static void mm_dims(const Model *m, int kind, int *in, int *out) {
-    const ArchSpec *s = &m->shape;
+static void mm_dims(const ArchSpec *s, int kind, int *in, int *out) {
     int C = s->n_embd, Fe = s->moe.expert_hidden, S = s->moe.n_shared * Fe;
     switch (kind) {
     case MM_QKV: *in = C, *out = arch_qkv_width(s); break;
@@ -61,8 +60,7 @@ static void mm_dims(const Model *m, int kind, int *in, int *out) {
 }
 
 /* Whether the architecture has product `kind`. */
-static int mm_exists(const Model *m, int kind) {
-    const ArchSpec *s = &m->shape;
+static int mm_exists(const ArchSpec *s, int kind) {
     int moe = s->mlp == MLP_MOE;
     switch (kind) {
     case MM_FC: case MM_DOWN: return !moe;
@@ -72,11 +70,41 @@ static int mm_exists(const Model *m, int kind) {
     }
 }
 
+/* History slots per layer: the block's products, and each routed expert's two. */
+static int mm_slots_per_layer(const ArchSpec *s) { return MM_KINDS + 2 * (s->mlp == MLP_MOE ? s->moe.n_experts : 0); }
+
 static int mm_history_slot(const Model *m, int l, int kind, int e) {
-    int per = MM_KINDS + 2 * m->shape.moe.n_experts;
+    int per = mm_slots_per_layer(&m->shape);
     if (kind == MM_HEAD) return m->shape.n_layer * per;
     return l * per + (kind < MM_KINDS ? kind : MM_KINDS + 2 * e + (kind - MM_EXPERT_GATE));
 }
+
+/* The buffers model_fp8_plan allocates for N rows, in elements (x, w, dout)
+ * and amaxes (n: the most of one operand). */
+typedef struct {
+    size_t x, w, d, n;
+} Fp8Sizes;
+static Fp8Sizes fp8_sizes(const ArchSpec *s, const ModelFp8 *f, int ep, size_t N) {
+    Fp8Sizes z = {0, 0, 0, 0};
+    for (int kind = 0; kind <= MM_HEAD; kind++) {
+        if (!mm_exists(s, kind) || !mm_is_fp8(f, kind)) continue;
+        int in, out;
+        mm_dims(s, kind, &in, &out);
+        /* a routed expert takes each token at most once, from every ep rank's N under ep */
+        size_t rows = N * (kind == MM_EXPERT_GATE || kind == MM_EXPERT_DOWN ? (size_t)ep : 1);
+        z.x = z.x > rows * in ? z.x : rows * in;
+        z.w = z.w > (size_t)out * in ? z.w : (size_t)out * in;
+        z.d = z.d > rows * out ? z.d : rows * out;
+        z.n = z.n > rows ? z.n : rows;
+        z.n = z.n > (size_t)in ? z.n : (size_t)in;
+        z.n = z.n > (size_t)out ? z.n : (size_t)out;
+    }
+    return z;
+}
+/* dout's act operand, or its codes and those of dout^T (a byte each) side by side */
+static size_t fp8_qd_bytes(const Fp8Sizes *z, size_t act_bytes) { return z->d * act_bytes > 2 * z->d ? z->d * act_bytes : 2 * z->d; }
+static size_t fp8_inv_n(const Fp8Sizes *z) { return (z->n + 3) / 4 * 4; }
+static int fp8_slots(const ArchSpec *s) { return s->n_layer * mm_slots_per_layer(s) + 1; }
 
 void model_fp8_check(Model *m) {
     if (m->fp8.mode == FP8_OFF) return;
@@ -88,9 +116,9 @@ void model_fp8_check(Model *m) {
         kiln_fail(KILN_EXIT_USAGE, "keys 'precision.fp8', 'precision.compute': fp8 products need precision.compute: "
                   "bf16 on %s, got fp32; set precision.fp8: off or precision.compute: bf16", m->be->name);
     for (int kind = 0; kind <= MM_HEAD; kind++) {
-        if (!mm_exists(m, kind) || !mm_is_fp8(m, kind)) continue;
+        if (!mm_exists(&m->shape, kind) || !mm_is_fp8(&m->fp8, kind)) continue;
         int in, out, role = mm_role(m, kind), i = -1;
-        mm_dims(m, kind, &in, &out);
+        mm_dims(&m->shape, kind, &in, &out);
         if (in % 16 == 0 && out % 16 == 0) continue;
         int e = kind == MM_EXPERT_GATE || kind == MM_EXPERT_DOWN ? 0 : -1;
         for (int l = kind == MM_HEAD ? -1 : 0; l < m->shape.n_layer && i < 0; l++)
@@ -99,8 +127,7 @@ void model_fp8_check(Model *m) {
                   "not multiples of 16 as fp8 matrix products need; set precision.fp8: off or resize the model",
                   i >= 0 ? m->params[i].name : "?", in, out, m->tp > 1 ? " (this tp rank's part)" : "");
     }
-    int per = MM_KINDS + 2 * m->shape.moe.n_experts;
-    m->fp8_slots = m->shape.n_layer * per + 1;
+    m->fp8_slots = fp8_slots(&m->shape);
 }
 
 /* The codes path's inverse scales (Model.fp8_inv), one vector each: x, w
@@ -108,38 +135,36 @@ void model_fp8_check(Model *m) {
 enum { INV_X, INV_W, INV_D, INV_DT, INV_WT, INV_XT, FP8_INVS };
 static float *fp8_inv(const Model *m, int which) { return m->fp8_inv + (size_t)which * m->fp8_inv_n; }
 
+size_t model_fp8_bytes(const ArchSpec *s, const ModelFp8 *f, int tp, int cp, int ep, size_t N, size_t act_bytes,
+                       ModelFp8Bytes *parts) {
+    ModelFp8Bytes b = {0, 0, 0};
+    if (f->mode != FP8_OFF) {
+        Fp8Sizes z = fp8_sizes(s, f, ep, N);
+        b.operands = (z.x + z.w) * act_bytes + fp8_qd_bytes(&z, act_bytes);
+        b.scales = (2 * (size_t)tp * cp * z.n + FP8_INVS * fp8_inv_n(&z) + 1) * sizeof(float);
+        b.histories = f->history > 0 ? (size_t)fp8_slots(s) * MM_OPERANDS * f->history * tp * cp * sizeof(float) : 0;
+    }
+    if (parts) *parts = b;
+    return b.operands + b.scales + b.histories;
+}
+
 void model_fp8_plan(Model *m, int N) {
     if (m->fp8.mode == FP8_OFF) return;
     model_fp8_free(m);
-    size_t x = 0, w = 0, d = 0, n = 0;
-    for (int kind = 0; kind <= MM_HEAD; kind++) {
-        if (!mm_exists(m, kind) || !mm_is_fp8(m, kind)) continue;
-        int in, out;
-        mm_dims(m, kind, &in, &out);
-        /* a routed expert takes each token at most once, from every ep rank's N under ep */
-        size_t rows = (size_t)N * (kind == MM_EXPERT_GATE || kind == MM_EXPERT_DOWN ? m->ep : 1);
-        x = x > rows * in ? x : rows * in;
-        w = w > (size_t)out * in ? w : (size_t)out * in;
-        d = d > rows * out ? d : rows * out;
-        n = n > rows ? n : rows;
-        n = n > (size_t)in ? n : (size_t)in;
-        n = n > (size_t)out ? n : (size_t)out;
-    }
-    m->fp8_cap[0] = x, m->fp8_cap[1] = w, m->fp8_cap[2] = d;
-    /* act operands, or codes (a byte each): dout's and dout^T's side by side */
-    size_t db = d * m->act_bytes > 2 * d ? d * m->act_bytes : 2 * d;
-    m->fp8_qx = m->be->alloc(x * m->act_bytes);
-    m->fp8_qw = m->be->alloc(w * m->act_bytes);
-    m->fp8_qd = m->be->alloc(db);
-    m->fp8_amax_n = n;
-    m->fp8_inv_n = (n + 3) / 4 * 4;
+    Fp8Sizes z = fp8_sizes(&m->shape, &m->fp8, m->ep, (size_t)N);
+    m->fp8_cap[0] = z.x, m->fp8_cap[1] = z.w, m->fp8_cap[2] = z.d;
+    m->fp8_qx = m->be->alloc(z.x * m->act_bytes);
+    m->fp8_qw = m->be->alloc(z.w * m->act_bytes);
+    m->fp8_qd = m->be->alloc(fp8_qd_bytes(&z, m->act_bytes));
+    m->fp8_amax_n = z.n;
+    m->fp8_inv_n = fp8_inv_n(&z);
     m->fp8_local_amax = getenv("KILN_TEST_FP8_LOCAL_AMAX") != NULL;
-    m->fp8_amax = m->be->alloc(2 * (size_t)m->tp * m->cp * n * sizeof(float));
+    m->fp8_amax = m->be->alloc(2 * (size_t)m->tp * m->cp * z.n * sizeof(float));
     m->fp8_inv = m->be->alloc((FP8_INVS * m->fp8_inv_n + 1) * sizeof(float));
-    size_t h = (size_t)m->fp8_slots * MM_OPERANDS;
+    size_t h = (size_t)m->fp8_slots * MM_OPERANDS, hb = h * m->fp8.history * m->tp * m->cp * sizeof(float);
     if (m->fp8.history > 0) {
-        m->fp8_hist = m->be->alloc(h * m->fp8.history * m->tp * m->cp * sizeof(float));
-        m->be->zero(m->fp8_hist, h * m->fp8.history * m->tp * m->cp * sizeof(float));
+        m->fp8_hist = m->be->alloc(hb);
+        m->be->zero(m->fp8_hist, hb);
         m->fp8_count = xcalloc(h, sizeof(int64_t));
     }
 }
@@ -287,7 +312,7 @@ void model_fp8_history_set(Model *m, const float *hist, const int64_t *count) {
 
 /* Whether history slot `slot` belongs to a routed expert's product. */
 static int mm_slot_is_expert(const Model *m, int slot) {
-    int per = MM_KINDS + 2 * m->shape.moe.n_experts;
+    int per = mm_slots_per_layer(&m->shape);
     return slot < m->shape.n_layer * per && slot % per >= MM_KINDS;
 }
 
@@ -377,7 +402,7 @@ static void fp8_fits(const Model *m, int N, int C, int OC) {
 
 void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *inp, const void *w, const void *bias,
                       int N, int C, int OC) {
-    if (!mm_is_fp8(m, kind)) {
+    if (!mm_is_fp8(&m->fp8, kind)) {
         m->be->matmul_forward(out, inp, w, bias, N, C, OC);
         return;
     }
@@ -432,7 +457,7 @@ static void mm_backward_real(Model *m, int kind, int slot, void *dinp, float *dw
 void model_mm_backward(Model *m, int l, int kind, int e, void *dinp, float *dw, float *dbias, const void *dout,
                        const void *inp, const void *w, int N, int C, int OC, int accumulate) {
     const Backend *be = m->be;
-    if (!mm_is_fp8(m, kind)) {
+    if (!mm_is_fp8(&m->fp8, kind)) {
         be->matmul_backward(dinp, dw, dbias, dout, inp, w, N, C, OC, accumulate);
         return;
     }

@@ -110,9 +110,8 @@ static void print_plan(const Config *c, const ArchSpec *s) {
            c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)", tp, cp, c->ep,
            c->pp > 1 ? " (the whole model; pipeline stages below)" : "", c->zero);
     /* the same accounting `./train plan` uses (src/plan.c) */
-    PlanMemory mem = plan_memory_per_rank(s, tp, sp, cp, cp_mode_parse(c->cp_attention), dp, c->ep, c->zero,
-                                          c->micro_batch, model_recompute_parse(c->recompute),
-                                          optim_state_bytes(c->optim_state), plan_param_bytes(c->master));
+    PlanLayout lay = plan_layout(c, dp);
+    PlanMemory mem = plan_memory_per_rank(s, &lay);
     plan_print_state(&mem, dp * cp, c->zero);
     plan_print_activations(&mem);
     plan_print_tp(s, tp, sp, dp, c->ep, c->zero, c->micro_batch, c->grad_accum / dp);
@@ -523,9 +522,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
                        .ep = r->ep, .ep_rank = r->mesh.ep_rank, .doc_masking = c->doc_masking,
                        .doc_reset = !strcmp(c->doc_positions, "reset"),
                        .doc_eot = c->eot_id >= 0 ? c->eot_id : tok_eot(r->tok),
-                       .fp8 = {.mode = fp8_mode_parse(c->fp8), .grad_fmt = fp8_format_parse(c->fp8_grad),
-                               .wgrad = !strcmp(c->fp8_wgrad, "fp8"), .history = c->fp8_amax_history,
-                               .pow2 = c->fp8_pow2_scales, .head = c->fp8_head}};
+                       .fp8 = plan_fp8_options(c)};
     if ((mo.doc_masking || mo.doc_reset) && mo.doc_eot < 0) /* config.c refuses the byte tokenizer's */
         kiln_fail(KILN_EXIT_USAGE, "key 'data.eot_id': the %s tokenizer has no end-of-text id; set data.eot_id",
                   c->tokenizer);
