@@ -111,6 +111,14 @@ void model_fp8_check(Model *m) {
     if (!m->be->fp8_amax || !m->be->fp8_qdq)
         kiln_fail(KILN_EXIT_USAGE, "key 'precision.fp8': the %s backend has no fp8 operations; set precision.fp8: off",
                   m->be->name);
+    /* bf16 operands are the CPU's stand-in for a bf16 run; a GPU has the real one */
+    if (m->fp8.mode == FP8_BF16_OPERANDS) {
+        if (!m->be->host_mem)
+            kiln_fail(KILN_EXIT_USAGE, "key 'precision.fp8': bf16 is the CPU backend's stand-in for bf16 products; "
+                      "on %s set precision.fp8: off and precision.compute: bf16", m->be->name);
+        m->fp8_slots = fp8_slots(&m->shape);
+        return; /* bf16 products take any shape */
+    }
     /* a device backend's fp8 products store bf16; an fp32 run has nothing to gain */
     if (!m->be->host_mem && m->act_bytes == 4)
         kiln_fail(KILN_EXIT_USAGE, "keys 'precision.fp8', 'precision.compute': fp8 products need precision.compute: "
@@ -335,6 +343,10 @@ int model_fp8_history_merge(const Model *m, const float *hist, const int64_t *co
  * (fp8_scale_src says from which amaxes); dst is returned. */
 static const void *fp8_cast(Model *m, void *dst, const void *src, int rows, int cols, int axis, int fmt, int kind,
                             int slot, int operand) {
+    if (m->fp8.mode == FP8_BF16_OPERANDS) { /* rounded to bf16: no scale, so no amax */
+        m->be->fp8_qdq(dst, src, NULL, 0, rows, cols, FP8_AXIS_TENSOR, FP8_BF16, 0);
+        return dst;
+    }
     int P;
     float *late;
     const float *ring = fp8_scale_src(m, src, rows, cols, axis, kind, slot, operand, 0, &P, &late);
@@ -361,6 +373,7 @@ const char *model_fp8_products(const Model *m) {
     if (model_fp8_tensor_cores(m))
         return m->fp8.mode == FP8_ROWWISE ? "fp8 tensor-core products (per-row scales: cuBLASLt's outer-vector mode)"
                                           : "fp8 tensor-core products";
+    if (m->fp8.mode == FP8_BF16_OPERANDS) return "operands rounded to bf16 (no scale), products in fp32";
     if (m->be->fp8_matmul)
         return "quantised operands, products in the activation dtype (this GPU or cuBLASLt has no per-row fp8 "
                "scales: Hopper and cuBLAS 12.9 or later)";
@@ -476,7 +489,8 @@ void model_mm_backward(Model *m, int l, int kind, int e, void *dinp, float *dw, 
         be->matmul_backward(dinp, NULL, NULL, qd, NULL, qw, N, C, OC, accumulate);
     }
     if (!dw && !dbias) return;
-    if (!m->fp8.wgrad || !dw) {
+    /* bf16 operands stand in for bf16 compute, whose weight-gradient product takes bf16 operands too */
+    if (!(m->fp8.wgrad || m->fp8.mode == FP8_BF16_OPERANDS) || !dw) {
         be->matmul_backward(NULL, dw, dbias, dout, inp, w, N, C, OC, accumulate);
         return;
     }

@@ -758,7 +758,11 @@ static void train_describe(TrainRun *r) {
     if (model->master_bf16)
         metrics_print(mx, "parameters: bf16 (precision.master), no fp32 master (%.2f MiB saved); AdamW rounds each "
                           "update stochastically; gradients fp32", model->num_params * 4.0 / 1048576.0);
-    if (model->fp8.mode != FP8_OFF)
+    if (model->fp8.mode == FP8_BF16_OPERANDS)
+        metrics_print(mx, "bf16 operands (precision.fp8: bf16): the fp8 products' operands (the weight gradients' "
+                      "too) rounded to bf16 with no scale, products in fp32: a stand-in for bf16 compute "
+                      "(docs/precision.md)");
+    else if (model->fp8.mode != FP8_OFF)
         metrics_print(mx, "fp8 products (precision.fp8): %s scales%s%s, E4M3 forward, %s output gradients, weight "
                       "gradients %s, head %s; %s (docs/precision.md)", fp8_mode_name((Fp8Mode)model->fp8.mode),
                       model->fp8.pow2 ? " (powers of two)" : "", model->fp8.history ? ", delayed" : ", current",

@@ -757,8 +757,8 @@ static void test_fp8(int rows, int cols) {
         gpu->fp8_amax(da, dx, rows, cols, axis);
         check_exact(std::string("fp8_amax_") + axes[axis + 1] + sh, get_f32(da, n), Vec(ref.begin(), ref.begin() + n));
         CUDA_CHECK(cudaMemcpy(da, ref.data(), ref.size() * sizeof(float), cudaMemcpyHostToDevice));
-        for (int fmt = 0; fmt < 2; fmt++)
-            for (int pow2 = 0; pow2 < 2; pow2++) {
+        for (int fmt = 0; fmt < 3; fmt++) /* E4M3, E5M2, and bf16 rounding (precision.fp8: bf16; no scale) */
+            for (int pow2 = 0; pow2 < (fmt < 2 ? 2 : 1); pow2++) {
                 Vec want(x.size());
                 fp8_qdq_f32(want.data(), x.data(), ref.data(), 2, rows, cols, axis, (Fp8Format)fmt, pow2);
                 void *dy;

@@ -347,9 +347,11 @@ static void arch_run_all(const char *prec) {
     }
 }
 
-/* precision.fp8 with fp32 activations on the GPU backend: model_init
- * refuses (exit 2, one line naming both keys), in a child process. */
-static void check_fp8_refuses_fp32(void) {
+/* precision.fp8 with fp32 activations on the GPU backend (mode 1), and
+ * its bf16 operands anywhere on the GPU (mode 3: the CPU's stand-in for
+ * bf16 compute): model_init refuses (exit 2, one line naming the key
+ * `want` says), in a child process. */
+static void check_fp8_refused(int mode, const char *want, const char *name) {
     char path[] = "/tmp/kiln_fp8_f32XXXXXX";
     int fd = mkstemp(path);
     fflush(stdout);
@@ -359,7 +361,7 @@ static void check_fp8_refuses_fp32(void) {
         Model m;
         ArchSpec s = shape0;
         arch_resolve(&s);
-        model_init(&m, gpu, &s, &(ModelOptions){.fp8 = {.mode = 1}});
+        model_init(&m, gpu, &s, &(ModelOptions){.fp8 = {.mode = mode}});
         _exit(0);
     }
     int st = 0;
@@ -371,9 +373,8 @@ static void check_fp8_refuses_fp32(void) {
     int lines = 0;
     for (char *c = err; *c; c++) lines += *c == '\n';
     if (lines && err[strlen(err) - 1] == '\n') err[strlen(err) - 1] = '\0';
-    report(WIFEXITED(st) && WEXITSTATUS(st) == 2 && lines == 1 &&
-               strstr(err, "keys 'precision.fp8', 'precision.compute'") != NULL,
-           "fp32_fp8_refused", "%s", err[0] ? err : "no message");
+    report(WIFEXITED(st) && WEXITSTATUS(st) == 2 && lines == 1 && strstr(err, want) != NULL, name, "%s",
+           err[0] ? err : "no message");
 }
 
 static void gpu_start(const char *compute, const char *att) {
@@ -460,7 +461,8 @@ int main(void) {
     run_case("fp32_optim_state_bf16", state16, &ref_s16, TOL_FP32_STATE16);
     run_case("fp32_muon", muon, &ref_muon, TOL_FP32);
     check_eval("fp32", row32, 1e-5);
-    check_fp8_refuses_fp32();
+    check_fp8_refused(1, "keys 'precision.fp8', 'precision.compute'", "fp32_fp8_refused");
+    check_fp8_refused(3, "key 'precision.fp8': bf16 is the CPU backend's stand-in", "fp32_fp8_bf16_operands_refused");
     arch_run_all("fp32");
     gpu_stop("fp32");
 
