@@ -26,6 +26,7 @@
  *  - sumsq 1e-12 relative: double sums of fp32 squares in another order. */
 #include "cuda_emu.h"
 #include "max_rel.h"
+#include "test.h"
 
 #include "../cuda/embed_norm.cu"
 #include "../cuda/pointwise.cu"
@@ -866,30 +867,18 @@ static void test_fp8_cast(int rows, int cols) {
 
 /* A GPU before sm_89 (here the emulation reporting sm_86) refuses the
  * first fp8 op: exit 2, one line naming the key and the device's sm. */
+static void old_gpu_child(void *) {
+    emu_sm_major = 8, emu_sm_minor = 6, fp8_device_checked = 0;
+    float *a;
+    CUDA_CHECK(cudaMalloc(&a, 16));
+    gpu->fp8_amax(a, a, 1, 1, FP8_AXIS_TENSOR);
+}
 static void test_fp8_old_gpu(void) {
-    char path[] = "/tmp/kiln_fp8_smXXXXXX";
-    int fd = mkstemp(path);
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fd, 2);
-        emu_sm_major = 8, emu_sm_minor = 6, fp8_device_checked = 0;
-        float *a;
-        CUDA_CHECK(cudaMalloc(&a, 16));
-        gpu->fp8_amax(a, a, 1, 1, FP8_AXIS_TENSOR);
-        _exit(0);
-    }
-    int st = 0;
-    waitpid(pid, &st, 0);
-    char err[512] = "";
-    ssize_t n = pread(fd, err, sizeof err - 1, 0);
-    err[n > 0 ? n : 0] = '\0';
-    close(fd), unlink(path);
-    int lines = 0;
+    char err[512];
+    int rc = test_run_child(old_gpu_child, NULL, err, sizeof err), lines = 0;
     for (char *c = err; *c; c++) lines += *c == '\n';
     if (lines && err[strlen(err) - 1] == '\n') err[strlen(err) - 1] = '\0';
-    int ok = WIFEXITED(st) && WEXITSTATUS(st) == 2 && lines == 1 && strstr(err, "key 'precision.fp8'") &&
-             strstr(err, "sm_86");
+    int ok = rc == 2 && lines == 1 && strstr(err, "key 'precision.fp8'") && strstr(err, "sm_86");
     report_s("fp8_refuses_before_sm89", ok, err[0] ? err : "no message");
 }
 

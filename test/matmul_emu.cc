@@ -20,6 +20,7 @@
 #include "max_rel.h"
 #include "singular_values.h"
 #include "cublaslt_emu.h"
+#include "test.h"
 
 #include "../cuda/embed_norm.cu"
 #include "../cuda/pointwise.cu"
@@ -34,7 +35,6 @@
 #include "../cuda/backend_cuda.cu"
 
 #include <random>
-#include <sys/wait.h>
 
 /* the fp8 tests' designated initializers leave the other members zero, as in C */
 #pragma GCC diagnostic ignored "-Wmissing-field-initializers"
@@ -431,29 +431,18 @@ static void test_fp8_refusals(void) {
 /* An outer-vector scale shorter than its matrix's m or n: a GPU would read
  * past it, so the stand-in fails the test (in a child here, its message
  * checked). */
+static void short_vector_child(void *) {
+    uint8_t *a = (uint8_t *)dev_out(64 * 32, 1), *b = (uint8_t *)dev_out(64 * 48, 1);
+    void *out = dev_out(32 * 48, 2);
+    float *sa = (float *)dev_put(Vec(32, 1.0f), 0, 4), *sb = (float *)dev_put(Vec(47, 1.0f), 0, 4);
+    emu_mm(Fp8Matmul{.out = out, .a = a, .b = b, .sa = sa, .sb = sb, .rowwise = 1, .N = 48, .K = 64, .M = 32});
+}
 static void test_fp8_short_vector(void) {
-    char path[] = "/tmp/kiln_fp8_vecXXXXXX";
-    int fd = mkstemp(path);
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fd, 1);
-        uint8_t *a = (uint8_t *)dev_out(64 * 32, 1), *b = (uint8_t *)dev_out(64 * 48, 1);
-        void *out = dev_out(32 * 48, 2);
-        float *sa = (float *)dev_put(Vec(32, 1.0f), 0, 4), *sb = (float *)dev_put(Vec(47, 1.0f), 0, 4);
-        emu_mm(Fp8Matmul{.out = out, .a = a, .b = b, .sa = sa, .sb = sb, .rowwise = 1, .N = 48, .K = 64,
-                                     .M = 32});
-        _exit(0);
-    }
-    int st = 0;
-    waitpid(pid, &st, 0);
-    char out[512] = "";
-    ssize_t n = pread(fd, out, sizeof out - 1, 0);
-    out[n > 0 ? n : 0] = '\0';
-    close(fd), unlink(path);
+    char out[512];
+    int rc = test_run_child_fd(short_vector_child, NULL, 1, out, sizeof out);
+    size_t n = strlen(out);
     if (n > 0 && out[n - 1] == '\n') out[n - 1] = '\0';
-    report("fp8_outer_vec_short_scale_fails", WIFEXITED(st) && WEXITSTATUS(st) != 0 && strstr(out, "outer-vector scale"),
-           out[0] ? out : "no message");
+    report("fp8_outer_vec_short_scale_fails", rc != 0 && strstr(out, "outer-vector scale"), out[0] ? out : "no message");
 }
 
 int main(void) {

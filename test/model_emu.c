@@ -106,6 +106,7 @@
 static const ArchSpec shape0 = ARCH_GPT2_SHAPE(2, 3, 48, 48, 70);
 enum { B = 2, T = 40, ACCUM = 2, STEPS = 3 };
 #include "model_trace.h"
+#include "test.h"
 
 /* test/model_emu_cuda.cc */
 extern const Backend backend_cuda;
@@ -351,30 +352,18 @@ static void arch_run_all(const char *prec) {
  * its bf16 operands anywhere on the GPU (mode 3: the CPU's stand-in for
  * bf16 compute): model_init refuses (exit 2, one line naming the key
  * `want` says), in a child process. */
+static void init_fp8_child(void *mode) {
+    Model m;
+    ArchSpec s = shape0;
+    arch_resolve(&s);
+    model_init(&m, gpu, &s, &(ModelOptions){.fp8 = {.mode = *(int *)mode}});
+}
 static void check_fp8_refused(int mode, const char *want, const char *name) {
-    char path[] = "/tmp/kiln_fp8_f32XXXXXX";
-    int fd = mkstemp(path);
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fd, 2);
-        Model m;
-        ArchSpec s = shape0;
-        arch_resolve(&s);
-        model_init(&m, gpu, &s, &(ModelOptions){.fp8 = {.mode = mode}});
-        _exit(0);
-    }
-    int st = 0;
-    waitpid(pid, &st, 0);
-    char err[512] = "";
-    ssize_t n = pread(fd, err, sizeof err - 1, 0);
-    err[n > 0 ? n : 0] = '\0';
-    close(fd), unlink(path);
-    int lines = 0;
+    char err[512];
+    int rc = test_run_child(init_fp8_child, &mode, err, sizeof err), lines = 0;
     for (char *c = err; *c; c++) lines += *c == '\n';
     if (lines && err[strlen(err) - 1] == '\n') err[strlen(err) - 1] = '\0';
-    report(WIFEXITED(st) && WEXITSTATUS(st) == 2 && lines == 1 && strstr(err, want) != NULL, name, "%s",
-           err[0] ? err : "no message");
+    report(rc == 2 && lines == 1 && strstr(err, want) != NULL, name, "%s", err[0] ? err : "no message");
 }
 
 static void gpu_start(const char *compute, const char *att) {
