@@ -389,7 +389,16 @@ static void state_fp8_resume(RunState *s, const char *path, size_t n, size_t k) 
     char why[1600] = "";
     float *h = NULL;
     int64_t *cnt = NULL;
-    if (!s->resharded) {
+    /* the layouts' shapes; a manifest's and StateMesh's dp count dp x cp (a manifest
+     * from before cp was recorded says cp 1: dp x cp is then one dp dimension, in the
+     * same rank order, so a cp run's activations' histories start fresh, once) */
+    const CkptMesh *om = &s->resumed_mesh;
+    int opp = om->pp > 0 ? om->pp : 1, ocp = om->cp > 0 ? om->cp : 1, otp = om->tp > 0 ? om->tp : 1;
+    int npp = s->mesh.pp > 0 ? s->mesh.pp : 1, ncp = s->mesh.cp > 0 ? s->mesh.cp : 1, ntp = s->mesh.tp > 0 ? s->mesh.tp : 1;
+    int odp = (om->dp > 0 ? om->dp : 1) / ocp, ndp = (s->mesh.dp > 0 ? s->mesh.dp : 1) / ncp;
+    MeshShape os = {{opp, odp, ocp, otp}, 1}, ns = {{npp, ndp, ncp, ntp}, 1};
+    /* the same layout: resharded (which compares dp x cp) says no and cp is the same */
+    if (!s->resharded && ocp == ncp) {
         if (fp8_read(path, s->mesh.rank, n, k, &h, &cnt, why, sizeof why)) model_fp8_history_set(s->m, h, cnt);
         else if (s->mesh.rank == 0)
             kiln_warn("%s: key 'precision.fp8_amax_history': the fp8 delayed-scaling histories start fresh (%s); the "
@@ -397,13 +406,6 @@ static void state_fp8_resume(RunState *s, const char *path, size_t n, size_t k) 
         free(h), free(cnt);
         return;
     }
-    /* the layouts' shapes; a manifest's and StateMesh's dp count dp x cp (a manifest
-     * without cp: taken as cp 1, dp x cp then one dp dimension, the same rank order) */
-    const CkptMesh *om = &s->resumed_mesh;
-    int opp = om->pp > 0 ? om->pp : 1, ocp = om->cp > 0 ? om->cp : 1, otp = om->tp > 0 ? om->tp : 1;
-    int npp = s->mesh.pp > 0 ? s->mesh.pp : 1, ncp = s->mesh.cp > 0 ? s->mesh.cp : 1, ntp = s->mesh.tp > 0 ? s->mesh.tp : 1;
-    int odp = (om->dp > 0 ? om->dp : 1) / ocp, ndp = (s->mesh.dp > 0 ? s->mesh.dp : 1) / ncp;
-    MeshShape os = {{opp, odp, ocp, otp}, 1}, ns = {{npp, ndp, ncp, ntp}, 1};
     int mine[MESH_NDIMS], oc[MESH_NDIMS];
     mesh_coords(&ns, s->mesh.rank, mine);
     int same_dp = os.size[MESH_DP] == ns.size[MESH_DP], same_cp = os.size[MESH_CP] == ns.size[MESH_CP];

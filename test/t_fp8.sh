@@ -260,6 +260,9 @@ if command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; then
     "${MPIRUN[@]}" -np 2 ./train $Y $S $D $MOE --set parallel.cp=2 --set train.steps=3 --set run.dir=$T/cp2res \
         >$T/cp2res.txt 2>&1
     reshard moe_cp2_to_one 1 "$MOE" $T/cp2res 64 32
+    # cp 2 -> dp 2 on the same 2 ranks (the manifest's dp x cp alike, so only its cp tells the layouts
+    # apart): the weights' 48 carry, every activation's and output gradient's 48 start fresh
+    reshard moe_cp2_to_dp2 2 "$MOE" $T/cp2res 48 48
 fi
 
 expect fp8_refuses_shape 2 "tensor 'layers.0.mlp.down_proj.weight'.*multiples of 16" -- \
