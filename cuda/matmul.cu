@@ -353,7 +353,8 @@ static cublasStatus_t mm_fp8_run(MmPlan *q, const Fp8Matmul *p, int epi) {
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(q->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p->sa, sizeof p->sa));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(q->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p->sb, sizeof p->sb));
     if (epi == CUBLASLT_EPILOGUE_BIAS)
-        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(q->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p->bias, sizeof p->bias));
+        CUBLAS_CHECK(
+            cublasLtMatmulDescSetAttribute(q->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p->bias, sizeof p->bias));
     float alpha = 1.0f, beta = p->accumulate ? 1.0f : 0.0f;
     return cublasLtMatmul(mm_handle, q->desc, &alpha, p->a, q->la, p->b, q->lb, &beta, p->out, q->ld, p->out, q->ld,
                           &q->algo, mm_workspace, MM_WORKSPACE_BYTES, 0);

@@ -102,7 +102,9 @@ static Fp8Sizes fp8_sizes(const ArchSpec *s, const ModelFp8 *f, int ep, size_t N
     return z;
 }
 /* dout's act operand, or its codes and those of dout^T (a byte each) side by side */
-static size_t fp8_qd_bytes(const Fp8Sizes *z, size_t act_bytes) { return z->d * act_bytes > 2 * z->d ? z->d * act_bytes : 2 * z->d; }
+static size_t fp8_qd_bytes(const Fp8Sizes *z, size_t act_bytes) {
+    return z->d * act_bytes > 2 * z->d ? z->d * act_bytes : 2 * z->d;
+}
 static size_t fp8_inv_n(const Fp8Sizes *z) { return (z->n + 3) / 4 * 4; }
 static int fp8_slots(const ArchSpec *s) { return s->n_layer * mm_slots_per_layer(s) + 1; }
 
@@ -461,7 +463,8 @@ static void mm_backward_real(Model *m, int kind, int slot, void *dinp, float *dw
                                     .out_f32 = 1, .accumulate = accumulate, .N = OC, .K = N, .M = C});
     }
     /* the bias gradient is a sum, not a product: from the unquantised dout, as dW with fp8_wgrad: bf16 */
-    if (dbias || (dw && !fp8_dw)) be->matmul_backward(NULL, fp8_dw ? NULL : dw, dbias, dout, inp, w, N, C, OC, accumulate);
+    if (dbias || (dw && !fp8_dw))
+        be->matmul_backward(NULL, fp8_dw ? NULL : dw, dbias, dout, inp, w, N, C, OC, accumulate);
 }
 
 /* dinp = dout @ w contracts over OC: rowwise scales dout per row and w per

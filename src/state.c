@@ -394,7 +394,8 @@ static void state_fp8_resume(RunState *s, const char *path, size_t n, size_t k) 
      * same rank order, so a cp run's activations' histories start fresh, once) */
     const CkptMesh *om = &s->resumed_mesh;
     int opp = om->pp > 0 ? om->pp : 1, ocp = om->cp > 0 ? om->cp : 1, otp = om->tp > 0 ? om->tp : 1;
-    int npp = s->mesh.pp > 0 ? s->mesh.pp : 1, ncp = s->mesh.cp > 0 ? s->mesh.cp : 1, ntp = s->mesh.tp > 0 ? s->mesh.tp : 1;
+    int npp = s->mesh.pp > 0 ? s->mesh.pp : 1, ncp = s->mesh.cp > 0 ? s->mesh.cp : 1;
+    int ntp = s->mesh.tp > 0 ? s->mesh.tp : 1;
     int odp = (om->dp > 0 ? om->dp : 1) / ocp, ndp = (s->mesh.dp > 0 ? s->mesh.dp : 1) / ncp;
     MeshShape os = {{opp, odp, ocp, otp}, 1}, ns = {{npp, ndp, ncp, ntp}, 1};
     /* the same layout: resharded (which compares dp x cp) says no and cp is the same */

@@ -183,7 +183,8 @@ static inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t
         if (n != sizeof v) return CUBLAS_STATUS_INVALID_VALUE;
         memcpy(&v, buf, n);
         if (v < 0 || v > CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F) return CUBLAS_STATUS_INVALID_VALUE;
-        if (v >= CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F && emu_lt_version < 120900) return CUBLAS_STATUS_INVALID_VALUE;
+        if (v >= CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F && emu_lt_version < 120900)
+            return CUBLAS_STATUS_INVALID_VALUE;
         d->mode[a - CUBLASLT_MATMUL_DESC_A_SCALE_MODE] = v;
         return CUBLAS_STATUS_SUCCESS;
     }
@@ -250,10 +251,10 @@ static inline int emu_lt_outer_vec(cublasLtMatmulDesc_t d) {
     return d->mode[0] == CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
 }
 static inline cublasStatus_t emu_lt_validate_modes(cublasLtMatmulDesc_t d) {
+    const int32_t scalar = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
     for (int i = 0; i < 7; i++)
-        if (d->mode[i] != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F && d->mode[i] != CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F)
-            return CUBLAS_STATUS_NOT_SUPPORTED; /* not emulated */
-    int va = d->mode[0] == CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, vb = d->mode[1] == CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+        if (d->mode[i] != scalar && d->mode[i] != outer) return CUBLAS_STATUS_NOT_SUPPORTED; /* not emulated */
+    int va = d->mode[0] == outer, vb = d->mode[1] == outer;
     if (!va && !vb) return CUBLAS_STATUS_SUCCESS;
     if (!va || !vb) return CUBLAS_STATUS_NOT_SUPPORTED;
     for (int i = 2; i < 7; i++)
