@@ -349,6 +349,7 @@ extern "C" const Backend backend_cuda = {
     .fp8_qdq = cuda_fp8_qdq,
     .fp8_cast = cuda_fp8_cast,
     .fp8_matmul = cuda_fp8_matmul,
+    .fp8_rowwise = cuda_fp8_rowwise,
     .sumsq = cuda_sumsq,
     .sumsq_acc = cuda_sumsq_acc,
     .loss_acc = cuda_loss_acc,

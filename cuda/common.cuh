@@ -214,11 +214,11 @@ void cuda_matmul_backward_dgelu(void *dinp, float *dw, float *dbias, const void 
 /* fp8.cu: backend.h's fp8_amax, fp8_qdq and fp8_cast (src/fp8.h's rounding, to the bit). */
 void cuda_fp8_amax(float *amax, const void *x, int rows, int cols, int axis);
 void cuda_fp8_qdq(void *y, const void *x, const float *amax, int P, int rows, int cols, int axis, int fmt, int pow2);
-void cuda_fp8_cast(uint8_t *q, float *inv_scale, const void *x, const float *amax, int P, int rows, int cols, int fmt,
-                   int pow2, int transpose);
-/* matmul.cu: backend.h's fp8_matmul through cuBLASLt's fp8 kernels. */
-void cuda_fp8_matmul(void *out, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb, int fmt_a,
-                     int fmt_b, const void *bias, int N, int K, int M);
+void cuda_fp8_cast(const Fp8Cast *c, const void *x, int rows, int cols);
+/* matmul.cu: backend.h's fp8_matmul through cuBLASLt's fp8 kernels, and
+ * whether they take rowwise (outer-vector) scales here. */
+void cuda_fp8_matmul(const Fp8Matmul *p);
+int cuda_fp8_rowwise(void);
 /* attention.cu: the backend's attention ops choose between the SIMT kernels
  * (any dtype and head size up to 128), the tensor-core ones of
  * attention_tc.cu and cuDNN's fused attention (attention_cudnn.cu); set_mode

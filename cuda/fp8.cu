@@ -1,7 +1,7 @@
 /* fp8: the backend's fp8 amax and quantise-dequantise ops (backend.h) on act
  * tensors, rounding with src/fp8.h's own inline functions so the GPU and the
- * CPU backend agree to the bit; the products stay the backend's bf16
- * cuBLASLt ones (docs/precision.md: what the real fp8 path still needs). */
+ * CPU backend agree to the bit, and the casts that write fp8 codes for the
+ * fp8 products (cuda/matmul.cu cuda_fp8_matmul). */
 #include <math.h>
 
 #include "common.cuh"
@@ -112,36 +112,80 @@ void cuda_fp8_qdq(void *y, const void *x, const float *amax, int P, int rows, in
     ACT_DISPATCH(fp8_qdq_launch, y, x, amax, P, rows, cols, axis, fmt, pow2);
 }
 
-/* q = the fp8 codes of x s, row-major (rows, cols) or transposed (cols,
- * rows), s from the max over amax (P) (tensorwise); inv_scale[0] = 1 / s,
- * what cuBLASLt multiplies the product by. The transposed write is not
- * coalesced (a tiled transpose through shared memory would be: not yet). */
+/* The cast (backend.h fp8_cast, Fp8Cast): one pass over x in 32 x 32
+ * tiles. A block reads its tile row by row (coalesced), writes q's codes
+ * where they lie and, for qt, stages the codes in shared memory and writes
+ * the transposed tile row by row too (coalesced: the naive transposed write
+ * strides by rows bytes per thread). Tensorwise, q and qt share one scale
+ * and each code is computed once; rowwise, q's code of (i, j) uses row i's
+ * scale and qt's column j's. amax_out: the block's max |x| (NaN ignored, as
+ * fp8_amax) into an unsigned atomic max of the float's bits, which orders
+ * non-negative floats as their values, so the result is exact and the same
+ * whatever order the blocks run in. */
+#define FP8_TILE 32
+#define FP8_TILE_THREADS 256 /* 8 warps: each thread takes 4 of the tile's rows */
+
 template <typename T>
-__global__ void fp8_cast_kernel(uint8_t *q, float *inv_scale, const T *x, const float *amax, int P, int rows, int cols,
-                                int fmt, int pow2, int transpose) {
-    float a = 0.0f;
-    for (int p = 0; p < P; p++) a = fmaxf(a, amax[p]);
-    float s = fp8_scale(a, (Fp8Format)fmt, pow2);
-    if (blockIdx.x == 0 && threadIdx.x == 0) inv_scale[0] = 1.0f / s;
-    size_t total = (size_t)rows * cols;
-    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
-        size_t i = e / cols, j = e % cols;
-        q[transpose ? j * rows + i : e] = fp8_from_f32(act_f(x[e]) * s, (Fp8Format)fmt);
+__global__ void fp8_cast_kernel(Fp8Cast c, const T *x, int rows, int cols) {
+    __shared__ uint8_t tile[FP8_TILE][FP8_TILE + 4]; /* codes for qt; the pad spreads a column over banks */
+    __shared__ float s_row[FP8_TILE], s_col[FP8_TILE], sh[32];
+    const int r0 = blockIdx.x * FP8_TILE, c0 = blockIdx.y * FP8_TILE;
+    const int t = threadIdx.x, tx = t % FP8_TILE, ty = t / FP8_TILE, rstep = FP8_TILE_THREADS / FP8_TILE;
+    const Fp8Format fmt = (Fp8Format)c.fmt;
+    if (t < FP8_TILE && (c.rowwise ? c.q != NULL : t == 0)) { /* q's scales: this tile's rows, or the one scale */
+        int i = r0 + t, n = c.rowwise ? rows : 1, e = c.rowwise ? i : 0;
+        float a = 0.0f;
+        for (int p = 0; p < c.P_q && e < n; p++) a = fmaxf(a, c.amax_q[(size_t)p * n + e]);
+        float s = fp8_scale(a, fmt, c.pow2);
+        s_row[t] = s;
+        if (!c.rowwise && blockIdx.x == 0 && blockIdx.y == 0) {
+            if (c.inv_q) c.inv_q[0] = 1.0f / s;
+            if (c.inv_t) c.inv_t[0] = 1.0f / s;
+        } else if (c.rowwise && c.inv_q && blockIdx.y == 0 && i < rows) {
+            c.inv_q[i] = 1.0f / s;
+        }
+    } else if (t >= FP8_TILE && t < 2 * FP8_TILE && c.rowwise && c.qt) { /* qt's: this tile's columns */
+        int j = c0 + t - FP8_TILE;
+        float a = 0.0f;
+        for (int p = 0; p < c.P_t && j < cols; p++) a = fmaxf(a, c.amax_t[(size_t)p * cols + j]);
+        float s = fp8_scale(a, fmt, c.pow2);
+        s_col[t - FP8_TILE] = s;
+        if (c.inv_t && blockIdx.x == 0 && j < cols) c.inv_t[j] = 1.0f / s;
+    }
+    __syncthreads();
+    float m = 0.0f;
+    for (int k = ty; k < FP8_TILE; k += rstep) {
+        int i = r0 + k, j = c0 + tx;
+        if (i >= rows || j >= cols) continue;
+        float v = act_f(x[(size_t)i * cols + j]);
+        m = fmaxf(m, fabsf(v));
+        uint8_t code = fp8_from_f32(v * s_row[c.rowwise ? k : 0], fmt);
+        if (c.q) c.q[(size_t)i * cols + j] = code;
+        if (c.qt) tile[k][tx] = c.rowwise ? fp8_from_f32(v * s_col[tx], fmt) : code;
+    }
+    if (c.qt) {
+        __syncthreads();
+        for (int k = ty; k < FP8_TILE; k += rstep) { /* qt row c0 + k, columns r0 .. r0 + 31 */
+            int j = c0 + k, i = r0 + tx;
+            if (j < cols && i < rows) c.qt[(size_t)j * rows + i] = tile[tx][k];
+        }
+    }
+    if (c.amax_out) {
+        m = block_max(m, sh);
+        if (t == 0) atomicMax((unsigned *)c.amax_out, __float_as_uint(m));
     }
 }
 
 template <typename T>
-static void fp8_cast_launch(uint8_t *q, float *inv_scale, const void *x, const float *amax, int P, int rows, int cols,
-                            int fmt, int pow2, int transpose) {
-    unsigned blocks = cuda_blocks((size_t)rows * cols, FP8_THREADS);
-    if (blocks > 65535u) blocks = 65535u;
-    KLAUNCH(fp8_cast_kernel<T>, blocks, FP8_THREADS, 0, q, inv_scale, (const T *)x, amax, P, rows, cols, fmt, pow2,
-            transpose);
+static void fp8_cast_launch(const Fp8Cast *c, const void *x, int rows, int cols) {
+    dim3 grid((unsigned)((rows + FP8_TILE - 1) / FP8_TILE), (unsigned)((cols + FP8_TILE - 1) / FP8_TILE));
+    KLAUNCH(fp8_cast_kernel<T>, grid, FP8_TILE_THREADS, 0, *c, (const T *)x, rows, cols);
     CUDA_CHECK_LAUNCH();
 }
 
-void cuda_fp8_cast(uint8_t *q, float *inv_scale, const void *x, const float *amax, int P, int rows, int cols, int fmt,
-                   int pow2, int transpose) {
+void cuda_fp8_cast(const Fp8Cast *c, const void *x, int rows, int cols) {
     fp8_check_device();
-    ACT_DISPATCH(fp8_cast_launch, q, inv_scale, x, amax, P, rows, cols, fmt, pow2, transpose);
+    if (c->amax_out) CUDA_CHECK(cudaMemsetAsync(c->amax_out, 0, sizeof(float), 0));
+    if ((size_t)rows * cols == 0) return;
+    ACT_DISPATCH(fp8_cast_launch, c, x, rows, cols);
 }

@@ -48,7 +48,9 @@ typedef struct {
     int ldaux;                                /* GELU_AUX*, DGELU: the aux matrix's leading dimension */
     int ab_bf16, d_bf16; /* A/B, C/D element types: bf16 (1) or fp32 (0) */
     int fp8_a, fp8_b;    /* fp8 operands (cuda_fp8_matmul): 1 + Fp8Format; 0: ab_bf16 says */
+    int fp8_vec;         /* fp8 with outer-vector (per-row) scales for A and B */
 } MmKey;
+static void mm_fp8_scale_modes(cublasLtMatmulDesc_t desc, const MmKey *key); /* the fp8 section below */
 
 /* A plan is kept whether or not cuBLASLt has an algorithm for it (usable 0),
  * so a shape it refuses costs one heuristic query per run, not one per step. */
@@ -178,6 +180,7 @@ static MmPlan *mm_plan(const MmKey *key, const void *aux, const void *bias) {
     }
     if (bias)
         CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias));
+    if (key->fp8_a) mm_fp8_scale_modes(p->desc, key);
     /* op(A) is m x k, op(B) is k x n, D is m x n, all column-major. */
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->la, ta_t, key->ta ? key->k : key->m,
                                             key->ta ? key->m : key->k, key->lda));
@@ -326,38 +329,92 @@ void cuda_matmul_backward(void *dinp, float *dw, float *dbias, const void *dout,
 }
 
 /* ---------------------------------------------------------------------------
- * fp8 products (backend.h fp8_matmul): out(N,M) act = (b codes * sb) @ (a
- * codes * sa)^T (+ bias(M)), a (M,K) and b (N,K) fp8 codes (cuda_fp8_cast),
- * sa, sb device floats (the casts' 1/scale). In cuBLASLt's view D^T(M,N) =
- * op(A) op(B) with A = a, transposed, and B = b, not: the "TN" layout that
- * Hopper's fp8 kernels take (and the only one), which is why the casts can
- * write a transposed copy; fp32 accumulation, scales applied to the
- * accumulator (A_SCALE_POINTER, B_SCALE_POINTER), bf16 D. */
-void cuda_fp8_matmul(void *out, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb, int fmt_a,
-                     int fmt_b, const void *bias, int N, int K, int M) {
-    if (N == 0) return;
+ * fp8 products (backend.h fp8_matmul, Fp8Matmul): out(N,M) = (b codes * sb)
+ * @ (a codes * sa)^T (+ bias(M)) (+ out), a (M,K) and b (N,K) fp8 codes
+ * (cuda_fp8_cast). In cuBLASLt's view D^T(M,N) = op(A) op(B) with A = a,
+ * transposed, and B = b, not: the "TN" layout that Hopper's fp8 kernels take
+ * (and the only one), which is why the casts write transposed copies; fp32
+ * accumulation, the scales applied to the accumulator, D bf16 (act) or fp32
+ * (a weight gradient, beta 1 to accumulate). Scales: A_SCALE_POINTER and
+ * B_SCALE_POINTER, one float each (SCALAR_32F, the default mode), or with
+ * rowwise one per row of op(A) (M) and per column of op(B) (N): the
+ * OUTER_VEC_32F mode of both A and B, D_ij = alpha sa_i sb_j sum_l a_il b_lj
+ * (+ beta C), which cuBLAS documents for compute capability 9.0 (its table
+ * of scaling modes), since cuBLAS 12.9, with no D scale and the other
+ * matrices' modes unchanged (cuda_fp8_rowwise says whether this GPU and
+ * library have it; model_fp8.c falls back to quantised operands if not). */
+static void mm_fp8_scale_modes(cublasLtMatmulDesc_t desc, const MmKey *key) {
+    if (!key->fp8_vec) return; /* SCALAR_32F: the default */
+    int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof mode));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof mode));
+}
+
+/* -1 until asked: whether outer-vector scales exist here (a test resets it
+ * after changing the emulated device) */
+static int mm_fp8_rowwise = -1;
+int cuda_fp8_rowwise(void) {
+    if (mm_fp8_rowwise < 0) {
+        int dev;
+        cudaDeviceProp prop;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+        mm_fp8_rowwise = prop.major == 9 && prop.minor == 0 && cublasLtGetVersion() >= 120900;
+    }
+    return mm_fp8_rowwise;
+}
+
+/* The plan of one fp8 product with epilogue epi; NULL if cuBLASLt has none. */
+static MmPlan *mm_fp8_plan(const Fp8Matmul *p, int epi) {
     MmKey key;
     memset(&key, 0, sizeof key);
-    key.m = M, key.n = N, key.k = K, key.ta = 1, key.tb = 0, key.lda = K, key.ldb = K, key.ldd = M;
-    key.align_a = mm_align(a), key.align_b = mm_align(b), key.align_d = mm_align(out);
-    const void *epi_bias = bias && mm_align(bias) >= 16 ? bias : NULL;
-    key.epi = epi_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
-    if (epi_bias) key.align_bias = mm_align(epi_bias);
-    key.ab_bf16 = 1, key.d_bf16 = cuda_act_bf16;
-    key.fp8_a = 1 + fmt_a, key.fp8_b = 1 + fmt_b;
-    MmPlan *p = mm_plan(&key, NULL, epi_bias);
-    if (!p->usable)
-        kiln_fail(KILN_EXIT_RUNTIME, "cublasLt: no fp8 algorithm for a %dx%dx%d product (%s x %s, alignments %d/%d/%d)",
-                  M, N, K, fp8_fmt_name(fmt_a), fp8_fmt_name(fmt_b), key.align_a, key.align_b, key.align_d);
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof sa));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof sb));
-    if (epi_bias)
-        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &epi_bias,
-                                                    sizeof epi_bias));
-    float alpha = 1.0f, beta = 0.0f;
-    CUBLAS_CHECK(cublasLtMatmul(mm_handle, p->desc, &alpha, a, p->la, b, p->lb, &beta, out, p->ld, out, p->ld,
-                                &p->algo, mm_workspace, MM_WORKSPACE_BYTES, 0));
-    if (bias && !epi_bias) ACT_DISPATCH(add_bias_run, out, bias, N, M);
+    key.m = p->M, key.n = p->N, key.k = p->K, key.ta = 1, key.tb = 0, key.lda = p->K, key.ldb = p->K, key.ldd = p->M;
+    key.align_a = mm_align(p->a), key.align_b = mm_align(p->b), key.align_d = mm_align(p->out);
+    key.epi = epi;
+    if (epi == CUBLASLT_EPILOGUE_BIAS) key.align_bias = mm_align(p->bias);
+    key.ab_bf16 = 1, key.d_bf16 = cuda_act_bf16 && !p->out_f32;
+    key.fp8_a = 1 + p->fmt_a, key.fp8_b = 1 + p->fmt_b, key.fp8_vec = p->rowwise;
+    MmPlan *plan = mm_plan(&key, NULL, epi == CUBLASLT_EPILOGUE_BIAS ? p->bias : NULL);
+    return plan->usable ? plan : NULL;
+}
+
+/* One cublasLtMatmul with plan q; its status. */
+static cublasStatus_t mm_fp8_run(MmPlan *q, const Fp8Matmul *p, int epi) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(q->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &p->sa, sizeof p->sa));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(q->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &p->sb, sizeof p->sb));
+    if (epi == CUBLASLT_EPILOGUE_BIAS)
+        CUBLAS_CHECK(
+            cublasLtMatmulDescSetAttribute(q->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p->bias, sizeof p->bias));
+    float alpha = 1.0f, beta = p->accumulate ? 1.0f : 0.0f;
+    return cublasLtMatmul(mm_handle, q->desc, &alpha, p->a, q->la, p->b, q->lb, &beta, p->out, q->ld, p->out, q->ld,
+                          &q->algo, mm_workspace, MM_WORKSPACE_BYTES, 0);
+}
+
+/* The bias goes into the epilogue where cuBLASLt takes it for this product
+ * (a 16-byte aligned vector, an algorithm with BIAS and these scales), else
+ * the product runs plain and the add-bias kernel follows, as matmul_forward. */
+void cuda_fp8_matmul(const Fp8Matmul *p) {
+    /* out (N,M) act or fp32; a (M,K), b (N,K) fp8 codes; sa, sb fp32 (1 or M, N); bias (M) act or NULL */
+    if (p->N == 0) return;
+    if (p->K == 0) { /* a sum over no rows (an expert given no tokens): 0, or kept */
+        if (!p->out_f32 || p->bias) kiln_fail(KILN_EXIT_RUNTIME, "cuda_fp8_matmul: K = 0 with an act output");
+        if (!p->accumulate) CUDA_CHECK(cudaMemsetAsync(p->out, 0, (size_t)p->N * p->M * sizeof(float), 0));
+        return;
+    }
+    int epi = p->bias && !p->out_f32 && mm_align(p->bias) >= 16 ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    MmPlan *q = epi == CUBLASLT_EPILOGUE_BIAS ? mm_fp8_plan(p, epi) : NULL;
+    cublasStatus_t st = q ? mm_fp8_run(q, p, epi) : CUBLAS_STATUS_NOT_SUPPORTED;
+    if (st == CUBLAS_STATUS_SUCCESS) return;
+    if (q && st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE) CUBLAS_CHECK(st);
+    if (q) mm_plan_release(q); /* the epilogue refused at the call: plain from now on for this shape */
+    q = mm_fp8_plan(p, CUBLASLT_EPILOGUE_DEFAULT);
+    if (!q)
+        kiln_fail(KILN_EXIT_RUNTIME, "cublasLt: no fp8 algorithm for a %dx%dx%d product (%s x %s, %s scales, %s out, "
+                  "alignments %d/%d/%d)", p->M, p->N, p->K, fp8_fmt_name(p->fmt_a), fp8_fmt_name(p->fmt_b),
+                  p->rowwise ? "outer-vector" : "scalar", p->out_f32 ? "fp32" : "act", mm_align(p->a), mm_align(p->b),
+                  mm_align(p->out));
+    CUBLAS_CHECK(mm_fp8_run(q, p, CUBLASLT_EPILOGUE_DEFAULT));
+    if (p->bias && !p->out_f32) ACT_DISPATCH(add_bias_run, p->out, p->bias, p->N, p->M);
 }
 
 /* ---------------------------------------------------------------------------

@@ -88,6 +88,43 @@ typedef struct StepScalars {
     int32_t pad;
 } StepScalars;
 
+/* One fp8 cast (backend.h fp8_cast): the E4M3/E5M2 codes (src/fp8.h) of x
+ * (rows, cols) act times its scales, written in one pass over x as q
+ * (rows, cols) and/or its transpose qt (cols, rows) (Hopper's fp8 products
+ * take only K-major operands, so a product contracting over x's rows needs
+ * x^T). A scale is s = fp8_scale(a, fmt, pow2) of a = the max over the P
+ * rows of an amax (P, n) fp32 (the tp and cp ranks' amaxes, or a
+ * delayed-scaling history), as fp8_qdq's; inv = 1 / s is what the product
+ * multiplies by. rowwise 0: one scale (amax_q, n 1) for q and qt; rowwise 1:
+ * q per row of x (amax_q (P_q, rows)) and qt per column of x, i.e. per row
+ * of qt (amax_t (P_t, cols)). */
+typedef struct Fp8Cast {
+    uint8_t *q, *qt;                 /* (rows, cols), (cols, rows) codes; either may be NULL */
+    float *inv_q, *inv_t;            /* device fp32 (1) or (rows), (1) or (cols): 1 / scale; NULL with q, qt */
+    const float *amax_q, *amax_t;    /* device fp32 (P_q, n), (P_t, cols); amax_t unused unless rowwise */
+    int P_q, P_t;
+    int rowwise, fmt, pow2;          /* Fp8Format fmt */
+    float *amax_out; /* NULL, or device fp32 (1): max |x| (tensorwise), from the same pass (delayed scaling) */
+} Fp8Cast;
+
+/* One fp8 product (backend.h fp8_matmul): out (N, M) = sum over k of
+ * b[n][k] sb[n] a[m][k] sa[m] (+ bias[m]) (+ out with accumulate), fp32
+ * accumulation; a (M, K) codes of fmt_a and b (N, K) of fmt_b, both K-major
+ * (the "TN" layout, the only one Hopper's fp8 kernels take), not both E5M2;
+ * N, K, M multiples of 16. sa, sb: device fp32 inverse scales (Fp8Cast's
+ * inv), one each, or with rowwise sa (M) and sb (N) (cuBLASLt's outer-
+ * vector scales). out: act, or fp32 with out_f32 (a weight gradient, which
+ * accumulate adds to, as matmul_backward's dw). */
+typedef struct Fp8Matmul {
+    void *out;
+    const uint8_t *a, *b;
+    const float *sa, *sb;
+    int fmt_a, fmt_b, rowwise;
+    const void *bias; /* (M) act or NULL; act out only */
+    int out_f32, accumulate;
+    int N, K, M;
+} Fp8Matmul;
+
 typedef struct Backend {
     const char *name; /* "cpu", "cuda" */
     /* 1 if device pointers are host memory (the CPU backend): host MPI
@@ -459,18 +496,14 @@ typedef struct Backend {
     void (*fp8_qdq)(void *y, const void *x, const float *amax, int P, int rows, int cols, int axis, int fmt,
                     int pow2);
     /* Optional, NULL where the backend has no fp8 tensor cores (the CPU):
-     * the real fp8 product, for tensorwise scales, used by host code when
-     * present (else fp8_qdq and the matmul ops). fp8_cast: q (rows, cols)
-     * uint8 fp8 codes of fmt, or its transpose (cols, rows) with
-     * transpose, = encode(x s), s as fp8_qdq's from amax (P, 1) fp32;
-     * inv_scale (1) fp32 device = 1 / s. fp8_matmul: out (N,M) act = (b
-     * (N,K) codes * sb[0]) @ (a (M,K) codes * sa[0])^T + bias (M) act or
-     * NULL, fp32 accumulation; N, K, M multiples of 16, not both formats
-     * E5M2. */
-    void (*fp8_cast)(uint8_t *q, float *inv_scale, const void *x, const float *amax, int P, int rows, int cols,
-                     int fmt, int pow2, int transpose);
-    void (*fp8_matmul)(void *out, const uint8_t *a, const uint8_t *b, const float *sa, const float *sb, int fmt_a,
-                       int fmt_b, const void *bias, int N, int K, int M);
+     * the real fp8 product, used by host code when present (else fp8_qdq
+     * and the matmul ops). fp8_cast: the codes of x in one pass (Fp8Cast
+     * above); fp8_matmul: the product of such codes (Fp8Matmul above);
+     * fp8_rowwise: 1 if fp8_matmul takes per-row scales (rowwise 1), else
+     * 0 (then host code quantises rowwise operands with fp8_qdq). */
+    void (*fp8_cast)(const Fp8Cast *c, const void *x, int rows, int cols);
+    void (*fp8_matmul)(const Fp8Matmul *p);
+    int (*fp8_rowwise)(void);
 
     /* Sum of squares of fp32 x, in double; NaN or Inf in x makes the result non-finite. */
     double (*sumsq)(const float *x, size_t n);

@@ -12,6 +12,7 @@
 #include "fp8.h"
 #include "model.h"
 #include "optim.h"
+#include "plan.h"
 #include "util.h"
 
 static int cmp_double(const void *a, const void *b) {
@@ -85,9 +86,7 @@ int bench_run(const Config *c, int steps) {
     Model m;
     int master16 = strcmp(c->master, "bf16") == 0; /* precision.master: bf16 parameters, no fp32 arena */
     /* precision.fp8 as train.c passes it */
-    ModelFp8 fp8 = {.mode = fp8_mode_parse(c->fp8), .grad_fmt = fp8_format_parse(c->fp8_grad),
-                    .wgrad = !strcmp(c->fp8_wgrad, "fp8"), .history = c->fp8_amax_history,
-                    .pow2 = c->fp8_pow2_scales, .head = c->fp8_head};
+    ModelFp8 fp8 = plan_fp8_options(c);
     model_init(&m, be, &s, &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = master16, .fp8 = fp8});
     m.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     double init_t0 = kiln_now();
@@ -163,7 +162,7 @@ int bench_run(const Config *c, int steps) {
     printf("bench: init_s=%.2f (%zu parameters)\n", init_s, m.num_params);
     if (be->memory_peak) printf("bench: peak_mem_gib=%.2f\n", be->memory_peak() / 1073741824.0);
     printf("bench: master=%s optim_state=%s fp8=%s%s\n", master16 ? "bf16" : "fp32", c->optim_state, c->fp8,
-           fp8.mode == FP8_TENSORWISE && be->fp8_matmul ? " (fp8 tensor cores)" : "");
+           model_fp8_tensor_cores(&m) ? " (fp8 tensor cores)" : "");
     int timed = optim_kind(c->optim_name) == OPTIM_LION ? OPTIM_LION : OPTIM_ADAMW;
     printf("bench: optim=%s%s\n", timed == OPTIM_LION ? "lion" : "adamw",
            optim_kind(c->optim_name) == timed ? ""

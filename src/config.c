@@ -253,13 +253,16 @@ static const CfgKey cfg_keys[] = {
           "rounding (unbiased; random bits hashed from `run.seed`, the step and the element, so runs are "
           "deterministic and CPU and CUDA agree to the bit); checkpoints hold fp32 moments either way, so a run "
           "may resume with the other setting"),
-    KENUM("precision.fp8", fp8, "off", "off|tensorwise|rowwise",
+    KENUM("precision.fp8", fp8, "off", "off|tensorwise|rowwise|bf16",
           "fp8 matrix products for the block's linear layers (q/k/v, attention output, MLP, experts; "
           "docs/precision.md): activations and weights cast to E4M3 with a scale from their amax, output "
           "gradients to `fp8_grad`; `tensorwise` one scale per tensor, `rowwise` one per row along the "
           "product's contraction dimension; the CPU backend quantises and multiplies in fp32 (an exact "
           "emulation of the numerics, for validation); every product's dimensions must be multiples of 16 "
-          "(else exit 2 naming the tensor); not with `compute: fp32` on CUDA or `parallel.ep` > 1"),
+          "(else exit 2 naming the tensor); not with `compute: fp32` on CUDA; under `parallel.ep` > 1 `rowwise` "
+          "only. `bf16`: the same products' operands (the weight gradients' too) rounded to bf16 (nearest even, no "
+          "scale), products in fp32: "
+          "the CPU backend's stand-in for a bf16 run, the reference `scripts/fp8_validate.sh` compares fp8 with"),
     KENUM("precision.fp8_grad", fp8_grad, "e5m2", "e5m2|e4m3",
           "fp8: format of the output gradients in the backward (E5M2: range; E4M3: precision)"),
     KENUM("precision.fp8_wgrad", fp8_wgrad, "bf16", "bf16|fp8",
@@ -267,8 +270,9 @@ static const CfgKey cfg_keys[] = {
           "with both operands in fp8 (`fp8`)"),
     KINT("precision.fp8_amax_history", fp8_amax_history, "0", 0, 1024,
          "fp8: 0 = current scaling (each cast's scale from the tensor's own amax); N = delayed scaling from the "
-         "largest of the last N amaxes of the same operand, the current one included; `tensorwise` only; the "
-         "histories are not checkpointed (a resumed run starts them afresh)"),
+         "largest amax of the same operand's last N casts, its own recorded in the same pass (the first cast "
+         "uses its own); `tensorwise` only; the histories are checkpointed, and a resume in another layout "
+         "carries those that mean the same there (docs/precision.md)"),
     KBOOL("precision.fp8_pow2_scales", fp8_pow2_scales, "false",
           "fp8: round every scale down to a power of two (scaling then loses no bits)"),
     KBOOL("precision.fp8_head", fp8_head, "false",
@@ -1023,20 +1027,31 @@ static void cfg_check_parallel(const Config *c, CfgLoad *L) {
                   c->micro_batch, c->seq_len, c->dp, (long long)c->micro_batch * c->seq_len * c->dp);
 }
 
-/* fp8 combinations not (yet) supported: expert parallelism would need the
- * experts' inputs' amax over the ep group (docs/precision.md); a per-row history
- * means nothing for activations, whose rows are other tokens each step. */
+/* fp8 combinations not supported (docs/precision.md). Under expert
+ * parallelism a routed expert's rows come from every ep rank's micro-batch:
+ * a per-row scale is the same whichever rank holds the row, so rowwise runs
+ * as one rank does, but a tensorwise amax, and fp8 weight gradients'
+ * per-column amaxes, would be over the ep group's rows, which no one-rank
+ * run computes. A per-row history means nothing for activations, whose rows
+ * are other tokens each step. */
 static void cfg_check_fp8(const Config *c, CfgLoad *L) {
     if (!strcmp(c->fp8, "off")) return;
-    if (c->ep > 1)
-        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'precision.fp8', 'parallel.ep': fp8 products under expert "
-                  "parallelism are not supported yet; set precision.fp8: off or parallel.ep: 1",
-                  cfg_where_of(L, "precision.fp8", "parallel.ep"));
-    if (c->fp8_amax_history > 0 && !strcmp(c->fp8, "rowwise"))
+    if (c->ep > 1 && !strcmp(c->fp8, "tensorwise"))
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'precision.fp8', 'parallel.ep': tensorwise fp8 under expert "
+                  "parallelism is not supported (a routed expert's amax would be over the tokens every ep rank "
+                  "routed to it, which no one-rank run computes); set precision.fp8: rowwise (each row's own "
+                  "scale) or parallel.ep: 1", cfg_where_of(L, "precision.fp8", "parallel.ep"));
+    if (c->ep > 1 && !strcmp(c->fp8, "rowwise") && !strcmp(c->fp8_wgrad, "fp8"))
+        kiln_fail(KILN_EXIT_USAGE, "%s: keys 'precision.fp8_wgrad', 'parallel.ep': fp8 weight gradients under "
+                  "expert parallelism are not supported (their per-column scales run over an expert's rows, which "
+                  "come from every ep rank's micro-batch); set precision.fp8_wgrad: bf16 or parallel.ep: 1",
+                  cfg_where_of(L, "precision.fp8_wgrad", "parallel.ep"));
+    if (c->fp8_amax_history > 0 && strcmp(c->fp8, "tensorwise"))
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'precision.fp8_amax_history': delayed scaling is tensorwise only "
-                  "(an activation's rows are other tokens each step), got %d with precision.fp8: rowwise; set it "
-                  "to 0 or precision.fp8: tensorwise", cfg_where_of(L, "precision.fp8_amax_history", "precision.fp8"),
-                  c->fp8_amax_history);
+                  "(%s), got %d with precision.fp8: %s; set it to 0 or precision.fp8: tensorwise",
+                  cfg_where_of(L, "precision.fp8_amax_history", "precision.fp8"),
+                  !strcmp(c->fp8, "rowwise") ? "an activation's rows are other tokens each step" : "bf16 has no scale",
+                  c->fp8_amax_history, c->fp8);
 }
 
 /* precision.master bf16 makes the bf16 compute copy the parameters: it

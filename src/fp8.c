@@ -46,6 +46,7 @@ int fp8_mode_parse(const char *s) {
     if (!strcmp(s, "off")) return FP8_OFF;
     if (!strcmp(s, "tensorwise")) return FP8_TENSORWISE;
     if (!strcmp(s, "rowwise")) return FP8_ROWWISE;
+    if (!strcmp(s, "bf16")) return FP8_BF16_OPERANDS;
     return -1;
 }
 
@@ -55,5 +56,7 @@ int fp8_format_parse(const char *s) {
     return -1;
 }
 
-const char *fp8_mode_name(Fp8Mode m) { return m == FP8_TENSORWISE ? "tensorwise" : m == FP8_ROWWISE ? "rowwise" : "off"; }
-const char *fp8_format_name(Fp8Format f) { return f == FP8_E5M2 ? "e5m2" : "e4m3"; }
+const char *fp8_mode_name(Fp8Mode m) {
+    return m == FP8_TENSORWISE ? "tensorwise" : m == FP8_ROWWISE ? "rowwise" : m == FP8_BF16_OPERANDS ? "bf16" : "off";
+}
+const char *fp8_format_name(Fp8Format f) { return f == FP8_E5M2 ? "e5m2" : f == FP8_BF16 ? "bf16" : "e4m3"; }

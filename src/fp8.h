@@ -22,10 +22,15 @@
 #define FP8_FN static inline
 #endif
 
-typedef enum { FP8_E4M3 = 0, FP8_E5M2 = 1 } Fp8Format;
+/* FP8_BF16 is not an fp8 format: bf16, round to nearest even with no scale
+ * (infinities and NaN kept), for precision.fp8: bf16 (below). */
+typedef enum { FP8_E4M3 = 0, FP8_E5M2 = 1, FP8_BF16 = 2 } Fp8Format;
 
-/* precision.fp8's scaling granularity (Fp8Axis below says along which axis). */
-typedef enum { FP8_OFF = 0, FP8_TENSORWISE = 1, FP8_ROWWISE = 2 } Fp8Mode;
+/* precision.fp8: the products' operands in fp8 with one scale per tensor
+ * (Fp8Axis below says along which axis a row's runs) or per row, or in bf16
+ * without a scale: the CPU's stand-in for a bf16 run, the same products'
+ * operands rounded as bf16 tensor cores would take them. */
+typedef enum { FP8_OFF = 0, FP8_TENSORWISE = 1, FP8_ROWWISE = 2, FP8_BF16_OPERANDS = 3 } Fp8Mode;
 
 /* The amax a scale is computed from never goes below this (torchao's EPS):
  * an all-zero tensor gets a finite scale, max / 1e-12. */
@@ -82,6 +87,13 @@ FP8_FN float fp8_round(float x, Fp8Format f) { return fp8_to_f32(fp8_from_f32(x,
  * for the subnormal step q is exact and rintf rounds to even. test_fp8
  * checks it equals fp8_round on every midpoint and on random floats. */
 FP8_FN float fp8_round_fast(float x, Fp8Format f) {
+    if (f == FP8_BF16) { /* bf16: 7 mantissa bits, fp32's exponent range, so no subnormal or saturation case */
+        if (isnan(x)) return x;
+        union { float f; uint32_t u; } v = {x};
+        v.u += 0x7FFFu + ((v.u >> 16) & 1u);
+        v.u &= 0xFFFF0000u;
+        return v.f;
+    }
     const int mbits = f == FP8_E4M3 ? 3 : 2;
     const float mx = fp8_max(f), min_normal = f == FP8_E4M3 ? 0x1p-6f : 0x1p-14f;
     float a = fabsf(x);
@@ -106,7 +118,7 @@ FP8_FN float fp8_round_fast(float x, Fp8Format f) {
  * the tensor) gives s = 1: the cast then saturates and keeps the NaN, so the
  * loss shows it instead of a zero scale hiding it. */
 FP8_FN float fp8_scale(float amax, Fp8Format f, int pow2) {
-    if (!isfinite(amax)) return 1.0f;
+    if (!isfinite(amax) || f == FP8_BF16) return 1.0f;
     float s = fp8_max(f) / fmaxf(amax, FP8_AMAX_FLOOR);
     if (pow2) {
         int e;

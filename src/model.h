@@ -418,11 +418,17 @@ typedef struct Model {
     /* fp8 (model_fp8.c): the quantised operands of one product at a time,
      * amax scratch and delayed-scaling histories */
     ModelFp8 fp8;
-    void *fp8_qx, *fp8_qw, *fp8_qd; /* act: (N, in) (out, in) (N, out) at the largest product's sizes */
-    float *fp8_amax;    /* device (tp, fp8_amax_n): one product operand's amaxes, every tp rank's */
-    float *fp8_inv;     /* device (4): the real fp8 product's inverse scales (x, w; dout, w^T) */
+    /* the operands of one product at a time, at the largest product's sizes:
+     * quantised act (N, in) (out, in) (N, out), or on the fp8 tensor-core
+     * path (model_fp8.c mm_real) their codes, fp8_qd holding dout's (N, out)
+     * and then dout^T's (out, N) */
+    void *fp8_qx, *fp8_qw, *fp8_qd;
+    size_t fp8_cap[3];  /* their elements: x, w, dout (a routed expert's rows: up to ep N) */
+    float *fp8_amax;    /* device (2, cp, tp, fp8_amax_n): one cast's amaxes, every tp and cp rank's (two axes) */
+    float *fp8_inv;     /* device (FP8_INVS, fp8_inv_n) + 1: the codes' inverse scales, then an amax (delayed) */
     size_t fp8_amax_n;  /* the most amaxes of one operand: max(N, widths) */
-    float *fp8_hist;    /* device (fp8_slots, MM_OPERANDS, history, cp, tp) amax histories; NULL: current scaling */
+    size_t fp8_inv_n;   /* fp8_amax_n rounded up to 16 bytes */
+    float *fp8_hist;    /* device (fp8_slots, MM_OPERANDS, history, cp, tp) amax rings; NULL: current scaling */
     int64_t *fp8_count; /* (fp8_slots, MM_OPERANDS) host: casts so far of each operand (its history row) */
     int fp8_slots;      /* products with histories: n_layer (MM_KINDS + 2 E) + 1 (the head) */
     int fp8_local_amax; /* test hook KILN_TEST_FP8_LOCAL_AMAX: no tp reduction of amaxes (wrong on purpose) */
@@ -656,16 +662,44 @@ enum { MM_X, MM_W, MM_D, MM_XB, MM_WB, MM_OPERANDS };
 void model_fp8_check(Model *m);
 /* model_plan_slots: the operand buffers for N rows; model_free: their release. */
 void model_fp8_plan(Model *m, int N);
+/* What model_fp8_plan allocates on the device for a (tp-local) shape s and
+ * N rows of act_bytes activations: the operands' buffers (quantised act,
+ * or their fp8 codes and transposed codes), the amax scratch and inverse
+ * scales, and delayed scaling's rings; returns their sum (0 with fp8 off). */
+typedef struct ModelFp8Bytes {
+    size_t operands, scales, histories;
+} ModelFp8Bytes;
+size_t model_fp8_bytes(const ArchSpec *s, const ModelFp8 *f, int tp, int cp, int ep, size_t N, size_t act_bytes,
+                       ModelFp8Bytes *parts);
 void model_fp8_free(Model *m);
 /* Delayed scaling's state (precision.fp8_amax_history > 0, else 0 and
- * nothing): the histories, (fp8_slots, MM_OPERANDS, history, cp, tp) fp32,
- * and the cast counts, (fp8_slots, MM_OPERANDS) int64: how many of each.
- * get copies them to host buffers of those sizes, set back (state.c: the
- * checkpoint's "fp8.amax_history" and "fp8.amax_count"). */
+ * nothing), as the checkpoint holds it ("fp8.amax_history",
+ * "fp8.amax_count"; state.c): for each (fp8_slots, MM_OPERANDS) operand its
+ * history's amaxes, (history) fp32 in ring order (each the max over the tp
+ * and cp ranks' entries of its row: all the scales read), and its cast
+ * count, int64 (the next row: count % history). get copies them to host
+ * buffers of these lengths, set back. */
 size_t model_fp8_history_len(const Model *m);
 size_t model_fp8_count_len(const Model *m);
 void model_fp8_history_get(const Model *m, float *hist, int64_t *count);
 void model_fp8_history_set(Model *m, const float *hist, const int64_t *count);
+/* A resume in another layout (state.c): out, out_count (this layout's) take
+ * the histories of hist, count (one rank's of the old layout, same lengths)
+ * that mean the same here and that out has none of yet (count 0): a
+ * weight's always (replicated over dp and cp, its amax reduced over tp where
+ * tp splits it: the same on every rank that holds the layer, in any
+ * layout); an activation's or output gradient's only when same_dp (the
+ * rank's micro-batches are the same sequences: amaxes reduced over tp and
+ * cp make them the same on each of a dp rank's tp and cp ranks), and for a
+ * routed expert's (amaxes of this rank's rows, not reduced over cp) only
+ * when same_cp too. Returns how many it took. */
+int model_fp8_history_merge(const Model *m, const float *hist, const int64_t *count, int same_dp, int same_cp,
+                            float *out, int64_t *out_count);
+/* Whether fp8 products run on fp8 tensor cores here (else as quantised
+ * operands and the backend's products; model_fp8.c mm_real), and in words
+ * for the start-up line. */
+int model_fp8_tensor_cores(const Model *m);
+const char *model_fp8_products(const Model *m);
 /* out (N,OC) = inp (N,C) @ w (OC,C)^T + bias, and its backward, as
  * backend.h's matmul_forward / matmul_backward, for product `kind` of layer
  * l (expert e, else -1; the head: l -1, MM_HEAD): with fp8 on, the operands

@@ -13,6 +13,7 @@
 #include "config.h"
 #include "cp.h"
 #include "ep.h"
+#include "fp8.h"
 #include "mesh.h"
 #include "optim.h"
 #include "pipe.h"
@@ -26,7 +27,8 @@ static const char *plan_usage =
     "(default 80): that the ranks and batch.total_tokens divide, and that one rank's memory\n"
     "fits; then suggests the smallest parallel.zero and the largest batch.micro_batch that fit.\n"
     "Memory per rank = parameters + gradients + AdamW state (per ZeRO stage, as --dry-run\n"
-    "counts them) + activations of one micro-batch + 32 MiB cuBLAS workspace, all + 5%.\n"
+    "counts them) + activations of one micro-batch + precision.fp8's buffers (operands and their\n"
+    "codes, amaxes, scales, histories) + 32 MiB cuBLAS workspace, all + 5%.\n"
     "Everything is counted in fp32 (AdamW's m and v in bf16 with precision.optim_state bf16,\n"
     "the parameters in bf16 with precision.master bf16, which has no fp32 master),\n"
     "activations included: an upper bound for precision.compute\n"
@@ -60,8 +62,40 @@ static double plan_expert_params(const ArchSpec *s) {
     return (double)s->n_layer * s->moe.n_experts * 3.0 * s->moe.expert_hidden * s->n_embd;
 }
 
-PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int cp_mode, int dp, int ep, int zero,
-                                int micro_batch, ModelRecompute recompute, size_t moment_bytes, size_t param_bytes) {
+/* The overhead (workspace and margin) and the total, once the rest is counted. */
+static void plan_finish(PlanMemory *m) {
+    double fp8 = (double)(m->fp8.operands + m->fp8.scales + m->fp8.histories);
+    double counted = m->state + m->activations + fp8 + PLAN_WORKSPACE_BYTES;
+    m->overhead = PLAN_WORKSPACE_BYTES + PLAN_MARGIN * counted;
+    m->total = m->state + m->activations + fp8 + m->overhead;
+}
+
+ModelFp8 plan_fp8_options(const Config *c) {
+    return (ModelFp8){.mode = fp8_mode_parse(c->fp8), .grad_fmt = fp8_format_parse(c->fp8_grad),
+                      .wgrad = !strcmp(c->fp8_wgrad, "fp8"), .history = c->fp8_amax_history,
+                      .pow2 = c->fp8_pow2_scales, .head = c->fp8_head};
+}
+
+PlanLayout plan_layout(const Config *c, int dp) {
+    return (PlanLayout){.tp = c->tp, .sp = c->tp > 1 && strcmp(c->sequence_parallel, "false") != 0, .cp = c->cp,
+                        .cp_mode = cp_mode_parse(c->cp_attention), .dp = dp, .ep = c->ep, .zero = c->zero,
+                        .micro_batch = c->micro_batch, .recompute = model_recompute_parse(c->recompute),
+                        .moment_bytes = optim_state_bytes(c->optim_state), .param_bytes = plan_param_bytes(c->master),
+                        .fp8 = plan_fp8_options(c)};
+}
+
+/* fp8's buffers (fp32 and bf16 activations) into m's total, for N rows. */
+static void plan_add_fp8(PlanMemory *m, const ArchSpec *local, const PlanLayout *l, int ep) {
+    size_t N = (size_t)l->micro_batch * (local->seq_len / l->cp);
+    model_fp8_bytes(local, &l->fp8, l->tp, l->cp, ep, N, sizeof(float), &m->fp8);
+    m->fp8_bf16 = (double)model_fp8_bytes(local, &l->fp8, l->tp, l->cp, ep, N, 2, NULL);
+}
+
+PlanMemory plan_memory_per_rank(const ArchSpec *g, const PlanLayout *lay) {
+    int tp = lay->tp, sp = lay->sp, cp = lay->cp, cp_mode = lay->cp_mode, dp = lay->dp, ep = lay->ep, zero = lay->zero;
+    int micro_batch = lay->micro_batch;
+    ModelRecompute recompute = lay->recompute;
+    size_t moment_bytes = lay->moment_bytes, param_bytes = lay->param_bytes;
     PlanMemory m = {0};
     ArchSpec local;
     arch_tp_local(g, tp, 0, &local); /* tp 1: the spec itself */
@@ -120,9 +154,8 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int c
     m.recompute = recompute;
     m.activations = m.act_by_mode[recompute][0];
     m.activations_bf16 = m.act_by_mode[recompute][1];
-    double counted = m.state + m.activations + PLAN_WORKSPACE_BYTES;
-    m.overhead = PLAN_WORKSPACE_BYTES + PLAN_MARGIN * counted;
-    m.total = m.state + m.activations + m.overhead;
+    plan_add_fp8(&m, s, lay, ep);
+    plan_finish(&m);
     return m;
 }
 
@@ -130,9 +163,12 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, int tp, int sp, int cp, int c
  * activation slots, with the expert side's buffers per slot. ZeRO shards
  * over the stage's dp x cp ranks; ZeRO-2/3 hold the stage's whole gradients
  * (accumulated over the step, reduce-scattered once: ddp.c accum_grads). */
-static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int cp, int cp_mode, int dp, int ep, int zero,
-                                    int micro_batch, ModelRecompute rec, size_t moment_bytes, size_t param_bytes,
-                                    int chunks, const int *lo, const int *hi, const int *slots, int split) {
+static PlanMemory plan_memory_stage(const ArchSpec *g, const PlanLayout *lay, int chunks, const int *lo, const int *hi,
+                                    const int *slots, int split) {
+    int tp = lay->tp, sp = lay->sp, cp = lay->cp, cp_mode = lay->cp_mode, dp = lay->dp, ep = lay->ep, zero = lay->zero;
+    int micro_batch = lay->micro_batch;
+    ModelRecompute rec = lay->recompute;
+    size_t moment_bytes = lay->moment_bytes, param_bytes = lay->param_bytes;
     PlanMemory m = {0};
     ArchSpec local;
     arch_tp_local(g, tp, 0, &local);
@@ -184,9 +220,8 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, int tp, int sp, int cp, i
     m.recompute = rec;
     m.activations = m.act_by_mode[rec][0];
     m.activations_bf16 = m.act_by_mode[rec][1];
-    double counted = m.state + m.activations + PLAN_WORKSPACE_BYTES;
-    m.overhead = PLAN_WORKSPACE_BYTES + PLAN_MARGIN * counted;
-    m.total = m.state + m.activations + m.overhead;
+    plan_add_fp8(&m, &local, lay, ep);
+    plan_finish(&m);
     return m;
 }
 
@@ -207,8 +242,8 @@ int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro,
            "(%s = %.1f%% of the compute)\n", p, c->pp_schedule, v > 1 ? " with virtual chunks" : "", micro,
            100.0 * theory, k == PIPE_INTERLEAVED ? "(p-1)/(v m)" : k == PIPE_ZB_H1 ? "(p-1)/(3m)" : "(p-1)/m",
            100.0 * formula);
-    ModelRecompute rec = model_recompute_parse(c->recompute);
-    size_t sb = optim_state_bytes(c->optim_state), pb = plan_param_bytes(c->master);
+    PlanLayout lay = plan_layout(c, dp);
+    lay.tp = tp;
     for (int r = 0; r < p; r++) {
         int lo[MODEL_MAX_CHUNKS], hi[MODEL_MAX_CHUNKS], slots[MODEL_MAX_CHUNKS], held = 0;
         char layers[256];
@@ -219,9 +254,7 @@ int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro,
             if (o < sizeof layers)
                 o += (size_t)snprintf(layers + o, sizeof layers - o, "%s%d..%d", ch ? ", " : "", lo[ch], hi[ch] - 1);
         }
-        int sp = tp > 1 && strcmp(c->sequence_parallel, "false") != 0;
-        PlanMemory m = plan_memory_stage(s, tp, sp, c->cp, cp_mode_parse(c->cp_attention), dp, c->ep, c->zero,
-                                         c->micro_batch, rec, sb, pb, v, lo, hi, slots, k == PIPE_ZB_H1);
+        PlanMemory m = plan_memory_stage(s, &lay, v, lo, hi, slots, k == PIPE_ZB_H1);
         printf("  stage %-16d layers %s%s%s: %.2fM parameters, %d activation slot(s) %.2f MiB; %.2f GiB per rank\n",
                r, layers, r == 0 ? " + embeddings" : "", r == p - 1 ? " + head" : "",
                m.count / 1e6, held, m.activations / 1048576.0, m.total / (1024.0 * 1024 * 1024));
@@ -331,6 +364,14 @@ void plan_print_activations(const PlanMemory *m) {
         printf("  recompute              %s (model.recompute): %.2f GiB less than none in fp32, %.2f GiB in bf16\n",
                model_recompute_name(m->recompute), (by[0][0] - m->activations) / GIB,
                (by[0][1] - m->activations_bf16) / GIB);
+    const ModelFp8Bytes *f = &m->fp8;
+    if (f->operands + f->scales + f->histories > 0) {
+        plan_print_bytes("fp8 buffers", (double)(f->operands + f->scales + f->histories));
+        plan_print_bytes("  operands and codes", (double)f->operands);
+        plan_print_bytes("  amaxes, scales", (double)f->scales);
+        if (f->histories) plan_print_bytes("  amax histories", (double)f->histories);
+        plan_print_bytes("fp8 buffers, bf16", m->fp8_bf16);
+    }
 }
 
 void plan_print_state(const PlanMemory *m, int dp, int zero) {
@@ -464,10 +505,9 @@ int plan_main(int argc, char **argv) {
                  (long long)c.total_tokens, c.micro_batch, c.seq_len, dp, (long long)unit, nearest, alt);
     }
 
-    ModelRecompute recompute = model_recompute_parse(c.recompute);
-    size_t sb = optim_state_bytes(c.optim_state), pb = plan_param_bytes(c.master); /* bytes per element */
-    int cpm = cp_mode_parse(c.cp_attention);
-    PlanMemory m = plan_memory_per_rank(&s, tp, sp, c.cp, cpm, dp, c.ep, c.zero, c.micro_batch, recompute, sb, pb);
+    PlanLayout lay = plan_layout(&c, dp);
+    size_t pb = lay.param_bytes;
+    PlanMemory m = plan_memory_per_rank(&s, &lay);
     if (c.pp > 1) rank_samples = 0; /* no suggestion yet: the stages above say what each rank holds */
     size_t params = plan_num_params(&s);
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d): %zu parameters "
@@ -515,13 +555,17 @@ int plan_main(int argc, char **argv) {
         int max_zero = pb == 2 ? 0 : c.ep > 1 ? 1 : 3; /* and expert parallelism ZeRO 0 or 1 */
         for (int z = 0; z <= max_zero && best_zero < 0; z++) {
             for (int j = 0; j < nd; j++) {
-                PlanMemory t = plan_memory_per_rank(&s, tp, sp, c.cp, cpm, dp, c.ep, z, div[j], recompute, sb, pb);
+                PlanLayout lz = lay;
+                lz.zero = z, lz.micro_batch = div[j];
+                PlanMemory t = plan_memory_per_rank(&s, &lz);
                 if (t.total <= cap) {
                     best_zero = z, best_mb = div[j], best = t;
                     break;
                 }
             }
-            PlanMemory t1 = plan_memory_per_rank(&s, tp, sp, c.cp, cpm, dp, c.ep, z, 1, recompute, sb, pb);
+            PlanLayout l1 = lay;
+            l1.zero = z, l1.micro_batch = 1;
+            PlanMemory t1 = plan_memory_per_rank(&s, &l1);
             if (least_zero < 0 || t1.total < least.total) least = t1, least_zero = z;
         }
     }

@@ -32,9 +32,11 @@ typedef struct PlanMemory {
     double cp_buffers;      /* of which context parallelism's K/V and dK/dV buffers (cp_buffer_bytes), fp32 */
     double activations_bf16; /* the same in bf16 (the GPU's default), for the report; not in total */
     double act_by_mode[3][2]; /* the same for each ModelRecompute, [0] fp32 [1] bf16 */
+    ModelFp8Bytes fp8;      /* precision.fp8's buffers (model_fp8_bytes), fp32 activations; in total */
+    double fp8_bf16;        /* their sum with bf16 activations, for the report */
     ModelRecompute recompute; /* model.recompute */
     double overhead;        /* PLAN_WORKSPACE_BYTES + PLAN_MARGIN of the rest */
-    double total;           /* state + activations + overhead */
+    double total;           /* state + activations + fp8 + overhead */
 } PlanMemory;
 
 /* Parameters of a GPT-2 shape, counted from the shape (no table, no arena):
@@ -54,8 +56,20 @@ size_t plan_num_params(const ArchSpec *s);
  * n_experts / ep of each layer's experts, whose ZeRO-1 state is split over
  * the dp / ep ranks holding the same ones, and the expert side's receive
  * buffers (ep_buffer_bytes) replace the model's own. */
-PlanMemory plan_memory_per_rank(const ArchSpec *s, int tp, int sp, int cp, int cp_mode, int dp, int ep, int zero,
-                                int micro_batch, ModelRecompute recompute, size_t moment_bytes, size_t param_bytes);
+/* fp8: precision.fp8's operand buffers, amaxes, scales and histories
+ * (model_fp8_bytes). The layout and precision come in a PlanLayout, which
+ * plan_layout fills from a config. */
+typedef struct PlanLayout {
+    int tp, sp, cp, cp_mode, dp, ep, zero, micro_batch;
+    ModelRecompute recompute;
+    size_t moment_bytes, param_bytes;
+    ModelFp8 fp8;
+} PlanLayout;
+struct Config;
+PlanLayout plan_layout(const struct Config *c, int dp);
+/* precision.fp8's keys as the model takes them (train.c, bench.c). */
+ModelFp8 plan_fp8_options(const struct Config *c);
+PlanMemory plan_memory_per_rank(const ArchSpec *s, const PlanLayout *l);
 
 /* Bytes one rank sends per optimizer step, by group (ring algorithms: an
  * all-reduce of B bytes sends 2 (k-1)/k B, an all-gather or a
@@ -87,8 +101,9 @@ void plan_print_bytes(const char *what, double bytes);
 void plan_print_state(const PlanMemory *m, int dp, int zero);
 
 /* The activation lines, in the same format: "activations" (fp32, the one
- * counted in the total), "activations, bf16", and a "recompute" line naming
- * model.recompute and what it saves (none: what the other modes would take). */
+ * counted in the total), "activations, bf16", a "recompute" line naming
+ * model.recompute and what it saves (none: what the other modes would
+ * take), and with precision.fp8 its buffers. */
 void plan_print_activations(const PlanMemory *m);
 
 /* Pipeline parallelism (pp > 1): the schedule (its bubble, the textbook
@@ -97,7 +112,6 @@ void plan_print_activations(const PlanMemory *m);
  * allocates them), for micro micro-batches per data-parallel rank. *worst:
  * the costliest stage's memory, for the verdict. Returns 0, or -1 with the
  * reason in err (a schedule or stage cut that cannot run). */
-struct Config;
 int plan_print_pp(const ArchSpec *s, const struct Config *c, int tp, int dp, int micro, int show_timeline,
                   PlanMemory *worst, char *err, size_t errn);
 

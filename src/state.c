@@ -354,30 +354,97 @@ static void state_bcast(void *ctx, void *buf, size_t n) { comm_broadcast_bytes(c
  * (rank 0 "fp8.amax_history", rank r "fp8.amax_history/rank<r>", as the
  * RNG): the weights' are the same on every rank but the activations' differ
  * over dp (and a routed expert's over cp), and all of them are a few floats
- * per product. A resume in the same layout loads this rank's, so the run
- * continues bit-identically; in another layout (or from a checkpoint without
- * them, or of another history length) they start fresh, with one warning:
- * their rows belong to the ranks and groups that wrote them. */
-static void state_fp8_resume(RunState *s, const char *path, char names[2][CKPT_NAME], size_t n, size_t k) {
-    char err[1400] = "", why[1600] = "";
+ * per product, in the model's layout-free form (model_fp8_history_get). */
+static void fp8_blob_names(int rank, char names[2][CKPT_NAME]) {
+    snprintf(names[0], CKPT_NAME, rank == 0 ? "fp8.amax_history" : "fp8.amax_history/rank%d", rank);
+    snprintf(names[1], CKPT_NAME, rank == 0 ? "fp8.amax_count" : "fp8.amax_count/rank%d", rank);
+}
+
+/* One rank's histories from checkpoint `path`, of lengths n and k; 0 and a
+ * reason in why if it has none or others. */
+static int fp8_read(const char *path, int rank, size_t n, size_t k, float **h, int64_t **cnt, char *why, size_t wn) {
+    char names[2][CKPT_NAME], err[1400] = "";
     size_t hl = 0, cl = 0;
-    void *h = NULL, *cnt = NULL;
-    if (s->resharded) {
-        snprintf(why, sizeof why, "the layout changed across the resume");
-    } else {
-        h = ckpt_read_blob(path, names[0], &hl, err, sizeof err);
-        cnt = h ? ckpt_read_blob(path, names[1], &cl, err, sizeof err) : NULL;
-        if (!h || !cnt) snprintf(why, sizeof why, "the checkpoint has none: %s", err);
-        else if (hl != n * sizeof(float) || cl != k * sizeof(int64_t))
-            snprintf(why, sizeof why, "the checkpoint's are of another length (%zu floats, this run's %zu: another "
-                     "precision.fp8_amax_history or model)", hl / sizeof(float), n);
+    fp8_blob_names(rank, names);
+    *h = ckpt_read_blob(path, names[0], &hl, err, sizeof err);
+    *cnt = *h ? ckpt_read_blob(path, names[1], &cl, err, sizeof err) : NULL;
+    if (!*h || !*cnt) snprintf(why, wn, "the checkpoint has none: %s", err);
+    else if (hl != n * sizeof(float) || cl != k * sizeof(int64_t))
+        snprintf(why, wn, "the checkpoint's are of another length (%zu floats, this run's %zu: another "
+                 "precision.fp8_amax_history or model)", hl / sizeof(float), n);
+    else return 1;
+    free(*h), free(*cnt);
+    *h = NULL, *cnt = NULL;
+    return 0;
+}
+
+/* A resume in the same layout loads this rank's own histories: the run
+ * continues bit-identically. In another layout each rank takes, from the
+ * old ranks of its dp index (modulo the old dp; those of its cp index
+ * first), what model_fp8_history_merge says means the same here: the
+ * weights' always, the activations' and output gradients' when dp is
+ * unchanged (a routed expert's when cp is too); the rest start fresh, and
+ * rank 0 says how many of each in one line. */
+static void state_fp8_resume(RunState *s, const char *path, size_t n, size_t k) {
+    char why[1600] = "";
+    float *h = NULL;
+    int64_t *cnt = NULL;
+    /* the layouts' shapes; a manifest's and StateMesh's dp count dp x cp (a manifest
+     * from before cp was recorded says cp 1: dp x cp is then one dp dimension, in the
+     * same rank order, so a cp run's activations' histories start fresh, once) */
+    const CkptMesh *om = &s->resumed_mesh;
+    int opp = om->pp > 0 ? om->pp : 1, ocp = om->cp > 0 ? om->cp : 1, otp = om->tp > 0 ? om->tp : 1;
+    int npp = s->mesh.pp > 0 ? s->mesh.pp : 1, ncp = s->mesh.cp > 0 ? s->mesh.cp : 1;
+    int ntp = s->mesh.tp > 0 ? s->mesh.tp : 1;
+    int odp = (om->dp > 0 ? om->dp : 1) / ocp, ndp = (s->mesh.dp > 0 ? s->mesh.dp : 1) / ncp;
+    MeshShape os = {{opp, odp, ocp, otp}, 1}, ns = {{npp, ndp, ncp, ntp}, 1};
+    /* the same layout: resharded (which compares dp x cp) says no and cp is the same */
+    if (!s->resharded && ocp == ncp) {
+        if (fp8_read(path, s->mesh.rank, n, k, &h, &cnt, why, sizeof why)) model_fp8_history_set(s->m, h, cnt);
+        else if (s->mesh.rank == 0)
+            kiln_warn("%s: key 'precision.fp8_amax_history': the fp8 delayed-scaling histories start fresh (%s); the "
+                      "resumed run is not bit-identical to an uninterrupted one", path, why);
+        free(h), free(cnt);
+        return;
     }
-    if (!why[0]) model_fp8_history_set(s->m, h, cnt);
-    else if (s->mesh.rank == 0)
-        kiln_warn("%s: key 'precision.fp8_amax_history': the fp8 delayed-scaling histories start fresh (%s); the "
-                  "resumed run is not bit-identical to an uninterrupted one", path, why);
-    free(h);
-    free(cnt);
+    int mine[MESH_NDIMS], oc[MESH_NDIMS];
+    mesh_coords(&ns, s->mesh.rank, mine);
+    int same_dp = os.size[MESH_DP] == ns.size[MESH_DP], same_cp = os.size[MESH_CP] == ns.size[MESH_CP];
+    float *out = xcalloc(n, sizeof(float));
+    int64_t *out_count = xcalloc(k, sizeof(int64_t)), *seen = xcalloc(k, sizeof(int64_t));
+    int carried = 0, ok = 1;
+    for (int pass = 0; pass < 2 && ok; pass++) /* the old ranks of this cp index first */
+        for (int r = 0; r < om->world && ok; r++) {
+            mesh_coords(&os, r, oc);
+            int cp_match = same_cp && oc[MESH_CP] == mine[MESH_CP];
+            if (oc[MESH_DP] != mine[MESH_DP] % odp || (pass == 0) != cp_match) continue;
+            if (!(ok = fp8_read(path, r, n, k, &h, &cnt, why, sizeof why))) break;
+            for (size_t j = 0; j < k; j++) seen[j] |= cnt[j] > 0;
+            carried += model_fp8_history_merge(s->m, h, cnt, same_dp, cp_match, out, out_count);
+            free(h), free(cnt);
+        }
+    int fresh = 0;
+    for (size_t j = 0; j < k; j++) fresh += seen[j] && !out_count[j];
+    if (ok) model_fp8_history_set(s->m, out, out_count);
+    if (s->mesh.rank == 0) {
+        if (!ok)
+            kiln_warn("%s: key 'precision.fp8_amax_history': the fp8 delayed-scaling histories start fresh (%s)", path,
+                      why);
+        else {
+            char from[120], to[120];
+            mesh_describe(&os, from, sizeof from);
+            mesh_describe(&ns, to, sizeof to);
+            kiln_warn("%s: key 'precision.fp8_amax_history': the layout changed across the resume (%s -> %s): %d fp8 "
+                      "delayed-scaling histories carried over (weights'%s), %d start fresh%s (rank 0)",
+                      path, from, to, carried,
+                      same_dp ? ", activations' and output gradients'" : "", fresh,
+                      !fresh ? "" : !same_dp ? " (activations' and output gradients': another dp puts other sequences "
+                                               "in a rank's micro-batches)"
+                                  : " (routed experts' activations and output gradients: their amaxes were each cp "
+                                    "rank's own rows)");
+        }
+    }
+    free(out), free(out_count), free(seen);
 }
 
 int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *resume, int force, const char *commit,
@@ -476,8 +543,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
     char fp8_names[2][CKPT_NAME];
     size_t fp8_n = model_fp8_history_len(m), fp8_k = model_fp8_count_len(m);
     if (fp8_n) {
-        snprintf(fp8_names[0], CKPT_NAME, rank == 0 ? "fp8.amax_history" : "fp8.amax_history/rank%d", rank);
-        snprintf(fp8_names[1], CKPT_NAME, rank == 0 ? "fp8.amax_count" : "fp8.amax_count/rank%d", rank);
+        fp8_blob_names(rank, fp8_names);
         s->fp8_hist = xcalloc(fp8_n, sizeof(float));
         s->fp8_count = xcalloc(fp8_k, sizeof(int64_t));
         ckpt_add_blob(w, fp8_names[0], CKPT_F32, fp8_n, 0, s->fp8_hist);
@@ -553,7 +619,7 @@ int state_open(RunState *s, const Config *c, const StateMesh *mesh, const char *
             s->resharded = info.mesh.world > 0 && (info.mesh.world != s->mesh.world || info.mesh.dp != s->mesh.dp ||
                                                    saved_tp != s->mesh.tp || saved_pp != pp || saved_ep != ep);
             s->resumed_mesh = info.mesh;
-            if (fp8_n) state_fp8_resume(s, path, fp8_names, fp8_n, fp8_k);
+            if (fp8_n) state_fp8_resume(s, path, fp8_n, fp8_k);
             kiln_strlcpy(s->resumed_path, path, sizeof s->resumed_path);
             if (s->resharded)
                 snprintf(mesh_note, sizeof mesh_note, "; resharded from %d rank(s) (pp %d x dp %d x tp %d, ep %d) to "
@@ -626,7 +692,7 @@ static void state_save(RunState *s) {
     if (s->fp8_hist) model_fp8_history_get(s->m, s->fp8_hist, s->fp8_count);
     CkptMeta meta = {s->step, s->c->hash, KILN_VERSION, s->commit,
                      {s->mesh.world > 0 ? s->mesh.world : 1, s->mesh.rank, s->mesh.dp > 0 ? s->mesh.dp : 1,
-                      s->mesh.tp > 0 ? s->mesh.tp : 1, s->mesh.pp > 0 ? s->mesh.pp : 1, 1,
+                      s->mesh.tp > 0 ? s->mesh.tp : 1, s->mesh.pp > 0 ? s->mesh.pp : 1, s->mesh.cp > 0 ? s->mesh.cp : 1,
                       s->mesh.ep > 0 ? s->mesh.ep : 1}};
     if (ckpt_save(s->writer, &meta) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "checkpoint at step %lld failed: %s; earlier checkpoints are untouched",

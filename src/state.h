@@ -36,6 +36,7 @@ typedef struct StateMesh {
                           unit (ZeRO-2 also keeps the whole parameters in the
                           model's arena); NULL otherwise */
     struct Adafactor *adafactor; /* optim.name adafactor: its second moments (adafactor_state) */
+    int cp;            /* context parallelism: dp above counts dp x cp (the ranks sharing the writes) */
     int pp, pp_rank;   /* pipeline parallelism: each stage writes its own layers; a tied
                           embedding's copy on the last stage (pp > 1) is the first stage's,
                           which writes it (0, 0: one stage) */

@@ -110,9 +110,8 @@ static void print_plan(const Config *c, const ArchSpec *s) {
            c->dp > 0 ? "" : " (parallel.dp: auto = ranks at launch)", tp, cp, c->ep,
            c->pp > 1 ? " (the whole model; pipeline stages below)" : "", c->zero);
     /* the same accounting `./train plan` uses (src/plan.c) */
-    PlanMemory mem = plan_memory_per_rank(s, tp, sp, cp, cp_mode_parse(c->cp_attention), dp, c->ep, c->zero,
-                                          c->micro_batch, model_recompute_parse(c->recompute),
-                                          optim_state_bytes(c->optim_state), plan_param_bytes(c->master));
+    PlanLayout lay = plan_layout(c, dp);
+    PlanMemory mem = plan_memory_per_rank(s, &lay);
     plan_print_state(&mem, dp * cp, c->zero);
     plan_print_activations(&mem);
     plan_print_tp(s, tp, sp, dp, c->ep, c->zero, c->micro_batch, c->grad_accum / dp);
@@ -524,9 +523,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
                        .ep = r->ep, .ep_rank = r->mesh.ep_rank, .doc_masking = c->doc_masking,
                        .doc_reset = !strcmp(c->doc_positions, "reset"),
                        .doc_eot = c->eot_id >= 0 ? c->eot_id : tok_eot(r->tok),
-                       .fp8 = {.mode = fp8_mode_parse(c->fp8), .grad_fmt = fp8_format_parse(c->fp8_grad),
-                               .wgrad = !strcmp(c->fp8_wgrad, "fp8"), .history = c->fp8_amax_history,
-                               .pow2 = c->fp8_pow2_scales, .head = c->fp8_head}};
+                       .fp8 = plan_fp8_options(c)};
     if ((mo.doc_masking || mo.doc_reset) && mo.doc_eot < 0) /* config.c refuses the byte tokenizer's */
         kiln_fail(KILN_EXIT_USAGE, "key 'data.eot_id': the %s tokenizer has no end-of-text id; set data.eot_id",
                   c->tokenizer);
@@ -657,7 +654,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
                        .tp = tp, .tp_rank = tpg->rank, .ep = r->ep, .edp_rank = r->mesh.edp_rank, .g = comm_world(),
                        .pieces = ddp_optim_pieces(&r->ddp) ? &r->ddp : NULL,
                        .units = r->param_shard ? &r->ddp : NULL, .adafactor = r->adafactor.be ? &r->adafactor : NULL,
-                       .pp = r->pp, .pp_rank = r->ppg->rank, .weights_unset = weights_unset};
+                       .cp = cp, .pp = r->pp, .pp_rank = r->ppg->rank, .weights_unset = weights_unset};
     r->start_step = state_open(&r->rs, c, &smesh, topt->resume, topt->force, topt->commit, model, &r->opt, r->train);
     model_params_changed(model); /* a resume loaded them: the compute copy follows */
     r->mx = metrics_open(c, rank, r->world, r->fpt, peak, peak_src, r->start_step);
@@ -769,13 +766,16 @@ static void train_describe(TrainRun *r) {
     if (model->master_bf16)
         metrics_print(mx, "parameters: bf16 (precision.master), no fp32 master (%.2f MiB saved); AdamW rounds each "
                           "update stochastically; gradients fp32", model->num_params * 4.0 / 1048576.0);
-    if (model->fp8.mode != FP8_OFF)
+    if (model->fp8.mode == FP8_BF16_OPERANDS)
+        metrics_print(mx, "bf16 operands (precision.fp8: bf16): the fp8 products' operands (the weight gradients' "
+                      "too) rounded to bf16 with no scale, products in fp32: a stand-in for bf16 compute "
+                      "(docs/precision.md)");
+    else if (model->fp8.mode != FP8_OFF)
         metrics_print(mx, "fp8 products (precision.fp8): %s scales%s%s, E4M3 forward, %s output gradients, weight "
                       "gradients %s, head %s; %s (docs/precision.md)", fp8_mode_name((Fp8Mode)model->fp8.mode),
                       model->fp8.pow2 ? " (powers of two)" : "", model->fp8.history ? ", delayed" : ", current",
                       fp8_format_name((Fp8Format)model->fp8.grad_fmt), model->fp8.wgrad ? "fp8" : "unquantised",
-                      model->fp8.head ? "fp8" : "unquantised", model->be->fp8_matmul && model->fp8.mode == FP8_TENSORWISE
-                      ? "fp8 tensor-core products" : "quantised operands, products in the activation dtype");
+                      model->fp8.head ? "fp8" : "unquantised", model_fp8_products(model));
     metrics_print(mx, "gelu fusion: %s", !model->gelu_fusion ? "off (precision.gelu_fusion), fc product and GeLU separate"
                   : fused ? "on: fc product and GeLU fused (forward and backward) by the backend"
                           : "not offered by this backend: fc product and GeLU separate");

@@ -64,8 +64,25 @@ typedef enum {
     CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12,
     CUBLASLT_MATMUL_DESC_A_SCALE_POINTER = 17,
     CUBLASLT_MATMUL_DESC_B_SCALE_POINTER = 18,
-    CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26
+    CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26,
+    CUBLASLT_MATMUL_DESC_D_SCALE_POINTER = 20,
+    CUBLASLT_MATMUL_DESC_A_SCALE_MODE = 31,
+    CUBLASLT_MATMUL_DESC_B_SCALE_MODE = 32,
+    CUBLASLT_MATMUL_DESC_C_SCALE_MODE = 33,
+    CUBLASLT_MATMUL_DESC_D_SCALE_MODE = 34,
+    CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_SCALE_MODE = 35,
+    CUBLASLT_MATMUL_DESC_D_OUT_SCALE_MODE = 37
 } cublasLtMatmulDescAttributes_t;
+/* cublasLt.h's scaling modes (cuBLAS 12.9 added OUTER_VEC_32F and the two
+ * 128-element ones; the stand-in runs SCALAR_32F and OUTER_VEC_32F) */
+typedef enum {
+    CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F = 0,
+    CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3 = 1,
+    CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0 = 2,
+    CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F = 3,
+    CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F = 4,
+    CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F = 5
+} cublasLtMatmulMatrixScale_t;
 typedef enum {
     CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,
     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES = 5,
@@ -83,6 +100,10 @@ struct EmuLtDesc {
     int64_t ldaux;
     const float *scale_a, *scale_b; /* fp8: device floats multiplying op(A), op(B) */
     int32_t bias_type;              /* BIAS_DATA_TYPE: -1 (the default) is the documented type */
+    /* the scaling modes of A, B, C, D, the aux matrix and D's output scale
+     * (attributes 31-35, 37; 0 = SCALAR_32F, the default), and D's scale */
+    int32_t mode[7];
+    const float *scale_d;
 };
 struct EmuLtLayout { int type; uint64_t rows, cols; int64_t ld; };
 struct EmuLtPref { uint64_t ws; uint32_t align[4]; /* A, B, C, D; the header's default 256 */ };
@@ -121,7 +142,8 @@ static inline cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
     return CUBLAS_STATUS_SUCCESS;
 }
 static inline cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t c, cudaDataType_t s) {
-    *d = new EmuLtDesc{(int)c, (int)s, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0, NULL, NULL, -1};
+    *d = new EmuLtDesc{(int)c, (int)s, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL, 0, NULL, NULL, -1, {0},
+                       NULL};
     emu_lt_live++;
     return CUBLAS_STATUS_SUCCESS;
 }
@@ -158,13 +180,34 @@ static inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t
         return CUBLAS_STATUS_SUCCESS;
     case CUBLASLT_MATMUL_DESC_A_SCALE_POINTER:
     case CUBLASLT_MATMUL_DESC_B_SCALE_POINTER:
+    case CUBLASLT_MATMUL_DESC_D_SCALE_POINTER:
         if (n != sizeof(void *)) return CUBLAS_STATUS_INVALID_VALUE;
-        memcpy(a == CUBLASLT_MATMUL_DESC_A_SCALE_POINTER ? (void *)&d->scale_a : (void *)&d->scale_b, buf, n);
+        memcpy(a == CUBLASLT_MATMUL_DESC_A_SCALE_POINTER   ? (void *)&d->scale_a
+               : a == CUBLASLT_MATMUL_DESC_B_SCALE_POINTER ? (void *)&d->scale_b
+                                                           : (void *)&d->scale_d,
+               buf, n);
         return CUBLAS_STATUS_SUCCESS;
     case CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE:
         if (n != sizeof(int32_t)) return CUBLAS_STATUS_INVALID_VALUE;
         memcpy(&d->bias_type, buf, n);
         return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_DESC_A_SCALE_MODE:
+    case CUBLASLT_MATMUL_DESC_B_SCALE_MODE:
+    case CUBLASLT_MATMUL_DESC_C_SCALE_MODE:
+    case CUBLASLT_MATMUL_DESC_D_SCALE_MODE:
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_SCALE_MODE:
+    case CUBLASLT_MATMUL_DESC_D_OUT_SCALE_MODE: {
+        /* int32_t; a value the library's version does not know is invalid
+         * (OUTER_VEC_32F is cuBLAS 12.9's) */
+        int32_t v;
+        if (n != sizeof v) return CUBLAS_STATUS_INVALID_VALUE;
+        memcpy(&v, buf, n);
+        if (v < 0 || v > CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F) return CUBLAS_STATUS_INVALID_VALUE;
+        if (v >= CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F && emu_lt_version < 120900)
+            return CUBLAS_STATUS_INVALID_VALUE;
+        d->mode[a - CUBLASLT_MATMUL_DESC_A_SCALE_MODE] = v;
+        return CUBLAS_STATUS_SUCCESS;
+    }
     }
     return CUBLAS_STATUS_INVALID_VALUE;
 }
@@ -215,6 +258,30 @@ static inline cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmul
  * which is stricter than the library (it reads a NULL scale as 1.0): kiln's
  * fp8 codes mean nothing unscaled, so a forgotten scale must not pass. */
 static inline int emu_lt_fp8(int t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
+/* Outer-vector scales (cuBLAS's "outer vector scaling for FP8 data types",
+ * cuBLAS 12.9): D_ij = alpha sA_i sB_j sum_l op(A)_il op(B)_lj + beta C_ij,
+ * sA of length m and sB of n, fp32. Refused as documented: unless both A's
+ * and B's modes are OUTER_VEC_32F and every other matrix's mode is left as
+ * it was (SCALAR_32F), on a GPU whose compute capability is not 9.0 (the
+ * documentation's table lists 9.0 alone for this mode), and (at
+ * cublasLtMatmul) with a D scale, which the mode has none of since D is
+ * never fp8 here. Modes the stand-in does not run (block scaling) are
+ * NOT_SUPPORTED. */
+static inline int emu_lt_outer_vec(cublasLtMatmulDesc_t d) {
+    return d->mode[0] == CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+}
+static inline cublasStatus_t emu_lt_validate_modes(cublasLtMatmulDesc_t d) {
+    const int32_t scalar = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    for (int i = 0; i < 7; i++)
+        if (d->mode[i] != scalar && d->mode[i] != outer) return CUBLAS_STATUS_NOT_SUPPORTED; /* not emulated */
+    int va = d->mode[0] == outer, vb = d->mode[1] == outer;
+    if (!va && !vb) return CUBLAS_STATUS_SUCCESS;
+    if (!va || !vb) return CUBLAS_STATUS_NOT_SUPPORTED;
+    for (int i = 2; i < 7; i++)
+        if (d->mode[i]) return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (emu_sm_major != 9 || emu_sm_minor != 0) return CUBLAS_STATUS_NOT_SUPPORTED;
+    return CUBLAS_STATUS_SUCCESS;
+}
 static inline cublasStatus_t emu_lt_validate_fp8(cublasLtMatmulDesc_t d, cublasLtMatrixLayout_t A,
                                                  cublasLtMatrixLayout_t B, cublasLtMatrixLayout_t C,
                                                  cublasLtMatrixLayout_t D) {
@@ -223,6 +290,8 @@ static inline cublasStatus_t emu_lt_validate_fp8(cublasLtMatmulDesc_t d, cublasL
     if (d->ta != CUBLAS_OP_T || d->tb != CUBLAS_OP_N) return CUBLAS_STATUS_NOT_SUPPORTED;
     if (C->type != D->type || (D->type != CUDA_R_16BF && D->type != CUDA_R_32F)) return CUBLAS_STATUS_NOT_SUPPORTED;
     if (d->epi != CUBLASLT_EPILOGUE_DEFAULT && d->epi != CUBLASLT_EPILOGUE_BIAS) return CUBLAS_STATUS_NOT_SUPPORTED;
+    cublasStatus_t st = emu_lt_validate_modes(d);
+    if (st != CUBLAS_STATUS_SUCCESS) return st;
     uint64_t m = D->rows, n = D->cols, k = A->rows;
     if (A->cols != m || B->rows != k || B->cols != n || C->rows != m || C->cols != n || C->ld != D->ld)
         return CUBLAS_STATUS_INVALID_VALUE;
@@ -236,6 +305,9 @@ static inline cublasStatus_t emu_lt_validate(cublasLtMatmulDesc_t d, cublasLtMat
                                              cublasLtMatrixLayout_t C, cublasLtMatrixLayout_t D) {
     if (d->compute != CUBLAS_COMPUTE_32F || d->scale != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
     if (emu_lt_fp8(A->type) || emu_lt_fp8(B->type)) return emu_lt_validate_fp8(d, A, B, C, D);
+    /* scales (and their modes) belong to narrow-precision products only */
+    for (int i = 0; i < 7; i++)
+        if (d->mode[i]) return CUBLAS_STATUS_INVALID_VALUE;
     if (A->type != B->type || C->type != D->type) return CUBLAS_STATUS_NOT_SUPPORTED;
     if (A->type == CUDA_R_32F && D->type != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
     if (A->type != CUDA_R_32F && A->type != CUDA_R_16BF) return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -323,12 +395,17 @@ static inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDe
     memcpy(&al, alpha, 4), memcpy(&be, beta, 4);
     if (emu_lt_fp8(A->type) && (emu_lt_align(a) < 16 || emu_lt_align(b) < 16 || emu_lt_align(dd) < 16))
         return CUBLAS_STATUS_NOT_SUPPORTED; /* fp8: every matrix pointer 16-byte aligned */
-    if (emu_lt_fp8(A->type)) { /* fp8: alpha times both operands' scales */
-        if (!d->scale_a || !d->scale_b || !emu_is_device(d->scale_a, 4) || !emu_is_device(d->scale_b, 4))
-            return CUBLAS_STATUS_INVALID_VALUE;
-        al *= *d->scale_a * *d->scale_b;
-    }
     uint64_t m = D->rows, n = D->cols, k = d->ta ? A->rows : A->cols;
+    int vec = emu_lt_fp8(A->type) && emu_lt_outer_vec(d);
+    if (emu_lt_fp8(A->type)) { /* fp8: alpha times both operands' scales (vec: sA_i sB_j per element, below) */
+        if (!d->scale_a || !d->scale_b) return CUBLAS_STATUS_INVALID_VALUE;
+        if (vec && d->scale_d) return CUBLAS_STATUS_INVALID_VALUE;
+        if (!emu_is_device(d->scale_a, (vec ? m : 1) * 4) || !emu_is_device(d->scale_b, (vec ? n : 1) * 4)) {
+            if (!vec) return CUBLAS_STATUS_INVALID_VALUE;
+            emu_fail("cublasLtMatmul: an outer-vector scale is not m (A) or n (B) floats of device memory");
+        }
+        if (!vec) al *= *d->scale_a * *d->scale_b;
+    }
     if (!emu_is_device(dd, ((n - 1) * D->ld + m) * (D->type == CUDA_R_16BF ? 2 : 4)))
         emu_fail("cublasLtMatmul: D is not (all) device memory");
     if (e == CUBLASLT_EPILOGUE_BGRADB) { /* the sum of op(B) over k, one per column of D, in C's type */
@@ -350,7 +427,7 @@ static inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDe
                 float y = emu_lt_load(b, B->type, d->tb ? l * B->ld + j : j * B->ld + l);
                 s += x * y;
             }
-            s *= al;
+            s *= vec ? al * d->scale_a[i] * d->scale_b[j] : al;
             if (emu_lt_bias_epi(e)) s += emu_lt_load(d->bias, D->type, i);
             if (e == CUBLASLT_EPILOGUE_GELU_AUX || e == CUBLASLT_EPILOGUE_GELU_AUX_BIAS) {
                 emu_lt_store((void *)d->aux, D->type, j * d->ldaux + i, s);

@@ -26,6 +26,7 @@
  *  - sumsq 1e-12 relative: double sums of fp32 squares in another order. */
 #include "cuda_emu.h"
 #include "max_rel.h"
+#include "test.h"
 
 #include "../cuda/embed_norm.cu"
 #include "../cuda/pointwise.cu"
@@ -91,10 +92,8 @@ void cuda_matmul_backward_dgelu(void *, float *, float *, const void *, const vo
                                 int, int) {
     emu_fail("matmul called");
 }
-void cuda_fp8_matmul(void *, const uint8_t *, const uint8_t *, const float *, const float *, int, int, const void *, int,
-                     int, int) {
-    emu_fail("matmul called");
-}
+void cuda_fp8_matmul(const Fp8Matmul *) { emu_fail("matmul called"); }
+int cuda_fp8_rowwise(void) { return 0; }
 /* its products are cuBLASLt's: test/matmul_emu.cc tests it */
 void cuda_newton_schulz(float *, int, int, int, float *) { emu_fail("matmul called"); }
 
@@ -977,8 +976,8 @@ static void test_fp8(int rows, int cols) {
         gpu->fp8_amax(da, dx, rows, cols, axis);
         check_exact(std::string("fp8_amax_") + axes[axis + 1] + sh, get_f32(da, n), Vec(ref.begin(), ref.begin() + n));
         CUDA_CHECK(cudaMemcpy(da, ref.data(), ref.size() * sizeof(float), cudaMemcpyHostToDevice));
-        for (int fmt = 0; fmt < 2; fmt++)
-            for (int pow2 = 0; pow2 < 2; pow2++) {
+        for (int fmt = 0; fmt < 3; fmt++) /* E4M3, E5M2, and bf16 rounding (precision.fp8: bf16; no scale) */
+            for (int pow2 = 0; pow2 < (fmt < 2 ? 2 : 1); pow2++) {
                 Vec want(x.size());
                 fp8_qdq_f32(want.data(), x.data(), ref.data(), 2, rows, cols, axis, (Fp8Format)fmt, pow2);
                 void *dy;
@@ -994,32 +993,110 @@ static void test_fp8(int rows, int cols) {
     cudaFree(dx);
 }
 
+/* fp8_cast (the codes for the fp8 products, one pass in 32 x 32 tiles)
+ * against src/fp8.h's host encoder, to the byte: tensorwise (one scale for
+ * q and the transposed qt, from the max of P = 2 amax rows as two tp ranks
+ * give, the tensor's own amax recorded in the same pass as delayed scaling
+ * does) and rowwise (q per row, qt per column of x), both formats, plain and
+ * power-of-two scales; then q or qt alone. The inverse scales are 1 / s of
+ * the host's s, the recorded amax the host's fp8_amax_f32. Shapes with
+ * partial tiles both ways and one row wider than many tiles. */
+static void test_fp8_cast(int rows, int cols) {
+    std::string sh = "_" + std::to_string(rows) + "x" + std::to_string(cols);
+    Vec x = rnd_act((size_t)rows * cols, 1.0f);
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) x[(size_t)i * cols + j] *= (float)(1 + (i + 2 * j) % 5) * 0.25f;
+    x = act_round(x);
+    x[7 % x.size()] = 300.0f;
+    x[11 % x.size()] = 0.0f;
+    void *dx = dev_act(x);
+    size_t n = x.size();
+    Vec ta(1), ra((size_t)rows), ca((size_t)cols);
+    fp8_amax_f32(ta.data(), x.data(), rows, cols, FP8_AXIS_TENSOR);
+    fp8_amax_f32(ra.data(), x.data(), rows, cols, FP8_AXIS_ROW);
+    fp8_amax_f32(ca.data(), x.data(), rows, cols, FP8_AXIS_COL);
+    for (int rowwise = 0; rowwise <= 1; rowwise++)
+        for (int fmt = 0; fmt < 2; fmt++)
+            for (int pow2 = 0; pow2 < 2; pow2++) {
+                /* two rows of amaxes: this rank's and another's, larger for some entries */
+                Vec aq = rowwise ? ra : ta, at = ca;
+                size_t nq = aq.size(), nt = at.size();
+                aq.resize(2 * nq), at.resize(2 * nt);
+                for (size_t k = 0; k < nq; k++) aq[nq + k] = aq[k] * (k % 2 ? 1.5f : 0.5f);
+                for (size_t k = 0; k < nt; k++) at[nt + k] = at[k] * (k % 3 ? 0.5f : 2.0f);
+                std::vector<uint8_t> wq(n), wt(n);
+                Vec wiq(rowwise ? rows : 1), wit(rowwise ? cols : 1);
+                for (int i = 0; i < rows; i++)
+                    for (int j = 0; j < cols; j++) {
+                        int kq = rowwise ? i : 0;
+                        float sq = fp8_scale(fmaxf(aq[kq], aq[nq + kq]), (Fp8Format)fmt, pow2);
+                        float st = rowwise ? fp8_scale(fmaxf(at[j], at[nt + j]), (Fp8Format)fmt, pow2) : sq;
+                        float v = x[(size_t)i * cols + j];
+                        wq[(size_t)i * cols + j] = fp8_from_f32(v * sq, (Fp8Format)fmt);
+                        wt[(size_t)j * rows + i] = fp8_from_f32(v * st, (Fp8Format)fmt);
+                        wiq[kq] = 1.0f / sq;
+                        wit[rowwise ? j : 0] = 1.0f / st;
+                    }
+                float *daq = dev_f32(aq), *dat = dev_f32(at), *iq, *it, *rec;
+                uint8_t *q, *qt;
+                CUDA_CHECK(cudaMalloc(&q, n));
+                CUDA_CHECK(cudaMalloc(&qt, n));
+                CUDA_CHECK(cudaMalloc(&iq, wiq.size() * 4));
+                CUDA_CHECK(cudaMalloc(&it, wit.size() * 4));
+                CUDA_CHECK(cudaMalloc(&rec, 4));
+                Fp8Cast c;
+                memset(&c, 0, sizeof c);
+                c.q = q, c.qt = qt, c.inv_q = iq, c.inv_t = it, c.amax_q = daq, c.amax_t = dat, c.P_q = 2, c.P_t = 2;
+                c.rowwise = rowwise, c.fmt = fmt, c.pow2 = pow2, c.amax_out = rowwise ? NULL : rec;
+                gpu->fp8_cast(&c, dx, rows, cols);
+                std::vector<uint8_t> gq(n), gt(n);
+                CUDA_CHECK(cudaMemcpy(gq.data(), q, n, cudaMemcpyDeviceToHost));
+                CUDA_CHECK(cudaMemcpy(gt.data(), qt, n, cudaMemcpyDeviceToHost));
+                size_t bad = 0, bad1 = 0;
+                for (size_t k = 0; k < n; k++) bad += gq[k] != wq[k], bad += gt[k] != wt[k];
+                Vec giq = get_f32(iq, wiq.size()), git = get_f32(it, wit.size()), grec = get_f32(rec, 1);
+                int inv_ok = memcmp(giq.data(), wiq.data(), wiq.size() * 4) == 0 &&
+                             memcmp(git.data(), wit.data(), wit.size() * 4) == 0;
+                int rec_ok = rowwise || grec[0] == ta[0];
+                /* one of the two alone: the other buffer untouched (0xff from cudaMalloc) */
+                CUDA_CHECK(cudaMemset(qt, 0xff, n));
+                c.qt = NULL, c.amax_out = NULL;
+                gpu->fp8_cast(&c, dx, rows, cols);
+                CUDA_CHECK(cudaMemcpy(gq.data(), q, n, cudaMemcpyDeviceToHost));
+                CUDA_CHECK(cudaMemcpy(gt.data(), qt, n, cudaMemcpyDeviceToHost));
+                for (size_t k = 0; k < n; k++) bad1 += gq[k] != wq[k], bad1 += gt[k] != 0xff;
+                c.qt = qt, c.q = NULL, c.inv_q = NULL, c.amax_q = rowwise ? NULL : daq;
+                CUDA_CHECK(cudaMemset(q, 0xff, n));
+                gpu->fp8_cast(&c, dx, rows, cols);
+                CUDA_CHECK(cudaMemcpy(gq.data(), q, n, cudaMemcpyDeviceToHost));
+                CUDA_CHECK(cudaMemcpy(gt.data(), qt, n, cudaMemcpyDeviceToHost));
+                for (size_t k = 0; k < n; k++) bad1 += gq[k] != 0xff, bad1 += gt[k] != wt[k];
+                std::string name = std::string("fp8_cast_") + (rowwise ? "rowwise_" : "tensorwise_") +
+                                   fp8_format_name((Fp8Format)fmt) + (pow2 ? "_pow2" : "") + sh;
+                char d[200];
+                snprintf(d, sizeof d, "%zu of %zu codes differ from the host encoder, %zu of %zu with q or qt alone; "
+                         "inverse scales %s, recorded amax %s", bad, 2 * n, bad1, 4 * n, inv_ok ? "exact" : "DIFFER",
+                         rowwise ? "-" : rec_ok ? "exact" : "DIFFERS");
+                report_s(name, bad == 0 && bad1 == 0 && inv_ok && rec_ok, d);
+                cudaFree(daq), cudaFree(dat), cudaFree(q), cudaFree(qt), cudaFree(iq), cudaFree(it), cudaFree(rec);
+            }
+    cudaFree(dx);
+}
+
 /* A GPU before sm_89 (here the emulation reporting sm_86) refuses the
  * first fp8 op: exit 2, one line naming the key and the device's sm. */
+static void old_gpu_child(void *) {
+    emu_sm_major = 8, emu_sm_minor = 6, fp8_device_checked = 0;
+    float *a;
+    CUDA_CHECK(cudaMalloc(&a, 16));
+    gpu->fp8_amax(a, a, 1, 1, FP8_AXIS_TENSOR);
+}
 static void test_fp8_old_gpu(void) {
-    char path[] = "/tmp/kiln_fp8_smXXXXXX";
-    int fd = mkstemp(path);
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fd, 2);
-        emu_sm_major = 8, emu_sm_minor = 6, fp8_device_checked = 0;
-        float *a;
-        CUDA_CHECK(cudaMalloc(&a, 16));
-        gpu->fp8_amax(a, a, 1, 1, FP8_AXIS_TENSOR);
-        _exit(0);
-    }
-    int st = 0;
-    waitpid(pid, &st, 0);
-    char err[512] = "";
-    ssize_t n = pread(fd, err, sizeof err - 1, 0);
-    err[n > 0 ? n : 0] = '\0';
-    close(fd), unlink(path);
-    int lines = 0;
+    char err[512];
+    int rc = test_run_child(old_gpu_child, NULL, err, sizeof err), lines = 0;
     for (char *c = err; *c; c++) lines += *c == '\n';
     if (lines && err[strlen(err) - 1] == '\n') err[strlen(err) - 1] = '\0';
-    int ok = WIFEXITED(st) && WEXITSTATUS(st) == 2 && lines == 1 && strstr(err, "key 'precision.fp8'") &&
-             strstr(err, "sm_86");
+    int ok = rc == 2 && lines == 1 && strstr(err, "key 'precision.fp8'") && strstr(err, "sm_86");
     report_s("fp8_refuses_before_sm89", ok, err[0] ? err : "no message");
 }
 
@@ -1640,6 +1717,9 @@ int main(void) {
         test_fp8(37, 48);
         if (!bf) test_fp8_old_gpu();
         test_fp8(5, 1100); /* rows longer than a block's threads */
+        test_fp8_cast(37, 48);
+        test_fp8_cast(5, 1100);
+        test_fp8_cast(64, 96);
         test_cast(1001, 0);
         test_cast(1001, 1);
         test_cast(5, 0);

@@ -221,6 +221,19 @@ template <typename T> static inline T __shfl_sync(unsigned mask, T v, int src, i
     return emu_shfl(mask, v, (l & ~(unsigned)(width - 1)) + ((unsigned)src % width), 0);
 }
 
+/* Integer atomics: blocks run one at a time and threads switch only at
+ * barriers, so a read-modify-write is atomic here as on the GPU. */
+static inline unsigned atomicMax(unsigned *a, unsigned v) {
+    unsigned old = *a;
+    *a = old > v ? old : v;
+    return old;
+}
+static inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
 /* ---- shared memory: one dynamic buffer (227 KiB, an H100/H200's most per
  * block) with a 4 KiB canary behind the launch's size */
 #define EMU_SMEM_MAX (227 * 1024)
@@ -420,12 +433,15 @@ static inline cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
 static inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = 0) { return cudaSuccess; }
 static inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 static inline cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; } /* recorded work is done */
-/* cuBLASLt's version for the backend's description line only; the library
- * itself is test/cublaslt_emu.h (test/matmul_emu.cc), not needed here. */
+/* cuBLASLt's version, for the backend's description line and for what
+ * kiln asks of the library (matmul.cu cuda_fp8_rowwise: cuBLAS 12.9's
+ * outer-vector scales); the library itself is test/cublaslt_emu.h
+ * (test/matmul_emu.cc). A test lowers it to see kiln do without. */
 #define CUBLAS_VER_MAJOR 0
 #define CUBLAS_VER_MINOR 0
 #define CUBLAS_VER_PATCH 0
-static inline size_t cublasLtGetVersion() { return 0; }
+inline size_t emu_lt_version = 130100; /* major 10000 + minor 100 + patch */
+static inline size_t cublasLtGetVersion() { return emu_lt_version; }
 
 /* ---- the device's limits */
 enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };

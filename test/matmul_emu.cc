@@ -20,6 +20,7 @@
 #include "max_rel.h"
 #include "singular_values.h"
 #include "cublaslt_emu.h"
+#include "test.h"
 
 #include "../cuda/embed_norm.cu"
 #include "../cuda/pointwise.cu"
@@ -34,6 +35,9 @@
 #include "../cuda/backend_cuda.cu"
 
 #include <random>
+
+/* the fp8 tests' designated initializers leave the other members zero, as in C */
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 #include <string>
 
 typedef std::vector<float> Vec;
@@ -146,7 +150,7 @@ static void test_matmul(int N, int C, int OC, int boff) {
 /* A descriptor as cublasLtMatmulDescCreate(32F, 32F) and kiln's attributes
  * make it (BIAS_DATA_TYPE unset), for the refusal checks. */
 static EmuLtDesc lt_desc(int32_t ta, int32_t tb, uint32_t epi, const void *bias) {
-    return EmuLtDesc{CUBLAS_COMPUTE_32F, CUDA_R_32F, ta, tb, epi, bias, NULL, 0, NULL, NULL, -1};
+    return EmuLtDesc{CUBLAS_COMPUTE_32F, CUDA_R_32F, ta, tb, epi, bias, NULL, 0, NULL, NULL, -1, {0}, NULL};
 }
 
 /* BGRADB as cublasLt.h documents it, on the stand-in's own checks: kiln's
@@ -339,48 +343,91 @@ static void test_newton_schulz(double *lo, double *hi, int *left_out) {
 }
 
 /* fp8 products (bf16 round): fp8_cast's codes and inverse scales into
- * cuda_fp8_matmul's TN cuBLASLt product, forward (x, w as they are) and the
- * input gradient (dout in E5M2, w cast transposed), against the CPU
- * backend's fp8 emulation (the same quantisation, fp32 product of the
- * dequantised operands), rounded to bf16. Both products sum the same exact
- * fp8 values in fp32 in other orders and apply the scales once (here) or
- * per element (the CPU): a few fp32 ulps, under the bf16 store's 2^-9, so
- * bf16's 1e-2. Then the stand-in's fp8 refusals, each as cublasLt.h
- * documents it (or stricter: a missing scale). */
-static void test_fp8_matmul(int N, int C, int OC) {
-    std::string s = "N" + std::to_string(N) + "_C" + std::to_string(C) + "_OC" + std::to_string(OC);
+ * cuda_fp8_matmul's TN cuBLASLt product, forward (x, w as they are, with a
+ * bias), the input gradient (dout in E5M2, w cast transposed) and the weight
+ * gradient (x^T and dout^T, fp32 out added to what dw held), tensorwise
+ * (one scale each) or rowwise (cuBLASLt's outer-vector scales: per row of
+ * x and w; per row of dout and column of w; per column of dout and x),
+ * against the CPU backend's fp8 emulation: the same quantisation (fp8_qdq
+ * along the same axes), fp32 products of the dequantised operands. Both
+ * sum the same exact fp8 products (an E4M3 x E5M2 product has at most 7
+ * significant bits) in fp32 in other orders and apply the scales once
+ * (here) or per element (the CPU, each dequantised element then a rounding
+ * of 2^-24 off): a few fp32 ulps of the largest term. Act outputs are then
+ * stored in bf16 (2^-9): bf16's 1e-2; the fp32 weight gradient keeps the
+ * file's fp32 1e-5 (measured well under it). Then the stand-in's fp8
+ * refusals, each as cublasLt.h and the cuBLAS documentation state it (or
+ * stricter: a missing scale). */
+static void emu_cast(const Fp8Cast &c, const void *x, int rows, int cols) { gpu->fp8_cast(&c, x, rows, cols); }
+static void emu_mm(const Fp8Matmul &p) { gpu->fp8_matmul(&p); }
+static void test_fp8_matmul(int N, int C, int OC, int rowwise) {
+    std::string s = std::string(rowwise ? "rowwise" : "tensorwise") + "_N" + std::to_string(N) + "_C" +
+                    std::to_string(C) + "_OC" + std::to_string(OC);
     Vec x = rnd_act((size_t)N * C, 1.0f), w = rnd_act((size_t)OC * C, 0.05f), b = rnd_act(OC, 0.5f);
-    Vec dout = rnd_act((size_t)N * OC, 1e-3f);
+    Vec dout = rnd_act((size_t)N * OC, 1e-3f), dw0 = rnd_act((size_t)OC * C, 0.1f);
+    for (int i = 0; i < N; i++) /* rows of different magnitudes: rowwise scales differ */
+        for (int j = 0; j < C; j++) x[(size_t)i * C + j] = backend_act_round(x[(size_t)i * C + j] * (1 + i % 7), AB);
     void *gx = dev_put(x, 0, AB), *gw = dev_put(w, 0, AB), *gb = dev_put(b, 16, AB), *gd = dev_put(dout, 0, AB);
     uint8_t *qx = (uint8_t *)dev_out((size_t)N * C, 1), *qw = (uint8_t *)dev_out((size_t)OC * C, 1);
-    uint8_t *qd = (uint8_t *)dev_out((size_t)N * OC, 1);
-    float *amax = (float *)dev_out(4, 4), *inv = (float *)dev_out(4, 4);
-    /* host reference: amaxes, quantised operands, fp32 products */
-    float ax, aw, ad;
-    fp8_amax_f32(&ax, x.data(), N, C, FP8_AXIS_TENSOR);
-    fp8_amax_f32(&aw, w.data(), OC, C, FP8_AXIS_TENSOR);
-    fp8_amax_f32(&ad, dout.data(), N, OC, FP8_AXIS_TENSOR);
-    Vec qxh(x.size()), qwh(w.size()), qdh(dout.size()), ref((size_t)N * OC), rdinp((size_t)N * C);
-    fp8_qdq_f32(qxh.data(), x.data(), &ax, 1, N, C, FP8_AXIS_TENSOR, FP8_E4M3, 0);
-    fp8_qdq_f32(qwh.data(), w.data(), &aw, 1, OC, C, FP8_AXIS_TENSOR, FP8_E4M3, 0);
-    fp8_qdq_f32(qdh.data(), dout.data(), &ad, 1, N, OC, FP8_AXIS_TENSOR, FP8_E5M2, 0);
+    uint8_t *qd = (uint8_t *)dev_out((size_t)N * OC, 1), *qdt = (uint8_t *)dev_out((size_t)N * OC, 1);
+    int n = N > C ? N : C;
+    n = n > OC ? n : OC;
+    float *amax[6], *inv[6];
+    for (int k = 0; k < 6; k++) amax[k] = (float *)dev_out(n, 4), inv[k] = (float *)dev_out(n, 4);
+    int row = rowwise ? FP8_AXIS_ROW : FP8_AXIS_TENSOR, col = rowwise ? FP8_AXIS_COL : FP8_AXIS_TENSOR;
+    /* host reference: amaxes, quantised operands along each product's contraction, fp32 products */
+    Vec ax(n), aw(n), ad(n), adc(n), awc(n), axc(n);
+    fp8_amax_f32(ax.data(), x.data(), N, C, row);
+    fp8_amax_f32(aw.data(), w.data(), OC, C, row);
+    fp8_amax_f32(ad.data(), dout.data(), N, OC, row);
+    fp8_amax_f32(adc.data(), dout.data(), N, OC, col);
+    fp8_amax_f32(awc.data(), w.data(), OC, C, col);
+    fp8_amax_f32(axc.data(), x.data(), N, C, col);
+    Vec qxh(x.size()), qwh(w.size()), qdh(dout.size()), qdc(dout.size()), qwc(w.size()), qxc(x.size());
+    fp8_qdq_f32(qxh.data(), x.data(), ax.data(), 1, N, C, row, FP8_E4M3, 0);
+    fp8_qdq_f32(qwh.data(), w.data(), aw.data(), 1, OC, C, row, FP8_E4M3, 0);
+    fp8_qdq_f32(qdh.data(), dout.data(), ad.data(), 1, N, OC, row, FP8_E5M2, 0);
+    fp8_qdq_f32(qdc.data(), dout.data(), adc.data(), 1, N, OC, col, FP8_E5M2, 0);
+    fp8_qdq_f32(qwc.data(), w.data(), awc.data(), 1, OC, C, col, FP8_E4M3, 0);
+    fp8_qdq_f32(qxc.data(), x.data(), axc.data(), 1, N, C, col, FP8_E4M3, 0);
+    Vec ref((size_t)N * OC), rdinp((size_t)N * C), rdw = dw0;
     cpu->matmul_forward(ref.data(), qxh.data(), qwh.data(), b.data(), N, C, OC);
-    cpu->matmul_backward(rdinp.data(), NULL, NULL, qdh.data(), NULL, qwh.data(), N, C, OC, 0);
-    gpu->fp8_amax(amax, gx, N, C, FP8_AXIS_TENSOR);
-    gpu->fp8_amax(amax + 1, gw, OC, C, FP8_AXIS_TENSOR);
-    gpu->fp8_amax(amax + 2, gd, N, OC, FP8_AXIS_TENSOR);
-    gpu->fp8_cast(qx, inv, gx, amax, 1, N, C, FP8_E4M3, 0, 0);
-    gpu->fp8_cast(qw, inv + 1, gw, amax + 1, 1, OC, C, FP8_E4M3, 0, 0);
+    cpu->matmul_backward(rdinp.data(), NULL, NULL, qdh.data(), NULL, qwc.data(), N, C, OC, 0);
+    cpu->matmul_backward(NULL, rdw.data(), NULL, qdc.data(), qxc.data(), w.data(), N, C, OC, 1);
+    /* the GPU side, as model_fp8.c runs it */
+    gpu->fp8_amax(amax[0], gx, N, C, row);
+    gpu->fp8_amax(amax[1], gw, OC, C, row);
+    emu_cast(Fp8Cast{.q = qx, .inv_q = inv[0], .amax_q = amax[0], .P_q = 1, .rowwise = rowwise}, gx, N, C);
+    emu_cast(Fp8Cast{.q = qw, .inv_q = inv[1], .amax_q = amax[1], .P_q = 1, .rowwise = rowwise}, gw, OC, C);
     void *out = dev_out((size_t)N * OC, AB);
-    gpu->fp8_matmul(out, qw, qx, inv + 1, inv, FP8_E4M3, FP8_E4M3, gb, N, C, OC);
+    emu_mm(Fp8Matmul{.out = out, .a = qw, .b = qx, .sa = inv[1], .sb = inv[0], .fmt_a = FP8_E4M3,
+                                 .fmt_b = FP8_E4M3, .rowwise = rowwise, .bias = gb, .N = N, .K = C, .M = OC});
     check("fp8_forward_bias_" + s, get(out, (size_t)N * OC, AB), act_round(ref), 1e-2);
-    gpu->fp8_cast(qd, inv + 2, gd, amax + 2, 1, N, OC, FP8_E5M2, 0, 0);
-    gpu->fp8_cast(qw, inv + 3, gw, amax + 1, 1, OC, C, FP8_E4M3, 0, 1); /* w^T (C, OC) */
+    gpu->fp8_amax(amax[2], gd, N, OC, row);
+    gpu->fp8_amax(amax[3], gd, N, OC, col);
+    gpu->fp8_amax(amax[4], gw, OC, C, col);
+    gpu->fp8_amax(amax[5], gx, N, C, col);
+    emu_cast(Fp8Cast{.q = qd, .qt = qdt, .inv_q = inv[2], .inv_t = inv[3], .amax_q = amax[2],
+                             .amax_t = amax[3], .P_q = 1, .P_t = 1, .rowwise = rowwise, .fmt = FP8_E5M2}, gd, N, OC);
+    emu_cast(Fp8Cast{.qt = qw, .inv_t = inv[4], .amax_q = amax[1], .amax_t = amax[4], .P_q = 1, .P_t = 1,
+                             .rowwise = rowwise}, gw, OC, C); /* w^T (C, OC) */
     void *dinp = dev_out((size_t)N * C, AB);
-    gpu->fp8_matmul(dinp, qw, qd, inv + 3, inv + 2, FP8_E4M3, FP8_E5M2, NULL, N, OC, C);
+    emu_mm(Fp8Matmul{.out = dinp, .a = qw, .b = qd, .sa = inv[4], .sb = inv[2], .fmt_a = FP8_E4M3,
+                                 .fmt_b = FP8_E5M2, .rowwise = rowwise, .N = N, .K = OC, .M = C});
     check("fp8_dinp_e5m2_" + s, get(dinp, (size_t)N * C, AB), act_round(rdinp), 1e-2);
+    emu_cast(Fp8Cast{.qt = qx, .inv_t = inv[5], .amax_q = amax[0], .amax_t = amax[5], .P_q = 1, .P_t = 1,
+                             .rowwise = rowwise}, gx, N, C); /* x^T (C, N) */
+    float *dw = (float *)dev_put(dw0, 0, 4);
+    emu_mm(Fp8Matmul{.out = dw, .a = qx, .b = qdt, .sa = inv[5], .sb = inv[3], .fmt_a = FP8_E4M3,
+                                 .fmt_b = FP8_E5M2, .rowwise = rowwise, .out_f32 = 1, .accumulate = 1, .N = OC, .K = N,
+                                 .M = C});
+    check("fp8_wgrad_accumulate_" + s, get(dw, (size_t)OC * C, 4), rdw, 1e-5);
 }
 
+/* The stand-in's fp8 refusals: the layout and type rules of cublasLtMatmul's
+ * fp8 kernels, then outer-vector scaling's (both A and B, nothing else
+ * changed, compute capability 9.0, cuBLAS 12.9, no D scale), and a scaling
+ * mode on a bf16 product; cuda_fp8_rowwise follows the device and library. */
 static void test_fp8_refusals(void) {
     EmuLtDesc d = lt_desc(CUBLAS_OP_T, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL);
     /* m 32, n 48, k 64: A (k, m) transposed, B (k, n), D (m, n) */
@@ -410,19 +457,85 @@ static void test_fp8_refusals(void) {
     float one = 1.0f, zero = 0.0f;
     int scales = cublasLtMatmul(mm_handle, &d, &one, a, &A, bb, &B, &zero, dd, &D, dd, &D, &algo, NULL, 0, 0) ==
                  CUBLAS_STATUS_INVALID_VALUE;
-    float *sc = (float *)dev_out(1, 4);
-    CUDA_CHECK(cudaMemcpy(sc, &one, 4, cudaMemcpyHostToDevice));
+    float *sc = (float *)dev_put(Vec(48, 1.0f), 0, 4);
     d.scale_a = d.scale_b = sc;
     int runs = cublasLtMatmul(mm_handle, &d, &one, a, &A, bb, &B, &zero, dd, &D, dd, &D, &algo, NULL, 0, 0) ==
                CUBLAS_STATUS_SUCCESS;
     int misaligned = cublasLtMatmul(mm_handle, &d, &one, (char *)a + 8, &A, bb, &B, &zero, dd, &D, dd, &D, &algo,
                                     NULL, 0, 0) == CUBLAS_STATUS_NOT_SUPPORTED;
-    char msg[240];
+    char msg[400];
     snprintf(msg, sizeof msg, "TN accepted %d, runs with scales %d; refused: NN %d, E5M2 x E5M2 %d, k 24 %d, ld 72 %d, "
              "fp8 x bf16 %d, GELU_AUX %d, no scales %d, A 8-byte aligned %d", ok, runs, layout, both_e5m2, k16, ld16,
              mixed, epi, scales, misaligned);
     report("fp8_cublaslt_refusals",
            ok && runs && layout && both_e5m2 && k16 && ld16 && mixed && epi && scales && misaligned, msg);
+
+    /* outer-vector scales: m 32 (A's vector), n 48 (B's) */
+    int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, scalar = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    EmuLtDesc v = d;
+    int set = cublasLtMatmulDescSetAttribute(&v, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec, sizeof vec) == 0 &&
+              cublasLtMatmulDescSetAttribute(&v, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &vec, sizeof vec) == 0;
+    int vok = set && emu_lt_validate(&v, &A, &B, &D, &D) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatmul(mm_handle, &v, &one, a, &A, bb, &B, &zero, dd, &D, dd, &D, &algo, NULL, 0, 0) ==
+                  CUBLAS_STATUS_SUCCESS;
+    int64_t wide = vec;
+    int size = cublasLtMatmulDescSetAttribute(&v, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &wide, sizeof wide) ==
+               CUBLAS_STATUS_INVALID_VALUE;
+    EmuLtDesc one_side = d;
+    cublasLtMatmulDescSetAttribute(&one_side, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec, sizeof vec);
+    int only_a = emu_lt_validate(&one_side, &A, &B, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    EmuLtDesc cmode = v;
+    int32_t blk = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    cublasLtMatmulDescSetAttribute(&cmode, CUBLASLT_MATMUL_DESC_C_SCALE_MODE, &blk, sizeof blk);
+    int other = emu_lt_validate(&cmode, &A, &B, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    EmuLtDesc dscale = v;
+    cublasLtMatmulDescSetAttribute(&dscale, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &sc, sizeof sc);
+    int no_d = cublasLtMatmul(mm_handle, &dscale, &one, a, &A, bb, &B, &zero, dd, &D, dd, &D, &algo, NULL, 0, 0) ==
+               CUBLAS_STATUS_INVALID_VALUE;
+    EmuLtDesc bf = v;
+    bf.ta = CUBLAS_OP_N;
+    EmuLtLayout Abf = {CUDA_R_16BF, 32, 64, 32}, Bbf2 = {CUDA_R_16BF, 64, 48, 64};
+    int narrow = emu_lt_validate(&bf, &Abf, &Bbf2, &D, &D) == CUBLAS_STATUS_INVALID_VALUE;
+    emu_sm_major = 8, emu_sm_minor = 9;
+    int ada = emu_lt_validate(&v, &A, &B, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    mm_fp8_rowwise = -1;
+    int ada_kiln = gpu->fp8_rowwise() == 0;
+    emu_sm_major = 10, emu_sm_minor = 0;
+    int blackwell = emu_lt_validate(&v, &A, &B, &D, &D) == CUBLAS_STATUS_NOT_SUPPORTED;
+    emu_sm_major = 9, emu_sm_minor = 0;
+    emu_lt_version = 120800;
+    EmuLtDesc old = d;
+    int v128 = cublasLtMatmulDescSetAttribute(&old, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &vec, sizeof vec) ==
+               CUBLAS_STATUS_INVALID_VALUE;
+    mm_fp8_rowwise = -1;
+    int old_kiln = gpu->fp8_rowwise() == 0;
+    emu_lt_version = 130100;
+    mm_fp8_rowwise = -1;
+    int hopper_kiln = gpu->fp8_rowwise() == 1;
+    (void)scalar;
+    snprintf(msg, sizeof msg, "both OUTER_VEC_32F runs %d; refused: int64 mode %d, A only %d, C mode changed %d, D scale "
+             "%d, on bf16 operands %d, sm_89 %d, sm_100 %d, cuBLAS 12.8 %d; kiln's rowwise products: sm_90 13.1 %d, "
+             "sm_89 off %d, 12.8 off %d", vok, size, only_a, other, no_d, narrow, ada, blackwell, v128, hopper_kiln,
+             ada_kiln, old_kiln);
+    report("fp8_cublaslt_outer_vec_refusals", vok && size && only_a && other && no_d && narrow && ada && blackwell &&
+           v128 && hopper_kiln && ada_kiln && old_kiln, msg);
+}
+
+/* An outer-vector scale shorter than its matrix's m or n: a GPU would read
+ * past it, so the stand-in fails the test (in a child here, its message
+ * checked). */
+static void short_vector_child(void *) {
+    uint8_t *a = (uint8_t *)dev_out(64 * 32, 1), *b = (uint8_t *)dev_out(64 * 48, 1);
+    void *out = dev_out(32 * 48, 2);
+    float *sa = (float *)dev_put(Vec(32, 1.0f), 0, 4), *sb = (float *)dev_put(Vec(47, 1.0f), 0, 4);
+    emu_mm(Fp8Matmul{.out = out, .a = a, .b = b, .sa = sa, .sb = sb, .rowwise = 1, .N = 48, .K = 64, .M = 32});
+}
+static void test_fp8_short_vector(void) {
+    char out[512];
+    int rc = test_run_child_fd(short_vector_child, NULL, 1, out, sizeof out);
+    size_t n = strlen(out);
+    if (n > 0 && out[n - 1] == '\n') out[n - 1] = '\0';
+    report("fp8_outer_vec_short_scale_fails", rc != 0 && strstr(out, "outer-vector scale"), out[0] ? out : "no message");
 }
 
 int main(void) {
@@ -444,9 +557,12 @@ int main(void) {
         if (!bf) test_bgradb_refusals();
         test_plan_eviction();
         if (bf) {
-            test_fp8_matmul(48, 64, 32);
-            test_fp8_matmul(16, 32, 80);
+            for (int rowwise = 0; rowwise <= 1; rowwise++) {
+                test_fp8_matmul(48, 64, 32, rowwise);
+                test_fp8_matmul(16, 32, 80, rowwise);
+            }
             test_fp8_refusals();
+            test_fp8_short_vector();
         }
         double lo = 1e9, hi = 0;
         int left_out = 0;

@@ -111,6 +111,7 @@
 static const ArchSpec shape0 = ARCH_GPT2_SHAPE(2, 3, 48, 48, 70);
 enum { B = 2, T = 40, ACCUM = 2, STEPS = 3 };
 #include "model_trace.h"
+#include "test.h"
 
 /* test/model_emu_cuda.cc */
 extern const Backend backend_cuda;
@@ -157,6 +158,9 @@ static const Tol TOL_BF16_MOE = {1e-3, 1e-2, 0, 0}; /* losses and grad norms onl
  * near the CPU's); the ops themselves are checked to the bit in
  * cuda_emu.cc and the fp8 product in matmul_emu.cc. */
 static const Tol TOL_BF16_FP8 = {2e-3, 5e-2, 0.3, 0.4};
+void model_emu_set_sm(int major, int minor); /* model_emu_cuda.cc */
+unsigned long long model_emu_mm_clock(void);
+int model_emu_fp8_plans(unsigned long long since, int outer_vec);
 static const double TOL_BF16_MOVED = 0.05;           /* of the routed slots */
 
 /* ||a - r|| / ||r|| over n elements; NaN stays NaN (and fails every test). */
@@ -349,33 +353,22 @@ static void arch_run_all(const char *prec) {
     }
 }
 
-/* precision.fp8 with fp32 activations on the GPU backend: model_init
- * refuses (exit 2, one line naming both keys), in a child process. */
-static void check_fp8_refuses_fp32(void) {
-    char path[] = "/tmp/kiln_fp8_f32XXXXXX";
-    int fd = mkstemp(path);
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fd, 2);
-        Model m;
-        ArchSpec s = shape0;
-        arch_resolve(&s);
-        model_init(&m, gpu, &s, &(ModelOptions){.fp8 = {.mode = 1}});
-        _exit(0);
-    }
-    int st = 0;
-    waitpid(pid, &st, 0);
-    char err[512] = "";
-    ssize_t n = pread(fd, err, sizeof err - 1, 0);
-    err[n > 0 ? n : 0] = '\0';
-    close(fd), unlink(path);
-    int lines = 0;
+/* precision.fp8 with fp32 activations on the GPU backend (mode 1), and
+ * its bf16 operands anywhere on the GPU (mode 3: the CPU's stand-in for
+ * bf16 compute): model_init refuses (exit 2, one line naming the key
+ * `want` says), in a child process. */
+static void init_fp8_child(void *mode) {
+    Model m;
+    ArchSpec s = shape0;
+    arch_resolve(&s);
+    model_init(&m, gpu, &s, &(ModelOptions){.fp8 = {.mode = *(int *)mode}});
+}
+static void check_fp8_refused(int mode, const char *want, const char *name) {
+    char err[512];
+    int rc = test_run_child(init_fp8_child, &mode, err, sizeof err), lines = 0;
     for (char *c = err; *c; c++) lines += *c == '\n';
     if (lines && err[strlen(err) - 1] == '\n') err[strlen(err) - 1] = '\0';
-    report(WIFEXITED(st) && WEXITSTATUS(st) == 2 && lines == 1 &&
-               strstr(err, "keys 'precision.fp8', 'precision.compute'") != NULL,
-           "fp32_fp8_refused", "%s", err[0] ? err : "no message");
+    report(rc == 2 && lines == 1 && strstr(err, want) != NULL, name, "%s", err[0] ? err : "no message");
 }
 
 /* Host waits per optimizer step (backend.h host_syncs: `./train bench`'s
@@ -512,7 +505,8 @@ int main(void) {
     run_case("fp32_optim_state_bf16", state16, &ref_s16, TOL_FP32_STATE16);
     run_case("fp32_muon", muon, &ref_muon, TOL_FP32);
     check_eval("fp32", row32, 1e-5);
-    check_fp8_refuses_fp32();
+    check_fp8_refused(1, "keys 'precision.fp8', 'precision.compute'", "fp32_fp8_refused");
+    check_fp8_refused(3, "key 'precision.fp8': bf16 is the CPU backend's stand-in", "fp32_fp8_bf16_operands_refused");
     arch_run_all("fp32");
     gpu_stop("fp32");
 
@@ -554,11 +548,31 @@ int main(void) {
      * cuBLASLt's fp8 product, rowwise quantise-dequantise and bf16
      * products) against the CPU ops behind bf16 storage with the same fp8
      * quantisation (TOL_BF16_FP8 says why those tolerances) */
-    for (int mode = 1; mode <= 2; mode++) {
+    struct {
+        const char *name;
+        int mode, wgrad, history, sm;
+    } f8s[] = {
+        {"bf16_fp8_tensorwise_cublaslt_fp8", 1, 0, 0, 90},
+        {"bf16_fp8_rowwise_cublaslt_outer_vec", 2, 0, 0, 90},
+        {"bf16_fp8_tensorwise_delayed_wgrad_fp8_cublaslt", 1, 1, 4, 90},
+        {"bf16_fp8_rowwise_wgrad_fp8_cublaslt_outer_vec", 2, 1, 0, 90},
+        {"bf16_fp8_rowwise_sm89_qdq", 2, 1, 0, 89}, /* no outer-vector scales there: quantised operands */
+    };
+    for (size_t k = 0; k < sizeof f8s / sizeof f8s[0]; k++) {
         TraceOpts f8 = plain;
-        f8.fp8 = mode;
+        f8.fp8 = f8s[k].mode, f8.fp8_wgrad = f8s[k].wgrad, f8.fp8_history = f8s[k].history;
         trace_train_opts(&emu, shape0, f8, &t);
-        run_case(mode == 1 ? "bf16_fp8_tensorwise_cublaslt_fp8" : "bf16_fp8_rowwise_qdq", f8, &t, TOL_BF16_FP8);
+        model_emu_set_sm(f8s[k].sm / 10, f8s[k].sm % 10);
+        unsigned long long clock0 = model_emu_mm_clock();
+        run_case(f8s[k].name, f8, &t, TOL_BF16_FP8);
+        /* the path taken: cuBLASLt's fp8 products with scalar or outer-vector scales, or none (quantised operands) */
+        int vec = model_emu_fp8_plans(clock0, 1), sc = model_emu_fp8_plans(clock0, 0);
+        int want_vec = f8s[k].mode == 2 && f8s[k].sm == 90, want_sc = f8s[k].mode == 1;
+        char path_name[96];
+        snprintf(path_name, sizeof path_name, "%s_path", f8s[k].name);
+        report((vec > 0) == want_vec && (sc > 0) == want_sc, path_name, "%d fp8 product shapes with outer-vector "
+               "scales, %d with scalar ones (cuBLASLt plans used)", vec, sc);
+        model_emu_set_sm(9, 0);
         trace_free(&t);
     }
     check_eval("bf16", row16, 1e-2);

@@ -24,3 +24,20 @@
  * both 0 after model_free, optim_free and shutdown. */
 extern "C" size_t model_emu_live_buffers(void) { return emu_allocs.size(); }
 extern "C" int model_emu_live_cublaslt(void) { return emu_lt_live; }
+/* The compute capability the emulated GPU reports from now on, and what
+ * kiln has cached about it (fp8's device check, rowwise fp8 products). */
+extern "C" void model_emu_set_sm(int major, int minor) {
+    emu_sm_major = major, emu_sm_minor = minor;
+    fp8_device_checked = 0, mm_fp8_rowwise = -1;
+}
+/* cuBLASLt's fp8 products run since matmul.cu's clock read `since`, with
+ * outer-vector scales or scalar ones (the number of such plans used): which
+ * path a run's fp8 products took. model_emu_mm_clock() reads the clock. */
+extern "C" unsigned long long model_emu_mm_clock(void) { return mm_clock; }
+extern "C" int model_emu_fp8_plans(unsigned long long since, int outer_vec) {
+    int n = 0;
+    for (int i = 0; i < mm_nplans; i++)
+        n += mm_plans[i].usable && mm_plans[i].used > since && mm_plans[i].key.fp8_a &&
+             mm_plans[i].key.fp8_vec == outer_vec;
+    return n;
+}

@@ -48,10 +48,12 @@ typedef struct {
     int tp, tp_rank; /* tp > 1: rank tp_rank's part of the model, on trace_tp's one-process collectives */
     int muon;        /* optim.name muon on the blocks' 2-D weights (trace_set_muon), lr 0.02 */
     int docs;        /* data.doc_masking and doc_positions reset, documents ending at id TRACE_EOT */
-    int fp8;         /* precision.fp8 (Fp8Mode: 1 tensorwise, 2 rowwise), E5M2 gradients, bf16 wgrad */
+    int fp8;         /* precision.fp8 (Fp8Mode: 1 tensorwise, 2 rowwise), E5M2 gradients */
     int host_step;   /* the optimizer step with the norm read to the host (optim_step) and the compute
                         copy cast apart after it; else (AdamW) as a one-rank run steps: optim_step_device,
                         the updates writing the compute copy (optim_set_copy) */
+    int fp8_wgrad;   /* precision.fp8_wgrad: 0 bf16, 1 fp8 */
+    int fp8_history; /* precision.fp8_amax_history (tensorwise): 0 current scaling */
 } TraceOpts;
 #define TRACE_EOT 5 /* ~1 token in 64 of trace_batch's: a document or two per sequence */
 
@@ -103,7 +105,8 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
     arch_resolve(&s);
     model_init(&m, be, &s, &(ModelOptions){.master_bf16 = op.master16, .tp = op.tp, .tp_rank = op.tp_rank,
                                            .doc_masking = op.docs, .doc_reset = op.docs, .doc_eot = TRACE_EOT,
-                                           .fp8 = {.mode = op.fp8, .grad_fmt = 1 /* FP8_E5M2 */}});
+                                           .fp8 = {.mode = op.fp8, .grad_fmt = 1 /* FP8_E5M2 */, .wgrad = op.fp8_wgrad,
+                                                   .history = op.fp8_history}});
     ModelTp loop = {&m, trace_tp_sum, trace_tp_gather, trace_tp_scatter, trace_tp_gather_f32, NULL, NULL};
     if (op.tp > 1) model_set_tp(&m, &loop);
     m.gelu_fusion = op.gelu_fusion;

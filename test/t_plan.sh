@@ -93,3 +93,42 @@ for z in 0 1 2 3; do
     if [ "$(wc -l < "$T/dry$z.mem")" -ge 5 ] && cmp -s "$T/dry$z.mem" "$T/plan$z.mem"; then ok plan_matches_dry_run_zero$z
     else fail plan_matches_dry_run_zero$z "$(diff "$T/dry$z.mem" "$T/plan$z.mem" | tr '\n' ' ')"; fi
 done
+
+# precision.fp8's buffers (src/model_fp8.c model_fp8_plan), counted from the shapes here, independently:
+# the operand buffers at the largest product's rows x widths (fp32 act in the count; dout's holds its
+# codes and dout^T's too, 2 bytes an element, under 4), a routed expert's rows ep x the micro-batch's
+# under ep, the amax scratch (2 x tp x cp x n) and six inverse-scale vectors of n (16-byte rounded) + 1,
+# n the most rows or width; delayed scaling's rings slots x 5 operands x history x tp x cp.
+fp8_want() { # N EP IN_MAX W_MAX OUT_MAX SLOTS HISTORY (experts' in/out widths as in, rows N x EP)
+    python3 - "$@" <<'PY'
+import sys
+N, ep, inx, w, outx, slots, H, einx, eoutx = (int(a) for a in sys.argv[1:])
+x = max(N * inx, N * ep * einx); d = max(N * outx, N * ep * eoutx)
+n = max(N * ep if einx else N, inx, outx, einx, eoutx)
+ops = (x + w) * 4 + max(4 * d, 2 * d)
+sc = (2 * n + 6 * ((n + 3) // 4 * 4) + 1) * 4
+hist = slots * 5 * H * 4
+def fmt(b):
+    u = 0; units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    while b >= 1024 and u < 4: b /= 1024; u += 1
+    return "%.2f %s" % (b, units[u])
+print("%s|%s|%s|%s" % (fmt(ops + sc + hist), fmt(ops), fmt(sc), fmt(hist) if H else "-"))
+PY
+}
+fp8_got() { # FILE: "total|operands|scales|histories" as printed
+    local f=$1 t o s h
+    t=$(sed -n 's/^  fp8 buffers  *\([0-9.]* [A-Za-z]*\)$/\1/p' "$f"); o=$(sed -n 's/^    operands and codes  *\(.*\)$/\1/p' "$f")
+    s=$(sed -n 's/^    amaxes, scales  *\(.*\)$/\1/p' "$f"); h=$(sed -n 's/^    amax histories  *\(.*\)$/\1/p' "$f")
+    echo "$t|$o|$s|${h:--}"
+}
+# GPT-2 124M, micro-batch 16 x 1024: widths in 3072 (down), w 3072 x 768, out 3072 (fc); 12 x 6 + 1 slots
+./train $CFG --dry-run --set precision.fp8=tensorwise --set precision.fp8_amax_history=16 > "$T/fp8dry.txt" 2>&1
+./train plan $CFG --gpus 8 --set precision.fp8=tensorwise --set precision.fp8_amax_history=16 > "$T/fp8plan.txt" 2>&1
+want=$(fp8_want 16384 1 3072 2359296 3072 73 16 0 0) got=$(fp8_got "$T/fp8dry.txt") gotp=$(fp8_got "$T/fp8plan.txt")
+[ "$got" = "$want" ] && [ "$gotp" = "$want" ] && ok "plan_fp8_buffers ($got)" \
+    || fail plan_fp8_buffers "dry-run $got, plan $gotp, want $want"
+# moe-tiny at ep 2, rowwise: micro-batch 16 x 128 = 2048 rows, an expert's up to 2 x 2048; widths 128 in,
+# qkv and the gate-ups 256 out, w 256 x 128; no history
+./train configs/moe-tiny.yaml --dry-run --set precision.fp8=rowwise --set parallel.ep=2 > "$T/fp8ep.txt" 2>&1
+want=$(fp8_want 2048 2 128 32768 256 0 0 128 256) got=$(fp8_got "$T/fp8ep.txt")
+[ "$got" = "$want" ] && ok "plan_fp8_buffers_ep2_expert_rows ($got)" || fail plan_fp8_buffers_ep2_expert_rows "got $got, want $want"

@@ -28,9 +28,10 @@ __attribute__((unused)) static void test_report(int ok, const char *name, const 
 }
 
 /* Run fn(arg) in a child process (for code that exits on bad input), its
- * stderr captured into err (NUL-terminated). Returns the child's exit status,
- * or 128 + signal if it was killed. */
-__attribute__((unused)) static int test_run_child(void (*fn)(void *), void *arg, char *err, size_t cap) {
+ * output on descriptor `out_fd` (2: stderr; 1: stdout, where the CUDA
+ * emulation reports) captured into err (NUL-terminated). Returns the child's
+ * exit status, or 128 + signal if it was killed. */
+__attribute__((unused)) static int test_run_child_fd(void (*fn)(void *), void *arg, int out_fd, char *err, size_t cap) {
     int fd[2];
     if (pipe(fd) != 0) {
         perror("pipe");
@@ -41,7 +42,7 @@ __attribute__((unused)) static int test_run_child(void (*fn)(void *), void *arg,
     pid_t pid = fork();
     if (pid == 0) {
         close(fd[0]);
-        dup2(fd[1], 2);
+        dup2(fd[1], out_fd);
         fn(arg);
         _exit(0);
     }
@@ -54,6 +55,10 @@ __attribute__((unused)) static int test_run_child(void (*fn)(void *), void *arg,
     int st;
     waitpid(pid, &st, 0);
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+/* The same with stderr captured. */
+__attribute__((unused)) static int test_run_child(void (*fn)(void *), void *arg, char *err, size_t cap) {
+    return test_run_child_fd(fn, arg, 2, err, cap);
 }
 
 #endif

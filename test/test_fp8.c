@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../src/backend.h"
 #include "../src/fp8.h"
 #include "test.h"
 
@@ -261,8 +262,38 @@ static void test_fast_round(void) {
     test_report(!bad, "fp8_fast_round_equals_codes", "%d differ: %s", bad, why);
 }
 
+/* precision.fp8: bf16's rounding (fp8_round_fast with FP8_BF16, and
+ * fp8_qdq_f32 with it and no amax) against the backends' own bf16 store
+ * (backend_act_round, src/sround.h's conversion): random bit patterns
+ * (NaNs, infinities, subnormals among them), every tie between two bf16
+ * neighbours of both parities and the floats either side. */
+static void test_bf16_round(void) {
+    int bad = 0, n = 0;
+    char why[128] = "";
+    float xs[3 * 4096 + 200000];
+    for (uint32_t h = 0; h < 4096; h++) { /* bf16 patterns 0x0000.. spread over the exponents */
+        union { uint32_t u; float x; } v = {((h * 16u) << 16) | 0x8000u}; /* exactly half a bf16 ulp above */
+        xs[n++] = v.x, xs[n++] = nextafterf(v.x, INFINITY), xs[n++] = nextafterf(v.x, -INFINITY);
+    }
+    for (int i = 0; i < 200000; i++) {
+        union { uint32_t u; float x; } v = {(uint32_t)(uniform() * 4294967296.0)};
+        xs[n++] = v.x;
+    }
+    float *y = malloc(sizeof xs);
+    fp8_qdq_f32(y, xs, NULL, 0, 1, n, FP8_AXIS_TENSOR, FP8_BF16, 0);
+    for (int i = 0; i < n; i++) {
+        float want = backend_act_round(xs[i], 2), q = fp8_round_fast(xs[i], FP8_BF16);
+        int same = (isnan(want) && isnan(q) && isnan(y[i])) ||
+                   (want == q && signbit(want) == signbit(q) && y[i] == q && signbit(y[i]) == signbit(q));
+        if (!same && !bad++) snprintf(why, sizeof why, "%a: %a (qdq %a) vs %a", xs[i], q, y[i], want);
+    }
+    free(y);
+    test_report(!bad, "fp8_bf16_operands_round_as_bf16_stores", "%d of %d differ: %s", bad, n, why);
+}
+
 int main(void) {
     test_fast_round();
+    test_bf16_round();
     for (int f = 0; f < 2; f++) {
         test_round_trip((Fp8Format)f);
         test_midpoints((Fp8Format)f);
@@ -273,7 +304,8 @@ int main(void) {
     test_sqnr_product();
     test_scales();
     test_amax_rows();
-    int names = fp8_mode_parse("rowwise") == FP8_ROWWISE && fp8_mode_parse("on") == -1 &&
+    int names = fp8_mode_parse("rowwise") == FP8_ROWWISE && fp8_mode_parse("bf16") == FP8_BF16_OPERANDS &&
+                fp8_mode_parse("on") == -1 && fp8_format_parse("bf16") == -1 &&
                 fp8_format_parse("e5m2") == FP8_E5M2 && fp8_format_parse("E5M2") == -1;
     test_report(names, "fp8_names_parse", "mode/format parse wrong");
     return 0;
