@@ -77,3 +77,17 @@ kill_rank1_paused() {
     kill -USR1 "$pid0"
     echo "$pid1"
 }
+
+# ranks_comm_why RUN_DIR GROUP NRANKS: empty when RUN_DIR/ranks.jsonl has, at
+# every logged step, comm_GROUP_s with NRANKS non-negative times (the blocked
+# time in GROUP's collectives, per rank: the data behind the end-of-run
+# "% of step time blocked" line, the report and the summary); else why not.
+ranks_comm_why() {
+    $NPY - "$1/ranks.jsonl" "comm_$2_s" "$3" <<'PY' 2>&1
+import json, sys
+path, key, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rows = [json.loads(l) for l in open(path)]
+bad = [r["step"] for r in rows if len(r.get(key, [])) != n or min(r[key]) < 0]
+if not rows or bad: print("%s: %d lines, %s missing or negative at steps %s" % (path, len(rows), key, bad))
+PY
+}

@@ -143,8 +143,8 @@ python3 -c "import json,sys; d=[json.loads(l)['moe_dropped'] for l in open(sys.a
 
 grep -q 'context parallel: 2 ranks, ring attention; each sequence of 32 tokens is 4 chunks of 8, this rank holds chunks 0 and 3' \
     $T/llama_gqa_cp2_ring.txt && ok cp_start_up_line || fail cp_start_up_line "$(grep -m2 'context parallel' $T/llama_gqa_cp2_ring.txt)"
-grep -q 'of step time blocked waiting for K/V' $T/llama_gqa_cp2_ring.txt && ok cp_reports_blocked_fraction \
-    || fail cp_reports_blocked_fraction "$(tail -n 3 $T/llama_gqa_cp2_ring.txt)"
+why=$(ranks_comm_why $T/llama_gqa_cp2_ring cp 2) # blocked on K/V, from ranks.jsonl
+[ -z "$why" ] && ok cp_reports_blocked_fraction || fail cp_reports_blocked_fraction "$why"
 
 # 3. generation: every cp rank runs the forward on its chunks (the context
 # padded to 2 cp chunks), the chunk's rank broadcasts the logits row, and

@@ -47,15 +47,8 @@ done
 n=$(./train ckpt-info $T/z2_np4/checkpoints/step_00000020 | grep -c 'optim.m/.* rank [1-3] ')
 [ "$n" -gt 0 ] && [ -f $T/z2_np4/checkpoints/step_00000020/rank00003.bin ] && ok dp_zero_shards_written_per_rank \
     || fail dp_zero_shards_written_per_rank "$n optimizer pieces from ranks 1-3"
-# the time blocked in dp's collectives, from ranks.jsonl (the data the report and
-# the summary read), not the wording of the end-of-run line
-why=$($NPY - $T/z0_np2/ranks.jsonl <<'PY' 2>&1
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-bad = [r["step"] for r in rows if len(r.get("comm_dp_s", [])) != 2 or min(r["comm_dp_s"]) < 0]
-if not rows or bad: print("%d lines, bad at steps %s" % (len(rows), bad))
-PY
-)
+# the time blocked in dp's collectives, from ranks.jsonl, not the end-of-run line's wording
+why=$(ranks_comm_why $T/z0_np2 dp 2)
 [ -z "$why" ] && ok dp_reports_blocked_fraction || fail dp_reports_blocked_fraction "$why"
 echo "dp equivalence: $(echo "$(now) - $t0" | bc) s" >&2
 
