@@ -91,3 +91,27 @@ bad = [r["step"] for r in rows if len(r.get(key, [])) != n or min(r[key]) < 0]
 if not rows or bad: print("%s: %d lines, %s missing or negative at steps %s" % (path, len(rows), key, bad))
 PY
 }
+
+# resumed_why SUMMARY_JSON KEY=V...: empty when the run behind SUMMARY_JSON
+# (a run directory's summary.json, or a copy taken right after one resume of
+# several into one directory) resumed from a checkpoint of another layout
+# ("resumed": {"resharded": true}) whose "from" KEY (world, pp, dp, tp, ep) is
+# V, and whose own layout's KEY is V for each to.KEY=V; else why not. The
+# data summary.json writes for machines, not the wording of the resume line.
+resumed_why() {
+    $NPY - "$@" <<'PY' 2>&1
+import json, sys
+path, want = sys.argv[1], sys.argv[2:]
+try:
+    s = json.load(open(path))
+except Exception as e:
+    print(f"{path}: {e}"); sys.exit(0)
+r = s.get("resumed")
+if not r or not r.get("resharded"):
+    print(f"{path}: not resharded on resume: {r}"); sys.exit(0)
+for kv in want:
+    k, v = kv.split("=")
+    got = s.get("layout", {}).get(k[3:]) if k.startswith("to.") else r.get("from", {}).get(k)
+    if str(got) != v: print(f"{path}: {k} is {got}, want {v} (from {r.get('from')}, layout {s.get('layout')})")
+PY
+}

@@ -113,9 +113,10 @@ D=$T/breshard
 ./train $Y $TB --set run.dir=$D --resume auto >$D.txt 2>&1
 rc=$?
 why=$(close_losses $T/bref/metrics.jsonl $D/metrics.jsonl 2>&1)
-if [ $rc -eq 0 ] && grep -q 'resharded from 4 rank(s) (.*dp 2 x tp 2[,)].* to 1' $D.txt && [ -z "$why" ]; then
+rs=$(resumed_why $D/summary.json world=4 dp=2 tp=2 to.world=1)
+if [ $rc -eq 0 ] && [ -z "$rs" ] && [ -z "$why" ]; then
     ok adafactor_resume_tp2_dp2_to_np1
-else fail adafactor_resume_tp2_dp2_to_np1 "rc $rc: $why $(grep -m2 -iE 'error|resum' $D.txt)"; fi
+else fail adafactor_resume_tp2_dp2_to_np1 "rc $rc: $why $rs $(grep -m2 -iE 'error|resum' $D.txt)"; fi
 
 # Biases on (issue 16): GPT-2's key bias (the middle third of c_attn.bias)
 # has an exact gradient of zero, and model.c keeps it (key_bias_exact). Before,
@@ -150,7 +151,8 @@ D=$T/pp_reshard
 ./train $Y $PC --set run.dir=$D --resume auto >$D.txt 2>&1
 rc=$?
 why=$(close_losses $T/pref/metrics.jsonl $D/metrics.jsonl 2>&1)
-if [ $rc -eq 0 ] && grep -q 'resharded from 2 rank(s) (pp 2' $D.txt && [ -z "$why" ] \
+rs=$(resumed_why $D/summary.json world=2 pp=2 to.world=1)
+if [ $rc -eq 0 ] && [ -z "$rs" ] && [ -z "$why" ] \
     && ./train ckpt-diff $T/pref/checkpoints/step_00000006 $D/checkpoints/step_00000006 --quiet --tol 1e-5 >/dev/null
 then ok adafactor_resume_pp2_to_np1
-else fail adafactor_resume_pp2_to_np1 "rc $rc: $why $(grep -m2 -iE 'error|resum' $D.txt)"; fi
+else fail adafactor_resume_pp2_to_np1 "rc $rc: $why $rs $(grep -m2 -iE 'error|resum' $D.txt)"; fi

@@ -257,11 +257,11 @@ for opt in MUON ADAF; do
         drc=1
         diff=$(./train ckpt-diff $T/ref_$opt/checkpoints/step_00000006 $D/checkpoints/step_00000006 --quiet --tol 1e-5 \
             2>&1) && drc=0
-        want='ep 2) to 1 '
-        [ $dir = up ] && want='ep 1) to 4 '
-        if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && grep -q "resharded from .*$want" $D.txt; then
+        rs=$(resumed_why $D/summary.json ep=2 to.world=1)
+        [ $dir = up ] && rs=$(resumed_why $D/summary.json ep=1 to.world=4 to.ep=2)
+        if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$rs" ]; then
             ok ep_${o}_reshard_$dir
-        else fail ep_${o}_reshard_$dir "rc $rc: $why $diff $(grep -m2 -h -e error -e resharded $D.txt)"; fi
+        else fail ep_${o}_reshard_$dir "rc $rc: $why $rs $diff $(grep -m2 -h -e error -e resharded $D.txt)"; fi
     done
 done
 
@@ -319,6 +319,7 @@ C="$S $MOE --set schedule.kind=constant --set checkpoint.every=2 --set train.ste
 ./train $Y $C --set run.dir=$T/cref >$T/cref.txt 2>&1
 "${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.ep=4 --set run.dir=$T/rs --set train.steps=8 >$T/rs1.txt 2>&1
 ./train $Y $C --set run.dir=$T/rs --set train.steps=14 --resume auto >$T/rs2.txt 2>&1
+cp $T/rs/summary.json $T/rs2.summary.json 2>/dev/null
 "${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.ep=2 --set parallel.zero=1 --set run.dir=$T/rs --resume auto \
     >$T/rs3.txt 2>&1
 rc=$?
@@ -326,15 +327,16 @@ why=$(close_losses $T/cref/metrics.jsonl $T/rs/metrics.jsonl 2>&1)
 moe=$(moe_same $T/cref/metrics.jsonl $T/rs/metrics.jsonl 2>&1)
 diff=$(./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rs/checkpoints/step_00000020 --quiet --tol 1e-5 2>&1)
 drc=$?
-if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ] && grep -q 'ep 4) to 1' $T/rs2.txt &&
-   grep -q 'ep 1) to 4 (pp 1 x dp 4 x tp 1, ep 2' $T/rs3.txt; then ok ep_reshard_ep4_ep1_ep2dp2
-else fail ep_reshard_ep4_ep1_ep2dp2 "rc $rc: $why $moe $diff $(grep -m2 -h -e error -e resumed $T/rs[123].txt)"; fi
+rs="$(resumed_why $T/rs2.summary.json ep=4 to.world=1)$(resumed_why $T/rs/summary.json ep=1 to.world=4 to.dp=4 to.ep=2)"
+if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ] && [ -z "$rs" ]; then ok ep_reshard_ep4_ep1_ep2dp2
+else fail ep_reshard_ep4_ep1_ep2dp2 "rc $rc: $why $moe $rs $diff $(grep -m2 -h -e error -e resumed $T/rs[123].txt)"; fi
 
 # From a pipeline and back: pp 2 x ep 2 (1f1b) for 8 steps -> one rank to 14
 # -> pp 2 x ep 2 (zb_h1, ZeRO 1) to 20, against the same 20 steps on one rank.
 "${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.ep=2 $PP=1f1b --set run.dir=$T/rp --set train.steps=8 \
     >$T/rp1.txt 2>&1
 ./train $Y $C --set run.dir=$T/rp --set train.steps=14 --resume auto >$T/rp2.txt 2>&1
+cp $T/rp/summary.json $T/rp2.summary.json 2>/dev/null
 "${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.ep=2 $PP=zb_h1 --set parallel.zero=1 --set run.dir=$T/rp \
     --resume auto >$T/rp3.txt 2>&1
 rc=$?
@@ -342,9 +344,9 @@ why=$(close_losses $T/cref/metrics.jsonl $T/rp/metrics.jsonl 2>&1)
 moe=$(moe_same $T/cref/metrics.jsonl $T/rp/metrics.jsonl 2>&1)
 diff=$(./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rp/checkpoints/step_00000020 --quiet --tol 1e-5 2>&1)
 drc=$?
-if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ] && grep -q 'resharded from 4 rank(s) (pp 2 x' $T/rp2.txt &&
-   grep -q 'to 4 (pp 2 x dp 2 x' $T/rp3.txt; then ok ep_reshard_pp2ep2_ep1_pp2ep2
-else fail ep_reshard_pp2ep2_ep1_pp2ep2 "rc $rc: $why $moe $diff $(grep -m2 -h -e error -e resumed $T/rp[123].txt)"; fi
+rs="$(resumed_why $T/rp2.summary.json world=4 pp=2 ep=2 to.world=1)$(resumed_why $T/rp/summary.json world=1 to.pp=2 to.dp=2)"
+if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$moe" ] && [ -z "$rs" ]; then ok ep_reshard_pp2ep2_ep1_pp2ep2
+else fail ep_reshard_pp2ep2_ep1_pp2ep2 "rc $rc: $why $moe $rs $diff $(grep -m2 -h -e error -e resumed $T/rp[123].txt)"; fi
 
 # The same layout resumed is the same run, bit for bit (DESIGN.md: nothing
 # is lost): ep 2 x dp 2, ZeRO 1, dropless with the bias, 3 steps + 3 resumed

@@ -100,20 +100,22 @@ timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 ./train $Y $M --set
 ./train $Y $M --set run.dir=$D --resume auto >$D.txt 2>&1
 rc=$?
 why=$(close_losses $T/ref/metrics.jsonl $D/metrics.jsonl 2>&1)
-if [ $rc -eq 0 ] && grep -q 'resharded from 2 rank' $D.txt && [ -z "$why" ] \
+rs=$(resumed_why $D/summary.json world=2 dp=2 to.world=1)
+if [ $rc -eq 0 ] && [ -z "$rs" ] && [ -z "$why" ] \
     && ./train ckpt-diff $T/ref/checkpoints/step_00000010 $D/checkpoints/step_00000010 --quiet --tol 1e-5 >/dev/null; then
     ok muon_resume_zero3_np2_to_np1
-else fail muon_resume_zero3_np2_to_np1 "rc $rc: $why $(grep -m2 -iE 'error|resum' $D.txt)"; fi
+else fail muon_resume_zero3_np2_to_np1 "rc $rc: $why $rs $(grep -m2 -iE 'error|resum' $D.txt)"; fi
 D=$T/rs2
 ./train $Y $M --set train.steps=5 --set run.dir=$D >/dev/null 2>&1
 timeout 120 mpirun --allow-run-as-root --oversubscribe -np 4 ./train $Y $M --set parallel.zero=2 --set run.dir=$D \
     --resume auto >$D.txt 2>&1
 rc=$?
 why=$(close_losses $T/ref/metrics.jsonl $D/metrics.jsonl 2>&1)
-if [ $rc -eq 0 ] && grep -q 'resharded from 1 rank' $D.txt && [ -z "$why" ] \
+rs=$(resumed_why $D/summary.json world=1 to.world=4 to.dp=4)
+if [ $rc -eq 0 ] && [ -z "$rs" ] && [ -z "$why" ] \
     && ./train ckpt-diff $T/ref/checkpoints/step_00000010 $D/checkpoints/step_00000010 --quiet --tol 1e-5 >/dev/null; then
     ok muon_resume_np1_to_zero2_np4
-else fail muon_resume_np1_to_zero2_np4 "rc $rc: $why $(grep -m2 -iE 'error|resum' $D.txt)"; fi
+else fail muon_resume_np1_to_zero2_np4 "rc $rc: $why $rs $(grep -m2 -iE 'error|resum' $D.txt)"; fi
 
 # Tensor parallelism: the tp owner of a split matrix gathers its parts (row
 # blocks, or column blocks through copy_2d), orthogonalises the whole and
@@ -160,10 +162,11 @@ timeout 120 mpirun --allow-run-as-root --oversubscribe -np 4 ./train $Y $TS $GPT
     --set run.dir=$D --resume auto >$D.txt 2>&1
 rc=$?
 why=$(close_losses $T/tref_GPT2/metrics.jsonl $D/metrics.jsonl 2>&1)
-if [ $rc -eq 0 ] && grep -q 'resharded from 2 rank(s) (.*dp 1 x tp 2[,)].* to 4' $D.txt && [ -z "$why" ] \
+rs=$(resumed_why $D/summary.json world=2 dp=1 tp=2 to.world=4)
+if [ $rc -eq 0 ] && [ -z "$rs" ] && [ -z "$why" ] \
     && ./train ckpt-diff $T/tref_GPT2/checkpoints/step_00000006 $D/checkpoints/step_00000006 --quiet --tol 1e-5 >/dev/null
 then ok muon_tp_reshard_tp2_to_tp2_dp2_zero3
-else fail muon_tp_reshard_tp2_to_tp2_dp2_zero3 "rc $rc: $why $(grep -m2 -iE 'error|resum' $D.txt)"; fi
+else fail muon_tp_reshard_tp2_to_tp2_dp2_zero3 "rc $rc: $why $rs $(grep -m2 -iE 'error|resum' $D.txt)"; fi
 
 # Pipeline and context parallelism: each stage's dp group owns its own
 # layers' matrices (a stage's tensor table is its layers); under cp the owners
@@ -193,7 +196,8 @@ timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 ./train $Y $PC --se
 ./train $Y $PC --set run.dir=$D --resume auto >$D.txt 2>&1
 rc=$?
 why=$(close_losses $T/pref/metrics.jsonl $D/metrics.jsonl 2>&1)
-if [ $rc -eq 0 ] && grep -q 'resharded from 2 rank(s) (pp 2' $D.txt && [ -z "$why" ] \
+rs=$(resumed_why $D/summary.json world=2 pp=2 to.world=1)
+if [ $rc -eq 0 ] && [ -z "$rs" ] && [ -z "$why" ] \
     && ./train ckpt-diff $T/pref/checkpoints/step_00000006 $D/checkpoints/step_00000006 --quiet --tol 1e-5 >/dev/null
 then ok muon_resume_pp2_to_np1
-else fail muon_resume_pp2_to_np1 "rc $rc: $why $(grep -m2 -iE 'error|resum' $D.txt)"; fi
+else fail muon_resume_pp2_to_np1 "rc $rc: $why $rs $(grep -m2 -iE 'error|resum' $D.txt)"; fi

@@ -201,14 +201,15 @@ C="$S $GPT2 --set schedule.kind=constant --set checkpoint.every=2 --set train.st
 ./train $Y $C --set run.dir=$T/cref >$T/cref.txt 2>&1
 "${MPIRUN[@]}" -np 2 ./train $Y $C --set parallel.pp=2 --set run.dir=$T/rs --set train.steps=8 >$T/rs1.txt 2>&1
 ./train $Y $C --set run.dir=$T/rs --set train.steps=14 --resume auto >$T/rs2.txt 2>&1
+cp $T/rs/summary.json $T/rs2.summary.json 2>/dev/null
 "${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.pp=4 --set run.dir=$T/rs --resume auto >$T/rs3.txt 2>&1
 rc=$?
 why=$(close_losses $T/cref/metrics.jsonl $T/rs/metrics.jsonl 2>&1)
 diff=$(./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rs/checkpoints/step_00000020 --quiet --tol 1e-5 2>&1)
 drc=$?
-if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && grep -q 'resharded from 2 rank(s) (pp 2 x' $T/rs2.txt &&
-    grep -q 'to 4 (pp 4 x' $T/rs3.txt; then ok pp_reshard_pp2_pp1_pp4
-else fail pp_reshard_pp2_pp1_pp4 "rc $rc: $why $diff $(grep -m2 -h -E 'error|resumed' $T/rs[123].txt)"; fi
+rs="$(resumed_why $T/rs2.summary.json world=2 pp=2 to.world=1)$(resumed_why $T/rs/summary.json world=1 to.pp=4)"
+if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$rs" ]; then ok pp_reshard_pp2_pp1_pp4
+else fail pp_reshard_pp2_pp1_pp4 "rc $rc: $why $rs $diff $(grep -m2 -h -E 'error|resumed' $T/rs[123].txt)"; fi
 # pp 2 x tp 2 -> pp 2 x dp 2 (ZeRO 1), interleaved -> zb_h1
 "${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.pp=2 --set parallel.tp=2 $IL --set run.dir=$T/rt --set train.steps=10 \
     >$T/rt1.txt 2>&1
@@ -228,15 +229,16 @@ else fail pp_reshard_pp2tp2_pp2dp2 "rc $rc: $why $diff $(grep -m2 -h -E 'error' 
 "${MPIRUN[@]}" -np 4 ./train $Y $C $Z3 --set parallel.pp_schedule=zb_h1 --set run.dir=$T/rz --set train.steps=8 \
     >$T/rz1.txt 2>&1
 ./train $Y $C --set run.dir=$T/rz --set train.steps=14 --resume auto >$T/rz2.txt 2>&1
+cp $T/rz/summary.json $T/rz2.summary.json 2>/dev/null
 "${MPIRUN[@]}" -np 4 ./train $Y $C --set parallel.pp=2 --set parallel.dp=2 --set parallel.zero=2 $IL \
     --set run.dir=$T/rz --resume auto >$T/rz3.txt 2>&1
 rc=$?
 why=$(close_losses $T/cref/metrics.jsonl $T/rz/metrics.jsonl 2>&1)
 diff=$(./train ckpt-diff $T/cref/checkpoints/step_00000020 $T/rz/checkpoints/step_00000020 --quiet --tol 1e-5 2>&1)
 drc=$?
-if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && grep -q 'resharded from 4 rank(s) (pp 2 x' $T/rz2.txt &&
-    grep -q 'resumed from' $T/rz3.txt; then ok pp_reshard_pp2dp2zero3_pp1_pp2dp2zero2
-else fail pp_reshard_pp2dp2zero3_pp1_pp2dp2zero2 "rc $rc: $why $diff $(grep -m2 -h -E 'error|resumed' $T/rz[123].txt)"; fi
+rs="$(resumed_why $T/rz2.summary.json world=4 pp=2 dp=2 to.world=1)$(resumed_why $T/rz/summary.json world=1 to.pp=2 to.dp=2)"
+if [ $rc -eq 0 ] && [ $drc -eq 0 ] && [ -z "$why" ] && [ -z "$rs" ]; then ok pp_reshard_pp2dp2zero3_pp1_pp2dp2zero2
+else fail pp_reshard_pp2dp2zero3_pp1_pp2dp2zero2 "rc $rc: $why $rs $diff $(grep -m2 -h -E 'error|resumed' $T/rz[123].txt)"; fi
 
 # The same layout resumed: pp 2 x dp 2 ZeRO 3 (zb_h1) stopped at step 3 and
 # continued with --resume auto gives an uninterrupted run's losses and
