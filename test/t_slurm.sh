@@ -24,9 +24,20 @@ if [ ! -x "$BIN" ] || ! ldd "$BIN" | grep -q libmpi; then skip slurm "$BIN is no
 [ "$(id -u)" = 0 ] || { skip slurm "needs root to run the daemons"; exit 0; }
 
 export KILN_SLURM_DIR="$T/cluster"
+# One private cluster per machine at a time: two suites side by side (two
+# clones' make test) would both start slurmctld on port 16817, the second's
+# commands would reach the first's controller, and one cluster's teardown
+# (scancel --full, and stopping the munged it started) would cancel the other's
+# jobs. The lock is this process's fd 9, released when it exits; up.sh's
+# daemons do not inherit it (9>&-), so a leftover daemon cannot keep it. The
+# wait follows the other suite's cluster, and its limit only ends a hang.
+exec 9>/tmp/kiln-slurm.lock
+t0=$(date +%s.%N)
+if ! flock -w 1800 9; then fail slurm_up "another suite's Slurm cluster held /tmp/kiln-slurm.lock for 30 min"; exit 0; fi
+echo "slurm lock: $(echo "$(date +%s.%N) - $t0" | bc) s" >&2
 trap 'bash test/slurm/down.sh "$KILN_SLURM_DIR" >/dev/null 2>&1' EXIT
 t0=$(date +%s.%N)
-if ! bash test/slurm/up.sh 2 >"$T/up.out" 2>"$T/up.err"; then
+if ! bash test/slurm/up.sh 2 >"$T/up.out" 2>"$T/up.err" 9>&-; then
     fail slurm_up "$(tail -c 400 "$T/up.err")"; exit 0
 fi
 echo "slurm up: $(echo "$(date +%s.%N) - $t0" | bc) s" >&2
