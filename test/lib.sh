@@ -7,6 +7,26 @@ fail() { echo "FAIL $1: $2"; }
 # installs. `python3` on PATH may be another interpreter (pyenv) without it.
 NPY=/usr/bin/python3
 skip() { echo "skip $1: $2"; }
+# tools_python NAME: set TOOLS_PY to the venv with the tools' own readers
+# (mlflow, prometheus_client, tensorboard, tiktoken, Pillow: pinned by
+# scripts/setup_track.sh, which `make test` runs first and which is run here
+# when the venv is missing; $KILN_TRACK_PY overrides). Returns 1 after
+# printing "skip NAME" when the package index cannot be reached (a skip that
+# test/run.sh fails under CI=true), or "FAIL NAME" when the install failed.
+TOOLS_IMPORTS='import mlflow, prometheus_client.parser, tiktoken, PIL
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator'
+tools_python() {
+    TOOLS_PY=${KILN_TRACK_PY:-.venv-track/bin/python}
+    if [ -x "$TOOLS_PY" ] && "$TOOLS_PY" -c "$TOOLS_IMPORTS" 2>/dev/null; then return 0; fi
+    if [ -z "${KILN_TRACK_PY:-}" ]; then
+        bash scripts/setup_track.sh >"$T/setup_track.txt" 2>&1
+        local rc=$?
+        if [ $rc -eq 0 ] && "$TOOLS_PY" -c "$TOOLS_IMPORTS" 2>/dev/null; then return 0; fi
+        if [ $rc -eq 3 ]; then skip "$1" "package index unreachable: the tools venv (scripts/setup_track.sh) not installed"; return 1; fi
+    fi
+    fail "$1" "no tools venv at $TOOLS_PY: $(tail -n 2 "$T/setup_track.txt" 2>/dev/null | tr '\n' ' ')"
+    return 1
+}
 # expect NAME CODE PATTERN -- CMD...: exit code and a line of output matching PATTERN
 expect() {
     local name=$1 code=$2 pat=$3; shift 4

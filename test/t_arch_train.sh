@@ -68,9 +68,9 @@ then ok arch_train_moe_metrics_jsonl
 else fail arch_train_moe_metrics_jsonl "$(tail -n 1 "$T/moe-tiny/metrics.jsonl" | cut -c1-300)"; fi
 
 # TensorBoard's own reader: the MoE scalars and one tag per (layer, expert)
-# load, equal to metrics.jsonl's (t_metrics.sh installs tensorboard).
-if python3 -c 'import tensorboard' 2>/dev/null; then
-    if python3 - "$T/moe-tiny" >"$T/tb.txt" 2>&1 <<'PY'
+# load, equal to metrics.jsonl's (the tools venv: test/lib.sh tools_python).
+if tools_python arch_train_moe_tensorboard; then
+    if "$TOOLS_PY" - "$T/moe-tiny" >"$T/tb.txt" 2>&1 <<'PY'
 import glob, json, sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 d = sys.argv[1]
@@ -86,6 +86,4 @@ for l in range(4):
         assert all(got[s] == rows[s]["moe_load"][l][e] for s in got), (l, e)
 PY
     then ok arch_train_moe_tensorboard; else fail arch_train_moe_tensorboard "$(tail -n 2 "$T/tb.txt")"; fi
-else
-    skip arch_train_moe_tensorboard "tensorboard not importable"
 fi

@@ -83,8 +83,8 @@ PY
 [ $? -eq 0 ] && grep -q 'val [0-9.]* (web [0-9.]*, code [0-9.]*)' $T/ref.txt && ok data_mix_val_per_set \
     || fail data_mix_val_per_set "$(tail -n 2 $T/val.txt)"
 
-if python3 -c 'import tensorboard' 2>/dev/null; then
-    python3 - $T/ref > $T/tb.txt 2>&1 <<'PY'
+if tools_python data_mix_tensorboard_tags; then
+    "$TOOLS_PY" - $T/ref > $T/tb.txt 2>&1 <<'PY'
 import glob, json, sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 d = sys.argv[1]
@@ -99,7 +99,7 @@ for k, v in last["tokens_by_source"].items():
 assert abs(ea.Scalars("val/web")[-1].value - last["val/web"]) < 1e-5
 PY
     [ $? -eq 0 ] && ok data_mix_tensorboard_tags || fail data_mix_tensorboard_tags "$(tail -n 2 $T/tb.txt)"
-else skip data_mix_tensorboard_tags "python package tensorboard not installed"; fi
+fi
 
 # prefetch on and off, one shard open at a time: the same losses, bit for bit
 ./train $Y --set run.dir=$T/p0 --set data.prefetch=0 >$T/p0.txt 2>&1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end checks of what a run reports about itself: metrics.jsonl parsed
 # line by line, the TensorBoard event file read back by TensorBoard's own
-# reader (installed with pip if missing; skipped if that is impossible), the
+# reader (the tools venv, test/lib.sh tools_python), the
 # per-rank log, the heartbeat, the live bar on a terminal, train.on_nonfinite
 # (skip leaves the parameters unchanged, stop exits 1), the watchdog catching a
 # simulated stall, and ./train status. Prints one line per check.
@@ -69,11 +69,8 @@ EOF
 then ok metrics_heartbeat; else fail metrics_heartbeat "$(cat "$T/run/heartbeat/rank0.json")"; fi
 
 # TensorBoard's own reader on the event file
-if ! python3 -c 'import tensorboard' 2>/dev/null; then
-    timeout 300 python3 -m pip install -q tensorboard >/dev/null 2>&1
-fi
-if python3 -c 'import tensorboard' 2>/dev/null; then
-    if python3 - "$T/run" >"$T/tb.txt" 2>&1 <<'EOF'
+if tools_python metrics_tensorboard_reader; then
+    if "$TOOLS_PY" - "$T/run" >"$T/tb.txt" 2>&1 <<'EOF'
 import glob, json, sys, struct
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 d = sys.argv[1]
@@ -95,7 +92,7 @@ for tag, key in pairs.items():
 print("tags", len(tags))
 EOF
     then ok metrics_tensorboard_reader; else fail metrics_tensorboard_reader "$(tail -n 5 "$T/tb.txt")"; fi
-else skip metrics_tensorboard_reader "python package tensorboard not installed and pip could not install it"; fi
+fi
 
 # the live bar on a terminal (util-linux `script` gives the run a pty)
 if command -v script >/dev/null 2>&1; then

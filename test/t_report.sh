@@ -59,15 +59,14 @@ if [ -z "$CHROME" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1;
     CHROME=$(command -v chromium || true)
 fi
 if [ -z "$CHROME" ]; then skip report_rendered_in_chromium "chromium not installed and apt-get could not install it"; exit 0; fi
-if ! python3 -c 'import PIL' 2>/dev/null; then timeout 300 python3 -m pip install -q pillow >/dev/null 2>&1; fi
-if ! python3 -c 'import PIL' 2>/dev/null; then skip report_rendered_in_chromium "python PIL (pillow) not available"; exit 0; fi
+tools_python report_rendered_in_chromium || exit 0 # Pillow, from the tools venv
 timeout 120 "$CHROME" --headless --no-sandbox --disable-gpu --hide-scrollbars --user-data-dir="$T/chrome" \
     --screenshot="$T/report.png" --window-size=1200,2000 "file://$H" >"$T/chrome.txt" 2>&1
 if [ ! -s "$T/report.png" ]; then fail report_rendered_in_chromium "no screenshot: $(tail -n 3 "$T/chrome.txt")"; exit 0; fi
 # Each run's colour (palette[0] #1f77b4, palette[1] #d62728) must cover a
 # real share of the page: six charts of 2-px lines are thousands of pixels;
 # 1500 rules out the legend swatches alone (a few hundred).
-if python3 - "$T/report.png" >"$T/px.txt" 2>&1 <<'EOF'
+if "$TOOLS_PY" - "$T/report.png" >"$T/px.txt" 2>&1 <<'EOF'
 import sys
 from PIL import Image
 im = Image.open(sys.argv[1]).convert("RGB")

@@ -72,9 +72,9 @@ if grep -q '<h2>Ranks: s (4 ranks)</h2>' "$T/report.html" && grep -q 'slowest: r
     ok straggler_report_per_rank_charts
 else fail straggler_report_per_rank_charts "$(grep -o '<h2>[^<]*' "$T/report.html" | tr '\n' ' ')"; fi
 
-# TensorBoard: the ranks/ tags, read by TensorBoard's reader where installed (t_metrics.sh installs it)
-if python3 -c 'import tensorboard' 2>/dev/null; then
-    if python3 - "$T/s" >"$T/tb.txt" 2>&1 <<'EOF'
+# TensorBoard: the ranks/ tags, read by TensorBoard's reader (the tools venv)
+if tools_python straggler_tensorboard_tags; then
+    if "$TOOLS_PY" - "$T/s" >"$T/tb.txt" 2>&1 <<'EOF'
 import glob, sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 ea = EventAccumulator(glob.glob(sys.argv[1] + "/events.out.tfevents.*")[0]); ea.Reload()
@@ -85,7 +85,7 @@ assert all(t in tags for t in need), sorted(set(need) - set(tags))
 assert sum(e.value == 2.0 for e in ea.Scalars("ranks/slowest_rank")) >= 10  # as in ranks.jsonl
 EOF
     then ok straggler_tensorboard_tags; else fail straggler_tensorboard_tags "$(tail -n 3 "$T/tb.txt")"; fi
-else skip straggler_tensorboard_tags "python package tensorboard not installed"; fi
+fi
 
 expect straggler_factor_below_one 2 "key 'monitor.straggler_factor': expected 0 \(off\) or a factor > 1, got 0.5" -- \
     ./train "$T/s.yaml" --set monitor.straggler_factor=0.5

@@ -3,7 +3,8 @@
 # test/tiktoken_ref.py) on a 200 KB slice of data/austen.txt, a hand-written
 # tricky text, seeded multi-script noise and long pieces: the token ids must be
 # identical.
-# Prints "skip ..." when the vocabulary or tiktoken cannot be had (no network).
+# Prints "skip ..." when the vocabulary or tiktoken cannot be had (no network),
+# a skip test/run.sh fails under CI=true.
 set -u
 cd "$(dirname "$0")/.."
 tmp=${KILN_TEST_TMP:-$(mktemp -d)}/tiktoken
@@ -14,25 +15,22 @@ if ! bash scripts/fetch_gpt2_vocab.sh >"$tmp/fetch.log" 2>&1; then
     echo "skip tokenizer_tiktoken: no GPT-2 vocabulary ($(tail -n 1 "$tmp/fetch.log"))"
     exit 0
 fi
-if ! python3 -c 'import tiktoken' 2>/dev/null; then
-    python3 -m pip install -q tiktoken >"$tmp/pip.log" 2>&1
-    if ! python3 -c 'import tiktoken' 2>/dev/null; then
-        echo "skip tokenizer_tiktoken: tiktoken not installed and pip install failed"
-        exit 0
-    fi
-fi
+# tiktoken from the tools venv (test/lib.sh tools_python)
+T=$tmp
+. test/lib.sh
+tools_python tokenizer_tiktoken || exit 0
 if [ ! -x "$bin" ]; then
     echo "FAIL tokenizer_tiktoken: $bin not built (make $bin)"
     exit 0
 fi
 # A slice from the middle of the corpus, cut at line boundaries.
 tail -c +2000001 data/austen.txt | head -c 200000 | sed '1d;$d' >"$tmp/austen.txt"
-python3 test/tiktoken_ref.py --tricky "$tmp/tricky.txt"
-python3 test/tiktoken_ref.py --fuzz "$tmp/fuzz.txt" 1234
-python3 test/tiktoken_ref.py --long "$tmp/long.txt" 99
+"$TOOLS_PY" test/tiktoken_ref.py --tricky "$tmp/tricky.txt"
+"$TOOLS_PY" test/tiktoken_ref.py --fuzz "$tmp/fuzz.txt" 1234
+"$TOOLS_PY" test/tiktoken_ref.py --long "$tmp/long.txt" 99
 for name in austen tricky fuzz long; do
     f="$tmp/$name.txt"
-    if ! python3 test/tiktoken_ref.py "$vocab" "$f" >"$tmp/$name.ref" 2>"$tmp/$name.err"; then
+    if ! "$TOOLS_PY" test/tiktoken_ref.py "$vocab" "$f" >"$tmp/$name.ref" 2>"$tmp/$name.err"; then
         echo "FAIL tokenizer_tiktoken_$name: tiktoken failed: $(tail -n 1 "$tmp/$name.err")"
         continue
     fi

@@ -26,19 +26,6 @@ wait_step() { for _ in $(seq 1200); do [ "$(cat "$1" 2>/dev/null | wc -l)" -ge "
 MPIRUN=(timeout 180 mpirun --allow-run-as-root --oversubscribe)
 have_mpi() { command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi; }
 
-# track_python NAME: set PY to the venv's python with mlflow and
-# prometheus_client (scripts/setup_track.sh makes it when missing; $KILN_TRACK_PY
-# overrides). Returns 1 after printing "skip NAME" when the package index
-# cannot be reached, or "FAIL NAME" when the install failed otherwise.
-track_python() {
-    PY=${KILN_TRACK_PY:-.venv-track/bin/python}
-    if [ -x "$PY" ] && "$PY" -c 'import mlflow, prometheus_client.parser' 2>/dev/null; then return 0; fi
-    if [ -z "${KILN_TRACK_PY:-}" ]; then
-        bash scripts/setup_track.sh >"$T/setup_track.txt" 2>&1
-        local rc=$?
-        if [ $rc -eq 0 ] && "$PY" -c 'import mlflow, prometheus_client.parser' 2>/dev/null; then return 0; fi
-        if [ $rc -eq 3 ]; then skip "$1" "package index unreachable: mlflow-skinny and prometheus_client not installed"; return 1; fi
-    fi
-    fail "$1" "no mlflow/prometheus_client for $PY: $(tail -n 2 "$T/setup_track.txt" 2>/dev/null | tr '\n' ' ')"
-    return 1
-}
+# track_python NAME: set PY to the tools venv's python (test/lib.sh
+# tools_python), or print "skip NAME" / "FAIL NAME" and return 1.
+track_python() { tools_python "$1" || return 1; PY=$TOOLS_PY; }
