@@ -50,6 +50,7 @@ SECTIONS="ops step124m bench fp8 ops_ref curves attention nccl variants arch ben
 USAGE="usage: scripts/cuda_check.sh [--limit SECONDS] [--only SECTION[,SECTION]] [--dry-run]; sections: ${SECTIONS// /, }"
 LIMIT_S=${CUDA_CHECK_LIMIT_S:-480}
 DRY=0 ONLY=""
+exec 3>&1 # this script's own stdout: a step's output goes to its log, a kill notice here
 while [ $# -gt 0 ]; do
     case $1 in
     --limit) LIMIT_S=${2:-}; shift 2 || shift ;;
@@ -119,7 +120,7 @@ W_PROBE=30 # nvidia-smi, ldd, --version: a hung GPU hangs nvidia-smi too
 # check killed from outside still leaves a whole table. A row's text is cut
 # to 150 characters there (the whole of it goes to the log).
 summary() {
-    { cat "$ROWS" "$ENVROWS"; [ -n "${1:-}" ] && printf '%s\n' "$@"; } > "$SUM.tmp" && mv "$SUM.tmp" "$SUM"
+    { cat "$ROWS" "$ENVROWS"; [ -z "${1:-}" ] || printf '%s\n' "$@"; } > "$SUM.tmp" && mv "$SUM.tmp" "$SUM"
 }
 fmt() { printf '%-30s %-5s %.150s\n' "$1" "$2" "$3"; }
 row() {
@@ -155,7 +156,8 @@ step() {
     cap=$(( $(left) - KILL_AFTER ))
     [ "$cap" -lt "$t" ] && t=$cap
     STEP_LIMIT=$t
-    if [ "$t" -lt 1 ]; then echo "cuda_check: no time left for: $*" >&2; mark_stopped; return 124; fi
+    if [ "$t" -lt 1 ]; then
+        STEP_LIMIT=0 echo "cuda_check: no time left for: $*" | tee -a "$LOG" >&3; mark_stopped; return 124; fi
     if [ -n "$HANG" ] && [ "${HANG%%:*}" = "$CUR" ]; then
         # the test hook: this step hangs, ignoring SIGTERM, with a child of its own
         [[ $HANG == *:* ]] && [ "${HANG#*:}" -lt "$t" ] && t=${HANG#*:} && STEP_LIMIT=$t
@@ -167,7 +169,8 @@ step() {
     wait "$STEP_PID"; local rc=$?
     STEP_PID=""
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-        echo "cuda_check: killed at its hard limit of $t s ($([ $rc -eq 137 ] && echo 'SIGKILL: it ignored SIGTERM' || echo SIGTERM)): $*" >&2
+        echo "cuda_check: killed at its hard limit of $t s ($([ $rc -eq 137 ] && echo 'SIGKILL: it ignored SIGTERM' || echo SIGTERM)): $*" |
+            tee -a "$LOG" >&3
         mark_stopped
     fi
     return $rc
@@ -176,7 +179,8 @@ mark_stopped() { [[ " $STOPPED " == *" $CUR "* ]] || STOPPED="$STOPPED $CUR"; }
 # rc_text RC: a step's status in words, for its row
 rc_text() {
     case $1 in
-    124 | 137) echo "timed out: killed at its hard limit of $STEP_LIMIT s" ;;
+    124 | 137) if [ "$STEP_LIMIT" -gt 0 ]; then echo "timed out: killed at its hard limit of $STEP_LIMIT s"
+               else echo "not run: no time left of --limit $LIMIT_S"; fi ;;
     *) echo "exit $1" ;;
     esac
 }
@@ -204,8 +208,9 @@ reached() {
         elif [[ " $DONE " != *" $s "* ]]; then missed="$missed $s(not reached)"; fi
     done
     sel=$([ -n "$ONLY" ] && echo "; --only $ONLY")
-    if [ -z "$missed" ]; then fmt not_reached ok "every section asked for ran to its end$sel"
-    else fmt not_reached skip "sections not run or cut short:${missed}$sel"; fi
+    # printed whole, not cut at 150 characters like the other rows: it is the list to rerun
+    if [ -z "$missed" ]; then printf '%-30s %-5s %s\n' not_reached ok "every section asked for ran to its end$sel"
+    else printf '%-30s %-5s %s\n' not_reached skip "sections not run or cut short:${missed}$sel"; fi
 }
 finish() {
     local rc=${1:-0}
