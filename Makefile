@@ -145,8 +145,8 @@ $(BUILD)/static.stamp: FORCE
 $(OBJ) $(BUILD)/main.o: $(BUILD)/static.stamp
 
 .PHONY: cuda-check gpu-bundle
-cuda-check: # LIMIT=seconds (default 480): the whole check ends inside it
-	@bash scripts/cuda_check.sh $(if $(LIMIT),--limit $(LIMIT))
+cuda-check: # LIMIT=seconds (default 480): the whole check ends inside it; ONLY=section[,section]: just those
+	@bash scripts/cuda_check.sh $(if $(LIMIT),--limit $(LIMIT)) $(if $(ONLY),--only $(ONLY))
 # The binaries cuda-check needs, built STATIC=1 from HEAD and packed into
 # .gpu/kiln-gpu.tar.xz, to carry to a GPU machine (scripts/gpu_bundle.sh).
 gpu-bundle:

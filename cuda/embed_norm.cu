@@ -450,7 +450,8 @@ __global__ void __launch_bounds__(32 * NORM_BWD_WARPS)
  * of dependent L2 loads on a handful of blocks (C / 256 of them): ~10 us per
  * output, ~70 calls a step at GPT-2 124M (docs/benchmarks.md's budget). */
 #define COLSUM_FIN_LANES 32
-__global__ void colsum_finish_kernel(float *out_a, float *out_b, const float *part_a,
+/* bounds = the launch's 32 x COLSUM_FIN_LANES = 1024 threads (64 registers at most) */
+__global__ void __launch_bounds__(32 * COLSUM_FIN_LANES) colsum_finish_kernel(float *out_a, float *out_b, const float *part_a,
                                      const float *part_b, int chunks, int C, int accumulate) {
     __shared__ float sa[COLSUM_FIN_LANES][33], sb[COLSUM_FIN_LANES][33];
     int tx = threadIdx.x, ty = threadIdx.y, c = blockIdx.x * 32 + tx;

@@ -46,8 +46,10 @@ __global__ void fp8_amax_cols_kernel(float *out, const T *x, int rows, int cols)
     out[j] = m;
 }
 
-/* one block: out[0] = max of part (n) */
-__global__ void fp8_max_kernel(float *out, const float *part, int n) {
+/* one block of FP8_MAX_THREADS: out[0] = max of part (n); the bounds match the
+ * launch, so ptxas keeps to the 64 registers a 1024-thread block may use */
+#define FP8_MAX_THREADS 1024
+__global__ void __launch_bounds__(FP8_MAX_THREADS) fp8_max_kernel(float *out, const float *part, int n) {
     __shared__ float sh[32];
     float m = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, part[i]);
@@ -67,7 +69,7 @@ static void fp8_amax_launch(float *amax, const void *x_, int rows, int cols, int
     KLAUNCH(fp8_amax_rows_kernel<T>, rows, FP8_THREADS, 0, rowmax, x, rows, cols);
     CUDA_CHECK_LAUNCH();
     if (axis == FP8_AXIS_TENSOR) {
-        KLAUNCH(fp8_max_kernel, 1, 1024, 0, amax, rowmax, rows);
+        KLAUNCH(fp8_max_kernel, 1, FP8_MAX_THREADS, 0, amax, rowmax, rows);
         CUDA_CHECK_LAUNCH();
     }
 }

@@ -567,7 +567,9 @@ double cuda_sumsq(const float *x, size_t n) {
 void cuda_sumsq_acc(double *acc, const float *x, size_t n) { sumsq_to(acc, x, n, 1); }
 
 #define LOSS_THREADS 1024
-__global__ void loss_acc_kernel(double *acc, const float *losses, int N) {
+/* bounds = its launch (one block of LOSS_THREADS): without them ptxas may
+ * allocate more than 64 registers a thread, and a 1024-thread launch fails */
+__global__ void __launch_bounds__(LOSS_THREADS) loss_acc_kernel(double *acc, const float *losses, int N) {
     __shared__ double red[32];
     double s = 0.0;
     for (int i = threadIdx.x; i < N; i += blockDim.x) s += (double)losses[i];

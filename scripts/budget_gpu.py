@@ -1,18 +1,36 @@
-# budget_h200: the analytic time budget of one GPT-2 training step on one H200
-# (docs/benchmarks.md, "Expected time budget"), at the two shapes of the MFU
-# targets: 124M (B 16, T 1024; 45%) and 1.5B (B 8, T 1024; 50%). FLOPs and HBM
-# bytes per op, counted from src/model.c and the kernels, over the ceilings
-# measured on the workplace H200s (4.3 TB/s copy, 790 TFLOP/s bf16 GEMM).
-# Estimates, not measurements. `python3 scripts/budget_h200.py [124m|1.5b]`
-# (both without an argument).
+# budget_gpu: the analytic time budget of one GPT-2 training step on one
+# H100 SXM or H200 (docs/benchmarks.md, "Expected time budget"), at the two
+# shapes of the MFU targets: 124M (B 16, T 1024; 45%) and 1.5B (B 8, T 1024;
+# 50%). FLOPs and HBM bytes per op, counted from src/model.c and the kernels,
+# over the GPU's achieved ceilings (below). Estimates, not measurements.
+# `python3 scripts/budget_gpu.py [--gpu h100|h200] [124m|1.5b]...` (default:
+# h200, both shapes). MFU is always against the 989 TFLOP/s dense bf16
+# datasheet peak, the same on both (the same Hopper chip and clocks).
+#
+# The ceilings, achieved (what a step can reach) next to the datasheet's:
+# - H200 (141 GB HBM3e, 4.8 TB/s spec): 4.3 TB/s device-to-device copy
+#   (bytes read + written) and 790 TFLOP/s bf16 GEMM (8192^3, random data:
+#   769-798 measured), both measured on this workplace's H200s, 2026-10-28 and
+#   2026-11-04 (the device tool's KINDS.md; docs/benchmarks.md): 90% of the
+#   bandwidth spec, 80% of the matrix spec.
+# - H100 SXM (80 GB HBM3, 3.35 TB/s spec): 3.0 TB/s copy and 798 TFLOP/s
+#   GEMM (8192^3, random data), measured on this workplace's H100 80GB HBM3
+#   once, 2026-11-13 (KINDS.md, /work/shared/notes/gpu-checks.md): the same
+#   90% of its bandwidth spec as the H200 gives, and the H200's matrix rate
+#   (same SMs and clocks), so 790 is used for both and the H100 budget differs
+#   only in bandwidth: every memory-bound op ~1.43x longer.
 import sys
+GPUS = {"h200": dict(name="H200 (141 GB HBM3e)", BW=4.3e12, BW_SPEC=4.8e12, MM=790e12),
+        "h100": dict(name="H100 SXM (80 GB HBM3)", BW=3.0e12, BW_SPEC=3.35e12, MM=790e12)}
 SHAPES={"124m":dict(B=16,C=768,L=12,NH=12,target=0.45),
         "1.5b":dict(B=8,C=1600,L=48,NH=25,target=0.50)}
-BW=4.3e12; MM=790e12; PEAK=989e12
+PEAK=989e12
+BW=MM=None
 def budget(name,B,C,L,NH,target,T=1024,V=50257,Vp=50304):
     N=B*T; hs=C//NH; a=2
     P=Vp*C+T*C+L*(12*C*C+13*C)+2*C
-    print(f"## GPT-2 {name}: B {B}, T {T}, C {C}, L {L}, NH {NH}, {P:,} parameters\n")
+    print(f"## GPT-2 {name} on one {GPU['name']}: B {B}, T {T}, C {C}, L {L}, NH {NH}, {P:,} parameters")
+    print(f"(ceilings: {BW/1e12:.1f} TB/s achieved of {GPU['BW_SPEC']/1e12:.2f} spec, {MM/1e12:.0f} TFLOP/s bf16 GEMM achieved of {PEAK/1e12:.0f} spec)\n")
     rows=[]
     def op(name, calls, flops, mn, aswr=None, note=""):
         rows.append((name, calls, flops, mn, aswr if aswr is not None else mn, note))
@@ -84,5 +102,18 @@ def budget(name,B,C,L,NH,target,T=1024,V=50257,Vp=50304):
 
     print("budget for non-GEMM at %d%%: %.2f ms"%(target*100, (modelflops/PEAK/target-g)*1e3))
     print()
-for k in (sys.argv[1:] or SHAPES):
+args = sys.argv[1:]
+gpu = "h200"
+if "--gpu" in args:
+    i = args.index("--gpu")
+    gpu = args[i + 1] if i + 1 < len(args) else ""
+    del args[i:i + 2]
+if gpu not in GPUS:
+    sys.exit(f"budget_gpu: --gpu wants one of {', '.join(GPUS)}, not '{gpu}'")
+bad = [a for a in args if a not in SHAPES]
+if bad:
+    sys.exit(f"budget_gpu: no shape '{bad[0]}' (shapes: {', '.join(SHAPES)})")
+GPU = GPUS[gpu]
+BW, MM = GPU["BW"], GPU["MM"]
+for k in (args or SHAPES):
     budget(k, **SHAPES[k])
