@@ -153,7 +153,7 @@ gpu-bundle:
 	@bash scripts/gpu_bundle.sh
 # ------------------------------------------------------------------ end CUDA block
 
-.PHONY: all deps run test bench clean found FORCE
+.PHONY: all deps run test test-cores bench clean found FORCE
 all: found $(TRAIN)
 
 found:
@@ -228,6 +228,17 @@ test: deps
 	 elif [ $$rc = 0 ]; then echo "✗ $(FUZZ_CC) with libFuzzer not found: the fuzz regression checks will skip (make deps installs it)"; fi; \
 	 wait $$setup; cat $(BUILD)/setup.log; \
 	 [ $$rc = 0 ] && KILN_TEST_JOBS=$(JOBS) bash test/run.sh
+
+# The numerical test files once per OpenBLAS core type (CORETYPES), so the
+# sums of CI's other machine kinds are tried here: scripts/test_cores.sh,
+# docs/testing.md "Tolerances". Builds as make test does, without the PyPI set-up
+# the numerical files do not all need (setup_hf runs: t_hf_* compare numbers).
+CORETYPES ?= Haswell SkylakeX Zen
+test-cores: deps
+	@$(MAKE) --no-print-directory -j$(JOBS) all $(TEST_BIN)
+	@bash scripts/setup_hf.sh >/dev/null 2>&1 || echo "✗ transformers not installed: the HuggingFace checks will skip"
+	@bash scripts/setup_track.sh >/dev/null 2>&1 || echo "✗ the tools venv not installed: t_arch_train's reader checks will skip"
+	@KILN_TEST_JOBS=$(JOBS) bash scripts/test_cores.sh $(CORETYPES)
 
 bench: deps
 	@$(MAKE) --no-print-directory all $(BUILD)/test/bench_data
