@@ -346,6 +346,7 @@ ensure_data() {
 # bf16 activations (test_backend_cross; its tolerances are written down there)
 sec_ops() {
     need $W_CROSS ops_vs_cpu || return
+    export KILN_CROSS_SEED=${KILN_CROSS_SEED:-time}  # fresh inputs on the GPU; the seed is in the log
     step $W_CROSS "$BIN/build/test/test_backend_cross" "$OPS" > "$WORK/test_cross.txt" 2>&1; local rc=$?
     local f=$WORK/test_cross.txt nfail nbf nall
     nfail=$(count FAIL "$f"); nall=$(count ok "$f"); nbf=$(grep -c "^ok cross_${OPS}_bf16_" "$f" || true)

@@ -633,10 +633,13 @@ static void cross_device(const char *name) {
 int main(int argc, char **argv) {
     cpu = backend_get("cpu");
     cpu->init(0);
-    /* Fresh inputs each run (notes/gpu-checks.md); the seed is printed so a
-     * failure can be replayed with KILN_CROSS_SEED. */
+    /* One fixed seed in the suite, so a CI run cannot pass or fail on the
+     * inputs it drew (its tolerances are bounds, but a bound is only as good
+     * as the inputs it was argued for); KILN_CROSS_SEED=N replays N and
+     * KILN_CROSS_SEED=time draws fresh inputs, as cuda_check does on a GPU
+     * (notes/gpu-checks.md). The seed is printed either way. */
     const char *env = getenv("KILN_CROSS_SEED");
-    uint64_t seed = env ? strtoull(env, NULL, 10) : (uint64_t)time(NULL);
+    uint64_t seed = !env ? 20261207u : !strcmp(env, "time") ? (uint64_t)time(NULL) : strtoull(env, NULL, 10);
     printf("# cross seed %llu\n", (unsigned long long)seed);
     rng_seed(&rng, seed);
     /* default: the GPU (or a skip line), then emu_bf16 */
