@@ -235,7 +235,7 @@ test: deps
 # the numerical files do not all need (setup_hf runs: t_hf_* compare numbers).
 CORETYPES ?= Haswell SkylakeX Zen
 test-cores: deps
-	@$(MAKE) --no-print-directory -j$(JOBS) all $(TEST_BIN)
+	@$(MAKE) --no-print-directory -j$(JOBS) all $(TEST_BIN) $(BENCH_BIN)
 	@bash scripts/setup_hf.sh >/dev/null 2>&1 || echo "✗ transformers not installed: the HuggingFace checks will skip"
 	@bash scripts/setup_track.sh >/dev/null 2>&1 || echo "✗ the tools venv not installed: t_arch_train's reader checks will skip"
 	@KILN_TEST_JOBS=$(JOBS) bash scripts/test_cores.sh $(CORETYPES)
