@@ -231,8 +231,9 @@ test: deps
 
 # The numerical test files once per OpenBLAS core type (CORETYPES), so the
 # sums of CI's other machine kinds are tried here: scripts/test_cores.sh,
-# docs/testing.md "Tolerances". Builds as make test does, without the PyPI set-up
-# the numerical files do not all need (setup_hf runs: t_hf_* compare numbers).
+# docs/testing.md "Tolerances". Builds what make test builds and sets up the two
+# venvs the numerical files read (transformers for t_hf_*, tensorboard for
+# t_arch_train); the GPT-2 vocabulary and the fuzz build are not needed.
 CORETYPES ?= Haswell SkylakeX Zen
 test-cores: deps
 	@$(MAKE) --no-print-directory -j$(JOBS) all $(TEST_BIN) $(BENCH_BIN)
