@@ -1078,6 +1078,19 @@ static void cfg_check_attention(const Config *c, CfgLoad *L) {
                   cfg_where_of(L, "precision.attention_deterministic", NULL), why);
 }
 
+/* Pipeline stages with a tied embedding hold two copies that must stay
+ * equal; stochastic rounding draws each element's bits by its place in the
+ * rank's arena, which differs between the first and the last stage. */
+static void cfg_check_pp_precision(const Config *c, const ArchSpec *s, CfgLoad *L) {
+    int sr_state = strcmp(c->optim_state, "bf16") == 0, sr_master = !strcmp(c->master, "bf16");
+    if (c->pp > 1 && s->tie_embeddings && (sr_state || sr_master))
+        kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': bf16 %s are rounded stochastically by arena position, so the first "
+                  "and last pipeline stages' copies of the tied embedding would drift apart; use %s: fp32, or "
+                  "model.tie_embeddings: false", cfg_where_of(L, sr_state ? "precision.optim_state" :
+                  "precision.master", "parallel.pp"), sr_state ? "precision.optim_state" : "precision.master",
+                  sr_state ? "moments" : "parameters", sr_state ? "precision.optim_state" : "precision.master");
+}
+
 static void cfg_check_precision(const Config *c, CfgLoad *L) {
     cfg_check_fp8(c, L);
     cfg_check_attention(c, L);
@@ -1148,6 +1161,7 @@ static void cfg_finish(Config *c, CfgLoad *L) {
     cfg_check_batch(c, L);
     cfg_check_parallel(c, L);
     cfg_check_precision(c, L);
+    cfg_check_pp_precision(c, &spec, L);
     cfg_check_optim(c, L);
     cfg_check_monitor(c, L);
     if (!c->run_dir[0]) {
@@ -1166,6 +1180,32 @@ static void cfg_finish(Config *c, CfgLoad *L) {
 }
 
 /* ---------- public ---------- */
+
+int cfg_check_layout(Config *c, char *err, size_t errn) {
+    CfgLoad *L = xcalloc(1, sizeof *L);
+    L->file = "plan";
+    for (int i = 0; i < NKEYS; i++) kiln_strlcpy(L->where[i], "layout", sizeof L->where[i]);
+    KilnTrap t;
+    int rc = 0;
+    kiln_trap_push(&t);
+    if (setjmp(t.jb) == 0) {
+        ArchSpec spec;
+        arch_from_config(c, &spec);
+        cfg_check_moe(c, &spec, L);
+        cfg_check_ep(c, &spec, L);
+        cfg_check_batch(c, L);
+        cfg_check_parallel(c, L);
+        cfg_check_precision(c, L);
+        cfg_check_pp_precision(c, &spec, L);
+        cfg_check_optim(c, L);
+    } else {
+        rc = -1;
+        snprintf(err, errn, "%s", t.msg);
+    }
+    kiln_trap_pop(&t);
+    free(L);
+    return rc;
+}
 
 char *cfg_yaml_text(const Config *c, size_t *len) {
     char *text = NULL;

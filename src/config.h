@@ -162,6 +162,14 @@ void cfg_defaults(Config *c);
  * unknown key, the closest known key. */
 void cfg_load(Config *c, const char *path, const char *const *sets, int nsets);
 
+/* The cross-key checks cfg_load runs after parsing (MoE and ep, the batch's
+ * split, the parallel degrees, precision, the optimizer), on a loaded config
+ * whose layout keys (parallel.*, batch.micro_batch, model.recompute) were
+ * changed in the struct; derives batch.grad_accum again. Returns 0, or -1
+ * with cfg_load's line in err ("layout: key ..."). Never exits: ./train plan
+ * --search asks it of every layout it considers. */
+int cfg_check_layout(Config *c, char *err, size_t errn);
+
 /* Write the fully resolved config (every key, defaults filled) as YAML. */
 void cfg_write_yaml(const Config *c, FILE *f);
 /* The same YAML as a malloc'd, NUL-terminated string (*len its length): the

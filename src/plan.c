@@ -64,6 +64,7 @@ static double plan_expert_params(const ArchSpec *s) {
 
 /* The overhead (workspace and margin) and the total, once the rest is counted. */
 static void plan_finish(PlanMemory *m) {
+    m->state += m->compute_copy;
     double fp8 = (double)(m->fp8.operands + m->fp8.scales + m->fp8.histories);
     double counted = m->state + m->activations + fp8 + PLAN_WORKSPACE_BYTES;
     m->overhead = PLAN_WORKSPACE_BYTES + PLAN_MARGIN * counted;
@@ -76,19 +77,34 @@ ModelFp8 plan_fp8_options(const Config *c) {
                       .pow2 = c->fp8_pow2_scales, .head = c->fp8_head};
 }
 
+size_t plan_act_bytes(const Config *c) {
+    return !strcmp(c->device, "cpu") || !strcmp(c->compute, "fp32") ? 4 : 2;
+}
+
 PlanLayout plan_layout(const Config *c, int dp) {
     return (PlanLayout){.tp = c->tp, .sp = c->tp > 1 && strcmp(c->sequence_parallel, "false") != 0, .cp = c->cp,
                         .cp_mode = cp_mode_parse(c->cp_attention), .dp = dp, .ep = c->ep, .zero = c->zero,
                         .micro_batch = c->micro_batch, .recompute = model_recompute_parse(c->recompute),
                         .moment_bytes = optim_state_bytes(c->optim_state), .param_bytes = plan_param_bytes(c->master),
-                        .fp8 = plan_fp8_options(c)};
+                        .act_bytes = plan_act_bytes(c), .fp8 = plan_fp8_options(c)};
 }
 
-/* fp8's buffers (fp32 and bf16 activations) into m's total, for N rows. */
+/* fp8's buffers into m's total, for N rows of act_bytes activations. */
 static void plan_add_fp8(PlanMemory *m, const ArchSpec *local, const PlanLayout *l, int ep) {
     size_t N = (size_t)l->micro_batch * (local->seq_len / l->cp);
-    model_fp8_bytes(local, &l->fp8, l->tp, l->cp, ep, N, sizeof(float), &m->fp8);
-    m->fp8_bf16 = (double)model_fp8_bytes(local, &l->fp8, l->tp, l->cp, ep, N, 2, NULL);
+    model_fp8_bytes(local, &l->fp8, l->tp, l->cp, ep, N, m->act_bytes, &m->fp8);
+}
+
+/* The activation dtype's figures into m (act_by_mode filled), and the bf16
+ * compute copy of an fp32 master (model.c: one cast of the whole arena; under
+ * ZeRO-3 one per gathered unit, whose fp32 buffers params_gathered counts). */
+static void plan_pick_dtype(PlanMemory *m, const PlanLayout *l, double whole_params) {
+    m->act_bytes = l->act_bytes == 2 ? 2 : 4;
+    int k = m->act_bytes == 2;
+    m->activations = m->act_by_mode[l->recompute][k];
+    m->activations_other = m->act_by_mode[l->recompute][!k];
+    if (m->act_bytes == 2 && m->param_bytes == 4)
+        m->compute_copy = m->params_gathered > 0 ? m->params_gathered / 2 : whole_params * 2;
 }
 
 PlanMemory plan_memory_per_rank(const ArchSpec *g, const PlanLayout *lay) {
@@ -150,10 +166,9 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, const PlanLayout *lay) {
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
             m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, cp, s->n_layer, micro_batch, s->seq_len, ab);
         }
-    m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, sizeof(float)) : 0;
+    m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, lay->act_bytes == 2 ? 2 : 4) : 0;
     m.recompute = recompute;
-    m.activations = m.act_by_mode[recompute][0];
-    m.activations_bf16 = m.act_by_mode[recompute][1];
+    plan_pick_dtype(&m, lay, params);
     plan_add_fp8(&m, s, lay, ep);
     plan_finish(&m);
     return m;
@@ -216,50 +231,74 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, const PlanLayout *lay, in
                                   (double)ep_buffer_bytes(g, ep, cp, sets, micro_batch, g->seq_len, ab);
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
         }
-    m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, sizeof(float)) : 0;
+    m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, lay->act_bytes == 2 ? 2 : 4) : 0;
     m.recompute = rec;
-    m.activations = m.act_by_mode[rec][0];
-    m.activations_bf16 = m.act_by_mode[rec][1];
+    plan_pick_dtype(&m, lay, params);
     plan_add_fp8(&m, &local, lay, ep);
     plan_finish(&m);
     return m;
 }
 
-int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro, int show_timeline,
-                  PlanMemory *worst, char *err, size_t errn) {
-    int p = c->pp, v = c->pp_virtual, cut[PIPE_MAX_STAGES + 1];
-    PipeKind k = (PipeKind)pipe_kind_parse(c->pp_schedule);
+int plan_memory_pp(const ArchSpec *s, const PlanLayout *lay, int kind, int p, int v, const int *given, int n_given,
+                   int micro, PlanMemory *worst, PlanMemory *stages, double *bubble, char *err, size_t errn) {
+    int cut[PIPE_MAX_STAGES + 1];
+    PipeKind k = (PipeKind)kind;
     if (pipe_check_shape(k, p, v, micro, err, errn) != 0) return -1;
-    if (pipe_plan_stages(s, p, v, c->pp_layers, c->n_pp_layers, cut, err, errn) != 0) return -1;
+    if (pipe_plan_stages(s, p, v, given, n_given, cut, err, errn) != 0) return -1;
     PipeSchedule sc;
     pipe_build(&sc, k, p, v, micro);
     if (pipe_check(&sc, err, errn) != 0) {
         pipe_schedule_free(&sc);
         return -1;
     }
-    double theory = pipe_theory_bubble(&sc), formula = pipe_formula_bubble(k, p, v, micro);
+    if (bubble) *bubble = pipe_theory_bubble(&sc);
+    for (int r = 0; r < p; r++) {
+        int lo[MODEL_MAX_CHUNKS], hi[MODEL_MAX_CHUNKS], slots[MODEL_MAX_CHUNKS];
+        for (int ch = 0; ch < v && ch < MODEL_MAX_CHUNKS; ch++)
+            lo[ch] = cut[ch * p + r], hi[ch] = cut[ch * p + r + 1], slots[ch] = sc.slots[r * v + ch];
+        PlanMemory m = plan_memory_stage(s, lay, v, lo, hi, slots, k == PIPE_ZB_H1);
+        if (stages) stages[r] = m;
+        if (r == 0 || m.total > worst->total) *worst = m;
+    }
+    pipe_schedule_free(&sc);
+    return 0;
+}
+
+int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro, int show_timeline,
+                  PlanMemory *worst, char *err, size_t errn) {
+    int p = c->pp, v = c->pp_virtual, cut[PIPE_MAX_STAGES + 1];
+    PipeKind k = (PipeKind)pipe_kind_parse(c->pp_schedule);
+    PlanLayout lay = plan_layout(c, dp);
+    lay.tp = tp;
+    PlanMemory *st = xcalloc((size_t)p, sizeof *st);
+    double theory;
+    if (plan_memory_pp(s, &lay, k, p, v, c->pp_layers, c->n_pp_layers, micro, worst, st, &theory, err, errn) != 0) {
+        free(st);
+        return -1;
+    }
+    pipe_plan_stages(s, p, v, c->pp_layers, c->n_pp_layers, cut, err, errn);
+    double formula = pipe_formula_bubble(k, p, v, micro);
     printf("  pipeline               pp %d, %s%s, %d micro-batches per rank and step: bubble %.1f%% of the step "
            "(%s = %.1f%% of the compute)\n", p, c->pp_schedule, v > 1 ? " with virtual chunks" : "", micro,
            100.0 * theory, k == PIPE_INTERLEAVED ? "(p-1)/(v m)" : k == PIPE_ZB_H1 ? "(p-1)/(3m)" : "(p-1)/m",
            100.0 * formula);
-    PlanLayout lay = plan_layout(c, dp);
-    lay.tp = tp;
+    PipeSchedule sc;
+    pipe_build(&sc, k, p, v, micro);
     for (int r = 0; r < p; r++) {
-        int lo[MODEL_MAX_CHUNKS], hi[MODEL_MAX_CHUNKS], slots[MODEL_MAX_CHUNKS], held = 0;
+        int held = 0;
         char layers[256];
         size_t o = 0;
         for (int ch = 0; ch < v && ch < MODEL_MAX_CHUNKS; ch++) {
-            lo[ch] = cut[ch * p + r], hi[ch] = cut[ch * p + r + 1], slots[ch] = sc.slots[r * v + ch];
-            held += slots[ch];
+            held += sc.slots[r * v + ch];
             if (o < sizeof layers)
-                o += (size_t)snprintf(layers + o, sizeof layers - o, "%s%d..%d", ch ? ", " : "", lo[ch], hi[ch] - 1);
+                o += (size_t)snprintf(layers + o, sizeof layers - o, "%s%d..%d", ch ? ", " : "", cut[ch * p + r],
+                                      cut[ch * p + r + 1] - 1);
         }
-        PlanMemory m = plan_memory_stage(s, &lay, v, lo, hi, slots, k == PIPE_ZB_H1);
         printf("  stage %-16d layers %s%s%s: %.2fM parameters, %d activation slot(s) %.2f MiB; %.2f GiB per rank\n",
                r, layers, r == 0 ? " + embeddings" : "", r == p - 1 ? " + head" : "",
-               m.count / 1e6, held, m.activations / 1048576.0, m.total / (1024.0 * 1024 * 1024));
-        if (r == 0 || m.total > worst->total) *worst = m;
+               st[r].count / 1e6, held, st[r].activations / 1048576.0, st[r].total / (1024.0 * 1024 * 1024));
     }
+    free(st);
     if (show_timeline) {
         char *t = pipe_timeline(&sc);
         printf("  schedule               one rank a row, one time unit a cell (a forward; %s)\n", k == PIPE_ZB_H1 ?
@@ -353,24 +392,27 @@ void plan_print_bytes(const char *what, double bytes) {
 #define GIB (1024.0 * 1024.0 * 1024.0)
 
 void plan_print_activations(const PlanMemory *m) {
-    plan_print_bytes("activations", m->activations);
+    int k = m->act_bytes == 2; /* act_by_mode's column of the counted dtype */
+    const char *dt = k ? "bf16" : "fp32", *other = k ? "fp32" : "bf16";
+    char what[64];
+    snprintf(what, sizeof what, "activations, %s", dt);
+    plan_print_bytes(what, m->activations);
     if (m->cp_buffers > 0) plan_print_bytes("  of which cp K/V", m->cp_buffers);
-    plan_print_bytes("activations, bf16", m->activations_bf16);
+    snprintf(what, sizeof what, "  (in %s)", other);
+    plan_print_bytes(what, m->activations_other);
     const double(*by)[2] = m->act_by_mode;
     if (m->recompute == MODEL_RECOMPUTE_NONE)
-        printf("  recompute              none (model.recompute: gelu would take %.2f GiB less in fp32, norm_gelu "
-               "%.2f GiB)\n", (by[0][0] - by[1][0]) / GIB, (by[0][0] - by[2][0]) / GIB);
+        printf("  recompute              none (model.recompute: gelu would take %.2f GiB less in %s, norm_gelu "
+               "%.2f GiB)\n", (by[0][k] - by[1][k]) / GIB, dt, (by[0][k] - by[2][k]) / GIB);
     else
-        printf("  recompute              %s (model.recompute): %.2f GiB less than none in fp32, %.2f GiB in bf16\n",
-               model_recompute_name(m->recompute), (by[0][0] - m->activations) / GIB,
-               (by[0][1] - m->activations_bf16) / GIB);
+        printf("  recompute              %s (model.recompute): %.2f GiB less than none in %s\n",
+               model_recompute_name(m->recompute), (by[0][k] - m->activations) / GIB, dt);
     const ModelFp8Bytes *f = &m->fp8;
     if (f->operands + f->scales + f->histories > 0) {
         plan_print_bytes("fp8 buffers", (double)(f->operands + f->scales + f->histories));
         plan_print_bytes("  operands and codes", (double)f->operands);
         plan_print_bytes("  amaxes, scales", (double)f->scales);
         if (f->histories) plan_print_bytes("  amax histories", (double)f->histories);
-        plan_print_bytes("fp8 buffers, bf16", m->fp8_bf16);
     }
 }
 
@@ -391,6 +433,7 @@ void plan_print_state(const PlanMemory *m, int dp, int zero) {
         plan_print_bytes("gradients", m->grads);
         plan_print_bytes(zero == 1 ? "optimizer state (1/dp)" : "optimizer state", m->optim);
     }
+    if (m->compute_copy > 0) plan_print_bytes("bf16 compute copy", m->compute_copy);
     plan_print_bytes("params + grads + optim", m->state);
 }
 

@@ -6,6 +6,7 @@
 #define KILN_PLAN_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "model.h"
 
@@ -14,8 +15,11 @@
 #define PLAN_WORKSPACE_BYTES (32.0 * 1024 * 1024)
 #define PLAN_MARGIN 0.05
 
-/* Memory of one rank, in bytes. Storage is fp32 everywhere today (parameters,
- * gradients, AdamW m and v, activations), on both backends. */
+/* Memory of one rank, in bytes, by the dtype the backend stores each in: the
+ * fp32 master, gradients and optimizer state (AdamW's m and v in bf16 with
+ * precision.optim_state bf16); activations in act_bytes (4: the CPU backend
+ * and CUDA fp32; 2: CUDA bf16, which also keeps a bf16 compute copy of the
+ * parameters). */
 typedef struct PlanMemory {
     double params;          /* whole parameters (ZeRO 0-2), or the 1/dp shard (ZeRO-3) */
     size_t param_bytes;     /* 4 (fp32 master) or 2 (precision.master bf16, ZeRO 0: no fp32 arena) */
@@ -27,13 +31,15 @@ typedef struct PlanMemory {
                                gradients (accumulated over the step); else 0 */
     double count;           /* parameters counted (elements; a pipeline stage's own) */
     double optim;           /* AdamW m and v: whole, or 1/dp (ZeRO >= 1) */
-    double state;           /* params + grads + optim (+ shard, gathered, unreduced) */
-    double activations;     /* model_activation_bytes for one micro-batch, fp32, with `recompute` (+ cp's buffers) */
-    double cp_buffers;      /* of which context parallelism's K/V and dK/dV buffers (cp_buffer_bytes), fp32 */
-    double activations_bf16; /* the same in bf16 (the GPU's default), for the report; not in total */
+    double compute_copy;    /* act_bytes 2 with an fp32 master: the bf16 compute copy of the parameters
+                               (model.c's cbuf: the whole arena, or ZeRO-3's gathered units) */
+    double state;           /* params + grads + optim (+ shard, gathered, unreduced, compute copy) */
+    size_t act_bytes;       /* 4 or 2: the activations' dtype counted in `activations` and fp8 */
+    double activations;     /* model_activation_bytes for one micro-batch in act_bytes, with `recompute` (+ cp's buffers) */
+    double cp_buffers;      /* of which context parallelism's K/V and dK/dV buffers (cp_buffer_bytes) */
+    double activations_other; /* the same in the other dtype (bf16 when act_bytes is 4), for the report; not in total */
     double act_by_mode[3][2]; /* the same for each ModelRecompute, [0] fp32 [1] bf16 */
-    ModelFp8Bytes fp8;      /* precision.fp8's buffers (model_fp8_bytes), fp32 activations; in total */
-    double fp8_bf16;        /* their sum with bf16 activations, for the report */
+    ModelFp8Bytes fp8;      /* precision.fp8's buffers (model_fp8_bytes) in act_bytes; in total */
     ModelRecompute recompute; /* model.recompute */
     double overhead;        /* PLAN_WORKSPACE_BYTES + PLAN_MARGIN of the rest */
     double total;           /* state + activations + fp8 + overhead */
@@ -59,14 +65,18 @@ size_t plan_num_params(const ArchSpec *s);
 /* fp8: precision.fp8's operand buffers, amaxes, scales and histories
  * (model_fp8_bytes). The layout and precision come in a PlanLayout, which
  * plan_layout fills from a config. */
+/* act_bytes: the activations' (plan_act_bytes). */
 typedef struct PlanLayout {
     int tp, sp, cp, cp_mode, dp, ep, zero, micro_batch;
     ModelRecompute recompute;
-    size_t moment_bytes, param_bytes;
+    size_t moment_bytes, param_bytes, act_bytes;
     ModelFp8 fp8;
 } PlanLayout;
 struct Config;
 PlanLayout plan_layout(const struct Config *c, int dp);
+/* The activation dtype a GPU run of c stores (device cpu or precision.compute
+ * fp32: 4; else 2, the CUDA bf16 path: device auto is planned as a GPU). */
+size_t plan_act_bytes(const struct Config *c);
 /* precision.fp8's keys as the model takes them (train.c, bench.c). */
 ModelFp8 plan_fp8_options(const struct Config *c);
 PlanMemory plan_memory_per_rank(const ArchSpec *s, const PlanLayout *l);
@@ -112,8 +122,72 @@ void plan_print_activations(const PlanMemory *m);
  * allocates them), for micro micro-batches per data-parallel rank. *worst:
  * the costliest stage's memory, for the verdict. Returns 0, or -1 with the
  * reason in err (a schedule or stage cut that cannot run). */
+/* The same without printing, for a layout l of p stages (kind a PipeKind, v
+ * chunks each, the stage layers `given` or balanced): each stage's memory
+ * into stages[p] (NULL: not kept), the costliest into *worst, the
+ * schedule's own bubble into *bubble. Returns 0 or -1 with err. */
+int plan_memory_pp(const ArchSpec *s, const PlanLayout *l, int kind, int p, int v, const int *given, int n_given,
+                   int micro, PlanMemory *worst, PlanMemory *stages, double *bubble, char *err, size_t errn);
 int plan_print_pp(const ArchSpec *s, const struct Config *c, int tp, int dp, int micro, int show_timeline,
                   PlanMemory *worst, char *err, size_t errn);
+
+/* ---------------------------------------------------------------- time (plan_time.c) */
+
+/* A whole layout for the time model and the search: the memory layout plus
+ * the pipeline and the step's micro-batches per data-parallel rank. */
+struct HwProfile;
+typedef struct PlanRun {
+    PlanLayout lay;
+    int pp, pp_virtual, pp_schedule; /* pp_schedule a PipeKind */
+    int micro;                       /* micro-batches per dp rank and step (grad_accum / dp) */
+    int gpus, nodes;
+    const char *optim;               /* optim.name */
+    int ns_steps;                    /* Muon's Newton-Schulz iterations */
+} PlanRun;
+
+/* Seconds of one optimizer step, by term (docs/planner.md "Time model").
+ * compute: the costliest pipeline rank's products, attention and pointwise
+ * work over its micro-batches (recompute included); tp, cp, ep: their
+ * collectives' exposed time on that rank; bubble: the schedule's idle time
+ * (pipe_theory_bubble of kiln's own lists); pp_p2p: the fill and drain's
+ * activation messages; dp: the gradient reductions and ZeRO's gathers not
+ * hidden behind the backward (dp_total of which dp_hidden is hidden);
+ * optim: the update, a memory-bound pass over the rank's state. */
+typedef struct PlanTime {
+    double compute, recompute, tp, cp, cp_hidden, ep, bubble, pp_p2p, dp, dp_total, dp_hidden, optim, step;
+    double tokens_per_s_per_gpu, mfu;
+    double model_flops;     /* per GPU and step (6 N per token + attention: arch_flops_per_token) */
+    double hw_flops;        /* the same with recompute's extra work */
+    double peak;            /* the FLOP/s MFU is against: bf16 (fp32 with 4-byte activations) */
+    int tp_intra, cp_intra, ep_intra, dp_intra, pp_intra; /* 1: the group stays inside a node */
+} PlanTime;
+PlanTime plan_time(const ArchSpec *s, const PlanRun *r, const struct HwProfile *hw, int64_t total_tokens);
+/* A collective's seconds, alpha-beta: `bytes` of the whole buffer over k
+ * ranks on a link of bw bytes/s and lat seconds a hop; kind 0 all-reduce
+ * (ring 2(k-1)/k B, latency the lesser of ring 2(k-1) and tree 2 log2 k hops),
+ * 1 all-gather or reduce-scatter ((k-1)/k B), 2 all-to-all ((k-1)/k B),
+ * 3 a point-to-point message (B, one hop). */
+double plan_collective_s(int kind, double bytes, int k, double bw, double lat);
+
+/* ---------------------------------------------------------------- search (plan_search.c) */
+
+/* ./train plan's --search and the cheapest change for a layout that does
+ * not fit: every layout of `gpus` (dp x tp x pp x cp, ep folded into dp x cp;
+ * ZeRO 0-3; micro-batch; recompute; sequence parallelism; the pipeline's
+ * schedule and virtual stages) the config's own validation accepts and whose
+ * memory fits, ranked by plan_time. */
+typedef struct PlanCand {
+    PlanRun run;
+    PlanMemory mem;
+    PlanTime time;
+    int changes; /* keys that differ from the config's */
+    char set[512]; /* the --set flags, space-separated */
+} PlanCand;
+/* Fill *out (malloc'd, *n of them, best first) with every fitting layout.
+ * Returns how many layouts were considered in all (*rejected: of which
+ * refused by validation, *too_big: did not fit). */
+int plan_search(const struct Config *c, const ArchSpec *s, const struct HwProfile *hw, int gpus, int nodes,
+                PlanCand **out, int *n, int *rejected, int *too_big);
 
 /* `./train plan CONFIG [--set k=v]... --gpus N [--gpu-mem GB] [--nodes K]`;
  * argv[0] is "plan". Returns 0 (valid, fits) or 2 (does not; one line says

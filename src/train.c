@@ -72,18 +72,6 @@ static void moe_after_step(Model *m, Ddp *d, Pipe *pipe, int micro, MetricsMoe *
                         .n_experts = s->moe.n_experts, .load = load};
 }
 
-/* Pipeline stages with a tied embedding hold two copies that must stay
- * equal; stochastic rounding draws each element's bits by its place in the
- * rank's arena, which differs between the first and the last stage. */
-static void pipe_check_precision(const Config *c, const ArchSpec *s, int pp) {
-    int sr_state = optim_state_bytes(c->optim_state) == 2, sr_master = !strcmp(c->master, "bf16");
-    if (pp > 1 && s->tie_embeddings && (sr_state || sr_master))
-        kiln_fail(KILN_EXIT_USAGE, "key '%s': bf16 %s are rounded stochastically by arena position, so the first "
-                  "and last pipeline stages' copies of the tied embedding would drift apart; use %s: fp32, or "
-                  "model.tie_embeddings: false", sr_state ? "precision.optim_state" : "precision.master",
-                  sr_state ? "moments" : "parameters", sr_state ? "precision.optim_state" : "precision.master");
-}
-
 /* --dry-run: the plan, without data or training. */
 static void print_plan(const Config *c, const ArchSpec *s) {
     /* Counting needs the table, not the memory: a model on the CPU backend
@@ -116,7 +104,6 @@ static void print_plan(const Config *c, const ArchSpec *s) {
     plan_print_activations(&mem);
     plan_print_tp(s, tp, sp, dp, c->ep, c->zero, c->micro_batch, c->grad_accum / dp);
     if (c->pp > 1) { /* each stage (./train plan --show-schedule draws the schedule) */
-        pipe_check_precision(c, s, c->pp);
         PlanMemory worst;
         if (plan_print_pp(s, c, tp, dp, c->grad_accum / dp, 0, &worst, err, sizeof err) != 0)
             kiln_fail(KILN_EXIT_USAGE, "%s", err);
@@ -528,7 +515,6 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
         kiln_fail(KILN_EXIT_USAGE, "key 'data.eot_id': the %s tokenizer has no end-of-text id; set data.eot_id",
                   c->tokenizer);
     PipeKind pk = (PipeKind)pipe_kind_parse(c->pp_schedule);
-    pipe_check_precision(c, shape, r->pp);
     if (r->pp > 1) {
         /* pipeline: this rank's stage (its chunks of layers), before any allocation */
         char err[512];
@@ -1086,7 +1072,14 @@ int train_run_with(const Config *c, const TrainOptions *topt) {
     if (topt->dry_run) {
         ArchSpec shape;
         arch_from_config(c, &shape);
-        print_plan(c, &shape);
+        /* count in the dtype of the backend the run would get here:
+         * device auto on a machine without a GPU is the CPU's fp32 */
+        Config *rc = xmalloc(sizeof *rc);
+        *rc = *c;
+        if (!strcmp(rc->device, "auto"))
+            snprintf(rc->device, sizeof rc->device, "%s", backend_available("cuda") ? "cuda" : "cpu");
+        print_plan(rc, &shape);
+        free(rc);
         return KILN_EXIT_OK;
     }
     TrainRun *r = xcalloc(1, sizeof *r);

@@ -35,6 +35,15 @@ int __lsan_is_turned_off(void) { return exiting_on_error; }
 
 void kiln_set_fail_hook(void (*hook)(int code, const char *message)) { fail_hook = hook; }
 
+static KilnTrap *trap_top;
+void kiln_trap_push(KilnTrap *t) {
+    t->code = 0, t->msg[0] = '\0', t->prev = trap_top;
+    trap_top = t;
+}
+void kiln_trap_pop(KilnTrap *t) {
+    if (trap_top == t) trap_top = t->prev;
+}
+
 /* The one place errors are printed: the error line, an optional hint, the
  * hook (once: a failure inside it exits without it), exit. */
 void kiln_one_line(char *s) {
@@ -46,6 +55,14 @@ __attribute__((noreturn)) static void vfail(int code, const char *hint, const ch
     char msg[4096];
     vsnprintf(msg, sizeof msg, fmt, ap);
     kiln_one_line(msg); /* names quoted from a file may hold a newline or a terminal escape */
+    if (trap_top) { /* asked, not fatal: back to the checker with the line */
+        KilnTrap *t = trap_top;
+        t->code = code;
+        size_t n = strlen(msg) < sizeof t->msg - 1 ? strlen(msg) : sizeof t->msg - 1;
+        memcpy(t->msg, msg, n);
+        t->msg[n] = '\0';
+        longjmp(t->jb, 1);
+    }
     fflush(stdout);
     fprintf(stderr, "kiln: error: %s\n", msg);
     if (hint) kiln_hint("%s", hint);

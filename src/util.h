@@ -4,6 +4,7 @@
 #ifndef KILN_UTIL_H
 #define KILN_UTIL_H
 
+#include <setjmp.h>
 #include <stdint.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -21,6 +22,23 @@ void kiln_fail(int code, const char *fmt, ...) __attribute__((noreturn, format(p
 /* Run `hook` (once) after the error line of kiln_fail and before it exits, so
  * the run's summary can say why it ended (metrics.c); NULL removes it. */
 void kiln_set_fail_hook(void (*hook)(int code, const char *message));
+/* A trap turns kiln_fail into a jump back to the caller, for a check that
+ * must be asked without ending the process (./train plan --search asks the
+ * config's own validation of thousands of layouts). Only for code that holds
+ * nothing a jump would leak (checks over a filled struct, not parsers):
+ *   KilnTrap t;
+ *   kiln_trap_push(&t);
+ *   if (setjmp(t.jb) == 0) { ...checks... } else { t.msg says why, t.code }
+ *   kiln_trap_pop(&t);
+ * Traps nest; the innermost one catches. Not thread-safe (one per process). */
+typedef struct KilnTrap {
+    jmp_buf jb;
+    int code;
+    char msg[1024];
+    struct KilnTrap *prev;
+} KilnTrap;
+void kiln_trap_push(KilnTrap *t);
+void kiln_trap_pop(KilnTrap *t);
 /* kiln_fail, with a "kiln: hint: <hint>" line after the error (hint may be NULL). */
 void kiln_fail_hint(int code, const char *hint, const char *fmt, ...) __attribute__((noreturn, format(printf, 3, 4)));
 /* Replace every control byte of s (a newline, a terminal escape) with '?':

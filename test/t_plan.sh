@@ -12,6 +12,8 @@ rm -rf "$T" && mkdir -p "$T"
 
 CFG=configs/gpt2-124m.yaml
 XL="--set model.n_layer=48 --set model.n_head=25 --set model.n_embd=1600"
+# the hand counts below are of fp32 storage (the CPU backend's, CUDA's precision.compute fp32)
+F32="--set precision.compute=fp32"
 
 expect plan_help 0 'usage: ./train plan' -- ./train plan --help
 expect plan_in_train_help 0 './train plan CONFIG' -- ./train --help
@@ -66,16 +68,25 @@ if grep -qE 'layout +dp 8 .*ZeRO 0' "$T/out.txt"; then ok plan_124m_zero0; else 
 #   so: --set parallel.zero=2 --set batch.micro_batch=1, and the config's own
 #   layout (ZeRO 0, micro-batch 16: 108 GiB) does not fit: exit 2.
 expect plan_xl_does_not_fit 2 'verdict: does not fit.*use --set parallel.zero=2 --set batch.micro_batch=1' -- \
-    ./train plan $CFG $XL --gpus 8 --gpu-mem 16
+    ./train plan $CFG $XL $F32 --gpus 8 --gpu-mem 16
 if grep -qE '^suggest: --set parallel.zero=2 --set batch.micro_batch=1 +\(14.99 GiB' "$T/out.txt"; then ok plan_xl_suggests_zero2_mb1
 else fail plan_xl_suggests_zero2_mb1 "$(grep suggest "$T/out.txt")"; fi
 expect plan_xl_suggestion_fits 0 'verdict: fits: 14.99 GiB' -- \
-    ./train plan $CFG $XL --gpus 8 --gpu-mem 16 --set parallel.zero=2 --set batch.micro_batch=1
+    ./train plan $CFG $XL $F32 --gpus 8 --gpu-mem 16 --set parallel.zero=2 --set batch.micro_batch=1
 expect plan_xl_zero3_mb2_fits 0 'verdict: fits: 14.68 GiB' -- \
-    ./train plan $CFG $XL --gpus 8 --gpu-mem 16 --set parallel.zero=3 --set batch.micro_batch=2
+    ./train plan $CFG $XL $F32 --gpus 8 --gpu-mem 16 --set parallel.zero=3 --set batch.micro_batch=2
 # on one 16 GiB GPU nothing fits: ZeRO does not shard over dp = 1
 expect plan_xl_nothing_fits 2 'suggest: nothing fits in 16.00 GiB.*needs [0-9.]+ GiB' -- \
-    ./train plan $CFG $XL --gpus 1 --gpu-mem 16
+    ./train plan $CFG $XL $F32 --gpus 1 --gpu-mem 16
+
+# CUDA bf16 (device auto is planned as a GPU): the bf16 compute copy of the fp32
+# master is 2 bytes a parameter, 2 x 1557686400 = 3115372800 B = 2.90 GiB at
+# ZeRO 2 (the whole arena is cast); ZeRO-3 casts only its gathered units, half
+# their fp32 bytes: 4 (2 x 30740800 + 82128000) / 2 = 287219200 B = 273.91 MiB
+expect plan_xl_bf16_compute_copy 0 'bf16 compute copy +2.90 GiB' -- \
+    ./train plan $CFG $XL --gpus 8 --gpu-mem 80 --set parallel.zero=2 --set batch.micro_batch=1
+expect plan_xl_bf16_compute_copy_zero3 0 'bf16 compute copy +273.91 MiB' -- \
+    ./train plan $CFG $XL --gpus 8 --gpu-mem 80 --set parallel.zero=3 --set batch.micro_batch=1
 
 # 524288 tokens = 512 samples of 1024 do not split over 6 ranks: exit 2 naming
 # batch.total_tokens and the nearest multiples of 16*1024*6 = 98304.
@@ -85,10 +96,13 @@ expect plan_dp_mismatch 2 "parallel.*dp 4 .*8" -- ./train plan $CFG --gpus 8 --s
 
 # The state lines (parameters, gradients, optimizer state and their sum, ZeRO-3's
 # gathered/unreduced) and activations are the --dry-run's, to the printed digit.
-mem_lines() { grep -E '^  (parameters|gradients|optimizer state|params \+ grads|  \+ |activations).* (B|KiB|MiB|GiB|TiB)$' "$1"; }
-for z in 0 1 2 3; do
-    ./train $CFG --dry-run --set parallel.dp=8 --set parallel.zero=$z > "$T/dry$z.txt" 2>&1
-    ./train plan $CFG --gpus 8 --set parallel.zero=$z > "$T/plan$z.txt" 2>&1
+mem_lines() { grep -E '^  (parameters|gradients|optimizer state|params \+ grads|  \+ |bf16 compute|activations|  \(in ).* (B|KiB|MiB|GiB|TiB)$' "$1"; }
+# fp32 (what --dry-run counts for device auto on a machine without a GPU), then
+# device cuda's bf16 activations and compute copy
+for z in 0 1 2 3 bf16_0 bf16_3; do
+    d=$F32; case $z in bf16_*) d="--set device=cuda";; esac
+    ./train $CFG $d --dry-run --set parallel.dp=8 --set parallel.zero=${z#bf16_} > "$T/dry$z.txt" 2>&1
+    ./train plan $CFG $d --gpus 8 --set parallel.zero=${z#bf16_} > "$T/plan$z.txt" 2>&1
     mem_lines "$T/dry$z.txt" > "$T/dry$z.mem"; mem_lines "$T/plan$z.txt" > "$T/plan$z.mem"
     if [ "$(wc -l < "$T/dry$z.mem")" -ge 5 ] && cmp -s "$T/dry$z.mem" "$T/plan$z.mem"; then ok plan_matches_dry_run_zero$z
     else fail plan_matches_dry_run_zero$z "$(diff "$T/dry$z.mem" "$T/plan$z.mem" | tr '\n' ' ')"; fi
@@ -122,13 +136,13 @@ fp8_got() { # FILE: "total|operands|scales|histories" as printed
     echo "$t|$o|$s|${h:--}"
 }
 # GPT-2 124M, micro-batch 16 x 1024: widths in 3072 (down), w 3072 x 768, out 3072 (fc); 12 x 6 + 1 slots
-./train $CFG --dry-run --set precision.fp8=tensorwise --set precision.fp8_amax_history=16 > "$T/fp8dry.txt" 2>&1
-./train plan $CFG --gpus 8 --set precision.fp8=tensorwise --set precision.fp8_amax_history=16 > "$T/fp8plan.txt" 2>&1
+./train $CFG $F32 --dry-run --set precision.fp8=tensorwise --set precision.fp8_amax_history=16 > "$T/fp8dry.txt" 2>&1
+./train plan $CFG $F32 --gpus 8 --set precision.fp8=tensorwise --set precision.fp8_amax_history=16 > "$T/fp8plan.txt" 2>&1
 want=$(fp8_want 16384 1 3072 2359296 3072 73 16 0 0) got=$(fp8_got "$T/fp8dry.txt") gotp=$(fp8_got "$T/fp8plan.txt")
 [ "$got" = "$want" ] && [ "$gotp" = "$want" ] && ok "plan_fp8_buffers ($got)" \
     || fail plan_fp8_buffers "dry-run $got, plan $gotp, want $want"
 # moe-tiny at ep 2, rowwise: micro-batch 16 x 128 = 2048 rows, an expert's up to 2 x 2048; widths 128 in,
 # qkv and the gate-ups 256 out, w 256 x 128; no history
-./train configs/moe-tiny.yaml --dry-run --set precision.fp8=rowwise --set parallel.ep=2 > "$T/fp8ep.txt" 2>&1
+./train configs/moe-tiny.yaml $F32 --dry-run --set precision.fp8=rowwise --set parallel.ep=2 > "$T/fp8ep.txt" 2>&1
 want=$(fp8_want 2048 2 128 32768 256 0 0 128 256) got=$(fp8_got "$T/fp8ep.txt")
 [ "$got" = "$want" ] && ok "plan_fp8_buffers_ep2_expert_rows ($got)" || fail plan_fp8_buffers_ep2_expert_rows "got $got, want $want"
