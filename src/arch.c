@@ -147,7 +147,14 @@ static void add(TableBuilder *b, const char *name, int role, int d0, int d1, int
     }
     ArchTensor *t = &b->t[b->n++];
     memset(t, 0, sizeof *t);
-    snprintf(t->name, sizeof t->name, "%s%s", b->prefix, name);
+    /* prefix + name, cut to the field (a copy, not snprintf: the planner's
+     * search builds these tables thousands of times) */
+    size_t np = strlen(b->prefix), nn = strlen(name), cap = sizeof t->name - 1;
+    if (np > cap) np = cap;
+    if (nn > cap - np) nn = cap - np;
+    memcpy(t->name, b->prefix, np);
+    memcpy(t->name + np, name, nn);
+    t->name[np + nn] = '\0';
     t->layer = b->layer;
     t->role = role;
     t->expert = b->expert;
@@ -248,7 +255,7 @@ static void llama_layer(TableBuilder *b, const ArchSpec *s) {
     }
 }
 
-ArchTensor *arch_tensors(const ArchSpec *s, int decay_embeddings, int *n) {
+static ArchTensor *arch_build_tensors(const ArchSpec *s, int decay_embeddings, int *n) {
     TableBuilder b = {.layer = -1, .expert = -1, .prefix = ""};
     int C = s->n_embd, gpt2 = s->family == ARCH_GPT2;
     add(&b, gpt2 ? "wte" : "embed_tokens.weight", ROLE_TOK_EMB, s->padded_vocab, C, INIT_NORMAL, decay_embeddings, 0);
@@ -270,6 +277,36 @@ ArchTensor *arch_tensors(const ArchSpec *s, int decay_embeddings, int *n) {
                                 INIT_NORMAL, 1, 0);
     *n = b.n;
     return b.t;
+}
+
+/* The tables built last, by spec: ./train plan --search counts thousands of
+ * layouts over a handful of (tp-local) shapes, and building a table names
+ * every tensor. A hit returns a copy, so callers free it as before. The
+ * spec is compared byte for byte (ints and floats only: no padding). One
+ * thread builds models and plans (model_init, plan): no lock. */
+#define ARCH_MEMO 16
+static struct {
+    ArchSpec s;
+    int decay, n;
+    ArchTensor *t;
+} arch_memo[ARCH_MEMO];
+static int arch_memo_next;
+
+ArchTensor *arch_tensors(const ArchSpec *s, int decay_embeddings, int *n) {
+    for (int i = 0; i < ARCH_MEMO; i++)
+        if (arch_memo[i].t && arch_memo[i].decay == decay_embeddings && !memcmp(&arch_memo[i].s, s, sizeof *s)) {
+            *n = arch_memo[i].n;
+            ArchTensor *t = xmalloc((size_t)(*n > 0 ? *n : 1) * sizeof *t);
+            memcpy(t, arch_memo[i].t, (size_t)*n * sizeof *t);
+            return t;
+        }
+    ArchTensor *t = arch_build_tensors(s, decay_embeddings, n);
+    int k = arch_memo_next++ % ARCH_MEMO;
+    free(arch_memo[k].t);
+    arch_memo[k].s = *s, arch_memo[k].decay = decay_embeddings, arch_memo[k].n = *n;
+    arch_memo[k].t = xmalloc((size_t)(*n > 0 ? *n : 1) * sizeof *t);
+    memcpy(arch_memo[k].t, t, (size_t)*n * sizeof *t);
+    return t;
 }
 
 int arch_tensor_in_stage(const ArchSpec *s, const ArchTensor *t, int lo, int hi) {

@@ -296,7 +296,8 @@ void hw_cpu(HwProfile *out, int fresh) {
     double copy = hw_measure_copy(), hop = hw_measure_hop();
     memset(out, 0, sizeof *out);
     snprintf(out->name, sizeof out->name, "cpu");
-    out->mem_bytes = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+    /* one rank a core, sharing the machine's memory */
+    out->mem_bytes = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE) / cores;
     /* one rank a core: the rate one core reaches (the planner's unit is a
      * rank); best_t's rate is written in the source */
     out->flops_bf16 = out->flops_fp32 = one;

@@ -14,32 +14,42 @@
 #include "cp.h"
 #include "ep.h"
 #include "fp8.h"
+#include "hw.h"
 #include "mesh.h"
 #include "optim.h"
 #include "pipe.h"
 #include "util.h"
 
 static const char *plan_usage =
-    "usage: ./train plan CONFIG.yaml [--set key.path=value]... --gpus N [--gpu-mem GB] [--nodes K]\n"
-    "                    [--show-schedule]\n"
+    "usage: ./train plan CONFIG.yaml [--set key.path=value]... --gpus N [--nodes K] [--hardware NAME|FILE.yaml]\n"
+    "                    [--gpu-mem GB] [--search [--top K]] [--json] [--show-schedule]\n"
     "\n"
-    "Checks the config's parallel layout on N GPUs (in total, over K nodes) of GB GiB each\n"
-    "(default 80): that the ranks and batch.total_tokens divide, and that one rank's memory\n"
-    "fits; then suggests the smallest parallel.zero and the largest batch.micro_batch that fit.\n"
-    "Memory per rank = parameters + gradients + AdamW state (per ZeRO stage, as --dry-run\n"
-    "counts them) + activations of one micro-batch + precision.fp8's buffers (operands and their\n"
-    "codes, amaxes, scales, histories) + 32 MiB cuBLAS workspace, all + 5%.\n"
-    "Everything is counted in fp32 (AdamW's m and v in bf16 with precision.optim_state bf16,\n"
-    "the parameters in bf16 with precision.master bf16, which has no fp32 master),\n"
-    "activations included: an upper bound for precision.compute\n"
-    "bf16 on a GPU, whose bf16 activations take half (plus a bf16 copy of the parameters);\n"
-    "the activations' bf16 figure is printed too. Activations follow model.recompute (none,\n"
-    "gelu, norm_gelu: less memory for recomputation in the backward); the suggestion keeps it.\n"
+    "--search: every layout of the N GPUs (dp x tp x pp x cp, ep folded into dp x cp; ZeRO 0-3; micro-batch;\n"
+    "model.recompute; sequence parallelism; pipeline schedule and virtual stages; cp's attention exchange)\n"
+    "that kiln's own config checks accept and whose memory fits, ranked by the predicted step time; the\n"
+    "best K (default 5) with their memory and time breakdowns, MFU, the --set flags and an srun line.\n"
+    "--hardware: h100 (default), h200, h800, a100-80, a100-40, b200, gb200-nvl72, cpu (this machine,\n"
+    "measured once and cached), or a YAML profile (docs/planner.md). --nodes defaults to N / the profile's\n"
+    "GPUs per node. --json: the same as one JSON object (docs/planner.md \"JSON\").\n"
+    "Without --search: the config's own layout, its memory and time; when it does not fit, the change\n"
+    "that makes it fit.\n"
+    "\n"
+    "Checks the config's parallel layout on N GPUs (in total, over K nodes): that the ranks and\n"
+    "batch.total_tokens divide, and that one rank's memory fits; then suggests the smallest\n"
+    "parallel.zero and the largest batch.micro_batch that fit, and predicts the step's time.\n"
+    "Memory per rank = parameters + gradients + optimizer state (per ZeRO stage, as --dry-run\n"
+    "counts them) + activations of one micro-batch + precision.fp8's buffers + 32 MiB cuBLAS\n"
+    "workspace, all + 5%, each in the dtype the backend stores it: fp32 master, gradients and\n"
+    "state (AdamW's m and v in bf16 with precision.optim_state bf16; no master with precision.master\n"
+    "bf16); activations in bf16 on a GPU with precision.compute bf16 (device auto is planned as a GPU),\n"
+    "plus the bf16 compute copy of the parameters, else fp32. Activations follow model.recompute\n"
+    "(none, gelu, norm_gelu: less memory for recomputation in the backward).\n"
     "With parallel.pp > 1 each pipeline stage is counted (its layers, its activation slots for the\n"
     "schedule's micro-batches in flight) with the schedule's bubble, and the costliest stage decides;\n"
     "--show-schedule prints the schedule as a text timeline (one rank a row, one forward a cell).\n"
     "\n"
-    "exit: 0 valid and fits; 2 invalid, does not fit, or bad usage (one line says what to change)\n";
+    "exit: 0 valid and fits (--search: some layout fits); 2 invalid, does not fit, or bad usage (one line\n"
+    "says what to change)\n";
 
 size_t plan_num_params(const ArchSpec *s) { return arch_num_params(s); }
 
@@ -239,28 +249,66 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, const PlanLayout *lay, in
     return m;
 }
 
+/* The schedules the planner has built, by (kind, pp, v, micro): whether
+ * pipe_check accepts it, its bubble and its slots. Building and simulating
+ * a schedule is the cost of a search (thousands of layouts share a few
+ * dozen schedules), so each is built once per process. */
+typedef struct {
+    int kind, p, v, micro, ok;
+    double bubble;
+    int *slots; /* [p * v] */
+    char err[256];
+} PlanPipeEntry;
+static PlanPipeEntry *plan_pipes;
+static int plan_npipes, plan_cappipes;
+
+const int *plan_pipe_info(int kind, int p, int v, int micro, double *bubble, char *err, size_t errn) {
+    for (int i = 0; i < plan_npipes; i++) {
+        PlanPipeEntry *e = &plan_pipes[i];
+        if (e->kind == kind && e->p == p && e->v == v && e->micro == micro) {
+            if (!e->ok) snprintf(err, errn, "%s", e->err);
+            if (bubble) *bubble = e->bubble;
+            return e->ok ? e->slots : NULL;
+        }
+    }
+    if (plan_npipes == plan_cappipes) {
+        plan_cappipes = plan_cappipes ? 2 * plan_cappipes : 32;
+        plan_pipes = xrealloc(plan_pipes, (size_t)plan_cappipes * sizeof *plan_pipes);
+    }
+    PlanPipeEntry *e = &plan_pipes[plan_npipes++];
+    memset(e, 0, sizeof *e);
+    e->kind = kind, e->p = p, e->v = v, e->micro = micro;
+    if (pipe_check_shape((PipeKind)kind, p, v, micro, e->err, sizeof e->err) == 0) {
+        PipeSchedule sc;
+        pipe_build(&sc, (PipeKind)kind, p, v, micro);
+        if (pipe_check(&sc, e->err, sizeof e->err) == 0) {
+            e->ok = 1;
+            e->bubble = pipe_theory_bubble(&sc);
+            e->slots = xmalloc((size_t)p * v * sizeof(int));
+            memcpy(e->slots, sc.slots, (size_t)p * v * sizeof(int));
+        }
+        pipe_schedule_free(&sc);
+    }
+    if (!e->ok) snprintf(err, errn, "%s", e->err);
+    if (bubble) *bubble = e->bubble;
+    return e->ok ? e->slots : NULL;
+}
+
 int plan_memory_pp(const ArchSpec *s, const PlanLayout *lay, int kind, int p, int v, const int *given, int n_given,
                    int micro, PlanMemory *worst, PlanMemory *stages, double *bubble, char *err, size_t errn) {
     int cut[PIPE_MAX_STAGES + 1];
     PipeKind k = (PipeKind)kind;
-    if (pipe_check_shape(k, p, v, micro, err, errn) != 0) return -1;
+    const int *sl = plan_pipe_info(kind, p, v, micro, bubble, err, errn);
+    if (!sl) return -1;
     if (pipe_plan_stages(s, p, v, given, n_given, cut, err, errn) != 0) return -1;
-    PipeSchedule sc;
-    pipe_build(&sc, k, p, v, micro);
-    if (pipe_check(&sc, err, errn) != 0) {
-        pipe_schedule_free(&sc);
-        return -1;
-    }
-    if (bubble) *bubble = pipe_theory_bubble(&sc);
     for (int r = 0; r < p; r++) {
         int lo[MODEL_MAX_CHUNKS], hi[MODEL_MAX_CHUNKS], slots[MODEL_MAX_CHUNKS];
         for (int ch = 0; ch < v && ch < MODEL_MAX_CHUNKS; ch++)
-            lo[ch] = cut[ch * p + r], hi[ch] = cut[ch * p + r + 1], slots[ch] = sc.slots[r * v + ch];
+            lo[ch] = cut[ch * p + r], hi[ch] = cut[ch * p + r + 1], slots[ch] = sl[r * v + ch];
         PlanMemory m = plan_memory_stage(s, lay, v, lo, hi, slots, k == PIPE_ZB_H1);
         if (stages) stages[r] = m;
         if (r == 0 || m.total > worst->total) *worst = m;
     }
-    pipe_schedule_free(&sc);
     return 0;
 }
 
@@ -476,11 +524,20 @@ int plan_main(int argc, char **argv) {
     const char **sets = xcalloc((size_t)argc, sizeof(char *));
     int nsets = 0, gpus = 0, nodes = 1;
     double gpu_gib = 80.0;
-    int gpu_mem_given = 0, show_schedule = 0;
+    int gpu_mem_given = 0, show_schedule = 0, search = 0, json = 0, top = 5, nodes_given = 0;
+    const char *hardware = "h100";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--show-schedule")) {
             show_schedule = 1;
+        } else if (!strcmp(a, "--search")) {
+            search = 1;
+        } else if (!strcmp(a, "--json")) {
+            json = 1;
+        } else if ((v = plan_flag_value("--top", argc, argv, &i))) {
+            top = (int)plan_parse_count("--top", v);
+        } else if ((v = plan_flag_value("--hardware", argc, argv, &i))) {
+            hardware = v;
         } else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             fputs(plan_usage, stdout);
             free(sets);
@@ -490,7 +547,7 @@ int plan_main(int argc, char **argv) {
         } else if ((v = plan_flag_value("--gpus", argc, argv, &i))) {
             gpus = (int)plan_parse_count("--gpus", v);
         } else if ((v = plan_flag_value("--nodes", argc, argv, &i))) {
-            nodes = (int)plan_parse_count("--nodes", v);
+            nodes = (int)plan_parse_count("--nodes", v), nodes_given = 1;
         } else if ((v = plan_flag_value("--gpu-mem", argc, argv, &i))) {
             char *end;
             errno = 0;
@@ -517,6 +574,20 @@ int plan_main(int argc, char **argv) {
     free(sets);
     ArchSpec s;
     arch_from_config(&c, &s);
+    /* the machine: a profile's memory unless --gpu-mem says otherwise; the
+     * allocation's GPUs per node (--nodes) over the profile's */
+    HwProfile hw;
+    hw_resolve(hardware, &hw);
+    if (gpu_mem_given) hw.mem_bytes = gpu_gib * GIB;
+    else gpu_gib = hw.mem_bytes / GIB;
+    if (!nodes_given) {
+        nodes = gpus > hw.gpus_per_node ? (gpus + hw.gpus_per_node - 1) / hw.gpus_per_node : 1;
+        if (gpus % nodes)
+            kiln_fail(KILN_EXIT_USAGE, "--gpus %d do not fill whole nodes of %d GPUs (%s); give --nodes", gpus,
+                      hw.gpus_per_node, hw.name);
+    }
+    hw.gpus_per_node = gpus / nodes;
+    if (search || json) return plan_search_main(&c, &s, &hw, config_path, gpus, nodes, search, json, top);
     double cap = gpu_gib * GIB;
 
     /* Validity. dp: the config's, or auto = every GPU; a mismatch is reported
@@ -556,8 +627,8 @@ int plan_main(int argc, char **argv) {
     printf("plan for %s (%s, %d layers, %d heads, %d wide, context %d, vocab %d padded to %d): %zu parameters "
            "(%.2fM)\n", c.run_name, c.arch, s.n_layer, s.n_head, s.n_embd, s.seq_len, s.vocab_size, s.padded_vocab,
            params, params / 1e6);
-    printf("  GPUs                   %d (%d node%s x %d), %.2f GiB each%s\n", gpus, nodes, nodes > 1 ? "s" : "",
-           gpus / nodes, gpu_gib, gpu_mem_given ? "" : " (default; --gpu-mem GB)");
+    printf("  GPUs                   %d (%d node%s x %d), %.2f GiB each (%s%s)\n", gpus, nodes, nodes > 1 ? "s" : "",
+           gpus / nodes, gpu_gib, hw.name, gpu_mem_given ? ", --gpu-mem" : "; --hardware, --gpu-mem GB");
     printf("  layout                 dp %d x tp %d x pp %d x cp %d (ep %d), ZeRO %d%s\n", dp, c.tp, c.pp, c.cp, c.ep,
            c.zero, c.dp > 0 ? "" : " (parallel.dp: auto)");
     if (c.cp > 1)
@@ -575,15 +646,32 @@ int plan_main(int argc, char **argv) {
     else
         printf("  batch                  %lld tokens, micro-batch %d x %d tokens: INVALID (below)\n",
                (long long)c.total_tokens, c.micro_batch, c.seq_len);
-    printf("  memory per rank        fp32 storage (%sgradients%s; activations counted in fp32)\n",
+    printf("  memory per rank        fp32 storage (%sgradients%s; activations in %s)\n",
            plan_param_bytes(c.master) == 2 ? "bf16 parameters without a master; " : "parameters, ",
-           optim_state_bytes(c.optim_state) == 2 ? "; AdamW m and v in bf16" : ", AdamW m and v");
+           optim_state_bytes(c.optim_state) == 2 ? "; AdamW m and v in bf16" : ", AdamW m and v",
+           m.act_bytes == 2 ? "bf16, the CUDA backend's precision.compute bf16" : "fp32");
     plan_print_state(&m, dp * c.cp, c.zero);
     plan_print_activations(&m);
     plan_print_bytes("overhead", m.overhead);
     printf("                         (32 MiB cuBLAS workspace + 5%% margin for the allocator and the uncounted)\n");
     plan_print_bytes("total per rank", m.total);
     plan_print_bytes("GPU memory", cap);
+    if (!problem[0]) { /* the time model (docs/planner.md "Time model") for the layout as configured */
+        Config *cc = xmalloc(sizeof *cc);
+        *cc = c;
+        PlanCand k;
+        char terr[1024];
+        if (plan_evaluate(&c, cc, &s, &hw, gpus, nodes, &k, terr, sizeof terr) >= 0) {
+            const PlanTime *t = &k.time;
+            printf("  time per step          %.3f s on %s: compute %.1f ms, tp %.1f, cp %.1f, ep %.1f, bubble %.1f, "
+                   "pp p2p %.1f, dp %.1f exposed of %.1f, optimizer %.1f\n", t->step, hw.name, t->compute * 1e3,
+                   t->tp * 1e3, t->cp * 1e3, t->ep * 1e3, t->bubble * 1e3, t->pp_p2p * 1e3, t->dp * 1e3,
+                   t->dp_total * 1e3, t->optim * 1e3);
+            printf("  throughput             %.0f tokens/s per GPU, MFU %.1f%% (of %.0f TFLOP/s)\n",
+                   t->tokens_per_s_per_gpu, 100 * t->mfu, t->peak / 1e12);
+        }
+        free(cc);
+    }
 
     /* Suggestion: smallest ZeRO stage, then largest micro-batch dividing this
      * rank's samples per step, that fits. Needs a whole number of samples per
@@ -612,7 +700,8 @@ int plan_main(int argc, char **argv) {
             if (least_zero < 0 || t1.total < least.total) least = t1, least_zero = z;
         }
     }
-    char flags[256] = "";
+    char flags[512] = "";
+    PlanCand change;
     if (best_zero >= 0) {
         int n = 0;
         if (c.dp > 0 && c.dp != dp) n += snprintf(flags + n, sizeof flags - n, "--set parallel.dp=auto ");
@@ -620,12 +709,23 @@ int plan_main(int argc, char **argv) {
         printf("suggest: %s   (%.2f GiB of %.2f GiB per rank; %lld micro-batches per rank per step%s)\n", flags,
                best.total / GIB, gpu_gib, (long long)(rank_samples / best_mb),
                best_zero == c.zero && best_mb == c.micro_batch && !(c.dp > 0 && c.dp != dp) ? "; as configured" : "");
+    } else if ((rank_samples > 0 || c.pp > 1) && m.total > cap && !problem[0] &&
+               plan_cheapest_change(&c, &s, &hw, gpus, nodes, &change) == 0) {
+        /* ZeRO and the micro-batch alone do not make it fit: the layout with
+         * the fewest keys changed that does (tp, sp, pp, cp, recompute ...) */
+        char lt[256];
+        plan_cand_layout_text(&change, lt, sizeof lt);
+        snprintf(flags, sizeof flags, "%s", change.set);
+        best_zero = change.run.lay.zero;
+        printf("suggest: %s   (%.2f GiB of %.2f GiB per rank: %s; the fewest keys changed that fit, %d; "
+               "./train plan --search ranks every layout)\n", flags, change.mem.total / GIB, gpu_gib, lt,
+               change.changes);
     } else if (rank_samples > 0) {
         printf("suggest: nothing fits in %.2f GiB: the smallest layout (ZeRO %d, micro-batch 1) needs %.2f GiB per "
-               "rank; use more GPUs (ZeRO-3 divides the state by dp) or GPUs with more memory\n",
-               gpu_gib, least_zero, least.total / GIB);
+               "rank, and no other layout of %d GPUs fits (./train plan --search); use more GPUs or GPUs with "
+               "more memory\n", gpu_gib, least_zero, least.total / GIB, gpus);
     } else if (c.pp > 1) {
-        printf("suggest: none for pipeline layouts yet (the stages above: the configured ZeRO stage and micro-batch)\n");
+        printf("suggest: none (the stages above: the configured ZeRO stage and micro-batch)\n");
     } else {
         printf("suggest: none until batch.total_tokens is a multiple of seq_len*dp = %lld\n", (long long)per_sample);
     }

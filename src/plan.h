@@ -7,6 +7,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "model.h"
 
@@ -126,6 +127,9 @@ void plan_print_activations(const PlanMemory *m);
  * chunks each, the stage layers `given` or balanced): each stage's memory
  * into stages[p] (NULL: not kept), the costliest into *worst, the
  * schedule's own bubble into *bubble. Returns 0 or -1 with err. */
+/* A schedule's checked facts, built once per process and kept: its slots
+ * per (rank, chunk) ([p * v]) and the bubble, or NULL with err. */
+const int *plan_pipe_info(int kind, int p, int v, int micro, double *bubble, char *err, size_t errn);
 int plan_memory_pp(const ArchSpec *s, const PlanLayout *l, int kind, int p, int v, const int *given, int n_given,
                    int micro, PlanMemory *worst, PlanMemory *stages, double *bubble, char *err, size_t errn);
 int plan_print_pp(const ArchSpec *s, const struct Config *c, int tp, int dp, int micro, int show_timeline,
@@ -188,6 +192,29 @@ typedef struct PlanCand {
  * refused by validation, *too_big: did not fit). */
 int plan_search(const struct Config *c, const ArchSpec *s, const struct HwProfile *hw, int gpus, int nodes,
                 PlanCand **out, int *n, int *rejected, int *too_big);
+
+/* One layout, c (a copy of base with its layout keys changed; grad_accum is
+ * derived again): 0 valid and fits hw's memory, 1 valid but too big, -1
+ * refused by kiln's own checks (err says why). *k is filled unless -1. */
+int plan_evaluate(const struct Config *base, struct Config *c, const ArchSpec *s, const struct HwProfile *hw,
+                  int gpus, int nodes, PlanCand *k, char *err, size_t errn);
+/* One line of a layout ("dp 8 x tp 2 (sp) x pp 1 x cp 1 (ep 1), ZeRO 1, ..."). */
+void plan_cand_layout_text(const PlanCand *k, char *buf, size_t n);
+/* The text block of one ranked layout: memory and time breakdowns, MFU,
+ * the ./train and srun lines; with next (the runner-up), why it wins. */
+void plan_print_cand(const PlanCand *k, int rank, const char *config, int nodes, int per_node, const PlanCand *next);
+/* --json: one object (docs/planner.md "JSON"): fits, gpus, nodes, hardware,
+ * layouts best first (n of k), and error when the config's layout is refused. */
+void plan_json(FILE *f, int fits, int gpus, int nodes, const struct HwProfile *hw, const PlanCand *k, int n,
+               const char *error);
+
+/* ./train plan --search and/or --json (plan_main's flags). Returns the exit code. */
+int plan_search_main(const struct Config *c, const ArchSpec *s, const struct HwProfile *hw, const char *config,
+                     int gpus, int nodes, int search, int json, int top);
+/* The fitting layout with the fewest keys changed from c's (then the
+ * fastest): 0 and *out, or -1 if none fits. */
+int plan_cheapest_change(const struct Config *c, const ArchSpec *s, const struct HwProfile *hw, int gpus, int nodes,
+                         PlanCand *out);
 
 /* `./train plan CONFIG [--set k=v]... --gpus N [--gpu-mem GB] [--nodes K]`;
  * argv[0] is "plan". Returns 0 (valid, fits) or 2 (does not; one line says

@@ -129,10 +129,7 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
         } else {
             layers_max = (g->n_layer + pp - 1) / pp;
         }
-        PipeSchedule sc;
-        pipe_build(&sc, (PipeKind)run->pp_schedule, pp, v, m);
-        bubble = pipe_theory_bubble(&sc);
-        pipe_schedule_free(&sc);
+        if (!plan_pipe_info(run->pp_schedule, pp, v, m, &bubble, err, sizeof err)) bubble = 0;
     }
 
     /* one layer: forward, backward (twice the products, attention's 2.5x as
