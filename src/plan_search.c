@@ -287,9 +287,9 @@ void plan_json_cand(FILE *f, const PlanCand *k) {
             m->params, m->params_shard, m->params_gathered, m->grads, m->grads_unreduced, m->optim, m->compute_copy,
             m->activations, m->act_bytes, m->cp_buffers, (double)(m->fp8.operands + m->fp8.scales + m->fp8.histories),
             m->overhead);
-    fprintf(f, "\"step_s\": %.6g, \"time\": {\"compute\": %.6g, \"recompute\": %.6g, \"tp\": %.6g, \"cp\": %.6g, "
-            "\"cp_hidden\": %.6g, \"ep\": %.6g, \"bubble\": %.6g, \"pp_p2p\": %.6g, \"dp\": %.6g, \"dp_total\": %.6g, "
-            "\"dp_hidden\": %.6g, \"optim\": %.6g}, \"tokens_per_s_per_gpu\": %.6g, \"mfu\": %.6g, \"set\": [",
+    fprintf(f, "\"step_s\": %.9g, \"time\": {\"compute\": %.9g, \"recompute\": %.9g, \"tp\": %.9g, \"cp\": %.9g, "
+            "\"cp_hidden\": %.9g, \"ep\": %.9g, \"bubble\": %.9g, \"pp_p2p\": %.9g, \"dp\": %.9g, \"dp_total\": %.9g, "
+            "\"dp_hidden\": %.9g, \"optim\": %.9g}, \"tokens_per_s_per_gpu\": %.9g, \"mfu\": %.9g, \"set\": [",
             t->step, t->compute, t->recompute, t->tp, t->cp, t->cp_hidden, t->ep, t->bubble, t->pp_p2p, t->dp,
             t->dp_total, t->dp_hidden, t->optim, t->tokens_per_s_per_gpu, t->mfu);
     /* the flags as a list: each "key=value" after a --set */

@@ -146,3 +146,92 @@ want=$(fp8_want 16384 1 3072 2359296 3072 73 16 0 0) got=$(fp8_got "$T/fp8dry.tx
 ./train configs/moe-tiny.yaml $F32 --dry-run --set precision.fp8=rowwise --set parallel.ep=2 > "$T/fp8ep.txt" 2>&1
 want=$(fp8_want 2048 2 128 32768 256 0 0 128 256) got=$(fp8_got "$T/fp8ep.txt")
 [ "$got" = "$want" ] && ok "plan_fp8_buffers_ep2_expert_rows ($got)" || fail plan_fp8_buffers_ep2_expert_rows "got $got, want $want"
+
+# ---- layout selection (issue 33): hardware profiles, the time model, --search, --json ----
+# Llama 3 8B on 64 H100s (the issue's case): bf16 activations are 36.99 GiB, not
+# 73.95 (fp32), and ZeRO 3 at dp 64 fits as configured
+L8=configs/llama3-8b.yaml
+expect plan_8b_bf16_activations 0 'activations, bf16 +36.99 GiB' -- ./train plan $L8 --gpus 64 --nodes 8
+expect plan_8b_fits_as_configured 0 'verdict: fits: 55.40 GiB of 79.60 GiB' -- ./train plan $L8 --gpus 64 --nodes 8
+expect plan_8b_time_line 0 'time per step +[0-9.]+ s on h100: compute' -- ./train plan $L8 --gpus 64 --nodes 8
+expect plan_8b_search 0 '^#1 ' -- ./train plan $L8 --gpus 64 --nodes 8 --search
+grep -qE '^    why +[0-9.]+ ms faster per step than #2 .*mostly in ' "$T/out.txt" && ok plan_8b_search_says_why \
+    || fail plan_8b_search_says_why "$(grep -E '^    why' "$T/out.txt")"
+[ "$(grep -c '^#[0-9]' "$T/out.txt")" = 5 ] && ok plan_8b_search_top5 || fail plan_8b_search_top5 "$(grep -c '^#' "$T/out.txt") ranked"
+grep -qE '^    slurm +srun --nodes=8 --ntasks-per-node=8 --gpus-per-node=8 ./train configs/llama3-8b.yaml --set parallel.dp=' \
+    "$T/out.txt" && ok plan_8b_search_srun || fail plan_8b_search_srun "$(grep -m1 slurm "$T/out.txt")"
+# ZeRO and the micro-batch alone cannot fit 8B on 8 x 40 GiB: the change with the fewest keys that fits
+expect plan_8b_cheapest_change 2 'suggest: --set .*the fewest keys changed that fit, 1;' -- ./train plan $L8 --gpus 8 --gpu-mem 40
+
+# --json: the schema of docs/planner.md; layouts best first and each within the GPU's memory;
+# every layout the search returns is one ./train plan accepts on its own, with the same memory and
+# time (the search and the single-layout path are one accounting); no layout kiln would refuse
+# (gpt2-124m's 12 heads: tp 8 or 16 never appears)
+./train plan $CFG --gpus 16 --search --json --top 40 > "$T/search.json" 2>"$T/search.err"
+python3 - "$T/search.json" > "$T/search.check" 2>&1 <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+top = {"fits", "gpus", "nodes", "hardware", "layouts"}
+lay = {"dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "grad_accum", "recompute", "sequence_parallel",
+       "pp_schedule", "pp_virtual", "memory_bytes", "memory", "step_s", "time", "tokens_per_s_per_gpu", "mfu", "set"}
+assert top <= set(d), "top-level keys missing: %s" % (top - set(d))
+assert d["fits"] and d["gpus"] == 16 and d["nodes"] == 2 and len(d["layouts"]) > 5, d.keys()
+steps = [l["step_s"] for l in d["layouts"]]
+assert steps == sorted(steps), "not best first"
+for l in d["layouts"]:
+    assert lay <= set(l), "layout keys missing: %s" % (lay - set(l))
+    assert l["dp"] * l["tp"] * l["pp"] * l["cp"] == 16, l
+    assert 12 % l["tp"] == 0, "tp %d does not divide 12 heads" % l["tp"]
+    assert l["memory_bytes"] <= d["hardware"]["memory_bytes"], l
+    assert 0 < l["mfu"] < 1 and l["step_s"] > 0
+    assert abs(sum(v for k, v in l["time"].items() if k not in ("dp_total", "dp_hidden", "cp_hidden", "recompute")) - l["step_s"]) < 1e-6 * l["step_s"] + 1e-9
+for i in (0, len(d["layouts"]) // 2, len(d["layouts"]) - 1):
+    l = d["layouts"][i]
+    print("%d %.0f %.9g %s" % (i, l["memory_bytes"], l["step_s"], " ".join("--set " + s for s in l["set"])))
+PY
+if [ $? = 0 ]; then ok plan_json_schema; else fail plan_json_schema "$(tail -3 "$T/search.check")"; fi
+while read -r i mem step flags; do
+    [ -n "$i" ] || continue
+    ./train plan $CFG --gpus 16 $flags --json > "$T/one.json" 2>"$T/one.err"; rc=$?
+    got=$(python3 -c "import json,sys; l=json.load(open(sys.argv[1]))['layouts'][0]; print('%.0f %.9g' % (l['memory_bytes'], l['step_s']))" "$T/one.json" 2>&1)
+    [ $rc = 0 ] && [ "$got" = "$mem $step" ] && ok "plan_search_layout_${i}_runs_alone" \
+        || fail "plan_search_layout_${i}_runs_alone" "exit $rc, got '$got', want '$mem $step' for $flags; $(tail -c 200 "$T/one.err")"
+done < <(grep -E '^[0-9]+ ' "$T/search.check")
+expect plan_json_refused 2 '"error": ".*tp 8 must divide the 12 attention heads' -- ./train plan $CFG --gpus 8 --set parallel.tp=8 --json
+
+# the time model's terms, by direction (each would fail if the model ignored what it names):
+# a dp group inside one node reduces over NVLink, across two over the NICs (longer);
+# zb_h1's bubble is a third of 1F1B's, gpipe's equal to 1F1B's
+jt() { python3 -c "import json,sys; l=json.load(open(sys.argv[1]))['layouts'][0]; print(l['time'][sys.argv[2]])" "$@"; }
+./train plan $CFG --gpus 8 --nodes 1 --json > "$T/dp1.json"; ./train plan $CFG --gpus 8 --nodes 2 --json > "$T/dp2.json"
+a=$(jt "$T/dp1.json" dp_total) b=$(jt "$T/dp2.json" dp_total)
+python3 -c "import sys; sys.exit(0 if 0 < float('$a') < float('$b') else 1)" && ok "plan_time_dp_nvlink_vs_nic ($a < $b s)" \
+    || fail plan_time_dp_nvlink_vs_nic "one node $a s, two nodes $b s"
+PP="--set parallel.pp=4 --set parallel.dp=2"
+for k in 1f1b gpipe zb_h1; do ./train plan $CFG --gpus 8 $PP --set parallel.pp_schedule=$k --json > "$T/pp_$k.json"; done
+python3 - "$T" <<'PY' && ok plan_time_bubble_follows_schedule || fail plan_time_bubble_follows_schedule "$(python3 - "$T" <<'Q' 2>&1
+import json,sys
+for k in ("1f1b","gpipe","zb_h1"): print(k, json.load(open(sys.argv[1]+"/pp_%s.json"%k))["layouts"][0]["time"]["bubble"])
+Q
+)"
+import json, sys
+b = {k: json.load(open(sys.argv[1] + "/pp_%s.json" % k))["layouts"][0]["time"]["bubble"] for k in ("1f1b", "gpipe", "zb_h1")}
+sys.exit(0 if b["1f1b"] > 0 and abs(b["gpipe"] - b["1f1b"]) < 0.02 * b["1f1b"] and b["zb_h1"] < 0.5 * b["1f1b"] else 1)
+PY
+
+# hardware profiles: built-in names, a YAML file over a base, bad files named with their key
+expect plan_hw_h200 0 '139.80 GiB each \(h200' -- ./train plan $CFG --gpus 8 --hardware h200
+expect plan_hw_unknown 2 "--hardware: 'h1000' is neither a built-in profile \(h100, h200" -- ./train plan $CFG --gpus 8 --hardware h1000
+printf 'base: h100\nname: h100-40\nmemory_gib: 40\n' > "$T/hw.yaml"
+expect plan_hw_file 0 '40.00 GiB each \(h100-40' -- ./train plan $CFG --gpus 8 --hardware "$T/hw.yaml"
+printf 'base: h100\nmemory_gb: 40\n' > "$T/hw_bad.yaml"
+expect plan_hw_file_unknown_key 2 "hw_bad.yaml: unknown key 'memory_gb'" -- ./train plan $CFG --gpus 8 --hardware "$T/hw_bad.yaml"
+printf 'name: mine\nmemory_gib: 40\n' > "$T/hw_nobase.yaml"
+expect plan_hw_file_missing_key 2 "hw_nobase.yaml: key 'bf16_tflops': required" -- ./train plan $CFG --gpus 8 --hardware "$T/hw_nobase.yaml"
+printf 'base: h100\nhbm_gbps: -3\n' > "$T/hw_range.yaml"
+expect plan_hw_file_range 2 "hw_range.yaml: key 'hbm_gbps': expected a number in" -- ./train plan $CFG --gpus 8 --hardware "$T/hw_range.yaml"
+# cpu: measured once, then read from the cache (KILN_CACHE)
+KILN_CACHE="$T/cache" ./train plan configs/llama-tiny.yaml --gpus 2 --hardware cpu > "$T/cpu1.txt" 2>&1
+ls "$T/cache"/cpu-*.yaml >/dev/null 2>&1 && grep -q '^bf16_tflops: ' "$T"/cache/cpu-*.yaml && ok plan_hw_cpu_cached \
+    || fail plan_hw_cpu_cached "$(tail -2 "$T/cpu1.txt")"
+expect plan_hw_cpu_search 0 '^#1 ' -- env KILN_CACHE="$T/cache" ./train plan configs/llama-tiny.yaml --gpus 2 --hardware cpu --search
