@@ -7,8 +7,8 @@
 # layout. Predicted = the plan's "total per rank" less its "overhead" (the 32
 # MiB cuBLAS workspace and the 5% margin; the CPU has neither), summed from
 # its state, activation and fp8 lines, which are printed to more digits.
-# Measured is rank 0's (metrics.jsonl is rank 0's; under pp that is stage 0,
-# while the plan's lines are the costliest stage's). The planner counts fp32
+# Measured is the most over the ranks (ranks.jsonl), as the plan's lines are
+# the costliest pipeline stage's. The planner counts fp32
 # throughout, as the CPU backend stores it. Prints one row per layout and
 # exits 1 if any ratio is off by more than 2%. Usage: scripts/plan_memory_table.sh [NAME...]
 set -u
@@ -86,7 +86,10 @@ for row in "${LAYOUTS[@]}"; do
     # shellcheck disable=SC2086
     ./train plan "$W/tiny.yaml" $sets --gpus "$np" >"$D.plan" 2>&1 || {
         printf '%-22s %5s plan failed: %s\n' "$name" "$np" "$(grep -m1 'kiln: error' "$D.plan")"; bad=1; continue; }
-    meas=$(tail -n 1 "$D/metrics.jsonl" | sed -n 's/.*"peak_device_mib":\([0-9.e+-]*\).*/\1/p')
+    # the most over the ranks (ranks.jsonl, several ranks), else rank 0's
+    meas=$(python3 -c 'import json, sys; d = sys.argv[1]
+try: print(max(json.loads(open(d + "/ranks.jsonl").readlines()[-1])["peak_device_mib"]))
+except OSError: print(json.loads(open(d + "/metrics.jsonl").readlines()[-1])["peak_device_mib"])' "$D")
     read -r pred pred_total <<<"$(predicted "$D.plan")"
     awk -v n="$name" -v np="$np" -v m="$meas" -v p="$pred" -v pt="$pred_total" 'BEGIN {
         r = m / p; printf "%-22s %5d %12.4f %13.4f %7.4f%s\n", n, np, m, p, r,
