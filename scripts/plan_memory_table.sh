@@ -2,15 +2,18 @@
 # plan_memory_table.sh: `./train plan`'s memory per rank against the CPU
 # backend's measured peak (peak_device_mib, the bytes live through its alloc at
 # most: docs/metrics.md) for one tiny model in every layout kind (issue 33 §2:
-# the planner must be exact for what kiln allocates). Each layout runs 2 steps
+# the planner must be exact for what kiln allocates): dp with ZeRO 0-3, tp
+# with and without sp, the four pp schedules, cp ring and allgather, ep with
+# MoE, recompute, fp8, the optimizers, and micro-batch 1 where start-up's
+# transient arenas can exceed the steady state. Each layout runs 2 steps
 # under mpirun as test/t_dp.sh ... t_ep.sh launch them, then plans the same
 # layout. Predicted = the plan's "total per rank" less its "overhead" (the 32
 # MiB cuBLAS workspace and the 5% margin; the CPU has neither), summed from
-# its state, activation and fp8 lines, which are printed to more digits.
-# Measured is the most over the ranks (ranks.jsonl), as the plan's lines are
-# the costliest pipeline stage's. The planner counts fp32
-# throughout, as the CPU backend stores it. Prints one row per layout and
-# exits 1 if any ratio is off by more than 2%. Usage: scripts/plan_memory_table.sh [NAME...]
+# its parts, which are printed to more digits. Measured is the most over the
+# ranks (ranks.jsonl), as the plan's lines are the costliest pipeline
+# stage's. The planner counts fp32 throughout, as the CPU backend stores it.
+# Prints one row per layout ("OFF" past 2%) and exits 1 if any is off.
+# Usage: scripts/plan_memory_table.sh [NAME...]; KILN_PLAN_TABLE_DIR=DIR keeps the runs there.
 set -u
 cd "$(dirname "$0")/.."
 W=${KILN_PLAN_TABLE_DIR:-$(mktemp -d /tmp/kiln-plan-table.XXXXXX)}
@@ -37,6 +40,7 @@ LLAMA="--set model.arch=llama --set model.n_head=8 --set model.n_kv_head=4 --set
 MOE="$LLAMA --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
 MOE="$MOE --set model.moe.n_shared=1 --set model.moe.capacity_factor=1.25 --set model.moe.aux_loss_coef=0.01"
 PP="--set parallel.pp=2 --set parallel.pp_schedule"
+WIDE="--set model.n_embd=240 --set model.n_layer=16"
 
 # name|ranks|settings
 LAYOUTS=(
@@ -60,14 +64,37 @@ LAYOUTS=(
     "moe_one_rank|1|$MOE"
     "moe_ep2|2|$MOE --set parallel.ep=2"
     "moe_ep2_dp2_zero1|4|$MOE --set parallel.ep=2 --set parallel.zero=1"
+    "moe_dropless_ep2|2|$MOE --set model.moe.capacity_factor=0 --set parallel.ep=2"
+    "cp4_ring|4|--set parallel.cp=4 --set parallel.cp_attention=ring"
+    "cp4_allgather|4|--set parallel.cp=4 --set parallel.cp_attention=allgather"
+    "pp2_dp2_zero1|4|$PP=1f1b --set parallel.zero=1"
+    "pp2_dp2_zero3|4|$PP=1f1b --set parallel.zero=3"
+    # micro-batch 1 on 4 ranks: little activation memory, so start-up's
+    # transient buffers (the whole arenas before ZeRO shards them) show;
+    # wide: 16 layers of 240, parameters outweigh activations as in large models
+    "dp4_zero1_mb1|4|--set parallel.zero=1 --set batch.micro_batch=1"
+    "dp4_zero2_mb1|4|--set parallel.zero=2 --set batch.micro_batch=1"
+    "dp4_zero3_mb1|4|--set parallel.zero=3 --set batch.micro_batch=1"
+    "wide_dp4_zero1_mb1|4|$WIDE --set parallel.zero=1 --set batch.micro_batch=1"
+    "wide_dp4_zero2_mb1|4|$WIDE --set parallel.zero=2 --set batch.micro_batch=1"
+    "wide_dp4_zero3_mb1|4|$WIDE --set parallel.zero=3 --set batch.micro_batch=1"
+    "optim_state_bf16|1|--set precision.optim_state=bf16"
+    "lion|1|--set optim.name=lion"
+    "muon|1|--set optim.name=muon"
+    "adafactor|1|--set optim.name=adafactor"
+    "muon_dp2_zero1|2|--set optim.name=muon --set parallel.zero=1"
+    "doc_masking|1|--set data.doc_masking=true --set data.eot_id=10"
 )
 
-# predicted MiB: the plan's state + activations + fp8 buffers (= total - overhead)
+# predicted MiB: the plan's state + activations + fp8 buffers (= total -
+# overhead), summed from their parts (each printed to 3 significant digits
+# or more: parameters, the ZeRO "+" lines, gradients, optimizer state,
+# activations, fp8's operands, scales and histories)
 predicted() {
     awk 'function mib(v, u) { return u == "B" ? v / 1048576 : u == "KiB" ? v / 1024 : u == "GiB" ? v * 1024 : v }
-         /^  params \+ grads \+ optim / { s += mib($(NF-1), $NF) }
+         /^  (parameters|gradients|optimizer state|  \+ )/ { s += mib($(NF-1), $NF) }
          /^  activations  / { s += mib($(NF-1), $NF) }
-         /^  fp8 buffers  / { s += mib($(NF-1), $NF) }
+         /^    (operands and codes|amaxes, scales|amax histories) / { s += mib($(NF-1), $NF) }
          /^  (total per rank|overhead) / { t[$1] = mib($(NF-1), $NF) }
          END { printf "%.4f %.4f\n", s, t["total"] - t["overhead"] }' "$1"
 }
