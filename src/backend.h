@@ -519,7 +519,8 @@ typedef struct Backend {
     void (*loss_acc)(double *acc, const float *losses, int N);
     void (*step_scalars)(StepScalars *st, int micro, float grad_clip);
 
-    /* Optional hooks; NULL where a backend has no such notion (the CPU).
+    /* Optional hooks; NULL where a backend has no such notion (the CPU has
+     * only memory_peak).
      * set_precision: precision.compute, called once after init and before any
      * allocation: "fp32" (act is fp32, strict fp32 products) or "bf16" (act is
      * bf16: half the activation memory and bandwidth, matrix products on bf16
@@ -535,7 +536,9 @@ typedef struct Backend {
      * one (CUDA: cuDNN's), so its gradients are no longer the same bits run
      * to run; 1 (the default) keeps every sum in a fixed order. Call it
      * before set_precision, as set_attention.
-     * memory_peak: the most device memory in use since init, in bytes.
+     * memory_peak: the most device memory in use since init, in bytes
+     * (CUDA: total minus free as cudaMemGetInfo reports it; the CPU: the
+     * bytes requested of its alloc and not yet freed, the host's RSS aside).
      * host_syncs: how many times the host has waited on the device since
      * init (synchronous copies, stream and event waits; `./train bench`
      * prints them per step).

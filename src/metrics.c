@@ -794,7 +794,7 @@ static const StragglerStats *ranks_gather(Metrics *m, const MetricsStep *s) {
     }
     m->acc_n++;
     if (s->step % m->log_every != 0 && s->step < m->steps) return NULL;
-    StragglerSample mine = {m->acc_step / m->acc_n, m->acc_data / m->acc_n, {0}};
+    StragglerSample mine = {m->acc_step / m->acc_n, m->acc_data / m->acc_n, {0}, .device_mib = s->device_mib};
     for (int g = 0; g < METRICS_COMM_GROUPS; g++) mine.comm_s[g] = m->acc_comm[g] / m->acc_n;
     m->acc_step = m->acc_data = 0, m->acc_n = 0;
     memset(m->acc_comm, 0, sizeof m->acc_comm);
@@ -826,10 +826,16 @@ static void json_ranks(FILE *f, const Metrics *m, const StragglerStats *st) {
     fputc('}', f);
 }
 
-static void json_array(FILE *f, const char *key, const double *v, size_t stride, int n) {
+/* digits: significant digits (4 for timings; 6 for memory, as metrics.jsonl's) */
+static void json_array_digits(FILE *f, const char *key, const double *v, size_t stride, int n, int digits) {
     fprintf(f, ",\"%s\":[", key);
-    for (int r = 0; r < n; r++) fprintf(f, "%s%.4g", r ? "," : "", *(const double *)((const char *)v + r * stride));
+    for (int r = 0; r < n; r++)
+        fprintf(f, "%s%.*g", r ? "," : "", digits, *(const double *)((const char *)v + r * stride));
     fputc(']', f);
+}
+
+static void json_array(FILE *f, const char *key, const double *v, size_t stride, int n) {
+    json_array_digits(f, key, v, stride, n, 4);
 }
 
 /* ranks.jsonl: every rank's timings at a logged step. */
@@ -846,6 +852,8 @@ static void ranks_line(Metrics *m, int step, const StragglerStats *st) {
         json_array(f, key, &st->rank[0].comm_s[g], sz, st->world);
     }
     json_array(f, "busy_s", st->busy, sizeof(double), st->world);
+    if (st->rank[0].device_mib > 0) /* each rank's own: pipeline stages and expert ranks differ */
+        json_array_digits(f, "peak_device_mib", &st->rank[0].device_mib, sz, st->world, 6);
     fprintf(f, ",\"slowest_rank\":%d", st->slowest);
     json_num(f, "slowest_factor", st->factor);
     fputs("}\n", f);

@@ -1,5 +1,5 @@
 /* straggler: gathering every rank's step timings and finding the slow one.
- * One all-gather of (2 + STRAGGLER_GROUPS) doubles per rank per logged step;
+ * One all-gather of (3 + STRAGGLER_GROUPS) doubles per rank per logged step;
  * the judgement is rank 0's, on plain arrays, so tests can feed it directly. */
 #include "straggler.h"
 

@@ -9,11 +9,13 @@
 
 #define STRAGGLER_GROUPS 4 /* process groups a rank reports blocked time for ("dp", "tp", ...) */
 
-/* One rank's timings, seconds per step (means since the last logged step). */
+/* One rank's timings, seconds per step (means since the last logged step),
+ * and its peak memory, which ranks.jsonl carries alongside. */
 typedef struct StragglerSample {
     double step_s;                   /* wall time of the step (evaluation excluded) */
     double data_s;                   /* in the data phase: waiting for batches */
     double comm_s[STRAGGLER_GROUPS]; /* blocked in each group's collectives */
+    double device_mib;               /* peak device memory so far, MiB (0: the backend has no figure) */
 } StragglerSample;
 
 /* min, median, max over the ranks, and the rank holding the max. */

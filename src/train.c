@@ -483,6 +483,21 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     if (be->select_device) be->select_device(comm_info()->local_rank, comm_info()->local_world);
     r->desc = be->init(c->threads);
     backend_set_precision(be, c->compute, c->attention, c->attention_deterministic); /* precision.* */
+    /* MFU's denominator: the config's figure, else the GPU's datasheet peak,
+     * else (the CPU) this machine's measured matrix-product rate, measured
+     * before the model allocates so its buffers stay out of memory_peak */
+    double peak = 0.0;
+    char peak_src[160];
+    const char *gpu = NULL;
+    if (c->peak_gflops > 0) {
+        peak = c->peak_gflops * 1e9;
+        snprintf(peak_src, sizeof peak_src, "metrics.peak_gflops");
+    } else if ((peak = metrics_peak_lookup(r->desc, c->compute, &gpu)) > 0) {
+        snprintf(peak_src, sizeof peak_src, "%s %s dense, datasheet", gpu, c->compute);
+    } else {
+        peak = metrics_measure_matmul(be, 0.3);
+        snprintf(peak_src, sizeof peak_src, "fp32 matmul rate measured at start-up");
+    }
 
     r->tok = tok_open(c->tokenizer, c->tokenizer_file);
     if (tok_vocab_size(r->tok) > c->vocab_size)
@@ -619,20 +634,6 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     r->copy_fused = ddp_whole_update(&r->ddp) && optim_set_copy(&r->opt, model_compute_copy(model));
 
     r->fpt = arch_flops_per_token(shape, T);
-    /* MFU's denominator: the config's figure, else the GPU's datasheet peak,
-     * else (the CPU) this machine's measured matrix-product rate */
-    double peak = 0.0;
-    char peak_src[160];
-    const char *gpu = NULL;
-    if (c->peak_gflops > 0) {
-        peak = c->peak_gflops * 1e9;
-        snprintf(peak_src, sizeof peak_src, "metrics.peak_gflops");
-    } else if ((peak = metrics_peak_lookup(r->desc, c->compute, &gpu)) > 0) {
-        snprintf(peak_src, sizeof peak_src, "%s %s dense, datasheet", gpu, c->compute);
-    } else {
-        peak = metrics_measure_matmul(be, 0.3);
-        snprintf(peak_src, sizeof peak_src, "fp32 matmul rate measured at start-up");
-    }
     /* checkpoints: collect the state table, resume, plan the writer (state.c) */
     r->param_shard = ddp_param_shard(&r->ddp, &r->shard_n); /* ZeRO-2/3: what checkpoints and hashes read */
     /* checkpoints: the ranks of ddp's group (dp x cp under cp) share the writes */

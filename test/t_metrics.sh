@@ -108,6 +108,43 @@ if grep -qE 'MFU against [0-9.e+-]+ TFLOP/s peak per device \(fp32 matmul rate m
     ok metrics_peak_measured
 else fail metrics_peak_measured "$(head -n 3 "$T/out.txt")"; fi
 
+# peak_device_mib on the CPU: the bytes live through the backend's alloc at
+# most (docs/metrics.md). Every line has it, never falling; a larger
+# micro-batch takes more. model.recompute changes only the activation arena,
+# so the peaks of none, gelu and norm_gelu differ by exactly the differences of
+# --dry-run's activation lines (model_activation_bytes, what the arena
+# allocates): 2e-5 MiB (21 bytes) is the rounding of those figures (6
+# significant digits in jsonl, 0.01 KiB printed), far under any buffer.
+# The run above measured the matmul rate: its three 1024 x 768 fp32 buffers
+# (8.25 MiB exactly) are the floor, freed before this 1.4 MiB model allocates.
+for v in none gelu norm_gelu; do
+    ./train "$T/small.yaml" --set run.dir="$T/peak_$v" --set train.steps=2 --set train.eval_every=0 \
+        --set model.recompute=$v >"$T/peak_$v.txt" 2>&1 || fail metrics_peak_device_run "recompute $v: $(tail -n 2 "$T/peak_$v.txt")"
+    ./train "$T/small.yaml" --set model.recompute=$v --dry-run >"$T/dry_$v.txt" 2>&1
+done
+./train "$T/small.yaml" --set run.dir="$T/peak_b8" --set train.steps=2 --set train.eval_every=0 \
+    --set batch.micro_batch=8 >"$T/peak_b8.txt" 2>&1 || fail metrics_peak_device_run "micro_batch 8: $(tail -n 2 "$T/peak_b8.txt")"
+if python3 - "$T" <<'EOF'
+import json, re, sys
+t = sys.argv[1]
+def peaks(run):
+    return [json.loads(l)["peak_device_mib"] for l in open(f"{t}/{run}/metrics.jsonl")]
+unit = {"B": 1 / 1048576, "KiB": 1 / 1024, "MiB": 1, "GiB": 1024}
+def act(v):
+    m = re.search(r"^  activations +([0-9.]+) (B|KiB|MiB|GiB)$", open(f"{t}/dry_{v}.txt").read(), re.M)
+    return float(m.group(1)) * unit[m.group(2)]
+for run in ("run", "peak_none", "peak_b8"):
+    p = peaks(run)
+    assert p[0] > 0 and p == sorted(p), (run, p)
+assert peaks("meas")[-1] == 8.25, peaks("meas")
+none, b8 = peaks("peak_none")[-1], peaks("peak_b8")[-1]
+assert b8 > none, (none, b8)
+for v in ("gelu", "norm_gelu"):
+    got, want = none - peaks(f"peak_{v}")[-1], act("none") - act(v)
+    assert want > 0 and abs(got - want) < 2e-5, (v, got, want)
+EOF
+then ok metrics_peak_device_cpu; else fail metrics_peak_device_cpu "peak_device_mib on the CPU backend (see above)"; fi
+
 # train.on_nonfinite: skip -- step 5's gradient is poisoned (test hook); the
 # parameters after step 5 equal those after step 4, and step 6 updates again
 KILN_TEST_INJECT_NAN_STEP=5 ./train "$T/small.yaml" --set run.dir="$T/skip" --set train.on_nonfinite=skip \

@@ -47,6 +47,11 @@ for l in lines:
 # a scheduling hiccup of a loaded machine
 assert sum(l["slowest_rank"] == 2 for l in lines) >= 10, [l["slowest_rank"] for l in lines]
 rows = [json.loads(l) for l in open(d + "/metrics.jsonl")]
+# every rank's peak device memory (the CPU backend's count): dp ranks hold the
+# same buffers, and rank 0's is metrics.jsonl's figure
+for l, r in zip(lines, rows):
+    p = l["peak_device_mib"]
+    assert len(p) == 4 and p[0] > 0 and p == [p[0]] * 4 and p[0] == r["peak_device_mib"], (l, r)
 assert sum(r["ranks"]["slowest_rank"] == 2 and r["ranks"]["slowest_host"] == host for r in rows) >= 10, rows[-1]
 for r in rows:
     x = r["ranks"]

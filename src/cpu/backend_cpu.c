@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #endif
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -73,7 +74,15 @@ static inline float cpu_tanhf(float u) {
 /* ---------------------------------------------------------------------------
  * Start-up and memory */
 
+/* memory_peak's count: the bytes asked of cpu_alloc (before the rounding to
+ * CPU_ALIGN and without the header), those of live buffers and the most live
+ * at once since init, the figure `./train plan` predicts. Atomic: nothing
+ * calls alloc from two threads today, but a counter that is wrong under a
+ * future prefetch thread would be wrong silently. */
+static _Atomic size_t cpu_mem_used, cpu_mem_peak;
+
 static const char *cpu_init(int threads) {
+    atomic_store(&cpu_mem_peak, atomic_load(&cpu_mem_used)); /* memory_peak counts from init */
     if (threads <= 0) threads = omp_get_num_procs();
     omp_set_num_threads(threads);
     openblas_set_num_threads(threads);
@@ -97,22 +106,38 @@ static const char *cpu_init(int threads) {
 static float *cpu_scratch; /* attention scratch, below */
 static size_t cpu_scratch_floats;
 
+static void cpu_free(void *p);
+
 static void cpu_shutdown(void) {
-    free(cpu_scratch);
+    cpu_free(cpu_scratch);
     cpu_scratch = NULL;
     cpu_scratch_floats = 0;
 }
 
+/* Each buffer is preceded by a CPU_ALIGN-byte header holding its requested
+ * size, so free can subtract it and the buffer stays aligned. */
 static void *cpu_alloc(size_t bytes) {
     size_t n = (bytes + CPU_ALIGN - 1) / CPU_ALIGN * CPU_ALIGN;
     if (n == 0) n = CPU_ALIGN;
-    void *p = aligned_alloc(CPU_ALIGN, n);
+    char *p = aligned_alloc(CPU_ALIGN, CPU_ALIGN + n);
     if (!p) kiln_fail(KILN_EXIT_RUNTIME, "cpu backend: out of memory allocating %zu bytes", bytes);
-    memset(p, 0, n);
-    return p;
+    memset(p + CPU_ALIGN, 0, n);
+    *(size_t *)p = bytes;
+    size_t used = atomic_fetch_add(&cpu_mem_used, bytes) + bytes;
+    size_t peak = atomic_load(&cpu_mem_peak);
+    while (used > peak && !atomic_compare_exchange_weak(&cpu_mem_peak, &peak, used)) {}
+    return p + CPU_ALIGN;
 }
 
-static void cpu_free(void *p) { free(p); }
+static void cpu_free(void *p) {
+    if (!p) return;
+    char *base = (char *)p - CPU_ALIGN;
+    atomic_fetch_sub(&cpu_mem_used, *(size_t *)base);
+    free(base);
+}
+
+/* The most bytes live through cpu_alloc at once since init (backend.h). */
+static size_t cpu_memory_peak(void) { return atomic_load(&cpu_mem_peak); }
 
 static void cpu_memcpy(void *dst, const void *src, size_t bytes) {
     if (bytes) memmove(dst, src, bytes);
@@ -547,7 +572,7 @@ static void cpu_fp8_qdq(void *y, const void *x, const float *amax, int P, int ro
  * called from one host thread at a time. */
 static float *cpu_scratch_get(size_t floats) {
     if (floats > cpu_scratch_floats) {
-        free(cpu_scratch);
+        cpu_free(cpu_scratch);
         cpu_scratch = cpu_alloc(floats * sizeof(float)); /* exits on failure */
         cpu_scratch_floats = floats;
     }
@@ -1622,4 +1647,5 @@ const Backend backend_cpu = {
     .sumsq_acc = cpu_sumsq_acc,
     .loss_acc = cpu_loss_acc,
     .step_scalars = cpu_step_scalars,
+    .memory_peak = cpu_memory_peak,
 };
