@@ -93,7 +93,7 @@ LAYOUTS=(
 predicted() {
     awk 'function mib(v, u) { return u == "B" ? v / 1048576 : u == "KiB" ? v / 1024 : u == "GiB" ? v * 1024 : v }
          /^  (parameters|gradients|optimizer state|  \+ )/ { s += mib($(NF-1), $NF) }
-         /^  activations  / { s += mib($(NF-1), $NF) }
+         /^  activations, / { s += mib($(NF-1), $NF) }
          /^    (operands and codes|amaxes, scales|amax histories) / { s += mib($(NF-1), $NF) }
          /^  (total per rank|overhead) / { t[$1] = mib($(NF-1), $NF) }
          END { printf "%.4f %.4f\n", s, t["total"] - t["overhead"] }' "$1"
@@ -111,7 +111,7 @@ for row in "${LAYOUTS[@]}"; do
     else ./train "$W/tiny.yaml" $sets --set run.dir="$D" >"$D.txt" 2>&1; fi || {
         printf '%-22s %5s run failed: %s\n' "$name" "$np" "$(grep -m1 'kiln: error' "$D.txt")"; bad=1; continue; }
     # shellcheck disable=SC2086
-    ./train plan "$W/tiny.yaml" $sets --gpus "$np" >"$D.plan" 2>&1 || {
+    ./train plan "$W/tiny.yaml" $sets --set device=cpu --gpus "$np" >"$D.plan" 2>&1 || {
         printf '%-22s %5s plan failed: %s\n' "$name" "$np" "$(grep -m1 'kiln: error' "$D.plan")"; bad=1; continue; }
     # the most over the ranks (ranks.jsonl, several ranks), else rank 0's
     meas=$(python3 -c 'import json, sys; d = sys.argv[1]

@@ -578,6 +578,8 @@ int plan_main(int argc, char **argv) {
      * allocation's GPUs per node (--nodes) over the profile's */
     HwProfile hw;
     hw_resolve(hardware, &hw);
+    if (hw.threads > 0 && !strcmp(c.device, "auto")) /* this machine: the CPU backend, fp32 */
+        snprintf(c.device, sizeof c.device, "cpu");
     if (gpu_mem_given) hw.mem_bytes = gpu_gib * GIB;
     else gpu_gib = hw.mem_bytes / GIB;
     if (!nodes_given) {
