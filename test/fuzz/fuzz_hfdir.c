@@ -5,13 +5,11 @@
  *   MODEL            first byte, the model: 'g' gpt2, 'l' llama, 'o' olmoe (else by value mod 3)
  *   \n@@@NAME\nBYTES  a file NAME holding BYTES (up to the next "\n@@@")
  *   \n@@@NAME/\n     a directory NAME (a directory where a file should be)
- * NAME keeps [A-Za-z0-9._-] only (the index itself may name ../ or /abs
- * paths: those must be refused). Runs in a child (hf_init_from exits 2 on a
- * bad directory, fuzz.h). KILN_FUZZ_HFDIR_SEEDS=DIR writes the seeds from
+ * (fuzz.h, fuzz_unpack: the files land inside the directory; the index
+ * itself may name ../ or /abs paths, and those must be refused). Runs in a
+ * child (hf_init_from exits 2 on a bad directory). KILN_FUZZ_HFDIR_SEEDS=DIR writes the seeds from
  * kiln's own writer (hf_write_dir): each model whole, sharded, and bf16;
  * KILN_FUZZ_HFDIR_SHOW=1 with one input runs it here, printing kiln's answer. */
-#include <dirent.h>
-
 #include "arch.h"
 #include "backend.h"
 #include "config.h"
@@ -47,65 +45,11 @@ FUZZ_NOCOV static void setup(void) {
     ready = 1;
 }
 
-/* Empty fuzz_tmp()/hf (files and one level of directories). */
-FUZZ_NOCOV static void clear(const char *dir) {
-    DIR *d = opendir(dir);
-    if (!d) return;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-        char p[600];
-        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-        if (unlink(p) != 0) {
-            clear(p);
-            rmdir(p);
-        }
-    }
-    closedir(d);
-}
-
-static const uint8_t *find_mark(const uint8_t *p, const uint8_t *end) {
-    for (; p + 4 <= end; p++)
-        if (p[0] == '\n' && p[1] == '@' && p[2] == '@' && p[3] == '@') return p;
-    return end;
-}
-
 static void load(const uint8_t *d, size_t n) {
     char dir[400];
     snprintf(dir, sizeof dir, "%s/hf", fuzz_tmp());
-    clear(dir);
-    mkdir(dir, 0700);
+    fuzz_unpack(dir, d, n);
     int which = n ? (d[0] == 'g' ? 0 : d[0] == 'l' ? 1 : d[0] == 'o' ? 2 : d[0] % 3) : 0;
-    const uint8_t *end = d + n, *p = find_mark(d, end);
-    int files = 0;
-    while (p < end && files < 16) {
-        const uint8_t *s = p + 4, *nl = memchr(s, '\n', (size_t)(end - s));
-        const uint8_t *body = nl ? nl + 1 : end, *next = find_mark(body > end ? end : body, end);
-        char name[65];
-        size_t k = 0;
-        int is_dir = 0;
-        for (const uint8_t *c = s; c < (nl ? nl : end) && k < 64; c++) {
-            if (*c == '/') is_dir = 1;
-            else if ((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') || *c == '.' ||
-                     *c == '_' || *c == '-')
-                name[k++] = (char)*c;
-        }
-        name[k] = 0;
-        if (k && strcmp(name, ".") && strcmp(name, "..")) {
-            char path[600];
-            snprintf(path, sizeof path, "%s/%s", dir, name);
-            if (is_dir) mkdir(path, 0700);
-            else {
-                FILE *f = fopen(path, "wb");
-                if (f) {
-                    if (next > body) fwrite(body, 1, (size_t)(next - body), f);
-                    fclose(f);
-                }
-            }
-            files++;
-        }
-        p = next;
-    }
     hf_init_from(&models[which], dir, 0);
 }
 
