@@ -6,6 +6,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -74,7 +75,7 @@ static double jnum(const char *line, const char *key) {
 }
 static int jint(const char *line, const char *key, int dflt) {
     double x = jnum(line, key);
-    return isnan(x) ? dflt : (int)x;
+    return x >= INT_MIN && x <= INT_MAX ? (int)x : dflt; /* NaN, inf, 1e11: the default */
 }
 static uint64_t ju64(const char *line, const char *key) {
     const char *v = jval(line, key);

@@ -180,7 +180,7 @@ int report_status_main(int argc, char **argv) {
             char *hb = kiln_read_file_max(hp, KILN_SMALL_FILE_MAX, &len);
             if (!hb) continue;
             char *end = hb + len;
-            int rank = (int)runs_json_field(hb, end, "rank"), step = (int)runs_json_field(hb, end, "step");
+            int rank = runs_json_int(hb, end, "rank", -1), step = runs_json_int(hb, end, "step", -1);
             double t = runs_json_field(hb, end, "time");
             char phase[32] = "?", host[128] = "?";
             const char *p = strstr(hb, "\"phase\":\"");

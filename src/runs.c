@@ -3,6 +3,7 @@
  * run can be read at any moment. */
 #include "runs.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -117,8 +118,10 @@ void runs_load(Run *r, const char *dir) {
                        "%s: not a run directory (no metrics.jsonl or config.yaml)", dir);
     }
     if (!text) return;
+    int line = 0;
     for (char *l = text, *end = text + len; l < end;) {
         char *nl = memchr(l, '\n', (size_t)(end - l));
+        line++;
         if (!nl) break; /* a line being written: skip it */
         if (l[0] == '{') {
             if (r->n == r->cap) {
@@ -128,7 +131,11 @@ void runs_load(Run *r, const char *dir) {
             for (int f = 0; f < RUN_NF; f++) r->v[f][r->n] = runs_json_field(l, nl, field_names[f]);
             for (int f = RUN_NF; f < RUN_NFX; f++) r->v[f][r->n] = NAN;
             json_extras(r, r->n, l, nl);
-            if (!isnan(r->v[RUN_STEP][r->n])) r->n++;
+            double step = r->v[RUN_STEP][r->n];
+            if (!isnan(step) && !(step >= 0 && step <= INT_MAX && step == floor(step)))
+                kiln_fail(KILN_EXIT_USAGE, "%s:%d: key 'step': expected a whole number from 0 to %d, got %.17g", path,
+                          line, INT_MAX, step);
+            if (!isnan(step)) r->n++;
         }
         l = nl + 1;
     }
@@ -200,6 +207,11 @@ double runs_recent_median(const Run *r, int f) {
     }
     free(t);
     return m;
+}
+
+int runs_json_int(const char *line, const char *end, const char *key, int dflt) {
+    double v = runs_json_field(line, end, key);
+    return v >= INT_MIN && v <= INT_MAX ? (int)v : dflt; /* NaN and +-inf fail both */
 }
 
 void runs_fmt_duration(double s, char *buf, size_t cap) {
@@ -351,7 +363,7 @@ int runs_ranks_load(RunRanks *t, const char *dir) {
                 for (int g = 0; g < t->ngroups; g++) t->comm[g] = xrealloc(t->comm[g], row);
             }
             size_t o = (size_t)t->nlines * t->world;
-            t->step[t->nlines] = (int)runs_json_field(l, nl, "step");
+            t->step[t->nlines] = runs_json_int(l, nl, "step", -1);
             json_array(l, nl, "busy_s", t->busy + o, t->world);
             json_array(l, nl, "data_s", t->data + o, t->world);
             json_array(l, nl, "compute_s", t->compute + o, t->world);

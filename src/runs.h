@@ -38,6 +38,8 @@ int runs_last_row(const Run *r, int f);
 double runs_recent_median(const Run *r, int f);
 /* Value of "key": in one line [line, end) of flat JSON; NAN if absent or null. */
 double runs_json_field(const char *line, const char *end, const char *key);
+/* The same as a whole int: dflt where absent, null, not finite or outside int's range. */
+int runs_json_int(const char *line, const char *end, const char *key, int dflt);
 /* "5m 02s", "1h 04m 00s", "-" for a non-finite or negative s. */
 void runs_fmt_duration(double s, char *buf, size_t cap);
 

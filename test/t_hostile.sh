@@ -66,13 +66,18 @@ cp $T/run/config.yaml $T/ulp/ && cp $T/run/config.yaml $T/far/
 for i in 1 2 3 4; do
     echo "{\"step\":$i,\"tokens\":$((i * 256)),\"loss\":2.5,\"lr\":0.1$([ $i -gt 2 ] && echo 0000000000000002),\"grad_norm\":1,\"tok_s\":1000,\"step_s\":0.1}"
 done > $T/ulp/metrics.jsonl
+# far: every step the largest a run can reach (INT_MAX), an axis of zero span far from 0
 for i in 1 2 3; do
-    echo "{\"step\":1e17,\"tokens\":$i,\"loss\":$i,\"lr\":0.001,\"grad_norm\":1,\"tok_s\":1000,\"step_s\":0.1}"
+    echo "{\"step\":2147483647,\"tokens\":$i,\"loss\":$i,\"lr\":0.001,\"grad_norm\":1,\"tok_s\":1000,\"step_s\":0.1}"
 done > $T/far/metrics.jsonl
 for r in ulp far; do
     to ./train report $T/$r -o $T/$r.html >$T/rp.txt 2>&1; rc=$?
     if [ $rc -eq 0 ] && grep -q '<svg' $T/$r.html; then ok report_ticks_$r; else fail report_ticks_$r "exit $rc: $(tail -2 $T/rp.txt)"; fi
 done
+# a step past any run's (1e17) is refused naming the file, line and key, not read as a number
+mkdir -p $T/past && cp $T/run/config.yaml $T/past/ && sed 's/2147483647/1e17/' $T/far/metrics.jsonl > $T/past/metrics.jsonl
+expect report_step_past_int 2 "past/metrics.jsonl:1: key 'step': expected a whole number from 0 to 2147483647, got 1e\+17" -- \
+    to ./train report $T/past -o $T/past.html
 
 # ---- --dry-run at batch.total_tokens = 2^62, the largest the config takes
 expect dry_run_tokens_past_int64 0 "tokens in total +4.61e\+21 \(over 2\^63\)" -- \

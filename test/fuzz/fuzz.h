@@ -156,4 +156,82 @@ FUZZ_NOCOV static void fuzz_fork(void (*fn)(const uint8_t *, size_t), const uint
     abort();
 }
 
+/* ---- a directory from one input (fuzz_hfdir, fuzz_runs) ----
+ * After the caller's header, the input is files: "\n@@@NAME\nBYTES", BYTES up
+ * to the next "\n@@@"; NAME ending in '/' is a directory, in '|' a FIFO
+ * (a reader must not wait on one forever). NAME keeps
+ * [A-Za-z0-9._-/] (at most 96 characters, 32 entries), its parent
+ * directories are made, and a "." or ".." part or a leading '/' drops it: the
+ * input builds inside dir only. fuzz_unpack empties dir first (files and
+ * directories in it, depth first). */
+#include <dirent.h>
+
+FUZZ_NOCOV static void fuzz_clear(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char p[1024];
+        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+        if (unlink(p) != 0) {
+            fuzz_clear(p);
+            rmdir(p);
+        }
+    }
+    closedir(d);
+}
+
+FUZZ_NOCOV static const uint8_t *fuzz_mark(const uint8_t *p, const uint8_t *end) {
+    for (; p + 4 <= end; p++)
+        if (p[0] == '\n' && p[1] == '@' && p[2] == '@' && p[3] == '@') return p;
+    return end;
+}
+
+FUZZ_NOCOV static void fuzz_unpack(const char *dir, const uint8_t *d, size_t n) {
+    fuzz_clear(dir);
+    mkdir(dir, 0700);
+    const uint8_t *end = d + n, *p = fuzz_mark(d, end);
+    for (int files = 0; p < end && files < 32; files++) {
+        const uint8_t *s = p + 4, *nl = memchr(s, '\n', (size_t)(end - s));
+        const uint8_t *body = nl ? nl + 1 : end, *next = fuzz_mark(body, end);
+        char name[97];
+        size_t k = 0;
+        for (const uint8_t *c = s; c < (nl ? nl : end) && k < 96; c++)
+            if ((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') || *c == '.' ||
+                *c == '_' || *c == '-' || *c == '/')
+                name[k++] = (char)*c;
+        name[k] = 0;
+        p = next;
+        int fifo = nl && nl > s && nl[-1] == '|';
+        int is_dir = k && name[k - 1] == '/', bad = !k || name[0] == '/';
+        if (is_dir) name[--k] = 0;
+        for (char *q = name; !bad && q && *q; q = strchr(q, '/') ? strchr(q, '/') + 1 : NULL) {
+            size_t l = strcspn(q, "/");
+            bad = l == 0 || (l == 1 && q[0] == '.') || (l == 2 && q[0] == '.' && q[1] == '.');
+        }
+        if (bad || !k) continue;
+        char path[1200];
+        snprintf(path, sizeof path, "%s/%s", dir, name);
+        for (char *q = path + strlen(dir) + 1; (q = strchr(q, '/')); q++) { /* parents */
+            *q = 0;
+            mkdir(path, 0700);
+            *q = '/';
+        }
+        if (is_dir || fifo) {
+            if (is_dir) mkdir(path, 0700);
+            else mkfifo(path, 0600);
+            continue;
+        }
+        /* a later entry of an earlier FIFO's name must not block the
+         * harness on opening it for writing: the name keeps its first kind */
+        struct stat st;
+        if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode)) continue;
+        FILE *f = fopen(path, "wb");
+        if (!f) continue;
+        if (next > body) fwrite(body, 1, (size_t)(next - body), f);
+        fclose(f);
+    }
+}
+
 #endif
