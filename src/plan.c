@@ -391,11 +391,14 @@ PlanComm plan_comm_per_step(const ArchSpec *s, int tp, int sp, int dp, int ep, i
         double X = plan_expert_params(&l) * 4, P = (double)arch_num_params(&l) * 4 - X, k = dp, ag = (k - 1) / k;
         double ke = (double)dp / ep, age = (ke - 1) / ke;
         /* ZeRO 0/1: one all-reduce (ZeRO-1: reduce-scatter + all-gather, the
-         * same bytes); ZeRO 2: reduce-scatters + the parameters' all-gather;
-         * ZeRO 3: + the forward's and backward's gathers of every layer,
-         * every micro-batch; the experts over EDP (whole with ep 1) */
-        c.dp = 2 * ag * P + 2 * age * X / ep;
-        if (zero == 3) c.dp += (2.0 * micro - 1) * ag * (P + X);
+         * same bytes); ZeRO 2: each micro-batch's backward reduce-scatters
+         * every layer (ddp.c's unit mode), then the parameters' all-gather
+         * after the step; ZeRO 3: the reduce-scatters, and the forward's and
+         * backward's gathers of every layer in every micro-batch; the
+         * experts over EDP (whole with ep 1) */
+        if (zero <= 1) c.dp = 2 * ag * P + 2 * age * X / ep;
+        else if (zero == 2) c.dp = (micro + 1.0) * ag * (P + X);
+        else c.dp = 3.0 * micro * ag * (P + X);
     }
     if (ep > 1) {
         double rows = (double)micro_batch * s->seq_len * s->moe.top_k;
