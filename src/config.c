@@ -1132,6 +1132,21 @@ static void cfg_check_batch(Config *c, CfgLoad *L) {
     c->grad_accum = (int)(c->total_tokens / per);
 }
 
+/* The checks across keys that a layout decides (cfg_finish and
+ * cfg_check_layout both run them): the architecture, MoE and ep, the batch's
+ * split (deriving grad_accum), the parallel degrees, precision, the optimizer. */
+static void cfg_check_cross(Config *c, CfgLoad *L) {
+    ArchSpec spec;
+    arch_from_config(c, &spec); /* every architecture constraint, naming the key */
+    cfg_check_moe(c, &spec, L);
+    cfg_check_ep(c, &spec, L);
+    cfg_check_batch(c, L);
+    cfg_check_parallel(c, L);
+    cfg_check_precision(c, L);
+    cfg_check_pp_precision(c, &spec, L);
+    cfg_check_optim(c, L);
+}
+
 static void cfg_finish(Config *c, CfgLoad *L) {
     if (!c->head_dim && c->n_embd % c->n_head)
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'model.n_embd': %d must be divisible by model.n_head = %d",
@@ -1154,15 +1169,7 @@ static void cfg_finish(Config *c, CfgLoad *L) {
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'data.eot_id': documents (data.doc_masking / data.doc_positions) need an "
                   "end-of-text id and the byte tokenizer has none; set data.eot_id (e.g. 10: one document per line)",
                   cfg_where_of(L, "data.eot_id", c->doc_masking ? "data.doc_masking" : "data.doc_positions"));
-    ArchSpec spec;
-    arch_from_config(c, &spec); /* every architecture constraint, naming the key */
-    cfg_check_moe(c, &spec, L);
-    cfg_check_ep(c, &spec, L);
-    cfg_check_batch(c, L);
-    cfg_check_parallel(c, L);
-    cfg_check_precision(c, L);
-    cfg_check_pp_precision(c, &spec, L);
-    cfg_check_optim(c, L);
+    cfg_check_cross(c, L);
     cfg_check_monitor(c, L);
     if (!c->run_dir[0]) {
         char dir[CFG_STR + 8];
@@ -1189,15 +1196,7 @@ int cfg_check_layout(Config *c, char *err, size_t errn) {
     int rc = 0;
     kiln_trap_push(&t);
     if (setjmp(t.jb) == 0) {
-        ArchSpec spec;
-        arch_from_config(c, &spec);
-        cfg_check_moe(c, &spec, L);
-        cfg_check_ep(c, &spec, L);
-        cfg_check_batch(c, L);
-        cfg_check_parallel(c, L);
-        cfg_check_precision(c, L);
-        cfg_check_pp_precision(c, &spec, L);
-        cfg_check_optim(c, L);
+        cfg_check_cross(c, L);
     } else {
         rc = -1;
         snprintf(err, errn, "%s", t.msg);
