@@ -191,9 +191,9 @@ void hw_load(const char *path, HwProfile *out) {
             }
             seen[i] = 1;
         }
-    if (!have_base) /* without a base every figure must be given */
+    if (!have_base) /* without a base every figure must be given but fp8's (0: none) */
         for (int i = 0; i < NHWKEYS + 2; i++)
-            if (!seen[i])
+            if (!seen[i] && (i >= NHWKEYS || hw_keys[i].off != offsetof(HwProfile, flops_fp8)))
                 kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': required (or start from a built-in with 'base: h100')",
                           path, i < NHWKEYS ? hw_keys[i].key : i == NHWKEYS ? "name" : "gpus_per_node");
     if (!out->name[0]) snprintf(out->name, sizeof out->name, "custom");

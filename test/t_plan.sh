@@ -228,6 +228,9 @@ printf 'base: h100\nmemory_gb: 40\n' > "$T/hw_bad.yaml"
 expect plan_hw_file_unknown_key 2 "hw_bad.yaml: unknown key 'memory_gb'" -- ./train plan $CFG --gpus 8 --hardware "$T/hw_bad.yaml"
 printf 'name: mine\nmemory_gib: 40\n' > "$T/hw_nobase.yaml"
 expect plan_hw_file_missing_key 2 "hw_nobase.yaml: key 'bf16_tflops': required" -- ./train plan $CFG --gpus 8 --hardware "$T/hw_nobase.yaml"
+# without a base every key is given but fp8's (docs/planner.md: 0, none)
+printf 'name: mine\nmemory_gib: 40\nbf16_tflops: 100\nfp32_tflops: 10\ngemm_efficiency: 0.8\nhbm_gbps: 1000\nintra_gbps: 100\ninter_gbps: 10\nintra_latency_us: 3\ninter_latency_us: 8\ngpus_per_node: 8\n' > "$T/hw_nofp8.yaml"
+expect plan_hw_file_no_fp8 0 '40.00 GiB each \(mine' -- ./train plan $CFG --gpus 8 --hardware "$T/hw_nofp8.yaml"
 printf 'base: h100\nhbm_gbps: -3\n' > "$T/hw_range.yaml"
 expect plan_hw_file_range 2 "hw_range.yaml: key 'hbm_gbps': expected a number in" -- ./train plan $CFG --gpus 8 --hardware "$T/hw_range.yaml"
 # cpu: measured once, then read from the cache (KILN_CACHE)
