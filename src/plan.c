@@ -54,7 +54,7 @@ static const char *plan_usage =
 size_t plan_num_params(const ArchSpec *s) { return arch_num_params(s); }
 
 /* Parameters of one layer (every layer has the same table rows). */
-static double plan_layer_params(const ArchSpec *s) {
+double plan_layer_params(const ArchSpec *s) {
     int n;
     ArchTensor *t = arch_tensors(s, 0, &n);
     double sum = 0;
@@ -67,7 +67,7 @@ static double plan_layer_params(const ArchSpec *s) {
 size_t plan_param_bytes(const char *master) { return strcmp(master, "bf16") == 0 ? 2 : 4; }
 
 /* Routed-expert parameters of the whole model (tp does not split them). */
-static double plan_expert_params(const ArchSpec *s) {
+double plan_expert_params(const ArchSpec *s) {
     if (s->mlp != MLP_MOE) return 0;
     return (double)s->n_layer * s->moe.n_experts * 3.0 * s->moe.expert_hidden * s->n_embd;
 }
@@ -330,14 +330,13 @@ int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro,
            "(%s = %.1f%% of the compute)\n", p, c->pp_schedule, v > 1 ? " with virtual chunks" : "", micro,
            100.0 * theory, k == PIPE_INTERLEAVED ? "(p-1)/(v m)" : k == PIPE_ZB_H1 ? "(p-1)/(3m)" : "(p-1)/m",
            100.0 * formula);
-    PipeSchedule sc;
-    pipe_build(&sc, k, p, v, micro);
+    const int *sl = plan_pipe_info(k, p, v, micro, NULL, err, errn); /* built and checked above */
     for (int r = 0; r < p; r++) {
         int held = 0;
         char layers[256];
         size_t o = 0;
         for (int ch = 0; ch < v && ch < MODEL_MAX_CHUNKS; ch++) {
-            held += sc.slots[r * v + ch];
+            held += sl[r * v + ch];
             if (o < sizeof layers)
                 o += (size_t)snprintf(layers + o, sizeof layers - o, "%s%d..%d", ch ? ", " : "", cut[ch * p + r],
                                       cut[ch * p + r + 1] - 1);
@@ -348,13 +347,15 @@ int plan_print_pp(const ArchSpec *s, const Config *c, int tp, int dp, int micro,
     }
     free(st);
     if (show_timeline) {
+        PipeSchedule sc;
+        pipe_build(&sc, k, p, v, micro);
         char *t = pipe_timeline(&sc);
         printf("  schedule               one rank a row, one time unit a cell (a forward; %s)\n", k == PIPE_ZB_H1 ?
                "B the input part of a backward, W its weight part" : "a backward takes two");
         for (char *line = strtok(t, "\n"); line; line = strtok(NULL, "\n")) printf("    %s\n", line);
         free(t);
+        pipe_schedule_free(&sc);
     }
-    pipe_schedule_free(&sc);
     return 0;
 }
 

@@ -49,6 +49,10 @@ typedef struct PlanMemory {
 /* Parameters of a GPT-2 shape, counted from the shape (no table, no arena):
  * wte (Vp,C) + wpe (T,C) + L x (12 C^2 + 13 C) + ln_f 2C. */
 size_t plan_num_params(const ArchSpec *s);
+/* Parameters of one layer (every layer has the same table rows), and the
+ * routed experts' of the whole model (0 for a dense one). */
+double plan_layer_params(const ArchSpec *s);
+double plan_expert_params(const ArchSpec *s);
 
 /* The per-rank memory of data parallelism over dp ranks at ZeRO stage `zero`
  * with micro-batches of micro_batch x seq_len tokens: the accounting of
@@ -143,6 +147,8 @@ struct HwProfile;
 typedef struct PlanRun {
     PlanLayout lay;
     int pp, pp_virtual, pp_schedule; /* pp_schedule a PipeKind */
+    const int *pp_layers;            /* parallel.pp_layers (n_pp_layers 0: stages cut by cost) */
+    int n_pp_layers;
     int micro;                       /* micro-batches per dp rank and step (grad_accum / dp) */
     int gpus, nodes;
     const char *optim;               /* optim.name */

@@ -23,18 +23,20 @@ static int plan_divides(int64_t n, int64_t d) { return d > 0 && n % d == 0; }
 static int plan_set_flags(const Config *base, const Config *c, char *buf, size_t n) {
     int changes = 0;
     size_t o = 0;
-    buf[0] = '\0';
+    /* parallel.dp always (else the rank count decides it), a change only
+     * where the config fixed another */
+    o += (size_t)snprintf(buf, n, "--set parallel.dp=%d", c->dp);
+    changes += base->dp != 0 && c->dp != base->dp;
 #define PLAN_SET_INT(key, field)                                                                                      \
-    if (c->field != base->field || !strcmp(key, "parallel.dp")) {                                                     \
-        if (c->field != base->field) changes++;                                                                       \
-        o += (size_t)snprintf(buf + o, o < n ? n - o : 0, "%s--set %s=%d", o ? " " : "", key, c->field);              \
+    if (c->field != base->field) {                                                                                    \
+        changes++;                                                                                                    \
+        o += (size_t)snprintf(buf + o, o < n ? n - o : 0, " --set %s=%d", key, c->field);                            \
     }
 #define PLAN_SET_STR(key, field)                                                                                      \
     if (strcmp(c->field, base->field)) {                                                                              \
         changes++;                                                                                                    \
-        o += (size_t)snprintf(buf + o, o < n ? n - o : 0, "%s--set %s=%s", o ? " " : "", key, c->field);              \
+        o += (size_t)snprintf(buf + o, o < n ? n - o : 0, " --set %s=%s", key, c->field);                            \
     }
-    PLAN_SET_INT("parallel.dp", dp);
     PLAN_SET_INT("parallel.tp", tp);
     PLAN_SET_INT("parallel.pp", pp);
     PLAN_SET_INT("parallel.cp", cp);
@@ -52,9 +54,6 @@ static int plan_set_flags(const Config *base, const Config *c, char *buf, size_t
     }
 #undef PLAN_SET_INT
 #undef PLAN_SET_STR
-    /* parallel.dp printed always (the run's rank count decides it otherwise),
-     * counted as a change only when the config fixed another */
-    if (base->dp == 0 && changes > 0 && c->dp != base->dp) changes--;
     return changes;
 }
 
@@ -80,7 +79,8 @@ int plan_evaluate(const Config *base, Config *c, const ArchSpec *s, const HwProf
     }
     PlanRun run = {.lay = plan_layout(c, dp), .pp = c->pp, .pp_virtual = c->pp_virtual,
                    .pp_schedule = pipe_kind_parse(c->pp_schedule), .micro = c->grad_accum / dp, .gpus = gpus,
-                   .nodes = nodes, .optim = c->optim_name, .ns_steps = c->ns_steps};
+                   .nodes = nodes, .optim = c->optim_name, .ns_steps = c->ns_steps, .pp_layers = c->pp_layers,
+                   .n_pp_layers = c->n_pp_layers};
     if (hw->threads > 0) run.lay.act_bytes = 4; /* the CPU backend: fp32 */
     PlanMemory mem;
     if (c->pp > 1) {

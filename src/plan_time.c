@@ -119,7 +119,7 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
     int layers_max = g->n_layer;
     double bubble = 0;
     if (pp > 1) {
-        if (pipe_plan_stages(g, pp, v, NULL, 0, cut, err, sizeof err) == 0) {
+        if (pipe_plan_stages(g, pp, v, run->pp_layers, run->n_pp_layers, cut, err, sizeof err) == 0) {
             layers_max = 0;
             for (int r = 0; r < pp; r++) {
                 int n = 0;
@@ -212,21 +212,7 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
     o.dp_intra = plan_intra(tp, k, G);
     if (k > 1) {
         double bw = o.dp_intra ? hw->intra_bw : hw->inter_bw, lat = o.dp_intra ? hw->intra_lat : hw->inter_lat;
-        ArchSpec st = l;
-        double P = 0, X = 0, layer_p;
-        {
-            int n;
-            ArchTensor *t = arch_tensors(&st, 0, &n);
-            double lay = 0;
-            for (int i = 0; i < n; i++) {
-                double e = (double)t[i].numel;
-                if (t[i].expert >= 0) X += e;
-                else P += e;
-                if (t[i].layer == 0) lay += e;
-            }
-            free(t);
-            layer_p = lay;
-        }
+        double X = plan_expert_params(&l), P = (double)arch_num_params(&l) - X, layer_p = plan_layer_params(&l);
         if (pp > 1) P = P * layers_max / g->n_layer, X = X * layers_max / g->n_layer;
         X /= ep;
         double grads = P * 4, xg = X * 4; /* fp32 gradients */
@@ -258,15 +244,15 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
      * rate, spread over the dp ranks that own the matrices */
     {
         double elems = L->zero >= 1 && k > 1 ? 1.0 / k : 1;
-        int n;
-        ArchTensor *t = arch_tensors(&l, 0, &n);
-        double all = 0, ns = 0;
-        for (int i = 0; i < n; i++) {
-            all += (double)t[i].numel;
-            if (run->optim && !strcmp(run->optim, "muon") && t[i].layer >= 0 && t[i].ndim == 2)
-                ns += muon_ns_flops(t[i].shape[0], t[i].shape[1], run->ns_steps > 0 ? run->ns_steps : 5);
+        double all = (double)arch_num_params(&l), ns = 0;
+        if (run->optim && !strcmp(run->optim, "muon")) {
+            int n;
+            ArchTensor *t = arch_tensors(&l, 0, &n);
+            for (int i = 0; i < n; i++)
+                if (t[i].layer >= 0 && t[i].ndim == 2)
+                    ns += muon_ns_flops(t[i].shape[0], t[i].shape[1], run->ns_steps > 0 ? run->ns_steps : 5);
+            free(t);
         }
-        free(t);
         if (pp > 1) all = all * layers_max / g->n_layer, ns = ns * layers_max / g->n_layer;
         double mb = (double)L->moment_bytes, per;
         if (run->optim && !strcmp(run->optim, "lion")) per = 4 + 4 + 4 + 2 * mb;
