@@ -192,7 +192,7 @@ static void test_zero3_rebinding(ModelRecompute r) {
     }
     g.prest = xcalloc(z.unit_len[L], sizeof(float));
     /* as ddp_shard_params: the whole arena goes, every unit is re-bound */
-    free(z.param_mem);
+    z.be->free(z.param_mem); /* the backend's buffer: its own free (the CPU backend counts it) */
     z.param_mem = NULL;
     for (int l = 0; l < L; l++) model_bind_unit(&z, l, g.pbuf[l % 2], gbuf[l % 2]);
     model_bind_unit(&z, L, g.prest, grest);
@@ -264,7 +264,7 @@ static void test_zero3_stage(int lo, int hi) {
     for (int k = 0; k < 2; k++) g.pbuf[k] = xcalloc(layer_len, sizeof(float));
     g.prest = xcalloc(z.unit_len[L] + 1, sizeof(float));
     float *gz = bind_whole_grads(&z);
-    free(z.param_mem);
+    z.be->free(z.param_mem); /* the backend's buffer: its own free (the CPU backend counts it) */
     z.param_mem = NULL;
     for (int l = 0; l < L; l++) model_bind_unit(&z, l, g.pbuf[l % 2], NULL);
     model_bind_unit(&z, L, g.prest, NULL);
