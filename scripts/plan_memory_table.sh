@@ -93,7 +93,7 @@ LAYOUTS=(
 predicted() {
     awk 'function mib(v, u) { return u == "B" ? v / 1048576 : u == "KiB" ? v / 1024 : u == "GiB" ? v * 1024 : v }
          /^  (parameters|gradients|optimizer state|  \+ )/ { s += mib($(NF-1), $NF) }
-         /^  activations, / { s += mib($(NF-1), $NF) }
+         /^  activations  / { s += mib($(NF-1), $NF) }
          /^    (operands and codes|amaxes, scales|amax histories) / { s += mib($(NF-1), $NF) }
          /^  (total per rank|overhead) / { t[$1] = mib($(NF-1), $NF) }
          END { printf "%.4f %.4f\n", s, t["total"] - t["overhead"] }' "$1"

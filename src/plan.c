@@ -447,18 +447,18 @@ void plan_print_activations(const PlanMemory *m) {
     int k = m->act_bytes == 2; /* act_by_mode's column of the counted dtype */
     const char *dt = k ? "bf16" : "fp32", *other = k ? "fp32" : "bf16";
     char what[64];
-    snprintf(what, sizeof what, "activations, %s", dt);
-    plan_print_bytes(what, m->activations);
+    plan_print_bytes("activations", m->activations); /* in dt: the one the total counts */
     if (m->cp_buffers > 0) plan_print_bytes("  of which cp K/V", m->cp_buffers);
-    snprintf(what, sizeof what, "  (in %s)", other);
+    snprintf(what, sizeof what, "activations, %s", other);
     plan_print_bytes(what, m->activations_other);
     const double(*by)[2] = m->act_by_mode;
     if (m->recompute == MODEL_RECOMPUTE_NONE)
         printf("  recompute              none (model.recompute: gelu would take %.2f GiB less in %s, norm_gelu "
                "%.2f GiB)\n", (by[0][k] - by[1][k]) / GIB, dt, (by[0][k] - by[2][k]) / GIB);
     else
-        printf("  recompute              %s (model.recompute): %.2f GiB less than none in %s\n",
-               model_recompute_name(m->recompute), (by[0][k] - m->activations) / GIB, dt);
+        printf("  recompute              %s (model.recompute): %.2f GiB less than none in %s, %.2f GiB in %s\n",
+               model_recompute_name(m->recompute), (by[0][k] - m->activations) / GIB, dt,
+               (by[0][!k] - m->activations_other) / GIB, other);
     const ModelFp8Bytes *f = &m->fp8;
     if (f->operands + f->scales + f->histories > 0) {
         plan_print_bytes("fp8 buffers", (double)(f->operands + f->scales + f->histories));

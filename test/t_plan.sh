@@ -151,7 +151,9 @@ want=$(fp8_want 2048 2 128 32768 256 0 0 128 256) got=$(fp8_got "$T/fp8ep.txt")
 # Llama 3 8B on 64 H100s (the issue's case): bf16 activations are 36.99 GiB, not
 # 73.95 (fp32), and ZeRO 3 at dp 64 fits as configured
 L8=configs/llama3-8b.yaml
-expect plan_8b_bf16_activations 0 'activations, bf16 +36.99 GiB' -- ./train plan $L8 --gpus 64 --nodes 8
+expect plan_8b_bf16_activations 0 'activations +36.99 GiB' -- ./train plan $L8 --gpus 64 --nodes 8
+grep -qE '^  activations, fp32 +73.95 GiB' "$T/out.txt" && grep -q 'activations in bf16' "$T/out.txt" && ok plan_8b_counted_in_bf16 \
+    || fail plan_8b_counted_in_bf16 "$(grep -E 'activations' "$T/out.txt" | tr '\n' ' ')"
 expect plan_8b_fits_as_configured 0 'verdict: fits: 55.40 GiB of 79.60 GiB' -- ./train plan $L8 --gpus 64 --nodes 8
 expect plan_8b_time_line 0 'time per step +[0-9.]+ s on h100: compute' -- ./train plan $L8 --gpus 64 --nodes 8
 expect plan_8b_search 0 '^#1 ' -- ./train plan $L8 --gpus 64 --nodes 8 --search
