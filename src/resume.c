@@ -218,8 +218,9 @@ int resume_load(const char *mode, const char *root, const CkptTable *t, const ch
     int rank = sync ? sync->rank : 0;
     if (strcmp(mode, "auto") != 0) {
         if (!ckpt_is_checkpoint(mode)) {
-            kiln_hint("--resume takes `auto` or a checkpoint directory such as runs/NAME/checkpoints/step_00001000");
-            kiln_fail(KILN_EXIT_USAGE, "--resume %s: not a checkpoint directory (no manifest)", mode);
+            kiln_fail_hint(KILN_EXIT_USAGE,
+                           "--resume takes `auto` or a checkpoint directory such as runs/NAME/checkpoints/step_00001000",
+                           "--resume %s: not a checkpoint directory (no manifest)", mode);
         }
         int failed = try_one(mode, t, new_yaml, force, info, flags, err, sizeof err, rank, check) != 0;
         if (agree(sync, failed))
