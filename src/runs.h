@@ -14,6 +14,7 @@ enum { RUN_STEP, RUN_TOKENS, RUN_LOSS, RUN_VAL, RUN_LR, RUN_GN, RUN_TPS, RUN_MFU
  * entry; field RUN_NF + k of every run loaded so far is runs_extra_name(k)
  * (NAN where a run lacks it). */
 #define RUNS_MAX_EXTRA 48
+#define RUNS_MAX_WORLD (1 << 22) /* ranks.jsonl's arrays (doctor reads ranks up to the same) */
 #define RUN_NFX (RUN_NF + RUNS_MAX_EXTRA)
 int runs_n_extra(void);
 const char *runs_extra_name(int k);

@@ -79,6 +79,68 @@ mkdir -p $T/past && cp $T/run/config.yaml $T/past/ && sed 's/2147483647/1e17/' $
 expect report_step_past_int 2 "past/metrics.jsonl:1: key 'step': expected a whole number from 0 to 2147483647, got 1e\+17" -- \
     to ./train report $T/past -o $T/past.html
 
+# ---- one metrics.jsonl line of 100 MB (a string, the digits of a number,
+# blanks where a value belongs, 9 million val/ keys, or still being written:
+# no newline), and a flight dump with a 100 MB record or header line: status,
+# report, compare and doctor end as for any run, or exit 2 naming the file;
+# peak memory (rusage of the child) stays within 3x the file over what the
+# same command takes on the plain run. 100,000 ordinary lines under the 60 s
+# timeout: each line's search for a key it lacks once ran on through the
+# rest of the file (20,000 lines: 7 s in status; 100,000: minutes).
+rss() { /usr/bin/python3 -c 'import resource, subprocess, sys
+rc = subprocess.run(sys.argv[2:], stdout=subprocess.DEVNULL, stderr=open(sys.argv[1], "w")).returncode
+print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)' "$@"; }
+mkdir -p $T/huge/flight
+cp $T/run/config.yaml $T/huge/
+M=$((100 * 1024 * 1024))
+read -r _ base < <(rss $T/base.err ./train status $T/run)
+plain=$(head -2 $T/run/metrics.jsonl)
+for kind in string digits blanks keys torn; do
+    { echo "$plain"; case $kind in
+        string) printf '{"step":3,"loss":2.4,"note":"'; head -c $M /dev/zero | tr '\0' x; echo '"}' ;;
+        digits) printf '{"step":3,"loss":2.'; head -c $M /dev/zero | tr '\0' 7; echo '}' ;;
+        blanks) printf '{"step":3,"loss":'; head -c $M /dev/zero | tr '\0' ' '; echo '}' ;;
+        keys) /usr/bin/python3 -c 'import sys; sys.stdout.write("{\"step\":3," + ",".join("\"val/k%d\":1" % i for i in range(9000000)) + "}\n")' ;;
+        torn) printf '{"step":3,"loss":2.4,"note":"'; head -c $M /dev/zero | tr '\0' x ;;
+    esac; } > $T/huge/metrics.jsonl
+    size=$(stat -c %s $T/huge/metrics.jsonl)
+    for c in status report compare; do
+        case $c in
+            status) args=(status $T/huge) ;; report) args=(report $T/huge -o $T/huge.html) ;; compare) args=(compare $T/huge $T/run) ;;
+        esac
+        read -r rc peak < <(rss $T/huge.err timeout 60 ./train "${args[@]}")
+        lines=$(grep -c . $T/huge.err)
+        if { [ "$rc" = 0 ] || { [ "$rc" = 2 ] && [ "$lines" = 1 ] && grep -q 'huge/metrics.jsonl' $T/huge.err; }; } &&
+            [ $((peak - base)) -lt $((3 * size / 1024)) ]; then ok ${c}_metrics_line_100mb_$kind
+        else fail ${c}_metrics_line_100mb_$kind "exit $rc, peak $peak KB (plain run $base KB): $(tail -c 300 $T/huge.err)"; fi
+    done
+done
+hdr='{"format":"kiln-flight","version":1,"rank":0,"world":1,"host":"vm","pid":1,"reason":"timeout","detail":-1,"time":1796614903.2,"step":4,"phase":"backward","capacity":256,"recorded":1,"waiting":288,"ops":['
+rec='{"id":288,"group":"dp","group_first":0,"group_size":1,"op":"all_reduce","seq":6,"coll":1,"dtype":"f32","count":4096,"peer":-1,"step":4,"phase":"backward","posted":1796614899.5,"started":1796614899.6,"completed":null,"state":"started"}'
+for kind in record header; do
+    { case $kind in
+        record) echo "$hdr"; printf '{"id":288,"group":"dp","op":"all_reduce","posted":1.5,"note":"'
+                head -c $M /dev/zero | tr '\0' x; echo '"}' ;;
+        header) printf '{"format":"kiln-flight","version":1,"rank":0,"host":"'; head -c $M /dev/zero | tr '\0' x
+                echo '","ops":['; echo "$rec" ;;
+    esac; echo ']}'; } > $T/huge/flight/rank0.json
+    read -r rc peak < <(rss $T/huge.err timeout 60 ./train doctor $T/huge)
+    if { [ "$rc" = 0 ] || [ "$rc" = 3 ] || { [ "$rc" = 2 ] && [ "$(grep -c . $T/huge.err)" = 1 ]; }; } &&
+        [ $((peak - base)) -lt $((3 * M / 1024)) ]; then ok doctor_flight_line_100mb_$kind
+    else fail doctor_flight_line_100mb_$kind "exit $rc, peak $peak KB (plain run $base KB): $(tail -c 300 $T/huge.err)"; fi
+done
+rm -rf $T/huge
+mkdir -p $T/long && cp $T/run/config.yaml $T/long/
+/usr/bin/python3 -c 'import sys
+for i in range(100000): sys.stdout.write("{\"step\":%d,\"tokens\":%d,\"loss\":2.5,\"lr\":0.001,\"grad_norm\":1,\"tok_per_s\":1000,\"step_time_s\":0.1}\n" % (i, 256 * i))' > $T/long/metrics.jsonl
+expect status_metrics_100k_lines 0 "last step +99999" -- to ./train status $T/long
+expect report_metrics_100k_lines 0 "report: .*long.html" -- to ./train report $T/long -o $T/long.html
+# ranks.jsonl: a last line of 20 million ranks once asked for 40 GB (exit 1, out of memory)
+/usr/bin/python3 -c 'import sys; sys.stdout.write("{\"step\":1,\"busy_s\":[" + ",".join(["0.1"] * 20000000) + "],\"step_s\":[0.1]}\n")' > $T/long/ranks.jsonl
+expect status_ranks_line_20m_ranks 2 "long/ranks.jsonl: key 'busy_s': more than 4194304 ranks on the last line" -- \
+    to ./train status $T/long
+rm -rf $T/long
+
 # ---- --dry-run at batch.total_tokens = 2^62, the largest the config takes
 expect dry_run_tokens_past_int64 0 "tokens in total +4.61e\+21 \(over 2\^63\)" -- \
     to ./train $Y --dry-run --set batch.total_tokens=4611686018427387904 --set batch.micro_batch=65536 \
