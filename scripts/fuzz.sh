@@ -31,10 +31,12 @@ for t in "$@"; do
     mkdir -p $F/corpus/$t
     extra=()
     [ $t = tiktoken ] && extra=($F/seeds-big)
+    dict=()
+    [ -f test/fuzz/$t.dict ] && dict=(-dict=test/fuzz/$t.dict)
     before=$(ls $F/crashes | grep -c "^$t-")
     # -timeout: one input's limit (a hang is a finding); -rss_limit_mb: the
     # parent's memory (children are limited by libFuzzer's malloc limit)
-    $bin -max_total_time=$secs -timeout=30 -rss_limit_mb=2048 -use_value_profile=1 -print_final_stats=1 \
+    $bin -max_total_time=$secs -timeout=30 -rss_limit_mb=2048 -use_value_profile=1 -print_final_stats=1 "${dict[@]}" \
         -artifact_prefix=$F/crashes/$t- $F/corpus/$t test/fuzz/corpus/$t "${extra[@]}" >$F/logs/$t.log 2>&1
     rc=$?
     after=$(ls $F/crashes | grep -c "^$t-")

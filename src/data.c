@@ -27,7 +27,7 @@
 
 typedef struct DataSrc {
     char *name, *path;
-    double weight;
+    double weight;       /* the configured weight (over the largest where their sum overflows) */
     uint64_t units;      /* weight as an integer share of DATA_WEIGHT_UNITS: the blend is exact */
     uint64_t hash;       /* FNV-1a of the name: its identity in a checkpoint */
     ShardSet *set;
@@ -214,11 +214,17 @@ DataLoader *data_open(const DataOptions *o) {
     dl->S = o->n_sources;
     dl->cache = shard_cache_new(o->max_open > 0 ? o->max_open : DATA_DEFAULT_OPEN);
     dl->src = xcalloc((size_t)dl->S, sizeof(DataSrc));
-    double wsum = 0;
+    double wmax = 0, wsum = 0, scale = 1;
     for (int s = 0; s < dl->S; s++) {
-        if (!(o->sources[s].weight > 0))
-            kiln_fail(KILN_EXIT_USAGE, "%s: source %d: weight %g must be > 0", o->what, s, o->sources[s].weight);
-        wsum += o->sources[s].weight;
+        double w = o->sources[s].weight;
+        if (!(w > 0) || !isfinite(w))
+            kiln_fail(KILN_EXIT_USAGE, "%s: source %d: weight %g must be finite and > 0", o->what, s, w);
+        if (w > wmax) wmax = w;
+        wsum += w;
+    }
+    if (!isfinite(wsum)) { /* weights near DBL_MAX: relative to the largest, or every share would be 0 */
+        scale = wmax, wsum = 0;
+        for (int s = 0; s < dl->S; s++) wsum += o->sources[s].weight / scale;
     }
     for (int s = 0; s < dl->S; s++) {
         const DataSource *ds = &o->sources[s];
@@ -227,8 +233,8 @@ DataLoader *data_open(const DataOptions *o) {
         snprintf(name, sizeof name, "source%d", s);
         src->name = xstrdup(ds->name ? ds->name : name);
         src->path = xstrdup(ds->path);
-        src->weight = ds->weight;
-        long long u = llround(ds->weight / wsum * (double)DATA_WEIGHT_UNITS);
+        src->weight = ds->weight / scale;
+        long long u = llround(src->weight / wsum * (double)DATA_WEIGHT_UNITS);
         src->units = u > 0 ? (uint64_t)u : 1;
         dl->units += src->units;
         src->hash = kiln_fnv1a(src->name, strlen(src->name), KILN_FNV_INIT);

@@ -230,3 +230,12 @@ expect data_bad_weight_file_line 2 "badw.yaml:4: key 'data.train\[1\].weight'" -
 expect data_missing_source_glob 2 "data.train source 'math': no files match" -- ./train $Y --set "data.train=[{path: '$T/web/train_*.bin'}, {path: '$T/nothing/*.bin', name: math}]"
 expect data_help_force 0 "data.train \(sources, weights or" -- ./train --help
 expect data_help_prepare_flags 0 "--format text\|jsonl" -- ./train --help
+
+# Weights near DBL_MAX (token counts, say) whose sum overflows keep their
+# shares: they were all 0% (weight / inf), each source one unit of the blend
+# whatever its weight; a share below a unit is still one unit, never none.
+./train $Y --set train.steps=2 --set run.dir=$T/huge --set "data.train=[{path: '$T/web/train_*.bin', weight: 1.5e308, name: web},
+    {path: '$T/code/train_*.bin', weight: 0.5e308, name: code}, {path: '$T/math/train_*.bin', weight: 1e-300, name: math}]" >$T/huge.txt 2>&1
+rc=$?
+if [ $rc -eq 0 ] && grep -q "web: 75.0%.*code: 25.0%.*math: 0.0%" $T/huge.txt; then ok data_mix_weights_summing_past_dbl_max
+else fail data_mix_weights_summing_past_dbl_max "rc $rc: $(grep -E 'error|mixture' $T/huge.txt | head -2)"; fi

@@ -10,6 +10,12 @@ T=${KILN_TEST_TMP:-$(mktemp -d)}/t_fuzz
 rm -rf "$T" && mkdir -p "$T"
 . test/lib.sh
 targets="config shard manifest tiktoken pretok llmc safetensors hfdir runs ckptlayout"
+# fuzz_config's dictionary names every key of the table (a key added later
+# must be added: bash scripts/fuzz_config_dict.sh > test/fuzz/config.dict)
+absent=$(./train config-doc | grep '^| `' | awk -F'`' '{print $2}' | while read -r k; do
+    grep -qxF "\"$k=\"" test/fuzz/config.dict || printf ' %s' "$k"; done)
+if [ -z "$absent" ]; then ok fuzz_config_dict_names_every_key
+else fail fuzz_config_dict_names_every_key "test/fuzz/config.dict lacks$absent (bash scripts/fuzz_config_dict.sh > test/fuzz/config.dict)"; fi
 missing=""
 for t in $targets; do [ -x build-fuzz/fuzz_$t ] || missing="$missing $t"; done
 if [ -n "$missing" ]; then
@@ -18,8 +24,10 @@ if [ -n "$missing" ]; then
 fi
 for t in $targets; do
     mkdir -p $T/$t
+    dict=()
+    [ -f test/fuzz/$t.dict ] && dict=(-dict=test/fuzz/$t.dict)
     # a few seconds: the seeds themselves first, then what mutation reaches
-    build-fuzz/fuzz_$t -max_total_time=4 -timeout=30 -rss_limit_mb=2048 -print_final_stats=1 \
+    build-fuzz/fuzz_$t -max_total_time=4 -timeout=30 -rss_limit_mb=2048 -print_final_stats=1 "${dict[@]}" \
         -artifact_prefix=$T/crash-$t- $T/$t test/fuzz/corpus/$t >$T/$t.log 2>&1
     rc=$?
     runs=$(sed -n 's/^stat::number_of_executed_units: *//p' $T/$t.log)
