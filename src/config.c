@@ -221,6 +221,11 @@ static const CfgKey cfg_keys[] = {
     KINT("parallel.ep", ep, "1", 1, INF, "expert-parallel ranks (MoE): each of ep consecutive ranks of dp x cp "
          "holds n_experts / ep whole experts, tokens travel to them by all-to-all; must divide "
          "`model.moe.n_experts` and dp x cp; ZeRO 0 or 1; with `pp` inside each stage"),
+    KENUM("parallel.layout", layout, "fixed", "fixed|auto",
+          "`fixed`: the degrees above as given; `auto`: scripts/train.sbatch picks dp, tp, pp, cp, ep, ZeRO, "
+          "micro-batch, recompute, sequence parallelism and the pipeline schedule with `./train plan --search` for "
+          "the allocation it got, at every start (a requeue onto fewer nodes resumes on the new layout); ./train "
+          "itself runs the degrees it is given (docs/planner.md \"Job scripts\")"),
     KFLT("parallel.timeout_s", timeout_s, "300", 0.1, 1e7, "seconds any collective may wait before the run stops naming the missing rank (env KILN_COMM_TIMEOUT_S overrides)"),
     KENUM("precision.compute", compute, "bf16", "bf16|fp32", "activation dtype on GPU: `bf16` stores activations, their gradients and the weights' compute copy in bf16 (half the memory; fp32 math and accumulation, matrix products on tensor cores), `fp32` is strict fp32; the CPU backend is always fp32"),
     KENUM("precision.attention", attention, "auto", "auto|cudnn|tensor_cores|simt",

@@ -104,6 +104,7 @@ typedef struct Config {
     int pp_layers[CFG_MAX_INTS], n_pp_layers; /* layers per virtual stage; 0 entries = balanced */
     char sequence_parallel[8]; /* auto | true | false: auto is on when tp > 1 */
     char cp_attention[12]; /* allgather | ring: how cp > 1 exchanges K and V */
+    char layout[8];        /* fixed | auto: who picks the degrees (scripts/train.sbatch with plan --auto-sets) */
     float timeout_s; /* parallel.timeout_s: deadline of every collective */
 
     /* precision */

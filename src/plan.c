@@ -22,7 +22,7 @@
 
 static const char *plan_usage =
     "usage: ./train plan CONFIG.yaml [--set key.path=value]... --gpus N [--nodes K] [--hardware NAME|FILE.yaml]\n"
-    "                    [--gpu-mem GB] [--search [--top K]] [--json] [--show-schedule]\n"
+    "                    [--gpu-mem GB] [--search [--top K]] [--json] [--show-schedule] [--auto-sets]\n"
     "\n"
     "--search: every layout of the N GPUs (dp x tp x pp x cp, ep folded into dp x cp; ZeRO 0-3; micro-batch;\n"
     "model.recompute; sequence parallelism; pipeline schedule and virtual stages; cp's attention exchange)\n"
@@ -31,6 +31,8 @@ static const char *plan_usage =
     "--hardware: h100 (default), h200, h800, a100-80, a100-40, b200, gb200-nvl72, cpu (this machine,\n"
     "measured once and cached), or a YAML profile (docs/planner.md). --nodes defaults to N / the profile's\n"
     "GPUs per node. --json: the same as one JSON object (docs/planner.md \"JSON\").\n"
+    "--auto-sets: for job scripts (scripts/train.sbatch): with parallel.layout auto, the best layout's\n"
+    "--set flags, one argument a line; with parallel.layout fixed, nothing (exit 0).\n"
     "Without --search: the config's own layout, its memory and time; when it does not fit, the change\n"
     "that makes it fit.\n"
     "\n"
@@ -528,7 +530,7 @@ int plan_main(int argc, char **argv) {
     const char **sets = xcalloc((size_t)argc, sizeof(char *));
     int nsets = 0, gpus = 0, nodes = 1;
     double gpu_gib = 80.0;
-    int gpu_mem_given = 0, show_schedule = 0, search = 0, json = 0, top = 5, nodes_given = 0;
+    int gpu_mem_given = 0, show_schedule = 0, search = 0, json = 0, top = 5, nodes_given = 0, auto_sets = 0;
     const char *hardware = "h100";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -538,6 +540,8 @@ int plan_main(int argc, char **argv) {
             search = 1;
         } else if (!strcmp(a, "--json")) {
             json = 1;
+        } else if (!strcmp(a, "--auto-sets")) {
+            auto_sets = search = 1;
         } else if ((v = plan_flag_value("--top", argc, argv, &i))) {
             top = (int)plan_parse_count("--top", v);
         } else if ((v = plan_flag_value("--hardware", argc, argv, &i))) {
@@ -593,7 +597,8 @@ int plan_main(int argc, char **argv) {
                       hw.gpus_per_node, hw.name);
     }
     hw.gpus_per_node = gpus / nodes;
-    if (search || json) return plan_search_main(&c, &s, &hw, config_path, gpus, nodes, search, json, top);
+    if (auto_sets && strcmp(c.layout, "auto")) return KILN_EXIT_OK; /* the config fixes its layout */
+    if (search || json) return plan_search_main(&c, &s, &hw, config_path, gpus, nodes, search, json, top, auto_sets);
     double cap = gpu_gib * GIB;
 
     /* Validity. dp: the config's, or auto = every GPU; a mismatch is reported

@@ -214,9 +214,11 @@ void plan_print_cand(const PlanCand *k, int rank, const char *config, int nodes,
 void plan_json(FILE *f, int fits, int gpus, int nodes, const struct HwProfile *hw, const PlanCand *k, int n,
                const char *error);
 
-/* ./train plan --search and/or --json (plan_main's flags). Returns the exit code. */
+/* ./train plan --search and/or --json (plan_main's flags); sets_only
+ * (--auto-sets): the best layout's --set flags alone, one argument a line.
+ * Returns the exit code. */
 int plan_search_main(const struct Config *c, const ArchSpec *s, const struct HwProfile *hw, const char *config,
-                     int gpus, int nodes, int search, int json, int top);
+                     int gpus, int nodes, int search, int json, int top, int sets_only);
 /* The fitting layout with the fewest keys changed from c's (then the
  * fastest): 0 and *out, or -1 if none fits. */
 int plan_cheapest_change(const struct Config *c, const ArchSpec *s, const struct HwProfile *hw, int gpus, int nodes,

@@ -349,7 +349,7 @@ static int plan_distinct(PlanCand *k, int n) {
 }
 
 int plan_search_main(const Config *c, const ArchSpec *s, const HwProfile *hw, const char *config, int gpus,
-                     int nodes, int search, int json, int top) {
+                     int nodes, int search, int json, int top, int sets_only) {
     char err[1024];
     if (!search) { /* --json of the config's own layout */
         Config *cc = xmalloc(sizeof *cc);
@@ -366,7 +366,10 @@ int plan_search_main(const Config *c, const ArchSpec *s, const HwProfile *hw, co
     int fitting = n;
     n = plan_distinct(all, n);
     int shown = n < top ? n : top;
-    if (json) {
+    if (sets_only) {
+        if (n) /* "--set" and "key=value" alternately: the values hold no blanks */
+            for (char *save = NULL, *w = strtok_r(all[0].set, " ", &save); w; w = strtok_r(NULL, " ", &save)) puts(w);
+    } else if (json) {
         plan_json(stdout, n > 0, gpus, nodes, hw, all, shown, n ? NULL : "no layout fits");
     } else {
         printf("search for %s on %d GPUs (%d node%s x %d %s, %.2f GiB, %.4g TFLOP/s %s each): %d layouts, %d "

@@ -162,3 +162,48 @@ if [ "$state" = COMPLETED ] && grep -q 'exit 75.*requeueing' "$T/sig.out" && gre
     ok slurm_train_signal_requeue_resume
 else fail slurm_train_signal_requeue_resume "state '$state': $(grep -E 'kiln:|stopped|resumed|done|error' "$T/sig.out" | head -8)"; fi
 scancel "$J" >/dev/null 2>&1
+
+# parallel.layout auto: train.sbatch plans the allocation it got at every
+# start (./train plan --auto-sets, the cpu profile measured once into
+# KILN_CACHE). Submitted on 2 nodes it runs the layout chosen for 2 ranks on 2
+# nodes; signalled at step 20 it saves and requeues itself, and while it waits
+# in the queue it is shrunk to 1 node (as an operator would when a node is
+# lost: scontrol update NumNodes=1-1); the rerun, one task per node, plans 1 rank and resumes
+# the 2-rank checkpoint resharded onto it. Every loss of the 40 steps within the resharding
+# tolerance of a run that never moved (close_losses, relative 1e-5). The waits
+# follow the job as above.
+t0=$(date +%s.%N)
+A="$L --set parallel.layout=auto"
+./train $Y $A --set run.dir=$T/autoref >/dev/null 2>&1
+J=$(KILN_CACHE=$T/kcache KILN_PLAN_HARDWARE=cpu KILN_TEST_PAUSE_AT_STEP=20 "${SB[@]}" --parsable --nodes=2 \
+    --ntasks-per-node=1 -o "$T/auto.out" scripts/train.sbatch $Y $A --set run.dir=$T/auto 2>"$T/auto.err")
+state=""
+for i in $(seq 3000); do
+    [ "$(cat $T/auto/metrics.jsonl 2>/dev/null | wc -l)" -ge 20 ] && break
+    state=$(job_state)
+    [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
+    sleep 0.2
+done
+scancel --signal=USR1 "$J"
+# requeued: pending (Slurm holds it 30 s, see above) with restart count 1
+for i in $(seq 3000); do
+    state=$(job_state)
+    [ "$state" = PENDING ] && scontrol show job "$J" | grep -q 'Restarts=1' && break
+    [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
+    sleep 0.2
+done
+scontrol update JobId="$J" NumNodes=1-1 NumTasks=1 2>"$T/shrink.err"
+for i in $(seq 3000); do
+    state=$(job_state)
+    [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
+    sleep 0.2
+done
+echo "sbatch layout auto, requeued onto 1 node: $(echo "$(date +%s.%N) - $t0" | bc) s ($state)" >&2
+why=$(close_losses $T/autoref/metrics.jsonl $T/auto/metrics.jsonl 2>&1)
+if [ "$state" = COMPLETED ] && grep -q 'layout auto: 2 task(s) on 2 node(s)' "$T/auto.out" \
+    && grep -q 'layout auto: 1 task(s) on 1 node(s)' "$T/auto.out" && grep -q 'exit 75.*requeueing' "$T/auto.out" \
+    && grep -q 'resumed from .*step_00000020' "$T/auto.out" && grep -q 'done: 40 steps' "$T/auto.out" \
+    && [ -z "$why" ]; then
+    ok slurm_train_layout_auto_requeue_fewer_nodes
+else fail slurm_train_layout_auto_requeue_fewer_nodes "state '$state': $why $(cat "$T/shrink.err") $(grep -E 'kiln:|resumed|done|error' "$T/auto.out" | head -8)"; fi
+scancel "$J" >/dev/null 2>&1
