@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 T=${KILN_TEST_TMP:-$(mktemp -d)}/t_fuzz
 rm -rf "$T" && mkdir -p "$T"
 . test/lib.sh
-targets="config shard manifest tiktoken pretok llmc safetensors hfdir runs ckptlayout"
+targets="config shard manifest tiktoken pretok llmc safetensors hfdir runs ckptlayout mlflow"
 missing=""
 for t in $targets; do [ -x build-fuzz/fuzz_$t ] || missing="$missing $t"; done
 if [ -n "$missing" ]; then
