@@ -280,7 +280,7 @@ sanitize: deps
 # where clang's libFuzzer is missing. docs/testing.md, "Fuzzing".
 FUZZ_DIR     := build-fuzz
 FUZZ_CC      ?= clang
-FUZZ_TARGETS := config shard manifest tiktoken pretok llmc safetensors hfdir runs ckptlayout
+FUZZ_TARGETS := config shard manifest tiktoken pretok llmc safetensors hfdir runs ckptlayout mlflow
 FUZZ_SECONDS ?= 60
 # -Wno-pass-failed: at -O1 clang cannot honour the CPU backend's `omp simd` loops and says so per loop
 FUZZ_FLAGS   := -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g \

@@ -6,7 +6,10 @@
  *   .../<run id>/tags/<key>, artifacts/...
  * Whole files are replaced through a temporary file beside them and a rename,
  * never inside params/, metrics/ or tags/, where MLflow would read it as a key;
- * metric files are appended to and flushed once per logged step. */
+ * metric files are appended to and flushed once per logged step. Nothing is
+ * written outside the store and RUN_DIR/mlflow.json: ids read back are plain
+ * names, and a link where the run's directories or metric files belong is
+ * refused rather than followed. */
 #include "mlflow.h"
 
 #include <dirent.h>
@@ -19,6 +22,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/time.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include "config.h"
@@ -81,6 +85,25 @@ static void write_or_fail(const Mlflow *m, const char *path, const char *tmp_dir
 static void mkdir_or_fail(const char *path) {
     if (kiln_mkdirs(path) != 0)
         kiln_fail(KILN_EXIT_RUNTIME, "metrics.mlflow: %s: cannot create directory (%s)", path, strerror(errno));
+}
+
+/* An experiment or run id read back (mlflow.json, a directory of the store):
+ * letters, digits, '-' and '_' only, so that it names one directory of the
+ * store and quotes nowhere in a meta.yaml. MLflow's own are digits and hex. */
+static int id_ok(const char *s, size_t cap) {
+    size_t n = strspn(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_");
+    return n > 0 && n < cap && !s[n];
+}
+
+/* A directory of the store that kiln writes in: made if missing, and then a
+ * directory itself, not a link that would take the run's files elsewhere. */
+static void store_dir(const char *path) {
+    struct stat st = {0};
+    if (mkdir(path, 0755) != 0 && errno != EEXIST)
+        kiln_fail(KILN_EXIT_RUNTIME, "metrics.mlflow: %s: cannot create directory (%s)", path, strerror(errno));
+    if (lstat(path, &st) != 0 || !S_ISDIR(st.st_mode))
+        kiln_fail(KILN_EXIT_USAGE, "metrics.mlflow: %s: expected a directory of the store, found %s", path,
+                  S_ISLNK(st.st_mode) ? "a symbolic link (kiln writes only inside the store)" : "a file");
 }
 
 /* A YAML single-quoted scalar: quotes doubled, nothing else escaped. */
@@ -151,14 +174,14 @@ static void find_experiment(Mlflow *m, const char *name) {
     struct dirent *e;
     char path[2 * ML_PATH], got[CFG_STR];
     while ((e = readdir(d))) {
-        if (e->d_name[0] == '.') continue;
+        if (!id_ok(e->d_name, sizeof m->exp_id)) continue;
         snprintf(path, sizeof path, "%s/%s/meta.yaml", m->store, e->d_name);
         size_t len;
         char *text = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
         if (!text) continue;
         int match = yaml_get(text, "name", got, sizeof got) && !strcmp(got, name);
         free(text);
-        if (match && strlen(e->d_name) < sizeof m->exp_id) {
+        if (match) {
             kiln_strlcpy(m->exp_id, e->d_name, sizeof m->exp_id);
             closedir(d);
             return;
@@ -173,6 +196,7 @@ static void find_experiment(Mlflow *m, const char *name) {
         snprintf(path, sizeof path, "%s/%s", m->store, m->exp_id);
         if (mkdir(path, 0755) == 0) break;
         if (errno != EEXIST) kiln_fail(KILN_EXIT_RUNTIME, "metrics.mlflow: %s: cannot create (%s)", path, strerror(errno));
+        store_dir(path); /* a link or a file of this name is not an experiment to write in */
         snprintf(path, sizeof path, "%s/%s/meta.yaml", m->store, m->exp_id);
         size_t len;
         char *text = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
@@ -181,6 +205,7 @@ static void find_experiment(Mlflow *m, const char *name) {
         if (mine) break; /* made by a job racing this one, or left half-made */
     }
     snprintf(path, sizeof path, "%s/%s", m->store, m->exp_id);
+    store_dir(path);
     experiment_meta(path, m->exp_id, name);
 }
 
@@ -219,19 +244,39 @@ static void run_meta(Mlflow *m, int status, long long end_ms) {
     free(text);
 }
 
-/* RUN_DIR/mlflow.json: which run this run directory is, for a resume. */
+/* The string value of "key": in text (as mlflow_open writes it: no escapes),
+ * cut at cap; NULL when missing. */
+static const char *json_get(const char *text, const char *key, char *out, size_t cap) {
+    const char *v = strstr(text, key);
+    if (!v) return NULL;
+    v += strlen(key);
+    size_t n = strcspn(v, "\"");
+    snprintf(out, cap, "%.*s", (int)(n < cap ? n : cap - 1), v);
+    return v[n] == '"' ? out : NULL;
+}
+
+/* RUN_DIR/mlflow.json: which run this run directory is, for a resume. Its ids
+ * become paths in the store, so one that is not a plain name (../x, /etc/x,
+ * a newline) is refused, naming the file and key. */
 static int remembered(const char *run_dir, const char *store, char *exp, char *run) {
-    char path[ML_PATH], buf[ML_PATH];
+    char path[ML_PATH], buf[ML_PATH], id[ML_PATH];
     snprintf(path, sizeof path, "%s/mlflow.json", run_dir);
     size_t len;
     char *text = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
     if (!text) return 0;
-    int ok = 0;
-    const char *s = strstr(text, "\"store\":\""), *x = strstr(text, "\"experiment_id\":\""),
-               *r = strstr(text, "\"run_id\":\"");
-    if (s && x && r && sscanf(s + 9, "%2047[^\"]", buf) == 1 && !strcmp(buf, store) &&
-        sscanf(x + 17, "%31[^\"]", exp) == 1 && sscanf(r + 10, "%39[^\"]", run) == 1)
-        ok = 1;
+    int ok = json_get(text, "\"store\":\"", buf, sizeof buf) && !strcmp(buf, store);
+    static const char *const key[2] = {"experiment_id", "run_id"};
+    char *const dst[2] = {exp, run};
+    const size_t cap[2] = {32, 40}; /* Mlflow's exp_id and run_id */
+    for (int i = 0; ok && i < 2; i++) {
+        char k[32];
+        snprintf(k, sizeof k, "\"%s\":\"", key[i]);
+        ok = json_get(text, k, id, sizeof id) != NULL;
+        if (ok && !id_ok(id, cap[i]))
+            kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': expected an MLflow id (at most %zu letters, digits, '-' or '_'), got '%s'",
+                      path, key[i], cap[i] - 1, id);
+        if (ok) kiln_strlcpy(dst[i], id, cap[i]);
+    }
     free(text);
     return ok;
 }
@@ -319,10 +364,13 @@ Mlflow *mlflow_open(const MlflowOptions *o) {
     snprintf(m->run_path, sizeof m->run_path, "%s/%s/%s", m->store, m->exp_id, m->run_id);
     snprintf(m->meta_path, sizeof m->meta_path, "%s/meta.yaml", m->run_path);
     snprintf(m->art_path, sizeof m->art_path, "%s/artifacts", m->run_path);
+    snprintf(path, sizeof path, "%s/%s", m->store, m->exp_id);
+    store_dir(path);
+    store_dir(m->run_path);
     static const char *const sub[] = {"params", "metrics", "tags", "artifacts"};
     for (int i = 0; i < 4; i++) {
         snprintf(path, sizeof path, "%s/%s", m->run_path, sub[i]);
-        mkdir_or_fail(path);
+        store_dir(path);
     }
     run_meta(m, 1, 0); /* RUNNING */
     if (resumed) truncate_metrics(m, o->start_step);
@@ -362,8 +410,19 @@ void mlflow_log(Mlflow *m, const char *key, double value, int step) {
         if (m->nmetric == ML_MAX_METRICS) return;
         char path[2 * ML_PATH];
         snprintf(path, sizeof path, "%s/metrics/%s", m->run_path, key);
-        FILE *f = fopen(path, "a");
-        if (!f) kiln_fail(KILN_EXIT_RUNTIME, "metrics.mlflow: %s: cannot open for appending (%s)", path, strerror(errno));
+        /* a link is not followed out of the store, and a FIFO (no reader:
+         * ENXIO) is refused rather than waited on */
+        int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+        int err = fd < 0 ? (errno == ENXIO ? KILN_ENOTREG : errno) : 0;
+        struct stat st;
+        if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))) err = KILN_ENOTREG;
+        else if (fd >= 0 && fcntl(fd, F_SETFL, O_APPEND) != 0) err = errno;
+        if (fd >= 0 && err) close(fd), fd = -1;
+        FILE *f = fd >= 0 ? fdopen(fd, "a") : NULL;
+        if (fd >= 0 && !f) err = errno, close(fd);
+        if (!f)
+            kiln_fail(KILN_EXIT_RUNTIME, "metrics.mlflow: %s: cannot open for appending (%s)", path,
+                      err == ELOOP ? "a symbolic link: kiln writes only inside the store" : kiln_strerror(err));
         kiln_strlcpy(m->metric[i].key, key, sizeof m->metric[i].key);
         m->metric[i].f = f;
         m->nmetric++;

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 T=${KILN_TEST_TMP:-$(mktemp -d)}/t_fuzz
 rm -rf "$T" && mkdir -p "$T"
 . test/lib.sh
-targets="config shard manifest tiktoken pretok llmc safetensors hfdir runs ckptlayout"
+targets="config shard manifest tiktoken pretok llmc safetensors hfdir runs ckptlayout mlflow"
 # fuzz_config's dictionary names every key of the table (a key added later
 # must be added: bash scripts/fuzz_config_dict.sh > test/fuzz/config.dict)
 absent=$(./train config-doc | grep '^| `' | awk -F'`' '{print $2}' | while read -r k; do

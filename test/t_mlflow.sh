@@ -4,7 +4,8 @@
 # killed with kill -9 mid-way and resumed stays one MLflow run whose metric
 # history holds each step once, equal to metrics.jsonl; params are the
 # resolved config's keys; tags and artifacts; a second run and a 2-rank run
-# in the same experiment; a run stopped by SIGTERM is KILLED; bad values
+# in the same experiment; a run stopped by SIGTERM is KILLED; bad values (a
+# run id in mlflow.json leading out of the store among them)
 # exit with one line. Prints one line per check.
 set -u
 cd "$(dirname "$0")/.."
@@ -130,3 +131,10 @@ expect mlflow_store_not_a_directory 1 "metrics.mlflow: $T/afile.*cannot create d
 expect mlflow_experiment_empty 2 "key 'metrics.mlflow_experiment': expected an experiment name" -- \
     ./train "$T/a.yaml" --set run.dir="$T/e" --set metrics.mlflow="$T/mlruns" --set 'metrics.mlflow_experiment=""'
 expect mlflow_key_typo 2 "did you mean 'metrics.mlflow'" -- ./train "$T/a.yaml" --set metrics.mlfow=x
+# a resume whose RUN_DIR/mlflow.json names a run outside the store (run_id
+# ../../escaped, where a meta.yaml waits): refused, nothing written there
+mkdir -p "$T/escaped" && printf 'start_time: 1\n' > "$T/escaped/meta.yaml"
+sed -i -E 's/"run_id":"[^"]*"/"run_id":"..\/..\/escaped"/' "$T/d/mlflow.json"
+expect mlflow_run_id_outside_store 2 "mlflow.json: key 'run_id': expected an MLflow id .*got '../../escaped'" -- \
+    ./train "$T/a.yaml" $ML --set run.name=d --set run.dir="$T/d" --resume auto
+[ "$(ls -A "$T/escaped")" = meta.yaml ] || fail mlflow_run_id_outside_store_untouched "$(ls -A "$T/escaped" | tr '\n' ' ')"
