@@ -538,6 +538,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
             kiln_fail(KILN_EXIT_USAGE, "%s", err);
         pipe_model_options(r->ppg->rank, r->pp, c->pp_virtual, r->cut, &mo);
     }
+    metrics_mark_rss_base(); /* before the model allocates: rss_base_mib */
     model_init(model, be, shape, &mo);
     model->gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that
