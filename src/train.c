@@ -252,11 +252,7 @@ static void train_set_muon(AdamW *o, const Model *m, const Config *c, int say) {
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
         int r = p->role;
-        int block = r == ROLE_QKV_W || r == ROLE_K_W || r == ROLE_V_W || r == ROLE_O_W || r == ROLE_FC_W ||
-                    r == ROLE_UP_W || r == ROLE_DOWN_W || r == ROLE_SHARED_GATE_W || r == ROLE_SHARED_UP_W ||
-                    r == ROLE_SHARED_DOWN_W || r == ROLE_EXPERT_GATE_W || r == ROLE_EXPERT_UP_W ||
-                    r == ROLE_EXPERT_DOWN_W;
-        if (!block || p->ndim != 2 || !p->trained) continue;
+        if (!optim_muon_role(r) || p->ndim != 2 || !p->trained) continue;
         int fused = r == ROLE_QKV_W && (i + 1 >= m->num_tensors || m->params[i + 1].role != ROLE_K_W);
         int parts = fused && c->muon_split_qkv && p->shape[0] % 3 == 0 ? 3 : 1;
         /* under tp the arena holds this rank's part (shape) of the global matrix (gshape); a third of a
