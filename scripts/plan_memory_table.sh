@@ -12,6 +12,9 @@
 # its parts, which are printed to more digits. Measured is the most over the
 # ranks (ranks.jsonl), as the plan's lines are the costliest pipeline
 # stage's. The planner counts fp32 throughout, as the CPU backend stores it.
+# RSS: the most over the ranks of peak_rss_mib less rss_base_mib (VmRSS before
+# the model allocates) against the prediction plus the checkpoint writer's
+# host buffers (rss_pred), "RSS_OFF" past KILN_PLAN_RSS_TOL (default 0.10).
 # Prints one row per layout ("OFF" past 2%) and exits 1 if any is off.
 # Usage: scripts/plan_memory_table.sh [NAME...]; KILN_PLAN_TABLE_DIR=DIR keeps the runs there.
 set -u
