@@ -96,12 +96,14 @@ static void ddp_hook(void *ctx, int layer);
 
 /* Plan the unit shards and the optimizer's segments, and allocate the fp32
  * parameter shard; the other buffers wait for ddp_shard_params. */
+size_t ddp_unit_align(int dp) { return (size_t)64 * (size_t)(dp > 1 ? dp : 1); }
+
 static void unit_init(Ddp *d) {
     Model *m = d->m;
     int L = m->shape.n_layer;
     /* each unit a multiple of dp blocks of 64 floats: a unit's all-gather
      * then lands exactly on its arena range (ZeRO-2 gathers in place) */
-    model_layout_by_unit(m, (size_t)64 * d->dp);
+    model_layout_by_unit(m, ddp_unit_align(d->dp));
     d->units = 1;
     d->whole_params = d->zero == 2;
     d->nu = m->n_units;

@@ -147,6 +147,9 @@ typedef struct Ddp {
  * ZeRO 2 and 3 on one rank are plain training (zero becomes 0). ex: the
  * expert groups of a model with ep > 1 (ZeRO 0 or 1 only), else NULL. */
 void ddp_init(Ddp *d, Model *m, CommGroup *g, int zero, size_t bucket_bytes, const DdpExperts *ex);
+/* ZeRO-2/3 pad each unit (a layer; wte/wpe/ln_f) to a multiple of this many
+ * floats (64 x dp): the planner counts the same padded units. */
+size_t ddp_unit_align(int dp);
 void ddp_free(Ddp *d);
 /* The shard of the optimizer state this rank owns: [lo, hi) of the arena
  * (the whole arena for zero 0). */

@@ -50,6 +50,20 @@ double metrics_peak_rss_mib(void) {
     return ru.ru_maxrss / 1024.0; /* Linux: KiB */
 }
 
+static double rss_base_mib; /* metrics_mark_rss_base's; 0: not marked */
+
+void metrics_mark_rss_base(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long kib = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "VmRSS: %ld kB", &kib) == 1) break;
+    if (f) fclose(f);
+    rss_base_mib = kib >= 0 ? kib / 1024.0 : 0.0; /* no /proc (not Linux): no baseline */
+}
+
+double metrics_rss_base_mib(void) { return rss_base_mib; }
+
 /* ---------- CRC32C and TFRecord ---------- */
 
 static uint32_t crc_table[256];
@@ -794,7 +808,8 @@ static const StragglerStats *ranks_gather(Metrics *m, const MetricsStep *s) {
     }
     m->acc_n++;
     if (s->step % m->log_every != 0 && s->step < m->steps) return NULL;
-    StragglerSample mine = {m->acc_step / m->acc_n, m->acc_data / m->acc_n, {0}, .device_mib = s->device_mib};
+    StragglerSample mine = {m->acc_step / m->acc_n, m->acc_data / m->acc_n, {0}, .device_mib = s->device_mib,
+                            .rss_mib = metrics_peak_rss_mib(), .rss_base_mib = rss_base_mib};
     for (int g = 0; g < METRICS_COMM_GROUPS; g++) mine.comm_s[g] = m->acc_comm[g] / m->acc_n;
     m->acc_step = m->acc_data = 0, m->acc_n = 0;
     memset(m->acc_comm, 0, sizeof m->acc_comm);
@@ -854,6 +869,8 @@ static void ranks_line(Metrics *m, int step, const StragglerStats *st) {
     json_array(f, "busy_s", st->busy, sizeof(double), st->world);
     if (st->rank[0].device_mib > 0) /* each rank's own: pipeline stages and expert ranks differ */
         json_array_digits(f, "peak_device_mib", &st->rank[0].device_mib, sz, st->world, 6);
+    json_array_digits(f, "peak_rss_mib", &st->rank[0].rss_mib, sz, st->world, 6);
+    if (st->rank[0].rss_base_mib > 0) json_array_digits(f, "rss_base_mib", &st->rank[0].rss_base_mib, sz, st->world, 6);
     fprintf(f, ",\"slowest_rank\":%d", st->slowest);
     json_num(f, "slowest_factor", st->factor);
     fputs("}\n", f);
@@ -1245,6 +1262,7 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         json_num(f, "eta_s", eta);
         fprintf(f, ",\"time\":%.3f", wall_now());
         json_num(f, "peak_rss_mib", rss);
+        if (rss_base_mib > 0) json_num(f, "rss_base_mib", rss_base_mib);
         if (s->device_mib > 0) json_num(f, "peak_device_mib", s->device_mib);
         fprintf(f, ",\"nonfinite_skipped\":%d", m->skipped);
         if (s->skipped) fputs(",\"skipped\":true", f);

@@ -192,5 +192,10 @@ void metrics_tb_write_record(FILE *f, const uint8_t *data, size_t n);
 
 /* Peak resident set size of this process, MiB. */
 double metrics_peak_rss_mib(void);
+/* Note the resident set now (VmRSS) as the baseline that rss_base_mib logs:
+ * the trainer calls it before the model allocates, so peak_rss_mib minus it
+ * is what `./train plan` predicts (docs/planner.md "Memory model"). */
+void metrics_mark_rss_base(void);
+double metrics_rss_base_mib(void);
 
 #endif

@@ -390,12 +390,11 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     m->arena_len = off;
     /* precision.master bf16: no fp32 arena; compute_reset allocates param16 */
     m->param_mem = o->master_bf16 ? NULL : be->alloc(off * sizeof(float));
-    m->grad_mem = be->alloc(off * sizeof(float));
+    m->grad_mem = NULL; /* with the activations (grads_alloc): ddp_init may pad or relay the arena first */
     m->pview = xcalloc((size_t)n, sizeof(float *));
     m->gview = xcalloc((size_t)n, sizeof(float *));
     m->wview = xcalloc((size_t)n, sizeof(void *));
     if (!o->master_bf16) bind_views(m, m->param_mem, m->pview); /* else the p views stay NULL: nothing may read them */
-    bind_views(m, m->grad_mem, m->gview);
     compute_reset(m);
     if (s->pos == POS_ROPE) rope_table(m);
     if (E) {
@@ -419,24 +418,40 @@ void model_set_ep(Model *m, const ModelEp *e) {
     else memset(&m->epc, 0, sizeof m->epc);
 }
 
+/* The gradient arena (arena_len floats), once, as the first activations are
+ * planned: allocated in model_init it would sit beside ZeRO-1's padded copy
+ * of the parameters and ZeRO-2/3's relaid ones (ddp_init, in between), a
+ * start-up peak of twice the arenas above the run's steady state. ZeRO-2/3
+ * bind their own gradient buffers (model_bind_unit). */
+static void grads_alloc(Model *m) {
+    if (m->grad_mem || m->unit_off) return;
+    m->grad_mem = m->be->alloc(m->arena_len * sizeof(float));
+    bind_views(m, m->grad_mem, m->gview);
+}
+
+/* Arena `a` (len floats) as a new one of n, its first len floats copied at
+ * 0 and the rest from `split` moved up to n - (len - split); the old one is
+ * freed before the next arena is copied, so start-up holds one extra. */
+static float *arena_regrow(const Backend *be, float *a, size_t len, size_t n, size_t split) {
+    float *b = be->alloc(n * sizeof(float));
+    be->copy(b, a, split * sizeof(float));
+    be->copy(b + (n - (len - split)), a + split, (len - split) * sizeof(float));
+    be->free(a);
+    return b;
+}
+
 void model_pad_experts(Model *m, size_t n) {
     if (m->ep <= 1 || n <= m->expert_len) return;
     need_master(m, "ZeRO's expert blocks");
     const Backend *be = m->be;
     size_t d = n - m->expert_len, len = m->arena_len + d, x = m->expert_len;
-    float *p = be->alloc(len * sizeof(float)), *g = be->alloc(len * sizeof(float));
-    be->copy(p, m->param_mem, x * sizeof(float));
-    be->copy(p + n, m->param_mem + x, (m->arena_len - x) * sizeof(float));
-    be->copy(g, m->grad_mem, x * sizeof(float));
-    be->copy(g + n, m->grad_mem + x, (m->arena_len - x) * sizeof(float));
-    be->free(m->param_mem);
-    be->free(m->grad_mem);
+    m->param_mem = arena_regrow(be, m->param_mem, m->arena_len, len, x);
+    if (m->grad_mem) m->grad_mem = arena_regrow(be, m->grad_mem, m->arena_len, len, x);
     for (int i = 0; i < m->num_tensors; i++)
         if (m->params[i].expert < 0) m->params[i].offset += d;
-    m->param_mem = p, m->grad_mem = g;
     m->arena_len = len, m->num_params += d, m->num_decay += d, m->expert_len = n;
     bind_views(m, m->param_mem, m->pview);
-    bind_views(m, m->grad_mem, m->gview);
+    if (m->grad_mem) bind_views(m, m->grad_mem, m->gview);
     compute_reset(m);
 }
 
@@ -513,14 +528,11 @@ void model_pad_arenas(Model *m, size_t n) {
     if (n <= m->arena_len) return;
     need_master(m, "ZeRO's equal blocks");
     const Backend *be = m->be;
-    float *p = be->alloc(n * sizeof(float)), *g = be->alloc(n * sizeof(float));
-    be->copy(p, m->param_mem, m->arena_len * sizeof(float));
-    be->copy(g, m->grad_mem, m->arena_len * sizeof(float));
-    be->free(m->param_mem);
-    be->free(m->grad_mem);
-    m->param_mem = p, m->grad_mem = g, m->arena_len = n;
+    m->param_mem = arena_regrow(be, m->param_mem, m->arena_len, n, m->arena_len);
+    if (m->grad_mem) m->grad_mem = arena_regrow(be, m->grad_mem, m->arena_len, n, m->arena_len);
+    m->arena_len = n;
     bind_views(m, m->param_mem, m->pview);
-    bind_views(m, m->grad_mem, m->gview);
+    if (m->grad_mem) bind_views(m, m->grad_mem, m->gview);
     compute_reset(m);
 }
 
@@ -802,6 +814,7 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
         kiln_fail(KILN_EXIT_USAGE, "keys 'model.seq_len', 'parallel.cp': a sequence of %d tokens does not split into "
                   "2 x cp = %d chunks; make seq_len a multiple of %d", T, 2 * m->cp, 2 * m->cp);
     int Tl = T / m->cp; /* the rows of each sequence this rank holds */
+    grads_alloc(m);
     if (m->act_mem) {
         m->be->free(m->act_mem);
         slots_free(m);

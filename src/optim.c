@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "clip.h"
 #include "util.h"
 
@@ -102,6 +103,17 @@ float optim_muon_scale(const char *kind, int rows, int cols) {
     return -1.0f;
 }
 
+int optim_muon_role(int r) {
+    return r == ROLE_QKV_W || r == ROLE_K_W || r == ROLE_V_W || r == ROLE_O_W || r == ROLE_FC_W || r == ROLE_UP_W ||
+           r == ROLE_DOWN_W || r == ROLE_SHARED_GATE_W || r == ROLE_SHARED_UP_W || r == ROLE_SHARED_DOWN_W ||
+           r == ROLE_EXPERT_GATE_W || r == ROLE_EXPERT_UP_W || r == ROLE_EXPERT_DOWN_W;
+}
+
+size_t optim_muon_work_floats(int rows, int cols) {
+    size_t r = (size_t)rows, c = (size_t)cols, a = r < c ? r : c;
+    return 2 * r * c + 2 * a * a + 256;
+}
+
 static int mat_cmp(const void *a, const void *b) {
     size_t x = ((const OptimMatrix *)a)->off, y = ((const OptimMatrix *)b)->off;
     return x < y ? -1 : x > y;
@@ -145,9 +157,9 @@ void optim_set_muon(AdamW *o, const OptimMatrix *mats, int nmat, float momentum,
         OptimMatrix *x = &o->mats[i];
         if (!x->grows) x->grows = x->rows, x->gcols = x->cols, x->tp_dim = -1; /* no tp: the part is all */
         x->owner = 0;
-        size_t r = (size_t)x->grows, c = (size_t)x->gcols, a = r < c ? r : c;
+        size_t r = (size_t)x->grows, c = (size_t)x->gcols, w = optim_muon_work_floats(x->grows, x->gcols);
         if (r * c > most) most = r * c;
-        if (2 * r * c + 2 * a * a + 256 > work) work = 2 * r * c + 2 * a * a + 256; /* backend.h newton_schulz */
+        if (w > work) work = w;
     }
     muon_place_momentum(o, 0);
     o->u = be->alloc(most * sizeof(float));

@@ -144,6 +144,12 @@ void optim_zero_state(AdamW *o);
 /* optim.muon_scale for a (rows, cols) matrix: "spectral" sqrt(max(1,
  * rows/cols)), "match_adamw" 0.2 sqrt(max(rows, cols)); -1 if unknown. */
 float optim_muon_scale(const char *kind, int rows, int cols);
+/* 1 if a 2-D trained tensor of this ArchRole gets Muon (train.c picks its
+ * matrices by it; the planner counts their buffers by it). */
+int optim_muon_role(int role);
+/* Floats of Newton-Schulz work for a rows x cols matrix (backend.h
+ * newton_schulz); optim_set_muon allocates the largest, as the planner counts. */
+size_t optim_muon_work_floats(int rows, int cols);
 /* "adamw" | "lion" | "muon" | "adafactor" -> kind; -1 if unknown. */
 int optim_kind(const char *name);
 void optim_free(AdamW *o);

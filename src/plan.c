@@ -5,6 +5,7 @@
 #include "plan.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,10 +13,12 @@
 
 #include "config.h"
 #include "cp.h"
+#include "ddp.h"
 #include "ep.h"
 #include "fp8.h"
 #include "hw.h"
 #include "mesh.h"
+#include "muon.h"
 #include "optim.h"
 #include "pipe.h"
 #include "util.h"
@@ -98,7 +101,58 @@ PlanLayout plan_layout(const Config *c, int dp) {
                         .cp_mode = cp_mode_parse(c->cp_attention), .dp = dp, .ep = c->ep, .zero = c->zero,
                         .micro_batch = c->micro_batch, .recompute = model_recompute_parse(c->recompute),
                         .moment_bytes = optim_state_bytes(c->optim_state), .param_bytes = plan_param_bytes(c->master),
-                        .act_bytes = plan_act_bytes(c), .fp8 = plan_fp8_options(c)};
+                        .act_bytes = plan_act_bytes(c), .fp8 = plan_fp8_options(c),
+                        .muon = optim_kind(c->optim_name) == OPTIM_MUON, .muon_split_qkv = c->muon_split_qkv};
+}
+
+/* Muon's buffers on its busiest owner (optim.c optim_set_muon, muon.c
+ * muon_dist_init): the matrices train.c picks (optim_muon_role), owned by
+ * cost, largest first, to the least loaded of the dp ranks (muon.c
+ * assign_owners); the owner's momentum (+1), a staging buffer as large
+ * (obuf), u (the largest matrix) and the Newton-Schulz work
+ * (optim_muon_work_floats). With dp ranks: ZeRO 0's all-gather target of
+ * dp blocks (the largest owner's matrices each); ZeRO >= 1's send and
+ * receive buffers of dp blocks, a block the owner's matrices over dp (an
+ * even spread of each owner's matrices over the shards, which the test
+ * layouts have; plan_runs' block is the largest pair). tp's and ep's
+ * exchange buffers (muon.c plan_tp, the expert plan) are not counted. */
+static double plan_muon_bytes(const ArchSpec *s, const PlanLayout *l, int dp, int chunks, const int *lo,
+                              const int *hi) {
+    int n;
+    ArchTensor *t = arch_tensors(s, 0, &n);
+    double *cost = xcalloc((size_t)3 * n + 1, sizeof(double)), *size = xcalloc((size_t)3 * n + 1, sizeof(double));
+    double *load = xcalloc((size_t)dp, sizeof(double)), *owned = xcalloc((size_t)dp, sizeof(double));
+    size_t most = 1, work = 1;
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        int in = 0;
+        for (int c = 0; c < chunks; c++) in = in || arch_tensor_in_stage(s, &t[i], lo[c], hi[c]);
+        if (!in || t[i].ndim != 2 || !t[i].trained || !optim_muon_role(t[i].role)) continue;
+        int fused = t[i].role == ROLE_QKV_W && (i + 1 >= n || t[i + 1].role != ROLE_K_W);
+        int parts = fused && l->muon_split_qkv && t[i].shape[0] % 3 == 0 ? 3 : 1;
+        int rows = t[i].shape[0] / parts, cols = t[i].shape[1];
+        for (int p = 0; p < parts; p++, k++) {
+            size[k] = (double)rows * cols;
+            cost[k] = muon_ns_flops(rows, cols, 1);
+            if ((size_t)rows * cols > most) most = (size_t)rows * cols;
+            if (optim_muon_work_floats(rows, cols) > work) work = optim_muon_work_floats(rows, cols);
+        }
+    }
+    for (int done = 0; done < k; done++) { /* largest cost first, ties by index, to the least loaded */
+        int i = -1, best = 0;
+        for (int j = 0; j < k; j++)
+            if (cost[j] >= 0 && (i < 0 || cost[j] > cost[i])) i = j;
+        for (int r = 1; r < dp; r++)
+            if (load[r] < load[best]) best = r;
+        load[best] += cost[i], owned[best] += size[i], cost[i] = -1;
+    }
+    double mm = 0;
+    for (int r = 0; r < dp; r++) mm = owned[r] > mm ? owned[r] : mm;
+    double floats = 2 * (mm + 1) + (double)most + (double)work; /* momentum, obuf, u, ns_work */
+    if (dp > 1 && l->zero == 0) floats += dp * mm + 1;          /* the all-gather's dp blocks */
+    if (dp > 1 && l->zero >= 1) floats += 2 * (dp * ceil(mm / dp) + 1);
+    free(t), free(cost), free(size), free(load), free(owned);
+    return floats * 4;
 }
 
 /* fp8's buffers into m's total, for N rows of act_bytes activations. */
@@ -138,6 +192,10 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, const PlanLayout *lay) {
     double shard = (double)(((size_t)all + (size_t)dp - 1) / (size_t)dp);
     double layer = plan_layer_params(s), rest = params - L * layer;
     if (zero >= 2 && dp > 1) {
+        /* each unit padded to ddp_unit_align floats, its shard a 1/dp of that */
+        double a = (double)ddp_unit_align(dp);
+        layer = ceil(layer / a) * a, rest = ceil(rest / a) * a;
+        params = L * layer + rest, shard = params / dp + 1; /* pshard's one spare float */
         /* ZeRO 2 and 3 (ddp.c, unit-sharded): a 1/dp shard of the gradients
          * and the optimizer state; each backward writes a layer's whole
          * gradients into one of two slots and reduce-scatters them into the
@@ -167,7 +225,9 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, const PlanLayout *lay) {
         m.grads = params * 4;
         m.optim = (zero == 1 ? shard : params) * 2 * moment_bytes;
     }
-    m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
+    int whole[1] = {0}, end[1] = {s->n_layer};
+    m.muon = lay->muon ? plan_muon_bytes(s, lay, dp, 1, whole, end) : 0;
+    m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim + m.muon;
     /* fp32 activations: the upper bound (bf16 halves them, see plan_usage) */
     AttnShape cps = {micro_batch, s->seq_len / cp, s->n_head, s->n_kv_head, s->head_dim, NULL};
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
@@ -213,7 +273,6 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, const PlanLayout *lay, in
         else rest += (double)t[i].numel;
     }
     for (int l = 0; l < local.n_layer; l++) layer = per_layer[l] > layer ? per_layer[l] : layer;
-    free(per_layer);
     int sets = 0; /* (slot, layer) pairs: ep.c's buffers */
     for (int k = 0; k < chunks; k++) sets += slots[k] * (hi[k] - lo[k]);
     free(t);
@@ -221,6 +280,12 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, const PlanLayout *lay, in
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
     m.param_bytes = param_bytes;
     m.count = params;
+    if (zero >= 2 && dp > 1) { /* the stage's units padded as ddp pads them (ddp_unit_align) */
+        double a = (double)ddp_unit_align(dp), padded = ceil(rest / a) * a;
+        for (int l = 0; l < local.n_layer; l++) padded += ceil(per_layer[l] / a) * a;
+        layer = ceil(layer / a) * a, rest = ceil(rest / a) * a, params = padded, shard = params / dp + 1;
+    }
+    free(per_layer);
     if (zero >= 2 && dp > 1) {
         m.grads = shard * 4;
         m.grads_unreduced = params * 4;
@@ -232,7 +297,8 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, const PlanLayout *lay, in
         m.grads = params * 4;
         m.optim = (zero == 1 ? shard : params) * 2 * moment_bytes;
     }
-    m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim;
+    m.muon = lay->muon ? plan_muon_bytes(&local, lay, dp, chunks, lo, hi) : 0;
+    m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim + m.muon;
     AttnShape cps = {micro_batch, local.seq_len / cp, local.n_head, local.n_kv_head, local.head_dim, NULL};
     for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
         for (int k = 0; k < 2; k++) {
@@ -487,6 +553,7 @@ void plan_print_state(const PlanMemory *m, int dp, int zero) {
         plan_print_bytes("gradients", m->grads);
         plan_print_bytes(zero == 1 ? "optimizer state (1/dp)" : "optimizer state", m->optim);
     }
+    if (m->muon > 0) plan_print_bytes("  + muon buffers", m->muon);
     if (m->compute_copy > 0) plan_print_bytes("bf16 compute copy", m->compute_copy);
     plan_print_bytes("params + grads + optim", m->state);
 }

@@ -32,6 +32,7 @@ typedef struct PlanMemory {
                                gradients (accumulated over the step); else 0 */
     double count;           /* parameters counted (elements; a pipeline stage's own) */
     double optim;           /* AdamW m and v: whole, or 1/dp (ZeRO >= 1) */
+    double muon;            /* optim.name muon: momentum, Newton-Schulz work, owner exchange buffers (in state) */
     double compute_copy;    /* act_bytes 2 with an fp32 master: the bf16 compute copy of the parameters
                                (model.c's cbuf: the whole arena, or ZeRO-3's gathered units) */
     double state;           /* params + grads + optim (+ shard, gathered, unreduced, compute copy) */
@@ -76,6 +77,7 @@ typedef struct PlanLayout {
     ModelRecompute recompute;
     size_t moment_bytes, param_bytes, act_bytes;
     ModelFp8 fp8;
+    int muon, muon_split_qkv; /* optim.name muon (its buffers: plan_muon_bytes), optim.muon_split_qkv */
 } PlanLayout;
 struct Config;
 PlanLayout plan_layout(const struct Config *c, int dp);

@@ -16,6 +16,7 @@ typedef struct StragglerSample {
     double data_s;                   /* in the data phase: waiting for batches */
     double comm_s[STRAGGLER_GROUPS]; /* blocked in each group's collectives */
     double device_mib;               /* peak device memory so far, MiB (0: the backend has no figure) */
+    double rss_mib, rss_base_mib;    /* peak resident memory so far and before the model (metrics_mark_rss_base), MiB */
 } StragglerSample;
 
 /* min, median, max over the ranks, and the rank holding the max. */

@@ -252,11 +252,7 @@ static void train_set_muon(AdamW *o, const Model *m, const Config *c, int say) {
     for (int i = 0; i < m->num_tensors; i++) {
         const ParamInfo *p = &m->params[i];
         int r = p->role;
-        int block = r == ROLE_QKV_W || r == ROLE_K_W || r == ROLE_V_W || r == ROLE_O_W || r == ROLE_FC_W ||
-                    r == ROLE_UP_W || r == ROLE_DOWN_W || r == ROLE_SHARED_GATE_W || r == ROLE_SHARED_UP_W ||
-                    r == ROLE_SHARED_DOWN_W || r == ROLE_EXPERT_GATE_W || r == ROLE_EXPERT_UP_W ||
-                    r == ROLE_EXPERT_DOWN_W;
-        if (!block || p->ndim != 2 || !p->trained) continue;
+        if (!optim_muon_role(r) || p->ndim != 2 || !p->trained) continue;
         int fused = r == ROLE_QKV_W && (i + 1 >= m->num_tensors || m->params[i + 1].role != ROLE_K_W);
         int parts = fused && c->muon_split_qkv && p->shape[0] % 3 == 0 ? 3 : 1;
         /* under tp the arena holds this rank's part (shape) of the global matrix (gshape); a third of a
@@ -538,6 +534,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
             kiln_fail(KILN_EXIT_USAGE, "%s", err);
         pipe_model_options(r->ppg->rank, r->pp, c->pp_virtual, r->cut, &mo);
     }
+    metrics_mark_rss_base(); /* before the model allocates: rss_base_mib */
     model_init(model, be, shape, &mo);
     model->gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     /* gradient buckets of 25 MB (PyTorch DDP's default): big enough that

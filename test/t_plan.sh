@@ -82,10 +82,11 @@ expect plan_xl_nothing_fits 2 'suggest: nothing fits in 16.00 GiB.*needs [0-9.]+
 # CUDA bf16 (device auto is planned as a GPU): the bf16 compute copy of the fp32
 # master is 2 bytes a parameter, 2 x 1557686400 = 3115372800 B = 2.90 GiB at
 # ZeRO 2 (the whole arena is cast); ZeRO-3 casts only its gathered units, half
-# their fp32 bytes: 4 (2 x 30740800 + 82128000) / 2 = 287219200 B = 273.91 MiB
+# their fp32 bytes, each unit padded to 64 x dp = 512 floats as ddp.c lays it
+# out (ddp_unit_align): 4 (2 x 30740992 + 82128384) / 2 = 287220736 B = 273.92 MiB
 expect plan_xl_bf16_compute_copy 0 'bf16 compute copy +2.90 GiB' -- \
     ./train plan $CFG $XL --gpus 8 --gpu-mem 80 --set parallel.zero=2 --set batch.micro_batch=1
-expect plan_xl_bf16_compute_copy_zero3 0 'bf16 compute copy +273.91 MiB' -- \
+expect plan_xl_bf16_compute_copy_zero3 0 'bf16 compute copy +273.92 MiB' -- \
     ./train plan $CFG $XL --gpus 8 --gpu-mem 80 --set parallel.zero=3 --set batch.micro_batch=1
 
 # 524288 tokens = 512 samples of 1024 do not split over 6 ranks: exit 2 naming
