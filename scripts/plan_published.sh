@@ -3,6 +3,7 @@
 # "Published layouts") and prints the table's markdown rows and its summary.
 # On paper only: it starts no backend; one search at a time (a 16k-GPU one takes minutes).
 #   scripts/plan_published.sh [ROW_PREFIX]    # e.g. "megatron" for the Megatron rows only
+#   PLAN_PUBLISHED_REUSE=1 keeps a row's search JSON from an earlier run (the searches take minutes).
 # Raw JSON goes to ${PLAN_PUBLISHED_DIR:-/tmp/plan_published}/<row>.{search,pub}.json.
 set -u
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ mkdir -p "$OUT"
 #   KIND VALUE: the published throughput: mfu (a fraction, as published), tps (tokens/s per GPU),
 #   or meg_tf (Megatron's teraFLOP/s per GPU under its eq. 3 count, recompute included).
 ROWS=()
-row() { ROWS+=("$(printf '%s\t' "$@")"); }
+row() { local IFS='|'; ROWS+=("$*"); }
 
 A=a100-80
 G="model.seq_len=2048 model.vocab_size=51200"
@@ -50,14 +51,15 @@ row megatron-162b-b128 configs/plan/megatron-gpt-162b.yaml 64 "$A" "batch.total_
 row megatron-162b-b32 configs/plan/megatron-gpt-162b.yaml 64 "$A" "batch.total_tokens=65536" \
     "1,8,8,1,1" "parallel.dp=1 parallel.tp=8 parallel.pp=8 parallel.zero=0 batch.micro_batch=1" \
     none 0 "Megatron-LM Fig. 13: t8 p8 best, batch 32"
-# Llama 3 paper, Table 4 (bf16, 16M tokens a step; 430 / 400 / 380 TFLOP/s, 43 / 41 / 38% MFU).
-L3="parallel.pp_schedule=interleaved_1f1b parallel.pp_virtual=2 batch.micro_batch=1 parallel.zero=2"
+# Llama 3 paper, Table 4 (bf16, 16M tokens a step; 430 / 400 / 380 TFLOP/s, 43 / 41 / 38% MFU); §3.3.2:
+# FSDP over dp (ZeRO 3 here), the interleaved schedule, all-gather context parallelism.
+L3="parallel.pp_schedule=interleaved_1f1b parallel.pp_virtual=2 batch.micro_batch=1 parallel.zero=3"
 row llama3-405b-8k configs/plan/llama3-405b.yaml 8192 h100 "" "64,8,16,1,1" \
     "parallel.dp=64 parallel.tp=8 parallel.pp=16 $L3" mfu 0.43 "Llama 3 Table 4: t8 p16 d64, 8k GPUs"
 row llama3-405b-16k configs/plan/llama3-405b.yaml 16384 h100 "" "128,8,16,1,1" \
     "parallel.dp=128 parallel.tp=8 parallel.pp=16 $L3" mfu 0.41 "Llama 3 Table 4: t8 p16 d128, 16k GPUs"
 row llama3-405b-16k-131k configs/plan/llama3-405b.yaml 16384 h100 "model.seq_len=131072" "8,8,16,16,1" \
-    "parallel.dp=8 parallel.tp=8 parallel.pp=16 parallel.cp=16 $L3" mfu 0.38 \
+    "parallel.dp=8 parallel.tp=8 parallel.pp=16 parallel.cp=16 parallel.cp_attention=allgather $L3" mfu 0.38 \
     "Llama 3 Table 4: t8 p16 c16 d8, seq 131072"
 # torchtitan, benchmarks/llama3_h100_202412_torchtitan.md (96 GB H100s at 500 W: --gpu-mem 89.4).
 TT="--gpu-mem 89.4"
@@ -79,14 +81,18 @@ row deepseek-v3-2048 configs/plan/deepseek-v3.yaml 2048 h800 "" "128,1,16,1,64" 
 sets() { local s; for s in $1; do printf -- '--set %s ' "$s"; done; }
 
 for r in "${ROWS[@]}"; do
-    IFS=$'\t' read -r name cfg gpus hw shape mesh pub kind value label <<<"$r"
+    IFS='|' read -r name cfg gpus hw shape mesh pub kind value label <<<"$r"
     case "$name" in "$ONLY"*) ;; *) continue ;; esac
     read -r hwname hwflags <<<"$hw"
     t0=$(date +%s)
+    if [ "${PLAN_PUBLISHED_REUSE:-0}" = 1 ] && jq -e '.layouts' "$OUT/$name.search.json" >/dev/null 2>&1; then
+        echo "$name: search reused" >&2
+    else
     # shellcheck disable=SC2046  # the --set pairs are words on purpose
     timeout 900 "$TRAIN" plan "$cfg" --gpus "$gpus" --hardware "$hwname" $hwflags $(sets "$shape") \
         --search --top 100000 --json >"$OUT/$name.search.json" 2>"$OUT/$name.search.err"
     echo "$name: search $(($(date +%s) - t0)) s" >&2
+    fi
     : >"$OUT/$name.pub.json"
     for rc in none gelu norm_gelu; do
         # shellcheck disable=SC2046
