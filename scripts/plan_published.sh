@@ -85,12 +85,14 @@ for r in "${ROWS[@]}"; do
     case "$name" in "$ONLY"*) ;; *) continue ;; esac
     read -r hwname hwflags <<<"$hw"
     t0=$(date +%s)
-    if [ "${PLAN_PUBLISHED_REUSE:-0}" = 1 ] && jq -e '.layouts' "$OUT/$name.search.json" >/dev/null 2>&1; then
+    if [ "${PLAN_PUBLISHED_REUSE:-0}" = 1 ] && { [ -e "$OUT/$name.search.timeout" ] ||
+        jq -e '.layouts' "$OUT/$name.search.json" >/dev/null 2>&1; }; then
         echo "$name: search reused" >&2
     else
     # shellcheck disable=SC2046  # the --set pairs are words on purpose
     timeout 900 "$TRAIN" plan "$cfg" --gpus "$gpus" --hardware "$hwname" $hwflags $(sets "$shape") \
         --search --top 100000 --json >"$OUT/$name.search.json" 2>"$OUT/$name.search.err"
+    [ $? = 124 ] && { touch "$OUT/$name.search.timeout"; echo "$name: search stopped after 900 s" >&2; }
     echo "$name: search $(($(date +%s) - t0)) s" >&2
     fi
     : >"$OUT/$name.pub.json"

@@ -114,7 +114,7 @@ def table(path):
         elif not r["searched"]:
             rank = "search did not finish"
         else:
-            rank = "not in the %d meshes" % r["meshes"]
+            rank = "not in the %d meshes%s" % (r["meshes"], ": no layout of it fits" if not r["pub_fits"] else "")
         ranked += 1
         in5 += bool(r["rank"] and r["rank"] <= 5)
         if r.get("pub_layout"):
