@@ -161,6 +161,7 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
     if (tp > 1) {
         ArchSpec st = *g;
         st.n_layer = layers_max;
+        st.seq_len = g->seq_len / cp; /* a tp group moves its cp rank's tokens only */
         PlanComm c = plan_comm_per_step(&st, tp, L->sp, 1, 1, 0, L->micro_batch, 1, rate.ab);
         double hops = L->sp ? tp - 1.0 : 2.0 * (tp - 1);
         o.tp = (c.tp / tbw + c.tp_collectives * hops * tlat) * m;

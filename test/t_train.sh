@@ -160,7 +160,7 @@ else fail train_init_from_llmc_layout "loaded tensors differ from llm.c's layout
 
 # Bit-for-bit reproducibility: same config, seed and threads -> same metrics
 # (timings aside).
-strip() { sed -E 's/,"(tok_per_s|mfu|step_time_s|elapsed_s|eta_s|time|peak_rss_mib|data_wait_s)":[^,}]*//g' "$1"; }
+strip() { sed -E 's/,"(tok_per_s|mfu|step_time_s|elapsed_s|eta_s|time|peak_rss_mib|rss_base_mib|data_wait_s)":[^,}]*//g' "$1"; }
 ./train "$T/small.yaml" >"$T/r1.txt" 2>&1 && cp "$T/run/metrics.jsonl" "$T/m1.jsonl"
 ./train "$T/small.yaml" >"$T/r2.txt" 2>&1 && cp "$T/run/metrics.jsonl" "$T/m2.jsonl"
 if [ -s "$T/m1.jsonl" ] && [ "$(strip "$T/m1.jsonl")" = "$(strip "$T/m2.jsonl")" ]; then
