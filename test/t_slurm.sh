@@ -135,13 +135,18 @@ timeout 600 mpirun --allow-run-as-root --oversubscribe -np 2 ./train $Y $L --set
 J=$(KILN_TEST_PAUSE_AT_STEP=20 "${SB[@]}" --parsable --nodes=1 --ntasks-per-node=2 -o "$T/sig.out" \
     scripts/train.sbatch $Y $L --set run.dir=$T/sig 2>"$T/sig.err")
 job_state() { scontrol show job "$J" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
-state=""
-for i in $(seq 3000); do
-    [ "$(cat $T/sig/metrics.jsonl 2>/dev/null | wc -l)" -ge 20 ] && break
-    state=$(job_state)
-    [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
-    sleep 0.2
-done
+job_over() { [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ]; }
+# wait_job [METRICS N]: until the job has ended, or METRICS has N lines; sets state
+wait_job() {
+    state=""
+    for i in $(seq 3000); do
+        [ $# = 2 ] && [ "$(cat "$1" 2>/dev/null | wc -l)" -ge "$2" ] && return
+        state=$(job_state)
+        job_over && return
+        sleep 0.2
+    done
+}
+wait_job $T/sig/metrics.jsonl 20
 scancel --signal=USR1 "$J"
 # The requeued job starts when Slurm's own hold ends (AuthInfo cred_expire,
 # 30 s here), which exists so that the new launch's credential postdates the
@@ -149,11 +154,7 @@ scancel --signal=USR1 "$J"
 # revokes is not visible from here, and a launch before it is refused ("Job
 # credential revoked") and ends the job FAILED; a start moved to 2 s after
 # the script printed "requeueing" only narrowed that race.
-for i in $(seq 3000); do
-    state=$(job_state)
-    [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
-    sleep 0.2
-done
+wait_job
 echo "sbatch signalled + requeued: $(echo "$(date +%s.%N) - $t0" | bc) s ($state)" >&2
 if [ "$state" = COMPLETED ] && grep -q 'exit 75.*requeueing' "$T/sig.out" && grep -q 'restart 1' "$T/sig.out" \
     && grep -q 'stopped by .* after step 20;' "$T/sig.out" \
@@ -177,27 +178,17 @@ A="$L --set parallel.layout=auto"
 ./train $Y $A --set run.dir=$T/autoref >/dev/null 2>&1
 J=$(KILN_CACHE=$T/kcache KILN_PLAN_HARDWARE=cpu KILN_TEST_PAUSE_AT_STEP=20 "${SB[@]}" --parsable --nodes=2 \
     --ntasks-per-node=1 -o "$T/auto.out" scripts/train.sbatch $Y $A --set run.dir=$T/auto 2>"$T/auto.err")
-state=""
-for i in $(seq 3000); do
-    [ "$(cat $T/auto/metrics.jsonl 2>/dev/null | wc -l)" -ge 20 ] && break
-    state=$(job_state)
-    [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
-    sleep 0.2
-done
+wait_job $T/auto/metrics.jsonl 20
 scancel --signal=USR1 "$J"
 # requeued: pending (Slurm holds it 30 s, see above) with restart count 1
 for i in $(seq 3000); do
     state=$(job_state)
     [ "$state" = PENDING ] && scontrol show job "$J" | grep -q 'Restarts=1' && break
-    [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
+    job_over && break
     sleep 0.2
 done
 scontrol update JobId="$J" NumNodes=1-1 NumTasks=1 2>"$T/shrink.err"
-for i in $(seq 3000); do
-    state=$(job_state)
-    [ "$state" = COMPLETED ] || [ "$state" = FAILED ] || [ "$state" = CANCELLED ] && break
-    sleep 0.2
-done
+wait_job
 echo "sbatch layout auto, requeued onto 1 node: $(echo "$(date +%s.%N) - $t0" | bc) s ($state)" >&2
 why=$(close_losses $T/autoref/metrics.jsonl $T/auto/metrics.jsonl 2>&1)
 if [ "$state" = COMPLETED ] && grep -q 'layout auto: 2 task(s) on 2 node(s)' "$T/auto.out" \
