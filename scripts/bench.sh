@@ -11,6 +11,9 @@ steps=${BENCH_STEPS:-5}
 # Checkpoints: write, verify and load against the disk's raw rates, 1 to 4
 # ranks, and a resumed run's start-up (scripts/bench_ckpt.sh)
 bash scripts/bench_ckpt.sh
+# The planner's time model against measured steps of 1- and 2-rank layouts
+# (scripts/bench_plan.sh; the ratios docs/planner.md records)
+bash scripts/bench_plan.sh
 # The data loader (test/bench_data.c): start-up time, memory and open files of
 # a glob of 10,000 small shards (.bin and .bin.zst), and the wait for data per
 # step with prefetch off and on when every batch must decompress shards.

@@ -111,6 +111,7 @@ static const HwKey hw_keys[] = {
     HW_D("inter_gbps", inter_bw, 1e9, 1e-3, 1e6),
     HW_D("intra_latency_us", intra_lat, 1e-6, 0, 1e6),
     HW_D("inter_latency_us", inter_lat, 1e-6, 0, 1e6),
+    HW_D("node_tflops", node_flops, 1e12, 0, 1e9),
 };
 #define NHWKEYS ((int)(sizeof hw_keys / sizeof hw_keys[0]))
 
@@ -193,7 +194,8 @@ void hw_load(const char *path, HwProfile *out) {
         }
     if (!have_base) /* without a base every figure must be given but fp8's (0: none) */
         for (int i = 0; i < NHWKEYS + 2; i++)
-            if (!seen[i] && (i >= NHWKEYS || hw_keys[i].off != offsetof(HwProfile, flops_fp8)))
+            if (!seen[i] && (i >= NHWKEYS || (hw_keys[i].off != offsetof(HwProfile, flops_fp8) &&
+                                              hw_keys[i].off != offsetof(HwProfile, node_flops))))
                 kiln_fail(KILN_EXIT_USAGE, "%s: key '%s': required (or start from a built-in with 'base: h100')",
                           path, i < NHWKEYS ? hw_keys[i].key : i == NHWKEYS ? "name" : "gpus_per_node");
     if (!out->name[0]) snprintf(out->name, sizeof out->name, "custom");
@@ -267,7 +269,8 @@ static void hw_cache_path(char *buf, size_t n, int cores) {
         fclose(f);
     }
     uint64_t h64 = kiln_fnv1a(model, strlen(model), KILN_FNV_INIT);
-    snprintf(buf, n, "%s/cpu-%d-%016llx.yaml", dir, cores, (unsigned long long)h64);
+    /* v2: with node_tflops */
+    snprintf(buf, n, "%s/cpu2-%d-%016llx.yaml", dir, cores, (unsigned long long)h64);
 }
 
 void hw_cpu(HwProfile *out, int fresh) {
@@ -284,12 +287,13 @@ void hw_cpu(HwProfile *out, int fresh) {
      * planned run gets threads / ranks, so the per-core rate is what a
      * rank of a one-rank-per-core run reaches */
     const Backend *be = &backend_cpu;
-    double best = 0, one = 0;
+    double best = 0, one = 0, all = 0;
     int best_t = 1;
     for (int t = 1; t <= cores; t++) {
         be->init(t);
         double r = metrics_measure_matmul(be, 0.4);
         if (t == 1) one = r;
+        if (t == cores) all = r;
         if (r > best) best = r, best_t = t;
     }
     be->shutdown();
@@ -308,6 +312,10 @@ void hw_cpu(HwProfile *out, int fresh) {
     out->inter_bw = out->intra_bw;
     out->intra_lat = out->inter_lat = hop;
     out->threads = 1;
+    /* every core busy: what the ranks of a full machine share (one rank per
+     * core each gets node_flops / cores, not one's rate, where cores are
+     * SMT siblings or share a memory bus) */
+    out->node_flops = all > one ? all : one;
     snprintf(out->source, sizeof out->source, "measured: sgemm %.3g GFLOP/s on 1 thread, %.3g on %d; copy %.3g GB/s; "
              "hop %.2g us", one / 1e9, best / 1e9, best_t, copy / 1e9, hop * 1e6);
     /* cache it (a failure to write only costs a measurement next time) */

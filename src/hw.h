@@ -26,6 +26,8 @@ typedef struct HwProfile {
     double intra_lat;      /* seconds per message hop inside a node */
     double inter_lat;      /* seconds per message hop between nodes */
     int threads;           /* cpu: the thread count the rates are for (0: a GPU) */
+    double node_flops;     /* cpu: FLOP/s of the whole machine with every core busy, which its ranks share
+                            * (2 vCPUs of one physical core give far less than twice one); 0: no such limit */
     char source[160];      /* where the figures come from: "builtin", the file, "measured ..." */
 } HwProfile;
 

@@ -664,6 +664,9 @@ int plan_main(int argc, char **argv) {
                       hw.gpus_per_node, hw.name);
     }
     hw.gpus_per_node = gpus / nodes;
+    /* cpu: the ranks of one machine share its all-cores rate */
+    if (hw.node_flops > 0 && hw.node_flops / hw.gpus_per_node < hw.flops_fp32)
+        hw.flops_bf16 = hw.flops_fp32 = hw.node_flops / hw.gpus_per_node;
     if (auto_sets && strcmp(c.layout, "auto")) return KILN_EXIT_OK; /* the config fixes its layout */
     if (search || json) return plan_search_main(&c, &s, &hw, config_path, gpus, nodes, search, json, top, auto_sets);
     double cap = gpu_gib * GIB;

@@ -238,6 +238,6 @@ printf 'base: h100\nhbm_gbps: -3\n' > "$T/hw_range.yaml"
 expect plan_hw_file_range 2 "hw_range.yaml: key 'hbm_gbps': expected a number in" -- ./train plan $CFG --gpus 8 --hardware "$T/hw_range.yaml"
 # cpu: measured once, then read from the cache (KILN_CACHE)
 KILN_CACHE="$T/cache" ./train plan configs/llama-tiny.yaml --gpus 2 --hardware cpu > "$T/cpu1.txt" 2>&1
-ls "$T/cache"/cpu-*.yaml >/dev/null 2>&1 && grep -q '^bf16_tflops: ' "$T"/cache/cpu-*.yaml && ok plan_hw_cpu_cached \
+ls "$T/cache"/cpu2-*.yaml >/dev/null 2>&1 && grep -q '^bf16_tflops: ' "$T"/cache/cpu2-*.yaml && ok plan_hw_cpu_cached \
     || fail plan_hw_cpu_cached "$(tail -2 "$T/cpu1.txt")"
 expect plan_hw_cpu_search 0 '^#1 ' -- env KILN_CACHE="$T/cache" ./train plan configs/llama-tiny.yaml --gpus 2 --hardware cpu --search
