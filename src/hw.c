@@ -187,7 +187,8 @@ void hw_load(const char *path, HwProfile *out) {
             } else {
                 kiln_fail(KILN_EXIT_USAGE, "%s: unknown key '%s' (docs/planner.md \"Hardware profiles\" lists them: "
                           "base, name, memory_gib, bf16_tflops, fp8_tflops, fp32_tflops, gemm_efficiency, hbm_gbps, "
-                          "gpus_per_node, intra_gbps, inter_gbps, nics_per_node, intra_latency_us, inter_latency_us)",
+                          "gpus_per_node, intra_gbps, inter_gbps, nics_per_node, intra_latency_us, inter_latency_us, node_tflops, "
+                          "threads)",
                           path, k);
             }
             seen[i] = 1;
