@@ -156,6 +156,21 @@ FUZZ_NOCOV static void fuzz_fork(void (*fn)(const uint8_t *, size_t), const uint
     abort();
 }
 
+/* fuzz_fork, or with the environment variable `show` set (one input given on
+ * the command line) fn in this process: what kiln says of it, and its exit. */
+FUZZ_NOCOV static void fuzz_run(void (*fn)(const uint8_t *, size_t), const uint8_t *data, size_t n, const char *show) {
+    if (getenv(show)) fn(data, n);
+    else fuzz_fork(fn, data, n);
+}
+
+/* The text of `path` when it is a regular file (not a link, FIFO or folder an
+ * input made in its place), else NULL; *len its bytes. */
+FUZZ_NOCOV static char *fuzz_read_regular(const char *path, size_t *len) {
+    struct stat st;
+    if (lstat(path, &st) != 0 || !S_ISREG(st.st_mode)) return NULL;
+    return kiln_read_file(path, len);
+}
+
 /* ---- a directory from one input (fuzz_hfdir, fuzz_runs) ----
  * After the caller's header, the input is files: "\n@@@NAME\nBYTES", BYTES up
  * to the next "\n@@@"; NAME ending in '/' is a directory, in '|' a FIFO

@@ -73,10 +73,8 @@ FUZZ_NOCOV static void setup(void) {
 FUZZ_NOCOV static void reseal(const char *dir) {
     char path[600];
     snprintf(path, sizeof path, "%s/manifest", dir);
-    struct stat st;
-    if (lstat(path, &st) != 0 || !S_ISREG(st.st_mode)) return;
     size_t len;
-    char *t = kiln_read_file(path, &len);
+    char *t = fuzz_read_regular(path, &len);
     if (!t) return;
     size_t body = len;
     while (body > 0 && t[body - 1] == '\n') body--;
@@ -152,10 +150,6 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 }
 
 FUZZ_NOCOV int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
-    if (getenv("KILN_FUZZ_CKPTLAYOUT_SHOW")) { /* one input in this process: what kiln says of it, and its exit */
-        load(d, n);
-        return 0;
-    }
-    fuzz_fork(load, d, n);
+    fuzz_run(load, d, n, "KILN_FUZZ_CKPTLAYOUT_SHOW");
     return 0;
 }

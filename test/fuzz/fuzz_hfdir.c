@@ -115,10 +115,6 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 }
 
 FUZZ_NOCOV int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
-    if (getenv("KILN_FUZZ_HFDIR_SHOW")) { /* one input in this process: what kiln says of it, and its exit */
-        load(d, n);
-        return 0;
-    }
-    fuzz_fork(load, d, n);
+    fuzz_run(load, d, n, "KILN_FUZZ_HFDIR_SHOW");
     return 0;
 }

@@ -60,10 +60,8 @@ static void run(const uint8_t *d, size_t n) {
 FUZZ_NOCOV static void put_store(void) {
     char path[600];
     snprintf(path, sizeof path, "%s/mlflow.json", run_dir);
-    struct stat st;
-    if (lstat(path, &st) != 0 || !S_ISREG(st.st_mode)) return;
     size_t len;
-    char *t = kiln_read_file(path, &len);
+    char *t = fuzz_read_regular(path, &len);
     if (!t) return;
     FILE *f = fopen(path, "wb");
     for (char *p = t; f && *p;) {
@@ -190,8 +188,7 @@ FUZZ_NOCOV int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
     prepare(d, n);
     free(listing);
     listing = snapshot(&listing_len);
-    if (getenv("KILN_FUZZ_MLFLOW_SHOW")) run(d, n); /* one input in this process: what kiln says of it */
-    else fuzz_fork(run, d, n);
+    fuzz_run(run, d, n, "KILN_FUZZ_MLFLOW_SHOW");
     check_outside();
     return 0;
 }

@@ -37,10 +37,6 @@ static void load(const uint8_t *d, size_t n) {
 }
 
 FUZZ_NOCOV int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) {
-    if (getenv("KILN_FUZZ_RUNS_SHOW")) { /* one input in this process: what the command says of it */
-        load(d, n);
-        return 0;
-    }
-    fuzz_fork(load, d, n);
+    fuzz_run(load, d, n, "KILN_FUZZ_RUNS_SHOW");
     return 0;
 }
