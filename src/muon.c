@@ -19,9 +19,9 @@ double muon_ns_flops(int rows, int cols, int ns) {
 }
 
 /* Matrix i's costs sorted, largest first (ties by index). */
-static int *by_cost(const AdamW *o, double *c) {
-    int n = o->nmat, *order = xmalloc((size_t)(n + 1) * sizeof(int));
-    for (int i = 0; i < n; i++) order[i] = i, c[i] = muon_ns_flops(o->mats[i].grows, o->mats[i].gcols, o->ns_steps);
+int *muon_order_by_cost(const double *c, int n) {
+    int *order = xmalloc((size_t)(n + 1) * sizeof(int));
+    for (int i = 0; i < n; i++) order[i] = i;
     for (int i = 1; i < n; i++) /* insertion sort: a few hundred matrices at most */
         for (int j = i; j > 0 && (c[order[j]] > c[order[j - 1]] ||
                                   (c[order[j]] == c[order[j - 1]] && order[j] < order[j - 1])); j--) {
@@ -29,6 +29,23 @@ static int *by_cost(const AdamW *o, double *c) {
             order[j] = order[j - 1], order[j - 1] = t;
         }
     return order;
+}
+
+void muon_place(const int *order, int n, const double *c, const int *kind, int want, int ranks, double *load,
+                int *owner) {
+    for (int k = 0; k < n; k++) {
+        int i = order[k], best = 0;
+        if (kind && kind[i] != want) continue;
+        for (int r = 1; r < ranks; r++)
+            if (load[r] < load[best]) best = r;
+        owner[i] = best;
+        load[best] += c[i];
+    }
+}
+
+static int *by_cost(const AdamW *o, double *c) {
+    for (int i = 0; i < o->nmat; i++) c[i] = muon_ns_flops(o->mats[i].grows, o->mats[i].gcols, o->ns_steps);
+    return muon_order_by_cost(c, o->nmat);
 }
 
 /* Longest processing time first: matrices by cost, largest first, each to
@@ -41,23 +58,9 @@ static void assign_owners(MuonDist *md, const AdamW *o) {
     int n = o->nmat, ne = md->plan[MUON_EXPERTS].n;
     double *c = xmalloc((size_t)(n + 1) * sizeof(double)), *xload = xcalloc((size_t)ne, sizeof(double));
     int *order = by_cost(o, c);
-    for (int k = 0; k < n; k++) {
-        int i = order[k], best = 0;
-        if (md->kind[i] != MUON_EXPERTS) continue;
-        for (int r = 1; r < ne; r++)
-            if (xload[r] < xload[best]) best = r;
-        md->owner[i] = best;
-        xload[best] += c[i];
-    }
+    muon_place(order, n, c, md->kind, MUON_EXPERTS, ne, xload, md->owner);
     for (int r = 0; r < md->dp; r++) md->cost[r] = xload[r / md->ep];
-    for (int k = 0; k < n; k++) {
-        int i = order[k], best = 0;
-        if (md->kind[i] != MUON_DENSE) continue;
-        for (int r = 1; r < md->dp; r++)
-            if (md->cost[r] < md->cost[best]) best = r;
-        md->owner[i] = best;
-        md->cost[best] += c[i];
-    }
+    muon_place(order, n, c, md->kind, MUON_DENSE, md->dp, md->cost, md->owner);
     for (int i = 0; i < n; i++) md->mine[i] = md->owner[i] == md->plan[md->kind[i]].rank;
     free(order);
     free(c);

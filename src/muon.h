@@ -95,6 +95,13 @@ void muon_dist_free(MuonDist *md);
 double muon_dist_step(MuonDist *md, AdamW *o, float *params, const float *grads, float lr, float grad_scale);
 /* Newton-Schulz FLOPs of a rows x cols matrix, ns steps (the owner's cost). */
 double muon_ns_flops(int rows, int cols, int ns);
+/* The indices 0..n-1 by cost c, largest first (ties: the lower index first). */
+int *muon_order_by_cost(const double *c, int n);
+/* Each matrix i taken in `order` (with kind[i] == want; kind NULL: all) to
+ * the least loaded of `ranks` (the lowest on a tie): owner[i], and its cost
+ * added to load[]. How the run places matrices, and the planner counts them. */
+void muon_place(const int *order, int n, const double *c, const int *kind, int want, int ranks, double *load,
+                int *owner);
 /* One line, the assignment: matrices and Newton-Schulz GFLOP per owner and
  * their imbalance, and the traffic per step beside AdamW's. */
 void muon_dist_describe(const MuonDist *md, const AdamW *o, char *buf, size_t n);

@@ -138,14 +138,10 @@ static double plan_muon_bytes(const ArchSpec *s, const PlanLayout *l, int dp, in
             if (optim_muon_work_floats(rows, cols) > work) work = optim_muon_work_floats(rows, cols);
         }
     }
-    for (int done = 0; done < k; done++) { /* largest cost first, ties by index, to the least loaded */
-        int i = -1, best = 0;
-        for (int j = 0; j < k; j++)
-            if (cost[j] >= 0 && (i < 0 || cost[j] > cost[i])) i = j;
-        for (int r = 1; r < dp; r++)
-            if (load[r] < load[best]) best = r;
-        load[best] += cost[i], owned[best] += size[i], cost[i] = -1;
-    }
+    int *order = muon_order_by_cost(cost, k), *owner = xcalloc((size_t)k + 1, sizeof(int));
+    muon_place(order, k, cost, NULL, 0, dp, load, owner);
+    for (int i = 0; i < k; i++) owned[owner[i]] += size[i];
+    free(order), free(owner);
     double mm = 0;
     for (int r = 0; r < dp; r++) mm = owned[r] > mm ? owned[r] : mm;
     double floats = 2 * (mm + 1) + (double)most + (double)work; /* momentum, obuf, u, ns_work */
