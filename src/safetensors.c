@@ -275,7 +275,7 @@ static int st_check(StFile *f, char *err, size_t cap) {
             if (!strcmp(f->t[i].name, f->t[i - 1].name))
                 return snprintf(err, cap, "tensor '%s' appears twice", f->t[i].name), -1;
     }
-    qsort(f->t, (size_t)f->n, sizeof *f->t, cmp_begin);
+    if (f->n > 1) qsort(f->t, (size_t)f->n, sizeof *f->t, cmp_begin); /* no tensors: f->t may be NULL */
     uint64_t at = 0;
     for (int i = 0; i < f->n; i++) {
         const StTensor *t = &f->t[i];
