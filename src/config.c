@@ -87,13 +87,20 @@ static const CfgKey cfg_keys[] = {
           "MLP width; `auto` = 4 n_embd (GeLU) or 8 n_embd / 3 rounded up to 256 (SwiGLU)"),
     KENUM("model.bias", bias, "auto", "auto|true|false", "biases on the linear layers and LayerNorms"),
     KENUM("model.tie_embeddings", tie_embeddings, "auto", "auto|true|false", "the output head reads the token embedding"),
-    KENUM("model.recompute", recompute, "none", "none|gelu|norm_gelu",
+    KENUM("model.recompute", recompute, "none", "none|gelu|norm_gelu|block",
           "activation memory for backward time: `gelu` keeps no GeLU output per layer (the backward recomputes "
           "each from the saved fc output into one shared buffer: L-1 fewer (B,T,4C) tensors, one more GeLU per "
           "layer), `norm_gelu` also no LayerNorm outputs (recomputed from the saved layer inputs and statistics: "
-          "2L-1 fewer (B,T,C), two more LayerNorms per layer); results are bit-identical to `none` (on GPU with "
-          "`precision.gelu_fusion: off`; with fusion the recomputed GeLU may differ in the last bit), and "
-          "`--dry-run` prints the activation memory of the mode"),
+          "2L-1 fewer (B,T,C), two more LayerNorms per layer); `block` keeps only each checkpointed layer's "
+          "input (B,T,C) and runs its whole forward again just before its backward, into one layer's workspace "
+          "(torchtitan's full, Megatron's full recompute: one more forward of those layers, two under zb_h1's "
+          "split backward, whose weight part recomputes again); results are bit-identical to `none` (on GPU "
+          "`gelu` and `norm_gelu` with `precision.gelu_fusion: off`: with fusion their recomputed GeLU may differ "
+          "in the last bit; `block` recomputes with the forward's own ops, fused or not), and `--dry-run` and "
+          "`./train plan` print the activation memory of the mode"),
+    KINT("model.recompute_every", recompute_every, "1", 1, 1024,
+         "with `model.recompute: block`: checkpoint layer l when l % k == 0 and keep the others whole (1: every "
+         "layer; 2: every other, about half the memory saving for half the recomputation)"),
     KFLT("model.rope_scaling.factor", rope_factor, "0", 0, INF,
          "Llama 3.1 RoPE scaling: 0 = off; else >= 1 with the three keys below"),
     KFLT("model.rope_scaling.low_freq_factor", rope_low, "0", 0, INF, "Llama 3.1 scaling: low-frequency factor (1)"),
@@ -1145,6 +1152,10 @@ static void cfg_check_cross(Config *c, CfgLoad *L) {
     arch_from_config(c, &spec); /* every architecture constraint, naming the key */
     cfg_check_moe(c, &spec, L);
     cfg_check_ep(c, &spec, L);
+    if (c->recompute_every > 1 && strcmp(c->recompute, "block"))
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'model.recompute_every': %d checkpoints every k-th layer, which only "
+                  "model.recompute: block does (it is %s)", cfg_where_of(L, "model.recompute_every", NULL),
+                  c->recompute_every, c->recompute);
     cfg_check_batch(c, L);
     cfg_check_parallel(c, L);
     cfg_check_precision(c, L);

@@ -52,7 +52,8 @@ typedef struct Config {
     char moe_router[8], moe_norm_topk[8];
     float moe_capacity, moe_aux, moe_z, moe_bias_rate;
     int padded_vocab; /* derived: vocab_size rounded up to a multiple of 64 */
-    char recompute[16]; /* none | gelu | norm_gelu: what the backward recomputes (model.h) */
+    char recompute[16]; /* none | gelu | norm_gelu | block: what the backward recomputes (model.h) */
+    int recompute_every; /* block: every k-th layer is checkpointed */
 
     /* data */
     char train_glob[CFG_STR]; /* data.train as a plain glob; "" when it is a list */

@@ -297,6 +297,7 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     m->cp = o->cp > 1 ? o->cp : 1;
     m->cp_rank = m->cp > 1 ? o->cp_rank : 0;
     m->doc_mask = o->doc_masking, m->doc_reset = o->doc_reset, m->doc_eot = o->doc_eot;
+    m->recompute_every = o->recompute_every > 0 ? o->recompute_every : 1;
     m->vocab_lo = m->tp_rank * m->shape.padded_vocab;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
@@ -568,16 +569,16 @@ void *model_compute_copy(const Model *m) {
 
 void model_set_loss_sink(Model *m, double *sink) { m->loss_sink = sink; }
 
-static const char *const recompute_names[] = {"none", "gelu", "norm_gelu"};
+static const char *const recompute_names[MODEL_RECOMPUTE_MODES] = {"none", "gelu", "norm_gelu", "block"};
 
 ModelRecompute model_recompute_parse(const char *name) {
-    for (int r = 0; r < 3; r++)
+    for (int r = 0; r < MODEL_RECOMPUTE_MODES; r++)
         if (strcmp(name, recompute_names[r]) == 0) return (ModelRecompute)r;
-    kiln_fail(KILN_EXIT_USAGE, "key 'model.recompute': expected one of none, gelu, norm_gelu, got '%s'", name);
+    kiln_fail(KILN_EXIT_USAGE, "key 'model.recompute': expected one of none, gelu, norm_gelu, block, got '%s'", name);
 }
 
 const char *model_recompute_name(ModelRecompute r) {
-    return r >= MODEL_RECOMPUTE_NONE && r <= MODEL_RECOMPUTE_NORM_GELU ? recompute_names[r] : "?";
+    return r >= MODEL_RECOMPUTE_NONE && r < MODEL_RECOMPUTE_MODES ? recompute_names[r] : "?";
 }
 
 /* Widths of the backward's scratch buffers (act elements per row). */
@@ -589,10 +590,116 @@ typedef struct ScratchPlan {
 static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
 
 /* What an activation arena holds: chunk c's layers [lo[c], hi[c]) in
- * slots[c] sets each; split: a split backward's kept output gradients. */
+ * slots[c] sets each; split: a split backward's kept output gradients;
+ * every: BLOCK's recompute_every. */
 typedef struct ActPlan {
-    int chunks, lo[MODEL_MAX_CHUNKS], hi[MODEL_MAX_CHUNKS], slots[MODEL_MAX_CHUNKS], split;
+    int chunks, lo[MODEL_MAX_CHUNKS], hi[MODEL_MAX_CHUNKS], slots[MODEL_MAX_CHUNKS], split, every;
 } ActPlan;
+
+int model_recompute_layer(ModelRecompute r, int every, int l) {
+    return r == MODEL_RECOMPUTE_BLOCK && l % (every > 0 ? every : 1) == 0;
+}
+
+int model_layer_recomputed(const Model *m, int l) {
+    return l >= 0 && model_recompute_layer(m->recompute, m->recompute_every, l);
+}
+
+/* Which shared buffers GELU and NORM_GELU recompute into (BLOCK keeps both
+ * in every layer it keeps whole, and in its workspace). */
+static int recomputes_gelu(ModelRecompute r) { return r == MODEL_RECOMPUTE_GELU || r == MODEL_RECOMPUTE_NORM_GELU; }
+static int recomputes_norm(ModelRecompute r) { return r == MODEL_RECOMPUTE_NORM_GELU; }
+
+/* The arena being laid out: with base set, each take() returns its place;
+ * without (counting only), NULL, written into throwaway views. Every buffer
+ * is 64-byte aligned. */
+typedef struct Take {
+    char *base;
+    size_t off;
+} Take;
+
+static void *take(Take *t, size_t count, size_t esize) {
+    void *p = t->base ? t->base + t->off : NULL;
+    t->off += (count * esize + 63) / 64 * 64;
+    return p;
+}
+
+/* Widths of one layer's buffers (plan_bytes). */
+typedef struct LayerDims {
+    size_t N, Nres, C, NH, Q, QKVW, QK, G, FF, FCW, E, K, Fe, S, R, RG, ab;
+    int moe, qk_norm, ep;
+} LayerDims;
+
+/* One layer's activations kept whole; keep_gelu, keep_norm: its own MLP
+ * activation and norm outputs (else a shared buffer's, pointed at later). */
+static void take_layer(Take *t, LayerActs *a, const LayerDims *d, int keep_gelu, int keep_norm, int split) {
+    size_t N = d->N, C = d->C, ab = d->ab, F = sizeof(float), I = sizeof(int32_t), R = d->R;
+    if (keep_norm) a->ln1 = take(t, N * C, ab);
+    a->ln1_mean = take(t, N, F);
+    a->ln1_rstd = take(t, N, F);
+    a->qkv = take(t, N * d->QKVW, ab);
+    if (d->qk_norm) {
+        a->qk_in = take(t, N * d->QK, ab);
+        a->qk_rstd = take(t, N * d->G, F);
+    }
+    a->atty = take(t, N * d->Q, ab);
+    a->att_lse = take(t, N * d->NH, F);
+    a->res2 = take(t, d->Nres * C, ab);
+    if (keep_norm) a->ln2 = take(t, N * C, ab);
+    a->ln2_mean = take(t, N, F);
+    a->ln2_rstd = take(t, N, F);
+    if (!d->moe) {
+        a->fch = take(t, N * d->FCW, ab);
+        if (keep_gelu) a->fch_gelu = take(t, N * d->FF, ab);
+    } else {
+        a->router = take(t, N * d->E, ab);
+        a->probs = take(t, N * d->E, F);
+        a->gates = take(t, N * d->K, F);
+        a->stats = take(t, d->RG * (d->E + 1), F);
+        a->topk = take(t, N * d->K, I);
+        a->row_of = take(t, N * d->K, I);
+        a->src = take(t, R, I);
+        a->offsets = take(t, d->E + 1, I);
+        a->counts = take(t, d->RG * d->E, I);
+        a->xp = take(t, R * C, ab);
+        if (d->ep <= 1) { /* expert parallelism: the expert side's activations are ep.c's */
+            a->hp = take(t, R * 2 * d->Fe, ab);
+            a->hp_act = take(t, R * d->Fe, ab);
+        }
+        a->yp = take(t, R * C, ab);
+        if (d->S) {
+            a->sh = take(t, N * 2 * d->S, ab);
+            a->sh_act = take(t, N * d->S, ab);
+        }
+    }
+    a->res3 = take(t, d->Nres * C, ab);
+    if (split) {
+        /* the input part is done with qkv, res2, fch and res3 (a layer's
+         * output, read by the layer above, whose backward ran first);
+         * recomputation still reads fch (the MLP activation) and res2, res3
+         * (the norms' inputs); and the residual's N/tp rows under sequence
+         * parallelism are too few for the gradients of all N */
+        int own_res = !keep_norm || d->Nres < N;
+        a->d_qkv = a->qkv;
+        if (own_res) a->d_o = take(t, N * C, ab);
+        else a->d_o = a->res2;
+        if (!d->moe && !keep_gelu) a->d_fc = take(t, N * d->FCW, ab);
+        else a->d_fc = d->moe ? NULL : a->fch;
+        if (!d->moe && own_res) a->d_down = take(t, N * C, ab);
+        else a->d_down = d->moe ? NULL : a->res3;
+    }
+}
+
+/* A layer BLOCK checkpoints: its output (the next layer's input) and, for a
+ * split backward, the four products' output gradients (its recomputations
+ * overwrite the workspace in between); the rest is the workspace's. */
+static void take_checkpointed(Take *t, LayerActs *a, const LayerDims *d, int split) {
+    a->res3 = take(t, d->Nres * d->C, d->ab);
+    if (!split) return;
+    a->d_qkv = take(t, d->N * d->QKVW, d->ab);
+    a->d_o = take(t, d->N * d->C, d->ab);
+    a->d_fc = d->moe ? NULL : take(t, d->N * d->FCW, d->ab);
+    a->d_down = d->moe ? NULL : take(t, d->N * d->C, d->ab);
+}
 
 /* Activation plan: the bytes each buffer needs, in one arena; act tensors
  * of act_bytes each, statistics fp32, every buffer 64-byte aligned (so with
@@ -601,24 +708,29 @@ typedef struct ActPlan {
  * Each set (a chunk's slot) holds its input, its layers' activations, the
  * head's outputs or the output gradient, the input gradient (a chunk without
  * the embeddings) and the MoE aux gradients. What `r` recomputes gets one
- * buffer that every layer of every set points at, after the sets; so do the
+ * buffer that every layer of every set points at, after the sets (BLOCK: a
+ * whole layer's, the workspace, and its products' outputs); so do the
  * cross-entropy statistics, the logits row and the scratch. MoE activations
- * are always kept. */
+ * are kept except by BLOCK. */
 static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, const ActPlan *pl, int tp,
                          int cp, int seq_par, int ep, Model *m) {
-    size_t N = (size_t)B * T, C = (size_t)s->n_embd, NH = (size_t)s->n_head, F = sizeof(float), I = sizeof(int32_t);
+    size_t N = (size_t)B * T, C = (size_t)s->n_embd, F = sizeof(float), I = sizeof(int32_t);
+    int moe = s->mlp == MLP_MOE;
+    LayerDims d = {
+        .N = N, .C = C, .NH = (size_t)s->n_head, .Q = (size_t)arch_q_width(s), .QKVW = (size_t)arch_qkv_width(s),
+        .QK = (size_t)(s->n_head + s->n_kv_head) * s->head_dim,
+        .G = s->qk_norm == QKNORM_HEAD ? (size_t)(s->n_head + s->n_kv_head) : 2, .FF = (size_t)s->ffn_hidden,
+        .FCW = (size_t)arch_fc_width(s), .E = moe ? (size_t)s->moe.n_experts : 0, .K = moe ? (size_t)s->moe.top_k : 0,
+        .Fe = moe ? (size_t)s->moe.expert_hidden : 0, .ab = ab, .moe = moe, .qk_norm = s->qk_norm != QKNORM_NONE,
+        .ep = ep};
     /* the residual stream's rows: under sequence parallelism a rank's N/tp
      * (every forward splits: model_forward pads one sequence to a multiple
      * of tp) */
-    size_t Nres = tp > 1 && seq_par && cp == 1 ? (N + (size_t)tp - 1) / (size_t)tp : N;
-    size_t Q = (size_t)arch_q_width(s), QKVW = (size_t)arch_qkv_width(s), FF = (size_t)s->ffn_hidden;
-    size_t FCW = (size_t)arch_fc_width(s), QK = (size_t)(s->n_head + s->n_kv_head) * s->head_dim;
-    size_t G = s->qk_norm == QKNORM_HEAD ? (size_t)(s->n_head + s->n_kv_head) : 2;
-    int moe = s->mlp == MLP_MOE;
-    size_t E = moe ? (size_t)s->moe.n_experts : 0, K = moe ? (size_t)s->moe.top_k : 0;
-    size_t Fe = moe ? (size_t)s->moe.expert_hidden : 0, S = moe ? (size_t)s->moe.n_shared * Fe : 0, R = N * K;
-    size_t RG = cp > 1 ? 2 * (size_t)B : (size_t)B; /* MoE routing groups (moe_group_rows) */
-    size_t off = 0;
+    d.Nres = tp > 1 && seq_par && cp == 1 ? (N + (size_t)tp - 1) / (size_t)tp : N;
+    d.S = moe ? (size_t)s->moe.n_shared * d.Fe : 0;
+    d.R = N * d.K;
+    d.RG = cp > 1 ? 2 * (size_t)B : (size_t)B; /* MoE routing groups (moe_group_rows) */
+    size_t E = d.E, K = d.K, R = d.R, RG = d.RG, S = d.S, Fe = d.Fe, FF = d.FF, FCW = d.FCW, Q = d.Q;
     /* Without a model, only count: views are written into a throwaway. */
     Model sink;
     ModelSlot sink_slot;
@@ -628,138 +740,99 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
         memset(&sink, 0, sizeof sink);
         m = &sink;
     }
-    if (assign) m->res_rows = Nres;
-    int keep_gelu = r < MODEL_RECOMPUTE_GELU || moe, keep_norm = r < MODEL_RECOMPUTE_NORM_GELU;
-#define TAKE(ptr, count, esize)                                 \
-    do {                                                        \
-        if (assign) (ptr) = (void *)((char *)m->act_mem + off); \
-        off += ((size_t)(count) * (esize) + 63) / 64 * 64;      \
-    } while (0)
+    Take t = {.base = assign ? (char *)m->act_mem : NULL};
+    if (assign) m->res_rows = d.Nres;
+    int keep_gelu = !recomputes_gelu(r) || moe, keep_norm = !recomputes_norm(r), any_ckpt = 0;
     int set = 0;
     for (int c = 0; c < pl->chunks; c++)
         for (int k = 0; k < pl->slots[c]; k++, set++) {
             ModelSlot *sl = assign ? &m->slots[set] : &sink_slot;
             int lo = pl->lo[c], hi = pl->hi[c];
-            TAKE(sl->encoded, Nres * C, ab);
+            sl->encoded = take(&t, d.Nres * C, ab);
             for (int l = lo; l < hi; l++) {
                 LayerActs *a = assign ? &sl->acts[l] : &sink_layer;
-                if (keep_norm) TAKE(a->ln1, N * C, ab);
-                TAKE(a->ln1_mean, N, F);
-                TAKE(a->ln1_rstd, N, F);
-                TAKE(a->qkv, N * QKVW, ab);
-                if (s->qk_norm != QKNORM_NONE) {
-                    TAKE(a->qk_in, N * QK, ab);
-                    TAKE(a->qk_rstd, N * G, F);
-                }
-                TAKE(a->atty, N * Q, ab);
-                TAKE(a->att_lse, N * NH, F);
-                TAKE(a->res2, Nres * C, ab);
-                if (keep_norm) TAKE(a->ln2, N * C, ab);
-                TAKE(a->ln2_mean, N, F);
-                TAKE(a->ln2_rstd, N, F);
-                if (!moe) {
-                    TAKE(a->fch, N * FCW, ab);
-                    if (keep_gelu) TAKE(a->fch_gelu, N * FF, ab);
+                if (model_recompute_layer(r, pl->every, l)) {
+                    take_checkpointed(&t, a, &d, pl->split);
+                    any_ckpt = 1;
                 } else {
-                    TAKE(a->router, N * E, ab);
-                    TAKE(a->probs, N * E, F);
-                    TAKE(a->gates, N * K, F);
-                    TAKE(a->stats, RG * (E + 1), F);
-                    TAKE(a->topk, N * K, I);
-                    TAKE(a->row_of, N * K, I);
-                    TAKE(a->src, R, I);
-                    TAKE(a->offsets, E + 1, I);
-                    TAKE(a->counts, RG * E, I);
-                    TAKE(a->xp, R * C, ab);
-                    if (ep <= 1) { /* expert parallelism: the expert side's activations are ep.c's */
-                        TAKE(a->hp, R * 2 * Fe, ab);
-                        TAKE(a->hp_act, R * Fe, ab);
-                    }
-                    TAKE(a->yp, R * C, ab);
-                    if (S) {
-                        TAKE(a->sh, N * 2 * S, ab);
-                        TAKE(a->sh_act, N * S, ab);
-                    }
-                }
-                TAKE(a->res3, Nres * C, ab);
-                if (pl->split) {
-                    /* the input part is done with qkv, res2, fch and res3 (a
-                     * layer's output, read by the layer above, whose backward
-                     * ran first); recomputation still reads fch (the MLP
-                     * activation) and res2, res3 (the norms' inputs); and the
-                     * residual's N/tp rows under sequence parallelism are too
-                     * few for the gradients of all N */
-                    int own_res = !keep_norm || Nres < N;
-                    a->d_qkv = a->qkv;
-                    if (own_res) TAKE(a->d_o, N * C, ab);
-                    else a->d_o = a->res2;
-                    if (!moe && !keep_gelu) TAKE(a->d_fc, N * FCW, ab);
-                    else a->d_fc = moe ? NULL : a->fch;
-                    if (!moe && own_res) TAKE(a->d_down, N * C, ab);
-                    else a->d_down = moe ? NULL : a->res3;
+                    take_layer(&t, a, &d, keep_gelu, keep_norm, pl->split);
                 }
             }
             if (hi == s->n_layer) {
-                TAKE(sl->lnf, N * C, ab);
-                TAKE(sl->lnf_mean, N, F);
-                TAKE(sl->lnf_rstd, N, F);
-                TAKE(sl->logits, N * (size_t)s->padded_vocab, ab);
-                TAKE(sl->losses, N, F);
+                sl->lnf = take(&t, N * C, ab);
+                sl->lnf_mean = take(&t, N, F);
+                sl->lnf_rstd = take(&t, N, F);
+                sl->logits = take(&t, N * (size_t)s->padded_vocab, ab);
+                sl->losses = take(&t, N, F);
             } else {
-                TAKE(sl->stage_dout, N * C, ab);
+                sl->stage_dout = take(&t, N * C, ab);
             }
-            if (lo > 0) TAKE(sl->stage_din, Nres * C, ab); /* the residual rows this rank holds */
-            if (moe) TAKE(sl->aux, RG * E * s->n_layer, F);
+            if (lo > 0) sl->stage_din = take(&t, d.Nres * C, ab); /* the residual rows this rank holds */
+            if (moe) sl->aux = take(&t, RG * E * s->n_layer, F);
         }
-    if (moe && cp > 1) TAKE(m->moe_caps, RG * E, I); /* one layer's chunk limits (moe_cp_caps) */
+    if (moe && cp > 1) m->moe_caps = take(&t, RG * E, I); /* one layer's chunk limits (moe_cp_caps) */
     void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
-    if (!keep_gelu) TAKE(gelu_shared, N * FF, ab);
-    if (!keep_norm) TAKE(ln_shared, N * C, ab);
+    if (!keep_gelu) gelu_shared = take(&t, N * FF, ab);
+    if (!keep_norm) ln_shared = take(&t, N * C, ab);
+    LayerActs ws = {0};
+    m->rec_proj = NULL;
+    if (any_ckpt) {
+        take_layer(&t, &ws, &d, 1, 1, 0);
+        m->rec_proj = take(&t, 2 * N * C, ab);
+    }
+    if (assign) m->rec_ws = ws;
     for (int i = 0; assign && i < set; i++)
         for (int l = pl->lo[m->slots[i].chunk]; l < pl->hi[m->slots[i].chunk]; l++) {
-            if (!keep_gelu) m->slots[i].acts[l].fch_gelu = gelu_shared;
-            if (!keep_norm) m->slots[i].acts[l].ln1 = m->slots[i].acts[l].ln2 = ln_shared;
+            LayerActs *a = &m->slots[i].acts[l];
+            if (!keep_gelu) a->fch_gelu = gelu_shared;
+            if (!keep_norm) a->ln1 = a->ln2 = ln_shared;
+            if (model_recompute_layer(r, pl->every, l)) { /* the workspace's views, but its own kept ones */
+                LayerActs own = *a;
+                *a = ws;
+                a->res3 = own.res3, a->offsets_host = own.offsets_host;
+                a->d_qkv = own.d_qkv, a->d_o = own.d_o, a->d_fc = own.d_fc, a->d_down = own.d_down;
+            }
         }
-    if (tp > 1) TAKE(m->xent_stats, (size_t)tp * N * 3, F);
-    if (tp > 1 || cp > 1) TAKE(m->row_dev, (size_t)tp * s->padded_vocab, ab);
+    if (tp > 1) m->xent_stats = take(&t, (size_t)tp * N * 3, F);
+    if (tp > 1 || cp > 1) m->row_dev = take(&t, (size_t)tp * s->padded_vocab, ab);
     /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf (N,
      * the widest of NH HD, F, S, C), dbuf2 (N, the widest of the first MLP
      * product and 2S), dqkv (N,QKVW), dln (N,C); MoE: dyp and dxp (R,C),
      * dhp (R,2Fe), dhp_act (R,Fe), dlogits (N,E) act, dgates (N,K) fp32;
      * all act unless said */
-    ScratchPlan sp = {.dres = C, .dbuf = zmax(zmax(Q, FF), zmax(S, C)), .dbuf2 = zmax(FCW, 2 * S), .dqkv = QKVW, .dln = C};
+    ScratchPlan sp = {.dres = C, .dbuf = zmax(zmax(Q, FF), zmax(S, C)), .dbuf2 = zmax(FCW, 2 * S), .dqkv = d.QKVW,
+                      .dln = C};
     size_t scratch = N * (sp.dres + sp.dbuf + sp.dbuf2 + sp.dqkv + sp.dln);
     if (moe) scratch += R * (2 * C + 3 * Fe) + N * E + (N * K * F + ab - 1) / ab + 64;
     if (tp > 1) scratch += N * C; /* dfull (N,C): a gathered gradient; the forward's reduce-scatter target */
-    TAKE(m->scratch, scratch, ab);
-#undef TAKE
-    return off;
+    m->scratch = take(&t, scratch, ab);
+    return t.off;
 }
 
-static ActPlan whole_plan(const ArchSpec *s) {
-    ActPlan p = {.chunks = 1, .hi = {s->n_layer}, .slots = {1}};
+static ActPlan whole_plan(const ArchSpec *s, int every) {
+    ActPlan p = {.chunks = 1, .hi = {s->n_layer}, .slots = {1}, .every = every};
     return p;
 }
 
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r) {
-    ActPlan p = whole_plan(s);
+    ActPlan p = whole_plan(s, 1);
     return plan_bytes(s, B, T, act_bytes, r, &p, 1, 1, 0, 1, NULL);
 }
 
 size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, int sp, int B, int T, size_t act_bytes,
-                                   ModelRecompute r) {
+                                   ModelRecompute r, int every) {
     ArchSpec l;
     arch_tp_local(s, tp, 0, &l); /* rank 0 holds the most vocabulary rows */
-    ActPlan p = whole_plan(s);
+    ActPlan p = whole_plan(s, every);
     return plan_bytes(&l, B, T / cp, act_bytes, r, &p, tp, cp, sp, ep, NULL);
 }
 
 size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, int ep, int B, int T, size_t act_bytes,
-                                    ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
-                                    int split) {
+                                    ModelRecompute r, int every, int chunks, const int *lo, const int *hi,
+                                    const int *slots, int split) {
     ArchSpec l;
     arch_tp_local(s, tp, 0, &l);
-    ActPlan p = {.chunks = chunks, .split = split};
+    ActPlan p = {.chunks = chunks, .split = split, .every = every};
     if (chunks < 1 || chunks > MODEL_MAX_CHUNKS) return 0;
     for (int c = 0; c < chunks; c++) p.lo[c] = lo[c], p.hi[c] = hi[c], p.slots[c] = slots[c];
     if (cp < 1) cp = 1;
@@ -827,7 +900,7 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
     m->T = T;
     m->recompute = r;
     m->split_backward = split;
-    ActPlan pl = {.chunks = m->n_chunks, .split = split};
+    ActPlan pl = {.chunks = m->n_chunks, .split = split, .every = m->recompute_every};
     m->n_slots = 0;
     for (int c = 0; c < m->n_chunks; c++) {
         pl.lo[c] = m->chunk_lo[c], pl.hi[c] = m->chunk_hi[c], pl.slots[c] = slots && slots[c] > 0 ? slots[c] : 1;
@@ -942,6 +1015,11 @@ static AttnShape attn_shape(const ArchSpec *s, int B, int T) {
 static void *act_at(const Model *m, const void *base, size_t rows, size_t width) {
     return (char *)base + rows * width * m->act_bytes;
 }
+
+/* Where a forward's product outputs go until the residual add: the
+ * scratch, or while a backward recomputes a layer (whose scratch then holds
+ * the backward's gradients) BLOCK's own buffer. */
+static void *fwd_proj(const Model *m) { return m->recomputing ? m->rec_proj : m->scratch; }
 
 /* Rows of the residual stream, x, or x = a + b not yet added: a block
  * leaves its residual add to the norm that reads x next, so a backend that
@@ -1191,7 +1269,7 @@ static Resid attn_forward(Model *m, int l, Resid x, int B, int T) {
     int N = B * T, C = s->n_embd, Q = arch_q_width(s);
     AttnShape sh = attn_shape(s, B, T);
     sh.doc = m->doc_mask ? m->doc_dev : NULL; /* data.doc_masking */
-    void *proj = m->scratch; /* (N,C) lives only until the residual add consumes it */
+    void *proj = fwd_proj(m); /* (N,C) lives only until the residual add consumes it */
     norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, x, W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B), N);
     model_mm_forward(m, l, MM_QKV, -1, a->qkv, a->ln1, W(m, l, ROLE_QKV_W), W(m, l, ROLE_QKV_B), N, C, arch_qkv_width(s));
     if (s->qk_norm != QKNORM_NONE)
@@ -1296,7 +1374,7 @@ static Resid moe_forward(Model *m, int l, int N, int T, float dloss, int train) 
     const ArchMoe *mo = &s->moe;
     LayerActs *a = &m->acts[l];
     int C = s->n_embd, E = mo->n_experts, K = mo->top_k;
-    void *proj = m->scratch;
+    void *proj = fwd_proj(m);
     int bi = model_tensor_index(m, l, ROLE_ROUTER_BIAS, -1);
     be->matmul_forward(a->router, a->ln2, W(m, l, ROLE_ROUTER_W), NULL, N, C, E);
     int gr = moe_group_rows(m, T), G = N / gr; /* G routing groups of gr rows */
@@ -1370,8 +1448,10 @@ static Resid moe_forward(Model *m, int l, int N, int T, float dloss, int train) 
         }
         z += qb[2 * E];
     }
-    m->moe.aux += E * aux / B;
-    m->moe.z += z / ((double)B * Tg);
+    if (!m->recomputing) { /* the figures of the forward, counted once */
+        m->moe.aux += E * aux / B;
+        m->moe.z += z / ((double)B * Tg);
+    }
     if (train) {
         m->moe.routed += routed;
         m->moe.drops += routed - a->offsets_host[E];
@@ -1387,7 +1467,7 @@ static Resid mlp_forward(Model *m, int l, Resid res2, int N, int T, int fuse, fl
     const ArchSpec *s = &m->shape;
     LayerActs *a = &m->acts[l];
     int C = s->n_embd, F = s->ffn_hidden;
-    void *proj = m->scratch;
+    void *proj = fwd_proj(m);
     norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, res2, W(m, l, ROLE_MLP_NORM_W), W(m, l, ROLE_MLP_NORM_B), N);
     if (s->mlp == MLP_MOE) return moe_forward(m, l, N, T, dloss, train);
     if (fuse) {
@@ -1751,6 +1831,23 @@ static void attn_backward(Model *m, int l, const void *x_in, int B, int T, const
                   W(m, l, ROLE_ATTN_NORM_W), a->ln1_mean, a->ln1_rstd, res_rows(m, N), acc);
 }
 
+/* BLOCK (model.recompute): checkpointed layer l's forward again, from its
+ * kept input x_in, into the workspace its views point at, after use_layer
+ * (ZeRO-3's gather of the layer for its backward serves the recomputation
+ * too: no second gather). The forward's own ops on the same inputs and
+ * weights, with its tp, cp and ep exchanges (every rank of a group
+ * recomputes the same layer at the same point of the schedule); it counts
+ * no MoE loads, drops or aux and z losses again, and fp8 casts take the
+ * scales their forward took (model_fp8.c). attn_only: up to attention's
+ * output projection (what an MoE layer's weight part reads). */
+static void recompute_layer(Model *m, int l, const void *x_in, int attn_only) {
+    int B = m->live_B, T = m->live_T;
+    m->recomputing = 1;
+    Resid res2 = attn_forward(m, l, resid_rows(x_in), B, T);
+    if (!attn_only) (void)mlp_forward(m, l, res2, B * T, T, model_gelu_fused(m, 0), m->live_dloss, 0);
+    m->recomputing = 0;
+}
+
 /* The whole backward, or its input part (see model_backward_input). */
 static void backward_run(Model *m, int accumulate, BackPart part) {
     const Backend *be = m->be;
@@ -1782,14 +1879,15 @@ static void backward_run(Model *m, int accumulate, BackPart part) {
     }
     /* ZeRO-2/3: each backward writes fresh layer gradients; the caller adds them up */
     int acc_layer = accumulate && !m->layer_grads_fresh;
-    int rec_act = m->recompute >= MODEL_RECOMPUTE_GELU && s->mlp != MLP_MOE;
-    int rec_norm = m->recompute >= MODEL_RECOMPUTE_NORM_GELU;
+    int rec_act = recomputes_gelu(m->recompute) && s->mlp != MLP_MOE;
+    int rec_nrm = recomputes_norm(m->recompute);
     int fuse_bwd = model_gelu_fused(m, 1);
     for (int l = m->layer_hi - 1; l >= m->layer_lo; l--) {
         use_layer(m, l, 1);
         const void *x_in = l > m->layer_lo ? m->acts[l - 1].res3 : m->encoded;
-        mlp_backward(m, l, N, &b, acc_layer, fuse_bwd, rec_act, rec_norm, part);
-        attn_backward(m, l, x_in, B, T, &b, acc_layer, rec_norm, part);
+        if (model_layer_recomputed(m, l)) recompute_layer(m, l, x_in, 0);
+        mlp_backward(m, l, N, &b, acc_layer, fuse_bwd, rec_act, rec_nrm, part);
+        attn_backward(m, l, x_in, B, T, &b, acc_layer, rec_nrm, part);
         if (part == PART_INPUT) continue; /* the layer's gradients are complete after its weight part */
         if (m->tpc.grads_done) m->tpc.grads_done(m->tpc.ctx, l);
         if (m->hooks.grads_done) m->hooks.grads_done(m->hooks.ctx, l);
@@ -1835,17 +1933,20 @@ void model_backward_weight(Model *m, int accumulate) {
                             accumulate);
     }
     int acc = accumulate && !m->layer_grads_fresh;
-    int rec_act = m->recompute >= MODEL_RECOMPUTE_GELU && s->mlp != MLP_MOE;
-    int rec_norm = m->recompute >= MODEL_RECOMPUTE_NORM_GELU;
+    int rec_act = recomputes_gelu(m->recompute) && s->mlp != MLP_MOE;
+    int rec_nrm = recomputes_norm(m->recompute);
     for (int l = m->layer_hi - 1; l >= m->layer_lo; l--) {
         use_layer(m, l, 1);
         const LayerActs *a = &m->acts[l];
         const void *x_in = l > m->layer_lo ? m->acts[l - 1].res3 : m->encoded;
+        /* BLOCK: the input part's recomputation was overwritten since; an
+         * MoE layer's weight part is attention's products only */
+        if (model_layer_recomputed(m, l)) recompute_layer(m, l, x_in, s->mlp == MLP_MOE);
         /* each product's weight gradient from its kept output gradient and
          * its input: recomputed by the forward's op where model.recompute
          * dropped it (norm2's, the MLP activation, norm1's) */
         if (s->mlp != MLP_MOE) {
-            if (rec_norm)
+            if (rec_nrm)
                 norm_in(m, a->ln2, a->ln2_mean, a->ln2_rstd, resid_rows(a->res2), W(m, l, ROLE_MLP_NORM_W),
                         W(m, l, ROLE_MLP_NORM_B), N);
             if (rec_act) mlp_activation(m, a, N);
@@ -1856,7 +1957,7 @@ void model_backward_weight(Model *m, int accumulate) {
         }
         model_mm_backward(m, l, MM_O, -1, NULL, G(m, l, ROLE_O_W), G(m, l, ROLE_O_B), a->d_o, a->atty, W(m, l, ROLE_O_W), N, Q, C,
                             acc);
-        if (rec_norm)
+        if (rec_nrm)
             norm_in(m, a->ln1, a->ln1_mean, a->ln1_rstd, resid_rows(x_in), W(m, l, ROLE_ATTN_NORM_W), W(m, l, ROLE_ATTN_NORM_B),
                     N);
         model_mm_backward(m, l, MM_QKV, -1, NULL, G(m, l, ROLE_QKV_W), G(m, l, ROLE_QKV_B), a->d_qkv, a->ln1, W(m, l, ROLE_QKV_W),

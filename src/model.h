@@ -86,19 +86,27 @@ typedef struct ComputeBuf {
 } ComputeBuf;
 
 /* What the backward pass recomputes instead of keeping per layer
- * (model.recompute). Each mode includes the one before. The recomputation
- * runs the forward's op on the forward's inputs (saved in the arena), so
- * values, and every result after them, are bit-identical to NONE (except for
- * the GeLU output when the forward made it in a fused product:
+ * (model.recompute). GELU and NORM_GELU each include the one before: the
+ * recomputation runs the forward's op on the forward's inputs (saved in the
+ * arena), so values, and every result after them, are bit-identical to NONE
+ * (except for the GeLU output when the forward made it in a fused product:
  * model_gelu_fused); it costs one more activation op (GeLU or SwiGLU; and
- * two norms) per layer and backward. MoE layers keep their activations. */
+ * two norms) per layer and backward. MoE layers keep their activations.
+ * BLOCK keeps only the input of each checkpointed layer (every
+ * recompute_every-th: model_layer_recomputed) and runs the layer's whole
+ * forward again just before its backward, into one workspace all such
+ * layers share: the same ops on the same inputs and weights, so again
+ * bit-identical, for one more forward of each checkpointed layer (two under
+ * a split backward: its weight part recomputes again). */
 typedef enum {
     MODEL_RECOMPUTE_NONE,      /* keep ln1, ln2 and the MLP activation of every layer */
     MODEL_RECOMPUTE_GELU,      /* one (N,F) activation (GeLU or SwiGLU output) shared by all layers */
-    MODEL_RECOMPUTE_NORM_GELU  /* + one (N,C) norm output for ln1 and ln2 of all layers */
+    MODEL_RECOMPUTE_NORM_GELU, /* + one (N,C) norm output for ln1 and ln2 of all layers */
+    MODEL_RECOMPUTE_BLOCK      /* a checkpointed layer keeps its output (the next one's input) only */
 } ModelRecompute;
+#define MODEL_RECOMPUTE_MODES 4
 
-/* "none", "gelu", "norm_gelu" (the config's values) and back; parse exits 2
+/* "none", "gelu", "norm_gelu", "block" (the config's values) and back; parse exits 2
  * naming model.recompute on anything else. */
 ModelRecompute model_recompute_parse(const char *name);
 const char *model_recompute_name(ModelRecompute r);
@@ -287,6 +295,8 @@ typedef struct ModelOptions {
     int doc_reset;        /* data.doc_positions reset: positions (RoPE, learned) restart per document */
     int doc_eot;          /* the end-of-text id that ends a document (with either of the two above) */
     ModelFp8 fp8;         /* fp8 products; mode 0: none */
+    int recompute_every;  /* model.recompute_every: under MODEL_RECOMPUTE_BLOCK layer l is
+                             checkpointed when l % k == 0 (0: 1, every layer) */
 } ModelOptions;
 
 
@@ -367,6 +377,12 @@ typedef struct Model {
      * void *: act dtype, float *: fp32. */
     int B, T;           /* planned capacity */
     ModelRecompute recompute; /* planned with it: what the backward recomputes */
+    int recompute_every;      /* BLOCK: every k-th layer is checkpointed (model_layer_recomputed) */
+    int recomputing;          /* 1 while a backward runs a checkpointed layer's forward again: the
+                                 forward writes no statistics and fp8 casts take their saved scales */
+    LayerActs rec_ws;         /* BLOCK: the workspace of the checkpointed layers' activations */
+    void *rec_proj;           /* BLOCK: (2N,C) act, the recomputed forward's product outputs (the
+                                 forward's own are in the scratch, which then holds the backward's) */
     int gelu_fusion;    /* 1 (model_init's default; precision.gelu_fusion auto): the MLP's fc
                            product and its GeLU run as the backend's fused ops where it offers
                            them (model_gelu_fused); 0 (off): always as separate ops */
@@ -430,6 +446,10 @@ typedef struct Model {
     size_t fp8_inv_n;   /* fp8_amax_n rounded up to 16 bytes */
     float *fp8_hist;    /* device (fp8_slots, MM_OPERANDS, history, cp, tp) amax rings; NULL: current scaling */
     int64_t *fp8_count; /* (fp8_slots, MM_OPERANDS) host: casts so far of each operand (its history row) */
+    float *fp8_snap;    /* BLOCK with delayed scaling: device (n_slots, fp8_slots, 2, history, cp, tp),
+                           the ring each forward cast (x, w) of a checkpointed layer was scaled by,
+                           so that its recomputation casts with the same scale and records nothing */
+    int fp8_snap_on;    /* the product being cast is a checkpointed layer's forward */
     int fp8_slots;      /* products with histories: n_layer (MM_KINDS + 2 E) + 1 (the head) */
     int fp8_local_amax; /* test hook KILN_TEST_FP8_LOCAL_AMAX: no tp reduction of amaxes (wrong on purpose) */
 } Model;
@@ -629,7 +649,7 @@ size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes,
  * not in the arena (cp_buffer_bytes); with ep > 1 (ModelOptions.ep) neither
  * are the expert side's, which are ep.c's (ep_buffer_bytes). */
 size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, int sp, int B, int T, size_t act_bytes,
-                                   ModelRecompute r);
+                                   ModelRecompute r, int every);
 
 /* The same for a pipeline rank (tp 1: the spec itself; sp its sequence
  * parallelism; cp: its B x T / cp rows; ep > 1: without the expert side's
@@ -637,8 +657,12 @@ size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, in
  * slots[c] activation sets, with the kept output gradients of a split
  * backward when split: exactly what model_plan_slots allocates. */
 size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, int ep, int B, int T, size_t act_bytes,
-                                    ModelRecompute r, int chunks, const int *lo, const int *hi, const int *slots,
-                                    int split);
+                                    ModelRecompute r, int every, int chunks, const int *lo, const int *hi,
+                                    const int *slots, int split);
+/* Whether mode r with recompute_every k checkpoints layer l (BLOCK: l % k
+ * == 0); model_layer_recomputed is the planned model's. */
+int model_recompute_layer(ModelRecompute r, int every, int l);
+int model_layer_recomputed(const Model *m, int l);
 
 /* MoE: zero the loads and drop counts (the start of an optimizer step). */
 void model_moe_reset(Model *m);
@@ -671,6 +695,9 @@ typedef struct ModelFp8Bytes {
 } ModelFp8Bytes;
 size_t model_fp8_bytes(const ArchSpec *s, const ModelFp8 *f, int tp, int cp, int ep, size_t N, size_t act_bytes,
                        ModelFp8Bytes *parts);
+/* Bytes of Model.fp8_snap for n_slots activation sets: BLOCK recompute with
+ * delayed scaling only, else 0. */
+size_t model_fp8_snap_bytes(const ArchSpec *s, const ModelFp8 *f, int tp, int cp, int n_slots, ModelRecompute r);
 void model_fp8_free(Model *m);
 /* Delayed scaling's state (precision.fp8_amax_history > 0, else 0 and
  * nothing), as the checkpoint holds it ("fp8.amax_history",

@@ -177,11 +177,18 @@ void model_fp8_plan(Model *m, int N) {
         m->be->zero(m->fp8_hist, hb);
         m->fp8_count = xcalloc(h, sizeof(int64_t));
     }
+    size_t sb = model_fp8_snap_bytes(&m->shape, &m->fp8, m->tp, m->cp, m->n_slots, m->recompute);
+    if (sb) m->fp8_snap = m->be->alloc(sb);
+}
+
+size_t model_fp8_snap_bytes(const ArchSpec *s, const ModelFp8 *f, int tp, int cp, int n_slots, ModelRecompute r) {
+    if (f->mode == FP8_OFF || f->history <= 0 || r != MODEL_RECOMPUTE_BLOCK) return 0;
+    return (size_t)n_slots * fp8_slots(s) * 2 * f->history * tp * cp * sizeof(float);
 }
 
 void model_fp8_free(Model *m) {
     void **bufs[] = {&m->fp8_qx, &m->fp8_qw, &m->fp8_qd, (void **)&m->fp8_amax, (void **)&m->fp8_hist,
-                     (void **)&m->fp8_inv};
+                     (void **)&m->fp8_inv, (void **)&m->fp8_snap};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
         if (*bufs[i]) m->be->free(*bufs[i]);
         *bufs[i] = NULL;
@@ -245,6 +252,14 @@ static void fp8_gather(Model *m, float *mine, int n, int G, int Gc) {
  * later one is scaled by the history alone and records its own amax after
  * (*late: this rank's entry, for fp8_record), as Transformer Engine's
  * delayed scaling does, so that the cast and the amax can be one pass. */
+/* BLOCK's copy of the ring of forward operand `operand` (x or w) of history
+ * slot `slot` for the active activation set (Model.fp8_snap). */
+static float *fp8_snap_of(const Model *m, int slot, int operand) {
+    size_t per = (size_t)m->fp8.history * m->tp * m->cp;
+    size_t i = ((size_t)m->cur_slot * m->fp8_slots + slot) * 2 + (operand == MM_W);
+    return m->fp8_snap + i * per;
+}
+
 static const float *fp8_scale_src(Model *m, const void *src, int rows, int cols, int axis, int kind, int slot,
                                   int operand, int half, int *P, float **late) {
     int n = fp8_amax_len(rows, cols, axis), G, Gc;
@@ -256,12 +271,19 @@ static const float *fp8_scale_src(Model *m, const void *src, int rows, int cols,
         size_t k = (size_t)slot * MM_OPERANDS + operand;
         float *ring = m->fp8_hist + k * H * S, *mine = ring + (size_t)(m->fp8_count[k] % H) * S + gc * G + g;
         *P = H * S;
+        /* BLOCK: a checkpointed layer's forward cast keeps the ring it is
+         * scaled by (later casts of the operand, other micro-batches', move
+         * the ring on); its recomputation is scaled by that copy and is no
+         * cast of the history's */
+        float *snap = m->fp8_snap_on ? fp8_snap_of(m, slot, operand) : NULL;
+        if (snap && m->recomputing) return snap;
         if (m->fp8_count[k]++ > 0) {
             *late = mine;
-            return ring;
+        } else {
+            m->be->fp8_amax(mine, src, rows, cols, axis);
+            fp8_gather(m, mine, 1, G, Gc);
         }
-        m->be->fp8_amax(mine, src, rows, cols, axis);
-        fp8_gather(m, mine, 1, G, Gc);
+        if (snap) m->be->copy(snap, ring, (size_t)H * S * sizeof(float));
         return ring;
     }
     float *row = m->fp8_amax + (size_t)half * m->tp * m->cp * m->fp8_amax_n;
@@ -415,6 +437,9 @@ static void fp8_fits(const Model *m, int N, int C, int OC) {
                   "elements, %zu amaxes)", N, C, OC, m->fp8_cap[0], m->fp8_cap[1], m->fp8_cap[2], m->fp8_amax_n);
 }
 
+static void mm_forward_fp8(Model *m, int kind, int slot, void *out, const void *inp, const void *w, const void *bias,
+                           int N, int C, int OC);
+
 void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *inp, const void *w, const void *bias,
                       int N, int C, int OC) {
     if (!mm_is_fp8(&m->fp8, kind)) {
@@ -423,6 +448,13 @@ void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *i
     }
     fp8_fits(m, N, C, OC);
     int slot = mm_history_slot(m, l, kind, e);
+    m->fp8_snap_on = m->fp8_snap && model_layer_recomputed(m, l);
+    mm_forward_fp8(m, kind, slot, out, inp, w, bias, N, C, OC);
+    m->fp8_snap_on = 0;
+}
+
+static void mm_forward_fp8(Model *m, int kind, int slot, void *out, const void *inp, const void *w, const void *bias,
+                           int N, int C, int OC) {
     if (mm_real(m, N)) { /* out^T = w x^T: a = w (OC, C), b = x (N, C), both K-major as they are */
         fp8_codes(m, (Fp8Codes){.q = m->fp8_qx, .inv_q = fp8_inv(m, INV_X)}, inp, N, C, FP8_E4M3, kind, slot, MM_X);
         fp8_codes(m, (Fp8Codes){.q = m->fp8_qw, .inv_q = fp8_inv(m, INV_W)}, w, OC, C, FP8_E4M3, kind, slot, MM_W);

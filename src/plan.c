@@ -100,6 +100,7 @@ PlanLayout plan_layout(const Config *c, int dp) {
     return (PlanLayout){.tp = c->tp, .sp = c->tp > 1 && strcmp(c->sequence_parallel, "false") != 0, .cp = c->cp,
                         .cp_mode = cp_mode_parse(c->cp_attention), .dp = dp, .ep = c->ep, .zero = c->zero,
                         .micro_batch = c->micro_batch, .recompute = model_recompute_parse(c->recompute),
+                        .recompute_every = c->recompute_every,
                         .moment_bytes = optim_state_bytes(c->optim_state), .param_bytes = plan_param_bytes(c->master),
                         .act_bytes = plan_act_bytes(c), .fp8 = plan_fp8_options(c),
                         .muon = optim_kind(c->optim_name) == OPTIM_MUON, .muon_split_qkv = c->muon_split_qkv};
@@ -152,9 +153,11 @@ static double plan_muon_bytes(const ArchSpec *s, const PlanLayout *l, int dp, in
 }
 
 /* fp8's buffers into m's total, for N rows of act_bytes activations. */
-static void plan_add_fp8(PlanMemory *m, const ArchSpec *local, const PlanLayout *l, int ep) {
+static void plan_add_fp8(PlanMemory *m, const ArchSpec *local, const PlanLayout *l, int ep, int sets) {
     size_t N = (size_t)l->micro_batch * (local->seq_len / l->cp);
     model_fp8_bytes(local, &l->fp8, l->tp, l->cp, ep, N, m->act_bytes, &m->fp8);
+    /* BLOCK with delayed scaling: each set's copies of its forward casts' rings */
+    m->fp8.histories += model_fp8_snap_bytes(local, &l->fp8, l->tp, l->cp, sets, l->recompute);
 }
 
 /* The activation dtype's figures into m (act_by_mode filled), and the bf16
@@ -226,18 +229,18 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, const PlanLayout *lay) {
     m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim + m.muon;
     /* fp32 activations: the upper bound (bf16 halves them, see plan_usage) */
     AttnShape cps = {micro_batch, s->seq_len / cp, s->n_head, s->n_kv_head, s->head_dim, NULL};
-    for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
+    for (int r = MODEL_RECOMPUTE_NONE; r < MODEL_RECOMPUTE_MODES; r++)
         for (int k = 0; k < 2; k++) {
             size_t ab = k ? 2 : sizeof(float);
             m.act_by_mode[r][k] = (double)model_activation_bytes_rank(g, tp, cp, ep, sp, micro_batch, s->seq_len, ab,
-                                                                      (ModelRecompute)r);
+                                                                      (ModelRecompute)r, lay->recompute_every);
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
             m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, cp, s->n_layer, micro_batch, s->seq_len, ab);
         }
     m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, lay->act_bytes == 2 ? 2 : 4) : 0;
     m.recompute = recompute;
     plan_pick_dtype(&m, lay, params);
-    plan_add_fp8(&m, s, lay, ep);
+    plan_add_fp8(&m, s, lay, ep, 1);
     plan_finish(&m);
     return m;
 }
@@ -269,8 +272,8 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, const PlanLayout *lay, in
         else rest += (double)t[i].numel;
     }
     for (int l = 0; l < local.n_layer; l++) layer = per_layer[l] > layer ? per_layer[l] : layer;
-    int sets = 0; /* (slot, layer) pairs: ep.c's buffers */
-    for (int k = 0; k < chunks; k++) sets += slots[k] * (hi[k] - lo[k]);
+    int sets = 0, n_sets = 0; /* (slot, layer) pairs: ep.c's buffers; activation sets */
+    for (int k = 0; k < chunks; k++) sets += slots[k] * (hi[k] - lo[k]), n_sets += slots[k];
     free(t);
     dp *= cp;
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
@@ -296,19 +299,19 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, const PlanLayout *lay, in
     m.muon = lay->muon ? plan_muon_bytes(&local, lay, dp, chunks, lo, hi) : 0;
     m.state = m.params + m.params_shard + m.params_gathered + m.grads + m.grads_unreduced + m.optim + m.muon;
     AttnShape cps = {micro_batch, local.seq_len / cp, local.n_head, local.n_kv_head, local.head_dim, NULL};
-    for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
+    for (int r = MODEL_RECOMPUTE_NONE; r < MODEL_RECOMPUTE_MODES; r++)
         for (int k = 0; k < 2; k++) {
             size_t ab = k ? 2 : sizeof(float);
             m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, cp, sp, ep, micro_batch, g->seq_len, ab,
-                                                                       (ModelRecompute)r, chunks, lo, hi, slots,
-                                                                       split) +
+                                                                       (ModelRecompute)r, lay->recompute_every, chunks,
+                                                                       lo, hi, slots, split) +
                                   (double)ep_buffer_bytes(g, ep, cp, sets, micro_batch, g->seq_len, ab);
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
         }
     m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, lay->act_bytes == 2 ? 2 : 4) : 0;
     m.recompute = rec;
     plan_pick_dtype(&m, lay, params);
-    plan_add_fp8(&m, &local, lay, ep);
+    plan_add_fp8(&m, &local, lay, ep, n_sets);
     plan_finish(&m);
     return m;
 }
@@ -518,7 +521,8 @@ void plan_print_activations(const PlanMemory *m) {
     const double(*by)[2] = m->act_by_mode;
     if (m->recompute == MODEL_RECOMPUTE_NONE)
         printf("  recompute              none (model.recompute: gelu would take %.2f GiB less in %s, norm_gelu "
-               "%.2f GiB)\n", (by[0][k] - by[1][k]) / GIB, dt, (by[0][k] - by[2][k]) / GIB);
+               "%.2f GiB, block %.2f GiB)\n", (by[0][k] - by[1][k]) / GIB, dt, (by[0][k] - by[2][k]) / GIB,
+               (by[0][k] - by[MODEL_RECOMPUTE_BLOCK][k]) / GIB);
     else
         printf("  recompute              %s (model.recompute): %.2f GiB less than none in %s, %.2f GiB in %s\n",
                model_recompute_name(m->recompute), (by[0][k] - m->activations) / GIB, dt,

@@ -40,7 +40,7 @@ typedef struct PlanMemory {
     double activations;     /* model_activation_bytes for one micro-batch in act_bytes, with `recompute` (+ cp's buffers) */
     double cp_buffers;      /* of which context parallelism's K/V and dK/dV buffers (cp_buffer_bytes) */
     double activations_other; /* the same in the other dtype (bf16 when act_bytes is 4), for the report; not in total */
-    double act_by_mode[3][2]; /* the same for each ModelRecompute, [0] fp32 [1] bf16 */
+    double act_by_mode[MODEL_RECOMPUTE_MODES][2]; /* the same for each ModelRecompute, [0] fp32 [1] bf16 */
     ModelFp8Bytes fp8;      /* precision.fp8's buffers (model_fp8_bytes) in act_bytes; in total */
     ModelRecompute recompute; /* model.recompute */
     double overhead;        /* PLAN_WORKSPACE_BYTES + PLAN_MARGIN of the rest */
@@ -75,6 +75,7 @@ double plan_expert_params(const ArchSpec *s);
 typedef struct PlanLayout {
     int tp, sp, cp, cp_mode, dp, ep, zero, micro_batch;
     ModelRecompute recompute;
+    int recompute_every; /* model.recompute_every (BLOCK) */
     size_t moment_bytes, param_bytes, act_bytes;
     ModelFp8 fp8;
     int muon, muon_split_qkv; /* optim.name muon (its buffers: plan_muon_bytes), optim.muon_split_qkv */

@@ -44,6 +44,7 @@ static int plan_set_flags(const Config *base, const Config *c, char *buf, size_t
     PLAN_SET_INT("parallel.zero", zero);
     PLAN_SET_INT("batch.micro_batch", micro_batch);
     PLAN_SET_STR("model.recompute", recompute);
+    PLAN_SET_INT("model.recompute_every", recompute_every);
     PLAN_SET_STR("parallel.sequence_parallel", sequence_parallel);
     PLAN_SET_STR("parallel.cp_attention", cp_attention);
     PLAN_SET_STR("parallel.pp_schedule", pp_schedule);
@@ -130,7 +131,7 @@ int plan_search(const Config *base, const ArchSpec *s, const HwProfile *hw, int 
                 int *n, int *rejected, int *too_big) {
     PlanSearch S = {.base = base, .s = s, .hw = hw, .gpus = gpus, .nodes = nodes};
     Config *c = xmalloc(sizeof *c);
-    static const char *recs[] = {"none", "gelu", "norm_gelu"};
+    static const char *recs[] = {"none", "gelu", "norm_gelu", "block"}; /* block: every layer (recompute_every 1) */
     static const char *scheds[] = {"1f1b", "gpipe", "interleaved_1f1b", "zb_h1"};
     static const char *cpm[] = {"allgather", "ring"};
     int moe = s->mlp == MLP_MOE;
@@ -154,7 +155,7 @@ int plan_search(const Config *base, const ArchSpec *s, const HwProfile *hw, int 
                                 for (int sk = 0; sk < (pp > 1 ? 4 : 1); sk++)
                                     for (int v = 1; v <= (sk == 2 ? 4 : 1); v *= 2) {
                                         if (sk == 2 && v == 1) continue;
-                                        for (int r = 0; r < 3; r++) {
+                                        for (int r = 0; r < MODEL_RECOMPUTE_MODES; r++) {
                                             /* micro-batches ascending: memory grows with it, so
                                              * the first that does not fit ends the row */
                                             for (int64_t mb = 1; mb <= samples && mb <= 65536; mb++) {
@@ -163,6 +164,7 @@ int plan_search(const Config *base, const ArchSpec *s, const HwProfile *hw, int 
                                                 c->dp = dp, c->tp = tp, c->pp = pp, c->cp = cp, c->ep = ep;
                                                 c->zero = zero, c->micro_batch = (int)mb;
                                                 snprintf(c->recompute, sizeof c->recompute, "%s", recs[r]);
+                                                c->recompute_every = 1;
                                                 snprintf(c->sequence_parallel, sizeof c->sequence_parallel, "%s",
                                                          tp > 1 ? (sp ? "true" : "false") : base->sequence_parallel);
                                                 if (cp > 1)

@@ -135,7 +135,7 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
     /* one layer: forward, backward (twice the products, attention's 2.5x as
      * flash attention recomputes its scores), recompute's extra pointwise */
     double act_all = (double)model_activation_bytes_rank(g, tp, cp, ep, L->sp, L->micro_batch, g->seq_len, rate.ab,
-                                                         L->recompute);
+                                                         L->recompute, L->recompute_every);
     double act_layer = act_all / g->n_layer, fl;
     double fwd = plan_layer_fwd_s(&l, &rate, peak_mm, N, T, ep, act_layer, &fl);
     double att = 2 * N * T * arch_q_width(&l) / (0.75 * peak_mm);
@@ -148,11 +148,24 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
      * costliest stage when pp is 1, else on the last stage beside its layers */
     double V = l.padded_vocab;
     double head = 3 * plan_mm_s(&rate, N, V, C, peak_mm) + 4 * N * V * 4 / rate.bw;
+    /* block: one more forward of each checkpointed layer (every k-th), two
+     * under a split backward (its weight part recomputes again; an MoE
+     * layer's second is attention only, counted whole here) */
+    double block = 0; /* forwards recomputed per layer, on average */
+    if (L->recompute == MODEL_RECOMPUTE_BLOCK) {
+        int every = L->recompute_every > 0 ? L->recompute_every : 1, ck = 0;
+        for (int i = 0; i < g->n_layer; i++) ck += model_recompute_layer(L->recompute, every, i);
+        block = (double)ck / g->n_layer * (pp > 1 && run->pp_schedule == PIPE_ZB_H1 ? 2 : 1);
+        rec = block * fwd;
+    }
     double per_micro = layers_max * (fwd + bwd + rec) + head;
     o.compute = per_micro * m;
     o.recompute = layers_max * rec * m;
     o.model_flops = arch_flops_per_token(g, g->seq_len) * (double)total_tokens / run->gpus;
-    o.hw_flops = o.model_flops; /* gelu/norm_gelu recompute pointwise work only: no products repeated */
+    /* gelu/norm_gelu recompute pointwise work only: no products repeated;
+     * block its layers' forward products and attention (fl: one layer's
+     * forward of this rank's N rows and tp part) */
+    o.hw_flops = o.model_flops + block * fl * tp * g->n_layer / N * (double)total_tokens / run->gpus;
 
     /* tensor parallelism: its collectives sit on the critical path (tp.c
      * waits for each before the next op), per micro-batch */
@@ -165,6 +178,7 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
         PlanComm c = plan_comm_per_step(&st, tp, L->sp, 1, 1, 0, L->micro_batch, 1, rate.ab);
         double hops = L->sp ? tp - 1.0 : 2.0 * (tp - 1);
         o.tp = (c.tp / tbw + c.tp_collectives * hops * tlat) * m;
+        o.tp *= 1 + block / 2; /* half a layer's collectives are its forward's */
     }
     /* context parallelism: K and V of every other rank's chunks reach each
      * rank once per layer forward, and K, V, dK, dV backward (ring: cp - 1
@@ -175,14 +189,14 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
         double bw = o.cp_intra ? hw->intra_bw : hw->inter_bw, lat = o.cp_intra ? hw->intra_lat : hw->inter_lat;
         double kv = 2 * N * l.n_kv_head * l.head_dim * rate.ab; /* this rank's K and V */
         double pass = plan_collective_s(3, kv, 2, bw, lat);
-        double layer = (cp - 1) * pass * 3; /* forward 1, backward 2 */
+        double layer = (cp - 1) * pass * (3 + block); /* forward 1, backward 2, block's recomputed forwards */
         double total = layer * layers_max * m;
         if (L->cp_mode == CP_RING) {
             double attn = att * 3.5 * layers_max * m; /* forward + backward attention */
             o.cp_hidden = total < attn ? total : attn;
             o.cp = total - o.cp_hidden;
         } else {
-            o.cp = 3 * plan_collective_s(1, kv * cp, cp, bw, lat) * layers_max * m;
+            o.cp = (3 + block) * plan_collective_s(1, kv * cp, cp, bw, lat) * layers_max * m;
         }
     }
     /* expert parallelism: four all-to-alls per MoE layer and micro-batch at
@@ -191,7 +205,8 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
     if (ep > 1) {
         double bw = o.ep_intra ? hw->intra_bw : hw->inter_bw, lat = o.ep_intra ? hw->intra_lat : hw->inter_lat;
         double rows = N * g->moe.top_k * rate.ab * C;
-        o.ep = 4.0 * layers_max * m * plan_collective_s(2, rows, ep, bw, lat);
+        /* block: the recomputed forward's dispatch and combine again */
+        o.ep = (4.0 + 2 * (block > 1 ? 1 : block)) * layers_max * m * plan_collective_s(2, rows, ep, bw, lat);
     }
     /* the pipeline: the bubble over the busy time, and the fill and drain's
      * messages (steady-state sends overlap compute: non-blocking) */

@@ -521,7 +521,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
                        .ep = r->ep, .ep_rank = r->mesh.ep_rank, .doc_masking = c->doc_masking,
                        .doc_reset = !strcmp(c->doc_positions, "reset"),
                        .doc_eot = c->eot_id >= 0 ? c->eot_id : tok_eot(r->tok),
-                       .fp8 = plan_fp8_options(c)};
+                       .fp8 = plan_fp8_options(c), .recompute_every = c->recompute_every};
     if ((mo.doc_masking || mo.doc_reset) && mo.doc_eot < 0) /* config.c refuses the byte tokenizer's */
         kiln_fail(KILN_EXIT_USAGE, "key 'data.eot_id': the %s tokenizer has no end-of-text id; set data.eot_id",
                   c->tokenizer);
@@ -741,10 +741,15 @@ static void train_describe(TrainRun *r) {
                       100.0 * pipe_formula_bubble(p->sched.kind, r->pp, c->pp_virtual, r->accum));
     }
     int fused = model_gelu_fused(model, 0) || model_gelu_fused(model, 1);
-    metrics_print(mx, "activations: %.2f MiB for %s%d x %d micro-batch, %zu-byte activations, recompute %s%s",
+    char every[64] = "";
+    if (model->recompute == MODEL_RECOMPUTE_BLOCK && model->recompute_every > 1)
+        snprintf(every, sizeof every, " every %d layers", model->recompute_every);
+    metrics_print(mx, "activations: %.2f MiB for %s%d x %d micro-batch, %zu-byte activations, recompute %s%s%s",
                   model->act_size / 1048576.0, model->n_slots > 1 ? "the slots of a " : "a ", r->B, r->T,
-                  model->act_bytes, model_recompute_name(model->recompute),
+                  model->act_bytes, model_recompute_name(model->recompute), every,
                   model->recompute == MODEL_RECOMPUTE_NONE ? ""
+                  : model->recompute == MODEL_RECOMPUTE_BLOCK
+                      ? " (a checkpointed layer keeps its input; the backward runs its forward again: bit-identical)"
                   : fused ? " (the backward recomputes them; the GeLU's last bits may differ from the fused forward's)"
                           : " (the backward recomputes them: bit-identical)");
     if (model->master_bf16)

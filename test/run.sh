@@ -40,7 +40,7 @@ run_one() {
 # The files, longest first (measured: docs/testing.md), so the pool ends
 # together rather than on one long file started last; the rest in name order.
 LONG="t_ep t_pp t_fp8 t_muon t_adafactor t_dp t_cp t_arch_resume t_slurm t_tp t_data_mix t_model_emu t_cuda_emu
-t_resume t_ckpt_mpi t_mpi t_docmask t_lion t_hf_interop t_recompute t_flight t_matmul_emu t_attention_tc_emu"
+t_resume t_ckpt_mpi t_mpi t_docmask t_lion t_hf_interop t_recompute t_recompute_block t_flight t_matmul_emu t_attention_tc_emu"
 tests=()
 if [ -n "${KILN_TESTS:-}" ]; then  # KILN_TESTS="test_config t_train ...": those only
     tests=($KILN_TESTS)

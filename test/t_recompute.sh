@@ -17,7 +17,11 @@ CFG=configs/gpt2-124m.yaml
 # --dry-run, GPT-2 124M at micro-batch 16 x 1024 (N = 16384 tokens, C = 768,
 # 12 layers): gelu keeps 11 fewer (N,4C) fp32 tensors = 11 x 192 MiB =
 # 2.06 GiB, norm_gelu 23 fewer (N,C) ones more = 23 x 48 MiB = 1.08 GiB:
-# 12.79 -> 10.72 -> 9.64 GiB (bf16: 6.40 -> 5.37 -> 4.83).
+# 12.79 -> 10.72 -> 9.64 GiB (bf16: 6.40 -> 5.37 -> 4.83). block keeps one
+# (N,C) output per layer, plus one whole layer, the workspace (X: ln1, atty,
+# res2, ln2, res3, qkv's 3 and fch, fch_gelu's 4 + 4 = 16 (N,C) = 768 MiB,
+# and 1 MiB of statistics), and its (2N,C) outputs: 11 X - 14 x 48 MiB =
+# 7.60 GiB less.
 act() { grep -E "^  $2 " "$1" | head -n 1 | awk '{print $(NF-1)}'; }
 for r in none gelu norm_gelu; do
     ./train $CFG --dry-run --set model.recompute=$r >"$T/dry_$r.txt" 2>&1
@@ -27,7 +31,7 @@ got16="$(act $T/dry_none.txt 'activations, bf16') $(act $T/dry_gelu.txt 'activat
 if [ "$got" = "12.79 10.72 9.64" ] && [ "$got16" = "6.40 5.37 4.83" ]; then ok recompute_dry_run_activations
 else fail recompute_dry_run_activations "fp32 $got (want 12.79 10.72 9.64), bf16 $got16 (want 6.40 5.37 4.83)"; fi
 if grep -q '^  recompute  *gelu (model.recompute): 2.06 GiB less than none in fp32, 1.03 GiB in bf16' $T/dry_gelu.txt \
-    && grep -q '^  recompute  *none (model.recompute: gelu would take 2.06 GiB less in fp32, norm_gelu 3.14 GiB)' \
+    && grep -q '^  recompute  *none (model.recompute: gelu would take 2.06 GiB less in fp32, norm_gelu 3.14 GiB, block 7.60 GiB)' \
         $T/dry_none.txt; then ok recompute_dry_run_names_mode
 else fail recompute_dry_run_names_mode "$(grep recompute $T/dry_gelu.txt $T/dry_none.txt | tr '\n' ' ')"; fi
 # ./train plan prints the same lines (and counts them in its total); device cpu:

@@ -60,6 +60,36 @@ static void test_bytes(const Backend *be, const char *tag) {
     test_report(same, name, "a planned arena differs from model_activation_bytes, or a buffer is not shared");
 }
 
+/* BLOCK keeps one (N,C) output per layer where NONE keeps a whole layer
+ * (X: what one more layer adds to NONE's arena), and adds one whole layer,
+ * the workspace, and its (2N,C) product outputs: NONE - BLOCK = (L-1) X -
+ * (L+2) (N,C). With recompute_every 2 the odd layers stay whole. Every
+ * checkpointed layer's views but its output are the workspace's. */
+static void test_bytes_block(const Backend *be, const char *tag) {
+    char name[96];
+    ArchSpec s = resolved(shape0), s2 = s;
+    s2.n_layer = s.n_layer - 1;
+    size_t ab = be->act_bytes(), NC = (size_t)B * T * s.n_embd * ab, L = (size_t)s.n_layer;
+    size_t none = model_activation_bytes(&s, B, T, ab, MODEL_RECOMPUTE_NONE);
+    size_t X = none - model_activation_bytes(&s2, B, T, ab, MODEL_RECOMPUTE_NONE);
+    size_t block = model_activation_bytes(&s, B, T, ab, MODEL_RECOMPUTE_BLOCK);
+    size_t every2 = model_activation_bytes_rank(&s, 1, 1, 1, 0, B, T, ab, MODEL_RECOMPUTE_BLOCK, 2);
+    /* every 2 of 3 layers: 0 and 2 checkpointed, 1 whole */
+    size_t want2 = none - (2 - 1) * X + (2 + 2) * NC;
+    snprintf(name, sizeof name, "recompute_block_bytes_%s", tag);
+    test_report(none - block == (L - 1) * X - (L + 2) * NC && every2 == want2, name,
+                "none %zu block %zu (want %zu) every 2 %zu (want %zu) bytes", none, block,
+                none - ((L - 1) * X - (L + 2) * NC), every2, want2);
+    Model m;
+    model_init(&m, be, &s, NULL);
+    model_plan_activations(&m, B, T, MODEL_RECOMPUTE_BLOCK);
+    int views = m.act_size == block && m.acts[0].qkv == m.acts[2].qkv && m.acts[0].ln2 == m.acts[1].ln2 &&
+                m.acts[0].res3 != m.acts[1].res3 && m.acts[1].res3 != m.acts[2].res3 && m.acts[0].qkv == m.rec_ws.qkv;
+    model_free(&m);
+    snprintf(name, sizeof name, "recompute_block_planned_%s", tag);
+    test_report(views, name, "the arena differs from model_activation_bytes, or a view is not the workspace's");
+}
+
 /* GPT-2 124M, micro-batch 16 x 1024 (the figure --dry-run prints): every
  * buffer is a multiple of 64 bytes, so the savings are the products. */
 static void test_bytes_124m(void) {
@@ -77,7 +107,7 @@ static void test_bytes_124m(void) {
 static void test_bit_identical(const Backend *be, const char *tag) {
     Trace ref;
     trace_train(be, shape0, MODEL_RECOMPUTE_NONE, 1, &ref);
-    for (int r = MODEL_RECOMPUTE_GELU; r <= MODEL_RECOMPUTE_NORM_GELU; r++) {
+    for (int r = MODEL_RECOMPUTE_GELU; r < MODEL_RECOMPUTE_MODES; r++) {
         Trace t;
         trace_train(be, shape0, (ModelRecompute)r, 1, &t);
         char name[96];
@@ -102,9 +132,10 @@ static void test_bit_identical(const Backend *be, const char *tag) {
 /* The names are the config's (model.recompute) and parse back. */
 static void test_names(void) {
     int ok = 1;
-    for (int r = MODEL_RECOMPUTE_NONE; r <= MODEL_RECOMPUTE_NORM_GELU; r++)
+    for (int r = MODEL_RECOMPUTE_NONE; r < MODEL_RECOMPUTE_MODES; r++)
         ok = ok && model_recompute_parse(model_recompute_name((ModelRecompute)r)) == (ModelRecompute)r;
-    test_report(ok && !strcmp(model_recompute_name(MODEL_RECOMPUTE_NORM_GELU), "norm_gelu"), "recompute_names",
+    test_report(ok && !strcmp(model_recompute_name(MODEL_RECOMPUTE_NORM_GELU), "norm_gelu") &&
+                    !strcmp(model_recompute_name(MODEL_RECOMPUTE_BLOCK), "block"), "recompute_names",
                 "names do not round-trip");
 }
 
@@ -114,6 +145,8 @@ int main(void) {
     test_names();
     test_bytes(&backend_cpu, "fp32");
     test_bytes(&emu, "bf16");
+    test_bytes_block(&backend_cpu, "fp32");
+    test_bytes_block(&emu, "bf16");
     test_bytes_124m();
     test_bit_identical(&backend_cpu, "cpu");
     test_bit_identical(&emu, "bf16_emu");

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# model.recompute: block (and model.recompute_every) composed with every
+# layout, on the CPU backend: each pair trains the same config with
+# recompute none and with block, and the losses, gradient norms and
+# validation losses printed, and the final checkpoint's parameters and
+# optimizer state, must be the same bits (tol 0: a checkpointed layer's
+# forward runs again on its kept input with the forward's own ops, its own
+# weights and its own exchanges, so any difference is a bug: a stale
+# workspace, a scale taken twice, a statistic counted twice, a collective
+# out of order). Also the MoE figures (loads, drops, aux and z losses: counted
+# once), the smaller arena at start-up, --dry-run beside the run, and the
+# key's refusals. One line a check.
+set -u
+cd "$(dirname "$0")/.."
+T=${KILN_TEST_TMP:-$(mktemp -d)}/t_recompute_block
+rm -rf "$T"
+. test/ckpt_lib.sh
+ckpt_setup
+Y=$T/tiny.yaml
+S="--set train.steps=6 --set checkpoint.every=6 --set checkpoint.async=false --set train.eval_every=3"
+S="$S --set model.n_layer=4 --set batch.total_tokens=512"
+LLAMA="--set model.arch=llama --set model.n_head=8 --set model.n_kv_head=4 --set model.n_embd=64 --set model.ffn_hidden=96"
+MOE="$LLAMA --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
+MOE="$MOE --set model.moe.n_shared=1 --set model.moe.aux_loss_coef=0.01 --set model.moe.z_loss_coef=0.001"
+figures() {
+    grep -o '"step":[0-9]*,"tokens":[0-9]*,"loss":[^,]*\|"grad_norm":[^,]*\|"val_loss":[^,]*\|"moe_[a-z_]*":[^a-z]*' "$1"
+}
+MPI=0
+command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi && MPI=1
+
+# pair NAME NP ARGS...: none against block (ARGS may set recompute_every)
+pair() {
+    local name=$1 np=$2
+    shift 2
+    local run=(./train)
+    if [ "$np" -gt 1 ]; then
+        if [ $MPI = 0 ]; then skip recompute_block_$name "no MPI build or mpirun"; return; fi
+        run=(timeout 300 mpirun --allow-run-as-root --oversubscribe -np "$np" ./train)
+    fi
+    "${run[@]}" $Y $S "$@" --set model.recompute=none --set model.recompute_every=1 --set run.dir=$T/${name}_none >$T/${name}_none.txt 2>&1
+    local rc0=$?
+    "${run[@]}" $Y $S "$@" --set model.recompute=block --set run.dir=$T/${name}_block >$T/${name}_block.txt 2>&1
+    local rc1=$?
+    local a=$T/${name}_none b=$T/${name}_block
+    if [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] && [ -s $b/metrics.jsonl ] && [ "$(figures $a/metrics.jsonl)" = "$(figures $b/metrics.jsonl)" ] \
+        && ./train ckpt-diff $a/checkpoints/step_00000006 $b/checkpoints/step_00000006 --quiet --tol 0 >$T/${name}_diff.txt 2>&1
+    then ok recompute_block_$name
+    else fail recompute_block_$name "rc $rc0/$rc1: $(grep -m1 -h error $a.txt $b.txt) $(diff <(figures $a/metrics.jsonl) <(figures $b/metrics.jsonl) | head -4 | tr '\n' ' ') $(head -c 200 $T/${name}_diff.txt)"
+    fi
+}
+
+pair gpt2 1
+pair gpt2_every2 1 --set model.recompute_every=2
+pair llama_qknorm_docmask 1 $LLAMA --set model.qk_norm=head --set data.doc_masking=true --set data.eot_id=10
+pair moe 1 $MOE --set model.moe.capacity_factor=1.25
+pair fp8_rowwise 1 $LLAMA --set precision.fp8=rowwise
+pair fp8_delayed 1 $LLAMA --set precision.fp8=tensorwise --set precision.fp8_amax_history=4
+pair fp8_delayed_every2_accum 1 $LLAMA --set precision.fp8=tensorwise --set precision.fp8_amax_history=4 \
+    --set model.recompute_every=2 --set batch.total_tokens=1024
+pair tp2_sp 2 $LLAMA --set parallel.tp=2 --set parallel.sequence_parallel=true
+pair tp2_fp8_delayed 2 $LLAMA --set parallel.tp=2 --set precision.fp8=tensorwise --set precision.fp8_amax_history=4
+pair pp2_1f1b 2 --set parallel.pp=2
+pair pp2_gpipe 2 --set parallel.pp=2 --set parallel.pp_schedule=gpipe
+pair pp2_interleaved 2 $LLAMA --set parallel.pp=2 --set parallel.pp_schedule=interleaved_1f1b --set parallel.pp_virtual=2
+pair pp2_zb_h1 2 --set parallel.pp=2 --set parallel.pp_schedule=zb_h1
+pair pp2_zb_h1_moe_every2 2 $MOE --set parallel.pp=2 --set parallel.pp_schedule=zb_h1 --set model.recompute_every=2
+pair cp2_allgather 2 $LLAMA --set parallel.cp=2 --set parallel.cp_attention=allgather
+pair cp2_ring_docmask 2 $LLAMA --set parallel.cp=2 --set parallel.cp_attention=ring --set data.doc_masking=true --set data.eot_id=10
+pair ep2 2 $MOE --set parallel.ep=2 --set model.moe.capacity_factor=1.25
+pair zero3 2 --set parallel.zero=3
+
+# the arena at start-up: block keeps one (N,C) per layer and one workspace
+a() { grep -o 'activations: [0-9.]* MiB' "$1" | awk '{print $2}'; }
+if python3 -c "import sys; sys.exit(0 if $(a $T/gpt2_none.txt) > $(a $T/gpt2_every2_block.txt) > $(a $T/gpt2_block.txt) else 1)"; then
+    ok recompute_block_startup_line_smaller
+else fail recompute_block_startup_line_smaller "$(a $T/gpt2_none.txt) $(a $T/gpt2_every2_block.txt) $(a $T/gpt2_block.txt) MiB"; fi
+# --dry-run counts what the run allocates (both printed to 2 decimals)
+./train $Y $S --set model.recompute=block --dry-run >$T/dry_block.txt 2>&1
+dry=$(grep -E '^  activations ' $T/dry_block.txt | head -1 | awk '{print $(NF-1), $NF}')
+if python3 - "$dry" "$(a $T/gpt2_block.txt)" <<'PY'
+import sys
+v, unit = sys.argv[1].split()
+kib = float(v) * {"KiB": 1, "MiB": 1024, "GiB": 1024 * 1024}[unit]
+sys.exit(0 if abs(kib - float(sys.argv[2]) * 1024) <= 0.005 * 1024 + 0.01 * kib else 1)
+PY
+then ok recompute_block_dry_run_matches_run
+else fail recompute_block_dry_run_matches_run "dry-run '$dry', run $(a $T/gpt2_block.txt) MiB"; fi
+
+expect recompute_every_without_block 2 "model.recompute_every.*only model.recompute: block" -- \
+    ./train $Y --set model.recompute_every=2
+expect recompute_every_zero 2 "model.recompute_every" -- ./train $Y --set model.recompute=block --set model.recompute_every=0
