@@ -25,6 +25,7 @@ static const struct {
 } resume_rules[] = {
     {"model.recompute", KEY_ALLOW,
      "memory only: the backward recomputes what it no longer keeps, to the bit (without GeLU fusion)"},
+    {"model.recompute_every", KEY_ALLOW, "memory only: which layers block checkpoints, to the bit"},
     {"model.*", KEY_NEVER, "the parameter shapes and the function they compute"},
     {"data.tokenizer*", KEY_NEVER, "token ids would mean different text"},
     {"run.seed", KEY_NEVER, "the data order of the current epoch is drawn from it"},

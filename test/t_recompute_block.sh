@@ -89,3 +89,18 @@ else fail recompute_block_dry_run_matches_run "dry-run '$dry', run $(a $T/gpt2_b
 expect recompute_every_without_block 2 "model.recompute_every.*only model.recompute: block" -- \
     ./train $Y --set model.recompute_every=2
 expect recompute_every_zero 2 "model.recompute_every" -- ./train $Y --set model.recompute=block --set model.recompute_every=0
+
+# Resume: 3 steps with none, then to 6 with block every 2 layers: allowed
+# (reported), and the bits of 6 steps straight (a constant schedule: the
+# 3-step run has the 6-step one's first learning rates)
+K="--set schedule.kind=constant --set checkpoint.every=3"
+./train $Y $S $K --set run.dir=$T/straight >$T/straight.txt 2>&1
+./train $Y $S $K --set run.dir=$T/switch --set train.steps=3 >$T/switch0.txt 2>&1
+./train $Y $S $K --set run.dir=$T/switch --set model.recompute=block --set model.recompute_every=2 --resume auto \
+    >$T/switch.txt 2>&1
+rc=$?
+if [ $rc -eq 0 ] && grep -q "resume: key 'model.recompute': none -> block changed" $T/switch.txt \
+    && grep -q "resume: key 'model.recompute_every': 1 -> 2 changed" $T/switch.txt \
+    && ./train ckpt-diff $T/straight/checkpoints/step_00000006 $T/switch/checkpoints/step_00000006 --quiet --tol 0 \
+        >$T/switch_diff.txt 2>&1; then ok recompute_block_change_on_resume
+else fail recompute_block_change_on_resume "rc $rc; $(grep -E 'resume|error' $T/switch.txt | head -3) $(head -c 200 $T/switch_diff.txt)"; fi
