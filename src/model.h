@@ -449,7 +449,6 @@ typedef struct Model {
     float *fp8_snap;    /* BLOCK with delayed scaling: device (n_slots, fp8_slots, 2, history, cp, tp),
                            the ring each forward cast (x, w) of a checkpointed layer was scaled by,
                            so that its recomputation casts with the same scale and records nothing */
-    int fp8_snap_on;    /* the product being cast is a checkpointed layer's forward */
     int fp8_slots;      /* products with histories: n_layer (MM_KINDS + 2 E) + 1 (the head) */
     int fp8_local_amax; /* test hook KILN_TEST_FP8_LOCAL_AMAX: no tp reduction of amaxes (wrong on purpose) */
 } Model;

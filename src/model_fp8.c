@@ -242,6 +242,18 @@ static void fp8_gather(Model *m, float *mine, int n, int G, int Gc) {
     if (Gc > 1) m->cpc.all_gather_f32(m->cpc.ctx, tpb, row, (size_t)G * n);
 }
 
+/* BLOCK's copy of the ring a forward cast (operand x or w) of history slot
+ * `slot` was scaled by, for the active activation set (Model.fp8_snap);
+ * NULL for a backward operand or a product of a layer BLOCK keeps whole. */
+static float *fp8_snap_of(const Model *m, int slot, int operand) {
+    if (!m->fp8_snap || (operand != MM_X && operand != MM_W)) return NULL;
+    int per = mm_slots_per_layer(&m->shape), l = slot < m->shape.n_layer * per ? slot / per : -1; /* -1: the head */
+    if (!model_layer_recomputed(m, l)) return NULL;
+    size_t ring = (size_t)m->fp8.history * m->tp * m->cp;
+    size_t i = ((size_t)m->cur_slot * m->fp8_slots + slot) * 2 + (operand == MM_W);
+    return m->fp8_snap + i * ring;
+}
+
 /* The amaxes the scales of one cast of operand `operand` come from: P rows
  * of n (fp8_amax_len) to take the max over. Current scaling: this cast's
  * own amax, every tp and cp rank's (G, Gc) in scratch half `half` (a cast
@@ -252,14 +264,6 @@ static void fp8_gather(Model *m, float *mine, int n, int G, int Gc) {
  * later one is scaled by the history alone and records its own amax after
  * (*late: this rank's entry, for fp8_record), as Transformer Engine's
  * delayed scaling does, so that the cast and the amax can be one pass. */
-/* BLOCK's copy of the ring of forward operand `operand` (x or w) of history
- * slot `slot` for the active activation set (Model.fp8_snap). */
-static float *fp8_snap_of(const Model *m, int slot, int operand) {
-    size_t per = (size_t)m->fp8.history * m->tp * m->cp;
-    size_t i = ((size_t)m->cur_slot * m->fp8_slots + slot) * 2 + (operand == MM_W);
-    return m->fp8_snap + i * per;
-}
-
 static const float *fp8_scale_src(Model *m, const void *src, int rows, int cols, int axis, int kind, int slot,
                                   int operand, int half, int *P, float **late) {
     int n = fp8_amax_len(rows, cols, axis), G, Gc;
@@ -275,7 +279,7 @@ static const float *fp8_scale_src(Model *m, const void *src, int rows, int cols,
          * scaled by (later casts of the operand, other micro-batches', move
          * the ring on); its recomputation is scaled by that copy and is no
          * cast of the history's */
-        float *snap = m->fp8_snap_on ? fp8_snap_of(m, slot, operand) : NULL;
+        float *snap = fp8_snap_of(m, slot, operand);
         if (snap && m->recomputing) return snap;
         if (m->fp8_count[k]++ > 0) {
             *late = mine;
@@ -437,9 +441,6 @@ static void fp8_fits(const Model *m, int N, int C, int OC) {
                   "elements, %zu amaxes)", N, C, OC, m->fp8_cap[0], m->fp8_cap[1], m->fp8_cap[2], m->fp8_amax_n);
 }
 
-static void mm_forward_fp8(Model *m, int kind, int slot, void *out, const void *inp, const void *w, const void *bias,
-                           int N, int C, int OC);
-
 void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *inp, const void *w, const void *bias,
                       int N, int C, int OC) {
     if (!mm_is_fp8(&m->fp8, kind)) {
@@ -448,13 +449,6 @@ void model_mm_forward(Model *m, int l, int kind, int e, void *out, const void *i
     }
     fp8_fits(m, N, C, OC);
     int slot = mm_history_slot(m, l, kind, e);
-    m->fp8_snap_on = m->fp8_snap && model_layer_recomputed(m, l);
-    mm_forward_fp8(m, kind, slot, out, inp, w, bias, N, C, OC);
-    m->fp8_snap_on = 0;
-}
-
-static void mm_forward_fp8(Model *m, int kind, int slot, void *out, const void *inp, const void *w, const void *bias,
-                           int N, int C, int OC) {
     if (mm_real(m, N)) { /* out^T = w x^T: a = w (OC, C), b = x (N, C), both K-major as they are */
         fp8_codes(m, (Fp8Codes){.q = m->fp8_qx, .inv_q = fp8_inv(m, INV_X)}, inp, N, C, FP8_E4M3, kind, slot, MM_X);
         fp8_codes(m, (Fp8Codes){.q = m->fp8_qw, .inv_q = fp8_inv(m, INV_W)}, w, OC, C, FP8_E4M3, kind, slot, MM_W);

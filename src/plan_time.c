@@ -153,8 +153,8 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
      * layer's second is attention only, counted whole here) */
     double block = 0; /* forwards recomputed per layer, on average */
     if (L->recompute == MODEL_RECOMPUTE_BLOCK) {
-        int every = L->recompute_every > 0 ? L->recompute_every : 1, ck = 0;
-        for (int i = 0; i < g->n_layer; i++) ck += model_recompute_layer(L->recompute, every, i);
+        int ck = 0;
+        for (int i = 0; i < g->n_layer; i++) ck += model_recompute_layer(L->recompute, L->recompute_every, i);
         block = (double)ck / g->n_layer * (pp > 1 && run->pp_schedule == PIPE_ZB_H1 ? 2 : 1);
         rec = block * fwd;
     }
