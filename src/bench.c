@@ -88,7 +88,7 @@ int bench_run(const Config *c, int steps) {
     /* precision.fp8 as train.c passes it */
     ModelFp8 fp8 = plan_fp8_options(c);
     model_init(&m, be, &s, &(ModelOptions){.decay_embeddings = c->decay_embeddings, .master_bf16 = master16, .fp8 = fp8,
-                                         .recompute_every = c->recompute_every});
+                                         .recompute_every = c->recompute_every, .loss_chunk = c->loss_chunk});
     m.gelu_fusion = strcmp(c->gelu_fusion, "off") != 0; /* precision.gelu_fusion */
     double init_t0 = kiln_now();
     /* training's initial values, timed: the host's draw (all threads) plus the copy to the device */

@@ -24,7 +24,8 @@ enum {
     CF_HI_OPEN = 1, /* range is [lo, hi) rather than [lo, hi] */
     CF_AUTO = 2,    /* int key that also accepts `auto`, meaning 0 */
     CF_LO_OPEN = 4, /* range is (lo, hi] rather than [lo, hi] */
-    CF_WEIGHTS = 8  /* CT_SOURCES: entries take a weight (data.train) */
+    CF_WEIGHTS = 8, /* CT_SOURCES: entries take a weight (data.train) */
+    CF_AUTO_NEG = 16 /* with CF_AUTO: `auto` means -1 (0 is a value of its own) */
 };
 
 typedef struct {
@@ -42,6 +43,7 @@ typedef struct {
 #define FLD(f) offsetof(Config, f), sizeof(((Config *)0)->f)
 #define KINT(k, f, d, lo, hi, doc) {k, CT_INT, FLD(f), 0, d, lo, hi, 0, NULL, doc}
 #define KINTA(k, f, d, lo, hi, doc) {k, CT_INT, FLD(f), 0, d, lo, hi, CF_AUTO, NULL, doc}
+#define KINTAN(k, f, d, lo, hi, doc) {k, CT_INT, FLD(f), 0, d, lo, hi, CF_AUTO | CF_AUTO_NEG, NULL, doc}
 #define KI64(k, f, d, lo, hi, doc) {k, CT_INT64, FLD(f), 0, d, lo, hi, 0, NULL, doc}
 #define KU64(k, f, d, doc) {k, CT_U64, FLD(f), 0, d, 0, INFINITY, 0, NULL, doc}
 #define KFLT(k, f, d, lo, hi, doc) {k, CT_FLOAT, FLD(f), 0, d, lo, hi, 0, NULL, doc}
@@ -101,6 +103,13 @@ static const CfgKey cfg_keys[] = {
     KINT("model.recompute_every", recompute_every, "1", 1, 1024,
          "with `model.recompute: block`: checkpoint layer l when l % k == 0 and keep the others whole (1: every "
          "layer; 2: every other, about half the memory saving for half the recomputation)"),
+    KINTAN("model.loss_chunk", loss_chunk, "0", 0, 1 << 24,
+           "the output head and its cross-entropy in chunks of this many of a rank's rows (its tokens of a "
+           "micro-batch, after cp's split), so the whole (tokens x vocabulary) logits never exist: one chunk's "
+           "buffer instead; the backward makes each chunk's logits again (one more head product: 2 N C V FLOPs, "
+           "twice under zb_h1). 0: the whole logits; `auto`: chunks whose logits hold at most 4 N C elements (in "
+           "64-row tiles; none when that is all N). Losses and gradients equal the whole head's (docs/gpu.md "
+           "\"Memory\" gives the bound); not with `precision.fp8_head`"),
     KFLT("model.rope_scaling.factor", rope_factor, "0", 0, INF,
          "Llama 3.1 RoPE scaling: 0 = off; else >= 1 with the three keys below"),
     KFLT("model.rope_scaling.low_freq_factor", rope_low, "0", 0, INF, "Llama 3.1 scaling: low-frequency factor (1)"),
@@ -553,11 +562,13 @@ static int cfg_parse_float(const CfgKey *k, const yaml_node_t *n, float *out) {
     return 0;
 }
 
+static int cfg_auto_value(const CfgKey *k) { return (k->flags & CF_AUTO_NEG) ? -1 : 0; }
+
 static int cfg_parse_int(const CfgKey *k, const yaml_node_t *n, long long *out) {
     const char *s = cfg_plain(n);
     char *end;
     if ((k->flags & CF_AUTO) && n && n->type == YAML_SCALAR_NODE && !strcmp((const char *)n->data.scalar.value, "auto")) {
-        *out = 0;
+        *out = cfg_auto_value(k);
         return 0;
     }
     if (!s) return -1;
@@ -1152,6 +1163,10 @@ static void cfg_check_cross(Config *c, CfgLoad *L) {
     arch_from_config(c, &spec); /* every architecture constraint, naming the key */
     cfg_check_moe(c, &spec, L);
     cfg_check_ep(c, &spec, L);
+    if (c->loss_chunk != 0 && c->fp8_head && strcmp(c->fp8, "off"))
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'model.loss_chunk': a chunked head with precision.fp8_head scales each "
+                  "chunk's product by itself, not the whole logits; turn one of them off",
+                  cfg_where_of(L, "model.loss_chunk", NULL));
     if (c->recompute_every > 1 && strcmp(c->recompute, "block"))
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'model.recompute_every': %d checkpoints every k-th layer, which only "
                   "model.recompute: block does (it is %s)", cfg_where_of(L, "model.recompute_every", NULL),
@@ -1313,7 +1328,7 @@ static void cfg_write_value(FILE *f, const CfgKey *k, const Config *c) {
     char a[32], b[32];
     switch (k->type) {
     case CT_INT:
-        if ((k->flags & CF_AUTO) && *(const int *)p == 0) fputs("auto", f);
+        if ((k->flags & CF_AUTO) && *(const int *)p == cfg_auto_value(k)) fputs("auto", f);
         else fprintf(f, "%d", *(const int *)p);
         break;
     case CT_INT64: fprintf(f, "%lld", (long long)*(const int64_t *)p); break;

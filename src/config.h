@@ -54,6 +54,7 @@ typedef struct Config {
     int padded_vocab; /* derived: vocab_size rounded up to a multiple of 64 */
     char recompute[16]; /* none | gelu | norm_gelu | block: what the backward recomputes (model.h) */
     int recompute_every; /* block: every k-th layer is checkpointed */
+    int loss_chunk;      /* rows per chunk of the head and its loss; 0: whole, -1: auto (model_loss_rows) */
 
     /* data */
     char train_glob[CFG_STR]; /* data.train as a plain glob; "" when it is a list */

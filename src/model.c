@@ -298,6 +298,7 @@ void model_init(Model *m, const Backend *be, const ArchSpec *s, const ModelOptio
     m->cp_rank = m->cp > 1 ? o->cp_rank : 0;
     m->doc_mask = o->doc_masking, m->doc_reset = o->doc_reset, m->doc_eot = o->doc_eot;
     m->recompute_every = o->recompute_every > 0 ? o->recompute_every : 1;
+    m->loss_chunk = o->loss_chunk;
     m->vocab_lo = m->tp_rank * m->shape.padded_vocab;
     m->be = be;
     m->gelu_fusion = 1; /* precision.gelu_fusion auto */
@@ -594,7 +595,18 @@ static size_t zmax(size_t a, size_t b) { return a > b ? a : b; }
  * every: BLOCK's recompute_every. */
 typedef struct ActPlan {
     int chunks, lo[MODEL_MAX_CHUNKS], hi[MODEL_MAX_CHUNKS], slots[MODEL_MAX_CHUNKS], split, every;
+    int loss_chunk; /* model.loss_chunk (model_loss_rows) */
 } ActPlan;
+
+size_t model_loss_rows(const ArchSpec *s, size_t N, int loss_chunk) {
+    size_t rows = (size_t)loss_chunk;
+    if (loss_chunk == 0) return 0;
+    if (loss_chunk < 0) {
+        rows = 4 * N * (size_t)s->n_embd / (size_t)s->padded_vocab;
+        rows = rows >= 64 ? rows / 64 * 64 : rows > 0 ? rows : 1;
+    }
+    return rows < N ? rows : 0;
+}
 
 int model_recompute_layer(ModelRecompute r, int every, int l) {
     return r == MODEL_RECOMPUTE_BLOCK && l % (every > 0 ? every : 1) == 0;
@@ -743,6 +755,9 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     Take t = {.base = assign ? (char *)m->act_mem : NULL};
     if (assign) m->res_rows = d.Nres;
     int keep_gelu = !recomputes_gelu(r) || moe, keep_norm = !recomputes_norm(r), any_ckpt = 0;
+    /* chunked loss: no logits outlive the head's forward or backward, so one
+     * chunk's buffer serves every set (model_loss_rows) */
+    size_t xent_rows = model_loss_rows(s, N, pl->loss_chunk);
     int set = 0;
     for (int c = 0; c < pl->chunks; c++)
         for (int k = 0; k < pl->slots[c]; k++, set++) {
@@ -762,7 +777,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
                 sl->lnf = take(&t, N * C, ab);
                 sl->lnf_mean = take(&t, N, F);
                 sl->lnf_rstd = take(&t, N, F);
-                sl->logits = take(&t, N * (size_t)s->padded_vocab, ab);
+                sl->logits = xent_rows ? NULL : take(&t, N * (size_t)s->padded_vocab, ab);
                 sl->losses = take(&t, N, F);
             } else {
                 sl->stage_dout = take(&t, N * C, ab);
@@ -793,6 +808,12 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
                 a->d_qkv = own.d_qkv, a->d_o = own.d_o, a->d_fc = own.d_fc, a->d_down = own.d_down;
             }
         }
+    if (xent_rows) {
+        void *logits = take(&t, xent_rows * (size_t)s->padded_vocab, ab);
+        for (int i = 0; assign && i < set; i++)
+            if (pl->hi[m->slots[i].chunk] == s->n_layer) m->slots[i].logits = logits;
+    }
+    if (assign) m->xent_rows = xent_rows;
     if (tp > 1) m->xent_stats = take(&t, (size_t)tp * N * 3, F);
     if (tp > 1 || cp > 1) m->row_dev = take(&t, (size_t)tp * s->padded_vocab, ab);
     /* forward: projection outputs (N,C); backward: dresidual (N,C), dbuf (N,
@@ -809,30 +830,30 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     return t.off;
 }
 
-static ActPlan whole_plan(const ArchSpec *s, int every) {
-    ActPlan p = {.chunks = 1, .hi = {s->n_layer}, .slots = {1}, .every = every};
+static ActPlan whole_plan(const ArchSpec *s, int every, int loss_chunk) {
+    ActPlan p = {.chunks = 1, .hi = {s->n_layer}, .slots = {1}, .every = every, .loss_chunk = loss_chunk};
     return p;
 }
 
 size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r) {
-    ActPlan p = whole_plan(s, 1);
+    ActPlan p = whole_plan(s, 1, 0);
     return plan_bytes(s, B, T, act_bytes, r, &p, 1, 1, 0, 1, NULL);
 }
 
 size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, int sp, int B, int T, size_t act_bytes,
-                                   ModelRecompute r, int every) {
+                                   ModelRecompute r, int every, int loss_chunk) {
     ArchSpec l;
     arch_tp_local(s, tp, 0, &l); /* rank 0 holds the most vocabulary rows */
-    ActPlan p = whole_plan(s, every);
+    ActPlan p = whole_plan(s, every, loss_chunk);
     return plan_bytes(&l, B, T / cp, act_bytes, r, &p, tp, cp, sp, ep, NULL);
 }
 
 size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, int ep, int B, int T, size_t act_bytes,
-                                    ModelRecompute r, int every, int chunks, const int *lo, const int *hi,
-                                    const int *slots, int split) {
+                                    ModelRecompute r, int every, int loss_chunk, int chunks, const int *lo,
+                                    const int *hi, const int *slots, int split) {
     ArchSpec l;
     arch_tp_local(s, tp, 0, &l);
-    ActPlan p = {.chunks = chunks, .split = split, .every = every};
+    ActPlan p = {.chunks = chunks, .split = split, .every = every, .loss_chunk = loss_chunk};
     if (chunks < 1 || chunks > MODEL_MAX_CHUNKS) return 0;
     for (int c = 0; c < chunks; c++) p.lo[c] = lo[c], p.hi[c] = hi[c], p.slots[c] = slots[c];
     if (cp < 1) cp = 1;
@@ -900,7 +921,7 @@ void model_plan_slots(Model *m, int B, int T, ModelRecompute r, const int *slots
     m->T = T;
     m->recompute = r;
     m->split_backward = split;
-    ActPlan pl = {.chunks = m->n_chunks, .split = split, .every = m->recompute_every};
+    ActPlan pl = {.chunks = m->n_chunks, .split = split, .every = m->recompute_every, .loss_chunk = m->loss_chunk};
     m->n_slots = 0;
     for (int c = 0; c < m->n_chunks; c++) {
         pl.lo[c] = m->chunk_lo[c], pl.hi[c] = m->chunk_hi[c], pl.slots[c] = slots && slots[c] > 0 ? slots[c] : 1;
@@ -1495,6 +1516,57 @@ static const int32_t *local_ids(const Model *m, int32_t *buf, const int32_t *ids
     return buf;
 }
 
+/* The rows of one chunk of the head for a forward of N rows: N when the head
+ * runs whole (model.loss_chunk 0, or a chunk of at least N rows). */
+static size_t head_chunk_rows(const Model *m, int N) {
+    return m->xent_rows && m->xent_rows < (size_t)N ? m->xent_rows : (size_t)N;
+}
+
+/* The head on rows [r0, r0 + n) of the final norm's output: logits (n,Vp) =
+ * lnf @ head^T into the logits buffer (under tp this rank's vocabulary
+ * columns), and with xent their losses (losses[r0..]); dloss != 0 turns the
+ * logits into dlogits in place. Vocabulary-parallel, no rank holds a whole
+ * row of logits: one all-gather of (max, sum of exponentials, target logit)
+ * per row, per chunk. Each row's logits and loss depend on that row alone,
+ * so a chunk's are the whole head's. */
+static void head_rows(Model *m, size_t r0, int n, int xent, float dloss) {
+    const ArchSpec *s = &m->shape;
+    const Backend *be = m->be;
+    int C = s->n_embd, V = s->vocab_size, Vp = s->padded_vocab;
+    model_mm_forward(m, -1, MM_HEAD, -1, m->logits, act_at(m, m->lnf, r0, (size_t)C), m->wview[head_index(m)], NULL, n,
+                     C, Vp);
+    m->logits_r0 = (long)r0;
+    if (!xent) return;
+    const int32_t *tgt = m->targets_dev + r0;
+    float *losses = m->losses + r0;
+    if (m->tp == 1) {
+        be->crossentropy_forward(m->logits, losses, tgt, n, V, Vp, dloss);
+    } else {
+        float *all = m->xent_stats, *mine = all + (size_t)m->tp_rank * n * 3;
+        be->xent_partial(mine, m->logits, tgt, n, V, Vp);
+        m->tpc.all_gather_f32(m->tpc.ctx, mine, all, (size_t)n * 3);
+        be->xent_finish(m->logits, losses, all, m->tp, tgt, n, V, Vp, dloss);
+    }
+}
+
+/* The head's backward on the forward's N rows: from the dlogits the whole
+ * forward left (one chunk) or, chunked, each chunk's made again with the
+ * forward's dloss; the input gradient dln (N,C) when dln, the weight's
+ * accumulated (the first chunk per `accumulate`) when dw. */
+static void head_backward(Model *m, void *dln, float *dw, int N, int accumulate) {
+    const ArchSpec *s = &m->shape;
+    int C = s->n_embd, head = head_index(m);
+    size_t rows = head_chunk_rows(m, N);
+    for (size_t r0 = 0; r0 < (size_t)N; r0 += rows) {
+        int n = (int)(N - r0 < rows ? N - r0 : rows);
+        if (rows < (size_t)N) head_rows(m, r0, n, 1, m->live_dloss);
+        model_mm_backward(m, -1, MM_HEAD, -1, dln ? act_at(m, dln, r0, (size_t)C) : NULL, dw, NULL, m->logits,
+                          act_at(m, m->lnf, r0, (size_t)C), m->wview[head], n, C, s->padded_vocab,
+                          accumulate || r0 > 0);
+    }
+    if (rows < (size_t)N) tp_drain(m);
+}
+
 float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int B, int T, float dloss) {
     const Backend *be = m->be;
     const ArchSpec *s = &m->shape;
@@ -1578,24 +1650,22 @@ float model_forward(Model *m, const int32_t *tokens, const int32_t *targets, int
         return 0.0f;
     }
     norm_in(m, m->lnf, m->lnf_mean, m->lnf_rstd, x, W(m, -1, ROLE_FINAL_NORM_W), W(m, -1, ROLE_FINAL_NORM_B), N);
-    /* logits (N,Vp) = lnf @ head^T: under tp this rank's vocabulary columns */
-    model_mm_forward(m, -1, MM_HEAD, -1, m->logits, m->lnf, m->wview[head_index(m)], NULL, N, C, s->padded_vocab);
-
     m->live_B = B;
     m->live_T = T;
     m->have_targets = 0;
-    if (!targets) return 0.0f;
-    be->to_device(m->targets_dev, local_ids(m, m->tgt_host, targets, N), (size_t)N * sizeof(int32_t));
-    if (m->tp == 1) {
-        be->crossentropy_forward(m->logits, m->losses, m->targets_dev, N, s->vocab_size, s->padded_vocab, dloss);
+    if (targets) be->to_device(m->targets_dev, local_ids(m, m->tgt_host, targets, N), (size_t)N * sizeof(int32_t));
+    size_t rows = head_chunk_rows(m, N);
+    if (rows == (size_t)N) {
+        head_rows(m, 0, N, targets != NULL, dloss); /* the whole logits; dlogits in place for the backward */
     } else {
-        /* vocabulary-parallel: no rank holds a whole row of logits; one
-         * all-gather of (max, sum of exponentials, target logit) per row */
-        float *all = m->xent_stats, *mine = all + (size_t)m->tp_rank * N * 3;
-        be->xent_partial(mine, m->logits, m->targets_dev, N, s->vocab_size, s->padded_vocab);
-        m->tpc.all_gather_f32(m->tpc.ctx, mine, all, (size_t)N * 3);
-        be->xent_finish(m->logits, m->losses, all, m->tp, m->targets_dev, N, s->vocab_size, s->padded_vocab, dloss);
+        /* chunked loss: each chunk's logits live only for its own loss; the
+         * backward makes them again (head_rows). Without targets
+         * (generation) model_logits_row computes the chunk it reads. */
+        m->logits_r0 = -1;
+        for (size_t r0 = 0; targets && r0 < (size_t)N; r0 += rows)
+            head_rows(m, r0, (int)(N - r0 < rows ? N - r0 : rows), 1, 0.0f);
     }
+    if (!targets) return 0.0f;
     tp_drain(m);
     if (m->loss_sink && dloss != 0.0f) { /* stays on the device: no host wait */
         be->loss_acc(m->loss_sink, m->losses, N);
@@ -1867,9 +1937,9 @@ static void backward_run(Model *m, int accumulate, BackPart part) {
         int head = head_index(m);
         const void *x_last = m->acts[m->layer_hi - 1].res3;
         compute_refresh(m, L);
-        /* the input part keeps dlogits where they are, in the slot's logits */
-        model_mm_backward(m, -1, MM_HEAD, -1, b.dln, part == PART_INPUT ? NULL : m->gview[head], NULL, m->logits, m->lnf,
-                            m->wview[head], N, C, s->padded_vocab, accumulate);
+        /* the input part keeps dlogits where they are, in the slot's logits
+         * (chunked: the weight part makes them again) */
+        head_backward(m, b.dln, part == PART_INPUT ? NULL : m->gview[head], N, accumulate);
         const void *dnorm = col_grad_reduce(m, b.dln, b.dfull, N); /* tp: the head is column-parallel */
         be->zero(b.dres, (size_t)N * C * m->act_bytes);
         norm_backward(m, b.dres, G(m, -1, ROLE_FINAL_NORM_W), G(m, -1, ROLE_FINAL_NORM_B), dnorm, x_last,
@@ -1926,11 +1996,9 @@ void model_backward_weight(Model *m, int accumulate) {
         kiln_fail(KILN_EXIT_RUNTIME, "model_backward_weight: no input part of a backward ran on this slot before");
     int B = m->live_B, T = m->live_T, N = B * T;
     int C = s->n_embd, L = s->n_layer, F = s->ffn_hidden, Q = arch_q_width(s);
-    if (m->has_head) { /* dlogits (N,Vp) are still in the slot's logits */
-        int head = head_index(m);
+    if (m->has_head) { /* dlogits (N,Vp) are still in the slot's logits (chunked: made again) */
         compute_refresh(m, L);
-        model_mm_backward(m, -1, MM_HEAD, -1, NULL, m->gview[head], NULL, m->logits, m->lnf, m->wview[head], N, C, s->padded_vocab,
-                            accumulate);
+        head_backward(m, NULL, m->gview[head_index(m)], N, accumulate);
     }
     int acc = accumulate && !m->layer_grads_fresh;
     int rec_act = recomputes_gelu(m->recompute) && s->mlp != MLP_MOE;
@@ -2001,7 +2069,7 @@ void model_moe_update_bias(Model *m, const int64_t *load) {
     model_params_changed(m);
 }
 
-void model_logits_row(const Model *m, int b, int t, float *out) {
+void model_logits_row(Model *m, int b, int t, float *out) {
     size_t row = (size_t)b * m->live_T + (size_t)t, Vp = (size_t)m->shape.padded_vocab;
     int root = 0; /* cp: the rank holding position t */
     if (m->cp > 1) {
@@ -2009,7 +2077,15 @@ void model_logits_row(const Model *m, int b, int t, float *out) {
         root = c ? 2 * m->cp - 1 - g : g;
         row = ((size_t)c * m->live_B + b) * Tc + (size_t)(t % Tc);
     }
-    const char *src = (const char *)m->logits + row * Vp * m->act_bytes;
+    int N = m->live_B * m->live_T;
+    size_t rows = head_chunk_rows(m, N);
+    if (m->logits_r0 < 0 || row < (size_t)m->logits_r0 || row >= (size_t)m->logits_r0 + rows) {
+        /* chunked loss: the chunk that holds the row (no collective: each
+         * rank its own rows, under tp its own columns) */
+        size_t r0 = row / rows * rows;
+        head_rows(m, r0, (int)(N - r0 < rows ? N - r0 : rows), 0, 0.0f);
+    }
+    const char *src = (const char *)m->logits + (row - (size_t)m->logits_r0) * Vp * m->act_bytes;
     if (m->tp > 1) { /* every rank's columns, in rank order: the global vocabulary */
         m->be->copy((char *)m->row_dev + (size_t)m->tp_rank * Vp * m->act_bytes, src, Vp * m->act_bytes);
         m->tpc.all_gather(m->tpc.ctx, m->row_dev, Vp);

@@ -297,6 +297,8 @@ typedef struct ModelOptions {
     ModelFp8 fp8;         /* fp8 products; mode 0: none */
     int recompute_every;  /* model.recompute_every: under MODEL_RECOMPUTE_BLOCK layer l is
                              checkpointed when l % k == 0 (0: 1, every layer) */
+    int loss_chunk;       /* model.loss_chunk: the head and its loss in chunks of this many of a
+                             rank's rows (model_loss_rows); 0: the whole logits, -1: auto */
 } ModelOptions;
 
 
@@ -403,7 +405,12 @@ typedef struct Model {
     double *chunk_host;            /* cp > 1: (2 cp, B, E) host: every chunk's loads (a capacity's limits) */
     int32_t *caps_host, *moe_caps; /* cp > 1: (2B, E) host, device: this rank's chunks' limits per expert */
     float *lnf_mean, *lnf_rstd; /* (N) */
-    void *logits;     /* (N,Vp); dlogits in place after a training forward */
+    void *logits;     /* (N,Vp); dlogits in place after a training forward. Chunked loss
+                         (xent_rows > 0): (xent_rows,Vp), one buffer for every slot, holding
+                         rows [logits_r0, logits_r0 + xent_rows) (-1: none) */
+    int loss_chunk;   /* ModelOptions.loss_chunk */
+    size_t xent_rows; /* planned rows of a chunk of the head (model_loss_rows); 0: whole */
+    long logits_r0;
     float *losses;    /* (N) device */
     void *scratch;    /* forward: projection outputs; backward: gradient buffers */
     int32_t *tokens_dev, *targets_dev; /* (N) */
@@ -628,7 +635,7 @@ int model_stage_rows(const Model *m, int B, int T);
  * gshape.padded_vocab floats (converted from the activation dtype). Under tp
  * a collective: every tp rank calls it, and the row is gathered; under cp
  * too (t is the global position; its chunk's rank broadcasts the row). */
-void model_logits_row(const Model *m, int b, int t, float *out);
+void model_logits_row(Model *m, int b, int t, float *out);
 
 /* Counts (arch.h has the formulas): the tensors this rank holds (under tp,
  * its parts; arch_num_params(&m->gshape) is the whole model's). */
@@ -648,7 +655,7 @@ size_t model_activation_bytes(const ArchSpec *s, int B, int T, size_t act_bytes,
  * not in the arena (cp_buffer_bytes); with ep > 1 (ModelOptions.ep) neither
  * are the expert side's, which are ep.c's (ep_buffer_bytes). */
 size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, int sp, int B, int T, size_t act_bytes,
-                                   ModelRecompute r, int every);
+                                   ModelRecompute r, int every, int loss_chunk);
 
 /* The same for a pipeline rank (tp 1: the spec itself; sp its sequence
  * parallelism; cp: its B x T / cp rows; ep > 1: without the expert side's
@@ -656,8 +663,15 @@ size_t model_activation_bytes_rank(const ArchSpec *s, int tp, int cp, int ep, in
  * slots[c] activation sets, with the kept output gradients of a split
  * backward when split: exactly what model_plan_slots allocates. */
 size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, int ep, int B, int T, size_t act_bytes,
-                                    ModelRecompute r, int every, int chunks, const int *lo, const int *hi,
-                                    const int *slots, int split);
+                                    ModelRecompute r, int every, int loss_chunk, int chunks, const int *lo,
+                                    const int *hi, const int *slots, int split);
+/* Chunked loss (model.loss_chunk): the rows of one chunk of the output head
+ * and its cross-entropy for a rank with N rows and local shape s (its
+ * vocabulary columns under tp), or 0 when the head runs whole. loss_chunk
+ * 0: whole; > 0: that many rows; -1 (auto): the rows whose logits hold at
+ * most 4 N C elements, four (N,C) activations' worth, in whole 64-row
+ * tiles. A chunk of N rows or more is the whole head. */
+size_t model_loss_rows(const ArchSpec *s, size_t N, int loss_chunk);
 /* Whether mode r with recompute_every k checkpoints layer l (BLOCK: l % k
  * == 0); model_layer_recomputed is the planned model's. */
 int model_recompute_layer(ModelRecompute r, int every, int l);

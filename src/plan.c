@@ -100,7 +100,7 @@ PlanLayout plan_layout(const Config *c, int dp) {
     return (PlanLayout){.tp = c->tp, .sp = c->tp > 1 && strcmp(c->sequence_parallel, "false") != 0, .cp = c->cp,
                         .cp_mode = cp_mode_parse(c->cp_attention), .dp = dp, .ep = c->ep, .zero = c->zero,
                         .micro_batch = c->micro_batch, .recompute = model_recompute_parse(c->recompute),
-                        .recompute_every = c->recompute_every,
+                        .recompute_every = c->recompute_every, .loss_chunk = c->loss_chunk,
                         .moment_bytes = optim_state_bytes(c->optim_state), .param_bytes = plan_param_bytes(c->master),
                         .act_bytes = plan_act_bytes(c), .fp8 = plan_fp8_options(c),
                         .muon = optim_kind(c->optim_name) == OPTIM_MUON, .muon_split_qkv = c->muon_split_qkv};
@@ -233,12 +233,20 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, const PlanLayout *lay) {
         for (int k = 0; k < 2; k++) {
             size_t ab = k ? 2 : sizeof(float);
             m.act_by_mode[r][k] = (double)model_activation_bytes_rank(g, tp, cp, ep, sp, micro_batch, s->seq_len, ab,
-                                                                      (ModelRecompute)r, lay->recompute_every);
+                                                                      (ModelRecompute)r, lay->recompute_every,
+                                                                      lay->loss_chunk);
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
             m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, cp, s->n_layer, micro_batch, s->seq_len, ab);
         }
     m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, lay->act_bytes == 2 ? 2 : 4) : 0;
     m.recompute = recompute;
+    m.loss_chunk = lay->loss_chunk;
+    for (int k = 0; k < 3; k++) {
+        int lc[3] = {0, -1, lay->loss_chunk};
+        m.arena_by_chunk[k] = (double)model_activation_bytes_rank(g, tp, cp, ep, sp, micro_batch, s->seq_len,
+                                                                  lay->act_bytes == 2 ? 2 : 4, recompute,
+                                                                  lay->recompute_every, lc[k]);
+    }
     plan_pick_dtype(&m, lay, params);
     plan_add_fp8(&m, s, lay, ep, 1);
     plan_finish(&m);
@@ -303,13 +311,21 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, const PlanLayout *lay, in
         for (int k = 0; k < 2; k++) {
             size_t ab = k ? 2 : sizeof(float);
             m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, cp, sp, ep, micro_batch, g->seq_len, ab,
-                                                                       (ModelRecompute)r, lay->recompute_every, chunks,
-                                                                       lo, hi, slots, split) +
+                                                                       (ModelRecompute)r, lay->recompute_every,
+                                                                       lay->loss_chunk, chunks, lo, hi, slots, split) +
                                   (double)ep_buffer_bytes(g, ep, cp, sets, micro_batch, g->seq_len, ab);
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
         }
     m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, lay->act_bytes == 2 ? 2 : 4) : 0;
     m.recompute = rec;
+    m.loss_chunk = lay->loss_chunk;
+    for (int k = 0; k < 3; k++) {
+        int lc[3] = {0, -1, lay->loss_chunk};
+        m.arena_by_chunk[k] = (double)model_activation_bytes_stage(g, tp, cp, sp, ep, micro_batch, g->seq_len,
+                                                                   lay->act_bytes == 2 ? 2 : 4, rec,
+                                                                   lay->recompute_every, lc[k], chunks, lo, hi,
+                                                                   slots, split);
+    }
     plan_pick_dtype(&m, lay, params);
     plan_add_fp8(&m, &local, lay, ep, n_sets);
     plan_finish(&m);
@@ -527,6 +543,13 @@ void plan_print_activations(const PlanMemory *m) {
         printf("  recompute              %s (model.recompute): %.2f GiB less than none in %s, %.2f GiB in %s\n",
                model_recompute_name(m->recompute), (by[0][k] - m->activations) / GIB, dt,
                (by[0][!k] - m->activations_other) / GIB, other);
+    const double *a = m->arena_by_chunk; /* whole, auto, as set */
+    if (m->loss_chunk != 0)
+        printf("  loss in chunks         model.loss_chunk %s: %.2f GiB less than the whole logits in %s\n",
+               m->loss_chunk < 0 ? "auto" : "as set", (a[0] - a[2]) / GIB, dt);
+    else if (a[0] > a[1])
+        printf("  loss in chunks         none (model.loss_chunk: auto would take %.2f GiB less in %s)\n",
+               (a[0] - a[1]) / GIB, dt);
     const ModelFp8Bytes *f = &m->fp8;
     if (f->operands + f->scales + f->histories > 0) {
         plan_print_bytes("fp8 buffers", (double)(f->operands + f->scales + f->histories));

@@ -43,6 +43,9 @@ typedef struct PlanMemory {
     double act_by_mode[MODEL_RECOMPUTE_MODES][2]; /* the same for each ModelRecompute, [0] fp32 [1] bf16 */
     ModelFp8Bytes fp8;      /* precision.fp8's buffers (model_fp8_bytes) in act_bytes; in total */
     ModelRecompute recompute; /* model.recompute */
+    int loss_chunk;         /* model.loss_chunk */
+    double arena_by_chunk[3]; /* the activation arena alone (no cp, ep buffers) in act_bytes with
+                                 loss_chunk 0 (the whole logits), auto, and as set */
     double overhead;        /* PLAN_WORKSPACE_BYTES + PLAN_MARGIN of the rest */
     double total;           /* state + activations + fp8 + overhead */
 } PlanMemory;
@@ -76,6 +79,7 @@ typedef struct PlanLayout {
     int tp, sp, cp, cp_mode, dp, ep, zero, micro_batch;
     ModelRecompute recompute;
     int recompute_every; /* model.recompute_every (BLOCK) */
+    int loss_chunk;      /* model.loss_chunk (model_loss_rows): the head in chunks of rows */
     size_t moment_bytes, param_bytes, act_bytes;
     ModelFp8 fp8;
     int muon, muon_split_qkv; /* optim.name muon (its buffers: plan_muon_bytes), optim.muon_split_qkv */

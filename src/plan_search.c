@@ -45,6 +45,11 @@ static int plan_set_flags(const Config *base, const Config *c, char *buf, size_t
     PLAN_SET_INT("batch.micro_batch", micro_batch);
     PLAN_SET_STR("model.recompute", recompute);
     PLAN_SET_INT("model.recompute_every", recompute_every);
+    if (c->loss_chunk != base->loss_chunk) {
+        changes++;
+        if (c->loss_chunk < 0) o += (size_t)snprintf(buf + o, o < n ? n - o : 0, " --set model.loss_chunk=auto");
+        else o += (size_t)snprintf(buf + o, o < n ? n - o : 0, " --set model.loss_chunk=%d", c->loss_chunk);
+    }
     PLAN_SET_STR("parallel.sequence_parallel", sequence_parallel);
     PLAN_SET_STR("parallel.cp_attention", cp_attention);
     PLAN_SET_STR("parallel.pp_schedule", pp_schedule);
@@ -157,7 +162,11 @@ int plan_search(const Config *base, const ArchSpec *s, const HwProfile *hw, int 
                                         if (sk == 2 && v == 1) continue;
                                         for (int r = 0; r < MODEL_RECOMPUTE_MODES; r++) {
                                             /* micro-batches ascending: memory grows with it, so
-                                             * the first that does not fit ends the row */
+                                             * the first that does not fit ends the row; with the
+                                             * whole logits, it goes on from there with the loss in
+                                             * chunks (model.loss_chunk auto: memory for one more
+                                             * head product), which a smaller one needs no more */
+                                            int lc = base->loss_chunk;
                                             for (int64_t mb = 1; mb <= samples && mb <= 65536; mb++) {
                                                 if (samples % mb) continue;
                                                 *c = *base;
@@ -177,8 +186,14 @@ int plan_search(const Config *base, const ArchSpec *s, const HwProfile *hw, int 
                                                 }
                                                 if (pp != base->pp || c->pp_virtual != base->pp_virtual)
                                                     c->n_pp_layers = 0;
+                                                c->loss_chunk = lc;
                                                 int before = S.too_big;
                                                 plan_consider(&S, c);
+                                                if (S.too_big > before && lc == 0) {
+                                                    c->loss_chunk = lc = -1;
+                                                    before = S.too_big;
+                                                    plan_consider(&S, c);
+                                                }
                                                 if (S.too_big > before) break;
                                             }
                                         }
@@ -210,6 +225,10 @@ void plan_cand_layout_text(const PlanCand *k, char *buf, size_t n) {
              r->pp > 1 ? " " : "", r->pp > 1 ? pipe_kind_name((PipeKind)r->pp_schedule) : "", l->cp,
              l->cp > 1 ? (l->cp_mode == CP_RING ? " ring" : " allgather") : "", l->ep, l->zero, l->micro_batch, r->micro,
              plan_rec_name(l->recompute));
+    if (l->loss_chunk) {
+        size_t o = strlen(buf);
+        snprintf(buf + o, n > o ? n - o : 0, ", loss in chunks");
+    }
     if (r->pp > 1 && r->pp_virtual > 1) {
         size_t o = strlen(buf);
         snprintf(buf + o, n > o ? n - o : 0, ", %d virtual stages", r->pp_virtual);
@@ -279,10 +298,11 @@ void plan_json_cand(FILE *f, const PlanCand *k) {
     const PlanTime *t = &k->time;
     fprintf(f, "{\"dp\": %d, \"tp\": %d, \"pp\": %d, \"cp\": %d, \"ep\": %d, \"zero\": %d, \"micro_batch\": %d, "
             "\"grad_accum\": %d, \"recompute\": \"%s\", \"sequence_parallel\": %s, \"cp_attention\": \"%s\", "
-            "\"pp_schedule\": \"%s\", \"pp_virtual\": %d, \"memory_bytes\": %.0f, ",
+            "\"pp_schedule\": \"%s\", \"pp_virtual\": %d, \"loss_chunk\": %d, \"memory_bytes\": %.0f, ",
             l->dp, l->tp, r->pp, l->cp, l->ep, l->zero, l->micro_batch, r->micro, plan_rec_name(l->recompute),
             l->sp && l->tp > 1 ? "true" : "false", l->cp_mode == CP_RING ? "ring" : "allgather",
-            r->pp > 1 ? pipe_kind_name((PipeKind)r->pp_schedule) : "none", r->pp > 1 ? r->pp_virtual : 1, m->total);
+            r->pp > 1 ? pipe_kind_name((PipeKind)r->pp_schedule) : "none", r->pp > 1 ? r->pp_virtual : 1, l->loss_chunk,
+            m->total);
     fprintf(f, "\"memory\": {\"params\": %.0f, \"params_shard\": %.0f, \"params_gathered\": %.0f, \"grads\": %.0f, "
             "\"grads_unreduced\": %.0f, \"optim\": %.0f, \"compute_copy\": %.0f, \"activations\": %.0f, "
             "\"activation_bytes\": %zu, \"cp_buffers\": %.0f, \"fp8\": %.0f, \"overhead\": %.0f}, ",

@@ -135,7 +135,7 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
     /* one layer: forward, backward (twice the products, attention's 2.5x as
      * flash attention recomputes its scores), recompute's extra pointwise */
     double act_all = (double)model_activation_bytes_rank(g, tp, cp, ep, L->sp, L->micro_batch, g->seq_len, rate.ab,
-                                                         L->recompute, L->recompute_every);
+                                                         L->recompute, L->recompute_every, L->loss_chunk);
     double act_layer = act_all / g->n_layer, fl;
     double fwd = plan_layer_fwd_s(&l, &rate, peak_mm, N, T, ep, act_layer, &fl);
     double att = 2 * N * T * arch_q_width(&l) / (0.75 * peak_mm);
@@ -158,14 +158,22 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
         block = (double)ck / g->n_layer * (pp > 1 && run->pp_schedule == PIPE_ZB_H1 ? 2 : 1);
         rec = block * fwd;
     }
+    /* chunked loss: the backward makes each chunk's logits and dlogits
+     * again, one more head product and its softmax pass (two under a split
+     * backward, whose weight part makes them once more) */
+    int split = pp > 1 && run->pp_schedule == PIPE_ZB_H1;
+    double remakes = model_loss_rows(&l, (size_t)N, L->loss_chunk) ? (split ? 2 : 1) : 0;
+    double head_again = remakes * (plan_mm_s(&rate, N, V, C, peak_mm) + 2 * N * V * 4 / rate.bw);
+    head += head_again;
     double per_micro = layers_max * (fwd + bwd + rec) + head;
     o.compute = per_micro * m;
-    o.recompute = layers_max * rec * m;
+    o.recompute = (layers_max * rec + head_again) * m;
     o.model_flops = arch_flops_per_token(g, g->seq_len) * (double)total_tokens / run->gpus;
     /* gelu/norm_gelu recompute pointwise work only: no products repeated;
      * block its layers' forward products and attention (fl: one layer's
      * forward of this rank's N rows and tp part) */
-    o.hw_flops = o.model_flops + block * fl * tp * g->n_layer / N * (double)total_tokens / run->gpus;
+    o.hw_flops = o.model_flops + block * fl * tp * g->n_layer / N * (double)total_tokens / run->gpus +
+                 remakes * 2 * C * g->padded_vocab * (double)total_tokens / run->gpus;
 
     /* tensor parallelism: its collectives sit on the critical path (tp.c
      * waits for each before the next op), per micro-batch */

@@ -26,6 +26,8 @@ static const struct {
     {"model.recompute", KEY_ALLOW,
      "memory only: the backward recomputes what it no longer keeps, to the bit (without GeLU fusion)"},
     {"model.recompute_every", KEY_ALLOW, "memory only: which layers block checkpoints, to the bit"},
+    {"model.loss_chunk", KEY_NOTE,
+     "memory: the head in chunks; the losses are the same, its weight gradient sums the rows in another grouping"},
     {"model.*", KEY_NEVER, "the parameter shapes and the function they compute"},
     {"data.tokenizer*", KEY_NEVER, "token ids would mean different text"},
     {"run.seed", KEY_NEVER, "the data order of the current epoch is drawn from it"},

@@ -521,7 +521,8 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
                        .ep = r->ep, .ep_rank = r->mesh.ep_rank, .doc_masking = c->doc_masking,
                        .doc_reset = !strcmp(c->doc_positions, "reset"),
                        .doc_eot = c->eot_id >= 0 ? c->eot_id : tok_eot(r->tok),
-                       .fp8 = plan_fp8_options(c), .recompute_every = c->recompute_every};
+                       .fp8 = plan_fp8_options(c), .recompute_every = c->recompute_every,
+                       .loss_chunk = c->loss_chunk};
     if ((mo.doc_masking || mo.doc_reset) && mo.doc_eot < 0) /* config.c refuses the byte tokenizer's */
         kiln_fail(KILN_EXIT_USAGE, "key 'data.eot_id': the %s tokenizer has no end-of-text id; set data.eot_id",
                   c->tokenizer);
@@ -752,6 +753,12 @@ static void train_describe(TrainRun *r) {
                       ? " (a checkpointed layer keeps its input; the backward runs its forward again: bit-identical)"
                   : fused ? " (the backward recomputes them; the GeLU's last bits may differ from the fused forward's)"
                           : " (the backward recomputes them: bit-identical)");
+    if (model->xent_rows)
+        metrics_print(mx, "loss in chunks of %zu rows (model.loss_chunk): the head's logits of one chunk, %.2f MiB "
+                          "instead of %.2f; the backward makes each chunk's again (one more head product)",
+                      model->xent_rows, model->xent_rows * (double)model->shape.padded_vocab * model->act_bytes / 1048576.0,
+                      (double)r->B * r->T / (model->cp > 1 ? model->cp : 1) * model->shape.padded_vocab *
+                          model->act_bytes / 1048576.0);
     if (model->master_bf16)
         metrics_print(mx, "parameters: bf16 (precision.master), no fp32 master (%.2f MiB saved); AdamW rounds each "
                           "update stochastically; gradients fp32", model->num_params * 4.0 / 1048576.0);

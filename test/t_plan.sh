@@ -176,7 +176,8 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 top = {"fits", "gpus", "nodes", "hardware", "layouts"}
 lay = {"dp", "tp", "pp", "cp", "ep", "zero", "micro_batch", "grad_accum", "recompute", "sequence_parallel",
-       "pp_schedule", "pp_virtual", "memory_bytes", "memory", "step_s", "time", "tokens_per_s_per_gpu", "mfu", "set"}
+       "pp_schedule", "pp_virtual", "loss_chunk", "memory_bytes", "memory", "step_s", "time", "tokens_per_s_per_gpu", "mfu",
+       "set"}
 assert top <= set(d), "top-level keys missing: %s" % (top - set(d))
 assert d["fits"] and d["gpus"] == 16 and d["nodes"] == 2 and len(d["layouts"]) > 5, d.keys()
 steps = [l["step_s"] for l in d["layouts"]]

@@ -73,7 +73,7 @@ static void test_bytes_block(const Backend *be, const char *tag) {
     size_t none = model_activation_bytes(&s, B, T, ab, MODEL_RECOMPUTE_NONE);
     size_t X = none - model_activation_bytes(&s2, B, T, ab, MODEL_RECOMPUTE_NONE);
     size_t block = model_activation_bytes(&s, B, T, ab, MODEL_RECOMPUTE_BLOCK);
-    size_t every2 = model_activation_bytes_rank(&s, 1, 1, 1, 0, B, T, ab, MODEL_RECOMPUTE_BLOCK, 2);
+    size_t every2 = model_activation_bytes_rank(&s, 1, 1, 1, 0, B, T, ab, MODEL_RECOMPUTE_BLOCK, 2, 0);
     /* every 2 of 3 layers: 0 and 2 checkpointed, 1 whole */
     size_t want2 = none - (2 - 1) * X + (2 + 2) * NC;
     snprintf(name, sizeof name, "recompute_block_bytes_%s", tag);

@@ -206,7 +206,7 @@ static void test_plan_bytes(const char *name, ArchSpec s, int cp, int chunks, co
     Model m;
     model_init(&m, &backend_cpu, &s, &o);
     model_plan_slots(&m, B, T, MODEL_RECOMPUTE_NONE, slots, split);
-    size_t want = model_activation_bytes_stage(&s, 1, cp, 0, 1, B, T, 4, MODEL_RECOMPUTE_NONE, 1, chunks, lo, hi, slots,
+    size_t want = model_activation_bytes_stage(&s, 1, cp, 0, 1, B, T, 4, MODEL_RECOMPUTE_NONE, 1, 0, chunks, lo, hi, slots,
                                                split);
     char what[96];
     snprintf(what, sizeof what, "stages_plan_bytes_%s", name);
