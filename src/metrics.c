@@ -243,6 +243,7 @@ struct Metrics {
     int steps, log_every, tty, start_step;
     int64_t tokens_per_step;
     double fpt, peak;
+    double hw_fpt; /* metrics_set_hw_flops; 0: the model FLOPs */
     char peak_source[160]; /* printed at the first step */
     float spike_factor;
     char run_dir[CFG_STR];
@@ -1012,6 +1013,8 @@ static void *watchdog_main(void *arg) {
 
 /* ---------- open / step / close ---------- */
 
+void metrics_set_hw_flops(Metrics *m, double flops_per_token) { m->hw_fpt = flops_per_token; }
+
 Metrics *metrics_open(const Config *c, int rank, int world, double flops_per_token, double peak_flops,
                       const char *peak_source, int start_step) {
     Metrics *m = xcalloc(1, sizeof *m);
@@ -1257,6 +1260,7 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         json_num(f, "grad_scale", s->grad_scale);
         json_num(f, "tok_per_s", tok_s);
         if (m->peak > 0) json_num(f, "mfu", mfu);
+        if (m->peak > 0 && m->hw_fpt > m->fpt) json_num(f, "hfu", m->hw_fpt * tok_s / (m->peak * m->world));
         json_num(f, "step_time_s", s->step_time_s);
         json_num(f, "elapsed_s", elapsed);
         json_num(f, "eta_s", eta);

@@ -109,6 +109,10 @@ typedef struct Metrics Metrics;
  * says where it came from ("measured sgemm", "table: H100 SXM bf16", "config").
  * start_step > 0 (resume): metrics.jsonl keeps its lines up to that step and
  * is appended to. Starts the watchdog when monitor.stall_timeout_s > 0. */
+/* The hardware FLOPs a token costs (model_hw_flops_per_token): where
+ * recomputation makes them more than the model FLOPs, metrics.jsonl's lines
+ * carry "hfu", their utilisation of the peak, beside "mfu". */
+void metrics_set_hw_flops(Metrics *m, double flops_per_token);
 Metrics *metrics_open(const Config *c, int rank, int world, double flops_per_token, double peak_flops,
                       const char *peak_source, int start_step);
 /* Stop the watchdog, heartbeat phase "done"; rank 0 writes RUN_DIR/summary.json,

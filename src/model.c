@@ -608,6 +608,17 @@ size_t model_loss_rows(const ArchSpec *s, size_t N, int loss_chunk) {
     return rows < N ? rows : 0;
 }
 
+double model_hw_flops_per_token(const ArchSpec *g, int T, int tp, size_t rows, ModelRecompute r, int every,
+                                int loss_chunk, int split) {
+    double fpt = arch_flops_per_token(g, T), head = 2.0 * g->n_embd * g->vocab_size;
+    double layer_fwd = (fpt - 3 * head) / (3.0 * g->n_layer), hw = fpt;
+    for (int l = 0; l < g->n_layer; l++) hw += model_recompute_layer(r, every, l) ? layer_fwd * (split ? 2 : 1) : 0;
+    ArchSpec local;
+    arch_tp_local(g, tp > 1 ? tp : 1, 0, &local);
+    if (model_loss_rows(&local, rows, loss_chunk)) hw += head * (split ? 2 : 1);
+    return hw;
+}
+
 int model_recompute_layer(ModelRecompute r, int every, int l) {
     return r == MODEL_RECOMPUTE_BLOCK && l % (every > 0 ? every : 1) == 0;
 }

@@ -672,6 +672,15 @@ size_t model_activation_bytes_stage(const ArchSpec *s, int tp, int cp, int sp, i
  * most 4 N C elements, four (N,C) activations' worth, in whole 64-row
  * tiles. A chunk of N rows or more is the whole head. */
 size_t model_loss_rows(const ArchSpec *s, size_t N, int loss_chunk);
+/* Hardware FLOPs a token costs in training: arch_flops_per_token(g, T) (the
+ * model FLOPs MFU counts) plus what recomputation repeats: a checkpointed
+ * layer's forward (a third of its training FLOPs) per block layer, and the
+ * head's product 2 C V under a chunked loss (loss_chunk, rows the rank's
+ * rows per micro-batch, tp its vocabulary split); both twice under a split
+ * backward (zb_h1's weight part remakes them). gelu and norm_gelu repeat
+ * pointwise work only, not counted. */
+double model_hw_flops_per_token(const ArchSpec *g, int T, int tp, size_t rows, ModelRecompute r, int every,
+                                int loss_chunk, int split);
 /* Whether mode r with recompute_every k checkpoints layer l (BLOCK: l % k
  * == 0); model_layer_recomputed is the planned model's. */
 int model_recompute_layer(ModelRecompute r, int every, int l);

@@ -644,6 +644,9 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     model_params_changed(model); /* a resume loaded them: the compute copy follows */
     r->mx = metrics_open(c, rank, r->world, r->fpt, peak, peak_src, r->start_step);
     metrics_set_commit(r->mx, topt->commit);
+    metrics_set_hw_flops(r->mx, model_hw_flops_per_token(shape, T, tp, (size_t)B * T / cp, model->recompute,
+                                                         model->recompute_every, c->loss_chunk,
+                                                         r->pp > 1 && pk == PIPE_ZB_H1));
     size_t olo, ohi;
     ddp_optim_range(&r->ddp, &olo, &ohi);
     metrics_set_layout(r->mx, &(MetricsLayout){.world = r->world, .pp = r->pp, .dp = dp, .cp = cp, .tp = tp,

@@ -83,6 +83,21 @@ pair cp2_ring_docmask 2 $LLAMA --set parallel.cp=2 --set parallel.cp_attention=r
 pair ep2 2 $MOE --set parallel.ep=2 --set model.moe.capacity_factor=1.25
 pair zero3 2 --set parallel.zero=3
 
+# hardware FLOPs: metrics.jsonl's hfu counts the backward's second head
+# product (2 C V a token) beside the model FLOPs MFU counts: GPT-2, 4 layers
+# 32 wide, context 32, vocabulary 256: 6 (4 x 12 x 32^2 + 32 x 256) + 6 x 4
+# x 32 x 32 = 368640 a token, + 16384; the whole head has no hfu
+if python3 - $T/gpt2_tied_chunk/metrics.jsonl $T/gpt2_tied_whole/metrics.jsonl <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+want = (368640 + 16384) / 368640
+ok = all(abs(x["hfu"] / x["mfu"] - want) < 1e-4 for x in a) and not any("hfu" in x for x in b)
+sys.exit(0 if ok and a else 1)
+PY
+then ok loss_chunk_hardware_flops
+else fail loss_chunk_hardware_flops "$(grep -o '"mfu":[^,]*,"hfu":[^,]*' $T/gpt2_tied_chunk/metrics.jsonl | head -2)"; fi
+
 # the start-up line: the logits of one chunk, not the micro-batch's (GPT-2
 # tied: vocabulary 256 padded to 256, 4-byte activations: 128 x 256 x 4 =
 # 128 KiB whole, 48 x 256 x 4 = 48 KiB chunked, 80 KiB less; each figure is

@@ -69,6 +69,21 @@ pair cp2_ring_docmask 2 $LLAMA --set parallel.cp=2 --set parallel.cp_attention=r
 pair ep2 2 $MOE --set parallel.ep=2 --set model.moe.capacity_factor=1.25
 pair zero3 2 --set parallel.zero=3
 
+# hardware FLOPs: metrics.jsonl's hfu adds each checkpointed layer's forward
+# again (a third of its training FLOPs) to the model FLOPs MFU counts:
+# GPT-2, 4 layers 32 wide, context 32, vocabulary 256: 6 (4 x 12 x 32^2 +
+# 32 x 256) + 6 x 4 x 32 x 32 = 368640 a token, of which the layers' 319488,
+# so + 106496 with every layer, + 53248 with every other; none has no hfu
+if python3 - $T/gpt2_block/metrics.jsonl $T/gpt2_every2_block/metrics.jsonl $T/gpt2_none/metrics.jsonl <<'PY'
+import json, sys
+rd = lambda p: [json.loads(l) for l in open(p)]
+ok = all(abs(x["hfu"] / x["mfu"] - (368640 + 106496) / 368640) < 1e-4 for x in rd(sys.argv[1]))
+ok = ok and all(abs(x["hfu"] / x["mfu"] - (368640 + 53248) / 368640) < 1e-4 for x in rd(sys.argv[2]))
+sys.exit(0 if ok and not any("hfu" in x for x in rd(sys.argv[3])) else 1)
+PY
+then ok recompute_block_hardware_flops
+else fail recompute_block_hardware_flops "$(grep -o '"mfu":[^,]*,"hfu":[^,]*' $T/gpt2_block/metrics.jsonl | head -2)"; fi
+
 # the arena at start-up: block keeps one (N,C) per layer and one workspace
 a() { grep -o 'activations: [0-9.]* MiB' "$1" | awk '{print $2}'; }
 if python3 -c "import sys; sys.exit(0 if $(a $T/gpt2_none.txt) > $(a $T/gpt2_every2_block.txt) > $(a $T/gpt2_block.txt) else 1)"; then
