@@ -504,6 +504,11 @@ int main(void) {
     run_case("fp32", plain, &ref, TOL_FP32);
     run_case("fp32_optim_state_bf16", state16, &ref_s16, TOL_FP32_STATE16);
     run_case("fp32_muon", muon, &ref_muon, TOL_FP32);
+    /* model.loss_chunk on the CUDA kernels (offset rows of the logits,
+     * losses and targets): against the CPU's whole head, in the tolerance */
+    TraceOpts chunked = plain;
+    chunked.loss_chunk = 24; /* 80 rows: 24, 24, 24, 8 */
+    run_case("fp32_loss_chunk", chunked, &ref, TOL_FP32);
     check_eval("fp32", row32, 1e-5);
     check_fp8_refused(1, "keys 'precision.fp8', 'precision.compute'", "fp32_fp8_refused");
     check_fp8_refused(3, "key 'precision.fp8': bf16 is the CPU backend's stand-in", "fp32_fp8_bf16_operands_refused");
@@ -544,6 +549,7 @@ int main(void) {
     run_case("bf16_optim_state_bf16", state16, &ref_s16, TOL_BF16);
     run_case("bf16_master_bf16", master16, &ref_m16, TOL_BF16);
     run_case("bf16_muon", muon, &ref_muon, TOL_BF16);
+    run_case("bf16_loss_chunk", chunked, &ref, TOL_BF16);
     /* fp8 products (model_fp8.c on cuda/fp8.cu's ops: tensorwise through
      * cuBLASLt's fp8 product, rowwise quantise-dequantise and bf16
      * products) against the CPU ops behind bf16 storage with the same fp8

@@ -54,6 +54,7 @@ typedef struct {
                         the updates writing the compute copy (optim_set_copy) */
     int fp8_wgrad;   /* precision.fp8_wgrad: 0 bf16, 1 fp8 */
     int fp8_history; /* precision.fp8_amax_history (tensorwise): 0 current scaling */
+    int loss_chunk;  /* model.loss_chunk: rows of a chunk of the head (0: whole) */
 } TraceOpts;
 #define TRACE_EOT 5 /* ~1 token in 64 of trace_batch's: a document or two per sequence */
 
@@ -106,7 +107,8 @@ static void trace_train_opts(const Backend *be, ArchSpec s, TraceOpts op, Trace 
     model_init(&m, be, &s, &(ModelOptions){.master_bf16 = op.master16, .tp = op.tp, .tp_rank = op.tp_rank,
                                            .doc_masking = op.docs, .doc_reset = op.docs, .doc_eot = TRACE_EOT,
                                            .fp8 = {.mode = op.fp8, .grad_fmt = 1 /* FP8_E5M2 */, .wgrad = op.fp8_wgrad,
-                                                   .history = op.fp8_history}});
+                                                   .history = op.fp8_history},
+                                           .loss_chunk = op.loss_chunk});
     ModelTp loop = {&m, trace_tp_sum, trace_tp_gather, trace_tp_scatter, trace_tp_gather_f32, NULL, NULL};
     if (op.tp > 1) model_set_tp(&m, &loop);
     m.gelu_fusion = op.gelu_fusion;
