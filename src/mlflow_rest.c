@@ -64,7 +64,7 @@ struct MlRest {
     char run_dir[CFG_STR], run_name[CFG_STR], user[128];
     char spool_path[CFG_STR + 32], json_path[CFG_STR + 32], stage[CFG_STR + 32];
     int start_step, resumed, required;
-    double flush_s;
+    double flush_s, timeout_s; /* timeout_s: of one exchange (short for the try at open, which the start waits on) */
     long long start_ms;
     /* auth, from the environment; never printed */
     char *token, *username, *password, *ca_path;
@@ -223,7 +223,7 @@ static long mr_http(MlRest *r, const char *method, const char *path, const char 
 static int mr_transient(long code) { return code == 0 || code == 429 || code >= 500; }
 
 static long mr_post(MlRest *r, const char *path, const char *body, size_t len, MrResp *out) {
-    return mr_http(r, "POST", path, body, len, 30.0, out);
+    return mr_http(r, "POST", path, body, len, r->timeout_s, out);
 }
 
 /* ---------- the run ---------- */
@@ -300,7 +300,7 @@ static long mr_fetch_history(MlRest *r, const JsonValue *run) {
             snprintf(path, sizeof path, "/api/2.0/mlflow/metrics/get-history?run_id=%s&metric_key=%s&max_results=25000%s",
                      r->run_id, q, qt);
             MrResp a;
-            long code = mr_http(r, "GET", path, NULL, 0, 30.0, &a);
+            long code = mr_http(r, "GET", path, NULL, 0, r->timeout_s, &a);
             if (code != 200) {
                 mr_resp_free(&a);
                 return code;
@@ -334,7 +334,7 @@ static int mr_have(const MlRest *r, const char *key, int step) {
 static long mr_continue(MlRest *r, MrResp *a) {
     char path[256];
     snprintf(path, sizeof path, "/api/2.0/mlflow/runs/get?run_id=%s", r->run_id);
-    long code = mr_http(r, "GET", path, NULL, 0, 30.0, a);
+    long code = mr_http(r, "GET", path, NULL, 0, r->timeout_s, a);
     if (code != 200) return code;
     const JsonValue *run = json_get(a->json, "run"), *info = run ? json_get(run, "info") : NULL;
     const char *exp = info ? mr_jstr(info, "experiment_id") : NULL;
@@ -361,7 +361,7 @@ static long mr_experiment(MlRest *r, MrResp *a) {
     mr_query(q, sizeof q, r->exp_name);
     for (int tries = 0; tries < 2; tries++) {
         snprintf(path, sizeof path, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=%s", q);
-        long code = mr_http(r, "GET", path, NULL, 0, 30.0, a);
+        long code = mr_http(r, "GET", path, NULL, 0, r->timeout_s, a);
         if (code == 200) {
             const JsonValue *e = a->json ? json_get(a->json, "experiment") : NULL;
             const char *id = e ? mr_jstr(e, "experiment_id") : NULL;
@@ -402,7 +402,7 @@ static void mr_close_orphan(MlRest *r) {
     if (!mr_remembered(r, exp, run)) return;
     snprintf(path, sizeof path, "/api/2.0/mlflow/runs/get?run_id=%s", run);
     MrResp a;
-    if (mr_http(r, "GET", path, NULL, 0, 30.0, &a) == 200) {
+    if (mr_http(r, "GET", path, NULL, 0, r->timeout_s, &a) == 200) {
         const JsonValue *run_v = json_get(a.json, "run"), *info = run_v ? json_get(run_v, "info") : NULL;
         const char *st = info ? mr_jstr(info, "status") : NULL;
         if (st && !strcmp(st, "RUNNING")) {
@@ -858,7 +858,9 @@ MlRest *mlrest_open(const MlflowOptions *o) {
     mr_spool_open(r);
 
     MrResp a;
+    r->timeout_s = 5.0;
     long code = mr_setup(r, &a);
+    r->timeout_s = 30.0;
     if (code != 200 && mr_refusal(&a)) {
         if (r->required)
             kiln_fail(KILN_EXIT_USAGE, "metrics.mlflow: %s refused the run: %s (credentials: MLFLOW_TRACKING_TOKEN, or "
