@@ -21,9 +21,10 @@ CFLAGS  += -I$(BLAS_INC)
 LDLIBS  += -L$(BLAS_DIR) -Wl,-rpath,$(BLAS_DIR) -lopenblas
 
 COMMA := ,
-# STATIC=1 (see the CUDA block) is for machines without Open MPI either.
+# STATIC=1 (see the CUDA block) is for machines without Open MPI or libcurl either.
 ifeq ($(STATIC),1)
 KILN_NO_MPI := 1
+CURL ?= 0
 endif
 
 # MPI (Open MPI) carries multi-rank runs on host buffers; the flags come from
@@ -35,9 +36,20 @@ CFLAGS  += -DKILN_MPI $(shell $(MPICC) --showme:compile 2>/dev/null)
 LDLIBS  += $(shell $(MPICC) --showme:link 2>/dev/null)
 endif
 
+# libcurl carries metrics.mlflow's tracking server (src/mlflow_rest.c: HTTP
+# and TLS through the library). Without curl.h the build has no REST
+# tracking: an http(s) metrics.mlflow is refused with one line (exit 2).
+# CURL=0 leaves it out.
+CURL_H := $(firstword $(wildcard /usr/include/curl/curl.h /usr/include/x86_64-linux-gnu/curl/curl.h /usr/local/include/curl/curl.h))
+CURL   ?= $(if $(CURL_H),1,0)
+ifeq ($(CURL),1)
+CFLAGS  += -DKILN_CURL
+LDLIBS  += -lcurl
+endif
+
 DEB_PKGS := libyaml-dev libzstd-dev libopenblas-openmp-dev zstd python3-numpy python3-torch python3-venv \
             openmpi-bin libopenmpi-dev libpmix-dev slurmctld slurmd slurm-client munge chromium \
-            clang libclang-rt-dev valgrind
+            clang libclang-rt-dev valgrind libcurl4-openssl-dev
 BUILD := build
 # The binary: ./train, or build-san/train for `make sanitize` (below).
 TRAIN ?= train
@@ -160,6 +172,7 @@ found:
 	@if [ -f $(BLAS_INC)/cblas.h ]; then echo "✓ OpenBLAS (OpenMP) $(BLAS_DIR)"; else echo "✗ OpenBLAS (OpenMP) not found: make deps"; fi
 	@if [ -f /usr/include/yaml.h ]; then echo "✓ libyaml"; else echo "✗ libyaml not found: make deps"; fi
 	@if [ -f /usr/include/zstd.h ]; then echo "✓ zstd"; else echo "✗ zstd not found: make deps"; fi
+	@if [ "$(CURL)" = 1 ]; then echo "✓ libcurl $$(curl-config --version 2>/dev/null | sed 's/libcurl //') (metrics.mlflow: tracking server)"; else echo "✗ libcurl not found: metrics.mlflow takes a directory only (make deps)"; fi
 	@if [ -n "$(MPICC)" ]; then echo "✓ MPI $$($(MPICC) --showme:version 2>/dev/null | sed -n 's/.*Open MPI/Open MPI/p')"; else echo "✗ MPI not found: single-rank build (make deps)"; fi
 	@if [ "$(NCCL)" = 1 ]; then echo "✓ NCCL $(NCCL_VER) headers $(NCCL_H) (multi-GPU; libnccl.so.2 is loaded at run time)"; \
 	 elif [ "$(CUDA)" != 1 ]; then echo "✗ NCCL left out: no CUDA backend"; \
@@ -188,6 +201,11 @@ $(BUILD)/mpi.stamp: FORCE
 	@mkdir -p $(BUILD)
 	@echo 'mpi=$(MPICC)' | cmp -s - $@ || echo 'mpi=$(MPICC)' > $@
 $(BUILD)/src/comm.o: $(BUILD)/mpi.stamp
+# config.o and mlflow_rest.o differ with and without libcurl.
+$(BUILD)/curl.stamp: FORCE
+	@mkdir -p $(BUILD)
+	@echo 'curl=$(CURL)' | cmp -s - $@ || echo 'curl=$(CURL)' > $@
+$(BUILD)/src/config.o $(BUILD)/src/mlflow_rest.o: $(BUILD)/curl.stamp
 
 $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)

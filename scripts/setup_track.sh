@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Make .venv-track (or $KILN_TRACK_VENV): a venv with the tools' own readers
-# of what kiln writes, pinned: MLflow's client (mlflow-skinny) and
-# prometheus_client (t_mlflow, t_prometheus), TensorBoard's event reader
+# of what kiln writes, pinned: MLflow (the full package: its client, and the
+# tracking server t_mlflow_rest starts) and prometheus_client (t_mlflow,
+# t_mlflow_rest, t_prometheus), TensorBoard's event reader
 # (t_metrics, t_arch_train, t_data_mix, t_straggler), tiktoken (the GPT-2
 # encoder's reference, t_tokenizer_tiktoken) and Pillow (the report's
 # screenshot, t_report). Run by `make test` before the suite, so no check
@@ -13,9 +14,9 @@
 set -u
 cd "$(dirname "$0")/.."
 venv=${KILN_TRACK_VENV:-.venv-track}
-pins="mlflow-skinny==3.17.2 prometheus_client==0.26.0 tensorboard==2.21.0 tiktoken==0.14.0 pillow==13.0.0"
+pins="mlflow==3.17.2 prometheus_client==0.26.0 tensorboard==2.21.0 tiktoken==0.14.0 pillow==13.0.0"
 ready() {
-    "$venv/bin/python" -c 'import mlflow, prometheus_client.parser, tiktoken, PIL
+    "$venv/bin/python" -c 'import mlflow, mlflow.server, sqlalchemy, alembic, prometheus_client.parser, tiktoken, PIL
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 assert mlflow.__version__ == "3.17.2", mlflow.__version__' 2>/dev/null
 }

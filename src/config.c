@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <ctype.h>
 #include <yaml.h>
 
 typedef enum { CT_INT, CT_INT64, CT_U64, CT_FLOAT, CT_BOOL, CT_STR, CT_ENUM, CT_PAIR, CT_SOURCES, CT_INTS } CfgType;
@@ -323,11 +324,20 @@ static const CfgKey cfg_keys[] = {
           "only, `auto` = the bar when stdout is a terminal and no launcher (mpirun, srun, torchrun-style "
           "variables) started the run; launchers hand ranks pseudo-terminals whose output ends up in log files"),
     KSTR("metrics.mlflow", mlflow, "\"\"",
-         "MLflow file store directory (e.g. `mlruns`): rank 0 files the run there as MLflow's FileStore lays it out "
-         "(params, metrics, tags, artifacts; docs/metrics.md); `mlflow ui --backend-store-uri DIR` shows it; a "
-         "resumed run continues the same MLflow run; `\"\"` = off"),
+         "where rank 0 tracks the run in MLflow (docs/metrics.md \"MLflow\"): `http://HOST:PORT` or `https://...`, a "
+         "tracking server, through its REST API from a background thread (auth from `MLFLOW_TRACKING_TOKEN` or "
+         "`MLFLOW_TRACKING_USERNAME`/`_PASSWORD`; unsent points spool to `RUN_DIR/mlflow-spool.jsonl`); a directory "
+         "(e.g. `mlruns`), a file store in MLflow's FileStore layout, for offline runs (MLflow 3 reads it with "
+         "`MLFLOW_ALLOW_FILE_STORE=true`); left unset, an http(s) `MLFLOW_TRACKING_URI` is used; a resumed run "
+         "continues the same MLflow run; `\"\"` = off"),
     KSTR("metrics.mlflow_experiment", mlflow_experiment, "\"kiln\"",
          "MLflow experiment the run is filed under (created when missing)"),
+    KFLT("metrics.mlflow_flush_s", mlflow_flush_s, "30", 0, 86400,
+         "tracking server: at the end, wait at most this many seconds for unsent points; what is left stays in "
+         "`RUN_DIR/mlflow-spool.jsonl` and a resume sends it"),
+    KBOOL("metrics.mlflow_required", mlflow_required, "true",
+          "tracking server: a server that refuses the run (401, 403, 404) stops it with exit 2; false: the run "
+          "goes on untracked after a warning"),
     KBOOL("monitor.heartbeat", heartbeat, "true", "write `heartbeat/rank<R>.json` (step, phase, time, host, pid) every step"),
     /* on by default: a hung rank should end its job, not burn the allocation;
      * 30 minutes is far above any single phase of a sane run */
@@ -1130,7 +1140,69 @@ static void cfg_check_precision(const Config *c, CfgLoad *L) {
 }
 
 /* Monitoring keys whose valid values the table's ranges cannot say. */
-static void cfg_check_monitor(const Config *c, CfgLoad *L) {
+/* metrics.mlflow: a directory, or http(s)://HOST[:PORT][/PATH] with no
+ * user or password in it (those come from the environment, so that no
+ * secret reaches the resolved config). Unset, an http(s) MLFLOW_TRACKING_URI
+ * is taken (MLflow's clients read it); any other form of that variable
+ * (file:, databricks) is left to Python's tools: a directory store is asked
+ * for in the config. "" set explicitly is off. */
+static void cfg_check_mlflow(Config *c, CfgLoad *L) {
+    const char *env = getenv("MLFLOW_TRACKING_URI");
+    int i = cfg_find("metrics.mlflow");
+    if (!strcmp(L->where[i], "default") && env && (!strncmp(env, "http://", 7) || !strncmp(env, "https://", 8))) {
+        if (kiln_strlcpy(c->mlflow, env, sizeof c->mlflow) != 0)
+            kiln_fail(KILN_EXIT_USAGE, "environment MLFLOW_TRACKING_URI: longer than %zu bytes", sizeof c->mlflow - 1);
+        kiln_strlcpy(L->where[i], "environment MLFLOW_TRACKING_URI", sizeof L->where[i]);
+    }
+    const char *u = c->mlflow, *w = cfg_where_of(L, "metrics.mlflow", NULL);
+    const char *colon = strstr(u, "://");
+    if (!colon && (!strncmp(u, "http:", 5) || !strncmp(u, "https:", 6)))
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'metrics.mlflow': '%s' is not a tracking server URL; expected "
+                  "http://HOST:PORT or https://HOST[:PORT][/PATH], or a directory", w, u);
+    if (!colon) return; /* a directory: the file store */
+    size_t sl = (size_t)(colon - u);
+    const char *h = colon + 3;
+    size_t hl = strcspn(h, "/?#");
+    const char *at = memchr(h, '@', hl);
+    if (at)
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'metrics.mlflow': a user or password in the URL would be written to the "
+                  "run's config; give the server as %.*s://%.*s and set MLFLOW_TRACKING_USERNAME and "
+                  "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)", w, (int)sl, u, (int)(hl - (size_t)(at + 1 - h)), at + 1);
+    if (!((sl == 4 && !strncmp(u, "http", 4)) || (sl == 5 && !strncmp(u, "https", 5))))
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'metrics.mlflow': unknown scheme '%.*s://' in '%s'; expected http://HOST:PORT, "
+                  "https://HOST[:PORT] or a directory (the file store)", w, (int)sl, u, u);
+    const char *port = NULL;
+    size_t name = hl;
+    if (h[0] == '[') { /* [IPv6]:port */
+        const char *rb = memchr(h, ']', hl);
+        name = rb ? (size_t)(rb + 1 - h) : 0;
+        if (rb && rb + 1 < h + hl && rb[1] == ':') port = rb + 2;
+        else if (rb && rb + 1 < h + hl) name = 0;
+    } else {
+        const char *pc = memchr(h, ':', hl);
+        if (pc) name = (size_t)(pc - h), port = pc + 1;
+    }
+    int bad = name == 0 || h[strcspn(h, " \t\r\n\"\\")] != 0;
+    for (size_t k = 0; !bad && h[0] != '[' && k < name; k++)
+        bad = !(isalnum((unsigned char)h[k]) || h[k] == '-' || h[k] == '.' || h[k] == '_');
+    if (!bad && port) {
+        size_t pl = (size_t)(h + hl - port);
+        long pv = 0;
+        for (size_t k = 0; k < pl && !bad; k++) bad = !isdigit((unsigned char)port[k]) || (pv = pv * 10 + (port[k] - '0')) > 65535;
+        bad = bad || pl == 0 || pv == 0;
+    }
+    if (bad || h[hl] == '?' || h[hl] == '#')
+        kiln_fail(KILN_EXIT_USAGE, "%s: key 'metrics.mlflow': '%s' is not a tracking server URL; expected "
+                  "http://HOST:PORT or https://HOST[:PORT][/PATH] (port 1-65535, no query), or a directory", w, u);
+#ifndef KILN_CURL
+    kiln_fail(KILN_EXIT_USAGE, "%s: key 'metrics.mlflow': '%s' is a tracking server, and this ./train was built "
+              "without libcurl; install libcurl4-openssl-dev (make deps) and rebuild, or give a directory (the file "
+              "store)", w, u);
+#endif
+}
+
+static void cfg_check_monitor(Config *c, CfgLoad *L) {
+    cfg_check_mlflow(c, L);
     if (c->straggler_factor > 0 && c->straggler_factor <= 1)
         kiln_fail(KILN_EXIT_USAGE, "%s: key 'monitor.straggler_factor': expected 0 (off) or a factor > 1, got %g "
                   "(every rank is at least as slow as the median times %g)",

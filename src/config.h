@@ -136,8 +136,10 @@ typedef struct Config {
     int tensorboard;   /* bool: events.out.tfevents.* in the run directory */
     float peak_gflops; /* peak FLOP/s of one device for MFU, in GFLOP/s; 0 = table or measured */
     char progress[8];  /* auto | bar | lines: the live bar or plain lines on stdout */
-    char mlflow[CFG_STR];            /* MLflow file store directory; "" = off */
+    char mlflow[CFG_STR];            /* MLflow file store directory or http(s) tracking server; "" = off */
     char mlflow_experiment[CFG_STR]; /* experiment the run is filed under */
+    float mlflow_flush_s;            /* tracking server: seconds the end waits for unsent points */
+    int mlflow_required;             /* bool: a server that refuses stops the run (else: no tracking) */
 
     /* monitor */
     int heartbeat;        /* bool: heartbeat/rank*.json every step */

@@ -411,12 +411,14 @@ int metrics_skipped(const Metrics *m) { return m->skipped; }
 static void heartbeat_write_locked(Metrics *m, int stalled) {
     if (!m->heartbeat) return;
     double now = kiln_now(), wall = wall_now();
-    char buf[1024];
+    char buf[1024], mlpend[48] = "";
+    /* points the tracking server has not confirmed yet (./train status) */
+    if (mlflow_is_server(m->mlflow_store)) snprintf(mlpend, sizeof mlpend, ",\"mlflow_pending\":%ld", mlflow_pending(m->mlflow));
     int n = snprintf(buf, sizeof buf,
                      "{\"rank\":%d,\"world\":%d,\"step\":%d,\"phase\":\"%s\",\"phase_step\":%d,\"phase_s\":%.3f,"
-                     "\"time\":%.3f,\"host\":\"%s\",\"pid\":%d%s}\n",
+                     "\"time\":%.3f,\"host\":\"%s\",\"pid\":%d%s%s}\n",
                      m->rank, m->world, m->last_step, phase_names[m->phase], m->phase_step, now - m->phase_since,
-                     wall, m->host, m->pid, stalled ? ",\"stalled\":true" : "");
+                     wall, m->host, m->pid, stalled ? ",\"stalled\":true" : "", mlpend);
     int fd = open(m->hb_tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd < 0) return; /* a heartbeat that cannot be written must not stop training */
     ssize_t w = write(fd, buf, (size_t)n);
@@ -681,6 +683,7 @@ static void summary_write(Metrics *m) {
         json_strval(f, m->mlflow_store);
         json_str(f, "experiment_id", mlflow_experiment_id(m->mlflow));
         json_str(f, "run_id", mlflow_run_id(m->mlflow));
+        if (mlflow_is_server(m->mlflow_store)) fprintf(f, ",\"unsent\":%ld", mlflow_pending(m->mlflow));
         fputc('}', f);
     }
     json_str(f, "started", started);
@@ -715,7 +718,9 @@ static void outlets_end_locked(Metrics *m, int code, const char *reason) {
         const char *dir = m->run_dir;
         if (report_write_html(&dir, 1, mlflow_artifact_path(m->mlflow, "report.html")) != 0)
             kiln_warn("metrics.mlflow: the report artifact could not be written");
+        else mlflow_artifact_written(m->mlflow, "report.html");
         mlflow_end(m->mlflow, code);
+        if (mlflow_is_server(m->mlflow_store)) summary_write(m); /* with the count the flush left unsent */
     }
 }
 
@@ -778,9 +783,10 @@ static void outlets_open(Metrics *m, const Config *c, int start_step) {
     if (m->rank == 0 && c->mlflow[0]) {
         char *yaml = cfg_yaml_text(c, NULL);
         MlflowOptions o = {.store = c->mlflow, .experiment = c->mlflow_experiment, .run_dir = c->run_dir,
-                           .run_name = c->run_name, .config_yaml = yaml, .host = m->host, .start_step = start_step};
+                           .run_name = c->run_name, .config_yaml = yaml, .host = m->host, .start_step = start_step,
+                           .flush_s = c->mlflow_flush_s, .required = c->mlflow_required};
         m->mlflow = mlflow_open(&o);
-        kiln_strlcpy(m->mlflow_store, mlflow_store(m->mlflow), sizeof m->mlflow_store);
+        if (m->mlflow) kiln_strlcpy(m->mlflow_store, mlflow_store(m->mlflow), sizeof m->mlflow_store);
         free(yaml);
     }
     if (m->rank == 0) {
@@ -1349,9 +1355,12 @@ void metrics_step(Metrics *m, const MetricsStep *s) {
         if (s->moe)
             snprintf(moe, sizeof moe, " | moe aux %.3f z %.3f load %.0f..%.0f cv %.3f drop %.2f%%", s->moe->aux,
                      s->moe->z, s->moe->load_min, s->moe->load_max, s->moe->load_cv, 100.0 * s->moe->dropped);
-        snprintf(line, sizeof line, "step %*d/%d | loss %.4f | lr %.3e | norm %.3f | %s tok/s%s | %.0f ms%s | %s elapsed | ETA %s%s%s%s",
+        long behind = mlflow_pending(m->mlflow);
+        char ml[48] = "";
+        if (behind > 0) snprintf(ml, sizeof ml, " | mlflow %ld behind", behind);
+        snprintf(line, sizeof line, "step %*d/%d | loss %.4f | lr %.3e | norm %.3f | %s tok/s%s | %.0f ms%s | %s elapsed | ETA %s%s%s%s%s",
                  (int)snprintf(NULL, 0, "%d", m->steps), s->step, m->steps, s->loss, s->lr, s->grad_norm, tok, mf,
-                 s->step_time_s * 1e3, pp, el, et, moe, val, s->skipped ? " | skipped" : "");
+                 s->step_time_s * 1e3, pp, el, et, moe, val, s->skipped ? " | skipped" : "", ml);
         metrics_print(m, "%s", line);
     }
     if (m->tty && !last && (now - m->last_bar >= 0.1)) {

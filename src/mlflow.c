@@ -11,6 +11,7 @@
  * names, and a link where the run's directories or metric files belong is
  * refused rather than followed. */
 #include "mlflow.h"
+#include "mlflow_rest.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -32,6 +33,7 @@
 #define ML_MAX_METRICS 96
 
 struct Mlflow {
+    MlRest *rest;          /* a tracking server: every call goes there; the rest is the file store */
     char store[ML_PATH];   /* absolute */
     char exp_id[32];
     char run_id[40];
@@ -323,7 +325,16 @@ static void truncate_metrics(Mlflow *m, int start_step) {
     closedir(d);
 }
 
+int mlflow_is_server(const char *store) { return !strncmp(store, "http://", 7) || !strncmp(store, "https://", 8); }
+
 Mlflow *mlflow_open(const MlflowOptions *o) {
+    if (mlflow_is_server(o->store)) {
+        MlRest *r = mlrest_open(o);
+        if (!r) return NULL;
+        Mlflow *m = xcalloc(1, sizeof *m);
+        m->rest = r;
+        return m;
+    }
     Mlflow *m = xcalloc(1, sizeof *m);
     struct stat st;
     int fresh_store = stat(o->store, &st) != 0;
@@ -404,6 +415,10 @@ Mlflow *mlflow_open(const MlflowOptions *o) {
 
 void mlflow_log(Mlflow *m, const char *key, double value, int step) {
     if (!m || m->ended || !isfinite(value)) return;
+    if (m->rest) {
+        mlrest_log(m->rest, key, value, step);
+        return;
+    }
     int i = 0;
     while (i < m->nmetric && strcmp(m->metric[i].key, key)) i++;
     if (i == m->nmetric) {
@@ -432,24 +447,38 @@ void mlflow_log(Mlflow *m, const char *key, double value, int step) {
 
 void mlflow_flush(Mlflow *m) {
     if (!m) return;
+    if (m->rest) {
+        mlrest_flush(m->rest);
+        return;
+    }
     for (int i = 0; i < m->nmetric; i++) fflush(m->metric[i].f);
 }
 
 void mlflow_tag(Mlflow *m, const char *key, const char *value) {
     if (!m) return;
+    if (m->rest) {
+        mlrest_tag(m->rest, key, value);
+        return;
+    }
     char path[2 * ML_PATH];
     snprintf(path, sizeof path, "%s/tags/%s", m->run_path, key);
     write_or_fail(m, path, m->run_path, value);
 }
 
 const char *mlflow_artifact_path(Mlflow *m, const char *name) {
+    if (m->rest) return mlrest_artifact_path(m->rest, name);
     static char path[2 * ML_PATH];
     snprintf(path, sizeof path, "%s/%s", m->art_path, name);
     return path;
 }
 
+void mlflow_artifact_written(Mlflow *m, const char *name) {
+    if (m && m->rest) mlrest_artifact_written(m->rest, name);
+}
+
 int mlflow_artifact(Mlflow *m, const char *src, const char *name) {
     if (!m) return -1;
+    if (m->rest) return mlrest_artifact(m->rest, src, name);
     size_t len;
     char *data = kiln_read_file(src, &len);
     if (!data) return -1;
@@ -461,6 +490,10 @@ int mlflow_artifact(Mlflow *m, const char *src, const char *name) {
 void mlflow_end(Mlflow *m, int exit_code) {
     if (!m || m->ended) return;
     m->ending = m->ended = 1;
+    if (m->rest) {
+        mlrest_end(m->rest, exit_code);
+        return;
+    }
     mlflow_flush(m);
     /* RunStatus: 3 FINISHED, 4 FAILED, 5 KILLED */
     run_meta(m, exit_code == 0 ? 3 : exit_code == KILN_EXIT_RESUME ? 5 : 4, now_ms());
@@ -468,11 +501,13 @@ void mlflow_end(Mlflow *m, int exit_code) {
 
 void mlflow_close(Mlflow *m) {
     if (!m) return;
+    mlrest_close(m->rest);
     for (int i = 0; i < m->nmetric; i++) fclose(m->metric[i].f);
     free(m);
 }
 
-const char *mlflow_store(const Mlflow *m) { return m->store; }
+const char *mlflow_store(const Mlflow *m) { return m->rest ? mlrest_uri(m->rest) : m->store; }
 
-const char *mlflow_run_id(const Mlflow *m) { return m->run_id; }
-const char *mlflow_experiment_id(const Mlflow *m) { return m->exp_id; }
+const char *mlflow_run_id(const Mlflow *m) { return m->rest ? mlrest_run_id(m->rest) : m->run_id; }
+const char *mlflow_experiment_id(const Mlflow *m) { return m->rest ? mlrest_experiment_id(m->rest) : m->exp_id; }
+long mlflow_pending(const Mlflow *m) { return m && m->rest ? mlrest_pending(m->rest) : 0; }

@@ -70,6 +70,30 @@ static void status_ranks(const char *dir) {
     runs_ranks_free(&t);
 }
 
+/* How far behind the MLflow tracking server is: the end's count
+ * (summary.json) once the run ended, else rank 0's heartbeat. */
+static void status_tracker(const char *dir) {
+    char path[1200];
+    size_t len;
+    double pend = NAN;
+    const char *when = "now";
+    snprintf(path, sizeof path, "%s/summary.json", dir);
+    char *t = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
+    if (t) pend = runs_json_field(t, t + len, "unsent"), when = "at the end";
+    free(t);
+    if (!isfinite(pend)) {
+        snprintf(path, sizeof path, "%s/heartbeat/rank0.json", dir);
+        t = kiln_read_file_max(path, KILN_SMALL_FILE_MAX, &len);
+        if (t) pend = runs_json_field(t, t + len, "mlflow_pending"), when = "now";
+        free(t);
+    }
+    if (!isfinite(pend)) return;
+    if (pend > 0)
+        printf("  mlflow       %.0f points not on the tracking server %s (%s/mlflow-spool.jsonl; a resume sends them)\n",
+               pend, when, dir);
+    else printf("  mlflow       every point on the tracking server %s\n", when);
+}
+
 static const char *status_usage = "usage: ./train status RUN_DIR [--stale-after SECONDS]\n";
 
 int report_status_main(int argc, char **argv) {
@@ -206,6 +230,7 @@ int report_status_main(int argc, char **argv) {
     if (!nr) printf("  ranks        no heartbeat files\n");
     else if (nstale) printf("  stale ranks  %s (no heartbeat for over %.0f s)\n", stale, stale_after);
     else printf("  stale ranks  none (threshold %.0f s)\n", stale_after);
+    status_tracker(dir);
     status_ranks(dir);
     runs_free(&r);
     return KILN_EXIT_OK;

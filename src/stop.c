@@ -46,6 +46,17 @@ void stop_test_wait_signal(void) {
     for (int i = 0; i < 6000 && !stop_sig; i++) nanosleep(&ts, NULL);
 }
 
+void stop_test_gate(int step) {
+    const char *e = getenv("KILN_TEST_GATE");
+    for (const char *g = e; g && *g; g = strchr(g, ',') ? strchr(g, ',') + 1 : NULL) {
+        char path[1024];
+        int at;
+        if (sscanf(g, "%d:%1023[^,]", &at, path) != 2 || at != step) continue;
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        for (int i = 0; i < 12000 && !stop_sig && access(path, F_OK) != 0; i++) nanosleep(&ts, NULL);
+    }
+}
+
 /* "2024-05-01T12:34:56" (local time, squeue %e) -> unix seconds; 0 if not a time. */
 static double parse_slurm_time(const char *s) {
     struct tm tm;

@@ -13,6 +13,10 @@ int stop_signal(void);
 /* Test hook (KILN_TEST_PAUSE_AT_STEP, docs/metrics.md): wait, in 10 ms
  * sleeps and at most about 60 s, until a stop signal has been received. */
 void stop_test_wait_signal(void);
+/* Test hook KILN_TEST_GATE="STEP:FILE[,STEP:FILE]...": after step STEP, wait
+ * (10 ms sleeps, at most about 120 s, or until a stop signal) for FILE to
+ * exist, so a test can change the world (stop a server) at a known step. */
+void stop_test_gate(int step);
 
 /* Under Slurm (SLURM_JOB_ID set) with before_s > 0: find the job's end time
  * (SLURM_JOB_END_TIME, else `squeue -h -j ID -o %e`) and arm the deadline.

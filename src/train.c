@@ -423,7 +423,7 @@ typedef struct TrainRun {
     uint64_t src_tokens[CFG_MAX_SOURCES];
     float val_losses[CFG_MAX_SOURCES];
     /* test hooks (docs/metrics.md, docs/parallel.md) */
-    int inject_nan_step, inject_nan_after, pause_at_step;
+    int inject_nan_step, inject_nan_after, pause_at_step, gated; /* gated: KILN_TEST_GATE */
     const char *tp_grads_file;
     const char *optim_dump;          /* KILN_TEST_OPTIM_DUMP's directory, or NULL */
     float *param_host;               /* (num_params or shard_n) host: the parameter fingerprint */
@@ -677,6 +677,7 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     if (r->optim_dump) dump_optim_start(r->optim_dump, model, &r->opt, r->world);
     const char *pause_env = getenv("KILN_TEST_PAUSE_AT_STEP");
     r->pause_at_step = pause_env ? atoi(pause_env) : 0;
+    r->gated = getenv("KILN_TEST_GATE") != NULL;
     r->param_host = r->inject_nan_step > 0
                         ? xmalloc((r->param_shard ? r->shard_n : model->num_params) * sizeof(float)) : NULL;
     r->skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0;
@@ -1007,6 +1008,7 @@ static int train_loop(TrainRun *r) {
             if (rank == 0) printf("---\n");
         }
         if (step + 1 == r->pause_at_step) stop_test_wait_signal();
+        if (r->gated) stop_test_gate(step + 1);
         stopped = state_after_step(&r->rs, step + 1, last); /* enters PHASE_CHECKPOINT only when it saves */
         steps_done = step + 1;
     }

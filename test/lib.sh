@@ -8,12 +8,12 @@ fail() { echo "FAIL $1: $2"; }
 NPY=/usr/bin/python3
 skip() { echo "skip $1: $2"; }
 # tools_python NAME: set TOOLS_PY to the venv with the tools' own readers
-# (mlflow, prometheus_client, tensorboard, tiktoken, Pillow: pinned by
+# (mlflow with its server, prometheus_client, tensorboard, tiktoken, Pillow: pinned by
 # scripts/setup_track.sh, which `make test` runs first and which is run here
 # when the venv is missing; $KILN_TRACK_PY overrides). Returns 1 after
 # printing "skip NAME" when the package index cannot be reached (a skip that
 # test/run.sh fails under CI=true), or "FAIL NAME" when the install failed.
-TOOLS_IMPORTS='import mlflow, prometheus_client.parser, tiktoken, PIL
+TOOLS_IMPORTS='import mlflow, sqlalchemy, alembic, prometheus_client.parser, tiktoken, PIL
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator'
 tools_python() {
     TOOLS_PY=${KILN_TRACK_PY:-.venv-track/bin/python}
