@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <pwd.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,7 +53,7 @@ typedef struct MrOp {
     char *key, *value; /* OP_ARTIFACT: name, local path; OP_STATUS: status, end time */
 } MrOp;
 
-/* steps of one metric the server already holds past the resumed step */
+/* steps of one metric the server already holds (sorted: mr_have) */
 typedef struct {
     char key[64];
     int *step, n;
@@ -73,6 +74,8 @@ struct MlRest {
     struct curl_slist *hdr;
     char cerr[CURL_ERROR_SIZE];
     int resend; /* test hook KILN_TEST_MLFLOW_RESEND: every batch twice, as after a lost reply */
+    int hold;   /* test hook KILN_TEST_MLFLOW_HOLD: points stay in the queue, as when a kill -9 finds it full */
+    int backfilled; /* a resume's mr_backfill ran */
 
     pthread_t thread;
     int thread_on;
@@ -282,8 +285,16 @@ static int mr_refusal(const MrResp *a) {
 /* The steps each metric of a resumed run already has past start_step: the
  * killed process sent them after its last checkpoint, and the resumed one
  * logs those steps again; sent twice, the history would hold them twice. */
+static int mr_step_cmp(const void *a, const void *b) {
+    int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
 static long mr_fetch_history(MlRest *r, const JsonValue *run) {
     const JsonValue *data = json_get(run, "data"), *ms = data ? json_get(data, "metrics") : NULL;
+    for (int i = 0; i < r->nhave; i++) free(r->have[i].step); /* a setup tried again fetches it again */
+    memset(r->have, 0, sizeof r->have);
+    r->nhave = 0;
     for (int i = 0; ms && ms->kind == JSON_ARRAY && i < ms->n && r->nhave < MR_KEYS; i++) {
         const char *key = mr_jstr(&ms->items[i], "key");
         if (!key || strlen(key) >= 64) continue;
@@ -309,7 +320,6 @@ static long mr_fetch_history(MlRest *r, const JsonValue *run) {
             for (int k = 0; hist && hist->kind == JSON_ARRAY && k < hist->n; k++) {
                 const JsonValue *st = json_get(&hist->items[k], "step");
                 long s = !st ? 0 : st->kind == JSON_NUMBER ? (long)st->num : st->kind == JSON_STRING ? atol(st->str) : 0;
-                if (s <= r->start_step) continue;
                 h->step = xrealloc(h->step, sizeof(int) * (size_t)(h->n + 1));
                 h->step[h->n++] = (int)s;
             }
@@ -318,6 +328,7 @@ static long mr_fetch_history(MlRest *r, const JsonValue *run) {
             mr_resp_free(&a);
             if (!tok[0]) break;
         }
+        if (h->n) qsort(h->step, (size_t)h->n, sizeof(int), mr_step_cmp);
     }
     return 200;
 }
@@ -325,9 +336,78 @@ static long mr_fetch_history(MlRest *r, const JsonValue *run) {
 static int mr_have(const MlRest *r, const char *key, int step) {
     for (int i = 0; i < r->nhave; i++)
         if (!strcmp(r->have[i].key, key))
-            for (int k = 0; k < r->have[i].n; k++)
-                if (r->have[i].step[k] == step) return 1;
+            return r->have[i].n && bsearch(&step, r->have[i].step, (size_t)r->have[i].n, sizeof(int), mr_step_cmp);
     return 0;
+}
+
+static void mr_log_at(MlRest *r, const char *key, double value, int step, long long ts);
+
+static int mr_u64_cmp(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The metrics.jsonl fields metrics.c's mlflow_step logs under the same names. */
+static const char *const mr_jsonl_keys[] = {"loss",         "val_loss",     "lr",
+                                            "grad_norm",    "tok_per_s",    "mfu",
+                                            "step_time_s",  "peak_rss_mib", "peak_device_mib",
+                                            "nonfinite_skipped"};
+enum { MR_JSONL_KEYS = sizeof mr_jsonl_keys / sizeof *mr_jsonl_keys };
+
+/* A resume, once the server's history is known: the points of the steps up
+ * to the checkpoint that metrics.jsonl holds and neither the server nor the
+ * spool does (a kill -9 lost the killed process's queue), queued again with
+ * their line's time as timestamp (a second resume queues the same points,
+ * which MLflow keeps once) and metrics.jsonl's 6 digits. The steps past the
+ * checkpoint run again and are logged by this process. */
+static void mr_backfill(MlRest *r) {
+    r->backfilled = 1;
+    uint64_t *spooled = NULL; /* (key index << 32) | step of the spool's points */
+    size_t ns = 0, cap = 0;
+    char line[512];
+    FILE *f = fopen(r->spool_path, "r");
+    while (f && fgets(line, sizeof line, f)) {
+        char key[128];
+        const char *s = strstr(line, "\"step\":");
+        if (!s || sscanf(line, "{\"key\":\"%127[^\"]\"", key) != 1) continue;
+        for (int k = 0; k < MR_JSONL_KEYS; k++) {
+            if (strcmp(key, mr_jsonl_keys[k])) continue;
+            if (ns == cap) spooled = xrealloc(spooled, sizeof *spooled * (cap = cap ? 2 * cap : 256));
+            spooled[ns++] = (uint64_t)k << 32 | (uint32_t)atoi(s + 7);
+        }
+    }
+    if (f) fclose(f);
+    if (ns) qsort(spooled, ns, sizeof *spooled, mr_u64_cmp);
+    char path[CFG_STR + 32];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", r->run_dir);
+    f = fopen(path, "r");
+    char *l = NULL;
+    size_t lcap = 0;
+    ssize_t n;
+    long queued = 0;
+    while (f && (n = getline(&l, &lcap, f)) > 0) {
+        char jerr[64];
+        JsonValue *v = json_parse(l, (size_t)n, jerr, sizeof jerr);
+        const JsonValue *st = v ? json_get(v, "step") : NULL, *tm = v ? json_get(v, "time") : NULL;
+        if (st && st->kind == JSON_NUMBER && st->num >= 0 && st->num <= r->start_step) {
+            int step = (int)st->num;
+            long long ts = tm && tm->kind == JSON_NUMBER ? llround(tm->num * 1000.0) : r->start_ms;
+            for (int k = 0; k < MR_JSONL_KEYS; k++) {
+                const JsonValue *x = json_get(v, mr_jsonl_keys[k]);
+                uint64_t id = (uint64_t)k << 32 | (uint32_t)step;
+                if (!x || x->kind != JSON_NUMBER || mr_have(r, mr_jsonl_keys[k], step)) continue;
+                if (ns && bsearch(&id, spooled, ns, sizeof *spooled, mr_u64_cmp)) continue;
+                mr_log_at(r, mr_jsonl_keys[k], x->num, step, ts);
+                queued++;
+            }
+        }
+        json_free(v);
+    }
+    if (f) fclose(f);
+    free(l), free(spooled);
+    if (queued)
+        kiln_warn("metrics.mlflow: %ld points of steps up to %d were in metrics.jsonl but not on %s (the last process "
+                  "ended before sending them): sent now", queued, r->start_step, r->base);
 }
 
 /* Continue the remembered run: 200, or the failing answer (404: it is gone). */
@@ -346,6 +426,7 @@ static long mr_continue(MlRest *r, MrResp *a) {
     mr_set_artifacts(r, mr_jstr(info, "artifact_uri"));
     code = mr_fetch_history(r, run);
     if (code != 200) return code;
+    if (!r->backfilled) mr_backfill(r);
     char body[256];
     int n = snprintf(body, sizeof body, "{\"run_id\":\"%s\",\"status\":\"RUNNING\"}", r->run_id);
     MrResp b;
@@ -578,6 +659,7 @@ static int mr_send_spool(MlRest *r, MrResp *a) {
 
 /* Send points straight from the ring: 1 sent, 0 none, -1 failed (they went to the spool). */
 static int mr_send_ring(MlRest *r, MrPoint *buf, MrResp *a) {
+    if (r->hold) return 0;
     pthread_mutex_lock(&r->lock);
     size_t n = mr_take_locked(r, buf, MR_BATCH);
     pthread_mutex_unlock(&r->lock);
@@ -720,7 +802,7 @@ static int mr_work(MlRest *r, MrPoint *buf) {
 }
 
 static int mr_has_work_locked(const MlRest *r) {
-    return !r->ready || r->count || r->spool_n > 0 || (r->ops && (r->ops->kind != OP_STATUS || r->ending));
+    return !r->ready || (r->count && !r->hold) || r->spool_n > 0 || (r->ops && (r->ops->kind != OP_STATUS || r->ending));
 }
 
 static void *mr_thread(void *arg) {
@@ -832,6 +914,7 @@ MlRest *mlrest_open(const MlflowOptions *o) {
     const char *ins = getenv("MLFLOW_TRACKING_INSECURE_TLS");
     r->insecure = ins && (!strcasecmp(ins, "true") || !strcmp(ins, "1"));
     r->resend = getenv("KILN_TEST_MLFLOW_RESEND") != NULL;
+    r->hold = getenv("KILN_TEST_MLFLOW_HOLD") != NULL;
     r->hdr = curl_slist_append(NULL, "Content-Type: application/json");
     r->hdr = curl_slist_append(r->hdr, "User-Agent: kiln");
     if (r->token && !r->username) { /* as MLflow's client: a user and password come first */
@@ -904,13 +987,17 @@ MlRest *mlrest_open(const MlflowOptions *o) {
 }
 
 void mlrest_log(MlRest *r, const char *key, double value, int step) {
-    if (!r || !isfinite(value)) return;
+    if (r) mr_log_at(r, key, value, step, mr_now_ms());
+}
+
+static void mr_log_at(MlRest *r, const char *key, double value, int step, long long ts) {
+    if (!isfinite(value)) return;
     int k = 0;
     pthread_mutex_lock(&r->lock);
     while (k < r->nkeys && strcmp(r->keys[k], key)) k++;
     if (k == r->nkeys && r->nkeys < MR_KEYS) snprintf(r->keys[r->nkeys++], sizeof r->keys[0], "%s", key);
     if (k < r->nkeys && r->count < MR_RING) {
-        r->ring[(r->head + r->count) % MR_RING] = (MrPoint){.ts = mr_now_ms(), .value = value, .step = step, .key = k};
+        r->ring[(r->head + r->count) % MR_RING] = (MrPoint){.ts = ts, .value = value, .step = step, .key = k};
         r->count++;
         atomic_fetch_add(&r->pending, 1);
     } else r->dropped++;

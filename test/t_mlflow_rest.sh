@@ -136,6 +136,22 @@ if [ $rc -eq 75 ] && [ "${left:-0}" -gt 0 ] && [ "$(wc -l < "$T/c/mlflow-spool.j
 else fail mlflow_rest_dead_server_spools "exit $rc, unsent $left: $(tail -n 2 "$T/c1.txt")"; fi
 ./train "$T/c.yaml" $ML --resume auto >"$T/c2.txt" 2>&1 || fail mlflow_rest_spool_resume "$(tail -n 2 "$T/c2.txt")"
 
+# d: killed (-9) at step 6 (checkpoint at 4) with every point still in the
+# queue (KILN_TEST_MLFLOW_HOLD: the sender takes none, as when the server is
+# slow and the kill comes first): the resume sends steps 1 to 4 from
+# metrics.jsonl (the server has none of them, the spool is empty) and runs
+# 5 to 12 again: every step once
+sed -e "s|name: a, dir: \"$T/a\"|name: d, dir: \"$T/d\"|" "$T/a.yaml" > "$T/d.yaml"
+KILN_TEST_MLFLOW_HOLD=1 KILN_TEST_PAUSE_AT_STEP=6 ./train "$T/d.yaml" $ML >"$T/d1.txt" 2>&1 &
+pid=$!
+wait_step "$T/d/metrics.jsonl" 6 || fail mlflow_rest_hold_first_part "$(tail -n 3 "$T/d1.txt")"
+kill -9 $pid 2>/dev/null
+wait $pid 2>/dev/null
+./train "$T/d.yaml" $ML --resume auto >"$T/d2.txt" 2>&1
+rc=$?
+[ $rc -eq 0 ] && grep -q "points of steps up to 4 were in metrics.jsonl but not on" "$T/d2.txt" \
+    && ok mlflow_rest_resume_sends_lost_queue || fail mlflow_rest_resume_sends_lost_queue "exit $rc: $(grep -m2 'mlflow\|error' "$T/d2.txt")"
+
 # what the server holds, read by MLflow's client
 "$PY" - "$T" "$URL" >"$T/check.txt" 2>&1 <<'EOF'
 import json, os, sys, warnings, yaml
@@ -147,7 +163,7 @@ def check(name, cond, why=""):
     print(("ok " if cond else "FAIL ") + name + ("" if cond else ": " + str(why)[:400]))
 exp = c.get_experiment_by_name("kiln-rest")
 runs = {r.data.tags.get("kiln.run_dir"): r for r in c.search_runs([exp.experiment_id])}
-check("mlflow_rest_one_run_per_run_dir", set(runs) == {os.path.realpath(T + "/" + n) for n in "abc"}, sorted(runs))
+check("mlflow_rest_one_run_per_run_dir", set(runs) == {os.path.realpath(T + "/" + n) for n in "abcd"}, sorted(runs))
 TIMED = ("tok_per_s", "mfu", "step_time_s", "peak_rss_mib")
 KEYS = ("loss", "val_loss", "lr", "grad_norm", "tok_per_s", "mfu", "step_time_s", "peak_rss_mib", "nonfinite_skipped")
 def history_matches(name):
@@ -167,7 +183,8 @@ def history_matches(name):
         else: bad += [(key, s, got[s], want[s]) for s in want if float("%.6g" % got[s]) != want[s]
                       and not (name == "a" and s in (5, 6) and key in TIMED)]
     return bad
-for name, why in (("a", "killed_and_resumed"), ("b", "server_killed_and_restarted"), ("c", "spool_sent_by_resume")):
+for name, why in (("a", "killed_and_resumed"), ("b", "server_killed_and_restarted"), ("c", "spool_sent_by_resume"),
+                  ("d", "queue_lost_by_kill_sent_by_resume")):
     bad = history_matches(name)
     check("mlflow_rest_history_" + why, not bad, bad[:4])
 a = runs.get(os.path.realpath(T + "/a"))
