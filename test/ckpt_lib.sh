@@ -63,3 +63,16 @@ checkpoint: {every: 5, keep_last: 0}
 metrics: {peak_gflops: 1, tensorboard: false, log_every: 100}
 YAML
 }
+
+# dry_matches DRY_TXT RUN_MIB: --dry-run's activations line (its first
+# "  activations" figure, in its unit) is the start-up line's RUN_MIB, both
+# printed to 2 decimals (0.005 MiB) and within 1% (the dry-run's unit
+# rounds a GiB figure to 10 MiB)
+dry_matches() {
+    python3 - "$(grep -E '^  activations ' "$1" | head -1 | awk '{print $(NF-1), $NF}')" "$2" <<'PY'
+import sys
+v, unit = sys.argv[1].split()
+kib = float(v) * {"KiB": 1, "MiB": 1024, "GiB": 1024 * 1024}[unit]
+sys.exit(0 if abs(kib - float(sys.argv[2]) * 1024) <= 0.005 * 1024 + 0.01 * kib else 1)
+PY
+}
