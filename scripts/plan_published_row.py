@@ -4,7 +4,7 @@ planner's JSON (scripts/plan_published.sh calls it); --table TSV prints the tabl
 import json
 import sys
 
-RC = {"none": "", "gelu": " rc=g", "norm_gelu": " rc=ng"}
+RC = {"none": "", "gelu": " rc=g", "norm_gelu": " rc=ng", "block": " rc=b", "selective": " rc=s"}
 SCHED = {"none": "", "1f1b": "", "gpipe": " gpipe", "zb_h1": " zb", "interleaved_1f1b": " i"}
 
 

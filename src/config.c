@@ -90,15 +90,19 @@ static const CfgKey cfg_keys[] = {
           "MLP width; `auto` = 4 n_embd (GeLU) or 8 n_embd / 3 rounded up to 256 (SwiGLU)"),
     KENUM("model.bias", bias, "auto", "auto|true|false", "biases on the linear layers and LayerNorms"),
     KENUM("model.tie_embeddings", tie_embeddings, "auto", "auto|true|false", "the output head reads the token embedding"),
-    KENUM("model.recompute", recompute, "none", "none|gelu|norm_gelu|block",
+    KENUM("model.recompute", recompute, "none", "none|gelu|norm_gelu|block|selective",
           "activation memory for backward time: `gelu` keeps no GeLU output per layer (the backward recomputes "
           "each from the saved fc output into one shared buffer: L-1 fewer (B,T,4C) tensors, one more GeLU per "
           "layer), `norm_gelu` also no LayerNorm outputs (recomputed from the saved layer inputs and statistics: "
           "2L-1 fewer (B,T,C), two more LayerNorms per layer); `block` keeps only each checkpointed layer's "
           "input (B,T,C) and runs its whole forward again just before its backward, into one layer's workspace "
           "(torchtitan's full, Megatron's full recompute: one more forward of those layers, two under zb_h1's "
-          "split backward, whose weight part recomputes again); results are bit-identical to `none` (on GPU "
-          "`gelu` and `norm_gelu` with `precision.gelu_fusion: off`: with fusion their recomputed GeLU may differ "
+          "split backward, whose weight part recomputes again); `selective` keeps every product's and "
+          "attention's output and recomputes the pointwise work between them: `norm_gelu`'s norms and "
+          "activation, and in MoE layers the experts' and shared experts' SwiGLU outputs and (without ep) the "
+          "routed rows' permuted copy (torchtitan's selective op policy without its every-other product); "
+          "results are bit-identical to `none` (on GPU "
+          "`gelu`, `norm_gelu` and `selective` with `precision.gelu_fusion: off`: with fusion their recomputed GeLU may differ "
           "in the last bit; `block` recomputes with the forward's own ops, fused or not), and `--dry-run` and "
           "`./train plan` print the activation memory of the mode"),
     KINT("model.recompute_every", recompute_every, "1", 1, 1024,

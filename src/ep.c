@@ -17,17 +17,21 @@
 static size_t ep_C(const Ep *e) { return (size_t)e->m->shape.n_embd; }
 static size_t ep_Fe(const Ep *e) { return (size_t)e->m->shape.moe.expert_hidden; }
 
+/* model.recompute selective: the layers share one SwiGLU output. */
+static int shares_act(const Ep *e) { return model_recomputes_experts(e->m->recompute); }
+
 static void layer_alloc(Ep *e, EpLayer *L, size_t rows) {
     const Backend *be = e->m->be;
     size_t ab = e->m->act_bytes, C = ep_C(e), Fe = ep_Fe(e);
     if (L->cap) {
-        be->free(L->x), be->free(L->h), be->free(L->h_act);
+        be->free(L->x), be->free(L->h);
+        if (L->h_act) be->free(L->h_act);
         be->free(L->to_expert), be->free(L->to_source);
     }
     L->cap = rows;
     L->x = be->alloc(rows * C * ab);
     L->h = be->alloc(rows * 2 * Fe * ab);
-    L->h_act = be->alloc(rows * Fe * ab);
+    L->h_act = shares_act(e) ? NULL : be->alloc(rows * Fe * ab);
     L->to_expert = be->alloc(rows * sizeof(int32_t));
     L->to_source = be->alloc(rows * sizeof(int32_t));
 }
@@ -36,7 +40,9 @@ static void shared_alloc(Ep *e, size_t rows) {
     const Backend *be = e->m->be;
     size_t ab = e->m->act_bytes, C = ep_C(e), Fe = ep_Fe(e);
     if (e->wcap) be->free(e->wire), be->free(e->y), be->free(e->dx), be->free(e->dh), be->free(e->dh_act);
+    if (e->h_act) be->free(e->h_act);
     e->wcap = rows;
+    e->h_act = shares_act(e) ? be->alloc(rows * Fe * ab) : NULL;
     e->wire = be->alloc(rows * C * ab);
     e->y = be->alloc(rows * C * ab);
     e->dx = be->alloc(rows * C * ab);
@@ -153,8 +159,8 @@ static void ep_dispatch(void *ctx, int layer, const void *xp, const int32_t *off
     build_perm(e, L);
     if (rows > 0) e->m->be->moe_gather(L->x, e->wire, L->to_expert, L->rows, (int)ep_C(e));
     e->sent += out, e->recv += in, e->rows += rows;
-    *r = (ModelExpertRows){.e0 = e->m->expert_lo, .n = El, .off = L->off, .x = L->x, .h = L->h, .h_act = L->h_act,
-                           .y = e->y};
+    *r = (ModelExpertRows){.e0 = e->m->expert_lo, .n = El, .off = L->off, .x = L->x, .h = L->h,
+                           .h_act = L->h_act ? L->h_act : e->h_act, .y = e->y};
 }
 
 static void ep_combine(void *ctx, int layer, void *yp) {
@@ -170,7 +176,7 @@ static void ep_dispatch_grad(void *ctx, int layer, const void *dyp, ModelExpertR
     exchange_rows(e, dyp, L->send_cnt, e->wire, L->recv_cnt);
     if (L->rows > 0) e->m->be->moe_gather(e->y, e->wire, L->to_expert, L->rows, (int)ep_C(e));
     *r = (ModelExpertRows){.e0 = e->m->expert_lo, .n = e->El, .off = L->off, .x = L->x, .h = L->h,
-                           .h_act = L->h_act, .dy = e->y, .dh_act = e->dh_act, .dh = e->dh, .dx = e->dx};
+                           .h_act = L->h_act ? L->h_act : e->h_act, .dy = e->y, .dh_act = e->dh_act, .dh = e->dh, .dx = e->dx};
 }
 
 static void ep_combine_grad(void *ctx, int layer, void *dxp) {
@@ -191,11 +197,13 @@ size_t ep_plan_rows(const ArchSpec *s, int ep, int cp, int B, int T) {
     return c < worst ? c : worst;
 }
 
-size_t ep_buffer_bytes(const ArchSpec *s, int ep, int cp, int layer_sets, int B, int T, size_t act_bytes) {
+size_t ep_buffer_bytes(const ArchSpec *s, int ep, int cp, int layer_sets, int B, int T, size_t act_bytes,
+                       ModelRecompute r) {
     if (ep <= 1 || s->mlp != MLP_MOE) return 0;
     size_t rows = ep_plan_rows(s, ep, cp, B, T), C = (size_t)s->n_embd, Fe = (size_t)s->moe.expert_hidden;
-    size_t layer = rows * ((C + 3 * Fe) * act_bytes + 2 * sizeof(int32_t));
-    return (size_t)layer_sets * layer + rows * (3 * C + 3 * Fe) * act_bytes;
+    size_t shared = model_recomputes_experts(r) ? Fe : 0; /* one h_act for every layer */
+    size_t layer = rows * ((C + 3 * Fe - shared) * act_bytes + 2 * sizeof(int32_t));
+    return (size_t)layer_sets * layer + rows * (3 * C + 3 * Fe + shared) * act_bytes;
 }
 
 /* Layers [*lo, *hi) of the model's activation slot i (its chunk's). */
@@ -255,10 +263,12 @@ void ep_free(Ep *e) {
         for (size_t i = 0; i < n; i++) {
             EpLayer *L = &e->layer[i];
             if (!L->cap) continue; /* a layer of another chunk */
-            be->free(L->x), be->free(L->h), be->free(L->h_act), be->free(L->to_expert), be->free(L->to_source);
+            be->free(L->x), be->free(L->h), be->free(L->to_expert), be->free(L->to_source);
+            if (L->h_act) be->free(L->h_act);
             free(L->recv_cnt), free(L->send_cnt), free(L->off);
         }
         be->free(e->wire), be->free(e->y), be->free(e->dx), be->free(e->dh), be->free(e->dh_act);
+        if (e->h_act) be->free(e->h_act);
         be->free(e->cnt_dev);
         free(e->layer), free(e->cnt_host), free(e->sc), free(e->rc), free(e->idx_host), free(e->cursor);
     }
@@ -292,7 +302,8 @@ double ep_step_blocked_s(const Ep *e) { return e->blocked_s; }
 int ep_describe(const Ep *e, char *buf, size_t len) {
     if (e->ep <= 1) return 0;
     const Model *m = e->m;
-    double mib = (double)ep_buffer_bytes(&m->shape, e->ep, m->cp, e->layer_sets, m->B, m->T, m->act_bytes) /
+    double mib = (double)ep_buffer_bytes(&m->shape, e->ep, m->cp, e->layer_sets, m->B, m->T, m->act_bytes,
+                                         m->recompute) /
                  1048576.0;
     int lo, hi;
     slot_layers(m, 0, &lo, &hi);

@@ -21,7 +21,8 @@ typedef struct EpLayer {
     int rows;                     /* received: off[El] */
     size_t cap;                   /* rows the buffers below hold */
     void *x, *h, *h_act;          /* device (cap,C) (cap,2Fe) (cap,Fe) act: expert-major rows and the
-                                     forward's activations */
+                                     forward's activations (model.recompute selective: no h_act, the
+                                     shared one's) */
     int32_t *to_expert, *to_source; /* device (cap): expert-major row r is received row to_expert[r];
                                        received row q is expert-major row to_source[q] */
 } EpLayer;
@@ -40,6 +41,8 @@ typedef struct Ep {
     void *wire;            /* device (wcap,C) act: rows as they cross the wire, in rank order */
     void *y;               /* device (wcap,C) act: the experts' outputs; the backward's dy */
     void *dx, *dh, *dh_act;/* device (wcap,C) (wcap,2Fe) (wcap,Fe) act: the backward's scratch */
+    void *h_act;           /* model.recompute selective: device (wcap,Fe) act, every layer's SwiGLU output
+                              (the backward makes it again from the layer's h); else NULL */
     float *cnt_dev;        /* device (2 ep El): counts through the all-to-all (exact integers) */
     float *cnt_host;       /* host (2 ep El) */
     size_t *sc, *rc;       /* host (ep): elements to / from each rank for comm_all_to_allv */
@@ -59,7 +62,8 @@ typedef struct Ep {
  * n_layer without a pipeline), act_bytes per activation: what ./train plan
  * counts. Arithmetic only. */
 size_t ep_plan_rows(const ArchSpec *s, int ep, int cp, int B, int T);
-size_t ep_buffer_bytes(const ArchSpec *s, int ep, int cp, int layer_sets, int B, int T, size_t act_bytes);
+size_t ep_buffer_bytes(const ArchSpec *s, int ep, int cp, int layer_sets, int B, int T, size_t act_bytes,
+                       ModelRecompute r);
 
 /* Install the model's ep exchanges over g (model_set_ep) and allocate the
  * expert side's buffers for the planned micro-batch, one set per activation

@@ -570,12 +570,14 @@ void *model_compute_copy(const Model *m) {
 
 void model_set_loss_sink(Model *m, double *sink) { m->loss_sink = sink; }
 
-static const char *const recompute_names[MODEL_RECOMPUTE_MODES] = {"none", "gelu", "norm_gelu", "block"};
+static const char *const recompute_names[MODEL_RECOMPUTE_MODES] = {"none", "gelu", "norm_gelu", "block",
+                                                                               "selective"};
 
 ModelRecompute model_recompute_parse(const char *name) {
     for (int r = 0; r < MODEL_RECOMPUTE_MODES; r++)
         if (strcmp(name, recompute_names[r]) == 0) return (ModelRecompute)r;
-    kiln_fail(KILN_EXIT_USAGE, "key 'model.recompute': expected one of none, gelu, norm_gelu, block, got '%s'", name);
+    kiln_fail(KILN_EXIT_USAGE, "key 'model.recompute': expected one of none, gelu, norm_gelu, block, selective, "
+              "got '%s'", name);
 }
 
 const char *model_recompute_name(ModelRecompute r) {
@@ -627,10 +629,13 @@ int model_layer_recomputed(const Model *m, int l) {
     return l >= 0 && model_recompute_layer(m->recompute, m->recompute_every, l);
 }
 
-/* Which shared buffers GELU and NORM_GELU recompute into (BLOCK keeps both
- * in every layer it keeps whole, and in its workspace). */
-static int recomputes_gelu(ModelRecompute r) { return r == MODEL_RECOMPUTE_GELU || r == MODEL_RECOMPUTE_NORM_GELU; }
-static int recomputes_norm(ModelRecompute r) { return r == MODEL_RECOMPUTE_NORM_GELU; }
+/* Which shared buffers GELU, NORM_GELU and SELECTIVE recompute into (BLOCK
+ * keeps all in every layer it keeps whole, and in its workspace). */
+static int recomputes_gelu(ModelRecompute r) {
+    return r == MODEL_RECOMPUTE_GELU || r == MODEL_RECOMPUTE_NORM_GELU || r == MODEL_RECOMPUTE_SELECTIVE;
+}
+static int recomputes_norm(ModelRecompute r) { return r == MODEL_RECOMPUTE_NORM_GELU || r == MODEL_RECOMPUTE_SELECTIVE; }
+int model_recomputes_experts(ModelRecompute r) { return r == MODEL_RECOMPUTE_SELECTIVE; }
 
 /* The arena being laid out: with base set, each take() returns its place;
  * without (counting only), NULL, written into throwaway views. Every buffer
@@ -652,9 +657,11 @@ typedef struct LayerDims {
     int moe, qk_norm, ep;
 } LayerDims;
 
-/* One layer's activations kept whole; keep_gelu, keep_norm: its own MLP
- * activation and norm outputs (else a shared buffer's, pointed at later). */
-static void take_layer(Take *t, LayerActs *a, const LayerDims *d, int keep_gelu, int keep_norm, int split) {
+/* One layer's activations kept whole; keep_gelu, keep_norm, keep_moe: its
+ * own MLP activation, norm outputs and MoE permuted rows and SwiGLU outputs
+ * (else a shared buffer's, pointed at later). */
+static void take_layer(Take *t, LayerActs *a, const LayerDims *d, int keep_gelu, int keep_norm, int keep_moe,
+                       int split) {
     size_t N = d->N, C = d->C, ab = d->ab, F = sizeof(float), I = sizeof(int32_t), R = d->R;
     if (keep_norm) a->ln1 = take(t, N * C, ab);
     a->ln1_mean = take(t, N, F);
@@ -683,15 +690,15 @@ static void take_layer(Take *t, LayerActs *a, const LayerDims *d, int keep_gelu,
         a->src = take(t, R, I);
         a->offsets = take(t, d->E + 1, I);
         a->counts = take(t, d->RG * d->E, I);
-        a->xp = take(t, R * C, ab);
+        if (keep_moe) a->xp = take(t, R * C, ab);
         if (d->ep <= 1) { /* expert parallelism: the expert side's activations are ep.c's */
             a->hp = take(t, R * 2 * d->Fe, ab);
-            a->hp_act = take(t, R * d->Fe, ab);
+            if (keep_moe) a->hp_act = take(t, R * d->Fe, ab);
         }
         a->yp = take(t, R * C, ab);
         if (d->S) {
             a->sh = take(t, N * 2 * d->S, ab);
-            a->sh_act = take(t, N * d->S, ab);
+            if (keep_moe) a->sh_act = take(t, N * d->S, ab);
         }
     }
     a->res3 = take(t, d->Nres * C, ab);
@@ -766,6 +773,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     Take t = {.base = assign ? (char *)m->act_mem : NULL};
     if (assign) m->res_rows = d.Nres;
     int keep_gelu = !recomputes_gelu(r) || moe, keep_norm = !recomputes_norm(r), any_ckpt = 0;
+    int keep_moe = !moe || !model_recomputes_experts(r);
     /* chunked loss: no logits outlive the head's forward or backward, so one
      * chunk's buffer serves every set (model_loss_rows) */
     size_t xent_rows = model_loss_rows(s, N, pl->loss_chunk);
@@ -781,7 +789,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
                     take_checkpointed(&t, a, &d, pl->split);
                     any_ckpt = 1;
                 } else {
-                    take_layer(&t, a, &d, keep_gelu, keep_norm, pl->split);
+                    take_layer(&t, a, &d, keep_gelu, keep_norm, keep_moe, pl->split);
                 }
             }
             if (hi == s->n_layer) {
@@ -800,10 +808,19 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
     if (!keep_gelu) gelu_shared = take(&t, N * FF, ab);
     if (!keep_norm) ln_shared = take(&t, N * C, ab);
+    /* SELECTIVE's MoE buffers: the permuted rows (R,C), the experts' SwiGLU
+     * output (R,Fe) (ep.c's under expert parallelism) and the shared
+     * experts' (N,S) */
+    void *xp_shared = NULL, *hp_act_shared = NULL, *sh_act_shared = NULL;
+    if (!keep_moe) {
+        xp_shared = take(&t, R * C, ab);
+        if (ep <= 1) hp_act_shared = take(&t, R * Fe, ab);
+        if (S) sh_act_shared = take(&t, N * S, ab);
+    }
     LayerActs ws = {0};
     m->rec_proj = NULL;
     if (any_ckpt) {
-        take_layer(&t, &ws, &d, 1, 1, 0);
+        take_layer(&t, &ws, &d, 1, 1, 1, 0);
         m->rec_proj = take(&t, 2 * N * C, ab);
     }
     if (assign) m->rec_ws = ws;
@@ -812,6 +829,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
             LayerActs *a = &m->slots[i].acts[l];
             if (!keep_gelu) a->fch_gelu = gelu_shared;
             if (!keep_norm) a->ln1 = a->ln2 = ln_shared;
+            if (!keep_moe) a->xp = xp_shared, a->hp_act = hp_act_shared, a->sh_act = sh_act_shared;
             if (model_recompute_layer(r, pl->every, l)) { /* the workspace's views, but its own kept ones */
                 LayerActs own = *a;
                 *a = ws;
@@ -1747,8 +1765,12 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
     const ArchMoe *mo = &s->moe;
     const LayerActs *a = &m->acts[l];
     int C = s->n_embd, E = mo->n_experts, K = mo->top_k, Fe = mo->expert_hidden;
+    /* SELECTIVE: the SwiGLU outputs and the permuted rows again, by the
+     * forward's ops on its kept products and (recomputed) norm2 output */
+    int rec = model_recomputes_experts(m->recompute);
     if (mo->n_shared > 0) {
         int S = mo->n_shared * Fe;
+        if (rec) be->swiglu_forward(a->sh_act, a->sh, N, S);
         model_mm_backward(m, l, MM_SHARED_DOWN, -1, b->dbuf, G(m, l, ROLE_SHARED_DOWN_W), NULL, dtop, a->sh_act,
                             W(m, l, ROLE_SHARED_DOWN_W), N, S, C, acc);
         be->swiglu_backward(b->dbuf2, b->dbuf, a->sh, N, S);
@@ -1766,8 +1788,10 @@ static void moe_backward(Model *m, int l, int N, const void *dtop, const BackScr
     } else {
         r = (ModelExpertRows){.e0 = 0, .n = E, .off = a->offsets_host, .x = a->xp, .h = a->hp, .h_act = a->hp_act,
                               .y = a->yp, .dy = b->dyp, .dh_act = b->dhp_act, .dh = b->dhp, .dx = b->dxp};
+        if (rec) be->moe_gather(a->xp, a->ln2, a->src, a->offsets_host[E], C);
     }
     const int32_t *off = r.off;
+    if (rec && off[r.n] > 0) be->swiglu_forward(r.h_act, r.h, off[r.n], Fe);
     for (int j = 0; j < r.n; j++) {
         int n = off[j + 1] - off[j], e = r.e0 + j;
         if (n == 0) continue;

@@ -97,16 +97,26 @@ typedef struct ComputeBuf {
  * forward again just before its backward, into one workspace all such
  * layers share: the same ops on the same inputs and weights, so again
  * bit-identical, for one more forward of each checkpointed layer (two under
- * a split backward: its weight part recomputes again). */
+ * a split backward: its weight part recomputes again). SELECTIVE keeps every
+ * product's output and attention's output with its log-sum-exp, and
+ * recomputes the pointwise work between them: NORM_GELU's norms and dense
+ * activation, and in MoE layers the experts' and shared experts' SwiGLU
+ * outputs and the routed rows' permuted copy of norm2's output (without
+ * expert parallelism: under it those rows came by all-to-all and are kept).
+ * RoPE stays applied in the kept q, k (the rotated rows replace the
+ * product's at the same size: recomputing them would save nothing), and so
+ * does QK-norm's input. No product runs again: bit-identical for a pointwise
+ * op per buffer. */
 typedef enum {
     MODEL_RECOMPUTE_NONE,      /* keep ln1, ln2 and the MLP activation of every layer */
     MODEL_RECOMPUTE_GELU,      /* one (N,F) activation (GeLU or SwiGLU output) shared by all layers */
     MODEL_RECOMPUTE_NORM_GELU, /* + one (N,C) norm output for ln1 and ln2 of all layers */
-    MODEL_RECOMPUTE_BLOCK      /* a checkpointed layer keeps its output (the next one's input) only */
+    MODEL_RECOMPUTE_BLOCK,     /* a checkpointed layer keeps its output (the next one's input) only */
+    MODEL_RECOMPUTE_SELECTIVE  /* NORM_GELU + MoE layers' activations and permuted rows: products' outputs only */
 } ModelRecompute;
-#define MODEL_RECOMPUTE_MODES 4
+#define MODEL_RECOMPUTE_MODES 5
 
-/* "none", "gelu", "norm_gelu", "block" (the config's values) and back; parse exits 2
+/* "none", "gelu", "norm_gelu", "block", "selective" (the config's values) and back; parse exits 2
  * naming model.recompute on anything else. */
 ModelRecompute model_recompute_parse(const char *name);
 const char *model_recompute_name(ModelRecompute r);
@@ -685,6 +695,9 @@ double model_hw_flops_per_token(const ArchSpec *g, int T, int tp, size_t rows, M
  * == 0); model_layer_recomputed is the planned model's. */
 int model_recompute_layer(ModelRecompute r, int every, int l);
 int model_layer_recomputed(const Model *m, int l);
+/* Whether mode r drops MoE layers' SwiGLU outputs and permuted rows
+ * (SELECTIVE; ep.c then shares its own layers' SwiGLU outputs too). */
+int model_recomputes_experts(ModelRecompute r);
 
 /* MoE: zero the loads and drop counts (the start of an optimizer step). */
 void model_moe_reset(Model *m);

@@ -236,7 +236,8 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, const PlanLayout *lay) {
                                                                       (ModelRecompute)r, lay->recompute_every,
                                                                       lay->loss_chunk);
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
-            m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, cp, s->n_layer, micro_batch, s->seq_len, ab);
+            m.act_by_mode[r][k] += (double)ep_buffer_bytes(s, ep, cp, s->n_layer, micro_batch, s->seq_len, ab,
+                                                           (ModelRecompute)r);
         }
     m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, lay->act_bytes == 2 ? 2 : 4) : 0;
     m.recompute = recompute;
@@ -313,7 +314,7 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, const PlanLayout *lay, in
             m.act_by_mode[r][k] = (double)model_activation_bytes_stage(g, tp, cp, sp, ep, micro_batch, g->seq_len, ab,
                                                                        (ModelRecompute)r, lay->recompute_every,
                                                                        lay->loss_chunk, chunks, lo, hi, slots, split) +
-                                  (double)ep_buffer_bytes(g, ep, cp, sets, micro_batch, g->seq_len, ab);
+                                  (double)ep_buffer_bytes(g, ep, cp, sets, micro_batch, g->seq_len, ab, (ModelRecompute)r);
             if (cp > 1) m.act_by_mode[r][k] += (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, ab);
         }
     m.cp_buffers = cp > 1 ? (double)cp_buffer_bytes(&cps, cp, (CpMode)cp_mode, lay->act_bytes == 2 ? 2 : 4) : 0;
@@ -536,9 +537,14 @@ void plan_print_activations(const PlanMemory *m) {
     plan_print_bytes(what, m->activations_other);
     const double(*by)[2] = m->act_by_mode;
     if (m->recompute == MODEL_RECOMPUTE_NONE)
+    {
+        char sel[64] = ""; /* selective: where it differs from norm_gelu (MoE layers) */
+        if (by[MODEL_RECOMPUTE_SELECTIVE][k] != by[MODEL_RECOMPUTE_NORM_GELU][k])
+            snprintf(sel, sizeof sel, ", selective %.2f GiB", (by[0][k] - by[MODEL_RECOMPUTE_SELECTIVE][k]) / GIB);
         printf("  recompute              none (model.recompute: gelu would take %.2f GiB less in %s, norm_gelu "
-               "%.2f GiB, block %.2f GiB)\n", (by[0][k] - by[1][k]) / GIB, dt, (by[0][k] - by[2][k]) / GIB,
-               (by[0][k] - by[MODEL_RECOMPUTE_BLOCK][k]) / GIB);
+               "%.2f GiB, block %.2f GiB%s)\n", (by[0][k] - by[1][k]) / GIB, dt, (by[0][k] - by[2][k]) / GIB,
+               (by[0][k] - by[MODEL_RECOMPUTE_BLOCK][k]) / GIB, sel);
+    }
     else
         printf("  recompute              %s (model.recompute): %.2f GiB less than none in %s, %.2f GiB in %s\n",
                model_recompute_name(m->recompute), (by[0][k] - m->activations) / GIB, dt,

@@ -136,7 +136,9 @@ int plan_search(const Config *base, const ArchSpec *s, const HwProfile *hw, int 
                 int *n, int *rejected, int *too_big) {
     PlanSearch S = {.base = base, .s = s, .hw = hw, .gpus = gpus, .nodes = nodes};
     Config *c = xmalloc(sizeof *c);
-    static const char *recs[] = {"none", "gelu", "norm_gelu", "block"}; /* block: every layer (recompute_every 1) */
+    /* block: every layer (recompute_every 1); selective differs from
+     * norm_gelu in MoE layers only */
+    static const char *recs[MODEL_RECOMPUTE_MODES] = {"none", "gelu", "norm_gelu", "block", "selective"};
     static const char *scheds[] = {"1f1b", "gpipe", "interleaved_1f1b", "zb_h1"};
     static const char *cpm[] = {"allgather", "ring"};
     int moe = s->mlp == MLP_MOE;
@@ -161,6 +163,7 @@ int plan_search(const Config *base, const ArchSpec *s, const HwProfile *hw, int 
                                     for (int v = 1; v <= (sk == 2 ? 4 : 1); v *= 2) {
                                         if (sk == 2 && v == 1) continue;
                                         for (int r = 0; r < MODEL_RECOMPUTE_MODES; r++) {
+                                            if (r == MODEL_RECOMPUTE_SELECTIVE && !moe) continue;
                                             /* micro-batches ascending: memory grows with it, so
                                              * the first that does not fit ends the row; with the
                                              * whole logits, it goes on from there with the loss in

@@ -142,8 +142,15 @@ PlanTime plan_time(const ArchSpec *g, const PlanRun *run, const HwProfile *hw, i
     double bwd = 2 * (fwd - att) + 2.5 * att;
     double rec = 0;
     if (L->recompute == MODEL_RECOMPUTE_GELU) rec = 2 * N * arch_fc_width(&l) * rate.ab / rate.bw + rate.launch;
-    if (L->recompute == MODEL_RECOMPUTE_NORM_GELU)
+    if (L->recompute == MODEL_RECOMPUTE_NORM_GELU || L->recompute == MODEL_RECOMPUTE_SELECTIVE)
         rec = 2 * N * (arch_fc_width(&l) + 2 * C) * rate.ab / rate.bw + 3 * rate.launch;
+    /* selective, MoE: the experts' SwiGLU (read 2Fe, write Fe a routed row),
+     * the shared experts' (3S a row) and, without ep, the permuted rows'
+     * copy (read and write C a routed row) again */
+    if (L->recompute == MODEL_RECOMPUTE_SELECTIVE && g->mlp == MLP_MOE) {
+        double R = N * g->moe.top_k, Fe = g->moe.expert_hidden, S = (double)g->moe.n_shared * Fe;
+        rec += (R * (3 * Fe + (ep > 1 ? 0 : 2 * C)) + N * 3 * S) * rate.ab / rate.bw + 3 * rate.launch;
+    }
     /* the head and loss (last stage), the embedding (first): folded into the
      * costliest stage when pp is 1, else on the last stage beside its layers */
     double V = l.padded_vocab;

@@ -22,32 +22,9 @@ S="$S --set model.n_layer=4 --set batch.total_tokens=512"
 LLAMA="--set model.arch=llama --set model.n_head=8 --set model.n_kv_head=4 --set model.n_embd=64 --set model.ffn_hidden=96"
 MOE="$LLAMA --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
 MOE="$MOE --set model.moe.n_shared=1 --set model.moe.aux_loss_coef=0.01 --set model.moe.z_loss_coef=0.001"
-figures() {
-    grep -o '"step":[0-9]*,"tokens":[0-9]*,"loss":[^,]*\|"grad_norm":[^,]*\|"val_loss":[^,]*\|"moe_[a-z_]*":[^a-z]*' "$1"
-}
-MPI=0
-command -v mpirun >/dev/null 2>&1 && ldd ./train | grep -q libmpi && MPI=1
-
+. test/recompute_lib.sh
 # pair NAME NP ARGS...: none against block (ARGS may set recompute_every)
-pair() {
-    local name=$1 np=$2
-    shift 2
-    local run=(./train)
-    if [ "$np" -gt 1 ]; then
-        if [ $MPI = 0 ]; then skip recompute_block_$name "no MPI build or mpirun"; return; fi
-        run=(timeout 300 mpirun --allow-run-as-root --oversubscribe -np "$np" ./train)
-    fi
-    "${run[@]}" $Y $S "$@" --set model.recompute=none --set model.recompute_every=1 --set run.dir=$T/${name}_none >$T/${name}_none.txt 2>&1
-    local rc0=$?
-    "${run[@]}" $Y $S "$@" --set model.recompute=block --set run.dir=$T/${name}_block >$T/${name}_block.txt 2>&1
-    local rc1=$?
-    local a=$T/${name}_none b=$T/${name}_block
-    if [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] && [ -s $b/metrics.jsonl ] && [ "$(figures $a/metrics.jsonl)" = "$(figures $b/metrics.jsonl)" ] \
-        && ./train ckpt-diff $a/checkpoints/step_00000006 $b/checkpoints/step_00000006 --quiet --tol 0 >$T/${name}_diff.txt 2>&1
-    then ok recompute_block_$name
-    else fail recompute_block_$name "rc $rc0/$rc1: $(grep -m1 -h error $a.txt $b.txt) $(diff <(figures $a/metrics.jsonl) <(figures $b/metrics.jsonl) | head -4 | tr '\n' ' ') $(head -c 200 $T/${name}_diff.txt)"
-    fi
-}
+pair() { recompute_pair block "$@"; }
 
 pair gpt2 1
 pair gpt2_every2 1 --set model.recompute_every=2
