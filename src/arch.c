@@ -285,27 +285,56 @@ static ArchTensor *arch_build_tensors(const ArchSpec *s, int decay_embeddings, i
  * spec is compared byte for byte (ints and floats only: no padding). One
  * thread builds models and plans (model_init, plan): no lock. */
 #define ARCH_MEMO 16
-static struct {
+typedef struct ArchMemo {
     ArchSpec s;
     int decay, n;
     ArchTensor *t;
-} arch_memo[ARCH_MEMO];
+    int counted;       /* params and weights below are set */
+    size_t params;     /* arch_num_params */
+    double weights;    /* arch_flops_per_token's matmul weights a token passes through */
+} ArchMemo;
+static ArchMemo arch_memo[ARCH_MEMO];
 static int arch_memo_next;
 
-ArchTensor *arch_tensors(const ArchSpec *s, int decay_embeddings, int *n) {
+static ArchMemo *arch_memo_of(const ArchSpec *s, int decay_embeddings) {
     for (int i = 0; i < ARCH_MEMO; i++)
-        if (arch_memo[i].t && arch_memo[i].decay == decay_embeddings && !memcmp(&arch_memo[i].s, s, sizeof *s)) {
-            *n = arch_memo[i].n;
-            ArchTensor *t = xmalloc((size_t)(*n > 0 ? *n : 1) * sizeof *t);
-            memcpy(t, arch_memo[i].t, (size_t)*n * sizeof *t);
-            return t;
-        }
-    ArchTensor *t = arch_build_tensors(s, decay_embeddings, n);
-    int k = arch_memo_next++ % ARCH_MEMO;
-    free(arch_memo[k].t);
-    arch_memo[k].s = *s, arch_memo[k].decay = decay_embeddings, arch_memo[k].n = *n;
-    arch_memo[k].t = xmalloc((size_t)(*n > 0 ? *n : 1) * sizeof *t);
-    memcpy(arch_memo[k].t, t, (size_t)*n * sizeof *t);
+        if (arch_memo[i].t && arch_memo[i].decay == decay_embeddings && !memcmp(&arch_memo[i].s, s, sizeof *s))
+            return &arch_memo[i];
+    ArchMemo *e = &arch_memo[arch_memo_next++ % ARCH_MEMO];
+    free(e->t);
+    memset(e, 0, sizeof *e);
+    e->t = arch_build_tensors(s, decay_embeddings, &e->n);
+    e->s = *s, e->decay = decay_embeddings;
+    return e;
+}
+
+const ArchTensor *arch_tensors_view(const ArchSpec *s, int decay_embeddings, int *n) {
+    const ArchMemo *e = arch_memo_of(s, decay_embeddings);
+    *n = e->n;
+    return e->t;
+}
+
+/* The counts every layout's plan reads, once per table: the parameters,
+ * and the matmul weights a token passes through (every 2-D tensor of a
+ * layer except the experts it is not routed to, plus the head, tied or
+ * not; the embeddings are lookups). */
+static const ArchMemo *arch_counted(const ArchSpec *s) {
+    ArchMemo *e = arch_memo_of(s, 0);
+    if (e->counted) return e;
+    const ArchTensor *t = e->t;
+    for (int i = 0; i < e->n; i++) {
+        e->params += t[i].numel;
+        if (t[i].layer < 0 || t[i].ndim != 2) continue;
+        e->weights += (double)t[i].numel * (t[i].expert >= 0 ? (double)s->moe.top_k / s->moe.n_experts : 1.0);
+    }
+    e->counted = 1;
+    return e;
+}
+
+ArchTensor *arch_tensors(const ArchSpec *s, int decay_embeddings, int *n) {
+    const ArchTensor *v = arch_tensors_view(s, decay_embeddings, n);
+    ArchTensor *t = xmalloc((size_t)(*n > 0 ? *n : 1) * sizeof *t);
+    memcpy(t, v, (size_t)*n * sizeof *t);
     return t;
 }
 
@@ -372,14 +401,7 @@ void arch_tp_local(const ArchSpec *g, int tp, int rank, ArchSpec *l) {
 
 /* ------------------------------------------------------------ counts */
 
-size_t arch_num_params(const ArchSpec *s) {
-    int n;
-    ArchTensor *t = arch_tensors(s, 0, &n);
-    size_t sum = 0;
-    for (int i = 0; i < n; i++) sum += t[i].numel;
-    free(t);
-    return sum;
-}
+size_t arch_num_params(const ArchSpec *s) { return arch_counted(s)->params; }
 
 size_t arch_num_active_params(const ArchSpec *s) {
     size_t all = arch_num_params(s);
@@ -389,18 +411,7 @@ size_t arch_num_active_params(const ArchSpec *s) {
 }
 
 double arch_flops_per_token(const ArchSpec *s, int T) {
-    /* Matmul weights a token passes through: every 2-D tensor of a layer
-     * except the experts it is not routed to, plus the head (tied or not);
-     * the embeddings are lookups. */
-    int n;
-    ArchTensor *t = arch_tensors(s, 0, &n);
-    double w = 0;
-    for (int i = 0; i < n; i++) {
-        if (t[i].layer < 0 || t[i].ndim != 2) continue;
-        w += (double)t[i].numel * (t[i].expert >= 0 ? (double)s->moe.top_k / s->moe.n_experts : 1.0);
-    }
-    free(t);
-    w += (double)s->n_embd * s->vocab_size;
+    double w = arch_counted(s)->weights + (double)s->n_embd * s->vocab_size; /* + the head */
     /* Each weight costs 2 FLOPs forward and 4 backward per token. Attention
      * scores and the weighted sum cost 2*2*T*d per token and layer forward
      * (d = n_head head_dim), twice that backward: 12 L T d, halved because

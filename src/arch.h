@@ -110,6 +110,10 @@ void arch_resolve(ArchSpec *s);
 /* The tensor table in listing order (docs, checkpoints, fixtures): a
  * malloc'd array of *n entries. */
 ArchTensor *arch_tensors(const ArchSpec *s, int decay_embeddings, int *n);
+/* The same table without a copy: the memo's own, to read before the next
+ * arch_tensors or arch_tensors_view call (which may replace it), never to
+ * free. The planner's search reads it for every layout it counts. */
+const ArchTensor *arch_tensors_view(const ArchSpec *s, int decay_embeddings, int *n);
 
 /* Whether tensor t belongs to the pipeline stage of layers [lo, hi): its
  * layer's tensors; the embeddings with layer 0; the final norm and head with

@@ -741,7 +741,10 @@ static void take_checkpointed(Take *t, LayerActs *a, const LayerDims *d, int spl
  * buffer that every layer of every set points at, after the sets (BLOCK: a
  * whole layer's, the workspace, and its products' outputs); so do the
  * cross-entropy statistics, the logits row and the scratch. MoE activations
- * are kept except by BLOCK. */
+ * are kept except by BLOCK and (their pointwise outputs) SELECTIVE. A
+ * layer's bytes depend on its kind alone (each buffer is rounded by
+ * itself), so counting takes each kind's once: the planner's search counts
+ * millions of arenas. */
 static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecompute r, const ActPlan *pl, int tp,
                          int cp, int seq_par, int ep, Model *m) {
     size_t N = (size_t)B * T, C = (size_t)s->n_embd, F = sizeof(float), I = sizeof(int32_t);
@@ -777,14 +780,33 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
     /* chunked loss: no logits outlive the head's forward or backward, so one
      * chunk's buffer serves every set (model_loss_rows) */
     size_t xent_rows = model_loss_rows(s, N, pl->loss_chunk);
+    size_t whole_bytes = 0, ckpt_bytes = 0; /* counting: one layer of each kind */
+    if (!assign) {
+        Take w = {0}, k = {0};
+        take_layer(&w, &sink_layer, &d, keep_gelu, keep_norm, keep_moe, pl->split);
+        take_checkpointed(&k, &sink_layer, &d, pl->split);
+        whole_bytes = w.off, ckpt_bytes = k.off;
+    }
     int set = 0;
-    for (int c = 0; c < pl->chunks; c++)
+    for (int c = 0; c < pl->chunks; c++) {
+        size_t set_start = t.off;
         for (int k = 0; k < pl->slots[c]; k++, set++) {
+            if (!assign && k == 1) { /* counting: a chunk's sets are alike */
+                t.off += (t.off - set_start) * (size_t)(pl->slots[c] - 1);
+                set += pl->slots[c] - 1;
+                break;
+            }
             ModelSlot *sl = assign ? &m->slots[set] : &sink_slot;
             int lo = pl->lo[c], hi = pl->hi[c];
             sl->encoded = take(&t, d.Nres * C, ab);
             for (int l = lo; l < hi; l++) {
                 LayerActs *a = assign ? &sl->acts[l] : &sink_layer;
+                if (!assign) {
+                    int ck = model_recompute_layer(r, pl->every, l);
+                    t.off += ck ? ckpt_bytes : whole_bytes;
+                    any_ckpt |= ck;
+                    continue;
+                }
                 if (model_recompute_layer(r, pl->every, l)) {
                     take_checkpointed(&t, a, &d, pl->split);
                     any_ckpt = 1;
@@ -804,6 +826,7 @@ static size_t plan_bytes(const ArchSpec *s, int B, int T, size_t ab, ModelRecomp
             if (lo > 0) sl->stage_din = take(&t, d.Nres * C, ab); /* the residual rows this rank holds */
             if (moe) sl->aux = take(&t, RG * E * s->n_layer, F);
         }
+    }
     if (moe && cp > 1) m->moe_caps = take(&t, RG * E, I); /* one layer's chunk limits (moe_cp_caps) */
     void *gelu_shared = NULL, *ln_shared = NULL; /* (N,F) (N,C) act */
     if (!keep_gelu) gelu_shared = take(&t, N * FF, ab);

@@ -250,11 +250,19 @@ static int post_cmp(const void *x, const void *y) {
     return a->at != b->at ? (a->at > b->at) - (a->at < b->at) : (a->seq > b->seq) - (a->seq < b->seq);
 }
 
-/* Index in order o of the compute (op, micro, chunk); -1 if absent. */
-static int order_find(const Order *o, int op, int micro, int chunk) {
-    for (int i = 0; i < o->n; i++)
-        if ((int)o->a[i].op == op && o->a[i].micro == micro && o->a[i].chunk == chunk) return i;
-    return -1;
+/* Where each rank's order runs each (chunk, micro-batch)'s forward and its
+ * releasing op: [(r * v + chunk) * M + micro], -1 if absent; an index,
+ * since a search builds schedules of thousands of micro-batches and a scan
+ * per receive made that quadratic. */
+static void order_index(const Order *o, int p, int v, int M, int rel, int *at_fwd, int *at_rel) {
+    for (size_t i = 0; i < (size_t)p * v * M; i++) at_fwd[i] = at_rel[i] = -1;
+    for (int r = 0; r < p; r++)
+        for (int i = 0; i < o[r].n; i++) {
+            const PipeAction *x = &o[r].a[i];
+            size_t k = ((size_t)r * v + x->chunk) * M + x->micro;
+            if (x->op == PIPE_FWD && at_fwd[k] < 0) at_fwd[k] = i;
+            if ((int)x->op == rel && at_rel[k] < 0) at_rel[k] = i;
+        }
 }
 
 /* Communication around the compute orders: each send right after the
@@ -280,6 +288,8 @@ static void place_comm(PipeSchedule *s, Order *o) {
         }
     Post **posts = xcalloc((size_t)p, sizeof(Post *));
     int *np = xcalloc((size_t)p, sizeof(int)), *cap = xcalloc((size_t)p, sizeof(int));
+    int *at_fwd = xmalloc((size_t)p * v * M * sizeof(int)), *at_rel = xmalloc((size_t)p * v * M * sizeof(int));
+    order_index(o, p, v, M, rel, at_fwd, at_rel);
     /* each channel is (sender rank, data): its receiver is fixed */
     for (int src = 0; src < p; src++)
         for (int d = 0; d < 2; d++) {
@@ -293,9 +303,9 @@ static void place_comm(PipeSchedule *s, Order *o) {
                 int to = d == PIPE_ACT ? vs + 1 : vs - 1, dst = to % p, c = to / p, m = x->micro;
                 int K = s->slots[dst * v + c], at;
                 if (d == PIPE_ACT) {
-                    at = m >= K ? order_find(&o[dst], rel, m - K, c) + 1 : 0;
+                    at = m >= K ? at_rel[((size_t)dst * v + c) * M + m - K] + 1 : 0;
                 } else {
-                    at = order_find(&o[dst], PIPE_FWD, m, c) + 1;
+                    at = at_fwd[((size_t)dst * v + c) * M + m] + 1;
                 }
                 if (at < last_at) at = last_at;
                 last_at = at;
@@ -336,7 +346,7 @@ static void place_comm(PipeSchedule *s, Order *o) {
         s->n[r] = n;
         free(posts[r]);
     }
-    free(posts), free(np), free(cap);
+    free(posts), free(np), free(cap), free(at_fwd), free(at_rel);
 }
 
 void pipe_build(PipeSchedule *s, PipeKind k, int pp, int v, int micro) {

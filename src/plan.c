@@ -61,11 +61,10 @@ size_t plan_num_params(const ArchSpec *s) { return arch_num_params(s); }
 /* Parameters of one layer (every layer has the same table rows). */
 double plan_layer_params(const ArchSpec *s) {
     int n;
-    ArchTensor *t = arch_tensors(s, 0, &n);
+    const ArchTensor *t = arch_tensors_view(s, 0, &n);
     double sum = 0;
     for (int i = 0; i < n; i++)
         if (t[i].layer == 0) sum += (double)t[i].numel;
-    free(t);
     return sum;
 }
 
@@ -254,6 +253,41 @@ PlanMemory plan_memory_per_rank(const ArchSpec *g, const PlanLayout *lay) {
     return m;
 }
 
+/* A (tp-local) shape's parameters by layer under ep (rank 0's experts
+ * only), and its tensors of no layer: what a stage's count needs, kept per
+ * (shape, ep) as arch_tensors keeps its tables (the search counts every
+ * stage of millions of layouts over a handful of shapes; the spec is
+ * compared byte for byte). Sums of integers below 2^53: exact in any order. */
+typedef struct {
+    ArchSpec s;
+    int ep;
+    double *per_layer;  /* [n_layer] */
+    ArchTensor *rest;   /* the embeddings, final norm, head */
+    int n_rest;
+} StageCounts;
+#define STAGE_MEMO 8
+static StageCounts stage_memo[STAGE_MEMO];
+static int stage_memo_next;
+
+static const StageCounts *stage_counts(const ArchSpec *local, int ep) {
+    for (int i = 0; i < STAGE_MEMO; i++)
+        if (stage_memo[i].per_layer && stage_memo[i].ep == ep && !memcmp(&stage_memo[i].s, local, sizeof *local))
+            return &stage_memo[i];
+    StageCounts *c = &stage_memo[stage_memo_next++ % STAGE_MEMO];
+    free(c->per_layer), free(c->rest);
+    c->s = *local, c->ep = ep, c->n_rest = 0;
+    c->per_layer = xcalloc((size_t)local->n_layer + 1, sizeof(double));
+    int n;
+    const ArchTensor *t = arch_tensors_view(local, 0, &n);
+    c->rest = xcalloc((size_t)n + 1, sizeof(ArchTensor));
+    for (int i = 0; i < n; i++) {
+        if (t[i].expert >= 0 && ep > 1 && t[i].expert >= local->moe.n_experts / ep) continue; /* rank 0's experts */
+        if (t[i].layer >= 0) c->per_layer[t[i].layer] += (double)t[i].numel;
+        else c->rest[c->n_rest++] = t[i];
+    }
+    return c;
+}
+
 /* One pipeline rank: its chunks' tensors (under ep its experts) and
  * activation slots, with the expert side's buffers per slot. ZeRO shards
  * over the stage's dp x cp ranks; ZeRO-2/3 hold the stage's whole gradients
@@ -267,33 +301,30 @@ static PlanMemory plan_memory_stage(const ArchSpec *g, const PlanLayout *lay, in
     PlanMemory m = {0};
     ArchSpec local;
     arch_tp_local(g, tp, 0, &local);
-    int n;
-    ArchTensor *t = arch_tensors(&local, 0, &n);
+    const StageCounts *sc = stage_counts(&local, ep);
     double params = 0, layer = 0, rest = 0; /* the stage's, its largest layer's, its non-layer tensors' */
-    double *per_layer = xcalloc((size_t)local.n_layer + 1, sizeof(double));
-    for (int i = 0; i < n; i++) {
+    for (int k = 0; k < chunks; k++)
+        for (int l = lo[k]; l < hi[k]; l++) {
+            params += sc->per_layer[l];
+            layer = sc->per_layer[l] > layer ? sc->per_layer[l] : layer;
+        }
+    for (int i = 0; i < sc->n_rest; i++) {
         int in = 0;
-        for (int k = 0; k < chunks; k++) in = in || arch_tensor_in_stage(&local, &t[i], lo[k], hi[k]);
-        if (t[i].expert >= 0 && ep > 1 && t[i].expert >= local.moe.n_experts / ep) in = 0; /* rank 0's experts */
-        if (!in) continue;
-        params += (double)t[i].numel;
-        if (t[i].layer >= 0) per_layer[t[i].layer] += (double)t[i].numel;
-        else rest += (double)t[i].numel;
+        for (int k = 0; k < chunks; k++) in = in || arch_tensor_in_stage(&local, &sc->rest[i], lo[k], hi[k]);
+        if (in) params += (double)sc->rest[i].numel, rest += (double)sc->rest[i].numel;
     }
-    for (int l = 0; l < local.n_layer; l++) layer = per_layer[l] > layer ? per_layer[l] : layer;
     int sets = 0, n_sets = 0; /* (slot, layer) pairs: ep.c's buffers; activation sets */
     for (int k = 0; k < chunks; k++) sets += slots[k] * (hi[k] - lo[k]), n_sets += slots[k];
-    free(t);
     dp *= cp;
     double shard = (double)(((size_t)params + (size_t)dp - 1) / (size_t)dp);
     m.param_bytes = param_bytes;
     m.count = params;
     if (zero >= 2 && dp > 1) { /* the stage's units padded as ddp pads them (ddp_unit_align) */
         double a = (double)ddp_unit_align(dp), padded = ceil(rest / a) * a;
-        for (int l = 0; l < local.n_layer; l++) padded += ceil(per_layer[l] / a) * a;
+        for (int k = 0; k < chunks; k++)
+            for (int l = lo[k]; l < hi[k]; l++) padded += ceil(sc->per_layer[l] / a) * a;
         layer = ceil(layer / a) * a, rest = ceil(rest / a) * a, params = padded, shard = params / dp + 1;
     }
-    free(per_layer);
     if (zero >= 2 && dp > 1) {
         m.grads = shard * 4;
         m.grads_unreduced = params * 4;
