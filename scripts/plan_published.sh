@@ -15,7 +15,8 @@ mkdir -p "$OUT"
 
 # row NAME CONFIG GPUS HW "SHAPE SETS" "PUBLISHED MESH dp,tp,pp,cp,ep" "PUBLISHED SETS" KIND VALUE "LABEL"
 #   SHAPE SETS: --set pairs (k=v, space-separated) for both the search and the published layout;
-#   PUBLISHED SETS: the published layout's own keys (recompute is tried none, gelu, norm_gelu);
+#   PUBLISHED SETS: the published layout's own keys (recompute, unless they set it as published, is
+#   tried none, gelu, norm_gelu, block, the first that fits);
 #   KIND VALUE: the published throughput: mfu (a fraction, as published), tps (tokens/s per GPU),
 #   or meg_tf (Megatron's teraFLOP/s per GPU under its eq. 3 count, recompute included).
 ROWS=()
@@ -30,7 +31,7 @@ mg() { # mg NAME heads hidden layers batch tp pp gpus mb virtual tf
     row "megatron-$1" configs/plan/megatron-gpt.yaml "$8" "$A" \
         "model.n_head=$2 model.n_embd=$3 model.n_layer=$4 batch.total_tokens=$(($5 * 2048))" \
         "$(($8 / $6 / $7)),$6,$7,1,1" \
-        "parallel.dp=$(($8 / $6 / $7)) parallel.tp=$6 parallel.pp=$7 parallel.zero=0 batch.micro_batch=$9 $sched" \
+        "parallel.dp=$(($8 / $6 / $7)) parallel.tp=$6 parallel.pp=$7 parallel.zero=0 batch.micro_batch=$9 $sched model.recompute=block" \
         meg_tf "${11}" "Megatron-LM Table 1: t$6 p$7 d$(($8 / $6 / $7)), mb $9$vl, batch $5"
 }
 #      name  heads hidden layers batch tp pp gpus mb v  TF/s   (run_table_1.sh; TF/s from Table 1)
@@ -68,10 +69,10 @@ row titan-8b-8 configs/llama3-8b.yaml 8 "h100 $TT" "batch.total_tokens=131072" "
 row titan-8b-128 configs/llama3-8b.yaml 128 "h100 $TT" "batch.total_tokens=2097152" "128,1,1,1,1" \
     "parallel.dp=128 parallel.zero=3 batch.micro_batch=2" tps 5605 "torchtitan Table 3: FSDP 128, local batch 2"
 row titan-70b-256 configs/plan/llama3-70b.yaml 256 "h100 $TT" "precision.fp8=tensorwise" "32,8,1,1,1" \
-    "parallel.dp=32 parallel.tp=8 parallel.zero=3 batch.micro_batch=16" tps 829 \
+    "parallel.dp=32 parallel.tp=8 parallel.zero=3 batch.micro_batch=16 model.recompute=block" tps 829 \
     "torchtitan Table 4: FSDP 32 TP 8, Float8, local batch 16"
 row titan-405b-512 configs/plan/llama3-405b.yaml 512 "h100 $TT" "precision.fp8=tensorwise batch.total_tokens=2097152" \
-    "8,8,8,1,1" "parallel.dp=8 parallel.tp=8 parallel.pp=8 parallel.zero=3 batch.micro_batch=1 parallel.pp_schedule=interleaved_1f1b parallel.pp_virtual=2" \
+    "8,8,8,1,1" "parallel.dp=8 parallel.tp=8 parallel.pp=8 parallel.zero=3 batch.micro_batch=1 parallel.pp_schedule=interleaved_1f1b parallel.pp_virtual=2 model.recompute=block" \
     tps 128 "torchtitan Table 5: FSDP 8 TP 8 PP 8, interleaved 1F1B, Float8"
 # DeepSeek-V3 report: 180K H800 GPU hours per trillion tokens = 1543 tokens/s per GPU.
 row deepseek-v3-2048 configs/plan/deepseek-v3.yaml 2048 h800 "" "128,1,16,1,64" \
@@ -96,10 +97,14 @@ for r in "${ROWS[@]}"; do
     echo "$name: search $(($(date +%s) - t0)) s" >&2
     fi
     : >"$OUT/$name.pub.json"
-    for rc in none gelu norm_gelu; do
-        # shellcheck disable=SC2046
+    rcs="none gelu norm_gelu block"
+    case "$pub" in *model.recompute=*) rcs=as_published ;; esac
+    for rc in $rcs; do
+        rcset="--set model.recompute=$rc"
+        [ "$rc" = as_published ] && rcset=""
+        # shellcheck disable=SC2046,SC2086
         "$TRAIN" plan "$cfg" --gpus "$gpus" --hardware "$hwname" $hwflags $(sets "$shape") $(sets "$pub") \
-            --set model.recompute=$rc --json >"$OUT/$name.pub.json" 2>"$OUT/$name.pub.err"
+            $rcset --json >"$OUT/$name.pub.json" 2>"$OUT/$name.pub.err"
         jq -e '.fits' "$OUT/$name.pub.json" >/dev/null 2>&1 && break
     done
     python3 scripts/plan_published_row.py "$name" "$mesh" "$kind" "$value" "$label" "$shape" \

@@ -160,7 +160,7 @@ int plan_search(const Config *base, const ArchSpec *s, const HwProfile *hw, int 
                         for (int sp = 0; sp <= (tp > 1); sp++)
                             for (int cm = 0; cm < (cp > 1 ? 2 : 1); cm++)
                                 for (int sk = 0; sk < (pp > 1 ? 4 : 1); sk++)
-                                    for (int v = 1; v <= (sk == 2 ? 4 : 1); v *= 2) {
+                                    for (int v = 1; v <= (sk == 2 ? 4 : 1); v++) { /* virtual 2, 3, 4 */
                                         if (sk == 2 && v == 1) continue;
                                         for (int r = 0; r < MODEL_RECOMPUTE_MODES; r++) {
                                             if (r == MODEL_RECOMPUTE_SELECTIVE && !moe) continue;
