@@ -813,7 +813,7 @@ static void all_reduce_f64(CommGroup *g, double *buf, size_t n, MPI_Op op, const
 }
 #endif
 
-/* Test hooks KILN_TEST_SKIP_COLLECTIVE / KILN_TEST_WRONG_COLLECTIVE (flight.h):
+/* Test hooks skip_collective / wrong_collective (testhooks.h, flight.h):
  * 1 when this all-reduce of doubles is not to run, having been skipped or
  * replaced by a broadcast of the same bytes from group rank 0. */
 static int f64_test_hook(CommGroup *g, double *buf, size_t n) {

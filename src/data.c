@@ -6,6 +6,7 @@
  * epoch k / N of its own seeded permutation (docs/data.md, "Mixtures"). */
 #include "data.h"
 #include "shard.h"
+#include "testhooks.h"
 #include "util.h"
 
 #include <math.h>
@@ -252,8 +253,9 @@ DataLoader *data_open(const DataOptions *o) {
     }
     cursor_init(&dl->cur, dl->S);
     dl->noted = xcalloc((size_t)dl->S, sizeof(uint64_t));
-    const char *hb = getenv("KILN_TEST_DATA_WAIT_AT_BATCH"), *hf = getenv("KILN_TEST_DATA_WAIT_FILE");
-    if (hb && hf && !strcmp(o->what, "data.train")) dl->hook_batch = atol(hb), dl->hook_file = xstrdup(hf);
+    const TestHooks *th = testhooks();
+    if (th->data_wait_file && !strcmp(o->what, "data.train"))
+        dl->hook_batch = th->data_wait_batch, dl->hook_file = xstrdup(th->data_wait_file);
     dl->depth = o->prefetch;
     if (dl->depth) {
         size_t n = (size_t)o->B * o->T;
@@ -299,8 +301,8 @@ static void data_die(const ShardError *e) {
     kiln_fail_hint(e->code ? e->code : KILN_EXIT_USAGE, e->hint[0] ? e->hint : NULL, "%s", e->msg);
 }
 
-/* Test hook (docs/data.md): before batch KILN_TEST_DATA_WAIT_AT_BATCH of
- * data.train, create KILN_TEST_DATA_WAIT_FILE and wait until a test removes
+/* Test hook (docs/data.md; testhooks.h data_wait): before batch
+ * data_wait_batch of data.train, create data_wait_file and wait until a test removes
  * it, having changed the shards under the running loader at a known point. */
 static void data_test_wait(const DataLoader *dl) {
     FILE *f = fopen(dl->hook_file, "w");

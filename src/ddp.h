@@ -227,7 +227,7 @@ void ddp_set_tp(Ddp *d, CommGroup *g);
  * ddp_set_tp, before ddp_shard_params. g NULL or size 1: nothing. */
 void ddp_set_pp(Ddp *d, CommGroup *g, int skip, int tied);
 
-/* Test hook (KILN_TEST_INJECT_NAN_STEP): the next ddp_reduce_grads writes a
+/* Test hook (testhooks.h inject_nan_step): the next ddp_reduce_grads writes a
  * NaN into the first gradient element on this rank once the reduction is
  * complete, before the norm: no collective is in flight on the buffer then
  * (poisoning it earlier raced with ZeRO 0/1's overlapped all-reduces). */

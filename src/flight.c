@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "testhooks.h"
 #include "util.h"
 
 #define FLIGHT_NAME 32   /* a group name, as CommGroup's */
@@ -36,7 +37,7 @@ typedef struct FlightRecord {
     char group[FLIGHT_NAME];
 } FlightRecord;
 
-/* A hook of KILN_TEST_*: world rank, step (0 = unset), group, fired once. */
+/* A test hook (testhooks.h): world rank, step (0 = unset), group, fired once. */
 typedef struct FlightTestHook {
     int rank, step, fired;
     char group[FLIGHT_NAME];
@@ -385,19 +386,10 @@ static void restore_signals(void) {
 /* ---------------------------------------------------------------- test hooks */
 
 /* "R:S" or "R:S:GROUP" from the environment; exits 2 on anything else. */
-static void hook_parse(FlightTestHook *h, const char *var, int with_group) {
+static void hook_take(FlightTestHook *h, const TestHookAt *at) {
     memset(h, 0, sizeof *h);
-    const char *s = getenv(var);
-    if (!s || !*s) return;
-    char group[FLIGHT_NAME] = "";
-    int r = -1, st = 0, k = 0;
-    int n = with_group ? sscanf(s, "%d:%d:%31[A-Za-z0-9_.-]%n", &r, &st, group, &k)
-                       : sscanf(s, "%d:%d%n", &r, &st, &k);
-    if (n != 2 + with_group || s[k] || r < 0 || st < 1)
-        kiln_fail(KILN_EXIT_USAGE, "environment variable %s='%s': expected RANK:STEP%s", var, s,
-                  with_group ? ":GROUP (e.g. 2:3:dp)" : " (e.g. 1:2)");
-    h->rank = r, h->step = st;
-    kiln_strlcpy(h->group, group, sizeof h->group);
+    h->rank = at->rank, h->step = at->step;
+    kiln_strlcpy(h->group, at->group, sizeof h->group);
 }
 
 static int hook_due(FlightTestHook *h, int step) { return h->step && !h->fired && h->rank == F.rank && step == h->step; }
@@ -441,10 +433,11 @@ void flight_open(const FlightOptions *o) {
     F.usr2_len = snprintf(F.usr2_msg, sizeof F.usr2_msg, "kiln: rank %d: SIGUSR2: flight recorder written to %s\n",
                           F.rank, F.path);
     if (F.usr2_len >= (int)sizeof F.usr2_msg) F.usr2_len = (int)sizeof F.usr2_msg - 1;
-    hook_parse(&F.skip, "KILN_TEST_SKIP_COLLECTIVE", 1);
-    hook_parse(&F.wrong, "KILN_TEST_WRONG_COLLECTIVE", 1);
-    hook_parse(&F.segv, "KILN_TEST_SEGV", 0);
-    hook_parse(&F.pause, "KILN_TEST_FLIGHT_PAUSE", 0);
+    const TestHooks *th = testhooks();
+    hook_take(&F.skip, &th->skip_collective);
+    hook_take(&F.wrong, &th->wrong_collective);
+    hook_take(&F.segv, &th->segv);
+    hook_take(&F.pause, &th->flight_pause);
     if (o->records > 0) {
         F.ring = xcalloc((size_t)o->records, sizeof(FlightRecord));
         F.buf_cap = (size_t)o->records * FLIGHT_LINE + 2048;

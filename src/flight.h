@@ -66,14 +66,14 @@ int flight_step(void);
  * safe; a dump already in progress (another thread, a signal) wins and this
  * one returns -1. 0 when written; -1 when off or failed. */
 int flight_dump(FlightReason why, int detail);
-/* How many dumps SIGUSR2 has caused (test hook KILN_TEST_FLIGHT_PAUSE). */
+/* How many dumps SIGUSR2 has caused (test hook flight_pause, testhooks.h). */
 int flight_usr2_dumps(void);
 /* Format the ring as the file's JSON into buf[0, cap): bytes written (the
  * dump's own formatter, for tests). */
 size_t flight_format(char *buf, size_t cap, FlightReason why, int detail);
 
-/* Test hooks (docs/parallel.md "Test hooks"): KILN_TEST_SKIP_COLLECTIVE=R:S:GROUP
- * and KILN_TEST_WRONG_COLLECTIVE=R:S:GROUP act once, on world rank R's first
+/* Test hooks (docs/parallel.md "Test hooks"; testhooks.h): skip_collective R:S:GROUP
+ * and wrong_collective R:S:GROUP act once, on world rank R's first
  * all-reduce of doubles on GROUP during step S; comm.c asks here. */
 typedef enum { FLIGHT_HOOK_NONE, FLIGHT_HOOK_SKIP, FLIGHT_HOOK_WRONG } FlightHook;
 FlightHook flight_test_hook(const char *group);

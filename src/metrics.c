@@ -28,6 +28,7 @@
 #include "prom.h"
 #include "report.h"
 #include "straggler.h"
+#include "testhooks.h"
 #include "util.h"
 
 _Static_assert(METRICS_COMM_GROUPS == STRAGGLER_GROUPS, "a step's groups are the straggler sample's");
@@ -301,7 +302,7 @@ struct Metrics {
     char groups[METRICS_COMM_GROUPS][16];
     int slowest_rank;             /* at the last gather (-1 none) */
     double slowest_factor;
-    int slow_rank, slow_ms, slow_step; /* test hook KILN_TEST_SLOW_RANK / _MS */
+    int slow_rank, slow_ms, slow_step; /* test hook slow_rank / slow_ms (testhooks.h) */
     float straggler_factor;
 
     Mlflow *mlflow;               /* rank 0, metrics.mlflow */
@@ -447,15 +448,11 @@ void metrics_phase(Metrics *m, MetricsPhase phase, int step) {
 
     /* Test hook (docs/metrics.md): hang in the forward phase of one step,
      * as a rank stuck in a collective would, for the watchdog test. */
-    static int stall_at = -1;
-    if (stall_at < 0) {
-        const char *e = getenv("KILN_TEST_STALL_AT_STEP");
-        stall_at = e ? atoi(e) : 0;
-    }
+    int stall_at = testhooks()->stall_at_step;
     if (stall_at > 0 && step == stall_at && phase == PHASE_FORWARD)
         for (;;) sleep(1);
-    /* Test hook (docs/metrics.md): rank KILN_TEST_SLOW_RANK waits
-     * KILN_TEST_SLOW_MS on entering the forward phase of each step (once a
+    /* Test hook (docs/metrics.md, testhooks.h): rank slow_rank waits
+     * slow_ms on entering the forward phase of each step (once a
      * step), a straggler for test/t_straggler.sh. */
     if (m->slow_ms > 0 && m->rank == m->slow_rank && phase == PHASE_FORWARD && step != m->slow_step) {
         m->slow_step = step;
@@ -745,8 +742,7 @@ static void outlets_init(Metrics *m, const Config *c) {
     m->slowest_rank = -1;
     if (__builtin_mul_overflow(m->tokens_per_step, (int64_t)m->start_step, &m->tokens)) m->tokens = INT64_MAX;
     kiln_strlcpy(m->exit_reason, "completed", sizeof m->exit_reason);
-    const char *r = getenv("KILN_TEST_SLOW_RANK"), *ms = getenv("KILN_TEST_SLOW_MS");
-    m->slow_rank = r ? atoi(r) : -1, m->slow_ms = r && ms ? atoi(ms) : 0, m->slow_step = -1;
+    m->slow_rank = testhooks()->slow_rank, m->slow_ms = testhooks()->slow_ms, m->slow_step = -1;
     m->straggler_factor = c->straggler_factor;
     if (m->rank == 0 && c->prometheus_file[0]) {
         kiln_strlcpy(m->prom_path, c->prometheus_file, sizeof m->prom_path);

@@ -10,6 +10,7 @@
 #include "mlflow_rest.h"
 
 #include "config.h"
+#include "testhooks.h"
 #include "util.h"
 
 #ifdef KILN_CURL
@@ -73,8 +74,8 @@ struct MlRest {
     CURL *curl;
     struct curl_slist *hdr;
     char cerr[CURL_ERROR_SIZE];
-    int resend; /* test hook KILN_TEST_MLFLOW_RESEND: every batch twice, as after a lost reply */
-    int hold;   /* test hook KILN_TEST_MLFLOW_HOLD: points stay in the queue, as when a kill -9 finds it full */
+    int resend; /* test hook mlflow_resend (testhooks.h): every batch twice, as after a lost reply */
+    int hold;   /* test hook mlflow_hold: points stay in the queue, as when a kill -9 finds it full */
     int backfilled; /* a resume's mr_backfill ran */
 
     pthread_t thread;
@@ -913,8 +914,8 @@ MlRest *mlrest_open(const MlflowOptions *o) {
     r->ca_path = mr_env("MLFLOW_TRACKING_SERVER_CERT_PATH");
     const char *ins = getenv("MLFLOW_TRACKING_INSECURE_TLS");
     r->insecure = ins && (!strcasecmp(ins, "true") || !strcmp(ins, "1"));
-    r->resend = getenv("KILN_TEST_MLFLOW_RESEND") != NULL;
-    r->hold = getenv("KILN_TEST_MLFLOW_HOLD") != NULL;
+    r->resend = testhooks()->mlflow_resend;
+    r->hold = testhooks()->mlflow_hold;
     r->hdr = curl_slist_append(NULL, "Content-Type: application/json");
     r->hdr = curl_slist_append(r->hdr, "User-Agent: kiln");
     if (r->token && !r->username) { /* as MLflow's client: a user and password come first */

@@ -467,7 +467,7 @@ typedef struct Model {
                            the ring each forward cast (x, w) of a checkpointed layer was scaled by,
                            so that its recomputation casts with the same scale and records nothing */
     int fp8_slots;      /* products with histories: n_layer (MM_KINDS + 2 E) + 1 (the head) */
-    int fp8_local_amax; /* test hook KILN_TEST_FP8_LOCAL_AMAX: no tp reduction of amaxes (wrong on purpose) */
+    int fp8_local_amax; /* test hook fp8_local_amax (testhooks.h): no tp reduction of amaxes (wrong on purpose) */
 } Model;
 
 /* Build the parameter table of the resolved spec `s` (arch_resolve) and

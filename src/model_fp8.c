@@ -10,6 +10,7 @@
 
 #include "fp8.h"
 #include "model.h"
+#include "testhooks.h"
 #include "util.h"
 
 /* The weight role of product `kind` (the tensor named in errors). */
@@ -168,7 +169,7 @@ void model_fp8_plan(Model *m, int N) {
     m->fp8_qd = m->be->alloc(fp8_qd_bytes(&z, m->act_bytes));
     m->fp8_amax_n = z.n;
     m->fp8_inv_n = fp8_inv_n(&z);
-    m->fp8_local_amax = getenv("KILN_TEST_FP8_LOCAL_AMAX") != NULL;
+    m->fp8_local_amax = testhooks()->fp8_local_amax;
     m->fp8_amax = m->be->alloc(2 * (size_t)m->tp * m->cp * z.n * sizeof(float));
     m->fp8_inv = m->be->alloc((FP8_INVS * m->fp8_inv_n + 1) * sizeof(float));
     size_t h = (size_t)m->fp8_slots * MM_OPERANDS, hb = h * m->fp8.history * m->tp * m->cp * sizeof(float);
@@ -222,7 +223,7 @@ static void mm_operand_split(const Model *m, int kind, int operand, int *rsplit,
 /* The groups an amax along `axis` is the max over: tp where tp splits the
  * range it covers (a whole tensor's, a row's columns, a column's rows), cp
  * where it runs over a token-row operand's rows; 1, 1 under the test hook
- * KILN_TEST_FP8_LOCAL_AMAX (the known bug, each rank scaling by its own
+ * testhooks.h's fp8_local_amax (the known bug, each rank scaling by its own
  * part's amax, so that t_fp8.sh shows its tp and cp checks can fail). */
 static void mm_groups(const Model *m, int kind, int operand, int axis, int *G, int *Gc) {
     int rsplit, csplit;

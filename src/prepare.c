@@ -6,6 +6,7 @@
  * never train or touch the model. */
 #include "prepare.h"
 #include "shard.h"
+#include "testhooks.h"
 #include "tokenizer.h"
 #include "util.h"
 
@@ -557,10 +558,9 @@ int prepare_main(int argc, char **argv) {
     size_t bytes = 0;
     for (int f = 0; f < a.n_files; f++) bytes += in.sizes[f];
     /* one thread encodes whole documents; several encode pieces of them (the
-     * same ids); KILN_TEST_PREPARE_CHUNK makes pieces small enough to test */
+     * same ids); the test hook prepare_chunk makes pieces small enough to test */
     size_t target = a.threads > 1 ? PREPARE_CHUNK : 0;
-    const char *tc = getenv("KILN_TEST_PREPARE_CHUNK");
-    if (tc && a.threads > 1) target = (size_t)strtoull(tc, NULL, 10);
+    if (testhooks()->prepare_chunk && a.threads > 1) target = testhooks()->prepare_chunk;
     size_t n_chunks, total = 0;
     PrepChunk *chunks = prep_chunks(&in, target, &n_chunks);
     for (size_t i = 0; i < n_chunks; i++) total += chunks[i].len;

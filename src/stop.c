@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "testhooks.h"
 #include "util.h"
 
 static volatile sig_atomic_t stop_sig = 0, stop_terms = 0;
@@ -47,7 +48,7 @@ void stop_test_wait_signal(void) {
 }
 
 void stop_test_gate(int step) {
-    const char *e = getenv("KILN_TEST_GATE");
+    const char *e = testhooks()->gate;
     for (const char *g = e; g && *g; g = strchr(g, ',') ? strchr(g, ',') + 1 : NULL) {
         char path[1024];
         int at;

@@ -10,10 +10,10 @@
 void stop_install(void);
 /* The signal that asked for a stop (SIGUSR1, SIGTERM), 0 if none. */
 int stop_signal(void);
-/* Test hook (KILN_TEST_PAUSE_AT_STEP, docs/metrics.md): wait, in 10 ms
+/* Test hook (testhooks.h pause_at_step, docs/metrics.md): wait, in 10 ms
  * sleeps and at most about 60 s, until a stop signal has been received. */
 void stop_test_wait_signal(void);
-/* Test hook KILN_TEST_GATE="STEP:FILE[,STEP:FILE]...": after step STEP, wait
+/* Test hook gate (testhooks.h), "STEP:FILE[,STEP:FILE]...": after step STEP, wait
  * (10 ms sleeps, at most about 120 s, or until a stop signal) for FILE to
  * exist, so a test can change the world (stop a server) at a known step. */
 void stop_test_gate(int step);

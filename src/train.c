@@ -26,6 +26,7 @@
 #include "plan.h"
 #include "state.h"
 #include "stop.h"
+#include "testhooks.h"
 #include "tokenizer.h"
 #include "util.h"
 
@@ -288,72 +289,6 @@ int train_run(const Config *c, int dry_run) {
     return train_run_with(c, &o);
 }
 
-/* KILN_TEST_TP_GRADS: one line per replicated tensor, its name and the
- * FNV-1a hash of its gradient's bytes. */
-static void dump_replicated_grads(const Model *m, const char *path, int rank) {
-    char name[1200];
-    snprintf(name, sizeof name, "%s.rank%d", path, rank);
-    FILE *f = fopen(name, "w");
-    if (!f) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_TP_GRADS)", name);
-    for (int i = 0; i < m->num_tensors; i++) {
-        const ParamInfo *p = &m->params[i];
-        if (p->split.dim >= 0) continue;
-        float *g = xmalloc(p->numel * sizeof(float));
-        m->be->to_host(g, m->gview[i], p->numel * sizeof(float));
-        fprintf(f, "%s %016llx\n", p->name, (unsigned long long)kiln_fnv1a(g, p->numel * sizeof(float), KILN_FNV_INIT));
-        free(g);
-    }
-    fclose(f);
-}
-
-/* KILN_TEST_OPTIM_DUMP=DIR (one rank, ZeRO 0, no tp; docs/optimizers.md):
- * what an optimizer reference needs to replay the run's steps. At start,
- * DIR/tensors.txt (a line "tensor NAME OFFSET NUMEL NDIM ROWS COLS DECAY"
- * per tensor, "muon OFF ROWS COLS SCALE DECAY" per Muon matrix) and
- * DIR/params_0.f32; per step k, DIR/grads_<k>.f32 (the summed gradients,
- * before clipping), DIR/params_<k>.f32 (after the update) and a line
- * "step K LR" in DIR/steps.txt. Raw fp32, the arena's num_params elements. */
-static void dump_arena(const char *dir, const char *what, int step, const float *dev, size_t n, const Backend *be) {
-    char path[1200];
-    snprintf(path, sizeof path, "%s/%s_%d.f32", dir, what, step);
-    float *h = xmalloc(n * sizeof(float));
-    be->to_host(h, dev, n * sizeof(float));
-    if (kiln_write_file_atomic(path, h, n * sizeof(float)) != 0)
-        kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
-    free(h);
-}
-
-static void dump_optim_start(const char *dir, const Model *m, const AdamW *o, int ranks) {
-    if (ranks != 1 || !m->param_mem || m->n_units)
-        kiln_fail(KILN_EXIT_USAGE, "KILN_TEST_OPTIM_DUMP needs one rank, parallel.zero 0 and precision.master fp32");
-    if (kiln_mkdirs(dir) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot create (KILN_TEST_OPTIM_DUMP)", dir);
-    char path[1200];
-    snprintf(path, sizeof path, "%s/tensors.txt", dir);
-    FILE *f = fopen(path, "w");
-    if (!f) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
-    for (int i = 0; i < m->num_tensors; i++) {
-        const ParamInfo *p = &m->params[i];
-        fprintf(f, "tensor %s %zu %zu %d %d %d %d\n", p->name, p->offset, p->numel, p->ndim, p->shape[0],
-                p->ndim == 2 ? p->shape[1] : 1, p->decay);
-    }
-    for (int i = 0; i < (o->kind == OPTIM_MUON ? o->nmat : 0); i++)
-        fprintf(f, "muon %zu %d %d %.9g %d\n", o->mats[i].off, o->mats[i].rows, o->mats[i].cols, o->mats[i].scale,
-                o->mats[i].decay);
-    if (fclose(f) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
-    snprintf(path, sizeof path, "%s/steps.txt", dir);
-    if (kiln_write_file_atomic(path, "", 0) != 0) kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write", path);
-    dump_arena(dir, "params", 0, m->param_mem, m->num_params, m->be);
-}
-
-static void dump_optim_step(const char *dir, const Model *m, int step, float lr) {
-    char path[1200];
-    snprintf(path, sizeof path, "%s/steps.txt", dir);
-    FILE *f = fopen(path, "a");
-    if (!f || fprintf(f, "step %d %.9g\n", step, lr) < 0 || fclose(f) != 0)
-        kiln_fail(KILN_EXIT_RUNTIME, "%s: cannot write (KILN_TEST_OPTIM_DUMP)", path);
-    dump_arena(dir, "params", step, m->param_mem, m->num_params, m->be);
-}
-
 /* Ranks, the mesh, the consistency check. Exits 2 on a layout that does not
  * fit the world or the batch. */
 static void setup_parallel(const Config *c, const TrainOptions *topt, Mesh *mesh, int *accum) {
@@ -423,9 +358,9 @@ typedef struct TrainRun {
     uint64_t src_tokens[CFG_MAX_SOURCES];
     float val_losses[CFG_MAX_SOURCES];
     /* test hooks (docs/metrics.md, docs/parallel.md) */
-    int inject_nan_step, inject_nan_after, pause_at_step, gated; /* gated: KILN_TEST_GATE */
+    int inject_nan_step, inject_nan_after, pause_at_step, gated; /* testhooks.h; gated: gate */
     const char *tp_grads_file;
-    const char *optim_dump;          /* KILN_TEST_OPTIM_DUMP's directory, or NULL */
+    const char *optim_dump;          /* testhooks.h optim_dump's directory, or NULL */
     float *param_host;               /* (num_params or shard_n) host: the parameter fingerprint */
     int skip_nonfinite;
     int dev_step;                    /* one rank, AdamW or Lion: the step's scalars stay on the device */
@@ -664,20 +599,19 @@ static void train_setup(TrainRun *r, const Config *c, const TrainOptions *topt) 
     /* Test hook (docs/metrics.md): poison one gradient at this step, and
      * fingerprint the parameters after every step so a test can see that a
      * skipped step left them unchanged. */
-    const char *nan_env = getenv("KILN_TEST_INJECT_NAN_STEP");
-    r->inject_nan_step = nan_env ? atoi(nan_env) : 0;
-    r->inject_nan_after = nan_env && strchr(nan_env, '+') != NULL; /* "N+": every step from N on */
+    const TestHooks *th = testhooks();
+    r->inject_nan_step = th->inject_nan_step;
+    r->inject_nan_after = th->inject_nan_after; /* "N+": every step from N on */
     /* Test hook (docs/metrics.md): after step N, wait for a stop signal, so a
      * signal test cannot lose a race against the end of the run. */
     /* Test hook (docs/parallel.md): after the first step's gradient sync,
      * fingerprint every replicated tensor's gradient into FILE.rank<R>, so a
      * test can see that every tp rank holds the same */
-    r->tp_grads_file = ddp_whole_params(&r->ddp) && !r->param_shard ? getenv("KILN_TEST_TP_GRADS") : NULL;
-    r->optim_dump = getenv("KILN_TEST_OPTIM_DUMP");
-    if (r->optim_dump) dump_optim_start(r->optim_dump, model, &r->opt, r->world);
-    const char *pause_env = getenv("KILN_TEST_PAUSE_AT_STEP");
-    r->pause_at_step = pause_env ? atoi(pause_env) : 0;
-    r->gated = getenv("KILN_TEST_GATE") != NULL;
+    r->tp_grads_file = ddp_whole_params(&r->ddp) && !r->param_shard ? th->tp_grads : NULL;
+    r->optim_dump = th->optim_dump;
+    if (r->optim_dump) testhooks_optim_start(r->optim_dump, model, &r->opt, r->world);
+    r->pause_at_step = th->pause_at_step;
+    r->gated = th->gate != NULL;
     r->param_host = r->inject_nan_step > 0
                         ? xmalloc((r->param_shard ? r->shard_n : model->num_params) * sizeof(float)) : NULL;
     r->skip_nonfinite = strcmp(c->on_nonfinite, "skip") == 0;
@@ -873,8 +807,8 @@ static TrainStep train_step(TrainRun *r, int step) {
     double grad_norm = NAN;
     if (r->dev_step) ddp_reduce_grads_local(&r->ddp); /* the norm: optim_step_device's, on the device */
     else grad_norm = ddp_reduce_grads(&r->ddp);
-    if (r->tp_grads_file && step == r->start_step) dump_replicated_grads(model, r->tp_grads_file, r->rank);
-    if (r->optim_dump) dump_arena(r->optim_dump, "grads", step + 1, model->grad_mem, model->num_params, be);
+    if (r->tp_grads_file && step == r->start_step) testhooks_replicated_grads(model, r->tp_grads_file, r->rank);
+    if (r->optim_dump) testhooks_optim_grads(r->optim_dump, model, step + 1);
     if (r->dev_step) {
         /* the losses (the model's sink), norm, clipping and skip on the
          * device; the step's one host wait reads them after the update */
@@ -889,7 +823,7 @@ static TrainStep train_step(TrainRun *r, int step) {
         out.info = (OptimStepInfo){grad_norm, 1.0f, 1};
         if (isfinite(out.loss)) out.info = ddp_optim_step(&r->ddp, &r->opt, out.lr, grad_norm);
     }
-    if (r->optim_dump) dump_optim_step(r->optim_dump, model, step + 1, out.lr);
+    if (r->optim_dump) testhooks_optim_step(r->optim_dump, model, step + 1, out.lr);
     if (isfinite(out.loss))
         moe_after_step(model, &r->ddp, r->pp > 1 ? &r->pipe : NULL, r->accum, &out.moe, &r->moe_buf);
     /* the next forward casts the compute copy again, unless the update wrote it */
