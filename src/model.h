@@ -780,4 +780,27 @@ const ParamInfo *model_find_param(const Model *m, const char *name);
  * the differing field. */
 void model_load_llmc(Model *m, const char *path);
 
+/* The activation arena's plan, for model.c and model_plan.c (which
+ * implements it) only; the rest of kiln counts through the
+ * model_activation_bytes functions above, which run the same plan. */
+/* What an activation arena holds: chunk c's layers [lo[c], hi[c]) in
+ * slots[c] sets each; split: a split backward's kept output gradients;
+ * every: BLOCK's recompute_every. */
+typedef struct ActPlan {
+    int chunks, lo[MODEL_MAX_CHUNKS], hi[MODEL_MAX_CHUNKS], slots[MODEL_MAX_CHUNKS], split, every;
+    int loss_chunk; /* model.loss_chunk (model_loss_rows) */
+} ActPlan;
+
+/* The arena's bytes for micro-batches of B x T local rows (T: after cp's
+ * split), act_bytes per activation, recompute r; with m, also lay it out at
+ * m->act_mem and point m's slots' views into it (NULL: count only). */
+size_t model_plan_bytes(const ArchSpec *s, int B, int T, size_t act_bytes, ModelRecompute r, const ActPlan *pl,
+                        int tp, int cp, int seq_par, int ep, Model *m);
+
+/* Whether mode r keeps no MLP activation (GELU, NORM_GELU, SELECTIVE) and
+ * no norm outputs (NORM_GELU, SELECTIVE) per layer: the backward makes them
+ * again into one shared buffer (BLOCK keeps them in its workspace). */
+int model_recomputes_gelu(ModelRecompute r);
+int model_recomputes_norm(ModelRecompute r);
+
 #endif

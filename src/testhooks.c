@@ -37,6 +37,11 @@ static void hook_at(TestHookAt *h, const char *name, int with_group) {
     h->rank = r, h->step = st;
 }
 
+void testhooks_reset(void) {
+    memset(&H, 0, sizeof H);
+    H_read = 0;
+}
+
 const TestHooks *testhooks(void) {
     if (H_read) return &H;
     H_read = 1;

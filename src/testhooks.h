@@ -57,6 +57,9 @@ typedef struct TestHooks {
 
 /* The hooks, read from the environment at the first call. */
 const TestHooks *testhooks(void);
+/* Forget them, so the next testhooks() reads the environment again: for a
+ * unit test that sets a variable in its own process (test_flight). */
+void testhooks_reset(void);
 
 /* The dump points (train.c calls them where the hooks are set). tp_grads:
  * after the first step's gradient sync, a line per replicated tensor, its

@@ -102,7 +102,7 @@ else fail mpi_env_mismatch_exit2 "exit $rc; stderr: $(head -c 300 "$T/mm.err")";
 
 # The build without MPI: same API, one rank; a 2-rank launch exits 2 saying why.
 CC=${CC:-gcc}
-if $CC -std=c11 -O1 -D_GNU_SOURCE -Isrc -Itest -o "$T/test_comm_nompi" test/test_comm.c src/comm.c src/flight.c src/mesh.c src/util.c \
+if $CC -std=c11 -O1 -D_GNU_SOURCE -Isrc -Itest -o "$T/test_comm_nompi" test/test_comm.c src/comm.c src/flight.c src/testhooks.c src/mesh.c src/util.c \
     -lm 2>"$T/nompi.cc"; then
     "$T/test_comm_nompi" >"$T/nompi.out" 2>&1
     rc=$?

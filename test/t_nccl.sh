@@ -51,7 +51,7 @@ int main(int argc, char **argv) {
 }
 C
 if $CC $WARN -DKILN_NCCL '-DKILN_NCCL_SONAME="libnccl-kiln-missing.so.2"' $INC -o "$T/missing" "$T/missing.c" \
-    src/comm.c src/flight.c src/util.c -L"$CUDA_HOME/lib64" -lcudart_static -ldl -lpthread -lrt -lm 2>"$T/cc3.txt"; then
+    src/comm.c src/flight.c src/testhooks.c src/util.c -L"$CUDA_HOME/lib64" -lcudart_static -ldl -lpthread -lrt -lm 2>"$T/cc3.txt"; then
     expect nccl_missing_library_one_line 1 \
         '^kiln: error: rank 0: cannot load libnccl-kiln-missing.so.2 \(.*\): install NCCL .* set LD_LIBRARY_PATH to the folder that holds libnccl-kiln-missing.so.2$' \
         -- "$T/missing" "$T"

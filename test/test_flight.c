@@ -13,6 +13,7 @@
 
 #include "doctor.h"
 #include "flight.h"
+#include "testhooks.h"
 #include "test.h"
 #include "util.h"
 
@@ -101,12 +102,14 @@ static void test_sigusr2(void) {
 
 static void hooks_bad(void *arg) {
     setenv("KILN_TEST_SKIP_COLLECTIVE", (const char *)arg, 1);
+    testhooks_reset();
     flight_open(&(FlightOptions){.run_dir = base, .rank = 0, .world = 1, .host = "h", .records = 1});
 }
 
 static void test_hooks(void) {
     setenv("KILN_TEST_SKIP_COLLECTIVE", "2:3:dp", 1);
     setenv("KILN_TEST_WRONG_COLLECTIVE", "2:4:world", 1);
+    testhooks_reset();
     flight_open(&(FlightOptions){.run_dir = base, .rank = 2, .world = 4, .host = "h", .records = 1});
     flight_phase("sync", 2);
     int a = flight_test_hook("dp");
@@ -117,6 +120,7 @@ static void test_hooks(void) {
     flight_close();
     unsetenv("KILN_TEST_SKIP_COLLECTIVE");
     unsetenv("KILN_TEST_WRONG_COLLECTIVE");
+    testhooks_reset();
     test_report(a == FLIGHT_HOOK_NONE && b == FLIGHT_HOOK_NONE && c == FLIGHT_HOOK_SKIP && e == FLIGHT_HOOK_NONE &&
                     f == FLIGHT_HOOK_WRONG && g == FLIGHT_HOOK_NONE,
                 "flight_test_hooks_fire_once_at_rank_step_group", "%d %d %d %d %d %d", a, b, c, e, f, g);
