@@ -19,6 +19,7 @@ static size_t ep_Fe(const Ep *e) { return (size_t)e->m->shape.moe.expert_hidden;
 
 /* model.recompute selective: the layers share one SwiGLU output. */
 static int shares_act(const Ep *e) { return model_recomputes_experts(e->m->recompute); }
+static void *layer_h_act(const Ep *e, const EpLayer *L) { return L->h_act ? L->h_act : e->h_act; }
 
 static void layer_alloc(Ep *e, EpLayer *L, size_t rows) {
     const Backend *be = e->m->be;
@@ -160,7 +161,7 @@ static void ep_dispatch(void *ctx, int layer, const void *xp, const int32_t *off
     if (rows > 0) e->m->be->moe_gather(L->x, e->wire, L->to_expert, L->rows, (int)ep_C(e));
     e->sent += out, e->recv += in, e->rows += rows;
     *r = (ModelExpertRows){.e0 = e->m->expert_lo, .n = El, .off = L->off, .x = L->x, .h = L->h,
-                           .h_act = L->h_act ? L->h_act : e->h_act, .y = e->y};
+                           .h_act = layer_h_act(e, L), .y = e->y};
 }
 
 static void ep_combine(void *ctx, int layer, void *yp) {
@@ -176,7 +177,7 @@ static void ep_dispatch_grad(void *ctx, int layer, const void *dyp, ModelExpertR
     exchange_rows(e, dyp, L->send_cnt, e->wire, L->recv_cnt);
     if (L->rows > 0) e->m->be->moe_gather(e->y, e->wire, L->to_expert, L->rows, (int)ep_C(e));
     *r = (ModelExpertRows){.e0 = e->m->expert_lo, .n = e->El, .off = L->off, .x = L->x, .h = L->h,
-                           .h_act = L->h_act ? L->h_act : e->h_act, .dy = e->y, .dh_act = e->dh_act, .dh = e->dh, .dx = e->dx};
+                           .h_act = layer_h_act(e, L), .dy = e->y, .dh_act = e->dh_act, .dh = e->dh, .dx = e->dx};
 }
 
 static void ep_combine_grad(void *ctx, int layer, void *dxp) {

@@ -1,9 +1,17 @@
 # Shared by t_recompute_block.sh and t_recompute_selective.sh (source after
-# ckpt_lib.sh, with Y and S set): recompute_pair MODE NAME NP ARGS... trains
+# ckpt_setup): their config Y and settings S (6 steps of 4 layers, a
+# checkpoint at the end), the LLAMA and MOE shapes, and
+# recompute_pair MODE NAME NP ARGS..., which trains
 # the config with recompute none and with MODE (ARGS may set
 # recompute_every), and the losses, gradient norms, validation losses and MoE
 # figures printed, and the final checkpoint's parameters and optimizer
 # state, must be the same bits. One line: recompute_MODE_NAME.
+Y=$T/tiny.yaml
+S="--set train.steps=6 --set checkpoint.every=6 --set checkpoint.async=false --set train.eval_every=3"
+S="$S --set model.n_layer=4 --set batch.total_tokens=512"
+LLAMA="--set model.arch=llama --set model.n_head=8 --set model.n_kv_head=4 --set model.n_embd=64 --set model.ffn_hidden=96"
+MOE="$LLAMA --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
+MOE="$MOE --set model.moe.n_shared=1 --set model.moe.aux_loss_coef=0.01 --set model.moe.z_loss_coef=0.001"
 figures() {
     grep -o '"step":[0-9]*,"tokens":[0-9]*,"loss":[^,]*\|"grad_norm":[^,]*\|"val_loss":[^,]*\|"moe_[a-z_]*":[^a-z]*' "$1"
 }

@@ -16,12 +16,6 @@ T=${KILN_TEST_TMP:-$(mktemp -d)}/t_recompute_block
 rm -rf "$T"
 . test/ckpt_lib.sh
 ckpt_setup
-Y=$T/tiny.yaml
-S="--set train.steps=6 --set checkpoint.every=6 --set checkpoint.async=false --set train.eval_every=3"
-S="$S --set model.n_layer=4 --set batch.total_tokens=512"
-LLAMA="--set model.arch=llama --set model.n_head=8 --set model.n_kv_head=4 --set model.n_embd=64 --set model.ffn_hidden=96"
-MOE="$LLAMA --set model.mlp=moe --set model.moe.n_experts=4 --set model.moe.top_k=2 --set model.moe.expert_hidden=32"
-MOE="$MOE --set model.moe.n_shared=1 --set model.moe.aux_loss_coef=0.01 --set model.moe.z_loss_coef=0.001"
 . test/recompute_lib.sh
 # pair NAME NP ARGS...: none against block (ARGS may set recompute_every)
 pair() { recompute_pair block "$@"; }
